@@ -1,0 +1,35 @@
+"""The `flodl-zmq` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flodl_zmq.errors import FlodlError
+from flodl_zmq.wire import new_key
+
+
+def _keygen(_: argparse.Namespace) -> int:
+    print(new_key().hex())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flodl-zmq", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    keygen = sub.add_parser("keygen", help="print a fresh 32-byte session key as hex (for FLODL_KEY)")
+    keygen.set_defaults(func=_keygen)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except FlodlError as exc:
+        print(f"flodl-zmq: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

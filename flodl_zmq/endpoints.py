@@ -1,0 +1,53 @@
+"""Every socket address derives from the one controller address the user gives.
+
+Rule (PROTOCOL.md, Endpoints): for `host:port`, the controller binds
+
+    control   tcp://host:port       ROUTER  relays' control DEALERs
+    data      tcp://host:port+1     ROUTER  relays' data DEALERs
+    broadcast tcp://host:port+2     PUB     relays' SUBs
+    join      tcp://host:port+3     ROUTER  agents' DEALERs
+
+One address to type, one firewall range to open, and control and data on
+separate TCP connections so a model frame never delays a heartbeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flodl_zmq.errors import ConfigError
+from flodl_zmq.wire.records import Channel
+
+OFFSETS = {Channel.CONTROL: 0, Channel.DATA: 1, Channel.BROADCAST: 2, Channel.JOIN: 3}
+
+
+@dataclass(frozen=True)
+class ControllerAddress:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> ControllerAddress:
+        """Parse `host:port` (IPv6 literals in brackets: `[::1]:7300`)."""
+        host, sep, port = text.strip().rpartition(":")
+        if not sep or not host:
+            raise ConfigError(f"controller address {text!r} must be HOST:PORT, e.g. 10.0.0.5:7300")
+        try:
+            number = int(port)
+        except ValueError:
+            raise ConfigError(f"controller address {text!r}: port {port!r} is not a number") from None
+        if not 1 <= number <= 65535 - max(OFFSETS.values()):
+            raise ConfigError(
+                f"controller address {text!r}: port must be in 1..{65535 - max(OFFSETS.values())} "
+                f"(the controller also uses the next {max(OFFSETS.values())} ports)"
+            )
+        return cls(host.strip("[]"), number)
+
+    def endpoint(self, channel: Channel) -> str:
+        """The tcp:// endpoint of `channel` (for connect; the controller binds the same)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port + OFFSETS[channel]}"
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"

@@ -1,0 +1,63 @@
+"""One exception hierarchy for the whole package.
+
+Every message names the cause and, where there is one, the fix: a user reading
+a log line from a rank on a machine they cannot see must know what to change.
+"""
+
+from __future__ import annotations
+
+
+class FlodlError(Exception):
+    """Base of every error flodl-zmq raises on purpose."""
+
+
+class ConfigError(FlodlError):
+    """A configuration value is invalid; the message names the setting and the allowed range."""
+
+
+class WireError(FlodlError):
+    """A received message was rejected by the codec (base of every rejection cause)."""
+
+
+class AuthError(WireError):
+    """The MAC did not verify: wrong session key, tampering, or a frame from another run."""
+
+
+class VersionError(WireError):
+    """The peer speaks another protocol version."""
+
+
+class SchemaError(WireError):
+    """The header or a record's fields do not match the specification."""
+
+
+class LimitError(WireError):
+    """A size or count exceeds a configured limit (checked before allocating)."""
+
+
+class FramingError(WireError):
+    """Wrong number of frames, or a payload frame whose length or shape disagrees with its header."""
+
+
+class ReplayError(WireError):
+    """A sequence or round number did not increase: a replayed or reordered message."""
+
+
+class ProtocolError(FlodlError):
+    """A peer broke a protocol rule (double deposit, schema drift inside a round, wrong state)."""
+
+
+class FoldError(ProtocolError):
+    """A deposit cannot join this round's fold; the round is torn down, never shipped."""
+
+
+class CoordinatorError(FlodlError):
+    """The coordinator received an input that is illegal in its current state."""
+
+
+class MembershipError(FlodlError):
+    """A join was refused or the world could not form."""
+
+
+class TrainingError(FlodlError):
+    """The training run cannot continue (dataset mismatch, all ranks lost, user callback failure)."""

@@ -1,0 +1,23 @@
+"""The authenticated msgpack wire: records, framing, MAC (normative spec: protocol/PROTOCOL.md)."""
+
+from flodl_zmq.wire.codec import DTYPES, PROTOCOL_VERSION, RUN_ID_BYTES, Codec, Envelope, Limits, tensor_view
+from flodl_zmq.wire.mac import KEY_BYTES, compute_mac, key_from_hex, new_key, verify_mac
+from flodl_zmq.wire.records import REGISTRY, Channel, EpochPlan
+
+__all__ = [
+    "DTYPES",
+    "KEY_BYTES",
+    "PROTOCOL_VERSION",
+    "REGISTRY",
+    "RUN_ID_BYTES",
+    "Channel",
+    "Codec",
+    "Envelope",
+    "EpochPlan",
+    "Limits",
+    "compute_mac",
+    "key_from_hex",
+    "new_key",
+    "tensor_view",
+    "verify_mac",
+]

@@ -1,0 +1,315 @@
+"""Records to ZeroMQ multipart messages and back: `[header, payload..., mac]`.
+
+Rules this module keeps (normative text: protocol/PROTOCOL.md):
+
+- The header is one msgpack map; tensor bytes are never inside it. Each
+  payload frame is described in the header (dtype, shape, byte length) and
+  travels as its own frame, sent from and received into the caller's buffers
+  without a copy.
+- Decoding checks, in this order, and raises on the first failure: frame
+  count, header size, msgpack well-formedness under limits, protocol version,
+  header schema, payload descriptors against the frames (count, length,
+  shape), limits, MAC, run id, channel, record kind and fields, sequence
+  (replay). Cheap structural checks come before the MAC so a flood of junk
+  costs no hashing; the replay check comes after it, so a forger cannot
+  advance a sender's sequence and lock the honest sender out.
+- Sequence numbers are per sender and per channel, start at 1 and strictly
+  increase; a receiver remembers the last one it accepted from each sender.
+- No pickle, no object hooks: msgpack decodes to plain types only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from flodl_zmq.errors import (
+    AuthError,
+    FramingError,
+    LimitError,
+    ReplayError,
+    SchemaError,
+    VersionError,
+)
+from flodl_zmq.wire import mac as _mac
+from flodl_zmq.wire.records import REGISTRY, Channel, from_fields, spec_of, to_fields
+
+PROTOCOL_VERSION = 1
+RUN_ID_BYTES = 16
+MAX_SEQ = 2**63 - 1
+
+# Wire dtype name -> (numpy dtype used for the raw view, element size). bf16 has
+# no numpy dtype: its raw view is uint16, the top half of an f32 bit pattern.
+DTYPES: dict[str, np.dtype] = {
+    "f32": np.dtype("<f4"),
+    "bf16": np.dtype("<u2"),
+    "f16": np.dtype("<f2"),
+}
+
+HEADER_KEYS = ("v", "k", "run", "ch", "from", "seq", "f", "p")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds a receiver enforces before trusting a message (PROTOCOL.md, Limits)."""
+
+    max_header_bytes: int = 1 << 20
+    max_payload_frames: int = 65_536
+    max_payload_bytes: int = 1 << 32
+    max_dims: int = 8
+    max_depth: int = 8
+    max_str_bytes: int = 1 << 20
+    max_items: int = 1 << 20
+
+    def unpack_kwargs(self) -> dict[str, int]:
+        return {
+            "max_str_len": self.max_str_bytes,
+            "max_bin_len": self.max_str_bytes,
+            "max_array_len": self.max_items,
+            "max_map_len": self.max_items,
+            "max_ext_len": 0,
+        }
+
+
+@dataclass
+class Envelope:
+    """A decoded, authenticated message."""
+
+    record: Any
+    kind: str
+    channel: Channel
+    sender: str
+    seq: int
+    run_id: bytes
+    payload: list[np.ndarray]  # read-only views over the received frames
+    dtypes: list[str]
+    frames: list[Any] = field(repr=False)  # as received, for verbatim forwarding
+
+
+def _buffer(frame: Any) -> memoryview:
+    """A byte view of a received frame: bytes, memoryview or zmq.Frame."""
+    buf = getattr(frame, "buffer", None)  # zmq.Frame, without importing zmq here
+    view = memoryview(buf if buf is not None else frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _depth(obj: Any, limit: int, level: int = 1) -> None:
+    if level > limit:
+        raise SchemaError(f"header nests deeper than {limit} levels")
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _depth(v, limit, level + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _depth(v, limit, level + 1)
+
+
+def tensor_view(t: Any, dtype: str | None = None) -> tuple[memoryview, str, list[int]]:
+    """Zero-copy (bytes view, wire dtype, shape) of a torch tensor or numpy array.
+
+    A numpy uint16 array is a bf16 payload only when `dtype="bf16"` says so.
+    """
+    if hasattr(t, "detach"):  # torch.Tensor, without importing torch in the codec
+        import torch
+
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise SchemaError("tensor payloads must be contiguous CPU tensors; snapshot into a host buffer first")
+        names = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+        if t.dtype not in names:
+            raise SchemaError(f"unsupported tensor dtype {t.dtype}; the wire carries f32, bf16 and f16")
+        name = names[t.dtype]
+        arr = t.detach().view(torch.int16).numpy() if name == "bf16" else t.detach().numpy()
+        shape = list(t.shape)
+    else:
+        arr = t
+        if not isinstance(arr, np.ndarray):
+            raise SchemaError(f"payload must be a torch tensor or numpy array, got {type(t).__name__}")
+        if not arr.flags.c_contiguous:
+            raise SchemaError("numpy payloads must be C-contiguous (np.ascontiguousarray) to be sent without a copy")
+        by_np = {np.dtype("float32"): "f32", np.dtype("float16"): "f16"}
+        name = by_np.get(arr.dtype)
+        if arr.dtype == np.dtype("uint16") and dtype == "bf16":
+            name = "bf16"
+        if name is None:
+            raise SchemaError(f"unsupported array dtype {arr.dtype}; use float32, float16, or uint16 with dtype='bf16'")
+        shape = list(arr.shape)
+    if dtype is not None and dtype != name:
+        raise SchemaError(f"payload declared {dtype} but holds {name}")
+    return memoryview(arr).cast("B") if arr.size else memoryview(b""), name, shape
+
+
+class Codec:
+    """Encodes this sender's records and decodes (and authenticates) everyone's.
+
+    One Codec per process role and session key. `encode` is safe to call from
+    one thread per channel (each channel has its own counter); `decode` keeps
+    the replay ledger and belongs to the thread that owns the receiving socket.
+    """
+
+    def __init__(self, key: bytes, run_id: bytes, sender: str, limits: Limits | None = None):
+        self.key = _mac.check_key(key)
+        if len(run_id) != RUN_ID_BYTES:
+            raise SchemaError(f"run id must be {RUN_ID_BYTES} bytes, got {len(run_id)}")
+        self.run_id = bytes(run_id)
+        self.sender = sender
+        self.limits = limits or Limits()
+        self._seq = {ch: itertools.count(1) for ch in Channel}
+        self._last: dict[tuple[str, str], int] = {}
+
+    # ------------------------------------------------------------------ encode
+
+    def encode(
+        self,
+        rec: Any,
+        payload: Sequence[Any] = (),
+        *,
+        channel: Channel | None = None,
+        dtypes: Sequence[str | None] | None = None,
+    ) -> list[Any]:
+        """Frames `[header, payload..., mac]` for `rec`; payload buffers are referenced, not copied."""
+        spec = spec_of(rec)
+        ch = channel or spec.channels[0]
+        if ch not in spec.channels:
+            raise SchemaError(f"{spec.kind} does not travel on the {ch.value} channel")
+        if bool(payload) and not spec.carries_payload:
+            raise SchemaError(f"{spec.kind} carries no tensor payload")
+        views, descs = [], []
+        for i, t in enumerate(payload):
+            view, name, shape = tensor_view(t, dtypes[i] if dtypes else None)
+            views.append(view)
+            descs.append([name, shape, view.nbytes])
+        header = msgpack.packb(
+            {
+                "v": PROTOCOL_VERSION,
+                "k": spec.kind,
+                "run": self.run_id,
+                "ch": ch.value,
+                "from": self.sender,
+                "seq": next(self._seq[ch]),
+                "f": to_fields(rec),
+                "p": descs,
+            },
+            use_bin_type=True,
+        )
+        return [header, *views, _mac.compute_mac(self.key, header, views)]
+
+    # ------------------------------------------------------------------ decode
+
+    def decode(self, frames: Sequence[Any], channel: Channel, *, replay: bool = True) -> Envelope:
+        """Authenticate and decode one message received on `channel`; raises a WireError subclass."""
+        lim = self.limits
+        if len(frames) < 2:
+            raise FramingError(f"a message has at least 2 frames (header, mac); got {len(frames)}")
+        if len(frames) - 2 > lim.max_payload_frames:
+            raise LimitError(f"{len(frames) - 2} payload frames exceed the limit of {lim.max_payload_frames}")
+        bufs = [_buffer(f) for f in frames]
+        header_buf, payload_bufs, tag = bufs[0], bufs[1:-1], bufs[-1]
+        if header_buf.nbytes > lim.max_header_bytes:
+            raise LimitError(f"header of {header_buf.nbytes} bytes exceeds the limit of {lim.max_header_bytes}")
+        head = self._unpack_header(header_buf)
+        descs = self._check_payload(head["p"], payload_bufs)
+        _mac.verify_mac(self.key, header_buf, payload_bufs, tag)
+        if head["run"] != self.run_id:
+            raise AuthError(
+                f"frame belongs to run {head['run'].hex()}, this is run {self.run_id.hex()}: "
+                "a process from another run is talking to this one; stop it or use a fresh key"
+            )
+        if head["ch"] != channel.value:
+            raise SchemaError(f"a {head['ch']!r} message arrived on the {channel.value} channel")
+        spec = REGISTRY.get(head["k"])
+        if spec is None:
+            raise SchemaError(f"unknown record kind {head['k']!r} (peer built from a newer protocol?)")
+        if channel not in spec.channels:
+            raise SchemaError(f"{spec.kind} may not travel on the {channel.value} channel")
+        if descs and not spec.carries_payload:
+            raise FramingError(f"{spec.kind} carries no tensor payload but {len(descs)} frames came with it")
+        rec = from_fields(spec.cls, head["f"], spec.kind)
+        if replay:
+            self.check_sequence(channel, head["from"], head["seq"])
+        payload = [
+            np.frombuffer(buf, dtype=DTYPES[name]).reshape(shape) for (name, shape), buf in zip(descs, payload_bufs)
+        ]
+        return Envelope(
+            record=rec,
+            kind=spec.kind,
+            channel=channel,
+            sender=head["from"],
+            seq=head["seq"],
+            run_id=head["run"],
+            payload=payload,
+            dtypes=[name for name, _ in descs],
+            frames=list(frames),
+        )
+
+    def check_sequence(self, channel: Channel, sender: str, seq: int) -> None:
+        """Raise ReplayError unless `seq` is above the last accepted one for (channel, sender)."""
+        last = self._last.get((channel.value, sender), 0)
+        if seq <= last:
+            raise ReplayError(
+                f"sequence {seq} from {sender!r} on {channel.value} is not above {last}: replayed or reordered frame"
+            )
+        self._last[(channel.value, sender)] = seq
+
+    def _unpack_header(self, buf: memoryview) -> dict[str, Any]:
+        lim = self.limits
+        try:
+            head = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True, **lim.unpack_kwargs())
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise SchemaError(f"header is not valid msgpack within limits: {type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # msgpack raises assorted types on truncated input
+            raise SchemaError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
+        if not isinstance(head, dict):
+            raise SchemaError(f"header must be a msgpack map, got {type(head).__name__}")
+        _depth(head, lim.max_depth)
+        version = head.get("v")
+        if version != PROTOCOL_VERSION:
+            raise VersionError(
+                f"peer speaks protocol version {version!r}, this build speaks {PROTOCOL_VERSION}: "
+                "run the same flodl-zmq version on every host"
+            )
+        if set(head) != set(HEADER_KEYS):
+            raise SchemaError(
+                f"header keys {sorted(map(str, head))} differ from the required {sorted(HEADER_KEYS)}"
+            )
+        types_ = {"k": str, "run": bytes, "ch": str, "from": str, "seq": int, "f": dict, "p": list}
+        for key, tp in types_.items():
+            if not isinstance(head[key], tp) or isinstance(head[key], bool):
+                raise SchemaError(f"header field {key!r} must be {tp.__name__}, got {type(head[key]).__name__}")
+        if not 1 <= head["seq"] <= MAX_SEQ:
+            raise SchemaError(f"sequence number {head['seq']} is outside 1..2^63-1")
+        if not 0 < len(head["from"]) <= 256:
+            raise SchemaError("sender name must be 1..256 characters")
+        return head
+
+    def _check_payload(self, descs: list[Any], bufs: list[memoryview]) -> list[tuple[str, list[int]]]:
+        lim = self.limits
+        if len(descs) != len(bufs):
+            raise FramingError(f"header describes {len(descs)} payload frames but {len(bufs)} arrived")
+        out, total = [], 0
+        for i, d in enumerate(descs):
+            if not (isinstance(d, list) and len(d) == 3):
+                raise SchemaError(f"payload descriptor {i} must be [dtype, shape, nbytes]")
+            name, shape, nbytes = d
+            if name not in DTYPES:
+                raise SchemaError(f"payload {i}: unknown dtype {name!r}; the wire carries {sorted(DTYPES)}")
+            if not isinstance(shape, list) or len(shape) > lim.max_dims:
+                raise SchemaError(f"payload {i}: shape must be a list of at most {lim.max_dims} dims")
+            if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+                raise SchemaError(f"payload {i}: shape dims must be non-negative integers")
+            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+                raise SchemaError(f"payload {i}: byte length must be a non-negative integer")
+            total += nbytes
+            if total > lim.max_payload_bytes:
+                raise LimitError(f"payload totals over {lim.max_payload_bytes} bytes, the configured limit")
+            if nbytes != bufs[i].nbytes:
+                raise FramingError(f"payload {i}: header says {nbytes} bytes, frame has {bufs[i].nbytes}")
+            if math.prod(shape) * DTYPES[name].itemsize != nbytes:
+                raise FramingError(f"payload {i}: shape {shape} of {name} is not {nbytes} bytes")
+            out.append((name, shape))
+        return out

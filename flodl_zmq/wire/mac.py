@@ -1,0 +1,98 @@
+"""Message authentication for every record on every channel.
+
+Rules this module keeps (normative text: protocol/PROTOCOL.md, "Authentication"):
+
+- The session key is exactly 32 bytes. A shorter key is refused, never padded:
+  a truncated key would silently interoperate with nobody.
+- The header is authenticated with HMAC-SHA256. Payload frames (tensor bytes,
+  up to gigabytes) are authenticated with Poly1305 under a one-time key that
+  is itself an HMAC of the header. The header holds the run id, channel,
+  sender and a sequence number that never repeats for that sender, so the
+  one-time key never repeats either (Poly1305's only requirement), and the
+  payload tag is bound to exactly this header. HMAC-SHA256 over 100 MB costs
+  ~58 ms on one core here; Poly1305 runs at ~12 GB/s (bench/wire.py).
+- Every length is part of the MAC input, so frames cannot be cut, merged,
+  swapped or reordered without the tag failing.
+- Comparison is constant-time (hmac.compare_digest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from collections.abc import Sequence
+
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+from flodl_zmq.errors import AuthError, ConfigError
+
+KEY_BYTES = 32
+MAC_BYTES = 32
+PAYLOAD_KEY_LABEL = b"flodl-zmq/1/payload-key\x00"
+MAC_LABEL = b"flodl-zmq/1/mac\x00"
+
+Buffer = bytes | bytearray | memoryview
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+def check_key(key: bytes) -> bytes:
+    """Return `key` if it is a usable session key, else raise ConfigError naming the fix."""
+    if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
+        got = len(key) if isinstance(key, bytes | bytearray) else type(key).__name__
+        raise ConfigError(
+            f"session key must be exactly {KEY_BYTES} bytes (got {got}); "
+            "generate one with `flodl-zmq keygen` or flodl_zmq.wire.new_key()"
+        )
+    return bytes(key)
+
+
+def new_key() -> bytes:
+    """A fresh random 32-byte session key from the OS CSPRNG."""
+    return os.urandom(KEY_BYTES)
+
+
+def key_from_hex(text: str) -> bytes:
+    """Parse a session key given as 64 hex characters (FLODL_KEY)."""
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError as exc:
+        raise ConfigError(f"session key is not valid hex ({exc}); expected 64 hex characters") from exc
+    return check_key(key)
+
+
+def payload_tag(key: bytes, header: Buffer, payloads: Sequence[Buffer]) -> bytes:
+    """Poly1305 tag over every payload frame, each preceded by its u64 length."""
+    one_time_key = hmac.new(key, PAYLOAD_KEY_LABEL + bytes(header), hashlib.sha256).digest()
+    poly = Poly1305(one_time_key)
+    for frame in payloads:
+        view = memoryview(frame)
+        poly.update(_U64.pack(view.nbytes))
+        poly.update(view.cast("B") if view.ndim != 1 or view.format != "B" else view)
+    return poly.finalize()
+
+
+def compute_mac(key: bytes, header: Buffer, payloads: Sequence[Buffer]) -> bytes:
+    """The 32-byte MAC frame for a message: HMAC-SHA256 over the header and the payload tag."""
+    header = bytes(header)
+    mac = hmac.new(key, MAC_LABEL, hashlib.sha256)
+    mac.update(_U32.pack(len(payloads)))
+    mac.update(_U64.pack(len(header)))
+    mac.update(header)
+    if payloads:
+        mac.update(payload_tag(key, header, payloads))
+    return mac.digest()
+
+
+def verify_mac(key: bytes, header: Buffer, payloads: Sequence[Buffer], tag: Buffer) -> None:
+    """Raise AuthError unless `tag` is the MAC of this header and these payload frames."""
+    if memoryview(tag).nbytes != MAC_BYTES:
+        raise AuthError(f"MAC frame is {memoryview(tag).nbytes} bytes, expected {MAC_BYTES}")
+    if not hmac.compare_digest(compute_mac(key, header, payloads), bytes(tag)):
+        raise AuthError(
+            "MAC verification failed: the frame was altered, belongs to another run, or the "
+            "sender uses a different session key (check FLODL_KEY on both ends)"
+        )

@@ -1,0 +1,493 @@
+"""Every record of the protocol, as typed dataclasses.
+
+Rules this module keeps:
+
+- A record kind is a string `family.name` that appears in the header; it maps
+  to exactly one dataclass here and to the channels it may travel on. A kind
+  on the wrong channel is a schema error, so a data-channel forger cannot make
+  a rank obey a control record.
+- Fields are plain msgpack types: int, float, str, bytes, bool, None, lists,
+  string-keyed maps, and the nested `EpochPlan`. Decoding checks every field's
+  type against the annotation and refuses missing or unknown fields: loose
+  dicts never travel past the codec.
+- Records that carry tensors (`carries_payload`) receive them as separate raw
+  frames; tensor bytes never go inside msgpack.
+
+The normative list with meanings is protocol/PROTOCOL.md; tests check that
+both agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Union
+
+from flodl_zmq.errors import SchemaError
+
+
+class Channel(str, enum.Enum):
+    """The four logical channels; each is its own socket (see PROTOCOL.md, Endpoints)."""
+
+    CONTROL = "control"  # coordinator <-> ranks (via the relay), relay control
+    DATA = "data"  # ranks -> relay -> reducer: parameter frames
+    BROADCAST = "bcast"  # reducer PUB -> relays SUB: consensus, probes
+    JOIN = "join"  # agents <-> membership
+
+
+@dataclass(frozen=True)
+class RecordSpec:
+    kind: str
+    cls: type
+    channels: tuple[Channel, ...]
+    carries_payload: bool
+
+
+REGISTRY: dict[str, RecordSpec] = {}
+_BY_CLASS: dict[type, RecordSpec] = {}
+
+
+def record(kind: str, *channels: Channel, payload: bool = False):
+    """Class decorator: register a frozen dataclass as record `kind` on `channels`."""
+
+    def wrap(cls: type) -> type:
+        cls = dataclass(frozen=True)(cls)
+        if kind in REGISTRY:
+            raise ValueError(f"record kind {kind!r} registered twice")
+        spec = RecordSpec(kind, cls, tuple(channels), payload)
+        REGISTRY[kind] = spec
+        _BY_CLASS[cls] = spec
+        cls.KIND = kind
+        return cls
+
+    return wrap
+
+
+def spec_of(rec: object) -> RecordSpec:
+    try:
+        return _BY_CLASS[type(rec)]
+    except KeyError:
+        raise SchemaError(f"{type(rec).__name__} is not a registered record") from None
+
+
+# --------------------------------------------------------------------------- shared
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """A contiguous span [offset, offset + size) of epoch `epoch`'s global permutation."""
+
+    epoch: int
+    offset: int
+    size: int
+
+
+# --------------------------------------------------------------------------- control: coordinator -> rank
+
+C, D, B, J = Channel.CONTROL, Channel.DATA, Channel.BROADCAST, Channel.JOIN
+
+
+@record("control.request_params", C)
+class RequestParams:
+    """Snapshot your parameters and deposit a RoundFrame for `round` on the data channel."""
+
+    round: int
+
+
+@record("control.update", C)
+class Update:
+    """The consensus of `round` is coming on the broadcast channel; `next_plan` is your next chunk."""
+
+    round: int
+    next_plan: EpochPlan | None
+
+
+@record("control.start_epoch", C)
+class StartEpoch:
+    plan: EpochPlan
+
+
+@record("control.extend_partition", C)
+class ExtendPartition:
+    """Append the span [offset, offset + size) of `epoch` to the partition in flight (Sync redistribution)."""
+
+    epoch: int
+    offset: int
+    size: int
+
+
+@record("control.declare_dead", C)
+class DeclareDead:
+    rank: int
+
+
+@record("control.throttle", C)
+class Throttle:
+    """You are too far ahead: stop training until the next command."""
+
+
+@record("control.set_global_step", C)
+class SetGlobalStep:
+    global_step: int
+
+
+@record("control.checkpoint", C)
+class Checkpoint:
+    version: int
+    target_rank: int
+
+
+@record("control.execute_eval", C)
+class ExecuteEval:
+    schedule_id: int
+    epoch: int
+    target_rank: int
+    adopt_consensus: bool
+
+
+@record("control.set_epoch_role", C)
+class SetEpochCallbackRole:
+    rank: int
+
+
+@record("control.shutdown", C)
+class Shutdown:
+    pass
+
+
+@record("control.shutdown_with_save", C)
+class ShutdownWithSave:
+    reason: str
+
+
+@record("control.epoch_aggregated", C)
+class EpochAggregated:
+    epoch: int
+    avg_loss: float
+    epoch_ms: float
+    per_rank_throughput: list[float]
+    per_rank_batch_share: list[float]
+    per_rank_loss: list[float | None]
+    per_rank_samples: list[int]
+    scalars: dict[str, float]
+
+
+@record("control.eval_broadcast", C)
+class EvalBroadcast:
+    epoch: int
+    metric: float
+
+
+@record("control.coord_heartbeat", C)
+class CoordHeartbeat:
+    pass
+
+
+# --------------------------------------------------------------------------- timing: rank -> coordinator
+
+
+@record("rank.hello", C)
+class RankHello:
+    """A rank's first record: who it is and what it trains, so mismatches stop the run by name."""
+
+    rank: int
+    world_size: int
+    host: str
+    model_sig: bytes
+    dataset_sig: bytes
+
+
+@record("timing.batch", C)
+class Batch:
+    rank: int
+    batch_ms: float
+    data_ms: float
+    step_count: int
+    batch_loss: float
+    param_norm: float | None
+    sync_divergence: float | None
+
+
+@record("timing.sync_ack", C)
+class SyncAck:
+    rank: int
+    round: int
+    step_count: int
+    divergence: float | None
+    post_norm: float | None
+    pre_norm: float | None
+
+
+@record("timing.exiting", C)
+class Exiting:
+    """Clean-exit latch: this rank is leaving on purpose; do not count it as a failure."""
+
+    rank: int
+
+
+@record("timing.lr_update", C)
+class LrUpdate:
+    rank: int
+    lr: float
+
+
+@record("timing.heartbeat", C)
+class Heartbeat:
+    rank: int
+    step_count: int
+
+
+@record("timing.snapshot_ready", C)
+class SnapshotReady:
+    rank: int
+    round: int
+
+
+@record("timing.eval_result", C)
+class EvalResult:
+    rank: int
+    schedule_id: int
+    epoch: int
+    metric: float
+    elapsed_ms: float
+    error: str | None
+
+
+@record("timing.checkpoint_result", C)
+class CheckpointResult:
+    rank: int
+    version: int
+    elapsed_ms: float
+    error: str | None
+
+
+@record("timing.epoch_fn_elapsed", C)
+class EpochFnElapsed:
+    rank: int
+    epoch: int
+    elapsed_ms: float
+
+
+# --------------------------------------------------------------------------- metrics: rank -> coordinator
+
+
+@record("metrics.epoch", C)
+class EpochMetrics:
+    rank: int
+    epoch: int
+    avg_loss: float
+    batches_processed: int
+    samples_processed: int
+    epoch_ms: float
+    compute_only_ms: float
+    data_starve_ms: float
+    scalar_sums: dict[str, float]
+    scalar_counts: dict[str, int]
+
+
+# --------------------------------------------------------------------------- relay control
+
+
+@record("relay.hello", C, D)
+class RelayHello:
+    """A relay's first record on each upstream socket: the host and its global ranks."""
+
+    host: str
+    ranks: list[int]
+    model_sigs: list[bytes]
+
+
+@record("relay.hello_ack", C, D)
+class RelayHelloAck:
+    pass
+
+
+@record("relay.rank_exit", C, D)
+class RankExit:
+    """A local rank said goodbye or stopped heartbeating (the relay's first-hand view)."""
+
+    rank: int
+
+
+@record("relay.declare_dead", D)
+class RelayDeclareDead:
+    """The controller declared `rank` dead: drop it from the fold barrier."""
+
+    rank: int
+
+
+# --------------------------------------------------------------------------- data plane
+
+
+@record("data.round_frame", D, payload=True)
+class RoundFrame:
+    """A rank's deposit: tensors pre-multiplied by `mass`, the rank's realized work this round."""
+
+    round: int
+    rank: int
+    mass: float
+
+
+@record("data.host_frame", D, payload=True)
+class HostFrame:
+    """A host's fold: the plain sum of its ranks' deposits and of their masses (never divided)."""
+
+    round: int
+    host: str
+    ranks: list[int]
+    mass: float
+
+
+@record("data.consensus", B, D, payload=True)
+class Consensus:
+    """The averaged parameters of `round`; mass 0 means nothing was realized: keep local state."""
+
+    round: int
+    mass: float
+
+
+@record("data.consensus_request", D)
+class ConsensusRequest:
+    """A relay missed the broadcast of `round` and asks for it point-to-point."""
+
+    round: int
+
+
+@record("data.consensus_gone", D)
+class ConsensusGone:
+    """The reducer no longer holds `round`; `latest` is the newest round it can resend."""
+
+    round: int
+    latest: int
+
+
+@record("bcast.probe", B)
+class Probe:
+    """Readiness probe on PUB; a subscriber answers with SubscriberReady to be counted."""
+
+    nonce: int
+
+
+@record("data.subscriber_ready", D)
+class SubscriberReady:
+    host: str
+    nonce: int
+
+
+# --------------------------------------------------------------------------- join (agents <-> membership)
+
+
+@record("join.hello", J)
+class JoinHello:
+    host: str
+    devices: list[str]
+    dataset_sig: bytes
+    protocol: int
+    model_sig: bytes | None
+
+
+@record("join.accept", J)
+class JoinAccept:
+    ranks: list[int]
+    session_key: bytes | None
+    formation_wait_s: float
+
+
+@record("join.reject", J)
+class JoinReject:
+    reason: str
+
+
+@record("join.world_formed", J)
+class WorldFormed:
+    world_size: int
+    spawn_json: str
+
+
+@record("join.rank_exited", J)
+class RankExited:
+    """A rank process ended; `code` is its exit status, negative for the signal that killed it."""
+
+    rank: int
+    code: int
+
+
+@record("join.abort", J)
+class Abort:
+    reason: str
+
+
+# --------------------------------------------------------------------------- field validation
+
+_PLAIN = {int: int, float: (int, float), str: str, bytes: bytes, bool: bool}
+
+
+def _check(value: Any, tp: Any, where: str) -> Any:
+    """Validate (and normalise) one decoded value against its annotation."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(value, inner[0], where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise SchemaError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise SchemaError(f"{where}: expected a map, got {type(value).__name__}")
+        _, vt = typing.get_args(tp)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise SchemaError(f"{where}: map keys must be strings, got {type(k).__name__}")
+            out[k] = _check(v, vt, f"{where}[{k!r}]")
+        return out
+    if tp is EpochPlan:
+        return from_fields(EpochPlan, value, where)
+    want = _PLAIN[tp]
+    # bool is an int subclass in Python; refuse it where an int or float is meant and vice versa.
+    if isinstance(value, bool) != (tp is bool) or not isinstance(value, want):
+        raise SchemaError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+    return float(value) if tp is float else value
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def from_fields(cls: type, fields: Any, where: str = "") -> Any:
+    """Build `cls` from a decoded msgpack map, refusing missing, unknown or mistyped fields."""
+    where = where or cls.__name__
+    if not isinstance(fields, dict):
+        raise SchemaError(f"{where}: fields must be a map, got {type(fields).__name__}")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = set(fields) - set(names)
+    if unknown:
+        raise SchemaError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
+    missing = [n for n in names if n not in fields]
+    if missing:
+        raise SchemaError(f"{where}: missing field(s) {missing}")
+    return cls(**{n: _check(fields[n], hints[n], f"{where}.{n}") for n in names})
+
+
+def to_fields(rec: Any) -> dict[str, Any]:
+    """The msgpack map of a record (nested EpochPlan becomes a map)."""
+    out = {}
+    for f in dataclasses.fields(rec):
+        v = getattr(rec, f.name)
+        out[f.name] = to_fields(v) if isinstance(v, EpochPlan) else v
+    return out
+

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the main job.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python bench/wire.py "$@"
