@@ -1,0 +1,368 @@
+"""Epoch dispatch arithmetic: the permutation, Sync partitions, chunk sizing, the final window.
+
+Everything here is a pure function of its arguments (plus two frozen
+dataclasses). The coordinator calls it; ranks call `epoch_permutation` and
+`plan_indices` to turn the offsets they are sent into sample indices.
+
+Rules this module keeps:
+
+- **Only offsets travel.** Epoch `e` trains on one global permutation of
+  `range(total_samples)`, drawn from `(seed, e)` alone. The coordinator ships
+  spans `[offset, offset + size)` of that permutation (`EpochPlan`); every rank
+  recomputes the same permutation locally, so a plan is a few integers however
+  large the dataset.
+- **The permutation is reproducible across hosts and versions.** It is the
+  stable argsort of `total_samples` raw 64-bit draws of numpy's PCG64 bit
+  generator seeded with the integer `seed + epoch`. We rely only on the bit
+  generator's raw stream and `SeedSequence` seeding, which numpy keeps stable
+  across releases (NEP 19); `Generator.permutation` is explicitly *not*
+  stream-stable, and two hosts with different numpy versions must still agree.
+- **Partitions tile the dataset.** Sync partitions are contiguous, in rank
+  order, and their sizes sum to `total_samples`; every rank gets at least one
+  sample, because a Sync rank with no data never steps and would park the
+  averaging gate forever.
+- **A dead rank's unfinished data is handed on, never dropped.** Under Sync the
+  remainder of its partition (everything after the samples it has processed)
+  is split into contiguous `ExtendPartition` spans across the survivors.
+- **No final window leaves a rank at exactly one step.** A one-step rank has no
+  marginal (delivered) timing sample, which forces the whole window's ElChe
+  feed back to the compute scale (§6.5 of the coordinator notes).
+
+How the coordinator uses this:
+
+- Sync, at each epoch: `sync_plans(epoch, total, world, ratios)` → one
+  `StartEpoch` per rank (the plans are deterministic, so re-dispatching an
+  epoch yields the same plans). On a rank's death:
+  `remainder_spans(its_plans, steps_done * batch_size)` then
+  `extend_partition_plans(epoch, remainder, survivors)` → `ExtendPartition`
+  records.
+- Progressive (Cadence/Async), before sizing each window:
+  `refresh_final_window_plan(...)` pins or keeps the epoch's final-window plan;
+  then `chunk_batches(...)` says how many batches rank `r` gets next, and the
+  coordinator takes `batches * batch_size` samples from the epoch's
+  `ChunkPool` (see chunk_pool.py).
+- Ranks: `plan_indices(epoch_permutation(seed, epoch, total), plan)` gives the
+  sample indices to train on, in order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flodl_zmq.errors import ConfigError, CoordinatorError, TrainingError
+from flodl_zmq.wire.records import EpochPlan  # one plan type: the wire carries it as is
+
+SHUFFLE_BASE_SEED = 42
+"""The default shuffle seed (floDl's `SHUFFLE_BASE_SEED`)."""
+
+
+# --------------------------------------------------------------------------- permutation
+
+
+def epoch_permutation(seed: int, epoch: int, total_samples: int) -> np.ndarray:
+    """The permutation of `range(total_samples)` that epoch `epoch` trains on (int64 array).
+
+    Deterministic in `(seed + epoch, total_samples)`: stable argsort of
+    `PCG64(seed + epoch).random_raw(total_samples)`. Ranks should compute it
+    once per epoch and slice it with `plan_indices`.
+    """
+    if seed < 0 or epoch < 0:
+        raise ConfigError(f"shuffle seed ({seed}) and epoch ({epoch}) must be >= 0")
+    if total_samples < 0:
+        raise ConfigError(f"total_samples must be >= 0, got {total_samples}")
+    keys = np.random.PCG64(seed + epoch).random_raw(total_samples)
+    return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
+
+
+def plan_indices(permutation: np.ndarray, plan: EpochPlan) -> np.ndarray:
+    """The sample indices of `plan` (a view into `permutation`), in training order."""
+    if plan.offset < 0 or plan.size < 0 or plan.offset + plan.size > len(permutation):
+        # Only a dataset-size disagreement between the controller and this rank
+        # can produce such a plan; training on a clamped slice would silently
+        # skip or repeat data.
+        raise TrainingError(
+            f"plan [{plan.offset}, {plan.offset + plan.size}) of epoch {plan.epoch} does not fit "
+            f"a dataset of {len(permutation)} samples: every rank and the controller must see "
+            f"the same dataset length"
+        )
+    return permutation[plan.offset : plan.offset + plan.size]
+
+
+# --------------------------------------------------------------------------- Sync partitions
+
+
+def partition_sizes(
+    total_samples: int, world_size: int, ratios: Sequence[float] | None = None
+) -> list[int]:
+    """Per-rank Sync partition sizes summing to `total_samples`.
+
+    Without ratios the split is equal (the first `total % world` ranks get one
+    more). With ratios each rank gets `floor(total * ratio / sum)` and the
+    leftover samples go one each to the largest ratios (lowest rank on ties).
+    """
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    if total_samples <= 0:
+        raise ConfigError(f"total_samples must be > 0 to dispatch an epoch, got {total_samples}")
+    if ratios is None:
+        base, extra = divmod(total_samples, world_size)
+        sizes = [base + (1 if r < extra else 0) for r in range(world_size)]
+    else:
+        sizes = _ratio_sizes(total_samples, world_size, ratios)
+    if min(sizes) == 0:
+        raise ConfigError(
+            f"partition sizes {sizes} leave a rank without data ({total_samples} samples over "
+            f"{world_size} ranks): under Sync an idle rank blocks every average; use fewer ranks "
+            f"or larger partition_ratios"
+        )
+    return sizes
+
+
+def _ratio_sizes(total_samples: int, world_size: int, ratios: Sequence[float]) -> list[int]:
+    if len(ratios) != world_size:
+        raise ConfigError(
+            f"partition_ratios has {len(ratios)} entries but the world has {world_size} ranks; "
+            f"give one ratio per rank"
+        )
+    if not all(math.isfinite(x) and x > 0 for x in ratios):
+        raise ConfigError(
+            f"partition_ratios {list(ratios)} must all be finite and > 0 "
+            f"(a zero share would leave a rank idle under Sync)"
+        )
+    norm = math.fsum(ratios)
+    sizes = [math.floor(total_samples * x / norm) for x in ratios]
+    leftover = total_samples - sum(sizes)
+    for r in sorted(range(world_size), key=lambda r: (-ratios[r], r))[:leftover]:
+        sizes[r] += 1
+    return sizes
+
+
+def sync_plans(
+    epoch: int, total_samples: int, world_size: int, ratios: Sequence[float] | None = None
+) -> list[EpochPlan]:
+    """One contiguous plan per rank, in rank order, tiling `[0, total_samples)`."""
+    plans = []
+    offset = 0
+    for size in partition_sizes(total_samples, world_size, ratios):
+        plans.append(EpochPlan(epoch, offset, size))
+        offset += size
+    return plans
+
+
+def remainder_spans(plans: Sequence[EpochPlan], samples_done: int) -> list[tuple[int, int]]:
+    """What a dead Sync rank left unprocessed: its spans after the first `samples_done` samples.
+
+    `plans` is the rank's partition in the order it trains it: its `StartEpoch`
+    plan followed by any `ExtendPartition` spans it received. `samples_done`
+    is its steps this epoch times the batch size.
+    """
+    out = []
+    skip = max(samples_done, 0)
+    for plan in plans:
+        used = min(skip, plan.size)
+        skip -= used
+        if plan.size > used:
+            out.append((plan.offset + used, plan.size - used))
+    return out
+
+
+def extend_partition_plans(
+    epoch: int, remainder: Sequence[tuple[int, int]], survivors: Sequence[int]
+) -> list[tuple[int, EpochPlan]]:
+    """Split a dead rank's remainder across `survivors` as `(rank, plan)` ExtendPartition records.
+
+    The remainder (all its spans laid end to end) is cut into equal contiguous
+    shares in ascending survivor order, the first `total % n` survivors taking
+    one more sample; a share that crosses a span boundary becomes two records.
+    Survivors with an empty share get nothing. With no survivors it returns
+    nothing: the run is lost and the coordinator's all-ranks-lost check ends it.
+    """
+    order = sorted(survivors)
+    total = sum(size for _, size in remainder)
+    if not order or total == 0:
+        return []
+    base, extra = divmod(total, len(order))
+    shares = [base + (1 if i < extra else 0) for i in range(len(order))]
+    out: list[tuple[int, EpochPlan]] = []
+    spans = [list(span) for span in remainder if span[1] > 0]
+    for rank, share in zip(order, shares, strict=True):
+        while share > 0:
+            offset, size = spans[0]
+            cut = min(share, size)
+            out.append((rank, EpochPlan(epoch, offset, cut)))
+            share -= cut
+            if cut == size:
+                spans.pop(0)
+            else:
+                spans[0] = [offset + cut, size - cut]
+    return out
+
+
+# --------------------------------------------------------------------------- chunk sizing
+
+
+def probe_chunk_batches(total_samples: int, world_size: int, batch_size: int) -> int:
+    """Chunk size (batches) for Async before ElChe is calibrated: a tenth of a rank's share, >= 4."""
+    return max(total_samples // (world_size * 10 * batch_size), 4)
+
+
+def chunk_batches(
+    rank: int,
+    *,
+    remaining_batches: int,
+    counts: Sequence[int],
+    window_steps: int,
+    barrier_paced: bool,
+    calibrated: bool,
+    probe_batches: int,
+    min_chunk_batches: int,
+    overshoot: int,
+    final_window: FinalWindowPlan | None,
+) -> int:
+    """How many batches rank `rank` gets in its next progressive chunk (§6.3); 0 means none.
+
+    `remaining_batches` is `pool.remaining() // batch_size`; `counts` are
+    ElChe's per-rank batch counts; `window_steps` is the rank's steps since the
+    last average; `barrier_paced` is true for Cadence (one chunk is one
+    window), false for Async; `overshoot` is Async's `max_overshoot` (0 for
+    barrier-paced policies); `final_window` is the epoch's pinned plan, if any.
+    """
+    if remaining_batches <= 0:
+        return 0
+    if final_window is not None:
+        # The pinned allocation bypasses the caps: it was sized so the whole
+        # remainder lands in one coherent window with no one-step rank.
+        return min(final_window.alloc[rank], remaining_batches)
+    count = counts[rank]
+    budget = count + overshoot if count > 0 else 0
+
+    def cap_to_budget(x: int) -> int:
+        # A rank never runs past its window budget; it may still take one batch
+        # so a rank already at its budget is not starved of the edge of an epoch.
+        return min(x, max(1, budget - window_steps)) if budget > 0 else x
+
+    total = sum(counts)
+    if remaining_batches < total:
+        return cap_to_budget(min(count, remaining_batches))
+    if barrier_paced:
+        return min(count, remaining_batches)
+    if not calibrated:
+        return min(probe_batches, remaining_batches)
+    share = math.ceil(remaining_batches * count / total)
+    return cap_to_budget(min(remaining_batches, max(min_chunk_batches, share)))
+
+
+# --------------------------------------------------------------------------- final window
+
+
+@dataclass(frozen=True)
+class FinalWindowPlan:
+    """The pinned allocation of an epoch's final window (barrier-paced policies only).
+
+    `alloc[r]` batches go to rank `r` (0: it sits the window out, and the gate
+    treats it as quiesced). `pinned_counts` are the live batch counts the plan
+    was computed from: if ElChe changes them mid-tail, the plan is stale and is
+    re-pinned (a stale plan demanded steps from a rank it gave nothing, and
+    the gate deadlocked upstream).
+    """
+
+    epoch: int
+    alloc: tuple[int, ...]
+    pinned_counts: tuple[int, ...]
+
+
+def _live_counts(counts: Sequence[int], alive: Sequence[bool]) -> tuple[int, ...]:
+    return tuple(c if a else 0 for c, a in zip(counts, alive, strict=True))
+
+
+def is_final_window(remaining_batches: int, counts: Sequence[int], alive: Sequence[bool]) -> bool:
+    """True when the epoch's remainder fits in one window: `0 < rem < sum(live counts) + W`."""
+    return 0 < remaining_batches < sum(_live_counts(counts, alive)) + len(counts)
+
+
+def final_window_alloc(
+    remaining_batches: int, counts: Sequence[int], alive: Sequence[bool]
+) -> list[int]:
+    """Split the last `remaining_batches` of an epoch into one window with no one-step rank.
+
+    Fold band (`rem >= sum(live counts)`): every live rank gets its full count
+    and the crumb `rem - sum` goes one batch at a time to the live ranks other
+    than the fastest (largest count, lowest rank on ties), smallest count
+    first, round-robin; a lone live rank takes everything. Proportional band:
+    `floor(rem * c / sum)` plus one each to the largest fractional parts. Both
+    then consolidate: a rank left at exactly 1 moves its batch to the live peer
+    with the smallest non-zero allocation. Dead ranks get 0 and the sum is
+    exactly `rem`. A lone 1 survives only when `rem == 1`.
+    """
+    live = _live_counts(counts, alive)
+    ranks = [r for r, a in enumerate(alive) if a]
+    if not ranks or sum(live) == 0:
+        raise CoordinatorError(
+            f"final window of {remaining_batches} batches has no live rank with a positive "
+            f"batch count (counts {list(counts)}, alive {list(alive)}); the coordinator must "
+            f"end the run (all ranks lost) before planning dispatch"
+        )
+    total = sum(live)
+    alloc = [0] * len(counts)
+    if remaining_batches >= total:
+        for r in ranks:
+            alloc[r] = live[r]
+        fastest = min(ranks, key=lambda r: (-live[r], r))
+        padded = sorted((r for r in ranks if r != fastest), key=lambda r: (live[r], r)) or [fastest]
+        for i in range(remaining_batches - total):
+            alloc[padded[i % len(padded)]] += 1
+    else:
+        fractions = []
+        for r in ranks:
+            whole, frac = divmod(remaining_batches * live[r], total)
+            alloc[r] = whole
+            fractions.append((-frac, r))
+        for _, r in sorted(fractions)[: remaining_batches - sum(alloc)]:
+            alloc[r] += 1
+    _consolidate(alloc, ranks)
+    return alloc
+
+
+def _consolidate(alloc: list[int], ranks: Sequence[int]) -> None:
+    """Move each lone batch onto the smallest non-zero live peer (in place)."""
+    moved = True
+    while moved:
+        moved = False
+        for r in ranks:
+            if alloc[r] != 1:
+                continue
+            peers = [p for p in ranks if p != r and alloc[p] >= 1]
+            if not peers:
+                return  # rem == 1: irreducible; that window takes the compute-scale fallback
+            target = min(peers, key=lambda p: (alloc[p], p))
+            alloc[target] += 1
+            alloc[r] = 0
+            moved = True
+
+
+def refresh_final_window_plan(
+    plan: FinalWindowPlan | None,
+    *,
+    epoch: int,
+    remaining_batches: int,
+    counts: Sequence[int],
+    alive: Sequence[bool],
+) -> FinalWindowPlan | None:
+    """The final-window plan to use for `epoch` now: keep, re-pin, pin or drop (§6.5).
+
+    Call it at the start of each window of a barrier-paced epoch, before sizing
+    that window's chunks. A plan for this epoch whose live counts still match is
+    kept as it is (its allocation covers the remainder it was pinned for); a
+    stale one (other epoch, or live counts changed by ElChe or a death) is
+    replaced; a new plan is pinned when the remainder fits in one window.
+    """
+    live = _live_counts(counts, alive)
+    if plan is not None and plan.epoch == epoch and plan.pinned_counts == live:
+        return plan
+    if not is_final_window(remaining_batches, counts, alive):
+        return None
+    return FinalWindowPlan(epoch, tuple(final_window_alloc(remaining_batches, counts, alive)), live)
