@@ -37,20 +37,13 @@ from flodl_zmq.errors import (
     SchemaError,
     VersionError,
 )
+from flodl_zmq.tensors import DTYPES, as_numpy, dtype_name
 from flodl_zmq.wire import mac as _mac
 from flodl_zmq.wire.records import REGISTRY, Channel, from_fields, spec_of, to_fields
 
 PROTOCOL_VERSION = 1
 RUN_ID_BYTES = 16
 MAX_SEQ = 2**63 - 1
-
-# Wire dtype name -> (numpy dtype used for the raw view, element size). bf16 has
-# no numpy dtype: its raw view is uint16, the top half of an f32 bit pattern.
-DTYPES: dict[str, np.dtype] = {
-    "f32": np.dtype("<f4"),
-    "bf16": np.dtype("<u2"),
-    "f16": np.dtype("<f2"),
-}
 
 HEADER_KEYS = ("v", "k", "run", "ch", "from", "seq", "f", "p")
 
@@ -110,38 +103,19 @@ def _depth(obj: Any, limit: int, level: int = 1) -> None:
             _depth(v, limit, level + 1)
 
 
-def tensor_view(t: Any, dtype: str | None = None) -> tuple[memoryview, str, list[int]]:
-    """Zero-copy (bytes view, wire dtype, shape) of a torch tensor or numpy array.
+def tensor_view(t: Any) -> tuple[memoryview, str, list[int]]:
+    """Zero-copy (bytes view, wire dtype, shape) of a CPU torch tensor or numpy array.
 
-    A numpy uint16 array is a bf16 payload only when `dtype="bf16"` says so.
+    A numpy uint16 array is a bf16 payload (its bit pattern), as everywhere in the data plane.
     """
-    if hasattr(t, "detach"):  # torch.Tensor, without importing torch in the codec
-        import torch
-
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise SchemaError("tensor payloads must be contiguous CPU tensors; snapshot into a host buffer first")
-        names = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-        if t.dtype not in names:
-            raise SchemaError(f"unsupported tensor dtype {t.dtype}; the wire carries f32, bf16 and f16")
-        name = names[t.dtype]
-        arr = t.detach().view(torch.int16).numpy() if name == "bf16" else t.detach().numpy()
-        shape = list(t.shape)
-    else:
-        arr = t
-        if not isinstance(arr, np.ndarray):
-            raise SchemaError(f"payload must be a torch tensor or numpy array, got {type(t).__name__}")
-        if not arr.flags.c_contiguous:
-            raise SchemaError("numpy payloads must be C-contiguous (np.ascontiguousarray) to be sent without a copy")
-        by_np = {np.dtype("float32"): "f32", np.dtype("float16"): "f16"}
-        name = by_np.get(arr.dtype)
-        if arr.dtype == np.dtype("uint16") and dtype == "bf16":
-            name = "bf16"
-        if name is None:
-            raise SchemaError(f"unsupported array dtype {arr.dtype}; use float32, float16, or uint16 with dtype='bf16'")
-        shape = list(arr.shape)
-    if dtype is not None and dtype != name:
-        raise SchemaError(f"payload declared {dtype} but holds {name}")
-    return memoryview(arr).cast("B") if arr.size else memoryview(b""), name, shape
+    try:
+        arr = as_numpy(t)
+        name = dtype_name(arr)
+    except TypeError as exc:
+        raise SchemaError(f"cannot send this payload: {exc}") from None
+    if not arr.flags.c_contiguous:
+        raise SchemaError("payloads must be C-contiguous to be sent without a copy (snapshot into a contiguous buffer)")
+    return memoryview(arr).cast("B") if arr.size else memoryview(b""), name, list(arr.shape)
 
 
 class Codec:
@@ -170,9 +144,13 @@ class Codec:
         payload: Sequence[Any] = (),
         *,
         channel: Channel | None = None,
-        dtypes: Sequence[str | None] | None = None,
+        dtypes: Sequence[str] | None = None,
     ) -> list[Any]:
-        """Frames `[header, payload..., mac]` for `rec`; payload buffers are referenced, not copied."""
+        """Frames `[header, payload..., mac]` for `rec`; payload buffers are referenced, not copied.
+
+        `dtypes`, when given, states what each payload must hold; a mismatch is refused
+        rather than sent, so a caller's schema drift shows at the sender.
+        """
         spec = spec_of(rec)
         ch = channel or spec.channels[0]
         if ch not in spec.channels:
@@ -181,7 +159,9 @@ class Codec:
             raise SchemaError(f"{spec.kind} carries no tensor payload")
         views, descs = [], []
         for i, t in enumerate(payload):
-            view, name, shape = tensor_view(t, dtypes[i] if dtypes else None)
+            view, name, shape = tensor_view(t)
+            if dtypes is not None and dtypes[i] != name:
+                raise SchemaError(f"payload {i} declared {dtypes[i]} but holds {name}")
             views.append(view)
             descs.append([name, shape, view.nbytes])
         header = msgpack.packb(
@@ -233,7 +213,7 @@ class Codec:
         if replay:
             self.check_sequence(channel, head["from"], head["seq"])
         payload = [
-            np.frombuffer(buf, dtype=DTYPES[name]).reshape(shape) for (name, shape), buf in zip(descs, payload_bufs)
+            np.frombuffer(buf, dtype=DTYPES[name]).reshape(shape) for (name, shape), buf in zip(descs, payload_bufs, strict=True)
         ]
         return Envelope(
             record=rec,

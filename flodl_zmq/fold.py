@@ -1,0 +1,350 @@
+"""The host fold station: one relay sums its local ranks' deposits into one HostFrame (pure core).
+
+The contract of a deposit (realized-work algebra, protocol-notes §9): a rank
+ships its tensors **already multiplied by its mass** (its realized work this
+round) together with that mass. So averaging is three moves: pre-scale at the
+source, sum tensors and masses through every fold tier, divide once at the
+root. This module is the middle move and keeps these rules:
+
+- The fold NEVER divides. It is a plain sum of tensors and of masses, so any
+  number of fold tiers gives the same consensus (no averaging of averages).
+- The round's first deposit is held verbatim: a one-rank host ships the very
+  objects its rank deposited, byte for byte, and never touches f32.
+- The second deposit promotes to f32 running sums in one f32 image allocated
+  once per schema and reused across rounds; later deposits add in place. bf16
+  and f16 are widened to f32 before adding; the result is encoded back in the
+  round's dtype (bf16 rounds to nearest even), so a fold tier never changes
+  the schema.
+- Barrier: the round completes when every roster rank has deposited or is dead.
+  A dead rank is out of every later barrier, and work it already deposited
+  stays counted (that work was realized). There is no deadline: dropping a
+  round silently would break Local SGD, so liveness comes from deaths only.
+- Every protocol violation (second deposit from one rank, wrong round id,
+  schema drift from the round's first deposit, non-finite or negative mass,
+  a rank not on the roster) raises FoldError and poisons the station: nothing
+  it holds is ever shipped, and the relay must tear its data channel down.
+- A deposit from a rank already dead is a late frame: dropped and counted.
+
+Deposits reach this core already authenticated (the wire verifies the MAC
+first), as read-only numpy views over the received frames; bf16 arrives as
+``uint16``. The tensors of a HostFold are either the seed objects or views of
+the station's reused buffers: ship them before the next round's second deposit
+arrives (strict ping-pong guarantees it, since that deposit needs this round's
+consensus first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flodl_zmq.errors import FoldError, ProtocolError
+from flodl_zmq.tensors import BLOCK, DTYPES, bf16_from_f32, dtype_name, f32_from_bf16
+
+# (wire dtype name, shape) of each tensor of a round, in order.
+Schema = tuple[tuple[str, tuple[int, ...]], ...]
+
+# Images kept per station: a sync cycle can rotate through a few schemas (e.g.
+# parameters, then buffers), and each must find its image already allocated.
+IMAGES_KEPT = 3
+
+
+def schema_of(tensors: Sequence[np.ndarray], who: str, error: type[ProtocolError]) -> Schema:
+    """The schema of a deposit; an unsupported tensor raises ``error`` naming ``who``."""
+    schema = []
+    for i, t in enumerate(tensors):
+        if not isinstance(t, np.ndarray):
+            raise error(f"{who}: tensor[{i}] is a {type(t).__name__}, not a numpy array")
+        try:
+            schema.append((dtype_name(t), t.shape))
+        except TypeError as e:
+            raise error(f"{who}: tensor[{i}]: {e}") from None
+    return tuple(schema)
+
+
+def check_schema(
+    expected: Schema, tensors: Sequence[np.ndarray], who: str, error: type[ProtocolError]
+) -> None:
+    """Raise ``error`` unless ``tensors`` match ``expected`` in count, dtype and shape."""
+    if len(tensors) != len(expected):
+        raise error(
+            f"{who} carries {len(tensors)} tensors; the round's first frame carried {len(expected)} "
+            "(desynced rounds, or ranks built with different models)"
+        )
+    for i, ((dt, shape), t) in enumerate(zip(expected, tensors, strict=True)):
+        got = schema_of((t,), who, error)[0]
+        if got[0] != dt:
+            raise error(
+                f"{who} tensor[{i}] is {got[0]}, the round's is {dt} "
+                "(ranks disagree on the wire dtype; use one bf16 setting for the whole run)"
+            )
+        if got[1] != shape:
+            raise error(
+                f"{who} tensor[{i}] has shape {got[1]}, the round's is {shape} (different models?)"
+            )
+
+
+# A positive mass must be a normal f32 magnitude: tensors are premultiplied by it
+# in f32, so a smaller mass flushes its contribution to zero while still
+# counting in the divisor, and the reducer's f32 divide would turn it into NaN.
+_F32 = np.finfo(np.float32)
+MASS_RANGE = (float(_F32.tiny), float(_F32.max))
+
+
+def check_mass(mass: float, who: str, error: type[ProtocolError]) -> float:
+    """The mass as a float; anything but 0 or a normal f32 magnitude raises ``error``."""
+    m = float(mass)
+    if not math.isfinite(m) or m < 0.0:
+        raise error(f"{who} carries mass {mass!r}; a realized-work mass must be finite and >= 0")
+    if m != 0.0 and not MASS_RANGE[0] <= m <= MASS_RANGE[1]:
+        raise error(
+            f"{who} carries mass {mass!r}; a positive mass must lie in [{MASS_RANGE[0]:g}, "
+            f"{MASS_RANGE[1]:g}] because tensors are premultiplied by it in f32"
+        )
+    return m
+
+
+def carve(
+    shapes: Sequence[tuple[int, ...]], dtype: np.dtype
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One flat buffer of ``dtype`` holding every shape, and a shaped view of it per shape."""
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = np.empty(sum(sizes), dtype)
+    views, at = [], 0
+    for shape, n in zip(shapes, sizes, strict=True):
+        views.append(flat[at : at + n].reshape(shape))
+        at += n
+    return flat, views
+
+
+class SumImage:
+    """The f32 running sums of one schema (one allocation), filled and added in place.
+
+    ``sums`` are shaped f32 views of the single ``flat`` image. bf16 tensors are
+    widened block by block through a small reused scratch so the add reads them
+    while they are still in cache.
+    """
+
+    def __init__(self, schema: Schema) -> None:
+        self.schema = schema
+        self.flat, self.sums = carve([shape for _, shape in schema], np.dtype(np.float32))
+        widest_bf16 = max((math.prod(s) for dt, s in schema if dt == "bf16"), default=0)
+        self.scratch = np.empty(max(1, min(BLOCK, widest_bf16)), np.uint32)
+
+    def fill(self, tensors: Sequence[np.ndarray]) -> None:
+        """Overwrite the sums with ``tensors`` widened to f32."""
+        for (dt, _), acc, x in zip(self.schema, self.sums, tensors, strict=True):
+            if dt == "bf16":
+                f32_from_bf16(x, acc)
+            else:
+                np.copyto(acc, x)
+
+    def add(self, tensors: Sequence[np.ndarray]) -> None:
+        """Add ``tensors`` (widened to f32) into the sums, in place."""
+        for (dt, _), acc, x in zip(self.schema, self.sums, tensors, strict=True):
+            if dt == "bf16":
+                a, xs = acc.reshape(-1), x.reshape(-1)
+                step = self.scratch.size
+                wide = self.scratch.view(np.float32)
+                for i in range(0, a.size, step):
+                    w = wide[: min(step, a.size - i)]
+                    f32_from_bf16(xs[i : i + step], w)
+                    np.add(a[i : i + step], w, out=a[i : i + step])
+            else:
+                np.add(acc, x, out=acc)
+
+    def encode_into(self, outputs: Sequence[np.ndarray]) -> None:
+        """Encode the sums in the schema's dtypes into ``outputs`` (an output that IS a sum is skipped)."""
+        for (dt, _), acc, out in zip(self.schema, self.sums, outputs, strict=True):
+            if out is acc:
+                continue
+            if dt == "bf16":
+                bf16_from_f32(acc, out, self.scratch)
+            else:
+                # f16 overflow becomes +-inf by IEEE rules; numpy need not warn about it.
+                with np.errstate(over="ignore"):
+                    np.copyto(out, acc, casting="same_kind")
+
+
+@dataclass(frozen=True, eq=False)
+class HostFold:
+    """A completed host round: ship ``tensors`` and ``mass`` upstream as one HostFrame.
+
+    ``tensors`` are the sum of the contributors' (mass-premultiplied) deposits in
+    the round's dtypes; ``verbatim`` says they are the single deposit's own objects.
+    """
+
+    round_id: int
+    mass: float
+    ranks: tuple[int, ...]
+    tensors: tuple[np.ndarray, ...]
+    verbatim: bool
+
+
+@dataclass(frozen=True)
+class NothingToShip:
+    """Every roster rank is dead and no deposit is pending: this host sends no more HostFrames."""
+
+    reason: str
+
+
+@dataclass
+class FoldCounters:
+    """Station instrumentation (monotonic)."""
+
+    rounds_shipped: int = 0
+    deposits: int = 0
+    late_drops: int = 0
+    bytes_folded: int = 0
+
+
+class _Round:
+    """The open round: its id, who deposited, the summed mass, and the tensor state."""
+
+    def __init__(
+        self, round_id: int, rank: int, mass: float, seed: tuple[np.ndarray, ...], schema: Schema
+    ) -> None:
+        self.round_id = round_id
+        self.ranks = [rank]
+        self.mass = mass
+        self.seed: tuple[np.ndarray, ...] | None = seed
+        self.schema = schema
+        self.image: SumImage | None = None
+
+
+class FoldStation:
+    """The fold barrier of one host: deposits and deaths in, at most one HostFold per round out.
+
+    Feed it from the relay's data channel: ``deposit`` for each authenticated
+    RoundFrame, ``mark_dead`` for each local rank exit or DeclareDead from the
+    reducer. Either call returns the HostFold to ship when it completes the
+    round, NothingToShip once every rank is dead with nothing pending, else None.
+    """
+
+    def __init__(self, roster: Iterable[int]) -> None:
+        self.roster = frozenset(int(r) for r in roster)
+        if not self.roster:
+            raise ValueError("a fold station needs at least one local rank")
+        self.dead: set[int] = set()
+        self.counters = FoldCounters()
+        self.poisoned: str | None = None
+        self.last_round: int | None = None
+        self._round: _Round | None = None
+        # Images and 2-byte output buffers by schema, most recently used last.
+        self._images: OrderedDict[Schema, tuple[SumImage, list[np.ndarray]]] = OrderedDict()
+
+    @property
+    def round_id(self) -> int | None:
+        """The round being folded, or None between rounds."""
+        return self._round.round_id if self._round else None
+
+    def deposit(
+        self, rank: int, round_id: int, mass: float, tensors: Sequence[np.ndarray]
+    ) -> HostFold | NothingToShip | None:
+        """Fold one rank's authenticated, mass-premultiplied deposit for ``round_id``."""
+        if self.poisoned is not None:
+            raise FoldError(
+                f"fold station is poisoned ({self.poisoned}); tear the data channel down"
+            )
+        who = f"relay fold: rank {rank} (round {round_id})"
+        try:
+            return self._deposit(rank, round_id, mass, tensors, who)
+        except FoldError as e:
+            # A half-checked round must never ship: whatever it holds is suspect.
+            self.poisoned = str(e)
+            self._round = None
+            raise
+
+    def _deposit(
+        self, rank: int, round_id: int, mass: float, tensors: Sequence[np.ndarray], who: str
+    ) -> HostFold | NothingToShip | None:
+        if rank not in self.roster:
+            raise FoldError(f"{who}: rank is not on this host's roster {sorted(self.roster)}")
+        if rank in self.dead:
+            # A frame that raced its rank's death: the barrier already let go of it.
+            self.counters.late_drops += 1
+            return None
+        rnd = self._round
+        if rnd is not None and round_id != rnd.round_id:
+            raise FoldError(f"{who}: the open round is {rnd.round_id} (stream desynced)")
+        if rnd is None and self.last_round is not None and round_id <= self.last_round:
+            raise FoldError(
+                f"{who}: round {self.last_round} already shipped (stale or replayed frame)"
+            )
+        if rnd is not None and rank in rnd.ranks:
+            raise FoldError(
+                f"{who}: rank deposited twice in one round (ping-pong violated; stream desynced)"
+            )
+        m = check_mass(mass, who, FoldError)
+        if rnd is None:
+            schema = schema_of(tensors, who, FoldError)
+            self._round = _Round(round_id, rank, m, tuple(tensors), schema)
+        else:
+            check_schema(rnd.schema, tensors, who, FoldError)
+            if rnd.seed is not None:
+                rnd.image = self._image(rnd.schema)[0]
+                rnd.image.fill(rnd.seed)
+                rnd.seed = None
+            rnd.image.add(tensors)
+            rnd.ranks.append(rank)
+            rnd.mass += m
+        self.counters.deposits += 1
+        self.counters.bytes_folded += sum(t.nbytes for t in tensors)
+        return self._take_if_complete()
+
+    def mark_dead(self, rank: int) -> HostFold | NothingToShip | None:
+        """Take ``rank`` out of every later barrier (idempotent); its merged work stays counted."""
+        if rank not in self.roster:
+            raise FoldError(
+                f"relay fold: DeclareDead for rank {rank}, which is not on this host's roster "
+                f"{sorted(self.roster)} (controller and relay disagree on the world)"
+            )
+        if rank in self.dead:
+            return None
+        self.dead.add(rank)
+        if self.poisoned is not None:
+            return None
+        return self._take_if_complete()
+
+    def _take_if_complete(self) -> HostFold | NothingToShip | None:
+        rnd = self._round
+        if rnd is None:
+            if self.dead == self.roster:
+                return NothingToShip(
+                    f"every local rank {sorted(self.roster)} is dead; no round is pending"
+                )
+            return None
+        if any(r not in self.dead and r not in rnd.ranks for r in self.roster):
+            return None
+        self._round = None
+        self.last_round = rnd.round_id
+        self.counters.rounds_shipped += 1
+        ranks = tuple(sorted(rnd.ranks))
+        if rnd.seed is not None:
+            return HostFold(rnd.round_id, rnd.mass, ranks, rnd.seed, verbatim=True)
+        image, outputs = self._image(rnd.schema)
+        image.encode_into(outputs)
+        return HostFold(rnd.round_id, rnd.mass, ranks, tuple(outputs), verbatim=False)
+
+    def _image(self, schema: Schema) -> tuple[SumImage, list[np.ndarray]]:
+        """The reused image of ``schema`` and its outputs (f32 tensors ship straight from the sums)."""
+        entry = self._images.get(schema)
+        if entry is None:
+            image = SumImage(schema)
+            # bf16 and f16 results need their own 2-byte buffer; f32 ships from the sums.
+            _, halves = carve([shape for dt, shape in schema if dt != "f32"], DTYPES["bf16"])
+            rest = iter(halves)
+            outputs = [
+                acc if dt == "f32" else next(rest).view(DTYPES[dt])
+                for (dt, _), acc in zip(schema, image.sums, strict=True)
+            ]
+            entry = (image, outputs)
+            self._images[schema] = entry
+            while len(self._images) > IMAGES_KEPT:
+                self._images.popitem(last=False)
+        self._images.move_to_end(schema)
+        return entry

@@ -1,0 +1,262 @@
+"""The reducer: the controller's round ledger and the divide-once reduce.
+
+The pure core comes first and stands alone (``RoundLedger``: no sockets, no
+clocks); the ZeroMQ service that feeds it belongs below it in this file.
+
+Rules the ledger keeps:
+
+- Hosts and their global ranks are fixed at construction; every rank belongs
+  to exactly one host.
+- Dead-rank ledger: a death is permanent for the run and declaring it again is
+  a no-op. The first declaration names the owning host, so the service forwards
+  each death exactly once (the relay's fold barrier must let go of that rank).
+- A host is expected in a round while any of its ranks is alive. The round
+  completes when every expected host has deposited its HostFrame; a host that
+  deposited and then lost its ranks stays counted, because that work was
+  realized (the same rule as the relay fold).
+- HostFrames arrive mass-premultiplied and already summed (the fold never
+  divides). The ledger sums them in f32 into one reused image per schema, then
+  divides exactly once by the total mass of exactly the frames it summed, and
+  encodes the consensus in the round's dtype (bf16 rounds to nearest even). A
+  zero-mass round is not divided: it ships mass 0 and receivers keep their
+  state.
+- A protocol violation (unknown host, second frame from one host in a round,
+  a round id ahead of the open round, schema drift from the round's first
+  frame, bad mass) raises ProtocolError and changes nothing: the host stays
+  expected, so the service must tear it down or have its ranks declared dead.
+- A frame for a finished round, or from a host whose ranks are all dead, is
+  dropped and counted.
+- A round is never dropped silently: if no host is expected any more, the
+  ledger reports the open round as Abandoned with the reason.
+- The latest consensus stays available for point-to-point recovery (a relay
+  that missed the broadcast asks for it by round id). Its tensors live in
+  buffers reused only when the next round with the same schema completes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flodl_zmq.errors import ProtocolError
+from flodl_zmq.fold import IMAGES_KEPT, Schema, SumImage, carve, check_mass, check_schema, schema_of
+from flodl_zmq.tensors import DTYPES
+
+
+@dataclass(frozen=True, eq=False)
+class Reduced:
+    """A round's consensus: broadcast ``tensors`` with ``mass`` (0 means keep local state)."""
+
+    round_id: int
+    mass: float
+    hosts: tuple[str, ...]
+    tensors: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """No host is expected any more; ``round_id`` is None when no round was open."""
+
+    round_id: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class Gone:
+    """A recovery request the ledger cannot serve; ``latest`` is the round it can resend, if any."""
+
+    round_id: int
+    latest: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class Declared:
+    """Result of a death: where to forward DeclareDead (None: already forwarded) and any round outcome."""
+
+    rank: int
+    forward_to: str | None
+    outcome: Reduced | Abandoned | None
+
+
+@dataclass
+class LedgerCounters:
+    """Ledger instrumentation (monotonic)."""
+
+    frames: int = 0
+    late_drops: int = 0
+    dead_host_drops: int = 0
+    rounds_reduced: int = 0
+    rounds_abandoned: int = 0
+    bytes_reduced: int = 0
+
+
+class _Round:
+    def __init__(self, round_id: int, schema: Schema, image: SumImage) -> None:
+        self.round_id = round_id
+        self.schema = schema
+        self.image = image
+        self.hosts: list[str] = []
+        self.mass = 0.0
+
+
+class RoundLedger:
+    """Round bookkeeping and the reduce for one run: HostFrames and deaths in, outcomes out.
+
+    Feed ``deposit`` with each authenticated HostFrame and ``declare_dead`` with
+    every death the coordinator or a relay reports. Either returns a Reduced to
+    broadcast when it completes the round, an Abandoned when no host is left,
+    or nothing yet.
+    """
+
+    def __init__(self, hosts: Mapping[str, Iterable[int]]) -> None:
+        self.hosts: dict[str, frozenset[int]] = {}
+        self._owner: dict[int, str] = {}
+        for host, ranks in hosts.items():
+            rs = frozenset(int(r) for r in ranks)
+            if not rs:
+                raise ProtocolError(
+                    f"host {host!r} announced no ranks; a relay must serve at least one"
+                )
+            for r in rs:
+                if r in self._owner:
+                    raise ProtocolError(
+                        f"rank {r} is announced by hosts {self._owner[r]!r} and {host!r}; "
+                        "each global rank must belong to exactly one host"
+                    )
+                self._owner[r] = host
+            self.hosts[host] = rs
+        if not self.hosts:
+            raise ProtocolError("a reducer needs at least one host")
+        self.dead: set[int] = set()
+        self.counters = LedgerCounters()
+        self.last_round: int | None = None
+        self.latest: Reduced | None = None
+        self._abandoned: Abandoned | None = None
+        self._all_dead_reported = False
+        self._round: _Round | None = None
+        # Sum images and consensus buffers by schema, most recently used last.
+        self._images: OrderedDict[Schema, tuple[SumImage, list[np.ndarray]]] = OrderedDict()
+
+    @property
+    def round_id(self) -> int | None:
+        """The round being collected, or None between rounds."""
+        return self._round.round_id if self._round else None
+
+    def expected_hosts(self) -> frozenset[str]:
+        """Hosts with at least one live rank: the ones a round waits for."""
+        return frozenset(h for h, rs in self.hosts.items() if not rs <= self.dead)
+
+    def deposit(
+        self, host: str, round_id: int, mass: float, tensors: Sequence[np.ndarray]
+    ) -> Reduced | Abandoned | None:
+        """Sum one host's authenticated HostFrame for ``round_id`` into the round."""
+        who = f"reducer: host {host!r} (round {round_id})"
+        ranks = self.hosts.get(host)
+        if ranks is None:
+            raise ProtocolError(f"{who}: unknown host; known hosts are {sorted(self.hosts)}")
+        if ranks <= self.dead:
+            # A frame that raced its host's last death: nobody there will load the consensus.
+            self.counters.dead_host_drops += 1
+            return None
+        if self.last_round is not None and round_id <= self.last_round:
+            self.counters.late_drops += 1
+            return None
+        rnd = self._round
+        if rnd is not None and round_id != rnd.round_id:
+            raise ProtocolError(f"{who}: round {rnd.round_id} is still open (desynced host)")
+        if rnd is not None and host in rnd.hosts:
+            raise ProtocolError(f"{who}: host sent a second frame in one round (desynced relay)")
+        m = check_mass(mass, who, ProtocolError)
+        if rnd is None:
+            schema = schema_of(tensors, who, ProtocolError)
+            rnd = self._round = _Round(round_id, schema, self._image(schema)[0])
+            rnd.image.fill(tensors)
+        else:
+            check_schema(rnd.schema, tensors, who, ProtocolError)
+            rnd.image.add(tensors)
+        rnd.hosts.append(host)
+        rnd.mass += m
+        self.counters.frames += 1
+        self.counters.bytes_reduced += sum(t.nbytes for t in tensors)
+        return self._settle()
+
+    def declare_dead(self, rank: int) -> Declared:
+        """Record ``rank``'s death (idempotent, permanent) and settle the open round."""
+        host = self._owner.get(rank)
+        if host is None:
+            raise ProtocolError(f"reducer: DeclareDead for rank {rank}, which no host serves")
+        if rank in self.dead:
+            return Declared(rank, None, None)
+        self.dead.add(rank)
+        return Declared(rank, host, self._settle())
+
+    def is_dead(self, rank: int) -> bool:
+        """Whether ``rank`` has been declared dead."""
+        return rank in self.dead
+
+    def recover(self, round_id: int) -> Reduced | Gone:
+        """The consensus of ``round_id`` if it is the latest one, else why it is not available."""
+        latest = self.latest
+        if latest is not None and latest.round_id == round_id:
+            return latest
+        latest_id = latest.round_id if latest else None
+        if self._abandoned is not None and self._abandoned.round_id == round_id:
+            reason = f"round {round_id} was abandoned: {self._abandoned.reason}"
+        elif latest_id is not None and round_id < latest_id:
+            reason = f"round {round_id} was superseded by round {latest_id}"
+        else:
+            reason = f"round {round_id} has not been reduced yet"
+        return Gone(round_id, latest_id, reason)
+
+    def _settle(self) -> Reduced | Abandoned | None:
+        """Complete or abandon the open round if the live hosts allow it."""
+        expected = self.expected_hosts()
+        rnd = self._round
+        if not expected:
+            if rnd is None and self._all_dead_reported:
+                return None
+            self._all_dead_reported = True
+            self._round = None
+            out = Abandoned(
+                rnd.round_id if rnd else None,
+                f"every rank of every host {sorted(self.hosts)} is dead",
+            )
+            if rnd is not None:
+                self.last_round = rnd.round_id
+                self._abandoned = out
+                self.counters.rounds_abandoned += 1
+            return out
+        if rnd is None or not expected <= set(rnd.hosts):
+            return None
+        self._round = None
+        self.last_round = rnd.round_id
+        image, outputs = self._image(rnd.schema)
+        if rnd.mass > 0.0:
+            # The one divide of the whole reduce: by the mass of exactly the frames summed.
+            np.divide(image.flat, np.float32(rnd.mass), out=image.flat)
+        image.encode_into(outputs)
+        self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(rnd.hosts)), tuple(outputs))
+        self.counters.rounds_reduced += 1
+        return self.latest
+
+    def _image(self, schema: Schema) -> tuple[SumImage, list[np.ndarray]]:
+        """The reused sum image of ``schema`` and its consensus buffers (separate from the sums,
+        so the latest consensus survives while the next round accumulates)."""
+        entry = self._images.get(schema)
+        if entry is None:
+            image = SumImage(schema)
+            per_dtype = {
+                dt: iter(carve([s for d, s in schema if d == dt], DTYPES[dt])[1])
+                for dt in {d for d, _ in schema}
+            }
+            outputs = [next(per_dtype[dt]) for dt, _ in schema]
+            entry = (image, outputs)
+            self._images[schema] = entry
+            while len(self._images) > IMAGES_KEPT:
+                self._images.popitem(last=False)
+        self._images.move_to_end(schema)
+        return entry

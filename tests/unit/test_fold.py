@@ -1,0 +1,315 @@
+"""The host fold station (flodl_zmq.fold): a plain sum of mass-premultiplied deposits, never divided.
+
+Contract exercised throughout: a rank deposits ``mass * x`` together with
+``mass``; the fold sums both; only the reducer divides.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flodl_zmq.errors import FoldError
+from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
+from flodl_zmq.tensors import bf16_from_f32, f32_from_bf16
+
+
+def f32(*values: float) -> np.ndarray:
+    a = np.array(values, np.float32)
+    a.flags.writeable = False  # deposits are read-only views over received frames
+    return a
+
+
+def bf16(*values: float) -> np.ndarray:
+    out = bf16_from_f32(np.array(values, np.float32), np.empty(len(values), np.uint16))
+    out.flags.writeable = False
+    return out
+
+
+def widen(bits: np.ndarray) -> np.ndarray:
+    return f32_from_bf16(bits, np.empty(bits.shape, np.float32))
+
+
+def test_one_rank_host_ships_the_very_same_buffers():
+    station = FoldStation([4])
+    tensors = [f32(1, 2, 3), bf16(0.5, 0.25)]
+    out = station.deposit(4, 0, 2.0, tensors)
+    assert isinstance(out, HostFold) and out.verbatim
+    assert all(a is b for a, b in zip(out.tensors, tensors, strict=True))
+    assert (out.round_id, out.mass, out.ranks) == (0, 2.0, (4,))
+
+
+def test_fold_sums_tensors_and_masses_without_dividing():
+    station = FoldStation([1, 2])
+    assert station.deposit(1, 7, 3.0, [f32(1, 2)]) is None
+    out = station.deposit(2, 7, 1.0, [f32(10, 20)])
+    assert isinstance(out, HostFold) and not out.verbatim
+    np.testing.assert_array_equal(out.tensors[0], [11, 22])
+    assert (out.mass, out.ranks) == (4.0, (1, 2))
+
+
+def test_fold_of_premultiplied_deposits_then_one_divide_is_the_weighted_mean():
+    xs = [np.array([1.0, -2.0, 4.0]), np.array([3.0, 0.5, -1.0]), np.array([0.25, 8.0, 2.0])]
+    masses = [3.0, 1.0, 0.5]
+    station = FoldStation([0, 1, 2])
+    out = None
+    for r, (x, m) in enumerate(zip(xs, masses, strict=True)):
+        out = station.deposit(r, 0, m, [(m * x).astype(np.float32)])
+    expected = sum(m * x for m, x in zip(masses, xs, strict=True)) / sum(masses)
+    np.testing.assert_allclose(out.tensors[0] / out.mass, expected, rtol=1e-6)
+
+
+def test_shaped_tensors_keep_their_shapes():
+    station = FoldStation([0, 1])
+    a = np.ones((2, 3), np.float32)
+    b = np.full((4,), 2, np.uint16)
+    station.deposit(0, 0, 1.0, [a, b])
+    out = station.deposit(1, 0, 1.0, [a, b])
+    assert [t.shape for t in out.tensors] == [(2, 3), (4,)]
+    assert [t.dtype for t in out.tensors] == [np.float32, np.uint16]
+
+
+def test_bf16_deposits_accumulate_in_f32():
+    ranks = range(512)
+    station = FoldStation(ranks)
+    one = bf16(1.0, 1.0)
+    out = None
+    for r in ranks:
+        out = station.deposit(r, 0, 1.0, [one])
+    # 512 x 1.0 is exact in f32 and in bf16; a bf16 accumulator would stall at 256.
+    np.testing.assert_array_equal(widen(out.tensors[0]), [512.0, 512.0])
+
+
+def test_bf16_result_is_rounded_to_nearest_even():
+    station = FoldStation([0, 1])
+    station.deposit(0, 0, 1.0, [bf16(1.0)])
+    out = station.deposit(1, 0, 1.0, [bf16(2.0**-8)])
+    # 1 + 2^-8 is an exact tie between bf16 neighbours 1.0 and 1.0078125: even wins.
+    assert out.tensors[0][0] == 0x3F80
+
+
+def test_f16_deposits_fold_back_to_f16():
+    station = FoldStation([0, 1])
+    station.deposit(0, 0, 1.0, [np.array([1.5, 60000.0], np.float16)])
+    out = station.deposit(1, 0, 1.0, [np.array([0.25, 10000.0], np.float16)])
+    assert out.tensors[0].dtype == np.float16
+    np.testing.assert_array_equal(out.tensors[0], np.array([1.75, np.inf], np.float16))
+
+
+@st.composite
+def fold_cases(draw):
+    n = draw(st.integers(2, 5))
+    values = draw(
+        st.lists(st.lists(st.integers(-32, 32), min_size=3, max_size=3), min_size=n, max_size=n)
+    )
+    masses = draw(st.lists(st.integers(0, 8), min_size=n, max_size=n))
+    dead = draw(st.sets(st.integers(0, n - 1), max_size=n - 1))
+    events = [("deposit", r) for r in range(n) if r not in dead] + [("dead", r) for r in dead]
+    orders = [draw(st.permutations(events)) for _ in range(2)]
+    return values, masses, dead, orders, draw(st.sampled_from(["f32", "bf16"]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(fold_cases())
+def test_fold_is_independent_of_deposit_and_death_order(case):
+    values, masses, dead, orders, dtype = case
+    # Small integers and their sums are exact in f32 and bf16, so every order must give the same bytes.
+    encode = (lambda v: f32(*v)) if dtype == "f32" else (lambda v: bf16(*v))
+    shipped = []
+    for events in orders:
+        station = FoldStation(range(len(values)))
+        outs = [
+            station.deposit(r, 3, float(masses[r]), [encode(values[r])])
+            if kind == "deposit"
+            else station.mark_dead(r)
+            for kind, r in events
+        ]
+        assert outs[:-1] == [None] * (len(outs) - 1)  # exactly the last event completes the round
+        shipped.append(outs[-1])
+    contributors = [r for r in range(len(values)) if r not in dead]
+    for out in shipped:
+        assert out.ranks == tuple(contributors)
+        assert out.mass == sum(masses[r] for r in contributors)
+        got = out.tensors[0] if dtype == "f32" else widen(out.tensors[0])
+        np.testing.assert_array_equal(got, np.sum([values[r] for r in contributors], axis=0))
+    np.testing.assert_array_equal(shipped[0].tensors[0], shipped[1].tensors[0])
+
+
+def test_image_is_allocated_once_and_reused_across_rounds():
+    station = FoldStation([0, 1])
+    station.deposit(0, 0, 1.0, [f32(1, 1)])
+    first = station.deposit(1, 0, 1.0, [f32(2, 2)]).tensors[0]
+    station.deposit(0, 1, 1.0, [f32(5, 5)])
+    second = station.deposit(1, 1, 1.0, [f32(6, 6)]).tensors[0]
+    assert np.shares_memory(first, second)
+    np.testing.assert_array_equal(second, [11, 11])
+
+
+def test_image_promotion_overwrites_the_previous_round_completely():
+    station = FoldStation([0, 1, 2])
+    for r in range(3):
+        station.deposit(r, 0, 1.0, [bf16(100.0)])
+    station.deposit(0, 1, 1.0, [bf16(1.0)])
+    station.mark_dead(2)
+    out = station.deposit(1, 1, 1.0, [bf16(2.0)])
+    np.testing.assert_array_equal(widen(out.tensors[0]), [3.0])
+
+
+def test_rounds_with_different_schemas_each_fold_correctly():
+    station = FoldStation([0, 1])
+    for rnd, make in enumerate([lambda: [f32(1, 2)], lambda: [bf16(1.0)], lambda: [f32(1, 2)]]):
+        station.deposit(0, rnd, 1.0, make())
+        out = station.deposit(1, rnd, 1.0, make())
+        assert out.round_id == rnd
+    np.testing.assert_array_equal(out.tensors[0], [2, 4])
+
+
+def test_counters_track_rounds_deposits_drops_and_bytes():
+    station = FoldStation([0, 1])
+    station.deposit(0, 0, 1.0, [f32(1, 2)])
+    station.deposit(1, 0, 1.0, [f32(1, 2)])
+    station.mark_dead(1)
+    station.deposit(1, 1, 1.0, [f32(1, 2)])
+    station.deposit(0, 1, 1.0, [f32(1, 2)])
+    c = station.counters
+    assert (c.rounds_shipped, c.deposits, c.late_drops, c.bytes_folded) == (2, 3, 1, 24)
+
+
+# --- deaths ---------------------------------------------------------------------------
+
+
+def test_dead_rank_does_not_park_the_fold():
+    station = FoldStation([0, 1])
+    assert station.deposit(1, 0, 1.5, [f32(4)]) is None
+    out = station.mark_dead(0)
+    assert isinstance(out, HostFold)
+    np.testing.assert_array_equal(out.tensors[0], [4])
+    assert (out.mass, out.ranks) == (1.5, (1,))
+
+
+def test_rank_dead_before_the_round_is_out_of_the_barrier():
+    station = FoldStation([0, 1, 2])
+    assert station.mark_dead(2) is None
+    station.deposit(0, 0, 1.0, [f32(1)])
+    out = station.deposit(1, 0, 1.0, [f32(2)])
+    assert out.ranks == (0, 1)
+
+
+def test_work_merged_before_a_death_stays_counted():
+    station = FoldStation([0, 1, 2])
+    station.deposit(0, 0, 2.0, [f32(2)])
+    station.deposit(1, 0, 1.0, [f32(1)])
+    assert station.mark_dead(0) is None  # rank 0 died after depositing
+    out = station.mark_dead(2)
+    np.testing.assert_array_equal(out.tensors[0], [3])
+    assert (out.mass, out.ranks) == (3.0, (0, 1))
+
+
+def test_death_after_the_round_shipped_only_shrinks_the_next_barrier():
+    station = FoldStation([0, 1])
+    station.deposit(0, 0, 1.0, [f32(1)])
+    assert isinstance(station.deposit(1, 0, 1.0, [f32(1)]), HostFold)
+    assert station.mark_dead(1) is None
+    out = station.deposit(0, 1, 1.0, [f32(5)])
+    assert out.verbatim and out.ranks == (0,)
+
+
+def test_mark_dead_is_idempotent():
+    station = FoldStation([0, 1])
+    station.deposit(0, 0, 1.0, [f32(1)])
+    assert isinstance(station.mark_dead(1), HostFold)
+    assert station.mark_dead(1) is None
+    assert station.dead == {1}
+
+
+def test_late_deposit_from_a_dead_rank_is_dropped_and_counted():
+    station = FoldStation([0, 1])
+    station.mark_dead(1)
+    assert station.deposit(1, 0, 1.0, [f32(99)]) is None
+    out = station.deposit(0, 0, 1.0, [f32(1)])
+    np.testing.assert_array_equal(out.tensors[0], [1])
+    assert station.counters.late_drops == 1
+
+
+def test_every_rank_dead_before_any_deposit_ships_nothing():
+    station = FoldStation([0, 1])
+    assert station.mark_dead(0) is None
+    out = station.mark_dead(1)
+    assert isinstance(out, NothingToShip) and "dead" in out.reason
+    assert station.mark_dead(1) is None
+    assert station.counters.rounds_shipped == 0
+
+
+def test_every_rank_dead_after_a_deposit_ships_the_deposit():
+    station = FoldStation([0, 1])
+    station.deposit(0, 0, 1.0, [f32(7)])
+    station.mark_dead(0)
+    out = station.mark_dead(1)
+    assert isinstance(out, HostFold) and out.ranks == (0,)
+    assert isinstance(FoldStation([5]).mark_dead(5), NothingToShip)
+
+
+def test_mark_dead_for_a_foreign_rank_is_refused():
+    with pytest.raises(FoldError, match="not on this host's roster"):
+        FoldStation([0, 1]).mark_dead(9)
+
+
+# --- protocol violations poison the station -------------------------------------------
+
+
+def opened() -> FoldStation:
+    station = FoldStation([0, 1, 2])
+    station.deposit(0, 5, 1.0, [f32(1, 2), bf16(1.0)])
+    return station
+
+
+@pytest.mark.parametrize(
+    ("rank", "round_id", "mass", "tensors", "match"),
+    [
+        (0, 5, 1.0, [f32(1, 2), bf16(1.0)], "deposited twice"),
+        (1, 6, 1.0, [f32(1, 2), bf16(1.0)], "open round is 5"),
+        (1, 5, 1.0, [f32(1, 2)], "carries 1 tensors"),
+        (1, 5, 1.0, [f32(1, 2), f32(1.0)], r"tensor\[1\] is f32, the round's is bf16"),
+        (1, 5, 1.0, [f32(1, 2, 3), bf16(1.0)], r"tensor\[0\] has shape \(3,\)"),
+        (1, 5, 1.0, [np.zeros(2), bf16(1.0)], "float64"),
+        (1, 5, -1.0, [f32(1, 2), bf16(1.0)], "finite and >= 0"),
+        (1, 5, math.nan, [f32(1, 2), bf16(1.0)], "finite and >= 0"),
+        (1, 5, math.inf, [f32(1, 2), bf16(1.0)], "finite and >= 0"),
+        (1, 5, 1e-40, [f32(1, 2), bf16(1.0)], "premultiplied by it in f32"),
+        (1, 5, 1e39, [f32(1, 2), bf16(1.0)], "premultiplied by it in f32"),
+        (7, 5, 1.0, [f32(1, 2), bf16(1.0)], "not on this host's roster"),
+    ],
+)
+def test_protocol_violation_raises_and_poisons_the_round(rank, round_id, mass, tensors, match):
+    station = opened()
+    with pytest.raises(FoldError, match=match):
+        station.deposit(rank, round_id, mass, tensors)
+    assert station.poisoned is not None and station.round_id is None
+    # Nothing the round held ever ships, whatever arrives next.
+    assert station.mark_dead(1) is None and station.mark_dead(2) is None
+    with pytest.raises(FoldError, match="poisoned"):
+        station.deposit(1, 5, 1.0, [f32(1, 2), bf16(1.0)])
+
+
+def test_unsupported_dtype_in_a_first_deposit_is_refused():
+    with pytest.raises(FoldError, match="float64"):
+        FoldStation([0]).deposit(0, 0, 1.0, [np.zeros(3)])
+
+
+def test_stale_round_after_shipping_is_refused():
+    station = FoldStation([0])
+    station.deposit(0, 4, 1.0, [f32(1)])
+    with pytest.raises(FoldError, match="already shipped"):
+        station.deposit(0, 4, 1.0, [f32(1)])
+
+
+def test_zero_mass_deposits_fold_like_any_other():
+    station = FoldStation([0, 1])
+    station.deposit(0, 0, 0.0, [f32(0, 0)])
+    out = station.deposit(1, 0, 0.0, [f32(0, 0)])
+    assert out.mass == 0.0
+    np.testing.assert_array_equal(out.tensors[0], [0, 0])

@@ -1,0 +1,319 @@
+"""The reducer's round ledger (flodl_zmq.reducer.RoundLedger): sum host folds, divide once, never drop a round.
+
+Contract exercised throughout: ranks deposit ``mass * x`` with ``mass``; relays
+sum them (never divide); the ledger divides the total once by the total mass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flodl_zmq.errors import ProtocolError
+from flodl_zmq.fold import FoldStation, HostFold
+from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
+from flodl_zmq.tensors import bf16_from_f32, f32_from_bf16
+
+
+def f32(*values: float) -> np.ndarray:
+    a = np.array(values, np.float32)
+    a.flags.writeable = False
+    return a
+
+
+def bf16(*values: float) -> np.ndarray:
+    return bf16_from_f32(np.array(values, np.float32), np.empty(len(values), np.uint16))
+
+
+def widen(bits: np.ndarray) -> np.ndarray:
+    return f32_from_bf16(bits, np.empty(bits.shape, np.float32))
+
+
+def two_hosts() -> RoundLedger:
+    return RoundLedger({"a": [0, 1], "b": [2]})
+
+
+def test_two_host_average_of_one_round():
+    ledger = RoundLedger({"a": [0], "b": [1]})
+    assert ledger.deposit("a", 0, 1.0, [f32(1, 2, 3)]) is None
+    out = ledger.deposit("b", 0, 1.0, [f32(3, 4, 5)])
+    assert isinstance(out, Reduced)
+    np.testing.assert_array_equal(out.tensors[0], [2, 3, 4])
+    assert (out.round_id, out.mass, out.hosts) == (0, 2.0, ("a", "b"))
+
+
+def test_divides_once_by_the_mass_of_the_accepted_frames_only():
+    ledger = RoundLedger({"a": [0], "b": [1], "c": [2]})
+    ledger.declare_dead(1)
+    ledger.deposit("a", 0, 3.0, [f32(3, 6)])
+    out = ledger.deposit("c", 0, 1.0, [f32(5, 10)])
+    np.testing.assert_array_equal(out.tensors[0], [2, 4])
+    assert out.mass == 4.0
+
+
+def test_zero_mass_round_is_not_divided_and_ships_mass_zero():
+    ledger = two_hosts()
+    ledger.deposit("a", 0, 0.0, [f32(0, 0)])
+    out = ledger.deposit("b", 0, 0.0, [f32(0, 0)])
+    assert out.mass == 0.0
+    np.testing.assert_array_equal(out.tensors[0], [0, 0])
+    assert not np.isnan(out.tensors[0]).any()
+
+
+def test_bf16_round_is_reduced_in_f32_and_encoded_in_bf16():
+    ledger = two_hosts()
+    ledger.deposit("a", 0, 3.0, [bf16(6, 12)])
+    out = ledger.deposit("b", 0, 1.0, [bf16(4, 8)])
+    assert out.tensors[0].dtype == np.uint16
+    np.testing.assert_array_equal(widen(out.tensors[0]), [2.5, 5.0])
+
+
+def test_f16_round_is_encoded_in_f16():
+    ledger = two_hosts()
+    ledger.deposit("a", 0, 1.0, [np.array([1.0], np.float16)])
+    out = ledger.deposit("b", 0, 1.0, [np.array([2.0], np.float16)])
+    assert out.tensors[0].dtype == np.float16 and out.tensors[0][0] == 1.5
+
+
+def weighted_round(dtype: str, seed: int) -> tuple[Reduced, np.ndarray]:
+    """2 hosts x 2 ranks, each rank premultiplying its tensor by its mass; returns (consensus, f64 reference)."""
+    rng = np.random.default_rng(seed)
+    xs = [rng.uniform(0.5, 2.0, 1000) for _ in range(4)]
+    masses = [3.0, 1.0, 0.5, 7.0]
+    hosts = {"h0": [0, 1], "h1": [2, 3]}
+    ledger = RoundLedger(hosts)
+    out = None
+    for host, ranks in hosts.items():
+        station = FoldStation(ranks)
+        fold = None
+        for r in ranks:
+            scaled = (masses[r] * xs[r]).astype(np.float32)
+            if dtype == "bf16":
+                scaled = bf16_from_f32(scaled, np.empty(scaled.shape, np.uint16))
+            fold = station.deposit(r, 9, masses[r], [scaled])
+        assert isinstance(fold, HostFold)
+        out = ledger.deposit(host, 9, fold.mass, list(fold.tensors))
+    reference = sum(m * x for m, x in zip(masses, xs, strict=True)) / sum(masses)
+    return out, reference
+
+
+def test_two_hosts_of_two_ranks_give_the_weighted_mean_in_f32():
+    out, reference = weighted_round("f32", seed=1)
+    assert out.mass == 11.5
+    assert np.max(np.abs(out.tensors[0] - reference) / np.abs(reference)) < 1e-6
+
+
+def test_two_hosts_of_two_ranks_give_the_weighted_mean_within_bf16_precision():
+    out, reference = weighted_round("bf16", seed=2)
+    got = widen(out.tensors[0])
+    # Three bf16 roundings (rank deposit, host fold, consensus), each within half an ulp,
+    # i.e. 2^-8 relative; positive terms cannot cancel, so the errors add at most.
+    assert np.all(np.abs(got - reference) <= np.abs(reference) * 3 * 2.0**-8 + 1e-6)
+    f32_out, _ = weighted_round("f32", seed=2)
+    assert np.all(np.abs(got - f32_out.tensors[0]) <= np.abs(f32_out.tensors[0]) * 3 * 2.0**-8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(0, 2), min_size=1, max_size=6),
+    st.lists(st.one_of(st.just(0.0), st.floats(1e-3, 4.0)), min_size=6, max_size=6),
+    st.integers(0, 2**16),
+)
+def test_host_folds_then_reduce_match_a_flat_reduce(placement, masses, seed):
+    rng = np.random.default_rng(seed)
+    n = len(placement)
+    xs = [rng.uniform(-1.0, 1.0, 16).astype(np.float32) for _ in range(n)]
+    hosts: dict[str, list[int]] = {}
+    for r, h in enumerate(placement):
+        hosts.setdefault(f"h{h}", []).append(r)
+    ledger = RoundLedger(hosts)
+    out = None
+    for host, ranks in hosts.items():
+        station = FoldStation(ranks)
+        for r in ranks:
+            fold = station.deposit(r, 0, masses[r], [(masses[r] * xs[r]).astype(np.float32)])
+        out = ledger.deposit(host, 0, fold.mass, list(fold.tensors))
+    total = sum(masses[:n])
+    flat = sum(np.float64(masses[r]) * xs[r] for r in range(n))
+    assert math.isclose(out.mass, total, rel_tol=1e-12)
+    if total > 0:
+        flat = flat / total
+    np.testing.assert_allclose(out.tensors[0], flat, rtol=1e-5, atol=1e-6)
+
+
+# --- the expected set, deaths and forwarding -----------------------------------------
+
+
+def test_host_with_a_live_rank_is_still_expected():
+    ledger = two_hosts()
+    ledger.declare_dead(0)
+    assert ledger.expected_hosts() == {"a", "b"}
+    assert ledger.deposit("b", 0, 1.0, [f32(1)]) is None
+    assert isinstance(ledger.deposit("a", 0, 1.0, [f32(3)]), Reduced)
+
+
+def test_death_of_a_host_last_rank_completes_the_round():
+    ledger = two_hosts()
+    ledger.deposit("b", 0, 2.0, [f32(4)])
+    ledger.declare_dead(0)
+    declared = ledger.declare_dead(1)
+    assert declared.forward_to == "a"
+    assert isinstance(declared.outcome, Reduced)
+    np.testing.assert_array_equal(declared.outcome.tensors[0], [2])
+
+
+def test_host_that_deposited_then_died_stays_counted():
+    ledger = two_hosts()
+    ledger.deposit("a", 0, 1.0, [f32(2)])
+    ledger.declare_dead(0)
+    assert ledger.declare_dead(1).outcome is None  # b still expected
+    out = ledger.deposit("b", 0, 1.0, [f32(4)])
+    assert out.hosts == ("a", "b") and out.mass == 2.0
+    np.testing.assert_array_equal(out.tensors[0], [3])
+
+
+def test_each_death_is_forwarded_exactly_once():
+    ledger = two_hosts()
+    first = ledger.declare_dead(2)
+    again = ledger.declare_dead(2)
+    assert (first.rank, first.forward_to) == (2, "b")
+    assert (again.forward_to, again.outcome) == (None, None)
+    assert ledger.is_dead(2) and not ledger.is_dead(0)
+    assert ledger.dead == {2}
+
+
+def test_declaring_an_unknown_rank_dead_is_refused():
+    with pytest.raises(ProtocolError, match="rank 9"):
+        two_hosts().declare_dead(9)
+
+
+def test_every_host_dead_abandons_the_open_round_with_a_reason():
+    ledger = two_hosts()
+    ledger.deposit("a", 4, 1.0, [f32(1)])
+    assert ledger.declare_dead(0).outcome is None
+    assert ledger.declare_dead(1).outcome is None  # b is still expected
+    out = ledger.declare_dead(2).outcome
+    assert isinstance(out, Abandoned) and out.round_id == 4 and "dead" in out.reason
+    assert ledger.counters.rounds_abandoned == 1 and ledger.round_id is None
+    gone = ledger.recover(4)
+    assert isinstance(gone, Gone) and "abandoned" in gone.reason
+
+
+def test_every_host_dead_between_rounds_is_reported_once():
+    ledger = RoundLedger({"a": [0], "b": [1]})
+    assert ledger.declare_dead(0).outcome is None
+    out = ledger.declare_dead(1).outcome
+    assert isinstance(out, Abandoned) and out.round_id is None
+    assert ledger.declare_dead(1).outcome is None
+    assert ledger.deposit("a", 0, 1.0, [f32(1)]) is None
+    assert ledger.counters.dead_host_drops == 1
+
+
+# --- late and bad frames ---------------------------------------------------------------
+
+
+def test_frame_from_a_host_whose_ranks_are_all_dead_is_dropped_and_counted():
+    ledger = two_hosts()
+    ledger.declare_dead(2)
+    assert ledger.deposit("b", 0, 1.0, [f32(100)]) is None
+    out = ledger.deposit("a", 0, 1.0, [f32(1)])
+    np.testing.assert_array_equal(out.tensors[0], [1])
+    assert ledger.counters.dead_host_drops == 1
+
+
+def test_frame_for_a_finished_round_is_dropped_and_counted():
+    ledger = two_hosts()
+    ledger.deposit("a", 0, 1.0, [f32(1)])
+    ledger.deposit("b", 0, 1.0, [f32(1)])
+    assert ledger.deposit("b", 0, 1.0, [f32(1)]) is None
+    assert ledger.counters.late_drops == 1 and ledger.round_id is None
+
+
+@pytest.mark.parametrize(
+    ("host", "round_id", "mass", "tensors", "match"),
+    [
+        ("a", 0, 1.0, [f32(1, 2)], "second frame"),
+        ("b", 1, 1.0, [f32(1, 2)], "round 0 is still open"),
+        ("z", 0, 1.0, [f32(1, 2)], "unknown host"),
+        ("b", 0, 1.0, [f32(1, 2), f32(1)], "carries 2 tensors"),
+        ("b", 0, 1.0, [bf16(1, 2)], "is bf16, the round's is f32"),
+        ("b", 0, 1.0, [f32(1, 2, 3)], "has shape"),
+        ("b", 0, -0.5, [f32(1, 2)], "finite and >= 0"),
+        ("b", 0, math.nan, [f32(1, 2)], "finite and >= 0"),
+        ("b", 0, 1e-87, [f32(1, 2)], "premultiplied by it in f32"),
+    ],
+)
+def test_protocol_violation_raises_and_changes_nothing(host, round_id, mass, tensors, match):
+    ledger = two_hosts()
+    ledger.deposit("a", 0, 1.0, [f32(2, 4)])
+    with pytest.raises(ProtocolError, match=match):
+        ledger.deposit(host, round_id, mass, tensors)
+    out = ledger.deposit("b", 0, 1.0, [f32(4, 8)])
+    np.testing.assert_array_equal(out.tensors[0], [3, 6])
+    assert out.mass == 2.0 and ledger.counters.frames == 2
+
+
+def test_unsupported_dtype_in_a_first_frame_is_refused():
+    with pytest.raises(ProtocolError, match="float64"):
+        two_hosts().deposit("a", 0, 1.0, [np.zeros(2)])
+
+
+@pytest.mark.parametrize(
+    ("hosts", "match"),
+    [
+        ({"a": [0, 1], "b": [1]}, "rank 1 is announced by hosts"),
+        ({"a": []}, "no ranks"),
+        ({}, "at least one host"),
+    ],
+)
+def test_inconsistent_host_rosters_are_refused(hosts, match):
+    with pytest.raises(ProtocolError, match=match):
+        RoundLedger(hosts)
+
+
+# --- recovery of the latest consensus -----------------------------------------------
+
+
+def test_latest_consensus_is_recoverable_by_round_id():
+    ledger = two_hosts()
+    assert isinstance(ledger.recover(0), Gone)
+    ledger.deposit("a", 0, 1.0, [f32(1)])
+    out = ledger.deposit("b", 0, 1.0, [f32(3)])
+    assert ledger.recover(0) is out
+    future = ledger.recover(1)
+    assert isinstance(future, Gone) and future.latest == 0 and "not been reduced" in future.reason
+
+
+def test_older_consensus_is_reported_gone_with_the_latest_round():
+    ledger = two_hosts()
+    for rnd in range(2):
+        ledger.deposit("a", rnd, 1.0, [f32(1)])
+        ledger.deposit("b", rnd, 1.0, [f32(1)])
+    gone = ledger.recover(0)
+    assert isinstance(gone, Gone) and gone.latest == 1 and "superseded" in gone.reason
+
+
+@pytest.mark.parametrize("encode", [f32, bf16])
+def test_latest_consensus_survives_while_the_next_round_accumulates(encode):
+    ledger = two_hosts()
+    ledger.deposit("a", 0, 1.0, [encode(2, 2)])
+    first = ledger.deposit("b", 0, 1.0, [encode(4, 4)])
+    snapshot = first.tensors[0].copy()
+    ledger.deposit("a", 1, 1.0, [encode(100, 100)])
+    np.testing.assert_array_equal(ledger.recover(0).tensors[0], snapshot)
+
+
+def test_buffers_are_reused_across_rounds_of_one_schema():
+    ledger = two_hosts()
+    outs = []
+    for rnd in range(2):
+        ledger.deposit("a", rnd, 1.0, [f32(rnd, rnd)])
+        outs.append(ledger.deposit("b", rnd, 1.0, [f32(rnd, rnd)]))
+    assert np.shares_memory(outs[0].tensors[0], outs[1].tensors[0])
+    np.testing.assert_array_equal(outs[1].tensors[0], [1, 1])
+    c = ledger.counters
+    assert (c.frames, c.rounds_reduced, c.bytes_reduced) == (4, 2, 32)
