@@ -1,6 +1,14 @@
 """The authenticated msgpack wire: records, framing, MAC (normative spec: protocol/PROTOCOL.md)."""
 
-from flodl_zmq.wire.codec import DTYPES, PROTOCOL_VERSION, RUN_ID_BYTES, Codec, Envelope, Limits, tensor_view
+from flodl_zmq.wire.codec import (
+    DTYPES,
+    PROTOCOL_VERSION,
+    RUN_ID_BYTES,
+    Codec,
+    Envelope,
+    Limits,
+    tensor_view,
+)
 from flodl_zmq.wire.mac import KEY_BYTES, compute_mac, key_from_hex, new_key, verify_mac
 from flodl_zmq.wire.records import REGISTRY, Channel, EpochPlan
 

@@ -391,9 +391,15 @@ class JoinHello:
 
 @record("join.accept", J)
 class JoinAccept:
+    """Admitted: `run_id` keys every later frame of this link to the run (with the session key).
+
+    `session_key` travels only under open admission; a pre-shared key is never resent.
+    """
+
     ranks: list[int]
     session_key: bytes | None
     formation_wait_s: float
+    run_id: bytes
 
 
 @record("join.reject", J)
@@ -418,6 +424,11 @@ class RankExited:
 @record("join.abort", J)
 class Abort:
     reason: str
+
+
+@record("join.heartbeat", J)
+class JoinHeartbeat:
+    """Liveness on an admitted join link, both ways: ZeroMQ will not report a vanished peer."""
 
 
 # --------------------------------------------------------------------------- field validation

@@ -1,0 +1,18 @@
+# One image for every role: the controller and each worker host run it with a
+# different command (see docker-compose.yml). CPU-only torch keeps it small;
+# for GPU hosts, base it on an image with CUDA and a CUDA build of torch.
+FROM python:3.12-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.2"
+COPY pyproject.toml README.md ./
+COPY flodl_zmq ./flodl_zmq
+RUN pip install ".[demo]"
+
+# The controller's base port and the three after it (control, data, broadcast, join).
+EXPOSE 7300-7303
+CMD ["flodl-zmq", "--help"]

@@ -1,0 +1,573 @@
+"""The worker agent: the one process a worker host starts.
+
+It dials the controller's join endpoint, joins, waits for the world to form,
+then spawns this host's relay and one rank process per device, all running
+the controller's program with their role in the environment
+(flodl_zmq/environment.py), and supervises them until the run ends.
+
+Rules this module keeps:
+
+- **No CUDA here.** Devices come from `CUDA_VISIBLE_DEVICES` and
+  `nvidia-smi -L`, never from torch: the agent never trains, and a CUDA
+  context in the parent would hold memory on every GPU for the whole run.
+  Without GPUs it offers a configured number of CPU slots.
+- **Every wait is bounded.** The reply to the hello by `reply_timeout_s`;
+  world formation by the budget the controller announced plus a margin; the
+  controller's liveness by its heartbeats (`silence_s`), because ZeroMQ does
+  not report a vanished peer.
+- **Every rank exit is reported upstream at once** (`RankExited`, code
+  negative for the killing signal): it is the controller's fast path to
+  declaring a rank dead, seconds before heartbeats would.
+- **Exit code contract.** 0 when the agent did its job: children spawned,
+  every exit reported, all reaped, even if some ranks failed (a rank loss is
+  a membership event the controller already knows, not a host failure).
+  1 for host-level faults: the controller aborted the run, the controller
+  went silent while ranks ran, the relay died under running ranks, or the
+  agent was told to stop. A refused or failed join raises MembershipError.
+- Children run in their own process groups so a teardown reaches their
+  helpers (data loader workers) too: SIGTERM first, SIGKILL after a grace.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import IO, Any
+
+import zmq
+
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
+from flodl_zmq.membership import (
+    JOIN_RUN_ID,
+    MAX_DEVICES_PER_HOST,
+    OPEN_JOIN_KEY,
+    SpawnSpec,
+    is_private_address,
+)
+from flodl_zmq.wire import PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec, key_from_hex
+from flodl_zmq.wire.mac import check_key
+from flodl_zmq.wire.records import (
+    Abort,
+    JoinAccept,
+    JoinHeartbeat,
+    JoinHello,
+    JoinReject,
+    RankExited,
+    WorldFormed,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+# Variables of the contract that are tunables, not identity: the controller's
+# SpawnSpec.env may set them for every child.
+TUNABLES = ("FLODL_SLOWDOWN", "FLODL_STARTUP_TIMEOUT")
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def parse_nvidia_smi(text: str) -> list[tuple[str, str]]:
+    """`nvidia-smi -L` output -> [(index, uuid)]."""
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"\s*GPU\s+(\d+):.*?\(UUID:\s*([^)\s]+)\)", line)
+        if m:
+            out.append((m.group(1), m.group(2)))
+    return out
+
+
+def cuda_devices(environ: Mapping[str, str], smi_output: str | None) -> list[str]:
+    """The CUDA devices this host offers, as `cuda:ID` (ID as CUDA_VISIBLE_DEVICES names it).
+
+    `smi_output` is `nvidia-smi -L`'s output, None when it is missing or
+    failed (no driver: no GPUs). CUDA_VISIBLE_DEVICES, when set, restricts the
+    GPUs to the ones it lists that nvidia-smi sees, by index or UUID.
+    """
+    gpus = parse_nvidia_smi(smi_output or "")
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [f"cuda:{index}" for index, _ in gpus]
+    out = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if any(entry == index or (len(entry) > 4 and uuid.startswith(entry)) for index, uuid in gpus):
+            out.append(f"cuda:{entry}")
+        else:
+            break  # CUDA ignores everything from the first invalid entry on
+    return out
+
+
+def run_nvidia_smi() -> str | None:
+    try:
+        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def resolve_devices(
+    explicit: list[str] | None, cpu_slots: int, environ: Mapping[str, str], smi_output: str | None
+) -> tuple[str, ...]:
+    """The devices to offer: `explicit`, else the CUDA devices, else `cpu_slots` CPU slots."""
+    if explicit:
+        bad = [d for d in explicit if not re.fullmatch(r"cuda:[\w-]+|cpu:\d+", d)]
+        if bad:
+            raise ConfigError(f"devices {bad} are not cuda:ID or cpu:N (e.g. --devices cuda:0,cuda:1)")
+        devices = tuple(explicit)
+    else:
+        devices = tuple(cuda_devices(environ, smi_output)) or tuple(f"cpu:{i}" for i in range(cpu_slots))
+    if not devices:
+        raise ConfigError("this host has no GPUs and --cpu-slots is 0: give it at least one CPU slot")
+    if len(devices) > MAX_DEVICES_PER_HOST or len(set(devices)) != len(devices):
+        raise ConfigError(f"devices must be distinct and at most {MAX_DEVICES_PER_HOST}: {list(devices)[:8]}")
+    return devices
+
+
+def device_env(device: str) -> dict[str, str]:
+    """Pin a child to its device: a rank on `cuda:ID` sees only that GPU; a CPU slot sees none."""
+    kind, _, ident = device.partition(":")
+    return {"CUDA_VISIBLE_DEVICES": ident if kind == "cuda" else ""}
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """One worker host.
+
+    `key`: the pre-shared session key, or None for open admission (the key
+    then arrives in the accept). `devices`: from `resolve_devices`.
+    """
+
+    controller: ControllerAddress
+    host: str
+    devices: tuple[str, ...]
+    key: bytes | None = None
+    dataset_sig: bytes = bytes(32)
+    model_sig: bytes | None = None
+    reply_timeout_s: float = 30.0
+    formation_margin_s: float = 10.0
+    heartbeat_s: float = 1.0
+    silence_s: float = 10.0
+    kill_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.key is not None:
+            check_key(self.key)
+        if not self.host.strip():
+            raise ConfigError("the agent needs a host name (--host, default: this machine's hostname)")
+        if len(self.dataset_sig) != 32:
+            raise ConfigError("dataset signature must be 32 bytes (64 hex characters)")
+        for name in ("reply_timeout_s", "heartbeat_s", "silence_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 (got {getattr(self, name)})")
+        if self.silence_s <= self.heartbeat_s:
+            raise ConfigError(f"silence_s ({self.silence_s}) must exceed heartbeat_s ({self.heartbeat_s})")
+
+
+@dataclass(frozen=True)
+class Joined:
+    """An admitted host in a formed world."""
+
+    ranks: tuple[int, ...]
+    session_key: bytes
+    run_id: bytes
+    world_size: int
+    spawn: SpawnSpec
+
+
+# --------------------------------------------------------------------------- the agent
+
+
+@dataclass
+class _Child:
+    label: str
+    rank: int | None  # None: the relay
+    proc: subprocess.Popen
+    forwarders: list[threading.Thread]
+
+
+class Agent:
+    """Join the controller's world, then run and supervise this host's processes.
+
+    `join()` performs the join protocol (see membership.MembershipService);
+    `run()` is join + spawn + supervise and returns the exit code. `stop(reason)`
+    may be called from any thread or a signal handler: it tears the host down.
+    """
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        context: zmq.Context | None = None,
+        out: IO[str] | None = None,
+        python: str = sys.executable,
+    ):
+        self.config = config
+        self.python = python
+        self._out = out or sys.stdout
+        self._out_lock = threading.Lock()
+        self._stop_reason: str | None = None
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        # A fixed routing id survives reconnects, so the controller still knows
+        # this link after a network blip (its ROUTER hands the id over).
+        self._sock.setsockopt(zmq.ROUTING_ID, b"A" + os.urandom(15))
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._codec = Codec(config.key or OPEN_JOIN_KEY, JOIN_RUN_ID, config.host)
+        self._last_heard = 0.0
+        self._next_beat = 0.0
+
+    def stop(self, reason: str) -> None:
+        if self._stop_reason is None:
+            self._stop_reason = reason
+
+    def close(self) -> None:
+        self._sock.close()
+
+    # ------------------------------------------------------------------ join
+
+    def join(self) -> Joined:
+        """Dial, send the hello, and wait for admission and then the formed world."""
+        cfg = self.config
+        endpoint = cfg.controller.endpoint(Channel.JOIN)
+        _warn_if_cleartext_public(cfg.controller.host)
+        self._sock.connect(endpoint)
+        hello = JoinHello(cfg.host, list(cfg.devices), cfg.dataset_sig, PROTOCOL_VERSION, cfg.model_sig)
+        log.info(
+            "host %r dialing %s with %d device(s) %s (admission: %s)",
+            cfg.host, endpoint, len(cfg.devices), list(cfg.devices), "pre-shared key" if cfg.key else "open",
+        )
+        self._send(hello)
+        reply = self._receive(time.monotonic() + cfg.reply_timeout_s, before_admission=True)
+        if reply is None:
+            raise MembershipError(
+                f"no reply from the controller at {cfg.controller} within {cfg.reply_timeout_s:g} s: it is "
+                "not running or not reachable, or it dropped our hello because its key differs from ours "
+                "(FLODL_KEY must be the same on every host; an open-admission controller takes no key)"
+            )
+        if isinstance(reply, JoinReject):
+            raise MembershipError(f"join REJECTED by the controller: {reply.reason}")
+        if not isinstance(reply, JoinAccept):
+            raise MembershipError(f"expected join.accept or join.reject, got {reply.KIND}: controller bug")
+        key = cfg.key or reply.session_key
+        if key is None:
+            raise MembershipError(
+                "the controller admitted us without a session key: controller and worker disagree on the "
+                "trust mode (give both the same FLODL_KEY, or neither)"
+            )
+        if len(reply.run_id) != RUN_ID_BYTES or len(reply.ranks) != len(cfg.devices):
+            raise MembershipError(
+                f"malformed accept ({len(reply.ranks)} ranks for {len(cfg.devices)} devices): protocol violation"
+            )
+        log.info(
+            "joined as rank(s) %s; waiting for the world to form (up to %.0f s)",
+            reply.ranks, reply.formation_wait_s,
+        )
+        self._codec = Codec(check_key(key), reply.run_id, cfg.host)
+        self._last_heard = time.monotonic()
+        deadline = self._last_heard + reply.formation_wait_s + cfg.formation_margin_s
+        formed = self._receive(deadline, before_admission=False)
+        if formed is None:
+            raise MembershipError(
+                f"the world did not form within the announced {reply.formation_wait_s:.0f} s "
+                f"(+{cfg.formation_margin_s:g} s margin), or the controller went silent: is it still running?"
+            )
+        if isinstance(formed, Abort):
+            raise MembershipError(f"run aborted before world formation: {formed.reason}")
+        if not isinstance(formed, WorldFormed):
+            raise MembershipError(f"expected join.world_formed or join.abort, got {formed.KIND}: controller bug")
+        spawn = SpawnSpec.from_json(formed.spawn_json)
+        if tuple(spawn.world.get(cfg.host, ())) != tuple(reply.ranks) or formed.world_size != sum(
+            map(len, spawn.world.values())
+        ):
+            raise MembershipError(
+                f"formed world {spawn.world} of size {formed.world_size} disagrees with our ranks "
+                f"{reply.ranks}: protocol violation"
+            )
+        return Joined(tuple(reply.ranks), key, reply.run_id, formed.world_size, spawn)
+
+    def _receive(self, deadline: float, *, before_admission: bool) -> Any:
+        """The next meaningful record before `deadline` (None: timed out or controller silent).
+
+        After admission, heartbeats are answered in kind and only reset the
+        silence clock; a frame that fails verification is logged and skipped.
+        """
+        while True:
+            now = time.monotonic()
+            if now >= deadline or self._stop_reason is not None:
+                return None
+            if not before_admission:
+                if now - self._last_heard > self.config.silence_s:
+                    log.error("controller silent for %.0f s while the world forms", now - self._last_heard)
+                    return None
+                self._beat(now)
+            if not self._sock.poll(int(min(POLL_S, deadline - now) * 1000) + 1):
+                continue
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                env = self._codec.decode(frames, Channel.JOIN)
+            except VersionError as exc:
+                raise MembershipError(f"join refused: {exc}") from None
+            except WireError as exc:
+                log.warning("join frame from the controller dropped: %s", exc)
+                continue
+            self._last_heard = time.monotonic()
+            if not isinstance(env.record, JoinHeartbeat):
+                return env.record
+
+    def _beat(self, now: float) -> None:
+        if now >= self._next_beat:
+            self._next_beat = now + self.config.heartbeat_s
+            self._send(JoinHeartbeat())
+
+    def _send(self, rec: Any) -> None:
+        try:
+            self._sock.send_multipart(self._codec.encode(rec, channel=Channel.JOIN), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("could not send %s to the controller (link congested or down)", rec.KIND)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> int:
+        """Join, spawn, supervise; the exit code (see the module docstring). Join failures raise."""
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, lambda s, _f: self.stop(f"agent received {signal.Signals(s).name}"))
+        try:
+            joined = self.join()
+            children = self._spawn(joined)
+            return self._supervise(children)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def child_environ(self, joined: Joined, role: str, rank: int | None, local_rank: int | None) -> dict[str, str]:
+        """The environment of one child: ours, the run's tunables, then its identity."""
+        identity = ProcessEnv(
+            role=role,
+            controller=self.config.controller,  # the address our own join provably reached
+            key=joined.session_key,
+            run_id=joined.run_id,
+            world=joined.spawn.world,
+            host=self.config.host,
+            rank=rank,
+            local_rank=local_rank,
+        ).to_environ()
+        for name in TUNABLES:
+            identity.pop(name)
+        # Unbuffered, so forwarded lines arrive as they are printed, not when a buffer fills.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **joined.spawn.env, **identity}
+        if local_rank is not None:
+            env.update(device_env(self.config.devices[local_rank]))
+        return env
+
+    def _spawn(self, joined: Joined) -> list[_Child]:
+        """Relay first (ranks dial its local sockets), then one rank per device; all or nothing."""
+        host = self.config.host
+        plan: list[tuple[str, int | None, dict[str, str]]] = [
+            (f"{host}:relay", None, self.child_environ(joined, "relay", None, None))
+        ]
+        for local, (rank, device) in enumerate(zip(joined.ranks, self.config.devices, strict=True)):
+            label = f"{host}:{device.replace(':', '')}:r{rank}"
+            plan.append((label, rank, self.child_environ(joined, "rank", rank, local)))
+        children: list[_Child] = []
+        try:
+            for label, rank, env in plan:
+                proc = subprocess.Popen(
+                    [self.python, *joined.spawn.argv],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+                forwarders = [self._forward(proc.stdout, f"[{label}] "), self._forward(proc.stderr, f"[{label}] ")]
+                children.append(_Child(label, rank, proc, forwarders))
+        except OSError as exc:
+            for c in children:
+                _signal_group(c.proc, signal.SIGKILL)
+                c.proc.wait()
+            raise MembershipError(f"could not start {joined.spawn.argv[0]!r} with {self.python}: {exc}") from None
+        log.info("host %r running relay + ranks %s of a %d-rank world", host, list(joined.ranks), joined.world_size)
+        return children
+
+    def _forward(self, pipe: IO[bytes] | None, prefix: str) -> threading.Thread:
+        def pump() -> None:
+            assert pipe is not None
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                with self._out_lock:
+                    self._out.write(f"{prefix}{line}\n")
+                    self._out.flush()
+            pipe.close()
+
+        t = threading.Thread(target=pump, name=f"forward {prefix}", daemon=True)
+        t.start()
+        return t
+
+    def _supervise(self, children: list[_Child]) -> int:
+        cfg, host = self.config, self.config.host
+        live = list(children)
+        teardown: str | None = None  # why the host is being torn down
+        fault = False  # a host-level fault: exit 1
+        kill_at = 0.0
+        failures = 0
+        self._last_heard = time.monotonic()
+        while live:
+            now = time.monotonic()
+            ranks_live = any(c.rank is not None for c in live)
+            why = self._stop_reason or self._poll_controller(now)
+            if why is not None and teardown is None:
+                teardown, kill_at = why, now + cfg.kill_grace_s
+                # The controller vanishing after every rank exited is just the end of the run.
+                fault = fault or ranks_live or self._stop_reason is not None
+                log.error("tearing down host %r (%s); stopping %d process(es)", host, why, len(live))
+                for c in live:
+                    _signal_group(c.proc, signal.SIGTERM)
+            elif teardown is not None and now >= kill_at:
+                for c in live:
+                    _signal_group(c.proc, signal.SIGKILL)
+            for c in list(live):
+                code = c.proc.poll()
+                if code is None:
+                    continue
+                live.remove(c)
+                if c.rank is not None:
+                    if code != 0:
+                        failures += 1
+                        log.warning("%s exited with code %d", c.label, code)
+                    # The controller's fast path to declaring this rank dead.
+                    self._send(RankExited(c.rank, code))
+                    if not any(x.rank is not None for x in live) and teardown is None:
+                        teardown, kill_at = "every rank exited", now + cfg.kill_grace_s
+                        for x in live:  # the relay has nothing left to serve
+                            _signal_group(x.proc, signal.SIGTERM)
+                elif code != 0 and teardown is None and any(x.rank is not None for x in live):
+                    # The ranks just lost their only path to the controller.
+                    teardown, kill_at, fault = f"relay died with code {code} under running ranks", now + cfg.kill_grace_s, True
+                    log.error("tearing down host %r: %s", host, teardown)
+                    for x in live:
+                        _signal_group(x.proc, signal.SIGTERM)
+            if live:
+                time.sleep(POLL_S)
+        for c in children:
+            for t in c.forwarders:
+                t.join(timeout=2.0)
+        if fault:
+            log.error("host %r torn down: %s", host, teardown)
+            return 1
+        if failures:
+            log.warning("host %r finished DEGRADED: %d rank(s) exited non-zero (reported)", host, failures)
+        else:
+            log.info("host %r finished cleanly", host)
+        return 0
+
+    def _poll_controller(self, now: float) -> str | None:
+        """Drain the join link; the reason to tear down, if the controller gave one or went silent."""
+        self._beat(now)
+        while self._sock.poll(0):
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                env = self._codec.decode(frames, Channel.JOIN)
+            except WireError as exc:
+                log.warning("join frame from the controller dropped: %s", exc)
+                continue
+            self._last_heard = now
+            if isinstance(env.record, Abort):
+                return f"the controller aborted the run: {env.record.reason}"
+        if now - self._last_heard > self.config.silence_s:
+            return f"controller silent for {now - self._last_heard:.0f} s (gone, or the link is cut)"
+        return None
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _warn_if_cleartext_public(host: str) -> None:
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return  # the dial itself will fail loudly
+    public = [a for a in addresses if not is_private_address(a)]
+    if public:
+        log.warning(
+            "the controller %s resolves to public address(es) %s and this link is not encrypted: "
+            "records are authenticated but readable on the way; use a VPN or SSH tunnel",
+            host, public,
+        )
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_command(sub: Any) -> None:
+    """Register `flodl-zmq agent` on the sub-command parser."""
+    p = sub.add_parser(
+        "agent",
+        help="join a controller's run as a worker host and run its ranks",
+        description=(
+            "Dial the controller's join endpoint (PORT+3), join its run, then start this host's relay and one "
+            "rank per device running the controller's program. The session key comes from FLODL_KEY (64 hex "
+            "characters, the controller's); without it the agent asks for open admission, which a controller "
+            "allows only on loopback or private networks. Exit status: 0 when the host did its part (even if a "
+            "rank failed), 1 when the host was torn down, 2 when the join was refused or failed."
+        ),
+    )
+    p.add_argument("--controller", default=os.environ.get("FLODL_CONTROLLER"),
+                   help="controller address HOST:PORT (env FLODL_CONTROLLER)")
+    p.add_argument("--host", default=os.environ.get("FLODL_AGENT_HOST") or socket.gethostname(),
+                   help="this host's member name, unique in the run (env FLODL_AGENT_HOST; default: hostname)")
+    p.add_argument("--devices", help="devices to offer, e.g. cuda:0,cuda:1 or cpu:0,cpu:1 (default: every GPU "
+                                     "nvidia-smi and CUDA_VISIBLE_DEVICES allow, else --cpu-slots)")
+    p.add_argument("--cpu-slots", type=int, default=int(os.environ.get("FLODL_CPU_SLOTS", "1")),
+                   help="ranks to run on a host without GPUs (env FLODL_CPU_SLOTS; default 1)")
+    p.add_argument("--dataset-sig", help="the dataset signature, 64 hex characters (default: none)")
+    p.add_argument("--join-timeout", type=float, default=30.0,
+                   help="seconds to wait for the controller's answer to the hello (default 30)")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="seconds of controller silence that tear this host down (default 10)")
+    p.set_defaults(func=_agent_command)
+
+
+def _agent_command(args: Any) -> int:
+    if not args.controller:
+        raise ConfigError("the agent needs the controller's address: --controller HOST:PORT (or FLODL_CONTROLLER)")
+    logging.basicConfig(level=logging.INFO, format=f"[{args.host}:agent] %(levelname)s %(message)s")
+    key_hex = os.environ.get("FLODL_KEY", "").strip()
+    try:
+        sig = bytes.fromhex(args.dataset_sig) if args.dataset_sig else bytes(32)
+    except ValueError:
+        raise ConfigError("--dataset-sig must be 64 hex characters") from None
+    explicit = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    config = AgentConfig(
+        controller=ControllerAddress.parse(args.controller),
+        host=args.host,
+        devices=resolve_devices(explicit, args.cpu_slots, os.environ, None if explicit else run_nvidia_smi()),
+        key=key_from_hex(key_hex) if key_hex else None,
+        dataset_sig=sig,
+        reply_timeout_s=args.join_timeout,
+        silence_s=args.heartbeat_timeout,
+    )
+    agent = Agent(config)
+    try:
+        return agent.run()
+    finally:
+        agent.close()

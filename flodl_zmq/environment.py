@@ -1,0 +1,148 @@
+"""The FLODL_* environment contract: how a spawned process learns its role.
+
+Whoever starts the processes (the local launcher, an agent, a compose file)
+runs the same user script in every one of them and sets:
+
+    FLODL_ROLE        controller | relay | rank (unset: train in this process alone)
+    FLODL_CONTROLLER  the controller address HOST:PORT (it binds PORT..PORT+3)
+    FLODL_KEY         the 32-byte session key, 64 hex characters (`flodl-zmq keygen`)
+    FLODL_RUN_ID      the run id, 32 hex characters (binds every record to this run)
+    FLODL_WORLD       the world: HOST=RANK,RANK;HOST=RANK,... (e.g. h0=0,1;h1=2,3)
+    FLODL_HOST        relay and rank: the host this process belongs to
+    FLODL_RANK        rank: its global rank
+    FLODL_LOCAL_RANK  rank: its index on the host (picks cuda:LOCAL_RANK when CUDA is present)
+    FLODL_SLOWDOWN    rank, optional: emulate slower hardware by this factor (default 1)
+    FLODL_STARTUP_TIMEOUT  controller, optional: seconds to wait for every rank's hello (default 120)
+
+Rules this module keeps: the contract is parsed in one place, every variable
+is checked, and an error names the variable and the fix. `to_environ` is the
+exact inverse of `from_environ`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.errors import ConfigError
+from flodl_zmq.wire import RUN_ID_BYTES, key_from_hex
+
+ROLES = ("controller", "relay", "rank")
+DEFAULT_STARTUP_TIMEOUT_S = 120.0
+
+
+def parse_world(text: str) -> dict[str, tuple[int, ...]]:
+    """`h0=0,1;h1=2,3` -> {"h0": (0, 1), "h1": (2, 3)}; ranks must be exactly 0..W-1."""
+    world: dict[str, tuple[int, ...]] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        host, sep, ranks = part.partition("=")
+        if not sep or not host.strip():
+            raise ConfigError(f"FLODL_WORLD entry {part!r} must be HOST=RANK,RANK,...")
+        try:
+            world[host.strip()] = tuple(int(r) for r in ranks.split(",") if r.strip())
+        except ValueError:
+            raise ConfigError(f"FLODL_WORLD entry {part!r}: ranks must be integers") from None
+    every = sorted(r for rs in world.values() for r in rs)
+    if not world or every != list(range(len(every))) or not all(world.values()):
+        raise ConfigError(
+            f"FLODL_WORLD {text!r} must give every host at least one rank and number the ranks 0..W-1 exactly once"
+        )
+    return world
+
+
+def format_world(world: Mapping[str, tuple[int, ...]]) -> str:
+    return ";".join(f"{h}={','.join(map(str, rs))}" for h, rs in world.items())
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """One process's place in the cluster."""
+
+    role: str
+    controller: ControllerAddress
+    key: bytes
+    run_id: bytes
+    world: dict[str, tuple[int, ...]]
+    host: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    slowdown: float = 1.0
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(rs) for rs in self.world.values())
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
+        """The process's role from the environment; None when FLODL_ROLE is unset (single process)."""
+        env = os.environ if environ is None else environ
+        role = env.get("FLODL_ROLE", "").strip()
+        if not role:
+            return None
+        if role not in ROLES:
+            raise ConfigError(f"FLODL_ROLE={role!r} is not one of {', '.join(ROLES)}")
+
+        def need(name: str) -> str:
+            value = env.get(name, "").strip()
+            if not value:
+                raise ConfigError(f"FLODL_ROLE={role} needs {name} (see flodl_zmq/environment.py)")
+            return value
+
+        try:
+            run_id = bytes.fromhex(need("FLODL_RUN_ID"))
+        except ValueError:
+            raise ConfigError("FLODL_RUN_ID must be hex") from None
+        if len(run_id) != RUN_ID_BYTES:
+            raise ConfigError(f"FLODL_RUN_ID must be {RUN_ID_BYTES * 2} hex characters")
+        world = parse_world(need("FLODL_WORLD"))
+        host = need("FLODL_HOST") if role in ("relay", "rank") else None
+        if host is not None and host not in world:
+            raise ConfigError(f"FLODL_HOST={host!r} is not a host of FLODL_WORLD ({', '.join(world)})")
+        rank = local_rank = None
+        if role == "rank":
+            try:
+                rank, local_rank = int(need("FLODL_RANK")), int(need("FLODL_LOCAL_RANK"))
+            except ValueError:
+                raise ConfigError("FLODL_RANK and FLODL_LOCAL_RANK must be integers") from None
+            if rank not in world[host]:  # type: ignore[index]
+                raise ConfigError(f"FLODL_RANK={rank} is not one of host {host}'s ranks {world[host]}")  # type: ignore[index]
+        try:
+            slowdown = float(env.get("FLODL_SLOWDOWN", "1") or 1)
+            startup = float(env.get("FLODL_STARTUP_TIMEOUT", DEFAULT_STARTUP_TIMEOUT_S) or DEFAULT_STARTUP_TIMEOUT_S)
+        except ValueError:
+            raise ConfigError("FLODL_SLOWDOWN and FLODL_STARTUP_TIMEOUT must be numbers") from None
+        if slowdown < 1.0 or startup <= 0:
+            raise ConfigError("FLODL_SLOWDOWN must be >= 1 and FLODL_STARTUP_TIMEOUT > 0")
+        return cls(
+            role=role,
+            controller=ControllerAddress.parse(need("FLODL_CONTROLLER")),
+            key=key_from_hex(need("FLODL_KEY")),
+            run_id=run_id,
+            world=world,
+            host=host,
+            rank=rank,
+            local_rank=local_rank,
+            slowdown=slowdown,
+            startup_timeout_s=startup,
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        """The FLODL_* variables that make `from_environ` return this object."""
+        out = {
+            "FLODL_ROLE": self.role,
+            "FLODL_CONTROLLER": str(self.controller),
+            "FLODL_KEY": self.key.hex(),
+            "FLODL_RUN_ID": self.run_id.hex(),
+            "FLODL_WORLD": format_world(self.world),
+            "FLODL_SLOWDOWN": repr(self.slowdown),
+            "FLODL_STARTUP_TIMEOUT": repr(self.startup_timeout_s),
+        }
+        if self.host is not None:
+            out["FLODL_HOST"] = self.host
+        if self.rank is not None:
+            out["FLODL_RANK"] = str(self.rank)
+            out["FLODL_LOCAL_RANK"] = str(self.local_rank)
+        return out

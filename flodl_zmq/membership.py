@@ -1,0 +1,726 @@
+"""The join window: who may join the run, which global ranks they get, and when the world forms.
+
+A worker host's agent dials the controller's join ROUTER and sends one
+`JoinHello` (host name, the devices it offers, its dataset and model
+signatures, its protocol version). The window admits or refuses it, hands out
+global ranks, and decides over time whether the world forms or the run
+aborts. `JoinWindow` is the pure core (inputs in, verdicts out, the time is
+always an argument); `MembershipService` is the thin ZeroMQ shell around it.
+
+Rules the core keeps:
+
+- **A bad joiner condemns only its own attempt.** A refused hello changes no
+  state and burns no rank ids; the window stays open for honest hosts. Every
+  refusal reason names the fix, because it is read in the log of a machine
+  the operator may not be looking at.
+- **Ranks are contiguous, in admission order.** Host `a` with 1 device gets
+  [0], then `b` with 2 gets [1, 2]. Only the most recent admission can be
+  rolled back (`retract_last`, used when the accept could not be sent), so
+  the rank space never has holes.
+- **First member seeds.** The dataset and model signatures are compared with
+  the controller's when it has one, else with the first admitted member's:
+  a cohort training on different data would average nonsense silently.
+- **Verdicts, in order.** Target ranks reached: form now. Before the window
+  elapses: stay open, even with quorum (more capacity is never refused while
+  the clock runs). After it, with quorum: form. Before the hard cap: stay
+  open (the first moment quorum is met, it forms). At the cap: fail, naming
+  how many ranks came. A verdict other than open is final.
+
+Trust modes (`TrustMode`):
+
+- **Pre-shared key.** Every join frame is keyed with the run's session key
+  from the first byte. A hello that fails its MAC is dropped without a reply,
+  so a stranger learns nothing, not even that a controller listens.
+- **Open admission.** Pre-admission frames (hello, accept, reject) are keyed
+  with the well-known all-zero key, so the MAC proves only integrity; the
+  accept delivers the session key, which keys everything after it. Anyone who
+  can reach the port can join, so open admission is refused unless the join
+  endpoint is bound to a loopback or private address, and it always logs a
+  warning.
+
+Pre-admission frames carry the all-zero run id (`JOIN_RUN_ID`): a joiner does
+not know the run yet. The accept names the run id, and every later frame on
+the link (world formed, rank exits, heartbeats, abort) carries it with the
+session key, so a frame recorded in an earlier run that used the same
+pre-shared key cannot tear down a host of this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import ipaddress
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from flodl_zmq.environment import format_world, parse_world
+from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
+from flodl_zmq.wire import KEY_BYTES, PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec
+from flodl_zmq.wire.records import (
+    Abort,
+    JoinAccept,
+    JoinHeartbeat,
+    JoinHello,
+    JoinReject,
+    RankExited,
+    WorldFormed,
+)
+
+log = logging.getLogger(__name__)
+
+JOIN_RUN_ID = bytes(RUN_ID_BYTES)
+OPEN_JOIN_KEY = bytes(KEY_BYTES)
+# A hello offering more devices than any real machine has is an attack or a bug;
+# refusing it keeps one joiner from claiming the whole rank space.
+MAX_DEVICES_PER_HOST = 256
+MAX_HOST_CHARS = 255
+SIGNATURE_BYTES = 32
+
+
+# --------------------------------------------------------------------------- trust
+
+
+class TrustMode(str, enum.Enum):
+    PRE_SHARED = "pre-shared"
+    OPEN = "open"
+
+
+def join_key(mode: TrustMode, session_key: bytes) -> bytes:
+    """The key of pre-admission frames: the session key, or all zeros under open admission."""
+    return OPEN_JOIN_KEY if mode is TrustMode.OPEN else session_key
+
+
+def is_private_address(address: str) -> bool:
+    """True for a loopback or private IP literal (not a wildcard, not a hostname)."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return False
+    return not ip.is_unspecified and (ip.is_loopback or ip.is_private)
+
+
+def check_open_admission_bind(address: str) -> None:
+    """Raise ConfigError unless `address` (an IP literal) is a loopback or private address.
+
+    A wildcard bind (0.0.0.0, ::) is refused too: it listens on every
+    interface, public ones included.
+    """
+    if not is_private_address(address):
+        raise ConfigError(
+            f"open admission refused on {address}: anyone who reaches that address could join the "
+            "run and poison training; bind the controller to a loopback or private address, or "
+            "give every host the same pre-shared key (FLODL_KEY, `flodl-zmq keygen`)"
+        )
+
+
+def resolve_trust(open_admission: bool, bind_address: str) -> TrustMode:
+    """The trust mode for a controller bound to `bind_address` (an IP literal)."""
+    if not open_admission:
+        return TrustMode.PRE_SHARED
+    check_open_admission_bind(bind_address)
+    log.warning(
+        "open admission on %s: any host that can reach this address may join and receives the "
+        "session key; use a pre-shared key (FLODL_KEY) on shared networks",
+        bind_address,
+    )
+    return TrustMode.OPEN
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    """When the world forms.
+
+    `min_ranks`: quorum, the fewest ranks the run may start with.
+    `target_ranks`: form as soon as this many have joined (None: wait for the window).
+    `window_s`: how long the window stays open once quorum is met early.
+    `cap_s`: the hard limit; without quorum by then, the run aborts.
+    """
+
+    min_ranks: int = 2
+    target_ranks: int | None = None
+    window_s: float = 300.0
+    cap_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        # A one-rank world has nothing to average: it is a single-device run.
+        if self.min_ranks < 2:
+            raise ConfigError(
+                f"min ranks must be >= 2 (got {self.min_ranks}): a one-rank world has nothing to "
+                "average; train on one device without a cluster instead"
+            )
+        if self.target_ranks is not None and self.target_ranks < self.min_ranks:
+            raise ConfigError(
+                f"target ranks ({self.target_ranks}) must be >= min ranks ({self.min_ranks})"
+            )
+        if not self.window_s >= 0:
+            raise ConfigError(f"join window must be >= 0 seconds (got {self.window_s})")
+        if not self.cap_s >= self.window_s:
+            raise ConfigError(
+                f"join cap ({self.cap_s} s) must be >= the join window ({self.window_s} s): "
+                "the cap is the hard limit that bounds the window"
+            )
+
+
+# --------------------------------------------------------------------------- the window (pure)
+
+
+@dataclass(frozen=True)
+class Member:
+    host: str
+    ranks: tuple[int, ...]
+    devices: tuple[str, ...]
+    joined_at: float
+
+
+@dataclass(frozen=True)
+class Accepted:
+    ranks: tuple[int, ...]
+    formation_wait_s: float  # the hard-cap budget left: how long the joiner may wait for WorldFormed
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: str
+
+
+class Phase(str, enum.Enum):
+    OPEN = "open"
+    FORMED = "formed"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    phase: Phase
+    reason: str
+    members: tuple[Member, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(m.ranks) for m in self.members)
+
+
+def _prefix(sig: bytes) -> str:
+    return sig[:4].hex() + "…"
+
+
+class JoinWindow:
+    """The controller's join ledger: admission, rank assignment and the formation verdict.
+
+    `opened_at` and every `now` are seconds on one monotonic clock the caller
+    owns. The controller's `dataset_sig` / `model_sig` (None: the first
+    member's seeds the expectation) and `protocol` are what joiners must match.
+    """
+
+    def __init__(
+        self,
+        config: JoinConfig,
+        opened_at: float,
+        *,
+        protocol: int = PROTOCOL_VERSION,
+        dataset_sig: bytes | None = None,
+        model_sig: bytes | None = None,
+    ):
+        self.config = config
+        self.opened_at = opened_at
+        self.protocol = protocol
+        self.dataset_sig = dataset_sig
+        self.model_sig = model_sig
+        self._members: list[Member] = []
+        self._verdict = Verdict(Phase.OPEN, "waiting for workers")
+
+    @property
+    def members(self) -> tuple[Member, ...]:
+        return tuple(self._members)
+
+    @property
+    def joined_ranks(self) -> int:
+        return sum(len(m.ranks) for m in self._members)
+
+    @property
+    def phase(self) -> Phase:
+        return self._verdict.phase
+
+    def admit(self, hello: JoinHello, now: float) -> Accepted | Rejected:
+        """Admit `hello` and assign its ranks, or refuse it with a reason that names the fix."""
+        reason = self._refusal(hello)
+        if reason is not None:
+            return Rejected(reason)
+        if self.dataset_sig is None:
+            self.dataset_sig = hello.dataset_sig
+        if self.model_sig is None and hello.model_sig is not None:
+            self.model_sig = hello.model_sig
+        first = self.joined_ranks
+        ranks = tuple(range(first, first + len(hello.devices)))
+        self._members.append(Member(hello.host, ranks, tuple(hello.devices), now))
+        elapsed = now - self.opened_at
+        return Accepted(ranks, max(0.0, self.config.cap_s - elapsed))
+
+    def _refusal(self, hello: JoinHello) -> str | None:
+        host, devices = hello.host, hello.devices
+        if self.phase is Phase.FORMED:
+            return (
+                f"join window closed: the world already formed with {self.joined_ranks} ranks; "
+                "start this worker before the window closes in the next run"
+            )
+        if self.phase is Phase.FAILED:
+            return f"join window closed: the run was aborted ({self._verdict.reason})"
+        if hello.protocol != self.protocol:
+            return (
+                f"protocol version skew: worker {host!r} speaks {hello.protocol}, the controller "
+                f"speaks {self.protocol}; install the same flodl-zmq version on every host"
+            )
+        if not host.strip() or len(host) > MAX_HOST_CHARS or not host.isprintable():
+            return (
+                f"invalid host name {host!r}: give each worker a non-blank printable name of at "
+                f"most {MAX_HOST_CHARS} characters (--host)"
+            )
+        if not devices:
+            return f"worker {host!r} offers no devices: give it GPUs or CPU slots (--cpu-slots)"
+        if len(devices) > MAX_DEVICES_PER_HOST:
+            return (
+                f"worker {host!r} offers {len(devices)} devices, more than the {MAX_DEVICES_PER_HOST} "
+                "one host may run; list its devices explicitly (--devices)"
+            )
+        if len(set(devices)) != len(devices) or not all(d.strip() for d in devices):
+            return (
+                f"worker {host!r} offers a blank or repeated device in {devices[:8]}: each rank "
+                "needs its own device; fix --devices"
+            )
+        if any(m.host == host for m in self._members):
+            return (
+                f"duplicate join: host {host!r} is already a member (a stale worker still running, "
+                "or two machines sharing one name); stop the old agent or give this one --host"
+            )
+        if self.dataset_sig is not None and hello.dataset_sig != self.dataset_sig:
+            return (
+                f"dataset signature mismatch: worker {host!r} has {_prefix(hello.dataset_sig)}, the "
+                f"run expects {_prefix(self.dataset_sig)}; point every host at the same dataset "
+                "(same files, same preprocessing)"
+            )
+        if (
+            self.model_sig is not None
+            and hello.model_sig is not None
+            and hello.model_sig != self.model_sig
+        ):
+            return (
+                f"model signature mismatch: worker {host!r} builds {_prefix(hello.model_sig)}, the "
+                f"run trains {_prefix(self.model_sig)}; run the same script and version everywhere"
+            )
+        return None
+
+    def retract_last(self, host: str) -> None:
+        """Roll back the most recent admission (its accept could not be delivered)."""
+        if self.phase is not Phase.OPEN:
+            raise MembershipError(f"cannot retract {host!r}: the window is {self.phase.value}")
+        if not self._members or self._members[-1].host != host:
+            raise MembershipError(
+                f"only the most recent member can be retracted; {host!r} is not it "
+                "(retracting another would leave a hole in the rank space)"
+            )
+        self._members.pop()
+
+    def poll(self, now: float) -> Verdict:
+        """The verdict at `now`; once formed or failed, the same verdict forever."""
+        if self.phase is not Phase.OPEN:
+            return self._verdict
+        cfg, joined, elapsed = self.config, self.joined_ranks, now - self.opened_at
+        if cfg.target_ranks is not None and joined >= cfg.target_ranks:
+            return self._close(Phase.FORMED, "target ranks reached")
+        if elapsed < cfg.window_s:
+            return self._verdict
+        if joined >= cfg.min_ranks:
+            return self._close(Phase.FORMED, "join window closed with quorum")
+        if elapsed < cfg.cap_s:
+            return self._verdict
+        return self._close(
+            Phase.FAILED,
+            f"quorum not met: {joined}/{cfg.min_ranks} ranks joined within the hard cap of "
+            f"{cfg.cap_s:g} s; start more workers, or lower the minimum ranks",
+        )
+
+    def abort(self, reason: str) -> Verdict:
+        """Fail the window now (the controller is giving up); no effect once closed."""
+        if self.phase is Phase.OPEN:
+            return self._close(Phase.FAILED, reason)
+        return self._verdict
+
+    def _close(self, phase: Phase, reason: str) -> Verdict:
+        self._verdict = Verdict(phase, reason, self.members)
+        return self._verdict
+
+
+# --------------------------------------------------------------------------- host links (pure)
+
+
+class HostLinks:
+    """Liveness of admitted hosts' join links.
+
+    The join link is the controller's first-hand view of a host: a rank exit
+    arrives here at once (the fast path to declaring a rank dead), and a host
+    whose agent falls silent for `timeout_s` is lost with every rank it had
+    not reported. A host is done once every one of its ranks has exited; a
+    done host is never reported lost.
+    """
+
+    def __init__(self, timeout_s: float):
+        if not timeout_s > 0:
+            raise ConfigError(f"host silence timeout must be > 0 seconds (got {timeout_s})")
+        self.timeout_s = timeout_s
+        self._heard: dict[str, float] = {}
+        self._live_ranks: dict[str, set[int]] = {}
+        self._closed: set[str] = set()
+
+    def add(self, member: Member, now: float) -> None:
+        self._heard[member.host] = now
+        self._live_ranks[member.host] = set(member.ranks)
+
+    def remove(self, host: str) -> None:
+        """Forget a host whose admission was rolled back."""
+        self._heard.pop(host, None)
+        self._live_ranks.pop(host, None)
+
+    def heard(self, host: str, now: float) -> None:
+        if host in self._heard:
+            self._heard[host] = max(self._heard[host], now)
+
+    def rank_exited(self, host: str, rank: int, now: float) -> bool:
+        """Record a reported exit; True when it was the host's last live rank."""
+        self.heard(host, now)
+        live = self._live_ranks.get(host)
+        if live is None or rank not in live:
+            return False
+        live.discard(rank)
+        if not live:
+            self._closed.add(host)
+            return True
+        return False
+
+    def live_ranks(self, host: str) -> tuple[int, ...]:
+        return tuple(sorted(self._live_ranks.get(host, ())))
+
+    def lost(self, now: float) -> list[str]:
+        """Hosts that fell silent since the last call (each reported once)."""
+        out = [
+            h for h, t in self._heard.items() if h not in self._closed and now - t > self.timeout_s
+        ]
+        self._closed.update(out)
+        return out
+
+
+# --------------------------------------------------------------------------- spawn artifacts
+
+
+@dataclass(frozen=True)
+class SpawnSpec:
+    """What every admitted host runs, shipped as `WorldFormed.spawn_json`.
+
+    `argv` follows the Python interpreter (`["train.py", "--lr", "0.1"]`,
+    `["-m", "flodl_zmq", "demo"]`): the host's relay and ranks all run it,
+    their role in the environment (flodl_zmq/environment.py). Every host runs
+    the controller's program and arguments, not whatever it was started with,
+    so a cohort cannot train different scripts. `env` is added to every
+    child's environment (tunables such as FLODL_STARTUP_TIMEOUT; it never
+    overrides a child's identity). `world` maps each host to its global ranks;
+    the controller fills it in when the world forms.
+    """
+
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    world: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        obj = {"argv": list(self.argv), "env": self.env, "world": format_world(self.world)}
+        return json.dumps(obj, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpawnSpec:
+        try:
+            obj = json.loads(text)
+        except ValueError as exc:
+            raise MembershipError(f"spawn artifacts are not valid JSON ({exc}): controller bug") from None
+        ok = (
+            isinstance(obj, dict)
+            and set(obj) == {"argv", "env", "world"}
+            and isinstance(obj["argv"], list)
+            and bool(obj["argv"])
+            and all(isinstance(a, str) for a in obj["argv"])
+            and isinstance(obj["env"], dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in obj["env"].items())
+            and isinstance(obj["world"], str)
+        )
+        if not ok:
+            raise MembershipError(
+                'spawn artifacts must be {"argv": [str, ...] (non-empty), "env": {str: str}, '
+                '"world": "HOST=RANK,...;..."}; the controller runs another flodl-zmq version'
+            )
+        try:
+            world = parse_world(obj["world"])
+        except ConfigError as exc:
+            raise MembershipError(f"spawn artifacts: {exc}") from None
+        return cls(tuple(obj["argv"]), dict(obj["env"]), world)
+
+
+# --------------------------------------------------------------------------- service (ZeroMQ)
+
+
+@dataclass(frozen=True)
+class RankExitReported:
+    host: str
+    rank: int
+    code: int  # negative: killed by that signal
+
+
+@dataclass(frozen=True)
+class HostLost:
+    host: str
+    ranks: tuple[int, ...]  # the ranks it had not reported as exited
+
+
+@dataclass(frozen=True)
+class HostDone:
+    host: str
+
+
+MembershipEvent = RankExitReported | HostLost | HostDone
+
+SENDER = "membership"
+
+
+class MembershipService:
+    """The join ROUTER of the controller: runs the window, then keeps the host links.
+
+    Protocol, per agent (one DEALER each):
+
+        agent  -> join.hello        keyed by the join key (see TrustMode)
+        agent <-  join.accept       ranks, formation budget, run id (+ session key if open)
+               |  join.reject       the reason; the agent exits
+        agent <-  join.world_formed world size + SpawnSpec JSON, when the window forms
+               |  join.abort        the reason, when it fails or the controller gives up
+        agent <-> join.heartbeat    both ways from admission on
+        agent  -> join.rank_exited  at once, for every rank process that ends
+
+    A pre-admission frame that fails its MAC is dropped without reply; one
+    from another protocol version is refused by name (the peer cannot decode
+    our reply, but its own decoder then reports the skew). Sends never
+    block: an agent that cannot take a record is handled by heartbeat silence.
+
+    Use: `start()`; `wait_closed()` returns the verdict (formed with its
+    members, or failed); afterwards read `events` (rank exits, lost and done
+    hosts) for the coordinator; `abort(reason)` tells every agent to tear
+    down; `close()` stops the thread. One thread owns the socket; the public
+    methods are safe from any thread.
+    """
+
+    def __init__(
+        self,
+        window: JoinWindow,
+        *,
+        endpoint: str,
+        trust: TrustMode,
+        session_key: bytes,
+        run_id: bytes,
+        spawn: SpawnSpec,
+        heartbeat_s: float = 1.0,
+        silence_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        context: zmq.Context | None = None,
+    ):
+        if trust is TrustMode.OPEN:
+            check_open_admission_bind(_endpoint_ip(endpoint))
+        self.window = window
+        self.trust = trust
+        self.run_id = run_id
+        self.spawn = spawn
+        self.heartbeat_s = heartbeat_s
+        self.clock = clock
+        self.links = HostLinks(silence_s)
+        self.events: queue.Queue[MembershipEvent] = queue.Queue()
+        self.dropped = 0  # pre-admission frames dropped unanswered (bad MAC, junk)
+        self._session_key = session_key
+        self._join = Codec(join_key(trust, session_key), JOIN_RUN_ID, SENDER)
+        self._session = Codec(session_key, run_id, SENDER)
+        self._hosts: dict[bytes, str] = {}  # ROUTER identity -> admitted host
+        self._commands: queue.Queue[str] = queue.Queue()
+        self._closed = threading.Event()
+        self._stop = threading.Event()
+        self._verdict: Verdict | None = None
+        ctx = context or zmq.Context.instance()
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # An agent's DEALER keeps its routing id across reconnects (see agent.py);
+        # handover lets the reconnected pipe take the id over instead of being ignored.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._sock.bind(endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._thread = threading.Thread(target=self._run, name="flodl-membership", daemon=True)
+
+    # ------------------------------------------------------------------ public
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_closed(self, timeout: float | None = None) -> Verdict | None:
+        """The window's final verdict, or None if it is still open after `timeout` seconds."""
+        self._closed.wait(timeout)
+        return self._verdict
+
+    def abort(self, reason: str) -> None:
+        """Fail the window if it is open and send every admitted agent an abort."""
+        self._commands.put(reason)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._sock.close(0)
+
+    # ------------------------------------------------------------------ loop
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        next_beat = self.clock()
+        while not self._stop.is_set():
+            if poller.poll(20):
+                while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    frames = self._sock.recv_multipart(copy=False)
+                    self._on_message(bytes(frames[0].bytes), frames[1:])
+            now = self.clock()
+            while not self._commands.empty():
+                self._on_abort(self._commands.get_nowait())
+            self._on_verdict(self.window.poll(now))
+            if now >= next_beat:
+                next_beat = now + self.heartbeat_s
+                for ident in self._hosts:
+                    self._send(ident, self._session, JoinHeartbeat())
+            for host in self.links.lost(now):
+                ranks = self.links.live_ranks(host)
+                log.warning("host %r lost: its agent is silent; ranks %s are gone", host, list(ranks))
+                self.events.put(HostLost(host, ranks))
+
+    def _on_verdict(self, verdict: Verdict) -> None:
+        if self._verdict is not None or verdict.phase is Phase.OPEN:
+            return
+        self._verdict = verdict
+        if verdict.phase is Phase.FORMED:
+            log.info("world formed with %d ranks (%s)", verdict.world_size, verdict.reason)
+            world = {m.host: m.ranks for m in verdict.members}
+            formed = WorldFormed(verdict.world_size, dataclasses.replace(self.spawn, world=world).to_json())
+            for ident in self._hosts:
+                self._send(ident, self._session, formed)
+        else:
+            log.error("join window failed: %s", verdict.reason)
+            for ident in self._hosts:
+                self._send(ident, self._session, Abort(verdict.reason))
+        self._closed.set()
+
+    def _on_abort(self, reason: str) -> None:
+        verdict = self.window.abort(reason)
+        if self._verdict is None:
+            self._verdict = verdict
+            self._closed.set()
+        log.error("aborting the run on every host: %s", reason)
+        for ident in self._hosts:
+            self._send(ident, self._session, Abort(reason))
+
+    def _on_message(self, ident: bytes, frames: list[Any]) -> None:
+        host = self._hosts.get(ident)
+        if host is not None:
+            self._on_member_frame(ident, host, frames)
+            return
+        try:
+            env = self._join.decode(frames, Channel.JOIN, replay=False)
+            self._join.check_sequence(Channel.JOIN, f"{ident.hex()}/{env.sender}", env.seq)
+        except VersionError as exc:
+            log.warning("join refused, protocol version skew: %s", exc)
+            self._send(ident, self._join, JoinReject(f"protocol version skew: {exc}"))
+            return
+        except WireError as exc:
+            # Under a pre-shared key this is how a stranger's hello looks: no reply at all.
+            self.dropped += 1
+            log.warning("join frame dropped without reply: %s", exc)
+            return
+        hello = env.record
+        if not isinstance(hello, JoinHello):
+            self._send(ident, self._join, JoinReject(f"the first join record must be join.hello, got {env.kind}"))
+            return
+        now = self.clock()
+        outcome = self.window.admit(hello, now)
+        if isinstance(outcome, Rejected):
+            log.warning("join refused for %r: %s", hello.host, outcome.reason)
+            self._send(ident, self._join, JoinReject(outcome.reason))
+            return
+        key = self._session_key if self.trust is TrustMode.OPEN else None
+        accept = JoinAccept(list(outcome.ranks), key, outcome.formation_wait_s, self.run_id)
+        if not self._send(ident, self._join, accept):
+            self.window.retract_last(hello.host)
+            return
+        self._hosts[ident] = hello.host
+        self.links.add(self.window.members[-1], now)
+        log.info(
+            "admitted %r as ranks %s (%d/%s ranks joined)",
+            hello.host,
+            list(outcome.ranks),
+            self.window.joined_ranks,
+            self.window.config.target_ranks or f"{self.window.config.min_ranks}+",
+        )
+
+    def _on_member_frame(self, ident: bytes, host: str, frames: list[Any]) -> None:
+        try:
+            env = self._session.decode(frames, Channel.JOIN, replay=False)
+            self._session.check_sequence(Channel.JOIN, f"{ident.hex()}/{env.sender}", env.seq)
+        except WireError as exc:
+            log.warning("frame from host %r dropped: %s", host, exc)
+            return
+        now = self.clock()
+        self.links.heard(host, now)
+        rec = env.record
+        if isinstance(rec, RankExited):
+            if rec.rank not in self.links.live_ranks(host):
+                log.warning("host %r reported an exit of rank %d, not one of its live ranks", host, rec.rank)
+                return
+            log.info("host %r: rank %d exited with code %d", host, rec.rank, rec.code)
+            self.events.put(RankExitReported(host, rec.rank, rec.code))
+            if self.links.rank_exited(host, rec.rank, now):
+                self.events.put(HostDone(host))
+        elif not isinstance(rec, JoinHeartbeat):
+            log.warning("host %r sent %s on its join link; ignored", host, env.kind)
+
+    def _send(self, ident: bytes, codec: Codec, rec: Any) -> bool:
+        try:
+            self._sock.send_multipart([ident, *codec.encode(rec, channel=Channel.JOIN)], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.warning("could not send %s to an agent (its queue is full); it will time out", rec.KIND)
+            return False
+
+
+def _endpoint_ip(endpoint: str) -> str:
+    """The IP address a `tcp://host:port` endpoint binds (hostnames resolved)."""
+    if not endpoint.startswith("tcp://"):
+        raise ConfigError(f"open admission needs a tcp:// join endpoint, got {endpoint!r}")
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+    if host in ("*", ""):
+        return "0.0.0.0"
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    try:
+        return socket.getaddrinfo(host, None)[0][4][0]
+    except OSError as exc:
+        raise ConfigError(f"cannot resolve the join endpoint host {host!r}: {exc}") from None

@@ -1,0 +1,281 @@
+"""Linux network namespaces as test hosts, and a docker-compose.yml reader to fill them.
+
+No Docker engine runs where the tests run, so the compose file is executed
+another way: each service becomes a process in its own network namespace,
+with its own interface and address on a shared bridge, and the service names
+resolve through /etc/netns/<ns>/hosts. Traffic between "hosts" then crosses
+real veth interfaces, can be captured, and can be cut with `ip link set down`.
+
+Layout (everything lives in namespaces; the root namespace is never touched):
+
+    <tag>-br      namespace holding bridge `br0`, and one veth end per host (`v<i>`)
+    <tag>-<name>  one namespace per host: `lo` up, `eth0` = 10.231.0.<i+1>/24
+
+Rules this module keeps:
+
+- Addresses come only from 10.231.0.0/24, and only on our own veths: the
+  harness never routes anywhere else.
+- Every name carries the tag `flt<pid>`, so a crashed run's leftovers are
+  found and removed at the next start (`clean_stale`), and a harness never
+  removes a live run's namespaces (its pid is still alive).
+- `Network.destroy()` always runs (context manager / fixture finalizer): it
+  kills every process it started (their whole process groups), then deletes
+  the namespaces and their /etc/netns directories.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFIX = "flt"
+SUBNET = "10.231.0"
+NETNS_ETC = Path("/etc/netns")
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be used here (a pytest skip reason), or None when they can."""
+    if os.geteuid() != 0:
+        return "network-namespace tests need root (ip netns add)"
+    if shutil.which("ip") is None:
+        return "network-namespace tests need iproute2's `ip` command"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale() -> list[str]:
+    """Delete namespaces (and /etc/netns dirs) left by harness runs whose process is gone."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    names = {line.split()[0] for line in listing.splitlines() if line.strip()}
+    if NETNS_ETC.is_dir():
+        names |= {p.name for p in NETNS_ETC.iterdir()}
+    removed = []
+    for name in sorted(names):
+        m = re.fullmatch(rf"{PREFIX}(\d+)-.+", name)
+        if m and not _pid_alive(int(m.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+            shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str  # the service name other hosts resolve
+    netns: str
+    address: str
+    peer: str  # its veth end in the bridge namespace: set it down to cut the host off
+
+
+@dataclass
+class Network:
+    """A bridge and one namespace per host; use as a context manager.
+
+    >>> with Network() as net:
+    ...     net.add_host("controller"); net.add_host("worker1")
+    ...     net.run("worker1", ["getent", "hosts", "controller"])
+    """
+
+    tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
+    hosts: dict[str, Host] = field(default_factory=dict)
+    _procs: list[subprocess.Popen] = field(default_factory=list)
+    _created: list[str] = field(default_factory=list)
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.tag}-br"
+
+    def __enter__(self) -> Network:
+        clean_stale()
+        self._netns_add(self.bridge_ns)
+        self._ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        self._ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    # ------------------------------------------------------------------ topology
+
+    def add_host(self, name: str) -> Host:
+        """A new namespace on the bridge, reachable from every other host as `name`."""
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,30}", name):
+            raise ValueError(f"host name {name!r}: use lowercase letters, digits and dashes")
+        index = len(self.hosts) + 1
+        if index > 250:
+            raise ValueError("at most 250 hosts fit in 10.231.0.0/24")
+        host = Host(name, f"{self.tag}-{name}", f"{SUBNET}.{index + 1}", f"v{index}")
+        self._netns_add(host.netns)
+        # Create the pair inside the bridge namespace and move one end out, so no
+        # interface ever appears in the root namespace.
+        self._ip("-n", self.bridge_ns, "link", "add", host.peer, "type", "veth", "peer", "name", "eth0",
+                 "netns", host.netns)
+        self._ip("-n", self.bridge_ns, "link", "set", host.peer, "master", "br0", "up")
+        self._ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        self._ip("-n", host.netns, "link", "set", "eth0", "up")
+        self._ip("-n", host.netns, "link", "set", "lo", "up")
+        self.hosts[name] = host
+        self._write_hosts_files()
+        return host
+
+    def _write_hosts_files(self) -> None:
+        lines = ["127.0.0.1 localhost", "::1 localhost"]
+        lines += [f"{h.address} {h.name}" for h in self.hosts.values()]
+        for h in self.hosts.values():
+            etc = NETNS_ETC / h.netns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text("\n".join(lines) + "\n")
+
+    def cut(self, name: str) -> None:
+        """Take the host's link down at the bridge: its packets go nowhere, both ways."""
+        self._ip("-n", self.bridge_ns, "link", "set", self.hosts[name].peer, "down")
+
+    def restore(self, name: str) -> None:
+        self._ip("-n", self.bridge_ns, "link", "set", self.hosts[name].peer, "up")
+
+    # ------------------------------------------------------------------ processes
+
+    def command(self, name: str, argv: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.hosts[name].netns, *argv]
+
+    def run(self, name: str, argv: Sequence[str], timeout: float = 30.0, **kw) -> subprocess.CompletedProcess:
+        """Run `argv` in host `name` to completion (bounded by `timeout`)."""
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        return subprocess.run(self.command(name, argv), timeout=timeout, check=False, **kw)
+
+    def popen(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw) -> subprocess.Popen:
+        """Start `argv` in host `name` in its own process group; `destroy()` kills the group."""
+        proc = subprocess.Popen(
+            self.command(name, argv), env=dict(env) if env is not None else None, start_new_session=True, **kw
+        )
+        self._procs.append(proc)
+        return proc
+
+    def kill_host_processes(self, name: str) -> None:
+        """SIGKILL every process in the host's namespace (a machine that dies)."""
+        pids = subprocess.run(["ip", "netns", "pids", self.hosts[name].netns], capture_output=True, text=True,
+                              check=False).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    # ------------------------------------------------------------------ teardown
+
+    def destroy(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for name in self.hosts:
+            self.kill_host_processes(name)
+        for ns in reversed(self._created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+        self._created.clear()
+        self._procs.clear()
+        self.hosts.clear()
+
+    def _netns_add(self, ns: str) -> None:
+        self._ip("netns", "add", ns)
+        self._created.append(ns)
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)} failed: {done.stderr.strip()}")
+
+
+# --------------------------------------------------------------------------- docker-compose
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    command: tuple[str, ...]
+    environment: dict[str, str]
+    depends_on: tuple[str, ...] = ()
+
+
+def read_compose(path: str | os.PathLike[str]) -> list[Service]:
+    """The services of a docker-compose file, dependencies first.
+
+    Reads what the harness can honour: `command` (string or list),
+    `environment` (map or `KEY=VALUE` list) and `depends_on` (list or map).
+    `${VAR:-default}` takes the default, as Compose does with VAR unset.
+    """
+    import yaml  # the test extra: only the cluster tests need it
+
+    doc = yaml.safe_load(Path(path).read_text())
+    services = doc.get("services") if isinstance(doc, dict) else None
+    if not isinstance(services, dict) or not services:
+        raise ValueError(f"{path}: no `services` map")
+    out: dict[str, Service] = {}
+    for name, spec in services.items():
+        command = spec.get("command")
+        if isinstance(command, str):
+            command = shlex.split(command)
+        if not command or not all(isinstance(a, str | int | float) for a in command):
+            raise ValueError(f"{path}: service {name!r} needs a `command` the harness can run")
+        env_spec = spec.get("environment") or {}
+        if isinstance(env_spec, list):
+            env_spec = dict(item.split("=", 1) for item in env_spec)
+        env = {str(k): _interpolate(str(v)) for k, v in env_spec.items() if v is not None}
+        deps = spec.get("depends_on") or ()
+        out[name] = Service(name, tuple(_interpolate(str(a)) for a in command), env, tuple(deps))
+    return _dependency_order(out)
+
+
+def _interpolate(text: str) -> str:
+    return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: os.environ.get(m.group(1), m.group(2) or ""), text)
+
+
+def _dependency_order(services: dict[str, Service]) -> list[Service]:
+    ordered: list[Service] = []
+    placing: set[str] = set()
+
+    def place(name: str) -> None:
+        if any(s.name == name for s in ordered):
+            return
+        if name in placing:
+            raise ValueError(f"depends_on cycle through {name!r}")
+        if name not in services:
+            raise ValueError(f"depends_on names unknown service {name!r}")
+        placing.add(name)
+        for dep in services[name].depends_on:
+            place(dep)
+        ordered.append(services[name])
+
+    for name in services:
+        place(name)
+    return ordered

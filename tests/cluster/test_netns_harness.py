@@ -1,0 +1,86 @@
+"""The namespace harness itself: names resolve, ZeroMQ crosses the veth, a cut link cuts it.
+
+(No `ping` binary here: reachability is proved with TCP and ZeroMQ instead.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.netns import Network, read_compose, unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+REP = textwrap.dedent(
+    """
+    import zmq
+    s = zmq.Context().socket(zmq.REP)
+    s.bind("tcp://*:7410")
+    print("ready", flush=True)
+    while True:
+        s.send(b"pong:" + s.recv())
+    """
+)
+
+REQ = textwrap.dedent(
+    """
+    import socket, sys, zmq
+    print(socket.gethostbyname("beta"))
+    s = zmq.Context().socket(zmq.REQ)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect("tcp://beta:7410")
+    s.send(b"ping")
+    if not s.poll(int(float(sys.argv[1]) * 1000)):
+        sys.exit(3)
+    print(s.recv().decode())
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def net():
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Network() as n:
+        n.add_host("alpha")
+        n.add_host("beta")
+        yield n
+
+
+def test_hosts_resolve_each_other_by_service_name(net):
+    done = net.run("alpha", [sys.executable, "-c", "import socket; print(socket.gethostbyname('beta'))"])
+    assert done.stdout.strip() == net.hosts["beta"].address == "10.231.0.3"
+
+
+def test_zmq_crosses_the_veth_and_a_cut_link_stops_it(net):
+    server = net.popen("beta", [sys.executable, "-c", REP], stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline().strip() == "ready"
+    done = net.run("alpha", [sys.executable, "-c", REQ, "10"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["10.231.0.3", "pong:ping"]
+    net.cut("beta")
+    try:
+        cut = net.run("alpha", [sys.executable, "-c", REQ, "1.5"])
+        assert cut.returncode == 3, cut.stdout + cut.stderr
+    finally:
+        net.restore("beta")
+    again = net.run("alpha", [sys.executable, "-c", REQ, "10"])
+    assert again.stdout.split()[-1] == "pong:ping"
+
+
+def test_the_compose_file_reads_as_a_controller_and_two_workers():
+    services = read_compose(ROOT / "docker-compose.yml")
+    assert services[0].name == "controller"
+    assert services[0].command[:2] == ("flodl-zmq", "controller")
+    workers = services[1:]
+    assert len(workers) == 2
+    for w in workers:
+        assert w.command[:2] == ("flodl-zmq", "agent")
+        assert "controller:7300" in w.command
+        assert w.depends_on == ("controller",)

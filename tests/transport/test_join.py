@@ -1,0 +1,259 @@
+"""The join protocol over real TCP sockets on loopback: membership service <-> agents.
+
+Every wait is bounded: agents have short reply/silence timeouts, the service
+heartbeats fast, and the window's cap is seconds.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import signal
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from flodl_zmq.agent import Agent, AgentConfig
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.errors import MembershipError
+from flodl_zmq.membership import (
+    JOIN_RUN_ID,
+    HostDone,
+    JoinConfig,
+    JoinWindow,
+    MembershipService,
+    Phase,
+    RankExitReported,
+    SpawnSpec,
+    TrustMode,
+)
+from flodl_zmq.wire import Channel, Codec, compute_mac, new_key
+from flodl_zmq.wire.records import JoinHello, JoinReject
+
+SIG = bytes([7]) * 32
+RUN_ID = bytes(range(16))
+FAST = {"heartbeat_s": 0.1, "silence_s": 2.0}
+
+# The ranks' stand-in program: the relay (no FLODL_RANK) waits to be stopped;
+# a rank runs the snippet in FLODL_TEST_RANK_CODE.
+CHILD = (
+    "import os, sys, time\n"
+    "if os.environ['FLODL_ROLE'] == 'relay':\n"
+    "    time.sleep(60)\n"
+    "exec(os.environ['FLODL_TEST_RANK_CODE'])\n"
+)
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+class Cluster:
+    """A membership service on loopback plus helpers to run agents against it."""
+
+    def __init__(self, ctx, trust=TrustMode.PRE_SHARED, rank_code="pass", **cfg):
+        self.ctx = ctx
+        self.key = new_key()
+        config = {"min_ranks": 2, "window_s": 30.0, "cap_s": 30.0, **cfg}
+        self.window = JoinWindow(JoinConfig(**config), opened_at=time.monotonic())
+        spawn = SpawnSpec(("-c", CHILD), {"FLODL_TEST_RANK_CODE": rank_code})
+        self.service = MembershipService(
+            self.window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=self.key,
+            run_id=RUN_ID, spawn=spawn, context=ctx, **FAST,
+        )
+        port = int(self.service.endpoint.rsplit(":", 1)[1])
+        self.address = ControllerAddress("127.0.0.1", port - 3)  # the join endpoint is port+3
+        self.service.start()
+        self.agents: list[Agent] = []
+
+    def agent(self, host, n=1, *, key="same", out=None, **cfg) -> Agent:
+        key = self.key if key == "same" else key
+        config = AgentConfig(
+            self.address, host, tuple(f"cpu:{i}" for i in range(n)), key=key, dataset_sig=cfg.pop("sig", SIG),
+            reply_timeout_s=cfg.pop("reply_timeout_s", 10.0), kill_grace_s=2.0, **FAST, **cfg,
+        )
+        a = Agent(config, context=self.ctx, out=out or io.StringIO())
+        self.agents.append(a)
+        return a
+
+    def close(self):
+        for a in self.agents:
+            a.close()
+        self.service.close()
+
+
+@pytest.fixture
+def cluster(ctx):
+    made = []
+
+    def make(**kw):
+        c = Cluster(ctx, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def in_thread(fn):
+    """Run `fn` in a thread; the returned getter yields its result or raises its exception."""
+    box: queue.Queue = queue.Queue()
+
+    def body():
+        try:
+            box.put((True, fn()))
+        except BaseException as exc:  # handed to the test thread
+            box.put((False, exc))
+
+    threading.Thread(target=body, daemon=True).start()
+
+    def get(timeout=20.0):
+        ok, value = box.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    return get
+
+
+def wait_joined(c, n):
+    deadline = time.monotonic() + 10
+    while c.window.joined_ranks < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert c.window.joined_ranks >= n
+
+
+def events(service, timeout=20.0, until=lambda e: False):
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            e = service.events.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        out.append(e)
+        if until(e):
+            break
+    return out
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def test_open_admission_hands_out_the_session_key_and_forms_on_target(cluster):
+    c = cluster(trust=TrustMode.OPEN, target_ranks=3)
+    a = in_thread(c.agent("a", 1, key=None).join)
+    wait_joined(c, 1)  # a before b: ranks go in admission order
+    b = in_thread(c.agent("b", 2, key=None).join)
+    ja, jb = a(), b()
+    assert ja.session_key == jb.session_key == c.key
+    assert ja.run_id == RUN_ID
+    assert (ja.ranks, jb.ranks) == ((0,), (1, 2))
+    assert ja.world_size == 3 and ja.spawn.world == {"a": (0,), "b": (1, 2)}
+    verdict = c.service.wait_closed(5)
+    assert verdict.phase is Phase.FORMED and verdict.reason == "target ranks reached"
+
+
+def test_pre_shared_key_drops_a_wrong_key_unanswered_and_forms_without_it(cluster):
+    c = cluster(trust=TrustMode.PRE_SHARED, target_ranks=2)
+    stranger = in_thread(c.agent("stranger", 1, key=new_key(), reply_timeout_s=1.5).join)
+    with pytest.raises(MembershipError, match="no reply"):
+        stranger()
+    assert c.service.dropped == 1
+    a, b = in_thread(c.agent("a").join), in_thread(c.agent("b").join)
+    ja, jb = a(), b()
+    assert ja.session_key == jb.session_key == c.key and sorted(ja.spawn.world) == ["a", "b"]
+    assert c.service.wait_closed(5).world_size == 2
+
+
+def test_wrong_dataset_and_wrong_version_are_refused_by_name_and_the_world_forms(cluster, monkeypatch):
+    c = cluster(target_ranks=2)
+    seed = in_thread(c.agent("seed").join)
+    wait_joined(c, 1)  # the first member seeds the dataset signature
+    with pytest.raises(MembershipError, match="REJECTED.*dataset signature mismatch"):
+        c.agent("other-data", sig=bytes(32)).join()
+    monkeypatch.setattr("flodl_zmq.agent.PROTOCOL_VERSION", 99)
+    with pytest.raises(MembershipError, match="REJECTED.*protocol version skew"):
+        c.agent("old-build").join()
+    monkeypatch.undo()
+    good = c.agent("good").join()
+    assert seed().spawn.world == {"seed": (0,), "good": (1,)} == good.spawn.world
+
+
+def test_a_hello_from_another_wire_version_gets_a_reject_naming_the_skew(cluster, ctx):
+    c = cluster()
+    codec = Codec(c.key, JOIN_RUN_ID, "future")
+    header, *_ = codec.encode(JoinHello("future", ["cpu:0"], SIG, 1, None), channel=Channel.JOIN)
+    head = msgpack.unpackb(header)
+    head["v"] = 2
+    header = msgpack.packb(head, use_bin_type=True)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(c.address.endpoint(Channel.JOIN))
+    dealer.send_multipart([header, compute_mac(c.key, header, [])])
+    assert dealer.poll(10_000), "no reply to a version-skewed hello"
+    reply = codec.decode(dealer.recv_multipart(), Channel.JOIN).record
+    dealer.close()
+    assert isinstance(reply, JoinReject) and "protocol version skew" in reply.reason
+    assert "same flodl-zmq version" in reply.reason
+
+
+def test_quorum_not_met_by_the_cap_aborts_the_joined_agents(cluster):
+    c = cluster(min_ranks=2, window_s=0.2, cap_s=0.6)
+    with pytest.raises(MembershipError, match="aborted.*quorum not met: 1/2"):
+        c.agent("lonely").join()
+    assert c.service.wait_closed(5).phase is Phase.FAILED
+
+
+# --------------------------------------------------------------------------- supervision
+
+
+def test_rank_exits_are_reported_at_once_and_a_failed_rank_is_not_a_host_fault(cluster):
+    code = "print('hello from', os.environ['FLODL_RANK'], flush=True); sys.exit(3 if os.environ['FLODL_RANK'] == '1' else 0)"
+    c = cluster(target_ranks=3, rank_code=code)
+    out = io.StringIO()
+    other = c.agent("a", 1, out=io.StringIO())
+    b = in_thread(c.agent("b", 2, out=out).run)
+    a = in_thread(other.run)
+    assert b() == 0 and a() == 0
+    seen = events(c.service, timeout=1.0)
+    exits = {(e.host, e.rank): e.code for e in seen if isinstance(e, RankExitReported)}
+    ranks_b = c.window.members[[m.host for m in c.window.members].index("b")].ranks
+    assert {exits[("b", r)] for r in ranks_b} == {0, 3}
+    assert {e.host for e in seen if isinstance(e, HostDone)} == {"a", "b"}
+    text = out.getvalue()
+    for local, r in enumerate(ranks_b):
+        assert f"[b:cpu{local}:r{r}] hello from {r}" in text
+
+
+def test_a_killed_rank_is_reported_with_the_negative_signal(cluster):
+    c = cluster(target_ranks=2, rank_code="import signal; os.kill(os.getpid(), signal.SIGKILL)")
+    a, b = in_thread(c.agent("a").run), in_thread(c.agent("b").run)
+    assert a() == 0 and b() == 0
+    seen = events(c.service, timeout=1.0)
+    assert sorted(e.code for e in seen if isinstance(e, RankExitReported)) == [-signal.SIGKILL] * 2
+
+
+def test_an_abort_after_formation_tears_the_hosts_down(cluster):
+    c = cluster(target_ranks=2, rank_code="time.sleep(60)")
+    a, b = in_thread(c.agent("a").run), in_thread(c.agent("b").run)
+    assert c.service.wait_closed(10).phase is Phase.FORMED
+    time.sleep(0.3)  # let the agents spawn
+    c.service.abort("operator stopped the run")
+    assert a() == 1 and b() == 1
+    seen = events(c.service, timeout=1.0)
+    assert all(e.code < 0 for e in seen if isinstance(e, RankExitReported))
+
+
+def test_a_silent_controller_tears_the_host_down(cluster):
+    c = cluster(target_ranks=2, rank_code="time.sleep(60)")
+    a, b = in_thread(c.agent("a").run), in_thread(c.agent("b").run)
+    assert c.service.wait_closed(10).phase is Phase.FORMED
+    c.service.close()  # no more heartbeats, no goodbye: as if the link were cut
+    assert a() == 1 and b() == 1

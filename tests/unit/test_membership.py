@@ -1,0 +1,314 @@
+"""The join window's pure ledger: admission, rank assignment, verdicts over a fabricated clock."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flodl_zmq.errors import ConfigError, MembershipError
+from flodl_zmq.membership import (
+    OPEN_JOIN_KEY,
+    Accepted,
+    HostLinks,
+    JoinConfig,
+    JoinWindow,
+    Member,
+    Phase,
+    Rejected,
+    SpawnSpec,
+    TrustMode,
+    check_open_admission_bind,
+    join_key,
+    resolve_trust,
+)
+from flodl_zmq.wire import PROTOCOL_VERSION
+from flodl_zmq.wire.records import JoinHello
+
+SIG_A = bytes([0xA1]) * 32
+SIG_B = bytes([0xB2]) * 32
+
+
+def hello(
+    host: str,
+    n: int = 1,
+    *,
+    sig: bytes = SIG_A,
+    model: bytes | None = None,
+    protocol: int = PROTOCOL_VERSION,
+    devices: list[str] | None = None,
+) -> JoinHello:
+    devs = devices if devices is not None else [f"cpu:{i}" for i in range(n)]
+    return JoinHello(host=host, devices=devs, dataset_sig=sig, protocol=protocol, model_sig=model)
+
+
+def window(**cfg) -> JoinWindow:
+    defaults = {"min_ranks": 2, "window_s": 10.0, "cap_s": 30.0}
+    defaults.update(cfg)
+    return JoinWindow(JoinConfig(**defaults), opened_at=100.0)
+
+
+def rejected(outcome) -> str:
+    assert isinstance(outcome, Rejected), outcome
+    return outcome.reason
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def test_admission_assigns_contiguous_ranks_in_order():
+    w = window()
+    assert w.admit(hello("a", 1), 100.0).ranks == (0,)
+    assert w.admit(hello("b", 2), 101.0).ranks == (1, 2)
+    assert w.admit(hello("c", 3), 102.0).ranks == (3, 4, 5)
+    assert [m.host for m in w.members] == ["a", "b", "c"]
+    assert w.joined_ranks == 6
+
+
+@given(st.lists(st.integers(min_value=1, max_value=8), min_size=1, max_size=20))
+def test_ranks_cover_zero_to_n_exactly_once_whatever_the_host_sizes(sizes):
+    w = window()
+    for i, n in enumerate(sizes):
+        w.admit(hello(f"h{i}", n), 100.0)
+    ranks = [r for m in w.members for r in m.ranks]
+    assert ranks == list(range(sum(sizes)))
+
+
+def test_accept_tells_the_remaining_hard_cap_budget():
+    w = window(cap_s=30.0)
+    outcome = w.admit(hello("a"), 112.0)
+    assert isinstance(outcome, Accepted)
+    assert outcome.formation_wait_s == pytest.approx(18.0)
+
+
+def test_duplicate_host_is_refused_and_burns_no_rank_ids():
+    w = window()
+    w.admit(hello("a"), 100.0)
+    reason = rejected(w.admit(hello("a", 2), 101.0))
+    assert "duplicate join" in reason and "'a'" in reason
+    assert w.admit(hello("b"), 102.0).ranks == (1,)
+
+
+def test_dataset_signature_first_member_seeds_the_expectation():
+    w = window()
+    w.admit(hello("a", sig=SIG_A), 100.0)
+    reason = rejected(w.admit(hello("b", sig=SIG_B), 101.0))
+    assert "dataset signature mismatch" in reason
+    assert SIG_B[:4].hex() in reason and SIG_A[:4].hex() in reason
+    assert "same dataset" in reason
+
+
+def test_dataset_signature_controller_seed_wins_over_the_first_member():
+    w = JoinWindow(JoinConfig(), opened_at=0.0, dataset_sig=SIG_B)
+    assert "dataset signature mismatch" in rejected(w.admit(hello("a", sig=SIG_A), 0.0))
+    assert isinstance(w.admit(hello("b", sig=SIG_B), 0.0), Accepted)
+
+
+def test_a_box_building_a_different_model_is_refused_and_none_gates_nothing():
+    w = window()
+    w.admit(hello("a", model=None), 100.0)  # None seeds nothing
+    w.admit(hello("b", model=SIG_A), 100.0)  # first signature seeds
+    assert "model signature mismatch" in rejected(w.admit(hello("c", model=SIG_B), 100.0))
+    assert isinstance(w.admit(hello("d", model=None), 100.0), Accepted)
+    seeded = JoinWindow(JoinConfig(), opened_at=0.0, model_sig=SIG_B)
+    assert "model signature mismatch" in rejected(seeded.admit(hello("a", model=SIG_A), 0.0))
+
+
+def test_protocol_version_skew_is_refused_by_name():
+    w = window()
+    reason = rejected(w.admit(hello("a", protocol=PROTOCOL_VERSION + 1), 100.0))
+    assert "protocol version skew" in reason and "same flodl-zmq version" in reason
+
+
+@pytest.mark.parametrize(
+    ("h", "needle"),
+    [
+        (hello("a", devices=[]), "no devices"),
+        (hello("a", devices=[f"cpu:{i}" for i in range(100_000)]), "more than the 256"),
+        (hello("a", devices=["cuda:0", "cuda:0"]), "repeated device"),
+        (hello("a", devices=["cuda:0", "  "]), "blank or repeated device"),
+        (hello("   ", 1), "invalid host name"),
+        (hello("a\nb", 1), "invalid host name"),
+        (hello("x" * 300, 1), "invalid host name"),
+    ],
+)
+def test_hostile_hellos_are_refused_and_leave_the_window_open(h, needle):
+    w = window()
+    assert needle in rejected(w.admit(h, 100.0))
+    assert w.members == () and w.phase is Phase.OPEN
+    assert w.admit(hello("honest"), 100.0).ranks == (0,)
+
+
+def test_retract_last_returns_rank_ids_to_the_pool():
+    w = window()
+    w.admit(hello("a"), 100.0)
+    w.admit(hello("b", 2), 100.0)
+    with pytest.raises(MembershipError, match="most recent"):
+        w.retract_last("a")
+    w.retract_last("b")
+    assert w.admit(hello("c", 2), 100.0).ranks == (1, 2)
+
+
+def test_a_closed_window_refuses_late_joiners_by_name():
+    w = window(target_ranks=2)
+    w.admit(hello("a", 2), 100.0)
+    assert w.poll(100.0).phase is Phase.FORMED
+    assert "window closed" in rejected(w.admit(hello("late"), 101.0))
+    failed = window()
+    failed.abort("operator gave up")
+    assert "operator gave up" in rejected(failed.admit(hello("late"), 100.0))
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    ("cfg", "needle"),
+    [
+        ({"min_ranks": 0}, ">= 2"),
+        ({"min_ranks": 1}, ">= 2"),
+        ({"min_ranks": 3, "target_ranks": 2}, "target ranks"),
+        ({"window_s": 60.0, "cap_s": 30.0}, "join cap"),
+        ({"window_s": -1.0}, "join window"),
+        ({"window_s": float("nan")}, "join window"),
+    ],
+)
+def test_config_cross_field_validation(cfg, needle):
+    with pytest.raises(ConfigError, match=needle):
+        JoinConfig(**cfg)
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def test_verdict_target_closes_early():
+    w = window(target_ranks=3)
+    w.admit(hello("a", 2), 100.0)
+    assert w.poll(101.0).phase is Phase.OPEN
+    w.admit(hello("b", 1), 101.0)
+    v = w.poll(101.0)
+    assert v.phase is Phase.FORMED and v.reason == "target ranks reached"
+    assert v.world_size == 3 and [m.host for m in v.members] == ["a", "b"]
+
+
+def test_verdict_quorum_early_does_not_close_the_window():
+    w = window(min_ranks=2, window_s=10.0)
+    w.admit(hello("a", 2), 100.0)
+    assert w.poll(109.9).phase is Phase.OPEN
+    v = w.poll(110.0)
+    assert v.phase is Phase.FORMED and "with quorum" in v.reason
+
+
+def test_verdict_grace_range_waits_for_quorum_then_forms():
+    w = window(min_ranks=2, window_s=10.0, cap_s=30.0)
+    w.admit(hello("a", 1), 100.0)
+    assert w.poll(115.0).phase is Phase.OPEN
+    w.admit(hello("b", 1), 120.0)
+    assert w.poll(120.0).phase is Phase.FORMED
+
+
+def test_verdict_cap_expiry_fails_loudly():
+    w = window(min_ranks=2, window_s=10.0, cap_s=30.0)
+    w.admit(hello("a", 1), 100.0)
+    assert w.poll(129.9).phase is Phase.OPEN
+    v = w.poll(130.0)
+    assert v.phase is Phase.FAILED
+    assert "quorum not met" in v.reason and "1/2" in v.reason
+
+
+def test_verdicts_are_final():
+    w = window(target_ranks=2)
+    w.admit(hello("a", 2), 100.0)
+    formed = w.poll(100.0)
+    assert w.poll(10_000.0) == formed
+    assert w.abort("too late") == formed
+
+
+def test_abort_fails_an_open_window_with_the_reason():
+    w = window()
+    v = w.abort("launcher aborted before the world formed")
+    assert v.phase is Phase.FAILED and "launcher aborted" in v.reason
+
+
+# --------------------------------------------------------------------------- trust
+
+
+def test_open_admission_uses_the_all_zero_key_and_pre_shared_the_session_key():
+    key = bytes(range(32))
+    assert join_key(TrustMode.OPEN, key) == OPEN_JOIN_KEY == bytes(32)
+    assert join_key(TrustMode.PRE_SHARED, key) == key
+
+
+@pytest.mark.parametrize(
+    "addr", ["127.0.0.1", "10.231.0.1", "192.168.1.5", "172.16.0.9", "::1", "fd00::1"]
+)
+def test_open_admission_is_allowed_on_loopback_and_private_binds(addr):
+    check_open_admission_bind(addr)
+
+
+@pytest.mark.parametrize("addr", ["8.8.8.8", "0.0.0.0", "::", "2001:4860::1", "controller"])
+def test_open_admission_is_refused_on_public_wildcard_or_unresolved_binds(addr):
+    with pytest.raises(ConfigError, match="pre-shared key"):
+        check_open_admission_bind(addr)
+
+
+def test_resolve_trust_follows_the_knob_and_warns_on_open(caplog):
+    assert resolve_trust(False, "8.8.8.8") is TrustMode.PRE_SHARED
+    with caplog.at_level(logging.WARNING, logger="flodl_zmq.membership"):
+        assert resolve_trust(True, "10.231.0.1") is TrustMode.OPEN
+    assert "open admission" in caplog.text
+    with pytest.raises(ConfigError):
+        resolve_trust(True, "0.0.0.0")
+
+
+# --------------------------------------------------------------------------- host links
+
+
+def member(host: str, *ranks: int) -> Member:
+    return Member(host, ranks, tuple(f"cpu:{i}" for i in range(len(ranks))), 0.0)
+
+
+def test_a_silent_host_is_lost_once_with_its_unreported_ranks():
+    links = HostLinks(timeout_s=5.0)
+    links.add(member("a", 0, 1), 0.0)
+    links.add(member("b", 2), 0.0)
+    links.rank_exited("a", 0, 1.0)
+    links.heard("b", 4.0)
+    assert links.lost(5.5) == []
+    assert links.lost(6.5) == ["a"]
+    assert links.live_ranks("a") == (1,)
+    assert links.lost(100.0) == ["b"]
+    assert links.lost(200.0) == []
+
+
+def test_a_host_whose_ranks_all_exited_is_done_and_never_lost():
+    links = HostLinks(timeout_s=5.0)
+    links.add(member("a", 0, 1), 0.0)
+    assert links.rank_exited("a", 0, 1.0) is False
+    assert links.rank_exited("a", 0, 1.0) is False  # a repeated report changes nothing
+    assert links.rank_exited("a", 1, 1.0) is True
+    assert links.lost(100.0) == []
+
+
+# --------------------------------------------------------------------------- spawn artifacts
+
+
+def test_spawn_spec_round_trips_and_refuses_malformed_json():
+    spec = SpawnSpec(
+        ("-m", "flodl_zmq", "demo"), {"FLODL_STARTUP_TIMEOUT": "30"}, {"a": (0,), "b": (1, 2)}
+    )
+    assert SpawnSpec.from_json(spec.to_json()) == spec
+    good = {"argv": ["x"], "env": {}, "world": "a=0;b=1"}
+    bads = [
+        {**good, "argv": []},
+        {**good, "env": {"a": 1}},
+        {**good, "extra": 1},
+        {**good, "world": "a=0;b=2"},
+        {"argv": ["x"], "env": {}},
+    ]
+    for bad in ["not json", "[]", *map(json.dumps, bads)]:
+        with pytest.raises(MembershipError):
+            SpawnSpec.from_json(bad)
