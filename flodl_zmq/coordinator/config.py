@@ -1,0 +1,261 @@
+"""The coordinator's configuration: one validated object for the whole run.
+
+Rules this module keeps:
+
+- Every setting is checked when the object is built; a bad value raises
+  `ConfigError` naming the setting, the value and the allowed range, so a run
+  never fails an hour in on a typo.
+- Defaults follow floDl 0.7 (coordinator notes §1.3-1.5): Cadence mode, anchor
+  10 (1 under Sync), heartbeat timeout 30 s, TrendGuard at 0.05 (0.3 when the
+  EASGD blend keeps a standing spread), EASGD alpha 0.5 under Async, overshoot
+  auto-tuned from 3 to 15.
+- Derived values (guard threshold, overshoot bounds, the ElChe knobs, the
+  reduce-stall ceiling) are computed here once, so the state machine never
+  re-derives policy.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flodl_zmq.coordinator.dispatch import SHUFFLE_BASE_SEED
+from flodl_zmq.coordinator.elche import ElCheConfig
+from flodl_zmq.errors import ConfigError
+
+OVERSHOOT_AUTO_INITIAL = 3
+OVERSHOOT_AUTO_CEILING = 15
+TREND_THRESHOLD = 0.05
+TREND_THRESHOLD_EASGD = 0.3  # EASGD keeps a standing spread of about 0.1
+DEFAULT_EASGD_ALPHA = 0.5
+REDUCE_STALL_FLOOR_S = 300.0
+REDUCE_STALL_HEARTBEATS = 10
+
+
+class Mode(str, enum.Enum):
+    """When to average (floDl's ApplyPolicy; the backend is always CPU averaging here).
+
+    - SYNC: whole partitions per epoch, average as soon as every live rank
+      did one step, Throttle barrier each cycle.
+    - CADENCE: ElChe windows, one window-sized chunk in flight per rank.
+    - ASYNC: throughput-sized chunks, bounded overshoot past the window,
+      ranks blend the consensus (EASGD) instead of overwriting.
+    """
+
+    SYNC = "sync"
+    CADENCE = "cadence"
+    ASYNC = "async"
+
+    @property
+    def barrier_paced(self) -> bool:
+        """Sync and Cadence hold ranks at the reduce and at epoch edges; Async does not."""
+        return self is not Mode.ASYNC
+
+    @property
+    def progressive(self) -> bool:
+        """Cadence and Async stream chunks from a pool; Sync sends whole partitions."""
+        return self is not Mode.SYNC
+
+
+class GuardKind(str, enum.Enum):
+    NONE = "none"
+    TREND = "trend"
+    MSF = "msf"
+
+
+@dataclass(frozen=True)
+class MaxFailure:
+    """How many rank failures end the run: `count` ranks, or `fraction` of the world.
+
+    Build with `MaxFailure.absolute(n)` or `MaxFailure.percent(p)`; exactly one
+    field is set. Clean exits are never failures.
+    """
+
+    count: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def absolute(cls, n: int) -> MaxFailure:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"max_failure absolute = {n!r}: must be an integer >= 0")
+        return cls(count=n)
+
+    @classmethod
+    def percent(cls, p: float) -> MaxFailure:
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not math.isfinite(p):
+            raise ConfigError(f"max_failure percent = {p!r}: must be a finite number in [0, 1]")
+        # Out-of-range fractions are clamped (upstream behaviour): 1.5 means "all".
+        return cls(fraction=min(1.0, max(0.0, float(p))))
+
+    def limit(self, world_size: int) -> int:
+        """Failures that trip the threshold: `count`, or ceil(fraction * world)."""
+        if self.count is not None:
+            return self.count
+        return math.ceil((self.fraction or 0.0) * max(world_size, 0))
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Everything the coordinator needs to schedule one run. See the module docstring.
+
+    `callback_rank` selects the callback-role policy: None = Fastest (the
+    quickest live rank runs eval, checkpoint and epoch_fn), n = Rank(n).
+    `eval_every` / `checkpoint_every` are epoch cadences (0 = off);
+    `final_eval` asks for one canonical eval of the final consensus before
+    shutdown. `max_overshoot` pins Async's lookahead (None = auto 3 -> 15).
+    """
+
+    total_samples: int
+    batch_size: int
+    num_epochs: int
+    mode: Mode = Mode.CADENCE
+    seed: int = SHUFFLE_BASE_SEED
+    heartbeat_timeout_s: float = 30.0
+    max_failure: MaxFailure | None = None
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    final_eval: bool = False
+    callback_rank: int | None = None
+    anchor: int | None = None
+    max_anchor: int = 1000
+    min_anchor: int | None = None
+    overhead_target: float = 0.05
+    max_batch_diff: int | None = None
+    relax_up: bool = False
+    partition_ratios: Sequence[float] | None = None
+    guard: GuardKind = GuardKind.TREND
+    divergence_threshold: float | None = None
+    meta_controller: bool = True
+    easgd_alpha: float | None = None
+    max_overshoot: int | None = None
+    min_chunk_batches: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", _enum(Mode, self.mode, "mode"))
+        object.__setattr__(self, "guard", _enum(GuardKind, self.guard, "guard"))
+        _int(self.total_samples, "total_samples", 1)
+        _int(self.batch_size, "batch_size", 1)
+        _int(self.num_epochs, "num_epochs", 1)
+        _int(self.seed, "seed", 0)
+        _int(self.eval_every, "eval_every", 0)
+        _int(self.checkpoint_every, "checkpoint_every", 0)
+        _int(self.max_anchor, "max_anchor", 1)
+        _int(self.min_chunk_batches, "min_chunk_batches", 1)
+        if self.total_samples < self.batch_size:
+            raise ConfigError(
+                f"total_samples = {self.total_samples} is smaller than batch_size = "
+                f"{self.batch_size}: an epoch would hold no whole batch; use a smaller batch"
+            )
+        if not (isinstance(self.heartbeat_timeout_s, (int, float)) and self.heartbeat_timeout_s > 0
+                and math.isfinite(self.heartbeat_timeout_s)):
+            raise ConfigError(
+                f"heartbeat_timeout_s = {self.heartbeat_timeout_s!r}: must be a finite number > 0"
+            )
+        if self.callback_rank is not None:
+            _int(self.callback_rank, "callback_rank", 0)
+        if self.anchor is not None:
+            _int(self.anchor, "anchor", 1)
+        if self.max_overshoot is not None:
+            _int(self.max_overshoot, "max_overshoot", 0)
+        if self.easgd_alpha is not None:
+            a = self.easgd_alpha
+            if not (isinstance(a, (int, float)) and 0 < a <= 1):
+                raise ConfigError(f"easgd_alpha = {a!r}: must be in (0, 1] (1 = full overwrite)")
+            if self.mode is not Mode.ASYNC:
+                raise ConfigError(
+                    f"easgd_alpha is set but mode is {self.mode.value}: the EASGD blend is only "
+                    f"safe under async (use mode='async' or drop easgd_alpha)"
+                )
+        if self.divergence_threshold is not None and not (
+            isinstance(self.divergence_threshold, (int, float))
+            and math.isfinite(self.divergence_threshold) and self.divergence_threshold >= 0
+        ):
+            raise ConfigError(
+                f"divergence_threshold = {self.divergence_threshold!r}: must be a finite number >= 0"
+            )
+        if self.partition_ratios is not None:
+            if self.mode is not Mode.SYNC:
+                raise ConfigError(
+                    f"partition_ratios only apply to mode='sync' (mode is {self.mode.value}: "
+                    f"progressive modes size chunks from measured speed)"
+                )
+            object.__setattr__(self, "partition_ratios", tuple(self.partition_ratios))
+        # Built here so every ElChe knob error surfaces at configuration time.
+        self.elche_config(1)
+
+    # ------------------------------------------------------------ derived
+
+    @property
+    def effective_easgd_alpha(self) -> float | None:
+        """The blend factor ranks apply to the consensus; None means overwrite."""
+        if self.mode is Mode.ASYNC:
+            return DEFAULT_EASGD_ALPHA if self.easgd_alpha is None else self.easgd_alpha
+        return None
+
+    @property
+    def guard_threshold(self) -> float:
+        if self.divergence_threshold is not None:
+            return self.divergence_threshold
+        return TREND_THRESHOLD_EASGD if self.effective_easgd_alpha is not None else TREND_THRESHOLD
+
+    @property
+    def overshoot_bounds(self) -> tuple[int, int, bool]:
+        """(initial, ceiling, auto): a user value pins both and disables auto-tuning."""
+        if self.max_overshoot is not None:
+            return self.max_overshoot, self.max_overshoot, False
+        return OVERSHOOT_AUTO_INITIAL, OVERSHOOT_AUTO_CEILING, True
+
+    @property
+    def reduce_stall_s(self) -> float:
+        """A pending cycle older than this, with ranks alive, ends the run (ReduceStall)."""
+        return max(REDUCE_STALL_HEARTBEATS * self.heartbeat_timeout_s, REDUCE_STALL_FLOOR_S)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.total_samples // self.batch_size
+
+    def elche_config(self, world_size: int) -> ElCheConfig:
+        """ElChe's knobs for this run and world (Sync: anchor 1, no window growth)."""
+        anchor = self.anchor if self.anchor is not None else (1 if self.mode is Mode.SYNC else 10)
+        anchor_rank = None
+        if self.partition_ratios is not None and len(self.partition_ratios) == world_size:
+            # The smallest ratio marks the rank the user knows is slowest.
+            anchor_rank = min(range(world_size), key=lambda r: (self.partition_ratios[r], r))
+        return ElCheConfig(
+            anchor=anchor,
+            max_anchor=max(self.max_anchor, anchor),
+            min_anchor=self.min_anchor,
+            overhead_target=self.overhead_target,
+            max_batch_diff=self.max_batch_diff,
+            window_growth=self.mode is not Mode.SYNC,
+            anchor_rank=anchor_rank,
+        )
+
+    def check_world(self, world_size: int) -> None:
+        """Settings that depend on the world size (known only once the world forms)."""
+        _int(world_size, "world_size", 1)
+        if self.callback_rank is not None and self.callback_rank >= world_size:
+            raise ConfigError(
+                f"callback_rank = {self.callback_rank} is outside a world of {world_size} ranks "
+                f"(valid 0..{world_size - 1}, or None for the fastest rank)"
+            )
+        if self.partition_ratios is not None and len(self.partition_ratios) != world_size:
+            raise ConfigError(
+                f"partition_ratios has {len(self.partition_ratios)} entries for a world of "
+                f"{world_size} ranks; give one ratio per rank"
+            )
+
+
+def _enum(cls: type[enum.Enum], value: object, name: str) -> enum.Enum:
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ConfigError(f"{name} = {value!r}: must be one of {allowed}") from None
+
+
+def _int(value: object, name: str, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name} = {value!r}: must be an integer >= {minimum}")

@@ -1,0 +1,131 @@
+"""Callback roles: which rank runs eval, checkpoint and epoch_fn, and when.
+
+Three sticky roles: the checkpoint role, the eval role and the epoch-callback
+role. Policy `Fastest` (`policy_rank=None`) gives them to the live rank with
+the lowest smoothed ms/batch; `Rank(n)` pins them to rank n.
+
+Rules this module keeps:
+
+- **Sticky.** A role moves only on the first calibration (Fastest: the
+  uncalibrated default, rank 0, is replaced by the real fastest), on the
+  death of its holder, or on a checkpoint failure. Callbacks may keep
+  per-rank state, so roles must not flap with timing noise.
+- **Rank(n) fails over only the checkpoint role** (to the lowest live rank):
+  a checkpoint must be written by somebody, whereas eval and epoch_fn stay
+  pinned where the user put them.
+- **Checkpoint failover.** A failed checkpoint of version v is retried on the
+  lowest live rank that has not tried v; when every live rank has tried, v is
+  given up (max_failure governs the run's health, not the callback). A
+  success clears v's tried set and makes that rank the role.
+- **Epoch-role changes are announced.** `epoch_dirty` stays set until the
+  coordinator has broadcast `SetEpochCallbackRole`.
+- **Callback cost is measured** with an EWMA (alpha 0.3) per callback kind,
+  which the last-window slack reservation uses.
+
+Cadence: eval and checkpoint fire at the boundary *into* epoch e (e > 0) when
+e is a multiple of their cadence; version e means "the state after epoch
+e - 1".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+EWMA_ALPHA = 0.3
+
+
+def is_due(epoch: int, every: int) -> bool:
+    """Whether a callback with cadence `every` (0 = off) fires on entering `epoch`."""
+    return every > 0 and epoch > 0 and epoch % every == 0
+
+
+def fastest_live(smoothed_ms: Sequence[float | None], live: Sequence[bool]) -> int | None:
+    """The live rank with the lowest smoothed ms/batch; the lowest live rank if none has a sample."""
+    timed = [(ms, r) for r, ms in enumerate(smoothed_ms) if live[r] and ms is not None and ms > 0]
+    if timed:
+        return min(timed)[1]
+    return next((r for r, a in enumerate(live) if a), None)
+
+
+class _Ewma:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - EWMA_ALPHA) * self.value + EWMA_ALPHA * x
+
+
+class CallbackRoles:
+    """The three role holders for a world; see the module docstring."""
+
+    def __init__(self, world_size: int, policy_rank: int | None) -> None:
+        self.world_size = world_size
+        self.policy_rank = policy_rank
+        initial = 0 if policy_rank is None else min(policy_rank, world_size - 1)
+        self.checkpoint = initial
+        self.eval = initial
+        self.epoch = initial
+        self.epoch_dirty = True  # announced once before the first dispatch
+        self._resolved = False
+        self._tried: dict[int, set[int]] = {}
+        self.checkpoint_ms = _Ewma()
+        self.eval_ms = _Ewma()
+        self.epoch_fn_ms = _Ewma()
+
+    @property
+    def fastest_policy(self) -> bool:
+        return self.policy_rank is None
+
+    def on_calibrated(self, smoothed_ms: Sequence[float | None], live: Sequence[bool]) -> None:
+        """First calibration: Fastest roles move from the default to the real fastest rank."""
+        if self._resolved:
+            return
+        self._resolved = True
+        if self.fastest_policy:
+            self._assign_all(fastest_live(smoothed_ms, live))
+
+    def on_death(self, rank: int, smoothed_ms: Sequence[float | None], live: Sequence[bool]) -> None:
+        """`rank` left: re-home the roles it held (Rank(n): the checkpoint role only)."""
+        heir = fastest_live(smoothed_ms, live) if self.fastest_policy else _lowest(live)
+        if heir is None:
+            return
+        if self.checkpoint == rank:
+            self.checkpoint = heir
+        if self.fastest_policy:
+            if self.eval == rank:
+                self.eval = heir
+            if self.epoch == rank:
+                self.epoch = heir
+                self.epoch_dirty = True
+
+    def checkpoint_failed(self, version: int, rank: int, live: Sequence[bool]) -> int | None:
+        """`rank` failed checkpoint `version`: the next rank to try, or None (given up)."""
+        tried = self._tried.setdefault(version, set())
+        tried.add(rank)
+        nxt = next((r for r, a in enumerate(live) if a and r not in tried), None)
+        if nxt is None:
+            del self._tried[version]
+            return None
+        self.checkpoint = nxt
+        return nxt
+
+    def checkpoint_succeeded(self, version: int, rank: int) -> None:
+        self._tried.pop(version, None)
+        self.checkpoint = rank
+
+    def tried(self, version: int) -> int:
+        return len(self._tried.get(version, ()))
+
+    def _assign_all(self, rank: int | None) -> None:
+        if rank is None:
+            return
+        self.checkpoint = self.eval = rank
+        if self.epoch != rank:
+            self.epoch = rank
+            self.epoch_dirty = True
+
+
+def _lowest(live: Sequence[bool]) -> int | None:
+    return next((r for r, a in enumerate(live) if a), None)

@@ -1,0 +1,400 @@
+"""The coordinator state machine, driven directly: the cycle, the gate, deaths, shutdown."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl_zmq.coordinator.config import CoordinatorConfig, MaxFailure
+from flodl_zmq.coordinator.core import (
+    CONTROLLER,
+    REDUCER,
+    Coordinator,
+    ExpectRound,
+    RunEnded,
+    SaveState,
+)
+from flodl_zmq.errors import CoordinatorError
+from flodl_zmq.wire import records as rec
+
+
+def make(world=2, mode="cadence", total=800, bs=1, **kw):
+    cfg = CoordinatorConfig(total_samples=total, batch_size=bs, num_epochs=kw.pop("epochs", 1),
+                            mode=mode, **kw)
+    c = Coordinator(cfg, world, 0.0)
+    return c, c.start(0.0)
+
+
+def of(outs, kind, dest=None):
+    return [o.record for o in outs if isinstance(o.record, kind) and (dest is None or o.dest == dest)]
+
+
+def batch(c, r, step, t=0.1, ms=10.0):
+    return c.on_record(r, rec.Batch(rank=r, batch_ms=ms, data_ms=0.0, step_count=step,
+                                    batch_loss=1.0, param_norm=None, sync_divergence=None), t)
+
+
+def done(c, r, epoch, samples, t=0.1):
+    return c.on_record(r, rec.EpochMetrics(
+        rank=r, epoch=epoch, avg_loss=1.0, batches_processed=samples, samples_processed=samples,
+        epoch_ms=1.0, compute_only_ms=1.0, data_starve_ms=0.0, scalar_sums={}, scalar_counts={}), t)
+
+
+def train(c, r, plan, start_step, t=0.1, ms=10.0, metrics=True):
+    """Rank r trains a whole chunk (batch size 1); returns every output and the new step count."""
+    outs = []
+    for i in range(plan.size):
+        outs += batch(c, r, start_step + i + 1, t, ms)
+    if metrics:
+        outs += done(c, r, plan.epoch, plan.size, t)
+    return outs, start_step + plan.size
+
+
+def ack(c, r, rnd, t=0.2):
+    return c.on_record(r, rec.SyncAck(rank=r, round=rnd, step_count=0, divergence=0.01,
+                                      post_norm=1.0, pre_norm=1.0), t)
+
+
+def finish(c, rnd, ranks, t=0.2):
+    outs = c.on_round_complete(rnd, t)
+    for r in ranks:
+        outs += ack(c, r, rnd, t)
+    return outs
+
+
+# ------------------------------------------------------------------ the cycle
+
+
+def test_sync_trigger_broadcasts_request_params_and_throttle_then_update_and_global_step():
+    c, outs = make(mode="sync", total=20)
+    assert [p.plan for p in of(outs, rec.StartEpoch)] == [rec.EpochPlan(0, 0, 10), rec.EpochPlan(0, 10, 10)]
+    assert of(batch(c, 0, 1), rec.RequestParams) == []  # rank 1 has not stepped yet
+    outs = batch(c, 1, 1)
+    assert outs[0].dest is REDUCER and outs[0].record == ExpectRound(1, (0, 1))
+    assert [type(o.record) for o in outs[1:]] == [rec.RequestParams] * 2 + [rec.Throttle] * 2
+    outs = finish(c, 1, [0, 1])
+    kinds = [type(o.record) for o in outs]
+    assert kinds == [rec.Update, rec.Update, rec.SetGlobalStep, rec.SetGlobalStep]
+    assert of(outs, rec.Update, 0) == [rec.Update(round=1, next_plan=None)]
+    assert of(outs, rec.SetGlobalStep, 1) == [rec.SetGlobalStep(2)]
+
+
+def test_cadence_gate_fires_on_batch_counts_even_with_pathological_slow_ms():
+    c, outs = make()
+    plans = [p.plan for p in of(outs, rec.StartEpoch)]
+    assert [p.size for p in plans] == [10, 10]  # anchor 10 before calibration
+    out0, _ = train(c, 0, plans[0], 0, ms=1e9)
+    out1, _ = train(c, 1, plans[1], 0, ms=1e9)
+    assert of(out0, rec.RequestParams) == []
+    assert len(of(out1, rec.RequestParams)) == 2
+
+
+def test_cadence_gate_does_not_fire_below_batch_counts():
+    c, outs = make()
+    plans = [p.plan for p in of(outs, rec.StartEpoch)]
+    train(c, 0, plans[0], 0)
+    out, _ = train(c, 1, plans[1], 0, metrics=False)  # 10 steps, chunk not reported done
+    assert of(out, rec.RequestParams) == []
+    for step in range(11, 15):  # steps beyond the window do not bypass the chunk rule either
+        assert of(batch(c, 0, step), rec.RequestParams) == []
+
+
+def test_cpu_gate_blocks_while_cycle_in_flight():
+    c, outs = make(mode="sync", total=20)
+    batch(c, 0, 1)
+    assert len(of(batch(c, 1, 1), rec.RequestParams)) == 2
+    for step in range(2, 6):
+        assert of(batch(c, 0, step) + batch(c, 1, step), rec.RequestParams) == []
+    outs = finish(c, 1, [0, 1])
+    # Re-armed by the finish alone: the steps taken during the round open the gate again.
+    assert of(outs, ExpectRound) == [ExpectRound(2, (0, 1))]
+
+
+def test_update_carries_the_next_chunk_after_a_cadence_reduce():
+    c, outs = make()
+    plans = [p.plan for p in of(outs, rec.StartEpoch)]
+    train(c, 0, plans[0], 0)
+    train(c, 1, plans[1], 0)
+    outs = finish(c, 1, [0, 1])
+    nxt = [u.next_plan for u in of(outs, rec.Update)]
+    assert all(p is not None and p.epoch == 0 for p in nxt)
+    assert of(outs, rec.StartEpoch) == []  # dispatch rides in the Update, no second message
+
+
+def test_counters_are_snapshotted_at_the_trigger():
+    c, outs = make(mode="async", total=4000)
+    plans = [p.plan for p in of(outs, rec.StartEpoch)]
+    step = [0, 0]
+    for r in (0, 1):
+        for _ in range(10):
+            step[r] += 1
+            batch(c, r, step[r])
+    assert c.cycle is not None
+    for _ in range(3):  # Async keeps training while the round is in flight
+        step[0] += 1
+        batch(c, 0, step[0])
+    finish(c, 1, [0, 1])
+    assert c.global_step == 20
+    assert c.window_steps == [3, 0]
+    assert plans
+
+
+def test_sync_ack_step_count_is_ignored():
+    c, _ = make(mode="sync", total=20)
+    batch(c, 0, 1)
+    batch(c, 1, 1)
+    c.on_round_complete(1, 0.2)
+    c.on_record(0, rec.SyncAck(rank=0, round=1, step_count=999, divergence=0.0, post_norm=1.0,
+                               pre_norm=1.0), 0.2)
+    ack(c, 1, 1)
+    assert c.window_steps == [0, 0] and c.global_step == 2
+
+
+def test_quiesced_rank_does_not_block_the_reduce():
+    c, outs = make(total=25, bs=1)  # spans 13/12; after one window 5 + ... left
+    plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
+    step = [0, 0]
+    out, step[0] = train(c, 0, plans[0], step[0])
+    out, step[1] = train(c, 1, plans[1], step[1])
+    outs = finish(c, 1, [0, 1])
+    nxt = {o.dest: o.record.next_plan for o in outs if isinstance(o.record, rec.Update)}
+    # The final window's allocation gives both ranks work or one all of it; a
+    # rank given nothing must not hold the gate.
+    working = [r for r, p in nxt.items() if p is not None]
+    out = []
+    for r in working:
+        o, step[r] = train(c, r, nxt[r], step[r])
+        out += o
+    assert len(of(out, rec.RequestParams)) == 2
+    assert sum(p.size for p in nxt.values() if p is not None) == 5
+
+
+def test_abandoned_round_retries_without_crediting_steps():
+    c, _ = make(mode="sync", total=20)
+    batch(c, 0, 1)
+    batch(c, 1, 1)
+    outs = c.on_round_abandoned(1, 0.2)
+    assert of(outs, rec.RequestParams) and of(outs, ExpectRound)[0].round == 2
+    assert c.global_step == 0 and c.window_steps == [1, 1]
+
+
+def test_repeated_abandoned_rounds_end_the_run_with_reduce_stall():
+    c, _ = make(mode="sync", total=20)
+    batch(c, 0, 1)
+    batch(c, 1, 1)
+    outs = []
+    for rnd in (1, 2, 3):
+        outs += c.on_round_abandoned(rnd, 0.2)
+    assert of(outs, rec.ShutdownWithSave, 0) == [rec.ShutdownWithSave("reduce_stall")]
+
+
+# ------------------------------------------------------------------ liveness
+
+
+def test_heartbeat_stale_declares_rank_dead_and_unblocks_the_gate():
+    c, outs = make(heartbeat_timeout_s=1.0)
+    plans = [p.plan for p in of(outs, rec.StartEpoch)]
+    train(c, 0, plans[0], 0, t=0.9)
+    outs = c.on_tick(1.5)  # rank 1 never spoke: stale after 1 s
+    assert [o.record for o in outs if o.dest is REDUCER] == [rec.DeclareDead(1), ExpectRound(1, (0,))]
+    assert [o.dest for o in outs if isinstance(o.record, rec.RequestParams)] == [0]
+    assert c.liveness.failures == 1
+
+
+def test_clean_exit_is_not_a_failure_and_never_goes_stale():
+    c, _ = make(world=3, heartbeat_timeout_s=1.0, max_failure=MaxFailure.absolute(1))
+    outs = c.on_record(2, rec.Exiting(rank=2), 0.5)
+    assert [o.record for o in outs if o.dest is REDUCER] == [rec.DeclareDead(2)]
+    for r in (0, 1):
+        c.on_record(r, rec.Heartbeat(rank=r, step_count=0), 1.9)
+    outs = c.on_tick(2.0)
+    assert of(outs, rec.ShutdownWithSave) == [] and of(outs, rec.DeclareDead) == []
+    assert c.liveness.failures == 0
+
+
+def test_duplicate_death_reports_are_counted_once():
+    c, _ = make(world=3)
+    c.on_rank_death(1, "exit code 137", 0.1)
+    outs = c.on_rank_death(1, "exit code 137", 0.2)
+    assert outs == [] and c.ignored["duplicate_death"] == 1 and c.liveness.failures == 1
+
+
+def test_records_from_a_dead_rank_are_ignored_and_counted():
+    c, _ = make()
+    c.on_rank_death(1, "exit", 0.1)
+    assert batch(c, 1, 1) == []
+    assert c.ignored["from_departed"] == 1
+
+
+def test_dead_rank_remainder_redistributed_via_extend_partition():
+    c, _ = make(world=3, mode="sync", total=30)
+    outs = c.on_rank_death(0, "exit", 0.1)
+    ext = [(o.dest, o.record) for o in outs if isinstance(o.record, rec.ExtendPartition)]
+    assert ext == [(1, rec.ExtendPartition(0, 0, 5)), (2, rec.ExtendPartition(0, 5, 5))]
+
+
+def test_dead_sync_rank_hands_on_only_what_it_did_not_train():
+    c, _ = make(world=2, mode="sync", total=20)
+    for s in range(1, 4):
+        batch(c, 0, s)
+    outs = c.on_rank_death(0, "exit", 0.1)
+    assert of(outs, rec.ExtendPartition) == [rec.ExtendPartition(0, 3, 7)]
+
+
+def test_death_forfeits_the_in_flight_chunk_to_a_survivor():
+    c, outs = make(total=40)
+    plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
+    train(c, 1, plans[1], 0)
+    outs = c.on_rank_death(0, "exit", 0.2)
+    # Rank 1 sits at the reduce; the round runs with it alone, then it redoes rank 0's chunk first.
+    assert of(outs, ExpectRound) == [ExpectRound(1, (1,))]
+    outs = finish(c, 1, [1])
+    assert of(outs, rec.Update, 1)[0].next_plan == plans[0]
+
+
+def test_max_failure_threshold_breach_dispatches_shutdown_with_save():
+    c, _ = make(world=3, max_failure=MaxFailure.absolute(1))
+    outs = c.on_rank_death(2, "exit", 0.1)
+    assert [o.dest for o in outs if isinstance(o.record, rec.ShutdownWithSave)] == [0, 1]
+    assert of(outs, rec.ShutdownWithSave)[0].reason == "max_failure_exceeded"
+    save = of(outs, SaveState, CONTROLLER)[0]
+    assert save.state["world_size"] == 3 and of(outs, RunEnded)[0].reason.value == "max_failure_exceeded"
+    assert c.finished
+    assert c.on_rank_death(1, "exit", 0.2) == []  # latched: no second save
+
+
+def test_all_ranks_lost_shuts_down_with_save():
+    c, _ = make(world=2)
+    c.on_rank_death(0, "exit", 0.1)
+    outs = c.on_rank_death(1, "exit", 0.2)
+    assert of(outs, SaveState)[0].reason.value == "all_ranks_lost"
+
+
+def test_reduce_stall_past_ceiling_escalates():
+    c, _ = make(mode="sync", total=20, heartbeat_timeout_s=10.0)
+    batch(c, 0, 1)
+    batch(c, 1, 1)
+    outs = []
+    for t in range(5, 300, 5):  # ranks stay alive, the round never completes
+        for r in (0, 1):
+            c.on_record(r, rec.Heartbeat(rank=r, step_count=1), float(t))
+        outs += c.on_tick(float(t))
+    assert of(outs, rec.ShutdownWithSave) == []
+    outs = c.on_tick(300.5)
+    assert of(outs, rec.ShutdownWithSave, 0) == [rec.ShutdownWithSave("reduce_stall")]
+
+
+def test_coordinator_beacons_every_second():
+    c, _ = make(heartbeat_timeout_s=100.0)
+    outs = []
+    for i in range(1, 26):
+        outs += c.on_tick(i / 10)
+    assert len(of(outs, rec.CoordHeartbeat, 0)) == 3  # at 0.1, 1.1 and 2.1
+
+
+# ------------------------------------------------------------------ the end of the run
+
+
+def test_shutdown_waits_for_the_in_flight_cycle():
+    c, outs = make(total=20)
+    plans = [p.plan for p in of(outs, rec.StartEpoch)]
+    train(c, 0, plans[0], 0)
+    outs, _ = train(c, 1, plans[1], 0)
+    assert of(outs, rec.RequestParams) and of(outs, rec.EpochAggregated)
+    assert of(outs, rec.Shutdown) == []
+    outs = finish(c, 1, [0, 1])
+    assert of(outs, rec.Update) and len(of(outs, rec.Shutdown)) == 2
+    assert of(outs, RunEnded) == [RunEnded(None)]
+
+
+def test_final_reduce_happens_only_with_trailing_steps():
+    c, outs = make(mode="sync", total=2)
+    outs = batch(c, 0, 1) + done(c, 0, 0, 1)
+    assert of(outs, rec.Shutdown) == []
+    outs = batch(c, 1, 1) + done(c, 1, 0, 1)
+    assert of(outs, rec.RequestParams)  # the last steps are averaged before the end
+    outs = finish(c, 1, [0, 1])
+    assert len(of(outs, rec.Shutdown)) == 2
+    assert c.avg_count == 1
+
+
+def test_final_canonical_eval_precedes_shutdown():
+    c, outs = make(total=20, final_eval=True)
+    plans = [p.plan for p in of(outs, rec.StartEpoch)]
+    train(c, 0, plans[0], 0)
+    train(c, 1, plans[1], 0)
+    outs = finish(c, 1, [0, 1])
+    ev = of(outs, rec.ExecuteEval)
+    assert len(ev) == 1 and ev[0].epoch == 1 and of(outs, rec.Shutdown) == []
+    outs = c.on_record(ev[0].target_rank, rec.EvalResult(
+        rank=ev[0].target_rank, schedule_id=ev[0].schedule_id, epoch=1, metric=0.9,
+        elapsed_ms=3.0, error=None), 0.3)
+    assert of(outs, rec.EvalBroadcast) and len(of(outs, rec.Shutdown)) == 2
+
+
+# ------------------------------------------------------------------ roles
+
+
+def test_checkpoint_failure_fails_over_to_the_next_untried_rank():
+    c, _ = make(world=3)
+    outs = c.on_record(0, rec.CheckpointResult(rank=0, version=2, elapsed_ms=5.0, error="disk full"), 0.1)
+    assert [(o.dest, o.record) for o in outs] == [(1, rec.Checkpoint(version=2, target_rank=1))]
+    assert c.roles.tried(2) == 1
+    c.on_record(1, rec.CheckpointResult(rank=1, version=2, elapsed_ms=5.0, error=None), 0.2)
+    assert c.roles.tried(2) == 0 and c.roles.checkpoint == 1
+
+
+# ------------------------------------------------------------------ illegal and late inputs
+
+
+def test_a_record_the_coordinator_does_not_consume_raises_naming_it():
+    c, _ = make()
+    with pytest.raises(CoordinatorError, match="RequestParams"):
+        c.on_record(0, rec.RequestParams(round=1), 0.1)
+
+
+def test_a_record_claiming_another_rank_raises():
+    c, _ = make()
+    with pytest.raises(CoordinatorError, match="claims rank 1"):
+        c.on_record(0, rec.Heartbeat(rank=1, step_count=0), 0.1)
+
+
+def test_inputs_before_start_raise():
+    cfg = CoordinatorConfig(total_samples=10, batch_size=1, num_epochs=1)
+    c = Coordinator(cfg, 2, 0.0)
+    with pytest.raises(CoordinatorError, match="before start"):
+        c.on_record(0, rec.Heartbeat(rank=0, step_count=0), 0.1)
+
+
+def test_late_and_duplicate_sync_acks_are_ignored_and_counted():
+    c, _ = make(mode="sync", total=20)
+    batch(c, 0, 1)
+    batch(c, 1, 1)
+    ack(c, 0, 1)
+    ack(c, 0, 1)
+    ack(c, 1, 7)
+    assert c.ignored["duplicate_ack"] == 1 and c.ignored["stale_round"] == 1
+
+
+# ------------------------------------------------------------------ resume
+
+
+def test_state_dict_round_trips_into_a_resumed_coordinator():
+    c, outs = make(total=40, epochs=3)
+    plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
+    train(c, 0, plans[0], 0)
+    train(c, 1, plans[1], 0)
+    finish(c, 1, [0, 1])
+    state = c.state_dict()
+    # Each rank trained the front of its span: [0, 10) and [20, 30).
+    assert state["coverage"] == {"0": [[0, 10], [20, 10]]} and state["global_step"] == 20
+    r = Coordinator(c.config, 2, 0.0, resume=state)
+    outs = r.start(0.0)
+    served = sorted((p.plan.offset, p.plan.size) for p in of(outs, rec.StartEpoch))
+    assert served == [(10, 10), (30, 10)]  # exactly the holes
+    assert r.global_step == 20 and r.avg_count == 1
+
+
+def test_resume_with_another_world_size_is_refused():
+    c, _ = make(total=40)
+    with pytest.raises(Exception, match="world_size"):
+        Coordinator(c.config, 3, 0.0, resume=c.state_dict())

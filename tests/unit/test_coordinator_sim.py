@@ -1,0 +1,146 @@
+"""Simulated runs of the real coordinator: balance, deaths, hangs, total loss, resume."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from flodl_zmq.coordinator.config import CoordinatorConfig, MaxFailure
+from flodl_zmq.coordinator.sim import RankSpec, SimConfig, Simulation
+from flodl_zmq.wire import records as rec
+
+TOTAL, BS = 5440, 8
+SPEEDS = [RankSpec(12.0), RankSpec(3.0), RankSpec(1.0)]  # throughput 1 : 4 : 12
+
+
+def config(mode="cadence", epochs=6, **kw):
+    return CoordinatorConfig(total_samples=TOTAL, batch_size=BS, num_epochs=epochs, mode=mode, **kw)
+
+
+def assert_each_sample_once(res, epochs, total):
+    for epoch in range(epochs):
+        spans = sorted((o, n) for o, n, _ in res.completed[epoch])
+        pos = 0
+        for offset, size in spans:
+            assert offset == pos, f"epoch {epoch}: hole or overlap at {pos} (next span at {offset})"
+            pos = offset + size
+        assert pos == total, f"epoch {epoch}: trained up to {pos} of {total}"
+
+
+@pytest.mark.parametrize("mode", ["cadence", "async"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_speeds_1_4_12_get_their_share_and_barely_wait(mode, seed):
+    res = Simulation(config(mode, epochs=30), SPEEDS, SimConfig(seed=seed)).run()
+    assert res.ended is not None and res.ended.reason is None
+    calibrated = res.aggregated[3:]
+    speed_share = [1 / 17, 4 / 17, 12 / 17]
+    for r, want in enumerate(speed_share):
+        got = statistics.mean(a.per_rank_batch_share[r] for a in calibrated)
+        assert abs(got - want) <= 0.10 * want, f"rank {r}: share {got:.4f} vs speed share {want:.4f}"
+    for r, windows in enumerate(res.windows):
+        late = windows[len(windows) // 5:]
+        waited = sum(w.barrier_wait_s for w in late) / sum(w.length_s for w in late)
+        assert waited < 0.10, f"rank {r} waited {waited:.1%} of its windows at the barrier"
+
+
+@pytest.mark.parametrize("mode", ["cadence", "async", "sync"])
+def test_a_rank_dying_mid_epoch_leaves_every_sample_trained_exactly_once(mode):
+    epochs = 6 if mode != "sync" else 2
+    ranks = [RankSpec(12.0), RankSpec(3.0, die_at=0.8 if mode != "sync" else 3.3), RankSpec(1.0)]
+    res = Simulation(config(mode, epochs=epochs), ranks).run()
+    assert res.ended is not None and res.ended.reason is None
+    assert [r for _, r in res.deaths_seen] == [1]
+    total = TOTAL if mode == "sync" else TOTAL // BS * BS
+    assert_each_sample_once(res, epochs, total)
+
+
+def test_a_silent_rank_is_declared_dead_after_the_timeout_and_the_run_completes():
+    ranks = [RankSpec(12.0), RankSpec(3.0, hang_at=1.0), RankSpec(1.0)]
+    sim = SimConfig(tick_s=0.05)
+    res = Simulation(config(heartbeat_timeout_s=3.0), ranks, sim).run()
+    (when, rank), = res.deaths_seen
+    assert rank == 1
+    last_seen = res.coordinator.liveness.last_seen(1)
+    assert last_seen <= 1.0 + sim.latency_s
+    # Not before the timeout has passed since its last record, and within one tick of it.
+    assert last_seen + 3.0 < when <= last_seen + 3.0 + sim.tick_s
+    assert res.ended is not None and res.ended.reason is None
+    assert_each_sample_once(res, 6, TOTAL // BS * BS)
+
+
+def test_every_rank_dying_ends_with_a_save_for_all_ranks_lost():
+    ranks = [RankSpec(12.0, die_at=1.0), RankSpec(3.0, die_at=1.5), RankSpec(1.0, die_at=2.0)]
+    res = Simulation(config(), ranks).run()
+    assert res.saved is not None and res.saved.reason.value == "all_ranks_lost"
+    assert res.ended.reason.value == "all_ranks_lost"
+    assert res.saved.state["global_step"] > 0 and res.saved.state["epoch"] >= 1
+
+
+def test_max_failure_ends_the_run_at_the_first_failure_beyond_the_limit():
+    ranks = [RankSpec(12.0), RankSpec(3.0, die_at=1.0), RankSpec(1.0, die_at=1.5)]
+    res = Simulation(config(max_failure=MaxFailure.absolute(2)), ranks).run()
+    assert res.saved.reason.value == "max_failure_exceeded"
+    assert [r for _, r in res.deaths_seen] == [1, 2]
+
+
+def test_lost_heartbeats_within_the_timeout_kill_nobody():
+    sim = SimConfig(loss={rec.Heartbeat: 0.5, rec.CoordHeartbeat: 0.5})
+    res = Simulation(config(heartbeat_timeout_s=3.0), SPEEDS, sim).run()
+    assert res.deaths_seen == [] and res.ended.reason is None
+
+
+def test_resume_trains_exactly_the_samples_missing_from_the_saved_consensus():
+    ranks = [RankSpec(12.0, die_at=1.3), RankSpec(3.0, die_at=1.3), RankSpec(1.0, die_at=1.3)]
+    first = Simulation(config(), ranks).run()
+    state = first.saved.state
+    epoch = state["epoch"]
+    covered = [tuple(s) for s in state["coverage"].get(str(epoch), [])]
+    second = Simulation(config(), SPEEDS, resume=state).run()
+    assert second.ended.reason is None
+    redo = sorted((o, n) for o, n, _ in second.completed[epoch])
+    assert sorted(covered + redo) == _tile(sorted(covered + redo))
+    assert sum(n for _, n in covered + redo) == TOTAL // BS * BS
+    assert min(second.completed) == epoch
+    assert second.coordinator.global_step > state["global_step"]
+
+
+def test_async_overshoot_auto_tunes_up_to_its_ceiling_and_a_pinned_value_stays():
+    res = Simulation(config("async", epochs=10), SPEEDS).run()
+    assert res.coordinator.overshoot == 15
+    res = Simulation(config("async", epochs=3, max_overshoot=7), SPEEDS).run()
+    assert res.coordinator.overshoot == 7
+
+
+def test_callbacks_go_to_the_pinned_rank_on_their_cadence():
+    cfg = config(epochs=5, eval_every=2, checkpoint_every=2, callback_rank=1, final_eval=True)
+    res = Simulation(cfg, SPEEDS).run()
+    sent = [(o.dest, o.record) for _, o in res.outputs
+            if isinstance(o.record, (rec.Checkpoint, rec.ExecuteEval))]
+    assert all(dest == 1 and r.target_rank == 1 for dest, r in sent)
+    assert [r.version for _, r in sent if isinstance(r, rec.Checkpoint)] == [2, 4]
+    assert [r.epoch for _, r in sent if isinstance(r, rec.ExecuteEval)] == [2, 4, 5]
+    roles = [o for _, o in res.outputs if isinstance(o.record, rec.SetEpochCallbackRole)]
+    assert len(roles) == 3  # announced once, to each rank
+
+
+def test_fastest_policy_moves_roles_to_the_fastest_rank_after_calibration():
+    res = Simulation(config(epochs=4, eval_every=1), SPEEDS).run()
+    evals = [o.dest for _, o in res.outputs if isinstance(o.record, rec.ExecuteEval)]
+    assert evals and set(evals) == {2}
+
+
+def test_the_simulation_is_deterministic():
+    a = Simulation(config(epochs=3), SPEEDS, SimConfig(seed=3)).run()
+    b = Simulation(config(epochs=3), SPEEDS, SimConfig(seed=3)).run()
+    assert a.end_time == b.end_time and a.batches == b.batches
+
+
+def _tile(spans):
+    """`spans` if they tile their range without gaps or overlaps, else something else."""
+    pos = spans[0][0] if spans else 0
+    for o, n in spans:
+        if o != pos:
+            return None
+        pos = o + n
+    return spans
