@@ -46,6 +46,7 @@ RUN_ID_BYTES = 16
 MAX_SEQ = 2**63 - 1
 
 HEADER_KEYS = ("v", "k", "run", "ch", "from", "seq", "f", "p")
+_HEADER_TYPES = {"k": str, "run": bytes, "ch": str, "from": str, "seq": int, "f": dict, "p": list}
 
 
 @dataclass(frozen=True)
@@ -92,14 +93,12 @@ def _buffer(frame: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _depth(obj: Any, limit: int, level: int = 1) -> None:
+def _depth(obj: dict | list, limit: int, level: int = 1) -> None:
+    """Refuse containers nested deeper than `limit` (plain values are not visited)."""
     if level > limit:
         raise SchemaError(f"header nests deeper than {limit} levels")
-    if isinstance(obj, dict):
-        for v in obj.values():
-            _depth(v, limit, level + 1)
-    elif isinstance(obj, list):
-        for v in obj:
+    for v in obj.values() if isinstance(obj, dict) else obj:
+        if isinstance(v, dict | list):
             _depth(v, limit, level + 1)
 
 
@@ -133,6 +132,7 @@ class Codec:
         self.run_id = bytes(run_id)
         self.sender = sender
         self.limits = limits or Limits()
+        self._unpack_kwargs = self.limits.unpack_kwargs()
         self._seq = {ch: itertools.count(1) for ch in Channel}
         self._last: dict[tuple[str, str], int] = {}
 
@@ -239,7 +239,7 @@ class Codec:
     def _unpack_header(self, buf: memoryview) -> dict[str, Any]:
         lim = self.limits
         try:
-            head = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True, **lim.unpack_kwargs())
+            head = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True, **self._unpack_kwargs)
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
             raise SchemaError(f"header is not valid msgpack within limits: {type(exc).__name__}: {exc}") from None
         except Exception as exc:  # msgpack raises assorted types on truncated input
@@ -248,7 +248,7 @@ class Codec:
             raise SchemaError(f"header must be a msgpack map, got {type(head).__name__}")
         _depth(head, lim.max_depth)
         version = head.get("v")
-        if version != PROTOCOL_VERSION:
+        if type(version) is not int or version != PROTOCOL_VERSION:  # true and 1.0 equal 1 in Python
             raise VersionError(
                 f"peer speaks protocol version {version!r}, this build speaks {PROTOCOL_VERSION}: "
                 "run the same flodl-zmq version on every host"
@@ -257,8 +257,7 @@ class Codec:
             raise SchemaError(
                 f"header keys {sorted(map(str, head))} differ from the required {sorted(HEADER_KEYS)}"
             )
-        types_ = {"k": str, "run": bytes, "ch": str, "from": str, "seq": int, "f": dict, "p": list}
-        for key, tp in types_.items():
+        for key, tp in _HEADER_TYPES.items():
             if not isinstance(head[key], tp) or isinstance(head[key], bool):
                 raise SchemaError(f"header field {key!r} must be {tp.__name__}, got {type(head[key]).__name__}")
         if not 1 <= head["seq"] <= MAX_SEQ:
@@ -276,7 +275,7 @@ class Codec:
             if not (isinstance(d, list) and len(d) == 3):
                 raise SchemaError(f"payload descriptor {i} must be [dtype, shape, nbytes]")
             name, shape, nbytes = d
-            if name not in DTYPES:
+            if not isinstance(name, str) or name not in DTYPES:  # a list or map here is unhashable
                 raise SchemaError(f"payload {i}: unknown dtype {name!r}; the wire carries {sorted(DTYPES)}")
             if not isinstance(shape, list) or len(shape) > lim.max_dims:
                 raise SchemaError(f"payload {i}: shape must be a list of at most {lim.max_dims} dims")

@@ -1,0 +1,205 @@
+"""The codec against protocol/vectors/, in both directions, and the registry
+against the vectors and PROTOCOL.md: a record the spec does not describe, or
+a vector the code no longer reproduces, fails here."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import pathlib
+import re
+import struct
+import types
+import typing
+from typing import Any, Union
+
+import numpy as np
+import pytest
+import torch
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+from flodl_zmq import errors
+from flodl_zmq.tensors import bf16_from_f32
+from flodl_zmq.wire import REGISTRY, Channel, Codec, EpochPlan, Limits
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+VECTORS = ROOT / "protocol" / "vectors"
+SPEC = (ROOT / "protocol" / "PROTOCOL.md").read_text()
+POSITIVE = json.loads((VECTORS / "records.json").read_text())["vectors"]
+NEGATIVE = json.loads((VECTORS / "rejections.json").read_text())["vectors"]
+
+# One small record per channel, used to advance a fresh Codec's sequence counter.
+FILLER = {
+    Channel.CONTROL: REGISTRY["control.shutdown"].cls(),
+    Channel.DATA: REGISTRY["data.consensus_request"].cls(round=0),
+    Channel.BROADCAST: REGISTRY["bcast.probe"].cls(nonce=0),
+    Channel.JOIN: REGISTRY["join.reject"].cls(reason=""),
+}
+
+
+def from_json(value: Any, tp: Any) -> Any:
+    """A vector's JSON value as the Python value of annotation `tp` (bytes are hex)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            return None
+        return from_json(value, next(a for a in typing.get_args(tp) if a is not type(None)))
+    if origin is list:
+        return [from_json(v, typing.get_args(tp)[0]) for v in value]
+    if origin is dict:
+        return {k: from_json(v, typing.get_args(tp)[1]) for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return record_from_json(tp, value)
+    if tp is bytes:
+        return bytes.fromhex(value)
+    return float(value) if tp is float else value
+
+
+def record_from_json(cls: type, fields: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    assert set(fields) == {f.name for f in dataclasses.fields(cls)}
+    return cls(**{name: from_json(v, hints[name]) for name, v in fields.items()})
+
+
+def frames_of(hexes: list[str]) -> list[bytes]:
+    return [bytes.fromhex(h) for h in hexes]
+
+
+def payload_arrays(vector: dict[str, Any]) -> tuple[list[np.ndarray], list[str]]:
+    arrays, dtypes = [], []
+    for p in vector["payload"]:
+        if p["dtype"] == "bf16":
+            arr = np.array(p["bits"], dtype="<u2")
+        else:
+            arr = np.array(p["values"], dtype={"f32": "<f4", "f16": "<f2"}[p["dtype"]])
+        arrays.append(arr.reshape(p["shape"]))
+        dtypes.append(p["dtype"])
+    return arrays, dtypes
+
+
+def codec_for(
+    vector: dict[str, Any], sender: str = "receiver", limits: Limits | None = None
+) -> Codec:
+    return Codec(bytes.fromhex(vector["key"]), bytes.fromhex(vector["run_id"]), sender, limits)
+
+
+@pytest.mark.parametrize("vector", POSITIVE, ids=[v["name"] for v in POSITIVE])
+def test_vector_decodes_to_its_record_and_payload(vector: dict[str, Any]) -> None:
+    spec = REGISTRY[vector["kind"]]
+    env = codec_for(vector).decode(frames_of(vector["frames"]), Channel(vector["channel"]))
+    assert env.kind == vector["kind"]
+    assert env.record == record_from_json(spec.cls, vector["record"])
+    assert (env.sender, env.seq, env.run_id.hex()) == (
+        vector["sender"],
+        vector["seq"],
+        vector["run_id"],
+    )
+    arrays, dtypes = payload_arrays(vector)
+    assert env.dtypes == dtypes
+    for got, want in zip(env.payload, arrays, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("vector", POSITIVE, ids=[v["name"] for v in POSITIVE])
+def test_record_encodes_to_the_vector_frames_byte_for_byte(vector: dict[str, Any]) -> None:
+    channel = Channel(vector["channel"])
+    codec = codec_for(vector, sender=vector["sender"])
+    for _ in range(vector["seq"] - 1):  # the Codec numbers each channel from 1
+        codec.encode(FILLER[channel], channel=channel)
+    rec = record_from_json(REGISTRY[vector["kind"]].cls, vector["record"])
+    arrays, dtypes = payload_arrays(vector)
+    frames = codec.encode(rec, arrays, channel=channel, dtypes=dtypes)
+    assert [bytes(f).hex() for f in frames] == vector["frames"]
+
+
+def spec_mac(key: bytes, header: bytes, payloads: list[bytes]) -> bytes:
+    """The MAC of PROTOCOL.md 4.2, written from the text rather than from mac.py."""
+    tag = b""
+    if payloads:
+        one_time = hmac.new(key, b"flodl-zmq/1/payload-key\x00" + header, hashlib.sha256).digest()
+        body = b"".join(struct.pack("<Q", len(p)) + p for p in payloads)
+        tag = Poly1305.generate_tag(one_time, body)
+    body = struct.pack("<I", len(payloads)) + struct.pack("<Q", len(header)) + header + tag
+    return hmac.new(key, b"flodl-zmq/1/mac\x00" + body, hashlib.sha256).digest()
+
+
+@pytest.mark.parametrize("vector", POSITIVE, ids=[v["name"] for v in POSITIVE])
+def test_vector_mac_is_the_construction_the_spec_describes(vector: dict[str, Any]) -> None:
+    frames = frames_of(vector["frames"])
+    assert spec_mac(bytes.fromhex(vector["key"]), frames[0], frames[1:-1]) == frames[-1]
+
+
+def test_positive_vectors_replayed_in_file_order_form_one_valid_stream() -> None:
+    receiver = codec_for(POSITIVE[0])
+    for vector in POSITIVE:
+        receiver.decode(frames_of(vector["frames"]), Channel(vector["channel"]))
+
+
+def test_bf16_payload_bits_are_f32_rounded_to_nearest_even() -> None:
+    bf16 = [p for v in POSITIVE for p in v["payload"] if p["dtype"] == "bf16"]
+    assert bf16, "a vector must carry a bf16 payload"
+    for p in bf16:
+        source = np.array(p["from_f32"], dtype="<f4")
+        bits = np.array(p["bits"], dtype="<u2")
+        rounded = torch.from_numpy(source).to(torch.bfloat16).view(torch.int16).numpy().view("<u2")
+        assert np.array_equal(rounded, bits)
+        assert np.array_equal(bf16_from_f32(source, np.empty_like(bits)), bits)
+        # Decoding is exact: a bf16 is the top half of an f32 bit pattern.
+        assert np.array_equal(
+            (bits.astype("<u4") << 16).view("<f4"), np.array(p["values"], dtype="<f4")
+        )
+
+
+@pytest.mark.parametrize("vector", NEGATIVE, ids=[v["name"] for v in NEGATIVE])
+def test_rejection_vector_raises_its_error(vector: dict[str, Any]) -> None:
+    receiver = codec_for(vector, limits=Limits(**vector["limits"]))
+    channel = Channel(vector["channel"])
+    for earlier in vector["accept_first"]:
+        receiver.decode(frames_of(earlier), channel)
+    error = getattr(errors, vector["error"])
+    assert issubclass(error, errors.WireError)
+    with pytest.raises(error) as info:
+        receiver.decode(frames_of(vector["frames"]), channel)
+    assert type(info.value) is error
+    assert vector["message_contains"] in str(info.value)
+
+
+def test_every_registered_kind_and_channel_has_a_positive_vector() -> None:
+    covered = {(v["kind"], v["channel"]) for v in POSITIVE}
+    wanted = {(kind, ch.value) for kind, spec in REGISTRY.items() for ch in spec.channels}
+    assert wanted <= covered, f"regenerate protocol/vectors: missing {sorted(wanted - covered)}"
+    assert {kind for kind, _ in covered} <= set(REGISTRY), "vectors name kinds the registry lacks"
+
+
+def test_every_rejection_error_class_has_a_vector() -> None:
+    named = {v["error"] for v in NEGATIVE}
+    causes = {cls.__name__ for cls in errors.WireError.__subclasses__()}
+    assert causes <= named, f"no rejection vector for {sorted(causes - named)}"
+
+
+def _record_section(kind: str) -> str:
+    """The PROTOCOL.md text under the heading that names `kind`, up to the next heading."""
+    match = re.search(rf"^#+ [^\n]*`{re.escape(kind)}`[^\n]*\n(.*?)(?=^#)", SPEC, re.M | re.S)
+    assert match, f"PROTOCOL.md has no section for record kind {kind!r}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("kind", list(REGISTRY))
+def test_spec_describes_every_record_and_each_of_its_fields(kind: str) -> None:
+    spec = REGISTRY[kind]
+    section = _record_section(kind)
+    for f in dataclasses.fields(spec.cls):
+        assert f"`{f.name}`" in section, (
+            f"PROTOCOL.md section {kind} does not describe field {f.name!r}"
+        )
+    for ch in spec.channels:
+        assert ch.value in section, f"PROTOCOL.md section {kind} does not name channel {ch.value!r}"
+
+
+def test_spec_describes_the_epoch_plan_fields() -> None:
+    section = _record_section("EpochPlan")
+    for f in dataclasses.fields(EpochPlan):
+        assert f"`{f.name}`" in section
