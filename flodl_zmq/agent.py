@@ -45,7 +45,7 @@ from typing import IO, Any
 
 import zmq
 
-from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.endpoints import ControllerAddress, is_private_address
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.membership import (
@@ -53,7 +53,6 @@ from flodl_zmq.membership import (
     MAX_DEVICES_PER_HOST,
     OPEN_JOIN_KEY,
     SpawnSpec,
-    is_private_address,
 )
 from flodl_zmq.wire import PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec, key_from_hex
 from flodl_zmq.wire.mac import check_key

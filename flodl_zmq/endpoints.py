@@ -13,6 +13,7 @@ separate TCP connections so a model frame never delays a heartbeat.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from flodl_zmq.errors import ConfigError
@@ -51,3 +52,24 @@ class ControllerAddress:
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+
+# RFC 6598 shared space: carrier NAT, and the addresses of Tailscale-style overlays.
+_SHARED = ipaddress.ip_network("100.64.0.0/10")
+
+
+def is_private_address(address: str) -> bool:
+    """True for a loopback, private, link-local or shared-space IP literal.
+
+    Not for a wildcard (it listens on public interfaces too) nor a host name.
+    An IPv4-mapped IPv6 address is judged by the IPv4 address inside.
+    """
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_unspecified:
+        return False
+    return ip.is_loopback or ip.is_private or ip.is_link_local or ip in _SHARED

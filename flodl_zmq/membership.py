@@ -62,6 +62,7 @@ from typing import Any
 
 import zmq
 
+from flodl_zmq.endpoints import is_private_address
 from flodl_zmq.environment import format_world, parse_world
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.wire import KEY_BYTES, PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec
@@ -97,15 +98,6 @@ class TrustMode(str, enum.Enum):
 def join_key(mode: TrustMode, session_key: bytes) -> bytes:
     """The key of pre-admission frames: the session key, or all zeros under open admission."""
     return OPEN_JOIN_KEY if mode is TrustMode.OPEN else session_key
-
-
-def is_private_address(address: str) -> bool:
-    """True for a loopback or private IP literal (not a wildcard, not a hostname)."""
-    try:
-        ip = ipaddress.ip_address(address.strip("[]"))
-    except ValueError:
-        return False
-    return not ip.is_unspecified and (ip.is_loopback or ip.is_private)
 
 
 def check_open_admission_bind(address: str) -> None:
