@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python bench/wire.py "$@"
+exec .venv/bin/flodl-zmq demo "$@"

@@ -1,0 +1,276 @@
+"""Round time of the ZeroMQ data plane against torch.distributed gloo, on one machine.
+
+A round: every rank deposits its (mass-premultiplied) parameters, relays fold,
+the reducer divides once and publishes, relays fan out; the round ends when
+the last rank holds the verified consensus. Measured from the first deposit
+sent to the last consensus verified, across processes (CLOCK_MONOTONIC is
+system-wide), median over rounds after warm-up. Topology: 4 rank processes as
+2 hosts x 2 ranks, one relay process per host (ranks on ipc://), relays to the
+controller process over tcp loopback, every record authenticated.
+
+gloo: 4 processes, all_reduce + divide on one tensor of the same size, same
+clock rule (first rank to start -> last rank done).
+
+Also the fold throughput: the relay's f32 (and bf16) accumulate against numpy
+`a += b` on the same bytes.
+
+    python bench/round.py                 # table
+    python bench/round.py --json          # {"ratio_f32_25M": ..., ...}
+    python bench/round.py --sizes 1M --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+HOSTS = {"a": (0, 1), "b": (2, 3)}
+WORLD = 4
+MASS = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}
+SIZES = {"1M": 1_000_000, "10M": 10_000_000, "25M": 25_000_000}
+# Fresh pages cost ~6x a memcpy here; hugetlb-backed malloc more than doubled zmq throughput.
+CHILD_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "OMP_NUM_THREADS": "1"}
+
+
+def free_base_port(span: int = 4) -> int:
+    """A port p with p .. p+span-1 free on 127.0.0.1 (checked by binding them all)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + span > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + span):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no free run of ports on 127.0.0.1")
+
+
+# ---------------------------------------------------------------------- zmq data plane processes
+
+
+def _controller(port: int, key: bytes, run_id: bytes, stop: Any) -> None:
+    from flodl_zmq.endpoints import ControllerAddress
+    from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+
+    svc = ReducerService(ReducerConfig.for_controller(HOSTS, key, run_id, ControllerAddress("127.0.0.1", port)))
+    svc.start()
+    stop.wait()
+    svc.stop()
+
+
+def _relay(host: str, port: int, key: bytes, run_id: bytes, ipc_dir: str, stop: Any) -> None:
+    from flodl_zmq.endpoints import ControllerAddress
+    from flodl_zmq.relay import Relay, RelayConfig, local_endpoints
+
+    cfg = RelayConfig.for_controller(host, HOSTS[host], key, run_id, ControllerAddress("127.0.0.1", port),
+                                     local_endpoints(run_id, host, ipc_dir))
+    relay = Relay(cfg)
+    relay.start()
+    stop.wait()
+    relay.stop()
+
+
+def _rank(rank: int, host: str, n: int, dtype: str, rounds: int, key: bytes, run_id: bytes, ipc_dir: str,
+          barrier: Any, out: Any, stop: Any) -> None:
+    import zmq
+
+    from flodl_zmq.relay import local_endpoints, rank_identity, rank_sender
+    from flodl_zmq.tensors import bf16_from_f32
+    from flodl_zmq.wire import Channel, Codec
+    from flodl_zmq.wire.records import Heartbeat, RoundFrame
+
+    control_ep, data_ep = local_endpoints(run_id, host, ipc_dir)
+    codec = Codec(key, run_id, rank_sender(rank))
+    hb_codec = Codec(key, run_id, rank_sender(rank))  # heartbeats: their own thread, their own counter
+    ctx = zmq.Context()
+
+    def heartbeats() -> None:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, rank_identity(rank))
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(control_ep)
+        while not stop.wait(0.5):
+            s.send_multipart(hb_codec.encode(Heartbeat(rank, 0)))
+        s.close()
+
+    threading.Thread(target=heartbeats, daemon=True).start()
+    data = ctx.socket(zmq.DEALER)
+    data.setsockopt(zmq.IDENTITY, rank_identity(rank))
+    data.setsockopt(zmq.LINGER, 0)
+    data.connect(data_ep)
+    decoder = Codec(key, run_id, "bench")
+    params = np.full(n, MASS[rank] * (rank + 1), np.float32)  # pre-scaled by the mass
+    wire = bf16_from_f32(params, np.empty(n, np.uint16)) if dtype == "bf16" else params
+    expect = sum(MASS[r] * (r + 1) for r in range(WORLD)) / sum(MASS.values())
+    for round_id in range(1, rounds + 1):
+        barrier.wait(timeout=120)
+        t0 = time.monotonic_ns()
+        data.send_multipart(codec.encode(RoundFrame(round_id, rank, MASS[rank]), [wire], dtypes=[dtype]),
+                            copy=False)
+        if not data.poll(120_000):
+            raise TimeoutError(f"rank {rank}: no consensus for round {round_id}")
+        env = decoder.decode(data.recv_multipart(copy=False), Channel.BROADCAST, replay=False)
+        t1 = time.monotonic_ns()
+        if env.record.round != round_id:
+            raise RuntimeError(f"rank {rank}: got round {env.record.round}, expected {round_id}")
+        head = env.payload[0][:1]
+        first = float(head[0]) if dtype == "f32" else float((head.astype(np.uint32) << 16).view(np.float32)[0])
+        if abs(first - expect) > 1e-2 * abs(expect):
+            raise RuntimeError(f"rank {rank}: consensus {first} != {expect}")
+        out.put((round_id, rank, t0, t1))
+    ctx.destroy(0)
+
+
+def zmq_rounds(n: int, dtype: str, rounds: int) -> list[float]:
+    """Round times (s) of the zmq data plane, one per round."""
+    import tempfile
+
+    from flodl_zmq.wire import new_key
+
+    ctx = mp.get_context("spawn")
+    key, run_id = new_key(), os.urandom(16)
+    port = free_base_port()
+    stop, barrier, out = ctx.Event(), ctx.Barrier(WORLD), ctx.Queue()
+    ipc_dir = tempfile.mkdtemp(prefix="flodl-bench-")
+    procs = [ctx.Process(target=_controller, args=(port, key, run_id, stop))]
+    procs += [ctx.Process(target=_relay, args=(h, port, key, run_id, ipc_dir, stop)) for h in HOSTS]
+    procs += [ctx.Process(target=_rank, args=(r, h, n, dtype, rounds, key, run_id, ipc_dir, barrier, out, stop))
+              for h, rs in HOSTS.items() for r in rs]
+    for p in procs:
+        p.start()
+    try:
+        times: dict[int, list[tuple[int, int]]] = {}
+        for _ in range(rounds * WORLD):
+            round_id, _rank_id, t0, t1 = out.get(timeout=300)
+            times.setdefault(round_id, []).append((t0, t1))
+        return [(max(t1 for _, t1 in v) - min(t0 for t0, _ in v)) / 1e9 for _, v in sorted(times.items())]
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+# ---------------------------------------------------------------------- gloo
+
+
+def _gloo(rank: int, port: int, n: int, dtype: str, rounds: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    t = torch.full((n,), float(rank + 1), dtype=torch.float32 if dtype == "f32" else torch.bfloat16)
+    for round_id in range(1, rounds + 1):
+        dist.barrier()
+        t0 = time.monotonic_ns()
+        dist.all_reduce(t)
+        t.div_(WORLD)
+        t1 = time.monotonic_ns()
+        out.put((round_id, rank, t0, t1))
+    dist.destroy_process_group()
+
+
+def gloo_rounds(n: int, dtype: str, rounds: int) -> list[float]:
+    ctx = mp.get_context("spawn")
+    port = free_base_port(1)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo, args=(r, port, n, dtype, rounds, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        times: dict[int, list[tuple[int, int]]] = {}
+        for _ in range(rounds * WORLD):
+            round_id, _rank_id, t0, t1 = out.get(timeout=300)
+            times.setdefault(round_id, []).append((t0, t1))
+        return [(max(t1 for _, t1 in v) - min(t0 for t0, _ in v)) / 1e9 for _, v in sorted(times.items())]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+# ---------------------------------------------------------------------- fold throughput
+
+
+def fold_throughput(n: int, dtype: str, repeats: int = 5) -> float:
+    """The relay fold's accumulate time over numpy `a += b` time on the same bytes (higher is better)."""
+    from flodl_zmq.fold import SumImage
+    from flodl_zmq.tensors import bf16_from_f32
+
+    src = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    x = bf16_from_f32(src, np.empty(n, np.uint16)) if dtype == "bf16" else src
+    image = SumImage(((dtype, (n,)),))
+    image.fill([x])
+    a, b = src.copy(), src.copy()
+
+    def best(fn) -> float:
+        fn()
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return min(ts)
+
+    fold_t = best(lambda: image.add([x]))
+    numpy_t = best(lambda: np.add(a, b, out=a))
+    return numpy_t / fold_t
+
+
+# ---------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1M,10M,25M", help="comma list of 1M, 10M, 25M")
+    p.add_argument("--dtypes", default="f32,bf16")
+    p.add_argument("--rounds", type=int, default=8, help="measured rounds per case (after warm-up)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    args = p.parse_args(argv)
+    os.environ.update(CHILD_ENV)  # read by each spawned child's glibc at start-up
+    total = args.rounds + args.warmup
+    figures: dict[str, float] = {}
+    for size in args.sizes.split(","):
+        n = SIZES[size]
+        for dtype in args.dtypes.split(","):
+            z = statistics.median(zmq_rounds(n, dtype, total)[args.warmup:])
+            g = statistics.median(gloo_rounds(n, dtype, total)[args.warmup:])
+            figures[f"zmq_ms_{dtype}_{size}"] = round(z * 1e3, 2)
+            figures[f"gloo_ms_{dtype}_{size}"] = round(g * 1e3, 2)
+            figures[f"ratio_{dtype}_{size}"] = round(z / g, 3)
+            figures[f"fold_vs_numpy_{dtype}_{size}"] = round(fold_throughput(n, dtype), 3)
+            if not args.json:
+                print(f"{size:>4} {dtype:>4}: zmq {z * 1e3:8.1f} ms  gloo {g * 1e3:8.1f} ms  "
+                      f"ratio {z / g:5.2f}  fold/numpy {figures[f'fold_vs_numpy_{dtype}_{size}']:.2f}",
+                      flush=True)
+    if args.json:
+        print(json.dumps(figures, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

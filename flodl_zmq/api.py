@@ -1,0 +1,233 @@
+"""The public training API: one `Trainer`, the same call in every process.
+
+    import flodl_zmq as fz
+    result = fz.Trainer(
+        model=lambda: Net(),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        train_step=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
+        dataset=train_set, batch_size=32, epochs=10, mode="cpu-cadence",
+        eval_dataset=test_set, eval_fn=accuracy, save_path="runs/digits",
+    ).run()
+
+`run()` reads the process's role from the environment (FLODL_ROLE and the
+other FLODL_* variables, documented in flodl_zmq/environment.py, set by
+`flodl-zmq launch`, an agent, or a compose file):
+
+- unset: trains alone in this process (the single-process baseline);
+- controller: runs the coordinator and the reducer, shows progress, and
+  returns a `TrainResult` with the consensus model and per-epoch metrics;
+- relay / rank: serves its role and then ends the process (`SystemExit`
+  with the role's exit status), so the code after `run()` (printing
+  results, saving plots) only runs where a result exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from flodl_zmq import bundle
+from flodl_zmq.coordinator.dispatch import epoch_permutation
+from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.job import Job
+from flodl_zmq.rank import RankConfig, RankRuntime, fetch_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a run produced (on the controller, or a single process)."""
+
+    model: torch.nn.Module
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    final_eval: float | None = None
+    batch_share: list[float] = field(default_factory=list)
+    saved: str | None = None
+    wall_s: float = 0.0
+    round_ms: list[float] = field(default_factory=list)  # trigger -> consensus published, per round
+    reason: str = "completed"
+
+
+class Trainer:
+    """A data-parallel training run (see the module docstring for how roles are chosen).
+
+    Arguments:
+        model: factory returning a fresh `nn.Module` (called once per process).
+        optimizer: factory `params -> torch.optim.Optimizer`.
+        train_step: `(model, batch) -> loss`; the framework runs backward and the step.
+        dataset: a map-style torch Dataset, identical on every rank (checked by signature).
+        batch_size: per-rank batch size. epochs: passes over the dataset.
+        mode: "cpu-cadence" (ElChe windows: fast ranks do more batches), "cpu-sync"
+            (equal partitions, average every step of the slowest), "cpu-async"
+            (bounded overshoot, EASGD blend of the consensus).
+        eval_dataset, eval_fn: `eval_fn(model, eval_dataset) -> float`, run on the
+            elected (fastest) rank on the consensus every `eval_every` epochs and once
+            at the end.
+        checkpoint_fn, checkpoint_every: `checkpoint_fn(version, model)` on the elected rank.
+        epoch_fn: `epoch_fn(epoch, model)` on the epoch-callback rank before each epoch.
+        metrics_fn: `metrics_fn(epoch_metrics_dict)` on the controller after each epoch.
+        on_callback_error: "report" (log it with the rank and traceback, keep training)
+            or "stop" (end the run with TrainingError).
+        save_path: stem of the final bundle (`<stem>.pt` + `<stem>.meta.json`), also
+            written by a shutdown-with-save. resume_from: a bundle stem to continue from.
+        seed: shuffle and initialisation seed. torch_threads: threads per rank.
+        quiet: no progress bar and no per-epoch lines.
+    """
+
+    def __init__(
+        self,
+        model: Callable[[], torch.nn.Module],
+        optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+        train_step: Callable[[torch.nn.Module, Any], torch.Tensor],
+        dataset: Dataset,
+        batch_size: int,
+        epochs: int,
+        mode: str = "cpu-cadence",
+        eval_dataset: Dataset | None = None,
+        eval_fn: Callable[[torch.nn.Module, Dataset], float] | None = None,
+        eval_every: int = 1,
+        checkpoint_fn: Callable[[int, torch.nn.Module], None] | None = None,
+        checkpoint_every: int = 0,
+        epoch_fn: Callable[[int, torch.nn.Module], None] | None = None,
+        metrics_fn: Callable[[dict[str, Any]], None] | None = None,
+        on_callback_error: str = "report",
+        save_path: str | None = None,
+        resume_from: str | None = None,
+        seed: int = 42,
+        torch_threads: int = 1,
+        quiet: bool = False,
+    ) -> None:
+        self.job = Job(
+            model=model, optimizer=optimizer, train_step=train_step, dataset=dataset,
+            batch_size=batch_size, epochs=epochs, mode=mode, eval_dataset=eval_dataset,
+            eval_fn=eval_fn, eval_every=eval_every, checkpoint_fn=checkpoint_fn,
+            checkpoint_every=checkpoint_every, epoch_fn=epoch_fn, metrics_fn=metrics_fn,
+            on_callback_error=on_callback_error, save_path=save_path, resume_from=resume_from,
+            seed=seed, torch_threads=torch_threads, quiet=quiet,
+        )
+
+    def run(self) -> TrainResult:
+        """Run this process's role; returns the result on the controller and when alone."""
+        penv = ProcessEnv.from_environ()
+        if penv is None:
+            return train_alone(self.job)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        if penv.role == "controller":
+            from flodl_zmq.coordinator.service import run_controller
+
+            return run_controller(self.job, penv)
+        if penv.role == "relay":
+            raise SystemExit(run_relay(penv))
+        raise SystemExit(run_rank(self.job, penv))
+
+
+def run_rank(job: Job, penv: ProcessEnv) -> int:
+    """The rank role: connect to this host's relay and train until told to stop."""
+    from flodl_zmq.relay import local_endpoints
+
+    assert penv.host is not None and penv.rank is not None and penv.local_rank is not None
+    control, data = local_endpoints(penv.run_id, penv.host)
+    cfg = RankConfig(
+        rank=penv.rank, local_rank=penv.local_rank, world_size=penv.world_size, host=penv.host,
+        key=penv.key, run_id=penv.run_id, control_endpoint=control, data_endpoint=data,
+        slowdown=penv.slowdown,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return RankRuntime(job, cfg).run()
+
+
+def run_relay(penv: ProcessEnv) -> int:
+    """The relay role: broker this host's ranks until every one of them has left (or SIGTERM)."""
+    from flodl_zmq.relay import Relay, RelayConfig
+
+    assert penv.host is not None
+    cfg = RelayConfig.for_controller(penv.host, penv.world[penv.host], penv.key, penv.run_id, penv.controller)
+    relay = Relay(cfg)
+    relay.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: relay.stop(timeout=0))
+    ranks = set(cfg.ranks)
+    while not relay.wait(0.2):
+        if ranks <= relay.fold.dead:
+            # Give the last goodbye and any shipped frame time to leave before closing.
+            time.sleep(0.5)
+            break
+    relay.stop()
+    return 1 if relay.error else 0
+
+
+def train_alone(job: Job) -> TrainResult:
+    """Train `job` in this process: the same data order, steps and callbacks, no cluster."""
+    torch.set_num_threads(job.torch_threads)
+    torch.manual_seed(job.seed)
+    model = job.model()
+    start_epoch = 0
+    if job.resume_from:
+        state, meta = bundle.load(job.resume_from)
+        model.load_state_dict(state)
+        start_epoch = int(meta.get("epoch", 0))
+    optimizer = job.optimizer(model.parameters())
+    device = torch.device("cpu")
+    result = TrainResult(model=model)
+    t_run = time.perf_counter()
+    for epoch in range(start_epoch, job.epochs):
+        if job.epoch_fn is not None:
+            job.epoch_fn(epoch, model)
+        t0 = time.perf_counter()
+        perm = epoch_permutation(job.seed, epoch, job.total_samples)
+        loss_sum, batches = 0.0, 0
+        model.train()
+        for start in range(0, len(perm), job.batch_size):
+            batch = fetch_batch(job.dataset, perm[start : start + job.batch_size], device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = job.train_step(model, batch)
+            loss.backward()
+            optimizer.step()
+            loss_sum += float(loss.detach())
+            batches += 1
+        row: dict[str, Any] = {
+            "epoch": epoch, "avg_loss": loss_sum / max(batches, 1),
+            "epoch_ms": (time.perf_counter() - t0) * 1000.0, "batch_share": [1.0],
+        }
+        if job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
+            (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
+        ):
+            model.eval()
+            with torch.no_grad():
+                row["eval"] = float(job.eval_fn(model, job.eval_dataset))
+            row["eval_at_s"] = time.perf_counter() - t_run
+            result.final_eval = row["eval"]
+        result.epochs.append(row)
+        if job.metrics_fn is not None:
+            job.metrics_fn(row)
+        if not job.quiet:
+            print(format_epoch(row, job.epochs), flush=True)
+    result.wall_s = time.perf_counter() - t_run
+    result.batch_share = [1.0]
+    if job.save_path:
+        result.saved = str(bundle.save(job.save_path, model.state_dict(), {
+            "epoch": job.epochs, "global_step": None, "reason": "completed", "world_size": 1, "coordinator": None,
+        }))
+    return result
+
+
+def format_epoch(row: dict[str, Any], epochs: int) -> str:
+    """One line per epoch: loss, eval (when there is one), each rank's batch share, wall time."""
+    parts = [f"epoch {row['epoch'] + 1}/{epochs}", f"loss {row['avg_loss']:.4f}"]
+    if row.get("eval") is not None and not math.isnan(row["eval"]):
+        parts.append(f"eval {row['eval']:.4f}")
+    share = row.get("batch_share") or []
+    if len(share) > 1:
+        parts.append("share " + " ".join(f"r{i}:{s * 100:.0f}%" for i, s in enumerate(share)))
+    parts.append(f"{row['epoch_ms'] / 1000.0:.2f}s")
+    return " | ".join(parts)

@@ -1,0 +1,494 @@
+"""The controller process: the coordinator core on ZeroMQ, next to the reducer service.
+
+Sockets (ControllerAddress rule, flodl_zmq/endpoints.py):
+
+    control  ROUTER  (bind)  <- every relay's control DEALER     owned by this loop
+    data     ROUTER  (bind)  <- every relay's data DEALER        owned by ReducerService
+    bcast    PUB     (bind)  -> every relay's SUB                owned by ReducerService
+    bcast    SUB  (connect)  <- the reducer's own PUB            owned by this loop (consensus copy)
+
+Framing on the control ROUTER (see flodl_zmq/relay.py): a relay's message is
+`[relay id, route, header, payload..., mac]`; `route` is the rank identity of
+the rank a record is from (records cross the relay verbatim, signed by the
+rank) or `b""` for the relay's own records (RelayHello, RankExit). Records to
+a rank go out as `[relay id of its host, rank identity, frames...]`.
+
+Theory of operation:
+
+1. Formation. Relays say hello (answered RelayHelloAck), then every rank's
+   RankHello arrives through them. Once all W ranks have spoken, their model
+   and dataset signatures are compared with the controller's own; any
+   difference stops the run with an error naming the ranks, before a step
+   is trained. A formation that does not complete in FLODL_STARTUP_TIMEOUT
+   fails loudly (with AuthError if records failed authentication: a wrong
+   FLODL_KEY somewhere).
+2. Training. Every authenticated rank record goes to `Coordinator.on_record`,
+   relay RankExit to `on_rank_death`, the reducer's round outcomes to
+   `on_round_complete` / `on_round_abandoned`, and a tick every poll.
+   Outputs: rank records are routed through the relays; DeclareDead goes to
+   the reducer (out of every barrier); controller effects (epoch metrics,
+   eval results, save-state, run end) drive the progress display, the result
+   and the bundle.
+3. The end. After RunEnded the loop keeps serving for a short drain so the
+   Shutdown records and the goodbyes cross, then stops the reducer. The
+   final model is the last consensus with positive mass seen on the
+   broadcast (the controller subscribes to its own PUB, exactly like a relay).
+
+Rules this module keeps: one socket, one thread (the reducer's sockets are
+the reducer thread's); a record that fails authentication or schema is
+counted and logged, never fatal; the core sees only authenticated records
+whose signer is the rank their route names.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import queue
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from flodl_zmq import bundle
+from flodl_zmq.api import TrainResult, format_epoch
+from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
+from flodl_zmq.coordinator.core import (
+    CONTROLLER,
+    REDUCER,
+    Coordinator,
+    ExpectRound,
+    RunEnded,
+    SaveState,
+)
+from flodl_zmq.datasets import dataset_signature
+from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.errors import AuthError, FlodlError, TrainingError, WireError
+from flodl_zmq.job import Job
+from flodl_zmq.rank import flatten, load_flat, model_signature
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.relay import RELAY_ROUTE, rank_identity, rank_of, rank_sender, relay_sender
+from flodl_zmq.wire import Channel, Codec
+from flodl_zmq.wire import records as rec
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_SENDER = "coordinator"
+POLL_S = 0.02
+END_DRAIN_S = 1.0
+
+MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
+
+
+def coordinator_config(job: Job) -> CoordinatorConfig:
+    """The coordinator's configuration for `job`."""
+    mode = MODES[job.mode]
+    has_eval = job.eval_fn is not None
+    return CoordinatorConfig(
+        total_samples=job.total_samples,
+        batch_size=job.batch_size,
+        num_epochs=job.epochs,
+        mode=mode,
+        seed=job.seed,
+        eval_every=job.eval_every if has_eval else 0,
+        checkpoint_every=job.checkpoint_every if job.checkpoint_fn is not None else 0,
+        final_eval=has_eval,
+        easgd_alpha=job.easgd_alpha if mode is Mode.ASYNC else None,
+    )
+
+
+@dataclass
+class _Formation:
+    hellos: dict[int, rec.RankHello] = field(default_factory=dict)
+    auth_failures: int = 0
+    last_auth_error: str = ""
+
+
+class ControllerService:
+    """Runs one training job's controller until the run ends; `run()` returns the TrainResult."""
+
+    def __init__(self, job: Job, penv: ProcessEnv) -> None:
+        self.job = job
+        self.penv = penv
+        self.world = penv.world
+        self.world_size = penv.world_size
+        self.host_of = {r: h for h, rs in penv.world.items() for r in rs}
+        self.codec = Codec(penv.key, penv.run_id, COORDINATOR_SENDER)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.relay_route: dict[str, bytes] = {}
+        torch.manual_seed(job.seed)  # the same initial replica as every rank
+        self.model = job.model()
+        self.start_epoch = 0
+        resume = None
+        if job.resume_from:
+            state, meta = bundle.load(job.resume_from)
+            self.model.load_state_dict(state)
+            resume = meta.get("coordinator")
+            self.start_epoch = int(meta.get("epoch", 0))
+        self.consensus = flatten(self.model).numpy()  # latest positive-mass consensus
+        self.consensus_round = -1
+        self.config = coordinator_config(job)
+        self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resume)
+        self.model_sig = model_signature(self.model)
+        self.dataset_sig = dataset_signature(job.dataset)
+        self.result = TrainResult(model=self.model)
+        self.formation = _Formation()
+        self.started = False
+        self.ended: RunEnded | None = None
+        self.stop_error: FlodlError | None = None
+        self.shares: list[list[float]] = []
+        self._bar: Any = None
+        self._bar_epoch = self.start_epoch
+        self._t_formed = time.perf_counter()
+        self._round_started: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> TrainResult:
+        ctx = zmq.Context.instance()
+        reducer = ReducerService(
+            ReducerConfig.for_controller(self.world, self.penv.key, self.penv.run_id, self.penv.controller), ctx
+        )
+        control = ctx.socket(zmq.ROUTER)
+        control.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        control.setsockopt(zmq.LINGER, 1000)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        t0 = time.perf_counter()
+        try:
+            control.bind(self.penv.controller.endpoint(Channel.CONTROL))
+            reducer.start()
+            sub.connect(self.penv.controller.endpoint(Channel.BROADCAST))
+            self.control, self.reducer = control, reducer
+            self._loop(control, sub, reducer)
+        finally:
+            self._close_bar()
+            reducer.stop()
+            control.close()
+            sub.close()
+        self.result.wall_s = time.perf_counter() - t0
+        if self.stop_error is not None:
+            raise self.stop_error
+        load_flat(self.model, torch.from_numpy(self.consensus))
+        if self.shares:
+            self.result.batch_share = [float(np.mean(col)) for col in zip(*self.shares, strict=True)]
+        reason = self.ended.reason if self.ended is not None else None
+        self.result.reason = "completed" if reason is None else reason.value
+        if self.job.save_path and reason is None:
+            self.result.saved = str(self._save("completed", self.core.state_dict()))
+        if reason is not None:
+            raise TrainingError(
+                f"the run stopped early ({reason.value}); "
+                + (f"its state is saved in {self.result.saved}: continue with resume_from={self.job.save_path!r}"
+                   if self.result.saved else "set save_path to keep the consensus of a run that stops early")
+            )
+        return self.result
+
+    def _loop(self, control: zmq.Socket, sub: zmq.Socket, reducer: ReducerService) -> None:
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        poller.register(sub, zmq.POLLIN)
+        deadline = time.monotonic() + self.penv.startup_timeout_s
+        drain_until: float | None = None
+        while True:
+            now = time.monotonic()
+            if drain_until is not None and now >= drain_until:
+                return
+            if not self.started and now > deadline:
+                self._formation_failed()
+                return
+            events = dict(poller.poll(int(POLL_S * 1000)))
+            if sub in events:
+                for _ in range(16):
+                    try:
+                        frames = sub.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_broadcast(frames)
+            if control in events:
+                for _ in range(256):
+                    try:
+                        msg = control.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_control(msg)
+            if reducer.error is not None:
+                raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
+            if self.started:
+                while True:
+                    try:
+                        outcome = reducer.completed.get_nowait()
+                    except queue.Empty:
+                        break
+                    if outcome.round_id is None:
+                        continue
+                    started = self._round_started.pop(outcome.round_id, None)
+                    if outcome.abandoned is None:
+                        if started is not None:
+                            self.result.round_ms.append((time.perf_counter() - started) * 1000.0)
+                        self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
+                    else:
+                        self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
+                self._perform(self.core.on_tick(time.monotonic()))
+            if drain_until is None and (self.ended is not None or self.stop_error is not None):
+                drain_until = time.monotonic() + END_DRAIN_S
+
+    # ------------------------------------------------------------------ inbound
+
+    def _on_broadcast(self, frames: list[Any]) -> None:
+        try:
+            env = self.codec.decode(frames, Channel.BROADCAST, replay=False)
+        except WireError as exc:
+            self.counts["rejected.bcast"] += 1
+            log.warning("controller: rejected a broadcast record: %s", exc)
+            return
+        r = env.record
+        if isinstance(r, rec.Consensus) and r.mass > 0.0 and r.round > self.consensus_round and env.payload:
+            flat = env.payload[0].reshape(-1)
+            if flat.dtype == np.float32 and flat.size == self.consensus.size:
+                np.copyto(self.consensus, flat)
+                self.consensus_round = r.round
+
+    def _on_control(self, msg: list[Any]) -> None:
+        if len(msg) < 4:
+            self.counts["rejected.control"] += 1
+            return
+        relay_id, route = msg[0].bytes, msg[1].bytes
+        try:
+            env = self.codec.decode(msg[2:], Channel.CONTROL)
+        except WireError as exc:
+            self.counts["rejected.control"] += 1
+            if isinstance(exc, AuthError) and not self.started:
+                self.formation.auth_failures += 1
+                self.formation.last_auth_error = str(exc)
+            log.warning("controller: rejected a control record: %s", exc)
+            return
+        if route == RELAY_ROUTE:
+            self._on_relay(relay_id, env)
+            return
+        rank = rank_of(route)
+        if rank is None or rank not in self.host_of or env.sender != rank_sender(rank) or (
+            self.relay_route.get(self.host_of[rank]) != relay_id
+        ):
+            self.counts["forged_route.control"] += 1
+            log.warning("controller: %s signed by %r routed as %r; dropped", env.kind, env.sender, route)
+            return
+        record = env.record
+        if isinstance(record, rec.RankHello):
+            self._on_hello(rank, record)
+            return
+        if not self.started:
+            return  # heartbeats and the like before the world formed: nothing to schedule yet
+        if isinstance(record, rec.Batch):
+            self._tick_bar()
+        if isinstance(record, (rec.EvalResult, rec.CheckpointResult)) and record.error is not None:
+            self._callback_failed(record.error)
+        try:
+            self._perform(self.core.on_record(rank, record, time.monotonic()))
+        except FlodlError:
+            raise
+        except Exception:  # a core bug must not be mistaken for a peer's fault
+            log.error("controller: coordinator failed on %s from rank %d:\n%s", env.kind, rank, traceback.format_exc())
+            raise
+
+    def _on_relay(self, relay_id: bytes, env: Any) -> None:
+        r = env.record
+        if isinstance(r, rec.RelayHello):
+            want = self.world.get(r.host)
+            if env.sender != relay_sender(r.host) or want is None or sorted(r.ranks) != sorted(want):
+                self.counts["bad_hello.control"] += 1
+                log.error("controller: refused relay hello from %r for %r with ranks %s", env.sender, r.host, r.ranks)
+                return
+            self.relay_route[r.host] = relay_id
+            self._send_route(relay_id, RELAY_ROUTE, rec.RelayHelloAck())
+        elif isinstance(r, rec.RankExit):
+            host = next((h for h, rid in self.relay_route.items() if rid == relay_id), None)
+            if host is None or r.rank not in self.world[host] or env.sender != relay_sender(host):
+                self.counts["forged_route.control"] += 1
+                return
+            if self.started:
+                self._perform(self.core.on_rank_death(r.rank, "its relay saw it leave", time.monotonic()))
+            elif r.rank not in self.formation.hellos:
+                log.error("controller: rank %d left before the world formed", r.rank)
+        else:
+            self.counts["unexpected.control"] += 1
+
+    def _on_hello(self, rank: int, hello: rec.RankHello) -> None:
+        if self.started:
+            self.counts["late_hello"] += 1
+            return
+        self.formation.hellos[rank] = hello
+        if len(self.formation.hellos) < self.world_size:
+            return
+        bad_data = sorted(r for r, h in self.formation.hellos.items() if h.dataset_sig != self.dataset_sig)
+        bad_model = sorted(r for r, h in self.formation.hellos.items() if h.model_sig != self.model_sig)
+        bad_world = sorted(r for r, h in self.formation.hellos.items() if h.world_size != self.world_size)
+        problems = []
+        if bad_data:
+            problems.append(
+                f"dataset mismatch: rank(s) {bad_data} load a dataset whose signature differs from the "
+                f"controller's; every process must build the same dataset (same files, same split)"
+            )
+        if bad_model:
+            problems.append(f"model mismatch: rank(s) {bad_model} build a model with other tensors than the controller's")
+        if bad_world:
+            problems.append(f"world size mismatch: rank(s) {bad_world} were started for another world")
+        if problems:
+            self.stop_error = TrainingError("; ".join(problems))
+            for r in self.formation.hellos:
+                self._send_rank(r, rec.Shutdown())
+            return
+        self.started = True
+        self._t_formed = time.perf_counter()
+        if not self.job.quiet:
+            print(f"world formed: {self.world_size} ranks on {len(self.world)} hosts, mode {self.job.mode}", flush=True)
+        self._perform(self.core.start(time.monotonic()))
+
+    def _formation_failed(self) -> None:
+        f = self.formation
+        missing = sorted(set(range(self.world_size)) - set(f.hellos))
+        for r in f.hellos:
+            self._send_rank(r, rec.Shutdown())
+        if f.auth_failures:
+            self.stop_error = AuthError(
+                f"{f.auth_failures} control record(s) failed authentication while the world formed "
+                f"({f.last_auth_error}); a process runs with another session key: check FLODL_KEY on every process"
+            )
+        else:
+            self.stop_error = TrainingError(
+                f"rank(s) {missing} never said hello within {self.penv.startup_timeout_s:.0f} s "
+                f"(FLODL_STARTUP_TIMEOUT); check that they started and reach their relay"
+            )
+
+    def _callback_failed(self, error: str) -> None:
+        print(f"callback error: {error}", flush=True)
+        if self.job.on_callback_error == "stop" and self.stop_error is None:
+            self.stop_error = TrainingError(f"a user callback failed and on_callback_error='stop': {error}")
+            for r in self.core.liveness.live:
+                self._send_rank(r, rec.Shutdown())
+
+    # ------------------------------------------------------------------ outbound
+
+    def _perform(self, outs: list[Any]) -> None:
+        for out in outs:
+            if out.dest is REDUCER:
+                if isinstance(out.record, rec.DeclareDead):
+                    self.reducer.declare_dead(out.record.rank)
+                elif isinstance(out.record, ExpectRound):
+                    # The reducer learns each round from its first HostFrame; the
+                    # directive only starts the round clock here.
+                    self._round_started[out.record.round] = time.perf_counter()
+                else:
+                    self.counts["unexpected.reducer"] += 1
+            elif out.dest is CONTROLLER:
+                self._on_effect(out.record)
+            else:
+                self._send_rank(out.dest, out.record)
+
+    def _send_rank(self, rank: int, record: Any) -> None:
+        relay_id = self.relay_route.get(self.host_of[rank])
+        if relay_id is None:
+            self.counts["undeliverable.control"] += 1
+            return
+        self._send_route(relay_id, rank_identity(rank), record)
+
+    def _send_route(self, relay_id: bytes, route: bytes, record: Any) -> None:
+        try:
+            self.control.send_multipart([relay_id, route, *self.codec.encode(record, channel=Channel.CONTROL)])
+        except zmq.ZMQError:  # EHOSTUNREACH: that relay's connection is gone; liveness reaps its ranks
+            self.counts["undeliverable.control"] += 1
+
+    # ------------------------------------------------------------------ controller effects
+
+    def _on_effect(self, r: Any) -> None:
+        if isinstance(r, rec.EpochAggregated):
+            self._on_epoch(r)
+        elif isinstance(r, rec.EvalResult):
+            if r.error is None:
+                row = self._row(r.epoch - 1)
+                if row is not None:
+                    row["eval"] = r.metric
+                    row["eval_at_s"] = time.perf_counter() - self._t_formed
+                if r.epoch >= self.job.epochs:
+                    self.result.final_eval = r.metric
+                if not self.job.quiet:
+                    print(f"eval after epoch {r.epoch}: {r.metric:.4f} (rank {r.rank})", flush=True)
+        elif isinstance(r, SaveState):
+            if self.job.save_path:
+                self.result.saved = str(self._save(r.reason.value, r.state))
+            print(f"shutdown with save ({r.reason.value})" + (f": wrote {self.result.saved}" if self.result.saved else ""), flush=True)
+        elif isinstance(r, RunEnded):
+            self.ended = r
+
+    def _row(self, epoch: int) -> dict[str, Any] | None:
+        return next((row for row in self.result.epochs if row["epoch"] == epoch), None)
+
+    def _on_epoch(self, agg: rec.EpochAggregated) -> None:
+        row = {
+            "epoch": agg.epoch,
+            "avg_loss": agg.avg_loss,
+            "epoch_ms": agg.epoch_ms,
+            "batch_share": list(agg.per_rank_batch_share),
+            "samples": int(sum(agg.per_rank_samples)),
+            "per_rank_samples": list(agg.per_rank_samples),
+            "throughput": list(agg.per_rank_throughput),
+        }
+        self.result.epochs.append(row)
+        self.shares.append(list(agg.per_rank_batch_share))
+        self._close_bar()
+        self._bar_epoch = agg.epoch + 1
+        if not self.job.quiet:
+            print(format_epoch(row, self.job.epochs), flush=True)
+        if self.job.metrics_fn is not None:
+            try:
+                self.job.metrics_fn(dict(row))
+            except Exception:
+                self._callback_failed(f"metrics_fn raised on the controller:\n{traceback.format_exc()}")
+
+    def _tick_bar(self) -> None:
+        if self.job.quiet or self._bar_epoch >= self.job.epochs:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            # disable=None: a bar on a terminal only; logs get the per-epoch lines.
+            self._bar = tqdm(
+                total=self.config.batches_per_epoch, desc=f"epoch {self._bar_epoch + 1}/{self.job.epochs}",
+                unit="batch", leave=False, disable=None,
+            )
+        if self._bar.n < self._bar.total:
+            self._bar.update(1)
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _save(self, reason: str, state: dict[str, Any]) -> Any:
+        model = self.job.model()
+        load_flat(model, torch.from_numpy(self.consensus))
+        meta = {
+            "epoch": state.get("epoch", 0),
+            "global_step": state.get("global_step", 0),
+            "reason": reason,
+            "world_size": self.world_size,
+            "consensus_round": self.consensus_round,
+            "coordinator": state,
+        }
+        return bundle.save(self.job.save_path, model.state_dict(), meta)  # type: ignore[arg-type]
+
+
+def run_controller(job: Job, penv: ProcessEnv) -> TrainResult:
+    """Entry point of the controller role."""
+    result = ControllerService(job, penv).run()
+    if result.final_eval is None and result.epochs and result.epochs[-1].get("eval") is not None:
+        result.final_eval = result.epochs[-1]["eval"]
+    if not job.quiet and result.final_eval is not None and not math.isnan(result.final_eval):
+        print(f"final eval: {result.final_eval:.4f} in {result.wall_s:.1f} s", flush=True)
+    return result

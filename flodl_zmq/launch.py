@@ -1,0 +1,327 @@
+"""The local launcher: a whole cluster on this machine, one process per role.
+
+`flodl-zmq launch --hosts H --ranks-per-host K script.py [args]` starts the
+user's script H*K + H + 1 times: the controller, one relay per simulated host
+(`h0`, `h1`, ...), and the ranks, each with its FLODL_* environment (see
+flodl_zmq/environment.py). Every line a child prints comes out prefixed with
+`[controller]`, `[host:relay]` or `[host:rank]`.
+
+Rules this module keeps:
+
+- No process left behind. Each child runs in its own process group (its own
+  session), so a signal reaches everything it started; teardown is SIGTERM to
+  every group, a grace period, then SIGKILL, and it runs on every exit path:
+  the controller finishing, Ctrl-C, SIGTERM to the launcher, an exception.
+- The controller's exit status is the run's: ranks and relays that are still
+  up a grace period after it ended are stopped.
+- The launcher is the agent of every simulated host, but it does not report
+  child exits upstream: relays detect a dead rank by its silence (within
+  their heartbeat deadline), which is the path a real host failure takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flodl_zmq.endpoints import OFFSETS, ControllerAddress
+from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.errors import ConfigError
+from flodl_zmq.wire import RUN_ID_BYTES, new_key
+
+AFTER_CONTROLLER_GRACE_S = 10.0
+TERM_GRACE_S = 5.0
+
+
+def free_port_base(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A port P such that P..P+3 (the controller's four endpoints) are free on `host` right now."""
+    span = max(OFFSETS.values()) + 1
+    for _ in range(tries):
+        base = random.randrange(20000, 60000 - span)
+        socks = []
+        try:
+            for offset in range(span):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise ConfigError(f"found no {span} consecutive free ports on {host}; pass --port explicitly")
+
+
+@dataclass
+class Child:
+    label: str
+    env: ProcessEnv
+    proc: subprocess.Popen
+    reader: threading.Thread | None = None
+
+
+@dataclass
+class Cluster:
+    """The processes of one local run. `start()`, then `wait()`; `shutdown()` on any other exit.
+
+    `env_for` adds or overrides environment variables of one child by label
+    (`controller`, `h0:relay`, `h1:3`), which is how tests give one process a
+    wrong key or a different dataset.
+    """
+
+    argv: Sequence[str]  # what follows the interpreter: ["script.py", *args] or ["-m", "pkg.mod", *args]
+    hosts: int = 2
+    ranks_per_host: int = 2
+    port: int | None = None
+    slow: Mapping[int, float] = field(default_factory=dict)
+    env_for: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    sink: Callable[[str], None] | None = None
+    startup_timeout_s: float | None = None
+    grace_s: float = AFTER_CONTROLLER_GRACE_S  # how long ranks and relays may outlive the controller
+    children: dict[str, Child] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.ranks_per_host < 1:
+            raise ConfigError(f"--hosts ({self.hosts}) and --ranks-per-host ({self.ranks_per_host}) must be >= 1")
+        world_size = self.hosts * self.ranks_per_host
+        for rank, factor in self.slow.items():
+            if not 0 <= rank < world_size or factor < 1.0:
+                raise ConfigError(f"--slow {rank}:{factor}: rank must be in 0..{world_size - 1} and factor >= 1")
+        self._lock = threading.Lock()
+
+    @property
+    def world(self) -> dict[str, tuple[int, ...]]:
+        k = self.ranks_per_host
+        return {f"h{h}": tuple(range(h * k, (h + 1) * k)) for h in range(self.hosts)}
+
+    def start(self) -> None:
+        """Spawn the controller, the relays, then the ranks."""
+        address = ControllerAddress("127.0.0.1", self.port or free_port_base())
+        base = dict(
+            controller=address, key=new_key(), run_id=os.urandom(RUN_ID_BYTES), world=self.world,
+        )
+        if self.startup_timeout_s is not None:
+            base["startup_timeout_s"] = self.startup_timeout_s
+        self._spawn("controller", ProcessEnv(role="controller", **base))
+        for host, ranks in self.world.items():
+            self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, **base))
+            for local, rank in enumerate(ranks):
+                self._spawn(
+                    f"{host}:{rank}",
+                    ProcessEnv(role="rank", host=host, rank=rank, local_rank=local,
+                               slowdown=float(self.slow.get(rank, 1.0)), **base),
+                )
+
+    def _spawn(self, label: str, penv: ProcessEnv) -> None:
+        env = dict(os.environ)
+        env.update(penv.to_environ())
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.env_for.get(label, {}))
+        proc = subprocess.Popen(
+            [sys.executable, *self.argv],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: teardown reaches all it started
+        )
+        child = Child(label, penv, proc)
+        child.reader = threading.Thread(target=self._forward, args=(child,), daemon=True)
+        child.reader.start()
+        self.children[label] = child
+
+    def _forward(self, child: Child) -> None:
+        assert child.proc.stdout is not None
+        for raw in child.proc.stdout:
+            line = f"[{child.label}] {raw.decode(errors='replace').rstrip()}"
+            with self._lock:
+                self.lines.append(line)
+                if self.sink is not None:
+                    self.sink(line)
+
+    def output(self) -> str:
+        with self._lock:
+            return "\n".join(self.lines)
+
+    def pid(self, label: str) -> int:
+        return self.children[label].proc.pid
+
+    def kill(self, label: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to one child's process group (tests: SIGKILL a rank mid-epoch)."""
+        _signal_group(self.children[label].proc, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the controller, then stop whatever is left; returns the controller's exit status."""
+        controller = self.children["controller"].proc
+        try:
+            code = controller.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.shutdown()
+            raise
+        deadline = time.monotonic() + self.grace_s
+        for child in self.children.values():
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.shutdown()
+        return code
+
+    def shutdown(self) -> None:
+        """SIGTERM every child's group, wait, SIGKILL stragglers, reap all (idempotent)."""
+        live = [c for c in self.children.values() if c.proc.poll() is None]
+        for c in live:
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        for c in live:
+            try:
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for c in self.children.values():
+            # Also the group of a child that already exited: it may have left grandchildren.
+            _signal_group(c.proc, signal.SIGKILL)
+            c.proc.wait()
+        for c in self.children.values():
+            if c.reader is not None:
+                c.reader.join(2.0)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_cluster(cluster: Cluster) -> int:
+    """Run `cluster` to the end with Ctrl-C / SIGTERM tearing everything down; returns an exit status."""
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping.set()
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cluster.start()
+        return cluster.wait()
+    except KeyboardInterrupt:
+        print("flodl-zmq launch: interrupted; stopping every process", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        # Block further signals' handler from interrupting the teardown itself.
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        cluster.shutdown()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def parse_slow(items: Sequence[str]) -> dict[int, float]:
+    """`["3:3.0"]` -> {3: 3.0}."""
+    out = {}
+    for item in items:
+        rank, sep, factor = item.partition(":")
+        try:
+            out[int(rank)] = float(factor) if sep else 3.0
+        except ValueError:
+            raise ConfigError(f"--slow {item!r} must be RANK:FACTOR, e.g. 3:3") from None
+    return out
+
+
+def default_sink(line: str) -> None:
+    print(line, flush=True)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _launch_command(args: argparse.Namespace) -> int:
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv:
+        raise ConfigError("launch needs a script to run: flodl-zmq launch [options] script.py [args]")
+    cluster = Cluster(
+        argv=argv, hosts=args.hosts, ranks_per_host=args.ranks_per_host, port=args.port,
+        slow=parse_slow(args.slow), sink=default_sink,
+    )
+    return run_cluster(cluster)
+
+
+def _demo_command(args: argparse.Namespace) -> int:
+    from flodl_zmq import demo
+
+    world = 4
+    result: dict | None = None
+    argv = ["-m", "flodl_zmq.demo", "--epochs", str(args.epochs), "--mode", args.mode]
+    if args.json:
+        argv.append("--quiet")
+    cluster = Cluster(
+        argv=argv, hosts=2, ranks_per_host=2, slow={world - 1: args.slow} if args.slow > 1 else {},
+        sink=None if args.json else (lambda line: None if demo.RESULT_TAG in line else default_sink(line)),
+    )
+    code = run_cluster(cluster)
+    for line in cluster.lines:
+        _, _, text = line.partition("] ")
+        if text.startswith(demo.RESULT_TAG):
+            result = json.loads(text[len(demo.RESULT_TAG):])
+    if code != 0 or result is None:
+        if args.json:
+            print(cluster.output(), file=sys.stderr)
+        print(f"flodl-zmq demo: the cluster run failed (controller exit status {code})", file=sys.stderr)
+        return code or 1
+    alone = demo.trainer(args.epochs, args.mode, quiet=True).run()
+    figures = {
+        "epochs": args.epochs,
+        "mode": args.mode,
+        "slow_rank": world - 1 if args.slow > 1 else None,
+        "slowdown": args.slow,
+        "cluster_accuracy": result["accuracy"],
+        "single_process_accuracy": alone.final_eval,
+        "batch_share": result["batch_share"],
+        "cluster_wall_s": result["wall_s"],
+        "single_process_wall_s": alone.wall_s,
+    }
+    if args.json:
+        print(json.dumps(figures))
+        return 0
+    print()
+    print(f"digits MLP, {args.epochs} epochs, 2 hosts x 2 ranks ({args.mode}), rank {world - 1} slowed {args.slow:g}x")
+    print(f"  test accuracy, cluster (consensus):   {result['accuracy'] * 100:.2f}%")
+    print(f"  test accuracy, one process alone:     {alone.final_eval * 100:.2f}%")
+    print("  batch share per rank:  " + "  ".join(f"r{i} {s * 100:.1f}%" for i, s in enumerate(result["batch_share"])))
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Register `launch` and `demo` on the `flodl-zmq` sub-command parser."""
+    launch = sub.add_parser(
+        "launch", help="run controller, relays and ranks of a script as local processes",
+        description="Run SCRIPT as a whole cluster on this machine (prefix output [host:rank]).",
+    )
+    launch.add_argument("--hosts", type=int, default=1, help="simulated hosts, one relay each (default 1)")
+    launch.add_argument("--ranks-per-host", type=int, default=2, help="ranks per host (default 2)")
+    launch.add_argument("--port", type=int, help="controller base port (default: a free one; uses PORT..PORT+3)")
+    launch.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR",
+                        help="emulate a slower rank (per-batch delay), e.g. --slow 3:3; repeatable")
+    launch.add_argument("argv", nargs=argparse.REMAINDER, help="script.py [args], or -- -m module [args]")
+    launch.set_defaults(func=_launch_command)
+    demo = sub.add_parser("demo", help="train an MLP on the packaged digits on 2 hosts x 2 ranks, one rank slowed")
+    demo.add_argument("--slow", type=float, default=3.0, help="slowdown factor of rank 3 (default 3; 1 = none)")
+    demo.add_argument("--epochs", type=int, default=15, help="epochs (default 15)")
+    demo.add_argument("--mode", default="cpu-cadence", choices=["cpu-cadence", "cpu-sync", "cpu-async"])
+    demo.add_argument("--json", action="store_true", help="print only the final figures, as JSON")
+    demo.set_defaults(func=_demo_command)

@@ -1,0 +1,697 @@
+"""The rank runtime: one model replica that trains what it is dispatched and joins each averaging round.
+
+A rank process holds two DEALER sockets to its host's relay (control and
+data; routing identity = its global rank as ASCII digits). It takes part in
+the protocol like this (PROTOCOL.md, Rank):
+
+1. Sends `RankHello` (rank, world size, host, model and dataset signatures).
+2. Trains the spans of the epoch permutation it is given (`StartEpoch`,
+   `Update.next_plan`, `ExtendPartition`), one `Batch` timing record per step,
+   one `EpochMetrics` per completed span.
+3. On `RequestParams(round)` snapshots its parameters and float buffers into
+   a reused host buffer, multiplies it by its realized-work mass (steps since
+   the last sync) and deposits one `RoundFrame` on the data socket.
+4. On the round's `Consensus` loads it (overwrite, or the EASGD blend under
+   cpu-async) and answers `SyncAck` with the divergence triple; a zero-mass
+   consensus keeps local state.
+5. Runs eval / checkpoint / epoch callbacks when its role is elected and
+   reports them (`EvalResult`, `CheckpointResult`, `EpochFnElapsed`), with
+   the rank and the traceback when one raises; training continues.
+6. Says goodbye (`Exiting`) on `Shutdown`, `ShutdownWithSave` or a lost
+   controller.
+
+Rules this module keeps:
+
+- One socket, one thread. An I/O thread owns both sockets, encodes every
+  outgoing record (so each channel's sequence numbers go out in order),
+  sends heartbeats on its own clock (a rank busy in a long batch still
+  beats) and hands decoded inbound records to the training thread through a
+  queue. The training thread never touches a socket.
+- Snapshot buffers are allocated once. On CUDA they are pinned, filled with
+  non-blocking copies and fenced by one synchronize per round, never one per
+  tensor; a snapshot waits until ZeroMQ has released the previous deposit
+  (sent zero-copy) before overwriting it.
+- The next plan of an `Update` is held until that round's consensus is
+  loaded: training it on the pre-consensus replica would throw its steps away.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+import traceback
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from flodl_zmq import bundle
+from flodl_zmq.coordinator.dispatch import EpochPlan as DispatchPlan
+from flodl_zmq.coordinator.dispatch import epoch_permutation, plan_indices
+from flodl_zmq.datasets import dataset_signature
+from flodl_zmq.errors import ConfigError, TrainingError, WireError
+from flodl_zmq.job import Job
+from flodl_zmq.relay import rank_identity, rank_sender
+from flodl_zmq.wire import Channel, Codec
+from flodl_zmq.wire import records as rec
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+SEND_RELEASE_TIMEOUT_S = 60.0
+
+
+def payload_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What a round averages, in a fixed order: every parameter, then every floating-point buffer.
+
+    Integer buffers (BatchNorm's batch counter) have no meaningful average and
+    stay local.
+    """
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
+    for t in tensors:
+        if t.dtype != torch.float32:
+            raise ConfigError(
+                f"the data plane averages float32 tensors; the model holds a {t.dtype} tensor of shape "
+                f"{tuple(t.shape)}: keep the master weights in float32 (autocast for lower precision)"
+            )
+    if not tensors:
+        raise ConfigError("the model has no parameters or float buffers: there is nothing to average")
+    return tensors
+
+
+def model_signature(model: torch.nn.Module) -> bytes:
+    """32-byte digest of the averaged tensors' names, shapes and dtypes, in payload order."""
+    h = hashlib.sha256(b"flodl-model-v1")
+    floats = {id(b) for b in model.buffers() if b.is_floating_point()}
+    for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if id(b) in floats]:
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.digest()
+
+
+def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Copy a flat float32 vector (payload order) into the model's parameters and float buffers."""
+    tensors = payload_tensors(model)
+    views = _views(flat.reshape(-1), tensors)
+    with torch.no_grad():
+        torch._foreach_copy_(tensors, [v.to(t.device) for v, t in zip(views, tensors, strict=True)])
+
+
+def flatten(model: torch.nn.Module) -> torch.Tensor:
+    """The model's payload tensors as one flat float32 CPU vector (the consensus layout)."""
+    return torch.cat([t.detach().reshape(-1).cpu() for t in payload_tensors(model)])
+
+
+def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset : offset + n].view(t.shape))
+        offset += n
+    return out
+
+
+class ParamBuffers:
+    """Snapshot and consensus-load machinery for one replica, on reused host buffers.
+
+    `snapshot(mass)` fills one flat float32 host vector (pinned on CUDA) with
+    the payload tensors times `mass`; `load(consensus)` writes a flat consensus
+    back with one batched copy (or an EASGD lerp) and returns the divergence
+    triple against the last snapshot.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.tensors = payload_tensors(model)
+        self.device = self.tensors[0].device
+        self.cuda = self.device.type == "cuda"
+        self.numel = sum(t.numel() for t in self.tensors)
+        self.snap = torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
+        self._snap_views = _views(self.snap, self.tensors)
+        self._scratch = torch.empty(self.numel, dtype=torch.float32)
+        self._recv: torch.Tensor | None = None
+        self._recv_views: list[torch.Tensor] = []
+        self._recv_done: Any = None  # torch.cuda.Event of the last H2D copy out of _recv
+        self._device_scratch: list[torch.Tensor] | None = None
+        self._tracker: Any = None
+        self._handed_over = threading.Event()  # set once the I/O thread has sent (or never had) a deposit
+        self._handed_over.set()
+        self.mass = 0.0
+        self.pre_norm: float | None = None
+        if self.cuda:
+            self._recv = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
+            self._recv_views = _views(self._recv, self.tensors)
+
+    def mark_queued(self) -> None:
+        """The snapshot was queued for sending: the next snapshot must wait for `hold_until_sent`."""
+        self._handed_over.clear()
+
+    def hold_until_sent(self, tracker: Any) -> None:
+        """Remember the zmq MessageTracker of the deposit that references `snap` (zero-copy send)."""
+        self._tracker = tracker
+        self._handed_over.set()
+
+    def _wait_sent(self) -> None:
+        if not self._handed_over.wait(SEND_RELEASE_TIMEOUT_S):
+            raise TrainingError("the previous deposit was never sent: the rank's I/O thread is stuck")
+        if self._tracker is not None and not self._tracker.done:
+            # The previous deposit still references `snap`; overwriting it now
+            # would corrupt a frame already authenticated and in flight.
+            self._tracker.wait(SEND_RELEASE_TIMEOUT_S)
+        self._tracker = None
+
+    def snapshot(self, mass: float) -> torch.Tensor:
+        """Fill and return the flat host snapshot, pre-multiplied by `mass`."""
+        self._wait_sent()
+        with torch.no_grad():
+            torch._foreach_copy_(self._snap_views, [t.detach() for t in self.tensors], non_blocking=self.cuda)
+            if self.cuda:
+                torch.cuda.synchronize(self.device)  # one fence for all tensors
+            self.pre_norm = float(torch.linalg.vector_norm(self.snap))
+            if mass != 1.0:
+                self.snap.mul_(mass)
+        self.mass = float(mass)
+        return self.snap
+
+    def load(self, consensus: np.ndarray, alpha: float = 1.0) -> tuple[float | None, float, float | None]:
+        """Adopt a flat f32 consensus: overwrite (alpha 1) or lerp towards it (EASGD); returns
+        (divergence ||pre - consensus|| / ||consensus||, post norm, pre norm)."""
+        flat = consensus.reshape(-1)
+        if flat.dtype != np.float32 or flat.size != self.numel:
+            raise TrainingError(
+                f"consensus of {flat.size} {flat.dtype} elements does not fit this model's "
+                f"{self.numel} float32 elements: every rank must build the same model"
+            )
+        with warnings.catch_warnings():
+            # The received frame is read-only; it is only ever read here.
+            warnings.simplefilter("ignore", UserWarning)
+            cons = torch.from_numpy(flat)
+        with torch.no_grad():
+            post = float(torch.linalg.vector_norm(cons))
+            divergence = None
+            if self.mass > 0.0 and post > 0.0:
+                torch.mul(cons, self.mass, out=self._scratch).sub_(self.snap)
+                divergence = float(torch.linalg.vector_norm(self._scratch)) / self.mass / post
+            if self.cuda:
+                self._load_cuda(cons, alpha)
+            else:
+                views = _views(cons, self.tensors)
+                if alpha >= 1.0:
+                    torch._foreach_copy_(self.tensors, views)
+                else:
+                    torch._foreach_lerp_(self.tensors, views, alpha)
+        return divergence, post, self.pre_norm
+
+    def _load_cuda(self, cons: torch.Tensor, alpha: float) -> None:
+        assert self._recv is not None
+        if self._recv_done is not None:
+            self._recv_done.synchronize()  # the previous H2D copy must be out of the pinned buffer
+        self._recv.copy_(cons)
+        if alpha >= 1.0:
+            torch._foreach_copy_(self.tensors, self._recv_views, non_blocking=True)
+        else:
+            if self._device_scratch is None:
+                self._device_scratch = [torch.empty_like(t) for t in self.tensors]
+            torch._foreach_copy_(self._device_scratch, self._recv_views, non_blocking=True)
+            torch._foreach_lerp_(self.tensors, self._device_scratch, alpha)
+        self._recv_done = torch.cuda.Event()
+        self._recv_done.record()
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """Where this rank is and how it talks (built from the FLODL_* environment by the API)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    key: bytes
+    run_id: bytes
+    control_endpoint: str
+    data_endpoint: str
+    slowdown: float = 1.0
+    coordinator_timeout_s: float = 30.0
+    first_contact_timeout_s: float = 120.0  # the world forms only once every rank has started
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """cuda:(local index) when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- I/O thread
+
+
+class _Link:
+    """The I/O thread: owns the control and data DEALERs, encodes, decodes, beats.
+
+    Inbound items on `inbox`: ("control", record), ("consensus", Envelope) or
+    ("lost", reason). Outbound: `send(record, payload, tracked_by)` from the
+    training thread.
+    """
+
+    def __init__(self, cfg: RankConfig, ctx: zmq.Context, step_count: Callable[[], int]) -> None:
+        self.cfg = cfg
+        self.codec = Codec(cfg.key, cfg.run_id, rank_sender(cfg.rank))
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._outbox: queue.Queue[tuple[Any, list[Any], ParamBuffers | None]] = queue.Queue()
+        self._step_count = step_count
+        self._ctx = ctx
+        self._wake_addr = f"inproc://flodl-rank-{cfg.rank}-{id(self)}"
+        self._wake_rx = ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(self._wake_addr)
+        self._stop = threading.Event()
+        self.rejected = 0
+        self._thread = threading.Thread(target=self._run, name=f"flodl-rank{cfg.rank}-io", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, record: Any, payload: Sequence[Any] = (), tracked_by: ParamBuffers | None = None) -> None:
+        """Queue `record` for the I/O thread (called from the training thread only)."""
+        self._outbox.put((record, list(payload), tracked_by))
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # wake-ups already queued: the I/O thread will drain the outbox anyway
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush queued records (the goodbye among them), stop the thread, close the sockets."""
+        self._stop.set()
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self._thread.join(timeout_s)
+        self._wake_tx.close(linger=0)
+
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, rank_identity(self.cfg.rank))
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(endpoint)
+        return sock
+
+    def _run(self) -> None:
+        control = self._socket(self.cfg.control_endpoint)
+        data = self._socket(self.cfg.data_endpoint)
+        poller = zmq.Poller()
+        for s in (control, data, self._wake_rx):
+            poller.register(s, zmq.POLLIN)
+        next_beat = started = time.monotonic()
+        last_heard: float | None = None
+        lost = False
+        try:
+            while True:
+                self._flush(control, data)
+                if self._stop.is_set():
+                    break
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._encode_send(control, rec.Heartbeat(rank=self.cfg.rank, step_count=self._step_count()))
+                    next_beat = now + HEARTBEAT_S
+                limit = self.cfg.first_contact_timeout_s if last_heard is None else self.cfg.coordinator_timeout_s
+                if not lost and now - (last_heard or started) > limit:
+                    lost = True
+                    self.inbox.put(("lost", f"no word from the coordinator for {limit:.0f} s"))
+                events = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
+                if self._wake_rx in events:
+                    while self._wake_rx.poll(0):
+                        self._wake_rx.recv()
+                if control in events:
+                    while control.poll(0):
+                        record = self._decode(control.recv_multipart(copy=False), Channel.CONTROL)
+                        if record is not None:
+                            last_heard = time.monotonic()
+                            self.inbox.put(("control", record.record))
+                if data in events:
+                    while data.poll(0):
+                        # The relay fans the reducer's broadcast out verbatim; a resend
+                        # is byte-identical and may follow later rounds, so the round id
+                        # (checked by the training thread), not the sequence, guards replays.
+                        env = self._decode(data.recv_multipart(copy=False), Channel.BROADCAST, replay=False)
+                        if env is not None and isinstance(env.record, rec.Consensus):
+                            self.inbox.put(("consensus", env))
+        finally:
+            self._flush(control, data)
+            control.close()
+            data.close()
+            self._wake_rx.close(linger=0)
+
+    def _decode(self, frames: list[Any], channel: Channel, replay: bool = True) -> Any:
+        try:
+            return self.codec.decode(frames, channel, replay=replay)
+        except WireError as exc:
+            # A rejected record never reaches the training thread; counted and logged.
+            self.rejected += 1
+            log.warning("rank %d: rejected a %s message: %s", self.cfg.rank, channel.value, exc)
+            return None
+
+    def _flush(self, control: zmq.Socket, data: zmq.Socket) -> None:
+        while True:
+            try:
+                record, payload, tracked_by = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if payload:
+                frames = self.codec.encode(record, payload, channel=Channel.DATA)
+                tracker = data.send_multipart(frames, copy=False, track=True)
+                if tracked_by is not None:
+                    tracked_by.hold_until_sent(tracker)
+            else:
+                self._encode_send(control, record)
+
+    def _encode_send(self, sock: zmq.Socket, record: Any) -> None:
+        sock.send_multipart(self.codec.encode(record, channel=Channel.CONTROL))
+
+
+# --------------------------------------------------------------------------- training thread
+
+
+@dataclass
+class _Span:
+    epoch: int
+    indices: np.ndarray
+    pos: int = 0
+    started: float = 0.0
+    loss_sum: float = 0.0
+    batches: int = 0
+    compute_ms: float = 0.0
+    data_ms: float = 0.0
+
+
+class RankRuntime:
+    """Runs one rank of `job` until the coordinator says stop; `run()` returns the exit code."""
+
+    def __init__(self, job: Job, cfg: RankConfig, device: torch.device | None = None) -> None:
+        self.job = job
+        self.cfg = cfg
+        torch.set_num_threads(job.torch_threads)
+        torch.manual_seed(job.seed)  # same initial replica on every rank
+        self.device = device or pick_device(cfg.local_rank)
+        self.model = job.model()
+        if job.resume_from:
+            # Every rank starts from the saved consensus (the bundle must be readable on each host).
+            self.model.load_state_dict(bundle.load(job.resume_from)[0])
+        self.model = self.model.to(self.device)
+        self.optimizer = job.optimizer(self.model.parameters())
+        self.buffers = ParamBuffers(self.model)
+        self.alpha = job.easgd_alpha if job.mode == "cpu-async" else 1.0
+        self.steps = 0  # cumulative optimizer steps
+        self.steps_since_avg = 0
+        self.global_step = 0
+        self._spans: deque[_Span] = deque()
+        self._perms: dict[int, np.ndarray] = {}
+        self._throttled = False
+        self._pending_round: int | None = None  # deposited, consensus not yet loaded
+        self._steps_at_snapshot = 0
+        self._held_plans: dict[int, rec.EpochPlan] = {}
+        self._epoch_role = 0
+        self._epoch_fn_done: set[int] = set()
+        self._stop_reason: str | None = None
+
+    # -- the loop --------------------------------------------------------
+
+    def run(self) -> int:
+        ctx = zmq.Context.instance()
+        link = _Link(self.cfg, ctx, lambda: self.steps)
+        self.link = link
+        link.start()
+        link.send(
+            rec.RankHello(
+                rank=self.cfg.rank,
+                world_size=self.cfg.world_size,
+                host=self.cfg.host,
+                model_sig=model_signature(self.model),
+                dataset_sig=dataset_signature(self.job.dataset),
+            )
+        )
+        code = 0
+        try:
+            while self._stop_reason is None:
+                self._drain(block=not self._can_train())
+                if self._stop_reason is None and self._can_train():
+                    self._train_one()
+        except Exception:
+            log.exception("rank %d: training failed", self.cfg.rank)
+            code = 1
+        finally:
+            link.send(rec.Exiting(rank=self.cfg.rank))
+            link.close()
+        if self._stop_reason and self._stop_reason.startswith("lost"):
+            log.error("rank %d: %s; exiting", self.cfg.rank, self._stop_reason)
+            code = code or 1
+        return code
+
+    def _can_train(self) -> bool:
+        return bool(self._spans) and not self._throttled
+
+    def _drain(self, block: bool) -> None:
+        timeout = 0.5 if block else 0.0
+        while True:
+            try:
+                kind, item = self.link.inbox.get(timeout=timeout) if timeout else self.link.inbox.get_nowait()
+            except queue.Empty:
+                return
+            timeout = 0.0
+            if kind == "control":
+                self._on_control(item)
+            elif kind == "consensus":
+                self._on_consensus(item)
+            else:
+                self._stop_reason = f"lost: {item}"
+            if self._stop_reason is not None:
+                return
+
+    # -- records ----------------------------------------------------------
+
+    def _on_control(self, r: Any) -> None:
+        if isinstance(r, rec.StartEpoch):
+            self._throttled = False
+            self._add_span(r.plan.epoch, r.plan.offset, r.plan.size)
+        elif isinstance(r, rec.Update):
+            self._throttled = False
+            if r.next_plan is not None:
+                if self._pending_round is not None and self._pending_round <= r.round:
+                    self._held_plans[r.round] = r.next_plan
+                else:
+                    self._add_span(r.next_plan.epoch, r.next_plan.offset, r.next_plan.size)
+        elif isinstance(r, rec.ExtendPartition):
+            self._throttled = False
+            self._add_span(r.epoch, r.offset, r.size)
+        elif isinstance(r, rec.RequestParams):
+            self._deposit(r.round)
+        elif isinstance(r, rec.Throttle):
+            self._throttled = True
+        elif isinstance(r, rec.SetGlobalStep):
+            self.global_step = r.global_step
+        elif isinstance(r, rec.SetEpochCallbackRole):
+            self._epoch_role = r.rank
+        elif isinstance(r, rec.ExecuteEval):
+            if r.target_rank == self.cfg.rank:
+                self._run_eval(r)
+        elif isinstance(r, rec.Checkpoint):
+            if r.target_rank == self.cfg.rank:
+                self._run_checkpoint(r)
+        elif isinstance(r, (rec.Shutdown, rec.ShutdownWithSave)):
+            self._stop_reason = type(r).__name__
+        # CoordHeartbeat, EpochAggregated, EvalBroadcast, DeclareDead: nothing to do on a CPU-reduce rank.
+
+    def _add_span(self, epoch: int, offset: int, size: int) -> None:
+        if size <= 0:
+            return
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = epoch_permutation(self.job.seed, epoch, self.job.total_samples)
+            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
+            self._perms[epoch] = perm
+        indices = plan_indices(perm, DispatchPlan(epoch, offset, size))
+        self._spans.append(_Span(epoch, indices))
+
+    def _deposit(self, round_id: int) -> None:
+        self._steps_at_snapshot = self.steps_since_avg
+        flat = self.buffers.snapshot(float(self.steps_since_avg))
+        self._pending_round = round_id
+        self.buffers.mark_queued()
+        self.link.send(rec.SnapshotReady(rank=self.cfg.rank, round=round_id))
+        self.link.send(
+            rec.RoundFrame(round=round_id, rank=self.cfg.rank, mass=float(self._steps_at_snapshot)),
+            [flat],
+            tracked_by=self.buffers,
+        )
+
+    def _on_consensus(self, env: Any) -> None:
+        c: rec.Consensus = env.record
+        if self._pending_round is None or c.round != self._pending_round:
+            return  # a round this rank did not deposit in (joined late, or a duplicate)
+        divergence = post = pre = None
+        if c.mass > 0.0:
+            divergence, post, pre = self.buffers.load(env.payload[0], self.alpha)
+        # Steps taken while the round was in flight keep their credit for the next frame.
+        self.steps_since_avg -= self._steps_at_snapshot
+        self._pending_round = None
+        self.link.send(
+            rec.SyncAck(
+                rank=self.cfg.rank, round=c.round, step_count=self.steps,
+                divergence=divergence, post_norm=post, pre_norm=pre,
+            )
+        )
+        for held in sorted(r for r in self._held_plans if r <= c.round):
+            plan = self._held_plans.pop(held)
+            self._add_span(plan.epoch, plan.offset, plan.size)
+
+    # -- training -----------------------------------------------------------
+
+    def _train_one(self) -> None:
+        span = self._spans[0]
+        if span.pos == 0:
+            span.started = time.perf_counter()
+            self._maybe_epoch_fn(span.epoch)
+        idx = span.indices[span.pos : span.pos + self.job.batch_size]
+        t0 = time.perf_counter()
+        batch = fetch_batch(self.job.dataset, idx, self.device)
+        t1 = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.job.train_step(self.model, batch)
+        loss.backward()
+        self.optimizer.step()
+        loss_value = float(loss.detach())
+        t2 = time.perf_counter()
+        if self.cfg.slowdown > 1.0:
+            # Emulated slower hardware: the delay is part of the step's compute time.
+            time.sleep((self.cfg.slowdown - 1.0) * (t2 - t0))
+        compute_ms = (time.perf_counter() - t1) * 1000.0
+        data_ms = (t1 - t0) * 1000.0
+        self.steps += 1
+        self.steps_since_avg += 1
+        span.pos += len(idx)
+        span.batches += 1
+        span.loss_sum += loss_value
+        span.compute_ms += compute_ms
+        span.data_ms += data_ms
+        self.link.send(
+            rec.Batch(
+                rank=self.cfg.rank, batch_ms=compute_ms, data_ms=data_ms, step_count=self.steps,
+                batch_loss=loss_value, param_norm=None, sync_divergence=None,
+            )
+        )
+        if span.pos >= len(span.indices):
+            self._spans.popleft()
+            self.link.send(
+                rec.EpochMetrics(
+                    rank=self.cfg.rank, epoch=span.epoch, avg_loss=span.loss_sum / span.batches,
+                    batches_processed=span.batches, samples_processed=len(span.indices),
+                    epoch_ms=(time.perf_counter() - span.started) * 1000.0,
+                    compute_only_ms=span.compute_ms, data_starve_ms=span.data_ms,
+                    scalar_sums={}, scalar_counts={},
+                )
+            )
+
+    # -- callbacks ----------------------------------------------------------
+
+    def _callback_error(self, what: str) -> str:
+        text = f"{what} raised on rank {self.cfg.rank} ({self.cfg.host}):\n{traceback.format_exc()}"
+        log.error("%s", text)
+        return text
+
+    def _maybe_epoch_fn(self, epoch: int) -> None:
+        if self.job.epoch_fn is None or self._epoch_role != self.cfg.rank or epoch in self._epoch_fn_done:
+            return
+        self._epoch_fn_done.add(epoch)
+        t0 = time.perf_counter()
+        try:
+            self.job.epoch_fn(epoch, self.model)
+        except Exception:
+            self._callback_error(f"epoch_fn(epoch={epoch})")
+        elapsed = (time.perf_counter() - t0) * 1000.0
+        self.link.send(rec.EpochFnElapsed(rank=self.cfg.rank, epoch=epoch, elapsed_ms=elapsed))
+
+    def _run_eval(self, r: rec.ExecuteEval) -> None:
+        t0 = time.perf_counter()
+        metric, error = float("nan"), None
+        if self.job.eval_fn is None or self.job.eval_dataset is None:
+            error = f"rank {self.cfg.rank} was asked to evaluate but the job has no eval_fn/eval_dataset"
+        else:
+            try:
+                self.model.eval()
+                with torch.no_grad():
+                    metric = float(self.job.eval_fn(self.model, self.job.eval_dataset))
+            except Exception:
+                error = self._callback_error(f"eval_fn(epoch={r.epoch})")
+        self.link.send(
+            rec.EvalResult(
+                rank=self.cfg.rank, schedule_id=r.schedule_id, epoch=r.epoch, metric=metric,
+                elapsed_ms=(time.perf_counter() - t0) * 1000.0, error=error,
+            )
+        )
+
+    def _run_checkpoint(self, r: rec.Checkpoint) -> None:
+        t0 = time.perf_counter()
+        error = None
+        if self.job.checkpoint_fn is not None:
+            try:
+                self.job.checkpoint_fn(r.version, self.model)
+            except Exception:
+                error = self._callback_error(f"checkpoint_fn(version={r.version})")
+        self.link.send(
+            rec.CheckpointResult(
+                rank=self.cfg.rank, version=r.version, elapsed_ms=(time.perf_counter() - t0) * 1000.0, error=error,
+            )
+        )
+
+
+def fetch_batch(dataset: Any, indices: np.ndarray, device: torch.device) -> Any:
+    """The batch of `indices`: sliced in one go from a TensorDataset, else collated item by item."""
+    tensors = getattr(dataset, "tensors", None)
+    if tensors is not None:
+        t = torch.from_numpy(np.ascontiguousarray(indices))
+        batch: Any = tuple(x[t] for x in tensors)
+    else:
+        batch = torch.utils.data.default_collate([dataset[int(i)] for i in indices])
+    return _to_device(batch, device)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def run_rank(job: Job, cfg: RankConfig) -> int:
+    """Entry point of the rank role."""
+    return RankRuntime(job, cfg).run()
+
+
+__all__ = [
+    "ParamBuffers",
+    "RankConfig",
+    "RankRuntime",
+    "fetch_batch",
+    "flatten",
+    "load_flat",
+    "model_signature",
+    "payload_tensors",
+    "pick_device",
+    "run_rank",
+]

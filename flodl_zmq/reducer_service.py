@@ -1,0 +1,370 @@
+"""The reducer service: the controller's data plane around the pure RoundLedger.
+
+Sockets: a data ROUTER (relays' data DEALERs) and a PUB (relays' SUBs), both
+owned by one thread. Framing toward a relay on the data ROUTER is
+``[tag, header, payload..., mac]``, ``tag`` naming the channel the record was
+encoded for (see flodl_zmq.relay): ``b"data"`` for the reducer's own data
+records, ``b"bcast"`` for a consensus resent point to point, byte-identical
+to the broadcast.
+
+Rules this module keeps:
+
+- Every record is authenticated before use; a relay is known only after an
+  authenticated RelayHello that matches the world it was built with, and
+  later records must be signed by that relay. Rejections are logged and
+  counted, never fatal.
+- A relay is counted as a subscriber only after it answered a Probe seen on
+  PUB (PUB silently drops messages for peers that are not yet subscribed).
+  Until then a consensus reaches it point to point.
+- Each consensus is encoded once and published with its round id; the
+  latest stays resendable for a relay that asks (ConsensusRequest). A request
+  the ledger cannot serve is answered ConsensusGone, never ignored.
+- Each death reaches the owning relay as DeclareDead exactly once (at once,
+  or when the relay registers); a death the relay reported itself (RankExit)
+  is not echoed back.
+- A relay that breaks the round protocol (second frame, schema drift) has
+  every one of its ranks declared dead: a desynced host must not wedge the
+  run, and the ledger never sums its polluted frame.
+- Other threads talk to the service through thread-safe methods
+  (`declare_dead`, `drop_broadcast`) and read outcomes from `completed`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.errors import ConfigError, FlodlError, ProtocolError, WireError
+from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
+from flodl_zmq.relay import REDUCER_SENDER, TAG_BCAST, TAG_DATA, relay_sender, send, tune
+from flodl_zmq.tensors import dtype_name
+from flodl_zmq.wire import Channel, Codec
+from flodl_zmq.wire.records import (
+    Consensus,
+    ConsensusGone,
+    ConsensusRequest,
+    HostFrame,
+    Probe,
+    RankExit,
+    RelayDeclareDead,
+    RelayHello,
+    RelayHelloAck,
+    SubscriberReady,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReducerConfig:
+    """The world (host -> global ranks), the session, and the two endpoints to bind."""
+
+    world: Mapping[str, tuple[int, ...]]
+    key: bytes
+    run_id: bytes
+    data_bind: str
+    bcast_bind: str
+    probe_interval_s: float = 0.1
+    hwm_records: int = 8
+    poll_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not self.world:
+            raise ConfigError("reducer world must name at least one host")
+        if not (self.probe_interval_s > 0 and self.poll_s > 0):
+            raise ConfigError("reducer probe_interval_s and poll_s must be > 0")
+        if self.hwm_records < 1:
+            raise ConfigError("reducer hwm_records must be at least 1 record")
+
+    @classmethod
+    def for_controller(
+        cls, world: Mapping[str, Iterable[int]], key: bytes, run_id: bytes, controller: ControllerAddress, **kw: Any
+    ) -> ReducerConfig:
+        """Bind the controller's data and broadcast endpoints (ControllerAddress rule)."""
+        return cls(
+            world={h: tuple(sorted(rs)) for h, rs in world.items()},
+            key=key,
+            run_id=run_id,
+            data_bind=controller.endpoint(Channel.DATA),
+            bcast_bind=controller.endpoint(Channel.BROADCAST),
+            **kw,
+        )
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What became of a round: reduced over `hosts` with `mass`, or abandoned (`abandoned` names why)."""
+
+    round_id: int | None
+    mass: float
+    hosts: tuple[str, ...]
+    abandoned: str | None = None
+
+
+class ReducerService:
+    """The controller's data plane: collect HostFrames, reduce, publish, recover, forward deaths.
+
+    `start()` binds and runs the service thread; `stop()` ends it. Deaths the
+    coordinator decides go in through `declare_dead(rank)`; each finished or
+    abandoned round comes out on the `completed` queue as a RoundOutcome.
+    `drop_broadcast(round)` is a test hook: that round's broadcast is not sent
+    (relays must recover it point to point). Pass a shared `context` for inproc.
+    """
+
+    def __init__(self, config: ReducerConfig, context: zmq.Context | None = None):
+        self.config = config
+        self.ledger = RoundLedger(config.world)
+        self.completed: queue.Queue[RoundOutcome] = queue.Queue()
+        self.error: BaseException | None = None
+        self._ctx = context or zmq.Context.instance()
+        self._commands: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._count: collections.Counter[str] = collections.Counter()
+        self._route: dict[str, bytes] = {}  # host -> relay routing id
+        self._host_of: dict[bytes, str] = {}
+        self._subscribed: set[str] = set()
+        self._forwarded: set[int] = set()
+        self._drop: set[int] = set()
+        self._nonce = itertools.count(1)
+        self._last_nonce = 0
+        self._latest_frames: tuple[int, list[Any]] | None = None
+
+    # ------------------------------------------------------------------ API (any thread)
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Bind both endpoints and run; raises if they cannot be bound."""
+        self._thread = threading.Thread(target=self._main, name="reducer", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout) or self.error is not None:
+            self.stop()
+            raise FlodlError(f"reducer failed to start: {self.error}") from self.error
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the service thread and close its sockets (idempotent)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def declare_dead(self, rank: int) -> None:
+        """The coordinator declared `rank` dead: out of every barrier, forwarded to its relay once."""
+        self._commands.put(("dead", int(rank)))
+
+    def drop_broadcast(self, round_id: int) -> None:
+        """Test hook: do not send the consensus of `round_id` (neither on PUB nor point to point)."""
+        self._commands.put(("drop", int(round_id)))
+
+    def counters(self) -> dict[str, int]:
+        """Every rejection, drop and recovery so far, keyed by cause, plus the ledger's counters."""
+        out = dict(self._count)
+        lc = self.ledger.counters
+        out.update(late_frames=lc.late_drops, dead_host_frames=lc.dead_host_drops,
+                   rounds_reduced=lc.rounds_reduced, rounds_abandoned=lc.rounds_abandoned)
+        return out
+
+    def subscribed(self) -> set[str]:
+        """Hosts whose relays proved they receive the broadcast."""
+        return set(self._subscribed)
+
+    # ------------------------------------------------------------------ service thread
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the data plane must not die silently
+            log.exception("reducer: service thread failed")
+            self.error = exc
+            self._stop.set()
+            self._ready.set()
+
+    def _loop(self) -> None:
+        cfg = self.config
+        self._codec = Codec(cfg.key, cfg.run_id, REDUCER_SENDER)
+        self._data = data = self._ctx.socket(zmq.ROUTER)
+        self._pub = pub = self._ctx.socket(zmq.PUB)
+        try:
+            for s in (data, pub):
+                tune(s, cfg.hwm_records, cfg.poll_s)
+            data.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            data.bind(cfg.data_bind)
+            pub.bind(cfg.bcast_bind)
+            self._ready.set()
+            poller = zmq.Poller()
+            poller.register(data, zmq.POLLIN)
+            poll_ms = max(1, int(cfg.poll_s * 1000))
+            next_probe = 0.0
+            while not self._stop.is_set():
+                events = dict(poller.poll(poll_ms))
+                self._run_commands()
+                if data in events:
+                    for _ in range(64):
+                        try:
+                            msg = data.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_message(msg)
+                now = time.monotonic()
+                if now >= next_probe and self._unsubscribed():
+                    self._last_nonce = next(self._nonce)
+                    pub.send_multipart(self._codec.encode(Probe(self._last_nonce), channel=Channel.BROADCAST))
+                    next_probe = now + cfg.probe_interval_s
+        finally:
+            data.close(0)
+            pub.close(0)
+
+    def _unsubscribed(self) -> list[str]:
+        expected = self.ledger.expected_hosts()
+        return [h for h in self._route if h in expected and h not in self._subscribed]
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                what, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if what == "dead":
+                self._death(arg, reported_by=None)
+            else:
+                self._drop.add(arg)
+
+    def _to_relay(self, route: bytes, tag: bytes, frames: list[Any]) -> None:
+        try:
+            send(self._data, [route, tag, *frames], self._stop, copy=False)
+        except zmq.ZMQError:  # EHOSTUNREACH: the relay's connection is gone
+            self._count["undeliverable"] += 1
+
+    def _send_record(self, host: str, rec: Any) -> None:
+        self._to_relay(self._route[host], TAG_DATA, self._codec.encode(rec, channel=Channel.DATA))
+
+    def _on_message(self, msg: list[zmq.Frame]) -> None:
+        route = msg[0].bytes
+        try:
+            env = self._codec.decode(msg[1:], Channel.DATA, replay=False)
+            rec = env.record
+            # The relay this route belongs to (a hello names its own); checked before the
+            # sequence, so one relay cannot burn another's sequence numbers.
+            host = rec.host if isinstance(rec, RelayHello) else self._host_of.get(route)
+            if host is None or env.sender != relay_sender(host):
+                self._count["unknown_peer" if host is None else "forged_sender"] += 1
+                log.warning("reducer: %s signed by %r from an unregistered or other relay; dropped",
+                            env.kind, env.sender)
+                return
+            self._codec.check_sequence(Channel.DATA, env.sender, env.seq)
+        except WireError as exc:
+            self._count["rejected"] += 1
+            log.warning("reducer: rejected a data record: %s", exc)
+            return
+        if isinstance(rec, RelayHello):
+            self._hello(route, rec)
+            return
+        if isinstance(rec, HostFrame):
+            if rec.host != host or not set(rec.ranks) <= set(self.config.world[host]):
+                self._count["forged_sender"] += 1
+                return
+            try:
+                outcome = self.ledger.deposit(host, rec.round, rec.mass, env.payload)
+            except ProtocolError as exc:
+                self._violation(host, exc)
+                return
+            self._settled(outcome)
+        elif isinstance(rec, RankExit):
+            if rec.rank in self.config.world[host]:
+                self._death(rec.rank, reported_by=host)
+            else:
+                self._count["forged_sender"] += 1
+        elif isinstance(rec, SubscriberReady):
+            if rec.host == host and 1 <= rec.nonce <= self._last_nonce:
+                self._subscribed.add(host)
+        elif isinstance(rec, ConsensusRequest):
+            self._resend(host, rec.round)
+        else:
+            self._count["unexpected"] += 1
+
+    def _hello(self, route: bytes, rec: RelayHello) -> None:
+        want = self.config.world.get(rec.host)
+        if want is None or sorted(rec.ranks) != sorted(want):
+            self._count["bad_hello"] += 1
+            log.error("reducer: refused hello from host %r with ranks %s (world: %s)",
+                      rec.host, rec.ranks, dict(self.config.world))
+            return
+        old = self._route.get(rec.host)
+        if old is not None and old != route:
+            self._host_of.pop(old, None)
+            self._subscribed.discard(rec.host)
+        self._route[rec.host] = route
+        self._host_of[route] = rec.host
+        self._send_record(rec.host, RelayHelloAck())
+        for rank in sorted(set(want) & self.ledger.dead - self._forwarded):
+            self._forward(rec.host, rank)
+        log.info("reducer: relay %s registered with ranks %s", rec.host, list(want))
+
+    def _death(self, rank: int, reported_by: str | None) -> None:
+        try:
+            declared = self.ledger.declare_dead(rank)
+        except ProtocolError as exc:
+            self._count["unknown_rank"] += 1
+            log.error("%s", exc)
+            return
+        if declared.forward_to is not None:
+            if declared.forward_to == reported_by:
+                self._forwarded.add(rank)  # the relay told us: it already let go
+            elif declared.forward_to in self._route:
+                self._forward(declared.forward_to, rank)
+        self._settled(declared.outcome)
+
+    def _forward(self, host: str, rank: int) -> None:
+        self._forwarded.add(rank)
+        self._send_record(host, RelayDeclareDead(rank))
+
+    def _violation(self, host: str, exc: ProtocolError) -> None:
+        log.error("reducer: relay %s broke the round protocol; declaring its ranks dead: %s", host, exc)
+        self._count["protocol_violations"] += 1
+        for rank in self.config.world[host]:
+            self._death(rank, reported_by=None)
+
+    def _settled(self, outcome: Reduced | Abandoned | None) -> None:
+        if isinstance(outcome, Reduced):
+            self._publish(outcome)
+            self.completed.put(RoundOutcome(outcome.round_id, outcome.mass, outcome.hosts))
+        elif isinstance(outcome, Abandoned):
+            log.error("reducer: round %s abandoned: %s", outcome.round_id, outcome.reason)
+            self.completed.put(RoundOutcome(outcome.round_id, 0.0, (), outcome.reason))
+
+    def _publish(self, red: Reduced) -> None:
+        frames = self._codec.encode(
+            Consensus(red.round_id, red.mass), red.tensors, channel=Channel.BROADCAST,
+            dtypes=[dtype_name(t) for t in red.tensors],
+        )
+        self._latest_frames = (red.round_id, frames)
+        if red.round_id in self._drop:
+            self._drop.discard(red.round_id)
+            self._count["broadcasts_dropped_on_purpose"] += 1
+            return
+        send(self._pub, frames, self._stop, copy=False)
+        # PUB loses messages for peers not yet proven subscribed: they get it directly.
+        for host in self._unsubscribed():
+            self._to_relay(self._route[host], TAG_BCAST, frames)
+
+    def _resend(self, host: str, round_id: int) -> None:
+        got = self.ledger.recover(round_id)
+        self._count["consensus_requests"] += 1
+        if isinstance(got, Reduced) and self._latest_frames and self._latest_frames[0] == round_id:
+            self._to_relay(self._route[host], TAG_BCAST, self._latest_frames[1])
+            return
+        last = self.ledger.last_round
+        if isinstance(got, Gone) and (last is None or round_id > last):
+            return  # not finished yet: the broadcast will come, and the relay asks again if not
+        latest = got.latest if isinstance(got, Gone) and got.latest is not None else -1
+        log.error("reducer: relay %s asked for round %d: %s", host, round_id, getattr(got, "reason", "not cached"))
+        self._send_record(host, ConsensusGone(round_id, latest))

@@ -1,0 +1,705 @@
+"""The relay: one per host, the broker between the host's ranks and the controller.
+
+Sockets (ARCHITECTURE.md, Channels and sockets):
+
+    local control  ROUTER (bind, ipc:// or tcp://)  <- each rank's control DEALER
+    local data     ROUTER (bind)                    <- each rank's data DEALER
+    up control     DEALER -> controller control ROUTER
+    up data        DEALER -> controller data ROUTER (the reducer)
+    sub            SUB    -> controller PUB (consensus, probes)
+
+A rank's DEALER routing identity is its global rank in ASCII decimal
+(`rank_identity`). Framing on the relay's upstream legs:
+
+- up control, both directions: ``[route, header, payload..., mac]`` where
+  ``route`` is the rank identity of the rank the record is from (upward) or
+  for (downward), and ``b""`` for the relay's own records (RelayHello,
+  RankExit) and the replies to them. A rank's record crosses verbatim: the
+  relay verifies it but never re-encodes it, so its end-to-end MAC survives.
+- up data, relay -> reducer: a plain data-channel record (RelayHello,
+  HostFrame, RankExit, SubscriberReady, ConsensusRequest).
+- up data, reducer -> relay: ``[tag, header, payload..., mac]`` where ``tag``
+  names the channel the record was encoded for: ``b"data"`` (RelayHelloAck,
+  RelayDeclareDead, ConsensusGone) or ``b"bcast"`` (a Consensus resent point to
+  point, byte-identical to what PUB carried).
+
+Rules this module keeps:
+
+- One socket is owned by one thread. The control thread owns the two control
+  sockets and the local liveness clock; the data thread owns the data sockets,
+  the SUB and the fold station. The control thread tells the data thread of a
+  local death over an inproc PAIR, so a model frame never delays a heartbeat
+  and a heartbeat never races the fold.
+- Every record is authenticated before it is used, and a record whose
+  authenticated sender is not the rank its routing identity names is dropped
+  and counted: a rank cannot speak (or deposit) for another. Rejections never
+  stop the relay; only a fold protocol violation does (the stream is
+  desynced and the polluted round must never ship).
+- Liveness (the wheels have no ROUTER_NOTIFY): a rank is dead when it says
+  goodbye (timing.exiting), when no control record arrived from it within
+  `heartbeat_deadline_s` (or `first_contact_deadline_s` before its first
+  one), or when the controller sends DeclareDead. Death is permanent, leaves
+  the fold barrier at once and is reported upstream as RankExit.
+- A consensus is delivered to every live local rank once. A round that was
+  shipped and whose consensus did not come (a later round came first, or
+  silence past `consensus_deadline_s`) is requested point to point: PUB
+  drops messages and a lost consensus is a correctness bug for Local SGD.
+- Every queue is bounded by a high-water mark counted in records; a slow
+  upstream blocks the data thread, which stops reading the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.errors import ConfigError, FlodlError, FoldError, WireError
+from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
+from flodl_zmq.tensors import dtype_name
+from flodl_zmq.wire import Channel, Codec, Envelope, key_from_hex
+from flodl_zmq.wire.records import (
+    Consensus,
+    ConsensusGone,
+    ConsensusRequest,
+    Exiting,
+    HostFrame,
+    Probe,
+    RankExit,
+    RelayDeclareDead,
+    RelayHello,
+    RelayHelloAck,
+    RoundFrame,
+    SubscriberReady,
+)
+
+log = logging.getLogger(__name__)
+
+RELAY_ROUTE = b""  # route frame of the relay's own control records
+TAG_DATA = Channel.DATA.value.encode()
+TAG_BCAST = Channel.BROADCAST.value.encode()
+REDUCER_SENDER = "reducer"
+
+
+def rank_identity(rank: int) -> bytes:
+    """The ZeroMQ routing identity of a rank's DEALERs (and its route frame upstream)."""
+    return str(int(rank)).encode()
+
+
+def rank_of(identity: bytes) -> int | None:
+    """The rank a routing identity names, or None when it names none."""
+    if not identity or not identity.isdigit() or len(identity) > 10:
+        return None
+    return int(identity)
+
+
+def rank_sender(rank: int) -> str:
+    """The codec sender name a rank signs with."""
+    return f"rank:{int(rank)}"
+
+
+def relay_sender(host: str) -> str:
+    """The codec sender name a host's relay signs with."""
+    return f"relay:{host}"
+
+
+def local_endpoints(run_id: bytes, host: str, directory: str | None = None) -> tuple[str, str]:
+    """Default ipc:// endpoints (control, data) of a host's relay, unique per run and host."""
+    base = os.path.join(directory or tempfile.gettempdir(), f"flodl-{run_id.hex()[:12]}-{host}")
+    return f"ipc://{base}-control", f"ipc://{base}-data"
+
+
+def tune(sock: zmq.Socket, hwm: int, poll_s: float) -> None:
+    """Bounded queues (in records), no linger on close, sends that give up after one poll tick."""
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(poll_s * 1000)))
+
+
+def send(sock: zmq.Socket, frames: Sequence[Any], stop: threading.Event, copy: bool = True) -> bool:
+    """Send one message, waiting through full queues until `stop` is set; False if it never went.
+
+    A full queue (HWM) is back-pressure, not an error: the caller's thread waits,
+    which stops it reading its own peers. EHOSTUNREACH (ROUTER_MANDATORY, peer
+    gone) raises zmq.ZMQError for the caller to count.
+    """
+    while not stop.is_set():
+        try:
+            sock.send_multipart(frames, copy=copy)
+            return True
+        except zmq.Again:
+            continue
+    return False
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """Everything a relay needs; validated on construction."""
+
+    host: str
+    ranks: tuple[int, ...]
+    key: bytes
+    run_id: bytes
+    control_upstream: str
+    data_upstream: str
+    bcast_upstream: str
+    local_control: str
+    local_data: str
+    heartbeat_deadline_s: float = 1.5
+    first_contact_deadline_s: float = 60.0
+    consensus_deadline_s: float = 2.0
+    hwm_records: int = 64
+    data_hwm_records: int = 4  # data records are model-sized: a few in flight is plenty
+    poll_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("relay host name must not be empty")
+        if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
+            raise ConfigError(f"relay ranks {self.ranks} must be distinct non-negative global ranks, at least one")
+        for name in ("heartbeat_deadline_s", "first_contact_deadline_s", "consensus_deadline_s", "poll_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"relay {name} must be > 0, got {getattr(self, name)}")
+        if self.poll_s >= self.heartbeat_deadline_s:
+            raise ConfigError("relay poll_s must be below heartbeat_deadline_s or deaths are detected late")
+        if self.hwm_records < 1 or self.data_hwm_records < 1:
+            raise ConfigError("relay high-water marks must be at least 1 record")
+
+    @classmethod
+    def for_controller(
+        cls,
+        host: str,
+        ranks: Iterable[int],
+        key: bytes,
+        run_id: bytes,
+        controller: ControllerAddress,
+        local: tuple[str, str] | None = None,
+        **timing: Any,
+    ) -> RelayConfig:
+        """A relay of `controller`; local endpoints default to per-run ipc:// paths."""
+        control, data = local or local_endpoints(run_id, host)
+        return cls(
+            host=host,
+            ranks=tuple(sorted(int(r) for r in ranks)),
+            key=key,
+            run_id=run_id,
+            control_upstream=controller.endpoint(Channel.CONTROL),
+            data_upstream=controller.endpoint(Channel.DATA),
+            bcast_upstream=controller.endpoint(Channel.BROADCAST),
+            local_control=control,
+            local_data=data,
+            **timing,
+        )
+
+
+class RankLiveness:
+    """Local rank liveness from records and goodbyes (pure: the caller passes the time).
+
+    A rank is alive until it says goodbye, is declared dead, or stays silent
+    past its deadline: `heartbeat_deadline` after its last record, or
+    `first_contact_deadline` after `start` if it never spoke (process start-up
+    is slower than a heartbeat). Death is permanent: membership only shrinks.
+    """
+
+    def __init__(self, roster: Iterable[int], start: float, heartbeat_deadline: float, first_contact_deadline: float):
+        self.roster = frozenset(roster)
+        self.heartbeat_deadline = heartbeat_deadline
+        self.first_contact_deadline = first_contact_deadline
+        self._start = start
+        self._last: dict[int, float] = {}
+        self.dead: set[int] = set()
+
+    def seen(self, rank: int, now: float) -> None:
+        """A record from `rank` arrived at `now`."""
+        self._last[rank] = now
+
+    def leave(self, rank: int) -> bool:
+        """Mark `rank` dead; True when it was alive."""
+        if rank in self.dead or rank not in self.roster:
+            return False
+        self.dead.add(rank)
+        return True
+
+    def expired(self, now: float) -> list[int]:
+        """Ranks whose deadline passed at `now`; they are marked dead."""
+        out = []
+        for rank in sorted(self.roster - self.dead):
+            last = self._last.get(rank)
+            limit = self.first_contact_deadline if last is None else self.heartbeat_deadline
+            if now - (self._start if last is None else last) > limit:
+                self.dead.add(rank)
+                out.append(rank)
+        return out
+
+
+class ConsensusWatch:
+    """Which shipped rounds still await their consensus, and when to ask for one (pure).
+
+    `shipped` arms a round; `accept` says whether a consensus is new (deliver
+    it) and which older shipped rounds it overtook (ask for those now); `due`
+    returns rounds silent past the deadline and re-arms them, so a request
+    that is itself lost is repeated.
+    """
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self._pending: dict[int, float] = {}
+        self._high = 0  # highest round shipped or delivered
+
+    @property
+    def pending(self) -> list[int]:
+        return sorted(self._pending)
+
+    def shipped(self, round_id: int, now: float) -> None:
+        self._pending[round_id] = now
+        self._high = max(self._high, round_id)
+
+    def accept(self, round_id: int, now: float) -> tuple[bool, list[int]]:
+        """(deliver, overtaken rounds to request) for a consensus of `round_id`."""
+        if round_id in self._pending:
+            del self._pending[round_id]
+        elif round_id > self._high:
+            self._high = round_id  # a round this host had nothing for; its live ranks still adopt it
+        else:
+            return False, []  # already delivered: a replay or a duplicate resend
+        gaps = [r for r in sorted(self._pending) if r < round_id]
+        for r in gaps:
+            self._pending[r] = now
+        return True, gaps
+
+    def due(self, now: float) -> list[int]:
+        out = [r for r, t in sorted(self._pending.items()) if now - t > self.deadline]
+        for r in out:
+            self._pending[r] = now
+        return out
+
+
+class Relay:
+    """One host's relay: control byte router, data fold station, consensus fan-out.
+
+    `start()` binds the local endpoints (ranks may connect as soon as it
+    returns), dials the controller and runs two threads until `stop()`, or
+    until a fold protocol violation stops it (then `error` holds the cause).
+    `counters()` reports every drop and rejection by cause and socket.
+    Pass a shared `context` to use inproc:// endpoints.
+    """
+
+    def __init__(self, config: RelayConfig, context: zmq.Context | None = None):
+        self.config = config
+        self._ctx = context or zmq.Context.instance()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._ready = threading.Barrier(3)
+        self._pipe = f"inproc://flodl-relay-{config.host}-{id(self):x}"
+        self._counts: dict[str, collections.Counter[str]] = {"control": collections.Counter(), "data": collections.Counter()}
+        self.error: BaseException | None = None
+        self.fold = FoldStation(config.ranks)
+        self.watch = ConsensusWatch(config.consensus_deadline_s)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Bind, connect, and run; raises if a socket cannot be set up."""
+        for name, target in (("control", self._control_main), ("data", self._data_main)):
+            t = threading.Thread(target=target, name=f"relay-{self.config.host}-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        try:
+            self._ready.wait(timeout)
+        except threading.BrokenBarrierError:
+            self.stop()
+            raise FlodlError(f"relay {self.config.host} failed to start: {self.error}") from self.error
+        log.info("relay %s up: ranks %s, local %s / %s", self.config.host, list(self.config.ranks),
+                 self.config.local_control, self.config.local_data)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop both threads and close their sockets (idempotent)."""
+        self._stop.set()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return not self._stop.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the relay stops; True if it did within `timeout`."""
+        return self._stop.wait(timeout)
+
+    def counters(self) -> dict[str, int]:
+        """Every drop, rejection and recovery so far, keyed `cause.socket`."""
+        out = dict(self._counts["control"])
+        out.update(self._counts["data"])
+        out["late_deposits"] = self.fold.counters.late_drops
+        out["rounds_shipped"] = self.fold.counters.rounds_shipped
+        return out
+
+    def _run(self, name: str, body) -> None:
+        try:
+            body()
+        except BaseException as exc:  # a dead thread must stop the relay loudly, never linger half-alive
+            log.exception("relay %s: %s thread failed", self.config.host, name)
+            self.error = self.error or exc
+            self._ready.abort()
+            self._stop.set()
+
+    # ------------------------------------------------------------------ control thread
+
+    def _control_main(self) -> None:
+        self._run("control", self._control_loop)
+
+    def _control_loop(self) -> None:
+        cfg, ctx, count = self.config, self._ctx, self._counts["control"]
+        codec = Codec(cfg.key, cfg.run_id, relay_sender(cfg.host))
+        local = ctx.socket(zmq.ROUTER)
+        up = ctx.socket(zmq.DEALER)
+        pipe = ctx.socket(zmq.PAIR)
+        try:
+            for s in (local, up, pipe):
+                tune(s, cfg.hwm_records, cfg.poll_s)
+            local.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            local.bind(cfg.local_control)
+            up.connect(cfg.control_upstream)
+            pipe.connect(self._pipe)
+            self._ready.wait()
+            send(up, [RELAY_ROUTE, *codec.encode(RelayHello(cfg.host, list(cfg.ranks), []), channel=Channel.CONTROL)],
+                 self._stop)
+            live = RankLiveness(cfg.ranks, time.monotonic(), cfg.heartbeat_deadline_s, cfg.first_contact_deadline_s)
+            poller = zmq.Poller()
+            poller.register(local, zmq.POLLIN)
+            poller.register(up, zmq.POLLIN)
+            poll_ms = int(cfg.poll_s * 1000)
+
+            def death(rank: int, why: str) -> None:
+                log.warning("relay %s: rank %d left (%s)", cfg.host, rank, why)
+                send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], self._stop)
+                send(pipe, [rank_identity(rank)], self._stop)
+
+            while not self._stop.is_set():
+                events = dict(poller.poll(poll_ms))
+                if local in events:
+                    self._drain(local, lambda m: self._from_rank(m, codec, live, up, death, count))
+                if up in events:
+                    self._drain(up, lambda m: self._to_rank(m, codec, local, count))
+                for rank in live.expired(time.monotonic()):
+                    death(rank, "heartbeat deadline passed")
+        finally:
+            for s in (local, up, pipe):
+                s.close(0)
+
+    def _drain(self, sock: zmq.Socket, handle, copy: bool = True, budget: int = 256) -> None:
+        """Handle what is queued on `sock` now, bounded so no socket starves the others."""
+        for _ in range(budget):
+            try:
+                msg = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+            except zmq.Again:
+                return
+            handle(msg)
+
+    def _from_rank(self, msg, codec: Codec, live: RankLiveness, up, death, count) -> None:
+        rank = rank_of(msg[0]) if msg else None
+        if rank is None or rank not in self.config.ranks:
+            count["unknown_rank.local_control"] += 1
+            return
+        env = self._verify(codec, msg[1:], Channel.CONTROL, rank, count, "local_control")
+        if env is None:
+            return
+        live.seen(rank, time.monotonic())
+        send(up, [msg[0], *msg[1:]], self._stop)
+        if isinstance(env.record, Exiting) and live.leave(rank):
+            death(rank, "said goodbye")
+
+    def _verify(self, codec: Codec, frames: list[Any], channel: Channel, rank: int, count, where: str) -> Envelope | None:
+        """Decode a rank's record; None (counted) unless it is authentic, fresh and from `rank` itself.
+
+        The sequence check comes after the route check, so one rank cannot burn
+        another rank's sequence numbers and lock it out.
+        """
+        try:
+            env = codec.decode(frames, channel, replay=False)
+            named = getattr(env.record, "rank", rank)
+            if env.sender != rank_sender(rank) or named != rank:
+                count[f"forged_route.{where}"] += 1
+                log.warning("relay %s: %s signed by %r (naming rank %s) arrived as rank %d; dropped",
+                            self.config.host, env.kind, env.sender, named, rank)
+                return None
+            codec.check_sequence(channel, env.sender, env.seq)
+        except WireError as exc:
+            count[f"rejected.{where}"] += 1
+            log.warning("relay %s: rejected a %s record routed as rank %d: %s", self.config.host, channel.value,
+                        rank, exc)
+            return None
+        return env
+
+    def _to_rank(self, msg, codec: Codec, local, count) -> None:
+        if len(msg) < 3:
+            count["rejected.upstream_control"] += 1
+            return
+        route = msg[0]
+        try:
+            env = codec.decode(msg[1:], Channel.CONTROL)
+        except WireError as exc:
+            count["rejected.upstream_control"] += 1
+            log.warning("relay %s: rejected a record from the coordinator: %s", self.config.host, exc)
+            return
+        if route == RELAY_ROUTE:
+            if not isinstance(env.record, RelayHelloAck):
+                count["unexpected.upstream_control"] += 1
+            return
+        rank = rank_of(route)
+        if rank is None or rank not in self.config.ranks:
+            count["unknown_rank.upstream_control"] += 1
+            return
+        try:
+            send(local, [route, *msg[1:]], self._stop)
+        except zmq.ZMQError:  # EHOSTUNREACH: the rank is not connected (not yet, or any more)
+            count["undeliverable.local_control"] += 1
+
+    # ------------------------------------------------------------------ data thread
+
+    def _data_main(self) -> None:
+        self._run("data", self._data_loop)
+
+    def _data_loop(self) -> None:
+        cfg, ctx = self.config, self._ctx
+        codec = Codec(cfg.key, cfg.run_id, relay_sender(cfg.host))
+        local = ctx.socket(zmq.ROUTER)
+        up = ctx.socket(zmq.DEALER)
+        sub = ctx.socket(zmq.SUB)
+        pipe = ctx.socket(zmq.PAIR)
+        try:
+            for s in (local, up, sub):
+                tune(s, cfg.data_hwm_records, cfg.poll_s)
+            tune(pipe, cfg.hwm_records, cfg.poll_s)
+            local.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            local.bind(cfg.local_data)
+            pipe.bind(self._pipe)
+            up.connect(cfg.data_upstream)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(cfg.bcast_upstream)
+            self._ready.wait()
+            self._data = _DataPlane(self, codec, local, up)
+            self._data.send_up(RelayHello(cfg.host, list(cfg.ranks), []))
+            poller = zmq.Poller()
+            for s in (local, up, sub, pipe):
+                poller.register(s, zmq.POLLIN)
+            poll_ms = int(cfg.poll_s * 1000)
+            d = self._data
+            while not self._stop.is_set():
+                events = dict(poller.poll(poll_ms))
+                if pipe in events:
+                    self._drain(pipe, lambda m: d.local_death(rank_of(m[0])))
+                if up in events:
+                    self._drain(up, d.from_reducer, copy=False, budget=16)
+                if sub in events:
+                    self._drain(sub, lambda m: d.consensus(m, "bcast"), copy=False, budget=16)
+                if local in events:
+                    self._drain(local, d.deposit, copy=False, budget=16)
+                d.recover(time.monotonic())
+        finally:
+            for s in (local, up, sub, pipe):
+                s.close(0)
+
+
+class _DataPlane:
+    """The data thread's handlers; owns the fold station and the consensus watch through the relay."""
+
+    def __init__(self, relay: Relay, codec: Codec, local: zmq.Socket, up: zmq.Socket):
+        self.relay, self.codec, self.local, self.up = relay, codec, local, up
+        self.cfg = relay.config
+        self.count = relay._counts["data"]
+        self.fold, self.watch, self.stop = relay.fold, relay.watch, relay._stop
+
+    def send_up(self, rec: Any, payload: Sequence[Any] = (), dtypes: list[str] | None = None) -> None:
+        send(self.up, self.codec.encode(rec, payload, channel=Channel.DATA, dtypes=dtypes), self.stop, copy=False)
+
+    def live_ranks(self) -> list[int]:
+        return [r for r in self.cfg.ranks if r not in self.fold.dead]
+
+    # ranks -> relay
+
+    def deposit(self, msg: list[zmq.Frame]) -> None:
+        rank = rank_of(msg[0].bytes) if msg else None
+        if rank is None or rank not in self.cfg.ranks:
+            self.count["unknown_rank.local_data"] += 1
+            return
+        env = self.relay._verify(self.codec, msg[1:], Channel.DATA, rank, self.count, "local_data")
+        if env is None:
+            return
+        if not isinstance(env.record, RoundFrame):
+            self.count["unexpected.local_data"] += 1
+            return
+        rec = env.record
+        try:
+            outcome = self.fold.deposit(rank, rec.round, rec.mass, env.payload)
+        except FoldError as exc:
+            self.violation(exc)
+            return
+        self.ship(outcome)
+
+    def violation(self, exc: FoldError) -> None:
+        # The stream is desynced: the fold holds nothing that may ship, so the
+        # relay stops and the controller sees this host go (never a wrong mean).
+        log.error("relay %s: protocol violation, tearing the data channel down: %s", self.cfg.host, exc)
+        self.relay.error = self.relay.error or exc
+        self.stop.set()
+
+    def ship(self, outcome: HostFold | NothingToShip | None) -> None:
+        if isinstance(outcome, HostFold):
+            rec = HostFrame(outcome.round_id, self.cfg.host, list(outcome.ranks), outcome.mass)
+            self.send_up(rec, outcome.tensors, [dtype_name(t) for t in outcome.tensors])
+            self.watch.shipped(outcome.round_id, time.monotonic())
+        elif isinstance(outcome, NothingToShip):
+            log.info("relay %s: %s", self.cfg.host, outcome.reason)
+
+    def local_death(self, rank: int | None) -> None:
+        if rank is None:
+            return
+        self.leave(rank)
+        self.send_up(RankExit(rank))
+
+    def leave(self, rank: int) -> None:
+        try:
+            self.ship(self.fold.mark_dead(rank))
+        except FoldError as exc:
+            self.violation(exc)
+
+    # reducer -> relay
+
+    def from_reducer(self, msg: list[zmq.Frame]) -> None:
+        tag = msg[0].bytes if msg else b""
+        if tag == TAG_BCAST:
+            self.consensus(msg[1:], "upstream_data")
+            return
+        if tag != TAG_DATA:
+            self.count["rejected.upstream_data"] += 1
+            return
+        try:
+            env = self.codec.decode(msg[1:], Channel.DATA, replay=False)
+            if env.sender != REDUCER_SENDER:
+                self.count["forged_route.upstream_data"] += 1
+                return
+            self.codec.check_sequence(Channel.DATA, env.sender, env.seq)
+        except WireError as exc:
+            self.count["rejected.upstream_data"] += 1
+            log.warning("relay %s: rejected a record from the reducer: %s", self.cfg.host, exc)
+            return
+        rec = env.record
+        if isinstance(rec, RelayDeclareDead):
+            if rec.rank in self.cfg.ranks:
+                log.warning("relay %s: the controller declared rank %d dead", self.cfg.host, rec.rank)
+                self.leave(rec.rank)
+            else:
+                self.count["unknown_rank.upstream_data"] += 1
+        elif isinstance(rec, ConsensusGone):
+            # Unrecoverable for this host's ranks: say so loudly; the coordinator's
+            # stall detection owns what happens next.
+            log.error("relay %s: the reducer no longer holds round %d (latest %d); this host missed it",
+                      self.cfg.host, rec.round, rec.latest)
+            self.count["consensus_gone"] += 1
+        elif not isinstance(rec, RelayHelloAck):
+            self.count["unexpected.upstream_data"] += 1
+
+    def consensus(self, frames: list[zmq.Frame], where: str) -> None:
+        """A broadcast-channel record from PUB or resent point to point: verify, then deliver."""
+        try:
+            # No sequence check: a resend is byte-identical to the broadcast and
+            # may come after later rounds; the round id is the replay guard.
+            env = self.codec.decode(frames, Channel.BROADCAST, replay=False)
+        except WireError as exc:
+            self.count[f"rejected.{where}"] += 1
+            log.warning("relay %s: rejected a broadcast record: %s", self.cfg.host, exc)
+            return
+        if env.sender != REDUCER_SENDER:
+            self.count[f"forged_route.{where}"] += 1
+            return
+        rec = env.record
+        if isinstance(rec, Probe):
+            self.send_up(SubscriberReady(self.cfg.host, rec.nonce))
+            return
+        if not isinstance(rec, Consensus):
+            self.count[f"unexpected.{where}"] += 1
+            return
+        now = time.monotonic()
+        deliver, gaps = self.watch.accept(rec.round, now)
+        if not deliver:
+            self.count[f"stale_consensus.{where}"] += 1
+            return
+        for r in gaps:
+            self.request(r)
+        for rank in self.live_ranks():
+            try:
+                send(self.local, [rank_identity(rank), *frames], self.stop, copy=False)
+            except zmq.ZMQError:  # EHOSTUNREACH: this rank's socket is gone
+                self.count["undeliverable.local_data"] += 1
+
+    def request(self, round_id: int) -> None:
+        log.info("relay %s: consensus of round %d not here; asking the reducer", self.cfg.host, round_id)
+        self.count["consensus_requests"] += 1
+        self.send_up(ConsensusRequest(round_id))
+
+    def recover(self, now: float) -> None:
+        for r in self.watch.due(now):
+            self.request(r)
+
+
+# ---------------------------------------------------------------------- process entry
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flodl-zmq-relay", description="Run one host's relay until SIGTERM.")
+    p.add_argument("--host", required=True, help="this host's member name")
+    p.add_argument("--ranks", required=True, help="comma-separated global ranks of this host, e.g. 0,1")
+    p.add_argument("--controller", required=True, help="controller address HOST:PORT")
+    p.add_argument("--run-id", required=True, help="run id, 32 hex characters")
+    p.add_argument("--local-control", help="endpoint to bind for ranks' control sockets (default: ipc)")
+    p.add_argument("--local-data", help="endpoint to bind for ranks' data sockets (default: ipc)")
+    p.add_argument("--heartbeat-deadline", type=float, default=1.5, help="seconds of rank silence that mean death")
+    p.add_argument("--consensus-deadline", type=float, default=2.0,
+                   help="seconds without the consensus of a shipped round before asking for it")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a relay process: key from FLODL_KEY (hex); exits 0 on SIGTERM/SIGINT, 1 on a fatal error."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"[{args.host}:relay] %(levelname)s %(message)s")
+    try:
+        key = key_from_hex(os.environ.get("FLODL_KEY", ""))
+        run_id = bytes.fromhex(args.run_id)
+        ranks = [int(r) for r in args.ranks.split(",") if r]
+        local = (args.local_control, args.local_data) if args.local_control and args.local_data else None
+        cfg = RelayConfig.for_controller(
+            args.host, ranks, key, run_id, ControllerAddress.parse(args.controller), local,
+            heartbeat_deadline_s=args.heartbeat_deadline, consensus_deadline_s=args.consensus_deadline,
+        )
+        relay = Relay(cfg)
+        relay.start()
+    except (FlodlError, ValueError) as exc:
+        print(f"flodl-zmq relay: error: {exc}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: relay.stop(timeout=0))
+    print(f"relay {cfg.host} ready", flush=True)
+    while not relay.wait(0.5):
+        pass
+    relay.stop()
+    return 1 if relay.error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

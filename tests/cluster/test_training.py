@@ -1,0 +1,167 @@
+"""Training for real: controller, relays and ranks as separate processes over tcp loopback.
+
+Each test launches `digits_job.py` as a local cluster (2 hosts x 2 ranks)
+with the launcher's `Cluster` and reads the controller's `RESULT` line.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flodl_zmq import bundle
+from flodl_zmq.launch import Cluster
+from flodl_zmq.wire import new_key
+
+JOB = str(Path(__file__).with_name("digits_job.py"))
+SAMPLES_PER_EPOCH = {32: (1437 // 32) * 32, 16: (1437 // 16) * 16}  # progressive pools are batch-aligned
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
+
+
+class Run:
+    """One cluster run: start, optionally act when a line shows up, wait, parse."""
+
+    def __init__(self, *args: str, slow: dict[int, float] | None = None, env_for=None, startup_timeout_s=None):
+        self.seen = threading.Condition()
+        self.cluster = Cluster(
+            argv=[JOB, *args], hosts=2, ranks_per_host=2, slow=slow or {}, env_for=env_for or {},
+            sink=self._sink, startup_timeout_s=startup_timeout_s, grace_s=3.0,
+        )
+
+    def _sink(self, line: str) -> None:
+        with self.seen:
+            self.seen.notify_all()
+
+    def start(self) -> Run:
+        self.cluster.start()
+        return self
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self.seen:
+            while text not in self.cluster.output():
+                left = deadline - time.monotonic()
+                assert left > 0, f"{text!r} never appeared:\n{self.cluster.output()}"
+                self.seen.wait(left)
+
+    def finish(self, timeout: float = 100.0) -> tuple[int, dict | None, str]:
+        code = self.cluster.wait(timeout)
+        out = self.cluster.output()
+        result = None
+        for line in out.splitlines():
+            if line.startswith("[controller] RESULT "):
+                result = json.loads(line[len("[controller] RESULT "):])
+        return code, result, out
+
+
+def run(*args: str, **kw) -> tuple[int, dict | None, str]:
+    return Run(*args, **kw).start().finish()
+
+
+def no_process_left(r: Run) -> None:
+    assert all(c.proc.poll() is not None for c in r.cluster.children.values())
+
+
+@pytest.fixture(scope="module")
+def undisturbed() -> dict:
+    code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4")
+    assert code == 0, out
+    return result
+
+
+# ---------------------------------------------------------------------------- modes
+
+
+def test_cadence_trains_digits_to_95_percent(undisturbed):
+    assert undisturbed["accuracy"] >= 0.95
+
+
+@pytest.mark.parametrize("mode", ["cpu-sync", "cpu-async"])
+def test_mode_trains_digits_to_95_percent(mode):
+    code, result, out = run("--mode", mode)
+    assert code == 0, out
+    assert result["accuracy"] >= 0.95, out
+
+
+def test_cadence_gives_a_3x_slower_rank_a_third_of_the_batches():
+    # Steps dominated by a sleep: on 2 shared cores raw compute speed is mostly scheduling noise.
+    code, result, out = run("--mode", "cpu-cadence", "--step-ms", "6", slow={3: 3.0})
+    assert code == 0, out
+    late = result["epochs"][len(result["epochs"]) // 2:]  # after ElChe calibrated
+    share = [sum(e["batch_share"][r] for e in late) / len(late) for r in range(4)]
+    speed_share = [0.3, 0.3, 0.3, 0.1]
+    assert all(abs(s - w) <= 0.15 for s, w in zip(share, speed_share, strict=True)), share
+    assert share[3] < min(share[:3]), share
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+def test_sigkill_one_rank_mid_epoch_completes_with_every_sample_trained(undisturbed):
+    r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4").start()
+    r.wait_for("[controller] epoch 3/")
+    r.cluster.kill("h1:2", signal.SIGKILL)
+    code, result, out = r.finish()
+    assert code == 0, out
+    assert "rank 2 left" in out
+    assert len(result["epochs"]) == 15
+    assert all(e["samples"] == SAMPLES_PER_EPOCH[16] for e in result["epochs"]), result["epochs"]
+    assert result["epochs"][-1]["per_rank_samples"][2] == 0
+    assert abs(result["accuracy"] - undisturbed["accuracy"]) <= 0.01 + 1e-9, (result["accuracy"], undisturbed["accuracy"])
+    no_process_left(r)
+
+
+def test_sigkill_every_rank_saves_a_bundle_that_resume_continues(tmp_path):
+    stem = str(tmp_path / "run")
+    r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4", "--save", stem).start()
+    r.wait_for("[controller] epoch 3/")
+    for rank, host in ((0, "h0"), (1, "h0"), (2, "h1"), (3, "h1")):
+        r.cluster.kill(f"{host}:{rank}", signal.SIGKILL)
+    code, result, out = r.finish()
+    assert code != 0 and "TrainingError" in out and "all_ranks_lost" in out, out
+    state, meta = bundle.load(stem)
+    # The saved epoch is the one the last finished round had reached (coverage lists what of it is done).
+    assert meta["reason"] == "all_ranks_lost" and 1 <= meta["epoch"] < 15, meta
+    assert state  # the consensus state_dict
+
+    code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--resume", stem)
+    assert code == 0, out
+    epochs = [e["epoch"] for e in result["epochs"]]
+    assert epochs == list(range(meta["epoch"], 15)), epochs
+    assert result["accuracy"] >= 0.95
+
+
+# ---------------------------------------------------------------------------- named errors
+
+
+def test_a_raising_callback_is_reported_with_rank_and_traceback_and_training_goes_on():
+    code, result, out = run("--epochs", "6", "--eval-raises")
+    assert code == 0, out
+    assert "eval_fn(epoch=" in out and ") raised on rank" in out and "Traceback" in out and "eval exploded on purpose" in out
+    assert result["accuracy"] is not None
+
+
+def test_a_raising_callback_stops_the_run_when_asked():
+    code, _, out = run("--epochs", "6", "--eval-raises", "--callback-errors", "stop")
+    assert code != 0
+    assert "TrainingError" in out and "eval exploded on purpose" in out
+
+
+def test_dataset_mismatch_stops_before_training_naming_the_rank():
+    code, _, out = run("--epochs", "3", env_for={"h1:3": {"DIGITS_SHIFT": "1"}})
+    assert code != 0
+    assert "TrainingError: dataset mismatch: rank(s) [3]" in out
+    assert "epoch 1/" not in out
+
+
+def test_wrong_key_is_an_auth_error():
+    code, _, out = run("--epochs", "3", env_for={"controller": {"FLODL_KEY": new_key().hex()}}, startup_timeout_s=6)
+    assert code != 0
+    assert "AuthError" in out and "FLODL_KEY" in out

@@ -1,0 +1,220 @@
+"""The reducer service against raw-socket relays: handshake, deaths, recovery, rejections."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+import zmq
+
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.relay import TAG_BCAST, TAG_DATA, relay_sender
+from flodl_zmq.wire import Channel, Codec, Envelope, new_key
+from flodl_zmq.wire.records import (
+    ConsensusGone,
+    ConsensusRequest,
+    HostFrame,
+    Probe,
+    RankExit,
+    RelayDeclareDead,
+    RelayHello,
+    RelayHelloAck,
+    SubscriberReady,
+)
+
+from .dataplane_helpers import WAIT_S, endpoints
+
+pytestmark = pytest.mark.timeout(60)
+
+WORLD = {"a": (0, 1), "b": (2, 3)}
+
+
+class FakeRelay:
+    def __init__(self, ctx, host, key, run_id, eps):
+        self.host = host
+        self.codec = Codec(key, run_id, relay_sender(host))
+        self.decoder = Codec(key, run_id, "test")
+        self.data = ctx.socket(zmq.DEALER)
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for s, ep in ((self.data, eps["data"]), (self.sub, eps["bcast"])):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+
+    def send(self, rec, payload=()):
+        frames = self.codec.encode(rec, payload, channel=Channel.DATA)
+        self.data.send_multipart(frames)
+        return frames
+
+    def hello(self):
+        self.send(RelayHello(self.host, list(WORLD[self.host]), []))
+        assert self.record().record == RelayHelloAck()
+
+    def record(self, timeout=WAIT_S) -> Envelope:
+        """Next message from the reducer on the data socket, decoded by its tag."""
+        assert self.data.poll(int(timeout * 1000)), "reducer sent nothing"
+        tag, *frames = self.data.recv_multipart()
+        ch = {TAG_DATA: Channel.DATA, TAG_BCAST: Channel.BROADCAST}[tag]
+        return self.decoder.decode(frames, ch, replay=False)
+
+    def subscribe(self):
+        for _ in range(100):
+            if self.sub.poll(100):
+                env = self.decoder.decode(self.sub.recv_multipart(), Channel.BROADCAST, replay=False)
+                if isinstance(env.record, Probe):
+                    self.send(SubscriberReady(self.host, env.record.nonce))
+                    return
+        raise TimeoutError("no probe seen")
+
+    def broadcast(self, timeout=WAIT_S) -> Envelope:
+        while True:
+            assert self.sub.poll(int(timeout * 1000)), "nothing published"
+            env = self.decoder.decode(self.sub.recv_multipart(), Channel.BROADCAST, replay=False)
+            if not isinstance(env.record, Probe):
+                return env
+
+    def close(self):
+        self.data.close(0)
+        self.sub.close(0)
+
+
+class Rig:
+    def __init__(self, tmp_path, kind="inproc"):
+        self.ctx = zmq.Context()
+        self.key, self.run_id = new_key(), bytes(range(16))
+        eps = endpoints(kind, tmp_path)
+        self.svc = ReducerService(
+            ReducerConfig(WORLD, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05), self.ctx
+        )
+        self.svc.start()
+        self.relays = {h: FakeRelay(self.ctx, h, self.key, self.run_id, eps) for h in WORLD}
+
+    def ready(self):
+        for r in self.relays.values():
+            r.hello()
+        for r in self.relays.values():
+            r.subscribe()
+        assert _settle(lambda: self.svc.subscribed() == {"a", "b"})
+
+    def close(self):
+        for r in self.relays.values():
+            r.close()
+        self.svc.stop()
+        self.ctx.destroy(0)
+
+
+def _settle(pred, tries=500):
+    import time
+
+    for _ in range(tries):
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture(params=["inproc", "ipc"])
+def rig(request, tmp_path):
+    r = Rig(tmp_path, request.param)
+    yield r
+    r.close()
+
+
+def frame(host, round_id, mass, value, ranks=None):
+    return HostFrame(round_id, host, list(ranks or WORLD[host]), mass), [np.full(8, value, np.float32)]
+
+
+def test_a_relay_is_counted_only_after_answering_a_probe_and_is_served_directly_until_then(rig):
+    a, b = rig.relays["a"], rig.relays["b"]
+    a.hello()
+    b.hello()
+    a.subscribe()
+    assert _settle(lambda: rig.svc.subscribed() == {"a"})
+    a.send(*frame("a", 1, 1.0, 2.0))
+    b.send(*frame("b", 1, 3.0, 6.0))
+    assert np.allclose(a.broadcast().payload[0], 2.0)
+    direct = b.record()  # b never answered a probe: PUB may not reach it
+    assert direct.kind == "data.consensus" and np.allclose(direct.payload[0], 2.0)
+    assert rig.svc.completed.get(timeout=WAIT_S).hosts == ("a", "b")
+
+
+def test_each_death_is_forwarded_to_its_relay_exactly_once(rig):
+    rig.svc.declare_dead(3)  # before b registered: forwarded on registration
+    a, b = rig.relays["a"], rig.relays["b"]
+    a.hello()
+    b.send(RelayHello("b", [2, 3], []))
+    assert b.record().record == RelayHelloAck()
+    assert b.record().record == RelayDeclareDead(3)
+    rig.svc.declare_dead(0)
+    rig.svc.declare_dead(0)
+    rig.svc.declare_dead(3)
+    assert a.record().record == RelayDeclareDead(0)
+    a.send(RankExit(1))  # reported by the relay itself: not echoed back
+    assert not a.data.poll(300) and not b.data.poll(100)
+
+
+def test_late_corrupt_forged_and_replayed_frames_are_rejected_and_the_round_is_right(rig):
+    rig.ready()
+    a, b = rig.relays["a"], rig.relays["b"]
+    rec, t = frame("a", 1, 1.0, 2.0)
+    genuine = a.codec.encode(rec, t, channel=Channel.DATA)
+    bad = [bytes(f) for f in genuine]
+    bad[1] = bytes(8) + bad[1][8:]
+    a.data.send_multipart(bad)  # corrupt payload
+    b.data.send_multipart(Codec(new_key(), rig.run_id, "relay:b").encode(*frame("b", 1, 9.0, 99.0),
+                                                                        channel=Channel.DATA))  # wrong key
+    b.data.send_multipart(Codec(rig.key, rig.run_id, "relay:a").encode(*frame("a", 1, 9.0, 99.0),
+                                                                      channel=Channel.DATA))  # b as a
+    a.data.send_multipart(genuine)
+    a.data.send_multipart(genuine)  # replay
+    b.send(*frame("b", 1, 3.0, 6.0))
+    env = a.broadcast()
+    assert env.record.round == 1 and env.record.mass == 4.0
+    assert np.allclose(env.payload[0], (2.0 + 6.0) / 4.0)
+    a.send(*frame("a", 1, 1.0, 2.0))  # late: round 1 is finished
+    assert _settle(lambda: rig.svc.counters().get("late_frames") == 1)
+    c = rig.svc.counters()
+    assert c["rejected"] == 3 and c["forged_sender"] == 1 and c["rounds_reduced"] == 1
+
+
+def test_the_latest_consensus_is_resent_on_request_and_older_ones_are_gone(rig):
+    rig.ready()
+    a, b = rig.relays["a"], rig.relays["b"]
+    for round_id in (1, 2):
+        rig.svc.drop_broadcast(2)
+        a.send(*frame("a", round_id, 1.0, round_id))
+        b.send(*frame("b", round_id, 1.0, round_id))
+        rig.svc.completed.get(timeout=WAIT_S)
+    assert a.broadcast().record.round == 1
+    assert not a.sub.poll(200) or isinstance(a.broadcast(0.2).record, Probe)
+    a.send(ConsensusRequest(2))
+    got = a.record()
+    assert got.record.round == 2 and np.allclose(got.payload[0], 2.0)
+    a.send(ConsensusRequest(1))
+    assert a.record().record == ConsensusGone(1, 2)
+    a.send(ConsensusRequest(3))  # not reduced yet: no answer, the broadcast will come
+    assert not a.data.poll(200)
+
+
+def test_a_desynced_relay_is_declared_dead_and_the_round_completes_without_it(rig):
+    rig.ready()
+    a, b = rig.relays["a"], rig.relays["b"]
+    a.send(*frame("a", 1, 1.0, 2.0))
+    a.send(*frame("a", 1, 1.0, 2.0))  # second frame in one round: a protocol violation
+    assert a.record().record == RelayDeclareDead(0)
+    assert a.record().record == RelayDeclareDead(1)
+    with pytest.raises(queue.Empty):
+        rig.svc.completed.get(timeout=0.2)
+    b.send(*frame("b", 1, 2.0, 4.0))
+    out = rig.svc.completed.get(timeout=WAIT_S)
+    # The ledger summed a's first (valid) frame; its second never counted.
+    assert out.hosts == ("a", "b") and out.mass == 3.0
+    assert rig.svc.counters()["protocol_violations"] == 1
+
+
+def test_a_hello_that_disagrees_with_the_world_is_refused(rig):
+    a = rig.relays["a"]
+    a.send(RelayHello("a", [0, 1, 2], []))
+    assert not a.data.poll(200)
+    assert rig.svc.counters()["bad_hello"] == 1

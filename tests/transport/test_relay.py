@@ -1,0 +1,318 @@
+"""The relay against a raw-socket controller: routing, liveness, fold, fan-out, recovery, rejections."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from flodl_zmq.relay import (
+    RELAY_ROUTE,
+    ConsensusWatch,
+    RankLiveness,
+    Relay,
+    RelayConfig,
+    rank_identity,
+)
+from flodl_zmq.wire import Channel, Codec, new_key
+from flodl_zmq.wire.records import (
+    ConsensusRequest,
+    CoordHeartbeat,
+    HostFrame,
+    Probe,
+    RankExit,
+    RelayDeclareDead,
+    RelayHello,
+    RoundFrame,
+    SubscriberReady,
+)
+
+from .dataplane_helpers import WAIT_S, FakeController, FakeRank, endpoints
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Rig:
+    def __init__(self, tmp_path, kind="inproc", **timing):
+        self.ctx = zmq.Context()
+        self.key, self.run_id = new_key(), bytes(16)
+        eps = endpoints(kind, tmp_path)
+        self.ctl = FakeController(self.ctx, self.key, self.run_id, eps)
+        timing.setdefault("heartbeat_deadline_s", 30.0)
+        timing.setdefault("consensus_deadline_s", 30.0)
+        self.cfg = RelayConfig("a", (0, 1), self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
+                               eps["a-control"], eps["a-data"], **timing)
+        self.relay = Relay(self.cfg, self.ctx)
+        self.relay.start()
+        self.ranks = [FakeRank(self.ctx, r, self.key, self.run_id, eps["a-control"], eps["a-data"]) for r in (0, 1)]
+        self.eps = eps
+        hello = self.ctl.data_record()
+        assert isinstance(hello.record, RelayHello) and hello.record.ranks == [0, 1]
+        route, hello = self.ctl.control_message()
+        assert route == RELAY_ROUTE and isinstance(hello.record, RelayHello)
+
+    def subscribe(self):
+        """Publish probes until the relay answers: its SUB is then proven to receive."""
+        for nonce in range(1, 200):
+            self.ctl.pub.send_multipart(self.ctl.codec.encode(Probe(nonce), channel=Channel.BROADCAST))
+            if self.ctl.data.poll(50):
+                env = self.ctl.data_record(skip=())
+                assert isinstance(env.record, SubscriberReady) and env.record.host == "a"
+                return
+        raise TimeoutError("relay never answered a probe")
+
+    def rogue(self, rank: int, key: bytes | None = None, endpoint: str = "a-data") -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, rank_identity(rank))
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.eps[endpoint])
+        return s
+
+    def close(self):
+        for r in self.ranks:
+            r.close()
+        self.relay.stop()
+        self.ctl.close()
+        self.ctx.destroy(0)
+
+
+@pytest.fixture
+def rig(tmp_path):
+    r = Rig(tmp_path)
+    yield r
+    r.close()
+
+
+def settle(pred, timeout=WAIT_S):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def corrupt(frames, index=1):
+    out = [bytes(f) for f in frames]
+    b = bytearray(out[index])
+    b[len(b) // 2] ^= 0x40
+    out[index] = bytes(b)
+    return out
+
+
+# ---------------------------------------------------------------------- pure helpers
+
+
+def test_liveness_gives_a_silent_rank_its_deadline_and_a_quiet_newcomer_longer():
+    live = RankLiveness([0, 1, 2], start=0.0, heartbeat_deadline=1.5, first_contact_deadline=10.0)
+    live.seen(0, 1.0)
+    live.seen(1, 1.0)
+    assert live.expired(2.4) == []
+    live.seen(1, 2.4)
+    assert live.expired(2.6) == [0]
+    assert live.expired(9.0) == [1]
+    assert live.expired(10.1) == [2]
+    assert live.leave(2) is False  # death is permanent and reported once
+
+
+def test_consensus_watch_asks_for_overtaken_and_silent_rounds_and_refuses_replays():
+    w = ConsensusWatch(deadline=1.0)
+    w.shipped(1, 0.0)
+    w.shipped(2, 0.5)
+    assert w.accept(2, 0.6) == (True, [1])
+    assert w.due(1.5) == []  # the overtaken round was just asked for at 0.6
+    assert w.due(1.7) == [1]
+    assert w.accept(1, 1.8) == (True, [])
+    assert w.accept(1, 1.9) == (False, [])  # a replay of a delivered round
+    assert w.accept(2, 1.9) == (False, [])
+
+
+# ---------------------------------------------------------------------- control channel
+
+
+def test_rank_records_go_up_verbatim_and_replies_come_back_to_the_addressed_rank(rig):
+    frames = rig.ranks[1].codec.encode(_hb(1))
+    rig.ranks[1].control.send_multipart(frames)
+    route, env = rig.ctl.control_message()
+    assert route == rank_identity(1) and env.sender == "rank:1"
+    reply = rig.ctl.codec.encode(CoordHeartbeat())
+    rig.ctl.to_rank(1, reply)
+    assert rig.ranks[1].control.poll(int(WAIT_S * 1000))
+    assert rig.ranks[1].control.recv_multipart() == [bytes(f) for f in reply]
+    assert not rig.ranks[0].control.poll(100)
+
+
+def _hb(rank):
+    from flodl_zmq.wire.records import Heartbeat
+
+    return Heartbeat(rank, 7)
+
+
+def test_records_for_or_from_unknown_ranks_are_dropped_and_counted(rig):
+    rig.ranks[0].heartbeat()
+    rig.ctl.control_message()
+    rig.ctl.to_rank(5, rig.ctl.codec.encode(CoordHeartbeat()))
+    stranger = rig.rogue(9, endpoint="a-control")
+    stranger.send_multipart(Codec(rig.key, rig.run_id, "rank:9").encode(_hb(9)))
+    assert settle(lambda: rig.relay.counters().get("unknown_rank.upstream_control") == 1
+                  and rig.relay.counters().get("unknown_rank.local_control") == 1)
+    assert not rig.ctl.control.poll(100)
+    stranger.close(0)
+
+
+def test_corrupt_forged_and_replayed_control_records_are_rejected_on_both_legs(rig):
+    frames = rig.ranks[0].codec.encode(_hb(0))
+    rig.ranks[0].control.send_multipart(corrupt(frames, 0))
+    impostor = rig.ranks[1].control  # rank 1's socket speaking as rank 0, then with a wrong key
+    impostor.send_multipart(Codec(rig.key, rig.run_id, "rank:0").encode(_hb(0)))
+    impostor.send_multipart(Codec(new_key(), rig.run_id, "rank:1").encode(_hb(1)))
+    rig.ranks[0].control.send_multipart(frames)  # the genuine one, then its replay
+    rig.ranks[0].control.send_multipart(frames)
+    route, env = rig.ctl.control_message()
+    assert route == rank_identity(0) and env.seq == 1
+    reply = rig.ctl.codec.encode(CoordHeartbeat())
+    rig.ctl.to_rank(0, corrupt(reply, 0))
+    rig.ctl.to_rank(0, reply)
+    rig.ctl.to_rank(0, reply)
+    assert rig.ranks[0].control.poll(int(WAIT_S * 1000))
+    assert rig.ranks[0].control.recv_multipart() == [bytes(f) for f in reply]
+    assert settle(lambda: rig.relay.counters().get("rejected.upstream_control") == 2)
+    c = rig.relay.counters()
+    assert c["rejected.local_control"] == 3 and c["forged_route.local_control"] == 1
+    assert not rig.ctl.control.poll(100) and not rig.ranks[0].control.poll(100)
+
+
+# ---------------------------------------------------------------------- data channel
+
+
+def test_bad_deposits_are_rejected_and_the_host_frame_is_still_the_sum(rig):
+    t0, t1 = [np.arange(6, dtype=np.float32)], [np.full(6, 2.0, np.float32)]
+    frames = rig.ranks[0].deposit(1, 1.0, t0)
+    rig.ranks[0].data.send_multipart(frames)  # replay
+    rig.ranks[1].data.send_multipart(corrupt(rig.ranks[1].codec.encode(RoundFrame(1, 1, 2.0), t1)))
+    impostor = rig.ranks[1].data  # rank 1's socket depositing as rank 0, then with a wrong key
+    impostor.send_multipart(Codec(rig.key, rig.run_id, "rank:0").encode(RoundFrame(1, 0, 9.0), t1))
+    impostor.send_multipart(Codec(new_key(), rig.run_id, "rank:1").encode(RoundFrame(1, 1, 9.0), t1))
+    assert settle(lambda: rig.relay.counters().get("rejected.local_data") == 3)
+    rig.ranks[1].deposit(1, 2.0, t1)
+    env = rig.ctl.data_record()
+    assert isinstance(env.record, HostFrame)
+    assert (env.record.round, env.record.ranks, env.record.mass) == (1, [0, 1], 3.0)
+    assert np.array_equal(env.payload[0], t0[0] + t1[0])
+    assert rig.relay.counters()["forged_route.local_data"] == 1
+
+
+def test_double_deposit_stops_the_relay_and_ships_nothing(rig):
+    t = [np.ones(4, np.float32)]
+    rig.ranks[0].deposit(1, 1.0, t)
+    rig.ranks[0].deposit(1, 1.0, t)  # fresh sequence: authentic, but a protocol violation
+    assert rig.relay.wait(WAIT_S)
+    assert "twice" in str(rig.relay.error)
+    assert not rig.ctl.data.poll(200)
+
+
+def test_goodbye_leaves_the_barrier_and_is_reported_on_both_upstream_legs(rig):
+    t = [np.ones(4, np.float32)]
+    rig.ranks[0].deposit(1, 1.0, t)
+    rig.ranks[1].goodbye()
+    route, env = rig.ctl.control_message()
+    assert route == rank_identity(1) and env.kind == "timing.exiting"  # forwarded first
+    route, env = rig.ctl.control_message()
+    assert route == RELAY_ROUTE and env.record == RankExit(1)
+    # The death and rank 0's deposit travel on different sockets: either may reach the fold first.
+    records = [rig.ctl.data_record().record for _ in range(2)]
+    assert RankExit(1) in records
+    (frame,) = [r for r in records if isinstance(r, HostFrame)]
+    assert frame.ranks == [0] and frame.mass == 1.0
+
+
+def test_a_silent_rank_is_out_within_the_deadline(tmp_path):
+    rig = Rig(tmp_path, heartbeat_deadline_s=0.4, poll_s=0.02)
+    try:
+        rig.ranks[0].heartbeat()
+        rig.ranks[1].heartbeat()
+        rig.ranks[0].deposit(1, 1.0, [np.ones(4, np.float32)])
+        start = time.monotonic()
+        frame = None
+        while frame is None and time.monotonic() - start < WAIT_S:
+            rig.ranks[0].heartbeat()
+            if rig.ctl.data.poll(50):
+                frame = rig.ctl.data_record()
+        assert isinstance(frame.record, HostFrame) and frame.record.ranks == [0]
+        assert time.monotonic() - start < 2.0
+    finally:
+        rig.close()
+
+
+def test_declare_dead_from_the_controller_unblocks_the_fold(rig):
+    rig.ranks[1].deposit(1, 2.0, [np.ones(4, np.float32)])
+    assert not rig.ctl.data.poll(200)
+    rig.ctl.to_relay(RelayDeclareDead(0))
+    env = rig.ctl.data_record()
+    assert isinstance(env.record, HostFrame) and env.record.ranks == [1] and env.record.mass == 2.0
+
+
+# ---------------------------------------------------------------------- fan-out and recovery
+
+
+def test_consensus_reaches_every_live_rank_and_bad_broadcasts_do_not(rig):
+    rig.subscribe()
+    t = [np.arange(5, dtype=np.float32)]
+    for r in rig.ranks:
+        r.deposit(1, 1.0, t)
+    assert isinstance(rig.ctl.data_record().record, HostFrame)
+    genuine = rig.ctl.codec.encode(_consensus(1), t, channel=Channel.BROADCAST)
+    rig.ctl.pub.send_multipart(corrupt(genuine))
+    rig.ctl.pub.send_multipart(Codec(new_key(), rig.run_id, "reducer").encode(_consensus(1), t,
+                                                                              channel=Channel.BROADCAST))
+    rig.ctl.pub.send_multipart(Codec(rig.key, rig.run_id, "rank:0").encode(_consensus(1), t,
+                                                                           channel=Channel.BROADCAST))
+    rig.ctl.pub.send_multipart(genuine)
+    rig.ctl.pub.send_multipart(genuine)  # replay: already delivered
+    rig.ctl.resend(genuine)  # a resend of a delivered round, point to point
+    rig.ctl.data.send_multipart([rig.ctl.data_route, b"junk", *genuine])
+    for r in rig.ranks:
+        env = r.consensus()
+        assert env.record.round == 1 and np.array_equal(env.payload[0], t[0])
+        assert r.nothing_within(0.2)
+    c = rig.relay.counters()
+    assert c["rejected.bcast"] == 2 and c["forged_route.bcast"] == 1
+    # Three genuine copies (PUB, its replay, a resend on the data socket) race: one is delivered.
+    assert c.get("stale_consensus.bcast", 0) + c.get("stale_consensus.upstream_data", 0) == 2
+    assert c["rejected.upstream_data"] == 1
+
+
+def _consensus(round_id):
+    from flodl_zmq.wire.records import Consensus
+
+    return Consensus(round_id, 2.0)
+
+
+def test_silence_after_shipping_asks_for_the_consensus_and_the_resend_is_delivered(tmp_path):
+    rig = Rig(tmp_path, consensus_deadline_s=0.2)
+    try:
+        t = [np.ones(3, np.float32)]
+        for r in rig.ranks:
+            r.deposit(4, 1.0, t)
+        assert isinstance(rig.ctl.data_record().record, HostFrame)
+        ask = rig.ctl.data_record()
+        assert ask.record == ConsensusRequest(4)
+        rig.ctl.resend(rig.ctl.codec.encode(_consensus(4), t, channel=Channel.BROADCAST))
+        for r in rig.ranks:
+            assert r.consensus().record.round == 4
+    finally:
+        rig.close()
+
+
+def test_forged_declare_dead_is_rejected(rig):
+    rig.ranks[0].deposit(1, 1.0, [np.ones(2, np.float32)])
+    forged = Codec(new_key(), rig.run_id, "reducer").encode(RelayDeclareDead(1), channel=Channel.DATA)
+    rig.ctl.data.send_multipart([rig.ctl.data_route, b"data", *forged])
+    by_rank = Codec(rig.key, rig.run_id, "rank:0").encode(RelayDeclareDead(1), channel=Channel.DATA)
+    rig.ctl.data.send_multipart([rig.ctl.data_route, b"data", *by_rank])
+    ok = settle(lambda: rig.relay.counters().get("rejected.upstream_data") == 1
+                and rig.relay.counters().get("forged_route.upstream_data") == 1)
+    assert ok, rig.relay.counters()
+    assert not rig.ctl.data.poll(200)  # rank 1 is still awaited

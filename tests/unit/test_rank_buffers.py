@@ -1,0 +1,137 @@
+"""The rank's snapshot / consensus-load machinery (flodl_zmq.rank.ParamBuffers), on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flodl_zmq.errors import ConfigError, TrainingError
+from flodl_zmq.rank import ParamBuffers, flatten, load_flat, model_signature, payload_tensors
+
+
+def net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2)
+    )
+
+
+def test_payload_is_parameters_then_float_buffers_without_integer_counters():
+    m = net()
+    tensors = payload_tensors(m)
+    assert (
+        len(tensors) == len(list(m.parameters())) + 2
+    )  # BN running mean and var, not num_batches_tracked
+    assert all(t.dtype == torch.float32 for t in tensors)
+
+
+def test_float64_model_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="float32"):
+        payload_tensors(torch.nn.Linear(2, 2).double())
+
+
+def test_snapshot_is_the_flat_payload_times_the_mass():
+    m = net()
+    buf = ParamBuffers(m)
+    snap = buf.snapshot(3.0)
+    assert torch.equal(snap, flatten(m) * 3.0)
+    assert buf.pre_norm == pytest.approx(float(flatten(m).norm()))
+
+
+def test_snapshot_reuses_one_buffer_across_rounds():
+    m = net()
+    buf = ParamBuffers(m)
+    first = buf.snapshot(1.0).data_ptr()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    assert buf.snapshot(2.0).data_ptr() == first
+
+
+def test_snapshot_is_a_copy_so_training_on_does_not_change_a_deposit():
+    m = net()
+    buf = ParamBuffers(m)
+    before = buf.snapshot(1.0).clone()
+    with torch.no_grad():
+        next(m.parameters()).add_(5.0)
+    assert torch.equal(buf.snap, before)
+
+
+def test_load_overwrites_parameters_and_float_buffers():
+    m = net()
+    buf = ParamBuffers(m)
+    target = torch.arange(buf.numel, dtype=torch.float32).numpy()
+    target.setflags(write=False)  # received frames are read-only
+    buf.load(target)
+    assert np.array_equal(flatten(m).numpy(), target)
+    assert torch.equal(m[1].running_mean, torch.from_numpy(target[-6:-3].copy()))
+
+
+def test_load_with_alpha_blends_towards_the_consensus():
+    m = net()
+    buf = ParamBuffers(m)
+    local = flatten(m)
+    cons = torch.zeros(buf.numel)
+    buf.load(cons.numpy(), alpha=0.5)
+    assert torch.allclose(flatten(m), local * 0.5)
+
+
+def test_divergence_is_relative_distance_between_snapshot_and_consensus():
+    m = net()
+    buf = ParamBuffers(m)
+    pre = flatten(m)
+    buf.snapshot(4.0)
+    cons = pre * 1.1
+    divergence, post, pre_norm = buf.load(cons.numpy())
+    assert post == pytest.approx(float(cons.norm()), rel=1e-6)
+    assert pre_norm == pytest.approx(float(pre.norm()), rel=1e-6)
+    assert divergence == pytest.approx(float((pre - cons).norm() / cons.norm()), rel=1e-4)
+
+
+def test_zero_mass_snapshot_reports_no_divergence():
+    m = net()
+    buf = ParamBuffers(m)
+    buf.snapshot(0.0)
+    divergence, _, _ = buf.load(flatten(m).numpy())
+    assert divergence is None
+
+
+def test_consensus_of_another_model_is_refused():
+    buf = ParamBuffers(net())
+    with pytest.raises(TrainingError, match="same model"):
+        buf.load(np.zeros(buf.numel + 1, np.float32))
+
+
+class FakeTracker:
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def wait(self, timeout: float) -> None:
+        self.waited = True
+        self.done = True
+
+
+def test_snapshot_waits_until_zeromq_released_the_previous_deposit():
+    buf = ParamBuffers(net())
+    buf.snapshot(1.0)
+    buf.mark_queued()
+    tracker = FakeTracker()
+    buf.hold_until_sent(tracker)
+    buf.snapshot(1.0)
+    assert tracker.waited
+
+
+def test_flatten_and_load_flat_round_trip():
+    a, b = net(), net()
+    with torch.no_grad():
+        for p in b.parameters():
+            p.mul_(-2.0)
+    load_flat(b, flatten(a))
+    assert torch.equal(flatten(a), flatten(b))
+
+
+def test_model_signature_tells_architectures_apart():
+    assert model_signature(net()) == model_signature(net())
+    assert model_signature(net()) != model_signature(torch.nn.Linear(4, 2))
