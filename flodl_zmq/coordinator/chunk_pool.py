@@ -44,7 +44,9 @@ How the coordinator uses this:
   already aggregated epoch.
 - To dispatch: size the chunk with `dispatch.chunk_batches(...)` from
   `remaining() // batch_size`, then `take(rank, batches * batch_size)`; send the
-  returned `EpochPlan`. If the send fails, `rollback(rank)`.
+  returned `EpochPlan`. `rollback(rank)` undoes a take whose send failed, as
+  if it never happened; the coordinator itself fails a rank it cannot reach,
+  and its `forfeit` queues the chunk to be redone first.
 - On a chunk's completion report: `complete(rank)`; the epoch is ready to
   aggregate when `is_done()`.
 - On a rank's death: `forfeit(rank)` on every pool, then wake idle survivors

@@ -55,6 +55,16 @@ Contract with the service
   `on_rank_death` when an agent or relay reports a rank's exit, and
   `on_round_complete` / `on_round_abandoned` when the reducer has published
   or torn down a round.
+- Call `on_send_failed` when a record for a rank could not be handed to the
+  control socket (the relay's connection is gone, or the socket would
+  block). The rank fails at once and what the record carried goes back to
+  the pool: a rank that missed a record it needed (its partition, its chunk,
+  the end of a round) can no longer follow the protocol, and waiting for the
+  heartbeat timeout instead would wedge the gate whenever the link comes
+  back and the rank keeps heartbeating. Send what it returns *after* the
+  rest of the batch being sent: each rank must receive records in the order
+  they were produced (a Sync rank trains its spans in arrival order, and the
+  coordinator computes a dead rank's remainder in production order).
 - A rank's `step_count` (in `Batch` and `Heartbeat`) counts the steps that
   process has taken since it started; the coordinator derives window steps
   from it, so a lost `Batch` record cannot wedge the gate.
@@ -68,8 +78,10 @@ changes. Inputs a real network produces routinely are ignored and counted in
 (`from_departed`), `SyncAck` / `SnapshotReady` for a finished round
 (`stale_round`), duplicate acks (`duplicate_ack`), completions of a chunk that
 was forfeited (`late_completion`), reducer notices for an old round
-(`stale_reducer_notice`), duplicate death reports (`duplicate_death`), and
-anything after the run ended (`after_end`).
+(`stale_reducer_notice`), duplicate death reports (`duplicate_death`), failed
+sends to a rank already gone (`send_to_departed`), and anything after the run
+ended (`after_end`). Failed sends to live ranks are counted in `lost_sends` by
+record kind.
 """
 
 from __future__ import annotations
@@ -209,6 +221,7 @@ class Coordinator:
         self.phase = RunPhase.TRAINING
         self.save_reason: ShutdownReason | None = None
         self.ignored: Counter[str] = Counter()
+        self.lost_sends: Counter[str] = Counter()
         self.liveness = Liveness(world_size, config.heartbeat_timeout_s, now)
         self.roles = CallbackRoles(world_size, config.callback_rank)
         self.ledger = WindowLedger(world_size)
@@ -348,6 +361,31 @@ class Coordinator:
         elif not self.liveness.is_live(rank):
             self.ignored["duplicate_death"] += 1
         else:
+            self._lose_rank(rank, failure=True, now=now)
+            self._advance(now)
+        return self._flush()
+
+    def on_send_failed(self, rank: int, record: Any, now: float) -> list[Out]:
+        """The service could not deliver `record`, one of our outputs, to `rank`.
+
+        The rank takes the failure path of `on_rank_death` (it counts towards
+        `max_failure`), which also returns what the record carried, so no
+        sample is lost: a progressive chunk (`StartEpoch`, `Update.next_plan`)
+        is the rank's in-flight chunk and is forfeited to the reclaimed queue,
+        where a survivor redoes it first (a `ChunkPool.rollback` into the
+        rank's own span would leave it to be stolen last); under Sync an
+        undelivered `StartEpoch` or `ExtendPartition` cannot have been trained,
+        so it is part of the remainder handed on by `ExtendPartition`.
+        """
+        self._require_started(f"failed send of {type(record).__name__} to rank {rank}")
+        self._now = now
+        self.liveness.check_rank(rank)
+        if self._over:
+            self.ignored["after_end"] += 1
+        elif not self.liveness.is_live(rank):
+            self.ignored["send_to_departed"] += 1
+        else:
+            self.lost_sends[type(record).__name__] += 1
             self._lose_rank(rank, failure=True, now=now)
             self._advance(now)
         return self._flush()

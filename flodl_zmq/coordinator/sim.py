@@ -9,7 +9,7 @@ Rules this module keeps:
 
 - The coordinator under test is the production object, fed through its
   public inputs only (`start`, `on_record`, `on_tick`, `on_rank_death`,
-  `on_round_complete`); nothing reaches into its state.
+  `on_round_complete`, `on_send_failed`); nothing reaches into its state.
 - Simulated ranks follow the rank side of the protocol as the coordinator
   expects it: one chunk in flight; a Sync partition is one flat list of
   samples batched across `ExtendPartition` seams (so steps * batch_size is
@@ -19,7 +19,16 @@ Rules this module keeps:
   started.
 - Per-link message order is preserved (constant latency), like a ZeroMQ
   connection; a loss model may drop chosen record kinds, as a dying link
-  would.
+  would. A send-failure model makes chosen coordinator -> rank sends fail
+  the way a ROUTER reports an unreachable peer: the service learns it at
+  once (`on_send_failed`, whose outputs go out after the rest of the batch,
+  as the coordinator's contract asks), and the link is cut: the rank stops,
+  every later send to it fails too, and its records still on the wire are
+  lost.
+- A sample counts as trained when the coordinator receives the report of
+  it (the chunk's `EpochMetrics`, or under Sync the step's `Batch`); work
+  whose report is lost with a cut link never reaches a consensus, and the
+  coordinator hands it to a survivor.
 - Everything measured is what a rank experienced: which samples it
   completed, how long it sat idle waiting for the others (barrier wait) and
   for the round trip (sync wait) in each window.
@@ -74,6 +83,7 @@ class SimConfig:
     heartbeat_s: float = 1.0
     callback_ms: float = 5.0  # simulated eval / checkpoint / epoch_fn cost
     loss: dict[type, float] = field(default_factory=dict)  # record type -> drop probability
+    send_fail: dict[type, float] = field(default_factory=dict)  # record type -> send-failure probability
     seed: int = 0
     max_time_s: float = 36_000.0
 
@@ -100,6 +110,7 @@ class SimResult:
     events: int
     deaths_seen: list[tuple[float, int]]  # (time, rank) the coordinator declared gone
     outputs: list[tuple[float, Out]]  # every coordinator output, in order
+    cut: list[tuple[float, int]]  # (time, rank) a failed send cut the rank's link
 
 
 class _Rank:
@@ -108,6 +119,7 @@ class _Rank:
         self.rank = rank
         self.spec = spec
         self.alive = True
+        self.cut = False  # the link failed a send: nothing gets through either way any more
         self.steps = 0
         self.busy = False
         self.throttled = False
@@ -212,20 +224,20 @@ class _Rank:
         self.steps += 1
         self.batches += 1
         bs = self.sim.coord.config.batch_size
-        self.sim.send(t, self.rank, rec.Batch(
+        batch = rec.Batch(
             rank=self.rank, batch_ms=ms, data_ms=self.sim.cfg.data_ms, step_count=self.steps,
-            batch_loss=1.0, param_norm=None, sync_divergence=None))
+            batch_loss=1.0, param_norm=None, sync_divergence=None)
         if self.chunk is not None:
+            self.sim.send(t, self.rank, batch)
             self.chunk[3] += bs
             epoch, offset, size, done = self.chunk
             if done >= size:
                 self.chunk = None
-                self.sim.completed.setdefault(epoch, []).append((offset, size, self.rank))
-                self.sim.send(t, self.rank, self._metrics(epoch, size // bs, size))
+                self.sim.send(t, self.rank, self._metrics(epoch, size // bs, size),
+                              trained=[(epoch, offset, size)])
         else:
             taken, self.sync_samples = self.sync_samples[:bs], self.sync_samples[bs:]
-            for epoch, off in taken:
-                self.sim.completed.setdefault(epoch, []).append((off, 1, self.rank))
+            self.sim.send(t, self.rank, batch, trained=[(epoch, off, 1) for epoch, off in taken])
             self.sync_done += len(taken)
             if not self.sync_samples:
                 self.sim.send(t, self.rank, self._metrics(self.sync_epoch, -(-self.sync_done // bs),
@@ -275,6 +287,7 @@ class Simulation:
         self.ended: RunEnded | None = None
         self.saved: SaveState | None = None
         self.deaths_seen: list[tuple[float, int]] = []
+        self.cut: list[tuple[float, int]] = []
         self._heap: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = 0
         self._rounds: dict[int, tuple[set[int], set[int]]] = {}  # round -> (expected, deposited)
@@ -288,17 +301,31 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, fn))
 
-    def send(self, t: float, rank: int, record: Any) -> None:
-        """Rank -> coordinator, after the link latency (or lost)."""
+    def send(self, t: float, rank: int, record: Any,
+             trained: list[tuple[int, int, int]] | None = None) -> None:
+        """Rank -> coordinator, after the link latency (or lost); `trained`: (epoch, offset, size)."""
         if self._lost(record):
+            self._trained(rank, trained)  # trained all the same; only the report is lost
             return
-        self.at(t + self.cfg.latency_s, lambda t2: self._apply(t2, self.coord.on_record(rank, record, t2)))
+
+        def deliver(t2: float) -> None:
+            if self.ranks[rank].cut:
+                return  # the link went down with this record on it
+            self._trained(rank, trained)
+            self._apply(t2, self.coord.on_record(rank, record, t2))
+
+        self.at(t + self.cfg.latency_s, deliver)
+
+    def _trained(self, rank: int, trained: list[tuple[int, int, int]] | None) -> None:
+        for epoch, offset, size in trained or ():
+            self.completed.setdefault(epoch, []).append((offset, size, rank))
 
     def _lost(self, record: Any) -> bool:
         p = self.cfg.loss.get(type(record), 0.0)
         return p > 0 and self.rng.random() < p
 
     def _apply(self, t: float, outs: list[Out]) -> None:
+        after: list[Out] = []  # what failed sends produced: sent after the rest of `outs`
         for out in outs:
             self.outputs.append((t, out))
             r = out.record
@@ -311,9 +338,23 @@ class Simulation:
                     self.saved = r
                 elif isinstance(r, RunEnded):
                     self.ended = r
+            elif self._send_fails(out.dest, r):
+                if not self.ranks[out.dest].cut:
+                    self.cut.append((t, out.dest))
+                self.ranks[out.dest].alive = False
+                self.ranks[out.dest].cut = True
+                after += self.coord.on_send_failed(out.dest, r, t)
             elif not self._lost(r):
                 rank = self.ranks[out.dest]
                 self.at(t + self.cfg.latency_s, lambda t2, rank=rank, r=r: rank.receive(t2, r))
+        if after:
+            self._apply(t, after)
+
+    def _send_fails(self, rank: int, record: Any) -> bool:
+        if self.ranks[rank].cut:
+            return True
+        p = self.cfg.send_fail.get(type(record), 0.0)
+        return p > 0 and self.rng.random() < p
 
     # ---------------------------------------------------------------- reducer
 
@@ -384,4 +425,4 @@ class Simulation:
             coordinator=self.coord, end_time=t, ended=self.ended, saved=self.saved,
             aggregated=self.aggregated, completed=self.completed, windows=self.windows,
             batches=[r.batches for r in self.ranks], events=self.events,
-            deaths_seen=self.deaths_seen, outputs=self.outputs)
+            deaths_seen=self.deaths_seen, outputs=self.outputs, cut=self.cut)

@@ -291,6 +291,88 @@ def test_coordinator_beacons_every_second():
     assert len(of(outs, rec.CoordHeartbeat, 0)) == 3  # at 0.1, 1.1 and 2.1
 
 
+# ------------------------------------------------------------------ failed sends
+
+
+def test_failed_start_epoch_returns_the_chunk_to_the_pool_and_fails_the_rank():
+    c, outs = make(total=40)
+    plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
+    pool = c.pools[0]
+    outs = c.on_send_failed(1, rec.StartEpoch(plan=plans[1]), 0.01)
+    assert pool.in_flight(1) is None and pool.remaining() == 40 - plans[0].size
+    assert [o.record for o in outs if o.dest is REDUCER] == [rec.DeclareDead(1)]
+    assert c.liveness.failures == 1 and c.lost_sends["StartEpoch"] == 1
+
+
+def test_the_survivor_trains_a_chunk_whose_send_failed():
+    c, outs = make(total=40)
+    plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
+    c.on_send_failed(1, rec.StartEpoch(plan=plans[1]), 0.01)
+    trained, step, plan, rnd = [], 0, plans[0], 0
+    while plan is not None:
+        outs, step = train(c, 0, plan, step)
+        trained.append((plan.offset, plan.size))
+        if of(outs, rec.RequestParams):
+            rnd += 1
+            outs = finish(c, rnd, [0])
+            plan = of(outs, rec.Update, 0)[0].next_plan
+        else:
+            plan = next((p.plan for p in of(outs, rec.StartEpoch, 0)), None)
+    ends = [0] + [o + n for o, n in sorted(trained)]
+    assert [o for o, _ in sorted(trained)] == ends[:-1] and ends[-1] == 40  # [0, 40) tiled once
+    assert c.last_aggregated == 0
+
+
+def test_failed_update_rolls_its_next_plan_back():
+    c, outs = make(total=60)
+    plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
+    train(c, 0, plans[0], 0)
+    train(c, 1, plans[1], 0)
+    update = of(finish(c, 1, [0, 1]), rec.Update, 0)[0]
+    remaining = c.pools[0].remaining()
+    outs = c.on_send_failed(0, update, 0.3)
+    assert c.pools[0].in_flight(0) is None
+    assert c.pools[0].remaining() == remaining + update.next_plan.size
+    assert of(outs, rec.DeclareDead) == [rec.DeclareDead(0)]
+
+
+def test_failed_extend_partition_is_handed_on_with_the_rest_of_the_partition():
+    c, _ = make(world=3, mode="sync", total=30)
+    c.on_rank_death(0, "exit", 0.1)  # rank 1 gets (0, 5), rank 2 gets (5, 5)
+    outs = c.on_send_failed(1, rec.ExtendPartition(0, 0, 5), 0.11)
+    ext = [(o.dest, o.record) for o in outs if isinstance(o.record, rec.ExtendPartition)]
+    assert ext == [(2, rec.ExtendPartition(0, 10, 10)), (2, rec.ExtendPartition(0, 0, 5))]
+
+
+def test_failed_sync_start_epoch_hands_the_whole_partition_on():
+    c, _ = make(world=2, mode="sync", total=20)
+    outs = c.on_send_failed(1, rec.StartEpoch(plan=rec.EpochPlan(0, 10, 10)), 0.01)
+    assert of(outs, rec.ExtendPartition, 0) == [rec.ExtendPartition(0, 10, 10)]
+
+
+def test_a_failed_send_counts_towards_max_failure():
+    c, _ = make(world=3, max_failure=MaxFailure.absolute(1))
+    outs = c.on_send_failed(2, rec.SetGlobalStep(global_step=0), 0.1)
+    assert of(outs, rec.ShutdownWithSave)[0].reason == "max_failure_exceeded"
+
+
+def test_failed_sends_to_departed_ranks_and_after_the_end_are_ignored():
+    c, _ = make(world=3)
+    c.on_rank_death(2, "exit", 0.1)
+    assert c.on_send_failed(2, rec.CoordHeartbeat(), 0.2) == []
+    assert c.ignored["send_to_departed"] == 1 and c.liveness.failures == 1
+    c.on_rank_death(1, "exit", 0.3)
+    c.on_rank_death(0, "exit", 0.3)
+    assert c.on_send_failed(0, rec.Shutdown(), 0.4) == []
+    assert c.ignored["after_end"] == 1
+
+
+def test_failed_send_before_start_raises():
+    c = Coordinator(CoordinatorConfig(total_samples=10, batch_size=1, num_epochs=1), 2, 0.0)
+    with pytest.raises(CoordinatorError, match="before start"):
+        c.on_send_failed(0, rec.CoordHeartbeat(), 0.1)
+
+
 # ------------------------------------------------------------------ the end of the run
 
 

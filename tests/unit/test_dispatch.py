@@ -15,6 +15,7 @@ from flodl_zmq.coordinator.dispatch import (
     extend_partition_plans,
     final_window_alloc,
     is_final_window,
+    max_crumb,
     partition_sizes,
     plan_indices,
     probe_chunk_batches,
@@ -314,11 +315,57 @@ def test_final_window_sums_to_the_remainder_without_lone_ones(case, rem):
     assert rem == 1 or 1 not in alloc
 
 
-def test_final_window_is_the_last_partial_window():
-    assert is_final_window(106, [71, 18, 15], ALL)
-    assert not is_final_window(107, [71, 18, 15], ALL)
+def test_final_window_is_the_last_window_with_its_crumb():
+    # 104 live batches per window: a crumb of up to 10 (a tenth) rides along.
+    assert is_final_window(114, [71, 18, 15], ALL)
+    assert not is_final_window(115, [71, 18, 15], ALL)
     assert not is_final_window(0, [71, 18, 15], ALL)
     assert is_final_window(35, [71, 18, 15], [False, True, True])
+
+
+def test_small_schedules_still_fold_any_crumb_below_the_world_size():
+    assert max_crumb(12, 3) == 2
+    assert is_final_window(14, [4, 4, 4], ALL)
+    assert not is_final_window(15, [4, 4, 4], ALL)
+    assert max_crumb(169, 3) == 16
+
+
+def test_a_four_batch_crumb_folds_into_the_last_window_instead_of_its_own():
+    # The simulator's 12/3/1 ms schedule: 680 batches = 4 x 169 + 4.
+    counts = [10, 40, 119]
+    assert is_final_window(169 + 4, counts, ALL)
+    assert final_window_alloc(169 + 4, counts, ALL) == [10, 41, 122]
+
+
+def test_wide_crumb_stretches_every_window_alike():
+    # Proportional: each rank's window grows by about the same fraction of its
+    # count, rather than piling whole batches onto the slowest rank.
+    alloc = final_window_alloc(114, [71, 18, 15], ALL)
+    assert alloc == [78, 20, 16]
+    assert all(a >= c for a, c in zip(alloc, [71, 18, 15], strict=True))
+
+
+@given(
+    st.integers(1, 6).flatmap(
+        lambda w: st.tuples(
+            st.lists(st.integers(0, 200), min_size=w, max_size=w),
+            st.lists(st.booleans(), min_size=w, max_size=w),
+        )
+    ),
+    st.integers(0, 40),
+)
+def test_fold_band_gives_every_live_rank_at_least_its_count(case, crumb):
+    counts, alive = case
+    live = [c if a else 0 for c, a in zip(counts, alive, strict=True)]
+    total = sum(live)
+    if total == 0 or crumb > max_crumb(total, len(counts)):
+        return
+    alloc = final_window_alloc(total + crumb, counts, alive)
+    assert sum(alloc) == total + crumb
+    # A count of 1 may be consolidated away (no lone one-step rank); every
+    # other live rank does at least its schedule.
+    assert all(a >= c for a, c in zip(alloc, live, strict=True) if c >= 2)
+    assert all(a == 0 for a, x in zip(alloc, alive, strict=True) if not x)
 
 
 def test_final_window_plan_is_pinned_then_kept_while_counts_hold():
