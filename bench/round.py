@@ -69,6 +69,8 @@ def free_base_port(span: int = 4) -> int:
 
 
 def _controller(port: int, key: bytes, run_id: bytes, stop: Any) -> None:
+    import logging
+    logging.basicConfig(level=logging.WARNING)
     from flodl_zmq.endpoints import ControllerAddress
     from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 
@@ -79,11 +81,15 @@ def _controller(port: int, key: bytes, run_id: bytes, stop: Any) -> None:
 
 
 def _relay(host: str, port: int, key: bytes, run_id: bytes, ipc_dir: str, stop: Any) -> None:
+    import logging
+    logging.basicConfig(level=logging.WARNING)
     from flodl_zmq.endpoints import ControllerAddress
     from flodl_zmq.relay import Relay, RelayConfig, local_endpoints
 
+    # Liveness is not measured here: a generous deadline keeps a loaded machine from
+    # declaring a busy rank dead mid-benchmark.
     cfg = RelayConfig.for_controller(host, HOSTS[host], key, run_id, ControllerAddress("127.0.0.1", port),
-                                     local_endpoints(run_id, host, ipc_dir))
+                                     local_endpoints(run_id, host, ipc_dir), heartbeat_deadline_s=10.0)
     relay = Relay(cfg)
     relay.start()
     stop.wait()
@@ -109,11 +115,13 @@ def _rank(rank: int, host: str, n: int, dtype: str, rounds: int, key: bytes, run
         s.setsockopt(zmq.IDENTITY, rank_identity(rank))
         s.setsockopt(zmq.LINGER, 0)
         s.connect(control_ep)
-        while not stop.wait(0.5):
+        while not beating.wait(0.5):
             s.send_multipart(hb_codec.encode(Heartbeat(rank, 0)))
-        s.close()
+        s.close(0)
 
-    threading.Thread(target=heartbeats, daemon=True).start()
+    beating = threading.Event()
+    beat = threading.Thread(target=heartbeats, daemon=True)
+    beat.start()
     data = ctx.socket(zmq.DEALER)
     data.setsockopt(zmq.IDENTITY, rank_identity(rank))
     data.setsockopt(zmq.LINGER, 0)
@@ -138,6 +146,8 @@ def _rank(rank: int, host: str, n: int, dtype: str, rounds: int, key: bytes, run
         if abs(first - expect) > 1e-2 * abs(expect):
             raise RuntimeError(f"rank {rank}: consensus {first} != {expect}")
         out.put((round_id, rank, t0, t1))
+    beating.set()
+    beat.join()
     ctx.destroy(0)
 
 
@@ -161,7 +171,7 @@ def zmq_rounds(n: int, dtype: str, rounds: int) -> list[float]:
     try:
         times: dict[int, list[tuple[int, int]]] = {}
         for _ in range(rounds * WORLD):
-            round_id, _rank_id, t0, t1 = out.get(timeout=300)
+            round_id, _rank_id, t0, t1 = out.get(timeout=120)
             times.setdefault(round_id, []).append((t0, t1))
         return [(max(t1 for _, t1 in v) - min(t0 for t0, _ in v)) / 1e9 for _, v in sorted(times.items())]
     finally:
@@ -202,7 +212,7 @@ def gloo_rounds(n: int, dtype: str, rounds: int) -> list[float]:
     try:
         times: dict[int, list[tuple[int, int]]] = {}
         for _ in range(rounds * WORLD):
-            round_id, _rank_id, t0, t1 = out.get(timeout=300)
+            round_id, _rank_id, t0, t1 = out.get(timeout=120)
             times.setdefault(round_id, []).append((t0, t1))
         return [(max(t1 for _, t1 in v) - min(t0 for t0, _ in v)) / 1e9 for _, v in sorted(times.items())]
     finally:

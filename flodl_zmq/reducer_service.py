@@ -47,6 +47,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, FlodlError, ProtocolError, WireError
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.relay import REDUCER_SENDER, TAG_BCAST, TAG_DATA, relay_sender, send, tune
+from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.tensors import dtype_name
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire.records import (
@@ -77,6 +78,7 @@ class ReducerConfig:
     probe_interval_s: float = 0.1
     hwm_records: int = 8
     poll_s: float = 0.02
+    curve: CurveKeys | None = None  # CURVE server keys for both sockets (None: cleartext)
 
     def __post_init__(self) -> None:
         if not self.world:
@@ -197,6 +199,9 @@ class ReducerService:
             for s in (data, pub):
                 tune(s, cfg.hwm_records, cfg.poll_s)
             data.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if cfg.curve is not None:
+                apply_server(data, cfg.curve)
+                apply_server(pub, cfg.curve)
             data.bind(cfg.data_bind)
             pub.bind(cfg.bcast_bind)
             self._ready.set()

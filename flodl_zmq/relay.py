@@ -68,6 +68,7 @@ import zmq
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, FlodlError, FoldError, WireError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
+from flodl_zmq.security import CurveKeys, apply_client
 from flodl_zmq.tensors import dtype_name
 from flodl_zmq.wire import Channel, Codec, Envelope, key_from_hex
 from flodl_zmq.wire.records import (
@@ -164,6 +165,7 @@ class RelayConfig:
     hwm_records: int = 64
     data_hwm_records: int = 4  # data records are model-sized: a few in flight is plenty
     poll_s: float = 0.05
+    curve: CurveKeys | None = None  # CURVE client keys for the three upstream sockets (None: cleartext)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -373,6 +375,8 @@ class Relay:
                 tune(s, cfg.hwm_records, cfg.poll_s)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
             local.bind(cfg.local_control)
+            if cfg.curve is not None:
+                apply_client(up, cfg.curve)
             up.connect(cfg.control_upstream)
             pipe.connect(self._pipe)
             self._ready.wait()
@@ -419,7 +423,7 @@ class Relay:
         if env is None:
             return
         live.seen(rank, time.monotonic())
-        send(up, [msg[0], *msg[1:]], self._stop)
+        send(up, msg, self._stop)  # verbatim: the rank's own MAC travels on
         if isinstance(env.record, Exiting) and live.leave(rank):
             death(rank, "said goodbye")
 
@@ -488,17 +492,19 @@ class Relay:
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
             local.bind(cfg.local_data)
             pipe.bind(self._pipe)
+            if cfg.curve is not None:
+                apply_client(up, cfg.curve)
+                apply_client(sub, cfg.curve)
             up.connect(cfg.data_upstream)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(cfg.bcast_upstream)
             self._ready.wait()
-            self._data = _DataPlane(self, codec, local, up)
-            self._data.send_up(RelayHello(cfg.host, list(cfg.ranks), []))
+            d = _DataPlane(self, codec, local, up)
+            d.send_up(RelayHello(cfg.host, list(cfg.ranks), []))
             poller = zmq.Poller()
             for s in (local, up, sub, pipe):
                 poller.register(s, zmq.POLLIN)
             poll_ms = int(cfg.poll_s * 1000)
-            d = self._data
             while not self._stop.is_set():
                 events = dict(poller.poll(poll_ms))
                 if pipe in events:

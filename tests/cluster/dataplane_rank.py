@@ -1,0 +1,83 @@
+"""A scripted rank process for the data-plane process tests.
+
+Heartbeats on its control socket every 0.5 s (its own thread); for each round
+deposits `params(rank, round)` pre-scaled by `MASS[rank]`, waits for the
+consensus and saves it (float64) to OUT/r{rank}_round{k}.npy, printing
+`round k done`. With --hang-at K it prints `hanging at K` instead of
+depositing round K and waits to be killed (still heartbeating: the test's
+SIGKILL is what stops it). Key from FLODL_KEY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
+from dataplane_helpers import from_wire, model, to_wire  # noqa: E402
+
+from flodl_zmq.relay import rank_identity, rank_sender  # noqa: E402
+from flodl_zmq.wire import Channel, Codec, key_from_hex  # noqa: E402
+from flodl_zmq.wire.records import Heartbeat, RoundFrame  # noqa: E402
+
+MASS = {0: 1.0, 1: 3.0, 2: 0.5, 3: 2.0}
+SIZES = (1000, 37)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--control", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--dtype", default="f32")
+    p.add_argument("--out", required=True)
+    p.add_argument("--hang-at", type=int, default=0)
+    a = p.parse_args()
+    key, run_id = key_from_hex(os.environ["FLODL_KEY"]), bytes.fromhex(a.run_id)
+    ctx = zmq.Context()
+
+    def heartbeats() -> None:
+        codec = Codec(key, run_id, rank_sender(a.rank))
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, rank_identity(a.rank))
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(a.control)
+        while True:
+            s.send_multipart(codec.encode(Heartbeat(a.rank, 0)))
+            time.sleep(0.5)
+
+    threading.Thread(target=heartbeats, daemon=True).start()
+    codec, decoder = Codec(key, run_id, rank_sender(a.rank)), Codec(key, run_id, "rank-decoder")
+    data = ctx.socket(zmq.DEALER)
+    data.setsockopt(zmq.IDENTITY, rank_identity(a.rank))
+    data.setsockopt(zmq.LINGER, 0)
+    data.connect(a.data)
+    for k in range(1, a.rounds + 1):
+        if k == a.hang_at:
+            print(f"hanging at {k}", flush=True)
+            time.sleep(3600)
+        mass = MASS[a.rank]
+        wire = to_wire(model(a.rank, k, SIZES), mass, a.dtype)
+        data.send_multipart(codec.encode(RoundFrame(k, a.rank, mass), wire, dtypes=[a.dtype] * len(wire)))
+        if not data.poll(60_000):
+            print(f"no consensus for round {k}", flush=True)
+            return 1
+        env = decoder.decode(data.recv_multipart(), Channel.BROADCAST, replay=False)
+        assert env.record.round == k, env.record
+        flat = np.concatenate([x.ravel() for x in from_wire(env.payload, env.dtypes)])
+        np.save(Path(a.out) / f"r{a.rank}_round{k}.npy", flat)
+        print(f"round {k} done mass={env.record.mass}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The data plane as real processes over tcp loopback: relay processes, rank processes, and the
+reducer service in this process (the coordinator is not part of these tests: a drained control
+ROUTER stands in for it, and deaths are declared through the reducer's API as it will)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.wire import Channel, new_key
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
+from dataplane_helpers import model, reference, tiered_bf16_reference  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from dataplane_rank import MASS, SIZES  # noqa: E402
+
+HOSTS = {"a": (0, 1), "b": (2, 3)}
+WAIT_S = 30.0
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(sys.platform != "linux", reason="ipc, signals")]
+
+
+def free_base_port(span: int = 3) -> int:
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            for p in range(base, base + span):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free run of ports")
+
+
+class Proc:
+    """A child process whose output lines are collected by a thread."""
+
+    def __init__(self, args: list[str], env: dict[str, str]):
+        self.p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._cv = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            with self._cv:
+                self.lines.append(line.rstrip())
+                self._cv.notify_all()
+
+    def wait_for(self, text: str, timeout: float = WAIT_S) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: any(text in ln for ln in self.lines), timeout):
+                raise TimeoutError(f"{text!r} not seen; output: {self.lines[-20:]}")
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGKILL)
+        self.p.wait(10)
+
+
+class World:
+    def __init__(self, tmp_path: Path, rounds: int, dtype: str = "f32", hang: dict[int, int] | None = None):
+        self.key, self.run_id = new_key(), os.urandom(16)
+        self.out = tmp_path
+        port = free_base_port()
+        addr = ControllerAddress("127.0.0.1", port)
+        self.ctx = zmq.Context()
+        self._stop = threading.Event()
+        self._coord = threading.Thread(target=self._drain_control, args=(addr.endpoint(Channel.CONTROL),),
+                                       daemon=True)
+        self._coord.start()
+        self.reducer = ReducerService(ReducerConfig.for_controller(HOSTS, self.key, self.run_id, addr), self.ctx)
+        self.reducer.start()
+        env = dict(os.environ, FLODL_KEY=self.key.hex(), GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+        self.procs: dict[str, Proc] = {}
+        for host, ranks in HOSTS.items():
+            local = {ch: f"ipc://{tmp_path}/{host}-{ch}" for ch in ("control", "data")}
+            self.procs[host] = Proc(
+                [sys.executable, "-m", "flodl_zmq.relay", "--host", host, "--ranks", ",".join(map(str, ranks)),
+                 "--controller", str(addr), "--run-id", self.run_id.hex(),
+                 "--local-control", local["control"], "--local-data", local["data"]], env)
+            for r in ranks:
+                self.procs[f"r{r}"] = Proc(
+                    [sys.executable, str(HERE / "dataplane_rank.py"), "--rank", str(r), "--run-id",
+                     self.run_id.hex(), "--control", local["control"], "--data", local["data"],
+                     "--rounds", str(rounds), "--dtype", dtype, "--out", str(tmp_path),
+                     "--hang-at", str((hang or {}).get(r, 0))], env)
+
+    def _drain_control(self, endpoint: str) -> None:
+        s = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(endpoint)
+        while not self._stop.is_set():
+            if s.poll(50):
+                s.recv_multipart()
+        s.close(0)
+
+    def consensus(self, rank: int, round_id: int) -> np.ndarray:
+        self.procs[f"r{rank}"].wait_for(f"round {round_id} done")
+        return np.load(self.out / f"r{rank}_round{round_id}.npy")
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.kill()
+        self._stop.set()
+        self._coord.join(5)
+        self.reducer.stop()
+        self.ctx.destroy(0)
+
+
+def expected(round_id: int, ranks: list[int], dtype: str) -> np.ndarray:
+    contribs = {r: (model(r, round_id, SIZES), MASS[r]) for r in ranks}
+    if dtype == "f32":
+        want = reference(list(contribs.values()), dtype)
+    else:
+        want = tiered_bf16_reference([[contribs[r] for r in rs if r in contribs] for rs in HOSTS.values()])
+    return np.concatenate(want)
+
+
+def assert_mean(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
+    if dtype == "f32":
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-6
+    else:  # bf16 consensus: at most one ulp off the exact tiered result, rarely
+        assert np.all(np.abs(got - want) <= 2.0**-7 * np.abs(want))
+        assert np.count_nonzero(got != want) <= max(1, got.size // 100)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_two_hosts_of_two_rank_processes_produce_the_weighted_mean(tmp_path, dtype):
+    w = World(tmp_path, rounds=2, dtype=dtype)
+    try:
+        for k in (1, 2):
+            want = expected(k, [0, 1, 2, 3], dtype)
+            for r in range(4):
+                assert_mean(w.consensus(r, k), want, dtype)
+    finally:
+        w.close()
+
+
+def test_sigkilled_rank_mid_round_leaves_the_barrier_and_survivors_get_their_mean(tmp_path):
+    w = World(tmp_path, rounds=3, hang={3: 2})
+    try:
+        w.procs["r3"].wait_for("hanging at 2")
+        for r in (0, 1, 2):  # the survivors deposit round 2 and wait in the barrier
+            w.consensus(r, 1)
+        time.sleep(0.3)
+        killed = time.monotonic()
+        w.procs["r3"].kill()
+        for k in (2, 3):
+            want = expected(k, [0, 1, 2], "f32")
+            for r in (0, 1, 2):
+                assert_mean(w.consensus(r, k), want, "f32")
+            if k == 2:
+                # Out of the barrier within the 1.5 s heartbeat deadline, plus the round itself.
+                assert time.monotonic() - killed < 5.0
+    finally:
+        w.close()
+
+
+def test_sigkilled_relay_lets_the_reducer_finish_rounds_with_the_remaining_host(tmp_path):
+    w = World(tmp_path, rounds=3, hang={2: 2, 3: 2})
+    try:
+        for r in range(4):
+            w.consensus(r, 1) if r < 2 else w.procs[f"r{r}"].wait_for("hanging at 2")
+        w.procs["b"].kill()
+        for r in HOSTS["b"]:  # what the coordinator does once the host's heartbeats stop
+            w.reducer.declare_dead(r)
+        for k in (2, 3):
+            want = expected(k, [0, 1], "f32")
+            for r in (0, 1):
+                assert_mean(w.consensus(r, k), want, "f32")
+        outcomes = [w.reducer.completed.get(timeout=WAIT_S) for _ in range(3)]
+        assert [o.hosts for o in outcomes] == [("a", "b"), ("a",), ("a",)]
+    finally:
+        w.close()
+

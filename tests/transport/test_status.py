@@ -1,0 +1,108 @@
+"""`flodl-zmq status` against a membership service on loopback, and the controller command's checks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from flodl_zmq.controller import ControllerOptions, format_status, query_status, run_script
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.errors import ConfigError, MembershipError
+from flodl_zmq.membership import JoinConfig, JoinWindow, MembershipService, SpawnSpec, TrustMode
+from flodl_zmq.security import CurveKeys
+from flodl_zmq.wire import new_key
+
+RUN_ID = bytes(range(16))
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+def serve(ctx, trust=TrustMode.PRE_SHARED, curve=None):
+    key = new_key()
+    window = JoinWindow(JoinConfig(min_ranks=2, window_s=30.0, cap_s=30.0), opened_at=time.monotonic())
+    service = MembershipService(
+        window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=key, run_id=RUN_ID,
+        spawn=SpawnSpec(("-m", "x")), context=ctx, curve=curve,
+    )
+    service.start()
+    port = int(service.endpoint.rsplit(":", 1)[1])
+    return service, key, ControllerAddress("127.0.0.1", port - 3)
+
+
+def test_status_during_the_window_then_with_the_coordinators_view(ctx):
+    service, key, address = serve(ctx)
+    try:
+        status = query_status(address, key, context=ctx)
+        assert status["phase"] == "open" and status["joined_ranks"] == 0 and status["hosts"] == {}
+        assert "training" not in status
+        service.report_training({"alive": [0], "dead": [1], "epoch": 2})
+        assert query_status(address, key, context=ctx)["training"] == {"alive": [0], "dead": [1], "epoch": 2}
+    finally:
+        service.close()
+
+
+def test_a_status_request_with_the_wrong_key_gets_no_answer(ctx):
+    service, _, address = serve(ctx)
+    try:
+        with pytest.raises(MembershipError, match="no status reply.*FLODL_KEY"):
+            query_status(address, new_key(), timeout_s=0.5, context=ctx)
+        assert service.dropped == 1
+    finally:
+        service.close()
+
+
+def test_status_under_open_admission_needs_no_key_and_works_over_curve(ctx):
+    public, secret = zmq.curve_keypair()
+    server = CurveKeys(public=public, secret=secret)
+    client = CurveKeys.for_client({"FLODL_CURVE_SERVER": public.decode()})
+    service, _, address = serve(ctx, TrustMode.OPEN, curve=server)
+    try:
+        assert query_status(address, None, curve=client, context=ctx)["phase"] == "open"
+    finally:
+        service.close()
+
+
+def test_format_status_names_each_death_and_the_round():
+    status = {
+        "phase": "formed", "reason": "target ranks reached", "joined_ranks": 2,
+        "hosts": {"a": {"ranks": [0], "state": "live"}, "b": {"ranks": [1], "state": "lost"}},
+        "training": {
+            "started": True, "alive": [0], "exited": [], "dead": [1],
+            "deaths": {"1": {"at": time.time(), "reason": "host b lost: its agent fell silent"}},
+            "epoch": 3, "epochs": 8, "round": 12, "rounds_done": 11, "global_step": 400,
+            "last_round_ms": 4.5, "last_round_at": time.time(), "ended": None,
+        },
+    }
+    text = format_status(ControllerAddress("10.0.0.5", 7300), status)
+    assert "host b: ranks [1] lost" in text
+    assert "rank 1 dead at" in text and "host b lost" in text
+    assert "epoch 4/8, round 12 (11 done)" in text
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"open_admission": True, "key": bytes(32)}, "unset FLODL_KEY"),
+        ({}, "no session key"),
+        ({"key": bytes(32), "argv": ()}, "program every host runs"),
+        ({"key": bytes(32), "argv": ("-c", "print()")}, "program every host runs"),
+    ],
+)
+def test_controller_options_refuse_what_cannot_work(kw, match):
+    args = {"address": ControllerAddress("127.0.0.1", 7300), "argv": ("train.py",), "join": JoinConfig(), **kw}
+    with pytest.raises(ConfigError, match=match):
+        ControllerOptions(**args)
+
+
+def test_run_script_returns_the_programs_exit_status(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nsys.exit(int(sys.argv[1]))\n")
+    assert run_script([str(script), "3"]) == 3
+    assert run_script([str(script), "0"]) == 0
