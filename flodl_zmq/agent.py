@@ -24,6 +24,11 @@ Rules this module keeps:
   1 for host-level faults: the controller aborted the run, the controller
   went silent while ranks ran, the relay died under running ranks, or the
   agent was told to stop. A refused or failed join raises MembershipError.
+- **CURVE follows the agent.** With CURVE keys the join link is a CURVE
+  client of the controller, and the relay gets the same keys through its
+  environment (FLODL_CURVE_*), so every inter-host link of the host is
+  encrypted or none is. Without them, a controller outside loopback and
+  private networks is warned about once.
 - Children run in their own process groups so a teardown reaches their
   helpers (data loader workers) too: SIGTERM first, SIGKILL after a grace.
 """
@@ -45,7 +50,7 @@ from typing import IO, Any
 
 import zmq
 
-from flodl_zmq.endpoints import ControllerAddress, is_private_address
+from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.membership import (
@@ -53,6 +58,14 @@ from flodl_zmq.membership import (
     MAX_DEVICES_PER_HOST,
     OPEN_JOIN_KEY,
     SpawnSpec,
+)
+from flodl_zmq.security import (
+    PUBLIC_ENV,
+    SECRET_ENV,
+    SERVER_ENV,
+    CleartextWarner,
+    CurveKeys,
+    apply_client,
 )
 from flodl_zmq.wire import PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec, key_from_hex
 from flodl_zmq.wire.mac import check_key
@@ -147,7 +160,8 @@ class AgentConfig:
     """One worker host.
 
     `key`: the pre-shared session key, or None for open admission (the key
-    then arrives in the accept). `devices`: from `resolve_devices`.
+    then arrives in the accept). `devices`: from `resolve_devices`. `curve`:
+    CURVE client keys (`CurveKeys.for_client`), or None for cleartext links.
     """
 
     controller: ControllerAddress
@@ -161,6 +175,7 @@ class AgentConfig:
     heartbeat_s: float = 1.0
     silence_s: float = 10.0
     kill_grace_s: float = 5.0
+    curve: CurveKeys | None = None
 
     def __post_init__(self) -> None:
         if self.key is not None:
@@ -242,7 +257,9 @@ class Agent:
         """Dial, send the hello, and wait for admission and then the formed world."""
         cfg = self.config
         endpoint = cfg.controller.endpoint(Channel.JOIN)
-        _warn_if_cleartext_public(cfg.controller.host)
+        CleartextWarner(log).warn_if_cleartext(cfg.controller.host, encrypted=cfg.curve is not None)
+        if cfg.curve is not None:
+            apply_client(self._sock, cfg.curve)
         self._sock.connect(endpoint)
         hello = JoinHello(cfg.host, list(cfg.devices), cfg.dataset_sig, PROTOCOL_VERSION, cfg.model_sig)
         log.info(
@@ -370,6 +387,11 @@ class Agent:
             identity.pop(name)
         # Unbuffered, so forwarded lines arrive as they are printed, not when a buffer fills.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **joined.spawn.env, **identity}
+        curve = self.config.curve
+        if curve is not None:  # the relay dials the controller with the agent's keys
+            assert curve.server is not None  # for_client always names the controller's key
+            env.update({SERVER_ENV: curve.server.decode(), SECRET_ENV: curve.secret.decode(),
+                        PUBLIC_ENV: curve.public.decode()})
         if local_rank is not None:
             env.update(device_env(self.config.devices[local_rank]))
         return env
@@ -500,20 +522,6 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _warn_if_cleartext_public(host: str) -> None:
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return  # the dial itself will fail loudly
-    public = [a for a in addresses if not is_private_address(a)]
-    if public:
-        log.warning(
-            "the controller %s resolves to public address(es) %s and this link is not encrypted: "
-            "records are authenticated but readable on the way; use a VPN or SSH tunnel",
-            host, public,
-        )
-
-
 # --------------------------------------------------------------------------- command line
 
 
@@ -526,8 +534,10 @@ def add_command(sub: Any) -> None:
             "Dial the controller's join endpoint (PORT+3), join its run, then start this host's relay and one "
             "rank per device running the controller's program. The session key comes from FLODL_KEY (64 hex "
             "characters, the controller's); without it the agent asks for open admission, which a controller "
-            "allows only on loopback or private networks. Exit status: 0 when the host did its part (even if a "
-            "rank failed), 1 when the host was torn down, 2 when the join was refused or failed."
+            "allows only on loopback or private networks. With the controller's CURVE public key "
+            "(FLODL_CURVE_SERVER or --curve-server) every link of this host is encrypted. Exit status: 0 when "
+            "the host did its part (even if a rank failed), 1 when the host was torn down, 2 when the join was "
+            "refused or failed."
         ),
     )
     p.add_argument("--controller", default=os.environ.get("FLODL_CONTROLLER"),
@@ -538,11 +548,19 @@ def add_command(sub: Any) -> None:
                                      "nvidia-smi and CUDA_VISIBLE_DEVICES allow, else --cpu-slots)")
     p.add_argument("--cpu-slots", type=int, default=int(os.environ.get("FLODL_CPU_SLOTS", "1")),
                    help="ranks to run on a host without GPUs (env FLODL_CPU_SLOTS; default 1)")
-    p.add_argument("--dataset-sig", help="the dataset signature, 64 hex characters (default: none)")
+    p.add_argument("--dataset-sig", default=os.environ.get("FLODL_DATASET_SIG"),
+                   help="the dataset signature the controller expects, 64 hex characters (env FLODL_DATASET_SIG; "
+                        "default: none)")
     p.add_argument("--join-timeout", type=float, default=30.0,
                    help="seconds to wait for the controller's answer to the hello (default 30)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="seconds of controller silence that tear this host down (default 10)")
+    p.add_argument("--curve-server", metavar="FILE",
+                   help="the controller's public CURVE certificate (`flodl-zmq curve-keygen`); or its public key "
+                        "in env FLODL_CURVE_SERVER. Turns on CURVE for every link of this host")
+    p.add_argument("--curve-secret", metavar="FILE",
+                   help="this host's secret CURVE certificate, when the controller only admits listed keys "
+                        "(or FLODL_CURVE_SECRET; default: a fresh keypair per run)")
     p.set_defaults(func=_agent_command)
 
 
@@ -564,6 +582,7 @@ def _agent_command(args: Any) -> int:
         dataset_sig=sig,
         reply_timeout_s=args.join_timeout,
         silence_s=args.heartbeat_timeout,
+        curve=CurveKeys.for_client(os.environ, args.curve_secret, args.curve_server),
     )
     agent = Agent(config)
     try:

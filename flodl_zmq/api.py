@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -149,9 +150,14 @@ def run_rank(job: Job, penv: ProcessEnv) -> int:
 def run_relay(penv: ProcessEnv) -> int:
     """The relay role: broker this host's ranks until every one of them has left (or SIGTERM)."""
     from flodl_zmq.relay import Relay, RelayConfig
+    from flodl_zmq.security import CurveKeys
 
     assert penv.host is not None
-    cfg = RelayConfig.for_controller(penv.host, penv.world[penv.host], penv.key, penv.run_id, penv.controller)
+    # CURVE keys come from the agent, which puts its own into our environment (FLODL_CURVE_*).
+    cfg = RelayConfig.for_controller(
+        penv.host, penv.world[penv.host], penv.key, penv.run_id, penv.controller,
+        curve=CurveKeys.for_client(os.environ),
+    )
     relay = Relay(cfg)
     relay.start()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -20,10 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     keygen = sub.add_parser("keygen", help="print a fresh 32-byte session key as hex (for FLODL_KEY)")
     keygen.set_defaults(func=_keygen)
     from flodl_zmq.agent import add_command as add_agent_command
+    from flodl_zmq.controller import add_commands as add_controller_commands
     from flodl_zmq.launch import add_commands as add_launch_commands
     from flodl_zmq.security import add_commands as add_security_commands
 
     add_launch_commands(sub)
+    add_controller_commands(sub)
     add_agent_command(sub)
     add_security_commands(sub)
     return parser

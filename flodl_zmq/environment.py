@@ -14,6 +14,9 @@ runs the same user script in every one of them and sets:
     FLODL_SLOWDOWN    rank, optional: emulate slower hardware by this factor (default 1)
     FLODL_STARTUP_TIMEOUT  controller, optional: seconds to wait for every rank's hello (default 120)
 
+An agent also hands its relay its CURVE keys (FLODL_CURVE_SERVER, _SECRET,
+_PUBLIC; flodl_zmq/security.py) when the run's links are encrypted.
+
 Rules this module keeps: the contract is parsed in one place, every variable
 is checked, and an error names the variable and the fix. `to_environ` is the
 exact inverse of `from_environ`.

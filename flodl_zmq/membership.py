@@ -65,6 +65,7 @@ import zmq
 from flodl_zmq.endpoints import is_private_address
 from flodl_zmq.environment import format_world, parse_world
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
+from flodl_zmq.security import CleartextWarner, CurveKeys, apply_server
 from flodl_zmq.wire import KEY_BYTES, PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec
 from flodl_zmq.wire.records import (
     Abort,
@@ -73,6 +74,8 @@ from flodl_zmq.wire.records import (
     JoinHello,
     JoinReject,
     RankExited,
+    StatusReply,
+    StatusRequest,
     WorldFormed,
 )
 
@@ -503,6 +506,8 @@ class MembershipService:
                |  join.abort        the reason, when it fails or the controller gives up
         agent <-> join.heartbeat    both ways from admission on
         agent  -> join.rank_exited  at once, for every rank process that ends
+        client -> join.status_request  any time, keyed like a hello (`flodl-zmq status`)
+        client <- join.status_reply    the cohort's state as JSON; nothing is admitted
 
     A pre-admission frame that fails its MAC is dropped without reply; one
     from another protocol version is refused by name (the peer cannot decode
@@ -511,9 +516,12 @@ class MembershipService:
 
     Use: `start()`; `wait_closed()` returns the verdict (formed with its
     members, or failed); afterwards read `events` (rank exits, lost and done
-    hosts) for the coordinator; `abort(reason)` tells every agent to tear
-    down; `close()` stops the thread. One thread owns the socket; the public
-    methods are safe from any thread.
+    hosts) for the coordinator; `report_training(snapshot)` adds the
+    coordinator's view to status replies; `abort(reason)` tells every agent
+    to tear down; `close()` stops the thread. One thread owns the socket; the
+    public methods are safe from any thread. With `curve` the join socket is
+    a CURVE server; without it, an agent connecting from outside loopback and
+    private networks is warned about once in the log.
     """
 
     def __init__(
@@ -529,9 +537,10 @@ class MembershipService:
         silence_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ):
         if trust is TrustMode.OPEN:
-            check_open_admission_bind(_endpoint_ip(endpoint))
+            check_open_admission_bind(endpoint_ip(endpoint))
         self.window = window
         self.trust = trust
         self.run_id = run_id
@@ -549,9 +558,16 @@ class MembershipService:
         self._closed = threading.Event()
         self._stop = threading.Event()
         self._verdict: Verdict | None = None
+        self._host_state: dict[str, str] = {}  # admitted host -> live | done | lost
+        # Replaced whole by the controller's thread, read whole by ours: a reference swap needs no lock.
+        self._training: dict[str, Any] | None = None
+        self._curve = curve
+        self._cleartext = CleartextWarner(log)
         ctx = context or zmq.Context.instance()
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            apply_server(self._sock, curve)
         # An agent's DEALER keeps its routing id across reconnects (see agent.py);
         # handover lets the reconnected pipe take the id over instead of being ignored.
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -572,6 +588,30 @@ class MembershipService:
     def abort(self, reason: str) -> None:
         """Fail the window if it is open and send every admitted agent an abort."""
         self._commands.put(reason)
+
+    def report_training(self, snapshot: dict[str, Any]) -> None:
+        """The coordinator's current view (JSON-able), served as `training` in status replies."""
+        self._training = snapshot
+
+    def hosts_running(self) -> list[str]:
+        """Admitted hosts that are neither done (every rank exited) nor lost."""
+        return [h for h, state in self._host_state.copy().items() if state == "live"]  # copy: atomic under the GIL
+
+    def status(self) -> dict[str, Any]:
+        """The cohort's state, as `join.status_reply` carries it (PROTOCOL.md)."""
+        verdict = self._verdict or Verdict(self.window.phase, "waiting for workers")
+        out: dict[str, Any] = {
+            "phase": verdict.phase.value,
+            "reason": verdict.reason,
+            "joined_ranks": self.window.joined_ranks,
+            "hosts": {
+                m.host: {"ranks": list(m.ranks), "state": self._host_state.get(m.host, "live")}
+                for m in self.window.members
+            },
+        }
+        if self._training is not None:
+            out["training"] = self._training
+        return out
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -600,6 +640,7 @@ class MembershipService:
                     self._send(ident, self._session, JoinHeartbeat())
             for host in self.links.lost(now):
                 ranks = self.links.live_ranks(host)
+                self._host_state[host] = "lost"
                 log.warning("host %r lost: its agent is silent; ranks %s are gone", host, list(ranks))
                 self.events.put(HostLost(host, ranks))
 
@@ -646,6 +687,9 @@ class MembershipService:
             log.warning("join frame dropped without reply: %s", exc)
             return
         hello = env.record
+        if isinstance(hello, StatusRequest):
+            self._send(ident, self._join, StatusReply(json.dumps(self.status())))
+            return
         if not isinstance(hello, JoinHello):
             self._send(ident, self._join, JoinReject(f"the first join record must be join.hello, got {env.kind}"))
             return
@@ -661,7 +705,11 @@ class MembershipService:
             self.window.retract_last(hello.host)
             return
         self._hosts[ident] = hello.host
+        self._host_state[hello.host] = "live"
         self.links.add(self.window.members[-1], now)
+        peer = _peer_address(frames)
+        if peer is not None:
+            self._cleartext.warn_if_cleartext(peer, encrypted=self._curve is not None)
         log.info(
             "admitted %r as ranks %s (%d/%s ranks joined)",
             hello.host,
@@ -687,6 +735,7 @@ class MembershipService:
             log.info("host %r: rank %d exited with code %d", host, rec.rank, rec.code)
             self.events.put(RankExitReported(host, rec.rank, rec.code))
             if self.links.rank_exited(host, rec.rank, now):
+                self._host_state[host] = "done"
                 self.events.put(HostDone(host))
         elif not isinstance(rec, JoinHeartbeat):
             log.warning("host %r sent %s on its join link; ignored", host, env.kind)
@@ -700,7 +749,15 @@ class MembershipService:
             return False
 
 
-def _endpoint_ip(endpoint: str) -> str:
+def _peer_address(frames: list[Any]) -> str | None:
+    """The IP address a received message came from (ZeroMQ's Peer-Address metadata), if known."""
+    try:
+        return frames[0].get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, IndexError):
+        return None
+
+
+def endpoint_ip(endpoint: str) -> str:
     """The IP address a `tcp://host:port` endpoint binds (hostnames resolved)."""
     if not endpoint.startswith("tcp://"):
         raise ConfigError(f"open admission needs a tcp:// join endpoint, got {endpoint!r}")

@@ -34,6 +34,14 @@ Theory of operation:
    final model is the last consensus with positive mass seen on the
    broadcast (the controller subscribes to its own PUB, exactly like a relay).
 
+Under `flodl-zmq controller` (flodl_zmq/controller.py) the controller role
+runs in the same process as the membership service, linked through
+`MEMBERSHIP_LINK`: a rank exit an agent reports (non-zero code) and a host
+whose agent fell silent are deaths declared at once, seconds before rank
+heartbeats would tell; the coordinator's view is reported to the membership
+for `flodl-zmq status`; and the controller's sockets are CURVE servers when
+the link carries keys.
+
 Rules this module keeps: one socket, one thread (the reducer's sockets are
 the reducer thread's); a record that fails authentication or schema is
 counted and logged, never fatal; the core sees only authenticated records
@@ -43,6 +51,7 @@ whose signer is the rank their route names.
 from __future__ import annotations
 
 import collections
+import contextvars
 import logging
 import math
 import queue
@@ -66,13 +75,16 @@ from flodl_zmq.coordinator.core import (
     RunEnded,
     SaveState,
 )
+from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import AuthError, FlodlError, TrainingError, WireError
 from flodl_zmq.job import Job
+from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
 from flodl_zmq.rank import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import RELAY_ROUTE, rank_identity, rank_of, rank_sender, relay_sender
+from flodl_zmq.security import CurveKeys, apply_client, apply_server
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
 
@@ -81,6 +93,7 @@ log = logging.getLogger(__name__)
 COORDINATOR_SENDER = "coordinator"
 POLL_S = 0.02
 END_DRAIN_S = 1.0
+STATUS_EVERY_S = 0.25
 
 MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
 
@@ -102,6 +115,27 @@ def coordinator_config(job: Job) -> CoordinatorConfig:
     )
 
 
+@dataclass(frozen=True)
+class MembershipLink:
+    """What `flodl-zmq controller` hands the controller role it runs in its own process.
+
+    `membership`: the running service whose events (rank exits the agents
+    report, hosts lost) the coordinator acts on, and which serves the status
+    the coordinator reports. `curve`: the controller's CURVE server keys
+    (None: cleartext).
+    """
+
+    membership: MembershipService
+    curve: CurveKeys | None = None
+
+
+# The user's script builds the Trainer, so the controller command cannot pass the
+# link down as an argument: it sets it around the script, and run_controller reads it.
+MEMBERSHIP_LINK: contextvars.ContextVar[MembershipLink | None] = contextvars.ContextVar(
+    "flodl_membership_link", default=None
+)
+
+
 @dataclass
 class _Formation:
     hellos: dict[int, rec.RankHello] = field(default_factory=dict)
@@ -112,9 +146,14 @@ class _Formation:
 class ControllerService:
     """Runs one training job's controller until the run ends; `run()` returns the TrainResult."""
 
-    def __init__(self, job: Job, penv: ProcessEnv) -> None:
+    def __init__(self, job: Job, penv: ProcessEnv, link: MembershipLink | None = None) -> None:
         self.job = job
         self.penv = penv
+        self.link = link
+        self.curve = link.curve if link is not None else None
+        self.deaths: dict[int, tuple[float, str]] = {}  # rank -> (unix time, why), failures only
+        self._last_round_at: float | None = None
+        self._next_status = 0.0
         self.world = penv.world
         self.world_size = penv.world_size
         self.host_of = {r: h for h, rs in penv.world.items() for r in rs}
@@ -152,7 +191,10 @@ class ControllerService:
     def run(self) -> TrainResult:
         ctx = zmq.Context.instance()
         reducer = ReducerService(
-            ReducerConfig.for_controller(self.world, self.penv.key, self.penv.run_id, self.penv.controller), ctx
+            ReducerConfig.for_controller(
+                self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve
+            ),
+            ctx,
         )
         control = ctx.socket(zmq.ROUTER)
         control.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -160,6 +202,10 @@ class ControllerService:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            apply_server(control, self.curve)
+            # Our own copy of the broadcast is a CURVE client of our PUB, with our own keypair.
+            apply_client(sub, CurveKeys(self.curve.public, self.curve.secret, server=self.curve.public))
         t0 = time.perf_counter()
         try:
             control.bind(self.penv.controller.endpoint(Channel.CONTROL))
@@ -172,6 +218,7 @@ class ControllerService:
             reducer.stop()
             control.close()
             sub.close()
+            self._report_status()
         self.result.wall_s = time.perf_counter() - t0
         if self.stop_error is not None:
             raise self.stop_error
@@ -220,6 +267,11 @@ class ControllerService:
                     self._on_control(msg)
             if reducer.error is not None:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
+            if self.link is not None:
+                self._on_membership()
+                if now >= self._next_status:
+                    self._next_status = now + STATUS_EVERY_S
+                    self._report_status()
             if self.started:
                 while True:
                     try:
@@ -232,6 +284,7 @@ class ControllerService:
                     if outcome.abandoned is None:
                         if started is not None:
                             self.result.round_ms.append((time.perf_counter() - started) * 1000.0)
+                            self._last_round_at = time.time()
                         self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
                     else:
                         self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
@@ -313,7 +366,7 @@ class ControllerService:
                 self.counts["forged_route.control"] += 1
                 return
             if self.started:
-                self._perform(self.core.on_rank_death(r.rank, "its relay saw it leave", time.monotonic()))
+                self._declare_dead(r.rank, f"the relay on {host} saw it leave")
             elif r.rank not in self.formation.hellos:
                 log.error("controller: rank %d left before the world formed", r.rank)
         else:
@@ -350,6 +403,59 @@ class ControllerService:
             print(f"world formed: {self.world_size} ranks on {len(self.world)} hosts, mode {self.job.mode}", flush=True)
         self._perform(self.core.start(time.monotonic()))
 
+    # ------------------------------------------------------------------ membership (controller command)
+
+    def _on_membership(self) -> None:
+        """Act on what the agents reported: the fast path to declaring ranks dead."""
+        assert self.link is not None
+        while True:
+            try:
+                event = self.link.membership.events.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(event, RankExitReported) and event.code != 0:
+                self._declare_dead(event.rank, f"its agent on {event.host} reported exit code {event.code}")
+            elif isinstance(event, HostLost):
+                for rank in event.ranks:
+                    self._declare_dead(rank, f"host {event.host} lost: its agent fell silent")
+
+    def _declare_dead(self, rank: int, reason: str) -> None:
+        if not self.started:
+            # A rank that failed before the world formed would only be found by the
+            # startup timeout, minutes later; stop now, naming it.
+            if self.stop_error is None:
+                self.stop_error = TrainingError(
+                    f"rank {rank} failed before training started ({reason}); its output is in that host's agent log"
+                )
+                for r in self.formation.hellos:
+                    self._send_rank(r, rec.Shutdown())
+            return
+        if self.core.liveness.is_live(rank):
+            self.deaths[rank] = (time.time(), reason)
+            log.warning("rank %d declared dead: %s", rank, reason)
+        self._perform(self.core.on_rank_death(rank, reason, time.monotonic()))
+
+    def _report_status(self) -> None:
+        """Hand the coordinator's view to the membership service, which serves `flodl-zmq status`."""
+        if self.link is None:
+            return
+        states = [self.core.liveness.state(r) for r in range(self.world_size)]
+        self.link.membership.report_training({
+            "started": self.started,
+            "alive": [r for r, st in enumerate(states) if st is RankState.LIVE],
+            "exited": [r for r, st in enumerate(states) if st is RankState.EXITED],
+            "dead": [r for r, st in enumerate(states) if st is RankState.DEAD],
+            "deaths": {str(r): {"at": at, "reason": why} for r, (at, why) in sorted(self.deaths.items())},
+            "epoch": self.core.last_aggregated + 1,
+            "epochs": self.job.epochs,
+            "round": self.core.round,
+            "rounds_done": self.core.avg_count,
+            "global_step": self.core.global_step,
+            "last_round_ms": self.result.round_ms[-1] if self.result.round_ms else None,
+            "last_round_at": self._last_round_at,
+            "ended": None if self.ended is None else (self.ended.reason.value if self.ended.reason else "completed"),
+        })
+
     def _formation_failed(self) -> None:
         f = self.formation
         missing = sorted(set(range(self.world_size)) - set(f.hellos))
@@ -379,7 +485,10 @@ class ControllerService:
         for out in outs:
             if out.dest is REDUCER:
                 if isinstance(out.record, rec.DeclareDead):
-                    self.reducer.declare_dead(out.record.rank)
+                    rank = out.record.rank
+                    if rank not in self.deaths and self.core.liveness.state(rank) is RankState.DEAD:
+                        self.deaths[rank] = (time.time(), "silent past the coordinator's heartbeat timeout, or unreachable")
+                    self.reducer.declare_dead(rank)
                 elif isinstance(out.record, ExpectRound):
                     # The reducer learns each round from its first HostFrame; the
                     # directive only starts the round clock here.
@@ -485,8 +594,8 @@ class ControllerService:
 
 
 def run_controller(job: Job, penv: ProcessEnv) -> TrainResult:
-    """Entry point of the controller role."""
-    result = ControllerService(job, penv).run()
+    """Entry point of the controller role (linked to the membership under `flodl-zmq controller`)."""
+    result = ControllerService(job, penv, MEMBERSHIP_LINK.get()).run()
     if result.final_eval is None and result.epochs and result.epochs[-1].get("eval") is not None:
         result.final_eval = result.epochs[-1]["eval"]
     if not job.quiet and result.final_eval is not None and not math.isnan(result.final_eval):

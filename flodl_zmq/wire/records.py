@@ -431,6 +431,18 @@ class JoinHeartbeat:
     """Liveness on an admitted join link, both ways: ZeroMQ will not report a vanished peer."""
 
 
+@record("join.status_request", J)
+class StatusRequest:
+    """`flodl-zmq status` asks the controller for the cohort's state (keyed like a hello)."""
+
+
+@record("join.status_reply", J)
+class StatusReply:
+    """The cohort's state as a JSON object (schema: PROTOCOL.md, `join.status_reply`)."""
+
+    json: str
+
+
 # --------------------------------------------------------------------------- field validation
 
 _PLAIN = {int: int, float: (int, float), str: str, bytes: bytes, bool: bool}

@@ -1,0 +1,438 @@
+"""`flodl-zmq controller` and `flodl-zmq status`: the controller host of a multi-host run.
+
+    flodl-zmq controller --bind HOST:PORT [options] -- SCRIPT [ARGS]     (or -- -m MODULE [ARGS])
+
+1. Trust. The session key is FLODL_KEY, pre-shared with every agent; or,
+   with --open-admission (loopback and private networks only), a fresh key
+   handed to each admitted agent. CURVE server keys come from --curve-secret
+   or FLODL_CURVE_SECRET.
+2. The join window. The membership service on PORT+3 admits agents until
+   the world forms (target ranks reached, or quorum when the window closes)
+   or fails (no quorum by the hard cap; the agents are told why).
+3. The controller role. SCRIPT runs in this process as FLODL_ROLE=controller
+   for the formed world; every agent runs the same SCRIPT and ARGS for its
+   relay and ranks. The membership keeps the join links open meanwhile, and
+   its events feed the coordinator (coordinator.service.MEMBERSHIP_LINK): a
+   rank exit an agent reports and a host whose agent falls silent are deaths
+   declared at once. This process runs no ranks.
+4. The end. The script's exit status is the command's. After a completed
+   run the agents get `END_GRACE_S` to see their ranks out, then an abort;
+   after a failure they are aborted at once, with the reason.
+
+`flodl-zmq status --controller HOST:PORT` asks the membership service for
+the cohort's state (`join.status_request`, keyed like a hello) and prints it.
+
+Rules this module keeps: every flag has an environment fallback and the
+help says which; every wait is bounded or interruptible (SIGINT/SIGTERM
+abort the agents with the reason); the agents are always told how the run
+ended, so none waits out a heartbeat timeout to learn it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import runpy
+import signal
+import sys
+import textwrap
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import zmq
+
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.environment import DEFAULT_STARTUP_TIMEOUT_S, ProcessEnv
+from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
+from flodl_zmq.membership import (
+    JOIN_RUN_ID,
+    OPEN_JOIN_KEY,
+    JoinConfig,
+    JoinWindow,
+    MembershipService,
+    Phase,
+    SpawnSpec,
+    endpoint_ip,
+    resolve_trust,
+)
+from flodl_zmq.security import CurveKeys, apply_client, start_allow_list
+from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, key_from_hex, new_key
+from flodl_zmq.wire.records import StatusReply, StatusRequest
+
+log = logging.getLogger("flodl_zmq.controller")
+
+END_GRACE_S = 15.0  # after a completed run: how long agents may take to see their ranks out
+ABORT_FLUSH_S = 0.5  # the membership thread sends within a poll tick; the socket does not linger
+STATUS_SENDER = "status"
+
+
+@dataclass(frozen=True)
+class ControllerOptions:
+    """One `flodl-zmq controller` run, validated (see `add_commands` for each field's flag)."""
+
+    address: ControllerAddress
+    argv: tuple[str, ...]
+    join: JoinConfig
+    open_admission: bool = False
+    key: bytes | None = None
+    dataset_sig: bytes | None = None
+    heartbeat_s: float = 1.0
+    silence_s: float = 10.0
+    curve: CurveKeys | None = None
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        argv = self.argv
+        if not argv or not (len(argv) >= 2 if argv[0] == "-m" else not argv[0].startswith("-")):
+            raise ConfigError(
+                "the controller needs the program every host runs, after `--`: SCRIPT [ARGS] or -m MODULE [ARGS] "
+                "(e.g. flodl-zmq controller --bind 10.0.0.5:7300 -- -m flodl_zmq.demo)"
+            )
+        if self.open_admission and self.key is not None:
+            raise ConfigError(
+                "--open-admission hands every agent a fresh session key, but FLODL_KEY is set too: unset "
+                "FLODL_KEY, or drop --open-admission and give every agent the same FLODL_KEY"
+            )
+        if not self.open_admission and self.key is None:
+            raise ConfigError(
+                "no session key: set FLODL_KEY (`flodl-zmq keygen`) on the controller and on every agent, or "
+                "pass --open-admission on a private network to hand a fresh key to each agent that joins"
+            )
+        if not self.silence_s > self.heartbeat_s > 0:
+            raise ConfigError(
+                f"--heartbeat-timeout ({self.silence_s:g} s) must exceed the heartbeat interval "
+                f"({self.heartbeat_s:g} s)"
+            )
+
+
+def serve(opts: ControllerOptions) -> int:
+    """Run the join window, then the controller role; the exit status (see the module docstring)."""
+    join_endpoint = opts.address.endpoint(Channel.JOIN)
+    trust = resolve_trust(opts.open_admission, endpoint_ip(join_endpoint))
+    key = opts.key if opts.key is not None else new_key()
+    run_id = os.urandom(RUN_ID_BYTES)
+    ctx = zmq.Context.instance()
+    curve, auth = opts.curve, None
+    if curve is not None and curve.allowed_clients is not None:
+        # Our own SUB is a client of our PUB: our key must pass the allow-list too.
+        curve = replace(curve, allowed_clients=curve.allowed_clients | {curve.public})
+        auth = start_allow_list(ctx, curve)
+    window = JoinWindow(opts.join, opened_at=time.monotonic(), dataset_sig=opts.dataset_sig)
+    membership = MembershipService(
+        window, endpoint=join_endpoint, trust=trust, session_key=key, run_id=run_id,
+        spawn=SpawnSpec(opts.argv), heartbeat_s=opts.heartbeat_s, silence_s=opts.silence_s,
+        context=ctx, curve=curve,
+    )
+    cfg = opts.join
+    log.info(
+        "join window open on %s (%s%s): forming at %s ranks, at least %d, window %g s, hard cap %g s",
+        membership.endpoint, trust.value, ", CURVE" if curve is not None else "",
+        cfg.target_ranks or "-", cfg.min_ranks, cfg.window_s, cfg.cap_s,
+    )
+    membership.start()
+    formed = False
+    saved_env: dict[str, str | None] = {}
+    try:
+        verdict = None
+        while verdict is None:
+            verdict = membership.wait_closed(0.5)
+        if verdict.phase is not Phase.FORMED:
+            time.sleep(ABORT_FLUSH_S)  # the membership is telling the agents
+            raise MembershipError(f"the world did not form: {verdict.reason}")
+        formed = True
+        world = {m.host: m.ranks for m in verdict.members}
+        log.info("world formed: %s; running %s", world, " ".join(opts.argv))
+        penv = ProcessEnv(
+            role="controller", controller=opts.address, key=key, run_id=run_id, world=world,
+            startup_timeout_s=opts.startup_timeout_s,
+        )
+        from flodl_zmq.coordinator.service import MEMBERSHIP_LINK, MembershipLink
+
+        role_env = penv.to_environ()
+        saved_env = {name: os.environ.get(name) for name in role_env}
+        os.environ.update(role_env)  # the program's Trainer.run() reads its role from here
+        token = MEMBERSHIP_LINK.set(MembershipLink(membership, curve))
+        try:
+            code = run_script(opts.argv)
+        finally:
+            MEMBERSHIP_LINK.reset(token)
+        if code != 0:
+            _abort(membership, f"the controller's program exited with status {code}")
+            return code
+        _see_agents_out(membership)
+        return 0
+    except KeyboardInterrupt:
+        _abort(membership, "the controller was interrupted (SIGINT/SIGTERM)")
+        return 130
+    except FlodlError as exc:
+        if not formed:
+            raise
+        reason = f"{type(exc).__name__}: {exc}"
+        print(f"flodl-zmq controller: {reason}", file=sys.stderr, flush=True)
+        _abort(membership, reason)
+        return 1
+    except Exception as exc:
+        traceback.print_exc()
+        _abort(membership, f"the controller failed: {type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        membership.close()
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if auth is not None:
+            auth.stop()
+
+
+def _abort(membership: MembershipService, reason: str) -> None:
+    membership.abort(reason)
+    time.sleep(ABORT_FLUSH_S)
+
+
+def _see_agents_out(membership: MembershipService) -> None:
+    """Give the agents time to report their ranks' exits, then abort the stragglers."""
+    deadline = time.monotonic() + END_GRACE_S
+    while membership.hosts_running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    late = membership.hosts_running()
+    if late:
+        _abort(membership, f"the run is over but host(s) {late} still run ranks after {END_GRACE_S:g} s")
+    else:
+        log.info("every host finished; controller done")
+
+
+def run_script(argv: Sequence[str]) -> int:
+    """Run `SCRIPT [ARGS]` or `-m MODULE [ARGS]` in this process as `__main__`; its exit status."""
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            # What `python SCRIPT` does: the script's directory comes first on the path.
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
+
+
+# --------------------------------------------------------------------------- status
+
+
+def query_status(
+    address: ControllerAddress,
+    key: bytes | None,
+    curve: CurveKeys | None = None,
+    timeout_s: float = 5.0,
+    context: zmq.Context | None = None,
+) -> dict[str, Any]:
+    """Ask the controller at `address` for the cohort's state (the `join.status_reply` object).
+
+    `key`: the pre-shared session key, or None for an open-admission controller.
+    """
+    ctx = context or zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if curve is not None:
+            apply_client(sock, curve)
+        sock.connect(address.endpoint(Channel.JOIN))
+        codec = Codec(key or OPEN_JOIN_KEY, JOIN_RUN_ID, STATUS_SENDER)
+        sock.send_multipart(codec.encode(StatusRequest(), channel=Channel.JOIN))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise MembershipError(
+                f"no status reply from the controller at {address} within {timeout_s:g} s: it is not running or "
+                "not reachable, or it dropped the request because the key differs (FLODL_KEY must be the "
+                "controller's; unset under open admission)"
+            )
+        try:
+            env = codec.decode(sock.recv_multipart(), Channel.JOIN)
+        except WireError as exc:
+            raise MembershipError(f"the controller's status reply was refused: {exc}") from None
+        if not isinstance(env.record, StatusReply):
+            raise MembershipError(f"expected join.status_reply, got {env.kind}: the controller runs another version")
+        return json.loads(env.record.json)
+    finally:
+        sock.close(0)
+
+
+def format_status(address: ControllerAddress, status: Mapping[str, Any]) -> str:
+    """The status as a few lines for a person."""
+    lines = [f"controller {address}: {status['phase']} ({status['reason']}), {status['joined_ranks']} ranks joined"]
+    for host, h in status.get("hosts", {}).items():
+        lines.append(f"  host {host}: ranks {h['ranks']} {h['state']}")
+    t = status.get("training")
+    if t is not None:
+        lines.append(f"  ranks alive {t['alive']}, dead {t['dead']}, exited {t['exited']}")
+        for rank, d in t["deaths"].items():
+            at = time.strftime("%H:%M:%S", time.localtime(d["at"])) + f".{int(d['at'] % 1 * 1000):03d}"
+            lines.append(f"    rank {rank} dead at {at}: {d['reason']}")
+        last = "no round finished yet"
+        if t["last_round_at"] is not None:
+            last = f"last round {t['last_round_ms']:.1f} ms, {time.time() - t['last_round_at']:.1f} s ago"
+        lines.append(
+            f"  epoch {min(t['epoch'] + 1, t['epochs'])}/{t['epochs']}, round {t['round']} "
+            f"({t['rounds_done']} done), global step {t['global_step']}, {last}"
+            + (f"; run ended: {t['ended']}" if t["ended"] else "")
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _env_default(environ: Mapping[str, str], name: str, default: Any, kind: Callable[[str], Any]) -> Any:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def _env_flag(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def add_commands(sub: Any, environ: Mapping[str, str] | None = None) -> None:
+    """Register `controller` and `status` on the `flodl-zmq` sub-command parser."""
+    env = os.environ if environ is None else environ
+    c = sub.add_parser(
+        "controller",
+        help="run the controller host of a multi-host run: the join window, then the coordinator and reducer",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="\n\n".join(textwrap.fill(p, 79) for p in (
+            "Open a join window on PORT+3 of --bind, admit agents (`flodl-zmq agent --controller HOST:PORT`) "
+            "until the world forms, then run PROGRAM in this process as the controller while every agent runs it "
+            "as its relay and ranks. PROGRAM is SCRIPT [ARGS] or -m MODULE [ARGS], after `--`. This host runs no "
+            "ranks: start an agent here too to train on it.",
+            "Trust: FLODL_KEY (`flodl-zmq keygen`), the same on every host; or --open-admission on a private "
+            "network, which hands a fresh key to each agent that joins. Encryption: give the controller a CURVE "
+            "secret (`flodl-zmq curve-keygen DIR`, then --curve-secret DIR/controller.key_secret or "
+            "FLODL_CURVE_SECRET) and every agent its public key.",
+            "Exit status: the program's (0 when the run completed), 1 when it failed or the agents were aborted, "
+            "2 when the world did not form or a setting is wrong, 130 when interrupted.",
+        )),
+    )
+    c.add_argument("--bind", default=env.get("FLODL_BIND"), metavar="HOST:PORT",
+                   help="address to listen on; uses PORT..PORT+3 (env FLODL_BIND)")
+    c.add_argument("--open-admission", action="store_true", default=_env_flag(env, "FLODL_OPEN_ADMISSION"),
+                   help="admit any agent that reaches the address and hand it the session key; refused unless "
+                        "--bind is a loopback or private address (env FLODL_OPEN_ADMISSION=1)")
+    c.add_argument("--min-ranks", type=int, default=_env_default(env, "FLODL_MIN_RANKS", 2, int),
+                   help="fewest ranks the run may start with (env FLODL_MIN_RANKS; default 2)")
+    c.add_argument("--target-ranks", type=int, default=_env_default(env, "FLODL_TARGET_RANKS", None, int),
+                   help="form the world as soon as this many ranks joined (env FLODL_TARGET_RANKS; default: wait "
+                        "for the join window to close)")
+    c.add_argument("--join-window", type=float, default=_env_default(env, "FLODL_JOIN_WINDOW", 300.0, float),
+                   help="seconds the window stays open for more ranks once started (env FLODL_JOIN_WINDOW; "
+                        "default 300)")
+    c.add_argument("--join-cap", type=float, default=_env_default(env, "FLODL_JOIN_CAP", None, float),
+                   help="hard limit in seconds: without the minimum ranks by then, the run aborts (env "
+                        "FLODL_JOIN_CAP; default: twice the join window)")
+    c.add_argument("--heartbeat-timeout", type=float,
+                   default=_env_default(env, "FLODL_HEARTBEAT_TIMEOUT", 10.0, float),
+                   help="seconds of silence from an agent after which its host's ranks are declared dead "
+                        "(env FLODL_HEARTBEAT_TIMEOUT; default 10)")
+    c.add_argument("--dataset-sig", default=env.get("FLODL_DATASET_SIG"), metavar="HEX",
+                   help="dataset signature (64 hex characters) every agent must announce; default: the first "
+                        "agent's sets it (env FLODL_DATASET_SIG). The ranks' own signatures are checked again")
+    c.add_argument("--curve-secret", metavar="FILE", default=env.get("FLODL_CURVE_SECRET_FILE"),
+                   help="the controller's secret CURVE certificate, which turns CURVE on for every socket (or "
+                        "its key in FLODL_CURVE_SECRET; file env FLODL_CURVE_SECRET_FILE)")
+    c.add_argument("--curve-clients", metavar="DIR", default=env.get("FLODL_CURVE_CLIENTS"),
+                   help="admit only the CURVE public keys of the `.key` files in DIR (env FLODL_CURVE_CLIENTS; "
+                        "default: any key, the session key authenticates)")
+    c.add_argument("argv", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS], or -- -m MODULE [ARGS]")
+    c.set_defaults(func=_controller_command)
+
+    s = sub.add_parser(
+        "status",
+        help="print the state of a running controller's cohort: hosts, ranks alive and dead, epoch, round",
+        description=(
+            "Ask the controller at HOST:PORT (its join endpoint, PORT+3) for the cohort's state. Uses FLODL_KEY "
+            "when the controller has a pre-shared key, none under open admission; FLODL_CURVE_SERVER when it "
+            "runs CURVE."
+        ),
+    )
+    s.add_argument("--controller", default=env.get("FLODL_CONTROLLER"), metavar="HOST:PORT",
+                   help="the controller's address (env FLODL_CONTROLLER)")
+    s.add_argument("--json", action="store_true", help="print the status object as JSON")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply (default 5)")
+    s.add_argument("--curve-server", metavar="FILE",
+                   help="the controller's public CURVE certificate (or its key in FLODL_CURVE_SERVER)")
+    s.set_defaults(func=_status_command)
+
+
+def _session_key(environ: Mapping[str, str]) -> bytes | None:
+    text = environ.get("FLODL_KEY", "").strip()
+    return key_from_hex(text) if text else None
+
+
+def _controller_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="[controller] %(levelname)s %(name)s: %(message)s")
+    if not args.bind:
+        raise ConfigError("the controller needs an address to listen on: --bind HOST:PORT (or FLODL_BIND)")
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    window = args.join_window
+    try:
+        sig = bytes.fromhex(args.dataset_sig) if args.dataset_sig else None
+    except ValueError:
+        raise ConfigError("--dataset-sig must be 64 hex characters") from None
+    if sig is not None and len(sig) != 32:
+        raise ConfigError("--dataset-sig must be 64 hex characters (32 bytes)")
+    opts = ControllerOptions(
+        address=ControllerAddress.parse(args.bind),
+        argv=tuple(argv),
+        join=JoinConfig(
+            min_ranks=args.min_ranks, target_ranks=args.target_ranks, window_s=window,
+            cap_s=args.join_cap if args.join_cap is not None else 2 * window,
+        ),
+        open_admission=args.open_admission,
+        key=_session_key(os.environ),
+        dataset_sig=sig,
+        silence_s=args.heartbeat_timeout,
+        curve=CurveKeys.for_server(os.environ, args.curve_secret, args.curve_clients),
+        startup_timeout_s=_env_default(os.environ, "FLODL_STARTUP_TIMEOUT", DEFAULT_STARTUP_TIMEOUT_S, float),
+    )
+    stop = _raise_interrupt_on_sigterm()
+    try:
+        return serve(opts)
+    finally:
+        signal.signal(signal.SIGTERM, stop)
+
+
+def _raise_interrupt_on_sigterm() -> Any:
+    """SIGTERM takes the SIGINT path (abort the agents, then exit); returns the previous handler."""
+
+    def on_term(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, on_term)
+
+
+def _status_command(args: argparse.Namespace) -> int:
+    if not args.controller:
+        raise ConfigError("status needs the controller's address: --controller HOST:PORT (or FLODL_CONTROLLER)")
+    address = ControllerAddress.parse(args.controller)
+    status = query_status(
+        address, _session_key(os.environ), CurveKeys.for_client(os.environ, server_file=args.curve_server),
+        timeout_s=args.timeout,
+    )
+    print(json.dumps(status, indent=2, sort_keys=True) if args.json else format_status(address, status))
+    return 0

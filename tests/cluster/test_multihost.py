@@ -1,0 +1,261 @@
+"""docker-compose.yml as a three-host cluster, each service in its own network namespace.
+
+The harness (tests/cluster/netns.py) reads the compose file and runs every
+service's command and environment in its own namespace on a bridge, so
+controller, agents, relays and ranks talk over real veth interfaces. Each
+test is one cluster run with a few scenarios; the failure runs swap the
+controller's program for tests/cluster/digits_job.py with a per-step sleep,
+so training lasts long enough to break things in, and shorten the agent
+silence timeout so a lost host is declared within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import zmq
+
+from flodl_zmq.wire import new_key
+from tests.cluster.netns import Network, Service, read_compose, unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+JOB = str(Path(__file__).with_name("digits_job.py"))
+WAIT_S = 60.0
+# Failure runs: ~90 batches of 16 per epoch, each step sleeping 12 ms.
+SLOW_JOB = ["--epochs", "14", "--batch-size", "16", "--step-ms", "12"]
+HOST_SILENCE_S = 3.0
+AGENT_HEARTBEAT_S = 1.0  # AgentConfig.heartbeat_s
+FAST_PATH_S = 2.0
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linux", reason="network namespaces")]
+
+
+@pytest.fixture(scope="module")
+def net():
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Network() as n:
+        for name in ("controller", "worker1", "worker2", "intruder"):
+            n.add_host(name)
+        yield n
+
+
+class Compose:
+    """The compose file's services in the namespaces: start, watch logs, act, tear down."""
+
+    def __init__(self, net: Network, logs: Path):
+        self.net, self.logs = net, logs
+        self.services = {s.name: s for s in read_compose(ROOT / "docker-compose.yml")}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def up(self, name: str, *, host: str | None = None, service: str | None = None,
+           argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start `service` (default `name`) as `name` on `host` (default `name`), argv/env overridden."""
+        svc: Service = self.services[service or name]
+        command = list(argv if argv is not None else svc.command)
+        if command[0] == "flodl-zmq":  # the image's console script is this venv's
+            command[0] = str(BIN / "flodl-zmq")
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **svc.environment, **(env or {})}
+        for var in ("FLODL_KEY", "FLODL_CURVE_SECRET", "FLODL_CURVE_PUBLIC", "FLODL_CURVE_SERVER"):
+            if var not in svc.environment and var not in (env or {}):
+                environ.pop(var, None)
+        out = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 - the child owns it until it exits
+        proc = self.net.popen(host or name, command, env=environ, stdout=out, stderr=subprocess.STDOUT)
+        out.close()
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def wait_for(self, name: str, predicate: str | Callable[[str], bool], timeout: float = WAIT_S) -> str:
+        """Poll `name`'s log until it contains the text (or satisfies the predicate); its log."""
+        test = (lambda text: predicate in text) if isinstance(predicate, str) else predicate
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log(name)
+            if test(text):
+                return text
+            if time.monotonic() > deadline or self.procs[name].poll() is not None and not test(self.log(name)):
+                raise AssertionError(f"{name}: {predicate!r} never appeared:\n{text[-4000:]}\n{self.tails()}")
+            time.sleep(0.1)
+
+    def wait(self, name: str, timeout: float = WAIT_S) -> int:
+        try:
+            return self.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still running after {timeout:g} s\n{self.tails()}") from None
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {n}\n{self.log(n)[-1500:]}" for n in self.procs)
+
+    def status(self, host: str, env: dict[str, str] | None = None) -> dict:
+        done = self.net.run(host, [str(BIN / "flodl-zmq"), "status", "--controller", "controller:7300", "--json"],
+                            env={**os.environ, **(env or {})})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    def rank_pid(self, host: str, rank: int) -> int:
+        """The pid of global rank `rank`'s process on `host` (from its FLODL_* environment)."""
+        pids = subprocess.run(["ip", "netns", "pids", self.net.hosts[host].netns], capture_output=True,
+                              text=True, check=False).stdout.split()
+        for pid in pids:
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"FLODL_ROLE=rank" in env and f"FLODL_RANK={rank}".encode() in env:
+                return int(pid)
+        raise AssertionError(f"no process of rank {rank} on {host}")
+
+    def down(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(10)
+        for host in self.net.hosts:  # the agents' children run in sessions of their own
+            self.net.kill_host_processes(host)
+
+
+@pytest.fixture
+def compose(net, tmp_path):
+    c = Compose(net, tmp_path)
+    yield c
+    c.down()
+    for host in net.hosts:
+        net.restore(host)
+
+
+def controller_argv(compose: Compose, *, open_admission: bool = True, program: Sequence[str] | None = None,
+                    extra: Sequence[str] = ()) -> list[str]:
+    """The compose file's controller command with its program (after `--`) and admission swapped."""
+    command = list(compose.services["controller"].command)
+    split = command.index("--")
+    head, tail = command[:split], command[split + 1:]
+    if not open_admission:
+        head.remove("--open-admission")
+    return [*head, *extra, "--", *(program if program is not None else tail)]
+
+
+def start_workers(compose: Compose, env: dict[str, str] | None = None) -> None:
+    """worker1, admitted as ranks 0 and 1, then worker2 (ranks 2 and 3)."""
+    compose.up("worker1", env=env)
+    compose.wait_for("controller", "admitted 'worker1'")
+    compose.up("worker2", env=env)
+
+
+def result_of(log: str, tag: str) -> dict:
+    line = next(ln for ln in log.splitlines() if ln.startswith(tag))
+    return json.loads(line[len(tag):])
+
+
+# ---------------------------------------------------------------------------- the compose file as it is
+
+
+def test_compose_trains_digits_to_95_percent_and_refuses_bad_workers_by_name(compose):
+    intruder_agent = [str(BIN / "flodl-zmq"), "agent", "--controller", "controller:7300", "--cpu-slots", "1",
+                      "--join-timeout", "3"]
+    compose.up("controller")
+    compose.wait_for("controller", "join window open")
+    # A worker with a key of its own: its hello fails the MAC and is dropped unanswered.
+    wrong_key = compose.up("wrong-key", host="intruder", service="worker1",
+                           argv=[*intruder_agent, "--host", "wrong-key"], env={"FLODL_KEY": new_key().hex()})
+    # A worker of another protocol version.
+    skew = compose.up("skew", host="intruder", service="worker1", argv=[
+        sys.executable, "-c",
+        "import sys, flodl_zmq.agent as a; a.PROTOCOL_VERSION = 99; from flodl_zmq.cli import main; "
+        "sys.exit(main(sys.argv[1:]))", *intruder_agent[1:], "--host", "skew",
+    ])
+    compose.up("worker1")
+    compose.wait_for("controller", "admitted 'worker1'")
+    # A worker with other data (the first member set the run's dataset signature).
+    other_data = compose.up("other-data", host="intruder", service="worker1",
+                            argv=[*intruder_agent, "--host", "other-data", "--dataset-sig", "ab" * 32])
+    for proc in (wrong_key, skew, other_data):
+        assert proc.wait(WAIT_S) == 2
+    compose.up("worker2")
+
+    assert compose.wait("controller") == 0, compose.tails()
+    for name in ("worker1", "worker2"):
+        assert compose.wait(name) == 0, compose.tails()
+    log = compose.log("controller")
+    assert "world formed: {'worker1': (0, 1), 'worker2': (2, 3)}" in log
+    assert result_of(log, "FLODL_DEMO_RESULT ")["accuracy"] >= 0.95
+    assert "join frame dropped without reply" in log
+    assert "key differs" in compose.log("wrong-key")
+    assert "REJECTED by the controller: protocol version skew: worker 'skew' speaks 99" in compose.log("skew")
+    assert "REJECTED by the controller: dataset signature mismatch: worker 'other-data'" in compose.log("other-data")
+    assert "[worker1:relay]" in compose.log("worker1")  # children's output forwarded with their prefix
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+def test_with_curve_a_killed_rank_is_dead_within_2s_and_a_cut_host_after_the_silence_timeout(compose, net):
+    key = new_key().hex()
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    client_env = {"FLODL_KEY": key, "FLODL_CURVE_SERVER": public}
+    compose.up("controller", env={"FLODL_KEY": key, "FLODL_CURVE_SECRET": secret}, argv=controller_argv(
+        compose, open_admission=False, program=[JOB, *SLOW_JOB],
+        extra=["--heartbeat-timeout", str(HOST_SILENCE_S)]))
+    start_workers(compose, client_env)
+    compose.wait_for("controller", "epoch 2/")
+
+    before = compose.status("worker1", client_env)
+    assert before["phase"] == "formed" and set(before["hosts"]) == {"worker1", "worker2"}
+    assert before["training"]["started"] and before["training"]["alive"] == [0, 1, 2, 3]
+    assert before["training"]["epoch"] >= 1 and before["training"]["last_round_at"] is not None
+
+    # The reported-exit fast path: the agent sees its child die and tells the controller.
+    pid = compose.rank_pid("worker1", 1)
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    compose.wait_for("controller", "rank 1 declared dead")
+    death = compose.status("worker1", client_env)["training"]["deaths"]["1"]
+    assert "its agent on worker1 reported exit code -9" in death["reason"]
+    assert death["at"] - killed_at < FAST_PATH_S
+
+    # A cut link: the agent falls silent, its host's ranks are dead after the timeout.
+    cut_at = time.time()
+    net.cut("worker2")
+    compose.wait_for("controller", lambda log: "rank 2 declared dead" in log and "rank 3 declared dead" in log)
+    deaths = compose.status("worker1", client_env)["training"]["deaths"]
+    for rank in ("2", "3"):
+        assert "host worker2 lost" in deaths[rank]["reason"]
+        # The silence clock runs from the agent's last heartbeat, up to one interval before the cut.
+        assert deaths[rank]["at"] - cut_at >= HOST_SILENCE_S - AGENT_HEARTBEAT_S
+
+    assert compose.wait("controller") == 0, compose.tails()
+    result = result_of(compose.log("controller"), "RESULT ")
+    assert len(result["epochs"]) == 14
+    assert result["epochs"][-1]["per_rank_samples"][1:] == [0, 0, 0]  # rank 0 alone finished
+    assert compose.wait("worker1") == 0  # a lost rank is not a host fault
+
+
+def test_killing_every_process_of_one_host_leaves_the_other_to_finish(compose, net):
+    compose.up("controller", argv=controller_argv(compose, program=[JOB, *SLOW_JOB],
+                                                  extra=["--heartbeat-timeout", str(HOST_SILENCE_S)]))
+    start_workers(compose)
+    compose.wait_for("controller", "epoch 2/")
+    net.kill_host_processes("worker2")
+
+    assert compose.wait("controller") == 0, compose.tails()
+    log = compose.log("controller")
+    assert "rank 2 declared dead" in log and "rank 3 declared dead" in log
+    result = result_of(log, "RESULT ")
+    assert len(result["epochs"]) == 14
+    assert result["epochs"][-1]["per_rank_samples"][2:] == [0, 0]
+    assert compose.wait("worker1") == 0
