@@ -122,7 +122,10 @@ class Trainer:
         penv = ProcessEnv.from_environ()
         if penv is None:
             return train_alone(self.job)
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        # A relay's comings and goings (ranks joining, leaving) are what an operator reads
+        # when a host misbehaves; ranks and the controller print progress, not chatter.
+        level = logging.INFO if penv.role == "relay" else logging.WARNING
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
         if penv.role == "controller":
             from flodl_zmq.coordinator.service import run_controller
 

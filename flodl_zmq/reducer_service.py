@@ -343,7 +343,9 @@ class ReducerService:
             self._publish(outcome)
             self.completed.put(RoundOutcome(outcome.round_id, outcome.mass, outcome.hosts))
         elif isinstance(outcome, Abandoned):
-            log.error("reducer: round %s abandoned: %s", outcome.round_id, outcome.reason)
+            # With no round open nothing was lost (the run's normal end); an open round lost is an error.
+            level = logging.INFO if outcome.round_id is None else logging.ERROR
+            log.log(level, "reducer: round %s abandoned: %s", outcome.round_id, outcome.reason)
             self.completed.put(RoundOutcome(outcome.round_id, 0.0, (), outcome.reason))
 
     def _publish(self, red: Reduced) -> None:

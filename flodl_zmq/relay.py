@@ -46,6 +46,13 @@ Rules this module keeps:
   drops messages and a lost consensus is a correctness bug for Local SGD.
 - Every queue is bounded by a high-water mark counted in records; a slow
   upstream blocks the data thread, which stops reading the ranks.
+- Same-host ranks may deposit by reference (flodl_zmq/wire/shm.py): the
+  payload lies in the rank's shared-memory segment and is verified there
+  exactly as if it were frames. A rank that deposits by reference proved it
+  shares the relay's memory, so its consensus goes by reference too: the
+  relay writes each consensus once into its host segment and sends that rank
+  the reducer's own header and MAC, which the rank verifies end to end. A
+  rank that leaves has its segments unlinked (a SIGKILLed rank cannot).
 """
 
 from __future__ import annotations
@@ -85,8 +92,19 @@ from flodl_zmq.wire.records import (
     RoundFrame,
     SubscriberReady,
 )
+from flodl_zmq.wire.shm import (
+    Segment,
+    SegmentMap,
+    by_reference,
+    host_owner,
+    is_by_reference,
+    rank_owner,
+    unlink_owner,
+)
 
 log = logging.getLogger(__name__)
+
+GOODBYE = "said goodbye"
 
 RELAY_ROUTE = b""  # route frame of the relay's own control records
 TAG_DATA = Channel.DATA.value.encode()
@@ -389,7 +407,9 @@ class Relay:
             poll_ms = int(cfg.poll_s * 1000)
 
             def death(rank: int, why: str) -> None:
-                log.warning("relay %s: rank %d left (%s)", cfg.host, rank, why)
+                # A goodbye is the normal end of a rank; only a silent departure deserves a warning.
+                level = logging.INFO if why == GOODBYE else logging.WARNING
+                log.log(level, "relay %s: rank %d left (%s)", cfg.host, rank, why)
                 send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], self._stop)
                 send(pipe, [rank_identity(rank)], self._stop)
 
@@ -425,7 +445,7 @@ class Relay:
         live.seen(rank, time.monotonic())
         send(up, msg, self._stop)  # verbatim: the rank's own MAC travels on
         if isinstance(env.record, Exiting) and live.leave(rank):
-            death(rank, "said goodbye")
+            death(rank, GOODBYE)
 
     def _verify(self, codec: Codec, frames: list[Any], channel: Channel, rank: int, count, where: str) -> Envelope | None:
         """Decode a rank's record; None (counted) unless it is authentic, fresh and from `rank` itself.
@@ -485,6 +505,7 @@ class Relay:
         up = ctx.socket(zmq.DEALER)
         sub = ctx.socket(zmq.SUB)
         pipe = ctx.socket(zmq.PAIR)
+        segment: Segment | None = None
         try:
             for s in (local, up, sub):
                 tune(s, cfg.data_hwm_records, cfg.poll_s)
@@ -501,6 +522,7 @@ class Relay:
             self._ready.wait()
             d = _DataPlane(self, codec, local, up)
             d.send_up(RelayHello(cfg.host, list(cfg.ranks), []))
+            segment = d.segment
             poller = zmq.Poller()
             for s in (local, up, sub, pipe):
                 poller.register(s, zmq.POLLIN)
@@ -519,6 +541,8 @@ class Relay:
         finally:
             for s in (local, up, sub, pipe):
                 s.close(0)
+            if segment is not None:
+                segment.close()
 
 
 class _DataPlane:
@@ -529,6 +553,9 @@ class _DataPlane:
         self.cfg = relay.config
         self.count = relay._counts["data"]
         self.fold, self.watch, self.stop = relay.fold, relay.watch, relay._stop
+        self.mapped = SegmentMap(self.cfg.run_id)  # the ranks' deposit segments, read-only
+        self.segment = Segment(self.cfg.run_id, host_owner(self.cfg.host))  # where consensus goes by reference
+        self.by_reference: set[int] = set()  # ranks that deposit by reference
 
     def send_up(self, rec: Any, payload: Sequence[Any] = (), dtypes: list[str] | None = None) -> None:
         send(self.up, self.codec.encode(rec, payload, channel=Channel.DATA, dtypes=dtypes), self.stop, copy=False)
@@ -543,9 +570,20 @@ class _DataPlane:
         if rank is None or rank not in self.cfg.ranks:
             self.count["unknown_rank.local_data"] += 1
             return
-        env = self.relay._verify(self.codec, msg[1:], Channel.DATA, rank, self.count, "local_data")
+        frames = msg[1:]
+        shared = is_by_reference(frames)
+        if shared:
+            try:
+                frames = self.mapped.resolve(frames, rank_owner(rank))
+            except WireError as exc:
+                self.count["rejected.local_data"] += 1
+                log.warning("relay %s: rejected a by-reference deposit from rank %d: %s", self.cfg.host, rank, exc)
+                return
+        env = self.relay._verify(self.codec, frames, Channel.DATA, rank, self.count, "local_data")
         if env is None:
             return
+        if shared:
+            self.by_reference.add(rank)
         if not isinstance(env.record, RoundFrame):
             self.count["unexpected.local_data"] += 1
             return
@@ -579,6 +617,10 @@ class _DataPlane:
         self.send_up(RankExit(rank))
 
     def leave(self, rank: int) -> None:
+        # A rank that is gone never unlinks its own segment; the fold keeps its
+        # mapping for as long as it holds a deposit from it.
+        self.mapped.forget(rank_owner(rank))
+        unlink_owner(self.cfg.run_id, rank_owner(rank), self.mapped.directory)
         try:
             self.ship(self.fold.mark_dead(rank))
         except FoldError as exc:
@@ -647,9 +689,15 @@ class _DataPlane:
             return
         for r in gaps:
             self.request(r)
-        for rank in self.live_ranks():
+        live = self.live_ranks()
+        shared = None
+        if self.by_reference.intersection(live):
+            # Written once for every same-host rank; each verifies the reducer's MAC over it.
+            shared = by_reference(frames, self.segment.place(env.frames[1:-1]))
+        for rank in live:
             try:
-                send(self.local, [rank_identity(rank), *frames], self.stop, copy=False)
+                out = shared if shared is not None and rank in self.by_reference else frames
+                send(self.local, [rank_identity(rank), *out], self.stop, copy=False)
             except zmq.ZMQError:  # EHOSTUNREACH: this rank's socket is gone
                 self.count["undeliverable.local_data"] += 1
 

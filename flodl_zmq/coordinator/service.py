@@ -88,6 +88,9 @@ from flodl_zmq.security import CurveKeys, apply_client, apply_server
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
 
+# Dispatch records whose loss would strand samples: a failed send returns the chunk to the pool.
+_DISPATCH = (rec.StartEpoch, rec.Update, rec.ExtendPartition)
+
 log = logging.getLogger(__name__)
 
 COORDINATOR_SENDER = "coordinator"
@@ -482,6 +485,7 @@ class ControllerService:
     # ------------------------------------------------------------------ outbound
 
     def _perform(self, outs: list[Any]) -> None:
+        failed: list[tuple[int, Any]] = []
         for out in outs:
             if out.dest is REDUCER:
                 if isinstance(out.record, rec.DeclareDead):
@@ -497,21 +501,28 @@ class ControllerService:
                     self.counts["unexpected.reducer"] += 1
             elif out.dest is CONTROLLER:
                 self._on_effect(out.record)
-            else:
-                self._send_rank(out.dest, out.record)
+            elif not self._send_rank(out.dest, out.record) and isinstance(out.record, _DISPATCH):
+                failed.append((out.dest, out.record))
+        # After the whole batch: a rank must receive records in the order the core
+        # produced them, or a Sync survivor could train a redistributed span twice.
+        for rank, record in failed:
+            self._perform(self.core.on_send_failed(rank, record, time.monotonic()))
 
-    def _send_rank(self, rank: int, record: Any) -> None:
+    def _send_rank(self, rank: int, record: Any) -> bool:
+        """Send `record` to `rank` through its relay; False (counted) if it could not be delivered."""
         relay_id = self.relay_route.get(self.host_of[rank])
         if relay_id is None:
             self.counts["undeliverable.control"] += 1
-            return
-        self._send_route(relay_id, rank_identity(rank), record)
+            return False
+        return self._send_route(relay_id, rank_identity(rank), record)
 
-    def _send_route(self, relay_id: bytes, route: bytes, record: Any) -> None:
+    def _send_route(self, relay_id: bytes, route: bytes, record: Any) -> bool:
         try:
             self.control.send_multipart([relay_id, route, *self.codec.encode(record, channel=Channel.CONTROL)])
-        except zmq.ZMQError:  # EHOSTUNREACH: that relay's connection is gone; liveness reaps its ranks
+        except zmq.ZMQError:  # EHOSTUNREACH: that relay's connection is gone
             self.counts["undeliverable.control"] += 1
+            return False
+        return True
 
     # ------------------------------------------------------------------ controller effects
 
