@@ -51,7 +51,7 @@ from typing import IO, Any
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
@@ -386,7 +386,7 @@ class Agent:
         for name in TUNABLES:
             identity.pop(name)
         # Unbuffered, so forwarded lines arrive as they are printed, not when a buffer fills.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **joined.spawn.env, **identity}
+        env = {**with_tunables(os.environ), "PYTHONUNBUFFERED": "1", **joined.spawn.env, **identity}
         curve = self.config.curve
         if curve is not None:  # the relay dials the controller with the agent's keys
             assert curve.server is not None  # for_client always names the controller's key
@@ -525,6 +525,14 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 # --------------------------------------------------------------------------- command line
 
 
+def _cpu_slots_from_env() -> int:
+    text = os.environ.get("FLODL_CPU_SLOTS", "1")
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"FLODL_CPU_SLOTS={text!r} is not a whole number of CPU rank slots (e.g. 2)") from None
+
+
 def add_command(sub: Any) -> None:
     """Register `flodl-zmq agent` on the sub-command parser."""
     p = sub.add_parser(
@@ -546,7 +554,7 @@ def add_command(sub: Any) -> None:
                    help="this host's member name, unique in the run (env FLODL_AGENT_HOST; default: hostname)")
     p.add_argument("--devices", help="devices to offer, e.g. cuda:0,cuda:1 or cpu:0,cpu:1 (default: every GPU "
                                      "nvidia-smi and CUDA_VISIBLE_DEVICES allow, else --cpu-slots)")
-    p.add_argument("--cpu-slots", type=int, default=int(os.environ.get("FLODL_CPU_SLOTS", "1")),
+    p.add_argument("--cpu-slots", type=int, default=_cpu_slots_from_env(),
                    help="ranks to run on a host without GPUs (env FLODL_CPU_SLOTS; default 1)")
     p.add_argument("--dataset-sig", default=os.environ.get("FLODL_DATASET_SIG"),
                    help="the dataset signature the controller expects, 64 hex characters (env FLODL_DATASET_SIG; "

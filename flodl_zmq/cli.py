@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        # Flag defaults read the environment, so a bad variable is reported here too.
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except FlodlError as exc:
         print(f"flodl-zmq: error: {exc}", file=sys.stderr)
