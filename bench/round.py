@@ -6,7 +6,9 @@ the last rank holds the verified consensus. Measured from the first deposit
 sent to the last consensus verified, across processes (CLOCK_MONOTONIC is
 system-wide), median over rounds after warm-up. Topology: 4 rank processes as
 2 hosts x 2 ranks, one relay process per host (ranks on ipc://), relays to the
-controller process over tcp loopback, every record authenticated.
+controller process over tcp loopback, every record authenticated. By default
+ranks deposit and receive the consensus by reference in shared memory, as the
+rank runtime does with a same-host relay (`--transports socket`: as frames).
 
 gloo: 4 processes, all_reduce + divide on one tensor of the same size, same
 clock rule (first rank to start -> last rank done).
@@ -17,6 +19,7 @@ Also the fold throughput: the relay's f32 (and bf16) accumulate against numpy
     python bench/round.py                 # table
     python bench/round.py --json          # {"ratio_f32_25M": ..., ...}
     python bench/round.py --sizes 1M --rounds 5
+    python bench/round.py --transports shm,socket   # also the framed path, for comparison
 """
 
 from __future__ import annotations
@@ -96,14 +99,22 @@ def _relay(host: str, port: int, key: bytes, run_id: bytes, ipc_dir: str, stop: 
     relay.stop()
 
 
-def _rank(rank: int, host: str, n: int, dtype: str, rounds: int, key: bytes, run_id: bytes, ipc_dir: str,
-          barrier: Any, out: Any, stop: Any) -> None:
+def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int, key: bytes, run_id: bytes,
+          ipc_dir: str, barrier: Any, out: Any, stop: Any) -> None:
     import zmq
 
     from flodl_zmq.relay import local_endpoints, rank_identity, rank_sender
-    from flodl_zmq.tensors import bf16_from_f32
+    from flodl_zmq.tensors import DTYPES, bf16_from_f32
     from flodl_zmq.wire import Channel, Codec
     from flodl_zmq.wire.records import Heartbeat, RoundFrame
+    from flodl_zmq.wire.shm import (
+        Segment,
+        SegmentMap,
+        by_reference,
+        host_owner,
+        is_by_reference,
+        rank_owner,
+    )
 
     control_ep, data_ep = local_endpoints(run_id, host, ipc_dir)
     codec = Codec(key, run_id, rank_sender(rank))
@@ -128,16 +139,27 @@ def _rank(rank: int, host: str, n: int, dtype: str, rounds: int, key: bytes, run
     data.connect(data_ep)
     decoder = Codec(key, run_id, "bench")
     params = np.full(n, MASS[rank] * (rank + 1), np.float32)  # pre-scaled by the mass
-    wire = bf16_from_f32(params, np.empty(n, np.uint16)) if dtype == "bf16" else params
+    # The snapshot buffer: in the rank's shared-memory segment (by reference) or its own memory.
+    segment = Segment(run_id, rank_owner(rank)) if transport == "shm" else None
+    wire = np.empty(n, DTYPES[dtype]) if segment is None else np.frombuffer(
+        segment.layout([n * DTYPES[dtype].itemsize])[0], DTYPES[dtype])
+    if dtype == "bf16":
+        bf16_from_f32(params, wire)
+    else:
+        np.copyto(wire, params)
+    mapped = SegmentMap(run_id)
     expect = sum(MASS[r] * (r + 1) for r in range(WORLD)) / sum(MASS.values())
     for round_id in range(1, rounds + 1):
         barrier.wait(timeout=120)
         t0 = time.monotonic_ns()
-        data.send_multipart(codec.encode(RoundFrame(round_id, rank, MASS[rank]), [wire], dtypes=[dtype]),
-                            copy=False)
+        frames = codec.encode(RoundFrame(round_id, rank, MASS[rank]), [wire], dtypes=[dtype])
+        data.send_multipart(frames if segment is None else by_reference(frames, segment.locator()), copy=False)
         if not data.poll(120_000):
             raise TimeoutError(f"rank {rank}: no consensus for round {round_id}")
-        env = decoder.decode(data.recv_multipart(copy=False), Channel.BROADCAST, replay=False)
+        msg = data.recv_multipart(copy=False)
+        if is_by_reference(msg):
+            msg = mapped.resolve(msg, host_owner(host))
+        env = decoder.decode(msg, Channel.BROADCAST, replay=False)
         t1 = time.monotonic_ns()
         if env.record.round != round_id:
             raise RuntimeError(f"rank {rank}: got round {env.record.round}, expected {round_id}")
@@ -149,13 +171,16 @@ def _rank(rank: int, host: str, n: int, dtype: str, rounds: int, key: bytes, run
     beating.set()
     beat.join()
     ctx.destroy(0)
+    if segment is not None:
+        segment.close()
 
 
-def zmq_rounds(n: int, dtype: str, rounds: int) -> list[float]:
+def zmq_rounds(n: int, dtype: str, transport: str, rounds: int) -> list[float]:
     """Round times (s) of the zmq data plane, one per round."""
     import tempfile
 
     from flodl_zmq.wire import new_key
+    from flodl_zmq.wire.shm import unlink_run
 
     ctx = mp.get_context("spawn")
     key, run_id = new_key(), os.urandom(16)
@@ -164,7 +189,7 @@ def zmq_rounds(n: int, dtype: str, rounds: int) -> list[float]:
     ipc_dir = tempfile.mkdtemp(prefix="flodl-bench-")
     procs = [ctx.Process(target=_controller, args=(port, key, run_id, stop))]
     procs += [ctx.Process(target=_relay, args=(h, port, key, run_id, ipc_dir, stop)) for h in HOSTS]
-    procs += [ctx.Process(target=_rank, args=(r, h, n, dtype, rounds, key, run_id, ipc_dir, barrier, out, stop))
+    procs += [ctx.Process(target=_rank, args=(r, h, n, dtype, transport, rounds, key, run_id, ipc_dir, barrier, out, stop))
               for h, rs in HOSTS.items() for r in rs]
     for p in procs:
         p.start()
@@ -180,6 +205,7 @@ def zmq_rounds(n: int, dtype: str, rounds: int) -> list[float]:
             p.join(10)
             if p.is_alive():
                 p.kill()
+        unlink_run(run_id)
 
 
 # ---------------------------------------------------------------------- gloo
@@ -259,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="f32,bf16")
     p.add_argument("--rounds", type=int, default=8, help="measured rounds per case (after warm-up)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--transports", default="shm",
+                   help="comma list: shm (same-host ranks deposit and load by reference), socket (frames)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = p.parse_args(argv)
     os.environ.update(CHILD_ENV)  # read by each spawned child's glibc at start-up
@@ -267,16 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes.split(","):
         n = SIZES[size]
         for dtype in args.dtypes.split(","):
-            z = statistics.median(zmq_rounds(n, dtype, total)[args.warmup:])
             g = statistics.median(gloo_rounds(n, dtype, total)[args.warmup:])
-            figures[f"zmq_ms_{dtype}_{size}"] = round(z * 1e3, 2)
             figures[f"gloo_ms_{dtype}_{size}"] = round(g * 1e3, 2)
-            figures[f"ratio_{dtype}_{size}"] = round(z / g, 3)
-            figures[f"fold_vs_numpy_{dtype}_{size}"] = round(fold_throughput(n, dtype), 3)
-            if not args.json:
-                print(f"{size:>4} {dtype:>4}: zmq {z * 1e3:8.1f} ms  gloo {g * 1e3:8.1f} ms  "
-                      f"ratio {z / g:5.2f}  fold/numpy {figures[f'fold_vs_numpy_{dtype}_{size}']:.2f}",
-                      flush=True)
+            fold = figures[f"fold_vs_numpy_{dtype}_{size}"] = round(fold_throughput(n, dtype), 3)
+            for transport in args.transports.split(","):
+                z = statistics.median(zmq_rounds(n, dtype, transport, total)[args.warmup:])
+                tag = "" if transport == "shm" else f"{transport}_"
+                figures[f"zmq_ms_{tag}{dtype}_{size}"] = round(z * 1e3, 2)
+                figures[f"ratio_{tag}{dtype}_{size}"] = round(z / g, 3)
+                if not args.json:
+                    print(f"{size:>4} {dtype:>4} {transport:>6}: zmq {z * 1e3:8.1f} ms  gloo {g * 1e3:8.1f} ms  "
+                          f"ratio {z / g:5.2f}  fold/numpy {fold:.2f}", flush=True)
     if args.json:
         print(json.dumps(figures, sort_keys=True))
     return 0

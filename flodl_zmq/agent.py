@@ -78,6 +78,7 @@ from flodl_zmq.wire.records import (
     RankExited,
     WorldFormed,
 )
+from flodl_zmq.wire.shm import unlink_run
 
 log = logging.getLogger(__name__)
 
@@ -365,8 +366,12 @@ class Agent:
                 previous[sig] = signal.signal(sig, lambda s, _f: self.stop(f"agent received {signal.Signals(s).name}"))
         try:
             joined = self.join()
-            children = self._spawn(joined)
-            return self._supervise(children)
+            try:
+                children = self._spawn(joined)
+                return self._supervise(children)
+            finally:
+                # A SIGKILLed relay or rank cannot unlink its shared-memory segments.
+                unlink_run(joined.run_id)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

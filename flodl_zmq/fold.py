@@ -143,6 +143,21 @@ class SumImage:
             else:
                 np.copyto(acc, x)
 
+    def fill_sum(self, first: Sequence[np.ndarray], second: Sequence[np.ndarray]) -> None:
+        """Overwrite the sums with ``first + second`` (widened to f32), in one pass over each."""
+        for (dt, _), acc, a, b in zip(self.schema, self.sums, first, second, strict=True):
+            if dt == "bf16":
+                flat, xa, xb = acc.reshape(-1), a.reshape(-1), b.reshape(-1)
+                step = self.scratch.size
+                wide = self.scratch.view(np.float32)
+                for i in range(0, flat.size, step):
+                    out, w = flat[i : i + step], wide[: min(step, flat.size - i)]
+                    f32_from_bf16(xa[i : i + step], out)
+                    f32_from_bf16(xb[i : i + step], w)
+                    np.add(out, w, out=out)
+            else:
+                np.add(a, b, out=acc, dtype=np.float32)  # f16 inputs add in f32, never in f16
+
     def add(self, tensors: Sequence[np.ndarray]) -> None:
         """Add ``tensors`` (widened to f32) into the sums, in place."""
         for (dt, _), acc, x in zip(self.schema, self.sums, tensors, strict=True):
@@ -157,14 +172,30 @@ class SumImage:
             else:
                 np.add(acc, x, out=acc)
 
-    def encode_into(self, outputs: Sequence[np.ndarray]) -> None:
-        """Encode the sums in the schema's dtypes into ``outputs`` (an output that IS a sum is skipped)."""
+    def encode_into(self, outputs: Sequence[np.ndarray], divisor: float | None = None) -> None:
+        """Encode the sums, divided by ``divisor`` when given, in the schema's dtypes into ``outputs``.
+
+        The divide and the encode share one pass (block by block for bf16), so the
+        sums are read once. Without a divisor, an output that IS its sum is skipped.
+        """
+        d = None if divisor is None else np.float32(divisor)
         for (dt, _), acc, out in zip(self.schema, self.sums, outputs, strict=True):
-            if out is acc:
-                continue
-            if dt == "bf16":
-                bf16_from_f32(acc, out, self.scratch)
+            if dt == "f32":
+                if d is not None:
+                    np.divide(acc, d, out=out)
+                elif out is not acc:
+                    np.copyto(out, acc)
+            elif dt == "bf16":
+                if d is None:
+                    bf16_from_f32(acc, out, self.scratch)
+                    continue
+                a, o, step = acc.reshape(-1), out.reshape(-1), self.scratch.size
+                for i in range(0, a.size, step):
+                    np.divide(a[i : i + step], d, out=a[i : i + step])
+                    bf16_from_f32(a[i : i + step], o[i : i + step], self.scratch)
             else:
+                if d is not None:
+                    np.divide(acc, d, out=acc)
                 # f16 overflow becomes +-inf by IEEE rules; numpy need not warn about it.
                 with np.errstate(over="ignore"):
                     np.copyto(out, acc, casting="same_kind")
@@ -287,9 +318,10 @@ class FoldStation:
             check_schema(rnd.schema, tensors, who, FoldError)
             if rnd.seed is not None:
                 rnd.image = self._image(rnd.schema)[0]
-                rnd.image.fill(rnd.seed)
+                rnd.image.fill_sum(rnd.seed, tensors)  # promote: one pass, not a copy then an add
                 rnd.seed = None
-            rnd.image.add(tensors)
+            else:
+                rnd.image.add(tensors)
             rnd.ranks.append(rank)
             rnd.mass += m
         self.counters.deposits += 1

@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flodl_zmq.endpoints import OFFSETS, ControllerAddress
-from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.wire import RUN_ID_BYTES, new_key
+from flodl_zmq.wire.shm import unlink_run
 
 AFTER_CONTROLLER_GRACE_S = 10.0
 TERM_GRACE_S = 5.0
@@ -101,6 +102,7 @@ class Cluster:
             if not 0 <= rank < world_size or factor < 1.0:
                 raise ConfigError(f"--slow {rank}:{factor}: rank must be in 0..{world_size - 1} and factor >= 1")
         self._lock = threading.Lock()
+        self.run_id: bytes | None = None
 
     @property
     def world(self) -> dict[str, tuple[int, ...]]:
@@ -110,9 +112,8 @@ class Cluster:
     def start(self) -> None:
         """Spawn the controller, the relays, then the ranks."""
         address = ControllerAddress("127.0.0.1", self.port or free_port_base())
-        base = dict(
-            controller=address, key=new_key(), run_id=os.urandom(RUN_ID_BYTES), world=self.world,
-        )
+        self.run_id = os.urandom(RUN_ID_BYTES)
+        base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
         if self.startup_timeout_s is not None:
             base["startup_timeout_s"] = self.startup_timeout_s
         self._spawn("controller", ProcessEnv(role="controller", **base))
@@ -126,7 +127,7 @@ class Cluster:
                 )
 
     def _spawn(self, label: str, penv: ProcessEnv) -> None:
-        env = dict(os.environ)
+        env = with_tunables(os.environ)
         env.update(penv.to_environ())
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.env_for.get(label, {}))
@@ -198,6 +199,8 @@ class Cluster:
         for c in self.children.values():
             if c.reader is not None:
                 c.reader.join(2.0)
+        if self.run_id is not None:
+            unlink_run(self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -31,6 +31,11 @@ Rules this module keeps:
   non-blocking copies and fenced by one synchronize per round, never one per
   tensor; a snapshot waits until ZeroMQ has released the previous deposit
   (sent zero-copy) before overwriting it.
+- When the relay is on this machine (its data endpoint is ipc://) the snapshot
+  buffer is the rank's shared-memory segment and the deposit goes by reference
+  (flodl_zmq/wire/shm.py): the relay verifies and folds it in place, and sends
+  the consensus back by reference into its host segment, verified here end to
+  end against the reducer's MAC. No model bytes cross the local socket.
 - The next plan of an `Update` is held until that round's consensus is
   loaded: training it on the pre-consensus replica would throw its steps away.
 """
@@ -62,6 +67,14 @@ from flodl_zmq.job import Job
 from flodl_zmq.relay import rank_identity, rank_sender
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
+from flodl_zmq.wire.shm import (
+    Segment,
+    SegmentMap,
+    by_reference,
+    host_owner,
+    is_by_reference,
+    rank_owner,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,18 +134,23 @@ def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tenso
 class ParamBuffers:
     """Snapshot and consensus-load machinery for one replica, on reused host buffers.
 
-    `snapshot(mass)` fills one flat float32 host vector (pinned on CUDA) with
-    the payload tensors times `mass`; `load(consensus)` writes a flat consensus
-    back with one batched copy (or an EASGD lerp) and returns the divergence
-    triple against the last snapshot.
+    `snapshot(mass)` fills one flat float32 host vector (pinned on CUDA, or in
+    `segment` when one is given, for deposits by reference) with the payload
+    tensors times `mass`; `load(consensus)` writes a flat consensus back with
+    one batched copy (or an EASGD lerp) and returns the divergence triple
+    against the last snapshot.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, segment: Segment | None = None) -> None:
         self.tensors = payload_tensors(model)
         self.device = self.tensors[0].device
         self.cuda = self.device.type == "cuda"
         self.numel = sum(t.numel() for t in self.tensors)
-        self.snap = torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
+        self.segment = segment
+        if segment is None:
+            self.snap = torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
+        else:
+            self.snap = torch.frombuffer(segment.layout([self.numel * 4])[0], dtype=torch.float32)
         self._snap_views = _views(self.snap, self.tensors)
         self._scratch = torch.empty(self.numel, dtype=torch.float32)
         self._recv: torch.Tensor | None = None
@@ -265,6 +283,7 @@ class _Link:
     def __init__(self, cfg: RankConfig, ctx: zmq.Context, step_count: Callable[[], int]) -> None:
         self.cfg = cfg
         self.codec = Codec(cfg.key, cfg.run_id, rank_sender(cfg.rank))
+        self.mapped = SegmentMap(cfg.run_id)  # the relay's consensus segment, when it sends by reference
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._outbox: queue.Queue[tuple[Any, list[Any], ParamBuffers | None]] = queue.Queue()
         self._step_count = step_count
@@ -343,7 +362,7 @@ class _Link:
                         # The relay fans the reducer's broadcast out verbatim; a resend
                         # is byte-identical and may follow later rounds, so the round id
                         # (checked by the training thread), not the sequence, guards replays.
-                        env = self._decode(data.recv_multipart(copy=False), Channel.BROADCAST, replay=False)
+                        env = self._decode_data(data.recv_multipart(copy=False))
                         if env is not None and isinstance(env.record, rec.Consensus):
                             self.inbox.put(("consensus", env))
         finally:
@@ -361,6 +380,16 @@ class _Link:
             log.warning("rank %d: rejected a %s message: %s", self.cfg.rank, channel.value, exc)
             return None
 
+    def _decode_data(self, msg: list[Any]) -> Any:
+        if is_by_reference(msg):
+            try:
+                msg = self.mapped.resolve(msg, host_owner(self.cfg.host))
+            except WireError as exc:
+                self.rejected += 1
+                log.warning("rank %d: rejected a by-reference consensus: %s", self.cfg.rank, exc)
+                return None
+        return self._decode(msg, Channel.BROADCAST, replay=False)
+
     def _flush(self, control: zmq.Socket, data: zmq.Socket) -> None:
         while True:
             try:
@@ -369,6 +398,12 @@ class _Link:
                 return
             if payload:
                 frames = self.codec.encode(record, payload, channel=Channel.DATA)
+                if tracked_by is not None and tracked_by.segment is not None:
+                    # The payload stays in the segment; the round protocol keeps it unwritten
+                    # until the relay is done with it (the next snapshot follows this consensus).
+                    data.send_multipart(by_reference(frames, tracked_by.segment.locator()))
+                    tracked_by.hold_until_sent(None)
+                    continue
                 tracker = data.send_multipart(frames, copy=False, track=True)
                 if tracked_by is not None:
                     tracked_by.hold_until_sent(tracker)
@@ -409,7 +444,9 @@ class RankRuntime:
             self.model.load_state_dict(bundle.load(job.resume_from)[0])
         self.model = self.model.to(self.device)
         self.optimizer = job.optimizer(self.model.parameters())
-        self.buffers = ParamBuffers(self.model)
+        # A relay on this machine (ipc://) shares memory with this rank: deposit by reference.
+        same_host = cfg.data_endpoint.startswith("ipc://")
+        self.buffers = ParamBuffers(self.model, Segment(cfg.run_id, rank_owner(cfg.rank)) if same_host else None)
         self.alpha = job.easgd_alpha if job.mode == "cpu-async" else 1.0
         self.steps = 0  # cumulative optimizer steps
         self.steps_since_avg = 0
@@ -452,6 +489,8 @@ class RankRuntime:
         finally:
             link.send(rec.Exiting(rank=self.cfg.rank))
             link.close()
+            if self.buffers.segment is not None:
+                self.buffers.segment.close()
         if self._stop_reason and self._stop_reason.startswith("lost"):
             log.error("rank %d: %s; exiting", self.cfg.rank, self._stop_reason)
             code = code or 1

@@ -15,11 +15,12 @@ Rules the ledger keeps:
   deposited and then lost its ranks stays counted, because that work was
   realized (the same rule as the relay fold).
 - HostFrames arrive mass-premultiplied and already summed (the fold never
-  divides). The ledger sums them in f32 into one reused image per schema, then
-  divides exactly once by the total mass of exactly the frames it summed, and
-  encodes the consensus in the round's dtype (bf16 rounds to nearest even). A
-  zero-mass round is not divided: it ships mass 0 and receivers keep their
-  state.
+  divides). The ledger holds the round's first frame as received, sums the
+  second with it in f32 into one reused image per schema (one pass), adds
+  later ones in place, then divides exactly once by the total mass of exactly
+  the frames it summed, encoding the consensus in the round's dtype (bf16
+  rounds to nearest even) in the same pass. A zero-mass round is not divided:
+  it ships mass 0 and receivers keep their state.
 - A protocol violation (unknown host, second frame from one host in a round,
   a round id ahead of the open round, schema drift from the round's first
   frame, bad mass) raises ProtocolError and changes nothing: the host stays
@@ -95,10 +96,11 @@ class LedgerCounters:
 
 
 class _Round:
-    def __init__(self, round_id: int, schema: Schema, image: SumImage) -> None:
+    def __init__(self, round_id: int, schema: Schema, seed: tuple[np.ndarray, ...]) -> None:
         self.round_id = round_id
         self.schema = schema
-        self.image = image
+        self.seed: tuple[np.ndarray, ...] | None = seed  # the first frame, until a second one comes
+        self.image: SumImage | None = None
         self.hosts: list[str] = []
         self.mass = 0.0
 
@@ -173,11 +175,16 @@ class RoundLedger:
         m = check_mass(mass, who, ProtocolError)
         if rnd is None:
             schema = schema_of(tensors, who, ProtocolError)
-            rnd = self._round = _Round(round_id, schema, self._image(schema)[0])
-            rnd.image.fill(tensors)
+            rnd = self._round = _Round(round_id, schema, tuple(tensors))
         else:
             check_schema(rnd.schema, tensors, who, ProtocolError)
-            rnd.image.add(tensors)
+            if rnd.seed is not None:
+                rnd.image = self._image(rnd.schema)[0]
+                rnd.image.fill_sum(rnd.seed, tensors)
+                rnd.seed = None
+            else:
+                assert rnd.image is not None
+                rnd.image.add(tensors)
         rnd.hosts.append(host)
         rnd.mass += m
         self.counters.frames += 1
@@ -235,10 +242,10 @@ class RoundLedger:
         self._round = None
         self.last_round = rnd.round_id
         image, outputs = self._image(rnd.schema)
-        if rnd.mass > 0.0:
-            # The one divide of the whole reduce: by the mass of exactly the frames summed.
-            np.divide(image.flat, np.float32(rnd.mass), out=image.flat)
-        image.encode_into(outputs)
+        if rnd.seed is not None:
+            image.fill(rnd.seed)  # a one-host round: its frame was never copied
+        # The one divide of the whole reduce: by the mass of exactly the frames summed.
+        image.encode_into(outputs, rnd.mass if rnd.mass > 0.0 else None)
         self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(rnd.hosts)), tuple(outputs))
         self.counters.rounds_reduced += 1
         return self.latest

@@ -5,7 +5,9 @@ deposits `params(rank, round)` pre-scaled by `MASS[rank]`, waits for the
 consensus and saves it (float64) to OUT/r{rank}_round{k}.npy, printing
 `round k done`. With --hang-at K it prints `hanging at K` instead of
 depositing round K and waits to be killed (still heartbeating: the test's
-SIGKILL is what stops it). Key from FLODL_KEY.
+SIGKILL is what stops it). With --shm it deposits by reference from its
+shared-memory segment and takes the consensus by reference, as the rank
+runtime does with a same-host relay. Key from FLODL_KEY.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ from dataplane_helpers import from_wire, model, to_wire  # noqa: E402
 from flodl_zmq.relay import rank_identity, rank_sender  # noqa: E402
 from flodl_zmq.wire import Channel, Codec, key_from_hex  # noqa: E402
 from flodl_zmq.wire.records import Heartbeat, RoundFrame  # noqa: E402
+from flodl_zmq.wire.shm import (  # noqa: E402
+    Segment,
+    SegmentMap,
+    by_reference,
+    host_owner,
+    is_by_reference,
+    rank_owner,
+)
 
 MASS = {0: 1.0, 1: 3.0, 2: 0.5, 3: 2.0}
 SIZES = (1000, 37)
@@ -41,6 +51,8 @@ def main() -> int:
     p.add_argument("--dtype", default="f32")
     p.add_argument("--out", required=True)
     p.add_argument("--hang-at", type=int, default=0)
+    p.add_argument("--host", default="")
+    p.add_argument("--shm", action="store_true")
     a = p.parse_args()
     key, run_id = key_from_hex(os.environ["FLODL_KEY"]), bytes.fromhex(a.run_id)
     ctx = zmq.Context()
@@ -61,21 +73,36 @@ def main() -> int:
     data.setsockopt(zmq.IDENTITY, rank_identity(a.rank))
     data.setsockopt(zmq.LINGER, 0)
     data.connect(a.data)
+    segment = Segment(run_id, rank_owner(a.rank)) if a.shm else None
+    mapped = SegmentMap(run_id)
     for k in range(1, a.rounds + 1):
         if k == a.hang_at:
             print(f"hanging at {k}", flush=True)
             time.sleep(3600)
         mass = MASS[a.rank]
         wire = to_wire(model(a.rank, k, SIZES), mass, a.dtype)
-        data.send_multipart(codec.encode(RoundFrame(k, a.rank, mass), wire, dtypes=[a.dtype] * len(wire)))
+        if segment is not None:
+            views = segment.layout([x.nbytes for x in wire])
+            placed = [np.frombuffer(v, x.dtype).reshape(x.shape) for v, x in zip(views, wire, strict=True)]
+            for dst, src in zip(placed, wire, strict=True):
+                np.copyto(dst, src)
+            wire = placed
+        frames = codec.encode(RoundFrame(k, a.rank, mass), wire, dtypes=[a.dtype] * len(wire))
+        data.send_multipart(frames if segment is None else by_reference(frames, segment.locator()))
         if not data.poll(60_000):
             print(f"no consensus for round {k}", flush=True)
             return 1
-        env = decoder.decode(data.recv_multipart(), Channel.BROADCAST, replay=False)
+        msg = data.recv_multipart()
+        shared = is_by_reference(msg)
+        if shared:
+            msg = mapped.resolve(msg, host_owner(a.host))
+        env = decoder.decode(msg, Channel.BROADCAST, replay=False)
         assert env.record.round == k, env.record
         flat = np.concatenate([x.ravel() for x in from_wire(env.payload, env.dtypes)])
         np.save(Path(a.out) / f"r{a.rank}_round{k}.npy", flat)
-        print(f"round {k} done mass={env.record.mass}", flush=True)
+        print(f"round {k} done mass={env.record.mass} by_reference={shared}", flush=True)
+    if segment is not None:
+        segment.close()
     return 0
 
 

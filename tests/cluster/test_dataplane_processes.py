@@ -4,6 +4,7 @@ ROUTER stands in for it, and deaths are declared through the reducer's API as it
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ import zmq
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.wire import Channel, new_key
+from flodl_zmq.wire.shm import rank_owner, segment_prefix, shm_dir, unlink_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
 from dataplane_helpers import model, reference, tiered_bf16_reference  # noqa: E402
@@ -76,7 +78,8 @@ class Proc:
 
 
 class World:
-    def __init__(self, tmp_path: Path, rounds: int, dtype: str = "f32", hang: dict[int, int] | None = None):
+    def __init__(self, tmp_path: Path, rounds: int, dtype: str = "f32", hang: dict[int, int] | None = None,
+                 shm: bool = False):
         self.key, self.run_id = new_key(), os.urandom(16)
         self.out = tmp_path
         port = free_base_port()
@@ -101,7 +104,7 @@ class World:
                     [sys.executable, str(HERE / "dataplane_rank.py"), "--rank", str(r), "--run-id",
                      self.run_id.hex(), "--control", local["control"], "--data", local["data"],
                      "--rounds", str(rounds), "--dtype", dtype, "--out", str(tmp_path),
-                     "--hang-at", str((hang or {}).get(r, 0))], env)
+                     "--hang-at", str((hang or {}).get(r, 0)), "--host", host] + (["--shm"] if shm else []), env)
 
     def _drain_control(self, endpoint: str) -> None:
         s = self.ctx.socket(zmq.ROUTER)
@@ -119,6 +122,7 @@ class World:
     def close(self) -> None:
         for p in self.procs.values():
             p.kill()
+        unlink_run(self.run_id)  # as the launcher does: SIGKILLed relays leave their segments
         self._stop.set()
         self._coord.join(5)
         self.reducer.stop()
@@ -142,26 +146,35 @@ def assert_mean(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
         assert np.count_nonzero(got != want) <= max(1, got.size // 100)
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["frames", "shm"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_two_hosts_of_two_rank_processes_produce_the_weighted_mean(tmp_path, dtype):
-    w = World(tmp_path, rounds=2, dtype=dtype)
+def test_two_hosts_of_two_rank_processes_produce_the_weighted_mean(tmp_path, dtype, shm):
+    w = World(tmp_path, rounds=2, dtype=dtype, shm=shm)
     try:
         for k in (1, 2):
             want = expected(k, [0, 1, 2, 3], dtype)
             for r in range(4):
                 assert_mean(w.consensus(r, k), want, dtype)
+                assert f"by_reference={shm}" in w.procs[f"r{r}"].lines[-1]
     finally:
         w.close()
 
 
-def test_sigkilled_rank_mid_round_leaves_the_barrier_and_survivors_get_their_mean(tmp_path):
-    w = World(tmp_path, rounds=3, hang={3: 2})
+def segments_of(run_id: bytes, rank: int) -> list[str]:
+    return glob.glob(os.path.join(shm_dir(), segment_prefix(run_id, rank_owner(rank)) + "*"))
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["frames", "shm"])
+def test_sigkilled_rank_mid_round_leaves_the_barrier_and_survivors_get_their_mean(tmp_path, shm):
+    w = World(tmp_path, rounds=3, hang={3: 2}, shm=shm)
     try:
         w.procs["r3"].wait_for("hanging at 2")
         for r in (0, 1, 2):  # the survivors deposit round 2 and wait in the barrier
             w.consensus(r, 1)
         time.sleep(0.3)
         killed = time.monotonic()
+        if shm:
+            assert segments_of(w.run_id, 3), "the hanging rank deposited round 1 from its segment"
         w.procs["r3"].kill()
         for k in (2, 3):
             want = expected(k, [0, 1, 2], "f32")
@@ -170,6 +183,8 @@ def test_sigkilled_rank_mid_round_leaves_the_barrier_and_survivors_get_their_mea
             if k == 2:
                 # Out of the barrier within the 1.5 s heartbeat deadline, plus the round itself.
                 assert time.monotonic() - killed < 5.0
+        # The killed rank could not unlink its segment; its relay did when the rank left.
+        assert segments_of(w.run_id, 3) == []
     finally:
         w.close()
 

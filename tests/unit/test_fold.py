@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl_zmq.errors import FoldError
-from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
+from flodl_zmq.fold import FoldStation, HostFold, NothingToShip, SumImage
 from flodl_zmq.tensors import bf16_from_f32, f32_from_bf16
 
 
@@ -313,3 +313,27 @@ def test_zero_mass_deposits_fold_like_any_other():
     out = station.deposit(1, 0, 0.0, [f32(0, 0)])
     assert out.mass == 0.0
     np.testing.assert_array_equal(out.tensors[0], [0, 0])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+def test_one_pass_promotion_and_divide_encode_match_the_step_by_step_result(dtype):
+    """fill_sum == fill then add; encode_into(divisor) == divide the sums then encode."""
+    rng = np.random.default_rng(7)
+    n = 300_001  # more than one bf16 block, and not a multiple of one
+    f = [rng.standard_normal(n).astype(np.float32) * 100 for _ in range(2)]
+    if dtype == "bf16":
+        xs = [bf16_from_f32(x, np.empty(n, np.uint16)) for x in f]
+    else:
+        xs = [x.astype(np.float32 if dtype == "f32" else np.float16) for x in f]
+    schema = ((dtype, (n,)),)
+    fused, steps = SumImage(schema), SumImage(schema)
+    fused.fill_sum([xs[0]], [xs[1]])
+    steps.fill([xs[0]])
+    steps.add([xs[1]])
+    np.testing.assert_array_equal(fused.flat, steps.flat)
+    out_dt = {"f32": np.float32, "bf16": np.uint16, "f16": np.float16}[dtype]
+    got, want = np.empty(n, out_dt), np.empty(n, out_dt)
+    fused.encode_into([got], 3.0)
+    np.divide(steps.flat, np.float32(3.0), out=steps.flat)
+    steps.encode_into([want])
+    np.testing.assert_array_equal(got, want)

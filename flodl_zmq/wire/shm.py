@@ -1,0 +1,245 @@
+"""Payload by reference: tensor bytes in shared memory, the record on the socket (same host only).
+
+A rank and its relay share a machine when the relay's local endpoint is
+ipc://. Sending a model through that socket costs a copy into the kernel and
+one out of it, per rank and direction, plus fresh pages on the receiving side
+for every message. Instead, the owner of a reused shared-memory segment writes
+the payload there once and sends the message with its payload frames left out
+(normative text: protocol/PROTOCOL.md, 3.5):
+
+    [SHM_TAG, locator, header, mac]     locator = msgpack [name, [[offset, nbytes], ...]]
+
+Rules this module keeps:
+
+- The message itself does not change: header and MAC are exactly those of the
+  framed message, computed over the payload bytes as they lie in the segment.
+  The receiver rebuilds ``[header, *views, mac]`` and decodes it with the
+  ordinary codec, so verification is identical, and a forged locator or a
+  tampered segment fails the MAC like a tampered frame.
+- The locator is not authenticated, so it may only name what the receiver
+  expects: a segment of this run and of the owner the receiver attributes the
+  message to (a rank's own segment for its deposit, its relay's for a
+  consensus), in the shared-memory directory, with every frame inside the
+  segment. A receiver never opens any other file.
+- A segment is created by its owner (exclusive create, mode 0600), reused for
+  every round while the layout fits, replaced by a new generation when it does
+  not, and unlinked by its owner when it closes. A rank that dies without
+  closing leaves its segment behind: its relay unlinks every segment of that
+  rank when the rank leaves, and whoever started the run's processes (the
+  launcher, an agent) unlinks whatever of the run is left once they are gone.
+- A payload is not rewritten while a reader may still need it; the round
+  protocol's ping-pong guarantees it (a rank writes its next snapshot only after
+  the consensus of the previous round, which exists only after its relay
+  shipped; a relay writes the next consensus only after every live rank
+  deposited again, i.e. loaded this one). Readers map segments read-only.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import itertools
+import mmap
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+from flodl_zmq.errors import FramingError, LimitError, SchemaError
+
+SHM_TAG = b"shm"
+ALIGN = 64  # cache-line aligned frames: the fold and the MAC read them at full speed
+MAX_FRAMES = 65_536
+_NAME = re.compile(r"^flodl-[0-9a-f]{32}-[a-z0-9]{1,32}-[0-9]{1,10}$")
+
+
+def shm_dir() -> str:
+    """Where segments live: /dev/shm (memory-backed) when the system has it, else the temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def rank_owner(rank: int) -> str:
+    """The owner tag of a rank's deposit segment."""
+    return f"r{int(rank)}"
+
+
+def host_owner(host: str) -> str:
+    """The owner tag of a host relay's consensus segment (host names may hold any character)."""
+    return "h" + hashlib.sha256(host.encode()).hexdigest()[:16]
+
+
+def segment_prefix(run_id: bytes, owner: str) -> str:
+    """Every segment name of `owner` in this run starts with this."""
+    return f"flodl-{run_id.hex()}-{owner}-"
+
+
+def is_by_reference(msg: Sequence[Any]) -> bool:
+    """Whether a received message is the by-reference form (its first frame is SHM_TAG)."""
+    return len(msg) == 4 and _bytes(msg[0]) == SHM_TAG
+
+
+def _bytes(frame: Any) -> bytes:
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+
+
+def unlink_owner(run_id: bytes, owner: str, directory: str | None = None) -> int:
+    """Unlink every segment of `owner` in this run (a dead rank's leftovers); returns how many."""
+    return _unlink(segment_prefix(run_id, owner), directory)
+
+
+def unlink_run(run_id: bytes, directory: str | None = None) -> int:
+    """Unlink every segment of this run: whoever started its processes does it once they are gone."""
+    return _unlink(f"flodl-{run_id.hex()}-", directory)
+
+
+def _unlink(prefix: str, directory: str | None) -> int:
+    removed = 0
+    for path in glob.glob(os.path.join(directory or shm_dir(), glob.escape(prefix) + "*")):
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+class Segment:
+    """The owner's side: one reused, writable segment holding one message's payload frames.
+
+    ``layout(sizes)`` returns one writable byte view per frame (the segment is
+    replaced by a larger generation only when they do not fit); ``locator()``
+    names where the current layout lies; ``close()`` unlinks it.
+    """
+
+    def __init__(self, run_id: bytes, owner: str, directory: str | None = None) -> None:
+        self.directory = directory or shm_dir()
+        self.prefix = segment_prefix(run_id, owner)
+        self._gen = itertools.count(1)
+        self.name: str | None = None
+        self._map: mmap.mmap | None = None
+        self._frames: list[tuple[int, int]] = []
+
+    def layout(self, sizes: Sequence[int]) -> list[memoryview]:
+        """Writable views of ``sizes`` bytes each, consecutive and ALIGN-aligned, in this segment."""
+        frames, at = [], 0
+        for n in sizes:
+            frames.append((at, int(n)))
+            at += -(-int(n) // ALIGN) * ALIGN
+        if self._map is None or len(self._map) < max(at, 1):
+            self._replace(max(at, 1))
+        assert self._map is not None
+        self._frames = frames
+        view = memoryview(self._map)
+        return [view[off : off + n] for off, n in frames]
+
+    def place(self, payload: Sequence[Any]) -> bytes:
+        """Copy ``payload`` buffers into the segment; returns the locator of the copies."""
+        bufs = [memoryview(p).cast("B") if memoryview(p).ndim != 1 or memoryview(p).format != "B" else memoryview(p)
+                for p in payload]
+        for dst, src in zip(self.layout([b.nbytes for b in bufs]), bufs, strict=True):
+            dst[:] = src
+        return self.locator()
+
+    def locator(self) -> bytes:
+        """The locator frame of the current layout."""
+        if self.name is None:
+            raise FramingError("the segment holds no layout yet; call layout() first")
+        return msgpack.packb([self.name, [list(f) for f in self._frames]], use_bin_type=True)
+
+    def close(self) -> None:
+        """Unlink the segment (readers keep their mapping until they drop it)."""
+        if self.name is not None:
+            try:
+                os.unlink(os.path.join(self.directory, self.name))
+            except FileNotFoundError:
+                pass
+        self.name, self._map, self._frames = None, None, []
+
+    def _replace(self, size: int) -> None:
+        # The old mapping is dropped, not closed: views of it may still be in flight.
+        self.close()
+        name = f"{self.prefix}{next(self._gen)}"
+        fd = os.open(os.path.join(self.directory, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.name = name
+
+
+def by_reference(frames: Sequence[Any], locator: bytes) -> list[Any]:
+    """The by-reference form of an encoded message ``[header, payload..., mac]`` whose payload
+    frames are the ones ``locator`` names (the caller laid them out there)."""
+    count = len(msgpack.unpackb(locator)[1])
+    if len(frames) - 2 != count:
+        raise FramingError(f"the message has {len(frames) - 2} payload frames but the locator names {count}")
+    return [SHM_TAG, locator, frames[0], frames[-1]]
+
+
+class SegmentMap:
+    """The reader's side: maps the segments messages point at (read-only) and rebuilds their frames.
+
+    One mapping is kept per owner; a new generation replaces it.
+    """
+
+    def __init__(self, run_id: bytes, directory: str | None = None) -> None:
+        self.run_id = run_id
+        self.directory = directory or shm_dir()
+        self._maps: dict[str, tuple[str, mmap.mmap]] = {}
+
+    def resolve(self, msg: Sequence[Any], owner: str) -> list[Any]:
+        """``[header, *payload views, mac]`` of a by-reference message from ``owner``.
+
+        Raises FramingError / SchemaError / LimitError for a locator that names
+        anything but a segment of ``owner`` in this run, or frames outside it.
+        """
+        if not is_by_reference(msg):
+            raise FramingError("not a by-reference message: expected [shm, locator, header, mac]")
+        try:
+            loc = msgpack.unpackb(_bytes(msg[1]), raw=False, max_str_len=256, max_bin_len=0,
+                                  max_array_len=MAX_FRAMES, max_map_len=0, max_ext_len=0)
+        except Exception as exc:  # msgpack raises assorted types on bad input
+            raise SchemaError(f"shared-memory locator is not valid msgpack: {type(exc).__name__}: {exc}") from None
+        if not (isinstance(loc, list) and len(loc) == 2 and isinstance(loc[0], str) and isinstance(loc[1], list)):
+            raise SchemaError("shared-memory locator must be [name, [[offset, nbytes], ...]]")
+        name, frames = loc
+        if not name.startswith(segment_prefix(self.run_id, owner)) or not _NAME.match(name):
+            raise FramingError(
+                f"shared-memory locator names segment {name!r}, which is not one of {owner}'s in this run"
+            )
+        if len(frames) > MAX_FRAMES:
+            raise LimitError(f"shared-memory locator names {len(frames)} frames, over {MAX_FRAMES}")
+        view = memoryview(self._map(owner, name))
+        out = []
+        for f in frames:
+            ok = isinstance(f, list) and len(f) == 2 and all(type(x) is int and x >= 0 for x in f)
+            if not ok or f[0] + f[1] > len(view):
+                raise FramingError(f"shared-memory frame {f!r} does not lie inside segment {name} ({len(view)} bytes)")
+            out.append(view[f[0] : f[0] + f[1]])
+        return [msg[2], *out, msg[3]]
+
+    def forget(self, owner: str) -> None:
+        """Drop the mapping of ``owner``'s segment (views still in use keep it alive)."""
+        self._maps.pop(owner, None)
+
+    def _map(self, owner: str, name: str) -> mmap.mmap:
+        held = self._maps.get(owner)
+        if held is not None and held[0] == name:
+            return held[1]
+        try:
+            fd = os.open(os.path.join(self.directory, name), os.O_RDONLY)
+        except OSError as exc:
+            raise FramingError(f"shared-memory segment {name} cannot be opened: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise FramingError(f"shared-memory segment {name} is empty")
+            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._maps[owner] = (name, mapped)
+        return mapped

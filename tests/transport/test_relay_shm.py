@@ -1,0 +1,112 @@
+"""The relay with same-host ranks that deposit and load by reference (shared memory)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flodl_zmq.wire import Channel, Codec
+from flodl_zmq.wire.records import Consensus, HostFrame, RoundFrame
+from flodl_zmq.wire.shm import (
+    Segment,
+    SegmentMap,
+    by_reference,
+    host_owner,
+    is_by_reference,
+    rank_owner,
+)
+
+from .dataplane_helpers import WAIT_S
+from .test_relay import Rig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class SharedRank:
+    """A FakeRank that deposits from its own segment and resolves consensus references."""
+
+    def __init__(self, rig: Rig, rank: int):
+        self.fake = rig.ranks[rank]
+        self.rank = rank
+        self.segment = Segment(rig.run_id, rank_owner(rank))
+        self.mapped = SegmentMap(rig.run_id)
+        self.decoder = Codec(rig.key, rig.run_id, "test")
+
+    def place(self, tensors: list[np.ndarray]) -> list[np.ndarray]:
+        views = self.segment.layout([t.nbytes for t in tensors])
+        placed = [np.frombuffer(v, t.dtype).reshape(t.shape) for v, t in zip(views, tensors, strict=True)]
+        for dst, src in zip(placed, tensors, strict=True):
+            np.copyto(dst, src)
+        return placed
+
+    def deposit_message(self, round_id: int, mass: float, tensors: list[np.ndarray]) -> list:
+        frames = self.fake.codec.encode(RoundFrame(round_id, self.rank, mass), self.place(tensors))
+        return by_reference(frames, self.segment.locator())
+
+    def consensus(self, host: str = "a"):
+        if not self.fake.data.poll(int(WAIT_S * 1000)):
+            raise TimeoutError(f"rank {self.rank}: no consensus")
+        msg = self.fake.data.recv_multipart()
+        shared = is_by_reference(msg)
+        if shared:
+            msg = self.mapped.resolve(msg, host_owner(host))
+        env = self.decoder.decode(msg, Channel.BROADCAST, replay=False)
+        assert isinstance(env.record, Consensus)
+        return shared, env
+
+    def close(self):
+        self.segment.close()
+
+
+@pytest.fixture
+def rig(tmp_path):
+    r = Rig(tmp_path, kind="ipc")
+    shared = [SharedRank(r, 0), SharedRank(r, 1)]
+    yield r, shared
+    for s in shared:
+        s.close()
+    r.close()
+
+
+def test_by_reference_deposits_fold_and_only_those_ranks_get_the_consensus_by_reference(rig):
+    r, (s0, _) = rig
+    r.subscribe()
+    x0, x1 = np.arange(100, dtype=np.float32), np.full(100, 0.5, np.float32)
+    s0.fake.data.send_multipart(s0.deposit_message(1, 2.0, [x0]))
+    r.ranks[1].deposit(1, 3.0, [x1])  # rank 1 deposits frames: it stays on frames
+    hf = r.ctl.data_record()
+    assert isinstance(hf.record, HostFrame) and hf.record.mass == 5.0 and sorted(hf.record.ranks) == [0, 1]
+    np.testing.assert_array_equal(hf.payload[0], x0 + x1)
+    mean = (x0 + x1) / 5.0
+    r.ctl.publish(1, 5.0, [mean])
+    shared, env = s0.consensus()
+    assert shared
+    np.testing.assert_array_equal(env.payload[0], mean)
+    plain = r.ranks[1].consensus()
+    np.testing.assert_array_equal(plain.payload[0], mean)
+
+
+def test_a_tampered_segment_is_rejected_and_the_round_sums_the_honest_resend(rig):
+    r, (s0, s1) = rig
+    x0, x1 = np.arange(64, dtype=np.float32), np.ones(64, np.float32)
+    msg = s0.deposit_message(1, 1.0, [x0])
+    s0.segment.layout([x0.nbytes])[0][5] ^= 0xFF  # changed after it was signed
+    s0.fake.data.send_multipart(msg)
+    s1.fake.data.send_multipart(s1.deposit_message(1, 1.0, [x1]))
+    assert r.ctl.data.poll(300) == 0, "nothing may ship while rank 0's deposit is outstanding"
+    assert r.relay.counters()["rejected.local_data"] == 1
+    s0.fake.data.send_multipart(s0.deposit_message(1, 1.0, [x0]))  # honest, with a fresh sequence number
+    hf = r.ctl.data_record()
+    np.testing.assert_array_equal(hf.payload[0], x0 + x1)
+
+
+def test_a_reference_to_another_ranks_segment_is_rejected(rig):
+    r, (s0, s1) = rig
+    x = np.ones(16, np.float32)
+    s0.place([x])
+    # Rank 1 signs a deposit whose payload it points at rank 0's segment.
+    frames = s1.fake.codec.encode(RoundFrame(1, 1, 1.0), [x])
+    s1.fake.data.send_multipart(by_reference(frames, s0.segment.locator()))
+    assert r.ctl.data.poll(300) == 0
+    assert r.relay.counters()["rejected.local_data"] == 1
+    assert r.relay.running
