@@ -11,7 +11,7 @@ WORKDIR /app
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.2"
 COPY pyproject.toml README.md ./
 COPY flodl_zmq ./flodl_zmq
-RUN pip install ".[demo]"
+RUN pip install .
 
 # The controller's base port and the three after it (control, data, broadcast, join).
 EXPOSE 7300-7303

@@ -12,6 +12,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch is pinned here (pyproject declares a range): 2.13.0 has a local CPU wheel on these machines.
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[test,demo]"
+  .venv/bin/python -m pip install -q -e ".[test]"
   echo "$want" > "$stamp"
 fi
