@@ -24,14 +24,18 @@ live rank did its ElChe batch count (or has no work left: *quiesced*). The
 per-rank step counters are snapshotted at the trigger; steps taken while the
 cycle is in flight stay credited to the next window. At the finish the window
 feeds ElChe, the convergence guard and the LR meta-controller, and each
-rank's next chunk rides in its `Update` (no extra round trip).
+rank's next chunk rides in its `Update` (no extra round trip). Epoch-boundary
+callbacks (eval, checkpoint) go out at the first finish whose consensus
+contains every sample of the epoch that ended, just before the Updates.
 
 Data dispatch: Sync sends each rank a whole partition per epoch
 (`StartEpoch`) and hands a dead rank's remainder to the survivors
-(`ExtendPartition`). Cadence and Async stream chunks from one `ChunkPool` per
-epoch: Cadence one window-sized chunk at a time, held at the reduce and at
-the epoch edge; Async throughput-sized chunks within a budget of
-`count + overshoot` steps per window, streaming into the next epoch.
+(`ExtendPartition`), both held while a cycle is in flight and sent after its
+Updates (a rank must not train new data on the replica it deposited).
+Cadence and Async stream chunks from one `ChunkPool` per epoch: Cadence one
+window-sized chunk at a time, held at the reduce and at the epoch edge;
+Async throughput-sized chunks within a budget of `count + overshoot` steps
+per window, streaming into the next epoch.
 
 A rank leaves on a clean `Exiting`, a stale heartbeat, or a death reported by
 its agent (`on_rank_death`). Its in-flight chunk returns to the pool, the
@@ -193,6 +197,7 @@ class _Cycle:
     snapshot: list[int]  # each rank's step counter at the trigger
     coverage: dict[int, list[Span]]  # done spans at the trigger (covered is a subset of the consensus)
     last_aggregated: int
+    done_through: int  # every sample of epochs <= this was reported trained at the trigger
     reduced: bool = False
     acks: dict[int, DivergenceSample | None] = field(default_factory=dict)
     upload_ms: dict[int, float] = field(default_factory=dict)
@@ -246,6 +251,7 @@ class Coordinator:
         self._final_reduced = False
         self._final_eval_rank = -1
         self._pending_callbacks: list[tuple[str, int]] = []  # ("checkpoint" | "eval", epoch)
+        self._held: list[Out] = []  # Sync: data for ranks, held while a cycle is in flight
         self._out: list[Out] = []
         self._now = now
 
@@ -271,6 +277,7 @@ class Coordinator:
         # What the last finished consensus contains (for state_dict).
         self._consensus_coverage: dict[int, list[Span]] = {}
         self._consensus_aggregated = -1
+        self._consensus_complete = -1  # every sample of epochs <= this is in the last consensus
         self._resume_coverage: dict[int, list[Span]] = {}
         self.elche.set_epoch_cap(config.batches_per_epoch)
         if resume is not None:
@@ -570,10 +577,16 @@ class Coordinator:
             r in cyc.acks for r in cyc.ranks if self.liveness.is_live(r)
         ):
             self._finish(now)
-        if self.cycle is None and self._should_average():
-            self._trigger(now)
+        if self.cycle is None:
+            self._release_held()
+            if self._should_average():
+                self._trigger(now)
         self._aggregate(now)
         if self.cycle is None:
+            steps = self.window_steps
+            if not any(steps[r] for r in self.liveness.live):
+                # Nothing stepped since the last consensus: it holds all reported work.
+                self._consensus_complete = max(self._consensus_complete, self._done_through())
             self._flush_callbacks()
         self._maybe_end(now)
 
@@ -619,18 +632,20 @@ class Coordinator:
             snapshot=list(self._step_count),
             coverage={e: p.covered() for e, p in self.pools.items()},
             last_aggregated=self.last_aggregated,
+            done_through=self._done_through(),
         )
         self._final_reduced = final
         # The reducer learns the barrier before any deposit can arrive.
         self._emit(REDUCER, ExpectRound(self.round, live))
         for r in live:
+            if self.mode is Mode.SYNC and r not in self._throttled:
+                # The hard barrier: without it the fast rank laps the others
+                # during the round trip and Sync loses its convergence parity.
+                # Sent first: a rank that handled the request alone would train
+                # a step on the replica it deposited, which the consensus erases.
+                self._emit(r, rec.Throttle())
             self._emit(r, rec.RequestParams(round=self.round))
         if self.mode is Mode.SYNC:
-            # The hard barrier: without it the fast rank laps the others during
-            # the round trip and Sync loses its convergence parity.
-            for r in live:
-                if r not in self._throttled:
-                    self._emit(r, rec.Throttle())
             self._throttled.update(live)
 
     def _finish(self, now: float) -> None:
@@ -668,10 +683,19 @@ class Coordinator:
         self._last_sync_ms = (now - cyc.started_at) * 1000.0
         self._consensus_coverage = cyc.coverage
         self._consensus_aggregated = cyc.last_aggregated
+        # Sync ranks sit throttled from their deposit to their Update, with any
+        # new data held back (`_held`), so this consensus holds everything they
+        # reported up to now; other ranks may train on, so only what was done
+        # at the trigger counts.
+        done = self._done_through() if self.mode is Mode.SYNC else cyc.done_through
+        self._consensus_complete = max(self._consensus_complete, done)
         self.ledger.reset_steps()
         self.ledger.reset_timing()
         self._throttled.clear()
         self.cycle = None
+        # Before the Updates: the eval rank then scores exactly the consensus it
+        # just loaded (a Sync rank is throttled, a Cadence rank idle, until its Update).
+        self._flush_callbacks()
         # -- tail: next plans ride in the Update (atomic dispatch)
         self._pin_final_windows()
         for r in cyc.ranks:
@@ -838,7 +862,27 @@ class Coordinator:
             self._assigned[r] = plan.size
             self._epoch_start_steps[r] = self._step_count[r]
             self.rank_epoch[r] = epoch
-            self._emit(r, rec.StartEpoch(plan=_wire(plan)))
+            self._emit_data(r, rec.StartEpoch(plan=_wire(plan)))
+
+    def _emit_data(self, rank: int, record: Any) -> None:
+        """Sync: send new data for `rank` now, or after the Updates if a cycle is in flight.
+
+        A rank that got data while its round was in flight would train it on
+        the replica it just deposited, and the consensus would then overwrite
+        those steps: under load (a long round trip) a whole epoch was lost so.
+        """
+        if self.cycle is None:
+            self._emit(rank, record)
+        else:
+            self._held.append(Out(rank, record))
+
+    def _release_held(self) -> None:
+        # A rank that died meanwhile is skipped: its held plan is already part
+        # of the remainder `_lose_rank` handed on.
+        for out in self._held:
+            if self.liveness.is_live(out.dest):
+                self._out.append(out)
+        self._held.clear()
 
     # ================================================================ epochs
 
@@ -879,11 +923,20 @@ class Coordinator:
         else:
             self._start_sync_epoch(epoch)
 
+    def _done_through(self) -> int:
+        """The highest epoch whose every sample is reported trained (and every epoch before it)."""
+        epoch = self.last_aggregated + 1
+        while epoch in self.pools and self.pools[epoch].is_done():
+            epoch += 1
+        return epoch - 1
+
     def _flush_callbacks(self) -> None:
-        # Held until the cycle is idle, so the consensus they score or save
-        # contains the whole epoch that just ended; targets resolve now, after
-        # any failover.
-        for kind, epoch in self._pending_callbacks:
+        # Each is held until a finished consensus contains the whole epoch that
+        # ended before it (not merely until the cycle is idle: under Sync the
+        # cycle is almost never idle); targets resolve now, after any failover.
+        due = [(k, e) for k, e in self._pending_callbacks if e - 1 <= self._consensus_complete]
+        self._pending_callbacks = [c for c in self._pending_callbacks if c not in due]
+        for kind, epoch in due:
             if kind == "checkpoint":
                 target = self.roles.checkpoint
                 record: Any = rec.Checkpoint(version=epoch, target_rank=target)
@@ -896,7 +949,6 @@ class Coordinator:
                 )
             if self.liveness.is_live(target):
                 self._emit(target, record)
-        self._pending_callbacks.clear()
 
     def _announce_epoch_role(self) -> None:
         if self.roles.epoch_dirty:
@@ -963,7 +1015,7 @@ class Coordinator:
             ):
                 self._plans[r].append(plan)
                 self._assigned[r] += plan.size
-                self._emit(r, rec.ExtendPartition(epoch=plan.epoch, offset=plan.offset, size=plan.size))
+                self._emit_data(r, rec.ExtendPartition(epoch=plan.epoch, offset=plan.offset, size=plan.size))
         else:
             for pool in self.pools.values():
                 pool.forfeit(rank)
@@ -1061,7 +1113,7 @@ class Coordinator:
                 f"resume: checkpoint epoch {epoch} is outside this run's {cfg.num_epochs} epochs; "
                 f"raise num_epochs to continue training"
             )
-        self.last_aggregated = self._consensus_aggregated = epoch - 1
+        self.last_aggregated = self._consensus_aggregated = self._consensus_complete = epoch - 1
         if self.mode.progressive:
             self._resume_coverage = {
                 int(e): [(int(o), int(n)) for o, n in spans]

@@ -31,7 +31,10 @@ Rules this module keeps:
   coordinator hands it to a survivor.
 - Everything measured is what a rank experienced: which samples it
   completed, how long it sat idle waiting for the others (barrier wait) and
-  for the round trip (sync wait) in each window.
+  for the round trip (sync wait) in each window, and how many data records
+  (`StartEpoch`, `ExtendPartition`) reached it between its deposit and that
+  round's consensus: a real rank that trained them then would see the
+  consensus overwrite those steps.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class SimResult:
     deaths_seen: list[tuple[float, int]]  # (time, rank) the coordinator declared gone
     outputs: list[tuple[float, Out]]  # every coordinator output, in order
     cut: list[tuple[float, int]]  # (time, rank) a failed send cut the rank's link
+    data_mid_round: list[int]  # per rank: data records received between deposit and consensus
 
 
 class _Rank:
@@ -124,6 +128,7 @@ class _Rank:
         self.busy = False
         self.throttled = False
         self.request: int | None = None
+        self.deposited: int | None = None  # the round deposited, consensus not yet received
         # Progressive: the current chunk (epoch, offset, size, done); Sync: a flat sample list.
         self.chunk: list[int] | None = None
         self.queue: list[rec.EpochPlan] = []
@@ -142,6 +147,8 @@ class _Rank:
     def receive(self, t: float, r: Any) -> None:
         if not self.alive:
             return
+        if isinstance(r, (rec.StartEpoch, rec.ExtendPartition)) and self.deposited is not None:
+            self.sim.data_mid_round[self.rank] += 1
         if isinstance(r, rec.StartEpoch):
             self._enqueue(r.plan)
         elif isinstance(r, rec.ExtendPartition):
@@ -176,6 +183,8 @@ class _Rank:
         self._work(t)
 
     def consensus(self, t: float, round: int) -> None:
+        if self.deposited == round:
+            self.deposited = None
         if self.alive:
             self.sim.send(t, self.rank, rec.SyncAck(
                 rank=self.rank, round=round, step_count=0, divergence=0.01, post_norm=1.0,
@@ -193,6 +202,7 @@ class _Rank:
 
     def _snapshot(self, t: float) -> None:
         rnd, self.request = self.request, None
+        self.deposited = rnd
         self.sim.send(t, self.rank, rec.SnapshotReady(rank=self.rank, round=rnd))
         self.sim.at(t + self.sim.cfg.upload_s, lambda t2: self.sim.deposit(t2, self.rank, rnd))
 
@@ -282,6 +292,7 @@ class Simulation:
         self.coord = Coordinator(config, len(ranks), 0.0, resume=resume)
         self.ranks = [_Rank(self, r, spec) for r, spec in enumerate(ranks)]
         self.windows: list[list[Window]] = [[] for _ in ranks]
+        self.data_mid_round = [0] * len(ranks)
         self.completed: dict[int, list[tuple[int, int, int]]] = {}
         self.aggregated: list[rec.EpochAggregated] = []
         self.ended: RunEnded | None = None
@@ -425,4 +436,5 @@ class Simulation:
             coordinator=self.coord, end_time=t, ended=self.ended, saved=self.saved,
             aggregated=self.aggregated, completed=self.completed, windows=self.windows,
             batches=[r.batches for r in self.ranks], events=self.events,
-            deaths_seen=self.deaths_seen, outputs=self.outputs, cut=self.cut)
+            deaths_seen=self.deaths_seen, outputs=self.outputs, cut=self.cut,
+            data_mid_round=self.data_mid_round)

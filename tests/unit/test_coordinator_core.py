@@ -64,13 +64,15 @@ def finish(c, rnd, ranks, t=0.2):
 # ------------------------------------------------------------------ the cycle
 
 
-def test_sync_trigger_broadcasts_request_params_and_throttle_then_update_and_global_step():
+def test_sync_trigger_throttles_each_rank_before_requesting_params_then_updates_and_sets_global_step():
     c, outs = make(mode="sync", total=20)
     assert [p.plan for p in of(outs, rec.StartEpoch)] == [rec.EpochPlan(0, 0, 10), rec.EpochPlan(0, 10, 10)]
     assert of(batch(c, 0, 1), rec.RequestParams) == []  # rank 1 has not stepped yet
     outs = batch(c, 1, 1)
     assert outs[0].dest is REDUCER and outs[0].record == ExpectRound(1, (0, 1))
-    assert [type(o.record) for o in outs[1:]] == [rec.RequestParams] * 2 + [rec.Throttle] * 2
+    # Throttle first: a rank must not step between its deposit and the barrier.
+    assert [(o.dest, type(o.record)) for o in outs[1:]] == [
+        (0, rec.Throttle), (0, rec.RequestParams), (1, rec.Throttle), (1, rec.RequestParams)]
     outs = finish(c, 1, [0, 1])
     kinds = [type(o.record) for o in outs]
     assert kinds == [rec.Update, rec.Update, rec.SetGlobalStep, rec.SetGlobalStep]
