@@ -454,6 +454,7 @@ class RankRuntime:
         self._spans: deque[_Span] = deque()
         self._perms: dict[int, np.ndarray] = {}
         self._throttled = False
+        self._consensus_model: torch.nn.Module | None = None
         self._pending_round: int | None = None  # deposited, consensus not yet loaded
         self._steps_at_snapshot = 0
         self._held_plans: dict[int, rec.EpochPlan] = {}
@@ -519,8 +520,9 @@ class RankRuntime:
     # -- records ----------------------------------------------------------
 
     def _on_control(self, r: Any) -> None:
+        # Only Update (and Shutdown) releases a Throttle: new data is no licence to run
+        # ahead of the round in flight (coordinator-notes §4.8).
         if isinstance(r, rec.StartEpoch):
-            self._throttled = False
             self._add_span(r.plan.epoch, r.plan.offset, r.plan.size)
         elif isinstance(r, rec.Update):
             self._throttled = False
@@ -530,7 +532,6 @@ class RankRuntime:
                 else:
                     self._add_span(r.next_plan.epoch, r.next_plan.offset, r.next_plan.size)
         elif isinstance(r, rec.ExtendPartition):
-            self._throttled = False
             self._add_span(r.epoch, r.offset, r.size)
         elif isinstance(r, rec.RequestParams):
             self._deposit(r.round)
@@ -580,6 +581,8 @@ class RankRuntime:
         divergence = post = pre = None
         if c.mass > 0.0:
             divergence, post, pre = self.buffers.load(env.payload[0], self.alpha)
+            if self.alpha < 1.0 and self.job.eval_fn is not None:
+                self._keep_consensus(env.payload[0])
         # Steps taken while the round was in flight keep their credit for the next frame.
         self.steps_since_avg -= self._steps_at_snapshot
         self._pending_round = None
@@ -660,16 +663,26 @@ class RankRuntime:
         elapsed = (time.perf_counter() - t0) * 1000.0
         self.link.send(rec.EpochFnElapsed(rank=self.cfg.rank, epoch=epoch, elapsed_ms=elapsed))
 
+    def _keep_consensus(self, consensus: np.ndarray) -> None:
+        """Hold the last consensus in a model of its own: a blending (EASGD) rank's live
+        model is not the consensus, and `adopt_consensus` evals must score the consensus."""
+        if self._consensus_model is None:
+            self._consensus_model = self.job.model().to(self.device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only frame, only read
+            load_flat(self._consensus_model, torch.from_numpy(consensus.reshape(-1)))
+
     def _run_eval(self, r: rec.ExecuteEval) -> None:
+        model = self._consensus_model if r.adopt_consensus and self._consensus_model is not None else self.model
         t0 = time.perf_counter()
         metric, error = float("nan"), None
         if self.job.eval_fn is None or self.job.eval_dataset is None:
             error = f"rank {self.cfg.rank} was asked to evaluate but the job has no eval_fn/eval_dataset"
         else:
             try:
-                self.model.eval()
+                model.eval()
                 with torch.no_grad():
-                    metric = float(self.job.eval_fn(self.model, self.job.eval_dataset))
+                    metric = float(self.job.eval_fn(model, self.job.eval_dataset))
             except Exception:
                 error = self._callback_error(f"eval_fn(epoch={r.epoch})")
         self.link.send(

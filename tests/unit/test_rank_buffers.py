@@ -1,13 +1,24 @@
-"""The rank's snapshot / consensus-load machinery (flodl_zmq.rank.ParamBuffers), on CPU."""
+"""The rank's snapshot / consensus-load machinery and control handling (flodl_zmq.rank), on CPU."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from flodl_zmq.errors import ConfigError, TrainingError
-from flodl_zmq.rank import ParamBuffers, flatten, load_flat, model_signature, payload_tensors
+from flodl_zmq.job import Job
+from flodl_zmq.rank import (
+    ParamBuffers,
+    RankConfig,
+    RankRuntime,
+    flatten,
+    load_flat,
+    model_signature,
+    payload_tensors,
+)
+from flodl_zmq.wire import records as rec
 
 
 def net() -> torch.nn.Module:
@@ -135,3 +146,22 @@ def test_flatten_and_load_flat_round_trip():
 def test_model_signature_tells_architectures_apart():
     assert model_signature(net()) == model_signature(net())
     assert model_signature(net()) != model_signature(torch.nn.Linear(4, 2))
+
+
+def _runtime() -> RankRuntime:
+    data = TensorDataset(torch.zeros(64, 4), torch.zeros(64, dtype=torch.long))
+    job = Job(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+              train_step=lambda m, b: m(b[0]).sum(), dataset=data, batch_size=8, epochs=1)
+    cfg = RankConfig(rank=0, local_rank=0, world_size=1, host="h", key=b"k" * 32, run_id=b"r" * 16,
+                     control_endpoint="tcp://127.0.0.1:1", data_endpoint="tcp://127.0.0.1:2")
+    return RankRuntime(job, cfg, device=torch.device("cpu"))
+
+
+def test_new_data_does_not_release_a_throttled_rank_only_an_update_does():
+    rt = _runtime()
+    rt._on_control(rec.Throttle())
+    rt._on_control(rec.StartEpoch(plan=rec.EpochPlan(epoch=0, offset=0, size=16)))
+    rt._on_control(rec.ExtendPartition(epoch=0, offset=16, size=16))
+    assert not rt._can_train()  # running ahead would train on a replica the consensus overwrites
+    rt._on_control(rec.Update(round=1, next_plan=None))
+    assert rt._can_train()
