@@ -194,11 +194,7 @@ def zmq_rounds(n: int, dtype: str, transport: str, rounds: int) -> list[float]:
     for p in procs:
         p.start()
     try:
-        times: dict[int, list[tuple[int, int]]] = {}
-        for _ in range(rounds * WORLD):
-            round_id, _rank_id, t0, t1 = out.get(timeout=120)
-            times.setdefault(round_id, []).append((t0, t1))
-        return [(max(t1 for _, t1 in v) - min(t0 for t0, _ in v)) / 1e9 for _, v in sorted(times.items())]
+        return round_times(out, rounds)
     finally:
         stop.set()
         for p in procs:
@@ -206,6 +202,15 @@ def zmq_rounds(n: int, dtype: str, transport: str, rounds: int) -> list[float]:
             if p.is_alive():
                 p.kill()
         unlink_run(run_id)
+
+
+def round_times(out: Any, rounds: int) -> list[float]:
+    """Per round, seconds from the first rank's start to the last rank's end (each rank puts one tuple)."""
+    times: dict[int, list[tuple[int, int]]] = {}
+    for _ in range(rounds * WORLD):
+        round_id, _rank_id, t0, t1 = out.get(timeout=120)
+        times.setdefault(round_id, []).append((t0, t1))
+    return [(max(t1 for _, t1 in v) - min(t0 for t0, _ in v)) / 1e9 for _, v in sorted(times.items())]
 
 
 # ---------------------------------------------------------------------- gloo
@@ -236,11 +241,7 @@ def gloo_rounds(n: int, dtype: str, rounds: int) -> list[float]:
     for p in procs:
         p.start()
     try:
-        times: dict[int, list[tuple[int, int]]] = {}
-        for _ in range(rounds * WORLD):
-            round_id, _rank_id, t0, t1 = out.get(timeout=120)
-            times.setdefault(round_id, []).append((t0, t1))
-        return [(max(t1 for _, t1 in v) - min(t0 for t0, _ in v)) / 1e9 for _, v in sorted(times.items())]
+        return round_times(out, rounds)
     finally:
         for p in procs:
             p.join(10)

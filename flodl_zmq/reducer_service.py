@@ -46,7 +46,7 @@ import zmq
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, FlodlError, ProtocolError, WireError
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
-from flodl_zmq.relay import REDUCER_SENDER, TAG_BCAST, TAG_DATA, relay_sender, send, tune
+from flodl_zmq.relay import REDUCER_SENDER, TAG_BCAST, TAG_DATA, drain, relay_sender, send, tune
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.tensors import dtype_name
 from flodl_zmq.wire import Channel, Codec
@@ -213,12 +213,7 @@ class ReducerService:
                 events = dict(poller.poll(poll_ms))
                 self._run_commands()
                 if data in events:
-                    for _ in range(64):
-                        try:
-                            msg = data.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_message(msg)
+                    drain(data, self._on_message, copy=False, budget=64)
                 now = time.monotonic()
                 if now >= next_probe and self._unsubscribed():
                     self._last_nonce = next(self._nonce)

@@ -66,7 +66,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +162,16 @@ def send(sock: zmq.Socket, frames: Sequence[Any], stop: threading.Event, copy: b
         except zmq.Again:
             continue
     return False
+
+
+def drain(sock: zmq.Socket, handle: Callable[[list[Any]], None], copy: bool = True, budget: int = 256) -> None:
+    """Handle what is queued on `sock` now, bounded so no socket starves the others."""
+    for _ in range(budget):
+        try:
+            msg = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            return
+        handle(msg)
 
 
 @dataclass(frozen=True)
@@ -416,23 +426,14 @@ class Relay:
             while not self._stop.is_set():
                 events = dict(poller.poll(poll_ms))
                 if local in events:
-                    self._drain(local, lambda m: self._from_rank(m, codec, live, up, death, count))
+                    drain(local, lambda m: self._from_rank(m, codec, live, up, death, count))
                 if up in events:
-                    self._drain(up, lambda m: self._to_rank(m, codec, local, count))
+                    drain(up, lambda m: self._to_rank(m, codec, local, count))
                 for rank in live.expired(time.monotonic()):
                     death(rank, "heartbeat deadline passed")
         finally:
             for s in (local, up, pipe):
                 s.close(0)
-
-    def _drain(self, sock: zmq.Socket, handle, copy: bool = True, budget: int = 256) -> None:
-        """Handle what is queued on `sock` now, bounded so no socket starves the others."""
-        for _ in range(budget):
-            try:
-                msg = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
-            except zmq.Again:
-                return
-            handle(msg)
 
     def _from_rank(self, msg, codec: Codec, live: RankLiveness, up, death, count) -> None:
         rank = rank_of(msg[0]) if msg else None
@@ -530,13 +531,13 @@ class Relay:
             while not self._stop.is_set():
                 events = dict(poller.poll(poll_ms))
                 if pipe in events:
-                    self._drain(pipe, lambda m: d.local_death(rank_of(m[0])))
+                    drain(pipe, lambda m: d.local_death(rank_of(m[0])))
                 if up in events:
-                    self._drain(up, d.from_reducer, copy=False, budget=16)
+                    drain(up, d.from_reducer, copy=False, budget=16)
                 if sub in events:
-                    self._drain(sub, lambda m: d.consensus(m, "bcast"), copy=False, budget=16)
+                    drain(sub, lambda m: d.consensus(m, "bcast"), copy=False, budget=16)
                 if local in events:
-                    self._drain(local, d.deposit, copy=False, budget=16)
+                    drain(local, d.deposit, copy=False, budget=16)
                 d.recover(time.monotonic())
         finally:
             for s in (local, up, sub, pipe):

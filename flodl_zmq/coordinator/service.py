@@ -83,7 +83,7 @@ from flodl_zmq.job import Job
 from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
 from flodl_zmq.rank import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
-from flodl_zmq.relay import RELAY_ROUTE, rank_identity, rank_of, rank_sender, relay_sender
+from flodl_zmq.relay import RELAY_ROUTE, drain, rank_identity, rank_of, rank_sender, relay_sender
 from flodl_zmq.security import CurveKeys, apply_client, apply_server
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
@@ -255,19 +255,9 @@ class ControllerService:
                 return
             events = dict(poller.poll(int(POLL_S * 1000)))
             if sub in events:
-                for _ in range(16):
-                    try:
-                        frames = sub.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_broadcast(frames)
+                drain(sub, self._on_broadcast, copy=False, budget=16)
             if control in events:
-                for _ in range(256):
-                    try:
-                        msg = control.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_control(msg)
+                drain(control, self._on_control, copy=False)
             if reducer.error is not None:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
             if self.link is not None:
