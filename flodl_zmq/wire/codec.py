@@ -46,6 +46,7 @@ RUN_ID_BYTES = 16
 MAX_SEQ = 2**63 - 1
 
 HEADER_KEYS = ("v", "k", "run", "ch", "from", "seq", "f", "p")
+_HEADER_KEYSET = frozenset(HEADER_KEYS)
 _HEADER_TYPES = {"k": str, "run": bytes, "ch": str, "from": str, "seq": int, "f": dict, "p": list}
 
 
@@ -253,7 +254,7 @@ class Codec:
                 f"peer speaks protocol version {version!r}, this build speaks {PROTOCOL_VERSION}: "
                 "run the same flodl-zmq version on every host"
             )
-        if set(head) != set(HEADER_KEYS):
+        if head.keys() != _HEADER_KEYSET:
             raise SchemaError(
                 f"header keys {sorted(map(str, head))} differ from the required {sorted(HEADER_KEYS)}"
             )

@@ -450,6 +450,12 @@ _PLAIN = {int: int, float: (int, float), str: str, bytes: bytes, bool: bool}
 
 def _check(value: Any, tp: Any, where: str) -> Any:
     """Validate (and normalise) one decoded value against its annotation."""
+    want = _PLAIN.get(tp)
+    if want is not None:
+        # bool is an int subclass in Python; refuse it where an int or float is meant and vice versa.
+        if isinstance(value, bool) != (tp is bool) or not isinstance(value, want):
+            raise SchemaError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+        return float(value) if tp is float else value
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
@@ -474,20 +480,19 @@ def _check(value: Any, tp: Any, where: str) -> Any:
         return out
     if tp is EpochPlan:
         return from_fields(EpochPlan, value, where)
-    want = _PLAIN[tp]
-    # bool is an int subclass in Python; refuse it where an int or float is meant and vice versa.
-    if isinstance(value, bool) != (tp is bool) or not isinstance(value, want):
-        raise SchemaError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-    return float(value) if tp is float else value
+    raise TypeError(f"{where}: annotation {tp!r} has no wire validator")  # a records.py bug, not input
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+_FIELDS: dict[type, tuple[tuple[tuple[str, Any], ...], frozenset[str]]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+def _fields(cls: type) -> tuple[tuple[tuple[str, Any], ...], frozenset[str]]:
+    """(name, annotation) pairs and the name set of `cls`, computed once per class."""
+    if cls not in _FIELDS:
+        hints = typing.get_type_hints(cls)
+        pairs = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+        _FIELDS[cls] = (pairs, frozenset(name for name, _ in pairs))
+    return _FIELDS[cls]
 
 
 def from_fields(cls: type, fields: Any, where: str = "") -> Any:
@@ -495,15 +500,13 @@ def from_fields(cls: type, fields: Any, where: str = "") -> Any:
     where = where or cls.__name__
     if not isinstance(fields, dict):
         raise SchemaError(f"{where}: fields must be a map, got {type(fields).__name__}")
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = set(fields) - set(names)
-    if unknown:
-        raise SchemaError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
-    missing = [n for n in names if n not in fields]
-    if missing:
-        raise SchemaError(f"{where}: missing field(s) {missing}")
-    return cls(**{n: _check(fields[n], hints[n], f"{where}.{n}") for n in names})
+    pairs, names = _fields(cls)
+    if fields.keys() != names:
+        unknown = set(fields) - names
+        if unknown:
+            raise SchemaError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
+        raise SchemaError(f"{where}: missing field(s) {[n for n, _ in pairs if n not in fields]}")
+    return cls(**{n: _check(fields[n], tp, f"{where}.{n}") for n, tp in pairs})
 
 
 def to_fields(rec: Any) -> dict[str, Any]:
