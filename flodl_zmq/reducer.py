@@ -36,14 +36,13 @@ Rules the ledger keeps:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from flodl_zmq.errors import ProtocolError
-from flodl_zmq.fold import IMAGES_KEPT, Schema, SumImage, carve, check_mass, check_schema, schema_of
+from flodl_zmq.fold import ImageCache, Schema, SumImage, carve, check_mass, check_schema, schema_of
 from flodl_zmq.tensors import DTYPES
 
 
@@ -95,6 +94,12 @@ class LedgerCounters:
     bytes_reduced: int = 0
 
 
+def _consensus_outputs(schema: Schema) -> tuple[SumImage, list[np.ndarray]]:
+    image = SumImage(schema)
+    per_dtype = {dt: iter(carve([s for d, s in schema if d == dt], DTYPES[dt])[1]) for dt in {d for d, _ in schema}}
+    return image, [next(per_dtype[dt]) for dt, _ in schema]
+
+
 class _Round:
     def __init__(self, round_id: int, schema: Schema, seed: tuple[np.ndarray, ...]) -> None:
         self.round_id = round_id
@@ -141,7 +146,7 @@ class RoundLedger:
         self._all_dead_reported = False
         self._round: _Round | None = None
         # Sum images and consensus buffers by schema, most recently used last.
-        self._images: OrderedDict[Schema, tuple[SumImage, list[np.ndarray]]] = OrderedDict()
+        self._images = ImageCache(_consensus_outputs)
 
     @property
     def round_id(self) -> int | None:
@@ -253,17 +258,4 @@ class RoundLedger:
     def _image(self, schema: Schema) -> tuple[SumImage, list[np.ndarray]]:
         """The reused sum image of ``schema`` and its consensus buffers (separate from the sums,
         so the latest consensus survives while the next round accumulates)."""
-        entry = self._images.get(schema)
-        if entry is None:
-            image = SumImage(schema)
-            per_dtype = {
-                dt: iter(carve([s for d, s in schema if d == dt], DTYPES[dt])[1])
-                for dt in {d for d, _ in schema}
-            }
-            outputs = [next(per_dtype[dt]) for dt, _ in schema]
-            entry = (image, outputs)
-            self._images[schema] = entry
-            while len(self._images) > IMAGES_KEPT:
-                self._images.popitem(last=False)
-        self._images.move_to_end(schema)
-        return entry
+        return self._images.get(schema)
