@@ -83,6 +83,13 @@ class Trainer:
             written by a shutdown-with-save. resume_from: a bundle stem to continue from.
         seed: shuffle and initialisation seed. torch_threads: threads per rank.
         quiet: no progress bar and no per-epoch lines.
+        wire_dtype: what a round carries, "f32" or "bf16" (half the bytes; ranks keep
+            f32 weights and the saved model is f32).
+        max_failures: rank failures that end the run (with a save): a count, or a
+            percent of the world such as "25%"; None (default) trains on while any rank lives.
+        heartbeat_timeout_s: a rank silent this long (seconds, > 1) is declared dead.
+        easgd_alpha: cpu-async only: how far a rank moves towards each consensus
+            (0 < a <= 1; None = 0.5).
     """
 
     def __init__(
@@ -107,6 +114,10 @@ class Trainer:
         seed: int = 42,
         torch_threads: int = 1,
         quiet: bool = False,
+        wire_dtype: str = "f32",
+        max_failures: int | str | None = None,
+        heartbeat_timeout_s: float = 30.0,
+        easgd_alpha: float | None = None,
     ) -> None:
         self.job = Job(
             model=model, optimizer=optimizer, train_step=train_step, dataset=dataset,
@@ -114,7 +125,8 @@ class Trainer:
             eval_fn=eval_fn, eval_every=eval_every, checkpoint_fn=checkpoint_fn,
             checkpoint_every=checkpoint_every, epoch_fn=epoch_fn, metrics_fn=metrics_fn,
             on_callback_error=on_callback_error, save_path=save_path, resume_from=resume_from,
-            seed=seed, torch_threads=torch_threads, quiet=quiet,
+            seed=seed, torch_threads=torch_threads, quiet=quiet, wire_dtype=wire_dtype,
+            max_failures=max_failures, heartbeat_timeout_s=heartbeat_timeout_s, easgd_alpha=easgd_alpha,
         )
 
     def run(self) -> TrainResult:

@@ -11,6 +11,8 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -18,10 +20,13 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from flodl_zmq.coordinator.config import DEFAULT_EASGD_ALPHA, MaxFailure
 from flodl_zmq.errors import ConfigError
 
 MODES = ("cpu-sync", "cpu-cadence", "cpu-async")
 CALLBACK_ERRORS = ("report", "stop")
+WIRE_DTYPES = ("f32", "bf16")
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,12 @@ class Job:
     save_path: str | None = None
     resume_from: str | None = None
     seed: int = 42
-    easgd_alpha: float = 0.5
+    easgd_alpha: float | None = None
     torch_threads: int = 1
     quiet: bool = False
+    wire_dtype: str = "f32"
+    max_failures: int | str | None = None
+    heartbeat_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "train_step"):
@@ -70,13 +78,51 @@ class Job:
             raise ConfigError("eval_every and checkpoint_every must be >= 0 (0 turns the callback off)")
         if self.on_callback_error not in CALLBACK_ERRORS:
             raise ConfigError(f"on_callback_error must be one of {CALLBACK_ERRORS}, got {self.on_callback_error!r}")
-        if not 0.0 < self.easgd_alpha <= 1.0:
-            raise ConfigError(f"easgd_alpha must be in (0, 1], got {self.easgd_alpha}")
+        if self.easgd_alpha is not None:
+            if not (_real(self.easgd_alpha) and 0.0 < self.easgd_alpha <= 1.0):
+                raise ConfigError(f"easgd_alpha must be a number in (0, 1] (1 = overwrite), got {self.easgd_alpha!r}")
+            if self.mode != "cpu-async":
+                raise ConfigError(
+                    f"easgd_alpha only applies to mode='cpu-async' (mode is {self.mode!r}, where ranks "
+                    f"overwrite with the consensus): drop easgd_alpha or switch the mode"
+                )
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        if not (_real(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 1.0):
+            # Ranks beat every 0.5 s: a timeout near that would declare busy-but-alive ranks dead.
+            raise ConfigError(f"heartbeat_timeout_s must be a finite number of seconds > 1, got {self.heartbeat_timeout_s!r}")
+        self.max_failure()  # raises on a malformed max_failures
         if self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
 
     @property
+    def blend(self) -> float:
+        """How far a rank moves towards each consensus: 1 (overwrite), or the EASGD alpha under cpu-async."""
+        if self.mode != "cpu-async":
+            return 1.0
+        return DEFAULT_EASGD_ALPHA if self.easgd_alpha is None else self.easgd_alpha
+
+    @property
     def total_samples(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
+
+    def max_failure(self) -> MaxFailure | None:
+        """`max_failures` as the coordinator's threshold: a count, a fraction of the world, or None."""
+        m = self.max_failures
+        if m is None:
+            return None
+        if isinstance(m, int) and not isinstance(m, bool) and m >= 0:
+            return MaxFailure.absolute(m)
+        match = _PERCENT.match(m) if isinstance(m, str) else None
+        if match is None or float(match.group(1)) > 100.0:
+            raise ConfigError(
+                f"max_failures must be a count of ranks (an integer >= 0) or a percent of the world "
+                f"such as '25%' (0% to 100%), got {m!r}"
+            )
+        return MaxFailure.percent(float(match.group(1)) / 100.0)
+
+
+def _real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

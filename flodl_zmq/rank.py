@@ -65,6 +65,7 @@ from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.errors import ConfigError, TrainingError, WireError
 from flodl_zmq.job import Job
 from flodl_zmq.relay import rank_identity, rank_sender
+from flodl_zmq.tensors import DTYPES
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.shm import (
@@ -79,6 +80,9 @@ from flodl_zmq.wire.shm import (
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
+# Wire dtype name -> the torch dtype of the deposit buffer, and the numpy dtype a received consensus has.
+WIRE_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16}
+WIRE_NUMPY = {name: DTYPES[name] for name in WIRE_TORCH}
 SEND_RELEASE_TIMEOUT_S = 60.0
 
 
@@ -134,25 +138,37 @@ def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tenso
 class ParamBuffers:
     """Snapshot and consensus-load machinery for one replica, on reused host buffers.
 
-    `snapshot(mass)` fills one flat float32 host vector (pinned on CUDA, or in
-    `segment` when one is given, for deposits by reference) with the payload
-    tensors times `mass`; `load(consensus)` writes a flat consensus back with
-    one batched copy (or an EASGD lerp) and returns the divergence triple
-    against the last snapshot.
+    `snapshot(mass)` fills one flat float32 host vector (pinned on CUDA) with
+    the payload tensors times `mass` and returns the deposit in the wire dtype
+    (in `segment` when one is given, for deposits by reference): the f32
+    vector itself, or its bf16 encoding in a second reused buffer.
+    `load(consensus)` takes a flat consensus in the wire dtype (bf16 is widened
+    into a reused f32 buffer first), writes it back with one batched copy (or
+    an EASGD lerp) and returns the divergence triple against the last snapshot.
     """
 
-    def __init__(self, model: torch.nn.Module, segment: Segment | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, segment: Segment | None = None, wire_dtype: str = "f32") -> None:
         self.tensors = payload_tensors(model)
         self.device = self.tensors[0].device
         self.cuda = self.device.type == "cuda"
         self.numel = sum(t.numel() for t in self.tensors)
         self.segment = segment
+        if wire_dtype not in WIRE_TORCH:
+            raise ConfigError(f"wire_dtype must be one of {tuple(WIRE_TORCH)}, got {wire_dtype!r}")
+        self.wire_dtype = wire_dtype
+        dtype = WIRE_TORCH[wire_dtype]
         if segment is None:
-            self.snap = torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
+            self.wire = torch.empty(self.numel, dtype=dtype, pin_memory=self.cuda and wire_dtype == "f32")
         else:
-            self.snap = torch.frombuffer(segment.layout([self.numel * 4])[0], dtype=torch.float32)
+            self.wire = torch.frombuffer(segment.layout([self.numel * dtype.itemsize])[0], dtype=dtype)
+        # The f32 snapshot is the deposit itself under f32; under bf16 it is kept for the
+        # divergence against the consensus, and the deposit is its encoding (torch's
+        # round-to-nearest-even copy: bit-identical to tensors.bf16_from_f32, several times faster).
+        self.snap = self.wire if wire_dtype == "f32" else torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
         self._snap_views = _views(self.snap, self.tensors)
         self._scratch = torch.empty(self.numel, dtype=torch.float32)
+        self._widened = torch.empty(self.numel, dtype=torch.float32) if wire_dtype == "bf16" else None
+        self.consensus: torch.Tensor | None = None  # the last loaded consensus, f32 (valid until the next load)
         self._recv: torch.Tensor | None = None
         self._recv_views: list[torch.Tensor] = []
         self._recv_done: Any = None  # torch.cuda.Event of the last H2D copy out of _recv
@@ -185,7 +201,7 @@ class ParamBuffers:
         self._tracker = None
 
     def snapshot(self, mass: float) -> torch.Tensor:
-        """Fill and return the flat host snapshot, pre-multiplied by `mass`."""
+        """Fill the flat host snapshot, pre-multiplied by `mass`; returns the deposit in the wire dtype."""
         self._wait_sent()
         with torch.no_grad():
             torch._foreach_copy_(self._snap_views, [t.detach() for t in self.tensors], non_blocking=self.cuda)
@@ -194,22 +210,29 @@ class ParamBuffers:
             self.pre_norm = float(torch.linalg.vector_norm(self.snap))
             if mass != 1.0:
                 self.snap.mul_(mass)
+            if self.wire is not self.snap:
+                self.wire.copy_(self.snap)
         self.mass = float(mass)
-        return self.snap
+        return self.wire
 
     def load(self, consensus: np.ndarray, alpha: float = 1.0) -> tuple[float | None, float, float | None]:
-        """Adopt a flat f32 consensus: overwrite (alpha 1) or lerp towards it (EASGD); returns
-        (divergence ||pre - consensus|| / ||consensus||, post norm, pre norm)."""
+        """Adopt a flat consensus in the wire dtype: overwrite (alpha 1) or lerp towards it (EASGD);
+        returns (divergence ||pre - consensus|| / ||consensus||, post norm, pre norm)."""
         flat = consensus.reshape(-1)
-        if flat.dtype != np.float32 or flat.size != self.numel:
+        expected = WIRE_NUMPY[self.wire_dtype]
+        if flat.dtype != expected or flat.size != self.numel:
             raise TrainingError(
                 f"consensus of {flat.size} {flat.dtype} elements does not fit this model's "
-                f"{self.numel} float32 elements: every rank must build the same model"
+                f"{self.numel} {self.wire_dtype} elements: every rank must build the same model "
+                f"and run with the same wire_dtype"
             )
         with warnings.catch_warnings():
             # The received frame is read-only; it is only ever read here.
             warnings.simplefilter("ignore", UserWarning)
             cons = torch.from_numpy(flat)
+        if self._widened is not None:
+            cons = self._widened.copy_(cons.view(torch.bfloat16))  # exact: bf16 is the top half of f32
+        self.consensus = cons
         with torch.no_grad():
             post = float(torch.linalg.vector_norm(cons))
             divergence = None
@@ -446,8 +469,10 @@ class RankRuntime:
         self.optimizer = job.optimizer(self.model.parameters())
         # A relay on this machine (ipc://) shares memory with this rank: deposit by reference.
         same_host = cfg.data_endpoint.startswith("ipc://")
-        self.buffers = ParamBuffers(self.model, Segment(cfg.run_id, rank_owner(cfg.rank)) if same_host else None)
-        self.alpha = job.easgd_alpha if job.mode == "cpu-async" else 1.0
+        self.buffers = ParamBuffers(
+            self.model, Segment(cfg.run_id, rank_owner(cfg.rank)) if same_host else None, job.wire_dtype
+        )
+        self.alpha = job.blend
         self.steps = 0  # cumulative optimizer steps
         self.steps_since_avg = 0
         self.global_step = 0
@@ -582,7 +607,8 @@ class RankRuntime:
         if c.mass > 0.0:
             divergence, post, pre = self.buffers.load(env.payload[0], self.alpha)
             if self.alpha < 1.0 and self.job.eval_fn is not None:
-                self._keep_consensus(env.payload[0])
+                assert self.buffers.consensus is not None
+                self._keep_consensus(self.buffers.consensus)
         # Steps taken while the round was in flight keep their credit for the next frame.
         self.steps_since_avg -= self._steps_at_snapshot
         self._pending_round = None
@@ -663,14 +689,12 @@ class RankRuntime:
         elapsed = (time.perf_counter() - t0) * 1000.0
         self.link.send(rec.EpochFnElapsed(rank=self.cfg.rank, epoch=epoch, elapsed_ms=elapsed))
 
-    def _keep_consensus(self, consensus: np.ndarray) -> None:
-        """Hold the last consensus in a model of its own: a blending (EASGD) rank's live
-        model is not the consensus, and `adopt_consensus` evals must score the consensus."""
+    def _keep_consensus(self, consensus: torch.Tensor) -> None:
+        """Hold the last consensus (flat f32) in a model of its own: a blending (EASGD) rank's
+        live model is not the consensus, and `adopt_consensus` evals must score the consensus."""
         if self._consensus_model is None:
             self._consensus_model = self.job.model().to(self.device)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only frame, only read
-            load_flat(self._consensus_model, torch.from_numpy(consensus.reshape(-1)))
+        load_flat(self._consensus_model, consensus)
 
     def _run_eval(self, r: rec.ExecuteEval) -> None:
         model = self._consensus_model if r.adopt_consensus and self._consensus_model is not None else self.model

@@ -85,6 +85,7 @@ from flodl_zmq.rank import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import RELAY_ROUTE, drain, rank_identity, rank_of, rank_sender, relay_sender
 from flodl_zmq.security import CurveKeys, apply_client, apply_server
+from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
 
@@ -114,7 +115,9 @@ def coordinator_config(job: Job) -> CoordinatorConfig:
         eval_every=job.eval_every if has_eval else 0,
         checkpoint_every=job.checkpoint_every if job.checkpoint_fn is not None else 0,
         final_eval=has_eval,
-        easgd_alpha=job.easgd_alpha if mode is Mode.ASYNC else None,
+        easgd_alpha=job.easgd_alpha,
+        heartbeat_timeout_s=job.heartbeat_timeout_s,
+        max_failure=job.max_failure(),
     )
 
 
@@ -297,9 +300,17 @@ class ControllerService:
         r = env.record
         if isinstance(r, rec.Consensus) and r.mass > 0.0 and r.round > self.consensus_round and env.payload:
             flat = env.payload[0].reshape(-1)
-            if flat.dtype == np.float32 and flat.size == self.consensus.size:
+            if flat.size != self.consensus.size:
+                return
+            # The kept consensus (the result and the saved model) is f32 whatever the wire
+            # carries: a bf16 round is widened once, here, exactly.
+            if flat.dtype == DTYPES["bf16"]:
+                f32_from_bf16(flat, self.consensus)
+            elif flat.dtype == DTYPES["f32"]:
                 np.copyto(self.consensus, flat)
-                self.consensus_round = r.round
+            else:
+                return
+            self.consensus_round = r.round
 
     def _on_control(self, msg: list[Any]) -> None:
         if len(msg) < 4:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from flodl_zmq import bundle
 from flodl_zmq.launch import Cluster
@@ -81,6 +82,18 @@ def undisturbed() -> dict:
 
 def test_cadence_trains_digits_to_95_percent(undisturbed):
     assert undisturbed["accuracy"] >= 0.95
+
+
+def test_cadence_with_a_bf16_wire_trains_digits_to_95_percent_and_saves_an_f32_model(tmp_path):
+    stem = str(tmp_path / "bf16")
+    code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--wire-dtype", "bf16", "--save", stem)
+    assert code == 0, out
+    assert result["accuracy"] >= 0.95, out
+    state, _ = bundle.load(stem)
+    floats = [t for t in state.values() if t.is_floating_point()]
+    assert all(t.dtype == torch.float32 for t in floats)
+    # Widened from a bf16 consensus: the low 16 bits of every f32 are zero (the wire really was bf16).
+    assert all(bool(((t.view(torch.int32) & 0xFFFF) == 0).all()) for t in floats)
 
 
 @pytest.mark.parametrize("mode", ["cpu-sync", "cpu-async"])

@@ -18,6 +18,7 @@ from flodl_zmq.rank import (
     model_signature,
     payload_tensors,
 )
+from flodl_zmq.tensors import bf16_from_f32
 from flodl_zmq.wire import records as rec
 
 
@@ -112,6 +113,64 @@ def test_consensus_of_another_model_is_refused():
     buf = ParamBuffers(net())
     with pytest.raises(TrainingError, match="same model"):
         buf.load(np.zeros(buf.numel + 1, np.float32))
+
+
+# ---------------------------------------------------------------------------- bf16 wire
+
+
+def _bf16_bits(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def test_bf16_snapshot_is_the_round_to_nearest_even_encoding_of_the_premultiplied_payload():
+    m = net()
+    buf = ParamBuffers(m, wire_dtype="bf16")
+    wire = buf.snapshot(3.0)
+    assert wire.dtype == torch.bfloat16 and wire.numel() == buf.numel
+    expected = np.empty(buf.numel, np.uint16)
+    bf16_from_f32((flatten(m) * 3.0).numpy(), expected)
+    assert np.array_equal(_bf16_bits(wire), expected)
+    assert torch.equal(buf.snap, flatten(m) * 3.0)  # the f32 snapshot stays for the divergence
+
+
+def test_bf16_snapshot_and_consensus_reuse_their_buffers_across_rounds():
+    m = net()
+    buf = ParamBuffers(m, wire_dtype="bf16")
+    wire, snap = buf.snapshot(1.0).data_ptr(), buf.snap.data_ptr()
+    buf.load(_bf16_bits(buf.wire).copy())
+    widened = buf.consensus.data_ptr()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    assert buf.snapshot(2.0).data_ptr() == wire and buf.snap.data_ptr() == snap
+    buf.load(_bf16_bits(buf.wire).copy())
+    assert buf.consensus.data_ptr() == widened
+
+
+def test_bf16_round_trip_loads_the_model_within_bf16_precision():
+    m = net()
+    before = flatten(m)
+    buf = ParamBuffers(m, wire_dtype="bf16")
+    frame = _bf16_bits(buf.snapshot(1.0)).copy()
+    frame.setflags(write=False)  # received frames are read-only
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(-3.0)
+    divergence, _, _ = buf.load(frame)
+    after = flatten(m)
+    assert torch.allclose(after, before, rtol=2**-8, atol=0.0)  # bf16 keeps 8 significant bits
+    assert divergence is not None and divergence <= 2**-8
+
+
+def test_bf16_buffers_refuse_an_f32_consensus_naming_the_wire_dtype():
+    buf = ParamBuffers(net(), wire_dtype="bf16")
+    with pytest.raises(TrainingError, match="wire_dtype"):
+        buf.load(np.zeros(buf.numel, np.float32))
+
+
+def test_unknown_wire_dtype_is_refused():
+    with pytest.raises(ConfigError, match="wire_dtype"):
+        ParamBuffers(net(), wire_dtype="f16")
 
 
 class FakeTracker:
