@@ -53,6 +53,7 @@ import zmq
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
+from flodl_zmq.launch import signal_group
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
     MAX_DEVICES_PER_HOST,
@@ -425,7 +426,7 @@ class Agent:
                 children.append(_Child(label, rank, proc, forwarders))
         except OSError as exc:
             for c in children:
-                _signal_group(c.proc, signal.SIGKILL)
+                signal_group(c.proc, signal.SIGKILL)
                 c.proc.wait()
             raise MembershipError(f"could not start {joined.spawn.argv[0]!r} with {self.python}: {exc}") from None
         log.info("host %r running relay + ranks %s of a %d-rank world", host, list(joined.ranks), joined.world_size)
@@ -463,10 +464,10 @@ class Agent:
                 fault = fault or ranks_live or self._stop_reason is not None
                 log.error("tearing down host %r (%s); stopping %d process(es)", host, why, len(live))
                 for c in live:
-                    _signal_group(c.proc, signal.SIGTERM)
+                    signal_group(c.proc, signal.SIGTERM)
             elif teardown is not None and now >= kill_at:
                 for c in live:
-                    _signal_group(c.proc, signal.SIGKILL)
+                    signal_group(c.proc, signal.SIGKILL)
             for c in list(live):
                 code = c.proc.poll()
                 if code is None:
@@ -481,13 +482,13 @@ class Agent:
                     if not any(x.rank is not None for x in live) and teardown is None:
                         teardown, kill_at = "every rank exited", now + cfg.kill_grace_s
                         for x in live:  # the relay has nothing left to serve
-                            _signal_group(x.proc, signal.SIGTERM)
+                            signal_group(x.proc, signal.SIGTERM)
                 elif code != 0 and teardown is None and any(x.rank is not None for x in live):
                     # The ranks just lost their only path to the controller.
                     teardown, kill_at, fault = f"relay died with code {code} under running ranks", now + cfg.kill_grace_s, True
                     log.error("tearing down host %r: %s", host, teardown)
                     for x in live:
-                        _signal_group(x.proc, signal.SIGTERM)
+                        signal_group(x.proc, signal.SIGTERM)
             if live:
                 time.sleep(POLL_S)
         for c in children:
@@ -518,13 +519,6 @@ class Agent:
         if now - self._last_heard > self.config.silence_s:
             return f"controller silent for {now - self._last_heard:.0f} s (gone, or the link is cut)"
         return None
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # --------------------------------------------------------------------------- command line

@@ -162,7 +162,7 @@ class Cluster:
 
     def kill(self, label: str, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to one child's process group (tests: SIGKILL a rank mid-epoch)."""
-        _signal_group(self.children[label].proc, sig)
+        signal_group(self.children[label].proc, sig)
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the controller, then stop whatever is left; returns the controller's exit status."""
@@ -185,7 +185,7 @@ class Cluster:
         """SIGTERM every child's group, wait, SIGKILL stragglers, reap all (idempotent)."""
         live = [c for c in self.children.values() if c.proc.poll() is None]
         for c in live:
-            _signal_group(c.proc, signal.SIGTERM)
+            signal_group(c.proc, signal.SIGTERM)
         deadline = time.monotonic() + TERM_GRACE_S
         for c in live:
             try:
@@ -194,7 +194,7 @@ class Cluster:
                 pass
         for c in self.children.values():
             # Also the group of a child that already exited: it may have left grandchildren.
-            _signal_group(c.proc, signal.SIGKILL)
+            signal_group(c.proc, signal.SIGKILL)
             c.proc.wait()
         for c in self.children.values():
             if c.reader is not None:
@@ -203,7 +203,8 @@ class Cluster:
             unlink_run(self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to the process group `proc` leads (children run with start_new_session)."""
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -382,11 +382,6 @@ class HostLinks:
         self._heard[member.host] = now
         self._live_ranks[member.host] = set(member.ranks)
 
-    def remove(self, host: str) -> None:
-        """Forget a host whose admission was rolled back."""
-        self._heard.pop(host, None)
-        self._live_ranks.pop(host, None)
-
     def heard(self, host: str, now: float) -> None:
         if host in self._heard:
             self._heard[host] = max(self._heard[host], now)
@@ -405,6 +400,16 @@ class HostLinks:
 
     def live_ranks(self, host: str) -> tuple[int, ...]:
         return tuple(sorted(self._live_ranks.get(host, ())))
+
+    def state(self, host: str) -> str:
+        """`live`, `done` (every rank exited) or `lost` (fell silent with ranks live)."""
+        if host not in self._closed:
+            return "live"
+        return "lost" if self._live_ranks.get(host) else "done"
+
+    def running(self) -> list[str]:
+        """Hosts neither done nor lost (safe from another thread: reads copies)."""
+        return [h for h in self._heard.copy() if h not in self._closed]
 
     def lost(self, now: float) -> list[str]:
         """Hosts that fell silent since the last call (each reported once)."""
@@ -558,7 +563,6 @@ class MembershipService:
         self._closed = threading.Event()
         self._stop = threading.Event()
         self._verdict: Verdict | None = None
-        self._host_state: dict[str, str] = {}  # admitted host -> live | done | lost
         # Replaced whole by the controller's thread, read whole by ours: a reference swap needs no lock.
         self._training: dict[str, Any] | None = None
         self._curve = curve
@@ -595,7 +599,7 @@ class MembershipService:
 
     def hosts_running(self) -> list[str]:
         """Admitted hosts that are neither done (every rank exited) nor lost."""
-        return [h for h, state in self._host_state.copy().items() if state == "live"]  # copy: atomic under the GIL
+        return self.links.running()
 
     def status(self) -> dict[str, Any]:
         """The cohort's state, as `join.status_reply` carries it (PROTOCOL.md)."""
@@ -605,7 +609,7 @@ class MembershipService:
             "reason": verdict.reason,
             "joined_ranks": self.window.joined_ranks,
             "hosts": {
-                m.host: {"ranks": list(m.ranks), "state": self._host_state.get(m.host, "live")}
+                m.host: {"ranks": list(m.ranks), "state": self.links.state(m.host)}
                 for m in self.window.members
             },
         }
@@ -640,7 +644,6 @@ class MembershipService:
                     self._send(ident, self._session, JoinHeartbeat())
             for host in self.links.lost(now):
                 ranks = self.links.live_ranks(host)
-                self._host_state[host] = "lost"
                 log.warning("host %r lost: its agent is silent; ranks %s are gone", host, list(ranks))
                 self.events.put(HostLost(host, ranks))
 
@@ -705,7 +708,6 @@ class MembershipService:
             self.window.retract_last(hello.host)
             return
         self._hosts[ident] = hello.host
-        self._host_state[hello.host] = "live"
         self.links.add(self.window.members[-1], now)
         peer = _peer_address(frames)
         if peer is not None:
@@ -735,7 +737,6 @@ class MembershipService:
             log.info("host %r: rank %d exited with code %d", host, rec.rank, rec.code)
             self.events.put(RankExitReported(host, rec.rank, rec.code))
             if self.links.rank_exited(host, rec.rank, now):
-                self._host_state[host] = "done"
                 self.events.put(HostDone(host))
         elif not isinstance(rec, JoinHeartbeat):
             log.warning("host %r sent %s on its join link; ignored", host, env.kind)

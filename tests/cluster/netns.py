@@ -25,15 +25,18 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 PREFIX = "flt"
 SUBNET = "10.231.0"
@@ -52,6 +55,18 @@ def unavailable() -> str | None:
         return f"cannot create a network namespace: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
     return None
+
+
+@contextlib.contextmanager
+def network_or_skip(*names: str) -> Iterator[Network]:
+    """A Network with one host per name (a module fixture's body), or a pytest skip where namespaces cannot be made."""
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Network() as net:
+        for name in names:
+            net.add_host(name)
+        yield net
 
 
 def _pid_alive(pid: int) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tests.cluster.netns import Network, unavailable
+from tests.cluster.netns import Network, network_or_skip
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,12 +104,7 @@ CAPTURE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def net():
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    with Network() as n:
-        n.add_host("alpha")
-        n.add_host("beta")
+    with network_or_skip("alpha", "beta") as n:
         yield n
 
 

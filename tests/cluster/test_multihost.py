@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from flodl_zmq.wire import new_key
-from tests.cluster.netns import Network, Service, read_compose, unavailable
+from tests.cluster.netns import Network, Service, network_or_skip, read_compose
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -41,12 +41,7 @@ pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linu
 
 @pytest.fixture(scope="module")
 def net():
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    with Network() as n:
-        for name in ("controller", "worker1", "worker2", "intruder"):
-            n.add_host(name)
+    with network_or_skip("controller", "worker1", "worker2", "intruder") as n:
         yield n
 
 

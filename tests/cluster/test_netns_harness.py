@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.netns import Network, read_compose, unavailable
+from tests.cluster.netns import network_or_skip, read_compose
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,12 +44,7 @@ REQ = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def net():
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    with Network() as n:
-        n.add_host("alpha")
-        n.add_host("beta")
+    with network_or_skip("alpha", "beta") as n:
         yield n
 
 
