@@ -257,7 +257,6 @@ class Coordinator:
 
         # Epochs: the lowest epoch not yet aggregated is `last_aggregated + 1`.
         self.last_aggregated = -1
-        self.rank_epoch = [0] * world_size
         self._metrics: dict[int, list[EpochMetrics]] = {}
         # Progressive dispatch state.
         self.pools: dict[int, ChunkPool] = {}
@@ -272,7 +271,7 @@ class Coordinator:
         self._plans: list[list[dispatch.EpochPlan]] = [[] for _ in range(world_size)]
         self._assigned = [0] * world_size
         self._reported = [0] * world_size
-        self._epoch_start_steps = [0] * world_size
+        self._steps_at_report = [0] * world_size
         self._sync_epoch = -1
         # What the last finished consensus contains (for state_dict).
         self._consensus_coverage: dict[int, list[Span]] = {}
@@ -300,7 +299,6 @@ class Coordinator:
                 self._open_pool(epoch, now, pool)
             if first not in self.pools and first < self.config.num_epochs:
                 self._open_pool(first, now)
-            self.rank_epoch = [first] * self.world_size
             self._wake_idle()
         elif first < self.config.num_epochs:
             self._start_sync_epoch(first)
@@ -399,11 +397,8 @@ class Coordinator:
 
     def on_round_complete(self, round: int, now: float) -> list[Out]:
         """The reducer published the consensus of `round`."""
-        self._require_started(f"round {round} complete")
-        self._now = now
-        cyc = self.cycle
-        if self._over or cyc is None or cyc.round != round:
-            self.ignored["stale_reducer_notice"] += 1
+        cyc = self._noticed_cycle(round, "complete", now)
+        if cyc is None:
             return self._flush()
         cyc.reduced = True
         self._advance(now)
@@ -415,11 +410,7 @@ class Coordinator:
         The window's steps stay uncredited, so the gate fires again at once
         and the work lands in the next round; repeated failures end the run.
         """
-        self._require_started(f"round {round} abandoned")
-        self._now = now
-        cyc = self.cycle
-        if self._over or cyc is None or cyc.round != round:
-            self.ignored["stale_reducer_notice"] += 1
+        if self._noticed_cycle(round, "abandoned", now) is None:
             return self._flush()
         self.cycle = None
         self._abandoned += 1
@@ -551,6 +542,7 @@ class Coordinator:
             self.ignored["late_completion"] += 1
             return
         self._reported[rank] += m.samples_processed
+        self._steps_at_report[rank] = self._step_count[rank]
         self._metrics.setdefault(m.epoch, []).append(m)
 
     _HANDLERS: dict[type, Callable[[Coordinator, int, Any, float], None]] = {
@@ -787,7 +779,6 @@ class Coordinator:
         if plan is None:
             return None
         self._in_flight[rank] = pool.epoch
-        self.rank_epoch[rank] = pool.epoch
         if final is not None:
             self._final_taken[pool.epoch][rank] += plan.size // self.config.batch_size
         return plan
@@ -860,8 +851,7 @@ class Coordinator:
         for r, plan in zip(live, plans, strict=True):
             self._plans[r] = [plan]
             self._assigned[r] = plan.size
-            self._epoch_start_steps[r] = self._step_count[r]
-            self.rank_epoch[r] = epoch
+            self._steps_at_report[r] = self._step_count[r]
             self._emit_data(r, rec.StartEpoch(plan=_wire(plan)))
 
     def _emit_data(self, rank: int, record: Any) -> None:
@@ -991,11 +981,12 @@ class Coordinator:
     def _lose_rank(self, rank: int, failure: bool, now: float) -> None:
         """The death side-effect chain (notes §5.2); a clean exit takes it too, minus the failure."""
         if self.mode is Mode.SYNC:
-            # Computed before the rank leaves the ledger: what it left undone.
-            done = max(
-                (self._step_count[rank] - self._epoch_start_steps[rank]) * self.config.batch_size,
-                self._reported[rank],
-            )
+            # Computed before the rank leaves the ledger: what it left undone. Reported
+            # samples are exact; only steps since the last report are full batches (a
+            # span's short last batch is always followed by its report).
+            done = self._reported[rank] + (
+                self._step_count[rank] - self._steps_at_report[rank]
+            ) * self.config.batch_size
             remainder = (
                 dispatch.remainder_spans(self._plans[rank], done)
                 if self._reported[rank] < self._assigned[rank]
@@ -1080,6 +1071,16 @@ class Coordinator:
     def _flush(self) -> list[Out]:
         out, self._out = self._out, []
         return out
+
+    def _noticed_cycle(self, round: int, what: str, now: float) -> _Cycle | None:
+        """The cycle a reducer notice about `round` concerns; None (counted) if it is stale."""
+        self._require_started(f"round {round} {what}")
+        self._now = now
+        cyc = self.cycle
+        if self._over or cyc is None or cyc.round != round:
+            self.ignored["stale_reducer_notice"] += 1
+            return None
+        return cyc
 
     def _require_started(self, what: Any) -> None:
         if not self._started:

@@ -12,8 +12,8 @@ Rules this module keeps:
   `on_round_complete`, `on_send_failed`); nothing reaches into its state.
 - Simulated ranks follow the rank side of the protocol as the coordinator
   expects it: one chunk in flight; a Sync partition is one flat list of
-  samples batched across `ExtendPartition` seams (so steps * batch_size is
-  exactly the samples done); `RequestParams` is served at the next batch
+  samples batched across `ExtendPartition` seams, reported when it runs dry
+  (only its last batch may be short); `RequestParams` is served at the next batch
   boundary, or at once when idle or throttled; a `Throttle` holds the rank
   until the next `Update`; `step_count` counts steps since the process
   started.
