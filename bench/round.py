@@ -28,7 +28,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -43,29 +42,6 @@ MASS = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "25M": 25_000_000}
 # Fresh pages cost ~6x a memcpy here; hugetlb-backed malloc more than doubled zmq throughput.
 CHILD_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "OMP_NUM_THREADS": "1"}
-
-
-def free_base_port(span: int = 4) -> int:
-    """A port p with p .. p+span-1 free on 127.0.0.1 (checked by binding them all)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + span > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + span):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no free run of ports on 127.0.0.1")
 
 
 # ---------------------------------------------------------------------- zmq data plane processes
@@ -179,12 +155,13 @@ def zmq_rounds(n: int, dtype: str, transport: str, rounds: int) -> list[float]:
     """Round times (s) of the zmq data plane, one per round."""
     import tempfile
 
+    from flodl_zmq.launch import free_port_base
     from flodl_zmq.wire import new_key
     from flodl_zmq.wire.shm import unlink_run
 
     ctx = mp.get_context("spawn")
     key, run_id = new_key(), os.urandom(16)
-    port = free_base_port()
+    port = free_port_base()
     stop, barrier, out = ctx.Event(), ctx.Barrier(WORLD), ctx.Queue()
     ipc_dir = tempfile.mkdtemp(prefix="flodl-bench-")
     procs = [ctx.Process(target=_controller, args=(port, key, run_id, stop))]
@@ -234,8 +211,10 @@ def _gloo(rank: int, port: int, n: int, dtype: str, rounds: int, out: Any) -> No
 
 
 def gloo_rounds(n: int, dtype: str, rounds: int) -> list[float]:
+    from flodl_zmq.launch import free_port_base
+
     ctx = mp.get_context("spawn")
-    port = free_base_port(1)
+    port = free_port_base()
     out = ctx.Queue()
     procs = [ctx.Process(target=_gloo, args=(r, port, n, dtype, rounds, out)) for r in range(WORLD)]
     for p in procs:

@@ -266,18 +266,35 @@ def _fold_outputs(schema: Schema) -> tuple[SumImage, list[np.ndarray]]:
     return image, outputs
 
 
-class _Round:
-    """The open round: its id, who deposited, the summed mass, and the tensor state."""
+class OpenRound:
+    """The open round of a fold tier (relay or reducer): who contributed, the summed mass, the tensors.
 
-    def __init__(
-        self, round_id: int, rank: int, mass: float, seed: tuple[np.ndarray, ...], schema: Schema
-    ) -> None:
+    The first contribution is held verbatim as ``seed``; the second promotes the
+    round to the tier's reused f32 image of the schema (one pass, not a copy then
+    an add); later ones add in place. Callers check the schema before ``add``.
+    """
+
+    def __init__(self, round_id: int, schema: Schema) -> None:
         self.round_id = round_id
-        self.ranks = [rank]
-        self.mass = mass
-        self.seed: tuple[np.ndarray, ...] | None = seed
         self.schema = schema
+        self.members: list = []
+        self.mass = 0.0
+        self.seed: tuple[np.ndarray, ...] | None = None
         self.image: SumImage | None = None
+
+    def add(self, member: object, mass: float, tensors: Sequence[np.ndarray], images: ImageCache) -> None:
+        """Count ``member``'s mass-premultiplied ``tensors`` and its ``mass`` in the round."""
+        if not self.members:
+            self.seed = tuple(tensors)
+        elif self.seed is not None:
+            self.image = images.get(self.schema)[0]
+            self.image.fill_sum(self.seed, tensors)
+            self.seed = None
+        else:
+            assert self.image is not None
+            self.image.add(tensors)
+        self.members.append(member)
+        self.mass += mass
 
 
 class FoldStation:
@@ -297,8 +314,8 @@ class FoldStation:
         self.counters = FoldCounters()
         self.poisoned: str | None = None
         self.last_round: int | None = None
-        self._round: _Round | None = None
-        # Images and 2-byte output buffers by schema, most recently used last.
+        self._round: OpenRound | None = None
+        # Images and 2-byte output buffers by schema (f32 tensors ship straight from the sums).
         self._images = ImageCache(_fold_outputs)
 
     @property
@@ -339,24 +356,16 @@ class FoldStation:
             raise FoldError(
                 f"{who}: round {self.last_round} already shipped (stale or replayed frame)"
             )
-        if rnd is not None and rank in rnd.ranks:
+        if rnd is not None and rank in rnd.members:
             raise FoldError(
                 f"{who}: rank deposited twice in one round (ping-pong violated; stream desynced)"
             )
         m = check_mass(mass, who, FoldError)
         if rnd is None:
-            schema = schema_of(tensors, who, FoldError)
-            self._round = _Round(round_id, rank, m, tuple(tensors), schema)
+            rnd = self._round = OpenRound(round_id, schema_of(tensors, who, FoldError))
         else:
             check_schema(rnd.schema, tensors, who, FoldError)
-            if rnd.seed is not None:
-                rnd.image = self._image(rnd.schema)[0]
-                rnd.image.fill_sum(rnd.seed, tensors)  # promote: one pass, not a copy then an add
-                rnd.seed = None
-            else:
-                rnd.image.add(tensors)
-            rnd.ranks.append(rank)
-            rnd.mass += m
+        rnd.add(rank, m, tensors, self._images)
         self.counters.deposits += 1
         self.counters.bytes_folded += sum(t.nbytes for t in tensors)
         return self._take_if_complete()
@@ -383,18 +392,14 @@ class FoldStation:
                     f"every local rank {sorted(self.roster)} is dead; no round is pending"
                 )
             return None
-        if any(r not in self.dead and r not in rnd.ranks for r in self.roster):
+        if any(r not in self.dead and r not in rnd.members for r in self.roster):
             return None
         self._round = None
         self.last_round = rnd.round_id
         self.counters.rounds_shipped += 1
-        ranks = tuple(sorted(rnd.ranks))
+        ranks = tuple(sorted(rnd.members))
         if rnd.seed is not None:
             return HostFold(rnd.round_id, rnd.mass, ranks, rnd.seed, verbatim=True)
-        image, outputs = self._image(rnd.schema)
+        image, outputs = self._images.get(rnd.schema)
         image.encode_into(outputs)
         return HostFold(rnd.round_id, rnd.mass, ranks, tuple(outputs), verbatim=False)
-
-    def _image(self, schema: Schema) -> tuple[SumImage, list[np.ndarray]]:
-        """The reused image of ``schema`` and its outputs (f32 tensors ship straight from the sums)."""
-        return self._images.get(schema)

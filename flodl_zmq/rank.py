@@ -118,7 +118,7 @@ def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
     tensors = payload_tensors(model)
     views = _views(flat.reshape(-1), tensors)
     with torch.no_grad():
-        torch._foreach_copy_(tensors, [v.to(t.device) for v, t in zip(views, tensors, strict=True)])
+        torch._foreach_copy_(tensors, views)  # copy_ crosses devices itself: no staging copy
 
 
 def flatten(model: torch.nn.Module) -> torch.Tensor:
@@ -754,11 +754,6 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def run_rank(job: Job, cfg: RankConfig) -> int:
-    """Entry point of the rank role."""
-    return RankRuntime(job, cfg).run()
-
-
 __all__ = [
     "ParamBuffers",
     "RankConfig",
@@ -769,5 +764,4 @@ __all__ = [
     "model_signature",
     "payload_tensors",
     "pick_device",
-    "run_rank",
 ]

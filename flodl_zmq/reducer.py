@@ -42,7 +42,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from flodl_zmq.errors import ProtocolError
-from flodl_zmq.fold import ImageCache, Schema, SumImage, carve, check_mass, check_schema, schema_of
+from flodl_zmq.fold import (
+    ImageCache,
+    OpenRound,
+    Schema,
+    SumImage,
+    carve,
+    check_mass,
+    check_schema,
+    schema_of,
+)
 from flodl_zmq.tensors import DTYPES
 
 
@@ -100,16 +109,6 @@ def _consensus_outputs(schema: Schema) -> tuple[SumImage, list[np.ndarray]]:
     return image, [next(per_dtype[dt]) for dt, _ in schema]
 
 
-class _Round:
-    def __init__(self, round_id: int, schema: Schema, seed: tuple[np.ndarray, ...]) -> None:
-        self.round_id = round_id
-        self.schema = schema
-        self.seed: tuple[np.ndarray, ...] | None = seed  # the first frame, until a second one comes
-        self.image: SumImage | None = None
-        self.hosts: list[str] = []
-        self.mass = 0.0
-
-
 class RoundLedger:
     """Round bookkeeping and the reduce for one run: HostFrames and deaths in, outcomes out.
 
@@ -144,8 +143,9 @@ class RoundLedger:
         self.latest: Reduced | None = None
         self._abandoned: Abandoned | None = None
         self._all_dead_reported = False
-        self._round: _Round | None = None
-        # Sum images and consensus buffers by schema, most recently used last.
+        self._round: OpenRound | None = None
+        # Sum images and consensus buffers by schema, most recently used last; the buffers are
+        # separate from the sums, so the latest consensus survives while the next round accumulates.
         self._images = ImageCache(_consensus_outputs)
 
     @property
@@ -175,23 +175,14 @@ class RoundLedger:
         rnd = self._round
         if rnd is not None and round_id != rnd.round_id:
             raise ProtocolError(f"{who}: round {rnd.round_id} is still open (desynced host)")
-        if rnd is not None and host in rnd.hosts:
+        if rnd is not None and host in rnd.members:
             raise ProtocolError(f"{who}: host sent a second frame in one round (desynced relay)")
         m = check_mass(mass, who, ProtocolError)
         if rnd is None:
-            schema = schema_of(tensors, who, ProtocolError)
-            rnd = self._round = _Round(round_id, schema, tuple(tensors))
+            rnd = self._round = OpenRound(round_id, schema_of(tensors, who, ProtocolError))
         else:
             check_schema(rnd.schema, tensors, who, ProtocolError)
-            if rnd.seed is not None:
-                rnd.image = self._image(rnd.schema)[0]
-                rnd.image.fill_sum(rnd.seed, tensors)
-                rnd.seed = None
-            else:
-                assert rnd.image is not None
-                rnd.image.add(tensors)
-        rnd.hosts.append(host)
-        rnd.mass += m
+        rnd.add(host, m, tensors, self._images)
         self.counters.frames += 1
         self.counters.bytes_reduced += sum(t.nbytes for t in tensors)
         return self._settle()
@@ -242,20 +233,15 @@ class RoundLedger:
                 self._abandoned = out
                 self.counters.rounds_abandoned += 1
             return out
-        if rnd is None or not expected <= set(rnd.hosts):
+        if rnd is None or not expected <= set(rnd.members):
             return None
         self._round = None
         self.last_round = rnd.round_id
-        image, outputs = self._image(rnd.schema)
+        image, outputs = self._images.get(rnd.schema)
         if rnd.seed is not None:
             image.fill(rnd.seed)  # a one-host round: its frame was never copied
         # The one divide of the whole reduce: by the mass of exactly the frames summed.
         image.encode_into(outputs, rnd.mass if rnd.mass > 0.0 else None)
-        self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(rnd.hosts)), tuple(outputs))
+        self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(rnd.members)), tuple(outputs))
         self.counters.rounds_reduced += 1
         return self.latest
-
-    def _image(self, schema: Schema) -> tuple[SumImage, list[np.ndarray]]:
-        """The reused sum image of ``schema`` and its consensus buffers (separate from the sums,
-        so the latest consensus survives while the next round accumulates)."""
-        return self._images.get(schema)

@@ -48,7 +48,6 @@ from flodl_zmq.errors import ConfigError, FlodlError, ProtocolError, WireError
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.relay import REDUCER_SENDER, TAG_BCAST, TAG_DATA, drain, relay_sender, send, tune
 from flodl_zmq.security import CurveKeys, apply_server
-from flodl_zmq.tensors import dtype_name
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire.records import (
     Consensus,
@@ -344,10 +343,7 @@ class ReducerService:
             self.completed.put(RoundOutcome(outcome.round_id, 0.0, (), outcome.reason))
 
     def _publish(self, red: Reduced) -> None:
-        frames = self._codec.encode(
-            Consensus(red.round_id, red.mass), red.tensors, channel=Channel.BROADCAST,
-            dtypes=[dtype_name(t) for t in red.tensors],
-        )
+        frames = self._codec.encode(Consensus(red.round_id, red.mass), red.tensors, channel=Channel.BROADCAST)
         self._latest_frames = (red.round_id, frames)
         if red.round_id in self._drop:
             self._drop.discard(red.round_id)

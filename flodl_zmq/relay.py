@@ -76,7 +76,6 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, FlodlError, FoldError, WireError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.security import CurveKeys, apply_client
-from flodl_zmq.tensors import dtype_name
 from flodl_zmq.wire import Channel, Codec, Envelope, key_from_hex
 from flodl_zmq.wire.records import (
     Consensus,
@@ -558,8 +557,8 @@ class _DataPlane:
         self.segment = Segment(self.cfg.run_id, host_owner(self.cfg.host))  # where consensus goes by reference
         self.by_reference: set[int] = set()  # ranks that deposit by reference
 
-    def send_up(self, rec: Any, payload: Sequence[Any] = (), dtypes: list[str] | None = None) -> None:
-        send(self.up, self.codec.encode(rec, payload, channel=Channel.DATA, dtypes=dtypes), self.stop, copy=False)
+    def send_up(self, rec: Any, payload: Sequence[Any] = ()) -> None:
+        send(self.up, self.codec.encode(rec, payload, channel=Channel.DATA), self.stop, copy=False)
 
     def live_ranks(self) -> list[int]:
         return [r for r in self.cfg.ranks if r not in self.fold.dead]
@@ -606,7 +605,7 @@ class _DataPlane:
     def ship(self, outcome: HostFold | NothingToShip | None) -> None:
         if isinstance(outcome, HostFold):
             rec = HostFrame(outcome.round_id, self.cfg.host, list(outcome.ranks), outcome.mass)
-            self.send_up(rec, outcome.tensors, [dtype_name(t) for t in outcome.tensors])
+            self.send_up(rec, outcome.tensors)
             self.watch.shipped(outcome.round_id, time.monotonic())
         elif isinstance(outcome, NothingToShip):
             log.info("relay %s: %s", self.cfg.host, outcome.reason)

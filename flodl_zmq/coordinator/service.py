@@ -168,13 +168,13 @@ class ControllerService:
         self.relay_route: dict[str, bytes] = {}
         torch.manual_seed(job.seed)  # the same initial replica as every rank
         self.model = job.model()
-        self.start_epoch = 0
+        start_epoch = 0
         resume = None
         if job.resume_from:
             state, meta = bundle.load(job.resume_from)
             self.model.load_state_dict(state)
             resume = meta.get("coordinator")
-            self.start_epoch = int(meta.get("epoch", 0))
+            start_epoch = int(meta.get("epoch", 0))
         self.consensus = flatten(self.model).numpy()  # latest positive-mass consensus
         self.consensus_round = -1
         self.config = coordinator_config(job)
@@ -188,7 +188,7 @@ class ControllerService:
         self.stop_error: FlodlError | None = None
         self.shares: list[list[float]] = []
         self._bar: Any = None
-        self._bar_epoch = self.start_epoch
+        self._bar_epoch = start_epoch
         self._t_formed = time.perf_counter()
         self._round_started: dict[int, float] = {}
 

@@ -49,6 +49,7 @@ from typing import Any
 import msgpack
 
 from flodl_zmq.errors import FramingError, LimitError, SchemaError
+from flodl_zmq.wire.codec import _buffer
 
 SHM_TAG = b"shm"
 ALIGN = 64  # cache-line aligned frames: the fold and the MAC read them at full speed
@@ -137,8 +138,7 @@ class Segment:
 
     def place(self, payload: Sequence[Any]) -> bytes:
         """Copy ``payload`` buffers into the segment; returns the locator of the copies."""
-        bufs = [memoryview(p).cast("B") if memoryview(p).ndim != 1 or memoryview(p).format != "B" else memoryview(p)
-                for p in payload]
+        bufs = [_buffer(p) for p in payload]
         for dst, src in zip(self.layout([b.nbytes for b in bufs]), bufs, strict=True):
             dst[:] = src
         return self.locator()

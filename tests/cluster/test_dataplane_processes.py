@@ -7,7 +7,6 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import pytest
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.launch import free_port_base
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.wire import Channel, new_key
 from flodl_zmq.wire.shm import rank_owner, segment_prefix, shm_dir, unlink_run
@@ -34,21 +34,6 @@ HOSTS = {"a": (0, 1), "b": (2, 3)}
 WAIT_S = 30.0
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(sys.platform != "linux", reason="ipc, signals")]
-
-
-def free_base_port(span: int = 3) -> int:
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            for p in range(base, base + span):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free run of ports")
 
 
 class Proc:
@@ -82,7 +67,7 @@ class World:
                  shm: bool = False):
         self.key, self.run_id = new_key(), os.urandom(16)
         self.out = tmp_path
-        port = free_base_port()
+        port = free_port_base()
         addr = ControllerAddress("127.0.0.1", port)
         self.ctx = zmq.Context()
         self._stop = threading.Event()
