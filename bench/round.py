@@ -128,14 +128,18 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
     for round_id in range(1, rounds + 1):
         barrier.wait(timeout=120)
         t0 = time.monotonic_ns()
-        frames = codec.encode(RoundFrame(round_id, rank, MASS[rank]), [wire], dtypes=[dtype])
-        data.send_multipart(frames if segment is None else by_reference(frames, segment.locator()), copy=False)
+        deposit = RoundFrame(round_id, rank, MASS[rank])
+        if segment is None:
+            data.send_multipart(codec.encode(deposit, [wire], dtypes=[dtype]), copy=False)
+        else:
+            data.send_multipart(by_reference(codec, deposit, [wire], segment, dtypes=[dtype]))
         if not data.poll(120_000):
             raise TimeoutError(f"rank {rank}: no consensus for round {round_id}")
         msg = data.recv_multipart(copy=False)
         if is_by_reference(msg):
-            msg = mapped.resolve(msg, host_owner(host))
-        env = decoder.decode(msg, Channel.BROADCAST, replay=False)
+            env = mapped.decode(decoder, msg, host_owner(host), Channel.BROADCAST, replay=False)
+        else:
+            env = decoder.decode(msg, Channel.BROADCAST, replay=False)
         t1 = time.monotonic_ns()
         if env.record.round != round_id:
             raise RuntimeError(f"rank {rank}: got round {env.record.round}, expected {round_id}")

@@ -404,14 +404,14 @@ class _Link:
             return None
 
     def _decode_data(self, msg: list[Any]) -> Any:
-        if is_by_reference(msg):
-            try:
-                msg = self.mapped.resolve(msg, host_owner(self.cfg.host))
-            except WireError as exc:
-                self.rejected += 1
-                log.warning("rank %d: rejected a by-reference consensus: %s", self.cfg.rank, exc)
-                return None
-        return self._decode(msg, Channel.BROADCAST, replay=False)
+        if not is_by_reference(msg):
+            return self._decode(msg, Channel.BROADCAST, replay=False)
+        try:
+            return self.mapped.decode(self.codec, msg, host_owner(self.cfg.host), Channel.BROADCAST, replay=False)
+        except WireError as exc:
+            self.rejected += 1
+            log.warning("rank %d: rejected a by-reference consensus: %s", self.cfg.rank, exc)
+            return None
 
     def _flush(self, control: zmq.Socket, data: zmq.Socket) -> None:
         while True:
@@ -420,13 +420,14 @@ class _Link:
             except queue.Empty:
                 return
             if payload:
-                frames = self.codec.encode(record, payload, channel=Channel.DATA)
                 if tracked_by is not None and tracked_by.segment is not None:
                     # The payload stays in the segment; the round protocol keeps it unwritten
                     # until the relay is done with it (the next snapshot follows this consensus).
-                    data.send_multipart(by_reference(frames, tracked_by.segment.locator()))
+                    data.send_multipart(by_reference(self.codec, record, payload, tracked_by.segment,
+                                                     channel=Channel.DATA))
                     tracked_by.hold_until_sent(None)
                     continue
+                frames = self.codec.encode(record, payload, channel=Channel.DATA)
                 tracker = data.send_multipart(frames, copy=False, track=True)
                 if tracked_by is not None:
                     tracked_by.hold_until_sent(tracker)

@@ -447,14 +447,19 @@ class Relay:
         if isinstance(env.record, Exiting) and live.leave(rank):
             death(rank, GOODBYE)
 
-    def _verify(self, codec: Codec, frames: list[Any], channel: Channel, rank: int, count, where: str) -> Envelope | None:
+    def _verify(self, codec: Codec, frames: list[Any], channel: Channel, rank: int, count, where: str,
+                mapped: SegmentMap | None = None) -> Envelope | None:
         """Decode a rank's record; None (counted) unless it is authentic, fresh and from `rank` itself.
 
+        With `mapped`, a by-reference message is read from that rank's own segment.
         The sequence check comes after the route check, so one rank cannot burn
         another rank's sequence numbers and lock it out.
         """
         try:
-            env = codec.decode(frames, channel, replay=False)
+            if mapped is not None and is_by_reference(frames):
+                env = mapped.decode(codec, frames, rank_owner(rank), channel, replay=False)
+            else:
+                env = codec.decode(frames, channel, replay=False)
             named = getattr(env.record, "rank", rank)
             if env.sender != rank_sender(rank) or named != rank:
                 count[f"forged_route.{where}"] += 1
@@ -571,18 +576,10 @@ class _DataPlane:
             self.count["unknown_rank.local_data"] += 1
             return
         frames = msg[1:]
-        shared = is_by_reference(frames)
-        if shared:
-            try:
-                frames = self.mapped.resolve(frames, rank_owner(rank))
-            except WireError as exc:
-                self.count["rejected.local_data"] += 1
-                log.warning("relay %s: rejected a by-reference deposit from rank %d: %s", self.cfg.host, rank, exc)
-                return
-        env = self.relay._verify(self.codec, frames, Channel.DATA, rank, self.count, "local_data")
+        env = self.relay._verify(self.codec, frames, Channel.DATA, rank, self.count, "local_data", self.mapped)
         if env is None:
             return
-        if shared:
+        if is_by_reference(frames):
             self.by_reference.add(rank)
         if not isinstance(env.record, RoundFrame):
             self.count["unexpected.local_data"] += 1
@@ -692,8 +689,9 @@ class _DataPlane:
         live = self.live_ranks()
         shared = None
         if self.by_reference.intersection(live):
-            # Written once for every same-host rank; each verifies the reducer's MAC over it.
-            shared = by_reference(frames, self.segment.place(env.frames[1:-1]))
+            # Verified above and written once for every same-host rank, under this relay's signature.
+            self.segment.place(env.frames[1:-1])
+            shared = by_reference(self.codec, rec, env.payload, self.segment, channel=Channel.BROADCAST)
         for rank in live:
             try:
                 out = shared if shared is not None and rank in self.by_reference else frames

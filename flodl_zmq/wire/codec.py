@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +84,8 @@ class Envelope:
     run_id: bytes
     payload: list[np.ndarray]  # read-only views over the received frames
     dtypes: list[str]
-    frames: list[Any] = field(repr=False)  # as received, for verbatim forwarding
+    # As received, for verbatim forwarding; empty for a by-reference message, which cannot leave its host.
+    frames: list[Any] = field(repr=False)
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -152,6 +153,30 @@ class Codec:
         `dtypes`, when given, states what each payload must hold; a mismatch is refused
         rather than sent, so a caller's schema drift shows at the sender.
         """
+        header, views = self._header(rec, payload, channel, dtypes)
+        return [header, *views, _mac.compute_mac(self.key, header, views)]
+
+    def encode_reference(
+        self,
+        rec: Any,
+        payload: Sequence[Any],
+        locator: bytes,
+        *,
+        channel: Channel | None = None,
+        dtypes: Sequence[str] | None = None,
+    ) -> tuple[bytes, bytes]:
+        """`(header, mac)` of `rec` whose payload lies where `locator` says (PROTOCOL.md 3.5).
+
+        The MAC covers the header (which describes every payload frame) and the
+        locator, not the payload bytes: those are guarded by the segment's owner
+        and mode, which the receiver checks.
+        """
+        header, _ = self._header(rec, payload, channel, dtypes)
+        return header, _mac.reference_mac(self.key, header, locator)
+
+    def _header(
+        self, rec: Any, payload: Sequence[Any], channel: Channel | None, dtypes: Sequence[str] | None
+    ) -> tuple[bytes, list[memoryview]]:
         spec = spec_of(rec)
         ch = channel or spec.channels[0]
         if ch not in spec.channels:
@@ -178,7 +203,7 @@ class Codec:
             },
             use_bin_type=True,
         )
-        return [header, *views, _mac.compute_mac(self.key, header, views)]
+        return header, views
 
     # ------------------------------------------------------------------ decode
 
@@ -196,6 +221,42 @@ class Codec:
         head = self._unpack_header(header_buf)
         descs = self._check_payload(head["p"], payload_bufs)
         _mac.verify_mac(self.key, header_buf, payload_bufs, tag)
+        return self._open(head, descs, payload_bufs, channel, replay, frames)
+
+    def decode_reference(
+        self,
+        header: Any,
+        locator: Any,
+        tag: Any,
+        resolve: Callable[[memoryview], list[memoryview]],
+        channel: Channel,
+        *,
+        replay: bool = True,
+    ) -> Envelope:
+        """Authenticate and decode a by-reference message (PROTOCOL.md 3.5).
+
+        The MAC over header and locator is checked before `resolve` maps the
+        locator to the payload views, so an unauthenticated locator opens nothing.
+        """
+        header_buf, locator_buf, tag_buf = _buffer(header), _buffer(locator), _buffer(tag)
+        if header_buf.nbytes > self.limits.max_header_bytes:
+            raise LimitError(f"header of {header_buf.nbytes} bytes exceeds the limit of {self.limits.max_header_bytes}")
+        head = self._unpack_header(header_buf)
+        _mac.verify_reference_mac(self.key, header_buf, locator_buf, tag_buf)
+        payload_bufs = resolve(locator_buf)
+        descs = self._check_payload(head["p"], payload_bufs)
+        return self._open(head, descs, payload_bufs, channel, replay, [])
+
+    def _open(
+        self,
+        head: dict[str, Any],
+        descs: list[tuple[str, list[int]]],
+        payload_bufs: list[memoryview],
+        channel: Channel,
+        replay: bool,
+        frames: Sequence[Any],
+    ) -> Envelope:
+        """The checks after authentication: run, channel, kind, fields, sequence; then the payload views."""
         if head["run"] != self.run_id:
             raise AuthError(
                 f"frame belongs to run {head['run'].hex()}, this is run {self.run_id.hex()}: "

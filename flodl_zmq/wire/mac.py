@@ -13,6 +13,9 @@ Rules this module keeps (normative text: protocol/PROTOCOL.md, "Authentication")
   ~58 ms on one core here; Poly1305 runs at ~12 GB/s (bench/wire.py).
 - Every length is part of the MAC input, so frames cannot be cut, merged,
   swapped or reordered without the tag failing.
+- A message whose payload lies in shared memory (wire/shm.py) is signed over
+  its header and locator only, under a label of its own, so neither MAC can
+  ever stand in for the other.
 - Comparison is constant-time (hmac.compare_digest).
 """
 
@@ -32,6 +35,7 @@ KEY_BYTES = 32
 MAC_BYTES = 32
 PAYLOAD_KEY_LABEL = b"flodl-zmq/1/payload-key\x00"
 MAC_LABEL = b"flodl-zmq/1/mac\x00"
+REFERENCE_MAC_LABEL = b"flodl-zmq/1/by-reference\x00"
 
 Buffer = bytes | bytearray | memoryview
 
@@ -87,11 +91,34 @@ def compute_mac(key: bytes, header: Buffer, payloads: Sequence[Buffer]) -> bytes
     return mac.digest()
 
 
+def reference_mac(key: bytes, header: Buffer, locator: Buffer) -> bytes:
+    """The 32-byte MAC of a by-reference message: HMAC-SHA256 over its header and locator.
+
+    Its own label keeps it from ever validating a framed message, or the reverse.
+    """
+    header, locator = bytes(header), bytes(locator)
+    mac = hmac.new(key, REFERENCE_MAC_LABEL, hashlib.sha256)
+    mac.update(_U64.pack(len(header)))
+    mac.update(header)
+    mac.update(_U64.pack(len(locator)))
+    mac.update(locator)
+    return mac.digest()
+
+
 def verify_mac(key: bytes, header: Buffer, payloads: Sequence[Buffer], tag: Buffer) -> None:
     """Raise AuthError unless `tag` is the MAC of this header and these payload frames."""
+    _compare(compute_mac(key, header, payloads), tag)
+
+
+def verify_reference_mac(key: bytes, header: Buffer, locator: Buffer, tag: Buffer) -> None:
+    """Raise AuthError unless `tag` is the by-reference MAC of this header and locator."""
+    _compare(reference_mac(key, header, locator), tag)
+
+
+def _compare(expected: bytes, tag: Buffer) -> None:
     if memoryview(tag).nbytes != MAC_BYTES:
         raise AuthError(f"MAC frame is {memoryview(tag).nbytes} bytes, expected {MAC_BYTES}")
-    if not hmac.compare_digest(compute_mac(key, header, payloads), bytes(tag)):
+    if not hmac.compare_digest(expected, bytes(tag)):
         raise AuthError(
             "MAC verification failed: the frame was altered, belongs to another run, or the "
             "sender uses a different session key (check FLODL_KEY on both ends)"

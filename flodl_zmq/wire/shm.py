@@ -11,16 +11,19 @@ the payload there once and sends the message with its payload frames left out
 
 Rules this module keeps:
 
-- The message itself does not change: header and MAC are exactly those of the
-  framed message, computed over the payload bytes as they lie in the segment.
-  The receiver rebuilds ``[header, *views, mac]`` and decodes it with the
-  ordinary codec, so verification is identical, and a forged locator or a
-  tampered segment fails the MAC like a tampered frame.
-- The locator is not authenticated, so it may only name what the receiver
-  expects: a segment of this run and of the owner the receiver attributes the
-  message to (a rank's own segment for its deposit, its relay's for a
-  consensus), in the shared-memory directory, with every frame inside the
-  segment. A receiver never opens any other file.
+- The header is exactly the framed message's header (it describes every
+  payload frame); the MAC covers the header and the locator, under its own
+  label, and not the payload bytes. Those are guarded by the segment itself:
+  a receiver trusts only a regular file owned by its own user with no group
+  or other permission bits. Whoever can write such a file runs as the run's
+  user and can read the session key as well, so a payload MAC would stop
+  nobody; it would only cost a pass over the bytes at each end (~4 ms per
+  40 MB, twice per rank and round).
+- The MAC is checked before the locator is opened, and the locator may only
+  name what the receiver expects: a segment of this run and of the owner the
+  receiver attributes the message to (a rank's own segment for its deposit,
+  its relay's for a consensus), in the shared-memory directory, with every
+  frame inside the segment. A receiver never opens any other file.
 - A segment is created by its owner (exclusive create, mode 0600), reused for
   every round while the layout fits, replaced by a new generation when it does
   not, and unlinked by its owner when it closes. A rank that dies without
@@ -42,14 +45,16 @@ import itertools
 import mmap
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 
-from flodl_zmq.errors import FramingError, LimitError, SchemaError
-from flodl_zmq.wire.codec import _buffer
+from flodl_zmq.errors import AuthError, FramingError, LimitError, SchemaError
+from flodl_zmq.wire.codec import Codec, Envelope, _buffer
+from flodl_zmq.wire.records import Channel
 
 SHM_TAG = b"shm"
 ALIGN = 64  # cache-line aligned frames: the fold and the MAC read them at full speed
@@ -121,7 +126,7 @@ class Segment:
         self._gen = itertools.count(1)
         self.name: str | None = None
         self._map: mmap.mmap | None = None
-        self._frames: list[tuple[int, int]] = []
+        self.frames: list[tuple[int, int]] = []  # (offset, nbytes) of each frame of the current layout
 
     def layout(self, sizes: Sequence[int]) -> list[memoryview]:
         """Writable views of ``sizes`` bytes each, consecutive and ALIGN-aligned, in this segment."""
@@ -132,22 +137,21 @@ class Segment:
         if self._map is None or len(self._map) < max(at, 1):
             self._replace(max(at, 1))
         assert self._map is not None
-        self._frames = frames
+        self.frames = frames
         view = memoryview(self._map)
         return [view[off : off + n] for off, n in frames]
 
-    def place(self, payload: Sequence[Any]) -> bytes:
-        """Copy ``payload`` buffers into the segment; returns the locator of the copies."""
-        bufs = [_buffer(p) for p in payload]
+    def place(self, frames: Sequence[Any]) -> None:
+        """Copy ``frames`` (byte buffers, e.g. received payload frames) into the segment as its layout."""
+        bufs = [_buffer(f) for f in frames]
         for dst, src in zip(self.layout([b.nbytes for b in bufs]), bufs, strict=True):
             dst[:] = src
-        return self.locator()
 
     def locator(self) -> bytes:
         """The locator frame of the current layout."""
         if self.name is None:
             raise FramingError("the segment holds no layout yet; call layout() first")
-        return msgpack.packb([self.name, [list(f) for f in self._frames]], use_bin_type=True)
+        return msgpack.packb([self.name, [list(f) for f in self.frames]], use_bin_type=True)
 
     def close(self) -> None:
         """Unlink the segment (readers keep their mapping until they drop it)."""
@@ -156,7 +160,7 @@ class Segment:
                 os.unlink(os.path.join(self.directory, self.name))
             except FileNotFoundError:
                 pass
-        self.name, self._map, self._frames = None, None, []
+        self.name, self._map, self.frames = None, None, []
 
     def _replace(self, size: int) -> None:
         # The old mapping is dropped, not closed: views of it may still be in flight.
@@ -171,17 +175,29 @@ class Segment:
         self.name = name
 
 
-def by_reference(frames: Sequence[Any], locator: bytes) -> list[Any]:
-    """The by-reference form of an encoded message ``[header, payload..., mac]`` whose payload
-    frames are the ones ``locator`` names (the caller laid them out there)."""
-    count = len(msgpack.unpackb(locator)[1])
-    if len(frames) - 2 != count:
-        raise FramingError(f"the message has {len(frames) - 2} payload frames but the locator names {count}")
-    return [SHM_TAG, locator, frames[0], frames[-1]]
+def by_reference(
+    codec: Codec,
+    rec: Any,
+    payload: Sequence[Any],
+    segment: Segment,
+    *,
+    channel: Channel | None = None,
+    dtypes: Sequence[str] | None = None,
+) -> list[Any]:
+    """``[SHM_TAG, locator, header, mac]`` for ``rec``, its payload frames left in ``segment``.
+
+    ``payload`` are the arrays as they lie in the segment's current layout (or
+    their exact copies there): their dtypes and shapes go into the header.
+    """
+    if len(payload) != len(segment.frames):
+        raise FramingError(f"{len(payload)} payload frames but the segment's layout holds {len(segment.frames)}")
+    locator = segment.locator()
+    header, mac = codec.encode_reference(rec, payload, locator, channel=channel, dtypes=dtypes)
+    return [SHM_TAG, locator, header, mac]
 
 
 class SegmentMap:
-    """The reader's side: maps the segments messages point at (read-only) and rebuilds their frames.
+    """The reader's side: maps the segments messages point at (read-only) and decodes them.
 
     One mapping is kept per owner; a new generation replaces it.
     """
@@ -191,16 +207,21 @@ class SegmentMap:
         self.directory = directory or shm_dir()
         self._maps: dict[str, tuple[str, mmap.mmap]] = {}
 
-    def resolve(self, msg: Sequence[Any], owner: str) -> list[Any]:
-        """``[header, *payload views, mac]`` of a by-reference message from ``owner``.
+    def decode(self, codec: Codec, msg: Sequence[Any], owner: str, channel: Channel, *, replay: bool = True) -> Envelope:
+        """Authenticate and decode a by-reference message from ``owner``; raises a WireError subclass.
 
-        Raises FramingError / SchemaError / LimitError for a locator that names
-        anything but a segment of ``owner`` in this run, or frames outside it.
+        The MAC over header and locator is checked first; then the locator may
+        only name a segment of ``owner`` in this run, private to this user, with
+        every frame inside it.
         """
         if not is_by_reference(msg):
             raise FramingError("not a by-reference message: expected [shm, locator, header, mac]")
+        return codec.decode_reference(msg[2], msg[1], msg[3], lambda loc: self._views(loc, owner), channel,
+                                      replay=replay)
+
+    def _views(self, locator: memoryview, owner: str) -> list[memoryview]:
         try:
-            loc = msgpack.unpackb(_bytes(msg[1]), raw=False, max_str_len=256, max_bin_len=0,
+            loc = msgpack.unpackb(locator, raw=False, max_str_len=256, max_bin_len=0,
                                   max_array_len=MAX_FRAMES, max_map_len=0, max_ext_len=0)
         except Exception as exc:  # msgpack raises assorted types on bad input
             raise SchemaError(f"shared-memory locator is not valid msgpack: {type(exc).__name__}: {exc}") from None
@@ -220,7 +241,7 @@ class SegmentMap:
             if not ok or f[0] + f[1] > len(view):
                 raise FramingError(f"shared-memory frame {f!r} does not lie inside segment {name} ({len(view)} bytes)")
             out.append(view[f[0] : f[0] + f[1]])
-        return [msg[2], *out, msg[3]]
+        return out
 
     def forget(self, owner: str) -> None:
         """Drop the mapping of ``owner``'s segment (views still in use keep it alive)."""
@@ -235,7 +256,15 @@ class SegmentMap:
         except OSError as exc:
             raise FramingError(f"shared-memory segment {name} cannot be opened: {exc.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                # The payload bytes carry no MAC: only a segment no other user can write is trusted.
+                raise AuthError(
+                    f"shared-memory segment {name} is not private to this user (owner uid {st.st_uid}, "
+                    f"mode {stat.S_IMODE(st.st_mode):04o}); a run's segments are created 0600 by its own "
+                    "processes: remove this file and check who else runs with this run id"
+                )
+            size = st.st_size
             if size == 0:
                 raise FramingError(f"shared-memory segment {name} is empty")
             mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)

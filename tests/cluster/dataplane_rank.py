@@ -87,16 +87,20 @@ def main() -> int:
             for dst, src in zip(placed, wire, strict=True):
                 np.copyto(dst, src)
             wire = placed
-        frames = codec.encode(RoundFrame(k, a.rank, mass), wire, dtypes=[a.dtype] * len(wire))
-        data.send_multipart(frames if segment is None else by_reference(frames, segment.locator()))
+        deposit, dtypes = RoundFrame(k, a.rank, mass), [a.dtype] * len(wire)
+        if segment is None:
+            data.send_multipart(codec.encode(deposit, wire, dtypes=dtypes))
+        else:
+            data.send_multipart(by_reference(codec, deposit, wire, segment, dtypes=dtypes))
         if not data.poll(60_000):
             print(f"no consensus for round {k}", flush=True)
             return 1
         msg = data.recv_multipart()
         shared = is_by_reference(msg)
         if shared:
-            msg = mapped.resolve(msg, host_owner(a.host))
-        env = decoder.decode(msg, Channel.BROADCAST, replay=False)
+            env = mapped.decode(decoder, msg, host_owner(a.host), Channel.BROADCAST, replay=False)
+        else:
+            env = decoder.decode(msg, Channel.BROADCAST, replay=False)
         assert env.record.round == k, env.record
         flat = np.concatenate([x.ravel() for x in from_wire(env.payload, env.dtypes)])
         np.save(Path(a.out) / f"r{a.rank}_round{k}.npy", flat)

