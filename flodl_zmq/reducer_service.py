@@ -120,6 +120,9 @@ class ReducerService:
     abandoned round comes out on the `completed` queue as a RoundOutcome.
     `drop_broadcast(round)` is a test hook: that round's broadcast is not sent
     (relays must recover it point to point). Pass a shared `context` for inproc.
+    The PUB is also bound on `local_bcast` (inproc): the controller's own copy of
+    each consensus comes from there, without a loopback TCP hop (or CURVE) for
+    every model.
     """
 
     def __init__(self, config: ReducerConfig, context: zmq.Context | None = None):
@@ -141,6 +144,7 @@ class ReducerService:
         self._nonce = itertools.count(1)
         self._last_nonce = 0
         self._latest_frames: tuple[int, list[Any]] | None = None
+        self.local_bcast = f"inproc://flodl-bcast-{id(self):x}"
 
     # ------------------------------------------------------------------ API (any thread)
 
@@ -203,6 +207,7 @@ class ReducerService:
                 apply_server(pub, cfg.curve)
             data.bind(cfg.data_bind)
             pub.bind(cfg.bcast_bind)
+            pub.bind(self.local_bcast)
             self._ready.set()
             poller = zmq.Poller()
             poller.register(data, zmq.POLLIN)

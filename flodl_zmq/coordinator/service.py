@@ -5,7 +5,7 @@ Sockets (ControllerAddress rule, flodl_zmq/endpoints.py):
     control  ROUTER  (bind)  <- every relay's control DEALER     owned by this loop
     data     ROUTER  (bind)  <- every relay's data DEALER        owned by ReducerService
     bcast    PUB     (bind)  -> every relay's SUB                owned by ReducerService
-    bcast    SUB  (connect)  <- the reducer's own PUB            owned by this loop (consensus copy)
+    bcast    SUB  (connect)  <- the reducer's own PUB, inproc    owned by this loop (consensus copy)
 
 Framing on the control ROUTER (see flodl_zmq/relay.py): a relay's message is
 `[relay id, route, header, payload..., mac]`; `route` is the rank identity of
@@ -84,7 +84,7 @@ from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
 from flodl_zmq.rank import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import RELAY_ROUTE, drain, rank_identity, rank_of, rank_sender, relay_sender
-from flodl_zmq.security import CurveKeys, apply_client, apply_server
+from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
@@ -210,13 +210,11 @@ class ControllerService:
         sub.setsockopt(zmq.LINGER, 0)
         if self.curve is not None:
             apply_server(control, self.curve)
-            # Our own copy of the broadcast is a CURVE client of our PUB, with our own keypair.
-            apply_client(sub, CurveKeys(self.curve.public, self.curve.secret, server=self.curve.public))
         t0 = time.perf_counter()
         try:
             control.bind(self.penv.controller.endpoint(Channel.CONTROL))
             reducer.start()
-            sub.connect(self.penv.controller.endpoint(Channel.BROADCAST))
+            sub.connect(reducer.local_bcast)  # in process: no TCP copy, no CURVE
             self.control, self.reducer = control, reducer
             self._loop(control, sub, reducer)
         finally:
