@@ -13,11 +13,14 @@ rank runtime does with a same-host relay (`--transports socket`: as frames).
 gloo: 4 processes, all_reduce + divide on one tensor of the same size, same
 clock rule (first rank to start -> last rank done).
 
-Also the fold throughput: the relay's f32 (and bf16) accumulate against numpy
-`a += b` on the same bytes.
+Also the CPU time all processes of each side spend per round after warm-up
+(user + system, from /proc; 10 ms ticks, so read it over several rounds): on
+a machine with few cores the round time cannot beat total CPU / cores. And the
+fold throughput: the relay's f32 (and bf16) accumulate against numpy `a += b`
+on the same bytes.
 
     python bench/round.py                 # table
-    python bench/round.py --json          # {"ratio_f32_25M": ..., ...}
+    python bench/round.py --json          # {"ratio_f32_25M": ..., "zmq_cpu_ms_f32_25M": ..., ...}
     python bench/round.py --sizes 1M --rounds 5
     python bench/round.py --transports shm,socket   # also the framed path, for comparison
 """
@@ -32,6 +35,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -155,8 +159,8 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
         segment.close()
 
 
-def zmq_rounds(n: int, dtype: str, transport: str, rounds: int) -> list[float]:
-    """Round times (s) of the zmq data plane, one per round."""
+def zmq_rounds(n: int, dtype: str, transport: str, rounds: int, warmup: int) -> Rounds:
+    """Round times of the zmq data plane (controller, relays and ranks)."""
     import tempfile
 
     from flodl_zmq.launch import free_port_base
@@ -175,7 +179,7 @@ def zmq_rounds(n: int, dtype: str, transport: str, rounds: int) -> list[float]:
     for p in procs:
         p.start()
     try:
-        return round_times(out, rounds)
+        return round_times(out, rounds, warmup, [p.pid for p in procs])
     finally:
         stop.set()
         for p in procs:
@@ -185,13 +189,36 @@ def zmq_rounds(n: int, dtype: str, transport: str, rounds: int) -> list[float]:
         unlink_run(run_id)
 
 
-def round_times(out: Any, rounds: int) -> list[float]:
-    """Per round, seconds from the first rank's start to the last rank's end (each rank puts one tuple)."""
+@dataclass
+class Rounds:
+    """Per-round wall times (s) and the CPU seconds every process spent per round after warm-up."""
+
+    times: list[float]
+    cpu_per_round: float
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of `pids` so far (Linux /proc), in seconds."""
+    ticks = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def round_times(out: Any, rounds: int, warmup: int, pids: list[int]) -> Rounds:
+    """Per round, seconds from the first rank's start to the last rank's end (each rank puts one
+    tuple); and the CPU every process in `pids` spent per round once `warmup` rounds were done."""
     times: dict[int, list[tuple[int, int]]] = {}
+    cpu0 = cpu_seconds(pids) if warmup == 0 else None
     for _ in range(rounds * WORLD):
         round_id, _rank_id, t0, t1 = out.get(timeout=120)
         times.setdefault(round_id, []).append((t0, t1))
-    return [(max(t1 for _, t1 in v) - min(t0 for t0, _ in v)) / 1e9 for _, v in sorted(times.items())]
+        if round_id == warmup and len(times[round_id]) == WORLD:
+            cpu0 = cpu_seconds(pids)
+    cpu = (cpu_seconds(pids) - cpu0) / (rounds - warmup) if cpu0 is not None and rounds > warmup else float("nan")
+    return Rounds([(max(t1 for _, t1 in v) - min(t0 for t0, _ in v)) / 1e9 for _, v in sorted(times.items())], cpu)
 
 
 # ---------------------------------------------------------------------- gloo
@@ -214,7 +241,7 @@ def _gloo(rank: int, port: int, n: int, dtype: str, rounds: int, out: Any) -> No
     dist.destroy_process_group()
 
 
-def gloo_rounds(n: int, dtype: str, rounds: int) -> list[float]:
+def gloo_rounds(n: int, dtype: str, rounds: int, warmup: int) -> Rounds:
     from flodl_zmq.launch import free_port_base
 
     ctx = mp.get_context("spawn")
@@ -224,7 +251,7 @@ def gloo_rounds(n: int, dtype: str, rounds: int) -> list[float]:
     for p in procs:
         p.start()
     try:
-        return round_times(out, rounds)
+        return round_times(out, rounds, warmup, [p.pid for p in procs])
     finally:
         for p in procs:
             p.join(10)
@@ -279,17 +306,22 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes.split(","):
         n = SIZES[size]
         for dtype in args.dtypes.split(","):
-            g = statistics.median(gloo_rounds(n, dtype, total)[args.warmup:])
+            gloo = gloo_rounds(n, dtype, total, args.warmup)
+            g = statistics.median(gloo.times[args.warmup:])
             figures[f"gloo_ms_{dtype}_{size}"] = round(g * 1e3, 2)
+            figures[f"gloo_cpu_ms_{dtype}_{size}"] = round(gloo.cpu_per_round * 1e3, 1)
             fold = figures[f"fold_vs_numpy_{dtype}_{size}"] = round(fold_throughput(n, dtype), 3)
             for transport in args.transports.split(","):
-                z = statistics.median(zmq_rounds(n, dtype, transport, total)[args.warmup:])
+                zmq_run = zmq_rounds(n, dtype, transport, total, args.warmup)
+                z = statistics.median(zmq_run.times[args.warmup:])
                 tag = "" if transport == "shm" else f"{transport}_"
                 figures[f"zmq_ms_{tag}{dtype}_{size}"] = round(z * 1e3, 2)
+                figures[f"zmq_cpu_ms_{tag}{dtype}_{size}"] = round(zmq_run.cpu_per_round * 1e3, 1)
                 figures[f"ratio_{tag}{dtype}_{size}"] = round(z / g, 3)
                 if not args.json:
                     print(f"{size:>4} {dtype:>4} {transport:>6}: zmq {z * 1e3:8.1f} ms  gloo {g * 1e3:8.1f} ms  "
-                          f"ratio {z / g:5.2f}  fold/numpy {fold:.2f}", flush=True)
+                          f"ratio {z / g:5.2f}  cpu/round zmq {zmq_run.cpu_per_round * 1e3:6.1f} ms "
+                          f"gloo {gloo.cpu_per_round * 1e3:6.1f} ms  fold/numpy {fold:.2f}", flush=True)
     if args.json:
         print(json.dumps(figures, sort_keys=True))
     return 0
