@@ -14,8 +14,8 @@ Rules this module keeps:
 - The header is exactly the framed message's header (it describes every
   payload frame); the MAC covers the header and the locator, under its own
   label, and not the payload bytes. Those are guarded by the segment itself:
-  a receiver trusts only a regular file owned by its own user with no group
-  or other permission bits. Whoever can write such a file runs as the run's
+  a receiver trusts only a regular file (never through a symlink) owned by
+  its own user with no group or other permission bits. Whoever can write such a file runs as the run's
   user and can read the session key as well, so a payload MAC would stop
   nobody; it would only cost a pass over the bytes at each end (~4 ms per
   40 MB, twice per rank and round).
@@ -252,7 +252,7 @@ class SegmentMap:
         if held is not None and held[0] == name:
             return held[1]
         try:
-            fd = os.open(os.path.join(self.directory, name), os.O_RDONLY)
+            fd = os.open(os.path.join(self.directory, name), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
             raise FramingError(f"shared-memory segment {name} cannot be opened: {exc.strerror}") from None
         try:

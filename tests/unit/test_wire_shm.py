@@ -214,3 +214,15 @@ def test_the_round_frame_vector_sent_by_reference_decodes_to_the_vectors_record(
             np.testing.assert_array_equal(g, w)
     finally:
         seg.close()
+
+
+def test_a_segment_name_that_is_a_symlink_is_not_followed(seg, tmp_path):
+    # Another of this user's private files, linked under the segment's name: never read as a payload.
+    msg = deposit(seg, [np.ones(4, np.float32)])
+    private = tmp_path / "elsewhere"
+    private.write_bytes(b"\xff" * 4096)
+    private.chmod(0o600)
+    os.unlink(tmp_path / seg.name)
+    os.symlink(private, tmp_path / seg.name)
+    with pytest.raises(FramingError, match="cannot be opened"):
+        decode(msg, tmp_path)

@@ -1,0 +1,30 @@
+"""bench/round.py runs end to end and prints the JSON keys docs/benchmarks.md documents."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_round_bench_prints_every_documented_figure_for_both_transports():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench/round.py"), "--sizes", "1M", "--dtypes", "f32", "--rounds", "3",
+         "--warmup", "1", "--transports", "shm,socket", "--json"],
+        capture_output=True, text=True, timeout=170, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("gloo_ms_f32_1M", "gloo_cpu_ms_f32_1M", "zmq_ms_f32_1M", "zmq_cpu_ms_f32_1M", "ratio_f32_1M",
+                "zmq_ms_socket_f32_1M", "zmq_cpu_ms_socket_f32_1M", "ratio_socket_f32_1M", "fold_vs_numpy_f32_1M"):
+        assert key in figures, sorted(figures)
+        assert math.isfinite(figures[key]) and figures[key] >= 0, (key, figures[key])
+    assert figures["ratio_f32_1M"] == pytest.approx(figures["zmq_ms_f32_1M"] / figures["gloo_ms_f32_1M"], rel=0.01)
