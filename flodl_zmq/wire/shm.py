@@ -15,10 +15,11 @@ Rules this module keeps:
   payload frame); the MAC covers the header and the locator, under its own
   label, and not the payload bytes. Those are guarded by the segment itself:
   a receiver trusts only a regular file (never through a symlink) owned by
-  its own user with no group or other permission bits. Whoever can write such a file runs as the run's
-  user and can read the session key as well, so a payload MAC would stop
-  nobody; it would only cost a pass over the bytes at each end (~4 ms per
-  40 MB, twice per rank and round).
+  its own user with no group or other permission bits. Whoever can write
+  such a file runs as the run's user and can read the session key as well,
+  so a payload MAC would stop nobody; it would only cost passes over the
+  bytes (~4 ms per 40 MB, three per rank and round: sign, verify the
+  deposit, verify the consensus).
 - The MAC is checked before the locator is opened, and the locator may only
   name what the receiver expects: a segment of this run and of the owner the
   receiver attributes the message to (a rank's own segment for its deposit,
