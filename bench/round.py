@@ -92,7 +92,6 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
         SegmentMap,
         by_reference,
         host_owner,
-        is_by_reference,
         rank_owner,
     )
 
@@ -139,11 +138,7 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
             data.send_multipart(by_reference(codec, deposit, [wire], segment, dtypes=[dtype]))
         if not data.poll(120_000):
             raise TimeoutError(f"rank {rank}: no consensus for round {round_id}")
-        msg = data.recv_multipart(copy=False)
-        if is_by_reference(msg):
-            env = mapped.decode(decoder, msg, host_owner(host), Channel.BROADCAST, replay=False)
-        else:
-            env = decoder.decode(msg, Channel.BROADCAST, replay=False)
+        env = mapped.decode(decoder, data.recv_multipart(copy=False), host_owner(host), Channel.BROADCAST, replay=False)
         t1 = time.monotonic_ns()
         if env.record.round != round_id:
             raise RuntimeError(f"rank {rank}: got round {env.record.round}, expected {round_id}")

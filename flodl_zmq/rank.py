@@ -73,7 +73,6 @@ from flodl_zmq.wire.shm import (
     SegmentMap,
     by_reference,
     host_owner,
-    is_by_reference,
     rank_owner,
 )
 
@@ -404,13 +403,11 @@ class _Link:
             return None
 
     def _decode_data(self, msg: list[Any]) -> Any:
-        if not is_by_reference(msg):
-            return self._decode(msg, Channel.BROADCAST, replay=False)
         try:
             return self.mapped.decode(self.codec, msg, host_owner(self.cfg.host), Channel.BROADCAST, replay=False)
         except WireError as exc:
             self.rejected += 1
-            log.warning("rank %d: rejected a by-reference consensus: %s", self.cfg.rank, exc)
+            log.warning("rank %d: rejected a consensus: %s", self.cfg.rank, exc)
             return None
 
     def _flush(self, control: zmq.Socket, data: zmq.Socket) -> None:

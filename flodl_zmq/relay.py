@@ -456,7 +456,7 @@ class Relay:
         another rank's sequence numbers and lock it out.
         """
         try:
-            if mapped is not None and is_by_reference(frames):
+            if mapped is not None:
                 env = mapped.decode(codec, frames, rank_owner(rank), channel, replay=False)
             else:
                 env = codec.decode(frames, channel, replay=False)

@@ -209,14 +209,14 @@ class SegmentMap:
         self._maps: dict[str, tuple[str, mmap.mmap]] = {}
 
     def decode(self, codec: Codec, msg: Sequence[Any], owner: str, channel: Channel, *, replay: bool = True) -> Envelope:
-        """Authenticate and decode a by-reference message from ``owner``; raises a WireError subclass.
+        """Authenticate and decode a message from ``owner``, framed or by reference; raises a WireError subclass.
 
-        The MAC over header and locator is checked first; then the locator may
-        only name a segment of ``owner`` in this run, private to this user, with
-        every frame inside it.
+        By reference, the MAC over header and locator is checked first; then the
+        locator may only name a segment of ``owner`` in this run, private to this
+        user, with every frame inside it.
         """
         if not is_by_reference(msg):
-            raise FramingError("not a by-reference message: expected [shm, locator, header, mac]")
+            return codec.decode(msg, channel, replay=replay)
         return codec.decode_reference(msg[2], msg[1], msg[3], lambda loc: self._views(loc, owner), channel,
                                       replay=replay)
 

@@ -97,10 +97,7 @@ def main() -> int:
             return 1
         msg = data.recv_multipart()
         shared = is_by_reference(msg)
-        if shared:
-            env = mapped.decode(decoder, msg, host_owner(a.host), Channel.BROADCAST, replay=False)
-        else:
-            env = decoder.decode(msg, Channel.BROADCAST, replay=False)
+        env = mapped.decode(decoder, msg, host_owner(a.host), Channel.BROADCAST, replay=False)
         assert env.record.round == k, env.record
         flat = np.concatenate([x.ravel() for x in from_wire(env.payload, env.dtypes)])
         np.save(Path(a.out) / f"r{a.rank}_round{k}.npy", flat)

@@ -50,10 +50,7 @@ class SharedRank:
             raise TimeoutError(f"rank {self.rank}: no consensus")
         msg = self.fake.data.recv_multipart()
         shared = is_by_reference(msg)
-        if shared:
-            env = self.mapped.decode(self.decoder, msg, host_owner(host), Channel.BROADCAST, replay=False)
-        else:
-            env = self.decoder.decode(msg, Channel.BROADCAST, replay=False)
+        env = self.mapped.decode(self.decoder, msg, host_owner(host), Channel.BROADCAST, replay=False)
         assert isinstance(env.record, Consensus)
         return shared, env
 

@@ -168,11 +168,13 @@ def test_a_segment_owned_by_another_user_is_refused(seg, tmp_path):
         decode(msg, tmp_path)
 
 
-def test_a_framed_message_is_not_decoded_as_a_reference(tmp_path):
+def test_a_framed_message_decodes_as_framed_with_its_payload_mac(tmp_path):
     framed = Codec(KEY, RUN, "rank:0").encode(RoundFrame(1, 0, 1.0), [np.ones(4, np.float32)])
     assert not is_by_reference(framed)
-    with pytest.raises(WireError):
-        decode(framed, tmp_path)
+    assert decode(framed, tmp_path).record == RoundFrame(1, 0, 1.0)
+    tampered = [framed[0], np.zeros(4, np.float32).tobytes(), framed[-1]]
+    with pytest.raises(AuthError):
+        decode(tampered, tmp_path)
 
 
 def test_by_reference_refuses_a_payload_the_layout_does_not_hold(seg):
