@@ -271,7 +271,8 @@ class OpenRound:
 
     The first contribution is held verbatim as ``seed``; the second promotes the
     round to the tier's reused f32 image of the schema (one pass, not a copy then
-    an add); later ones add in place. Callers check the schema before ``add``.
+    an add); later ones add in place. Contributions come in through
+    ``contribute``, which checks mass and schema first.
     """
 
     def __init__(self, round_id: int, schema: Schema) -> None:
@@ -295,6 +296,30 @@ class OpenRound:
             self.image.add(tensors)
         self.members.append(member)
         self.mass += mass
+
+
+def contribute(
+    rnd: OpenRound | None,
+    round_id: int,
+    member: object,
+    mass: float,
+    tensors: Sequence[np.ndarray],
+    images: ImageCache,
+    who: str,
+    error: type[ProtocolError],
+) -> OpenRound:
+    """Add one contribution to ``rnd``, or open round ``round_id`` with its schema; returns the round.
+
+    The mass and the schema are checked before anything is added, so a refused
+    contribution leaves the round as it was.
+    """
+    m = check_mass(mass, who, error)
+    if rnd is None:
+        rnd = OpenRound(round_id, schema_of(tensors, who, error))
+    else:
+        check_schema(rnd.schema, tensors, who, error)
+    rnd.add(member, m, tensors, images)
+    return rnd
 
 
 class FoldStation:
@@ -360,12 +385,7 @@ class FoldStation:
             raise FoldError(
                 f"{who}: rank deposited twice in one round (ping-pong violated; stream desynced)"
             )
-        m = check_mass(mass, who, FoldError)
-        if rnd is None:
-            rnd = self._round = OpenRound(round_id, schema_of(tensors, who, FoldError))
-        else:
-            check_schema(rnd.schema, tensors, who, FoldError)
-        rnd.add(rank, m, tensors, self._images)
+        self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError)
         self.counters.deposits += 1
         self.counters.bytes_folded += sum(t.nbytes for t in tensors)
         return self._take_if_complete()

@@ -48,9 +48,7 @@ from flodl_zmq.fold import (
     Schema,
     SumImage,
     carve,
-    check_mass,
-    check_schema,
-    schema_of,
+    contribute,
 )
 from flodl_zmq.tensors import DTYPES
 
@@ -177,12 +175,7 @@ class RoundLedger:
             raise ProtocolError(f"{who}: round {rnd.round_id} is still open (desynced host)")
         if rnd is not None and host in rnd.members:
             raise ProtocolError(f"{who}: host sent a second frame in one round (desynced relay)")
-        m = check_mass(mass, who, ProtocolError)
-        if rnd is None:
-            rnd = self._round = OpenRound(round_id, schema_of(tensors, who, ProtocolError))
-        else:
-            check_schema(rnd.schema, tensors, who, ProtocolError)
-        rnd.add(host, m, tensors, self._images)
+        self._round = contribute(rnd, round_id, host, mass, tensors, self._images, who, ProtocolError)
         self.counters.frames += 1
         self.counters.bytes_reduced += sum(t.nbytes for t in tensors)
         return self._settle()

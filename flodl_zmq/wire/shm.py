@@ -85,11 +85,7 @@ def segment_prefix(run_id: bytes, owner: str) -> str:
 
 def is_by_reference(msg: Sequence[Any]) -> bool:
     """Whether a received message is the by-reference form (its first frame is SHM_TAG)."""
-    return len(msg) == 4 and _bytes(msg[0]) == SHM_TAG
-
-
-def _bytes(frame: Any) -> bytes:
-    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    return len(msg) == 4 and _buffer(msg[0]) == SHM_TAG
 
 
 def unlink_owner(run_id: bytes, owner: str, directory: str | None = None) -> int:

@@ -27,6 +27,16 @@ from flodl_zmq.errors import ConfigError, CoordinatorError, TrainingError
 
 ALL = [True, True, True]
 
+
+def counts_and_alive(most: int) -> st.SearchStrategy[tuple[list[int], list[bool]]]:
+    """Per-rank batch counts (0..most) and liveness flags, for a world of 1 to 6 ranks."""
+    return st.integers(1, 6).flatmap(
+        lambda w: st.tuples(
+            st.lists(st.integers(0, most), min_size=w, max_size=w),
+            st.lists(st.booleans(), min_size=w, max_size=w),
+        )
+    )
+
 # --------------------------------------------------------------------------- permutation
 
 
@@ -297,12 +307,7 @@ def test_final_window_without_a_live_rank_is_refused():
 
 
 @given(
-    st.integers(1, 6).flatmap(
-        lambda w: st.tuples(
-            st.lists(st.integers(0, 80), min_size=w, max_size=w),
-            st.lists(st.booleans(), min_size=w, max_size=w),
-        )
-    ),
+    counts_and_alive(80),
     st.integers(1, 600),
 )
 def test_final_window_sums_to_the_remainder_without_lone_ones(case, rem):
@@ -346,12 +351,7 @@ def test_wide_crumb_stretches_every_window_alike():
 
 
 @given(
-    st.integers(1, 6).flatmap(
-        lambda w: st.tuples(
-            st.lists(st.integers(0, 200), min_size=w, max_size=w),
-            st.lists(st.booleans(), min_size=w, max_size=w),
-        )
-    ),
+    counts_and_alive(200),
     st.integers(0, 40),
 )
 def test_fold_band_gives_every_live_rank_at_least_its_count(case, crumb):
