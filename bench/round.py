@@ -44,8 +44,21 @@ HOSTS = {"a": (0, 1), "b": (2, 3)}
 WORLD = 4
 MASS = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "25M": 25_000_000}
-# Fresh pages cost ~6x a memcpy here; hugetlb-backed malloc more than doubled zmq throughput.
-CHILD_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "OMP_NUM_THREADS": "1"}
+
+
+def start(proc: Any, role: str) -> None:
+    """Start a spawned child with the glibc tunables the launcher gives `role` (glibc reads them at start-up)."""
+    from flodl_zmq.environment import with_tunables
+
+    saved = os.environ.get("GLIBC_TUNABLES")
+    os.environ.update(with_tunables(os.environ, role))
+    try:
+        proc.start()
+    finally:
+        if saved is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = saved
 
 
 # ---------------------------------------------------------------------- zmq data plane processes
@@ -167,12 +180,12 @@ def zmq_rounds(n: int, dtype: str, transport: str, rounds: int, warmup: int) -> 
     port = free_port_base()
     stop, barrier, out = ctx.Event(), ctx.Barrier(WORLD), ctx.Queue()
     ipc_dir = tempfile.mkdtemp(prefix="flodl-bench-")
-    procs = [ctx.Process(target=_controller, args=(port, key, run_id, stop))]
-    procs += [ctx.Process(target=_relay, args=(h, port, key, run_id, ipc_dir, stop)) for h in HOSTS]
-    procs += [ctx.Process(target=_rank, args=(r, h, n, dtype, transport, rounds, key, run_id, ipc_dir, barrier, out, stop))
-              for h, rs in HOSTS.items() for r in rs]
-    for p in procs:
-        p.start()
+    procs = {ctx.Process(target=_controller, args=(port, key, run_id, stop)): "controller"}
+    procs.update({ctx.Process(target=_relay, args=(h, port, key, run_id, ipc_dir, stop)): "relay" for h in HOSTS})
+    procs.update({ctx.Process(target=_rank, args=(r, h, n, dtype, transport, rounds, key, run_id, ipc_dir, barrier,
+                                                  out, stop)): "rank" for h, rs in HOSTS.items() for r in rs})
+    for p, role in procs.items():
+        start(p, role)
     try:
         return round_times(out, rounds, warmup, [p.pid for p in procs])
     finally:
@@ -244,7 +257,7 @@ def gloo_rounds(n: int, dtype: str, rounds: int, warmup: int) -> Rounds:
     out = ctx.Queue()
     procs = [ctx.Process(target=_gloo, args=(r, port, n, dtype, rounds, out)) for r in range(WORLD)]
     for p in procs:
-        p.start()
+        start(p, "rank")  # what a gloo job's processes would get from our launcher
     try:
         return round_times(out, rounds, warmup, [p.pid for p in procs])
     finally:
@@ -295,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list: shm (same-host ranks deposit and load by reference), socket (frames)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = p.parse_args(argv)
-    os.environ.update(CHILD_ENV)  # read by each spawned child's glibc at start-up
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every spawned child
     total = args.rounds + args.warmup
     figures: dict[str, float] = {}
     for size in args.sizes.split(","):

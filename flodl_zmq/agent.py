@@ -392,7 +392,7 @@ class Agent:
         for name in TUNABLES:
             identity.pop(name)
         # Unbuffered, so forwarded lines arrive as they are printed, not when a buffer fills.
-        env = {**with_tunables(os.environ), "PYTHONUNBUFFERED": "1", **joined.spawn.env, **identity}
+        env = {**with_tunables(os.environ, role), "PYTHONUNBUFFERED": "1", **joined.spawn.env, **identity}
         curve = self.config.curve
         if curve is not None:  # the relay dials the controller with the agent's keys
             assert curve.server is not None  # for_client always names the controller's key

@@ -127,7 +127,7 @@ class Cluster:
                 )
 
     def _spawn(self, label: str, penv: ProcessEnv) -> None:
-        env = with_tunables(os.environ)
+        env = with_tunables(os.environ, penv.role)
         env.update(penv.to_environ())
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.env_for.get(label, {}))

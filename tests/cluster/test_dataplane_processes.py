@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.environment import with_tunables
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.wire import Channel, new_key
@@ -76,20 +77,20 @@ class World:
         self._coord.start()
         self.reducer = ReducerService(ReducerConfig.for_controller(HOSTS, self.key, self.run_id, addr), self.ctx)
         self.reducer.start()
-        env = dict(os.environ, FLODL_KEY=self.key.hex(), GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+        env = {role: with_tunables(dict(os.environ, FLODL_KEY=self.key.hex()), role) for role in ("relay", "rank")}
         self.procs: dict[str, Proc] = {}
         for host, ranks in HOSTS.items():
             local = {ch: f"ipc://{tmp_path}/{host}-{ch}" for ch in ("control", "data")}
             self.procs[host] = Proc(
                 [sys.executable, "-m", "flodl_zmq.relay", "--host", host, "--ranks", ",".join(map(str, ranks)),
                  "--controller", str(addr), "--run-id", self.run_id.hex(),
-                 "--local-control", local["control"], "--local-data", local["data"]], env)
+                 "--local-control", local["control"], "--local-data", local["data"]], env["relay"])
             for r in ranks:
                 self.procs[f"r{r}"] = Proc(
                     [sys.executable, str(HERE / "dataplane_rank.py"), "--rank", str(r), "--run-id",
                      self.run_id.hex(), "--control", local["control"], "--data", local["data"],
                      "--rounds", str(rounds), "--dtype", dtype, "--out", str(tmp_path),
-                     "--hang-at", str((hang or {}).get(r, 0)), "--host", host] + (["--shm"] if shm else []), env)
+                     "--hang-at", str((hang or {}).get(r, 0)), "--host", host] + (["--shm"] if shm else []), env["rank"])
 
     def _drain_control(self, endpoint: str) -> None:
         s = self.ctx.socket(zmq.ROUTER)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ProcessEnv, parse_world
+from flodl_zmq.environment import ProcessEnv, parse_world, with_tunables
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.wire import new_key
 
@@ -47,3 +47,47 @@ def test_a_rank_outside_its_host_is_refused():
 def test_a_world_must_number_ranks_once_from_zero(text):
     with pytest.raises(ConfigError):
         parse_world(text)
+
+
+def _rss_after_malloc_free(tunables: str) -> tuple[int, int]:
+    """A child process mallocs and touches 256 MiB, frees it: its RSS (KiB) with the block held, and after."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None)\n"
+        "libc.malloc.restype = ctypes.c_void_p\n"
+        "def rss():\n"
+        "    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1])\n"
+        "p = libc.malloc(256 << 20)\n"
+        "ctypes.memset(p, 1, 256 << 20)\n"
+        "held = rss()\n"
+        "libc.free(ctypes.c_void_p(p))\n"
+        "print(held, rss())\n"
+    )
+    env = {**os.environ, "GLIBC_TUNABLES": tunables}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    held, after = map(int, out.stdout.split())
+    return held, after
+
+
+def test_services_keep_freed_memory_for_the_next_message_and_ranks_keep_glibc_defaults():
+    # A relay or controller receives a model-sized message every round: the pages must stay mapped
+    # (a returned buffer comes back as pages the kernel must zero again).
+    service = with_tunables({}, "relay")["GLIBC_TUNABLES"]
+    held, after = _rss_after_malloc_free(service)
+    assert after > held - (16 << 10), f"{service}: RSS fell from {held} to {after} KiB after free"
+    rank = with_tunables({}, "rank")["GLIBC_TUNABLES"]
+    held, after = _rss_after_malloc_free(rank)
+    assert after < held - (200 << 10), f"{rank}: a rank's freed block should go back to the kernel"
+    assert with_tunables({}, "controller")["GLIBC_TUNABLES"] == service
+
+
+def test_tunables_the_user_set_win_and_are_kept():
+    got = with_tunables({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4:glibc.cpu.x86_ibt=on"}, "relay")
+    names = dict(t.split("=") for t in got["GLIBC_TUNABLES"].split(":"))
+    assert names["glibc.malloc.arena_max"] == "4"
+    assert names["glibc.cpu.x86_ibt"] == "on"
+    assert names["glibc.malloc.mmap_max"] == "0"
+    assert names["glibc.malloc.hugetlb"] == "1"
