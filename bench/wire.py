@@ -6,7 +6,7 @@ alike):
 
 - memcpy     np.copyto of the payload bytes into a preallocated buffer: the floor
 - hmac       plain HMAC-SHA256 of the payload bytes: the naive authentication
-- mac        the protocol's MAC alone (HMAC-SHA256 header + Poly1305 payload tag)
+- mac        the protocol's MAC alone (HMAC-SHA256 header + GMAC payload blocks)
 - encode     Codec.encode of a RoundFrame with the tensor: header + MAC
 - verify     mac.verify_mac alone over the received frames
 - decode     Codec.decode: checks, verify, numpy views

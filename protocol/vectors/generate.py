@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 import torch
 
-from flodl_zmq.wire import REGISTRY, Channel, Codec, EpochPlan, compute_mac
+from flodl_zmq.wire import PROTOCOL_VERSION, REGISTRY, Channel, Codec, EpochPlan, compute_mac
 from flodl_zmq.wire.records import to_fields
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -241,7 +241,7 @@ def header(
     p: Any = None,
     seq: Any = 1,
     run: Any = RUN_ID,
-    v: Any = 1,
+    v: Any = PROTOCOL_VERSION,
     sender: Any = SENDER,
 ) -> dict[str, Any]:
     """A header map in the canonical key order; defaults make a valid timing.heartbeat."""
@@ -351,10 +351,10 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
         ),
         (
             "wrong_version",
-            "protocol version 2",
+            f"protocol version {PROTOCOL_VERSION + 1}",
             "VersionError",
-            "protocol version 2",
-            {"frames": signed(header(v=2))},
+            f"protocol version {PROTOCOL_VERSION + 1}",
+            {"frames": signed(header(v=PROTOCOL_VERSION + 1))},
         ),
         (
             "version_missing",
@@ -365,7 +365,7 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
         ),
         (
             "version_is_boolean",
-            "`v` is true, not the integer 1",
+            f"`v` is true, not the integer {PROTOCOL_VERSION}",
             "VersionError",
             "protocol version True",
             {"frames": signed(header(v=True))},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 import types
 import typing
 from typing import Any, Union
@@ -29,7 +30,16 @@ from flodl_zmq.errors import (
     VersionError,
     WireError,
 )
-from flodl_zmq.wire import REGISTRY, Channel, Codec, Limits, compute_mac, key_from_hex, tensor_view
+from flodl_zmq.wire import (
+    PROTOCOL_VERSION,
+    REGISTRY,
+    Channel,
+    Codec,
+    Limits,
+    compute_mac,
+    key_from_hex,
+    tensor_view,
+)
 from flodl_zmq.wire.records import HostFrame, RoundFrame, to_fields
 
 KEY = bytes(range(32))
@@ -206,7 +216,7 @@ def forge(
 
 def header(**over: Any) -> dict[str, Any]:
     """A valid timing.heartbeat header from "tx"; keyword arguments replace keys."""
-    head = {"v": 1, "k": "timing.heartbeat", "run": RUN, "ch": "control", "from": "tx", "seq": 1,
+    head = {"v": PROTOCOL_VERSION, "k": "timing.heartbeat", "run": RUN, "ch": "control", "from": "tx", "seq": 1,
             "f": {"rank": 0, "step_count": 5}, "p": []}  # fmt: skip
     head.update(over)
     return head
@@ -324,11 +334,11 @@ REJECTIONS: list[tuple[str, Any, Channel, Limits | None, type[WireError], str]] 
     ),
     (
         "version_float",
-        lambda: forge(header(v=1.0)),
+        lambda: forge(header(v=float(PROTOCOL_VERSION))),
         Channel.CONTROL,
         None,
         VersionError,
-        "protocol version 1.0",
+        f"protocol version {float(PROTOCOL_VERSION)}",
     ),
     (
         "no_version",
@@ -844,3 +854,25 @@ def test_fuzz_corpus_itself_is_accepted() -> None:
     for frames in _fuzz_corpus():
         env = rx.decode(frames, Channel(msgpack.unpackb(frames[0])["ch"]))
         assert to_fields(env.record) == msgpack.unpackb(frames[0])["f"]
+
+
+def test_a_forked_child_authenticates_multi_block_payloads():
+    # The MAC threads do not survive fork (DataLoader workers fork the rank): the child must
+    # start its own, not wait forever on the parent's.
+    import os
+
+    payload = np.arange(3 << 20, dtype=np.uint8)
+    tag = compute_mac(KEY, b"h", [payload])  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if compute_mac(KEY, b"h", [payload]) == tag else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child never finished its MAC")
