@@ -23,6 +23,11 @@ on the same bytes.
     python bench/round.py --json          # {"ratio_f32_25M": ..., "zmq_cpu_ms_f32_25M": ..., ...}
     python bench/round.py --sizes 1M --rounds 5
     python bench/round.py --transports shm,socket   # also the framed path, for comparison
+
+Each case runs gloo and ours `--repeats` times, alternated, and takes the
+median over every measured round of every run: this machine drifts by tens
+of percent from one minute to the next, and alternation spreads that over
+both sides.
 """
 
 from __future__ import annotations
@@ -229,6 +234,12 @@ def round_times(out: Any, rounds: int, warmup: int, pids: list[int]) -> Rounds:
     return Rounds([(max(t1 for _, t1 in v) - min(t0 for t0, _ in v)) / 1e9 for _, v in sorted(times.items())], cpu)
 
 
+def summary(runs: list[Rounds], warmup: int) -> tuple[float, float]:
+    """Median round time over the measured rounds of every run, and the mean CPU per round."""
+    return (statistics.median(t for r in runs for t in r.times[warmup:]),
+            statistics.mean(r.cpu_per_round for r in runs))
+
+
 # ---------------------------------------------------------------------- gloo
 
 
@@ -304,32 +315,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="f32,bf16")
     p.add_argument("--rounds", type=int, default=8, help="measured rounds per case (after warm-up)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each side per case, alternated; the median is over every measured round")
     p.add_argument("--transports", default="shm",
                    help="comma list: shm (same-host ranks deposit and load by reference), socket (frames)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every spawned child
     total = args.rounds + args.warmup
+    transports = args.transports.split(",")
     figures: dict[str, float] = {}
     for size in args.sizes.split(","):
         n = SIZES[size]
         for dtype in args.dtypes.split(","):
-            gloo = gloo_rounds(n, dtype, total, args.warmup)
-            g = statistics.median(gloo.times[args.warmup:])
+            gloo: list[Rounds] = []
+            ours: dict[str, list[Rounds]] = {t: [] for t in transports}
+            for _ in range(args.repeats):  # alternated, so the machine's drift hits both sides alike
+                gloo.append(gloo_rounds(n, dtype, total, args.warmup))
+                for transport in transports:
+                    ours[transport].append(zmq_rounds(n, dtype, transport, total, args.warmup))
+            g, g_cpu = summary(gloo, args.warmup)
             figures[f"gloo_ms_{dtype}_{size}"] = round(g * 1e3, 2)
-            figures[f"gloo_cpu_ms_{dtype}_{size}"] = round(gloo.cpu_per_round * 1e3, 1)
+            figures[f"gloo_cpu_ms_{dtype}_{size}"] = round(g_cpu * 1e3, 1)
             fold = figures[f"fold_vs_numpy_{dtype}_{size}"] = round(fold_throughput(n, dtype), 3)
-            for transport in args.transports.split(","):
-                zmq_run = zmq_rounds(n, dtype, transport, total, args.warmup)
-                z = statistics.median(zmq_run.times[args.warmup:])
+            for transport in transports:
+                z, z_cpu = summary(ours[transport], args.warmup)
                 tag = "" if transport == "shm" else f"{transport}_"
                 figures[f"zmq_ms_{tag}{dtype}_{size}"] = round(z * 1e3, 2)
-                figures[f"zmq_cpu_ms_{tag}{dtype}_{size}"] = round(zmq_run.cpu_per_round * 1e3, 1)
+                figures[f"zmq_cpu_ms_{tag}{dtype}_{size}"] = round(z_cpu * 1e3, 1)
                 figures[f"ratio_{tag}{dtype}_{size}"] = round(z / g, 3)
                 if not args.json:
                     print(f"{size:>4} {dtype:>4} {transport:>6}: zmq {z * 1e3:8.1f} ms  gloo {g * 1e3:8.1f} ms  "
-                          f"ratio {z / g:5.2f}  cpu/round zmq {zmq_run.cpu_per_round * 1e3:6.1f} ms "
-                          f"gloo {gloo.cpu_per_round * 1e3:6.1f} ms  fold/numpy {fold:.2f}", flush=True)
+                          f"ratio {z / g:5.2f}  cpu/round zmq {z_cpu * 1e3:6.1f} ms "
+                          f"gloo {g_cpu * 1e3:6.1f} ms  fold/numpy {fold:.2f}", flush=True)
     if args.json:
         print(json.dumps(figures, sort_keys=True))
     return 0

@@ -60,6 +60,7 @@ from flodl_zmq.membership import (
     endpoint_ip,
     resolve_trust,
 )
+from flodl_zmq.reducer_service import controller_context
 from flodl_zmq.security import CurveKeys, apply_client, start_allow_list
 from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, key_from_hex, new_key
 from flodl_zmq.wire.records import StatusReply, StatusRequest
@@ -116,7 +117,7 @@ def serve(opts: ControllerOptions) -> int:
     trust = resolve_trust(opts.open_admission, endpoint_ip(join_endpoint))
     key = opts.key if opts.key is not None else new_key()
     run_id = os.urandom(RUN_ID_BYTES)
-    ctx = zmq.Context.instance()
+    ctx = controller_context()
     curve, auth = opts.curve, None
     if curve is not None and curve.allowed_clients is not None:
         # Our own SUB is a client of our PUB: our key must pass the allow-list too.

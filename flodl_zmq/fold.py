@@ -36,12 +36,14 @@ consensus first).
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from flodl_zmq import threads
 from flodl_zmq.errors import FoldError, ProtocolError
 from flodl_zmq.tensors import BLOCK, DTYPES, bf16_from_f32, dtype_name, f32_from_bf16
 
@@ -121,56 +123,109 @@ def carve(
     return flat, views
 
 
+# Elements per piece of an image operation handed to a worker thread (4 MB of f32).
+PIECE = 1 << 20
+
+_local = threading.local()
+
+
+def _scratch() -> np.ndarray:
+    """This thread's reused block of bf16 widening work (allocated, and first touched, once)."""
+    scratch = getattr(_local, "scratch", None)
+    if scratch is None:
+        scratch = _local.scratch = np.empty(BLOCK, np.uint32)
+    return scratch
+
+
+def _widened(x: np.ndarray, scratch: np.ndarray) -> Iterable[tuple[int, int, np.ndarray]]:
+    """(start, stop, x[start:stop] as f32 in ``scratch``) block by block: bf16 read while still in cache."""
+    wide = scratch.view(np.float32)
+    for i in range(0, x.size, scratch.size):
+        w = wide[: min(scratch.size, x.size - i)]
+        f32_from_bf16(x[i : i + w.size], w)
+        yield i, i + w.size, w
+
+
+def _fill(dt: str, acc: np.ndarray, x: np.ndarray) -> None:
+    if dt == "bf16":
+        f32_from_bf16(x, acc)
+    else:
+        np.copyto(acc, x)
+
+
+def _fill_sum(dt: str, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    if dt == "bf16":
+        for i, j, w in _widened(b, _scratch()):
+            f32_from_bf16(a[i:j], acc[i:j])
+            np.add(acc[i:j], w, out=acc[i:j])
+    else:
+        np.add(a, b, out=acc, dtype=np.float32)  # f16 inputs add in f32, never in f16
+
+
+def _add(dt: str, acc: np.ndarray, x: np.ndarray) -> None:
+    if dt == "bf16":
+        for i, j, w in _widened(x, _scratch()):
+            np.add(acc[i:j], w, out=acc[i:j])
+    else:
+        np.add(acc, x, out=acc)
+
+
+def _encode(dt: str, acc: np.ndarray, out: np.ndarray, d: np.float32 | None) -> None:
+    if dt == "f32":
+        if d is not None:
+            np.divide(acc, d, out=out)
+        elif not np.may_share_memory(out, acc):  # the f32 output of a fold is its sums
+            np.copyto(out, acc)
+    elif dt == "bf16":
+        scratch = _scratch()
+        if d is None:
+            bf16_from_f32(acc, out, scratch)
+            return
+        for i in range(0, acc.size, scratch.size):
+            np.divide(acc[i : i + scratch.size], d, out=acc[i : i + scratch.size])
+            bf16_from_f32(acc[i : i + scratch.size], out[i : i + scratch.size], scratch)
+    else:
+        if d is not None:
+            np.divide(acc, d, out=acc)
+        # f16 overflow becomes +-inf by IEEE rules; numpy need not warn about it.
+        with np.errstate(over="ignore"):
+            np.copyto(out, acc, casting="same_kind")
+
+
 class SumImage:
     """The f32 running sums of one schema (one allocation), filled and added in place.
 
-    ``sums`` are shaped f32 views of the single ``flat`` image. bf16 tensors are
-    widened block by block through a small reused scratch so the add reads them
-    while they are still in cache.
+    ``sums`` are shaped f32 views of the single ``flat`` image. Every operation
+    runs in pieces of PIECE elements on the worker threads (flodl_zmq.threads):
+    numpy releases the GIL, and the reducer's sum is the one step of a round no
+    other process shares. bf16 tensors are widened block by block through each
+    thread's small reused scratch, so the add reads them while still in cache.
     """
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
         self.flat, self.sums = carve([shape for _, shape in schema], np.dtype(np.float32))
-        widest_bf16 = max((math.prod(s) for dt, s in schema if dt == "bf16"), default=0)
-        self.scratch = np.empty(max(1, min(BLOCK, widest_bf16)), np.uint32)
+
+    def _pieces(self, op: Callable[..., None], *tensor_lists: Sequence[np.ndarray], extra: tuple = ()) -> None:
+        """``op(dtype, sums piece, piece of each tensor list..., *extra)`` over every tensor, piece by piece."""
+        work = []
+        for k, ((dt, _), acc) in enumerate(zip(self.schema, self.sums, strict=True)):
+            flats = [acc.reshape(-1)] + [ts[k].reshape(-1) for ts in tensor_lists]
+            for i in range(0, flats[0].size, PIECE):
+                work.append((dt, *(f[i : i + PIECE] for f in flats), *extra))
+        threads.each(lambda args: op(*args), work)
 
     def fill(self, tensors: Sequence[np.ndarray]) -> None:
         """Overwrite the sums with ``tensors`` widened to f32."""
-        for (dt, _), acc, x in zip(self.schema, self.sums, tensors, strict=True):
-            if dt == "bf16":
-                f32_from_bf16(x, acc)
-            else:
-                np.copyto(acc, x)
+        self._pieces(_fill, tensors)
 
     def fill_sum(self, first: Sequence[np.ndarray], second: Sequence[np.ndarray]) -> None:
         """Overwrite the sums with ``first + second`` (widened to f32), in one pass over each."""
-        for (dt, _), acc, a, b in zip(self.schema, self.sums, first, second, strict=True):
-            if dt == "bf16":
-                flat, xa, xb = acc.reshape(-1), a.reshape(-1), b.reshape(-1)
-                step = self.scratch.size
-                wide = self.scratch.view(np.float32)
-                for i in range(0, flat.size, step):
-                    out, w = flat[i : i + step], wide[: min(step, flat.size - i)]
-                    f32_from_bf16(xa[i : i + step], out)
-                    f32_from_bf16(xb[i : i + step], w)
-                    np.add(out, w, out=out)
-            else:
-                np.add(a, b, out=acc, dtype=np.float32)  # f16 inputs add in f32, never in f16
+        self._pieces(_fill_sum, first, second)
 
     def add(self, tensors: Sequence[np.ndarray]) -> None:
         """Add ``tensors`` (widened to f32) into the sums, in place."""
-        for (dt, _), acc, x in zip(self.schema, self.sums, tensors, strict=True):
-            if dt == "bf16":
-                a, xs = acc.reshape(-1), x.reshape(-1)
-                step = self.scratch.size
-                wide = self.scratch.view(np.float32)
-                for i in range(0, a.size, step):
-                    w = wide[: min(step, a.size - i)]
-                    f32_from_bf16(xs[i : i + step], w)
-                    np.add(a[i : i + step], w, out=a[i : i + step])
-            else:
-                np.add(acc, x, out=acc)
+        self._pieces(_add, tensors)
 
     def encode_into(self, outputs: Sequence[np.ndarray], divisor: float | None = None) -> None:
         """Encode the sums, divided by ``divisor`` when given, in the schema's dtypes into ``outputs``.
@@ -178,27 +233,7 @@ class SumImage:
         The divide and the encode share one pass (block by block for bf16), so the
         sums are read once. Without a divisor, an output that IS its sum is skipped.
         """
-        d = None if divisor is None else np.float32(divisor)
-        for (dt, _), acc, out in zip(self.schema, self.sums, outputs, strict=True):
-            if dt == "f32":
-                if d is not None:
-                    np.divide(acc, d, out=out)
-                elif out is not acc:
-                    np.copyto(out, acc)
-            elif dt == "bf16":
-                if d is None:
-                    bf16_from_f32(acc, out, self.scratch)
-                    continue
-                a, o, step = acc.reshape(-1), out.reshape(-1), self.scratch.size
-                for i in range(0, a.size, step):
-                    np.divide(a[i : i + step], d, out=a[i : i + step])
-                    bf16_from_f32(a[i : i + step], o[i : i + step], self.scratch)
-            else:
-                if d is not None:
-                    np.divide(acc, d, out=acc)
-                # f16 overflow becomes +-inf by IEEE rules; numpy need not warn about it.
-                with np.errstate(over="ignore"):
-                    np.copyto(out, acc, casting="same_kind")
+        self._pieces(_encode, outputs, extra=(None if divisor is None else np.float32(divisor),))
 
 
 @dataclass(frozen=True, eq=False)

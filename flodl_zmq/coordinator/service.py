@@ -82,7 +82,7 @@ from flodl_zmq.errors import AuthError, FlodlError, TrainingError, WireError
 from flodl_zmq.job import Job
 from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
 from flodl_zmq.rank import flatten, load_flat, model_signature
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService, controller_context
 from flodl_zmq.relay import RELAY_ROUTE, drain, rank_identity, rank_of, rank_sender, relay_sender
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
@@ -195,7 +195,7 @@ class ControllerService:
     # ------------------------------------------------------------------ run
 
     def run(self) -> TrainResult:
-        ctx = zmq.Context.instance()
+        ctx = controller_context()
         reducer = ReducerService(
             ReducerConfig.for_controller(
                 self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve

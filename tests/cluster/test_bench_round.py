@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(180)
 def test_round_bench_prints_every_documented_figure_for_both_transports():
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench/round.py"), "--sizes", "1M", "--dtypes", "f32", "--rounds", "3",
-         "--warmup", "1", "--transports", "shm,socket", "--json"],
+         "--warmup", "1", "--repeats", "1", "--transports", "shm,socket", "--json"],
         capture_output=True, text=True, timeout=170, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr

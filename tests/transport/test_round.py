@@ -32,8 +32,9 @@ MASS = {0: 1.0, 1: 3.0, 2: 0.5, 3: 2.0}
 
 
 class Cluster:
-    def __init__(self, kind: str, tmp_path, heartbeat_deadline_s: float = 30.0, consensus_deadline_s: float = 0.3):
-        self.ctx = zmq.Context()
+    def __init__(self, kind: str, tmp_path, heartbeat_deadline_s: float = 30.0, consensus_deadline_s: float = 0.3,
+                 io_threads: int = 1):
+        self.ctx = zmq.Context(io_threads=io_threads)
         self.key, self.run_id = new_key(), bytes(range(16))
         eps = endpoints(kind, tmp_path)
         self.reducer = ReducerService(
@@ -71,9 +72,11 @@ class Cluster:
         self.ctx.destroy(0)
 
 
-@pytest.fixture(params=["inproc", "ipc"])
+@pytest.fixture(params=["inproc", "ipc", "ipc-4-io-threads"])
 def cluster(request, tmp_path):
-    c = Cluster(request.param, tmp_path)
+    # With several I/O threads the reducer pins its data ROUTER and PUB to separate halves of them.
+    kind, _, threads = request.param.partition("-")
+    c = Cluster(kind, tmp_path, io_threads=int(threads.split("-")[0]) if threads else 1)
     yield c
     c.close()
 

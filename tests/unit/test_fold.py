@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl_zmq.errors import FoldError
-from flodl_zmq.fold import FoldStation, HostFold, NothingToShip, SumImage
+from flodl_zmq.fold import PIECE, FoldStation, HostFold, NothingToShip, SumImage
 from flodl_zmq.tensors import bf16_from_f32, f32_from_bf16
 
 
@@ -337,3 +337,29 @@ def test_one_pass_promotion_and_divide_encode_match_the_step_by_step_result(dtyp
     np.divide(steps.flat, np.float32(3.0), out=steps.flat)
     steps.encode_into([want])
     np.testing.assert_array_equal(got, want)
+
+
+def test_an_image_worked_in_pieces_on_worker_threads_equals_whole_array_numpy():
+    """Every element summed and encoded exactly once, at its own offset, whatever the piece boundaries."""
+    rng = np.random.default_rng(11)
+    big = 2 * PIECE + 5  # three pieces, the last one short
+    schema = (("f32", (big,)), ("bf16", (3, big // 3)), ("f16", (7,)), ("bf16", (big,)), ("f32", ()))
+    wide = [[rng.standard_normal(s).astype(np.float32) * 50 for _, s in schema] for _ in range(3)]
+    encode = {"f32": lambda x: x.copy(), "f16": lambda x: x.astype(np.float16),
+              "bf16": lambda x: bf16_from_f32(x, np.empty(x.shape, np.uint16))}
+    decoded = {"f32": lambda x: x, "f16": lambda x: x.astype(np.float32),
+               "bf16": lambda x: f32_from_bf16(x, np.empty(x.shape, np.float32))}
+    deposits = [[encode[dt](x) for (dt, _), x in zip(schema, d, strict=True)] for d in wide]
+    image = SumImage(schema)
+    image.fill_sum(deposits[0], deposits[1])
+    image.add(deposits[2])
+    totals = []
+    for k, (dt, _) in enumerate(schema):
+        totals.append(decoded[dt](deposits[0][k]) + decoded[dt](deposits[1][k]))
+        totals[k] += decoded[dt](deposits[2][k])
+        np.testing.assert_array_equal(image.sums[k], totals[k])
+    outputs = [np.empty(s, np.uint16 if dt == "bf16" else np.float16 if dt == "f16" else np.float32)
+               for dt, s in schema]
+    image.encode_into(outputs, 3.0)
+    for k, (dt, _) in enumerate(schema):
+        np.testing.assert_array_equal(outputs[k], encode[dt](totals[k] / np.float32(3.0)))

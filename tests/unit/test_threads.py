@@ -1,4 +1,4 @@
-"""The worker threads (flodl_zmq.threads)."""
+"""The worker threads (flodl_zmq.threads) and the controller's I/O thread split."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import os
 import threading
 
 import pytest
+import zmq
 
 from flodl_zmq import threads
+from flodl_zmq.reducer_service import io_affinity
 
 
 def test_results_come_back_in_item_order():
@@ -28,6 +30,15 @@ def test_work_handed_in_from_a_worker_runs_inline_instead_of_waiting_on_its_own_
     assert threads.each(outer, list(range(threads.MAX_WORKERS * 2))) == [
         45 + 10 * i for i in range(threads.MAX_WORKERS * 2)
     ]
+
+
+def test_io_affinity_gives_the_router_and_the_pub_disjoint_halves_of_the_io_threads():
+    for n, want in {1: (0, 0), 2: (0b01, 0b10), 3: (0b001, 0b110), 4: (0b0011, 0b1100)}.items():
+        ctx = zmq.Context(io_threads=n)
+        try:
+            assert io_affinity(ctx) == want
+        finally:
+            ctx.term()
 
 
 def test_a_failing_piece_raises_in_the_caller_after_every_other_piece_has_finished():
