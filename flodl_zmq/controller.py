@@ -47,7 +47,7 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import DEFAULT_STARTUP_TIMEOUT_S, ProcessEnv
+from flodl_zmq.environment import DEFAULT_STARTUP_TIMEOUT_S, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
@@ -385,7 +385,21 @@ def _session_key(environ: Mapping[str, str]) -> bytes | None:
     return key_from_hex(text) if text else None
 
 
+def _restart_with_service_tunables() -> None:
+    """Start this process over, once, with the controller's glibc tunables (environment.py).
+
+    glibc reads them only at start-up, and a controller started from a shell
+    has none: every host frame it receives would fault in freshly zeroed pages.
+    """
+    env = with_tunables(os.environ, "controller")
+    if env["GLIBC_TUNABLES"] != os.environ.get("GLIBC_TUNABLES"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
 def _controller_command(args: argparse.Namespace) -> int:
+    _restart_with_service_tunables()
     logging.basicConfig(level=logging.INFO, format="[controller] %(levelname)s %(name)s: %(message)s")
     if not args.bind:
         raise ConfigError("the controller needs an address to listen on: --bind HOST:PORT (or FLODL_BIND)")

@@ -91,3 +91,22 @@ def test_tunables_the_user_set_win_and_are_kept():
     assert names["glibc.cpu.x86_ibt"] == "on"
     assert names["glibc.malloc.mmap_max"] == "0"
     assert names["glibc.malloc.hugetlb"] == "1"
+
+
+def test_the_controller_command_restarts_once_with_the_service_tunables(monkeypatch):
+    # glibc reads its tunables only at start-up; a controller started from a shell has none.
+    import sys
+
+    from flodl_zmq import controller
+
+    calls = []
+    monkeypatch.setattr(controller.os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    controller._restart_with_service_tunables()
+    assert len(calls) == 1
+    path, argv, env = calls[0]
+    assert path == sys.executable and argv == [sys.executable, *sys.orig_argv[1:]]
+    assert env["GLIBC_TUNABLES"] == with_tunables({}, "controller")["GLIBC_TUNABLES"]
+    monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])  # the restarted process: nothing more to do
+    controller._restart_with_service_tunables()
+    assert len(calls) == 1
