@@ -177,13 +177,9 @@ def _encode(dt: str, acc: np.ndarray, out: np.ndarray, d: np.float32 | None) -> 
         elif not np.may_share_memory(out, acc):  # the f32 output of a fold is its sums
             np.copyto(out, acc)
     elif dt == "bf16":
-        scratch = _scratch()
-        if d is None:
-            bf16_from_f32(acc, out, scratch)
-            return
-        for i in range(0, acc.size, scratch.size):
-            np.divide(acc[i : i + scratch.size], d, out=acc[i : i + scratch.size])
-            bf16_from_f32(acc[i : i + scratch.size], out[i : i + scratch.size], scratch)
+        if d is not None:
+            np.divide(acc, d, out=acc)
+        bf16_from_f32(acc, out)
     else:
         if d is not None:
             np.divide(acc, d, out=acc)
