@@ -65,7 +65,7 @@ from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.errors import ConfigError, TrainingError, WireError
 from flodl_zmq.job import Job
 from flodl_zmq.relay import rank_identity, rank_sender
-from flodl_zmq.tensors import DTYPES
+from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.shm import (
@@ -161,8 +161,7 @@ class ParamBuffers:
         else:
             self.wire = torch.frombuffer(segment.layout([self.numel * dtype.itemsize])[0], dtype=dtype)
         # The f32 snapshot is the deposit itself under f32; under bf16 it is kept for the
-        # divergence against the consensus, and the deposit is its encoding (torch's
-        # round-to-nearest-even copy: bit-identical to tensors.bf16_from_f32, several times faster).
+        # divergence against the consensus, and the deposit is its encoding (bf16_from_f32).
         self.snap = self.wire if wire_dtype == "f32" else torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
         self._snap_views = _views(self.snap, self.tensors)
         self._scratch = torch.empty(self.numel, dtype=torch.float32)
@@ -210,7 +209,7 @@ class ParamBuffers:
             if mass != 1.0:
                 self.snap.mul_(mass)
             if self.wire is not self.snap:
-                self.wire.copy_(self.snap)
+                bf16_from_f32(as_numpy(self.snap), as_numpy(self.wire))
         self.mass = float(mass)
         return self.wire
 

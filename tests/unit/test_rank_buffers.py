@@ -133,6 +133,17 @@ def test_bf16_snapshot_is_the_round_to_nearest_even_encoding_of_the_premultiplie
     assert torch.equal(buf.snap, flatten(m) * 3.0)  # the f32 snapshot stays for the divergence
 
 
+def test_a_nan_parameter_goes_on_the_bf16_wire_as_the_protocol_s_quiet_nan():
+    m = net()
+    with torch.no_grad():
+        first = next(m.parameters())
+        first.view(-1)[0] = float("nan")
+        first.view(-1)[1] = -float("nan")
+    bits = flatten(m).numpy().view(np.uint32)[:2]
+    wire = _bf16_bits(ParamBuffers(m, wire_dtype="bf16").snapshot(1.0))
+    np.testing.assert_array_equal(wire[:2], (bits >> 16).astype(np.uint16) | np.uint16(0x0040))
+
+
 def test_bf16_snapshot_and_consensus_reuse_their_buffers_across_rounds():
     m = net()
     buf = ParamBuffers(m, wire_dtype="bf16")
