@@ -68,7 +68,7 @@ def bf16_from_f32(src_f32: np.ndarray, out_u16: np.ndarray) -> np.ndarray:
     src = _flat(src_f32, DTYPES["f32"], "source")
     out = _flat(out_u16, DTYPES["bf16"], "output")
     if not src.flags.writeable:
-        src = src.copy()  # torch refuses read-only memory; every data-plane caller passes its own buffer
+        src = src.copy()  # torch warns on read-only memory; every data-plane caller passes its own buffer
     torch.from_numpy(out).view(torch.bfloat16).copy_(torch.from_numpy(src))
     if src.size and np.isnan(src.max()):  # max() propagates NaN: one pass says whether any is there
         nan = np.flatnonzero(np.isnan(src))
