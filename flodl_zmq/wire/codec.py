@@ -88,13 +88,6 @@ class Envelope:
     frames: list[Any] = field(repr=False)
 
 
-def _buffer(frame: Any) -> memoryview:
-    """A byte view of a received frame: bytes, memoryview or zmq.Frame."""
-    buf = getattr(frame, "buffer", None)  # zmq.Frame, without importing zmq here
-    view = memoryview(buf if buf is not None else frame)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
 def _depth(obj: dict | list, limit: int, level: int = 1) -> None:
     """Refuse containers nested deeper than `limit` (plain values are not visited)."""
     if level > limit:
@@ -214,7 +207,7 @@ class Codec:
             raise FramingError(f"a message has at least 2 frames (header, mac); got {len(frames)}")
         if len(frames) - 2 > lim.max_payload_frames:
             raise LimitError(f"{len(frames) - 2} payload frames exceed the limit of {lim.max_payload_frames}")
-        bufs = [_buffer(f) for f in frames]
+        bufs = [_mac.byte_view(f) for f in frames]
         header_buf, payload_bufs, tag = bufs[0], bufs[1:-1], bufs[-1]
         if header_buf.nbytes > lim.max_header_bytes:
             raise LimitError(f"header of {header_buf.nbytes} bytes exceeds the limit of {lim.max_header_bytes}")
@@ -238,7 +231,7 @@ class Codec:
         The MAC over header and locator is checked before `resolve` maps the
         locator to the payload views, so an unauthenticated locator opens nothing.
         """
-        header_buf, locator_buf, tag_buf = _buffer(header), _buffer(locator), _buffer(tag)
+        header_buf, locator_buf, tag_buf = _mac.byte_view(header), _mac.byte_view(locator), _mac.byte_view(tag)
         if header_buf.nbytes > self.limits.max_header_bytes:
             raise LimitError(f"header of {header_buf.nbytes} bytes exceeds the limit of {self.limits.max_header_bytes}")
         head = self._unpack_header(header_buf)

@@ -30,6 +30,7 @@ import hmac
 import os
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -78,7 +79,7 @@ def key_from_hex(text: str) -> bytes:
 def payload_tag(key: bytes, header: Buffer, payloads: Sequence[Buffer]) -> bytes:
     """Per payload frame: its u64 length, then the GMAC tag of each GMAC_BLOCK-byte block."""
     gcm = AESGCM(hmac.new(key, PAYLOAD_KEY_LABEL + bytes(header), hashlib.sha256).digest())
-    frames = [_byte_view(frame) for frame in payloads]
+    frames = [byte_view(frame) for frame in payloads]
     blocks = [
         (_NONCE.pack(i, j), view[start:start + GMAC_BLOCK])
         for i, view in enumerate(frames, 1)
@@ -97,9 +98,11 @@ def payload_tag(key: bytes, header: Buffer, payloads: Sequence[Buffer]) -> bytes
     return bytes(out)
 
 
-def _byte_view(frame: Buffer) -> memoryview:
-    view = memoryview(frame)
-    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+def byte_view(frame: Any) -> memoryview:
+    """A flat byte view of a frame: bytes, a buffer (a numpy array, a memoryview) or a zmq.Frame."""
+    buf = getattr(frame, "buffer", None)  # zmq.Frame, without importing zmq here
+    view = memoryview(buf if buf is not None else frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def compute_mac(key: bytes, header: Buffer, payloads: Sequence[Buffer]) -> bytes:

@@ -54,7 +54,8 @@ from typing import Any
 import msgpack
 
 from flodl_zmq.errors import AuthError, FramingError, LimitError, SchemaError
-from flodl_zmq.wire.codec import Codec, Envelope, _buffer
+from flodl_zmq.wire.codec import Codec, Envelope
+from flodl_zmq.wire.mac import byte_view
 from flodl_zmq.wire.records import Channel
 
 SHM_TAG = b"shm"
@@ -85,7 +86,7 @@ def segment_prefix(run_id: bytes, owner: str) -> str:
 
 def is_by_reference(msg: Sequence[Any]) -> bool:
     """Whether a received message is the by-reference form (its first frame is SHM_TAG)."""
-    return len(msg) == 4 and _buffer(msg[0]) == SHM_TAG
+    return len(msg) == 4 and byte_view(msg[0]) == SHM_TAG
 
 
 def unlink_owner(run_id: bytes, owner: str, directory: str | None = None) -> int:
@@ -140,7 +141,7 @@ class Segment:
 
     def place(self, frames: Sequence[Any]) -> None:
         """Copy ``frames`` (byte buffers, e.g. received payload frames) into the segment as its layout."""
-        bufs = [_buffer(f) for f in frames]
+        bufs = [byte_view(f) for f in frames]
         for dst, src in zip(self.layout([b.nbytes for b in bufs]), bufs, strict=True):
             dst[:] = src
 
