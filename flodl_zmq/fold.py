@@ -10,11 +10,13 @@ root. This module is the middle move and keeps these rules:
   number of fold tiers gives the same consensus (no averaging of averages).
 - The round's first deposit is held verbatim: a one-rank host ships the very
   objects its rank deposited, byte for byte, and never touches f32.
-- The second deposit promotes to f32 running sums in one f32 image allocated
-  once per schema and reused across rounds; later deposits add in place. bf16
-  and f16 are widened to f32 before adding; the result is encoded back in the
-  round's dtype (bf16 rounds to nearest even), so a fold tier never changes
-  the schema.
+- Sums are f32: bf16 and f16 are widened before adding and the result is
+  encoded back in the round's dtype (bf16 rounds to nearest even), so a fold
+  tier never changes the schema. A round that completes with its second
+  deposit (the two-rank host) is summed and encoded in one pass, without f32
+  sums in memory; otherwise the second deposit promotes to f32 running sums in
+  one image allocated once per schema and reused across rounds, and later
+  deposits add in place.
 - Barrier: the round completes when every roster rank has deposited or is dead.
   A dead rank is out of every later barrier, and work it already deposited
   stays counted (that work was realized). There is no deadline: dropping a
@@ -45,7 +47,7 @@ import numpy as np
 
 from flodl_zmq import threads
 from flodl_zmq.errors import FoldError, ProtocolError
-from flodl_zmq.tensors import BLOCK, DTYPES, bf16_from_f32, dtype_name, f32_from_bf16
+from flodl_zmq.tensors import DTYPES, bf16_from_f32, bf16_sum, dtype_name, f32_from_bf16
 
 # (wire dtype name, shape) of each tensor of a round, in order.
 Schema = tuple[tuple[str, tuple[int, ...]], ...]
@@ -125,6 +127,9 @@ def carve(
 
 # Elements per piece of an image operation handed to a worker thread (4 MB of f32).
 PIECE = 1 << 20
+# Elements per block of widened bf16: 1 MiB of f32 stays in a core's L2, so the
+# add reads the block while still in cache.
+BLOCK = 1 << 18
 
 _local = threading.local()
 
@@ -133,15 +138,14 @@ def _scratch() -> np.ndarray:
     """This thread's reused block of bf16 widening work (allocated, and first touched, once)."""
     scratch = getattr(_local, "scratch", None)
     if scratch is None:
-        scratch = _local.scratch = np.empty(BLOCK, np.uint32)
+        scratch = _local.scratch = np.empty(BLOCK, np.float32)
     return scratch
 
 
 def _widened(x: np.ndarray, scratch: np.ndarray) -> Iterable[tuple[int, int, np.ndarray]]:
     """(start, stop, x[start:stop] as f32 in ``scratch``) block by block: bf16 read while still in cache."""
-    wide = scratch.view(np.float32)
     for i in range(0, x.size, scratch.size):
-        w = wide[: min(scratch.size, x.size - i)]
+        w = scratch[: min(scratch.size, x.size - i)]
         f32_from_bf16(x[i : i + w.size], w)
         yield i, i + w.size, w
 
@@ -188,6 +192,14 @@ def _encode(dt: str, acc: np.ndarray, out: np.ndarray, d: np.float32 | None) -> 
             np.copyto(out, acc, casting="same_kind")
 
 
+def _encode_sum(dt: str, acc: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    if dt == "bf16":
+        bf16_sum(a, b, out)  # the f32 sums are never written
+    else:
+        _fill_sum(dt, acc, a, b)
+        _encode(dt, acc, out, None)
+
+
 class SumImage:
     """The f32 running sums of one schema (one allocation), filled and added in place.
 
@@ -230,6 +242,12 @@ class SumImage:
         sums are read once. Without a divisor, an output that IS its sum is skipped.
         """
         self._pieces(_encode, outputs, extra=(None if divisor is None else np.float32(divisor),))
+
+    def encode_sum_into(self, first: Sequence[np.ndarray], second: Sequence[np.ndarray],
+                        outputs: Sequence[np.ndarray]) -> None:
+        """Encode ``first + second`` (summed in f32) into ``outputs``: ``fill_sum`` then
+        ``encode_into`` in one pass, bf16 sums never written (f32 outputs are the sums)."""
+        self._pieces(_encode_sum, first, second, outputs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -300,10 +318,11 @@ def _fold_outputs(schema: Schema) -> tuple[SumImage, list[np.ndarray]]:
 class OpenRound:
     """The open round of a fold tier (relay or reducer): who contributed, the summed mass, the tensors.
 
-    The first contribution is held verbatim as ``seed``; the second promotes the
-    round to the tier's reused f32 image of the schema (one pass, not a copy then
-    an add); later ones add in place. Contributions come in through
-    ``contribute``, which checks mass and schema first.
+    The first two contributions are ``held`` verbatim. A tier whose round stays
+    open after the second calls ``promote``: the two are summed into its reused
+    f32 image in one pass, and later ones add in place. A round that completes
+    with two held is encoded straight from them (``SumImage.encode_sum_into``).
+    Contributions come in through ``contribute``, which checks mass and schema first.
     """
 
     def __init__(self, round_id: int, schema: Schema) -> None:
@@ -311,22 +330,25 @@ class OpenRound:
         self.schema = schema
         self.members: list = []
         self.mass = 0.0
-        self.seed: tuple[np.ndarray, ...] | None = None
+        self.held: list[tuple[np.ndarray, ...]] = []
         self.image: SumImage | None = None
 
     def add(self, member: object, mass: float, tensors: Sequence[np.ndarray], images: ImageCache) -> None:
         """Count ``member``'s mass-premultiplied ``tensors`` and its ``mass`` in the round."""
-        if not self.members:
-            self.seed = tuple(tensors)
-        elif self.seed is not None:
-            self.image = images.get(self.schema)[0]
-            self.image.fill_sum(self.seed, tensors)
-            self.seed = None
+        self.promote(images)
+        if self.image is None:
+            self.held.append(tuple(tensors))
         else:
-            assert self.image is not None
             self.image.add(tensors)
         self.members.append(member)
         self.mass += mass
+
+    def promote(self, images: ImageCache) -> None:
+        """Sum two held contributions into the tier's image (no-op otherwise)."""
+        if len(self.held) == 2:
+            self.image = images.get(self.schema)[0]
+            self.image.fill_sum(*self.held)
+            self.held = []
 
 
 def contribute(
@@ -419,7 +441,10 @@ class FoldStation:
         self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError)
         self.counters.deposits += 1
         self.counters.bytes_folded += sum(t.nbytes for t in tensors)
-        return self._take_if_complete()
+        done = self._take_if_complete()
+        if done is None:
+            self._round.promote(self._images)  # sum while the other ranks compute
+        return done
 
     def mark_dead(self, rank: int) -> HostFold | NothingToShip | None:
         """Take ``rank`` out of every later barrier (idempotent); its merged work stays counted."""
@@ -449,8 +474,11 @@ class FoldStation:
         self.last_round = rnd.round_id
         self.counters.rounds_shipped += 1
         ranks = tuple(sorted(rnd.members))
-        if rnd.seed is not None:
-            return HostFold(rnd.round_id, rnd.mass, ranks, rnd.seed, verbatim=True)
+        if len(rnd.held) == 1:
+            return HostFold(rnd.round_id, rnd.mass, ranks, rnd.held[0], verbatim=True)
         image, outputs = self._images.get(rnd.schema)
-        image.encode_into(outputs)
+        if rnd.held:
+            image.encode_sum_into(*rnd.held, outputs)
+        else:
+            image.encode_into(outputs)
         return HostFold(rnd.round_id, rnd.mass, ranks, tuple(outputs), verbatim=False)

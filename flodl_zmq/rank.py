@@ -48,7 +48,6 @@ import queue
 import threading
 import time
 import traceback
-import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,7 +64,7 @@ from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.errors import ConfigError, TrainingError, WireError
 from flodl_zmq.job import Job
 from flodl_zmq.relay import rank_identity, rank_sender
-from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32
+from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32, torch_view
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.shm import (
@@ -224,12 +223,9 @@ class ParamBuffers:
                 f"{self.numel} {self.wire_dtype} elements: every rank must build the same model "
                 f"and run with the same wire_dtype"
             )
-        with warnings.catch_warnings():
-            # The received frame is read-only; it is only ever read here.
-            warnings.simplefilter("ignore", UserWarning)
-            cons = torch.from_numpy(flat)
+        cons = torch_view(flat)  # the received frame is read-only; it is only ever read here
         if self._widened is not None:
-            cons = self._widened.copy_(cons.view(torch.bfloat16))  # exact: bf16 is the top half of f32
+            cons = self._widened.copy_(cons)  # exact: bf16 is the top half of f32
         self.consensus = cons
         with torch.no_grad():
             post = float(torch.linalg.vector_norm(cons))

@@ -15,9 +15,9 @@ Rules the ledger keeps:
   deposited and then lost its ranks stays counted, because that work was
   realized (the same rule as the relay fold).
 - HostFrames arrive mass-premultiplied and already summed (the fold never
-  divides). The ledger holds the round's first frame as received, sums the
-  second with it in f32 into one reused image per schema (one pass), adds
-  later ones in place, then divides exactly once by the total mass of exactly
+  divides). The ledger holds the round's first two frames as received, sums
+  them in f32 into one reused image per schema (one pass), adds later ones in
+  place, then divides exactly once by the total mass of exactly
   the frames it summed, encoding the consensus in the round's dtype (bf16
   rounds to nearest even) in the same pass. A zero-mass round is not divided:
   it ships mass 0 and receivers keep their state.
@@ -178,7 +178,10 @@ class RoundLedger:
         self._round = contribute(rnd, round_id, host, mass, tensors, self._images, who, ProtocolError)
         self.counters.frames += 1
         self.counters.bytes_reduced += sum(t.nbytes for t in tensors)
-        return self._settle()
+        done = self._settle()
+        if done is None and self._round is not None:
+            self._round.promote(self._images)  # sum while the other hosts' frames travel
+        return done
 
     def declare_dead(self, rank: int) -> Declared:
         """Record ``rank``'s death (idempotent, permanent) and settle the open round."""
@@ -230,9 +233,10 @@ class RoundLedger:
             return None
         self._round = None
         self.last_round = rnd.round_id
+        rnd.promote(self._images)
         image, outputs = self._images.get(rnd.schema)
-        if rnd.seed is not None:
-            image.fill(rnd.seed)  # a one-host round: its frame was never copied
+        if rnd.held:
+            image.fill(rnd.held[0])  # a one-host round: its frame was never copied
         # The one divide of the whole reduce: by the mass of exactly the frames summed.
         image.encode_into(outputs, rnd.mass if rnd.mass > 0.0 else None)
         self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(rnd.members)), tuple(outputs))

@@ -159,6 +159,22 @@ def test_image_promotion_overwrites_the_previous_round_completely():
     np.testing.assert_array_equal(widen(out.tensors[0]), [3.0])
 
 
+@pytest.mark.parametrize("roster", [2, 3])
+def test_a_bf16_round_ships_the_encoded_f32_sum_however_it_was_summed(roster):
+    """Two ranks: summed and encoded in one pass at completion. Three: the image, promoted early."""
+    rng = np.random.default_rng(5)
+    n = PIECE + 3
+    deposits = [bf16_from_f32(rng.standard_normal(n).astype(np.float32), np.empty(n, np.uint16))
+                for _ in range(roster)]
+    station = FoldStation(range(roster))
+    for r in range(roster - 1):
+        assert station.deposit(r, 0, 1.0, [deposits[r]]) is None
+    out = station.deposit(roster - 1, 0, float(roster), [deposits[-1]])
+    total = np.sum([widen(d) for d in deposits], axis=0, dtype=np.float32)
+    np.testing.assert_array_equal(out.tensors[0], bf16_from_f32(total, np.empty(n, np.uint16)))
+    assert out.mass == roster - 1 + roster and not out.verbatim
+
+
 def test_rounds_with_different_schemas_each_fold_correctly():
     station = FoldStation([0, 1])
     for rnd, make in enumerate([lambda: [f32(1, 2)], lambda: [bf16(1.0)], lambda: [f32(1, 2)]]):
@@ -336,6 +352,12 @@ def test_one_pass_promotion_and_divide_encode_match_the_step_by_step_result(dtyp
     fused.encode_into([got], 3.0)
     np.divide(steps.flat, np.float32(3.0), out=steps.flat)
     steps.encode_into([want])
+    np.testing.assert_array_equal(got, want)
+    # The two-contribution round: encode_sum_into == fill_sum then encode_into.
+    fused.fill_sum([xs[0]], [xs[1]])
+    fused.encode_into([want])
+    pair = SumImage(schema)
+    pair.encode_sum_into([xs[0]], [xs[1]], [got])
     np.testing.assert_array_equal(got, want)
 
 

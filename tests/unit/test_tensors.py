@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32, dtype_name, f32_from_bf16
+from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32, bf16_sum, dtype_name, f32_from_bf16
 
 
 def encode_bits(*bits: int) -> list[int]:
@@ -137,6 +140,79 @@ def test_read_only_sources_convert():
     bits = bf16_from_f32(x, np.empty(5, np.uint16))
     bits.flags.writeable = False
     np.testing.assert_array_equal(f32_from_bf16(bits, np.empty(5, np.float32)), x)
+
+
+def test_read_only_sources_convert_without_a_warning():
+    # torch warns once per process, so only a fresh interpreter shows whether it would.
+    code = (
+        "import numpy as np\n"
+        "from flodl_zmq.tensors import bf16_sum, f32_from_bf16\n"
+        "x = np.ones(4, np.uint16); x.flags.writeable = False\n"
+        "f32_from_bf16(x, np.empty(4, np.float32)); bf16_sum(x, x, np.empty(4, np.uint16))\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+
+
+def widen(u16: np.ndarray) -> np.ndarray:
+    """PROTOCOL.md 3.4's decode, written from the text: the bf16 bits are the top half of the f32."""
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+def check_sum(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out`` is the bf16 encoding of the f32 sum of bf16 ``a`` and ``b`` (spec formula, NaN rule).
+
+    A NaN sum keeps the sign and top payload bits of a NaN operand, quiet bit set
+    (of either one when both are NaN: IEEE 754 leaves that choice to the hardware);
+    inf - inf gives some NaN.
+    """
+    with np.errstate(all="ignore"):
+        s = widen(a) + widen(b)
+    ok = ~np.isnan(s)
+    np.testing.assert_array_equal(out[ok], spec_bits(s[ok]))
+    quiet_a, quiet_b = a | np.uint16(0x0040), b | np.uint16(0x0040)
+    nan_a, nan_b = np.isnan(widen(a)), np.isnan(widen(b))
+    np.testing.assert_array_equal(out[nan_a & ~nan_b], quiet_a[nan_a & ~nan_b])
+    np.testing.assert_array_equal(out[nan_b & ~nan_a], quiet_b[nan_b & ~nan_a])
+    both = nan_a & nan_b
+    assert ((out[both] == quiet_a[both]) | (out[both] == quiet_b[both])).all()
+    assert np.isnan(widen(out[~ok])).all() and (out[~ok] & 0x0040).all()
+
+
+@pytest.mark.parametrize("pairing", ["independent", "close", "cancelling"])
+def test_bf16_sum_is_the_encoded_f32_sum_over_random_bit_patterns(pairing):
+    # Every exponent, subnormals, infinities and NaNs of both signs; "close" pairs share
+    # an exponent (ties), "cancelling" pairs have opposite signs (exact zeros, inf - inf).
+    rng = np.random.default_rng(7)
+    a = rng.integers(0, 1 << 16, 2_000_000, dtype=np.uint32).astype(np.uint16)
+    b = {
+        "independent": rng.integers(0, 1 << 16, a.size, dtype=np.uint32).astype(np.uint16),
+        "close": a ^ rng.integers(0, 1 << 7, a.size, dtype=np.uint32).astype(np.uint16),
+        "cancelling": a ^ np.uint16(0x8000) ^ rng.integers(0, 1 << 4, a.size, dtype=np.uint32).astype(np.uint16),
+    }[pairing]
+    check_sum(a, b, bf16_sum(a, b, np.empty(a.shape, np.uint16)))
+
+
+def test_bf16_sum_rewrites_each_nan_the_protocol_way():
+    a = np.array([0x7F81, 0xFFC1, 0x7F80, 0x3F80, 0x3F80, 0x7F80], np.uint16)  # NaN, -NaN, +inf, 1, 1, +inf
+    b = np.array([0x3F80, 0x3F80, 0xFF80, 0x7FA5, 0x3F80, 0x3F80], np.uint16)  # 1, 1, -inf, NaN, 1, 1
+    out = bf16_sum(a, b, np.empty(6, np.uint16))
+    check_sum(a, b, out)
+    assert [int(x) for x in out[[0, 1, 3, 4, 5]]] == [0x7FC1, 0xFFC1, 0x7FE5, 0x4000, 0x7F80]
+    assert int(out[2]) & 0x7FFF > 0x7F80  # inf - inf
+
+
+def test_bf16_sum_takes_read_only_inputs_and_writes_the_given_buffer():
+    a = bf16_from_f32(np.linspace(-2, 2, 12, dtype=np.float32), np.empty(12, np.uint16)).reshape(3, 4)
+    a.flags.writeable = False
+    out = np.empty((3, 4), np.uint16)
+    assert bf16_sum(a, a, out) is out
+    np.testing.assert_array_equal(widen(out), 2 * widen(a))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        bf16_sum(a, a, np.empty(12, np.uint16))
+    with pytest.raises(TypeError, match="source"):
+        bf16_sum(a, np.zeros((3, 4), np.float32), out)
 
 
 def test_dtype_names_follow_the_wire():
