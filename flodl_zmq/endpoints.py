@@ -73,3 +73,17 @@ def is_private_address(address: str) -> bool:
     if ip.is_unspecified:
         return False
     return ip.is_loopback or ip.is_private or ip.is_link_local or ip in _SHARED
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """True for a tcp:// endpoint on a loopback address: a socket bound there has peers on this machine only."""
+    scheme, _, rest = endpoint.partition("://")
+    host = rest.rpartition(":")[0].strip("[]")
+    if scheme != "tcp":
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

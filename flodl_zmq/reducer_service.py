@@ -46,7 +46,16 @@ import zmq
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, FlodlError, ProtocolError, WireError
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
-from flodl_zmq.relay import REDUCER_SENDER, TAG_BCAST, TAG_DATA, drain, relay_sender, send, tune
+from flodl_zmq.relay import (
+    REDUCER_SENDER,
+    TAG_BCAST,
+    TAG_DATA,
+    drain,
+    relay_sender,
+    send,
+    tune,
+    tune_loopback,
+)
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire.records import (
@@ -229,6 +238,7 @@ class ReducerService:
             data.setsockopt(zmq.ROUTER_MANDATORY, 1)
             for sock, mask in zip((data, pub), io_affinity(self._ctx), strict=True):
                 sock.setsockopt(zmq.AFFINITY, mask)
+            tune_loopback(pub, cfg.bcast_bind)
             if cfg.curve is not None:
                 apply_server(data, cfg.curve)
                 apply_server(pub, cfg.curve)

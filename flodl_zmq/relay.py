@@ -72,7 +72,7 @@ from typing import Any
 
 import zmq
 
-from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.endpoints import ControllerAddress, is_loopback_endpoint
 from flodl_zmq.errors import ConfigError, FlodlError, FoldError, WireError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.security import CurveKeys, apply_client
@@ -145,6 +145,21 @@ def tune(sock: zmq.Socket, hwm: int, poll_s: float) -> None:
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, max(1, int(poll_s * 1000)))
+
+
+# The kernel send buffer of a model-carrying TCP socket whose peers are all on
+# this machine (it binds or connects on loopback). A small buffer keeps sender
+# and receiver copying the same bytes in lockstep, while they are still in
+# cache; rounds got 5-15% shorter (bench/round.py, A/B against the autotuned
+# buffer). Elsewhere the kernel's autotuning stays: a fixed buffer caps a link
+# at buffer / round-trip time, which would starve a long-distance link.
+LOOPBACK_SNDBUF = 256 * 1024
+
+
+def tune_loopback(sock: zmq.Socket, endpoint: str) -> None:
+    """Give ``sock`` the LOOPBACK_SNDBUF send buffer if ``endpoint``, where it binds or connects, is loopback."""
+    if is_loopback_endpoint(endpoint):
+        sock.setsockopt(zmq.SNDBUF, LOOPBACK_SNDBUF)
 
 
 def send(sock: zmq.Socket, frames: Sequence[Any], stop: threading.Event, copy: bool = True) -> bool:
@@ -521,6 +536,7 @@ class Relay:
             if cfg.curve is not None:
                 apply_client(up, cfg.curve)
                 apply_client(sub, cfg.curve)
+            tune_loopback(up, cfg.data_upstream)
             up.connect(cfg.data_upstream)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(cfg.bcast_upstream)
