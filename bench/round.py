@@ -72,12 +72,24 @@ def start(proc: Any, role: str) -> None:
 def _controller(port: int, key: bytes, run_id: bytes, stop: Any) -> None:
     import logging
     logging.basicConfig(level=logging.WARNING)
+    import zmq
+
     from flodl_zmq.endpoints import ControllerAddress
     from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+    from flodl_zmq.wire import Channel
 
-    svc = ReducerService(ReducerConfig.for_controller(HOSTS, key, run_id, ControllerAddress("127.0.0.1", port)))
+    address = ControllerAddress("127.0.0.1", port)
+    svc = ReducerService(ReducerConfig.for_controller(HOSTS, key, run_id, address))
     svc.start()
-    stop.wait()
+    # No coordinator here, but the relays' control links need a listener: a client that
+    # keeps reconnecting to a local port nobody listens on can end up connected to
+    # itself (TCP simultaneous open) and read its own records back as replays.
+    control = zmq.Context.instance().socket(zmq.ROUTER)
+    control.bind(address.endpoint(Channel.CONTROL))
+    while not stop.is_set():
+        if control.poll(100):
+            control.recv_multipart()
+    control.close(0)
     svc.stop()
 
 
