@@ -192,12 +192,17 @@ def _encode(dt: str, acc: np.ndarray, out: np.ndarray, d: np.float32 | None) -> 
             np.copyto(out, acc, casting="same_kind")
 
 
-def _encode_sum(dt: str, acc: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    if dt == "bf16":
-        bf16_sum(a, b, out)  # the f32 sums are never written
-    else:
-        _fill_sum(dt, acc, a, b)
-        _encode(dt, acc, out, None)
+def _encode_sum(dt: str, acc: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray,
+                d: np.float32 | None) -> None:
+    """``_fill_sum`` then ``_encode``, block by block, so each block is encoded while still in cache."""
+    if dt == "bf16" and d is None:
+        bf16_sum(a, b, out)  # no f32 sums at all
+        return
+    sums = out if dt == "f32" else acc  # f32 sums may be summed and divided in the output itself
+    for i in range(0, sums.size, BLOCK):
+        block = slice(i, i + BLOCK)
+        _fill_sum(dt, sums[block], a[block], b[block])
+        _encode(dt, sums[block], out[block], d)
 
 
 class SumImage:
@@ -244,10 +249,15 @@ class SumImage:
         self._pieces(_encode, outputs, extra=(None if divisor is None else np.float32(divisor),))
 
     def encode_sum_into(self, first: Sequence[np.ndarray], second: Sequence[np.ndarray],
-                        outputs: Sequence[np.ndarray]) -> None:
-        """Encode ``first + second`` (summed in f32) into ``outputs``: ``fill_sum`` then
-        ``encode_into`` in one pass, bf16 sums never written (f32 outputs are the sums)."""
-        self._pieces(_encode_sum, first, second, outputs)
+                        outputs: Sequence[np.ndarray], divisor: float | None = None) -> None:
+        """``fill_sum(first, second)`` then ``encode_into(outputs, divisor)`` in one pass over the inputs.
+
+        The sums never go to memory and back: bf16 without a divisor is summed
+        and rounded in one operation; otherwise each block of sums is divided
+        and encoded while still in cache (f32 in the output itself).
+        """
+        self._pieces(_encode_sum, first, second, outputs,
+                     extra=(None if divisor is None else np.float32(divisor),))
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,12 +15,14 @@ Rules the ledger keeps:
   deposited and then lost its ranks stays counted, because that work was
   realized (the same rule as the relay fold).
 - HostFrames arrive mass-premultiplied and already summed (the fold never
-  divides). The ledger holds the round's first two frames as received, sums
-  them in f32 into one reused image per schema (one pass), adds later ones in
-  place, then divides exactly once by the total mass of exactly
-  the frames it summed, encoding the consensus in the round's dtype (bf16
-  rounds to nearest even) in the same pass. A zero-mass round is not divided:
-  it ships mass 0 and receivers keep their state.
+  divides). The ledger holds the round's first two frames as received. A
+  round they complete is summed, divided and encoded block by block in one
+  pass; otherwise they are summed in f32 into one reused image per schema
+  and later frames add in place. Either way the ledger divides exactly once,
+  by the total mass of exactly the frames it summed, and encodes the
+  consensus in the round's dtype (bf16 rounds to nearest even) in the same
+  pass. A zero-mass round is not divided: it ships mass 0 and receivers keep
+  their state.
 - A protocol violation (unknown host, second frame from one host in a round,
   a round id ahead of the open round, schema drift from the round's first
   frame, bad mass) raises ProtocolError and changes nothing: the host stays
@@ -233,12 +235,15 @@ class RoundLedger:
             return None
         self._round = None
         self.last_round = rnd.round_id
-        rnd.promote(self._images)
         image, outputs = self._images.get(rnd.schema)
-        if rnd.held:
-            image.fill(rnd.held[0])  # a one-host round: its frame was never copied
         # The one divide of the whole reduce: by the mass of exactly the frames summed.
-        image.encode_into(outputs, rnd.mass if rnd.mass > 0.0 else None)
+        divisor = rnd.mass if rnd.mass > 0.0 else None
+        if len(rnd.held) == 2:
+            image.encode_sum_into(*rnd.held, outputs, divisor)
+        else:
+            if rnd.held:
+                image.fill(rnd.held[0])  # a one-host round: its frame was never copied
+            image.encode_into(outputs, divisor)
         self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(rnd.members)), tuple(outputs))
         self.counters.rounds_reduced += 1
         return self.latest

@@ -354,11 +354,11 @@ def test_one_pass_promotion_and_divide_encode_match_the_step_by_step_result(dtyp
     steps.encode_into([want])
     np.testing.assert_array_equal(got, want)
     # The two-contribution round: encode_sum_into == fill_sum then encode_into.
-    fused.fill_sum([xs[0]], [xs[1]])
-    fused.encode_into([want])
-    pair = SumImage(schema)
-    pair.encode_sum_into([xs[0]], [xs[1]], [got])
-    np.testing.assert_array_equal(got, want)
+    for divisor in (None, 3.0):
+        fused.fill_sum([xs[0]], [xs[1]])
+        fused.encode_into([want], divisor)
+        SumImage(schema).encode_sum_into([xs[0]], [xs[1]], [got], divisor)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_an_image_worked_in_pieces_on_worker_threads_equals_whole_array_numpy():
