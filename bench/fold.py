@@ -5,7 +5,9 @@ For each size (10M and 25M elements) it times, median of ``--repeats``:
 - ``numpy_add``: ``np.add(a, b, out=a)`` on f32 arrays, the floor a fold can hope for;
 - ``fold_f32``: one FoldStation deposit that adds an f32 frame into the running sums;
 - ``fold_bf16``: the same with a bf16 frame (widened block by block, then added);
-- ``bf16_encode``: encoding the f32 sums back to bf16 (round to nearest even).
+- ``bf16_encode``: encoding the f32 sums back to bf16 (round to nearest even);
+- ``pair_bf16``: a two-rank host's round: its second bf16 deposit, summed with the
+  first and encoded in one pass (what ``fold_bf16`` then ``bf16_encode`` would do).
 
 GB/s counts the bytes of the deposited frame (bf16 frames are half the bytes);
 ratios compare times over the same element count (fold / numpy, higher is
@@ -67,6 +69,18 @@ def fold_add_seconds(frame: np.ndarray, repeats: int) -> float:
     return statistics.median(times)
 
 
+def pair_seconds(frame: np.ndarray, repeats: int) -> float:
+    """Time the deposit that completes a two-rank round: sum and encode, no f32 sums."""
+    station = FoldStation(range(2))
+    times = []
+    for round_id in range(repeats):
+        station.deposit(0, round_id, 1.0, [frame])  # held verbatim
+        t0 = time.perf_counter()
+        station.deposit(1, round_id, 1.0, [frame])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def bench(repeats: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     results: dict[str, float] = {}
@@ -82,17 +96,20 @@ def bench(repeats: int) -> dict[str, float]:
         t_b16 = fold_add_seconds(b16, repeats)
         out16 = np.empty(n, np.uint16)
         t_enc = median_seconds(lambda a=a, o=out16: bf16_from_f32(a, o), repeats)
+        t_pair = pair_seconds(b16, repeats)
 
         results[f"numpy_add_{label}_gbps"] = b.nbytes / t_np / 1e9
         results[f"fold_f32_{label}_gbps"] = b.nbytes / t_f32 / 1e9
         results[f"fold_bf16_{label}_gbps"] = b16.nbytes / t_b16 / 1e9
         results[f"bf16_encode_{label}_gbps"] = a.nbytes / t_enc / 1e9
+        results[f"pair_bf16_{label}_gbps"] = b16.nbytes / t_pair / 1e9
         results[f"ratio_fold_vs_numpy_f32_{label}"] = t_np / t_f32
         results[f"ratio_fold_vs_numpy_bf16_{label}"] = t_np / t_b16
         results[f"numpy_add_{label}_ms"] = t_np * 1e3
         results[f"fold_f32_{label}_ms"] = t_f32 * 1e3
         results[f"fold_bf16_{label}_ms"] = t_b16 * 1e3
         results[f"bf16_encode_{label}_ms"] = t_enc * 1e3
+        results[f"pair_bf16_{label}_ms"] = t_pair * 1e3
     return results
 
 
@@ -104,6 +121,7 @@ def table(results: dict[str, float]) -> str:
             ("fold_f32", f"ratio_fold_vs_numpy_f32_{label}"),
             ("fold_bf16", f"ratio_fold_vs_numpy_bf16_{label}"),
             ("bf16_encode", None),
+            ("pair_bf16", None),
         ):
             ms = results[f"{path}_{label}_ms"]
             gbps = results[f"{path}_{label}_gbps"]

@@ -29,10 +29,10 @@ root. This module is the middle move and keeps these rules:
 
 Deposits reach this core already authenticated (the wire verifies the MAC
 first), as read-only numpy views over the received frames; bf16 arrives as
-``uint16``. The tensors of a HostFold are either the seed objects or views of
-the station's reused buffers: ship them before the next round's second deposit
-arrives (strict ping-pong guarantees it, since that deposit needs this round's
-consensus first).
+``uint16``. The tensors of a HostFold are either the single deposit's own
+objects or views of the station's reused buffers: ship them before the next
+round's second deposit arrives (strict ping-pong guarantees it, since that
+deposit needs this round's consensus first).
 """
 
 from __future__ import annotations
