@@ -12,6 +12,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +21,7 @@ from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import RoundFrame
 from flodl_zmq.wire.shm import (
     ALIGN,
+    PLACE_BLOCK,
     SHM_TAG,
     Segment,
     SegmentMap,
@@ -94,6 +96,17 @@ def test_frames_are_aligned_and_the_segment_is_reused_while_the_layout_fits(seg)
     assert [v.nbytes for v in views] == [10, 100, 1]
     seg.layout([50])
     assert seg.name == first
+
+
+def test_placed_frames_are_copied_byte_for_byte_across_piece_boundaries(seg):
+    rng = np.random.default_rng(2)
+    big = rng.integers(0, 256, 2 * PLACE_BLOCK + 3, dtype=np.uint8)  # three pieces, the last one short
+    frames = [zmq.Frame(big.tobytes()), b"tail", rng.standard_normal(1000).astype(np.float32)]
+    seg.place(frames)
+    views = seg.layout([len(big), 4, 4000])  # the same layout: the same bytes, not rewritten
+    assert bytes(views[0]) == big.tobytes()
+    assert bytes(views[1]) == b"tail"
+    assert bytes(views[2]) == frames[2].tobytes()
 
 
 def test_a_larger_layout_moves_to_a_new_generation_and_the_reader_follows(seg, tmp_path):
