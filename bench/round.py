@@ -75,6 +75,7 @@ def _controller(port: int, key: bytes, run_id: bytes, stop: Any) -> None:
     import zmq
 
     from flodl_zmq.endpoints import ControllerAddress
+    from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
     from flodl_zmq.reducer_service import ReducerConfig, ReducerService
     from flodl_zmq.wire import Channel
 
@@ -84,7 +85,9 @@ def _controller(port: int, key: bytes, run_id: bytes, stop: Any) -> None:
     # No coordinator here, but the relays' control links need a listener: a client that
     # keeps reconnecting to a local port nobody listens on can end up connected to
     # itself (TCP simultaneous open) and read its own records back as replays.
-    control = zmq.Context.instance().socket(zmq.ROUTER)
+    ctx = controller_context()
+    control = ctx.socket(zmq.ROUTER)
+    keep_off_the_data_plane(control, ctx)
     control.bind(address.endpoint(Channel.CONTROL))
     while not stop.is_set():
         if control.poll(100):

@@ -49,6 +49,7 @@ import zmq
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import DEFAULT_STARTUP_TIMEOUT_S, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
+from flodl_zmq.io_threads import controller_context
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
     OPEN_JOIN_KEY,
@@ -60,7 +61,6 @@ from flodl_zmq.membership import (
     endpoint_ip,
     resolve_trust,
 )
-from flodl_zmq.reducer_service import controller_context
 from flodl_zmq.security import CurveKeys, apply_client, start_allow_list
 from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, key_from_hex, new_key
 from flodl_zmq.wire.records import StatusReply, StatusRequest

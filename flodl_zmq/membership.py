@@ -65,6 +65,7 @@ import zmq
 from flodl_zmq.endpoints import is_private_address
 from flodl_zmq.environment import format_world, parse_world
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
+from flodl_zmq.io_threads import keep_off_the_data_plane
 from flodl_zmq.security import CleartextWarner, CurveKeys, apply_server
 from flodl_zmq.wire import KEY_BYTES, PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec
 from flodl_zmq.wire.records import (
@@ -569,6 +570,7 @@ class MembershipService:
         self._cleartext = CleartextWarner(log)
         ctx = context or zmq.Context.instance()
         self._sock = ctx.socket(zmq.ROUTER)
+        keep_off_the_data_plane(self._sock, ctx)
         self._sock.setsockopt(zmq.LINGER, 0)
         if curve is not None:
             apply_server(self._sock, curve)

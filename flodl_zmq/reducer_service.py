@@ -45,6 +45,7 @@ import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, FlodlError, ProtocolError, WireError
+from flodl_zmq.io_threads import controller_context, io_affinity
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.relay import (
     REDUCER_SENDER,
@@ -72,31 +73,6 @@ from flodl_zmq.wire.records import (
 )
 
 log = logging.getLogger(__name__)
-
-# The controller's I/O threads: the data ROUTER gets half and the PUB the other
-# half (`io_affinity`), so each relay's host frame in and each consensus copy
-# out runs on its own thread, on its own core, instead of queueing behind the
-# others on one.
-CONTROLLER_IO_THREADS = 4
-
-
-def controller_context() -> zmq.Context:
-    """The controller process's shared ZeroMQ context (the coordinator's inproc links need the reducer's)."""
-    return zmq.Context.instance(io_threads=CONTROLLER_IO_THREADS)
-
-
-def io_affinity(ctx: zmq.Context) -> tuple[int, int]:
-    """ZMQ_AFFINITY masks (data ROUTER, PUB) that give each socket its own half of `ctx`'s I/O threads.
-
-    ZeroMQ puts each new connection on the least-loaded thread the mask allows,
-    so a socket's relay links spread over its half. A mask naming no thread
-    would drop connections, so a context with one I/O thread gets (0, 0): any.
-    """
-    n = ctx.get(zmq.IO_THREADS)
-    if n < 2:
-        return 0, 0
-    low = (1 << (n // 2)) - 1
-    return low, ((1 << n) - 1) ^ low
 
 
 @dataclass(frozen=True)
@@ -236,8 +212,9 @@ class ReducerService:
             for s in (data, pub):
                 tune(s, cfg.hwm_records, cfg.poll_s)
             data.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            for sock, mask in zip((data, pub), io_affinity(self._ctx), strict=True):
-                sock.setsockopt(zmq.AFFINITY, mask)
+            affinity = io_affinity(self._ctx)
+            data.setsockopt(zmq.AFFINITY, affinity.data)
+            pub.setsockopt(zmq.AFFINITY, affinity.pub)
             tune_loopback(pub, cfg.bcast_bind)
             if cfg.curve is not None:
                 apply_server(data, cfg.curve)

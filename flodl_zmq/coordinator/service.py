@@ -79,10 +79,11 @@ from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import AuthError, FlodlError, TrainingError, WireError
+from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job
 from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
 from flodl_zmq.rank import flatten, load_flat, model_signature
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService, controller_context
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import RELAY_ROUTE, drain, rank_identity, rank_of, rank_sender, relay_sender
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
@@ -203,6 +204,7 @@ class ControllerService:
             ctx,
         )
         control = ctx.socket(zmq.ROUTER)
+        keep_off_the_data_plane(control, ctx)
         control.setsockopt(zmq.ROUTER_MANDATORY, 1)
         control.setsockopt(zmq.LINGER, 1000)
         sub = ctx.socket(zmq.SUB)

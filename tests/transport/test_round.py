@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
+from flodl_zmq.io_threads import CONTROLLER_IO_THREADS
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay, RelayConfig
 from flodl_zmq.wire import new_key
@@ -72,9 +73,9 @@ class Cluster:
         self.ctx.destroy(0)
 
 
-@pytest.fixture(params=["inproc", "ipc", "ipc-4-io-threads"])
+@pytest.fixture(params=["inproc", "ipc", f"ipc-{CONTROLLER_IO_THREADS}-io-threads"])
 def cluster(request, tmp_path):
-    # With several I/O threads the reducer pins its data ROUTER and PUB to separate halves of them.
+    # With the controller's I/O threads the reducer pins its data ROUTER and PUB to threads of their own.
     kind, _, threads = request.param.partition("-")
     c = Cluster(kind, tmp_path, io_threads=int(threads.split("-")[0]) if threads else 1)
     yield c
