@@ -85,9 +85,8 @@ def _controller(port: int, key: bytes, run_id: bytes, stop: Any) -> None:
     # No coordinator here, but the relays' control links need a listener: a client that
     # keeps reconnecting to a local port nobody listens on can end up connected to
     # itself (TCP simultaneous open) and read its own records back as replays.
-    ctx = controller_context()
-    control = ctx.socket(zmq.ROUTER)
-    keep_off_the_data_plane(control, ctx)
+    control = controller_context().socket(zmq.ROUTER)
+    keep_off_the_data_plane(control)
     control.bind(address.endpoint(Channel.CONTROL))
     while not stop.is_set():
         if control.poll(100):

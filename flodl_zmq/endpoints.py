@@ -75,15 +75,19 @@ def is_private_address(address: str) -> bool:
     return ip.is_loopback or ip.is_private or ip.is_link_local or ip in _SHARED
 
 
+def tcp_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://host:port`` endpoint (an IPv6 literal without its brackets); None for another transport."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    return endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+
+
 def is_loopback_endpoint(endpoint: str) -> bool:
     """True for a tcp:// endpoint on a loopback address: a socket bound there has peers on this machine only."""
-    scheme, _, rest = endpoint.partition("://")
-    host = rest.rpartition(":")[0].strip("[]")
-    if scheme != "tcp":
-        return False
+    host = tcp_host(endpoint)
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host is not None and ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False

@@ -48,6 +48,6 @@ def io_affinity(ctx: zmq.Context) -> Affinity:
     return Affinity(data, pub, ((1 << n) - 1) ^ data ^ pub)
 
 
-def keep_off_the_data_plane(sock: zmq.Socket, ctx: zmq.Context) -> None:
-    """Pin ``sock`` (on ``ctx``, before it binds or connects) to the I/O threads that carry no model bytes."""
-    sock.setsockopt(zmq.AFFINITY, io_affinity(ctx).other)
+def keep_off_the_data_plane(sock: zmq.Socket) -> None:
+    """Pin ``sock`` (before it binds or connects) to its context's I/O threads that carry no model bytes."""
+    sock.setsockopt(zmq.AFFINITY, io_affinity(sock.context).other)

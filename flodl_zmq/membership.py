@@ -62,7 +62,7 @@ from typing import Any
 
 import zmq
 
-from flodl_zmq.endpoints import is_private_address
+from flodl_zmq.endpoints import is_private_address, tcp_host
 from flodl_zmq.environment import format_world, parse_world
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.io_threads import keep_off_the_data_plane
@@ -570,7 +570,7 @@ class MembershipService:
         self._cleartext = CleartextWarner(log)
         ctx = context or zmq.Context.instance()
         self._sock = ctx.socket(zmq.ROUTER)
-        keep_off_the_data_plane(self._sock, ctx)
+        keep_off_the_data_plane(self._sock)
         self._sock.setsockopt(zmq.LINGER, 0)
         if curve is not None:
             apply_server(self._sock, curve)
@@ -762,9 +762,9 @@ def _peer_address(frames: list[Any]) -> str | None:
 
 def endpoint_ip(endpoint: str) -> str:
     """The IP address a `tcp://host:port` endpoint binds (hostnames resolved)."""
-    if not endpoint.startswith("tcp://"):
+    host = tcp_host(endpoint)
+    if host is None:
         raise ConfigError(f"open admission needs a tcp:// join endpoint, got {endpoint!r}")
-    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
     if host in ("*", ""):
         return "0.0.0.0"
     try:

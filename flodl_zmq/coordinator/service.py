@@ -204,7 +204,7 @@ class ControllerService:
             ctx,
         )
         control = ctx.socket(zmq.ROUTER)
-        keep_off_the_data_plane(control, ctx)
+        keep_off_the_data_plane(control)
         control.setsockopt(zmq.ROUTER_MANDATORY, 1)
         control.setsockopt(zmq.LINGER, 1000)
         sub = ctx.socket(zmq.SUB)
