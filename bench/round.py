@@ -99,9 +99,13 @@ def _relay(host: str, port: int, key: bytes, run_id: bytes, ipc_dir: str, stop: 
     import logging
     logging.basicConfig(level=logging.WARNING)
     from flodl_zmq.endpoints import ControllerAddress
-    from flodl_zmq.relay import Relay, RelayConfig, local_endpoints
-
-    # Liveness is not measured here: a generous deadline keeps a loaded machine from
+    from flodl_zmq.links import (
+        local_endpoints,
+    )
+    from flodl_zmq.relay import (
+        Relay,
+        RelayConfig,
+    )
     # declaring a busy rank dead mid-benchmark.
     cfg = RelayConfig.for_controller(host, HOSTS[host], key, run_id, ControllerAddress("127.0.0.1", port),
                                      local_endpoints(run_id, host, ipc_dir), heartbeat_deadline_s=10.0)
@@ -115,7 +119,7 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
           ipc_dir: str, barrier: Any, out: Any, stop: Any) -> None:
     import zmq
 
-    from flodl_zmq.relay import local_endpoints, rank_identity, rank_sender
+    from flodl_zmq.links import local_endpoints, rank_identity, rank_sender
     from flodl_zmq.tensors import DTYPES, bf16_from_f32
     from flodl_zmq.wire import Channel, Codec
     from flodl_zmq.wire.records import Heartbeat, RoundFrame

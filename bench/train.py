@@ -33,9 +33,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from flodl_zmq.api import Trainer
-from flodl_zmq.coordinator.dispatch import epoch_permutation
 from flodl_zmq.datasets import digits
 from flodl_zmq.launch import Cluster
+from flodl_zmq.sampling import epoch_permutation
 
 TAG = "BENCH_RESULT"
 BATCH = 32

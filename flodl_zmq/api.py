@@ -24,39 +24,24 @@ other FLODL_* variables, documented in flodl_zmq/environment.py, set by
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from flodl_zmq import bundle
-from flodl_zmq.coordinator.dispatch import epoch_permutation
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.job import Job
 from flodl_zmq.rank import RankConfig, RankRuntime, fetch_batch
+from flodl_zmq.result import TrainResult, format_epoch
+from flodl_zmq.sampling import epoch_permutation
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainResult:
-    """What a run produced (on the controller, or a single process)."""
-
-    model: torch.nn.Module
-    epochs: list[dict[str, Any]] = field(default_factory=list)
-    final_eval: float | None = None
-    batch_share: list[float] = field(default_factory=list)
-    saved: str | None = None
-    wall_s: float = 0.0
-    round_ms: list[float] = field(default_factory=list)  # trigger -> consensus published, per round
-    reason: str = "completed"
 
 
 class Trainer:
@@ -139,7 +124,7 @@ class Trainer:
         level = logging.INFO if penv.role == "relay" else logging.WARNING
         logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
         if penv.role == "controller":
-            from flodl_zmq.coordinator.service import run_controller
+            from flodl_zmq.controller_service import run_controller
 
             return run_controller(self.job, penv)
         if penv.role == "relay":
@@ -149,7 +134,7 @@ class Trainer:
 
 def run_rank(job: Job, penv: ProcessEnv) -> int:
     """The rank role: connect to this host's relay and train until told to stop."""
-    from flodl_zmq.relay import local_endpoints
+    from flodl_zmq.links import local_endpoints
 
     assert penv.host is not None and penv.rank is not None and penv.local_rank is not None
     control, data = local_endpoints(penv.run_id, penv.host)
@@ -240,15 +225,3 @@ def train_alone(job: Job) -> TrainResult:
             "epoch": job.epochs, "global_step": None, "reason": "completed", "world_size": 1, "coordinator": None,
         }))
     return result
-
-
-def format_epoch(row: dict[str, Any], epochs: int) -> str:
-    """One line per epoch: loss, eval (when there is one), each rank's batch share, wall time."""
-    parts = [f"epoch {row['epoch'] + 1}/{epochs}", f"loss {row['avg_loss']:.4f}"]
-    if row.get("eval") is not None and not math.isnan(row["eval"]):
-        parts.append(f"eval {row['eval']:.4f}")
-    share = row.get("batch_share") or []
-    if len(share) > 1:
-        parts.append("share " + " ".join(f"r{i}:{s * 100:.0f}%" for i, s in enumerate(share)))
-    parts.append(f"{row['epoch_ms'] / 1000.0:.2f}s")
-    return " | ".join(parts)

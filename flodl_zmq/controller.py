@@ -12,7 +12,7 @@
 3. The controller role. SCRIPT runs in this process as FLODL_ROLE=controller
    for the formed world; every agent runs the same SCRIPT and ARGS for its
    relay and ranks. The membership keeps the join links open meanwhile, and
-   its events feed the coordinator (coordinator.service.MEMBERSHIP_LINK): a
+   its events feed the coordinator (controller_service.MEMBERSHIP_LINK): a
    rank exit an agent reports and a host whose agent falls silent are deaths
    declared at once. This process runs no ranks.
 4. The end. The script's exit status is the command's. After a completed
@@ -152,7 +152,7 @@ def serve(opts: ControllerOptions) -> int:
             role="controller", controller=opts.address, key=key, run_id=run_id, world=world,
             startup_timeout_s=opts.startup_timeout_s,
         )
-        from flodl_zmq.coordinator.service import MEMBERSHIP_LINK, MembershipLink
+        from flodl_zmq.controller_service import MEMBERSHIP_LINK, MembershipLink
 
         role_env = penv.to_environ()
         saved_env = {name: os.environ.get(name) for name in role_env}

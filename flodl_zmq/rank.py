@@ -42,7 +42,6 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
@@ -58,12 +57,12 @@ import torch
 import zmq
 
 from flodl_zmq import bundle
-from flodl_zmq.coordinator.dispatch import EpochPlan as DispatchPlan
-from flodl_zmq.coordinator.dispatch import epoch_permutation, plan_indices
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.errors import ConfigError, TrainingError, WireError
 from flodl_zmq.job import Job
-from flodl_zmq.relay import rank_identity, rank_sender
+from flodl_zmq.links import rank_identity, rank_sender
+from flodl_zmq.payload import flat_views, load_flat, model_signature, payload_tensors
+from flodl_zmq.sampling import epoch_permutation, plan_indices
 from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32, torch_view
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
@@ -82,55 +81,6 @@ HEARTBEAT_S = 0.5
 WIRE_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16}
 WIRE_NUMPY = {name: DTYPES[name] for name in WIRE_TORCH}
 SEND_RELEASE_TIMEOUT_S = 60.0
-
-
-def payload_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """What a round averages, in a fixed order: every parameter, then every floating-point buffer.
-
-    Integer buffers (BatchNorm's batch counter) have no meaningful average and
-    stay local.
-    """
-    tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
-    for t in tensors:
-        if t.dtype != torch.float32:
-            raise ConfigError(
-                f"the data plane averages float32 tensors; the model holds a {t.dtype} tensor of shape "
-                f"{tuple(t.shape)}: keep the master weights in float32 (autocast for lower precision)"
-            )
-    if not tensors:
-        raise ConfigError("the model has no parameters or float buffers: there is nothing to average")
-    return tensors
-
-
-def model_signature(model: torch.nn.Module) -> bytes:
-    """32-byte digest of the averaged tensors' names, shapes and dtypes, in payload order."""
-    h = hashlib.sha256(b"flodl-model-v1")
-    floats = {id(b) for b in model.buffers() if b.is_floating_point()}
-    for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if id(b) in floats]:
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-    return h.digest()
-
-
-def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    """Copy a flat float32 vector (payload order) into the model's parameters and float buffers."""
-    tensors = payload_tensors(model)
-    views = _views(flat.reshape(-1), tensors)
-    with torch.no_grad():
-        torch._foreach_copy_(tensors, views)  # copy_ crosses devices itself: no staging copy
-
-
-def flatten(model: torch.nn.Module) -> torch.Tensor:
-    """The model's payload tensors as one flat float32 CPU vector (the consensus layout)."""
-    return torch.cat([t.detach().reshape(-1).cpu() for t in payload_tensors(model)])
-
-
-def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        n = t.numel()
-        out.append(flat[offset : offset + n].view(t.shape))
-        offset += n
-    return out
 
 
 class ParamBuffers:
@@ -162,7 +112,7 @@ class ParamBuffers:
         # The f32 snapshot is the deposit itself under f32; under bf16 it is kept for the
         # divergence against the consensus, and the deposit is its encoding (bf16_from_f32).
         self.snap = self.wire if wire_dtype == "f32" else torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
-        self._snap_views = _views(self.snap, self.tensors)
+        self._snap_views = flat_views(self.snap, self.tensors)
         self._scratch = torch.empty(self.numel, dtype=torch.float32)
         self._widened = torch.empty(self.numel, dtype=torch.float32) if wire_dtype == "bf16" else None
         self.consensus: torch.Tensor | None = None  # the last loaded consensus, f32 (valid until the next load)
@@ -177,7 +127,7 @@ class ParamBuffers:
         self.pre_norm: float | None = None
         if self.cuda:
             self._recv = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
-            self._recv_views = _views(self._recv, self.tensors)
+            self._recv_views = flat_views(self._recv, self.tensors)
 
     def mark_queued(self) -> None:
         """The snapshot was queued for sending: the next snapshot must wait for `hold_until_sent`."""
@@ -236,7 +186,7 @@ class ParamBuffers:
             if self.cuda:
                 self._load_cuda(cons, alpha)
             else:
-                views = _views(cons, self.tensors)
+                views = flat_views(cons, self.tensors)
                 if alpha >= 1.0:
                     torch._foreach_copy_(self.tensors, views)
                 else:
@@ -577,7 +527,7 @@ class RankRuntime:
             perm = epoch_permutation(self.job.seed, epoch, self.job.total_samples)
             self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
             self._perms[epoch] = perm
-        indices = plan_indices(perm, DispatchPlan(epoch, offset, size))
+        indices = plan_indices(perm, rec.EpochPlan(epoch, offset, size))
         self._spans.append(_Span(epoch, indices))
 
     def _deposit(self, round_id: int) -> None:
@@ -752,9 +702,5 @@ __all__ = [
     "RankConfig",
     "RankRuntime",
     "fetch_batch",
-    "flatten",
-    "load_flat",
-    "model_signature",
-    "payload_tensors",
     "pick_device",
 ]

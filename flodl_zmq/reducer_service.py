@@ -46,8 +46,7 @@ import zmq
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, FlodlError, ProtocolError, WireError
 from flodl_zmq.io_threads import controller_context, io_affinity
-from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
-from flodl_zmq.relay import (
+from flodl_zmq.links import (
     REDUCER_SENDER,
     TAG_BCAST,
     TAG_DATA,
@@ -57,6 +56,7 @@ from flodl_zmq.relay import (
     tune,
     tune_loopback,
 )
+from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire.records import (

@@ -63,18 +63,32 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from flodl_zmq.endpoints import ControllerAddress, is_loopback_endpoint
+from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, FlodlError, FoldError, WireError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
+from flodl_zmq.links import (
+    REDUCER_SENDER,
+    RELAY_ROUTE,
+    TAG_BCAST,
+    TAG_DATA,
+    drain,
+    local_endpoints,
+    rank_identity,
+    rank_of,
+    rank_sender,
+    relay_sender,
+    send,
+    tune,
+    tune_loopback,
+)
 from flodl_zmq.security import CurveKeys, apply_client
 from flodl_zmq.wire import Channel, Codec, Envelope, key_from_hex
 from flodl_zmq.wire.records import (
@@ -104,89 +118,6 @@ from flodl_zmq.wire.shm import (
 log = logging.getLogger(__name__)
 
 GOODBYE = "said goodbye"
-
-RELAY_ROUTE = b""  # route frame of the relay's own control records
-TAG_DATA = Channel.DATA.value.encode()
-TAG_BCAST = Channel.BROADCAST.value.encode()
-REDUCER_SENDER = "reducer"
-
-
-def rank_identity(rank: int) -> bytes:
-    """The ZeroMQ routing identity of a rank's DEALERs (and its route frame upstream)."""
-    return str(int(rank)).encode()
-
-
-def rank_of(identity: bytes) -> int | None:
-    """The rank a routing identity names, or None when it names none."""
-    if not identity or not identity.isdigit() or len(identity) > 10:
-        return None
-    return int(identity)
-
-
-def rank_sender(rank: int) -> str:
-    """The codec sender name a rank signs with."""
-    return f"rank:{int(rank)}"
-
-
-def relay_sender(host: str) -> str:
-    """The codec sender name a host's relay signs with."""
-    return f"relay:{host}"
-
-
-def local_endpoints(run_id: bytes, host: str, directory: str | None = None) -> tuple[str, str]:
-    """Default ipc:// endpoints (control, data) of a host's relay, unique per run and host."""
-    base = os.path.join(directory or tempfile.gettempdir(), f"flodl-{run_id.hex()[:12]}-{host}")
-    return f"ipc://{base}-control", f"ipc://{base}-data"
-
-
-def tune(sock: zmq.Socket, hwm: int, poll_s: float) -> None:
-    """Bounded queues (in records), no linger on close, sends that give up after one poll tick."""
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDTIMEO, max(1, int(poll_s * 1000)))
-
-
-# The kernel send buffer of a model-carrying TCP socket whose peers are all on
-# this machine (it binds or connects on loopback). A small buffer keeps sender
-# and receiver copying the same bytes in lockstep, while they are still in
-# cache; rounds got 5-15% shorter (bench/round.py, A/B against the autotuned
-# buffer). Elsewhere the kernel's autotuning stays: a fixed buffer caps a link
-# at buffer / round-trip time, which would starve a long-distance link.
-LOOPBACK_SNDBUF = 256 * 1024
-
-
-def tune_loopback(sock: zmq.Socket, endpoint: str) -> None:
-    """Give ``sock`` the LOOPBACK_SNDBUF send buffer if ``endpoint``, where it binds or connects, is loopback."""
-    if is_loopback_endpoint(endpoint):
-        sock.setsockopt(zmq.SNDBUF, LOOPBACK_SNDBUF)
-
-
-def send(sock: zmq.Socket, frames: Sequence[Any], stop: threading.Event, copy: bool = True) -> bool:
-    """Send one message, waiting through full queues until `stop` is set; False if it never went.
-
-    A full queue (HWM) is back-pressure, not an error: the caller's thread waits,
-    which stops it reading its own peers. EHOSTUNREACH (ROUTER_MANDATORY, peer
-    gone) raises zmq.ZMQError for the caller to count.
-    """
-    while not stop.is_set():
-        try:
-            sock.send_multipart(frames, copy=copy)
-            return True
-        except zmq.Again:
-            continue
-    return False
-
-
-def drain(sock: zmq.Socket, handle: Callable[[list[Any]], None], copy: bool = True, budget: int = 256) -> None:
-    """Handle what is queued on `sock` now, bounded so no socket starves the others."""
-    for _ in range(budget):
-        try:
-            msg = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
-        except zmq.Again:
-            return
-        handle(msg)
-
 
 @dataclass(frozen=True)
 class RelayConfig:

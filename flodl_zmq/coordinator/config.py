@@ -21,9 +21,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flodl_zmq.coordinator.dispatch import SHUFFLE_BASE_SEED
 from flodl_zmq.coordinator.elche import ElCheConfig
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.sampling import SHUFFLE_BASE_SEED
 
 OVERSHOOT_AUTO_INITIAL = 3
 OVERSHOOT_AUTO_CEILING = 15

@@ -1,22 +1,11 @@
 """Epoch dispatch arithmetic: the permutation, Sync partitions, chunk sizing, the final window.
 
 Everything here is a pure function of its arguments (plus two frozen
-dataclasses). The coordinator calls it; ranks call `epoch_permutation` and
-`plan_indices` to turn the offsets they are sent into sample indices.
+dataclasses). The coordinator calls it; ranks turn the offsets they are sent
+into sample indices with flodl_zmq/sampling.py.
 
 Rules this module keeps:
 
-- **Only offsets travel.** Epoch `e` trains on one global permutation of
-  `range(total_samples)`, drawn from `(seed, e)` alone. The coordinator ships
-  spans `[offset, offset + size)` of that permutation (`EpochPlan`); every rank
-  recomputes the same permutation locally, so a plan is a few integers however
-  large the dataset.
-- **The permutation is reproducible across hosts and versions.** It is the
-  stable argsort of `total_samples` raw 64-bit draws of numpy's PCG64 bit
-  generator seeded with the integer `seed + epoch`. We rely only on the bit
-  generator's raw stream and `SeedSequence` seeding, which numpy keeps stable
-  across releases (NEP 19); `Generator.permutation` is explicitly *not*
-  stream-stable, and two hosts with different numpy versions must still agree.
 - **Partitions tile the dataset.** Sync partitions are contiguous, in rank
   order, and their sizes sum to `total_samples`; every rank gets at least one
   sample, because a Sync rank with no data never steps and would park the
@@ -45,8 +34,6 @@ How the coordinator uses this:
   then `chunk_batches(...)` says how many batches rank `r` gets next, and the
   coordinator takes `batches * batch_size` samples from the epoch's
   `ChunkPool` (see chunk_pool.py).
-- Ranks: `plan_indices(epoch_permutation(seed, epoch, total), plan)` gives the
-  sample indices to train on, in order.
 """
 
 from __future__ import annotations
@@ -55,46 +42,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from flodl_zmq.errors import ConfigError, CoordinatorError, TrainingError
+from flodl_zmq.errors import ConfigError, CoordinatorError
 from flodl_zmq.wire.records import EpochPlan  # one plan type: the wire carries it as is
-
-SHUFFLE_BASE_SEED = 42
-"""The default shuffle seed (floDl's `SHUFFLE_BASE_SEED`)."""
-
-
-# --------------------------------------------------------------------------- permutation
-
-
-def epoch_permutation(seed: int, epoch: int, total_samples: int) -> np.ndarray:
-    """The permutation of `range(total_samples)` that epoch `epoch` trains on (int64 array).
-
-    Deterministic in `(seed + epoch, total_samples)`: stable argsort of
-    `PCG64(seed + epoch).random_raw(total_samples)`. Ranks should compute it
-    once per epoch and slice it with `plan_indices`.
-    """
-    if seed < 0 or epoch < 0:
-        raise ConfigError(f"shuffle seed ({seed}) and epoch ({epoch}) must be >= 0")
-    if total_samples < 0:
-        raise ConfigError(f"total_samples must be >= 0, got {total_samples}")
-    keys = np.random.PCG64(seed + epoch).random_raw(total_samples)
-    return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
-
-
-def plan_indices(permutation: np.ndarray, plan: EpochPlan) -> np.ndarray:
-    """The sample indices of `plan` (a view into `permutation`), in training order."""
-    if plan.offset < 0 or plan.size < 0 or plan.offset + plan.size > len(permutation):
-        # Only a dataset-size disagreement between the controller and this rank
-        # can produce such a plan; training on a clamped slice would silently
-        # skip or repeat data.
-        raise TrainingError(
-            f"plan [{plan.offset}, {plan.offset + plan.size}) of epoch {plan.epoch} does not fit "
-            f"a dataset of {len(permutation)} samples: every rank and the controller must see "
-            f"the same dataset length"
-        )
-    return permutation[plan.offset : plan.offset + plan.size]
-
 
 # --------------------------------------------------------------------------- Sync partitions
 

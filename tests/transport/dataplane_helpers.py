@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from flodl_zmq.relay import (
+from flodl_zmq.links import (
     REDUCER_SENDER,
     RELAY_ROUTE,
     TAG_BCAST,

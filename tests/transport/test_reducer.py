@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import zmq
 
+from flodl_zmq.links import TAG_BCAST, TAG_DATA, relay_sender
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
-from flodl_zmq.relay import TAG_BCAST, TAG_DATA, relay_sender
 from flodl_zmq.wire import Channel, Codec, Envelope, new_key
 from flodl_zmq.wire.records import (
     ConsensusGone,

@@ -8,14 +8,8 @@ import numpy as np
 import pytest
 import zmq
 
-from flodl_zmq.relay import (
-    RELAY_ROUTE,
-    ConsensusWatch,
-    RankLiveness,
-    Relay,
-    RelayConfig,
-    rank_identity,
-)
+from flodl_zmq.links import RELAY_ROUTE, rank_identity
+from flodl_zmq.relay import ConsensusWatch, RankLiveness, Relay, RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import (
     ConsensusRequest,

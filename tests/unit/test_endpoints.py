@@ -6,7 +6,7 @@ import pytest
 import zmq
 
 from flodl_zmq.endpoints import is_loopback_endpoint
-from flodl_zmq.relay import LOOPBACK_SNDBUF, tune_loopback
+from flodl_zmq.links import LOOPBACK_SNDBUF, tune_loopback
 
 LOOPBACK = ["tcp://127.0.0.1:7302", "tcp://127.8.9.10:7302", "tcp://[::1]:7302", "tcp://localhost:7302"]
 ELSEWHERE = [

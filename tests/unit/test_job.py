@@ -7,8 +7,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from flodl_zmq.api import Trainer
+from flodl_zmq.controller_service import coordinator_config
 from flodl_zmq.coordinator.config import MaxFailure
-from flodl_zmq.coordinator.service import coordinator_config
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.job import Job
 

@@ -9,15 +9,8 @@ from torch.utils.data import TensorDataset
 
 from flodl_zmq.errors import ConfigError, TrainingError
 from flodl_zmq.job import Job
-from flodl_zmq.rank import (
-    ParamBuffers,
-    RankConfig,
-    RankRuntime,
-    flatten,
-    load_flat,
-    model_signature,
-    payload_tensors,
-)
+from flodl_zmq.payload import flatten, load_flat, model_signature, payload_tensors
+from flodl_zmq.rank import ParamBuffers, RankConfig, RankRuntime
 from flodl_zmq.tensors import bf16_from_f32
 from flodl_zmq.wire import records as rec
 

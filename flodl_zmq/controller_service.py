@@ -65,7 +65,6 @@ import torch
 import zmq
 
 from flodl_zmq import bundle
-from flodl_zmq.api import TrainResult, format_epoch
 from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
 from flodl_zmq.coordinator.core import (
     CONTROLLER,
@@ -81,10 +80,19 @@ from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import AuthError, FlodlError, TrainingError, WireError
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job
+from flodl_zmq.links import (
+    COORDINATOR_SENDER,
+    RELAY_ROUTE,
+    drain,
+    rank_identity,
+    rank_of,
+    rank_sender,
+    relay_sender,
+)
 from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
-from flodl_zmq.rank import flatten, load_flat, model_signature
+from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
-from flodl_zmq.relay import RELAY_ROUTE, drain, rank_identity, rank_of, rank_sender, relay_sender
+from flodl_zmq.result import TrainResult, format_epoch
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Channel, Codec
@@ -95,7 +103,6 @@ _DISPATCH = (rec.StartEpoch, rec.Update, rec.ExtendPartition)
 
 log = logging.getLogger(__name__)
 
-COORDINATOR_SENDER = "coordinator"
 POLL_S = 0.02
 END_DRAIN_S = 1.0
 STATUS_EVERY_S = 0.25

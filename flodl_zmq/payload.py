@@ -1,0 +1,67 @@
+"""The model payload: which tensors a round averages, in which order, and how to move them.
+
+Rules this module keeps: a round averages every parameter and every
+floating-point buffer of the model, in that order (`payload_tensors`); the
+consensus is one flat float32 vector in that order; every process that takes
+part in a run builds a model with the same `model_signature`, which the
+controller checks before a step is trained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from flodl_zmq.errors import ConfigError
+
+
+def payload_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What a round averages, in a fixed order: every parameter, then every floating-point buffer.
+
+    Integer buffers (BatchNorm's batch counter) have no meaningful average and
+    stay local.
+    """
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
+    for t in tensors:
+        if t.dtype != torch.float32:
+            raise ConfigError(
+                f"the data plane averages float32 tensors; the model holds a {t.dtype} tensor of shape "
+                f"{tuple(t.shape)}: keep the master weights in float32 (autocast for lower precision)"
+            )
+    if not tensors:
+        raise ConfigError("the model has no parameters or float buffers: there is nothing to average")
+    return tensors
+
+
+def model_signature(model: torch.nn.Module) -> bytes:
+    """32-byte digest of the averaged tensors' names, shapes and dtypes, in payload order."""
+    h = hashlib.sha256(b"flodl-model-v1")
+    floats = {id(b) for b in model.buffers() if b.is_floating_point()}
+    for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if id(b) in floats]:
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.digest()
+
+
+def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Copy a flat float32 vector (payload order) into the model's parameters and float buffers."""
+    tensors = payload_tensors(model)
+    views = flat_views(flat.reshape(-1), tensors)
+    with torch.no_grad():
+        torch._foreach_copy_(tensors, views)  # copy_ crosses devices itself: no staging copy
+
+
+def flatten(model: torch.nn.Module) -> torch.Tensor:
+    """The model's payload tensors as one flat float32 CPU vector (the consensus layout)."""
+    return torch.cat([t.detach().reshape(-1).cpu() for t in payload_tensors(model)])
+
+
+def flat_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views into `flat`, one per tensor of `like`, shaped like it (payload order)."""
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset : offset + n].view(t.shape))
+        offset += n
+    return out

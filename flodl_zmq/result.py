@@ -1,0 +1,35 @@
+"""What a run produced, and how each epoch is reported: the same on the controller and alone."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class TrainResult:
+    """What a run produced (on the controller, or a single process)."""
+
+    model: torch.nn.Module
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    final_eval: float | None = None
+    batch_share: list[float] = field(default_factory=list)
+    saved: str | None = None
+    wall_s: float = 0.0
+    round_ms: list[float] = field(default_factory=list)  # trigger -> consensus published, per round
+    reason: str = "completed"
+
+
+def format_epoch(row: dict[str, Any], epochs: int) -> str:
+    """One line per epoch: loss, eval (when there is one), each rank's batch share, wall time."""
+    parts = [f"epoch {row['epoch'] + 1}/{epochs}", f"loss {row['avg_loss']:.4f}"]
+    if row.get("eval") is not None and not math.isnan(row["eval"]):
+        parts.append(f"eval {row['eval']:.4f}")
+    share = row.get("batch_share") or []
+    if len(share) > 1:
+        parts.append("share " + " ".join(f"r{i}:{s * 100:.0f}%" for i, s in enumerate(share)))
+    parts.append(f"{row['epoch_ms'] / 1000.0:.2f}s")
+    return " | ".join(parts)
