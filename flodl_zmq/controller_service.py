@@ -70,7 +70,7 @@ from flodl_zmq.coordinator.core import (
     CONTROLLER,
     REDUCER,
     Coordinator,
-    ExpectRound,
+    RoundOpened,
     RunEnded,
     SaveState,
 )
@@ -501,12 +501,11 @@ class ControllerService:
                     if rank not in self.deaths and self.core.liveness.state(rank) is RankState.DEAD:
                         self.deaths[rank] = (time.time(), "silent past the coordinator's heartbeat timeout, or unreachable")
                     self.reducer.declare_dead(rank)
-                elif isinstance(out.record, ExpectRound):
-                    # The reducer learns each round from its first HostFrame; the
-                    # directive only starts the round clock here.
-                    self._round_started[out.record.round] = time.perf_counter()
                 else:
                     self.counts["unexpected.reducer"] += 1
+            elif isinstance(out.record, RoundOpened):
+                # The reducer learns each round from its first HostFrame; the round clock starts here.
+                self._round_started[out.record.round] = time.perf_counter()
             elif out.dest is CONTROLLER:
                 self._on_effect(out.record)
             elif not self._send_rank(out.dest, out.record) and isinstance(out.record, _DISPATCH):

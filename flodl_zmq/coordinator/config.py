@@ -58,6 +58,11 @@ class Mode(str, enum.Enum):
         """Cadence and Async stream chunks from a pool; Sync sends whole partitions."""
         return self is not Mode.SYNC
 
+    @property
+    def hard_barrier(self) -> bool:
+        """Sync throttles every rank from its deposit to its Update: nothing trains meanwhile."""
+        return self is Mode.SYNC
+
 
 class GuardKind(str, enum.Enum):
     NONE = "none"
@@ -202,7 +207,12 @@ class CoordinatorConfig:
 
     @property
     def overshoot_bounds(self) -> tuple[int, int, bool]:
-        """(initial, ceiling, auto): a user value pins both and disables auto-tuning."""
+        """(initial, ceiling, auto): a user value pins both and disables auto-tuning.
+
+        Barrier-paced modes stop every rank at its window: no overshoot.
+        """
+        if self.mode.barrier_paced:
+            return 0, 0, False
         if self.max_overshoot is not None:
             return self.max_overshoot, self.max_overshoot, False
         return OVERSHOOT_AUTO_INITIAL, OVERSHOOT_AUTO_CEILING, True

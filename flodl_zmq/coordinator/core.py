@@ -15,7 +15,7 @@ fires an *averaging cycle* when its gate opens:
     Idle --gate--> Pending --reducer published + every live rank acked--> Idle
          RequestParams(round)                 Update(round, next_plan)
          [Sync: Throttle]                     SetGlobalStep
-         reducer: ExpectRound(round, ranks)
+         controller: RoundOpened(round, ranks)
 
 The gate counts steps, never wall time (a time-based gate deadlocked
 upstream: its target depended on samples that only land when it fires).
@@ -28,14 +28,17 @@ rank's next chunk rides in its `Update` (no extra round trip). Epoch-boundary
 callbacks (eval, checkpoint) go out at the first finish whose consensus
 contains every sample of the epoch that ended, just before the Updates.
 
-Data dispatch: Sync sends each rank a whole partition per epoch
-(`StartEpoch`) and hands a dead rank's remainder to the survivors
-(`ExtendPartition`), both held while a cycle is in flight and sent after its
-Updates (a rank must not train new data on the replica it deposited).
-Cadence and Async stream chunks from one `ChunkPool` per epoch: Cadence one
-window-sized chunk at a time, held at the reduce and at the epoch edge;
-Async throughput-sized chunks within a budget of `count + overshoot` steps
-per window, streaming into the next epoch.
+Data dispatch is one `DispatchStrategy` (strategy.py), and the cycle reads
+the same in every mode. Sync (`SyncPartitions`) sends each rank a whole
+partition per epoch (`StartEpoch`) and hands a dead rank's remainder to the
+survivors (`ExtendPartition`). Cadence and Async (`ChunkStream`) stream
+chunks from one `ChunkPool` per epoch: Cadence one window-sized chunk at a
+time, held at the reduce and at the epoch edge; Async throughput-sized
+chunks within a budget of `count + overshoot` steps per window, streaming
+into the next epoch. The coordinator decides when data may go: a rank held
+at a barrier (Sync, Cadence) gets none while a cycle is in flight; its next
+chunk rides in its Update, Sync data follows the Updates (a rank must not
+train new data on the replica it deposited).
 
 A rank leaves on a clean `Exiting`, a stale heartbeat, or a death reported by
 its agent (`on_rank_death`). Its in-flight chunk returns to the pool, the
@@ -49,11 +52,13 @@ Contract with the service
 -------------------------
 
 - `Out.dest` is a rank id (send the record to that rank), `REDUCER` (a
-  directive for the in-process reducer: `ExpectRound`, or `DeclareDead` to
-  drop a rank from every barrier) or `CONTROLLER` (local effects: `SaveState`
-  to write the checkpoint meta, `EpochAggregated` for `metrics_fn`,
-  `EvalResult` for `eval_result_fn`, `RunEnded`). Broadcasts are expanded to
-  one `Out` per live rank, so the service never needs to know who is live.
+  directive for the in-process reducer: `DeclareDead` to drop a rank from
+  every barrier; the reducer learns each round from its first deposit) or
+  `CONTROLLER` (local effects: `RoundOpened` to start the round's clock,
+  `SaveState` to write the checkpoint meta, `EpochAggregated` for
+  `metrics_fn`, `EvalResult` for `eval_result_fn`, `RunEnded`). Broadcasts
+  are expanded to one `Out` per live rank, so the service never needs to
+  know who is live.
 - Call `start` once when the world has formed, `on_record` for every record
   from a rank, `on_tick` at least every few hundred milliseconds,
   `on_rank_death` when an agent or relay reports a rank's exit, and
@@ -98,8 +103,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from flodl_zmq.coordinator import dispatch
-from flodl_zmq.coordinator.chunk_pool import ChunkPool, Span
+from flodl_zmq.coordinator.chunk_pool import Span
 from flodl_zmq.coordinator.config import CoordinatorConfig, GuardKind, Mode
 from flodl_zmq.coordinator.convergence import (
     ConvergenceGuard,
@@ -116,6 +120,7 @@ from flodl_zmq.coordinator.elche import ElChe, ElCheState
 from flodl_zmq.coordinator.liveness import Liveness, ShutdownReason, unrecoverable
 from flodl_zmq.coordinator.metrics import aggregate_epoch
 from flodl_zmq.coordinator.roles import CallbackRoles, is_due
+from flodl_zmq.coordinator.strategy import ChunkStream, DispatchStrategy, Send, SyncPartitions
 from flodl_zmq.coordinator.timing import WindowLedger
 from flodl_zmq.errors import ConfigError, CoordinatorError
 from flodl_zmq.wire import records as rec
@@ -159,8 +164,12 @@ class Out:
 
 
 @dataclass(frozen=True)
-class ExpectRound:
-    """Reducer directive: round `round` folds deposits from `ranks` (minus later DeclareDead)."""
+class RoundOpened:
+    """Controller notice: round `round` was triggered for `ranks`; the round's clock starts.
+
+    The reducer needs no notice: like the real one, it learns a round from its
+    first deposit and drops ranks on `DeclareDead`.
+    """
 
     round: int
     ranks: tuple[int, ...]
@@ -251,36 +260,29 @@ class Coordinator:
         self._final_reduced = False
         self._final_eval_rank = -1
         self._pending_callbacks: list[tuple[str, int]] = []  # ("checkpoint" | "eval", epoch)
-        self._held: list[Out] = []  # Sync: data for ranks, held while a cycle is in flight
+        self._held: list[Out] = []  # data for ranks held at the barrier while a cycle is in flight
         self._out: list[Out] = []
         self._now = now
 
         # Epochs: the lowest epoch not yet aggregated is `last_aggregated + 1`.
         self.last_aggregated = -1
         self._metrics: dict[int, list[EpochMetrics]] = {}
-        # Progressive dispatch state.
-        self.pools: dict[int, ChunkPool] = {}
-        self._pool_opened: dict[int, float] = {}
-        self._in_flight: list[int | None] = [None] * world_size  # epoch of the chunk in flight
-        self._final: dict[int, dispatch.FinalWindowPlan] = {}
-        # Batches each rank has taken of its final-window allocation: a take can
-        # come back short (a span's residue is smaller), so one allocation may
-        # need several chunks.
-        self._final_taken: dict[int, list[int]] = {}
-        # Sync dispatch state.
-        self._plans: list[list[dispatch.EpochPlan]] = [[] for _ in range(world_size)]
-        self._assigned = [0] * world_size
-        self._reported = [0] * world_size
-        self._steps_at_report = [0] * world_size
-        self._sync_epoch = -1
         # What the last finished consensus contains (for state_dict).
         self._consensus_coverage: dict[int, list[Span]] = {}
         self._consensus_aggregated = -1
         self._consensus_complete = -1  # every sample of epochs <= this is in the last consensus
-        self._resume_coverage: dict[int, list[Span]] = {}
         self.elche.set_epoch_cap(config.batches_per_epoch)
-        if resume is not None:
-            self._restore(resume)
+        coverage = self._restore(resume) if resume is not None else {}
+        # Built after the restore: the strategy reads the restored ElChe.
+        self.dispatch: DispatchStrategy
+        if self.mode.progressive:
+            self.dispatch = ChunkStream(
+                config, self.liveness, self.elche, self._announce_epoch_role,
+                self.mode.barrier_paced, coverage,
+            )
+            self._consensus_coverage = coverage
+        else:
+            self.dispatch = SyncPartitions(config, self.liveness, self._announce_epoch_role)
 
     # ================================================================ inputs
 
@@ -290,18 +292,10 @@ class Coordinator:
             raise CoordinatorError("start() called twice: the coordinator is already running")
         self._started = True
         self._now = now
+        self.dispatch.start(self.last_aggregated, now)
         first = self.last_aggregated + 1
-        if self.mode.progressive:
-            for epoch, covered in sorted(self._resume_coverage.items()):
-                pool = ChunkPool.from_coverage(
-                    epoch, self.config.total_samples, self.config.batch_size, self.world_size, covered
-                )
-                self._open_pool(epoch, now, pool)
-            if first not in self.pools and first < self.config.num_epochs:
-                self._open_pool(first, now)
-            self._wake_idle()
-        elif first < self.config.num_epochs:
-            self._start_sync_epoch(first)
+        if first < self.config.num_epochs:
+            self._open_epoch(first)
         self._advance(now)
         return self._flush()
 
@@ -521,29 +515,11 @@ class Coordinator:
         self.roles.epoch_fn_ms.update(m.elapsed_ms)
 
     def _on_metrics(self, rank: int, m: EpochMetrics, now: float) -> None:
-        if self.mode.progressive:
-            pool = self.pools.get(m.epoch)
-            chunk = pool.in_flight(rank) if pool is not None else None
-            if chunk is None or self._in_flight[rank] != m.epoch:
-                self.ignored["late_completion"] += 1
-                return
-            if m.samples_processed != chunk.size:
-                raise CoordinatorError(
-                    f"rank {rank} reported {m.samples_processed} samples for its chunk "
-                    f"({chunk.offset}, {chunk.size}) of epoch {m.epoch}: a chunk is trained whole; "
-                    f"the rank and the controller disagree on the dataset or the batch size"
-                )
-            pool.complete(rank)
-            self._in_flight[rank] = None
-            self._metrics.setdefault(m.epoch, []).append(m)
-            self._send_chunk(rank)
-            return
-        if m.epoch != self._sync_epoch:
+        if not self.dispatch.on_metrics(rank, m, self._step_count[rank]):
             self.ignored["late_completion"] += 1
             return
-        self._reported[rank] += m.samples_processed
-        self._steps_at_report[rank] = self._step_count[rank]
         self._metrics.setdefault(m.epoch, []).append(m)
+        self._send_plan(rank)
 
     _HANDLERS: dict[type, Callable[[Coordinator, int, Any, float], None]] = {
         Batch: _on_batch,
@@ -578,7 +554,8 @@ class Coordinator:
             steps = self.window_steps
             if not any(steps[r] for r in self.liveness.live):
                 # Nothing stepped since the last consensus: it holds all reported work.
-                self._consensus_complete = max(self._consensus_complete, self._done_through())
+                done = self.dispatch.done_through(self.last_aggregated)
+                self._consensus_complete = max(self._consensus_complete, done)
             self._flush_callbacks()
         self._maybe_end(now)
 
@@ -586,33 +563,18 @@ class Coordinator:
         """The count-based gate (coordinator notes §4.2)."""
         if self.phase is not RunPhase.TRAINING or not self.liveness.live:
             return False
-        counts = self.elche.batch_counts
         steps = self.window_steps
         any_mover = False
         for r in self.liveness.live:
             any_mover |= steps[r] > 0
-            if self.mode is Mode.SYNC:
-                hit = steps[r] >= 1
-            elif self.mode is Mode.CADENCE:
-                # The chunk must be complete too: its coverage then lands in
-                # this consensus, and a final-window crumb is not left behind.
-                hit = steps[r] >= counts[r] and self._in_flight[r] is None
-            else:
-                hit = steps[r] >= counts[r]
             # A rank we throttled is parked at the barrier on our orders.
-            if not (hit or r in self._throttled or self._quiesced(r)):
+            if not (
+                self.dispatch.window_full(r, steps[r])
+                or r in self._throttled
+                or self.dispatch.quiesced(r, self.last_aggregated)
+            ):
                 return False
         return any_mover
-
-    def _quiesced(self, rank: int) -> bool:
-        """`rank` cannot step before the next reduce: nothing in flight and no work for it."""
-        if self.mode.progressive:
-            return (
-                self._in_flight[rank] is None
-                and self._pool_with_work(rank) is None
-                and self._next_epoch() is None
-            )
-        return self._reported[rank] >= self._assigned[rank]
 
     def _trigger(self, now: float, final: bool = False) -> None:
         live = tuple(self.liveness.live)
@@ -622,23 +584,21 @@ class Coordinator:
             started_at=now,
             ranks=live,
             snapshot=list(self._step_count),
-            coverage={e: p.covered() for e, p in self.pools.items()},
+            coverage=self.dispatch.coverage(),
             last_aggregated=self.last_aggregated,
-            done_through=self._done_through(),
+            done_through=self.dispatch.done_through(self.last_aggregated),
         )
         self._final_reduced = final
-        # The reducer learns the barrier before any deposit can arrive.
-        self._emit(REDUCER, ExpectRound(self.round, live))
+        self._emit(CONTROLLER, RoundOpened(self.round, live))
         for r in live:
-            if self.mode is Mode.SYNC and r not in self._throttled:
-                # The hard barrier: without it the fast rank laps the others
-                # during the round trip and Sync loses its convergence parity.
-                # Sent first: a rank that handled the request alone would train
-                # a step on the replica it deposited, which the consensus erases.
+            if self.mode.hard_barrier and r not in self._throttled:
+                # Without it the fast rank laps the others during the round
+                # trip and Sync loses its convergence parity. Sent first: a
+                # rank that handled the request alone would train a step on
+                # the replica it deposited, which the consensus erases.
+                self._throttled.add(r)
                 self._emit(r, rec.Throttle())
             self._emit(r, rec.RequestParams(round=self.round))
-        if self.mode is Mode.SYNC:
-            self._throttled.update(live)
 
     def _finish(self, now: float) -> None:
         cyc = self.cycle
@@ -659,7 +619,7 @@ class Coordinator:
         if verdict.kind is VerdictKind.STABLE and self.mode is Mode.ASYNC:
             verdict = Verdict.stable(relax_up=self.config.relax_up)
         self.elche.apply_verdict(verdict)
-        if self.mode is Mode.ASYNC and self._overshoot_auto:
+        if self._overshoot_auto:
             if verdict.kind is VerdictKind.STABLE:
                 self.overshoot = min(self.overshoot + 1, self._overshoot_ceiling)
             elif verdict.kind is VerdictKind.NUDGE_DOWN:
@@ -675,11 +635,14 @@ class Coordinator:
         self._last_sync_ms = (now - cyc.started_at) * 1000.0
         self._consensus_coverage = cyc.coverage
         self._consensus_aggregated = cyc.last_aggregated
-        # Sync ranks sit throttled from their deposit to their Update, with any
-        # new data held back (`_held`), so this consensus holds everything they
-        # reported up to now; other ranks may train on, so only what was done
-        # at the trigger counts.
-        done = self._done_through() if self.mode is Mode.SYNC else cyc.done_through
+        # Behind the hard barrier ranks sit throttled from their deposit to their
+        # Update, with any new data held back (`_held`), so this consensus holds
+        # everything they reported up to now; elsewhere ranks may train on, so
+        # only what was done at the trigger counts.
+        if self.mode.hard_barrier:
+            done = self.dispatch.done_through(self.last_aggregated)
+        else:
+            done = cyc.done_through
         self._consensus_complete = max(self._consensus_complete, done)
         self.ledger.reset_steps()
         self.ledger.reset_timing()
@@ -689,186 +652,62 @@ class Coordinator:
         # just loaded (a Sync rank is throttled, a Cadence rank idle, until its Update).
         self._flush_callbacks()
         # -- tail: next plans ride in the Update (atomic dispatch)
-        self._pin_final_windows()
+        self.dispatch.replan()
         for r in cyc.ranks:
             if live[r]:
-                self._emit(r, rec.Update(round=cyc.round, next_plan=_wire(self._take_chunk(r))))
+                self._emit(r, rec.Update(round=cyc.round, next_plan=self._next_plan(r)))
         self._to_live(rec.SetGlobalStep(global_step=self.global_step))
         self._wake_idle()
 
-    # ================================================================ progressive dispatch
+    # ================================================================ dispatch
 
-    def _open_pool(self, epoch: int, now: float, pool: ChunkPool | None = None) -> ChunkPool:
-        if epoch <= self.last_aggregated:
-            # Re-creating an aggregated epoch's pool would orphan it: nothing
-            # would ever aggregate it again, and its data would train twice.
-            raise CoordinatorError(f"epoch {epoch} is already aggregated; its pool cannot reopen")
-        if pool is None:
-            counts = self.elche.batch_counts
-            live = self.liveness.live_mask
-            calibrated = self.elche.is_calibrated
-            shares = [(counts[r] if calibrated else 1) if live[r] else 0 for r in range(self.world_size)]
-            pool = ChunkPool(epoch, self.config.total_samples, self.config.batch_size, shares)
-        self.pools[epoch] = pool
-        self._pool_opened[epoch] = now
-        self._announce_epoch_role()
-        if self.mode.barrier_paced:
-            self._pin_final(epoch)
-        return pool
-
-    def _pool_with_work(self, rank: int) -> ChunkPool | None:
-        """The open pool `rank` would draw from, ignoring the reduce budget.
-
-        Lower epochs first, so work reclaimed from a dead rank is redone
-        before anyone streams ahead.
-        """
-        for epoch in sorted(self.pools):
-            if self._pool_has_work(rank, self.pools[epoch]):
-                return self.pools[epoch]
-        return None
-
-    def _next_epoch(self) -> int | None:
-        """The epoch a rank may stream into next, if any.
-
-        Barrier-paced modes never cross into an epoch whose predecessor is not
-        aggregated; Async may run ahead.
-        """
-        nxt = max(self.pools, default=self.last_aggregated) + 1
-        if nxt >= self.config.num_epochs or self.phase is not RunPhase.TRAINING:
-            return None
-        if self.mode.barrier_paced and nxt != self.last_aggregated + 1:
-            return None
-        return nxt
-
-    def _pool_has_work(self, rank: int, pool: ChunkPool) -> bool:
-        if pool.remaining() < self.config.batch_size:
-            return False
-        plan = self._final.get(pool.epoch)
-        return plan is None or self._final_taken[pool.epoch][rank] < plan.alloc[rank]
-
-    def _take_chunk(self, rank: int) -> dispatch.EpochPlan | None:
-        """Take `rank`'s next chunk if it may have one now (one in flight, budget, barriers)."""
-        if (
-            not self.liveness.is_live(rank)
-            or self.phase is not RunPhase.TRAINING
-            or not self.mode.progressive
-            or self._in_flight[rank] is not None
-        ):
-            return None
-        if self.mode.barrier_paced and self.cycle is not None:
-            return None  # the next plan rides in this cycle's Update
-        counts = self._live_counts()
-        budget = counts[rank] + (self.overshoot if self.mode is Mode.ASYNC else 0)
-        steps = self.window_steps[rank]
-        pool = self._pool_with_work(rank)
-        if pool is None:
-            nxt = self._next_epoch()
-            if nxt is None:
-                return None
-            pool = self._open_pool(nxt, self._now)
-        final = self._final.get(pool.epoch) if self.mode.barrier_paced else None
-        if final is not None:
-            # The pinned allocation bypasses the caps: it was sized so the
-            # whole remainder lands in one window with no one-step rank.
-            batches = final.alloc[rank] - self._final_taken[pool.epoch][rank]
-        elif steps >= budget:
-            return None  # reduce barrier: wait for the average
-        else:
-            batches = self._chunk_batches(rank, pool, counts, steps)
-        plan = pool.take(rank, batches * self.config.batch_size)
-        if plan is None:
-            return None
-        self._in_flight[rank] = pool.epoch
-        if final is not None:
-            self._final_taken[pool.epoch][rank] += plan.size // self.config.batch_size
-        return plan
-
-    def _chunk_batches(self, rank: int, pool: ChunkPool, counts: list[int], steps: int) -> int:
-        return dispatch.chunk_batches(
-            rank,
-            remaining_batches=pool.remaining() // self.config.batch_size,
-            counts=counts,
-            window_steps=steps,
-            barrier_paced=self.mode.barrier_paced,
-            calibrated=self.elche.is_calibrated,
-            probe_batches=dispatch.probe_chunk_batches(
-                self.config.total_samples, self.world_size, self.config.batch_size
-            ),
-            min_chunk_batches=self.config.min_chunk_batches,
-            overshoot=self.overshoot if self.mode is Mode.ASYNC else 0,
-            final_window=None,
-        )
-
-    def _send_chunk(self, rank: int) -> None:
-        plan = self._take_chunk(rank)
-        if plan is not None:
-            self._emit(rank, rec.StartEpoch(plan=_wire(plan)))
-
-    def _wake_idle(self) -> None:
-        """Dispatch to every live rank with nothing in flight (after reduces, deaths, epoch edges)."""
-        if self.mode.progressive:
-            for r in self.liveness.live:
-                self._send_chunk(r)
-
-    def _pin_final_windows(self) -> None:
-        if self.mode.barrier_paced and self.mode.progressive:
-            for epoch in self.pools:
-                self._pin_final(epoch)
-
-    def _pin_final(self, epoch: int) -> None:
-        """At a window start: plan the epoch's final window if its remainder fits one window."""
-        pool = self.pools[epoch]
-        plan = dispatch.refresh_final_window_plan(
-            None,
-            epoch=epoch,
-            remaining_batches=pool.remaining() // self.config.batch_size,
-            counts=self._live_counts(),
-            alive=self.liveness.live_mask,
-        )
-        if plan is None:
-            self._final.pop(epoch, None)
-        else:
-            self._final[epoch] = plan
-        self._final_taken[epoch] = [0] * self.world_size
-
-    def _live_counts(self) -> list[int]:
-        live = self.liveness.live_mask
-        return [c if live[r] else 0 for r, c in enumerate(self.elche.batch_counts)]
-
-    # ================================================================ Sync dispatch
-
-    def _start_sync_epoch(self, epoch: int) -> None:
-        self._announce_epoch_role()
-        live = self.liveness.live
-        ratios = self.config.partition_ratios
-        if ratios is not None:
-            ratios = [ratios[r] for r in live]
-        plans = dispatch.sync_plans(epoch, self.config.total_samples, len(live), ratios)
-        self._sync_epoch = epoch
-        self._assigned = [0] * self.world_size
-        self._reported = [0] * self.world_size
-        self._plans = [[] for _ in range(self.world_size)]
-        for r, plan in zip(live, plans, strict=True):
-            self._plans[r] = [plan]
-            self._assigned[r] = plan.size
-            self._steps_at_report[r] = self._step_count[r]
-            self._emit_data(r, rec.StartEpoch(plan=_wire(plan)))
-
-    def _emit_data(self, rank: int, record: Any) -> None:
-        """Sync: send new data for `rank` now, or after the Updates if a cycle is in flight.
+    @property
+    def _held_at_barrier(self) -> bool:
+        """Ranks wait at the barrier for the cycle in flight (Sync, Cadence; never Async).
 
         A rank that got data while its round was in flight would train it on
         the replica it just deposited, and the consensus would then overwrite
         those steps: under load (a long round trip) a whole epoch was lost so.
         """
-        if self.cycle is None:
-            self._emit(rank, record)
-        else:
-            self._held.append(Out(rank, record))
+        return self.mode.barrier_paced and self.cycle is not None
+
+    def _next_plan(self, rank: int) -> rec.EpochPlan | None:
+        """Take `rank`'s next chunk if it may have one now (live, training, not held)."""
+        if (
+            not self.liveness.is_live(rank)
+            or self.phase is not RunPhase.TRAINING
+            or self._held_at_barrier
+        ):
+            return None  # a held rank's next plan rides in this cycle's Update
+        return self.dispatch.next_plan(
+            rank, self.window_steps[rank], self.overshoot, self.last_aggregated, self._now
+        )
+
+    def _send_plan(self, rank: int) -> None:
+        plan = self._next_plan(rank)
+        if plan is not None:
+            self._emit(rank, rec.StartEpoch(plan=plan))
+
+    def _wake_idle(self) -> None:
+        """Dispatch to every live rank with nothing in flight (after reduces, deaths, epoch edges)."""
+        for r in self.liveness.live:
+            self._send_plan(r)
+
+    def _open_epoch(self, epoch: int) -> None:
+        self._send_data(self.dispatch.open_epoch(epoch, self._step_count))
+        self._wake_idle()
+
+    def _send_data(self, sends: list[Send]) -> None:
+        """Send data the strategy produced unasked, or hold it until after the Updates."""
+        for rank, record in sends:
+            if self._held_at_barrier:
+                self._held.append(Out(rank, record))
+            else:
+                self._emit(rank, record)
 
     def _release_held(self) -> None:
-        # A rank that died meanwhile is skipped: its held plan is already part
-        # of the remainder `_lose_rank` handed on.
+        # A rank that died meanwhile is skipped: its held data is already part
+        # of the remainder its death handed on.
         for out in self._held:
             if self.liveness.is_live(out.dest):
                 self._out.append(out)
@@ -880,20 +719,9 @@ class Coordinator:
         """Aggregate finished epochs in order; open the next epoch at each boundary."""
         while self.last_aggregated + 1 < self.config.num_epochs:
             epoch = self.last_aggregated + 1
-            if self.mode.progressive:
-                pool = self.pools.get(epoch)
-                if pool is None or not pool.is_done():
-                    return
-                wall = (now - self._pool_opened.pop(epoch)) * 1000.0
-                del self.pools[epoch]
-                self._final.pop(epoch, None)
-                self._final_taken.pop(epoch, None)
-            else:
-                if self._sync_epoch != epoch or any(
-                    self._reported[r] < self._assigned[r] for r in self.liveness.live
-                ):
-                    return
-                wall = None
+            if not self.dispatch.epoch_done(epoch):
+                return
+            wall = self.dispatch.close_epoch(epoch, now)
             agg = aggregate_epoch(epoch, self._metrics.pop(epoch, []), self.world_size, wall)
             self.last_aggregated = epoch
             self._to_live(agg)
@@ -908,17 +736,7 @@ class Coordinator:
             self._pending_callbacks.append(("checkpoint", epoch))
         if is_due(epoch, self.config.eval_every):
             self._pending_callbacks.append(("eval", epoch))
-        if self.mode.progressive:
-            self._wake_idle()
-        else:
-            self._start_sync_epoch(epoch)
-
-    def _done_through(self) -> int:
-        """The highest epoch whose every sample is reported trained (and every epoch before it)."""
-        epoch = self.last_aggregated + 1
-        while epoch in self.pools and self.pools[epoch].is_done():
-            epoch += 1
-        return epoch - 1
+        self._open_epoch(epoch)
 
     def _flush_callbacks(self) -> None:
         # Each is held until a finished consensus contains the whole epoch that
@@ -980,18 +798,6 @@ class Coordinator:
 
     def _lose_rank(self, rank: int, failure: bool, now: float) -> None:
         """The death side-effect chain (notes §5.2); a clean exit takes it too, minus the failure."""
-        if self.mode is Mode.SYNC:
-            # Computed before the rank leaves the ledger: what it left undone. Reported
-            # samples are exact; only steps since the last report are full batches (a
-            # span's short last batch is always followed by its report).
-            done = self._reported[rank] + (
-                self._step_count[rank] - self._steps_at_report[rank]
-            ) * self.config.batch_size
-            remainder = (
-                dispatch.remainder_spans(self._plans[rank], done)
-                if self._reported[rank] < self._assigned[rank]
-                else []
-            )
         left = self.liveness.fail(rank) if failure else self.liveness.exit(rank)
         if not left:
             return
@@ -999,24 +805,14 @@ class Coordinator:
         self.roles.on_death(rank, self._smoothed(), self.liveness.live_mask)
         # The reducer must not wait for a deposit that will never come.
         self._emit(REDUCER, rec.DeclareDead(rank=rank))
-        if self.mode is Mode.SYNC:
-            self._assigned[rank] = self._reported[rank]
-            for r, plan in dispatch.extend_partition_plans(
-                self._sync_epoch, remainder, self.liveness.live
-            ):
-                self._plans[r].append(plan)
-                self._assigned[r] += plan.size
-                self._emit_data(r, rec.ExtendPartition(epoch=plan.epoch, offset=plan.offset, size=plan.size))
-        else:
-            for pool in self.pools.values():
-                pool.forfeit(rank)
-            self._in_flight[rank] = None
+        # What it did not train goes to the survivors (Sync) or back to the pool.
+        self._send_data(self.dispatch.on_death(rank, self._step_count[rank]))
         reason = unrecoverable(self.liveness, self.config.max_failure)
         if reason is not None and self.phase is not RunPhase.SHUTDOWN_INITIATED:
             self._shutdown_with_save(reason)
             return
-        if self.mode.progressive and self.phase is RunPhase.TRAINING:
-            self._pin_final_windows()
+        if self.phase is RunPhase.TRAINING:
+            self.dispatch.replan()  # the survivors' counts
             self._wake_idle()
 
     def _shutdown_with_save(self, reason: ShutdownReason) -> None:
@@ -1089,7 +885,8 @@ class Coordinator:
                 f"before start(): call start(now) once the world has formed"
             )
 
-    def _restore(self, state: Mapping[str, Any]) -> None:
+    def _restore(self, state: Mapping[str, Any]) -> dict[int, list[Span]]:
+        """Adopt a checkpoint; returns its coverage (the done spans of its open epochs)."""
         cfg = self.config
         for key, want in (
             ("world_size", self.world_size),
@@ -1115,14 +912,7 @@ class Coordinator:
                 f"raise num_epochs to continue training"
             )
         self.last_aggregated = self._consensus_aggregated = self._consensus_complete = epoch - 1
-        if self.mode.progressive:
-            self._resume_coverage = {
-                int(e): [(int(o), int(n)) for o, n in spans]
-                for e, spans in state.get("coverage", {}).items()
-            }
-            self._consensus_coverage = dict(self._resume_coverage)
-
-
-
-def _wire(plan: dispatch.EpochPlan | None) -> rec.EpochPlan | None:
-    return None if plan is None else rec.EpochPlan(plan.epoch, plan.offset, plan.size)
+        return {
+            int(e): [(int(o), int(n)) for o, n in spans]
+            for e, spans in state.get("coverage", {}).items()
+        }

@@ -17,6 +17,10 @@ Rules this module keeps:
   boundary, or at once when idle or throttled; a `Throttle` holds the rank
   until the next `Update`; `step_count` counts steps since the process
   started.
+- The simulated reducer knows what the real one knows: it learns a round
+  from its first deposit, waits for every rank not declared dead, drops
+  deposits from dead ranks and for rounds it has published, and ignores the
+  coordinator's `RoundOpened` (a controller notice).
 - Per-link message order is preserved (constant latency), like a ZeroMQ
   connection; a loss model may drop chosen record kinds, as a dying link
   would. A send-failure model makes chosen coordinator -> rank sends fail
@@ -50,7 +54,6 @@ from flodl_zmq.coordinator.core import (
     CONTROLLER,
     REDUCER,
     Coordinator,
-    ExpectRound,
     Out,
     RunEnded,
     SaveState,
@@ -301,7 +304,8 @@ class Simulation:
         self.cut: list[tuple[float, int]] = []
         self._heap: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = 0
-        self._rounds: dict[int, tuple[set[int], set[int]]] = {}  # round -> (expected, deposited)
+        self._rounds: dict[int, set[int]] = {}  # open round -> ranks that deposited
+        self._published = 0  # the last round the reducer published
         self._reducer_dead: set[int] = set()
         self.events = 0
         self.outputs: list[tuple[float, Out]] = []
@@ -370,31 +374,27 @@ class Simulation:
     # ---------------------------------------------------------------- reducer
 
     def _reducer(self, t: float, r: Any) -> None:
-        if isinstance(r, ExpectRound):
-            self._rounds[r.round] = (set(r.ranks), set())
-            self._check_round(t, r.round)
-        elif isinstance(r, rec.DeclareDead):
+        if isinstance(r, rec.DeclareDead):
             self._reducer_dead.add(r.rank)
             self.deaths_seen.append((t, r.rank))
             for rnd in list(self._rounds):
                 self._check_round(t, rnd)
 
     def deposit(self, t: float, rank: int, rnd: int) -> None:
-        if not self.ranks[rank].alive or rnd not in self._rounds:
+        if not self.ranks[rank].alive or rank in self._reducer_dead or rnd <= self._published:
             return
-        expected, got = self._rounds[rnd]
-        if rank in expected:
-            got.add(rank)
-            self._check_round(t, rnd)
+        self._rounds.setdefault(rnd, set()).add(rank)
+        self._check_round(t, rnd)
 
     def _check_round(self, t: float, rnd: int) -> None:
-        expected, got = self._rounds[rnd]
-        if (expected - self._reducer_dead) <= got:
+        got = self._rounds[rnd]
+        if set(range(len(self.ranks))) - self._reducer_dead <= got:
             del self._rounds[rnd]
+            self._published = rnd
             members = sorted(got - self._reducer_dead)
-            self.at(t + self.cfg.reduce_s, lambda t2: self._published(t2, rnd, members))
+            self.at(t + self.cfg.reduce_s, lambda t2: self._publish(t2, rnd, members))
 
-    def _published(self, t: float, rnd: int, members: list[int]) -> None:
+    def _publish(self, t: float, rnd: int, members: list[int]) -> None:
         self._apply(t, self.coord.on_round_complete(rnd, t))
         for r in members:
             rank = self.ranks[r]

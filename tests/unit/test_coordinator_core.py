@@ -9,7 +9,7 @@ from flodl_zmq.coordinator.core import (
     CONTROLLER,
     REDUCER,
     Coordinator,
-    ExpectRound,
+    RoundOpened,
     RunEnded,
     SaveState,
 )
@@ -69,7 +69,7 @@ def test_sync_trigger_throttles_each_rank_before_requesting_params_then_updates_
     assert [p.plan for p in of(outs, rec.StartEpoch)] == [rec.EpochPlan(0, 0, 10), rec.EpochPlan(0, 10, 10)]
     assert of(batch(c, 0, 1), rec.RequestParams) == []  # rank 1 has not stepped yet
     outs = batch(c, 1, 1)
-    assert outs[0].dest is REDUCER and outs[0].record == ExpectRound(1, (0, 1))
+    assert outs[0].dest is CONTROLLER and outs[0].record == RoundOpened(1, (0, 1))
     # Throttle first: a rank must not step between its deposit and the barrier.
     assert [(o.dest, type(o.record)) for o in outs[1:]] == [
         (0, rec.Throttle), (0, rec.RequestParams), (1, rec.Throttle), (1, rec.RequestParams)]
@@ -108,7 +108,7 @@ def test_cpu_gate_blocks_while_cycle_in_flight():
         assert of(batch(c, 0, step) + batch(c, 1, step), rec.RequestParams) == []
     outs = finish(c, 1, [0, 1])
     # Re-armed by the finish alone: the steps taken during the round open the gate again.
-    assert of(outs, ExpectRound) == [ExpectRound(2, (0, 1))]
+    assert of(outs, RoundOpened) == [RoundOpened(2, (0, 1))]
 
 
 def test_update_carries_the_next_chunk_after_a_cadence_reduce():
@@ -175,7 +175,7 @@ def test_abandoned_round_retries_without_crediting_steps():
     batch(c, 0, 1)
     batch(c, 1, 1)
     outs = c.on_round_abandoned(1, 0.2)
-    assert of(outs, rec.RequestParams) and of(outs, ExpectRound)[0].round == 2
+    assert of(outs, rec.RequestParams) and of(outs, RoundOpened)[0].round == 2
     assert c.global_step == 0 and c.window_steps == [1, 1]
 
 
@@ -197,7 +197,7 @@ def test_heartbeat_stale_declares_rank_dead_and_unblocks_the_gate():
     plans = [p.plan for p in of(outs, rec.StartEpoch)]
     train(c, 0, plans[0], 0, t=0.9)
     outs = c.on_tick(1.5)  # rank 1 never spoke: stale after 1 s
-    assert [o.record for o in outs if o.dest is REDUCER] == [rec.DeclareDead(1), ExpectRound(1, (0,))]
+    assert [o.record for o in outs if o.dest in (REDUCER, CONTROLLER)] == [rec.DeclareDead(1), RoundOpened(1, (0,))]
     assert [o.dest for o in outs if isinstance(o.record, rec.RequestParams)] == [0]
     assert c.liveness.failures == 1
 
@@ -248,7 +248,7 @@ def test_death_forfeits_the_in_flight_chunk_to_a_survivor():
     train(c, 1, plans[1], 0)
     outs = c.on_rank_death(0, "exit", 0.2)
     # Rank 1 sits at the reduce; the round runs with it alone, then it redoes rank 0's chunk first.
-    assert of(outs, ExpectRound) == [ExpectRound(1, (1,))]
+    assert of(outs, RoundOpened) == [RoundOpened(1, (1,))]
     outs = finish(c, 1, [1])
     assert of(outs, rec.Update, 1)[0].next_plan == plans[0]
 
@@ -299,7 +299,7 @@ def test_coordinator_beacons_every_second():
 def test_failed_start_epoch_returns_the_chunk_to_the_pool_and_fails_the_rank():
     c, outs = make(total=40)
     plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
-    pool = c.pools[0]
+    pool = c.dispatch.pools[0]
     outs = c.on_send_failed(1, rec.StartEpoch(plan=plans[1]), 0.01)
     assert pool.in_flight(1) is None and pool.remaining() == 40 - plans[0].size
     assert [o.record for o in outs if o.dest is REDUCER] == [rec.DeclareDead(1)]
@@ -331,10 +331,10 @@ def test_failed_update_rolls_its_next_plan_back():
     train(c, 0, plans[0], 0)
     train(c, 1, plans[1], 0)
     update = of(finish(c, 1, [0, 1]), rec.Update, 0)[0]
-    remaining = c.pools[0].remaining()
+    remaining = c.dispatch.pools[0].remaining()
     outs = c.on_send_failed(0, update, 0.3)
-    assert c.pools[0].in_flight(0) is None
-    assert c.pools[0].remaining() == remaining + update.next_plan.size
+    assert c.dispatch.pools[0].in_flight(0) is None
+    assert c.dispatch.pools[0].remaining() == remaining + update.next_plan.size
     assert of(outs, rec.DeclareDead) == [rec.DeclareDead(0)]
 
 

@@ -1,0 +1,87 @@
+"""The dispatch strategies driven directly, without the coordinator."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl_zmq.coordinator.config import CoordinatorConfig
+from flodl_zmq.coordinator.elche import ElChe
+from flodl_zmq.coordinator.liveness import Liveness
+from flodl_zmq.coordinator.strategy import ChunkStream, SyncPartitions
+from flodl_zmq.errors import CoordinatorError
+from flodl_zmq.wire import records as rec
+
+
+def metrics(rank, epoch, samples):
+    return rec.EpochMetrics(
+        rank=rank, epoch=epoch, avg_loss=1.0, batches_processed=samples, samples_processed=samples,
+        epoch_ms=1.0, compute_only_ms=1.0, data_starve_ms=0.0, scalar_sums={}, scalar_counts={})
+
+
+def sync(world=3, total=30):
+    cfg = CoordinatorConfig(total_samples=total, batch_size=1, num_epochs=2, mode="sync")
+    liveness = Liveness(world, 30.0, 0.0)
+    opened = []
+    return SyncPartitions(cfg, liveness, lambda: opened.append(True)), liveness, opened
+
+
+def stream(mode, world=2, total=40, epochs=2):
+    cfg = CoordinatorConfig(total_samples=total, batch_size=1, num_epochs=epochs, mode=mode)
+    liveness = Liveness(world, 30.0, 0.0)
+    elche = ElChe(cfg.elche_config(world), world)
+    s = ChunkStream(cfg, liveness, elche, lambda: None, cfg.mode.barrier_paced, {})
+    return s, liveness
+
+
+def test_sync_partitions_tile_the_epoch_and_announce_it_first():
+    s, _, opened = sync()
+    sends = s.open_epoch(0, [0, 0, 0])
+    assert opened == [True]
+    assert sends == [(r, rec.StartEpoch(rec.EpochPlan(0, 10 * r, 10))) for r in range(3)]
+
+
+def test_sync_death_hands_on_only_what_the_rank_did_not_train():
+    s, liveness, _ = sync()
+    s.open_epoch(0, [0, 0, 0])
+    liveness.fail(0)
+    sends = s.on_death(0, step_count=4)  # four steps of batch size 1 trained
+    assert sends == [(1, rec.ExtendPartition(0, 4, 3)), (2, rec.ExtendPartition(0, 7, 3))]
+    assert not s.epoch_done(0)
+    for r in (1, 2):
+        assert s.on_metrics(r, metrics(r, 0, 13), step_count=13)
+    assert s.epoch_done(0) and s.quiesced(1, last_aggregated=-1)
+
+
+def test_sync_reports_of_another_epoch_are_late():
+    s, _, _ = sync()
+    s.open_epoch(1, [0, 0, 0])
+    assert not s.on_metrics(0, metrics(0, 0, 10), step_count=10)
+
+
+def test_a_chunk_completion_of_the_wrong_size_raises_and_changes_nothing():
+    s, _ = stream("cadence")
+    plan = s.next_plan(0, window_steps=0, overshoot=0, last_aggregated=-1, now=0.0)
+    with pytest.raises(CoordinatorError, match="trained whole"):
+        s.on_metrics(0, metrics(0, 0, plan.size - 1), step_count=plan.size - 1)
+    assert s.pools[0].in_flight(0) == plan
+
+
+def test_a_forfeited_chunk_is_redone_first_and_its_late_completion_ignored():
+    s, liveness = stream("cadence")
+    lost = s.next_plan(0, window_steps=0, overshoot=0, last_aggregated=-1, now=0.0)
+    liveness.fail(0)
+    s.on_death(0, step_count=0)
+    assert not s.on_metrics(0, metrics(0, 0, lost.size), step_count=lost.size)
+    assert s.next_plan(1, window_steps=0, overshoot=0, last_aggregated=-1, now=0.0) == lost
+
+
+def test_cadence_never_opens_an_epoch_before_its_predecessor_is_aggregated_async_may():
+    for mode, ahead in (("cadence", False), ("async", True)):
+        s, _ = stream(mode, world=1, total=8)
+        plan = s.next_plan(0, window_steps=0, overshoot=3, last_aggregated=-1, now=0.0)
+        assert plan == rec.EpochPlan(0, 0, 8)
+        s.on_metrics(0, metrics(0, 0, 8), step_count=8)
+        assert s.epoch_done(0) and s.done_through(-1) == 0
+        nxt = s.next_plan(0, window_steps=0, overshoot=3, last_aggregated=-1, now=0.0)
+        assert (nxt is not None and nxt.epoch == 1) is ahead, mode
+        assert s.quiesced(0, last_aggregated=-1) is not ahead
