@@ -1,4 +1,4 @@
-"""Which sockets count as loopback-only, and the send buffer they get (flodl_zmq.endpoints, relay.tune_loopback)."""
+"""Which sockets count as loopback-only, and the send buffer they get (flodl_zmq.endpoints, links.tune_loopback)."""
 
 from __future__ import annotations
 
