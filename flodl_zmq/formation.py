@@ -1,0 +1,215 @@
+"""Formation: whether the world the controller was started for has assembled, checked rank by rank.
+
+After the relays registered, every rank of the world says `RankHello`
+(rank, world size, host, model and dataset signatures) through its relay.
+`Formation` is the pure check the controller runs on those hellos before a
+step is trained; `ControllerService` (flodl_zmq/controller_service.py) is
+the I/O shell around it, as `MembershipService` is around `JoinWindow`.
+Inputs in, outcomes out, the time always an argument.
+
+Rules the check keeps:
+
+- **Every check before any change.** A hello that is refused or ignored
+  changes nothing; once the verdict is formed or failed it is final, and
+  every later input only returns it.
+- **Mismatches stop the run by name, before training.** Once all W ranks
+  have spoken, their dataset, model and world-size claims are compared with
+  the controller's own; a cohort training on different data or models would
+  average nonsense silently. The failure names every rank that differs.
+- **A rank that lies about itself fails the formation.** A hello whose rank
+  or host disagrees with where the relay says it came from is a misconfigured
+  process (FLODL_RANK, FLODL_HOST): the world cannot form with it.
+- **A rank known to have left fails the formation at once** (`rank_left`),
+  naming it and why, instead of leaving every other process to wait out the
+  start-up timeout minutes later.
+- **Ignored, not fatal:** a hello from outside the world (the shell has
+  already refused its route) and a second hello from the same rank (the first
+  stands); both come back as `Ignored` for the shell to count.
+- **Time-out.** Past `deadline` without every hello the formation fails,
+  as an authentication failure when records failed authentication meanwhile
+  (a process with another FLODL_KEY is the usual reason a rank is never
+  heard), else naming the ranks never heard from.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from flodl_zmq.errors import AuthError, FlodlError, TrainingError
+from flodl_zmq.wire.records import RankHello
+
+
+class Phase(str, enum.Enum):
+    FORMING = "forming"
+    FORMED = "formed"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Not every rank has spoken yet; `missing` are the ranks not heard from."""
+
+    missing: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Formed:
+    """Every rank said hello and agrees with the controller: start training."""
+
+    hellos: Mapping[int, RankHello]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The world will not form. `auth`: the likely cause is a wrong session key (raise AuthError)."""
+
+    reason: str
+    ranks: tuple[int, ...] = ()
+    auth: bool = False
+
+    def error(self) -> FlodlError:
+        return AuthError(self.reason) if self.auth else TrainingError(self.reason)
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """A hello that changes nothing (`why` is a counter name: `late_hello`, `duplicate_hello`, `unknown_rank`)."""
+
+    why: str
+
+
+Outcome = Waiting | Formed | Failed | Ignored
+
+
+class Formation:
+    """The rank-hello ledger of one start-up.
+
+    `world`: host -> its global ranks. `model_sig`, `dataset_sig`: the
+    controller's own, which every rank must match. `deadline` and every `now`
+    are seconds on one monotonic clock the caller owns; `timeout_s` is only
+    named in the failure message.
+    """
+
+    def __init__(
+        self,
+        world: Mapping[str, tuple[int, ...]],
+        model_sig: bytes,
+        dataset_sig: bytes,
+        deadline: float,
+        timeout_s: float,
+    ) -> None:
+        self.host_of = {r: h for h, rs in world.items() for r in rs}
+        self.world_size = len(self.host_of)
+        self.model_sig = model_sig
+        self.dataset_sig = dataset_sig
+        self.deadline = deadline
+        self.timeout_s = timeout_s
+        self.hellos: dict[int, RankHello] = {}
+        self.auth_failures = 0
+        self.last_auth_error = ""
+        self._verdict: Waiting | Formed | Failed = Waiting(tuple(sorted(self.host_of)))
+
+    @property
+    def phase(self) -> Phase:
+        v = self._verdict
+        return Phase.FORMED if isinstance(v, Formed) else Phase.FAILED if isinstance(v, Failed) else Phase.FORMING
+
+    @property
+    def verdict(self) -> Waiting | Formed | Failed:
+        return self._verdict
+
+    # ------------------------------------------------------------------ inputs
+
+    def hello(self, rank: int, hello: RankHello) -> Outcome:
+        """`rank` (the route its relay vouched for) said `hello`."""
+        if self.phase is Phase.FORMED:
+            return Ignored("late_hello")
+        if self.phase is Phase.FAILED:
+            return self._verdict
+        if rank not in self.host_of:
+            return Ignored("unknown_rank")
+        if rank in self.hellos:
+            return Ignored("duplicate_hello")
+        if hello.rank != rank:
+            return self._fail(
+                f"rank {rank}'s hello claims rank {hello.rank}: the process was started with another "
+                f"FLODL_RANK than its relay's; check how that host starts its ranks", (rank,),
+            )
+        if hello.host != self.host_of[rank]:
+            return self._fail(
+                f"rank {rank}'s hello names host {hello.host!r}, but it belongs to {self.host_of[rank]!r}: "
+                f"check FLODL_HOST on that host", (rank,),
+            )
+        self.hellos[rank] = hello
+        if len(self.hellos) < self.world_size:
+            self._verdict = Waiting(self._missing())
+            return self._verdict
+        problems, bad = self._disagreements()
+        if problems:
+            return self._fail("; ".join(problems), bad)
+        self._verdict = Formed(dict(self.hellos))
+        return self._verdict
+
+    def rank_left(self, rank: int, reason: str) -> Outcome:
+        """`rank` is known to be gone (its relay or agent saw it exit): the world cannot form."""
+        if self.phase is not Phase.FORMING:
+            return self._verdict if self.phase is Phase.FAILED else Ignored("late_exit")
+        if rank not in self.host_of:
+            return Ignored("unknown_rank")
+        # Found only by the start-up timeout otherwise, minutes later; stop now, naming it.
+        return self._fail(
+            f"rank {rank} failed before training started ({reason}); its output is in that host's agent log",
+            (rank,),
+        )
+
+    def auth_failed(self, error: str) -> None:
+        """A control record failed authentication while the world formed (counted for the time-out)."""
+        if self.phase is Phase.FORMING:
+            self.auth_failures += 1
+            self.last_auth_error = error
+
+    def poll(self, now: float) -> Waiting | Formed | Failed:
+        """The verdict at `now`: fails once `deadline` passes without every hello."""
+        if self.phase is not Phase.FORMING or now <= self.deadline:
+            return self._verdict
+        if self.auth_failures:
+            return self._fail(
+                f"{self.auth_failures} control record(s) failed authentication while the world formed "
+                f"({self.last_auth_error}); a process runs with another session key: check FLODL_KEY on "
+                f"every process",
+                self._missing(), auth=True,
+            )
+        missing = list(self._missing())
+        return self._fail(
+            f"rank(s) {missing} never said hello within {self.timeout_s:.0f} s "
+            f"(FLODL_STARTUP_TIMEOUT); check that they started and reach their relay",
+            tuple(missing),
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _missing(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.host_of) - set(self.hellos)))
+
+    def _disagreements(self) -> tuple[list[str], tuple[int, ...]]:
+        hellos = self.hellos
+        bad_data = sorted(r for r, h in hellos.items() if h.dataset_sig != self.dataset_sig)
+        bad_model = sorted(r for r, h in hellos.items() if h.model_sig != self.model_sig)
+        bad_world = sorted(r for r, h in hellos.items() if h.world_size != self.world_size)
+        problems = []
+        if bad_data:
+            problems.append(
+                f"dataset mismatch: rank(s) {bad_data} load a dataset whose signature differs from the "
+                f"controller's; every process must build the same dataset (same files, same split)"
+            )
+        if bad_model:
+            problems.append(f"model mismatch: rank(s) {bad_model} build a model with other tensors than the controller's")
+        if bad_world:
+            problems.append(f"world size mismatch: rank(s) {bad_world} were started for another world")
+        return problems, tuple(sorted(set(bad_data + bad_model + bad_world)))
+
+    def _fail(self, reason: str, ranks: tuple[int, ...], auth: bool = False) -> Failed:
+        self._verdict = Failed(reason, ranks, auth)
+        return self._verdict

@@ -1,0 +1,125 @@
+"""The run report: what a person sees and what a run leaves behind, the same alone and on a cluster.
+
+`RunReport` owns, for one run, the progress bar, the per-epoch lines
+(`format_epoch`), the result rows of `TrainResult`, the user's `metrics_fn`
+call and the bundle save. `train_alone` (flodl_zmq/api.py) and the
+controller (flodl_zmq/controller_service.py) both feed it, so the two paths
+print and save identically from one place: only where the numbers come
+from differs (a local loop, or the coordinator's epoch aggregates).
+
+Rules it keeps: the bar is on a terminal only (logs get the per-epoch
+lines); `quiet` silences both; a `metrics_fn` that raises is handed to the
+caller's `on_callback_error` when it gives one (the controller reports or
+stops, as `on_callback_error` says), else it propagates, as any user code
+in a single process does.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from flodl_zmq import bundle
+from flodl_zmq.job import Job
+from flodl_zmq.result import TrainResult, format_epoch
+
+
+class RunReport:
+    """One run's report: progress, epoch rows and lines, metrics_fn, the saved bundle.
+
+    `batches_per_epoch`: the bar's length. `first_epoch`: the epoch the run
+    starts at (not 0 after a resume). `on_callback_error(message)`: what to
+    do when `metrics_fn` raises (None: let it raise).
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        result: TrainResult,
+        batches_per_epoch: int,
+        first_epoch: int = 0,
+        on_callback_error: Callable[[str], None] | None = None,
+    ) -> None:
+        self.job = job
+        self.result = result
+        self.batches_per_epoch = batches_per_epoch
+        self.on_callback_error = on_callback_error
+        self._bar: Any = None
+        self._bar_epoch = first_epoch
+        self._t0 = time.perf_counter()
+
+    def started(self) -> None:
+        """Training starts now: eval times (`eval_at_s`) count from here."""
+        self._t0 = time.perf_counter()
+
+    def step(self) -> None:
+        """One batch was trained: advance the progress bar."""
+        if self.job.quiet or self._bar_epoch >= self.job.epochs:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            # disable=None: a bar on a terminal only; logs get the per-epoch lines.
+            self._bar = tqdm(
+                total=self.batches_per_epoch, desc=f"epoch {self._bar_epoch + 1}/{self.job.epochs}",
+                unit="batch", leave=False, disable=None,
+            )
+        if self._bar.n < self._bar.total:
+            self._bar.update(1)
+
+    def epoch(self, row: dict[str, Any]) -> None:
+        """Epoch `row["epoch"]` is done: keep its row, print its line, call `metrics_fn`."""
+        self.result.epochs.append(row)
+        self.close()
+        self._bar_epoch = row["epoch"] + 1
+        if not self.job.quiet:
+            print(format_epoch(row, self.job.epochs), flush=True)
+        if self.job.metrics_fn is not None:
+            try:
+                self.job.metrics_fn(dict(row))
+            except Exception:
+                if self.on_callback_error is None:
+                    raise
+                self.on_callback_error(f"metrics_fn raised on the controller:\n{traceback.format_exc()}")
+
+    def evaluated(self, epoch: int, metric: float, row: dict[str, Any] | None = None, by_rank: int | None = None) -> None:
+        """The consensus after epoch index `epoch` scored `metric` (on rank `by_rank`, if any).
+
+        It goes into that epoch's row (`row`, or the kept one) with the time
+        since training started; after the last epoch it is the final eval.
+        """
+        row = row if row is not None else self.row(epoch)
+        if row is not None:
+            row["eval"] = metric
+            row["eval_at_s"] = time.perf_counter() - self._t0
+        if epoch + 1 >= self.job.epochs:
+            self.result.final_eval = metric
+        if by_rank is not None and not self.job.quiet:
+            print(f"eval after epoch {epoch + 1}: {metric:.4f} (rank {by_rank})", flush=True)
+
+    def row(self, epoch: int) -> dict[str, Any] | None:
+        return next((row for row in self.result.epochs if row["epoch"] == epoch), None)
+
+    def save(self, state_dict: dict[str, Any], meta: dict[str, Any]) -> str:
+        """Write the bundle at the job's `save_path` (set); its path is the result's `saved`."""
+        assert self.job.save_path, "save() needs the job's save_path"
+        self.result.saved = str(bundle.save(self.job.save_path, state_dict, meta))
+        return self.result.saved
+
+    def finish(self, wall_s: float) -> TrainResult:
+        """The run is over: close the bar, note the wall time and each rank's mean batch share."""
+        self.close()
+        self.result.wall_s = wall_s
+        shares = [row["batch_share"] for row in self.result.epochs if row.get("batch_share")]
+        if shares:
+            self.result.batch_share = [float(np.mean(col)) for col in zip(*shares, strict=True)]
+        return self.result
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
