@@ -11,7 +11,9 @@
 
 `run()` reads the process's role from the environment (FLODL_ROLE and the
 other FLODL_* variables, documented in flodl_zmq/environment.py, set by
-`flodl-zmq launch`, an agent, or a compose file):
+`flodl-zmq launch`, an agent, or a compose file), unless the process hosts
+the script under a role it hands over itself (`hosted`, used by
+`flodl-zmq controller`):
 
 - unset: trains alone in this process (the single-process baseline);
 - controller: runs the coordinator and the reducer, shows progress, and
@@ -23,13 +25,17 @@ other FLODL_* variables, documented in flodl_zmq/environment.py, set by
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
+import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
@@ -38,10 +44,39 @@ from flodl_zmq import bundle
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.job import Job
 from flodl_zmq.rank import RankConfig, RankRuntime, fetch_batch
-from flodl_zmq.result import TrainResult, format_epoch
+from flodl_zmq.report import RunReport
+from flodl_zmq.result import TrainResult
 from flodl_zmq.sampling import epoch_permutation
 
+if TYPE_CHECKING:
+    from flodl_zmq.controller_service import MembershipLink
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Hosted:
+    """A role handed to the user's script by the process that runs it: the role, and the membership link."""
+
+    penv: ProcessEnv
+    link: MembershipLink | None = None
+
+
+# The one hand-off from a process that runs the user's script itself (runpy) to that
+# script's Trainer.run(): the script builds the Trainer, so no argument can carry the
+# role there, and putting it in os.environ would leak it to everything the script
+# starts and outlive the run. Set only through `hosted`.
+_HOSTED: contextvars.ContextVar[Hosted | None] = contextvars.ContextVar("flodl_hosted", default=None)
+
+
+@contextlib.contextmanager
+def hosted(penv: ProcessEnv, link: MembershipLink | None = None) -> Iterator[None]:
+    """Within the block, `Trainer.run()` plays `penv`'s role (with `link`) instead of reading the environment."""
+    token = _HOSTED.set(Hosted(penv, link))
+    try:
+        yield
+    finally:
+        _HOSTED.reset(token)
 
 
 class Trainer:
@@ -116,7 +151,8 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Run this process's role; returns the result on the controller and when alone."""
-        penv = ProcessEnv.from_environ()
+        host = _HOSTED.get()
+        penv = host.penv if host is not None else ProcessEnv.from_environ()
         if penv is None:
             return train_alone(self.job)
         # A relay's comings and goings (ranks joining, leaving) are what an operator reads
@@ -126,7 +162,7 @@ class Trainer:
         if penv.role == "controller":
             from flodl_zmq.controller_service import run_controller
 
-            return run_controller(self.job, penv)
+            return run_controller(self.job, penv, host.link if host is not None else None)
         if penv.role == "relay":
             raise SystemExit(run_relay(penv))
         raise SystemExit(run_rank(self.job, penv))
@@ -185,43 +221,42 @@ def train_alone(job: Job) -> TrainResult:
     optimizer = job.optimizer(model.parameters())
     device = torch.device("cpu")
     result = TrainResult(model=model)
+    report = RunReport(job, result, math.ceil(job.total_samples / job.batch_size), start_epoch)
     t_run = time.perf_counter()
-    for epoch in range(start_epoch, job.epochs):
-        if job.epoch_fn is not None:
-            job.epoch_fn(epoch, model)
-        t0 = time.perf_counter()
-        perm = epoch_permutation(job.seed, epoch, job.total_samples)
-        loss_sum, batches = 0.0, 0
-        model.train()
-        for start in range(0, len(perm), job.batch_size):
-            batch = fetch_batch(job.dataset, perm[start : start + job.batch_size], device)
-            optimizer.zero_grad(set_to_none=True)
-            loss = job.train_step(model, batch)
-            loss.backward()
-            optimizer.step()
-            loss_sum += float(loss.detach())
-            batches += 1
-        row: dict[str, Any] = {
-            "epoch": epoch, "avg_loss": loss_sum / max(batches, 1),
-            "epoch_ms": (time.perf_counter() - t0) * 1000.0, "batch_share": [1.0],
-        }
-        if job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
-            (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
-        ):
-            model.eval()
-            with torch.no_grad():
-                row["eval"] = float(job.eval_fn(model, job.eval_dataset))
-            row["eval_at_s"] = time.perf_counter() - t_run
-            result.final_eval = row["eval"]
-        result.epochs.append(row)
-        if job.metrics_fn is not None:
-            job.metrics_fn(row)
-        if not job.quiet:
-            print(format_epoch(row, job.epochs), flush=True)
-    result.wall_s = time.perf_counter() - t_run
+    try:
+        for epoch in range(start_epoch, job.epochs):
+            if job.epoch_fn is not None:
+                job.epoch_fn(epoch, model)
+            t0 = time.perf_counter()
+            perm = epoch_permutation(job.seed, epoch, job.total_samples)
+            loss_sum, batches = 0.0, 0
+            model.train()
+            for start in range(0, len(perm), job.batch_size):
+                batch = fetch_batch(job.dataset, perm[start : start + job.batch_size], device)
+                optimizer.zero_grad(set_to_none=True)
+                loss = job.train_step(model, batch)
+                loss.backward()
+                optimizer.step()
+                loss_sum += float(loss.detach())
+                batches += 1
+                report.step()
+            row: dict[str, Any] = {
+                "epoch": epoch, "avg_loss": loss_sum / max(batches, 1),
+                "epoch_ms": (time.perf_counter() - t0) * 1000.0, "batch_share": [1.0],
+            }
+            if job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
+                (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
+            ):
+                model.eval()
+                with torch.no_grad():
+                    report.evaluated(epoch, float(job.eval_fn(model, job.eval_dataset)), row=row)
+            report.epoch(row)
+    finally:
+        report.close()
+    report.finish(time.perf_counter() - t_run)
     result.batch_share = [1.0]
     if job.save_path:
-        result.saved = str(bundle.save(job.save_path, model.state_dict(), {
+        report.save(model.state_dict(), {
             "epoch": job.epochs, "global_step": None, "reason": "completed", "world_size": 1, "coordinator": None,
-        }))
+        })
     return result

@@ -9,12 +9,13 @@
 2. The join window. The membership service on PORT+3 admits agents until
    the world forms (target ranks reached, or quorum when the window closes)
    or fails (no quorum by the hard cap; the agents are told why).
-3. The controller role. SCRIPT runs in this process as FLODL_ROLE=controller
-   for the formed world; every agent runs the same SCRIPT and ARGS for its
-   relay and ranks. The membership keeps the join links open meanwhile, and
-   its events feed the coordinator (controller_service.MEMBERSHIP_LINK): a
-   rank exit an agent reports and a host whose agent falls silent are deaths
-   declared at once. This process runs no ranks.
+3. The controller role. SCRIPT runs in this process (runpy) as the
+   controller of the formed world, its role and the membership link handed
+   to its `Trainer.run()` by `api.hosted` (the process environment is left
+   as it is); every agent runs the same SCRIPT and ARGS for its relay and
+   ranks. The membership keeps the join links open meanwhile, and its events
+   feed the coordinator: a rank exit an agent reports and a host whose agent
+   falls silent are deaths declared at once. This process runs no ranks.
 4. The end. The script's exit status is the command's. After a completed
    run the agents get `END_GRACE_S` to see their ranks out, then an abort;
    after a failure they are aborted at once, with the reason.
@@ -137,7 +138,6 @@ def serve(opts: ControllerOptions) -> int:
     )
     membership.start()
     formed = False
-    saved_env: dict[str, str | None] = {}
     try:
         verdict = None
         while verdict is None:
@@ -152,16 +152,11 @@ def serve(opts: ControllerOptions) -> int:
             role="controller", controller=opts.address, key=key, run_id=run_id, world=world,
             startup_timeout_s=opts.startup_timeout_s,
         )
-        from flodl_zmq.controller_service import MEMBERSHIP_LINK, MembershipLink
+        from flodl_zmq.api import hosted
+        from flodl_zmq.controller_service import MembershipLink
 
-        role_env = penv.to_environ()
-        saved_env = {name: os.environ.get(name) for name in role_env}
-        os.environ.update(role_env)  # the program's Trainer.run() reads its role from here
-        token = MEMBERSHIP_LINK.set(MembershipLink(membership, curve))
-        try:
+        with hosted(penv, MembershipLink(membership, curve)):  # what the script's Trainer.run() plays
             code = run_script(opts.argv)
-        finally:
-            MEMBERSHIP_LINK.reset(token)
         if code != 0:
             _abort(membership, f"the controller's program exited with status {code}")
             return code
@@ -183,11 +178,6 @@ def serve(opts: ControllerOptions) -> int:
         return 1
     finally:
         membership.close()
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         if auth is not None:
             auth.stop()
 

@@ -19,24 +19,27 @@ Theory of operation:
    RankHello arrives through them. Once all W ranks have spoken, their model
    and dataset signatures are compared with the controller's own; any
    difference stops the run with an error naming the ranks, before a step
-   is trained. A formation that does not complete in FLODL_STARTUP_TIMEOUT
-   fails loudly (with AuthError if records failed authentication: a wrong
-   FLODL_KEY somewhere).
+   is trained. A rank known to have left stops it at once, naming the rank.
+   A formation that does not complete in FLODL_STARTUP_TIMEOUT fails loudly
+   (with AuthError if records failed authentication: a wrong FLODL_KEY
+   somewhere). The checks are the pure `Formation` (flodl_zmq/formation.py);
+   this loop only feeds it.
 2. Training. Every authenticated rank record goes to `Coordinator.on_record`,
    relay RankExit to `on_rank_death`, the reducer's round outcomes to
    `on_round_complete` / `on_round_abandoned`, and a tick every poll.
    Outputs: rank records are routed through the relays; DeclareDead goes to
    the reducer (out of every barrier); controller effects (epoch metrics,
-   eval results, save-state, run end) drive the progress display, the result
-   and the bundle.
+   eval results, save-state, run end) drive the `RunReport`
+   (flodl_zmq/report.py: progress, epoch lines, result, bundle), the same
+   one `train_alone` uses.
 3. The end. After RunEnded the loop keeps serving for a short drain so the
    Shutdown records and the goodbyes cross, then stops the reducer. The
    final model is the last consensus with positive mass seen on the
    broadcast (the controller subscribes to its own PUB, exactly like a relay).
 
 Under `flodl-zmq controller` (flodl_zmq/controller.py) the controller role
-runs in the same process as the membership service, linked through
-`MEMBERSHIP_LINK`: a rank exit an agent reports (non-zero code) and a host
+runs in the same process as the membership service, linked through a
+`MembershipLink` (handed over with the role by `api.hosted`): a rank exit an agent reports (non-zero code) and a host
 whose agent fell silent are deaths declared at once, seconds before rank
 heartbeats would tell; the coordinator's view is reported to the membership
 for `flodl-zmq status`; and the controller's sockets are CURVE servers when
@@ -46,18 +49,26 @@ Rules this module keeps: one socket, one thread (the reducer's sockets are
 the reducer thread's); a record that fails authentication or schema is
 counted and logged, never fatal; the core sees only authenticated records
 whose signer is the rank their route names.
+
+Peer violations: one policy with the reducer's. A rank whose authenticated
+record the coordinator refuses (a record it can never legally send: another
+rank's id, a kind a rank does not send, a completion of the wrong size; the
+core raises CoordinatorError/ProtocolError before any change) is declared
+dead with the reason, exactly like a rank that exited, and the run trains
+on without it; before the world formed, that fails the formation naming it.
+A peer must never be able to end the service; only the service's own bugs
+(any other exception from the core) still end the run, loudly.
 """
 
 from __future__ import annotations
 
 import collections
-import contextvars
 import logging
 import math
 import queue
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -77,7 +88,15 @@ from flodl_zmq.coordinator.core import (
 from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.environment import ProcessEnv
-from flodl_zmq.errors import AuthError, FlodlError, TrainingError, WireError
+from flodl_zmq.errors import (
+    AuthError,
+    CoordinatorError,
+    FlodlError,
+    ProtocolError,
+    TrainingError,
+    WireError,
+)
+from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job
 from flodl_zmq.links import (
@@ -92,7 +111,8 @@ from flodl_zmq.links import (
 from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
 from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
-from flodl_zmq.result import TrainResult, format_epoch
+from flodl_zmq.report import RunReport
+from flodl_zmq.result import TrainResult
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Channel, Codec
@@ -143,20 +163,6 @@ class MembershipLink:
     curve: CurveKeys | None = None
 
 
-# The user's script builds the Trainer, so the controller command cannot pass the
-# link down as an argument: it sets it around the script, and run_controller reads it.
-MEMBERSHIP_LINK: contextvars.ContextVar[MembershipLink | None] = contextvars.ContextVar(
-    "flodl_membership_link", default=None
-)
-
-
-@dataclass
-class _Formation:
-    hellos: dict[int, rec.RankHello] = field(default_factory=dict)
-    auth_failures: int = 0
-    last_auth_error: str = ""
-
-
 class ControllerService:
     """Runs one training job's controller until the run ends; `run()` returns the TrainResult."""
 
@@ -190,14 +196,16 @@ class ControllerService:
         self.model_sig = model_signature(self.model)
         self.dataset_sig = dataset_signature(job.dataset)
         self.result = TrainResult(model=self.model)
-        self.formation = _Formation()
+        self.report = RunReport(
+            job, self.result, self.config.batches_per_epoch, start_epoch, on_callback_error=self._callback_failed
+        )
+        self.formation = Formation(
+            self.world, self.model_sig, self.dataset_sig,
+            deadline=time.monotonic() + penv.startup_timeout_s, timeout_s=penv.startup_timeout_s,
+        )
         self.started = False
         self.ended: RunEnded | None = None
         self.stop_error: FlodlError | None = None
-        self.shares: list[list[float]] = []
-        self._bar: Any = None
-        self._bar_epoch = start_epoch
-        self._t_formed = time.perf_counter()
         self._round_started: dict[int, float] = {}
 
     # ------------------------------------------------------------------ run
@@ -227,21 +235,19 @@ class ControllerService:
             self.control, self.reducer = control, reducer
             self._loop(control, sub, reducer)
         finally:
-            self._close_bar()
+            self.report.close()
             reducer.stop()
             control.close()
             sub.close()
             self._report_status()
-        self.result.wall_s = time.perf_counter() - t0
+        self.report.finish(time.perf_counter() - t0)
         if self.stop_error is not None:
             raise self.stop_error
         load_flat(self.model, torch.from_numpy(self.consensus))
-        if self.shares:
-            self.result.batch_share = [float(np.mean(col)) for col in zip(*self.shares, strict=True)]
         reason = self.ended.reason if self.ended is not None else None
         self.result.reason = "completed" if reason is None else reason.value
         if self.job.save_path and reason is None:
-            self.result.saved = str(self._save("completed", self.core.state_dict()))
+            self._save("completed", self.core.state_dict())
         if reason is not None:
             raise TrainingError(
                 f"the run stopped early ({reason.value}); "
@@ -254,15 +260,16 @@ class ControllerService:
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
-        deadline = time.monotonic() + self.penv.startup_timeout_s
         drain_until: float | None = None
         while True:
             now = time.monotonic()
             if drain_until is not None and now >= drain_until:
                 return
-            if not self.started and now > deadline:
-                self._formation_failed()
-                return
+            if not self.started and self.stop_error is None:
+                verdict = self.formation.poll(now)
+                if isinstance(verdict, Failed):
+                    self._formation_failed(verdict)
+                    return
             events = dict(poller.poll(int(POLL_S * 1000)))
             if sub in events:
                 drain(sub, self._on_broadcast, copy=False, budget=16)
@@ -328,9 +335,8 @@ class ControllerService:
             env = self.codec.decode(msg[2:], Channel.CONTROL)
         except WireError as exc:
             self.counts["rejected.control"] += 1
-            if isinstance(exc, AuthError) and not self.started:
-                self.formation.auth_failures += 1
-                self.formation.last_auth_error = str(exc)
+            if isinstance(exc, AuthError):
+                self.formation.auth_failed(str(exc))
             log.warning("controller: rejected a control record: %s", exc)
             return
         if route == RELAY_ROUTE:
@@ -350,16 +356,21 @@ class ControllerService:
         if not self.started:
             return  # heartbeats and the like before the world formed: nothing to schedule yet
         if isinstance(record, rec.Batch):
-            self._tick_bar()
+            self.report.step()
         if isinstance(record, (rec.EvalResult, rec.CheckpointResult)) and record.error is not None:
             self._callback_failed(record.error)
         try:
-            self._perform(self.core.on_record(rank, record, time.monotonic()))
-        except FlodlError:
-            raise
+            outs = self.core.on_record(rank, record, time.monotonic())
+        except (CoordinatorError, ProtocolError) as exc:
+            # A record a correct rank never sends; the core refused it before any change.
+            # That rank is out, as if it had died: a peer must not end the run (the reducer's policy too).
+            self.counts["violation.control"] += 1
+            self._declare_dead(rank, f"protocol violation: {env.kind}: {exc}")
+            return
         except Exception:  # a core bug must not be mistaken for a peer's fault
             log.error("controller: coordinator failed on %s from rank %d:\n%s", env.kind, rank, traceback.format_exc())
             raise
+        self._perform(outs)
 
     def _on_relay(self, relay_id: bytes, env: Any) -> None:
         r = env.record
@@ -376,40 +387,22 @@ class ControllerService:
             if host is None or r.rank not in self.world[host] or env.sender != relay_sender(host):
                 self.counts["forged_route.control"] += 1
                 return
-            if self.started:
-                self._declare_dead(r.rank, f"the relay on {host} saw it leave")
-            elif r.rank not in self.formation.hellos:
-                log.error("controller: rank %d left before the world formed", r.rank)
+            self._declare_dead(r.rank, f"the relay on {host} saw it leave")
         else:
             self.counts["unexpected.control"] += 1
 
     def _on_hello(self, rank: int, hello: rec.RankHello) -> None:
-        if self.started:
-            self.counts["late_hello"] += 1
-            return
-        self.formation.hellos[rank] = hello
-        if len(self.formation.hellos) < self.world_size:
-            return
-        bad_data = sorted(r for r, h in self.formation.hellos.items() if h.dataset_sig != self.dataset_sig)
-        bad_model = sorted(r for r, h in self.formation.hellos.items() if h.model_sig != self.model_sig)
-        bad_world = sorted(r for r, h in self.formation.hellos.items() if h.world_size != self.world_size)
-        problems = []
-        if bad_data:
-            problems.append(
-                f"dataset mismatch: rank(s) {bad_data} load a dataset whose signature differs from the "
-                f"controller's; every process must build the same dataset (same files, same split)"
-            )
-        if bad_model:
-            problems.append(f"model mismatch: rank(s) {bad_model} build a model with other tensors than the controller's")
-        if bad_world:
-            problems.append(f"world size mismatch: rank(s) {bad_world} were started for another world")
-        if problems:
-            self.stop_error = TrainingError("; ".join(problems))
-            for r in self.formation.hellos:
-                self._send_rank(r, rec.Shutdown())
-            return
+        outcome = self.formation.hello(rank, hello)
+        if isinstance(outcome, Ignored):
+            self.counts[outcome.why] += 1
+        elif isinstance(outcome, Failed):
+            self._formation_failed(outcome)
+        elif isinstance(outcome, Formed):
+            self._formed()
+
+    def _formed(self) -> None:
         self.started = True
-        self._t_formed = time.perf_counter()
+        self.report.started()
         if not self.job.quiet:
             print(f"world formed: {self.world_size} ranks on {len(self.world)} hosts, mode {self.job.mode}", flush=True)
         self._perform(self.core.start(time.monotonic()))
@@ -432,14 +425,9 @@ class ControllerService:
 
     def _declare_dead(self, rank: int, reason: str) -> None:
         if not self.started:
-            # A rank that failed before the world formed would only be found by the
-            # startup timeout, minutes later; stop now, naming it.
-            if self.stop_error is None:
-                self.stop_error = TrainingError(
-                    f"rank {rank} failed before training started ({reason}); its output is in that host's agent log"
-                )
-                for r in self.formation.hellos:
-                    self._send_rank(r, rec.Shutdown())
+            outcome = self.formation.rank_left(rank, reason)
+            if isinstance(outcome, Failed):
+                self._formation_failed(outcome)
             return
         if self.core.liveness.is_live(rank):
             self.deaths[rank] = (time.time(), reason)
@@ -467,21 +455,13 @@ class ControllerService:
             "ended": None if self.ended is None else (self.ended.reason.value if self.ended.reason else "completed"),
         })
 
-    def _formation_failed(self) -> None:
-        f = self.formation
-        missing = sorted(set(range(self.world_size)) - set(f.hellos))
-        for r in f.hellos:
+    def _formation_failed(self, failed: Failed) -> None:
+        """The world will not form: tell every rank that spoke, and end the start-up with the reason."""
+        if self.stop_error is not None:
+            return
+        self.stop_error = failed.error()
+        for r in self.formation.hellos:
             self._send_rank(r, rec.Shutdown())
-        if f.auth_failures:
-            self.stop_error = AuthError(
-                f"{f.auth_failures} control record(s) failed authentication while the world formed "
-                f"({f.last_auth_error}); a process runs with another session key: check FLODL_KEY on every process"
-            )
-        else:
-            self.stop_error = TrainingError(
-                f"rank(s) {missing} never said hello within {self.penv.startup_timeout_s:.0f} s "
-                f"(FLODL_STARTUP_TIMEOUT); check that they started and reach their relay"
-            )
 
     def _callback_failed(self, error: str) -> None:
         print(f"callback error: {error}", flush=True)
@@ -535,85 +515,42 @@ class ControllerService:
 
     def _on_effect(self, r: Any) -> None:
         if isinstance(r, rec.EpochAggregated):
-            self._on_epoch(r)
+            self.report.epoch({
+                "epoch": r.epoch,
+                "avg_loss": r.avg_loss,
+                "epoch_ms": r.epoch_ms,
+                "batch_share": list(r.per_rank_batch_share),
+                "samples": int(sum(r.per_rank_samples)),
+                "per_rank_samples": list(r.per_rank_samples),
+                "throughput": list(r.per_rank_throughput),
+            })
         elif isinstance(r, rec.EvalResult):
             if r.error is None:
-                row = self._row(r.epoch - 1)
-                if row is not None:
-                    row["eval"] = r.metric
-                    row["eval_at_s"] = time.perf_counter() - self._t_formed
-                if r.epoch >= self.job.epochs:
-                    self.result.final_eval = r.metric
-                if not self.job.quiet:
-                    print(f"eval after epoch {r.epoch}: {r.metric:.4f} (rank {r.rank})", flush=True)
+                self.report.evaluated(r.epoch - 1, r.metric, by_rank=r.rank)
         elif isinstance(r, SaveState):
             if self.job.save_path:
-                self.result.saved = str(self._save(r.reason.value, r.state))
+                self._save(r.reason.value, r.state)
             print(f"shutdown with save ({r.reason.value})" + (f": wrote {self.result.saved}" if self.result.saved else ""), flush=True)
         elif isinstance(r, RunEnded):
             self.ended = r
 
-    def _row(self, epoch: int) -> dict[str, Any] | None:
-        return next((row for row in self.result.epochs if row["epoch"] == epoch), None)
-
-    def _on_epoch(self, agg: rec.EpochAggregated) -> None:
-        row = {
-            "epoch": agg.epoch,
-            "avg_loss": agg.avg_loss,
-            "epoch_ms": agg.epoch_ms,
-            "batch_share": list(agg.per_rank_batch_share),
-            "samples": int(sum(agg.per_rank_samples)),
-            "per_rank_samples": list(agg.per_rank_samples),
-            "throughput": list(agg.per_rank_throughput),
-        }
-        self.result.epochs.append(row)
-        self.shares.append(list(agg.per_rank_batch_share))
-        self._close_bar()
-        self._bar_epoch = agg.epoch + 1
-        if not self.job.quiet:
-            print(format_epoch(row, self.job.epochs), flush=True)
-        if self.job.metrics_fn is not None:
-            try:
-                self.job.metrics_fn(dict(row))
-            except Exception:
-                self._callback_failed(f"metrics_fn raised on the controller:\n{traceback.format_exc()}")
-
-    def _tick_bar(self) -> None:
-        if self.job.quiet or self._bar_epoch >= self.job.epochs:
-            return
-        if self._bar is None:
-            from tqdm import tqdm
-
-            # disable=None: a bar on a terminal only; logs get the per-epoch lines.
-            self._bar = tqdm(
-                total=self.config.batches_per_epoch, desc=f"epoch {self._bar_epoch + 1}/{self.job.epochs}",
-                unit="batch", leave=False, disable=None,
-            )
-        if self._bar.n < self._bar.total:
-            self._bar.update(1)
-
-    def _close_bar(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-    def _save(self, reason: str, state: dict[str, Any]) -> Any:
+    def _save(self, reason: str, state: dict[str, Any]) -> str:
+        """Save the latest consensus with the coordinator's state (what `resume_from` continues)."""
         model = self.job.model()
         load_flat(model, torch.from_numpy(self.consensus))
-        meta = {
+        return self.report.save(model.state_dict(), {
             "epoch": state.get("epoch", 0),
             "global_step": state.get("global_step", 0),
             "reason": reason,
             "world_size": self.world_size,
             "consensus_round": self.consensus_round,
             "coordinator": state,
-        }
-        return bundle.save(self.job.save_path, model.state_dict(), meta)  # type: ignore[arg-type]
+        })
 
 
-def run_controller(job: Job, penv: ProcessEnv) -> TrainResult:
-    """Entry point of the controller role (linked to the membership under `flodl-zmq controller`)."""
-    result = ControllerService(job, penv, MEMBERSHIP_LINK.get()).run()
+def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = None) -> TrainResult:
+    """Entry point of the controller role (`link`: the membership, under `flodl-zmq controller`)."""
+    result = ControllerService(job, penv, link).run()
     if result.final_eval is None and result.epochs and result.epochs[-1].get("eval") is not None:
         result.final_eval = result.epochs[-1]["eval"]
     if not job.quiet and result.final_eval is not None and not math.isnan(result.final_eval):
