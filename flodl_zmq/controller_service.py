@@ -365,6 +365,7 @@ class ControllerService:
             # A record a correct rank never sends; the core refused it before any change.
             # That rank is out, as if it had died: a peer must not end the run (the reducer's policy too).
             self.counts["violation.control"] += 1
+            self._send_rank(rank, rec.Shutdown())  # declared dead, it must not train on alone
             self._declare_dead(rank, f"protocol violation: {env.kind}: {exc}")
             return
         except Exception:  # a core bug must not be mistaken for a peer's fault

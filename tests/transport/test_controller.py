@@ -1,0 +1,160 @@
+"""The controller service over real sockets in one process, facing a scripted relay and its ranks."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+from torch.utils.data import TensorDataset
+
+from flodl_zmq.controller_service import ControllerService
+from flodl_zmq.coordinator.liveness import RankState
+from flodl_zmq.datasets import dataset_signature
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.errors import TrainingError
+from flodl_zmq.job import Job
+from flodl_zmq.links import RELAY_ROUTE, rank_identity, rank_sender, relay_sender
+from flodl_zmq.payload import model_signature
+from flodl_zmq.wire import Channel, Codec, new_key
+from flodl_zmq.wire import records as rec
+
+from .dataplane_helpers import WAIT_S
+
+pytestmark = pytest.mark.timeout(60)
+
+WORLD = {"h": (0, 1)}
+
+
+def free_base_port() -> int:
+    """A port P with P..P+3 free on loopback (the controller binds all four)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + 3 > 65535:
+            continue
+        try:
+            for off in range(1, 4):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", base + off))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no four consecutive free ports")
+
+
+def model() -> torch.nn.Module:
+    return torch.nn.Linear(2, 1)
+
+
+def job() -> Job:
+    data = TensorDataset(torch.arange(128.0).reshape(64, 2), torch.zeros(64, 1))
+    return Job(
+        model=model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        train_step=lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), dataset=data,
+        batch_size=8, epochs=1, quiet=True,
+    )
+
+
+class ScriptedRelay:
+    """A relay for host `h` that speaks for its ranks: each rank signs its own records."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, key: bytes, run_id: bytes, j: Job):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.codec = Codec(key, run_id, relay_sender("h"))
+        self.ranks = {r: Codec(key, run_id, rank_sender(r)) for r in WORLD["h"]}
+        torch.manual_seed(j.seed)
+        self.sigs = (model_signature(j.model()), dataset_signature(j.dataset))
+
+    def relay_send(self, record) -> None:
+        self.sock.send_multipart([RELAY_ROUTE, *self.codec.encode(record, channel=Channel.CONTROL)])
+
+    def send(self, rank: int, record) -> None:
+        self.sock.send_multipart([rank_identity(rank), *self.ranks[rank].encode(record, channel=Channel.CONTROL)])
+
+    def hello(self, rank: int) -> None:
+        model_sig, data_sig = self.sigs
+        self.send(rank, rec.RankHello(rank=rank, world_size=2, host="h", model_sig=model_sig, dataset_sig=data_sig))
+
+    def recv(self) -> tuple[bytes, str]:
+        """The next record for this host: (route, kind)."""
+        assert self.sock.poll(int(WAIT_S * 1000)), "the controller sent nothing"
+        route, *frames = self.sock.recv_multipart()
+        return route, type(self.codec.decode(frames, Channel.CONTROL, replay=False).record).__name__
+
+    def wait_for(self, route: bytes, kind: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            if self.recv() == (route, kind):
+                return
+        raise AssertionError(f"no {kind} for route {route!r}")
+
+
+@pytest.fixture
+def rig():
+    ctx = zmq.Context()
+    key, run_id = new_key(), bytes(range(16))
+    address = ControllerAddress("127.0.0.1", free_base_port())
+    penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, world=WORLD,
+                      startup_timeout_s=WAIT_S)
+    j = job()
+    service = ControllerService(j, penv)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = service.run()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects whatever ended the run
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    relay = ScriptedRelay(ctx, address.endpoint(Channel.CONTROL), key, run_id, j)
+    relay.relay_send(rec.RelayHello(host="h", ranks=[0, 1], model_sigs=[]))
+    relay.wait_for(RELAY_ROUTE, "RelayHelloAck")
+    yield service, relay, thread, outcome
+    relay.sock.close(0)
+    thread.join(WAIT_S)
+    ctx.term()
+
+
+def test_a_rank_sending_an_illegal_record_is_declared_dead_and_the_run_goes_on(rig):
+    service, relay, thread, outcome = rig
+    relay.hello(0)
+    relay.hello(1)
+    relay.wait_for(rank_identity(1), "StartEpoch")
+    # Rank 0 sends a record claiming to be rank 1: a correct rank never does.
+    relay.send(0, rec.Exiting(rank=1))
+    relay.wait_for(rank_identity(0), "Shutdown")
+    deadline = time.monotonic() + WAIT_S
+    while 0 not in service.deaths and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "protocol violation: " in service.deaths[0][1] and "claims rank 1" in service.deaths[0][1]
+    assert service.counts["violation.control"] == 1
+    assert thread.is_alive() and "error" not in outcome  # the service did not crash
+    assert service.core.liveness.state(0) is RankState.DEAD
+    assert service.core.liveness.state(1) is RankState.LIVE
+    # The survivor is still served, then leaves cleanly: the run ends the way the core decides.
+    relay.send(1, rec.Heartbeat(rank=1, step_count=0))
+    relay.send(1, rec.Exiting(rank=1))
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    # Every rank is gone, so the core ends the run as it ends any run that lost every rank.
+    assert isinstance(outcome.get("error"), TrainingError) and "stopped early (all_ranks_lost)" in str(outcome["error"])
+
+
+def test_a_rank_that_leaves_before_the_world_forms_ends_the_start_up_at_once(rig):
+    service, relay, thread, outcome = rig
+    relay.hello(0)
+    t0 = time.monotonic()
+    relay.relay_send(rec.RankExit(rank=1))
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and time.monotonic() - t0 < WAIT_S / 2  # not the start-up timeout
+    assert "rank 1 failed before training started (the relay on h saw it leave)" in str(outcome["error"])
