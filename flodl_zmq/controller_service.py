@@ -39,10 +39,11 @@ Theory of operation:
 
 Under `flodl-zmq controller` (flodl_zmq/controller.py) the controller role
 runs in the same process as the membership service, linked through a
-`MembershipLink` (handed over with the role by `api.hosted`): a rank exit an agent reports (non-zero code) and a host
-whose agent fell silent are deaths declared at once, seconds before rank
-heartbeats would tell; the coordinator's view is reported to the membership
-for `flodl-zmq status`; and the controller's sockets are CURVE servers when
+`MembershipLink` (handed over with the role by `api.hosted`): a rank exit
+an agent reports (non-zero code) and a host whose agent fell silent are
+deaths declared at once, seconds before rank heartbeats would tell; the
+coordinator's view is reported to the membership for `flodl-zmq status`;
+and the controller's sockets are CURVE servers when
 the link carries keys.
 
 Rules this module keeps: one socket, one thread (the reducer's sockets are
