@@ -19,17 +19,23 @@ Rules this module keeps:
   success clears v's tried set and makes that rank the role.
 - **Epoch-role changes are announced.** `epoch_dirty` stays set until the
   coordinator has broadcast `SetEpochCallbackRole`.
-- **Callback cost is measured** with an EWMA (alpha 0.3) per callback kind,
-  which the last-window slack reservation uses.
+- **Callback cost is measured** with an EWMA (alpha 0.3) per callback kind
+  (`checkpoint_ms`, `eval_ms`, `epoch_fn_ms`), for the record: no scheduling
+  decision reads it yet. (The ledger already keeps callback time out of the
+  window's timing.)
 
-Cadence: eval and checkpoint fire at the boundary *into* epoch e (e > 0) when
-e is a multiple of their cadence; version e means "the state after epoch
-e - 1".
+Cadence (`EpochCallbacks`): eval and checkpoint fire at the boundary *into*
+epoch e (e > 0) when e is a multiple of their cadence; version e means "the
+state after epoch e - 1". Each is held until a finished consensus contains
+every sample of epoch e - 1, so the rank scores or saves exactly that epoch's
+consensus; its target is resolved only then, after any failover.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from flodl_zmq.wire import records as rec
 
 EWMA_ALPHA = 0.3
 
@@ -129,3 +135,40 @@ class CallbackRoles:
 
 def _lowest(live: Sequence[bool]) -> int | None:
     return next((r for r, a in enumerate(live) if a), None)
+
+
+class EpochCallbacks:
+    """Eval and checkpoint calls due at epoch boundaries, held until a consensus holds their epoch."""
+
+    def __init__(self, checkpoint_every: int, eval_every: int) -> None:
+        self.checkpoint_every = checkpoint_every
+        self.eval_every = eval_every
+        self._pending: list[tuple[str, int]] = []  # ("checkpoint" | "eval", epoch), in order
+
+    def entering(self, epoch: int) -> None:
+        """The run enters `epoch`: queue the callbacks its cadence makes due."""
+        if is_due(epoch, self.checkpoint_every):
+            self._pending.append(("checkpoint", epoch))
+        if is_due(epoch, self.eval_every):
+            self._pending.append(("eval", epoch))
+
+    def release(
+        self, complete_through: int, roles: CallbackRoles
+    ) -> list[tuple[int, rec.Checkpoint | rec.ExecuteEval]]:
+        """The calls whose epoch ended at or before `complete_through`, with their target ranks.
+
+        Held until then, not merely until the cycle is idle: under Sync the
+        cycle is almost never idle. Targets resolve now, after any failover.
+        """
+        due = [(k, e) for k, e in self._pending if e - 1 <= complete_through]
+        self._pending = [c for c in self._pending if c not in due]
+        out: list[tuple[int, rec.Checkpoint | rec.ExecuteEval]] = []
+        for kind, epoch in due:
+            if kind == "checkpoint":
+                out.append((roles.checkpoint, rec.Checkpoint(version=epoch, target_rank=roles.checkpoint)))
+            else:
+                # Always score the consensus: the live model may be mid-window
+                # or an EASGD blend.
+                out.append((roles.eval, rec.ExecuteEval(
+                    schedule_id=epoch, epoch=epoch, target_rank=roles.eval, adopt_consensus=True)))
+        return out

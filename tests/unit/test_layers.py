@@ -22,7 +22,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "coordinator", "coordinator.config", "coordinator.core", "coordinator.dispatch",
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
-        "coordinator.metrics", "coordinator.sim", "coordinator.strategy",
+        "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "coordinator.feedback",
     ),
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
