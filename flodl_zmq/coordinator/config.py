@@ -9,8 +9,6 @@ Rules this module keeps:
   Cadence mode, anchor 10 (1 under Sync), heartbeat timeout 30 s, TrendGuard
   at 0.05 (0.3 when the EASGD blend keeps a standing spread), EASGD alpha 0.5
   under Async, overshoot auto-tuned from 3 to 15.
-- A resume must match the run it continues (`check_resume`): its coverage
-  and ElChe state depend on the world, the seed and the sizes.
 - Derived values (guard threshold, overshoot bounds, the ElChe knobs, the
   reduce-stall ceiling) are computed here once, so the state machine never
   re-derives policy.
@@ -20,9 +18,8 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from flodl_zmq.coordinator.elche import ElCheConfig
 from flodl_zmq.errors import ConfigError
@@ -258,30 +255,6 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"partition_ratios has {len(self.partition_ratios)} entries for a world of "
                 f"{world_size} ranks; give one ratio per rank"
-            )
-
-    def check_resume(self, state: Mapping[str, Any], world_size: int) -> None:
-        """A checkpoint (`Coordinator.state_dict`) that this run and world can continue.
-
-        The data coverage it records is in sample offsets of one permutation,
-        so the world, the seed, the dataset size and the batch size must match.
-        """
-        for key, want in (
-            ("world_size", world_size),
-            ("seed", self.seed),
-            ("total_samples", self.total_samples),
-            ("batch_size", self.batch_size),
-        ):
-            if state.get(key) != want:
-                raise ConfigError(
-                    f"resume: the checkpoint has {key} = {state.get(key)!r} but this run has "
-                    f"{want!r}; resume with the same {key} (the data coverage depends on it)"
-                )
-        epoch = int(state["epoch"])
-        if not 0 <= epoch <= self.num_epochs:
-            raise ConfigError(
-                f"resume: checkpoint epoch {epoch} is outside this run's {self.num_epochs} epochs; "
-                f"raise num_epochs to continue training"
             )
 
 

@@ -22,23 +22,21 @@ upstream: its target depended on samples that only land when it fires).
 Sync fires once every live rank did one step; Cadence and Async once every
 live rank did its ElChe batch count (or has no work left: *quiesced*). The
 per-rank step counters are snapshotted at the trigger; steps taken while the
-cycle is in flight stay credited to the next window. At the finish the window
-feeds ElChe, the convergence guard and the LR meta-controller, and each
-rank's next chunk rides in its `Update` (no extra round trip). Epoch-boundary
-callbacks (eval, checkpoint) go out at the first finish whose consensus
-contains every sample of the epoch that ended, just before the Updates.
+cycle is in flight stay credited to the next window. At the finish the
+window's measurements set the next window's schedule (`WindowFeedback`,
+feedback.py: ElChe, the convergence guard, the LR meta-controller,
+overshoot), and each rank's next chunk rides in its `Update` (no extra round
+trip). Epoch-boundary callbacks (eval, checkpoint: `EpochCallbacks`,
+roles.py) go out at the first finish whose consensus contains every sample
+of the epoch that ended, just before the Updates.
 
-Data dispatch is one `DispatchStrategy` (strategy.py), and the cycle reads
-the same in every mode. Sync (`SyncPartitions`) sends each rank a whole
-partition per epoch (`StartEpoch`) and hands a dead rank's remainder to the
-survivors (`ExtendPartition`). Cadence and Async (`ChunkStream`) stream
-chunks from one `ChunkPool` per epoch: Cadence one window-sized chunk at a
-time, held at the reduce and at the epoch edge; Async throughput-sized
-chunks within a budget of `count + overshoot` steps per window, streaming
-into the next epoch. The coordinator decides when data may go: a rank held
-at a barrier (Sync, Cadence) gets none while a cycle is in flight; its next
-chunk rides in its Update, Sync data follows the Updates (a rank must not
-train new data on the replica it deposited).
+Data dispatch is one `DispatchStrategy` (strategy.py: Sync partitions,
+Cadence and Async chunk streams), so the cycle reads the same in every mode.
+The strategy decides what data exists and who gets it; the coordinator
+decides when it may go: a rank held at a barrier (Sync, Cadence) gets none
+while a cycle is in flight; its next chunk rides in its Update, Sync data
+follows the Updates (a rank must not train new data on the replica it
+deposited).
 
 A rank leaves on a clean `Exiting`, a stale heartbeat, or a death reported by
 its agent (`on_rank_death`). Its in-flight chunk returns to the pool, the
@@ -105,10 +103,11 @@ from typing import Any
 from flodl_zmq.coordinator.chunk_pool import Span
 from flodl_zmq.coordinator.config import CoordinatorConfig
 from flodl_zmq.coordinator.convergence import DivergenceSample
-from flodl_zmq.coordinator.elche import ElChe, ElCheState
+from flodl_zmq.coordinator.elche import ElChe
 from flodl_zmq.coordinator.feedback import WindowFeedback
 from flodl_zmq.coordinator.liveness import Liveness, ShutdownReason, unrecoverable
 from flodl_zmq.coordinator.metrics import aggregate_epoch
+from flodl_zmq.coordinator.resume import ResumeState
 from flodl_zmq.coordinator.roles import CallbackRoles, EpochCallbacks
 from flodl_zmq.coordinator.strategy import ChunkStream, DispatchStrategy, Send, SyncPartitions
 from flodl_zmq.errors import CoordinatorError
@@ -215,11 +214,8 @@ class Coordinator:
         self.liveness = Liveness(world_size, config.heartbeat_timeout_s, now)
         self.roles = CallbackRoles(world_size, config.callback_rank)
         self.callbacks = EpochCallbacks(config.checkpoint_every, config.eval_every)
-        if resume is not None:
-            config.check_resume(resume, world_size)
-        self.feedback = WindowFeedback(
-            config, world_size, None if resume is None else ElCheState.from_dict(resume["elche"])
-        )
+        point = None if resume is None else ResumeState.from_dict(resume, config, world_size)
+        self.feedback = WindowFeedback(config, world_size, None if point is None else point.elche)
 
         self.round = 0  # rounds triggered
         self.avg_count = 0  # rounds finished
@@ -243,8 +239,13 @@ class Coordinator:
         self._consensus_coverage: dict[int, list[Span]] = {}
         self._consensus_aggregated = -1
         self._consensus_complete = -1  # every sample of epochs <= this is in the last consensus
-        coverage = self._restore(resume) if resume is not None else {}
-        # Built after the restore: the strategy reads the restored ElChe.
+        coverage: dict[int, list[Span]] = {}
+        if point is not None:
+            self.global_step = point.global_step
+            self.avg_count = self.round = point.round
+            self.last_aggregated = self._consensus_aggregated = point.epoch - 1
+            self._consensus_complete = point.epoch - 1
+            coverage = point.coverage
         self.dispatch: DispatchStrategy
         if self.mode.progressive:
             self.dispatch = ChunkStream(
@@ -339,13 +340,10 @@ class Coordinator:
         """The service could not deliver `record`, one of our outputs, to `rank`.
 
         The rank takes the failure path of `on_rank_death` (it counts towards
-        `max_failure`), which also returns what the record carried, so no
-        sample is lost: a progressive chunk (`StartEpoch`, `Update.next_plan`)
-        is the rank's in-flight chunk and is forfeited to the reclaimed queue,
-        where a survivor redoes it first (a `ChunkPool.rollback` into the
-        rank's own span would leave it to be stolen last); under Sync an
-        undelivered `StartEpoch` or `ExtendPartition` cannot have been trained,
-        so it is part of the remainder handed on by `ExtendPartition`.
+        `max_failure`), which hands on what the record carried: a chunk is
+        forfeited to the reclaimed queue, where a survivor redoes it first (a
+        `ChunkPool.rollback` into the rank's own span would leave it to be
+        stolen last); an untrained Sync span is part of the dead rank's remainder.
         """
         self._require_started(f"failed send of {type(record).__name__} to rank {rank}")
         self._now = now
@@ -408,24 +406,11 @@ class Coordinator:
         return [c - b for c, b in zip(self._step_count, self._step_base, strict=True)]
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resume needs, as of the last finished consensus (JSON-able)."""
-        epoch = self._consensus_aggregated + 1
-        return {
-            "world_size": self.world_size,
-            "mode": self.mode.value,
-            "seed": self.config.seed,
-            "total_samples": self.config.total_samples,
-            "batch_size": self.config.batch_size,
-            "epoch": epoch,
-            "global_step": self.global_step,
-            "round": self.avg_count,
-            "elche": self.feedback.state().to_dict(),
-            "coverage": {
-                str(e): [list(s) for s in spans]
-                for e, spans in sorted(self._consensus_coverage.items())
-                if e >= epoch
-            },
-        }
+        """What a resume needs, as of the last finished consensus (JSON-able; see resume.py)."""
+        return ResumeState(
+            epoch=self._consensus_aggregated + 1, global_step=self.global_step,
+            round=self.avg_count, elche=self.feedback.state(), coverage=self._consensus_coverage,
+        ).to_dict(self.config, self.world_size)
 
     # ================================================================ record handlers
 
@@ -464,29 +449,21 @@ class Coordinator:
     def _on_lr(self, rank: int, m: rec.LrUpdate, now: float) -> None:
         self.feedback.on_lr(rank, m.lr)
 
-    def _on_eval_result(self, rank: int, m: rec.EvalResult, now: float) -> None:
-        # Eval time is not training time, success or not.
+    def _on_callback_done(self, rank: int, m: Any, now: float) -> None:
+        """A `CheckpointResult` or `EpochFnElapsed` (and every `EvalResult`)."""
+        # Callback time is not training time, success or not.
         self.feedback.ledger.absorb_callback_cost(rank, m.elapsed_ms)
-        self.roles.eval_ms.update(m.elapsed_ms)
+        retry = self.roles.on_result(rank, m, self.liveness.live_mask)
+        if retry is not None:
+            self._emit(retry.target_rank, retry)
+
+    def _on_eval_result(self, rank: int, m: rec.EvalResult, now: float) -> None:
+        self._on_callback_done(rank, m, now)
         if m.error is None:
             self._to_live(rec.EvalBroadcast(epoch=m.epoch, metric=m.metric))
         self._emit(CONTROLLER, m)
         if m.schedule_id == FINAL_EVAL_ID and self.phase is RunPhase.FINAL_EVAL_DISPATCHED:
             self._shutdown()
-
-    def _on_checkpoint_result(self, rank: int, m: rec.CheckpointResult, now: float) -> None:
-        self.feedback.ledger.absorb_callback_cost(rank, m.elapsed_ms)
-        if m.error is None:
-            self.roles.checkpoint_ms.update(m.elapsed_ms)
-            self.roles.checkpoint_succeeded(m.version, rank)
-            return
-        nxt = self.roles.checkpoint_failed(m.version, rank, self.liveness.live_mask)
-        if nxt is not None:
-            self._emit(nxt, rec.Checkpoint(version=m.version, target_rank=nxt))
-
-    def _on_epoch_fn(self, rank: int, m: rec.EpochFnElapsed, now: float) -> None:
-        self.feedback.ledger.absorb_callback_cost(rank, m.elapsed_ms)
-        self.roles.epoch_fn_ms.update(m.elapsed_ms)
 
     def _on_metrics(self, rank: int, m: rec.EpochMetrics, now: float) -> None:
         if not self.dispatch.on_metrics(rank, m, self._step_count[rank]):
@@ -503,8 +480,8 @@ class Coordinator:
         rec.Exiting: _on_exiting,
         rec.LrUpdate: _on_lr,
         rec.EvalResult: _on_eval_result,
-        rec.CheckpointResult: _on_checkpoint_result,
-        rec.EpochFnElapsed: _on_epoch_fn,
+        rec.CheckpointResult: _on_callback_done,
+        rec.EpochFnElapsed: _on_callback_done,
         rec.EpochMetrics: _on_metrics,
     }
 
@@ -534,7 +511,7 @@ class Coordinator:
         self._maybe_end(now)
 
     def _should_average(self) -> bool:
-        """The count-based gate (coordinator notes §4.2)."""
+        """The count-based gate: every live rank full, throttled or quiesced, and one stepped."""
         if self.phase is not RunPhase.TRAINING or not self.liveness.live:
             return False
         steps = self.window_steps
@@ -739,7 +716,11 @@ class Coordinator:
     # ================================================================ deaths
 
     def _lose_rank(self, rank: int, failure: bool, now: float) -> None:
-        """The death side-effect chain (notes §5.2); a clean exit takes it too, minus the failure."""
+        """`rank` left: its roles move, the reducer stops waiting, its data is handed on.
+
+        The run ends with a save if too many failed or nobody is left. A
+        clean exit takes this path too, without counting a failure.
+        """
         left = self.liveness.fail(rank) if failure else self.liveness.exit(rank)
         if not left:
             return
@@ -815,14 +796,3 @@ class Coordinator:
                 f"coordinator received {type(what).__name__ if not isinstance(what, str) else what} "
                 f"before start(): call start(now) once the world has formed"
             )
-
-    def _restore(self, state: Mapping[str, Any]) -> dict[int, list[Span]]:
-        """Adopt a checkpoint (`config.check_resume` vetted it); returns its coverage."""
-        self.global_step = int(state["global_step"])
-        self.avg_count = self.round = int(state["round"])
-        epoch = int(state["epoch"])
-        self.last_aggregated = self._consensus_aggregated = self._consensus_complete = epoch - 1
-        return {
-            int(e): [(int(o), int(n)) for o, n in spans]
-            for e, spans in state.get("coverage", {}).items()
-        }

@@ -121,6 +121,26 @@ class CallbackRoles:
         self._tried.pop(version, None)
         self.checkpoint = rank
 
+    def on_result(
+        self,
+        rank: int,
+        m: rec.EvalResult | rec.CheckpointResult | rec.EpochFnElapsed,
+        live: Sequence[bool],
+    ) -> rec.Checkpoint | None:
+        """A callback on `rank` finished: measure its cost; a failed checkpoint's retry, if any."""
+        if isinstance(m, rec.EvalResult):
+            self.eval_ms.update(m.elapsed_ms)
+        elif isinstance(m, rec.EpochFnElapsed):
+            self.epoch_fn_ms.update(m.elapsed_ms)
+        elif m.error is None:
+            self.checkpoint_ms.update(m.elapsed_ms)
+            self.checkpoint_succeeded(m.version, rank)
+        else:
+            nxt = self.checkpoint_failed(m.version, rank, live)
+            if nxt is not None:
+                return rec.Checkpoint(version=m.version, target_rank=nxt)
+        return None
+
     def tried(self, version: int) -> int:
         return len(self._tried.get(version, ()))
 
@@ -138,7 +158,7 @@ def _lowest(live: Sequence[bool]) -> int | None:
 
 
 class EpochCallbacks:
-    """Eval and checkpoint calls due at epoch boundaries, held until a consensus holds their epoch."""
+    """Eval and checkpoint calls due at epoch boundaries, held until a consensus holds the epoch."""
 
     def __init__(self, checkpoint_every: int, eval_every: int) -> None:
         self.checkpoint_every = checkpoint_every
@@ -165,10 +185,12 @@ class EpochCallbacks:
         out: list[tuple[int, rec.Checkpoint | rec.ExecuteEval]] = []
         for kind, epoch in due:
             if kind == "checkpoint":
-                out.append((roles.checkpoint, rec.Checkpoint(version=epoch, target_rank=roles.checkpoint)))
+                target = roles.checkpoint
+                out.append((target, rec.Checkpoint(version=epoch, target_rank=target)))
             else:
                 # Always score the consensus: the live model may be mid-window
                 # or an EASGD blend.
-                out.append((roles.eval, rec.ExecuteEval(
-                    schedule_id=epoch, epoch=epoch, target_rank=roles.eval, adopt_consensus=True)))
+                target = roles.eval
+                out.append((target, rec.ExecuteEval(
+                    schedule_id=epoch, epoch=epoch, target_rank=target, adopt_consensus=True)))
         return out
