@@ -18,15 +18,14 @@ Rules this module keeps:
   the verdict: the guard judges the window that was just measured.
 - **The LR meta-controller shrinks before the guard's verdict applies.** A
   NudgeDown it returns (an LR cliff, or sustained guard pressure) goes to
-  ElChe first, discarding any pending growth, so a Stable verdict in the
-  same window cannot regrow what the nudge just shrank.
-- **Async may relax upward** (`relax_up`): its ranks blend the consensus
-  (EASGD) instead of overwriting, so a Stable verdict may let the window grow
-  past the anchor; the barrier modes never relax.
-- **Delivered timing only where ranks train through the round trip.** Under
-  Sync every rank sits throttled from its deposit to its Update, so its
-  delivered time would count the barrier as work; only the compute scale
-  feeds ElChe there.
+  ElChe first, which discards any pending growth proposal, so the guard's
+  verdict in the same window cannot adopt the growth the nudge meant to stop.
+- **Only Async relaxes upward.** With `relax_up` set, a Stable verdict under
+  Async also grows the anchor by one (within `max_anchor` and
+  `max_batch_diff`); the barrier modes ignore the setting.
+- **Sync feeds only the compute scale.** Its windows are about one step per
+  rank, and the delivered scale counts only batches 2..n of a window (the
+  first is pipeline fill; timing.py).
 - **The round trip is amortized one window late.** Each window's report
   carries the duration of the cycle that closed the *previous* window: the
   current one is still in flight when its window is measured.
@@ -35,8 +34,9 @@ Rules this module keeps:
   back to the initial value on a NudgeDown, since lookahead is what lets a
   fast rank drift from the consensus.
 - **A resume continues the trajectory.** ElChe restarts from its saved
-  state and the TrendGuard from its saved ring (`state()` writes both), so a
-  resumed run neither re-probes nor forgets a rising divergence.
+  state (anchor, phase, rates) and the TrendGuard from its saved ring
+  (`state()` writes both), so a resumed run keeps its schedule instead of
+  probing again, and a divergence that was rising still counts.
 """
 
 from __future__ import annotations
