@@ -63,8 +63,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from flodl_zmq.coordinator.dispatch import EpochPlan
 from flodl_zmq.errors import CoordinatorError, TrainingError
+from flodl_zmq.wire.records import EpochPlan
 
 Span = tuple[int, int]
 """(offset, size) of a contiguous run of permutation offsets."""

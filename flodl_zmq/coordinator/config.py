@@ -5,10 +5,10 @@ Rules this module keeps:
 - Every setting is checked when the object is built; a bad value raises
   `ConfigError` naming the setting, the value and the allowed range, so a run
   never fails an hour in on a typo.
-- Defaults follow floDl 0.7 (coordinator notes §1.3-1.5): Cadence mode, anchor
-  10 (1 under Sync), heartbeat timeout 30 s, TrendGuard at 0.05 (0.3 when the
-  EASGD blend keeps a standing spread), EASGD alpha 0.5 under Async, overshoot
-  auto-tuned from 3 to 15.
+- Defaults follow floDl 0.7, so a run tuned there behaves the same here:
+  Cadence mode, anchor 10 (1 under Sync), heartbeat timeout 30 s, TrendGuard
+  at 0.05 (0.3 when the EASGD blend keeps a standing spread), EASGD alpha 0.5
+  under Async, overshoot auto-tuned from 3 to 15.
 - Derived values (guard threshold, overshoot bounds, the ElChe knobs, the
   reduce-stall ceiling) are computed here once, so the state machine never
   re-derives policy.

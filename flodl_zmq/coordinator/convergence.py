@@ -28,9 +28,9 @@ Rules this module keeps:
 * The guard's primary scalar is the *worst* rank's divergence: one drifting
   rank is enough to stop growing the window for everyone.
 
-How the coordinator uses this: after each reduce it builds
-``DivergenceReport.from_samples`` from the SyncAck triples (then clears the
-slots, so a stale value never pins the anchor), calls
+How the coordinator uses this (through ``WindowFeedback``, feedback.py): after
+each reduce it builds ``DivergenceReport.from_samples`` from the SyncAck
+triples of that round only (a stale value must never pin the anchor), calls
 ``guard.report(report, k_used, k_max)`` with the window's step totals, passes
 the verdict to ``LrEventMeta.observe`` (applying any NudgeDown it returns to
 ElChe first), then applies the guard's verdict with ``ElChe.apply_verdict``.

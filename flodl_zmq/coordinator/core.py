@@ -22,23 +22,21 @@ upstream: its target depended on samples that only land when it fires).
 Sync fires once every live rank did one step; Cadence and Async once every
 live rank did its ElChe batch count (or has no work left: *quiesced*). The
 per-rank step counters are snapshotted at the trigger; steps taken while the
-cycle is in flight stay credited to the next window. At the finish the window
-feeds ElChe, the convergence guard and the LR meta-controller, and each
-rank's next chunk rides in its `Update` (no extra round trip). Epoch-boundary
-callbacks (eval, checkpoint) go out at the first finish whose consensus
-contains every sample of the epoch that ended, just before the Updates.
+cycle is in flight stay credited to the next window. At the finish the
+window's measurements set the next window's schedule (`WindowFeedback`,
+feedback.py: ElChe, the convergence guard, the LR meta-controller,
+overshoot), and each rank's next chunk rides in its `Update` (no extra round
+trip). Epoch-boundary callbacks (eval, checkpoint: `EpochCallbacks`,
+roles.py) go out at the first finish whose consensus contains every sample
+of the epoch that ended, just before the Updates.
 
-Data dispatch is one `DispatchStrategy` (strategy.py), and the cycle reads
-the same in every mode. Sync (`SyncPartitions`) sends each rank a whole
-partition per epoch (`StartEpoch`) and hands a dead rank's remainder to the
-survivors (`ExtendPartition`). Cadence and Async (`ChunkStream`) stream
-chunks from one `ChunkPool` per epoch: Cadence one window-sized chunk at a
-time, held at the reduce and at the epoch edge; Async throughput-sized
-chunks within a budget of `count + overshoot` steps per window, streaming
-into the next epoch. The coordinator decides when data may go: a rank held
-at a barrier (Sync, Cadence) gets none while a cycle is in flight; its next
-chunk rides in its Update, Sync data follows the Updates (a rank must not
-train new data on the replica it deposited).
+Data dispatch is one `DispatchStrategy` (strategy.py: Sync partitions,
+Cadence and Async chunk streams), so the cycle reads the same in every mode.
+The strategy decides what data exists and who gets it; the coordinator
+decides when it may go: a rank held at a barrier (Sync, Cadence) gets none
+while a cycle is in flight; its next chunk rides in its Update, Sync data
+follows the Updates (a rank must not train new data on the replica it
+deposited).
 
 A rank leaves on a clean `Exiting`, a stale heartbeat, or a death reported by
 its agent (`on_rank_death`). Its in-flight chunk returns to the pool, the
@@ -95,7 +93,6 @@ record kind.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from collections import Counter
@@ -104,38 +101,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flodl_zmq.coordinator.chunk_pool import Span
-from flodl_zmq.coordinator.config import CoordinatorConfig, GuardKind, Mode
-from flodl_zmq.coordinator.convergence import (
-    ConvergenceGuard,
-    DivergenceReport,
-    DivergenceSample,
-    LrEventMeta,
-    MsfGuard,
-    NoGuard,
-    TrendGuard,
-    Verdict,
-    VerdictKind,
-)
-from flodl_zmq.coordinator.elche import ElChe, ElCheState
+from flodl_zmq.coordinator.config import CoordinatorConfig
+from flodl_zmq.coordinator.convergence import DivergenceSample
+from flodl_zmq.coordinator.elche import ElChe
+from flodl_zmq.coordinator.feedback import WindowFeedback
 from flodl_zmq.coordinator.liveness import Liveness, ShutdownReason, unrecoverable
 from flodl_zmq.coordinator.metrics import aggregate_epoch
-from flodl_zmq.coordinator.roles import CallbackRoles, is_due
+from flodl_zmq.coordinator.resume import ResumeState
+from flodl_zmq.coordinator.roles import CallbackRoles, EpochCallbacks
 from flodl_zmq.coordinator.strategy import ChunkStream, DispatchStrategy, Send, SyncPartitions
-from flodl_zmq.coordinator.timing import WindowLedger
-from flodl_zmq.errors import ConfigError, CoordinatorError
+from flodl_zmq.errors import CoordinatorError
 from flodl_zmq.wire import records as rec
-from flodl_zmq.wire.records import (
-    Batch,
-    CheckpointResult,
-    EpochFnElapsed,
-    EpochMetrics,
-    EvalResult,
-    Exiting,
-    Heartbeat,
-    LrUpdate,
-    SnapshotReady,
-    SyncAck,
-)
 
 FINAL_EVAL_ID = 2**64 - 1
 """`ExecuteEval.schedule_id` of the one canonical eval of the final consensus."""
@@ -209,7 +185,6 @@ class _Cycle:
     done_through: int  # every sample of epochs <= this was reported trained at the trigger
     reduced: bool = False
     acks: dict[int, DivergenceSample | None] = field(default_factory=dict)
-    upload_ms: dict[int, float] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -238,42 +213,39 @@ class Coordinator:
         self.lost_sends: Counter[str] = Counter()
         self.liveness = Liveness(world_size, config.heartbeat_timeout_s, now)
         self.roles = CallbackRoles(world_size, config.callback_rank)
-        self.ledger = WindowLedger(world_size)
-        self.elche = ElChe(config.elche_config(world_size), world_size)
-        self.guard: ConvergenceGuard = self._make_guard(None)
-        self.meta = LrEventMeta() if config.meta_controller else None
-        init, self._overshoot_ceiling, self._overshoot_auto = config.overshoot_bounds
-        self._overshoot_initial = init
-        self.overshoot = init
+        self.callbacks = EpochCallbacks(config.checkpoint_every, config.eval_every)
+        point = None if resume is None else ResumeState.from_dict(resume, config, world_size)
+        self.feedback = WindowFeedback(config, world_size, None if point is None else point.elche)
 
         self.round = 0  # rounds triggered
         self.avg_count = 0  # rounds finished
         self.global_step = 0
         self.cycle: _Cycle | None = None
         self._abandoned = 0
-        self._last_sync_ms = 0.0
         self._step_count = [0] * world_size  # monotonic per-rank counter
         self._step_base = [0] * world_size  # counter value at the last finished reduce
         self._throttled: set[int] = set()
-        self._lr: list[float | None] = [None] * world_size
         self._started = False
         self._final_reduced = False
         self._final_eval_rank = -1
-        self._pending_callbacks: list[tuple[str, int]] = []  # ("checkpoint" | "eval", epoch)
         self._held: list[Out] = []  # data for ranks held at the barrier while a cycle is in flight
         self._out: list[Out] = []
         self._now = now
 
         # Epochs: the lowest epoch not yet aggregated is `last_aggregated + 1`.
         self.last_aggregated = -1
-        self._metrics: dict[int, list[EpochMetrics]] = {}
+        self._metrics: dict[int, list[rec.EpochMetrics]] = {}
         # What the last finished consensus contains (for state_dict).
         self._consensus_coverage: dict[int, list[Span]] = {}
         self._consensus_aggregated = -1
         self._consensus_complete = -1  # every sample of epochs <= this is in the last consensus
-        self.elche.set_epoch_cap(config.batches_per_epoch)
-        coverage = self._restore(resume) if resume is not None else {}
-        # Built after the restore: the strategy reads the restored ElChe.
+        coverage: dict[int, list[Span]] = {}
+        if point is not None:
+            self.global_step = point.global_step
+            self.avg_count = self.round = point.round
+            self.last_aggregated = self._consensus_aggregated = point.epoch - 1
+            self._consensus_complete = point.epoch - 1
+            coverage = point.coverage
         self.dispatch: DispatchStrategy
         if self.mode.progressive:
             self.dispatch = ChunkStream(
@@ -316,7 +288,7 @@ class Coordinator:
                 f"routed it wrongly or the rank is misconfigured (check FLODL_RANK)"
             )
         if self._over:
-            if isinstance(record, Exiting):
+            if isinstance(record, rec.Exiting):
                 self.liveness.exit(rank)
             self.ignored["after_end"] += 1
             return self._flush()
@@ -368,13 +340,10 @@ class Coordinator:
         """The service could not deliver `record`, one of our outputs, to `rank`.
 
         The rank takes the failure path of `on_rank_death` (it counts towards
-        `max_failure`), which also returns what the record carried, so no
-        sample is lost: a progressive chunk (`StartEpoch`, `Update.next_plan`)
-        is the rank's in-flight chunk and is forfeited to the reclaimed queue,
-        where a survivor redoes it first (a `ChunkPool.rollback` into the
-        rank's own span would leave it to be stolen last); under Sync an
-        undelivered `StartEpoch` or `ExtendPartition` cannot have been trained,
-        so it is part of the remainder handed on by `ExtendPartition`.
+        `max_failure`), which hands on what the record carried: a chunk is
+        forfeited to the reclaimed queue, where a survivor redoes it first (a
+        `ChunkPool.rollback` into the rank's own span would leave it to be
+        stolen last); an untrained Sync span is part of the dead rank's remainder.
         """
         self._require_started(f"failed send of {type(record).__name__} to rank {rank}")
         self._now = now
@@ -422,44 +391,38 @@ class Coordinator:
         return self._over
 
     @property
+    def elche(self) -> ElChe:
+        """The per-rank batch-count schedule (kept by `feedback`)."""
+        return self.feedback.elche
+
+    @property
+    def overshoot(self) -> int:
+        """Async's lookahead past a rank's window, in steps (tuned by `feedback`)."""
+        return self.feedback.overshoot
+
+    @property
     def window_steps(self) -> list[int]:
         """Each rank's steps since the last finished reduce."""
         return [c - b for c, b in zip(self._step_count, self._step_base, strict=True)]
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resume needs, as of the last finished consensus (JSON-able)."""
-        state = self.elche.state()
-        if isinstance(self.guard, TrendGuard):
-            state = dataclasses.replace(state, trend_history=tuple(self.guard.history()))
-        epoch = self._consensus_aggregated + 1
-        return {
-            "world_size": self.world_size,
-            "mode": self.mode.value,
-            "seed": self.config.seed,
-            "total_samples": self.config.total_samples,
-            "batch_size": self.config.batch_size,
-            "epoch": epoch,
-            "global_step": self.global_step,
-            "round": self.avg_count,
-            "elche": state.to_dict(),
-            "coverage": {
-                str(e): [list(s) for s in spans]
-                for e, spans in sorted(self._consensus_coverage.items())
-                if e >= epoch
-            },
-        }
+        """What a resume needs, as of the last finished consensus (JSON-able; see resume.py)."""
+        return ResumeState(
+            epoch=self._consensus_aggregated + 1, global_step=self.global_step,
+            round=self.avg_count, elche=self.feedback.state(), coverage=self._consensus_coverage,
+        ).to_dict(self.config, self.world_size)
 
     # ================================================================ record handlers
 
-    def _on_batch(self, rank: int, m: Batch, now: float) -> None:
+    def _on_batch(self, rank: int, m: rec.Batch, now: float) -> None:
         self._count_steps(rank, m.step_count)
-        self.ledger.record_batch(rank, m.batch_ms, m.data_ms, m.batch_loss)
+        self.feedback.ledger.record_batch(rank, m.batch_ms, m.data_ms, m.batch_loss)
         self._check_throttle()
 
-    def _on_heartbeat(self, rank: int, m: Heartbeat, now: float) -> None:
+    def _on_heartbeat(self, rank: int, m: rec.Heartbeat, now: float) -> None:
         self._count_steps(rank, m.step_count)
 
-    def _on_sync_ack(self, rank: int, m: SyncAck, now: float) -> None:
+    def _on_sync_ack(self, rank: int, m: rec.SyncAck, now: float) -> None:
         # The ack's step_count is deliberately ignored: CPU acks carry none
         # that means anything, and folding one in once wedged the gate upstream.
         cyc = self.cycle
@@ -475,46 +438,34 @@ class Coordinator:
             sample = DivergenceSample(m.divergence, m.post_norm, m.pre_norm)
         cyc.acks[rank] = sample
 
-    def _on_snapshot_ready(self, rank: int, m: SnapshotReady, now: float) -> None:
-        cyc = self.cycle
-        if cyc is None or m.round != cyc.round:
+    def _on_snapshot_ready(self, rank: int, m: rec.SnapshotReady, now: float) -> None:
+        # Nothing to learn from it (the round's clock is the controller's); a stale one is counted.
+        if self.cycle is None or m.round != self.cycle.round:
             self.ignored["stale_round"] += 1
-            return
-        # RequestParams -> SnapshotReady is an honest per-rank upload latency,
-        # measured before any barrier wait.
-        cyc.upload_ms.setdefault(rank, (now - cyc.started_at) * 1000.0)
 
-    def _on_exiting(self, rank: int, m: Exiting, now: float) -> None:
+    def _on_exiting(self, rank: int, m: rec.Exiting, now: float) -> None:
         self._lose_rank(rank, failure=False, now=now)
 
-    def _on_lr(self, rank: int, m: LrUpdate, now: float) -> None:
-        self._lr[rank] = m.lr
+    def _on_lr(self, rank: int, m: rec.LrUpdate, now: float) -> None:
+        self.feedback.on_lr(rank, m.lr)
 
-    def _on_eval_result(self, rank: int, m: EvalResult, now: float) -> None:
-        # Eval time is not training time, success or not.
-        self.ledger.absorb_callback_cost(rank, m.elapsed_ms)
-        self.roles.eval_ms.update(m.elapsed_ms)
+    def _on_callback_done(self, rank: int, m: Any, now: float) -> None:
+        """A `CheckpointResult` or `EpochFnElapsed` (and every `EvalResult`)."""
+        # Callback time is not training time, success or not.
+        self.feedback.ledger.absorb_callback_cost(rank, m.elapsed_ms)
+        retry = self.roles.on_result(rank, m, self.liveness.live_mask)
+        if retry is not None:
+            self._emit(retry.target_rank, retry)
+
+    def _on_eval_result(self, rank: int, m: rec.EvalResult, now: float) -> None:
+        self._on_callback_done(rank, m, now)
         if m.error is None:
             self._to_live(rec.EvalBroadcast(epoch=m.epoch, metric=m.metric))
         self._emit(CONTROLLER, m)
         if m.schedule_id == FINAL_EVAL_ID and self.phase is RunPhase.FINAL_EVAL_DISPATCHED:
             self._shutdown()
 
-    def _on_checkpoint_result(self, rank: int, m: CheckpointResult, now: float) -> None:
-        self.ledger.absorb_callback_cost(rank, m.elapsed_ms)
-        if m.error is None:
-            self.roles.checkpoint_ms.update(m.elapsed_ms)
-            self.roles.checkpoint_succeeded(m.version, rank)
-            return
-        nxt = self.roles.checkpoint_failed(m.version, rank, self.liveness.live_mask)
-        if nxt is not None:
-            self._emit(nxt, rec.Checkpoint(version=m.version, target_rank=nxt))
-
-    def _on_epoch_fn(self, rank: int, m: EpochFnElapsed, now: float) -> None:
-        self.ledger.absorb_callback_cost(rank, m.elapsed_ms)
-        self.roles.epoch_fn_ms.update(m.elapsed_ms)
-
-    def _on_metrics(self, rank: int, m: EpochMetrics, now: float) -> None:
+    def _on_metrics(self, rank: int, m: rec.EpochMetrics, now: float) -> None:
         if not self.dispatch.on_metrics(rank, m, self._step_count[rank]):
             self.ignored["late_completion"] += 1
             return
@@ -522,16 +473,16 @@ class Coordinator:
         self._send_plan(rank)
 
     _HANDLERS: dict[type, Callable[[Coordinator, int, Any, float], None]] = {
-        Batch: _on_batch,
-        Heartbeat: _on_heartbeat,
-        SyncAck: _on_sync_ack,
-        SnapshotReady: _on_snapshot_ready,
-        Exiting: _on_exiting,
-        LrUpdate: _on_lr,
-        EvalResult: _on_eval_result,
-        CheckpointResult: _on_checkpoint_result,
-        EpochFnElapsed: _on_epoch_fn,
-        EpochMetrics: _on_metrics,
+        rec.Batch: _on_batch,
+        rec.Heartbeat: _on_heartbeat,
+        rec.SyncAck: _on_sync_ack,
+        rec.SnapshotReady: _on_snapshot_ready,
+        rec.Exiting: _on_exiting,
+        rec.LrUpdate: _on_lr,
+        rec.EvalResult: _on_eval_result,
+        rec.CheckpointResult: _on_callback_done,
+        rec.EpochFnElapsed: _on_callback_done,
+        rec.EpochMetrics: _on_metrics,
     }
 
     # ================================================================ the cycle
@@ -560,7 +511,7 @@ class Coordinator:
         self._maybe_end(now)
 
     def _should_average(self) -> bool:
-        """The count-based gate (coordinator notes §4.2)."""
+        """The count-based gate: every live rank full, throttled or quiesced, and one stepped."""
         if self.phase is not RunPhase.TRAINING or not self.liveness.live:
             return False
         steps = self.window_steps
@@ -604,35 +555,22 @@ class Coordinator:
         cyc = self.cycle
         assert cyc is not None
         live = self.liveness.live_mask
-        # -- head: feedback to ElChe, the guard and the meta-controller
-        report = self.ledger.report(live, self.mode is not Mode.SYNC, self._last_sync_ms)
-        self.elche.report_window(report)
+        # -- head: what the window teaches the next one (feedback.py)
         moved = [cyc.snapshot[r] - self._step_base[r] for r in range(self.world_size)]
-        live_moved = [moved[r] for r in cyc.ranks if live[r]]
-        div = DivergenceReport.from_samples([cyc.acks.get(r) for r in range(self.world_size)])
-        verdict = self.guard.report(div, sum(live_moved), max(live_moved, default=0))
-        if self.meta is not None:
-            lr = next((x for x in self._lr if x is not None), None)
-            nudge = self.meta.observe(lr, self.elche.anchor, verdict, self.elche.phase)
-            if nudge is not None:
-                self.elche.apply_verdict(nudge)  # discards any pending growth first
-        if verdict.kind is VerdictKind.STABLE and self.mode is Mode.ASYNC:
-            verdict = Verdict.stable(relax_up=self.config.relax_up)
-        self.elche.apply_verdict(verdict)
-        if self._overshoot_auto:
-            if verdict.kind is VerdictKind.STABLE:
-                self.overshoot = min(self.overshoot + 1, self._overshoot_ceiling)
-            elif verdict.kind is VerdictKind.NUDGE_DOWN:
-                self.overshoot = self._overshoot_initial
+        self.feedback.close(
+            live,
+            [cyc.acks.get(r) for r in range(self.world_size)],
+            [moved[r] for r in cyc.ranks if live[r]],
+            (now - cyc.started_at) * 1000.0,
+        )
         if self.elche.is_calibrated:
-            self.roles.on_calibrated(self._smoothed(), live)
+            self.roles.on_calibrated(self.feedback.smoothed_ms(), live)
         # -- counters: only the snapshotted steps are in this consensus
         self.global_step += sum(moved[r] for r in cyc.ranks)
         for r in cyc.ranks:
             self._step_base[r] = cyc.snapshot[r]
         self.avg_count += 1
         self._abandoned = 0
-        self._last_sync_ms = (now - cyc.started_at) * 1000.0
         self._consensus_coverage = cyc.coverage
         self._consensus_aggregated = cyc.last_aggregated
         # Behind the hard barrier ranks sit throttled from their deposit to their
@@ -644,8 +582,6 @@ class Coordinator:
         else:
             done = cyc.done_through
         self._consensus_complete = max(self._consensus_complete, done)
-        self.ledger.reset_steps()
-        self.ledger.reset_timing()
         self._throttled.clear()
         self.cycle = None
         # Before the Updates: the eval rank then scores exactly the consensus it
@@ -680,7 +616,7 @@ class Coordinator:
         ):
             return None  # a held rank's next plan rides in this cycle's Update
         return self.dispatch.next_plan(
-            rank, self.window_steps[rank], self.overshoot, self.last_aggregated, self._now
+            rank, self.window_steps[rank], self.feedback.overshoot, self.last_aggregated, self._now
         )
 
     def _send_plan(self, rank: int) -> None:
@@ -732,29 +668,12 @@ class Coordinator:
         """Entering `epoch`: its callbacks (held until the cycle is idle), then its data."""
         if epoch >= self.config.num_epochs:
             return
-        if is_due(epoch, self.config.checkpoint_every):
-            self._pending_callbacks.append(("checkpoint", epoch))
-        if is_due(epoch, self.config.eval_every):
-            self._pending_callbacks.append(("eval", epoch))
+        self.callbacks.entering(epoch)
         self._open_epoch(epoch)
 
     def _flush_callbacks(self) -> None:
-        # Each is held until a finished consensus contains the whole epoch that
-        # ended before it (not merely until the cycle is idle: under Sync the
-        # cycle is almost never idle); targets resolve now, after any failover.
-        due = [(k, e) for k, e in self._pending_callbacks if e - 1 <= self._consensus_complete]
-        self._pending_callbacks = [c for c in self._pending_callbacks if c not in due]
-        for kind, epoch in due:
-            if kind == "checkpoint":
-                target = self.roles.checkpoint
-                record: Any = rec.Checkpoint(version=epoch, target_rank=target)
-            else:
-                target = self.roles.eval
-                # Always score the consensus: the live model may be mid-window
-                # or an EASGD blend.
-                record = rec.ExecuteEval(
-                    schedule_id=epoch, epoch=epoch, target_rank=target, adopt_consensus=True
-                )
+        """Eval and checkpoint calls whose epoch the last consensus holds whole (roles.py)."""
+        for target, record in self.callbacks.release(self._consensus_complete, self.roles):
             if self.liveness.is_live(target):
                 self._emit(target, record)
 
@@ -797,12 +716,16 @@ class Coordinator:
     # ================================================================ deaths
 
     def _lose_rank(self, rank: int, failure: bool, now: float) -> None:
-        """The death side-effect chain (notes §5.2); a clean exit takes it too, minus the failure."""
+        """`rank` left: its roles move, the reducer stops waiting, its data is handed on.
+
+        The run ends with a save if too many failed or nobody is left. A
+        clean exit takes this path too, without counting a failure.
+        """
         left = self.liveness.fail(rank) if failure else self.liveness.exit(rank)
         if not left:
             return
         self._throttled.discard(rank)
-        self.roles.on_death(rank, self._smoothed(), self.liveness.live_mask)
+        self.roles.on_death(rank, self.feedback.smoothed_ms(), self.liveness.live_mask)
         # The reducer must not wait for a deposit that will never come.
         self._emit(REDUCER, rec.DeclareDead(rank=rank))
         # What it did not train goes to the survivors (Sync) or back to the pool.
@@ -846,17 +769,6 @@ class Coordinator:
                 self._throttled.add(r)
                 self._emit(r, rec.Throttle())
 
-    def _smoothed(self) -> list[float | None]:
-        return [self.elche.smoothed_ms_per_batch(r) for r in range(self.world_size)]
-
-    def _make_guard(self, history: list[float] | None) -> ConvergenceGuard:
-        kind = self.config.guard
-        if kind is GuardKind.NONE:
-            return NoGuard()
-        if kind is GuardKind.MSF:
-            return MsfGuard()
-        return TrendGuard.with_history(self.config.guard_threshold, history or [])
-
     def _emit(self, dest: int | Target, record: Any) -> None:
         self._out.append(Out(dest, record))
 
@@ -884,35 +796,3 @@ class Coordinator:
                 f"coordinator received {type(what).__name__ if not isinstance(what, str) else what} "
                 f"before start(): call start(now) once the world has formed"
             )
-
-    def _restore(self, state: Mapping[str, Any]) -> dict[int, list[Span]]:
-        """Adopt a checkpoint; returns its coverage (the done spans of its open epochs)."""
-        cfg = self.config
-        for key, want in (
-            ("world_size", self.world_size),
-            ("seed", cfg.seed),
-            ("total_samples", cfg.total_samples),
-            ("batch_size", cfg.batch_size),
-        ):
-            if state.get(key) != want:
-                raise ConfigError(
-                    f"resume: the checkpoint has {key} = {state.get(key)!r} but this run has "
-                    f"{want!r}; resume with the same {key} (the data coverage depends on it)"
-                )
-        es = ElCheState.from_dict(state["elche"])
-        self.elche = ElChe.from_state(cfg.elche_config(self.world_size), self.world_size, es)
-        self.elche.set_epoch_cap(cfg.batches_per_epoch)
-        self.guard = self._make_guard(list(es.trend_history or []))
-        self.global_step = int(state["global_step"])
-        self.avg_count = self.round = int(state["round"])
-        epoch = int(state["epoch"])
-        if not 0 <= epoch <= cfg.num_epochs:
-            raise ConfigError(
-                f"resume: checkpoint epoch {epoch} is outside this run's {cfg.num_epochs} epochs; "
-                f"raise num_epochs to continue training"
-            )
-        self.last_aggregated = self._consensus_aggregated = self._consensus_complete = epoch - 1
-        return {
-            int(e): [(int(o), int(n)) for o, n in spans]
-            for e, spans in state.get("coverage", {}).items()
-        }

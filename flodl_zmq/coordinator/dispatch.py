@@ -14,8 +14,9 @@ Rules this module keeps:
   remainder of its partition (everything after the samples it has processed)
   is split into contiguous `ExtendPartition` spans across the survivors.
 - **No final window leaves a rank at exactly one step.** A one-step rank has no
-  marginal (delivered) timing sample, which forces the whole window's ElChe
-  feed back to the compute scale (§6.5 of the coordinator notes).
+  marginal (delivered) timing sample, and since the two timing scales are never
+  mixed in one window (timing.py), it would force the whole window's ElChe
+  feed back to the compute scale.
 - **An epoch's tail crumb rides in its last full window.** A remainder of up to
   `max_crumb` batches past one full schedule is folded into that window
   instead of getting a window of its own: a crumb window costs a whole
@@ -176,7 +177,7 @@ def chunk_batches(
     overshoot: int,
     final_window: FinalWindowPlan | None,
 ) -> int:
-    """How many batches rank `rank` gets in its next progressive chunk (§6.3); 0 means none.
+    """How many batches rank `rank` gets in its next progressive chunk; 0 means none.
 
     `remaining_batches` is `pool.remaining() // batch_size`; `counts` are
     ElChe's per-rank batch counts; `window_steps` is the rank's steps since the
@@ -329,7 +330,7 @@ def refresh_final_window_plan(
     counts: Sequence[int],
     alive: Sequence[bool],
 ) -> FinalWindowPlan | None:
-    """The final-window plan to use for `epoch` now: keep, re-pin, pin or drop (§6.5).
+    """The final-window plan to use for `epoch` now: keep, re-pin, pin or drop.
 
     Call it at the start of each window of a barrier-paced epoch, before sizing
     that window's chunks. A plan for this epoch whose live counts still match is

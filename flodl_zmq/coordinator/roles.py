@@ -19,17 +19,23 @@ Rules this module keeps:
   success clears v's tried set and makes that rank the role.
 - **Epoch-role changes are announced.** `epoch_dirty` stays set until the
   coordinator has broadcast `SetEpochCallbackRole`.
-- **Callback cost is measured** with an EWMA (alpha 0.3) per callback kind,
-  which the last-window slack reservation uses.
+- **Callback cost is measured** with an EWMA (alpha 0.3) per callback kind
+  (`checkpoint_ms`, `eval_ms`, `epoch_fn_ms`), for the record: no scheduling
+  decision reads it yet. (The ledger already keeps callback time out of the
+  window's timing.)
 
-Cadence: eval and checkpoint fire at the boundary *into* epoch e (e > 0) when
-e is a multiple of their cadence; version e means "the state after epoch
-e - 1".
+Cadence (`EpochCallbacks`): eval and checkpoint fire at the boundary *into*
+epoch e (e > 0) when e is a multiple of their cadence; version e means "the
+state after epoch e - 1". Each is held until a finished consensus contains
+every sample of epoch e - 1, so the rank scores or saves exactly that epoch's
+consensus; its target is resolved only then, after any failover.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from flodl_zmq.wire import records as rec
 
 EWMA_ALPHA = 0.3
 
@@ -115,6 +121,26 @@ class CallbackRoles:
         self._tried.pop(version, None)
         self.checkpoint = rank
 
+    def on_result(
+        self,
+        rank: int,
+        m: rec.EvalResult | rec.CheckpointResult | rec.EpochFnElapsed,
+        live: Sequence[bool],
+    ) -> rec.Checkpoint | None:
+        """A callback on `rank` finished: measure its cost; a failed checkpoint's retry, if any."""
+        if isinstance(m, rec.EvalResult):
+            self.eval_ms.update(m.elapsed_ms)
+        elif isinstance(m, rec.EpochFnElapsed):
+            self.epoch_fn_ms.update(m.elapsed_ms)
+        elif m.error is None:
+            self.checkpoint_ms.update(m.elapsed_ms)
+            self.checkpoint_succeeded(m.version, rank)
+        else:
+            nxt = self.checkpoint_failed(m.version, rank, live)
+            if nxt is not None:
+                return rec.Checkpoint(version=m.version, target_rank=nxt)
+        return None
+
     def tried(self, version: int) -> int:
         return len(self._tried.get(version, ()))
 
@@ -129,3 +155,42 @@ class CallbackRoles:
 
 def _lowest(live: Sequence[bool]) -> int | None:
     return next((r for r, a in enumerate(live) if a), None)
+
+
+class EpochCallbacks:
+    """Eval and checkpoint calls due at epoch boundaries, held until a consensus holds the epoch."""
+
+    def __init__(self, checkpoint_every: int, eval_every: int) -> None:
+        self.checkpoint_every = checkpoint_every
+        self.eval_every = eval_every
+        self._pending: list[tuple[str, int]] = []  # ("checkpoint" | "eval", epoch), in order
+
+    def entering(self, epoch: int) -> None:
+        """The run enters `epoch`: queue the callbacks its cadence makes due."""
+        if is_due(epoch, self.checkpoint_every):
+            self._pending.append(("checkpoint", epoch))
+        if is_due(epoch, self.eval_every):
+            self._pending.append(("eval", epoch))
+
+    def release(
+        self, complete_through: int, roles: CallbackRoles
+    ) -> list[tuple[int, rec.Checkpoint | rec.ExecuteEval]]:
+        """The calls whose epoch ended at or before `complete_through`, with their target ranks.
+
+        Held until then, not merely until the cycle is idle: under Sync the
+        cycle is almost never idle. Targets resolve now, after any failover.
+        """
+        due = [(k, e) for k, e in self._pending if e - 1 <= complete_through]
+        self._pending = [c for c in self._pending if c not in due]
+        out: list[tuple[int, rec.Checkpoint | rec.ExecuteEval]] = []
+        for kind, epoch in due:
+            if kind == "checkpoint":
+                target = roles.checkpoint
+                out.append((target, rec.Checkpoint(version=epoch, target_rank=target)))
+            else:
+                # Always score the consensus: the live model may be mid-window
+                # or an EASGD blend.
+                target = roles.eval
+                out.append((target, rec.ExecuteEval(
+                    schedule_id=epoch, epoch=epoch, target_rank=target, adopt_consensus=True)))
+        return out

@@ -20,18 +20,22 @@ Rules this module keeps:
 * **Callback time is not training time.** Eval, checkpoint and epoch_fn wall
   time is subtracted (clamped at 0) from the rank's compute and delivered
   accumulators, so a rank that spent 2 s checkpointing does not look slow.
-* **Steps and timings reset separately**: the step counters drive the gate
-  and are reset by the backend at its own moment; timing, fill and loss reset
-  at the end of every reduce.
+* **These steps count Batch records, not the gate's steps.** They pair each
+  rank's milliseconds with the batches that took them; the averaging gate
+  counts each rank's own ``step_count`` instead, so a lost ``Batch`` cannot
+  wedge it. Steps, timing, fill and loss all reset at each finished reduce; a
+  round the reducer tears down leaves them to accumulate into the next window.
 * An out-of-range rank is ignored, never raised: a straggler record must not
   crash the coordinator tick (the codec already rejects malformed ranks).
 
-How the coordinator uses this: ``record_batch`` for every Batch record,
+How it is used: ``WindowFeedback`` (feedback.py) owns the ledger. The
+coordinator calls ``record_batch`` for every Batch record and
 ``absorb_callback_cost`` for every EvalResult / CheckpointResult /
-EpochFnElapsed, ``steps`` for the averaging gate, and at the reduce
-``report(live, delivered_feed, sync_ms)`` → ``ElChe.report_window``;
-``cohort_step_stats`` gives the guard's ``k_used`` / ``k_max``. Then
-``reset_steps`` (before sizing post-reduce dispatch) and ``reset_timing``.
+EpochFnElapsed; at each finished reduce ``WindowFeedback.close`` calls
+``report(live, delivered_feed, sync_ms)`` → ``ElChe.report_window``, then
+``reset_steps`` and ``reset_timing``. The other queries (``steps``,
+``cohort_step_stats``, ``mean_loss``) serve tests and logs; the guard's
+``k_used`` / ``k_max`` come from the coordinator's step snapshot.
 """
 
 from __future__ import annotations
@@ -138,7 +142,7 @@ class WindowLedger:
         self._delivered_ms[rank] = max(0.0, self._delivered_ms[rank] - elapsed_ms)
 
     def reset_steps(self) -> None:
-        """Zero the gate's step counters (the backend decides when)."""
+        """Zero the window's Batch counts (at each finished reduce, with ``reset_timing``)."""
         self._steps = [0] * self.world_size
 
     def reset_timing(self) -> None:

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from flodl_zmq.coordinator.chunk_pool import ChunkPool
-from flodl_zmq.coordinator.dispatch import EpochPlan
 from flodl_zmq.errors import CoordinatorError, TrainingError
+from flodl_zmq.wire.records import EpochPlan
 
 
 def pool(total=100, world=2, batch_size=1, shares=None, epoch=0):

@@ -22,7 +22,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "coordinator", "coordinator.config", "coordinator.core", "coordinator.dispatch",
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
-        "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "formation",
+        "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "coordinator.feedback",
+        "coordinator.resume", "formation",
     ),
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
