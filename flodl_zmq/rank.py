@@ -489,7 +489,7 @@ class RankRuntime:
 
     def _on_control(self, r: Any) -> None:
         # Only Update (and Shutdown) releases a Throttle: new data is no licence to run
-        # ahead of the round in flight (coordinator-notes §4.8).
+        # ahead of the round in flight: the rank was throttled for being too far ahead, and a new span does not change that.
         if isinstance(r, rec.StartEpoch):
             self._add_span(r.plan.epoch, r.plan.offset, r.plan.size)
         elif isinstance(r, rec.Update):
