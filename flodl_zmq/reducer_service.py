@@ -1,4 +1,4 @@
-"""The reducer service: the controller's data plane around the pure RoundLedger.
+"""The reducer service: the controller's data plane around the RoundLedger core (flodl_zmq/reducer.py).
 
 Sockets: a data ROUTER (relays' data DEALERs) and a PUB (relays' SUBs), both
 owned by one thread. Framing toward a relay on the data ROUTER is

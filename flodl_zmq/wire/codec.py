@@ -192,8 +192,9 @@ class Codec:
     """Encodes this sender's records and decodes (and authenticates) everyone's.
 
     One Codec per process role and session key. `encode` is safe to call from
-    one thread per channel (each channel has its own counter); `decode` keeps
-    the replay ledger and belongs to the thread that owns the receiving socket.
+    one thread per channel (each channel has its own counter); `decode` and
+    `decode_from` keep the replay ledger and belong to the thread that owns the
+    receiving socket.
     """
 
     def __init__(self, key: bytes, run_id: bytes, sender: str, limits: Limits | None = None):
