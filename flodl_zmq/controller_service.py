@@ -90,6 +90,7 @@ from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import (
+    AttributionError,
     AuthError,
     CoordinatorError,
     FlodlError,
@@ -102,6 +103,7 @@ from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job
 from flodl_zmq.links import (
     COORDINATOR_SENDER,
+    REDUCER_SENDER,
     RELAY_ROUTE,
     drain,
     rank_identity,
@@ -116,13 +118,15 @@ from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
-from flodl_zmq.wire import Channel, Codec
+from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire import records as rec
 
 # Dispatch records whose loss would strand samples: a failed send returns the chunk to the pool.
 _DISPATCH = (rec.StartEpoch, rec.Update, rec.ExtendPartition)
 
 log = logging.getLogger(__name__)
+# The controller's SUB carries only the reducer's broadcasts.
+FROM_REDUCER = Attribution.signed_by(REDUCER_SENDER, "the reducer's broadcast")
 
 POLL_S = 0.02
 END_DRAIN_S = 1.0
@@ -307,7 +311,11 @@ class ControllerService:
 
     def _on_broadcast(self, frames: list[Any]) -> None:
         try:
-            env = self.codec.decode(frames, Channel.BROADCAST, replay=False)
+            env = self.codec.decode_from(frames, Channel.BROADCAST, FROM_REDUCER, replay=False)
+        except AttributionError as exc:
+            self.counts["forged_route.bcast"] += 1
+            log.warning("controller: dropped: %s", exc)
+            return
         except WireError as exc:
             self.counts["rejected.bcast"] += 1
             log.warning("controller: rejected a broadcast record: %s", exc)
@@ -333,7 +341,12 @@ class ControllerService:
             return
         relay_id, route = msg[0].bytes, msg[1].bytes
         try:
-            env = self.codec.decode(msg[2:], Channel.CONTROL)
+            env = self.codec.decode_from(msg[2:], Channel.CONTROL, lambda r: self._signer_of(relay_id, route, r))
+        except AttributionError as exc:
+            hello = exc.kind == rec.RelayHello.KIND
+            self.counts["bad_hello.control" if hello else "forged_route.control"] += 1
+            log.log(logging.ERROR if hello else logging.WARNING, "controller: dropped: %s", exc)
+            return
         except WireError as exc:
             self.counts["rejected.control"] += 1
             if isinstance(exc, AuthError):
@@ -344,12 +357,6 @@ class ControllerService:
             self._on_relay(relay_id, env)
             return
         rank = rank_of(route)
-        if rank is None or rank not in self.host_of or env.sender != rank_sender(rank) or (
-            self.relay_route.get(self.host_of[rank]) != relay_id
-        ):
-            self.counts["forged_route.control"] += 1
-            log.warning("controller: %s signed by %r routed as %r; dropped", env.kind, env.sender, route)
-            return
         record = env.record
         if isinstance(record, rec.RankHello):
             self._on_hello(rank, record)
@@ -374,19 +381,37 @@ class ControllerService:
             raise
         self._perform(outs)
 
+    def _signer_of(self, relay_id: bytes, route: bytes, record: Any) -> Attribution:
+        """Who may sign a control record that came through `relay_id` with `route`.
+
+        A rank's record must come through its own host's relay; a relay's own
+        record is signed by that relay (a hello names the host it claims).
+        """
+        if route == RELAY_ROUTE:
+            where = f"relay connection {relay_id!r}"
+            if isinstance(record, rec.RelayHello):
+                return Attribution.signed_by(relay_sender(record.host), where)
+            host = next((h for h, rid in self.relay_route.items() if rid == relay_id), None)
+            return Attribution.nobody(where) if host is None else Attribution.signed_by(relay_sender(host), where)
+        rank = rank_of(route)
+        where = f"route {route!r} through relay {relay_id!r}"
+        if rank is None or rank not in self.host_of or self.relay_route.get(self.host_of[rank]) != relay_id:
+            return Attribution.nobody(where)
+        return Attribution.signed_by(rank_sender(rank), where)
+
     def _on_relay(self, relay_id: bytes, env: Any) -> None:
         r = env.record
         if isinstance(r, rec.RelayHello):
             want = self.world.get(r.host)
-            if env.sender != relay_sender(r.host) or want is None or sorted(r.ranks) != sorted(want):
+            if want is None or sorted(r.ranks) != sorted(want):
                 self.counts["bad_hello.control"] += 1
                 log.error("controller: refused relay hello from %r for %r with ranks %s", env.sender, r.host, r.ranks)
                 return
             self.relay_route[r.host] = relay_id
             self._send_route(relay_id, RELAY_ROUTE, rec.RelayHelloAck())
         elif isinstance(r, rec.RankExit):
-            host = next((h for h, rid in self.relay_route.items() if rid == relay_id), None)
-            if host is None or r.rank not in self.world[host] or env.sender != relay_sender(host):
+            host = next(h for h, rid in self.relay_route.items() if rid == relay_id)  # attributed: known
+            if r.rank not in self.world[host]:
                 self.counts["forged_route.control"] += 1
                 return
             self._declare_dead(r.rank, f"the relay on {host} saw it leave")

@@ -39,6 +39,18 @@ class FramingError(WireError):
     """Wrong number of frames, or a payload frame whose length or shape disagrees with its header."""
 
 
+class AttributionError(WireError):
+    """An authentic frame whose signer is not the one its route names: a peer speaking for another.
+
+    `kind` is the record kind, `signer` the authenticated sender, `expected` the
+    signer the route names (None when the route names nobody: an unknown peer).
+    """
+
+    def __init__(self, message: str, *, kind: str = "", signer: str = "", expected: str | None = None):
+        super().__init__(message)
+        self.kind, self.signer, self.expected = kind, signer, expected
+
+
 class ReplayError(WireError):
     """A sequence or round number did not increase: a replayed or reordered message."""
 

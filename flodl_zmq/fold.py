@@ -1,6 +1,11 @@
-"""The host fold station: one relay sums its local ranks' deposits into one HostFrame (pure core).
+"""The host fold station: one relay sums its local ranks' deposits into one HostFrame.
 
-The contract of a deposit (realized-work algebra, protocol-notes §9): a rank
+A core: no sockets, no clocks, inputs in and outcomes out. It is not pure: it
+keeps reused sum images between rounds, and a large sum is split over the
+shared worker threads (flodl_zmq.threads), each with its own scratch block.
+
+The contract of a deposit (realized-work algebra: the consensus is the
+mass-weighted mean of the deposits, each mass the rank's realized work): a rank
 ships its tensors **already multiplied by its mass** (its realized work this
 round) together with that mass. So averaging is three moves: pre-scale at the
 source, sum tensors and masses through every fold tier, divide once at the
@@ -46,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flodl_zmq import threads
-from flodl_zmq.errors import FoldError, ProtocolError
+from flodl_zmq.errors import ConfigError, FoldError, ProtocolError
 from flodl_zmq.tensors import DTYPES, bf16_from_f32, bf16_sum, dtype_name, f32_from_bf16
 
 # (wire dtype name, shape) of each tensor of a round, in order.
@@ -397,7 +402,7 @@ class FoldStation:
     def __init__(self, roster: Iterable[int]) -> None:
         self.roster = frozenset(int(r) for r in roster)
         if not self.roster:
-            raise ValueError("a fold station needs at least one local rank")
+            raise ConfigError("a fold station needs at least one local rank: give the relay a non-empty rank list")
         self.dead: set[int] = set()
         self.counters = FoldCounters()
         self.poisoned: str | None = None

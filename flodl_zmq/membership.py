@@ -67,7 +67,7 @@ from flodl_zmq.environment import format_world, parse_world
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.io_threads import keep_off_the_data_plane
 from flodl_zmq.security import CleartextWarner, CurveKeys, apply_server
-from flodl_zmq.wire import KEY_BYTES, PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec
+from flodl_zmq.wire import KEY_BYTES, PROTOCOL_VERSION, RUN_ID_BYTES, Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     Abort,
     JoinAccept,
@@ -680,8 +680,8 @@ class MembershipService:
             self._on_member_frame(ident, host, frames)
             return
         try:
-            env = self._join.decode(frames, Channel.JOIN, replay=False)
-            self._join.check_sequence(Channel.JOIN, f"{ident.hex()}/{env.sender}", env.seq)
+            # Before admission the hello introduces its sender; its numbers are kept per connection.
+            env = self._join.decode_from(frames, Channel.JOIN, Attribution.anyone("a join link", scope=ident.hex()))
         except VersionError as exc:
             log.warning("join refused, protocol version skew: %s", exc)
             self._send(ident, self._join, JoinReject(f"protocol version skew: {exc}"))
@@ -724,8 +724,9 @@ class MembershipService:
 
     def _on_member_frame(self, ident: bytes, host: str, frames: list[Any]) -> None:
         try:
-            env = self._session.decode(frames, Channel.JOIN, replay=False)
-            self._session.check_sequence(Channel.JOIN, f"{ident.hex()}/{env.sender}", env.seq)
+            # An admitted agent signs with the host name its hello gave.
+            sender = Attribution.signed_by(host, f"host {host!r}'s join link", scope=ident.hex())
+            env = self._session.decode_from(frames, Channel.JOIN, sender)
         except WireError as exc:
             log.warning("frame from host %r dropped: %s", host, exc)
             return

@@ -488,8 +488,8 @@ class RankRuntime:
     # -- records ----------------------------------------------------------
 
     def _on_control(self, r: Any) -> None:
-        # Only Update (and Shutdown) releases a Throttle: new data is no licence to run
-        # ahead of the round in flight (coordinator-notes §4.8).
+        # Only Update (and Shutdown) releases a Throttle: new data is no licence to run ahead
+        # of the round in flight; the rank was throttled for being too far ahead, and still is.
         if isinstance(r, rec.StartEpoch):
             self._add_span(r.plan.epoch, r.plan.offset, r.plan.size)
         elif isinstance(r, rec.Update):

@@ -1,4 +1,4 @@
-"""The reducer service: the controller's data plane around the pure RoundLedger.
+"""The reducer service: the controller's data plane around the RoundLedger core (flodl_zmq/reducer.py).
 
 Sockets: a data ROUTER (relays' data DEALERs) and a PUB (relays' SUBs), both
 owned by one thread. Framing toward a relay on the data ROUTER is
@@ -44,7 +44,7 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.errors import ConfigError, FlodlError, ProtocolError, WireError
+from flodl_zmq.errors import AttributionError, ConfigError, FlodlError, ProtocolError, WireError
 from flodl_zmq.io_threads import controller_context, io_affinity
 from flodl_zmq.links import (
     REDUCER_SENDER,
@@ -58,7 +58,7 @@ from flodl_zmq.links import (
 )
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.security import CurveKeys, apply_server
-from flodl_zmq.wire import Channel, Codec
+from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     Consensus,
     ConsensusGone,
@@ -267,22 +267,25 @@ class ReducerService:
 
     def _on_message(self, msg: list[zmq.Frame]) -> None:
         route = msg[0].bytes
-        try:
-            env = self._codec.decode(msg[1:], Channel.DATA, replay=False)
-            rec = env.record
-            # The relay this route belongs to (a hello names its own); checked before the
-            # sequence, so one relay cannot burn another's sequence numbers.
+
+        def relay_of(rec: Any) -> Attribution:
+            # The relay this route belongs to; a hello names its own (and _hello binds the route to it).
             host = rec.host if isinstance(rec, RelayHello) else self._host_of.get(route)
-            if host is None or env.sender != relay_sender(host):
-                self._count["unknown_peer" if host is None else "forged_sender"] += 1
-                log.warning("reducer: %s signed by %r from an unregistered or other relay; dropped",
-                            env.kind, env.sender)
-                return
-            self._codec.check_sequence(Channel.DATA, env.sender, env.seq)
+            where = f"relay route {route!r}"
+            return Attribution.nobody(where) if host is None else Attribution.signed_by(relay_sender(host), where)
+
+        try:
+            env = self._codec.decode_from(msg[1:], Channel.DATA, relay_of)
+        except AttributionError as exc:
+            self._count["unknown_peer" if exc.expected is None else "forged_sender"] += 1
+            log.warning("reducer: dropped: %s", exc)
+            return
         except WireError as exc:
             self._count["rejected"] += 1
             log.warning("reducer: rejected a data record: %s", exc)
             return
+        rec = env.record
+        host = rec.host if isinstance(rec, RelayHello) else self._host_of[route]
         if isinstance(rec, RelayHello):
             self._hello(route, rec)
             return

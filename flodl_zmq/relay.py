@@ -72,7 +72,7 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.errors import ConfigError, FlodlError, FoldError, WireError
+from flodl_zmq.errors import AttributionError, ConfigError, FlodlError, FoldError, WireError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.links import (
     REDUCER_SENDER,
@@ -90,7 +90,7 @@ from flodl_zmq.links import (
     tune_loopback,
 )
 from flodl_zmq.security import CurveKeys, apply_client
-from flodl_zmq.wire import Channel, Codec, Envelope, key_from_hex
+from flodl_zmq.wire import Attribution, Channel, Codec, Envelope, key_from_hex
 from flodl_zmq.wire.records import (
     Consensus,
     ConsensusGone,
@@ -118,6 +118,8 @@ from flodl_zmq.wire.shm import (
 log = logging.getLogger(__name__)
 
 GOODBYE = "said goodbye"
+# The data thread's upstream socket and SUB carry only the reducer's records.
+FROM_REDUCER = Attribution.signed_by(REDUCER_SENDER, "the reducer's link")
 
 @dataclass(frozen=True)
 class RelayConfig:
@@ -395,24 +397,20 @@ class Relay:
 
     def _verify(self, codec: Codec, frames: list[Any], channel: Channel, rank: int, count, where: str,
                 mapped: SegmentMap | None = None) -> Envelope | None:
-        """Decode a rank's record; None (counted) unless it is authentic, fresh and from `rank` itself.
+        """Decode a rank's record; None (counted) unless it is authentic, from `rank` itself, and fresh.
 
         With `mapped`, a by-reference message is read from that rank's own segment.
-        The sequence check comes after the route check, so one rank cannot burn
-        another rank's sequence numbers and lock it out.
         """
+        sender = Attribution.signed_by(rank_sender(rank), f"rank {rank}'s connection", rank=rank)
         try:
             if mapped is not None:
-                env = mapped.decode(codec, frames, rank_owner(rank), channel, replay=False)
+                env = mapped.decode(codec, frames, rank_owner(rank), channel, sender=sender)
             else:
-                env = codec.decode(frames, channel, replay=False)
-            named = getattr(env.record, "rank", rank)
-            if env.sender != rank_sender(rank) or named != rank:
-                count[f"forged_route.{where}"] += 1
-                log.warning("relay %s: %s signed by %r (naming rank %s) arrived as rank %d; dropped",
-                            self.config.host, env.kind, env.sender, named, rank)
-                return None
-            codec.check_sequence(channel, env.sender, env.seq)
+                env = codec.decode_from(frames, channel, sender)
+        except AttributionError as exc:
+            count[f"forged_route.{where}"] += 1
+            log.warning("relay %s: dropped: %s", self.config.host, exc)
+            return None
         except WireError as exc:
             count[f"rejected.{where}"] += 1
             log.warning("relay %s: rejected a %s record routed as rank %d: %s", self.config.host, channel.value,
@@ -581,11 +579,10 @@ class _DataPlane:
             self.count["rejected.upstream_data"] += 1
             return
         try:
-            env = self.codec.decode(msg[1:], Channel.DATA, replay=False)
-            if env.sender != REDUCER_SENDER:
-                self.count["forged_route.upstream_data"] += 1
-                return
-            self.codec.check_sequence(Channel.DATA, env.sender, env.seq)
+            env = self.codec.decode_from(msg[1:], Channel.DATA, FROM_REDUCER)
+        except AttributionError:
+            self.count["forged_route.upstream_data"] += 1
+            return
         except WireError as exc:
             self.count["rejected.upstream_data"] += 1
             log.warning("relay %s: rejected a record from the reducer: %s", self.cfg.host, exc)
@@ -611,13 +608,13 @@ class _DataPlane:
         try:
             # No sequence check: a resend is byte-identical to the broadcast and
             # may come after later rounds; the round id is the replay guard.
-            env = self.codec.decode(frames, Channel.BROADCAST, replay=False)
+            env = self.codec.decode_from(frames, Channel.BROADCAST, FROM_REDUCER, replay=False)
+        except AttributionError:
+            self.count[f"forged_route.{where}"] += 1
+            return
         except WireError as exc:
             self.count[f"rejected.{where}"] += 1
             log.warning("relay %s: rejected a broadcast record: %s", self.cfg.host, exc)
-            return
-        if env.sender != REDUCER_SENDER:
-            self.count[f"forged_route.{where}"] += 1
             return
         rec = env.record
         if isinstance(rec, Probe):

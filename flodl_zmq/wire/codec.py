@@ -9,12 +9,22 @@ Rules this module keeps (normative text: protocol/PROTOCOL.md):
 - Decoding checks, in this order, and raises on the first failure: frame
   count, header size, msgpack well-formedness under limits, protocol version,
   header schema, payload descriptors against the frames (count, length,
-  shape), limits, MAC, run id, channel, record kind and fields, sequence
-  (replay). Cheap structural checks come before the MAC so a flood of junk
-  costs no hashing; the replay check comes after it, so a forger cannot
-  advance a sender's sequence and lock the honest sender out.
+  shape), limits, then
+    1. the MAC (AuthError),
+    2. run id, channel, record kind and fields,
+    3. attribution: the authenticated signer is the one the frame's route
+       names (AttributionError; `decode_from` only),
+    4. the sequence (ReplayError).
+  Cheap structural checks come before the MAC so a flood of junk costs no
+  hashing. Attribution comes after the MAC, so a forgery is reported as the
+  MAC failure it is, not blamed on a peer; the sequence comes last, so
+  neither a forger nor a peer speaking for another can advance a sender's
+  ledger and lock the honest sender out. Every receiver that knows who a
+  frame must be from calls `Codec.decode_from`, which keeps this order in
+  one place (`_open`).
 - Sequence numbers are per sender and per channel, start at 1 and strictly
-  increase; a receiver remembers the last one it accepted from each sender.
+  increase; a receiver remembers the last one it accepted from each sender,
+  and only an accepted frame moves it.
 - No pickle, no object hooks: msgpack decodes to plain types only.
 """
 
@@ -24,12 +34,13 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgpack
 import numpy as np
 
 from flodl_zmq.errors import (
+    AttributionError,
     AuthError,
     FramingError,
     LimitError,
@@ -88,6 +99,71 @@ class Envelope:
     frames: list[Any] = field(repr=False)
 
 
+@dataclass(frozen=True)
+class Attribution:
+    """Who must have signed a frame, as the receiver knows it from where the frame arrived.
+
+    The route (a rank's connection, a relay's routing id, the reducer's socket)
+    names the signer; a frame's own `from` is believed only when it matches, so
+    one key holder cannot speak, deposit or burn sequence numbers for another.
+    Build one with `signed_by`, `nobody` or `anyone`.
+    """
+
+    route: str  # where the frame arrived, as an error message names it
+    signer: str | None  # the one signer the route names; None: it names nobody (an unknown peer)
+    rank: int | None = None  # a record with a `rank` field must name this rank: a rank speaks for itself only
+    any_signer: bool = False  # a join link before admission: the hello introduces its sender
+    scope: str = ""  # the sequence ledger is kept per (scope, signer), so one connection cannot burn another's
+
+    @classmethod
+    def signed_by(cls, signer: str, route: str, *, rank: int | None = None, scope: str = "") -> Attribution:
+        """Frames on `route` must be signed by `signer` (and name `rank`, when their record has one)."""
+        return cls(route, signer, rank, False, scope)
+
+    @classmethod
+    def nobody(cls, route: str) -> Attribution:
+        """`route` names no signer (no hello registered it): every frame on it is refused."""
+        return cls(route, None)
+
+    @classmethod
+    def anyone(cls, route: str, *, scope: str) -> Attribution:
+        """Any signer, its sequence kept per `scope` (the connection) and signer."""
+        return cls(route, None, None, True, scope)
+
+    def check(self, kind: str, signer: str, record: Any) -> None:
+        """Raise AttributionError unless `signer` (and the record's rank) is what this route names."""
+        if self.any_signer:
+            return
+        if self.signer is None:
+            raise AttributionError(
+                f"{kind} signed by {signer!r} arrived on {self.route}, which no peer registered: a peer that "
+                "never said hello, or one of another run; start every process of the run from the same launch",
+                kind=kind, signer=signer, expected=None,
+            )
+        if signer != self.signer:
+            raise AttributionError(
+                f"{kind} signed by {signer!r} arrived on {self.route}, which only {self.signer!r} may use: a "
+                "process is speaking for another; check that no two processes share a rank or host name",
+                kind=kind, signer=signer, expected=self.signer,
+            )
+        named = getattr(record, "rank", self.rank)
+        if self.rank is not None and named != self.rank:
+            raise AttributionError(
+                f"{kind} signed by {signer!r} on {self.route} names rank {named}: a rank may only speak for "
+                f"itself ({self.rank}); the sending process is misconfigured or forging",
+                kind=kind, signer=signer, expected=self.signer,
+            )
+
+    def ledger_name(self, signer: str) -> str:
+        """The name the sequence ledger keeps `signer`'s numbers under on this route."""
+        return f"{self.scope}/{signer}" if self.scope else signer
+
+
+# Who a frame must be from: fixed by its route, or a rule the decoded record
+# completes (a hello names the host it speaks for before any route knows it).
+Sender: TypeAlias = Attribution | Callable[[Any], Attribution]
+
+
 def _depth(obj: dict | list, limit: int, level: int = 1) -> None:
     """Refuse containers nested deeper than `limit` (plain values are not visited)."""
     if level > limit:
@@ -116,8 +192,9 @@ class Codec:
     """Encodes this sender's records and decodes (and authenticates) everyone's.
 
     One Codec per process role and session key. `encode` is safe to call from
-    one thread per channel (each channel has its own counter); `decode` keeps
-    the replay ledger and belongs to the thread that owns the receiving socket.
+    one thread per channel (each channel has its own counter); `decode` and
+    `decode_from` keep the replay ledger and belong to the thread that owns the
+    receiving socket.
     """
 
     def __init__(self, key: bytes, run_id: bytes, sender: str, limits: Limits | None = None):
@@ -201,7 +278,26 @@ class Codec:
     # ------------------------------------------------------------------ decode
 
     def decode(self, frames: Sequence[Any], channel: Channel, *, replay: bool = True) -> Envelope:
-        """Authenticate and decode one message received on `channel`; raises a WireError subclass."""
+        """Authenticate and decode one message received on `channel`; raises a WireError subclass.
+
+        Believes the message's own sender name: a receiver that knows who a
+        message must be from calls `decode_from` instead.
+        """
+        return self._decode(frames, channel, None, replay)
+
+    def decode_from(self, frames: Sequence[Any], channel: Channel, sender: Sender, *, replay: bool = True) -> Envelope:
+        """Authenticate, attribute and decode one message that must come from `sender`.
+
+        The order is fixed: MAC (AuthError), then run, channel, kind and fields,
+        then the signer against `sender` (AttributionError), then the sequence
+        (ReplayError). A rejected message never moves the sequence ledger, so
+        the genuine sender's next message is still accepted. `sender` is an
+        Attribution, or a rule that builds one from the decoded record.
+        `replay=False` skips only the sequence (broadcasts: PROTOCOL.md 5.1).
+        """
+        return self._decode(frames, channel, sender, replay)
+
+    def _decode(self, frames: Sequence[Any], channel: Channel, sender: Sender | None, replay: bool) -> Envelope:
         lim = self.limits
         if len(frames) < 2:
             raise FramingError(f"a message has at least 2 frames (header, mac); got {len(frames)}")
@@ -214,7 +310,7 @@ class Codec:
         head = self._unpack_header(header_buf)
         descs = self._check_payload(head["p"], payload_bufs)
         _mac.verify_mac(self.key, header_buf, payload_bufs, tag)
-        return self._open(head, descs, payload_bufs, channel, replay, frames)
+        return self._open(head, descs, payload_bufs, channel, sender, replay, frames)
 
     def decode_reference(
         self,
@@ -224,12 +320,14 @@ class Codec:
         resolve: Callable[[memoryview], list[memoryview]],
         channel: Channel,
         *,
+        sender: Sender | None = None,
         replay: bool = True,
     ) -> Envelope:
         """Authenticate and decode a by-reference message (PROTOCOL.md 3.5).
 
         The MAC over header and locator is checked before `resolve` maps the
         locator to the payload views, so an unauthenticated locator opens nothing.
+        With `sender`, the signer is attributed as in `decode_from`, in the same order.
         """
         header_buf, locator_buf, tag_buf = _mac.byte_view(header), _mac.byte_view(locator), _mac.byte_view(tag)
         if header_buf.nbytes > self.limits.max_header_bytes:
@@ -238,7 +336,7 @@ class Codec:
         _mac.verify_reference_mac(self.key, header_buf, locator_buf, tag_buf)
         payload_bufs = resolve(locator_buf)
         descs = self._check_payload(head["p"], payload_bufs)
-        return self._open(head, descs, payload_bufs, channel, replay, [])
+        return self._open(head, descs, payload_bufs, channel, sender, replay, [])
 
     def _open(
         self,
@@ -246,10 +344,15 @@ class Codec:
         descs: list[tuple[str, list[int]]],
         payload_bufs: list[memoryview],
         channel: Channel,
+        sender: Sender | None,
         replay: bool,
         frames: Sequence[Any],
     ) -> Envelope:
-        """The checks after authentication: run, channel, kind, fields, sequence; then the payload views."""
+        """The checks after the MAC, in order: run, channel, kind, fields, attribution, sequence.
+
+        Attribution precedes the sequence so a frame signed by the wrong peer
+        never moves the ledger of the signer it names.
+        """
         if head["run"] != self.run_id:
             raise AuthError(
                 f"frame belongs to run {head['run'].hex()}, this is run {self.run_id.hex()}: "
@@ -265,8 +368,13 @@ class Codec:
         if descs and not spec.carries_payload:
             raise FramingError(f"{spec.kind} carries no tensor payload but {len(descs)} frames came with it")
         rec = from_fields(spec.cls, head["f"], spec.kind)
+        ledger_name = head["from"]
+        if sender is not None:
+            expected = sender if isinstance(sender, Attribution) else sender(rec)
+            expected.check(spec.kind, head["from"], rec)
+            ledger_name = expected.ledger_name(head["from"])
         if replay:
-            self.check_sequence(channel, head["from"], head["seq"])
+            self.check_sequence(channel, ledger_name, head["seq"])
         payload = [
             np.frombuffer(buf, dtype=DTYPES[name]).reshape(shape) for (name, shape), buf in zip(descs, payload_bufs, strict=True)
         ]

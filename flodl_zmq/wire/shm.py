@@ -56,7 +56,7 @@ import numpy as np
 
 from flodl_zmq import threads
 from flodl_zmq.errors import AuthError, FramingError, LimitError, SchemaError
-from flodl_zmq.wire.codec import Codec, Envelope
+from flodl_zmq.wire.codec import Codec, Envelope, Sender
 from flodl_zmq.wire.mac import byte_view
 from flodl_zmq.wire.records import Channel
 
@@ -214,17 +214,21 @@ class SegmentMap:
         self.directory = directory or shm_dir()
         self._maps: dict[str, tuple[str, mmap.mmap]] = {}
 
-    def decode(self, codec: Codec, msg: Sequence[Any], owner: str, channel: Channel, *, replay: bool = True) -> Envelope:
+    def decode(self, codec: Codec, msg: Sequence[Any], owner: str, channel: Channel, *,
+               sender: Sender | None = None, replay: bool = True) -> Envelope:
         """Authenticate and decode a message from ``owner``, framed or by reference; raises a WireError subclass.
 
         By reference, the MAC over header and locator is checked first; then the
         locator may only name a segment of ``owner`` in this run, private to this
-        user, with every frame inside it.
+        user, with every frame inside it. With ``sender``, the signer is
+        attributed as in ``Codec.decode_from``, in the same order.
         """
         if not is_by_reference(msg):
-            return codec.decode(msg, channel, replay=replay)
+            if sender is None:
+                return codec.decode(msg, channel, replay=replay)
+            return codec.decode_from(msg, channel, sender, replay=replay)
         return codec.decode_reference(msg[2], msg[1], msg[3], lambda loc: self._views(loc, owner), channel,
-                                      replay=replay)
+                                      sender=sender, replay=replay)
 
     def _views(self, locator: memoryview, owner: str) -> list[memoryview]:
         try:

@@ -623,6 +623,13 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             {"frames": signed(header(sender=""))},
         ),
         (
+            "misattributed_sender",
+            "a valid MAC from a signer other than the one the route names",
+            "AttributionError",
+            f"only {SENDER!r} may use",
+            {"frames": signed(header(sender="host-a/rank-3"))},
+        ),
+        (
             "replayed_sequence",
             "the same message twice",
             "ReplayError",
@@ -651,6 +658,7 @@ def negative_vectors() -> list[dict[str, Any]]:
                 "key": KEY.hex(),
                 "run_id": RUN_ID.hex(),
                 "channel": extra.get("channel", "control"),
+                "expected_sender": SENDER,
                 "limits": extra.get("limits", {}),
                 "accept_first": [_hex_frames(f) for f in extra.get("accept_first", [])],
                 "frames": _hex_frames(extra["frames"]),
@@ -669,8 +677,8 @@ def main() -> None:
         },
         "rejections.json": {
             "about": "One refused message per rejection cause: a receiver with `key`, `run_id` and `limits` "
-            "(overrides of the defaults) that has accepted `accept_first` on `channel` rejects `frames` with "
-            "`error`. See protocol/PROTOCOL.md, Test vectors.",
+            "(overrides of the defaults) whose route names `expected_sender`, and that has accepted "
+            "`accept_first` on `channel`, rejects `frames` with `error`. See protocol/PROTOCOL.md, Test vectors.",
             "vectors": negative_vectors(),
         },
     }

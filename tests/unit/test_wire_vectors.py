@@ -22,7 +22,16 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from flodl_zmq import errors
 from flodl_zmq.tensors import bf16_from_f32
-from flodl_zmq.wire import REGISTRY, Channel, Codec, EpochPlan, Limits, compute_mac, verify_mac
+from flodl_zmq.wire import (
+    REGISTRY,
+    Attribution,
+    Channel,
+    Codec,
+    EpochPlan,
+    Limits,
+    compute_mac,
+    verify_mac,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "protocol" / "vectors"
@@ -186,12 +195,13 @@ def test_bf16_payload_bits_are_f32_rounded_to_nearest_even() -> None:
 def test_rejection_vector_raises_its_error(vector: dict[str, Any]) -> None:
     receiver = codec_for(vector, limits=Limits(**vector["limits"]))
     channel = Channel(vector["channel"])
+    sender = Attribution.signed_by(vector["expected_sender"], "the vector's route")
     for earlier in vector["accept_first"]:
-        receiver.decode(frames_of(earlier), channel)
+        receiver.decode_from(frames_of(earlier), channel, sender)
     error = getattr(errors, vector["error"])
     assert issubclass(error, errors.WireError)
     with pytest.raises(error) as info:
-        receiver.decode(frames_of(vector["frames"]), channel)
+        receiver.decode_from(frames_of(vector["frames"]), channel, sender)
     assert type(info.value) is error
     assert vector["message_contains"] in str(info.value)
 
