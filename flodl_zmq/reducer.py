@@ -1,7 +1,7 @@
 """The reducer: the controller's round ledger and the divide-once reduce.
 
-The pure core comes first and stands alone (``RoundLedger``: no sockets, no
-clocks); the ZeroMQ service that feeds it belongs below it in this file.
+``RoundLedger`` is the pure core (no sockets, no clocks); the ZeroMQ
+service that feeds it is ``reducer_service.ReducerService``.
 
 Rules the ledger keeps:
 

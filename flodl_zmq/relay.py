@@ -75,6 +75,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import AttributionError, ConfigError, FlodlError, FoldError, WireError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.links import (
+    COORDINATOR_SENDER,
     REDUCER_SENDER,
     RELAY_ROUTE,
     TAG_BCAST,
@@ -120,6 +121,8 @@ log = logging.getLogger(__name__)
 GOODBYE = "said goodbye"
 # The data thread's upstream socket and SUB carry only the reducer's records.
 FROM_REDUCER = Attribution.signed_by(REDUCER_SENDER, "the reducer's link")
+# The control DEALER carries only the coordinator's records (forwarded to ranks verbatim).
+FROM_COORDINATOR = Attribution.signed_by(COORDINATOR_SENDER, "the coordinator's link")
 
 @dataclass(frozen=True)
 class RelayConfig:
@@ -424,7 +427,10 @@ class Relay:
             return
         route = msg[0]
         try:
-            env = codec.decode(msg[1:], Channel.CONTROL)
+            env = codec.decode_from(msg[1:], Channel.CONTROL, FROM_COORDINATOR)
+        except AttributionError:
+            count["forged_route.upstream_control"] += 1
+            return
         except WireError as exc:
             count["rejected.upstream_control"] += 1
             log.warning("relay %s: rejected a record from the coordinator: %s", self.config.host, exc)

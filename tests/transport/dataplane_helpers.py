@@ -14,6 +14,7 @@ import numpy as np
 import zmq
 
 from flodl_zmq.links import (
+    COORDINATOR_SENDER,
     REDUCER_SENDER,
     RELAY_ROUTE,
     TAG_BCAST,
@@ -157,6 +158,7 @@ class FakeController:
 
     def __init__(self, ctx: zmq.Context, key: bytes, run_id: bytes, eps: dict[str, str]):
         self.codec = Codec(key, run_id, REDUCER_SENDER)
+        self.coordinator = Codec(key, run_id, COORDINATOR_SENDER)
         self.decoder = Codec(key, run_id, "test")
         self.control = ctx.socket(zmq.ROUTER)
         self.data = ctx.socket(zmq.ROUTER)
