@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flodl_zmq.endpoints import OFFSETS, ControllerAddress
-from flodl_zmq.environment import ProcessEnv, with_tunables
+from flodl_zmq.environment import CHILD_SCOPES, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import RUN_ID_BYTES, new_key
@@ -115,7 +115,7 @@ class Cluster:
         address = ControllerAddress("127.0.0.1", self.port or free_port_base())
         self.run_id = os.urandom(RUN_ID_BYTES)
         # The run's settings come from our environment, like the controller's; slowdowns from --slow.
-        settings = replace(Settings.from_environ(), slowdown=1.0)
+        settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
         if self.startup_timeout_s is not None:
             settings = replace(settings, startup_timeout_s=self.startup_timeout_s)
         base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
