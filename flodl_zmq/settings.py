@@ -220,7 +220,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("open_admission", False, "admit any agent that reaches the address and hand it the session key; "
             "refused unless the address is loopback or private, and refused together with FLODL_KEY", kind=bool,
             flags=("--open-admission",), env=("FLODL_OPEN_ADMISSION",), commands=("controller",)),
-    Setting("min_ranks", 2, "the fewest ranks the run may start with (at least 2)", kind=int,
+    Setting("min_ranks", 2, "the fewest ranks the run may start with (at least 2: a one-rank world has nothing to "
+            "average)", kind=int,
             flags=("--min-ranks",), env=("FLODL_MIN_RANKS",), commands=("controller",), minimum=2),
     Setting("target_ranks", None, "form the world as soon as this many ranks joined (none: wait for the "
             "window to close)", kind=int, flags=("--target-ranks",), env=("FLODL_TARGET_RANKS",),

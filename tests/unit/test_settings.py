@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from flodl_zmq.api import Trainer
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.settings import SETTINGS, Settings, add_arguments, field_names
 
-OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+ROOT = Path(__file__).resolve().parents[2]
+OPERATIONS = ROOT / "docs" / "operations.md"
 
 
 def parser(command: str) -> argparse.ArgumentParser:
@@ -116,3 +118,10 @@ def test_an_unknown_trainer_keyword_is_named_with_its_close_matches():
     with pytest.raises(TypeError, match=r"'epoch' \(did you mean 'epochs'"):
         Trainer(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                 train_step=lambda m, b: m(b).sum(), dataset=torch.zeros(8, 4), batch_size=2, epoch=3)
+
+
+def test_the_job_takes_its_shared_definitions_from_settings_not_from_the_coordinator():
+    # The job is what the user's script defines; the scheduler's policy types it shares live below both.
+    tree = ast.parse((ROOT / "flodl_zmq" / "job.py").read_text())
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m for m in modules if m.startswith("flodl_zmq.coordinator")}
