@@ -125,3 +125,27 @@ def test_the_job_takes_its_shared_definitions_from_settings_not_from_the_coordin
     tree = ast.parse((ROOT / "flodl_zmq" / "job.py").read_text())
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {m for m in modules if m.startswith("flodl_zmq.coordinator")}
+
+
+def test_a_child_of_an_agent_runs_with_the_controllers_timings_and_its_hosts_slowdown(monkeypatch):
+    import os
+
+    from flodl_zmq.agent import Agent, AgentConfig, Joined
+    from flodl_zmq.endpoints import ControllerAddress
+    from flodl_zmq.environment import ProcessEnv
+    from flodl_zmq.membership import SpawnSpec
+    from flodl_zmq.wire import new_key
+
+    monkeypatch.setenv("FLODL_SLOWDOWN", "2")  # this host's own
+    monkeypatch.setenv("FLODL_RANK_SILENCE_AT_RELAY", "9")  # overruled: the run's timings are the controller's
+    controller = Settings(rank_silence_at_relay_s=3.0, rank_heartbeat_period_s=0.25)
+    spawn = SpawnSpec(("train.py",), env=controller.to_environ(("run",)), world={"h0": (0, 1)})
+    agent = Agent(AgentConfig(ControllerAddress("127.0.0.1", 7300), "h0", ("cpu:0", "cpu:1")))
+    try:
+        joined = Joined(ranks=(0, 1), session_key=new_key(), run_id=os.urandom(16), world_size=2, spawn=spawn)
+        penv = ProcessEnv.from_environ(agent.child_environ(joined, "rank", 1, 1))
+    finally:
+        agent.close()
+    assert penv is not None and penv.rank == 1
+    assert penv.settings.rank_silence_at_relay_s == 3.0 and penv.settings.rank_heartbeat_period_s == 0.25
+    assert penv.slowdown == 2.0
