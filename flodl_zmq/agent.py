@@ -68,6 +68,7 @@ from flodl_zmq.security import (
     CurveKeys,
     apply_client,
 )
+from flodl_zmq.settings import Settings, add_arguments, env_names
 from flodl_zmq.wire import PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec, key_from_hex
 from flodl_zmq.wire.mac import check_key
 from flodl_zmq.wire.records import (
@@ -84,9 +85,10 @@ from flodl_zmq.wire.shm import unlink_run
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
-# Variables of the contract that are tunables, not identity: the controller's
-# SpawnSpec.env may set them for every child.
-TUNABLES = ("FLODL_SLOWDOWN", "FLODL_STARTUP_TIMEOUT")
+DEFAULTS = Settings()  # AgentConfig's timings default to the settings table
+# Variables of the contract that are settings, not identity: the controller's
+# SpawnSpec.env sets the run's for every child, and ours (FLODL_SLOWDOWN) pass through.
+TUNABLES = env_names(("run", "process"))
 
 
 # --------------------------------------------------------------------------- devices
@@ -172,10 +174,10 @@ class AgentConfig:
     key: bytes | None = None
     dataset_sig: bytes = bytes(32)
     model_sig: bytes | None = None
-    reply_timeout_s: float = 30.0
+    reply_timeout_s: float = DEFAULTS.join_reply_timeout_s
     formation_margin_s: float = 10.0
-    heartbeat_s: float = 1.0
-    silence_s: float = 10.0
+    heartbeat_s: float = DEFAULTS.join_heartbeat_period_s
+    silence_s: float = DEFAULTS.controller_silence_at_agent_s
     kill_grace_s: float = 5.0
     curve: CurveKeys | None = None
 
@@ -390,7 +392,7 @@ class Agent:
             local_rank=local_rank,
         ).to_environ()
         for name in TUNABLES:
-            identity.pop(name)
+            identity.pop(name, None)
         # Unbuffered, so forwarded lines arrive as they are printed, not when a buffer fills.
         env = {**with_tunables(os.environ, role), "PYTHONUNBUFFERED": "1", **joined.spawn.env, **identity}
         curve = self.config.curve
@@ -524,14 +526,6 @@ class Agent:
 # --------------------------------------------------------------------------- command line
 
 
-def _cpu_slots_from_env() -> int:
-    text = os.environ.get("FLODL_CPU_SLOTS", "1")
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"FLODL_CPU_SLOTS={text!r} is not a whole number of CPU rank slots (e.g. 2)") from None
-
-
 def add_command(sub: Any) -> None:
     """Register `flodl-zmq agent` on the sub-command parser."""
     p = sub.add_parser(
@@ -547,49 +541,33 @@ def add_command(sub: Any) -> None:
             "refused or failed."
         ),
     )
-    p.add_argument("--controller", default=os.environ.get("FLODL_CONTROLLER"),
-                   help="controller address HOST:PORT (env FLODL_CONTROLLER)")
-    p.add_argument("--host", default=os.environ.get("FLODL_AGENT_HOST") or socket.gethostname(),
-                   help="this host's member name, unique in the run (env FLODL_AGENT_HOST; default: hostname)")
-    p.add_argument("--devices", help="devices to offer, e.g. cuda:0,cuda:1 or cpu:0,cpu:1 (default: every GPU "
-                                     "nvidia-smi and CUDA_VISIBLE_DEVICES allow, else --cpu-slots)")
-    p.add_argument("--cpu-slots", type=int, default=_cpu_slots_from_env(),
-                   help="ranks to run on a host without GPUs (env FLODL_CPU_SLOTS; default 1)")
-    p.add_argument("--dataset-sig", default=os.environ.get("FLODL_DATASET_SIG"),
-                   help="the dataset signature the controller expects, 64 hex characters (env FLODL_DATASET_SIG; "
-                        "default: none)")
-    p.add_argument("--join-timeout", type=float, default=30.0,
-                   help="seconds to wait for the controller's answer to the hello (default 30)")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
-                   help="seconds of controller silence that tear this host down (default 10)")
-    p.add_argument("--curve-server", metavar="FILE",
-                   help="the controller's public CURVE certificate (`flodl-zmq curve-keygen`); or its public key "
-                        "in env FLODL_CURVE_SERVER. Turns on CURVE for every link of this host")
-    p.add_argument("--curve-secret", metavar="FILE",
-                   help="this host's secret CURVE certificate, when the controller only admits listed keys "
-                        "(or FLODL_CURVE_SECRET; default: a fresh keypair per run)")
+    add_arguments(p, "agent")  # flags and their variables: flodl_zmq/settings.py
     p.set_defaults(func=_agent_command)
 
 
 def _agent_command(args: Any) -> int:
-    if not args.controller:
+    settings = Settings.from_args(args)
+    if not settings.controller:
         raise ConfigError("the agent needs the controller's address: --controller HOST:PORT (or FLODL_CONTROLLER)")
-    logging.basicConfig(level=logging.INFO, format=f"[{args.host}:agent] %(levelname)s %(message)s")
+    host = settings.agent_host or socket.gethostname()
+    logging.basicConfig(level=logging.INFO, format=f"[{host}:agent] %(levelname)s %(message)s")
     key_hex = os.environ.get("FLODL_KEY", "").strip()
     try:
-        sig = bytes.fromhex(args.dataset_sig) if args.dataset_sig else bytes(32)
+        sig = bytes.fromhex(settings.dataset_sig) if settings.dataset_sig else bytes(32)
     except ValueError:
         raise ConfigError("--dataset-sig must be 64 hex characters") from None
-    explicit = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    devices = settings.devices
+    explicit = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
     config = AgentConfig(
-        controller=ControllerAddress.parse(args.controller),
-        host=args.host,
-        devices=resolve_devices(explicit, args.cpu_slots, os.environ, None if explicit else run_nvidia_smi()),
+        controller=ControllerAddress.parse(settings.controller),
+        host=host,
+        devices=resolve_devices(explicit, settings.cpu_slots, os.environ, None if explicit else run_nvidia_smi()),
         key=key_from_hex(key_hex) if key_hex else None,
         dataset_sig=sig,
-        reply_timeout_s=args.join_timeout,
-        silence_s=args.heartbeat_timeout,
-        curve=CurveKeys.for_client(os.environ, args.curve_secret, args.curve_server),
+        reply_timeout_s=settings.join_reply_timeout_s,
+        heartbeat_s=settings.join_heartbeat_period_s,
+        silence_s=settings.controller_silence_at_agent_s,
+        curve=CurveKeys.for_client(os.environ, settings.curve_secret_file, settings.curve_server_file),
     )
     agent = Agent(config)
     try:

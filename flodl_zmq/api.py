@@ -33,12 +33,11 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import Dataset
 
 from flodl_zmq import bundle
 from flodl_zmq.environment import ProcessEnv
@@ -82,72 +81,14 @@ def hosted(penv: ProcessEnv, link: MembershipLink | None = None) -> Iterator[Non
 class Trainer:
     """A data-parallel training run (see the module docstring for how roles are chosen).
 
-    Arguments:
-        model: factory returning a fresh `nn.Module` (called once per process).
-        optimizer: factory `params -> torch.optim.Optimizer`.
-        train_step: `(model, batch) -> loss`; the framework runs backward and the step.
-        dataset: a map-style torch Dataset, identical on every rank (checked by signature).
-        batch_size: per-rank batch size. epochs: passes over the dataset.
-        mode: "cpu-cadence" (ElChe windows: fast ranks do more batches), "cpu-sync"
-            (equal partitions, average every step of the slowest), "cpu-async"
-            (bounded overshoot, EASGD blend of the consensus).
-        eval_dataset, eval_fn: `eval_fn(model, eval_dataset) -> float`, run on the
-            elected (fastest) rank on the consensus every `eval_every` epochs and once
-            at the end.
-        checkpoint_fn, checkpoint_every: `checkpoint_fn(version, model)` on the elected rank.
-        epoch_fn: `epoch_fn(epoch, model)` on the epoch-callback rank before each epoch.
-        metrics_fn: `metrics_fn(epoch_metrics_dict)` on the controller after each epoch.
-        on_callback_error: "report" (log it with the rank and traceback, keep training)
-            or "stop" (end the run with TrainingError).
-        save_path: stem of the final bundle (`<stem>.pt` + `<stem>.meta.json`), also
-            written by a shutdown-with-save. resume_from: a bundle stem to continue from.
-        seed: shuffle and initialisation seed. torch_threads: threads per rank.
-        quiet: no progress bar and no per-epoch lines.
-        wire_dtype: what a round carries, "f32" or "bf16" (half the bytes; ranks keep
-            f32 weights and the saved model is f32).
-        max_failures: rank failures that end the run (with a save): a count, or a
-            percent of the world such as "25%"; None (default) trains on while any rank lives.
-        heartbeat_timeout_s: a rank silent this long (seconds, > 1) is declared dead.
-        easgd_alpha: cpu-async only: how far a rank moves towards each consensus
-            (0 < a <= 1; None = 0.5).
+    The keywords are the fields of `flodl_zmq.job.Job`, documented there (one
+    place): model, optimizer, train_step, dataset, batch_size and epochs are
+    required; an unknown keyword is a TypeError naming it and its closest
+    matches, a bad value a ConfigError naming the setting.
     """
 
-    def __init__(
-        self,
-        model: Callable[[], torch.nn.Module],
-        optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
-        train_step: Callable[[torch.nn.Module, Any], torch.Tensor],
-        dataset: Dataset,
-        batch_size: int,
-        epochs: int,
-        mode: str = "cpu-cadence",
-        eval_dataset: Dataset | None = None,
-        eval_fn: Callable[[torch.nn.Module, Dataset], float] | None = None,
-        eval_every: int = 1,
-        checkpoint_fn: Callable[[int, torch.nn.Module], None] | None = None,
-        checkpoint_every: int = 0,
-        epoch_fn: Callable[[int, torch.nn.Module], None] | None = None,
-        metrics_fn: Callable[[dict[str, Any]], None] | None = None,
-        on_callback_error: str = "report",
-        save_path: str | None = None,
-        resume_from: str | None = None,
-        seed: int = 42,
-        torch_threads: int = 1,
-        quiet: bool = False,
-        wire_dtype: str = "f32",
-        max_failures: int | str | None = None,
-        heartbeat_timeout_s: float = 30.0,
-        easgd_alpha: float | None = None,
-    ) -> None:
-        self.job = Job(
-            model=model, optimizer=optimizer, train_step=train_step, dataset=dataset,
-            batch_size=batch_size, epochs=epochs, mode=mode, eval_dataset=eval_dataset,
-            eval_fn=eval_fn, eval_every=eval_every, checkpoint_fn=checkpoint_fn,
-            checkpoint_every=checkpoint_every, epoch_fn=epoch_fn, metrics_fn=metrics_fn,
-            on_callback_error=on_callback_error, save_path=save_path, resume_from=resume_from,
-            seed=seed, torch_threads=torch_threads, quiet=quiet, wire_dtype=wire_dtype,
-            max_failures=max_failures, heartbeat_timeout_s=heartbeat_timeout_s, easgd_alpha=easgd_alpha,
-        )
+    def __init__(self, *args: Any, **keywords: Any) -> None:
+        self.job = Job.from_keywords(*args, **keywords)
 
     def run(self) -> TrainResult:
         """Run this process's role; returns the result on the controller and when alone."""
@@ -174,10 +115,13 @@ def run_rank(job: Job, penv: ProcessEnv) -> int:
 
     assert penv.host is not None and penv.rank is not None and penv.local_rank is not None
     control, data = local_endpoints(penv.run_id, penv.host)
+    s = penv.settings
     cfg = RankConfig(
         rank=penv.rank, local_rank=penv.local_rank, world_size=penv.world_size, host=penv.host,
         key=penv.key, run_id=penv.run_id, control_endpoint=control, data_endpoint=data,
-        slowdown=penv.slowdown,
+        slowdown=s.slowdown, heartbeat_s=s.rank_heartbeat_period_s,
+        coordinator_timeout_s=s.coordinator_silence_at_rank_s,
+        first_contact_timeout_s=s.coordinator_first_contact_at_rank_s,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return RankRuntime(job, cfg).run()
@@ -190,9 +134,11 @@ def run_relay(penv: ProcessEnv) -> int:
 
     assert penv.host is not None
     # CURVE keys come from the agent, which puts its own into our environment (FLODL_CURVE_*).
+    s = penv.settings
     cfg = RelayConfig.for_controller(
         penv.host, penv.world[penv.host], penv.key, penv.run_id, penv.controller,
-        curve=CurveKeys.for_client(os.environ),
+        curve=CurveKeys.for_client(os.environ), heartbeat_deadline_s=s.rank_silence_at_relay_s,
+        first_contact_deadline_s=s.rank_first_record_at_relay_s, consensus_deadline_s=s.consensus_wait_at_relay_s,
     )
     relay = Relay(cfg)
     relay.start()

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        # Flag defaults read the environment, so a bad variable is reported here too.
+        # A bad flag or FLODL_* variable is a ConfigError from flodl_zmq/settings.py: exit status 2.
         args = build_parser().parse_args(argv)
         return args.func(args)
     except FlodlError as exc:

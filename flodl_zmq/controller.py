@@ -23,8 +23,8 @@
 `flodl-zmq status --controller HOST:PORT` asks the membership service for
 the cohort's state (`join.status_request`, keyed like a hello) and prints it.
 
-Rules this module keeps: every flag has an environment fallback and the
-help says which; every wait is bounded or interruptible (SIGINT/SIGTERM
+Rules this module keeps: every flag is a setting of flodl_zmq/settings.py,
+with its environment fallback, and the help says which; every wait is bounded or interruptible (SIGINT/SIGTERM
 abort the agents with the reason); the agents are always told how the run
 ended, so none waits out a heartbeat timeout to learn it.
 """
@@ -41,14 +41,14 @@ import sys
 import textwrap
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import DEFAULT_STARTUP_TIMEOUT_S, ProcessEnv, with_tunables
+from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
 from flodl_zmq.io_threads import controller_context
 from flodl_zmq.membership import (
@@ -63,6 +63,7 @@ from flodl_zmq.membership import (
     resolve_trust,
 )
 from flodl_zmq.security import CurveKeys, apply_client, start_allow_list
+from flodl_zmq.settings import Settings, add_arguments
 from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, key_from_hex, new_key
 from flodl_zmq.wire.records import StatusReply, StatusRequest
 
@@ -75,7 +76,11 @@ STATUS_SENDER = "status"
 
 @dataclass(frozen=True)
 class ControllerOptions:
-    """One `flodl-zmq controller` run, validated (see `add_commands` for each field's flag)."""
+    """One `flodl-zmq controller` run, validated.
+
+    `settings`: the timings (join-link heartbeat, host silence, startup) and
+    the run-wide settings shipped to every host in the spawn spec.
+    """
 
     address: ControllerAddress
     argv: tuple[str, ...]
@@ -83,10 +88,8 @@ class ControllerOptions:
     open_admission: bool = False
     key: bytes | None = None
     dataset_sig: bytes | None = None
-    heartbeat_s: float = 1.0
-    silence_s: float = 10.0
     curve: CurveKeys | None = None
-    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    settings: Settings = field(default_factory=Settings)
 
     def __post_init__(self) -> None:
         argv = self.argv
@@ -105,11 +108,6 @@ class ControllerOptions:
                 "no session key: set FLODL_KEY (`flodl-zmq keygen`) on the controller and on every agent, or "
                 "pass --open-admission on a private network to hand a fresh key to each agent that joins"
             )
-        if not self.silence_s > self.heartbeat_s > 0:
-            raise ConfigError(
-                f"--heartbeat-timeout ({self.silence_s:g} s) must exceed the heartbeat interval "
-                f"({self.heartbeat_s:g} s)"
-            )
 
 
 def serve(opts: ControllerOptions) -> int:
@@ -127,7 +125,9 @@ def serve(opts: ControllerOptions) -> int:
     window = JoinWindow(opts.join, opened_at=time.monotonic(), dataset_sig=opts.dataset_sig)
     membership = MembershipService(
         window, endpoint=join_endpoint, trust=trust, session_key=key, run_id=run_id,
-        spawn=SpawnSpec(opts.argv), heartbeat_s=opts.heartbeat_s, silence_s=opts.silence_s,
+        # Every host's relay and ranks read the run's timings from the controller's settings.
+        spawn=SpawnSpec(opts.argv, env=opts.settings.to_environ(("run",))),
+        heartbeat_s=opts.settings.join_heartbeat_period_s, silence_s=opts.settings.host_silence_at_controller_s,
         context=ctx, curve=curve,
     )
     cfg = opts.join
@@ -150,7 +150,7 @@ def serve(opts: ControllerOptions) -> int:
         log.info("world formed: %s; running %s", world, " ".join(opts.argv))
         penv = ProcessEnv(
             role="controller", controller=opts.address, key=key, run_id=run_id, world=world,
-            startup_timeout_s=opts.startup_timeout_s,
+            settings=opts.settings,
         )
         from flodl_zmq.api import hosted
         from flodl_zmq.controller_service import MembershipLink
@@ -286,23 +286,8 @@ def format_status(address: ControllerAddress, status: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------- command line
 
 
-def _env_default(environ: Mapping[str, str], name: str, default: Any, kind: Callable[[str], Any]) -> Any:
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
-
-
-def _env_flag(environ: Mapping[str, str], name: str) -> bool:
-    return environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def add_commands(sub: Any, environ: Mapping[str, str] | None = None) -> None:
-    """Register `controller` and `status` on the `flodl-zmq` sub-command parser."""
-    env = os.environ if environ is None else environ
+def add_commands(sub: Any) -> None:
+    """Register `controller` and `status` on the `flodl-zmq` sub-command parser (flags: settings.py)."""
     c = sub.add_parser(
         "controller",
         help="run the controller host of a multi-host run: the join window, then the coordinator and reducer",
@@ -320,35 +305,7 @@ def add_commands(sub: Any, environ: Mapping[str, str] | None = None) -> None:
             "2 when the world did not form or a setting is wrong, 130 when interrupted.",
         )),
     )
-    c.add_argument("--bind", default=env.get("FLODL_BIND"), metavar="HOST:PORT",
-                   help="address to listen on; uses PORT..PORT+3 (env FLODL_BIND)")
-    c.add_argument("--open-admission", action="store_true", default=_env_flag(env, "FLODL_OPEN_ADMISSION"),
-                   help="admit any agent that reaches the address and hand it the session key; refused unless "
-                        "--bind is a loopback or private address (env FLODL_OPEN_ADMISSION=1)")
-    c.add_argument("--min-ranks", type=int, default=_env_default(env, "FLODL_MIN_RANKS", 2, int),
-                   help="fewest ranks the run may start with (env FLODL_MIN_RANKS; default 2)")
-    c.add_argument("--target-ranks", type=int, default=_env_default(env, "FLODL_TARGET_RANKS", None, int),
-                   help="form the world as soon as this many ranks joined (env FLODL_TARGET_RANKS; default: wait "
-                        "for the join window to close)")
-    c.add_argument("--join-window", type=float, default=_env_default(env, "FLODL_JOIN_WINDOW", 300.0, float),
-                   help="seconds the window stays open for more ranks once started (env FLODL_JOIN_WINDOW; "
-                        "default 300)")
-    c.add_argument("--join-cap", type=float, default=_env_default(env, "FLODL_JOIN_CAP", None, float),
-                   help="hard limit in seconds: without the minimum ranks by then, the run aborts (env "
-                        "FLODL_JOIN_CAP; default: twice the join window)")
-    c.add_argument("--heartbeat-timeout", type=float,
-                   default=_env_default(env, "FLODL_HEARTBEAT_TIMEOUT", 10.0, float),
-                   help="seconds of silence from an agent after which its host's ranks are declared dead "
-                        "(env FLODL_HEARTBEAT_TIMEOUT; default 10)")
-    c.add_argument("--dataset-sig", default=env.get("FLODL_DATASET_SIG"), metavar="HEX",
-                   help="dataset signature (64 hex characters) every agent must announce; default: the first "
-                        "agent's sets it (env FLODL_DATASET_SIG). The ranks' own signatures are checked again")
-    c.add_argument("--curve-secret", metavar="FILE", default=env.get("FLODL_CURVE_SECRET_FILE"),
-                   help="the controller's secret CURVE certificate, which turns CURVE on for every socket (or "
-                        "its key in FLODL_CURVE_SECRET; file env FLODL_CURVE_SECRET_FILE)")
-    c.add_argument("--curve-clients", metavar="DIR", default=env.get("FLODL_CURVE_CLIENTS"),
-                   help="admit only the CURVE public keys of the `.key` files in DIR (env FLODL_CURVE_CLIENTS; "
-                        "default: any key, the session key authenticates)")
+    add_arguments(c, "controller")
     c.add_argument("argv", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS], or -- -m MODULE [ARGS]")
     c.set_defaults(func=_controller_command)
 
@@ -361,12 +318,8 @@ def add_commands(sub: Any, environ: Mapping[str, str] | None = None) -> None:
             "runs CURVE."
         ),
     )
-    s.add_argument("--controller", default=env.get("FLODL_CONTROLLER"), metavar="HOST:PORT",
-                   help="the controller's address (env FLODL_CONTROLLER)")
+    add_arguments(s, "status")
     s.add_argument("--json", action="store_true", help="print the status object as JSON")
-    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply (default 5)")
-    s.add_argument("--curve-server", metavar="FILE",
-                   help="the controller's public CURVE certificate (or its key in FLODL_CURVE_SERVER)")
     s.set_defaults(func=_status_command)
 
 
@@ -391,29 +344,28 @@ def _restart_with_service_tunables() -> None:
 def _controller_command(args: argparse.Namespace) -> int:
     _restart_with_service_tunables()
     logging.basicConfig(level=logging.INFO, format="[controller] %(levelname)s %(name)s: %(message)s")
-    if not args.bind:
+    settings = Settings.from_args(args)
+    if not settings.bind:
         raise ConfigError("the controller needs an address to listen on: --bind HOST:PORT (or FLODL_BIND)")
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-    window = args.join_window
     try:
-        sig = bytes.fromhex(args.dataset_sig) if args.dataset_sig else None
+        sig = bytes.fromhex(settings.dataset_sig) if settings.dataset_sig else None
     except ValueError:
         raise ConfigError("--dataset-sig must be 64 hex characters") from None
     if sig is not None and len(sig) != 32:
         raise ConfigError("--dataset-sig must be 64 hex characters (32 bytes)")
     opts = ControllerOptions(
-        address=ControllerAddress.parse(args.bind),
+        address=ControllerAddress.parse(settings.bind),
         argv=tuple(argv),
         join=JoinConfig(
-            min_ranks=args.min_ranks, target_ranks=args.target_ranks, window_s=window,
-            cap_s=args.join_cap if args.join_cap is not None else 2 * window,
+            min_ranks=settings.min_ranks, target_ranks=settings.target_ranks, window_s=settings.join_window_s,
+            cap_s=settings.effective_join_cap_s,
         ),
-        open_admission=args.open_admission,
+        open_admission=settings.open_admission,
         key=_session_key(os.environ),
         dataset_sig=sig,
-        silence_s=args.heartbeat_timeout,
-        curve=CurveKeys.for_server(os.environ, args.curve_secret, args.curve_clients),
-        startup_timeout_s=_env_default(os.environ, "FLODL_STARTUP_TIMEOUT", DEFAULT_STARTUP_TIMEOUT_S, float),
+        curve=CurveKeys.for_server(os.environ, settings.curve_secret_file, settings.curve_clients_dir),
+        settings=settings,
     )
     stop = _raise_interrupt_on_sigterm()
     try:
@@ -432,12 +384,13 @@ def _raise_interrupt_on_sigterm() -> Any:
 
 
 def _status_command(args: argparse.Namespace) -> int:
-    if not args.controller:
+    settings = Settings.from_args(args)
+    if not settings.controller:
         raise ConfigError("status needs the controller's address: --controller HOST:PORT (or FLODL_CONTROLLER)")
-    address = ControllerAddress.parse(args.controller)
+    address = ControllerAddress.parse(settings.controller)
     status = query_status(
-        address, _session_key(os.environ), CurveKeys.for_client(os.environ, server_file=args.curve_server),
-        timeout_s=args.timeout,
+        address, _session_key(os.environ), CurveKeys.for_client(os.environ, server_file=settings.curve_server_file),
+        timeout_s=settings.status_reply_timeout_s,
     )
     print(json.dumps(status, indent=2, sort_keys=True) if args.json else format_status(address, status))
     return 0

@@ -11,8 +11,10 @@ runs the same user script in every one of them and sets:
     FLODL_HOST        relay and rank: the host this process belongs to
     FLODL_RANK        rank: its global rank
     FLODL_LOCAL_RANK  rank: its index on the host (picks cuda:LOCAL_RANK when CUDA is present)
-    FLODL_SLOWDOWN    rank, optional: emulate slower hardware by this factor (default 1)
-    FLODL_STARTUP_TIMEOUT  controller, optional: seconds to wait for every rank's hello (default 120)
+
+and the settings of flodl_zmq/settings.py that a child reads (FLODL_SLOWDOWN,
+FLODL_STARTUP_TIMEOUT, the relay's and the rank's timings), written and read
+by `Settings.to_environ` / `Settings.from_environ`.
 
 An agent also hands its relay its CURVE keys (FLODL_CURVE_SERVER, _SECRET,
 _PUBLIC; flodl_zmq/security.py) when the run's links are encrypted.
@@ -26,14 +28,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.settings import Settings
 from flodl_zmq.wire import RUN_ID_BYTES, key_from_hex
 
 ROLES = ("controller", "relay", "rank")
-DEFAULT_STARTUP_TIMEOUT_S = 120.0
+# The settings a spawned process reads (a command's own, such as --bind, are not its business).
+CHILD_SCOPES = ("run", "process")
 # glibc tunables for spawned processes (glibc reads them once, at process start).
 # Every role: transparent huge pages for glibc's large allocations; fresh pages
 # fault in at ~1.3 GB/s on the development machine, 6x slower than a memcpy.
@@ -96,8 +100,15 @@ class ProcessEnv:
     host: str | None = None
     rank: int | None = None
     local_rank: int | None = None
-    slowdown: float = 1.0
-    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    settings: Settings = field(default_factory=Settings)
+
+    @property
+    def slowdown(self) -> float:
+        return self.settings.slowdown
+
+    @property
+    def startup_timeout_s(self) -> float:
+        return self.settings.startup_timeout_s
 
     @property
     def world_size(self) -> int:
@@ -137,13 +148,6 @@ class ProcessEnv:
                 raise ConfigError("FLODL_RANK and FLODL_LOCAL_RANK must be integers") from None
             if rank not in world[host]:  # type: ignore[index]
                 raise ConfigError(f"FLODL_RANK={rank} is not one of host {host}'s ranks {world[host]}")  # type: ignore[index]
-        try:
-            slowdown = float(env.get("FLODL_SLOWDOWN", "1") or 1)
-            startup = float(env.get("FLODL_STARTUP_TIMEOUT", DEFAULT_STARTUP_TIMEOUT_S) or DEFAULT_STARTUP_TIMEOUT_S)
-        except ValueError:
-            raise ConfigError("FLODL_SLOWDOWN and FLODL_STARTUP_TIMEOUT must be numbers") from None
-        if slowdown < 1.0 or startup <= 0:
-            raise ConfigError("FLODL_SLOWDOWN must be >= 1 and FLODL_STARTUP_TIMEOUT > 0")
         return cls(
             role=role,
             controller=ControllerAddress.parse(need("FLODL_CONTROLLER")),
@@ -153,20 +157,23 @@ class ProcessEnv:
             host=host,
             rank=rank,
             local_rank=local_rank,
-            slowdown=slowdown,
-            startup_timeout_s=startup,
+            settings=Settings.from_environ(env, CHILD_SCOPES),
         )
 
     def to_environ(self) -> dict[str, str]:
-        """The FLODL_* variables that make `from_environ` return this object."""
+        """The FLODL_* variables that make `from_environ` return this object.
+
+        Exactly its inverse when `settings` differs from the defaults only in
+        settings a child reads (scopes run and process): a command's own
+        settings (the controller's --bind, ...) are not a child's business.
+        """
         out = {
             "FLODL_ROLE": self.role,
             "FLODL_CONTROLLER": str(self.controller),
             "FLODL_KEY": self.key.hex(),
             "FLODL_RUN_ID": self.run_id.hex(),
             "FLODL_WORLD": format_world(self.world),
-            "FLODL_SLOWDOWN": repr(self.slowdown),
-            "FLODL_STARTUP_TIMEOUT": repr(self.startup_timeout_s),
+            **self.settings.to_environ(CHILD_SCOPES),
         }
         if self.host is not None:
             out["FLODL_HOST"] = self.host

@@ -7,21 +7,25 @@ Rules this module keeps:
   message naming the setting and its allowed range.
 - Callables are factories or plain functions; nothing here starts a thread or
   touches a device.
+- The keywords are defined once, here: `Trainer(**keywords)` builds a `Job`
+  with `Job.from_keywords`, and an unknown keyword is refused with the
+  closest real ones named (a typo must not silently train with a default).
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-from flodl_zmq.coordinator.config import DEFAULT_EASGD_ALPHA, MaxFailure
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure
 
 MODES = ("cpu-sync", "cpu-cadence", "cpu-async")
 CALLBACK_ERRORS = ("report", "stop")
@@ -31,7 +35,38 @@ _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
 @dataclass(frozen=True)
 class Job:
-    """The run as every process sees it (see `flodl_zmq.api.Trainer` for the meaning of each field)."""
+    """The run as every process sees it: the keywords of `flodl_zmq.Trainer`.
+
+    model: factory returning a fresh `nn.Module` (called once per process).
+    optimizer: factory `params -> torch.optim.Optimizer`.
+    train_step: `(model, batch) -> loss`; the framework runs backward and the step.
+    dataset: a map-style torch Dataset, identical on every rank (checked by signature).
+    batch_size: per-rank batch size. epochs: passes over the dataset.
+    mode: "cpu-cadence" (ElChe windows: fast ranks do more batches), "cpu-sync"
+        (equal partitions, average every step of the slowest), "cpu-async"
+        (bounded overshoot, EASGD blend of the consensus).
+    eval_dataset, eval_fn: `eval_fn(model, eval_dataset) -> float`, run on the
+        elected (fastest) rank on the consensus every `eval_every` epochs and once
+        at the end.
+    checkpoint_fn, checkpoint_every: `checkpoint_fn(version, model)` on the elected rank.
+    epoch_fn: `epoch_fn(epoch, model)` on the epoch-callback rank before each epoch.
+    metrics_fn: `metrics_fn(epoch_metrics_dict)` on the controller after each epoch.
+    on_callback_error: "report" (log it with the rank and traceback, keep training)
+        or "stop" (end the run with TrainingError).
+    save_path: stem of the final bundle (`<stem>.pt` + `<stem>.meta.json`), also
+        written by a shutdown-with-save. resume_from: a bundle stem to continue from.
+    seed: shuffle and initialisation seed. torch_threads: threads per rank.
+    quiet: no progress bar and no per-epoch lines.
+    wire_dtype: what a round carries, "f32" or "bf16" (half the bytes; ranks keep
+        f32 weights and the saved model is f32).
+    max_failures: rank failures that end the run (with a save): a count, or a
+        percent of the world such as "25%"; None (default) trains on while any rank lives.
+    heartbeat_timeout_s: rank silence at the coordinator: a rank silent this long
+        (seconds, > 1) is declared dead. The other silences and periods are
+        process settings (flodl_zmq/settings.py).
+    easgd_alpha: cpu-async only: how far a rank moves towards each consensus
+        (0 < a <= 1; None = 0.5).
+    """
 
     model: Callable[[], torch.nn.Module]
     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -96,6 +131,22 @@ class Job:
             raise ConfigError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
+
+    @classmethod
+    def from_keywords(cls, *args: Any, **keywords: Any) -> Job:
+        """`Job(*args, **keywords)`, refusing an unknown keyword by name with the closest real ones."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(keywords) - set(known))
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, known, n=3)
+                hints.append(f"{name!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""))
+            raise TypeError(
+                f"Trainer() got unknown keyword(s) {', '.join(hints)}; the keywords are {', '.join(known)} "
+                "(documented in flodl_zmq.job.Job)"
+            )
+        return cls(*args, **keywords)
 
     @property
     def blend(self) -> float:

@@ -32,12 +32,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flodl_zmq.endpoints import OFFSETS, ControllerAddress
-from flodl_zmq.environment import ProcessEnv, with_tunables
+from flodl_zmq.environment import CHILD_SCOPES, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.settings import Settings
 from flodl_zmq.wire import RUN_ID_BYTES, new_key
 from flodl_zmq.wire.shm import unlink_run
 
@@ -113,17 +114,19 @@ class Cluster:
         """Spawn the controller, the relays, then the ranks."""
         address = ControllerAddress("127.0.0.1", self.port or free_port_base())
         self.run_id = os.urandom(RUN_ID_BYTES)
-        base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
+        # The run's settings come from our environment, like the controller's; slowdowns from --slow.
+        settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
         if self.startup_timeout_s is not None:
-            base["startup_timeout_s"] = self.startup_timeout_s
-        self._spawn("controller", ProcessEnv(role="controller", **base))
+            settings = replace(settings, startup_timeout_s=self.startup_timeout_s)
+        base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
+        self._spawn("controller", ProcessEnv(role="controller", settings=settings, **base))
         for host, ranks in self.world.items():
-            self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, **base))
+            self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, **base))
             for local, rank in enumerate(ranks):
+                slowed = replace(settings, slowdown=float(self.slow.get(rank, 1.0)))
                 self._spawn(
                     f"{host}:{rank}",
-                    ProcessEnv(role="rank", host=host, rank=rank, local_rank=local,
-                               slowdown=float(self.slow.get(rank, 1.0)), **base),
+                    ProcessEnv(role="rank", host=host, rank=rank, local_rank=local, settings=slowed, **base),
                 )
 
     def _spawn(self, label: str, penv: ProcessEnv) -> None:

@@ -63,6 +63,7 @@ from flodl_zmq.job import Job
 from flodl_zmq.links import rank_identity, rank_sender
 from flodl_zmq.payload import flat_views, load_flat, model_signature, payload_tensors
 from flodl_zmq.sampling import epoch_permutation, plan_indices
+from flodl_zmq.settings import Settings
 from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32, torch_view
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
@@ -76,7 +77,7 @@ from flodl_zmq.wire.shm import (
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 0.5
+DEFAULTS = Settings()  # the timings below default to the settings table
 # Wire dtype name -> the torch dtype of the deposit buffer, and the numpy dtype a received consensus has.
 WIRE_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16}
 WIRE_NUMPY = {name: DTYPES[name] for name in WIRE_TORCH}
@@ -225,8 +226,10 @@ class RankConfig:
     control_endpoint: str
     data_endpoint: str
     slowdown: float = 1.0
-    coordinator_timeout_s: float = 30.0
-    first_contact_timeout_s: float = 120.0  # the world forms only once every rank has started
+    heartbeat_s: float = DEFAULTS.rank_heartbeat_period_s
+    coordinator_timeout_s: float = DEFAULTS.coordinator_silence_at_rank_s
+    # The world forms only once every rank has started: the first word may take long.
+    first_contact_timeout_s: float = DEFAULTS.coordinator_first_contact_at_rank_s
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -309,7 +312,7 @@ class _Link:
                 now = time.monotonic()
                 if now >= next_beat:
                     self._encode_send(control, rec.Heartbeat(rank=self.cfg.rank, step_count=self._step_count()))
-                    next_beat = now + HEARTBEAT_S
+                    next_beat = now + self.cfg.heartbeat_s
                 limit = self.cfg.first_contact_timeout_s if last_heard is None else self.cfg.coordinator_timeout_s
                 if not lost and now - (last_heard or started) > limit:
                     lost = True

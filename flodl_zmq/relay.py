@@ -57,12 +57,8 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-import argparse
 import collections
 import logging
-import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -91,7 +87,8 @@ from flodl_zmq.links import (
     tune_loopback,
 )
 from flodl_zmq.security import CurveKeys, apply_client
-from flodl_zmq.wire import Attribution, Channel, Codec, Envelope, key_from_hex
+from flodl_zmq.settings import Settings
+from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
     Consensus,
     ConsensusGone,
@@ -123,6 +120,7 @@ GOODBYE = "said goodbye"
 FROM_REDUCER = Attribution.signed_by(REDUCER_SENDER, "the reducer's link")
 # The control DEALER carries only the coordinator's records (forwarded to ranks verbatim).
 FROM_COORDINATOR = Attribution.signed_by(COORDINATOR_SENDER, "the coordinator's link")
+DEFAULTS = Settings()  # RelayConfig's timings default to the settings table
 
 @dataclass(frozen=True)
 class RelayConfig:
@@ -137,9 +135,9 @@ class RelayConfig:
     bcast_upstream: str
     local_control: str
     local_data: str
-    heartbeat_deadline_s: float = 1.5
-    first_contact_deadline_s: float = 60.0
-    consensus_deadline_s: float = 2.0
+    heartbeat_deadline_s: float = DEFAULTS.rank_silence_at_relay_s
+    first_contact_deadline_s: float = DEFAULTS.rank_first_record_at_relay_s
+    consensus_deadline_s: float = DEFAULTS.consensus_wait_at_relay_s
     hwm_records: int = 64
     data_hwm_records: int = 4  # data records are model-sized: a few in flight is plenty
     poll_s: float = 0.05
@@ -657,51 +655,3 @@ class _DataPlane:
     def recover(self, now: float) -> None:
         for r in self.watch.due(now):
             self.request(r)
-
-
-# ---------------------------------------------------------------------- process entry
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flodl-zmq-relay", description="Run one host's relay until SIGTERM.")
-    p.add_argument("--host", required=True, help="this host's member name")
-    p.add_argument("--ranks", required=True, help="comma-separated global ranks of this host, e.g. 0,1")
-    p.add_argument("--controller", required=True, help="controller address HOST:PORT")
-    p.add_argument("--run-id", required=True, help="run id, 32 hex characters")
-    p.add_argument("--local-control", help="endpoint to bind for ranks' control sockets (default: ipc)")
-    p.add_argument("--local-data", help="endpoint to bind for ranks' data sockets (default: ipc)")
-    p.add_argument("--heartbeat-deadline", type=float, default=1.5, help="seconds of rank silence that mean death")
-    p.add_argument("--consensus-deadline", type=float, default=2.0,
-                   help="seconds without the consensus of a shipped round before asking for it")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run a relay process: key from FLODL_KEY (hex); exits 0 on SIGTERM/SIGINT, 1 on a fatal error."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"[{args.host}:relay] %(levelname)s %(message)s")
-    try:
-        key = key_from_hex(os.environ.get("FLODL_KEY", ""))
-        run_id = bytes.fromhex(args.run_id)
-        ranks = [int(r) for r in args.ranks.split(",") if r]
-        local = (args.local_control, args.local_data) if args.local_control and args.local_data else None
-        cfg = RelayConfig.for_controller(
-            args.host, ranks, key, run_id, ControllerAddress.parse(args.controller), local,
-            heartbeat_deadline_s=args.heartbeat_deadline, consensus_deadline_s=args.consensus_deadline,
-        )
-        relay = Relay(cfg)
-        relay.start()
-    except (FlodlError, ValueError) as exc:
-        print(f"flodl-zmq relay: error: {exc}", file=sys.stderr)
-        return 2
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: relay.stop(timeout=0))
-    print(f"relay {cfg.host} ready", flush=True)
-    while not relay.wait(0.5):
-        pass
-    relay.stop()
-    return 1 if relay.error else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

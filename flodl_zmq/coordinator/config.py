@@ -24,12 +24,16 @@ from dataclasses import dataclass
 from flodl_zmq.coordinator.elche import ElCheConfig
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.sampling import SHUFFLE_BASE_SEED
+from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure
+
+# MaxFailure and DEFAULT_EASGD_ALPHA live in settings.py, below both this core and
+# the job that also needs them; they are re-exported here for the coordinator's users.
+__all__ = ["DEFAULT_EASGD_ALPHA", "MaxFailure", "CoordinatorConfig", "Mode", "GuardKind"]
 
 OVERSHOOT_AUTO_INITIAL = 3
 OVERSHOOT_AUTO_CEILING = 15
 TREND_THRESHOLD = 0.05
 TREND_THRESHOLD_EASGD = 0.3  # EASGD keeps a standing spread of about 0.1
-DEFAULT_EASGD_ALPHA = 0.5
 REDUCE_STALL_FLOOR_S = 300.0
 REDUCE_STALL_HEARTBEATS = 10
 
@@ -68,37 +72,6 @@ class GuardKind(str, enum.Enum):
     NONE = "none"
     TREND = "trend"
     MSF = "msf"
-
-
-@dataclass(frozen=True)
-class MaxFailure:
-    """How many rank failures end the run: `count` ranks, or `fraction` of the world.
-
-    Build with `MaxFailure.absolute(n)` or `MaxFailure.percent(p)`; exactly one
-    field is set. Clean exits are never failures.
-    """
-
-    count: int | None = None
-    fraction: float | None = None
-
-    @classmethod
-    def absolute(cls, n: int) -> MaxFailure:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ConfigError(f"max_failure absolute = {n!r}: must be an integer >= 0")
-        return cls(count=n)
-
-    @classmethod
-    def percent(cls, p: float) -> MaxFailure:
-        if not isinstance(p, (int, float)) or isinstance(p, bool) or not math.isfinite(p):
-            raise ConfigError(f"max_failure percent = {p!r}: must be a finite number in [0, 1]")
-        # Out-of-range fractions are clamped (upstream behaviour): 1.5 means "all".
-        return cls(fraction=min(1.0, max(0.0, float(p))))
-
-    def limit(self, world_size: int) -> int:
-        """Failures that trip the threshold: `count`, or ceil(fraction * world)."""
-        if self.count is not None:
-            return self.count
-        return math.ceil((self.fraction or 0.0) * max(world_size, 0))
 
 
 @dataclass(frozen=True)

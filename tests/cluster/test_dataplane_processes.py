@@ -82,7 +82,7 @@ class World:
         for host, ranks in HOSTS.items():
             local = {ch: f"ipc://{tmp_path}/{host}-{ch}" for ch in ("control", "data")}
             self.procs[host] = Proc(
-                [sys.executable, "-m", "flodl_zmq.relay", "--host", host, "--ranks", ",".join(map(str, ranks)),
+                [sys.executable, str(HERE / "dataplane_relay.py"), "--host", host, "--ranks", ",".join(map(str, ranks)),
                  "--controller", str(addr), "--run-id", self.run_id.hex(),
                  "--local-control", local["control"], "--local-data", local["data"]], env["relay"])
             for r in ranks:

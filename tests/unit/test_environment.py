@@ -9,13 +9,15 @@ import pytest
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, parse_world, with_tunables
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.settings import Settings
 from flodl_zmq.wire import new_key
 
 
 def rank_env() -> ProcessEnv:
     return ProcessEnv(
         role="rank", controller=ControllerAddress("127.0.0.1", 7300), key=new_key(), run_id=os.urandom(16),
-        world={"h0": (0, 1), "h1": (2, 3)}, host="h1", rank=3, local_rank=1, slowdown=3.0,
+        world={"h0": (0, 1), "h1": (2, 3)}, host="h1", rank=3, local_rank=1,
+        settings=Settings(slowdown=3.0, rank_silence_at_relay_s=4.0),
     )
 
 

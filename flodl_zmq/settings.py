@@ -1,0 +1,410 @@
+"""Every process-level setting: one table, one validated object, one parser.
+
+A setting reaches a process three ways, all through this module: a flag of a
+command (`flodl-zmq controller`, `agent`, `status`), a `FLODL_*` environment
+variable, or, for a spawned relay or rank, the environment its launcher or
+agent writes from the controller's `Settings` (`SpawnSpec.env`,
+`ProcessEnv.to_environ`). `SETTINGS` is the table (field, flags, variables,
+default, what it bounds); from it
+
+- `add_arguments(parser, command)` gives a command its flags,
+- `Settings.from_environ(environ)` reads the environment,
+- `Settings.from_args(args, environ)` lays the given flags over it,
+- `Settings.to_environ(scopes)` writes the variables a child reads back,
+
+and docs/operations.md documents it row for row (tests/unit/test_settings.py
+checks that they agree).
+
+Each timing is named by what it bounds, because "heartbeat timeout" used to
+mean four things:
+
+    rank silence at the coordinator   Trainer(heartbeat_timeout_s=...), a Job keyword (see job.py)
+    host silence at the controller    host_silence_at_controller_s (--heartbeat-timeout of the controller)
+    controller silence at an agent    controller_silence_at_agent_s (--heartbeat-timeout of the agent)
+    rank silence at a relay           rank_silence_at_relay_s
+
+Rules this module keeps:
+
+- A value is checked when the object is built; a bad one is a `ConfigError`
+  naming the setting, the value, where it came from and what is allowed.
+- A flag wins over its variable; a variable's old name (an alias) still
+  works, and two spellings that disagree are refused rather than one
+  silently winning.
+- Scopes say who reads a setting. `run`: relays and ranks of every host read
+  the controller's value (shipped in the spawn spec), so a cohort never mixes
+  timings. `process`: each process's own (a rank's slowdown). `command`: only
+  the command that takes the flag.
+- Shared definitions the job and the coordinator both need (`MaxFailure`,
+  `DEFAULT_EASGD_ALPHA`) live here, below both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from flodl_zmq.errors import ConfigError
+
+DEFAULT_EASGD_ALPHA = 0.5
+SCOPES = ("run", "process", "command")
+COMMANDS = ("controller", "agent", "status")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class MaxFailure:
+    """How many rank failures end the run: `count` ranks, or `fraction` of the world.
+
+    Build with `MaxFailure.absolute(n)` or `MaxFailure.percent(p)`; exactly one
+    field is set. Clean exits are never failures.
+    """
+
+    count: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def absolute(cls, n: int) -> MaxFailure:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"max_failure absolute = {n!r}: must be an integer >= 0")
+        return cls(count=n)
+
+    @classmethod
+    def percent(cls, p: float) -> MaxFailure:
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not math.isfinite(p):
+            raise ConfigError(f"max_failure percent = {p!r}: must be a finite number in [0, 1]")
+        # Out-of-range fractions are clamped (upstream behaviour): 1.5 means "all".
+        return cls(fraction=min(1.0, max(0.0, float(p))))
+
+    def limit(self, world_size: int) -> int:
+        """Failures that trip the threshold: `count`, or ceil(fraction * world)."""
+        if self.count is not None:
+            return self.count
+        return math.ceil((self.fraction or 0.0) * max(world_size, 0))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the table.
+
+    `flags`/`env`: the first is the name to use, the rest are old names kept
+    working. `kind`: float, int, str or bool; `optional`: None is allowed (the
+    default then means "derived", said in `default_text`). `minimum`: values
+    must be >= it, or > it when `strict`. `commands`: the parsers that take the
+    flags.
+    """
+
+    field: str
+    default: Any
+    bounds: str
+    kind: type = float
+    flags: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+    commands: tuple[str, ...] = ()
+    scope: str = "command"
+    minimum: float | None = None
+    strict: bool = False
+    optional: bool = False
+    default_text: str | None = None
+    metavar: str | None = None
+
+    @property
+    def shown_default(self) -> str:
+        if self.default_text is not None:
+            return self.default_text
+        if isinstance(self.default, bool):
+            return "on" if self.default else "off"
+        if isinstance(self.default, float):
+            return f"{self.default:g}"
+        return "none" if self.default is None else str(self.default)
+
+    def format(self, value: Any) -> str:
+        """The text `parse` reads back as `value`."""
+        if self.kind is bool:
+            return "1" if value else "0"
+        return repr(float(value)) if self.kind is float else str(value)
+
+    def describe(self) -> str:
+        """How a user sets it, for error messages: `--flag / FLODL_X`."""
+        names = [*self.flags[:1], *self.env[:1]]
+        return " / ".join(names) if names else self.field
+
+    def parse(self, text: str, source: str) -> Any:
+        """A value from its text form (a variable or a flag named `source`)."""
+        text = text.strip()
+        if self.kind is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ConfigError(f"{source}={text!r}: {self.field} is on or off; use 1 or 0")
+        if not text:
+            return self.default
+        if self.kind is str:
+            return text
+        try:
+            return self.kind(text)
+        except ValueError:
+            what = "a whole number" if self.kind is int else "a number"
+            raise ConfigError(f"{source}={text!r}: {self.field} must be {what} ({self.bounds})") from None
+
+    def check(self, value: Any) -> None:
+        if value is None:
+            if self.optional or self.default is None:
+                return
+            raise ConfigError(f"{self.field} is required ({self.describe()})")
+        if self.kind is bool:
+            ok = isinstance(value, bool)
+        elif self.kind is str:
+            ok = isinstance(value, str)
+        elif self.kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if ok and self.minimum is not None:
+            ok = value > self.minimum if self.strict else value >= self.minimum
+        if not ok:
+            limit = "" if self.minimum is None else f" {'>' if self.strict else '>='} {self.minimum:g}"
+            kind = {float: "a finite number", int: "an integer", str: "text", bool: "on or off"}[self.kind]
+            raise ConfigError(
+                f"{self.field} = {value!r} is not allowed: it must be {kind}{limit} "
+                f"({self.bounds}); set it with {self.describe()}"
+            )
+
+
+# The table. Flags and variables that existed before it keep their names and defaults.
+SETTINGS: tuple[Setting, ...] = (
+    # ---- timings that every host of a run shares (the controller's values are shipped)
+    Setting("rank_heartbeat_period_s", 0.5, "how often a rank sends a heartbeat to its relay and the coordinator",
+            env=("FLODL_RANK_HEARTBEAT_PERIOD",), scope="run", minimum=0.0, strict=True),
+    Setting("rank_silence_at_relay_s", 1.5, "rank silence after which its relay declares it dead",
+            env=("FLODL_RANK_SILENCE_AT_RELAY",), scope="run", minimum=0.0, strict=True),
+    Setting("rank_first_record_at_relay_s", 60.0, "how long a relay waits for a rank's first record before "
+            "declaring it dead", env=("FLODL_RANK_FIRST_RECORD_AT_RELAY",), scope="run", minimum=0.0, strict=True),
+    Setting("consensus_wait_at_relay_s", 2.0, "how long a relay waits for a shipped round's consensus before "
+            "asking the reducer for it", env=("FLODL_CONSENSUS_WAIT_AT_RELAY",), scope="run", minimum=0.0,
+            strict=True),
+    Setting("coordinator_silence_at_rank_s", 30.0, "coordinator silence after which a rank exits",
+            env=("FLODL_COORDINATOR_SILENCE_AT_RANK",), scope="run", minimum=0.0, strict=True),
+    Setting("coordinator_first_contact_at_rank_s", 120.0, "how long a rank waits for the coordinator's first "
+            "word before it exits", env=("FLODL_COORDINATOR_FIRST_CONTACT_AT_RANK",), scope="run", minimum=0.0,
+            strict=True),
+    Setting("startup_timeout_s", 120.0, "how long the controller waits for every rank's hello before failing "
+            "the run", flags=("--startup-timeout",), env=("FLODL_STARTUP_TIMEOUT",), commands=("controller",),
+            scope="run", minimum=0.0, strict=True),
+    # ---- each process's own
+    Setting("slowdown", 1.0, "a rank emulates slower hardware by this factor (per-batch delay); set in an "
+            "agent's environment it applies to every rank of that host", env=("FLODL_SLOWDOWN",),
+            scope="process", minimum=1.0),
+    # ---- the join link between agents and the controller
+    Setting("join_heartbeat_period_s", 1.0, "how often the controller and each agent send a heartbeat on the "
+            "join link", env=("FLODL_JOIN_HEARTBEAT_PERIOD",), minimum=0.0, strict=True),
+    Setting("host_silence_at_controller_s", 10.0, "agent silence after which the controller declares every rank "
+            "of its host dead", flags=("--host-silence", "--heartbeat-timeout"),
+            env=("FLODL_HOST_SILENCE", "FLODL_HEARTBEAT_TIMEOUT"), commands=("controller",), minimum=0.0,
+            strict=True),
+    Setting("controller_silence_at_agent_s", 10.0, "controller silence after which an agent tears its host down",
+            flags=("--controller-silence", "--heartbeat-timeout"), env=("FLODL_CONTROLLER_SILENCE",),
+            commands=("agent",), minimum=0.0, strict=True),
+    Setting("join_reply_timeout_s", 30.0, "how long an agent waits for the controller's answer to its hello",
+            flags=("--join-timeout",), env=("FLODL_JOIN_TIMEOUT",), commands=("agent",), minimum=0.0, strict=True),
+    Setting("status_reply_timeout_s", 5.0, "how long `status` waits for the controller's reply",
+            flags=("--timeout",), env=("FLODL_STATUS_TIMEOUT",), commands=("status",), minimum=0.0, strict=True),
+    # ---- the controller's join window
+    Setting("bind", None, "the address the controller listens on; it uses PORT..PORT+3", kind=str, metavar="HOST:PORT",
+            flags=("--bind",), env=("FLODL_BIND",), commands=("controller",), default_text="required"),
+    Setting("open_admission", False, "admit any agent that reaches the address and hand it the session key; "
+            "refused unless the address is loopback or private, and refused together with FLODL_KEY", kind=bool,
+            flags=("--open-admission",), env=("FLODL_OPEN_ADMISSION",), commands=("controller",)),
+    Setting("min_ranks", 2, "the fewest ranks the run may start with (at least 2: a one-rank world has nothing to "
+            "average)", kind=int,
+            flags=("--min-ranks",), env=("FLODL_MIN_RANKS",), commands=("controller",), minimum=2),
+    Setting("target_ranks", None, "form the world as soon as this many ranks joined (none: wait for the "
+            "window to close)", kind=int, flags=("--target-ranks",), env=("FLODL_TARGET_RANKS",),
+            commands=("controller",), minimum=2),
+    Setting("join_window_s", 300.0, "how long the join window stays open, from the controller's start",
+            flags=("--join-window",), env=("FLODL_JOIN_WINDOW",), commands=("controller",), minimum=0.0),
+    Setting("join_cap_s", None, "hard limit of the join window: without the minimum ranks by then, the run "
+            "aborts", flags=("--join-cap",), env=("FLODL_JOIN_CAP",), commands=("controller",), minimum=0.0,
+            optional=True, default_text="2 x join_window_s"),
+    Setting("dataset_sig", None, "the dataset signature (64 hex characters) agents announce at join; the "
+            "controller's default is the first agent's", kind=str, metavar="HEX", flags=("--dataset-sig",),
+            env=("FLODL_DATASET_SIG",), commands=("controller", "agent")),
+    # ---- where the agents and `status` find the controller, and who the agent is
+    Setting("controller", None, "the controller's address HOST:PORT (the one given to --bind)", kind=str, metavar="HOST:PORT",
+            flags=("--controller",), env=("FLODL_CONTROLLER",), commands=("agent", "status"),
+            default_text="required"),
+    Setting("agent_host", None, "this host's name, unique in the run", kind=str, metavar="NAME", flags=("--host",),
+            env=("FLODL_AGENT_HOST",), commands=("agent",), default_text="hostname"),
+    Setting("devices", None, "devices to offer, cuda:ID or cpu:N, comma-separated", kind=str, metavar="LIST",
+            flags=("--devices",), env=("FLODL_DEVICES",), commands=("agent",),
+            default_text="every visible GPU, else CPU slots"),
+    Setting("cpu_slots", 1, "ranks to run when the host has no GPU", kind=int, flags=("--cpu-slots",),
+            env=("FLODL_CPU_SLOTS",), commands=("agent",), minimum=0),
+    # ---- CURVE certificates (the keys themselves go in FLODL_CURVE_*, see security.py)
+    Setting("curve_secret_file", None, "this process's secret CURVE certificate; on the controller it turns "
+            "CURVE on for every socket", kind=str, metavar="FILE", flags=("--curve-secret",), env=("FLODL_CURVE_SECRET_FILE",),
+            commands=("controller", "agent")),
+    Setting("curve_clients_dir", None, "admit only the CURVE public keys of the `*.key` files in this directory",
+            kind=str, metavar="DIR", flags=("--curve-clients",), env=("FLODL_CURVE_CLIENTS",), commands=("controller",),
+            default_text="any key"),
+    Setting("curve_server_file", None, "the controller's public CURVE certificate; turns CURVE on for every "
+            "link of this host", kind=str, metavar="FILE", flags=("--curve-server",), env=("FLODL_CURVE_SERVER_FILE",),
+            commands=("agent", "status")),
+)
+BY_FIELD = {s.field: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting of `SETTINGS`, validated. `Settings()` is the defaults."""
+
+    rank_heartbeat_period_s: float = BY_FIELD["rank_heartbeat_period_s"].default
+    rank_silence_at_relay_s: float = BY_FIELD["rank_silence_at_relay_s"].default
+    rank_first_record_at_relay_s: float = BY_FIELD["rank_first_record_at_relay_s"].default
+    consensus_wait_at_relay_s: float = BY_FIELD["consensus_wait_at_relay_s"].default
+    coordinator_silence_at_rank_s: float = BY_FIELD["coordinator_silence_at_rank_s"].default
+    coordinator_first_contact_at_rank_s: float = BY_FIELD["coordinator_first_contact_at_rank_s"].default
+    startup_timeout_s: float = BY_FIELD["startup_timeout_s"].default
+    slowdown: float = BY_FIELD["slowdown"].default
+    join_heartbeat_period_s: float = BY_FIELD["join_heartbeat_period_s"].default
+    host_silence_at_controller_s: float = BY_FIELD["host_silence_at_controller_s"].default
+    controller_silence_at_agent_s: float = BY_FIELD["controller_silence_at_agent_s"].default
+    join_reply_timeout_s: float = BY_FIELD["join_reply_timeout_s"].default
+    status_reply_timeout_s: float = BY_FIELD["status_reply_timeout_s"].default
+    bind: str | None = None
+    open_admission: bool = False
+    min_ranks: int = BY_FIELD["min_ranks"].default
+    target_ranks: int | None = None
+    join_window_s: float = BY_FIELD["join_window_s"].default
+    join_cap_s: float | None = None
+    dataset_sig: str | None = None
+    controller: str | None = None
+    agent_host: str | None = None
+    devices: str | None = None
+    cpu_slots: int = BY_FIELD["cpu_slots"].default
+    curve_secret_file: str | None = None
+    curve_clients_dir: str | None = None
+    curve_server_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for s in SETTINGS:
+            s.check(getattr(self, s.field))
+        # A silence limit at or below the beat that proves life would declare live peers dead.
+        for silence, period in (
+            ("rank_silence_at_relay_s", "rank_heartbeat_period_s"),
+            ("coordinator_silence_at_rank_s", "rank_heartbeat_period_s"),
+            ("host_silence_at_controller_s", "join_heartbeat_period_s"),
+            ("controller_silence_at_agent_s", "join_heartbeat_period_s"),
+        ):
+            if not getattr(self, silence) > getattr(self, period):
+                raise ConfigError(
+                    f"{silence} ({getattr(self, silence):g} s, {BY_FIELD[silence].describe()}) must exceed "
+                    f"{period} ({getattr(self, period):g} s, {BY_FIELD[period].describe()}): a peer that "
+                    f"beats on time would be declared dead"
+                )
+        if self.target_ranks is not None and self.target_ranks < self.min_ranks:
+            raise ConfigError(
+                f"target_ranks ({self.target_ranks}, --target-ranks) must be >= min_ranks "
+                f"({self.min_ranks}, --min-ranks)"
+            )
+
+    @property
+    def effective_join_cap_s(self) -> float:
+        """The join window's hard cap: `join_cap_s`, or twice the window."""
+        return self.join_cap_s if self.join_cap_s is not None else 2 * self.join_window_s
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None, scopes: Iterable[str] = SCOPES) -> Settings:
+        """The settings of `scopes` the environment gives (unset variables, other scopes: defaults)."""
+        env = os.environ if environ is None else environ
+        scopes = tuple(scopes)
+        values: dict[str, Any] = {}
+        for s in SETTINGS:
+            if s.scope not in scopes:
+                continue
+            given = {name: env[name] for name in s.env if env.get(name, "").strip()}
+            parsed = {name: s.parse(text, name) for name, text in given.items()}
+            if len(set(map(repr, parsed.values()))) > 1:
+                raise ConfigError(
+                    f"{' and '.join(f'{n}={t!r}' for n, t in given.items())} disagree: they are one setting "
+                    f"({s.field}, {s.bounds}); set only {s.env[0]}"
+                )
+            if parsed:
+                values[s.field] = next(iter(parsed.values()))
+        return cls(**values)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
+        """The environment's settings with the flags given on the command line laid over them."""
+        base = cls.from_environ(environ)
+        given = {s.field: getattr(args, s.field) for s in SETTINGS if hasattr(args, s.field)}
+        return replace(base, **given)
+
+    def to_environ(self, scopes: Iterable[str] = ("run", "process")) -> dict[str, str]:
+        """The variables that make `from_environ` read back this object's settings of `scopes`."""
+        scopes = tuple(scopes)
+        out = {}
+        for s in SETTINGS:
+            value = getattr(self, s.field)
+            if s.scope in scopes and s.env and value is not None:
+                out[s.env[0]] = s.format(value)
+        return out
+
+
+def env_names(scopes: Iterable[str]) -> tuple[str, ...]:
+    """Every variable (old names too) of the settings of `scopes`."""
+    scopes = tuple(scopes)
+    return tuple(name for s in SETTINGS if s.scope in scopes for name in s.env)
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """Give `parser` the flags of every setting `command` takes.
+
+    A flag that is not given leaves no attribute (argparse.SUPPRESS), so
+    `Settings.from_args` tells "given" from "default" and the variable, when
+    set, applies.
+    """
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}")
+    for s in SETTINGS:
+        if command not in s.commands:
+            continue
+        # Old flag names are kept working; the agent's and the controller's --heartbeat-timeout
+        # are the same old spelling for two different limits, so each command takes only its own.
+        help_text = f"{s.bounds} (env {s.env[0]}; default {s.shown_default})" if s.env else \
+            f"{s.bounds} (default {s.shown_default})"
+        if len(s.flags) > 1:
+            help_text += f"; {', '.join(s.flags[1:])} is its old name"
+        common: dict[str, Any] = {"dest": s.field, "default": argparse.SUPPRESS, "help": help_text}
+        if s.kind is bool:
+            parser.add_argument(*s.flags, action="store_true", **common)
+        else:
+            parser.add_argument(*s.flags, type=_flag_type(s), metavar=_metavar(s), **common)
+
+
+def _flag_type(s: Setting) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            return s.parse(text, s.flags[0])
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = s.kind.__name__
+    return parse
+
+
+def _metavar(s: Setting) -> str:
+    if s.metavar is not None:
+        return s.metavar
+    if s.kind is float:
+        return "S" if s.field.endswith("_s") else "X"
+    return "N" if s.kind is int else s.field.split("_")[-1].upper()
+
+
+def field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(Settings))
