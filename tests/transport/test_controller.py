@@ -20,6 +20,7 @@ from flodl_zmq.errors import TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.links import RELAY_ROUTE, rank_identity, rank_sender, relay_sender
 from flodl_zmq.payload import model_signature
+from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
 
@@ -103,7 +104,7 @@ def rig():
     key, run_id = new_key(), bytes(range(16))
     address = ControllerAddress("127.0.0.1", free_base_port())
     penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, world=WORLD,
-                      startup_timeout_s=WAIT_S)
+                      settings=Settings(startup_timeout_s=WAIT_S))
     j = job()
     service = ControllerService(j, penv)
     outcome: dict = {}
