@@ -34,6 +34,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import collections
+import math
 import os
 import queue
 import select
@@ -45,6 +46,19 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 _READ_BYTES = 4096  # an eventfd read takes 8; a pipe may hold one byte per put
+
+# The longest a loop with no timer due sleeps in poll. Not a polling interval (every
+# hand-off wakes the loop at once): a bound, so no wait is unbounded (CONVENTIONS).
+IDLE_S = 1.0
+
+
+def poll_ms(wait_s: float) -> int:
+    """The poll timeout (ms) for a wait of `wait_s` seconds, at most IDLE_S.
+
+    Rounded up: a loop woken a fraction of a millisecond before its timer is
+    due would find nothing to do and poll again with a zero timeout, spinning.
+    """
+    return max(0, math.ceil(min(wait_s, IDLE_S) * 1000))
 
 
 class Mailbox(Generic[T]):
