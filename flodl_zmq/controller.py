@@ -35,6 +35,7 @@ import argparse
 import json
 import logging
 import os
+import queue
 import runpy
 import signal
 import sys
@@ -70,7 +71,10 @@ from flodl_zmq.wire.records import StatusReply, StatusRequest
 log = logging.getLogger("flodl_zmq.controller")
 
 END_GRACE_S = 15.0  # after a completed run: how long agents may take to see their ranks out
-ABORT_FLUSH_S = 0.5  # the membership thread sends within a poll tick; the socket does not linger
+# A flush grace, not an ordering: `abort` (and a failed verdict) return once the aborts are
+# handed to ZeroMQ, but ZeroMQ cannot tell when a queued frame has left the machine, and the
+# join socket closes without lingering as this process exits.
+ABORT_FLUSH_S = 0.5
 STATUS_SENDER = "status"
 
 
@@ -143,7 +147,7 @@ def serve(opts: ControllerOptions) -> int:
         while verdict is None:
             verdict = membership.wait_closed(0.5)
         if verdict.phase is not Phase.FORMED:
-            time.sleep(ABORT_FLUSH_S)  # the membership is telling the agents
+            time.sleep(ABORT_FLUSH_S)  # the aborts are queued (the verdict is set after): let them leave
             raise MembershipError(f"the world did not form: {verdict.reason}")
         formed = True
         world = {m.host: m.ranks for m in verdict.members}
@@ -183,15 +187,22 @@ def serve(opts: ControllerOptions) -> int:
 
 
 def _abort(membership: MembershipService, reason: str) -> None:
-    membership.abort(reason)
-    time.sleep(ABORT_FLUSH_S)
+    if membership.abort(reason):  # returns once the aborts are queued on the socket
+        time.sleep(ABORT_FLUSH_S)
 
 
 def _see_agents_out(membership: MembershipService) -> None:
     """Give the agents time to report their ranks' exits, then abort the stragglers."""
     deadline = time.monotonic() + END_GRACE_S
-    while membership.hosts_running() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # A host leaves `hosts_running` before its HostDone (or HostLost) is put: wake on each event.
+    while membership.hosts_running():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            membership.events.get(timeout=left)
+        except queue.Empty:
+            break
     late = membership.hosts_running()
     if late:
         _abort(membership, f"the run is over but host(s) {late} still run ranks after {END_GRACE_S:g} s")

@@ -26,7 +26,9 @@ Theory of operation:
    this loop only feeds it.
 2. Training. Every authenticated rank record goes to `Coordinator.on_record`,
    relay RankExit to `on_rank_death`, the reducer's round outcomes to
-   `on_round_complete` / `on_round_abandoned`, and a tick every poll.
+   `on_round_complete` / `on_round_abandoned`, and a tick whenever the loop
+   wakes, which is at the latest when the core's next timer is due
+   (`Coordinator.next_due`): the loop has no polling interval.
    Outputs: rank records are routed through the relays; DeclareDead goes to
    the reducer (out of every barrier); controller effects (epoch metrics,
    eval results, save-state, run end) drive the `RunReport`
@@ -66,7 +68,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import queue
 import time
 import traceback
 from dataclasses import dataclass
@@ -111,6 +112,7 @@ from flodl_zmq.links import (
     rank_sender,
     relay_sender,
 )
+from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
 from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
@@ -128,7 +130,6 @@ log = logging.getLogger(__name__)
 # The controller's SUB carries only the reducer's broadcasts.
 FROM_REDUCER = Attribution.signed_by(REDUCER_SENDER, "the reducer's broadcast")
 
-POLL_S = 0.02
 END_DRAIN_S = 1.0
 STATUS_EVERY_S = 0.25
 
@@ -262,9 +263,17 @@ class ControllerService:
         return self.result
 
     def _loop(self, control: zmq.Socket, sub: zmq.Socket, reducer: ReducerService) -> None:
+        # The reducer's outcomes and the membership's events are Mailboxes polled next to
+        # the sockets: each wakes this loop the moment it arrives, so the loop needs no
+        # polling interval and sleeps until its next timer (_wake_at) otherwise.
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
+        poller.register(reducer.completed, zmq.POLLIN)
+        outcomes = reducer.completed.fileno()
+        membership = self.link.membership.events if self.link is not None else None
+        if membership is not None:
+            poller.register(membership, zmq.POLLIN)
         drain_until: float | None = None
         while True:
             now = time.monotonic()
@@ -275,25 +284,24 @@ class ControllerService:
                 if isinstance(verdict, Failed):
                     self._formation_failed(verdict)
                     return
-            events = dict(poller.poll(int(POLL_S * 1000)))
+            events = dict(poller.poll(poll_ms(self._wake_at(drain_until) - now)))
             if sub in events:
                 drain(sub, self._on_broadcast, copy=False, budget=16)
             if control in events:
                 drain(control, self._on_control, copy=False)
             if reducer.error is not None:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
-            if self.link is not None:
-                self._on_membership()
+            if membership is not None:
+                if membership.fileno() in events:
+                    self._on_membership()
+                now = time.monotonic()
                 if now >= self._next_status:
                     self._next_status = now + STATUS_EVERY_S
                     self._report_status()
-            if self.started:
-                while True:
-                    try:
-                        outcome = reducer.completed.get_nowait()
-                    except queue.Empty:
-                        break
-                    if outcome.round_id is None:
+            if outcomes in events:
+                for outcome in reducer.completed.drain():
+                    # No round opens before the world forms: an outcome then names none.
+                    if outcome.round_id is None or not self.started:
                         continue
                     started = self._round_started.pop(outcome.round_id, None)
                     if outcome.abandoned is None:
@@ -303,9 +311,22 @@ class ControllerService:
                         self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
                     else:
                         self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
+            if self.started:
                 self._perform(self.core.on_tick(time.monotonic()))
             if drain_until is None and (self.ended is not None or self.stop_error is not None):
                 drain_until = time.monotonic() + END_DRAIN_S
+
+    def _wake_at(self, drain_until: float | None) -> float:
+        """The next moment this loop has something to do unprompted (monotonic seconds)."""
+        due = [drain_until if drain_until is not None else math.inf]
+        if not self.started:
+            due.append(self.formation.deadline)
+        else:
+            tick = self.core.next_due()
+            due.append(math.inf if tick is None else tick)
+        if self.link is not None:
+            due.append(self._next_status)
+        return min(due)
 
     # ------------------------------------------------------------------ inbound
 
@@ -439,11 +460,7 @@ class ControllerService:
     def _on_membership(self) -> None:
         """Act on what the agents reported: the fast path to declaring ranks dead."""
         assert self.link is not None
-        while True:
-            try:
-                event = self.link.membership.events.get_nowait()
-            except queue.Empty:
-                return
+        for event in self.link.membership.events.drain():
             if isinstance(event, RankExitReported) and event.code != 0:
                 self._declare_dead(event.rank, f"its agent on {event.host} reported exit code {event.code}")
             elif isinstance(event, HostLost):

@@ -52,7 +52,7 @@ import enum
 import ipaddress
 import json
 import logging
-import queue
+import math
 import socket
 import threading
 import time
@@ -66,6 +66,7 @@ from flodl_zmq.endpoints import is_private_address, tcp_host
 from flodl_zmq.environment import format_world, parse_world
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.io_threads import keep_off_the_data_plane
+from flodl_zmq.mailbox import Mailbox, poll_ms
 from flodl_zmq.security import CleartextWarner, CurveKeys, apply_server
 from flodl_zmq.wire import KEY_BYTES, PROTOCOL_VERSION, RUN_ID_BYTES, Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
@@ -347,6 +348,14 @@ class JoinWindow:
             f"{cfg.cap_s:g} s; start more workers, or lower the minimum ranks",
         )
 
+    def next_due(self, now: float) -> float | None:
+        """When `poll` next may change its verdict without a new admission; None once it is final."""
+        if self.phase is not Phase.OPEN:
+            return None
+        window_ends = self.opened_at + self.config.window_s
+        # After the window, only an admission (quorum) or the cap closes it.
+        return window_ends if now < window_ends else self.opened_at + self.config.cap_s
+
     def abort(self, reason: str) -> Verdict:
         """Fail the window now (the controller is giving up); no effect once closed."""
         if self.phase is Phase.OPEN:
@@ -411,6 +420,12 @@ class HostLinks:
     def running(self) -> list[str]:
         """Hosts neither done nor lost (safe from another thread: reads copies)."""
         return [h for h in self._heard.copy() if h not in self._closed]
+
+    def next_due(self) -> float | None:
+        """When the quietest open host turns lost if it stays silent; None with no open host."""
+        heard = [t for h, t in self._heard.items() if h not in self._closed]
+        # `lost` is strict (silent for longer than the timeout): due just after.
+        return math.nextafter(min(heard) + self.timeout_s, math.inf) if heard else None
 
     def lost(self, now: float) -> list[str]:
         """Hosts that fell silent since the last call (each reported once)."""
@@ -522,10 +537,14 @@ class MembershipService:
 
     Use: `start()`; `wait_closed()` returns the verdict (formed with its
     members, or failed); afterwards read `events` (rank exits, lost and done
-    hosts) for the coordinator; `report_training(snapshot)` adds the
-    coordinator's view to status replies; `abort(reason)` tells every agent
-    to tear down; `close()` stops the thread. One thread owns the socket; the
-    public methods are safe from any thread. With `curve` the join socket is
+    hosts) for the coordinator: a Mailbox (flodl_zmq.mailbox) that a loop
+    polls next to its sockets, or `events.get(timeout)`;
+    `report_training(snapshot)` adds the coordinator's view to status
+    replies; `abort(reason)` tells every agent to tear down and returns once
+    the aborts are handed to ZeroMQ; `close()` stops the thread. One thread
+    owns the socket; the public methods are safe from any thread. The thread
+    sleeps in poll until a frame, a command or its next timer (heartbeat,
+    window, silent host); it has no polling interval. With `curve` the join socket is
     a CURVE server; without it, an agent connecting from outside loopback and
     private networks is warned about once in the log.
     """
@@ -554,13 +573,14 @@ class MembershipService:
         self.heartbeat_s = heartbeat_s
         self.clock = clock
         self.links = HostLinks(silence_s)
-        self.events: queue.Queue[MembershipEvent] = queue.Queue()
+        self.events: Mailbox[MembershipEvent] = Mailbox()
         self.dropped = 0  # pre-admission frames dropped unanswered (bad MAC, junk)
         self._session_key = session_key
         self._join = Codec(join_key(trust, session_key), JOIN_RUN_ID, SENDER)
         self._session = Codec(session_key, run_id, SENDER)
         self._hosts: dict[bytes, str] = {}  # ROUTER identity -> admitted host
-        self._commands: queue.Queue[str] = queue.Queue()
+        # Aborts, each with the event set once its frames are handed to ZeroMQ; None wakes us to stop.
+        self._commands: Mailbox[tuple[str, threading.Event] | None] = Mailbox()
         self._closed = threading.Event()
         self._stop = threading.Event()
         self._verdict: Verdict | None = None
@@ -591,9 +611,16 @@ class MembershipService:
         self._closed.wait(timeout)
         return self._verdict
 
-    def abort(self, reason: str) -> None:
-        """Fail the window if it is open and send every admitted agent an abort."""
-        self._commands.put(reason)
+    def abort(self, reason: str, timeout: float = 5.0) -> bool:
+        """Fail the window if it is open and send every admitted agent an abort.
+
+        Returns once the service thread has handed the aborts to ZeroMQ (True),
+        or after `timeout` seconds, or at once if the thread is not running (False).
+        """
+        sent = threading.Event()
+        if not self._commands.put((reason, sent)) or not self._thread.is_alive():
+            return False
+        return sent.wait(timeout)
 
     def report_training(self, snapshot: dict[str, Any]) -> None:
         """The coordinator's current view (JSON-able), served as `training` in status replies."""
@@ -621,24 +648,35 @@ class MembershipService:
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self._commands.put(None)  # wakes the thread out of its poll
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._sock.close(0)
+        if not self._thread.is_alive():
+            # Only once the thread is gone: it polls these descriptors and owns the socket.
+            self._sock.close(0)
+            self._commands.close()
+            self.events.close()
 
     # ------------------------------------------------------------------ loop
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._commands, zmq.POLLIN)
+        commands = self._commands.fileno()
         next_beat = self.clock()
         while not self._stop.is_set():
-            if poller.poll(20):
+            due = [next_beat, self.window.next_due(self.clock()), self.links.next_due()]
+            events = dict(poller.poll(poll_ms(min(d for d in due if d is not None) - self.clock())))
+            if self._sock in events:
                 while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     frames = self._sock.recv_multipart(copy=False)
                     self._on_message(bytes(frames[0].bytes), frames[1:])
             now = self.clock()
-            while not self._commands.empty():
-                self._on_abort(self._commands.get_nowait())
+            if commands in events:
+                for command in self._commands.drain():
+                    if command is not None:
+                        self._on_abort(*command)
             self._on_verdict(self.window.poll(now))
             if now >= next_beat:
                 next_beat = now + self.heartbeat_s
@@ -665,7 +703,7 @@ class MembershipService:
                 self._send(ident, self._session, Abort(verdict.reason))
         self._closed.set()
 
-    def _on_abort(self, reason: str) -> None:
+    def _on_abort(self, reason: str, sent: threading.Event) -> None:
         verdict = self.window.abort(reason)
         if self._verdict is None:
             self._verdict = verdict
@@ -673,6 +711,7 @@ class MembershipService:
         log.error("aborting the run on every host: %s", reason)
         for ident in self._hosts:
             self._send(ident, self._session, Abort(reason))
+        sent.set()
 
     def _on_message(self, ident: bytes, frames: list[Any]) -> None:
         host = self._hosts.get(ident)

@@ -27,6 +27,10 @@ Rules this module keeps:
   run, and the ledger never sums its polluted frame.
 - Other threads talk to the service through thread-safe methods
   (`declare_dead`, `drop_broadcast`) and read outcomes from `completed`.
+  Both directions are Mailboxes (flodl_zmq.mailbox): commands wake this
+  loop at once, and `completed` wakes a loop that polls it next to its
+  sockets. The loop sleeps in poll until a message, a command or the next
+  probe, with no polling interval.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import queue
+import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -56,6 +60,7 @@ from flodl_zmq.links import (
     tune,
     tune_loopback,
 )
+from flodl_zmq.mailbox import Mailbox, poll_ms
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.wire import Attribution, Channel, Codec
@@ -86,7 +91,7 @@ class ReducerConfig:
     bcast_bind: str
     probe_interval_s: float = 0.1
     hwm_records: int = 8
-    poll_s: float = 0.02
+    poll_s: float = 0.02  # how long a send waits before it retries (SNDTIMEO); the loop itself never polls on a timer
     curve: CurveKeys | None = None  # CURVE server keys for both sockets (None: cleartext)
 
     def __post_init__(self) -> None:
@@ -127,7 +132,9 @@ class ReducerService:
 
     `start()` binds and runs the service thread; `stop()` ends it. Deaths the
     coordinator decides go in through `declare_dead(rank)`; each finished or
-    abandoned round comes out on the `completed` queue as a RoundOutcome.
+    abandoned round comes out on the `completed` Mailbox as a RoundOutcome
+    (and, if the service thread fails, one last outcome with no round that
+    names the failure, so a loop waiting on `completed` wakes to see `error`).
     `drop_broadcast(round)` is a test hook: that round's broadcast is not sent
     (relays must recover it point to point). Pass a shared `context` for inproc.
     The PUB is also bound on `local_bcast` (inproc): the controller's own copy of
@@ -138,10 +145,10 @@ class ReducerService:
     def __init__(self, config: ReducerConfig, context: zmq.Context | None = None):
         self.config = config
         self.ledger = RoundLedger(config.world)
-        self.completed: queue.Queue[RoundOutcome] = queue.Queue()
+        self.completed: Mailbox[RoundOutcome] = Mailbox()
         self.error: BaseException | None = None
         self._ctx = context or controller_context()
-        self._commands: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
+        self._commands: Mailbox[tuple[str, int]] = Mailbox()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -169,8 +176,13 @@ class ReducerService:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the service thread and close its sockets (idempotent)."""
         self._stop.set()
+        self._commands.put(("stop", 0))  # wakes the loop out of its poll
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            # Only once the loop is gone: a descriptor closed under its poll could be reused.
+            self._commands.close()
+            self.completed.close()
 
     def declare_dead(self, rank: int) -> None:
         """The coordinator declared `rank` dead: out of every barrier, forwarded to its relay once."""
@@ -202,6 +214,7 @@ class ReducerService:
             self.error = exc
             self._stop.set()
             self._ready.set()
+            self.completed.put(RoundOutcome(None, 0.0, (), f"the reducer failed: {exc}"))
 
     def _loop(self) -> None:
         cfg = self.config
@@ -225,11 +238,15 @@ class ReducerService:
             self._ready.set()
             poller = zmq.Poller()
             poller.register(data, zmq.POLLIN)
-            poll_ms = max(1, int(cfg.poll_s * 1000))
+            poller.register(self._commands, zmq.POLLIN)
+            commands = self._commands.fileno()
             next_probe = 0.0
             while not self._stop.is_set():
-                events = dict(poller.poll(poll_ms))
-                self._run_commands()
+                # Asleep until a message or a command; the probe is the only timer.
+                wait_s = max(0.0, next_probe - time.monotonic()) if self._unsubscribed() else math.inf
+                events = dict(poller.poll(poll_ms(wait_s)))
+                if commands in events:
+                    self._run_commands()
                 if data in events:
                     drain(data, self._on_message, copy=False, budget=64)
                 now = time.monotonic()
@@ -246,15 +263,12 @@ class ReducerService:
         return [h for h in self._route if h in expected and h not in self._subscribed]
 
     def _run_commands(self) -> None:
-        while True:
-            try:
-                what, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for what, arg in self._commands.drain():
             if what == "dead":
                 self._death(arg, reported_by=None)
-            else:
+            elif what == "drop":
                 self._drop.add(arg)
+            # "stop" only woke us: the loop checks _stop
 
     def _to_relay(self, route: bytes, tag: bytes, frames: list[Any]) -> None:
         try:

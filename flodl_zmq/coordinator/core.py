@@ -321,6 +321,19 @@ class Coordinator:
         self._advance(now)
         return self._flush()
 
+    def next_due(self) -> float | None:
+        """When `on_tick` next has work (a beacon, a rank turning stale, the stall ceiling); None: never.
+
+        A service sleeps until then instead of ticking on an interval; any
+        other input may move it, so ask again after each.
+        """
+        if not self._started or self._over:
+            return None
+        due = self.liveness.next_due()
+        if self.cycle is not None:
+            due = min(due, math.nextafter(self.cycle.started_at + self.config.reduce_stall_s, math.inf))
+        return due
+
     def on_rank_death(self, rank: int, reason: str, now: float) -> list[Out]:
         """The agent or relay saw `rank` exit (`reason` is for logs): the fast death path."""
         self._require_started(f"death report of rank {rank} ({reason})")

@@ -23,6 +23,7 @@ failure or as a clean exit, and never comes back; only failures count towards
 from __future__ import annotations
 
 import enum
+import math
 
 from flodl_zmq.coordinator.config import MaxFailure
 from flodl_zmq.errors import CoordinatorError
@@ -82,6 +83,15 @@ class Liveness:
             return False
         self._last_beacon = now
         return True
+
+    def next_due(self) -> float:
+        """When a beacon is next due or the quietest live rank turns stale (now, if a beacon is owed)."""
+        due = -math.inf if self._last_beacon is None else self._last_beacon + BEACON_INTERVAL_S
+        seen = [self._last_seen[r] for r in range(self.world_size) if self._state[r] is RankState.LIVE]
+        if seen:
+            # `stale` is strict (silent for longer than the timeout): due just after.
+            due = min(due, math.nextafter(min(seen) + self.timeout_s, math.inf))
+        return due
 
     # ---------------------------------------------------------------- queries
 

@@ -257,3 +257,14 @@ def test_a_silent_controller_tears_the_host_down(cluster):
     assert c.service.wait_closed(10).phase is Phase.FORMED
     c.service.close()  # no more heartbeats, no goodbye: as if the link were cut
     assert a() == 1 and b() == 1
+
+
+def test_abort_returns_once_the_service_thread_acted_on_it_and_not_after_close(cluster):
+    c = cluster()
+    t0 = time.perf_counter()
+    assert c.service.abort("operator gave up") is True  # the thread woke for it: no poll tick to wait out
+    assert time.perf_counter() - t0 < 0.5
+    verdict = c.service.wait_closed(0)
+    assert verdict is not None and verdict.phase is Phase.FAILED and verdict.reason == "operator gave up"
+    c.service.close()
+    assert c.service.abort("again") is False  # nobody left to send it

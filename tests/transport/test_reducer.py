@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import queue
+import time
 
 import numpy as np
 import pytest
 import zmq
 
 from flodl_zmq.links import TAG_BCAST, TAG_DATA, relay_sender
+from flodl_zmq.mailbox import IDLE_S
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.wire import Channel, Codec, Envelope, new_key
 from flodl_zmq.wire.records import (
@@ -152,6 +154,16 @@ def test_each_death_is_forwarded_to_its_relay_exactly_once(rig):
     assert a.record().record == RelayDeclareDead(0)
     a.send(RankExit(1))  # reported by the relay itself: not echoed back
     assert not a.data.poll(300) and not b.data.poll(100)
+
+
+def test_a_command_wakes_the_idle_service_at_once_not_after_a_poll_tick(rig):
+    rig.ready()  # every relay subscribed: no probe due, the loop sleeps until told something
+    a = rig.relays["a"]
+    time.sleep(0.2)  # let it fall asleep in poll
+    t0 = time.perf_counter()
+    rig.svc.declare_dead(0)
+    assert a.record().record == RelayDeclareDead(0)
+    assert time.perf_counter() - t0 < IDLE_S / 2, "the command must wake the loop, not its idle bound"
 
 
 def test_late_corrupt_forged_and_replayed_frames_are_rejected_and_the_round_is_right(rig):

@@ -293,6 +293,37 @@ def test_coordinator_beacons_every_second():
     assert len(of(outs, rec.CoordHeartbeat, 0)) == 3  # at 0.1, 1.1 and 2.1
 
 
+def test_next_due_names_the_next_beacon_and_the_moment_the_quietest_rank_turns_stale():
+    c, _ = make(heartbeat_timeout_s=3.0)
+    assert c.next_due() <= 0.1  # no beacon sent yet: one is owed now
+    c.on_tick(0.1)
+    assert c.next_due() == 1.1  # the next beacon
+    c.on_tick(1.1)
+    c.on_record(0, rec.Heartbeat(rank=0, step_count=0), 2.0)
+    c.on_tick(2.1)
+    c.on_record(0, rec.Heartbeat(rank=0, step_count=0), 2.9)
+    due = c.next_due()  # rank 1 silent since 0.0: stale just after 3.0, before the beacon at 3.1
+    assert 3.0 < due < 3.0001
+    assert of(c.on_tick(3.0), rec.DeclareDead) == []
+    assert of(c.on_tick(due), rec.DeclareDead) == [rec.DeclareDead(1)]
+
+
+def test_next_due_includes_the_reduce_stall_ceiling_and_is_none_once_the_run_is_over():
+    c, _ = make(mode="sync", total=20, heartbeat_timeout_s=10.0)
+    batch(c, 0, 1)
+    batch(c, 1, 1)  # the round opens at 0.1
+    stall = 0.1 + c.config.reduce_stall_s
+    for t in [*range(5, int(stall), 5), stall - 0.5]:  # the last beacon half a second before the ceiling
+        for r in (0, 1):
+            c.on_record(r, rec.Heartbeat(rank=r, step_count=1), float(t))
+        c.on_tick(float(t))
+    due = c.next_due()
+    assert stall < due < stall + 1e-6
+    assert of(c.on_tick(due), rec.ShutdownWithSave, 0) == [rec.ShutdownWithSave("reduce_stall")]
+    assert c.next_due() is None
+    assert make()[0].next_due() is not None and Coordinator(c.config, 2, 0.0).next_due() is None  # before start
+
+
 # ------------------------------------------------------------------ failed sends
 
 

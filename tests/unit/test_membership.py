@@ -227,6 +227,16 @@ def test_verdicts_are_final():
     assert w.abort("too late") == formed
 
 
+def test_next_due_is_the_window_end_then_the_cap_then_none_once_final():
+    w = window(min_ranks=2, window_s=10.0, cap_s=30.0)
+    assert w.next_due(100.0) == 110.0
+    w.admit(hello("a", 1), 101.0)
+    assert w.poll(110.0).phase is Phase.OPEN
+    assert w.next_due(110.0) == 130.0  # after the window only the cap (or a quorum admission) closes it
+    assert w.poll(130.0).phase is Phase.FAILED
+    assert w.next_due(130.0) is None
+
+
 def test_abort_fails_an_open_window_with_the_reason():
     w = window()
     v = w.abort("launcher aborted before the world formed")
@@ -282,6 +292,18 @@ def test_a_silent_host_is_lost_once_with_its_unreported_ranks():
     assert links.live_ranks("a") == (1,)
     assert links.lost(100.0) == ["b"]
     assert links.lost(200.0) == []
+
+
+def test_links_next_due_is_when_the_quietest_open_host_turns_lost():
+    links = HostLinks(timeout_s=5.0)
+    assert links.next_due() is None
+    links.add(member("a", 0), 0.0)
+    links.add(member("b", 1), 2.0)
+    due = links.next_due()
+    assert 5.0 < due < 5.0001 and links.lost(5.0) == [] and links.lost(due) == ["a"]
+    assert 7.0 < links.next_due() < 7.0001
+    links.rank_exited("b", 1, 3.0)  # done: never lost, nothing left to time
+    assert links.next_due() is None
 
 
 def test_a_host_whose_ranks_all_exited_is_done_and_never_lost():
