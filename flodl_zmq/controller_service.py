@@ -104,7 +104,7 @@ from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job
 from flodl_zmq.links import (
     COORDINATOR_SENDER,
-    REDUCER_SENDER,
+    FROM_REDUCER,
     RELAY_ROUTE,
     drain,
     rank_identity,
@@ -127,8 +127,6 @@ from flodl_zmq.wire import records as rec
 _DISPATCH = (rec.StartEpoch, rec.Update, rec.ExtendPartition)
 
 log = logging.getLogger(__name__)
-# The controller's SUB carries only the reducer's broadcasts.
-FROM_REDUCER = Attribution.signed_by(REDUCER_SENDER, "the reducer's broadcast")
 
 END_DRAIN_S = 1.0
 STATUS_EVERY_S = 0.25

@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import is_loopback_endpoint
+from flodl_zmq.wire import Attribution
 from flodl_zmq.wire.records import Channel
 
 RELAY_ROUTE = b""  # route frame of the relay's own control records
@@ -32,6 +33,10 @@ TAG_DATA = Channel.DATA.value.encode()
 TAG_BCAST = Channel.BROADCAST.value.encode()
 REDUCER_SENDER = "reducer"
 COORDINATOR_SENDER = "coordinator"
+# Links that carry one signer's records only: the reducer's (a relay's upstream data
+# socket and every SUB), the coordinator's (a relay's control DEALER, a rank's control).
+FROM_REDUCER = Attribution.signed_by(REDUCER_SENDER, "the reducer's link")
+FROM_COORDINATOR = Attribution.signed_by(COORDINATOR_SENDER, "the coordinator's link")
 
 
 def rank_identity(rank: int) -> bytes:

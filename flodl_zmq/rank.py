@@ -26,7 +26,8 @@ Rules this module keeps:
   outgoing record (so each channel's sequence numbers go out in order),
   sends heartbeats on its own clock (a rank busy in a long batch still
   beats) and hands decoded inbound records to the training thread through a
-  queue. The training thread never touches a socket.
+  mailbox (flodl_zmq/mailbox.py), as the training thread hands it outgoing
+  ones. The training thread never touches a socket.
 - Snapshot buffers are allocated once. On CUDA they are pinned, filled with
   non-blocking copies and fenced by one synchronize per round, never one per
   tensor; a snapshot waits until ZeroMQ has released the previous deposit
@@ -60,18 +61,20 @@ from flodl_zmq import bundle
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.errors import ConfigError, TrainingError, WireError
 from flodl_zmq.job import Job
-from flodl_zmq.links import rank_identity, rank_sender
+from flodl_zmq.links import FROM_COORDINATOR, FROM_REDUCER, rank_identity, rank_sender, relay_sender
+from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.payload import flat_views, load_flat, model_signature, payload_tensors
 from flodl_zmq.sampling import epoch_permutation, plan_indices
 from flodl_zmq.settings import Settings
 from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32, torch_view
-from flodl_zmq.wire import Channel, Codec
+from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.shm import (
     Segment,
     SegmentMap,
     by_reference,
     host_owner,
+    is_by_reference,
     rank_owner,
 )
 
@@ -254,15 +257,12 @@ class _Link:
         self.cfg = cfg
         self.codec = Codec(cfg.key, cfg.run_id, rank_sender(cfg.rank))
         self.mapped = SegmentMap(cfg.run_id)  # the relay's consensus segment, when it sends by reference
-        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._outbox: queue.Queue[tuple[Any, list[Any], ParamBuffers | None]] = queue.Queue()
+        self._from_relay = Attribution.signed_by(relay_sender(cfg.host), "this host's relay")
+        self.inbox: Mailbox[tuple[str, Any]] = Mailbox()
+        # None is a bare wake-up (close): the I/O thread then sees _stop.
+        self._outbox: Mailbox[tuple[Any, list[Any], ParamBuffers | None] | None] = Mailbox()
         self._step_count = step_count
         self._ctx = ctx
-        self._wake_addr = f"inproc://flodl-rank-{cfg.rank}-{id(self)}"
-        self._wake_rx = ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(self._wake_addr)
-        self._wake_tx = ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(self._wake_addr)
         self._stop = threading.Event()
         self.rejected = 0
         self._thread = threading.Thread(target=self._run, name=f"flodl-rank{cfg.rank}-io", daemon=True)
@@ -273,20 +273,15 @@ class _Link:
     def send(self, record: Any, payload: Sequence[Any] = (), tracked_by: ParamBuffers | None = None) -> None:
         """Queue `record` for the I/O thread (called from the training thread only)."""
         self._outbox.put((record, list(payload), tracked_by))
-        try:
-            self._wake_tx.send(b"", zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # wake-ups already queued: the I/O thread will drain the outbox anyway
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Flush queued records (the goodbye among them), stop the thread, close the sockets."""
         self._stop.set()
-        try:
-            self._wake_tx.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        self._outbox.put(None)
         self._thread.join(timeout_s)
-        self._wake_tx.close(linger=0)
+        if not self._thread.is_alive():  # a mailbox is closed only once its receiver has stopped
+            self._outbox.close()
+            self.inbox.close()
 
     def _socket(self, endpoint: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -299,7 +294,7 @@ class _Link:
         control = self._socket(self.cfg.control_endpoint)
         data = self._socket(self.cfg.data_endpoint)
         poller = zmq.Poller()
-        for s in (control, data, self._wake_rx):
+        for s in (control, data, self._outbox):
             poller.register(s, zmq.POLLIN)
         next_beat = started = time.monotonic()
         last_heard: float | None = None
@@ -318,12 +313,9 @@ class _Link:
                     lost = True
                     self.inbox.put(("lost", f"no word from the coordinator for {limit:.0f} s"))
                 events = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
-                if self._wake_rx in events:
-                    while self._wake_rx.poll(0):
-                        self._wake_rx.recv()
                 if control in events:
                     while control.poll(0):
-                        record = self._decode(control.recv_multipart(copy=False), Channel.CONTROL)
+                        record = self._decode_control(control.recv_multipart(copy=False))
                         if record is not None:
                             last_heard = time.monotonic()
                             self.inbox.put(("control", record.record))
@@ -339,31 +331,34 @@ class _Link:
             self._flush(control, data)
             control.close()
             data.close()
-            self._wake_rx.close(linger=0)
 
-    def _decode(self, frames: list[Any], channel: Channel, replay: bool = True) -> Any:
+    def _decode_control(self, frames: list[Any]) -> Any:
         try:
-            return self.codec.decode(frames, channel, replay=replay)
+            # The relay forwards the coordinator's records verbatim: nobody else signs them.
+            return self.codec.decode_from(frames, Channel.CONTROL, FROM_COORDINATOR)
         except WireError as exc:
             # A rejected record never reaches the training thread; counted and logged.
             self.rejected += 1
-            log.warning("rank %d: rejected a %s message: %s", self.cfg.rank, channel.value, exc)
+            log.warning("rank %d: rejected a control message: %s", self.cfg.rank, exc)
             return None
 
     def _decode_data(self, msg: list[Any]) -> Any:
+        # Framed, a consensus is the reducer's message fanned out verbatim; by reference,
+        # the relay signs the header and locator of the copy it placed in its segment.
+        sender = self._from_relay if is_by_reference(msg) else FROM_REDUCER
         try:
-            return self.mapped.decode(self.codec, msg, host_owner(self.cfg.host), Channel.BROADCAST, replay=False)
+            return self.mapped.decode(self.codec, msg, host_owner(self.cfg.host), Channel.BROADCAST,
+                                      sender=sender, replay=False)
         except WireError as exc:
             self.rejected += 1
             log.warning("rank %d: rejected a consensus: %s", self.cfg.rank, exc)
             return None
 
     def _flush(self, control: zmq.Socket, data: zmq.Socket) -> None:
-        while True:
-            try:
-                record, payload, tracked_by = self._outbox.get_nowait()
-            except queue.Empty:
-                return
+        for item in self._outbox.drain():
+            if item is None:
+                continue
+            record, payload, tracked_by = item
             if payload:
                 if tracked_by is not None and tracked_by.segment is not None:
                     # The payload stays in the segment; the round protocol keeps it unwritten
@@ -475,7 +470,7 @@ class RankRuntime:
         timeout = 0.5 if block else 0.0
         while True:
             try:
-                kind, item = self.link.inbox.get(timeout=timeout) if timeout else self.link.inbox.get_nowait()
+                kind, item = self.link.inbox.get(timeout)
             except queue.Empty:
                 return
             timeout = 0.0

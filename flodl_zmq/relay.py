@@ -71,8 +71,8 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import AttributionError, ConfigError, FlodlError, FoldError, WireError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.links import (
-    COORDINATOR_SENDER,
-    REDUCER_SENDER,
+    FROM_COORDINATOR,
+    FROM_REDUCER,
     RELAY_ROUTE,
     TAG_BCAST,
     TAG_DATA,
@@ -116,10 +116,6 @@ from flodl_zmq.wire.shm import (
 log = logging.getLogger(__name__)
 
 GOODBYE = "said goodbye"
-# The data thread's upstream socket and SUB carry only the reducer's records.
-FROM_REDUCER = Attribution.signed_by(REDUCER_SENDER, "the reducer's link")
-# The control DEALER carries only the coordinator's records (forwarded to ranks verbatim).
-FROM_COORDINATOR = Attribution.signed_by(COORDINATOR_SENDER, "the coordinator's link")
 DEFAULTS = Settings()  # RelayConfig's timings default to the settings table
 
 @dataclass(frozen=True)

@@ -1,0 +1,75 @@
+"""The rank's I/O thread over real sockets: what reaches the training thread, and what leaves at once."""
+
+from __future__ import annotations
+
+import queue
+import uuid
+
+import numpy as np
+import pytest
+import zmq
+
+from flodl_zmq.links import COORDINATOR_SENDER, REDUCER_SENDER, rank_identity
+from flodl_zmq.rank import RankConfig, _Link
+from flodl_zmq.wire import Channel, Codec, new_key
+from flodl_zmq.wire import records as rec
+
+from .dataplane_helpers import WAIT_S
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def link(tmp_path):
+    ctx = zmq.Context()
+    key, run_id = new_key(), uuid.uuid4().bytes
+    control, data = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    for s, name in ((control, "c"), (data, "d")):
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(f"ipc://{tmp_path}/{name}")
+    cfg = RankConfig(rank=0, local_rank=0, world_size=1, host="a", key=key, run_id=run_id,
+                     control_endpoint=f"ipc://{tmp_path}/c", data_endpoint=f"ipc://{tmp_path}/d",
+                     heartbeat_s=30.0)
+    lk = _Link(cfg, ctx, lambda: 0)
+    lk.start()
+    # The first heartbeat tells us the link is up (and gives the ROUTER the rank's route).
+    assert control.poll(int(WAIT_S * 1000))
+    control.recv_multipart()
+    yield lk, control, data, key, run_id
+    lk.close()
+    control.close(0)
+    data.close(0)
+    ctx.term()
+
+
+def test_only_the_coordinators_control_records_reach_the_training_thread(link):
+    lk, control, _data, key, run_id = link
+    # Right key, wrong signer: the reducer (or any holder of the key) may not speak as the coordinator.
+    control.send_multipart([rank_identity(0), *Codec(key, run_id, REDUCER_SENDER).encode(rec.Shutdown())])
+    control.send_multipart([rank_identity(0), *Codec(key, run_id, COORDINATOR_SENDER).encode(rec.CoordHeartbeat())])
+    kind, record = lk.inbox.get(WAIT_S)
+    assert kind == "control" and isinstance(record, rec.CoordHeartbeat)
+    assert lk.rejected == 1
+    with pytest.raises(queue.Empty):
+        lk.inbox.get(0.2)
+
+
+def test_a_consensus_framed_by_anyone_but_the_reducer_is_rejected(link):
+    lk, _control, data, key, run_id = link
+    t = [np.arange(4, dtype=np.float32)]
+    forged = Codec(key, run_id, COORDINATOR_SENDER).encode(rec.Consensus(1, 1.0), t, channel=Channel.BROADCAST)
+    genuine = Codec(key, run_id, REDUCER_SENDER).encode(rec.Consensus(1, 1.0), t, channel=Channel.BROADCAST)
+    data.send_multipart([rank_identity(0), *forged])
+    data.send_multipart([rank_identity(0), *genuine])
+    kind, env = lk.inbox.get(WAIT_S)
+    assert kind == "consensus" and env.sender == REDUCER_SENDER
+    assert lk.rejected == 1
+
+
+def test_a_record_the_training_thread_sends_leaves_without_waiting_for_a_heartbeat(link):
+    lk, control, _data, key, run_id = link
+    lk.send(rec.Exiting(rank=0))  # the I/O thread sleeps until its next beat, 30 s away
+    assert control.poll(int(WAIT_S * 1000))
+    frames = control.recv_multipart()
+    assert frames[0] == rank_identity(0)
+    assert isinstance(Codec(key, run_id, "test").decode(frames[1:], Channel.CONTROL).record, rec.Exiting)
