@@ -79,15 +79,15 @@ import zmq
 
 from flodl_zmq import bundle
 from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
-from flodl_zmq.coordinator.core import (
+from flodl_zmq.coordinator.core import Coordinator
+from flodl_zmq.coordinator.liveness import RankState
+from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
-    Coordinator,
     RoundOpened,
     RunEnded,
     SaveState,
 )
-from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import (

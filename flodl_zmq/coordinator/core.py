@@ -54,11 +54,12 @@ Contract with the service
   every barrier; the reducer learns each round from its first deposit) or
   `CONTROLLER` (local effects: `RoundOpened` to start the round's clock,
   `SaveState` to write the checkpoint meta, `EpochAggregated` for
-  `metrics_fn`, `EvalResult` for `eval_result_fn`, `RunEnded`). Broadcasts
-  are expanded to one `Out` per live rank, so the service never needs to
-  know who is live.
+  `metrics_fn`, `EvalResult` for `eval_result_fn`, `RunEnded`); the types
+  are in outputs.py. Broadcasts are expanded to one `Out` per live rank, so
+  the service never needs to know who is live.
 - Call `start` once when the world has formed, `on_record` for every record
-  from a rank, `on_tick` at least every few hundred milliseconds,
+  from a rank, `on_tick` by `next_due()` at the latest (ask again after
+  every input),
   `on_rank_death` when an agent or relay reports a rank's exit, and
   `on_round_complete` / `on_round_abandoned` when the reducer has published
   or torn down a round.
@@ -80,7 +81,8 @@ Error policy: inputs that a correct peer can never send (a record whose rank
 field disagrees with the sender, a chunk completion of the wrong size, a
 record kind the coordinator does not consume, any input before `start`)
 raise `CoordinatorError` naming the state and the record, before any state
-changes. Inputs a real network produces routinely are ignored and counted in
+changes; the service then declares that rank dead (`on_rank_death`), as
+every service does with a peer that breaks the protocol. Inputs a real network produces routinely are ignored and counted in
 `ignored` by cause: records from a rank already declared dead or exited
 (`from_departed`), `SyncAck` / `SnapshotReady` for a finished round
 (`stale_round`), duplicate acks (`duplicate_ack`), completions of a chunk that
@@ -107,6 +109,15 @@ from flodl_zmq.coordinator.elche import ElChe
 from flodl_zmq.coordinator.feedback import WindowFeedback
 from flodl_zmq.coordinator.liveness import Liveness, ShutdownReason, unrecoverable
 from flodl_zmq.coordinator.metrics import aggregate_epoch
+from flodl_zmq.coordinator.outputs import (
+    CONTROLLER,
+    REDUCER,
+    Out,
+    RoundOpened,
+    RunEnded,
+    SaveState,
+    Target,
+)
 from flodl_zmq.coordinator.resume import ResumeState
 from flodl_zmq.coordinator.roles import CallbackRoles, EpochCallbacks
 from flodl_zmq.coordinator.strategy import ChunkStream, DispatchStrategy, Send, SyncPartitions
@@ -118,52 +129,6 @@ FINAL_EVAL_ID = 2**64 - 1
 
 MAX_ABANDONED_ROUNDS = 3
 """Consecutive rounds the reducer may tear down before the run ends (ReduceStall)."""
-
-
-class Target(enum.Enum):
-    """Non-rank destinations of an `Out`."""
-
-    REDUCER = "reducer"
-    CONTROLLER = "controller"
-
-
-REDUCER = Target.REDUCER
-CONTROLLER = Target.CONTROLLER
-
-
-@dataclass(frozen=True)
-class Out:
-    """One output: send `record` to `dest` (a rank id, `REDUCER` or `CONTROLLER`)."""
-
-    dest: int | Target
-    record: Any
-
-
-@dataclass(frozen=True)
-class RoundOpened:
-    """Controller notice: round `round` was triggered for `ranks`; the round's clock starts.
-
-    The reducer needs no notice: like the real one, it learns a round from its
-    first deposit and drops ranks on `DeclareDead`.
-    """
-
-    round: int
-    ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SaveState:
-    """Controller directive: write the checkpoint meta `state` (see `Coordinator.state_dict`)."""
-
-    reason: ShutdownReason
-    state: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class RunEnded:
-    """Controller notice: the run is over; `reason` None means it finished normally."""
-
-    reason: ShutdownReason | None
 
 
 class RunPhase(enum.Enum):

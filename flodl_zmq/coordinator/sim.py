@@ -50,10 +50,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flodl_zmq.coordinator.config import CoordinatorConfig
-from flodl_zmq.coordinator.core import (
+from flodl_zmq.coordinator.core import Coordinator
+from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
-    Coordinator,
     Out,
     RunEnded,
     SaveState,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from flodl_zmq.coordinator.config import CoordinatorConfig, MaxFailure
-from flodl_zmq.coordinator.core import (
+from flodl_zmq.coordinator.core import Coordinator
+from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
-    Coordinator,
     RoundOpened,
     RunEnded,
     SaveState,

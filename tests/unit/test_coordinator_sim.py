@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl_zmq.coordinator.config import CoordinatorConfig, MaxFailure
-from flodl_zmq.coordinator.core import CONTROLLER, RunEnded
 from flodl_zmq.coordinator.dispatch import max_crumb
+from flodl_zmq.coordinator.outputs import CONTROLLER, RunEnded
 from flodl_zmq.coordinator.sim import RankSpec, SimConfig, Simulation
 from flodl_zmq.wire import records as rec
 
