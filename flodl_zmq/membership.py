@@ -68,6 +68,7 @@ from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireErr
 from flodl_zmq.io_threads import keep_off_the_data_plane
 from flodl_zmq.mailbox import Mailbox, poll_ms
 from flodl_zmq.security import CleartextWarner, CurveKeys, apply_server
+from flodl_zmq.settings import Settings
 from flodl_zmq.wire import KEY_BYTES, PROTOCOL_VERSION, RUN_ID_BYTES, Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     Abort,
@@ -81,6 +82,7 @@ from flodl_zmq.wire.records import (
     WorldFormed,
 )
 
+DEFAULTS = Settings()  # the service's timings default to the settings table
 log = logging.getLogger(__name__)
 
 JOIN_RUN_ID = bytes(RUN_ID_BYTES)
@@ -448,8 +450,8 @@ class SpawnSpec:
     their role in the environment (flodl_zmq/environment.py). Every host runs
     the controller's program and arguments, not whatever it was started with,
     so a cohort cannot train different scripts. `env` is added to every
-    child's environment (tunables such as FLODL_STARTUP_TIMEOUT; it never
-    overrides a child's identity). `world` maps each host to its global ranks;
+    child's environment (the run's timings, `Settings.to_environ(("run",))`;
+    it never overrides a child's identity). `world` maps each host to its global ranks;
     the controller fills it in when the world forms.
     """
 
@@ -558,8 +560,8 @@ class MembershipService:
         session_key: bytes,
         run_id: bytes,
         spawn: SpawnSpec,
-        heartbeat_s: float = 1.0,
-        silence_s: float = 10.0,
+        heartbeat_s: float = DEFAULTS.join_heartbeat_period_s,
+        silence_s: float = DEFAULTS.host_silence_at_controller_s,
         clock: Callable[[], float] = time.monotonic,
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
