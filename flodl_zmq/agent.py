@@ -24,6 +24,21 @@ Rules this module keeps:
   1 for host-level faults: the controller aborted the run, the controller
   went silent while ranks ran, the relay died under running ranks, or the
   agent was told to stop. A refused or failed join raises MembershipError.
+- **Nothing from the wire runs unchecked.** The agent runs only the program
+  it was told to run locally (`--script`/FLODL_SCRIPT): the controller's
+  argv must start with exactly those words, or the run is refused naming
+  both. This holds in every trust mode: under a pre-shared key every worker
+  holds the key, so the MAC proves "a member of the run", not "the
+  controller". The spawn spec's environment may set only the run and process
+  settings of flodl_zmq/settings.py (FLODL_*), with valid values; any other
+  variable (LD_PRELOAD, PYTHONPATH, ...) refuses the run: dropping it would
+  run with settings the controller did not mean, and it is a hostile or
+  mismatched controller either way.
+- **The controller is authenticated before anything it says is taken.**
+  Under a pre-shared key by the MAC; under open admission by CURVE (the
+  agent pins the controller's public key, FLODL_CURVE_SERVER): open
+  admission without CURVE is refused, since the all-zero pre-admission key
+  proves nothing and the session key would cross the network in the clear.
 - **CURVE follows the agent.** With CURVE keys the join link is a CURVE
   client of the controller, and the relay gets the same keys through its
   environment (FLODL_CURVE_*), so every inter-host link of the host is
@@ -38,6 +53,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -164,8 +180,10 @@ class AgentConfig:
     """One worker host.
 
     `key`: the pre-shared session key, or None for open admission (the key
-    then arrives in the accept). `devices`: from `resolve_devices`. `curve`:
-    CURVE client keys (`CurveKeys.for_client`), or None for cleartext links.
+    then arrives in the accept, and `curve` is required). `devices`: from
+    `resolve_devices`. `curve`: CURVE client keys (`CurveKeys.for_client`),
+    or None for cleartext links. `script`: the program this host agrees to
+    run (`parse_script`); None refuses every run (the agent can still join).
     """
 
     controller: ControllerAddress
@@ -180,10 +198,20 @@ class AgentConfig:
     silence_s: float = DEFAULTS.controller_silence_at_agent_s
     kill_grace_s: float = 5.0
     curve: CurveKeys | None = None
+    script: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.key is not None:
             check_key(self.key)
+        if self.key is None and self.curve is None:
+            raise ConfigError(
+                "open admission without CURVE refused: nothing would tell the controller from anyone who "
+                "answers our hello (and would then choose what this host runs); set FLODL_CURVE_SERVER to the "
+                "controller's public key (it logs it at start; or --curve-server FILE), or give every host "
+                "the same FLODL_KEY"
+            )
+        if self.script is not None:
+            check_script(self.script)
         if not self.host.strip():
             raise ConfigError("the agent needs a host name (--host, default: this machine's hostname)")
         if len(self.dataset_sig) != 32:
@@ -204,6 +232,58 @@ class Joined:
     run_id: bytes
     world_size: int
     spawn: SpawnSpec
+
+
+# --------------------------------------------------------------------------- what may run
+
+
+def check_script(words: tuple[str, ...]) -> tuple[str, ...]:
+    """`words` if they name a program the way the controller's argv does, else ConfigError."""
+    ok = bool(words) and (len(words) >= 2 if words[0] in ("-m", "-c") else not words[0].startswith("-"))
+    if not ok:
+        raise ConfigError(
+            f"--script {shlex.join(words)!r}: give the program this host runs, SCRIPT [ARGS] or -m MODULE [ARGS] "
+            "(the same words the controller gets after `--`), e.g. --script='-m flodl_zmq.demo'"
+        )
+    return words
+
+
+def parse_script(text: str) -> tuple[str, ...]:
+    """The words of `--script`/FLODL_SCRIPT (shell quoting), checked."""
+    try:
+        return check_script(tuple(shlex.split(text)))
+    except ValueError as exc:
+        raise ConfigError(f"--script {text!r}: {exc}") from None
+
+
+def check_spawn(spawn: SpawnSpec, script: tuple[str, ...] | None) -> None:
+    """Raise MembershipError unless `spawn` asks only what this host agreed to.
+
+    The argv must start with the local `script`'s words (the rest are the
+    program's arguments, which the program itself interprets); the env may
+    carry only the run/process settings (`TUNABLES`), each with a valid value.
+    """
+    wanted = shlex.join(spawn.argv)
+    if script is None:
+        raise MembershipError(
+            f"run refused: the controller asks this host to run {wanted!r}, but this agent was not told "
+            "what it may run; start it with --script (or FLODL_SCRIPT) naming that program"
+        )
+    if tuple(spawn.argv[: len(script)]) != script:
+        raise MembershipError(
+            f"run refused: the controller asks this host to run {wanted!r}, but this agent runs only "
+            f"{shlex.join(script)!r} (--script / FLODL_SCRIPT); start both with the same program"
+        )
+    foreign = sorted(k for k in spawn.env if k not in TUNABLES)
+    if foreign:
+        raise MembershipError(
+            f"run refused: the controller's spawn environment sets {foreign[:8]}, which are not settings of "
+            f"flodl-zmq (allowed: {', '.join(TUNABLES)}); a controller of another version, or a hostile one"
+        )
+    try:
+        Settings.from_environ(spawn.env, scopes=("run", "process"))
+    except ConfigError as exc:
+        raise MembershipError(f"run refused: the controller's spawn environment is invalid: {exc}") from None
 
 
 # --------------------------------------------------------------------------- the agent
@@ -310,6 +390,7 @@ class Agent:
         if not isinstance(formed, WorldFormed):
             raise MembershipError(f"expected join.world_formed or join.abort, got {formed.KIND}: controller bug")
         spawn = SpawnSpec.from_json(formed.spawn_json)
+        check_spawn(spawn, cfg.script)  # before anything of it is used
         if tuple(spawn.world.get(cfg.host, ())) != tuple(reply.ranks) or formed.world_size != sum(
             map(len, spawn.world.values())
         ):
@@ -533,10 +614,11 @@ def add_command(sub: Any) -> None:
         help="join a controller's run as a worker host and run its ranks",
         description=(
             "Dial the controller's join endpoint (PORT+3), join its run, then start this host's relay and one "
-            "rank per device running the controller's program. The session key comes from FLODL_KEY (64 hex "
-            "characters, the controller's); without it the agent asks for open admission, which a controller "
-            "allows only on loopback or private networks. With the controller's CURVE public key "
-            "(FLODL_CURVE_SERVER or --curve-server) every link of this host is encrypted. Exit status: 0 when "
+            "rank per device running the controller's program, which must be the one given here by --script "
+            "(or FLODL_SCRIPT): SCRIPT or -m MODULE. The session key comes from FLODL_KEY (64 hex "
+            "characters, the controller's); without it the agent asks for open admission, which needs the "
+            "controller's CURVE public key (FLODL_CURVE_SERVER or --curve-server) to authenticate it. With "
+            "that key every link of this host is encrypted. Exit status: 0 when "
             "the host did its part (even if a rank failed), 1 when the host was torn down, 2 when the join was "
             "refused or failed."
         ),
@@ -568,6 +650,7 @@ def _agent_command(args: Any) -> int:
         heartbeat_s=settings.join_heartbeat_period_s,
         silence_s=settings.controller_silence_at_agent_s,
         curve=CurveKeys.for_client(os.environ, settings.curve_secret_file, settings.curve_server_file),
+        script=parse_script(settings.script) if settings.script else None,
     )
     agent = Agent(config)
     try:

@@ -3,9 +3,11 @@
     flodl-zmq controller --bind HOST:PORT [options] -- SCRIPT [ARGS]     (or -- -m MODULE [ARGS])
 
 1. Trust. The session key is FLODL_KEY, pre-shared with every agent; or,
-   with --open-admission (loopback and private networks only), a fresh key
-   handed to each admitted agent. CURVE server keys come from --curve-secret
-   or FLODL_CURVE_SECRET.
+   with --open-admission (loopback and private networks only, and CURVE
+   required: the agents pin this controller's public key, which it logs at
+   start), a fresh key handed to each admitted agent over the encrypted link.
+   CURVE server keys come from --curve-secret or FLODL_CURVE_SECRET; with
+   them only admitted agents' keys may reach the data sockets (CurveGate).
 2. The join window. The membership service on PORT+3 admits agents until
    the world forms (target ranks reached, or quorum when the window closes)
    or fails (no quorum by the hard cap; the agents are told why).
@@ -43,7 +45,7 @@ import textwrap
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -60,10 +62,11 @@ from flodl_zmq.membership import (
     MembershipService,
     Phase,
     SpawnSpec,
+    check_open_admission_curve,
     endpoint_ip,
     resolve_trust,
 )
-from flodl_zmq.security import CurveKeys, apply_client, start_allow_list
+from flodl_zmq.security import SERVER_ENV, CurveKeys, apply_client, start_gate
 from flodl_zmq.settings import Settings, add_arguments
 from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, key_from_hex, new_key
 from flodl_zmq.wire.records import StatusReply, StatusRequest
@@ -107,6 +110,8 @@ class ControllerOptions:
                 "--open-admission hands every agent a fresh session key, but FLODL_KEY is set too: unset "
                 "FLODL_KEY, or drop --open-admission and give every agent the same FLODL_KEY"
             )
+        if self.open_admission:
+            check_open_admission_curve(self.curve)
         if not self.open_admission and self.key is None:
             raise ConfigError(
                 "no session key: set FLODL_KEY (`flodl-zmq keygen`) on the controller and on every agent, or "
@@ -121,18 +126,20 @@ def serve(opts: ControllerOptions) -> int:
     key = opts.key if opts.key is not None else new_key()
     run_id = os.urandom(RUN_ID_BYTES)
     ctx = controller_context()
-    curve, auth = opts.curve, None
-    if curve is not None and curve.allowed_clients is not None:
-        # Our own SUB is a client of our PUB: our key must pass the allow-list too.
-        curve = replace(curve, allowed_clients=curve.allowed_clients | {curve.public})
-        auth = start_allow_list(ctx, curve)
+    curve, auth, gate = opts.curve, None, None
+    if curve is not None:
+        # Only admitted agents' keys (and ours) may reach the data sockets: the PUB
+        # would otherwise hand the model to any client that completes a handshake.
+        gate, auth = start_gate(ctx, curve)
+        log.info("CURVE on; this controller's public key (give it to every agent): %s=%s",
+                 SERVER_ENV, curve.public.decode())
     window = JoinWindow(opts.join, opened_at=time.monotonic(), dataset_sig=opts.dataset_sig)
     membership = MembershipService(
         window, endpoint=join_endpoint, trust=trust, session_key=key, run_id=run_id,
         # Every host's relay and ranks read the run's timings from the controller's settings.
         spawn=SpawnSpec(opts.argv, env=opts.settings.to_environ(("run",))),
         heartbeat_s=opts.settings.join_heartbeat_period_s, silence_s=opts.settings.host_silence_at_controller_s,
-        context=ctx, curve=curve,
+        context=ctx, curve=curve, gate=gate,
     )
     cfg = opts.join
     log.info(
@@ -309,9 +316,10 @@ def add_commands(sub: Any) -> None:
             "as its relay and ranks. PROGRAM is SCRIPT [ARGS] or -m MODULE [ARGS], after `--`. This host runs no "
             "ranks: start an agent here too to train on it.",
             "Trust: FLODL_KEY (`flodl-zmq keygen`), the same on every host; or --open-admission on a private "
-            "network, which hands a fresh key to each agent that joins. Encryption: give the controller a CURVE "
-            "secret (`flodl-zmq curve-keygen DIR`, then --curve-secret DIR/controller.key_secret or "
-            "FLODL_CURVE_SECRET) and every agent its public key.",
+            "network with CURVE, which hands a fresh key to each agent that joins over the encrypted link. "
+            "Encryption: give the controller a CURVE secret (`flodl-zmq curve-keygen DIR`, then --curve-secret "
+            "DIR/controller.key_secret or FLODL_CURVE_SECRET) and every agent its public key "
+            "(FLODL_CURVE_SERVER, logged at start); only admitted agents' keys then reach the data sockets.",
             "Exit status: the program's (0 when the run completed), 1 when it failed or the agents were aborted, "
             "2 when the world did not form or a setting is wrong, 130 when interrupted.",
         )),

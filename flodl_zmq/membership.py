@@ -32,11 +32,13 @@ Trust modes (`TrustMode`):
   from the first byte. A hello that fails its MAC is dropped without a reply,
   so a stranger learns nothing, not even that a controller listens.
 - **Open admission.** Pre-admission frames (hello, accept, reject) are keyed
-  with the well-known all-zero key, so the MAC proves only integrity; the
-  accept delivers the session key, which keys everything after it. Anyone who
-  can reach the port can join, so open admission is refused unless the join
-  endpoint is bound to a loopback or private address, and it always logs a
-  warning.
+  with the well-known all-zero key, so the MAC proves nothing; the accept
+  delivers the session key, which keys everything after it. It therefore
+  needs CURVE (refused without it): the agents pin the controller's public
+  key, so only the controller can answer a hello, and the accept with its
+  session key travels encrypted. Anyone who can reach the port can join, so
+  open admission is refused unless the join endpoint is bound to a loopback
+  or private address, and it always logs a warning.
 
 Pre-admission frames carry the all-zero run id (`JOIN_RUN_ID`): a joiner does
 not know the run yet. The accept names the run id, and every later frame on
@@ -67,7 +69,7 @@ from flodl_zmq.environment import format_world, parse_world
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.io_threads import keep_off_the_data_plane
 from flodl_zmq.mailbox import Mailbox, poll_ms
-from flodl_zmq.security import CleartextWarner, CurveKeys, apply_server
+from flodl_zmq.security import JOIN_ZAP_DOMAIN, CleartextWarner, CurveGate, CurveKeys, apply_server
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import KEY_BYTES, PROTOCOL_VERSION, RUN_ID_BYTES, Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
@@ -118,6 +120,24 @@ def check_open_admission_bind(address: str) -> None:
             f"open admission refused on {address}: anyone who reaches that address could join the "
             "run and poison training; bind the controller to a loopback or private address, or "
             "give every host the same pre-shared key (FLODL_KEY, `flodl-zmq keygen`)"
+        )
+
+
+def check_open_admission_curve(curve: CurveKeys | None) -> None:
+    """Raise ConfigError when open admission would run without CURVE.
+
+    Before admission the MAC key is all zeros: without CURVE nothing tells an
+    agent the real controller from anyone who answers its hello (and would
+    then choose what it runs), and the session key would cross the network in
+    the clear.
+    """
+    if curve is None:
+        raise ConfigError(
+            "open admission without CURVE refused: the agents could not tell this controller from an "
+            "impostor, and the session key would travel in the clear; give the controller a CURVE secret "
+            "(`flodl-zmq curve-keygen DIR`, then --curve-secret DIR/controller.key_secret or "
+            "FLODL_CURVE_SECRET) and every agent its public key (FLODL_CURVE_SERVER), or use a pre-shared "
+            "FLODL_KEY instead of --open-admission"
         )
 
 
@@ -565,9 +585,11 @@ class MembershipService:
         clock: Callable[[], float] = time.monotonic,
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
+        gate: CurveGate | None = None,
     ):
         if trust is TrustMode.OPEN:
             check_open_admission_bind(endpoint_ip(endpoint))
+            check_open_admission_curve(curve)
         self.window = window
         self.trust = trust
         self.run_id = run_id
@@ -589,6 +611,7 @@ class MembershipService:
         # Replaced whole by the controller's thread, read whole by ours: a reference swap needs no lock.
         self._training: dict[str, Any] | None = None
         self._curve = curve
+        self._gate = gate  # learns each admitted agent's CURVE key (security.CurveGate)
         self._cleartext = CleartextWarner(log)
         ctx = context or zmq.Context.instance()
         self._sock = ctx.socket(zmq.ROUTER)
@@ -596,6 +619,7 @@ class MembershipService:
         self._sock.setsockopt(zmq.LINGER, 0)
         if curve is not None:
             apply_server(self._sock, curve)
+            self._sock.zap_domain = JOIN_ZAP_DOMAIN  # a stranger's key may knock here, nowhere else
         # An agent's DEALER keeps its routing id across reconnects (see agent.py);
         # handover lets the reconnected pipe take the id over instead of being ignored.
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -752,6 +776,8 @@ class MembershipService:
             return
         self._hosts[ident] = hello.host
         self.links.add(self.window.members[-1], now)
+        if self._gate is not None:
+            self._admit_curve_key(hello.host, frames)
         peer = _peer_address(frames)
         if peer is not None:
             self._cleartext.warn_if_cleartext(peer, encrypted=self._curve is not None)
@@ -762,6 +788,18 @@ class MembershipService:
             self.window.joined_ranks,
             self.window.config.target_ranks or f"{self.window.config.min_ranks}+",
         )
+
+    def _admit_curve_key(self, host: str, frames: list[Any]) -> None:
+        """Let the key that carried `host`'s admitted hello through the data sockets (the gate)."""
+        assert self._gate is not None
+        try:
+            key = frames[0].get("User-Id")  # the client key the ZAP handler approved, Z85
+        except (zmq.ZMQError, AttributeError, IndexError):
+            key = None
+        if not key:
+            log.warning("host %r admitted but its CURVE key is unknown: its relay will be refused", host)
+            return
+        self._gate.admit(key)
 
     def _on_member_frame(self, ident: bytes, host: str, frames: list[Any]) -> None:
         try:

@@ -11,18 +11,20 @@ What CURVE adds, and what it does not replace:
 
 Who may connect (the decision this module takes):
 
-- By default the controller accepts any client key (no ZAP handler, which is
-  libzmq's CURVE_ALLOW_ANY). Authentication stays the HMAC's job: a client
-  that completes the handshake but lacks the session key gets every record
-  refused by the codec, and open admission is only allowed on private
-  addresses. Workers then need nothing but the controller's public key; their
-  own keypair is generated per process.
+- The workers authenticate the controller: a client completes the CURVE
+  handshake only with the holder of the secret key whose public key it was
+  given (FLODL_CURVE_SERVER). That is what makes open admission safe to
+  answer: a fake controller cannot speak to a pinned agent at all.
+- The controller's `flodl-zmq controller` always runs a ZAP handler with CURVE
+  (`CurveGate`): the join socket takes any client key (a host must be able to
+  ask), every other socket only the keys of admitted agents and its own, so
+  the model on the PUB is readable by admitted hosts only. Workers need
+  nothing but the controller's public key; their own keypair is generated per
+  process (the agent hands it to its relay).
 - Optionally the controller takes a directory of client public certificates
-  (`*.key`, zmq.auth format) and refuses any other key in the handshake,
-  through pyzmq's ThreadAuthenticator. That stops an unknown host before it
-  can open a connection and make the codec spend work on junk, and revokes a
-  host by deleting one file. The price is one ZAP thread per context, which is
-  why it is opt-in.
+  (`*.key`, zmq.auth format) and refuses any other key even on the join
+  socket. That stops an unknown host before it can open a connection and make
+  the codec spend work on junk, and revokes a host by deleting one file.
 
 Key sources (checked when loaded, errors name the variable or file and the
 fix): zmq.auth certificate files (`flodl-zmq curve-keygen` writes them), or
@@ -238,6 +240,63 @@ def start_allow_list(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator |
     auth.start()
     auth.configure_curve_callback("*", _AllowList(keys.allowed_clients))
     return auth
+
+
+JOIN_ZAP_DOMAIN = b"join"  # the join socket's ZAP domain: the one door a not-yet-admitted key may use
+
+
+class CurveGate:
+    """The controller's CURVE allow-list, learned at admission (the default whenever CURVE is on).
+
+    Why: CURVE encrypts, but without a ZAP handler libzmq accepts any client
+    key, so anyone who can reach the PUB could subscribe and read the model
+    every round. The gate keeps two doors:
+
+    - the join socket (ZAP domain `join`): any client key, or only the keys of
+      `--curve-clients DIR` when given: a host must be able to ask to join
+      before anyone knows its key;
+    - every other CURVE server socket of the context (control, reducer data
+      and PUB): only the controller's own key and the keys of admitted agents.
+      The membership calls `admit(key)` with the key the handshake of the
+      admitted hello proved (ZeroMQ's User-Id property); an agent's relay dials
+      with the agent's keys, so the relay of an admitted host passes.
+
+    `callback` runs on the ZAP thread, `admit` on the membership thread: the
+    admitted set is replaced whole, never mutated in place.
+    """
+
+    def __init__(self, own: bytes, clients: frozenset[bytes] | None = None):
+        self.own = own
+        self.clients = clients
+        self._admitted: frozenset[bytes] = frozenset()
+
+    @property
+    def admitted(self) -> frozenset[bytes]:
+        return self._admitted
+
+    def admit(self, key: bytes | str) -> None:
+        """Let `key` (Z85) through every socket from now on."""
+        raw = key.encode() if isinstance(key, str) else bytes(key)
+        self._admitted = self._admitted | {raw}
+
+    def callback(self, domain: str | bytes, key: bytes) -> bool:
+        if (domain.encode() if isinstance(domain, str) else domain) == JOIN_ZAP_DOMAIN:
+            return self.clients is None or key in self.clients or key == self.own
+        return key == self.own or key in self._admitted
+
+
+def start_gate(ctx: zmq.Context, keys: CurveKeys) -> tuple[CurveGate, ThreadAuthenticator]:
+    """Start the ZAP handler enforcing a `CurveGate` on every CURVE server socket of `ctx`.
+
+    Start it before binding; `stop()` the authenticator when the context's
+    sockets are closed. The join socket must carry `JOIN_ZAP_DOMAIN`.
+    """
+    gate = CurveGate(keys.public, keys.allowed_clients)
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback("*", gate)  # sockets without a domain: the data plane
+    auth.configure_curve_callback(JOIN_ZAP_DOMAIN.decode(), gate)
+    return gate, auth
 
 
 def keygen(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:

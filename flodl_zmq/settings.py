@@ -218,7 +218,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("bind", None, "the address the controller listens on; it uses PORT..PORT+3", kind=str, metavar="HOST:PORT",
             flags=("--bind",), env=("FLODL_BIND",), commands=("controller",), default_text="required"),
     Setting("open_admission", False, "admit any agent that reaches the address and hand it the session key; "
-            "refused unless the address is loopback or private, and refused together with FLODL_KEY", kind=bool,
+            "needs CURVE (the agents pin the controller's key), refused unless the address is loopback or "
+            "private, and refused together with FLODL_KEY", kind=bool,
             flags=("--open-admission",), env=("FLODL_OPEN_ADMISSION",), commands=("controller",)),
     Setting("min_ranks", 2, "the fewest ranks the run may start with (at least 2: a one-rank world has nothing to "
             "average)", kind=int,
@@ -245,13 +246,18 @@ SETTINGS: tuple[Setting, ...] = (
             default_text="every visible GPU, else CPU slots"),
     Setting("cpu_slots", 1, "ranks to run when the host has no GPU", kind=int, flags=("--cpu-slots",),
             env=("FLODL_CPU_SLOTS",), commands=("agent",), minimum=0),
+    Setting("script", None, "the program this host agrees to run, SCRIPT or -m MODULE (ARGS after it pin "
+            "those too); the controller's program must start with exactly these words, or the agent refuses "
+            "the run", kind=str, metavar="PROGRAM", flags=("--script",), env=("FLODL_SCRIPT",),
+            commands=("agent",), default_text="required"),
     # ---- CURVE certificates (the keys themselves go in FLODL_CURVE_*, see security.py)
     Setting("curve_secret_file", None, "this process's secret CURVE certificate; on the controller it turns "
             "CURVE on for every socket", kind=str, metavar="FILE", flags=("--curve-secret",), env=("FLODL_CURVE_SECRET_FILE",),
             commands=("controller", "agent")),
-    Setting("curve_clients_dir", None, "admit only the CURVE public keys of the `*.key` files in this directory",
-            kind=str, metavar="DIR", flags=("--curve-clients",), env=("FLODL_CURVE_CLIENTS",), commands=("controller",),
-            default_text="any key"),
+    Setting("curve_clients_dir", None, "admit only the CURVE public keys of the `*.key` files in this directory "
+            "(the join socket included); without it any key may ask to join, and only admitted agents' keys "
+            "reach the other sockets", kind=str, metavar="DIR", flags=("--curve-clients",),
+            env=("FLODL_CURVE_CLIENTS",), commands=("controller",), default_text="admitted agents' keys"),
     Setting("curve_server_file", None, "the controller's public CURVE certificate; turns CURVE on for every "
             "link of this host", kind=str, metavar="FILE", flags=("--curve-server",), env=("FLODL_CURVE_SERVER_FILE",),
             commands=("agent", "status")),
@@ -287,6 +293,7 @@ class Settings:
     agent_host: str | None = None
     devices: str | None = None
     cpu_slots: int = BY_FIELD["cpu_slots"].default
+    script: str | None = None
     curve_secret_file: str | None = None
     curve_clients_dir: str | None = None
     curve_server_file: str | None = None

@@ -30,6 +30,7 @@ from flodl_zmq.membership import (
     SpawnSpec,
     TrustMode,
 )
+from flodl_zmq.security import CurveKeys
 from flodl_zmq.wire import Channel, Codec, compute_mac, new_key
 from flodl_zmq.wire.records import JoinHello, JoinReject
 
@@ -37,13 +38,14 @@ SIG = bytes([7]) * 32
 RUN_ID = bytes(range(16))
 FAST = {"heartbeat_s": 0.1, "silence_s": 2.0}
 
-# The ranks' stand-in program: the relay (no FLODL_RANK) waits to be stopped;
-# a rank runs the snippet in FLODL_TEST_RANK_CODE.
+# The ranks' stand-in program, the one the agents agree to run (`script`): the
+# relay (no FLODL_RANK) waits to be stopped; a rank runs the snippet the
+# controller gives as the program's argument.
 CHILD = (
     "import os, sys, time\n"
     "if os.environ['FLODL_ROLE'] == 'relay':\n"
     "    time.sleep(60)\n"
-    "exec(os.environ['FLODL_TEST_RANK_CODE'])\n"
+    "exec(sys.argv[1])\n"
 )
 
 
@@ -62,10 +64,13 @@ class Cluster:
         self.key = new_key()
         config = {"min_ranks": 2, "window_s": 30.0, "cap_s": 30.0, **cfg}
         self.window = JoinWindow(JoinConfig(**config), opened_at=time.monotonic())
-        spawn = SpawnSpec(("-c", CHILD), {"FLODL_TEST_RANK_CODE": rank_code})
+        spawn = SpawnSpec(("-c", CHILD, rank_code))
+        # Open admission needs CURVE: the agents pin this service's public key.
+        public, secret = zmq.curve_keypair()
+        self.curve = CurveKeys(public=public, secret=secret) if trust is TrustMode.OPEN else None
         self.service = MembershipService(
             self.window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=self.key,
-            run_id=RUN_ID, spawn=spawn, context=ctx, **FAST,
+            run_id=RUN_ID, spawn=spawn, context=ctx, curve=self.curve, **FAST,
         )
         port = int(self.service.endpoint.rsplit(":", 1)[1])
         self.address = ControllerAddress("127.0.0.1", port - 3)  # the join endpoint is port+3
@@ -74,6 +79,9 @@ class Cluster:
 
     def agent(self, host, n=1, *, key="same", out=None, **cfg) -> Agent:
         key = self.key if key == "same" else key
+        if self.curve is not None:
+            cfg.setdefault("curve", CurveKeys.for_client({"FLODL_CURVE_SERVER": self.curve.public.decode()}))
+        cfg.setdefault("script", ("-c", CHILD))
         config = AgentConfig(
             self.address, host, tuple(f"cpu:{i}" for i in range(n)), key=key, dataset_sig=cfg.pop("sig", SIG),
             reply_timeout_s=cfg.pop("reply_timeout_s", 10.0), kill_grace_s=2.0, **FAST, **cfg,

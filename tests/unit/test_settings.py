@@ -140,7 +140,7 @@ def test_a_child_of_an_agent_runs_with_the_controllers_timings_and_its_hosts_slo
     monkeypatch.setenv("FLODL_RANK_SILENCE_AT_RELAY", "9")  # overruled: the run's timings are the controller's
     controller = Settings(rank_silence_at_relay_s=3.0, rank_heartbeat_period_s=0.25)
     spawn = SpawnSpec(("train.py",), env=controller.to_environ(("run",)), world={"h0": (0, 1)})
-    agent = Agent(AgentConfig(ControllerAddress("127.0.0.1", 7300), "h0", ("cpu:0", "cpu:1")))
+    agent = Agent(AgentConfig(ControllerAddress("127.0.0.1", 7300), "h0", ("cpu:0", "cpu:1"), key=new_key()))
     try:
         joined = Joined(ranks=(0, 1), session_key=new_key(), run_id=os.urandom(16), world_size=2, spawn=spawn)
         penv = ProcessEnv.from_environ(agent.child_environ(joined, "rank", 1, 1))
