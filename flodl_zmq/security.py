@@ -316,6 +316,14 @@ def keygen(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
 
 
 def _keygen_command(args: argparse.Namespace) -> int:
+    if args.dotenv:
+        # For a compose `.env` (or a secrets store): nothing is written to disk by us.
+        public, secret = zmq.curve_keypair()
+        # Single quotes: Z85 has $ and #, which a .env reader would interpolate or cut; it has no '.
+        print(f"{SECRET_ENV}='{secret.decode()}'\n{SERVER_ENV}='{public.decode()}'")
+        return 0
+    if args.directory is None:
+        raise ConfigError("curve-keygen needs a DIRECTORY to write the certificates in (or --dotenv)")
     public_file, secret_file = keygen(args.directory, args.name)
     public = _read_certificate(public_file, want_secret=False)[0].decode()
     print(f"public certificate: {public_file}\nsecret certificate: {secret_file}\npublic key: {public}")
@@ -330,9 +338,12 @@ def add_commands(sub: Any) -> None:
     """Register `curve-keygen` on the `flodl-zmq` sub-command parser."""
     cmd = sub.add_parser(
         "curve-keygen", help="write a CURVE keypair (zmq certificate files) for encrypted inter-host links",
-        description="Write NAME.key (public) and NAME.key_secret (secret, mode 0600) in DIRECTORY.",
+        description="Write NAME.key (public) and NAME.key_secret (secret, mode 0600) in DIRECTORY; or, with "
+        "--dotenv, print a fresh keypair as FLODL_CURVE_SECRET=... (the controller's) and FLODL_CURVE_SERVER=... "
+        "(what every agent pins) lines for a `.env` file.",
     )
-    cmd.add_argument("directory", help="where to write the two certificate files (must exist)")
+    cmd.add_argument("directory", nargs="?", help="where to write the two certificate files (must exist)")
+    cmd.add_argument("--dotenv", action="store_true", help="print the keypair as .env lines instead of writing files")
     cmd.add_argument("--name", default="controller", help="file name stem (default: controller)")
     cmd.set_defaults(func=_keygen_command)
 

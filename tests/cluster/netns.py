@@ -247,7 +247,8 @@ def read_compose(path: str | os.PathLike[str]) -> list[Service]:
 
     Reads what the harness can honour: `command` (string or list),
     `environment` (map or `KEY=VALUE` list) and `depends_on` (list or map).
-    `${VAR:-default}` takes the default, as Compose does with VAR unset.
+    `${VAR:-default}` takes the default, as Compose does with VAR unset;
+    `${VAR:?message}` requires VAR.
     """
     import yaml  # the test extra: only the cluster tests need it
 
@@ -272,7 +273,13 @@ def read_compose(path: str | os.PathLike[str]) -> list[Service]:
 
 
 def _interpolate(text: str) -> str:
-    return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: os.environ.get(m.group(1), m.group(2) or ""), text)
+    def value(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        if op and op.endswith("?") and not os.environ.get(name):
+            raise ValueError(f"compose file: {name} is required: {arg}")
+        return os.environ.get(name, arg if op and op.endswith("-") else "")
+
+    return re.sub(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}", value, text)
 
 
 def _dependency_order(services: dict[str, Service]) -> list[Service]:

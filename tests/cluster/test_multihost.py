@@ -126,7 +126,11 @@ class Compose:
 
 
 @pytest.fixture
-def compose(net, tmp_path):
+def compose(net, tmp_path, monkeypatch):
+    # The compose file's CURVE keys (its `.env`): the controller's secret, the agents' pinned public key.
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    monkeypatch.setenv("FLODL_CURVE_SECRET", secret)
+    monkeypatch.setenv("FLODL_CURVE_SERVER", public)
     c = Compose(net, tmp_path)
     yield c
     c.down()
@@ -145,11 +149,18 @@ def controller_argv(compose: Compose, *, open_admission: bool = True, program: S
     return [*head, *extra, "--", *(program if program is not None else tail)]
 
 
-def start_workers(compose: Compose, env: dict[str, str] | None = None) -> None:
-    """worker1, admitted as ranks 0 and 1, then worker2 (ranks 2 and 3)."""
-    compose.up("worker1", env=env)
+def agent_argv(compose: Compose, name: str, script: str) -> list[str]:
+    """The compose file's command of worker `name`, agreeing to run `script` (its --script swapped)."""
+    command = list(compose.services[name].command)
+    command[command.index("--script") + 1] = script
+    return command
+
+
+def start_workers(compose: Compose, env: dict[str, str] | None = None, script: str = JOB) -> None:
+    """worker1, admitted as ranks 0 and 1, then worker2 (ranks 2 and 3), each agreeing to run `script`."""
+    compose.up("worker1", env=env, argv=agent_argv(compose, "worker1", script))
     compose.wait_for("controller", "admitted 'worker1'")
-    compose.up("worker2", env=env)
+    compose.up("worker2", env=env, argv=agent_argv(compose, "worker2", script))
 
 
 def result_of(log: str, tag: str) -> dict:

@@ -69,13 +69,21 @@ def test_zmq_crosses_the_veth_and_a_cut_link_stops_it(net):
     assert again.stdout.split()[-1] == "pong:ping"
 
 
-def test_the_compose_file_reads_as_a_controller_and_two_workers():
+def test_the_compose_file_reads_as_a_controller_and_two_workers_with_authenticated_admission(monkeypatch):
+    monkeypatch.delenv("FLODL_CURVE_SECRET", raising=False)
+    with pytest.raises(ValueError, match="FLODL_CURVE_SECRET is required"):
+        read_compose(ROOT / "docker-compose.yml")
+    monkeypatch.setenv("FLODL_CURVE_SECRET", "s" * 40)
+    monkeypatch.setenv("FLODL_CURVE_SERVER", "p" * 40)
     services = read_compose(ROOT / "docker-compose.yml")
     assert services[0].name == "controller"
     assert services[0].command[:2] == ("flodl-zmq", "controller")
+    assert services[0].environment["FLODL_CURVE_SECRET"] == "s" * 40  # open admission needs CURVE
     workers = services[1:]
     assert len(workers) == 2
     for w in workers:
         assert w.command[:2] == ("flodl-zmq", "agent")
         assert "controller:7300" in w.command
+        assert w.command[w.command.index("--script") + 1] == "-m flodl_zmq.demo"
+        assert w.environment == {"FLODL_CURVE_SERVER": "p" * 40}  # the pinned controller key, no secret
         assert w.depends_on == ("controller",)
