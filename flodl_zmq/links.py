@@ -12,6 +12,9 @@ on close, and a send gives up after one poll tick (`tune`); a model-carrying
 link between two processes of this machine gets a small kernel send buffer
 (`tune_loopback`). `send` waits through back-pressure until told to stop;
 `drain` handles what is queued, bounded so no socket starves the others.
+Every receiving socket refuses frames over its kind's size (`limit_receive`)
+and every receive loop reads through `recv_bounded`, which never keeps more
+frames of a message than its socket may legally carry (PROTOCOL.md 6.1).
 """
 
 from __future__ import annotations
