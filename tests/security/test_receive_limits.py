@@ -18,7 +18,7 @@ import zmq
 from flodl_zmq import membership as membership_mod
 from flodl_zmq.controller import query_status
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.links import TAG_DATA, relay_sender
+from flodl_zmq.links import DISCARD_TICK_FRAMES, TAG_DATA, recv_bounded, relay_sender
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
     OPEN_JOIN_KEY,
@@ -202,3 +202,20 @@ def test_an_oversized_frame_to_the_reducer_data_socket_is_refused_before_it_is_a
         relay.close(0)
     finally:
         svc.stop()
+
+
+def test_recv_bounded_discards_an_over_long_message_and_the_socket_stays_usable(ctx):
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://bounded")
+    b.connect("inproc://bounded")
+    ticks = []
+    b.send_multipart([b"x"] * 3)
+    b.send_multipart([b""] * (3 * DISCARD_TICK_FRAMES))
+    b.send_multipart([b"y", b"z"])
+    assert a.poll(1000)
+    assert recv_bounded(a, 3) == [b"x"] * 3  # exactly the bound: kept
+    assert recv_bounded(a, 3, tick=lambda: ticks.append(1)) is None  # over it: discarded
+    assert len(ticks) == 2  # the caller's timers ran while it was
+    assert recv_bounded(a, 3) == [b"y", b"z"]  # the next message is intact
+    a.close(0)
+    b.close(0)
