@@ -18,7 +18,7 @@ import zmq
 from flodl_zmq import membership as membership_mod
 from flodl_zmq.controller import query_status
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.links import DISCARD_TICK_FRAMES, TAG_DATA, recv_bounded, relay_sender
+from flodl_zmq.links import DISCARD_TICK_FRAMES, TAG_DATA, rank_identity, recv_bounded, relay_sender
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
     OPEN_JOIN_KEY,
@@ -219,3 +219,23 @@ def test_recv_bounded_discards_an_over_long_message_and_the_socket_stays_usable(
     assert recv_bounded(a, 3) == [b"y", b"z"]  # the next message is intact
     a.close(0)
     b.close(0)
+
+
+def test_an_oversized_frame_to_the_controller_control_socket_is_refused_before_it_is_allocated(peak_rss):
+    from transport.test_controller import rig as make_rig  # the controller with a scripted relay
+
+    gen = make_rig.__wrapped__()
+    service, relay, thread, outcome = next(gen)
+    try:
+        peak_rss.reset()
+        peer = RawPeer(service.penv.controller.endpoint(Channel.CONTROL))
+        sent = peer.send_big_frame(BIG_FRAME)
+        _wait(lambda: service.counts["rejected.control"] > 0, 5.0 if sent == BIG_FRAME else 0.5)
+        peer.close()
+        assert peak_rss.growth_mb() < BIG_FRAME / MiB / 4, "the frame was allocated"
+        assert sent < BIG_FRAME, "the controller read the whole oversized frame"
+        relay.hello(0)
+        relay.hello(1)
+        relay.wait_for(rank_identity(1), "StartEpoch")  # the run goes on
+    finally:
+        next(gen, None)
