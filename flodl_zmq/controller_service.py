@@ -290,9 +290,8 @@ class ControllerService:
             if sub in events:
                 drain(sub, self._on_broadcast, copy=False, budget=16)
             if control in events:
-                self.counts["rejected.control"] += drain(
-                    control, self._on_control, copy=False, max_frames=CONTROL_MAX_FRAMES
-                )
+                oversized = drain(control, self._on_control, copy=False, max_frames=CONTROL_MAX_FRAMES)
+                self.counts["rejected.control"] += oversized  # apart: the handler counts rejections too
             if reducer.error is not None:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
             if membership is not None:

@@ -682,7 +682,7 @@ class MembershipService:
             if self._sock in events:
                 # Bounded in frames per message and in messages per wake-up, heartbeats sent
                 # even mid-discard: a flood must not stall the beat the agents time out on.
-                self.dropped += drain(
+                oversized = drain(
                     self._sock,
                     lambda frames: self._on_message(bytes(frames[0].bytes), frames[1:]),
                     copy=False,
@@ -690,6 +690,7 @@ class MembershipService:
                     max_frames=JOIN_MAX_FRAMES,
                     tick=self._beat,
                 )
+                self.dropped += oversized  # not `+= drain(...)`: the handler counts drops too
             now = self.clock()
             if commands in events:
                 for command in self._commands.drain():
