@@ -70,6 +70,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.launch import signal_group
+from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, limit_receive, recv_bounded
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
     MAX_DEVICES_PER_HOST,
@@ -324,6 +325,7 @@ class Agent:
         # this link after a network blip (its ROUTER hands the id over).
         self._sock.setsockopt(zmq.ROUTING_ID, b"A" + os.urandom(15))
         self._sock.setsockopt(zmq.LINGER, 1000)
+        limit_receive(self._sock, CONTROL_MAX_FRAME_BYTES)
         self._codec = Codec(config.key or OPEN_JOIN_KEY, JOIN_RUN_ID, config.host)
         self._last_heard = 0.0
         self._next_beat = 0.0
@@ -417,7 +419,9 @@ class Agent:
                 self._beat(now)
             if not self._sock.poll(int(min(POLL_S, deadline - now) * 1000) + 1):
                 continue
-            frames = self._sock.recv_multipart(copy=False)
+            frames = recv_bounded(self._sock, JOIN_MAX_FRAMES, copy=False)
+            if frames is None:
+                continue
             try:
                 env = self._codec.decode(frames, Channel.JOIN)
             except VersionError as exc:
@@ -590,7 +594,9 @@ class Agent:
         """Drain the join link; the reason to tear down, if the controller gave one or went silent."""
         self._beat(now)
         while self._sock.poll(0):
-            frames = self._sock.recv_multipart(copy=False)
+            frames = recv_bounded(self._sock, JOIN_MAX_FRAMES, copy=False)
+            if frames is None:
+                continue
             try:
                 env = self._codec.decode(frames, Channel.JOIN)
             except WireError as exc:

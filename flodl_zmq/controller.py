@@ -54,6 +54,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
 from flodl_zmq.io_threads import controller_context
+from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, limit_receive, recv_bounded
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
     OPEN_JOIN_KEY,
@@ -256,6 +257,7 @@ def query_status(
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    limit_receive(sock, CONTROL_MAX_FRAME_BYTES)
     try:
         if curve is not None:
             apply_client(sock, curve)
@@ -268,8 +270,11 @@ def query_status(
                 "not reachable, or it dropped the request because the key differs (FLODL_KEY must be the "
                 "controller's; unset under open admission)"
             )
+        frames = recv_bounded(sock, JOIN_MAX_FRAMES)
+        if frames is None:
+            raise MembershipError(f"the controller at {address} sent a status reply of too many frames")
         try:
-            env = codec.decode(sock.recv_multipart(), Channel.JOIN)
+            env = codec.decode(frames, Channel.JOIN)
         except WireError as exc:
             raise MembershipError(f"the controller's status reply was refused: {exc}") from None
         if not isinstance(env.record, StatusReply):

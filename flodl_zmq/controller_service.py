@@ -103,10 +103,13 @@ from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job
 from flodl_zmq.links import (
+    CONTROL_MAX_FRAME_BYTES,
+    CONTROL_MAX_FRAMES,
     COORDINATOR_SENDER,
     FROM_REDUCER,
     RELAY_ROUTE,
     drain,
+    limit_receive,
     rank_identity,
     rank_of,
     rank_sender,
@@ -226,6 +229,7 @@ class ControllerService:
         keep_off_the_data_plane(control)
         control.setsockopt(zmq.ROUTER_MANDATORY, 1)
         control.setsockopt(zmq.LINGER, 1000)
+        limit_receive(control, CONTROL_MAX_FRAME_BYTES)
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
@@ -286,7 +290,8 @@ class ControllerService:
             if sub in events:
                 drain(sub, self._on_broadcast, copy=False, budget=16)
             if control in events:
-                drain(control, self._on_control, copy=False)
+                oversized = drain(control, self._on_control, copy=False, max_frames=CONTROL_MAX_FRAMES)
+                self.counts["rejected.control"] += oversized  # apart: the handler counts rejections too
             if reducer.error is not None:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
             if membership is not None:

@@ -12,6 +12,9 @@ on close, and a send gives up after one poll tick (`tune`); a model-carrying
 link between two processes of this machine gets a small kernel send buffer
 (`tune_loopback`). `send` waits through back-pressure until told to stop;
 `drain` handles what is queued, bounded so no socket starves the others.
+Every receiving socket refuses frames over its kind's size (`limit_receive`)
+and every receive loop reads through `recv_bounded`, which never keeps more
+frames of a message than its socket may legally carry (PROTOCOL.md 6.1).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import is_loopback_endpoint
-from flodl_zmq.wire import Attribution
+from flodl_zmq.wire import Attribution, Limits
 from flodl_zmq.wire.records import Channel
 
 RELAY_ROUTE = b""  # route frame of the relay's own control records
@@ -106,11 +109,88 @@ def send(sock: zmq.Socket, frames: Sequence[Any], stop: threading.Event, copy: b
     return False
 
 
-def drain(sock: zmq.Socket, handle: Callable[[list[Any]], None], copy: bool = True, budget: int = 256) -> None:
-    """Handle what is queued on `sock` now, bounded so no socket starves the others."""
+# Receive limits (PROTOCOL.md, 6. Limits: "Receive limits per socket"). Anyone who can
+# reach a port can send a frame or a message of any size; without these a 400 MB frame
+# or a message of 3 million empty frames is allocated whole (and, read with
+# recv_multipart, turned into as many Python objects) before any check runs.
+_LIMITS = Limits()
+# Largest frame a socket that carries no payload may receive (ZMQ_MAXMSGSIZE): the header
+# is its largest frame (route, tag and MAC frames are short). Join and control sockets.
+CONTROL_MAX_FRAME_BYTES = _LIMITS.max_header_bytes
+# Largest frame on a data socket when the model's size is not known to it: one payload
+# frame is at most the message's payload bound. A service that knows the model sets less.
+DATA_MAX_FRAME_BYTES = _LIMITS.max_payload_bytes
+# Most frames a message may have as received, envelope included: a ROUTER's identity
+# frame, a route or tag frame (3.1), then header and MAC, plus payload frames on data.
+JOIN_MAX_FRAMES = 1 + 2  # identity, header, mac (a DEALER receives one less)
+CONTROL_MAX_FRAMES = 2 + 2  # identity, route, header, mac
+DATA_MAX_FRAMES = 2 + 2 + _LIMITS.max_payload_frames  # identity or tag, route, header, payload..., mac
+# While discarding an oversized message, call the caller's `tick` this often (in frames)
+# so its timers (heartbeats) keep running: a long discard must not read as our silence.
+DISCARD_TICK_FRAMES = 1 << 14
+
+
+def limit_receive(sock: zmq.Socket, max_frame_bytes: int) -> None:
+    """Refuse frames over `max_frame_bytes`: ZeroMQ drops the sender's connection before allocating them.
+
+    Applies to connections made after the call: set it before bind/connect.
+    """
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_frame_bytes))
+
+
+def recv_bounded(
+    sock: zmq.Socket,
+    max_frames: int,
+    flags: int = 0,
+    copy: bool = True,
+    tick: Callable[[], None] | None = None,
+) -> list[Any] | None:
+    """Receive one message frame by frame; None if it had more than `max_frames` frames.
+
+    An oversized message is read to its end (the socket stays usable) but nothing
+    past the limit is kept, so a flood of empty frames costs no memory here and
+    never reaches a decoder; `tick` runs every DISCARD_TICK_FRAMES frames of it.
+    Raises zmq.Again like `recv` when `flags` has NOBLOCK and nothing is queued.
+    """
+    recv, more = sock.recv, sock.getsockopt  # bound once: this loop may run millions of times
+    frames = [recv(flags, copy=copy)]
+    while more(zmq.RCVMORE):
+        if len(frames) < max_frames:
+            frames.append(recv(copy=copy))
+            continue
+        n = len(frames)
+        frames.clear()
+        while True:
+            recv(copy=True)  # frames already queued: ZeroMQ delivers a message whole
+            n += 1
+            if not more(zmq.RCVMORE):
+                return None
+            if tick is not None and n % DISCARD_TICK_FRAMES == 0:
+                tick()
+    return frames
+
+
+def drain(
+    sock: zmq.Socket,
+    handle: Callable[[list[Any]], None],
+    copy: bool = True,
+    budget: int = 256,
+    max_frames: int = DATA_MAX_FRAMES,
+    tick: Callable[[], None] | None = None,
+) -> int:
+    """Handle what is queued on `sock` now, bounded so no socket starves the others.
+
+    Messages over `max_frames` frames are discarded unread (`recv_bounded`);
+    returns how many were, for the caller to count.
+    """
+    rejected = 0
     for _ in range(budget):
         try:
-            msg = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+            msg = recv_bounded(sock, max_frames, zmq.NOBLOCK, copy=copy, tick=tick)
         except zmq.Again:
-            return
-        handle(msg)
+            break
+        if msg is None:
+            rejected += 1
+        else:
+            handle(msg)
+    return rejected

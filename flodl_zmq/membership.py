@@ -68,6 +68,7 @@ from flodl_zmq.endpoints import is_private_address, tcp_host
 from flodl_zmq.environment import format_world, parse_world
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.io_threads import keep_off_the_data_plane
+from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, limit_receive
 from flodl_zmq.mailbox import Mailbox, poll_ms
 from flodl_zmq.security import JOIN_ZAP_DOMAIN, CleartextWarner, CurveGate, CurveKeys, apply_server
 from flodl_zmq.settings import Settings
@@ -88,6 +89,12 @@ DEFAULTS = Settings()  # the service's timings default to the settings table
 log = logging.getLogger(__name__)
 
 JOIN_RUN_ID = bytes(RUN_ID_BYTES)
+# Replay-ledger entries the join codec keeps before admission (one per connection seen):
+# under open admission anyone may hello from fresh routing ids, and without a cap each
+# one would grow the controller's memory for the rest of the run (~1 kB apiece).
+JOIN_LEDGER_CAP = 4096
+# Messages the join thread reads per wake-up before it runs its timers again.
+JOIN_RECV_BUDGET = 256
 OPEN_JOIN_KEY = bytes(KEY_BYTES)
 # A hello offering more devices than any real machine has is an attack or a bug;
 # refusing it keeps one joiner from claiming the whole rank space.
@@ -599,8 +606,9 @@ class MembershipService:
         self.links = HostLinks(silence_s)
         self.events: Mailbox[MembershipEvent] = Mailbox()
         self.dropped = 0  # pre-admission frames dropped unanswered (bad MAC, junk)
+        self._next_beat = 0.0  # when the join thread next sends the admitted agents a heartbeat
         self._session_key = session_key
-        self._join = Codec(join_key(trust, session_key), JOIN_RUN_ID, SENDER)
+        self._join = Codec(join_key(trust, session_key), JOIN_RUN_ID, SENDER, max_ledger=JOIN_LEDGER_CAP)
         self._session = Codec(session_key, run_id, SENDER)
         self._hosts: dict[bytes, str] = {}  # ROUTER identity -> admitted host
         # Aborts, each with the event set once its frames are handed to ZeroMQ; None wakes us to stop.
@@ -623,6 +631,7 @@ class MembershipService:
         # An agent's DEALER keeps its routing id across reconnects (see agent.py);
         # handover lets the reconnected pipe take the id over instead of being ignored.
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        limit_receive(self._sock, CONTROL_MAX_FRAME_BYTES)
         self._sock.bind(endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._run, name="flodl-membership", daemon=True)
@@ -690,28 +699,41 @@ class MembershipService:
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._commands, zmq.POLLIN)
         commands = self._commands.fileno()
-        next_beat = self.clock()
+        self._next_beat = self.clock()
         while not self._stop.is_set():
-            due = [next_beat, self.window.next_due(self.clock()), self.links.next_due()]
+            due = [self._next_beat, self.window.next_due(self.clock()), self.links.next_due()]
             events = dict(poller.poll(poll_ms(min(d for d in due if d is not None) - self.clock())))
             if self._sock in events:
-                while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    frames = self._sock.recv_multipart(copy=False)
-                    self._on_message(bytes(frames[0].bytes), frames[1:])
+                # Bounded in frames per message and in messages per wake-up, heartbeats sent
+                # even mid-discard: a flood must not stall the beat the agents time out on.
+                oversized = drain(
+                    self._sock,
+                    lambda frames: self._on_message(bytes(frames[0].bytes), frames[1:]),
+                    copy=False,
+                    budget=JOIN_RECV_BUDGET,
+                    max_frames=JOIN_MAX_FRAMES,
+                    tick=self._beat,
+                )
+                self.dropped += oversized  # not `+= drain(...)`: the handler counts drops too
             now = self.clock()
             if commands in events:
                 for command in self._commands.drain():
                     if command is not None:
                         self._on_abort(*command)
             self._on_verdict(self.window.poll(now))
-            if now >= next_beat:
-                next_beat = now + self.heartbeat_s
-                for ident in self._hosts:
-                    self._send(ident, self._session, JoinHeartbeat())
+            self._beat()
             for host in self.links.lost(now):
                 ranks = self.links.live_ranks(host)
                 log.warning("host %r lost: its agent is silent; ranks %s are gone", host, list(ranks))
                 self.events.put(HostLost(host, ranks))
+
+    def _beat(self) -> None:
+        """Send every admitted agent its heartbeat if one is due."""
+        now = self.clock()
+        if now >= self._next_beat:
+            self._next_beat = now + self.heartbeat_s
+            for ident in self._hosts:
+                self._send(ident, self._session, JoinHeartbeat())
 
     def _on_verdict(self, verdict: Verdict) -> None:
         if self._verdict is not None or verdict.phase is Phase.OPEN:

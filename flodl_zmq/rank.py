@@ -61,7 +61,19 @@ from flodl_zmq import bundle
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.errors import ConfigError, TrainingError, WireError
 from flodl_zmq.job import Job
-from flodl_zmq.links import FROM_COORDINATOR, FROM_REDUCER, rank_identity, rank_sender, relay_sender
+from flodl_zmq.links import (
+    CONTROL_MAX_FRAME_BYTES,
+    CONTROL_MAX_FRAMES,
+    DATA_MAX_FRAME_BYTES,
+    DATA_MAX_FRAMES,
+    FROM_COORDINATOR,
+    FROM_REDUCER,
+    limit_receive,
+    rank_identity,
+    rank_sender,
+    recv_bounded,
+    relay_sender,
+)
 from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.payload import flat_views, load_flat, model_signature, payload_tensors
 from flodl_zmq.sampling import epoch_permutation, plan_indices
@@ -283,16 +295,17 @@ class _Link:
             self._outbox.close()
             self.inbox.close()
 
-    def _socket(self, endpoint: str) -> zmq.Socket:
+    def _socket(self, endpoint: str, max_frame_bytes: int) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, rank_identity(self.cfg.rank))
         sock.setsockopt(zmq.LINGER, 2000)
+        limit_receive(sock, max_frame_bytes)
         sock.connect(endpoint)
         return sock
 
     def _run(self) -> None:
-        control = self._socket(self.cfg.control_endpoint)
-        data = self._socket(self.cfg.data_endpoint)
+        control = self._socket(self.cfg.control_endpoint, CONTROL_MAX_FRAME_BYTES)
+        data = self._socket(self.cfg.data_endpoint, DATA_MAX_FRAME_BYTES)
         poller = zmq.Poller()
         for s in (control, data, self._outbox):
             poller.register(s, zmq.POLLIN)
@@ -315,7 +328,8 @@ class _Link:
                 events = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
                 if control in events:
                     while control.poll(0):
-                        record = self._decode_control(control.recv_multipart(copy=False))
+                        frames = recv_bounded(control, CONTROL_MAX_FRAMES, copy=False)
+                        record = None if frames is None else self._decode_control(frames)
                         if record is not None:
                             last_heard = time.monotonic()
                             self.inbox.put(("control", record.record))
@@ -324,7 +338,8 @@ class _Link:
                         # The relay fans the reducer's broadcast out verbatim; a resend
                         # is byte-identical and may follow later rounds, so the round id
                         # (checked by the training thread), not the sequence, guards replays.
-                        env = self._decode_data(data.recv_multipart(copy=False))
+                        frames = recv_bounded(data, DATA_MAX_FRAMES, copy=False)
+                        env = None if frames is None else self._decode_data(frames)
                         if env is not None and isinstance(env.record, rec.Consensus):
                             self.inbox.put(("consensus", env))
         finally:

@@ -51,10 +51,12 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import AttributionError, ConfigError, FlodlError, ProtocolError, WireError
 from flodl_zmq.io_threads import controller_context, io_affinity
 from flodl_zmq.links import (
+    DATA_MAX_FRAME_BYTES,
     REDUCER_SENDER,
     TAG_BCAST,
     TAG_DATA,
     drain,
+    limit_receive,
     relay_sender,
     send,
     tune,
@@ -93,6 +95,9 @@ class ReducerConfig:
     hwm_records: int = 8
     poll_s: float = 0.02  # how long a send waits before it retries (SNDTIMEO); the loop itself never polls on a timer
     curve: CurveKeys | None = None  # CURVE server keys for both sockets (None: cleartext)
+    # Largest frame the data socket accepts (ZMQ_MAXMSGSIZE): the model's largest tensor
+    # where the caller knows it, else the codec's payload bound (PROTOCOL.md 6).
+    max_frame_bytes: int = DATA_MAX_FRAME_BYTES
 
     def __post_init__(self) -> None:
         if not self.world:
@@ -225,6 +230,7 @@ class ReducerService:
             for s in (data, pub):
                 tune(s, cfg.hwm_records, cfg.poll_s)
             data.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            limit_receive(data, cfg.max_frame_bytes)
             affinity = io_affinity(self._ctx)
             data.setsockopt(zmq.AFFINITY, affinity.data)
             pub.setsockopt(zmq.AFFINITY, affinity.pub)
@@ -248,7 +254,7 @@ class ReducerService:
                 if commands in events:
                     self._run_commands()
                 if data in events:
-                    drain(data, self._on_message, copy=False, budget=64)
+                    self._count["oversized"] += drain(data, self._on_message, copy=False, budget=64)
                 now = time.monotonic()
                 if now >= next_probe and self._unsubscribed():
                     self._last_nonce = next(self._nonce)

@@ -71,12 +71,16 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import AttributionError, ConfigError, FlodlError, FoldError, WireError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.links import (
+    CONTROL_MAX_FRAME_BYTES,
+    CONTROL_MAX_FRAMES,
+    DATA_MAX_FRAME_BYTES,
     FROM_COORDINATOR,
     FROM_REDUCER,
     RELAY_ROUTE,
     TAG_BCAST,
     TAG_DATA,
     drain,
+    limit_receive,
     local_endpoints,
     rank_identity,
     rank_of,
@@ -345,6 +349,8 @@ class Relay:
         try:
             for s in (local, up, pipe):
                 tune(s, cfg.hwm_records, cfg.poll_s)
+            for s in (local, up):
+                limit_receive(s, CONTROL_MAX_FRAME_BYTES)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
             local.bind(cfg.local_control)
             if cfg.curve is not None:
@@ -370,9 +376,13 @@ class Relay:
             while not self._stop.is_set():
                 events = dict(poller.poll(poll_ms))
                 if local in events:
-                    drain(local, lambda m: self._from_rank(m, codec, live, up, death, count))
+                    count["oversized"] += drain(
+                        local, lambda m: self._from_rank(m, codec, live, up, death, count), max_frames=CONTROL_MAX_FRAMES
+                    )
                 if up in events:
-                    drain(up, lambda m: self._to_rank(m, codec, local, count))
+                    count["oversized"] += drain(
+                        up, lambda m: self._to_rank(m, codec, local, count), max_frames=CONTROL_MAX_FRAMES
+                    )
                 for rank in live.expired(time.monotonic()):
                     death(rank, "heartbeat deadline passed")
         finally:
@@ -459,6 +469,8 @@ class Relay:
             for s in (local, up, sub):
                 tune(s, cfg.data_hwm_records, cfg.poll_s)
             tune(pipe, cfg.hwm_records, cfg.poll_s)
+            for s in (local, up, sub):
+                limit_receive(s, DATA_MAX_FRAME_BYTES)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
             local.bind(cfg.local_data)
             pipe.bind(self._pipe)
@@ -482,11 +494,11 @@ class Relay:
                 if pipe in events:
                     drain(pipe, lambda m: d.local_death(rank_of(m[0])))
                 if up in events:
-                    drain(up, d.from_reducer, copy=False, budget=16)
+                    d.count["oversized"] += drain(up, d.from_reducer, copy=False, budget=16)
                 if sub in events:
-                    drain(sub, lambda m: d.consensus(m, "bcast"), copy=False, budget=16)
+                    d.count["oversized"] += drain(sub, lambda m: d.consensus(m, "bcast"), copy=False, budget=16)
                 if local in events:
-                    drain(local, d.deposit, copy=False, budget=16)
+                    d.count["oversized"] += drain(local, d.deposit, copy=False, budget=16)
                 d.recover(time.monotonic())
         finally:
             for s in (local, up, sub, pipe):

@@ -197,7 +197,16 @@ class Codec:
     receiving socket.
     """
 
-    def __init__(self, key: bytes, run_id: bytes, sender: str, limits: Limits | None = None):
+    def __init__(
+        self, key: bytes, run_id: bytes, sender: str, limits: Limits | None = None, max_ledger: int | None = None
+    ):
+        """`max_ledger` caps the replay ledger's entries, oldest forgotten first (None: unbounded).
+
+        A codec whose ledger names come from strangers (the join socket before
+        admission, scoped per connection) needs it: else every new routing id
+        grows it for good. A forgotten entry only reopens that connection's
+        pre-admission replay window.
+        """
         self.key = _mac.check_key(key)
         if len(run_id) != RUN_ID_BYTES:
             raise SchemaError(f"run id must be {RUN_ID_BYTES} bytes, got {len(run_id)}")
@@ -207,6 +216,7 @@ class Codec:
         self._unpack_kwargs = self.limits.unpack_kwargs()
         self._seq = {ch: itertools.count(1) for ch in Channel}
         self._last: dict[tuple[str, str], int] = {}
+        self._max_ledger = max_ledger
 
     # ------------------------------------------------------------------ encode
 
@@ -392,12 +402,20 @@ class Codec:
 
     def check_sequence(self, channel: Channel, sender: str, seq: int) -> None:
         """Raise ReplayError unless `seq` is above the last accepted one for (channel, sender)."""
-        last = self._last.get((channel.value, sender), 0)
+        key = (channel.value, sender)
+        last = self._last.get(key, 0)
         if seq <= last:
             raise ReplayError(
                 f"sequence {seq} from {sender!r} on {channel.value} is not above {last}: replayed or reordered frame"
             )
-        self._last[(channel.value, sender)] = seq
+        if last == 0 and self._max_ledger is not None and len(self._last) >= self._max_ledger:
+            del self._last[next(iter(self._last))]  # the entry first seen longest ago
+        self._last[key] = seq
+
+    @property
+    def ledger_size(self) -> int:
+        """How many (channel, signer) entries the replay ledger holds."""
+        return len(self._last)
 
     def _unpack_header(self, buf: memoryview) -> dict[str, Any]:
         lim = self.limits
