@@ -29,6 +29,7 @@ from flodl_zmq.membership import (
     TrustMode,
 )
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.security import CurveKeys
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, new_key
 from flodl_zmq.wire.records import JoinAccept, JoinHeartbeat, JoinHello, RelayHello, RelayHelloAck
 
@@ -55,10 +56,14 @@ class Join:
     def __init__(self, ctx: zmq.Context, trust: TrustMode = TrustMode.PRE_SHARED):
         self.key = new_key()
         self.trust = trust
+        # Open admission runs only over CURVE (the agents pin the controller's key).
+        public, secret = zmq.curve_keypair()
+        self.curve = CurveKeys(public=public, secret=secret) if trust is TrustMode.OPEN else None
         window = JoinWindow(JoinConfig(min_ranks=64, window_s=60.0, cap_s=60.0), opened_at=time.monotonic())
         self.svc = MembershipService(
             window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=self.key, run_id=RUN_ID,
             spawn=SpawnSpec(("-c", "pass"), {}), context=ctx, heartbeat_s=0.1, silence_s=60.0,
+            curve=self.curve,
         )
         self.svc.start()
         self.endpoint = self.svc.endpoint
@@ -67,7 +72,11 @@ class Join:
 
     def status(self, ctx: zmq.Context, timeout_s: float = 5.0) -> dict:
         key = None if self.trust is TrustMode.OPEN else self.key
-        return query_status(self.address, key, timeout_s=timeout_s, context=ctx)
+        curve = None
+        if self.curve is not None:
+            public, secret = zmq.curve_keypair()
+            curve = CurveKeys(public=public, secret=secret, server=self.curve.public)
+        return query_status(self.address, key, curve, timeout_s=timeout_s, context=ctx)
 
     def hello_frames(self, host: str) -> list[bytes]:
         key = OPEN_JOIN_KEY if self.trust is TrustMode.OPEN else self.key
@@ -155,6 +164,9 @@ def test_hellos_from_ever_new_identities_do_not_grow_the_join_ledger(ctx, monkey
                 s = ctx.socket(zmq.DEALER)
                 s.setsockopt(zmq.LINGER, 0)
                 s.setsockopt(zmq.ROUTING_ID, f"stranger-{batch}-{i}".encode())
+                # Any client key passes the join socket's CURVE handshake: the flood is still possible.
+                s.curve_serverkey = j.curve.public
+                s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
                 s.connect(j.endpoint)
                 s.send_multipart(hello)
                 socks.append(s)
