@@ -107,10 +107,12 @@ from flodl_zmq.links import (
     FROM_REDUCER,
     RELAY_ROUTE,
     drain,
+    keep_alive,
     rank_identity,
     rank_of,
     rank_sender,
     relay_sender,
+    take_over_routes,
 )
 from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
@@ -218,7 +220,10 @@ class ControllerService:
         ctx = controller_context()
         reducer = ReducerService(
             ReducerConfig.for_controller(
-                self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve
+                self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve,
+                link_heartbeat_s=self.penv.settings.link_heartbeat_period_s,
+                link_silence_s=self.penv.settings.link_silence_s,
+                send_timeout_s=self.penv.settings.peer_send_timeout_s,
             ),
             ctx,
         )
@@ -226,6 +231,11 @@ class ControllerService:
         keep_off_the_data_plane(control)
         control.setsockopt(zmq.ROUTER_MANDATORY, 1)
         control.setsockopt(zmq.LINGER, 1000)
+        # Relays' control DEALERs keep their identity across reconnects (links.relay_identity):
+        # the returning connection takes the route over from a half-open one at once.
+        take_over_routes(control)
+        keep_alive(control, self.penv.controller.endpoint(Channel.CONTROL),
+                   self.penv.settings.link_heartbeat_period_s, self.penv.settings.link_silence_s)
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
@@ -426,7 +436,15 @@ class ControllerService:
                 self.counts["bad_hello.control"] += 1
                 log.error("controller: refused relay hello from %r for %r with ranks %s", env.sender, r.host, r.ranks)
                 return
-            self.relay_route[r.host] = relay_id
+            old = self.relay_route.get(r.host)
+            if old is not None and old != relay_id and not self._route_gone(old):
+                # A reconnect keeps its identity (links.relay_identity); a different one for a
+                # host whose relay is still connected would take its ranks' route: refused.
+                self.counts["bad_hello.control"] += 1
+                log.error("controller: refused relay hello for %r from %r: relay %r is still connected",
+                          r.host, relay_id, old)
+                return
+            self.relay_route[r.host] = relay_id  # the same identity again (a re-hello): acknowledged again
             self._send_route(relay_id, RELAY_ROUTE, rec.RelayHelloAck())
         elif isinstance(r, rec.RankExit):
             host = next(h for h, rid in self.relay_route.items() if rid == relay_id)  # attributed: known
@@ -546,12 +564,26 @@ class ControllerService:
         return self._send_route(relay_id, rank_identity(rank), record)
 
     def _send_route(self, relay_id: bytes, route: bytes, record: Any) -> bool:
+        # Never blocks: a relay whose queue is full stopped reading, and the one loop of the
+        # coordinator must not wait on it; the record counts as undeliverable (on_send_failed).
         try:
-            self.control.send_multipart([relay_id, route, *self.codec.encode(record, channel=Channel.CONTROL)])
-        except zmq.ZMQError:  # EHOSTUNREACH: that relay's connection is gone
+            self.control.send_multipart([relay_id, route, *self.codec.encode(record, channel=Channel.CONTROL)],
+                                        zmq.NOBLOCK)
+        except zmq.ZMQError:  # EHOSTUNREACH: that relay's connection is gone; EAGAIN: it is not reading
             self.counts["undeliverable.control"] += 1
             return False
         return True
+
+    def _route_gone(self, relay_id: bytes) -> bool:
+        """True when ZeroMQ holds no connection for `relay_id` (ROUTER_MANDATORY refuses a send to it)."""
+        try:
+            self.control.send_multipart([relay_id, RELAY_ROUTE,
+                                         *self.codec.encode(rec.RelayHelloAck(), channel=Channel.CONTROL)], zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError:
+            return True
+        return False
 
     # ------------------------------------------------------------------ controller effects
 
