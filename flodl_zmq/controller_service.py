@@ -131,6 +131,7 @@ _DISPATCH = (rec.StartEpoch, rec.Update, rec.ExtendPartition)
 log = logging.getLogger(__name__)
 
 END_DRAIN_S = 1.0
+HELD_RETRY_S = 0.05  # how often records held for a reconnecting relay are tried again
 STATUS_EVERY_S = 0.25
 
 MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
@@ -186,6 +187,9 @@ class ControllerService:
         self.codec = Codec(penv.key, penv.run_id, COORDINATOR_SENDER)
         self.counts: collections.Counter[str] = collections.Counter()
         self.relay_route: dict[str, bytes] = {}
+        # Records for a relay whose connection is down (a reset, re-dialled underneath): held in
+        # order for up to link_silence_s, then failed (on_send_failed). A reconnect must not kill ranks.
+        self._held: dict[bytes, collections.deque[tuple[float, int | None, Any, list[bytes]]]] = {}
         torch.manual_seed(job.seed)  # the same initial replica as every rank
         self.model = job.model()
         start_epoch = 0
@@ -297,6 +301,8 @@ class ControllerService:
                 drain(sub, self._on_broadcast, copy=False, budget=16)
             if control in events:
                 drain(control, self._on_control, copy=False)
+            if self._held:
+                self._flush_held(time.monotonic())
             if reducer.error is not None:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
             if membership is not None:
@@ -334,6 +340,8 @@ class ControllerService:
             due.append(math.inf if tick is None else tick)
         if self.link is not None:
             due.append(self._next_status)
+        if self._held:
+            due.append(time.monotonic() + HELD_RETRY_S)
         return min(due)
 
     # ------------------------------------------------------------------ inbound
@@ -561,18 +569,53 @@ class ControllerService:
         if relay_id is None:
             self.counts["undeliverable.control"] += 1
             return False
-        return self._send_route(relay_id, rank_identity(rank), record)
+        return self._send_route(relay_id, rank_identity(rank), record, rank)
 
-    def _send_route(self, relay_id: bytes, route: bytes, record: Any) -> bool:
-        # Never blocks: a relay whose queue is full stopped reading, and the one loop of the
-        # coordinator must not wait on it; the record counts as undeliverable (on_send_failed).
+    def _send_route(self, relay_id: bytes, route: bytes, record: Any, rank: int | None = None) -> bool:
+        """Send to `route` through `relay_id`; False only when the record is lost for good.
+
+        Never blocks: a relay whose queue is full stopped reading, and the one loop of the
+        coordinator must not wait on it (counted undeliverable, the caller's on_send_failed).
+        A relay with no connection right now (EHOSTUNREACH: a reset it is re-dialling) has
+        the record held, in order, and sent when it is back (`_flush_held`).
+        """
+        frames = [relay_id, route, *self.codec.encode(record, channel=Channel.CONTROL)]
+        held = self._held.get(relay_id)
+        if held:
+            held.append((time.monotonic(), rank, record, frames))  # behind what waits: order kept
+            return True
         try:
-            self.control.send_multipart([relay_id, route, *self.codec.encode(record, channel=Channel.CONTROL)],
-                                        zmq.NOBLOCK)
-        except zmq.ZMQError:  # EHOSTUNREACH: that relay's connection is gone; EAGAIN: it is not reading
+            self.control.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:  # its queue is full: it is not reading
             self.counts["undeliverable.control"] += 1
             return False
+        except zmq.ZMQError:  # EHOSTUNREACH: its connection is down
+            self.counts["held.control"] += 1
+            self._held[relay_id] = collections.deque([(time.monotonic(), rank, record, frames)])
         return True
+
+    def _flush_held(self, now: float) -> None:
+        """Send what waits for reconnecting relays; what waited past link_silence_s fails."""
+        limit = self.penv.settings.link_silence_s
+        for relay_id in list(self._held):
+            held = self._held[relay_id]
+            while held:
+                try:
+                    self.control.send_multipart(held[0][3], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
+                held.popleft()
+            if held and now - held[0][0] <= limit:
+                continue
+            del self._held[relay_id]
+            lost = [(rank, record) for _, rank, record, _ in held]
+            if lost:
+                self.counts["undeliverable.control"] += len(lost)
+                log.warning("controller: relay %r stayed unreachable for %g s; %d records undelivered",
+                            relay_id, limit, len(lost))
+            for rank, record in lost:
+                if rank is not None and self.started and isinstance(record, _DISPATCH):
+                    self._perform(self.core.on_send_failed(rank, record, time.monotonic()))
 
     def _route_gone(self, relay_id: bytes) -> bool:
         """True when ZeroMQ holds no connection for `relay_id` (ROUTER_MANDATORY refuses a send to it)."""
