@@ -8,7 +8,7 @@ sides, several times; it never alters a byte. ZeroMQ re-dials underneath the
 sockets, and the run must finish exactly as an undisturbed one would: every
 epoch's samples trained once, accuracy within a point.
 
-The proxy closes each connection at a moment it carries nothing (10 ms
+The proxy closes each connection at a moment it carries nothing (50 ms
 quiet): what this covers is the reconnect itself (identities, handover,
 held records, hellos, the broadcast's re-subscription and consensus
 recovery). A record caught inside a dropped connection is not recovered yet
@@ -34,7 +34,7 @@ JOB = str(Path(__file__).with_name("digits_job.py"))
 SAMPLES_PER_EPOCH_16 = (1437 // 16) * 16
 ARGS = ("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4")
 RESETS = 5
-QUIET_S = 0.01  # a connection is closed only after this long without a byte either way
+QUIET_S = 0.05  # a connection is closed only after this long without a byte either way
 QUIET_WAIT_S = 5.0
 WAIT_S = 120.0
 
