@@ -139,6 +139,8 @@ def run_relay(penv: ProcessEnv) -> int:
         penv.host, penv.world[penv.host], penv.key, penv.run_id, penv.controller,
         curve=CurveKeys.for_client(os.environ), heartbeat_deadline_s=s.rank_silence_at_relay_s,
         first_contact_deadline_s=s.rank_first_record_at_relay_s, consensus_deadline_s=s.consensus_wait_at_relay_s,
+        link_heartbeat_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
+        send_timeout_s=s.peer_send_timeout_s,
     )
     relay = Relay(cfg)
     relay.start()

@@ -109,11 +109,13 @@ from flodl_zmq.links import (
     FROM_REDUCER,
     RELAY_ROUTE,
     drain,
+    keep_alive,
     limit_receive,
     rank_identity,
     rank_of,
     rank_sender,
     relay_sender,
+    take_over_routes,
 )
 from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
@@ -132,6 +134,7 @@ _DISPATCH = (rec.StartEpoch, rec.Update, rec.ExtendPartition)
 log = logging.getLogger(__name__)
 
 END_DRAIN_S = 1.0
+HELD_RETRY_S = 0.05  # how often records held for a reconnecting relay are tried again
 STATUS_EVERY_S = 0.25
 
 MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
@@ -187,6 +190,9 @@ class ControllerService:
         self.codec = Codec(penv.key, penv.run_id, COORDINATOR_SENDER)
         self.counts: collections.Counter[str] = collections.Counter()
         self.relay_route: dict[str, bytes] = {}
+        # Records for a relay whose connection is down (a reset, re-dialled underneath): held in
+        # order for up to link_silence_s, then failed (on_send_failed). A reconnect must not kill ranks.
+        self._held: dict[bytes, collections.deque[tuple[float, int | None, Any, list[bytes]]]] = {}
         torch.manual_seed(job.seed)  # the same initial replica as every rank
         self.model = job.model()
         start_epoch = 0
@@ -221,7 +227,10 @@ class ControllerService:
         ctx = controller_context()
         reducer = ReducerService(
             ReducerConfig.for_controller(
-                self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve
+                self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve,
+                link_heartbeat_s=self.penv.settings.link_heartbeat_period_s,
+                link_silence_s=self.penv.settings.link_silence_s,
+                send_timeout_s=self.penv.settings.peer_send_timeout_s,
             ),
             ctx,
         )
@@ -230,6 +239,11 @@ class ControllerService:
         control.setsockopt(zmq.ROUTER_MANDATORY, 1)
         control.setsockopt(zmq.LINGER, 1000)
         limit_receive(control, CONTROL_MAX_FRAME_BYTES)
+        # Relays' control DEALERs keep their identity across reconnects (links.relay_identity):
+        # the returning connection takes the route over from a half-open one at once.
+        take_over_routes(control)
+        keep_alive(control, self.penv.controller.endpoint(Channel.CONTROL),
+                   self.penv.settings.link_heartbeat_period_s, self.penv.settings.link_silence_s)
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
@@ -292,6 +306,8 @@ class ControllerService:
             if control in events:
                 oversized = drain(control, self._on_control, copy=False, max_frames=CONTROL_MAX_FRAMES)
                 self.counts["rejected.control"] += oversized  # apart: the handler counts rejections too
+            if self._held:
+                self._flush_held(time.monotonic())
             if reducer.error is not None:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
             if membership is not None:
@@ -329,6 +345,8 @@ class ControllerService:
             due.append(math.inf if tick is None else tick)
         if self.link is not None:
             due.append(self._next_status)
+        if self._held:
+            due.append(time.monotonic() + HELD_RETRY_S)
         return min(due)
 
     # ------------------------------------------------------------------ inbound
@@ -431,7 +449,15 @@ class ControllerService:
                 self.counts["bad_hello.control"] += 1
                 log.error("controller: refused relay hello from %r for %r with ranks %s", env.sender, r.host, r.ranks)
                 return
-            self.relay_route[r.host] = relay_id
+            old = self.relay_route.get(r.host)
+            if old is not None and old != relay_id and not self._route_gone(old):
+                # A reconnect keeps its identity (links.relay_identity); a different one for a
+                # host whose relay is still connected would take its ranks' route: refused.
+                self.counts["bad_hello.control"] += 1
+                log.error("controller: refused relay hello for %r from %r: relay %r is still connected",
+                          r.host, relay_id, old)
+                return
+            self.relay_route[r.host] = relay_id  # the same identity again (a re-hello): acknowledged again
             self._send_route(relay_id, RELAY_ROUTE, rec.RelayHelloAck())
         elif isinstance(r, rec.RankExit):
             host = next(h for h, rid in self.relay_route.items() if rid == relay_id)  # attributed: known
@@ -548,15 +574,64 @@ class ControllerService:
         if relay_id is None:
             self.counts["undeliverable.control"] += 1
             return False
-        return self._send_route(relay_id, rank_identity(rank), record)
+        return self._send_route(relay_id, rank_identity(rank), record, rank)
 
-    def _send_route(self, relay_id: bytes, route: bytes, record: Any) -> bool:
+    def _send_route(self, relay_id: bytes, route: bytes, record: Any, rank: int | None = None) -> bool:
+        """Send to `route` through `relay_id`; False only when the record is lost for good.
+
+        Never blocks: a relay whose queue is full stopped reading, and the one loop of the
+        coordinator must not wait on it (counted undeliverable, the caller's on_send_failed).
+        A relay with no connection right now (EHOSTUNREACH: a reset it is re-dialling) has
+        the record held, in order, and sent when it is back (`_flush_held`).
+        """
+        frames = [relay_id, route, *self.codec.encode(record, channel=Channel.CONTROL)]
+        held = self._held.get(relay_id)
+        if held:
+            held.append((time.monotonic(), rank, record, frames))  # behind what waits: order kept
+            return True
         try:
-            self.control.send_multipart([relay_id, route, *self.codec.encode(record, channel=Channel.CONTROL)])
-        except zmq.ZMQError:  # EHOSTUNREACH: that relay's connection is gone
+            self.control.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:  # its queue is full: it is not reading
             self.counts["undeliverable.control"] += 1
             return False
+        except zmq.ZMQError:  # EHOSTUNREACH: its connection is down
+            self.counts["held.control"] += 1
+            self._held[relay_id] = collections.deque([(time.monotonic(), rank, record, frames)])
         return True
+
+    def _flush_held(self, now: float) -> None:
+        """Send what waits for reconnecting relays; what waited past link_silence_s fails."""
+        limit = self.penv.settings.link_silence_s
+        for relay_id in list(self._held):
+            held = self._held[relay_id]
+            while held:
+                try:
+                    self.control.send_multipart(held[0][3], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
+                held.popleft()
+            if held and now - held[0][0] <= limit:
+                continue
+            del self._held[relay_id]
+            lost = [(rank, record) for _, rank, record, _ in held]
+            if lost:
+                self.counts["undeliverable.control"] += len(lost)
+                log.warning("controller: relay %r stayed unreachable for %g s; %d records undelivered",
+                            relay_id, limit, len(lost))
+            for rank, record in lost:
+                if rank is not None and self.started and isinstance(record, _DISPATCH):
+                    self._perform(self.core.on_send_failed(rank, record, time.monotonic()))
+
+    def _route_gone(self, relay_id: bytes) -> bool:
+        """True when ZeroMQ holds no connection for `relay_id` (ROUTER_MANDATORY refuses a send to it)."""
+        try:
+            self.control.send_multipart([relay_id, RELAY_ROUTE,
+                                         *self.codec.encode(rec.RelayHelloAck(), channel=Channel.CONTROL)], zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError:
+            return True
+        return False
 
     # ------------------------------------------------------------------ controller effects
 

@@ -10,9 +10,23 @@ authenticated sender is the one its route names (`wire.Codec.decode_from`).
 Sockets. Every link's queues are bounded in records, a socket never lingers
 on close, and a send gives up after one poll tick (`tune`); a model-carrying
 link between two processes of this machine gets a small kernel send buffer
-(`tune_loopback`). `send` waits through back-pressure until told to stop;
-`drain` handles what is queued, bounded so no socket starves the others.
-Every receiving socket refuses frames over its kind's size (`limit_receive`)
+(`tune_loopback`). `send` waits through back-pressure for at most its
+`timeout_s` (a peer that stops reading must never block a service), then
+reports the send failed; `drain` handles what is queued, bounded so no socket
+starves the others.
+
+Reconnects (PROTOCOL.md, Reconnects). ZeroMQ re-dials a dropped TCP
+connection under the socket; what it does not keep by itself is the routing
+identity, which a ROUTER assigns at random to a peer that sets none. So every
+DEALER whose route a ROUTER checks sets one that lives as long as its process
+(`relay_identity`: host plus a random incarnation; a rank's is its rank), and
+the routers a relay dials take over a route from a half-open connection when
+the same identity comes back (`take_over_routes`). Every tcp:// socket beats
+(`keep_alive`): ZeroMQ heartbeats close a connection that stays silent past
+the link's silence limit, so a dead path (NAT timeout, cable pulled) is
+re-dialled instead of waited on, and TCP keepalive keeps middleboxes awake.
+
+Receiving. Every receiving socket refuses frames over its kind's size (`limit_receive`)
 and every receive loop reads through `recv_bounded`, which never keeps more
 frames of a message than its socket may legally carry (PROTOCOL.md 6.1).
 """
@@ -22,6 +36,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,6 +79,17 @@ def relay_sender(host: str) -> str:
     return f"relay:{host}"
 
 
+def relay_identity(host: str, incarnation: bytes) -> bytes:
+    """The routing identity of a relay's upstream DEALERs: its host and its process's incarnation.
+
+    Stable for the process, so a reconnect keeps its route at the controller;
+    a restarted relay (a new incarnation) is a different peer. ZeroMQ allows
+    1..255 bytes not starting with a zero byte; a long host name is cut, the
+    incarnation keeps it unique.
+    """
+    return f"relay:{host[:200]}:{incarnation.hex()}".encode()
+
+
 def local_endpoints(run_id: bytes, host: str, directory: str | None = None) -> tuple[str, str]:
     """Default ipc:// endpoints (control, data) of a host's relay, unique per run and host."""
     base = os.path.join(directory or tempfile.gettempdir(), f"flodl-{run_id.hex()[:12]}-{host}")
@@ -76,6 +102,44 @@ def tune(sock: zmq.Socket, hwm: int, poll_s: float) -> None:
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, max(1, int(poll_s * 1000)))
+
+
+def keep_alive(sock: zmq.Socket, endpoint: str, heartbeat_s: float, silence_s: float) -> None:
+    """Heartbeats and TCP keepalive on a socket that binds or connects the tcp:// ``endpoint`` (else nothing).
+
+    Set before bind/connect. ZMQ_HEARTBEAT_IVL pings the peer every
+    ``heartbeat_s``; a connection that carries nothing (not even the pong)
+    for ``silence_s`` is closed (HEARTBEAT_TIMEOUT here, HEARTBEAT_TTL for the
+    peer), and a connecting socket re-dials at once. A flap shorter than
+    ``silence_s`` costs only time: TCP retransmits what was in flight.
+    """
+    if not endpoint.startswith("tcp://"):
+        return
+    ivl_ms, silence_ms = max(1, int(heartbeat_s * 1000)), max(1, int(silence_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, silence_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(silence_ms, 6_553_500))  # TTL is carried in deciseconds, 16 bits
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, int(silence_s)))
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, int(heartbeat_s)))
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+    # Re-dial after half a beat, not ZeroMQ's 100 ms: the ROUTER must first read what the old
+    # connection delivered. Messages it has not read when the same identity comes back are
+    # handed over under a temporary identity, which no route check accepts (lost, counted).
+    sock.setsockopt(zmq.RECONNECT_IVL, max(100, ivl_ms // 2))
+
+
+def take_over_routes(sock: zmq.Socket) -> None:
+    """A ROUTER whose peers set stable identities: a reconnect with a held identity takes the route.
+
+    Without it the ROUTER ignores a connection whose identity a half-open
+    pipe still holds (until heartbeats drop that pipe, seconds of silence).
+    Anyone who knows the identity may take the route this way; what they
+    receive is what the link carries anyway (CURVE keeps it private), and what
+    they send is dropped unless its MAC verifies and its signer is the one
+    the route names.
+    """
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
 
 
 # The kernel send buffer of a model-carrying TCP socket whose peers are all on
@@ -93,14 +157,22 @@ def tune_loopback(sock: zmq.Socket, endpoint: str) -> None:
         sock.setsockopt(zmq.SNDBUF, LOOPBACK_SNDBUF)
 
 
-def send(sock: zmq.Socket, frames: Sequence[Any], stop: threading.Event, copy: bool = True) -> bool:
-    """Send one message, waiting through full queues until `stop` is set; False if it never went.
+# How long a send waits through a full queue by default before it fails (Settings.peer_send_timeout_s).
+SEND_TIMEOUT_S = 10.0
+
+
+def send(sock: zmq.Socket, frames: Sequence[Any], stop: threading.Event, copy: bool = True,
+         timeout_s: float = SEND_TIMEOUT_S) -> bool:
+    """Send one message, waiting through full queues until `stop` is set or `timeout_s` passed; False if it never went.
 
     A full queue (HWM) is back-pressure, not an error: the caller's thread waits,
-    which stops it reading its own peers. EHOSTUNREACH (ROUTER_MANDATORY, peer
-    gone) raises zmq.ZMQError for the caller to count.
+    which stops it reading its own peers, but never longer than `timeout_s`: a
+    peer that stopped reading must not wedge a service; its message is lost
+    and the peer's silence gets it declared dead. EHOSTUNREACH
+    (ROUTER_MANDATORY, peer gone) raises zmq.ZMQError for the caller to count.
     """
-    while not stop.is_set():
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set() and time.monotonic() < deadline:
         try:
             sock.send_multipart(frames, copy=copy)
             return True

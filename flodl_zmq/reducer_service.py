@@ -53,12 +53,15 @@ from flodl_zmq.io_threads import controller_context, io_affinity
 from flodl_zmq.links import (
     DATA_MAX_FRAME_BYTES,
     REDUCER_SENDER,
+    SEND_TIMEOUT_S,
     TAG_BCAST,
     TAG_DATA,
     drain,
+    keep_alive,
     limit_receive,
     relay_sender,
     send,
+    take_over_routes,
     tune,
     tune_loopback,
 )
@@ -98,12 +101,17 @@ class ReducerConfig:
     # Largest frame the data socket accepts (ZMQ_MAXMSGSIZE): the model's largest tensor
     # where the caller knows it, else the codec's payload bound (PROTOCOL.md 6).
     max_frame_bytes: int = DATA_MAX_FRAME_BYTES
+    link_heartbeat_s: float = 1.0  # ZeroMQ heartbeats on tcp:// (Settings.link_heartbeat_period_s)
+    link_silence_s: float = 8.0  # a relay's connection silent this long is dropped (Settings.link_silence_s)
+    send_timeout_s: float = SEND_TIMEOUT_S  # a send to a relay that stopped reading fails after this
 
     def __post_init__(self) -> None:
         if not self.world:
             raise ConfigError("reducer world must name at least one host")
-        if not (self.probe_interval_s > 0 and self.poll_s > 0):
-            raise ConfigError("reducer probe_interval_s and poll_s must be > 0")
+        if not (self.probe_interval_s > 0 and self.poll_s > 0 and self.send_timeout_s > 0):
+            raise ConfigError("reducer probe_interval_s, poll_s and send_timeout_s must be > 0")
+        if not 0 < self.link_heartbeat_s < self.link_silence_s:
+            raise ConfigError("reducer link_heartbeat_s must be > 0 and below link_silence_s")
         if self.hwm_records < 1:
             raise ConfigError("reducer hwm_records must be at least 1 record")
 
@@ -231,6 +239,9 @@ class ReducerService:
                 tune(s, cfg.hwm_records, cfg.poll_s)
             data.setsockopt(zmq.ROUTER_MANDATORY, 1)
             limit_receive(data, cfg.max_frame_bytes)
+            take_over_routes(data)  # a relay's data DEALER keeps its identity across reconnects
+            keep_alive(data, cfg.data_bind, cfg.link_heartbeat_s, cfg.link_silence_s)
+            keep_alive(pub, cfg.bcast_bind, cfg.link_heartbeat_s, cfg.link_silence_s)
             affinity = io_affinity(self._ctx)
             data.setsockopt(zmq.AFFINITY, affinity.data)
             pub.setsockopt(zmq.AFFINITY, affinity.pub)
@@ -278,7 +289,11 @@ class ReducerService:
 
     def _to_relay(self, route: bytes, tag: bytes, frames: list[Any]) -> None:
         try:
-            send(self._data, [route, tag, *frames], self._stop, copy=False)
+            if not send(self._data, [route, tag, *frames], self._stop, copy=False,
+                        timeout_s=self.config.send_timeout_s) and not self._stop.is_set():
+                # A relay that stopped reading: the record is lost, never the reducer's loop.
+                self._count["send_timeout"] += 1
+                log.warning("reducer: a send to %r timed out after %g s", route, self.config.send_timeout_s)
         except zmq.ZMQError:  # EHOSTUNREACH: the relay's connection is gone
             self._count["undeliverable"] += 1
 
@@ -341,6 +356,12 @@ class ReducerService:
             return
         old = self._route.get(rec.host)
         if old is not None and old != route:
+            # Another connection claims a registered host: refused while the old one is there
+            # (a reconnect keeps its identity; only a host whose relay is gone may be taken over).
+            if not self._route_gone(old):
+                self._count["bad_hello"] += 1
+                log.error("reducer: refused hello for %r from %r: relay %r is still connected", rec.host, route, old)
+                return
             self._host_of.pop(old, None)
             self._subscribed.discard(rec.host)
         self._route[rec.host] = route
@@ -349,6 +370,17 @@ class ReducerService:
         for rank in sorted(set(want) & self.ledger.dead - self._forwarded):
             self._forward(rec.host, rank)
         log.info("reducer: relay %s registered with ranks %s", rec.host, list(want))
+
+    def _route_gone(self, route: bytes) -> bool:
+        """True when ZeroMQ holds no connection for `route` (ROUTER_MANDATORY refuses a send to it)."""
+        try:
+            self._data.send_multipart([route, TAG_DATA, *self._codec.encode(RelayHelloAck(), channel=Channel.DATA)],
+                                      zmq.NOBLOCK)
+        except zmq.Again:
+            return False  # connected, its queue full
+        except zmq.ZMQError:
+            return True  # EHOSTUNREACH
+        return False
 
     def _death(self, rank: int, reported_by: str | None) -> None:
         try:

@@ -59,6 +59,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -80,11 +82,13 @@ from flodl_zmq.links import (
     TAG_BCAST,
     TAG_DATA,
     drain,
+    keep_alive,
     limit_receive,
     local_endpoints,
     rank_identity,
     rank_of,
     rank_sender,
+    relay_identity,
     relay_sender,
     send,
     tune,
@@ -142,13 +146,18 @@ class RelayConfig:
     data_hwm_records: int = 4  # data records are model-sized: a few in flight is plenty
     poll_s: float = 0.05
     curve: CurveKeys | None = None  # CURVE client keys for the three upstream sockets (None: cleartext)
+    link_heartbeat_s: float = DEFAULTS.link_heartbeat_period_s  # ZeroMQ heartbeats on the tcp:// upstream links
+    link_silence_s: float = DEFAULTS.link_silence_s  # an upstream link silent this long is re-dialled
+    send_timeout_s: float = DEFAULTS.peer_send_timeout_s  # a send to a peer that stopped reading fails after this
+    hello_retry_s: float = 1.0  # a RelayHello not acknowledged by then is sent again (one lost in a reset)
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ConfigError("relay host name must not be empty")
         if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
             raise ConfigError(f"relay ranks {self.ranks} must be distinct non-negative global ranks, at least one")
-        for name in ("heartbeat_deadline_s", "first_contact_deadline_s", "consensus_deadline_s", "poll_s"):
+        for name in ("heartbeat_deadline_s", "first_contact_deadline_s", "consensus_deadline_s", "poll_s",
+                     "link_heartbeat_s", "link_silence_s", "send_timeout_s", "hello_retry_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"relay {name} must be > 0, got {getattr(self, name)}")
         if self.poll_s >= self.heartbeat_deadline_s:
@@ -265,6 +274,28 @@ class ConsensusWatch:
         return out
 
 
+class _Hello:
+    """When a relay (re)sends its RelayHello on one upstream link (pure: the caller passes the time).
+
+    Due at once, then every `retry_s` until acknowledged: a hello lost in a
+    connection reset must not leave the host unregistered. The controller and
+    the reducer accept a repeated hello from the same identity idempotently.
+    """
+
+    def __init__(self, retry_s: float):
+        self.retry_s = retry_s
+        self._next: float | None = 0.0  # None: acknowledged
+
+    def due(self, now: float) -> bool:
+        if self._next is None or now < self._next:
+            return False
+        self._next = now + self.retry_s
+        return True
+
+    def acked(self) -> None:
+        self._next = None
+
+
 class Relay:
     """One host's relay: control byte router, data fold station, consensus fan-out.
 
@@ -286,6 +317,8 @@ class Relay:
         self.error: BaseException | None = None
         self.fold = FoldStation(config.ranks)
         self.watch = ConsensusWatch(config.consensus_deadline_s)
+        # Both upstream DEALERs carry it: stable for this process, so a reconnect keeps the route.
+        self.identity = relay_identity(config.host, os.urandom(8))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -355,11 +388,12 @@ class Relay:
             local.bind(cfg.local_control)
             if cfg.curve is not None:
                 apply_client(up, cfg.curve)
+            up.setsockopt(zmq.ROUTING_ID, self.identity)
+            keep_alive(up, cfg.control_upstream, cfg.link_heartbeat_s, cfg.link_silence_s)
             up.connect(cfg.control_upstream)
             pipe.connect(self._pipe)
             self._ready.wait()
-            send(up, [RELAY_ROUTE, *codec.encode(RelayHello(cfg.host, list(cfg.ranks), []), channel=Channel.CONTROL)],
-                 self._stop)
+            hello = _Hello(cfg.hello_retry_s)
             live = RankLiveness(cfg.ranks, time.monotonic(), cfg.heartbeat_deadline_s, cfg.first_contact_deadline_s)
             poller = zmq.Poller()
             poller.register(local, zmq.POLLIN)
@@ -370,10 +404,15 @@ class Relay:
                 # A goodbye is the normal end of a rank; only a silent departure deserves a warning.
                 level = logging.INFO if why == GOODBYE else logging.WARNING
                 log.log(level, "relay %s: rank %d left (%s)", cfg.host, rank, why)
-                send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], self._stop)
-                send(pipe, [rank_identity(rank)], self._stop)
+                self._send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], count,
+                           "upstream_control")
+                send(pipe, [rank_identity(rank)], self._stop, timeout_s=math.inf)  # in-process: the data thread reads it
 
             while not self._stop.is_set():
+                if hello.due(time.monotonic()):
+                    hello_rec = RelayHello(cfg.host, list(cfg.ranks), [])
+                    self._send(up, [RELAY_ROUTE, *codec.encode(hello_rec, channel=Channel.CONTROL)], count,
+                               "upstream_control")
                 events = dict(poller.poll(poll_ms))
                 if local in events:
                     count["oversized"] += drain(
@@ -381,7 +420,7 @@ class Relay:
                     )
                 if up in events:
                     count["oversized"] += drain(
-                        up, lambda m: self._to_rank(m, codec, local, count), max_frames=CONTROL_MAX_FRAMES
+                        up, lambda m: self._to_rank(m, codec, local, count, hello), max_frames=CONTROL_MAX_FRAMES
                     )
                 for rank in live.expired(time.monotonic()):
                     death(rank, "heartbeat deadline passed")
@@ -398,7 +437,7 @@ class Relay:
         if env is None:
             return
         live.seen(rank, time.monotonic())
-        send(up, msg, self._stop)  # verbatim: the rank's own MAC travels on
+        self._send(up, msg, count, "upstream_control")  # verbatim: the rank's own MAC travels on
         if isinstance(env.record, Exiting) and live.leave(rank):
             death(rank, GOODBYE)
 
@@ -425,7 +464,22 @@ class Relay:
             return None
         return env
 
-    def _to_rank(self, msg, codec: Codec, local, count) -> None:
+    def _send(self, sock: zmq.Socket, frames: Sequence[Any], count, where: str, copy: bool = True) -> bool:
+        """Send, bounded in time; a message a peer did not take in time is dropped and counted.
+
+        Upstream waits up to `send_timeout_s`; a local rank at most half its
+        silence deadline, so one wedged rank never starves the others' liveness.
+        """
+        cfg = self.config
+        limit = min(cfg.send_timeout_s, cfg.heartbeat_deadline_s / 2) if where.startswith("local") else cfg.send_timeout_s
+        if send(sock, frames, self._stop, copy=copy, timeout_s=limit):
+            return True
+        if not self._stop.is_set():
+            count[f"send_timeout.{where}"] += 1
+            log.warning("relay %s: a send on %s timed out after %g s: the peer is not reading", cfg.host, where, limit)
+        return False
+
+    def _to_rank(self, msg, codec: Codec, local, count, hello: _Hello) -> None:
         if len(msg) < 3:
             count["rejected.upstream_control"] += 1
             return
@@ -440,7 +494,9 @@ class Relay:
             log.warning("relay %s: rejected a record from the coordinator: %s", self.config.host, exc)
             return
         if route == RELAY_ROUTE:
-            if not isinstance(env.record, RelayHelloAck):
+            if isinstance(env.record, RelayHelloAck):
+                hello.acked()
+            else:
                 count["unexpected.upstream_control"] += 1
             return
         rank = rank_of(route)
@@ -448,7 +504,7 @@ class Relay:
             count["unknown_rank.upstream_control"] += 1
             return
         try:
-            send(local, [route, *msg[1:]], self._stop)
+            self._send(local, [route, *msg[1:]], count, "local_control")
         except zmq.ZMQError:  # EHOSTUNREACH: the rank is not connected (not yet, or any more)
             count["undeliverable.local_control"] += 1
 
@@ -478,12 +534,14 @@ class Relay:
                 apply_client(up, cfg.curve)
                 apply_client(sub, cfg.curve)
             tune_loopback(up, cfg.data_upstream)
+            up.setsockopt(zmq.ROUTING_ID, self.identity)
+            keep_alive(up, cfg.data_upstream, cfg.link_heartbeat_s, cfg.link_silence_s)
+            keep_alive(sub, cfg.bcast_upstream, cfg.link_heartbeat_s, cfg.link_silence_s)
             up.connect(cfg.data_upstream)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(cfg.bcast_upstream)
             self._ready.wait()
             d = _DataPlane(self, codec, local, up)
-            d.send_up(RelayHello(cfg.host, list(cfg.ranks), []))
             segment = d.segment
             poller = zmq.Poller()
             for s in (local, up, sub, pipe):
@@ -491,6 +549,8 @@ class Relay:
             poll_ms = int(cfg.poll_s * 1000)
             while not self._stop.is_set():
                 events = dict(poller.poll(poll_ms))
+                if d.hello.due(time.monotonic()):
+                    d.send_up(RelayHello(cfg.host, list(cfg.ranks), []))
                 if pipe in events:
                     drain(pipe, lambda m: d.local_death(rank_of(m[0])))
                 if up in events:
@@ -518,9 +578,11 @@ class _DataPlane:
         self.mapped = SegmentMap(self.cfg.run_id)  # the ranks' deposit segments, read-only
         self.segment = Segment(self.cfg.run_id, host_owner(self.cfg.host))  # where consensus goes by reference
         self.by_reference: set[int] = set()  # ranks that deposit by reference
+        self.hello = _Hello(self.cfg.hello_retry_s)
 
     def send_up(self, rec: Any, payload: Sequence[Any] = ()) -> None:
-        send(self.up, self.codec.encode(rec, payload, channel=Channel.DATA), self.stop, copy=False)
+        self.relay._send(self.up, self.codec.encode(rec, payload, channel=Channel.DATA), self.count, "upstream_data",
+                         copy=False)
 
     def live_ranks(self) -> list[int]:
         return [r for r in self.cfg.ranks if r not in self.fold.dead]
@@ -612,7 +674,9 @@ class _DataPlane:
             log.error("relay %s: the reducer no longer holds round %d (latest %d); this host missed it",
                       self.cfg.host, rec.round, rec.latest)
             self.count["consensus_gone"] += 1
-        elif not isinstance(rec, RelayHelloAck):
+        elif isinstance(rec, RelayHelloAck):
+            self.hello.acked()
+        else:
             self.count["unexpected.upstream_data"] += 1
 
     def consensus(self, frames: list[zmq.Frame], where: str) -> None:
@@ -651,7 +715,7 @@ class _DataPlane:
         for rank in live:
             try:
                 out = shared if shared is not None and rank in self.by_reference else frames
-                send(self.local, [rank_identity(rank), *out], self.stop, copy=False)
+                self.relay._send(self.local, [rank_identity(rank), *out], self.count, "local_data", copy=False)
             except zmq.ZMQError:  # EHOSTUNREACH: this rank's socket is gone
                 self.count["undeliverable.local_data"] += 1
 

@@ -196,6 +196,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("startup_timeout_s", 120.0, "how long the controller waits for every rank's hello before failing "
             "the run", flags=("--startup-timeout",), env=("FLODL_STARTUP_TIMEOUT",), commands=("controller",),
             scope="run", minimum=0.0, strict=True),
+    Setting("link_heartbeat_period_s", 1.0, "how often the two ends of every tcp:// link between the controller "
+            "and a relay ping each other (ZeroMQ heartbeats; also the TCP keepalive interval)",
+            env=("FLODL_LINK_HEARTBEAT_PERIOD",), scope="run", minimum=0.0, strict=True),
+    Setting("link_silence_s", 8.0, "silence after which a tcp:// link between the controller and a relay is "
+            "dropped and re-dialled (a flap shorter than this costs only time)", env=("FLODL_LINK_SILENCE",),
+            scope="run", minimum=0.0, strict=True),
+    Setting("peer_send_timeout_s", 10.0, "how long the controller's reducer or a relay waits on a peer that "
+            "stops reading before that send fails (the controller's own control sends never wait)",
+            env=("FLODL_PEER_SEND_TIMEOUT",), scope="run", minimum=0.0, strict=True),
     # ---- each process's own
     Setting("slowdown", 1.0, "a rank emulates slower hardware by this factor (per-batch delay); set in an "
             "agent's environment it applies to every rank of that host", env=("FLODL_SLOWDOWN",),
@@ -276,6 +285,9 @@ class Settings:
     coordinator_silence_at_rank_s: float = BY_FIELD["coordinator_silence_at_rank_s"].default
     coordinator_first_contact_at_rank_s: float = BY_FIELD["coordinator_first_contact_at_rank_s"].default
     startup_timeout_s: float = BY_FIELD["startup_timeout_s"].default
+    link_heartbeat_period_s: float = BY_FIELD["link_heartbeat_period_s"].default
+    link_silence_s: float = BY_FIELD["link_silence_s"].default
+    peer_send_timeout_s: float = BY_FIELD["peer_send_timeout_s"].default
     slowdown: float = BY_FIELD["slowdown"].default
     join_heartbeat_period_s: float = BY_FIELD["join_heartbeat_period_s"].default
     host_silence_at_controller_s: float = BY_FIELD["host_silence_at_controller_s"].default
@@ -307,6 +319,7 @@ class Settings:
             ("coordinator_silence_at_rank_s", "rank_heartbeat_period_s"),
             ("host_silence_at_controller_s", "join_heartbeat_period_s"),
             ("controller_silence_at_agent_s", "join_heartbeat_period_s"),
+            ("link_silence_s", "link_heartbeat_period_s"),
         ):
             if not getattr(self, silence) > getattr(self, period):
                 raise ConfigError(

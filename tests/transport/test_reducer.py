@@ -85,7 +85,7 @@ class Rig:
     def __init__(self, tmp_path, kind="inproc"):
         self.ctx = zmq.Context()
         self.key, self.run_id = new_key(), bytes(range(16))
-        eps = endpoints(kind, tmp_path)
+        self.eps = eps = endpoints(kind, tmp_path)
         self.svc = ReducerService(
             ReducerConfig(WORLD, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05), self.ctx
         )
@@ -125,6 +125,28 @@ def rig(request, tmp_path):
 
 def frame(host, round_id, mass, value, ranks=None):
     return HostFrame(round_id, host, list(ranks or WORLD[host]), mass), [np.full(8, value, np.float32)]
+
+
+def test_a_hello_for_a_live_host_from_another_connection_is_refused_and_a_repeated_one_acknowledged_again(rig):
+    a = rig.relays["a"]
+    a.hello()
+    a.hello()  # the same identity again (a re-hello after a reconnect): acknowledged again, nothing changes
+    intruder = FakeRelay(rig.ctx, "a", rig.key, rig.run_id, rig.eps)
+    for _ in range(10):  # past a's sequence numbers: the refusal must be the route rule, not the replay check
+        intruder.codec.encode(RelayHelloAck(), channel=Channel.DATA)
+    try:
+        intruder.send(RelayHello("a", list(WORLD["a"]), []))
+        assert not intruder.data.poll(300), "a second connection took a live host's route"
+        assert _settle(lambda: rig.svc.counters().get("bad_hello") == 1), rig.svc.counters()
+        # Once the registered relay is gone, a new incarnation may take the host.
+        a.close()
+        for _ in range(50):
+            intruder.send(RelayHello("a", list(WORLD["a"]), []))
+            if intruder.data.poll(100):
+                break
+        assert intruder.record().record == RelayHelloAck()
+    finally:
+        intruder.close()
 
 
 def test_a_relay_is_counted_only_after_answering_a_probe_and_is_served_directly_until_then(rig):

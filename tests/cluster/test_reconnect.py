@@ -1,0 +1,200 @@
+"""Connection resets between the relays and the controller never lose a run (issue 13).
+
+A TCP proxy of the test's own sits in front of the controller's four ports:
+the controller binds the real address, the relays dial the proxy's (their
+FLODL_CONTROLLER, given per child through the launcher's `env_for`). While
+the digits job trains, the proxy closes every connection it carries, both
+sides, several times; it never alters a byte. ZeroMQ re-dials underneath the
+sockets, and the run must finish exactly as an undisturbed one would: every
+epoch's samples trained once, accuracy within a point.
+
+The proxy closes each connection at a moment it carries nothing (50 ms
+quiet): what this covers is the reconnect itself (identities, handover,
+held records, hellos, the broadcast's re-subscription and consensus
+recovery). A record caught inside a dropped connection is not recovered yet
+(PROTOCOL.md 10.5, item 7; issue 13, part 2).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flodl_zmq.endpoints import OFFSETS
+from flodl_zmq.launch import Cluster, free_port_base
+
+JOB = str(Path(__file__).with_name("digits_job.py"))
+SAMPLES_PER_EPOCH_16 = (1437 // 16) * 16
+ARGS = ("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4")
+RESETS = 5
+QUIET_S = 0.05  # a connection is closed only after this long without a byte either way
+QUIET_WAIT_S = 5.0
+WAIT_S = 120.0
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
+
+
+class ResettingProxy:
+    """Forwards 127.0.0.1:listen+i to 127.0.0.1:target+i for the controller's ports; `reset()` closes every connection.
+
+    Each connection is closed at a moment it is quiet (no byte either way for
+    `QUIET_S`): a reset then loses no record in flight. Records lost inside a
+    dropped connection are not recovered yet (PROTOCOL.md 10.5, item 7).
+    """
+
+    def __init__(self, listen: int, target: int):
+        self.listen, self.target = listen, target
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[socket.socket, socket.socket, list[float]]] = []
+        self._servers: list[socket.socket] = []
+        self._stop = threading.Event()
+        self.resets = 0
+        self.accepted = 0
+
+    def start(self) -> None:
+        for offset in range(max(OFFSETS.values()) + 1):
+            srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind(("127.0.0.1", self.listen + offset))
+            srv.listen(64)
+            srv.settimeout(0.2)
+            self._servers.append(srv)
+            threading.Thread(target=self._accept, args=(srv, self.target + offset), daemon=True).start()
+
+    def _accept(self, srv: socket.socket, port: int) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = srv.accept()
+            except (TimeoutError, OSError):
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            client.settimeout(None)
+            last = [time.monotonic()]  # when a byte last crossed, either way
+            with self._lock:
+                self._pairs.append((client, upstream, last))
+                self.accepted += 1
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b, last), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, last: list[float]) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                last[0] = time.monotonic()
+                dst.sendall(data)
+                last[0] = time.monotonic()
+        except OSError:
+            pass
+        for s in (src, dst):
+            self._close(s)
+
+    def _close(self, s: socket.socket) -> None:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
+
+    def reset(self) -> float:
+        """Close every connection (both sides), each at a quiet moment; returns the longest wait for one."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        longest = 0.0
+        for a, b, last in pairs:
+            t0 = time.monotonic()
+            while time.monotonic() - last[0] < QUIET_S and time.monotonic() - t0 < QUIET_WAIT_S:
+                time.sleep(QUIET_S / 10)
+            longest = max(longest, time.monotonic() - t0)
+            self._close(a)
+            self._close(b)
+        self.resets += 1
+        return longest
+
+    def stop(self) -> None:
+        self._stop.set()
+        for s in self._servers:
+            s.close()
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for a, b, _ in pairs:
+            self._close(a)
+            self._close(b)
+
+
+def cluster_run(proxy_every_s: float | None) -> tuple[int | None, dict | None, str, int, int]:
+    """One 2 x 2 digits run; with `proxy_every_s`, the relays dial through a proxy that resets every so often."""
+    port = free_port_base()
+    env_for = {}
+    proxy = None
+    if proxy_every_s is not None:
+        listen = free_port_base()
+        while abs(listen - port) <= max(OFFSETS.values()):
+            listen = free_port_base()
+        proxy = ResettingProxy(listen, port)
+        proxy.start()
+        env_for = {f"h{h}:relay": {"FLODL_CONTROLLER": f"127.0.0.1:{listen}"} for h in range(2)}
+    cluster = Cluster(argv=[JOB, *ARGS], hosts=2, ranks_per_host=2, port=port, env_for=env_for, grace_s=3.0)
+    cluster.start()
+    resets = accepted = 0
+    waits: list[float] = []
+    try:
+        if proxy is not None:
+            # Wait for training to be under way, then reset at spread-out moments.
+            deadline = time.monotonic() + 90
+            while "[controller] epoch 1/" not in cluster.output() and time.monotonic() < deadline:
+                if cluster.children["controller"].proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+            for _ in range(RESETS):
+                if cluster.children["controller"].proc.poll() is not None:
+                    break
+                time.sleep(proxy_every_s)
+                waits.append(proxy.reset())
+                resets += 1
+        try:
+            code = cluster.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            code = None  # stalled: the assertion shows the output
+    finally:
+        cluster.shutdown()
+        if proxy is not None:
+            proxy.stop()
+            accepted = proxy.accepted
+            print(f"quiet moment waits: {[round(w, 3) for w in waits]} s")
+    out = cluster.output()
+    result = None
+    for line in out.splitlines():
+        if line.startswith("[controller] RESULT "):
+            result = json.loads(line[len("[controller] RESULT "):])
+    return code, result, out, resets, accepted
+
+
+def test_connection_resets_between_relays_and_controller_cost_no_sample_and_no_accuracy():
+    t0 = time.monotonic()
+    code, baseline, out, _, _ = cluster_run(None)
+    assert code == 0, out
+    t1 = time.monotonic()
+    code, result, out, resets, accepted = cluster_run(1.0)
+    print(f"undisturbed: accuracy {baseline['accuracy']:.4f} in {t1 - t0:.1f} s; {resets} resets, "
+          f"{accepted} connections: accuracy {result and result['accuracy']} in {time.monotonic() - t1:.1f} s")
+    assert resets >= RESETS, out
+    # Every reset re-dials the relays' four upstream connections (control, data, broadcast... per relay).
+    assert accepted >= 2 * 3 * (resets + 1), (accepted, out)
+    assert code == 0, out
+    assert len(result["epochs"]) == 15, out
+    assert all(e["samples"] == SAMPLES_PER_EPOCH_16 for e in result["epochs"]), result["epochs"]
+    assert result["accuracy"] >= baseline["accuracy"] - 0.01 - 1e-9, (result["accuracy"], baseline["accuracy"])
