@@ -30,6 +30,10 @@ root. This module is the middle move and keeps these rules:
   schema drift from the round's first deposit, non-finite or negative mass,
   a rank not on the roster) raises FoldError and poisons the station: nothing
   it holds is ever shipped, and the relay must tear its data channel down.
+- A deposit with a NaN or infinite element raises PoisonedDeposit before it
+  touches the round, and does not poison the station: the relay makes that
+  rank leave and the round completes without it (one rank must not NaN the
+  consensus of every rank).
 - A deposit from a rank already dead is a late frame: dropped and counted.
 
 Deposits reach this core already authenticated (the wire verifies the MAC
@@ -51,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flodl_zmq import threads
-from flodl_zmq.errors import ConfigError, FoldError, ProtocolError
+from flodl_zmq.errors import ConfigError, FoldError, PoisonedDeposit, ProtocolError
 from flodl_zmq.tensors import DTYPES, bf16_from_f32, bf16_sum, dtype_name, f32_from_bf16
 
 # (wire dtype name, shape) of each tensor of a round, in order.
@@ -115,6 +119,38 @@ def check_mass(mass: float, who: str, error: type[ProtocolError]) -> float:
             f"{MASS_RANGE[1]:g}] because tensors are premultiplied by it in f32"
         )
     return m
+
+
+def _finite_piece(dt: str, x: np.ndarray) -> bool:
+    with np.errstate(all="ignore"):
+        return _finite(dt, x)
+
+
+def _finite(dt: str, x: np.ndarray) -> bool:
+    if dt == "bf16":  # uint16 bits: non-finite iff the exponent is all ones
+        return bool(np.max(np.bitwise_and(x, 0x7FFF)) < 0x7F80) if x.size else True
+    # One read, no allocation: NaN and inf propagate into the sum. A sum that
+    # overflows from finite elements (f16 easily) is settled by the exact check.
+    return math.isfinite(float(np.add.reduce(x))) or bool(np.isfinite(x).all())
+
+
+def check_finite(tensors: Sequence[np.ndarray], who: str) -> None:
+    """Raise PoisonedDeposit unless every element of ``tensors`` is finite.
+
+    One NaN or inf in one deposit would make the whole consensus non-finite on
+    every rank (the sum propagates it). Checked in PIECE pieces on the worker
+    threads, before the deposit joins the round, so a refused one changes nothing.
+    """
+    work = []
+    for t in tensors:
+        flat = t.reshape(-1)
+        dt = dtype_name(t)
+        work += [(dt, flat[i : i + PIECE]) for i in range(0, flat.size, PIECE)]
+    if not all(threads.each(lambda w: _finite_piece(*w), work)):
+        raise PoisonedDeposit(
+            f"{who} carries a NaN or infinite element; it would poison the consensus of every rank "
+            "(a diverged or tampered model: check the learning rate, or who holds the session key)"
+        )
 
 
 def carve(
@@ -378,14 +414,16 @@ def contribute(
 ) -> OpenRound:
     """Add one contribution to ``rnd``, or open round ``round_id`` with its schema; returns the round.
 
-    The mass and the schema are checked before anything is added, so a refused
-    contribution leaves the round as it was.
+    The mass, the schema and the values (all finite) are checked before anything
+    is added, so a refused contribution leaves the round as it was.
     """
     m = check_mass(mass, who, error)
-    if rnd is None:
-        rnd = OpenRound(round_id, schema_of(tensors, who, error))
-    else:
+    schema = schema_of(tensors, who, error) if rnd is None else None
+    if rnd is not None:
         check_schema(rnd.schema, tensors, who, error)
+    check_finite(tensors, who)
+    if rnd is None:
+        rnd = OpenRound(round_id, schema)
     rnd.add(member, m, tensors, images)
     return rnd
 

@@ -27,6 +27,11 @@ Rules the ledger keeps:
   a round id ahead of the open round, schema drift from the round's first
   frame, bad mass) raises ProtocolError and changes nothing: the host stays
   expected, so the service must tear it down or have its ranks declared dead.
+- A frame with a NaN or infinite element, or with more mass than the round's
+  bound for its host (the sum of its ranks' bounds, given by the coordinator
+  with `bound_round` before the round's first frame can arrive), raises
+  PoisonedDeposit and changes nothing: one host must not NaN or dominate the
+  consensus. A round with no bound given is not capped.
 - A frame for a finished round, or from a host whose ranks are all dead, is
   dropped and counted.
 - A round is never dropped silently: if no host is expected any more, the
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flodl_zmq.errors import ProtocolError
+from flodl_zmq.errors import PoisonedDeposit, ProtocolError
 from flodl_zmq.fold import (
     ImageCache,
     OpenRound,
@@ -144,6 +149,7 @@ class RoundLedger:
         self._abandoned: Abandoned | None = None
         self._all_dead_reported = False
         self._round: OpenRound | None = None
+        self._bounds: dict[int, dict[int, float]] = {}  # round -> rank -> most mass it may carry
         # Sum images and consensus buffers by schema, most recently used last; the buffers are
         # separate from the sums, so the latest consensus survives while the next round accumulates.
         self._images = ImageCache(_consensus_outputs)
@@ -177,6 +183,16 @@ class RoundLedger:
             raise ProtocolError(f"{who}: round {rnd.round_id} is still open (desynced host)")
         if rnd is not None and host in rnd.members:
             raise ProtocolError(f"{who}: host sent a second frame in one round (desynced relay)")
+        bounds = self._bounds.get(round_id)
+        if bounds is not None:
+            cap = sum(bounds.get(r, 0.0) for r in ranks)
+            if not float(mass) <= cap:
+                # Mass is the weight of a frame in the mean: a host claiming more work
+                # than its ranks did would replace the consensus with its own values.
+                raise PoisonedDeposit(
+                    f"{who}: mass {mass!r} exceeds {cap:g}, the most its ranks {sorted(ranks)} can have "
+                    "realized this round by the coordinator's step count (a tampered or desynced host)"
+                )
         self._round = contribute(rnd, round_id, host, mass, tensors, self._images, who, ProtocolError)
         self.counters.frames += 1
         self.counters.bytes_reduced += sum(t.nbytes for t in tensors)
@@ -184,6 +200,18 @@ class RoundLedger:
         if done is None and self._round is not None:
             self._round.promote(self._images)  # sum while the other hosts' frames travel
         return done
+
+    def bound_round(self, round_id: int, bounds: Mapping[int, float]) -> None:
+        """Cap the mass of ``round_id``'s frames: a host may carry at most the sum of its ranks' bounds.
+
+        A rank without a bound (not in the round) contributes 0. Bounds of
+        finished rounds are dropped.
+        """
+        if self.last_round is not None and round_id <= self.last_round:
+            return
+        self._bounds[int(round_id)] = {int(r): float(b) for r, b in bounds.items()}
+        for r in [r for r in self._bounds if self.last_round is not None and r <= self.last_round]:
+            del self._bounds[r]  # abandoned rounds' bounds
 
     def declare_dead(self, rank: int) -> Declared:
         """Record ``rank``'s death (idempotent, permanent) and settle the open round."""
@@ -235,6 +263,8 @@ class RoundLedger:
             return None
         self._round = None
         self.last_round = rnd.round_id
+        for r in [r for r in self._bounds if r <= rnd.round_id]:
+            del self._bounds[r]
         image, outputs = self._images.get(rnd.schema)
         # The one divide of the whole reduce: by the mass of exactly the frames summed.
         divisor = rnd.mass if rnd.mass > 0.0 else None

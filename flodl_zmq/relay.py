@@ -34,7 +34,9 @@ Rules this module keeps:
   authenticated sender is not the rank its routing identity names is dropped
   and counted: a rank cannot speak (or deposit) for another. Rejections never
   stop the relay; only a fold protocol violation does (the stream is
-  desynced and the polluted round must never ship).
+  desynced and the polluted round must never ship). A deposit with a NaN or
+  infinite element is refused before it joins the fold: that rank leaves
+  (RankExit upstream) and the round completes without it.
 - Liveness (the wheels have no ROUTER_NOTIFY): a rank is dead when it says
   goodbye (timing.exiting), when no control record arrived from it within
   `heartbeat_deadline_s` (or `first_contact_deadline_s` before its first
@@ -68,7 +70,14 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.errors import AttributionError, ConfigError, FlodlError, FoldError, WireError
+from flodl_zmq.errors import (
+    AttributionError,
+    ConfigError,
+    FlodlError,
+    FoldError,
+    PoisonedDeposit,
+    WireError,
+)
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.links import (
     FROM_COORDINATOR,
@@ -532,6 +541,12 @@ class _DataPlane:
         rec = env.record
         try:
             outcome = self.fold.deposit(rank, rec.round, rec.mass, env.payload)
+        except PoisonedDeposit as exc:
+            # Refused before it touched the round: this rank leaves, the others' round goes on.
+            log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, exc)
+            self.count["poisoned.local_data"] += 1
+            self.local_death(rank)
+            return
         except FoldError as exc:
             self.violation(exc)
             return
