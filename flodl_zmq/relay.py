@@ -76,6 +76,7 @@ from flodl_zmq.errors import (
     FlodlError,
     FoldError,
     PoisonedDeposit,
+    ShmError,
     WireError,
 )
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
@@ -463,7 +464,7 @@ class Relay:
         up = ctx.socket(zmq.DEALER)
         sub = ctx.socket(zmq.SUB)
         pipe = ctx.socket(zmq.PAIR)
-        segment: Segment | None = None
+        d: _DataPlane | None = None
         try:
             for s in (local, up, sub):
                 tune(s, cfg.data_hwm_records, cfg.poll_s)
@@ -481,7 +482,6 @@ class Relay:
             self._ready.wait()
             d = _DataPlane(self, codec, local, up)
             d.send_up(RelayHello(cfg.host, list(cfg.ranks), []))
-            segment = d.segment
             poller = zmq.Poller()
             for s in (local, up, sub, pipe):
                 poller.register(s, zmq.POLLIN)
@@ -500,8 +500,8 @@ class Relay:
         finally:
             for s in (local, up, sub, pipe):
                 s.close(0)
-            if segment is not None:
-                segment.close()
+            if d is not None and d.segment is not None:
+                d.segment.close()
 
 
 class _DataPlane:
@@ -513,8 +513,20 @@ class _DataPlane:
         self.count = relay._counts["data"]
         self.fold, self.watch, self.stop = relay.fold, relay.watch, relay._stop
         self.mapped = SegmentMap(self.cfg.run_id)  # the ranks' deposit segments, read-only
-        self.segment = Segment(self.cfg.run_id, host_owner(self.cfg.host))  # where consensus goes by reference
+        self.segment: Segment | None = None  # where consensus goes by reference (None: framed to everyone)
+        try:
+            self.segment = Segment(self.cfg.run_id, host_owner(self.cfg.host))
+        except ShmError as exc:
+            self.shm_unusable(exc)
         self.by_reference: set[int] = set()  # ranks that deposit by reference
+
+    def shm_unusable(self, exc: ShmError) -> None:
+        # A squatted or foreign shared-memory path must not stop the host: consensus goes framed.
+        log.error("relay %s: consensus goes framed, not by reference: %s", self.cfg.host, exc)
+        self.count["shm_unusable"] += 1
+        if self.segment is not None:
+            self.segment.close()
+        self.segment = None
 
     def send_up(self, rec: Any, payload: Sequence[Any] = ()) -> None:
         send(self.up, self.codec.encode(rec, payload, channel=Channel.DATA), self.stop, copy=False)
@@ -647,10 +659,13 @@ class _DataPlane:
             self.request(r)
         live = self.live_ranks()
         shared = None
-        if self.by_reference.intersection(live):
+        if self.segment is not None and self.by_reference.intersection(live):
             # Verified above and written once for every same-host rank, under this relay's signature.
-            self.segment.place(env.frames[1:-1])
-            shared = by_reference(self.codec, rec, env.payload, self.segment, channel=Channel.BROADCAST)
+            try:
+                self.segment.place(env.frames[1:-1])
+                shared = by_reference(self.codec, rec, env.payload, self.segment, channel=Channel.BROADCAST)
+            except ShmError as exc:
+                self.shm_unusable(exc)
         for rank in live:
             try:
                 out = shared if shared is not None and rank in self.by_reference else frames
