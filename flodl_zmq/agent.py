@@ -54,6 +54,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.launch import signal_group
+from flodl_zmq.links import remove_local_dir
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
     MAX_DEVICES_PER_HOST,
@@ -375,6 +376,7 @@ class Agent:
             finally:
                 # A SIGKILLed relay or rank cannot unlink its shared-memory segments.
                 unlink_run(joined.run_id)
+                remove_local_dir(joined.run_id)  # and its ipc socket files
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -73,6 +73,10 @@ class ShmError(FlodlError):
     """Shared memory for by-reference payloads cannot be used safely (a squatted or foreign path)."""
 
 
+class PrivateDirError(FlodlError):
+    """A run's private directory (ipc socket files) is missing its privacy: another user's, or open."""
+
+
 class CoordinatorError(FlodlError):
     """The coordinator received an input that is illegal in its current state."""
 

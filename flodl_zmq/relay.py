@@ -92,6 +92,7 @@ from flodl_zmq.links import (
     rank_of,
     rank_sender,
     relay_sender,
+    remove_ipc,
     send,
     tune,
     tune_loopback,
@@ -352,11 +353,13 @@ class Relay:
         local = ctx.socket(zmq.ROUTER)
         up = ctx.socket(zmq.DEALER)
         pipe = ctx.socket(zmq.PAIR)
+        bound = ""  # the local endpoint this thread bound: its socket file is unlinked at exit
         try:
             for s in (local, up, pipe):
                 tune(s, cfg.hwm_records, cfg.poll_s)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
             local.bind(cfg.local_control)
+            bound = cfg.local_control
             if cfg.curve is not None:
                 apply_client(up, cfg.curve)
             up.connect(cfg.control_upstream)
@@ -388,6 +391,7 @@ class Relay:
         finally:
             for s in (local, up, pipe):
                 s.close(0)
+            remove_ipc(bound)
 
     def _from_rank(self, msg, codec: Codec, live: RankLiveness, up, death, count) -> None:
         rank = rank_of(msg[0]) if msg else None
@@ -465,12 +469,14 @@ class Relay:
         sub = ctx.socket(zmq.SUB)
         pipe = ctx.socket(zmq.PAIR)
         d: _DataPlane | None = None
+        bound = ""
         try:
             for s in (local, up, sub):
                 tune(s, cfg.data_hwm_records, cfg.poll_s)
             tune(pipe, cfg.hwm_records, cfg.poll_s)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
             local.bind(cfg.local_data)
+            bound = cfg.local_data
             pipe.bind(self._pipe)
             if cfg.curve is not None:
                 apply_client(up, cfg.curve)
@@ -500,6 +506,7 @@ class Relay:
         finally:
             for s in (local, up, sub, pipe):
                 s.close(0)
+            remove_ipc(bound)
             if d is not None and d.segment is not None:
                 d.segment.close()
 
