@@ -334,6 +334,7 @@ class ReducerService:
             except ProtocolError as exc:
                 self._violation(host, exc)
                 return
+            self._refused()
             self._settled(outcome)
         elif isinstance(rec, RankExit):
             if rec.rank in self.config.world[host]:
@@ -373,6 +374,7 @@ class ReducerService:
             self._count["unknown_rank"] += 1
             log.error("%s", exc)
             return
+        self._refused()
         if declared.forward_to is not None:
             if declared.forward_to == reported_by:
                 self._forwarded.add(rank)  # the relay told us: it already let go
@@ -383,6 +385,12 @@ class ReducerService:
     def _forward(self, host: str, rank: int) -> None:
         self._forwarded.add(rank)
         self._send_record(host, RelayDeclareDead(rank))
+
+    def _refused(self) -> None:
+        """Hosts the ledger refused while summing a round (a poisoned frame): their ranks die."""
+        while self.ledger.refused:
+            host, why = self.ledger.refused.pop(0)
+            self._violation(host, PoisonedDeposit(f"reducer: host {host!r}: {why}"))
 
     def _violation(self, host: str, exc: ProtocolError) -> None:
         log.error("reducer: relay %s broke the round protocol; declaring its ranks dead: %s", host, exc)

@@ -570,6 +570,15 @@ class _DataPlane:
             self.violation(exc)
             return
         self.ship(outcome)
+        self.refused()
+
+    def refused(self) -> None:
+        """Ranks the fold refused while summing (a poisoned deposit): they leave, as after a bad deposit."""
+        while self.fold.refused:
+            rank, why = self.fold.refused.pop(0)
+            log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, why)
+            self.count["poisoned.local_data"] += 1
+            self.local_death(rank)
 
     def violation(self, exc: FoldError) -> None:
         # The stream is desynced: the fold holds nothing that may ship, so the
@@ -601,6 +610,7 @@ class _DataPlane:
             self.ship(self.fold.mark_dead(rank))
         except FoldError as exc:
             self.violation(exc)
+        self.refused()
 
     # reducer -> relay
 

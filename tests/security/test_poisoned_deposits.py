@@ -23,6 +23,8 @@ from transport.dataplane_helpers import (
     to_wire,
 )
 
+from flodl_zmq.errors import PoisonedDeposit
+from flodl_zmq.fold import PIECE, FoldStation, check_finite
 from flodl_zmq.links import relay_sender
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay, RelayConfig
@@ -156,3 +158,32 @@ def test_a_host_frame_with_a_nan_or_too_much_mass_is_refused_and_the_round_compl
         for sock, _ in fakes.values():
             sock.close(0)
         w.close()
+
+
+@pytest.mark.parametrize("bits", [0x7FC0, 0x7F80, 0xFF80, 0xFFC1])  # NaN, +inf, -inf, negative NaN
+def test_a_bf16_deposit_with_a_non_finite_element_is_refused_and_the_round_ships_without_it(bits):
+    bad = np.full(3 * PIECE + 5, 0x3F80, np.uint16)  # 1.0 in bf16, over several pieces
+    bad[-1] = bits
+    ok = np.full(bad.size, 0x4000, np.uint16)  # 2.0
+    # Two ranks: the bad deposit is found by the pass that sums the pair.
+    station = FoldStation((0, 1))
+    assert station.deposit(0, 1, 1.0, [bad]) is None
+    out = station.deposit(1, 1, 2.0, [ok])
+    assert out is not None and out.ranks == (1,) and out.mass == 2.0 and out.verbatim
+    assert [r for r, _ in station.refused] == [0] and 0 in station.dead and station.poisoned is None
+    # Three ranks: the third deposit goes into the running sums, checked before it touches them.
+    station = FoldStation((0, 1, 2))
+    station.deposit(0, 1, 1.0, [ok])
+    station.deposit(1, 1, 1.0, [ok])
+    with pytest.raises(PoisonedDeposit, match="NaN or infinite"):
+        station.deposit(2, 1, 1.0, [bad])
+    assert station.poisoned is None
+    out = station.mark_dead(2)
+    assert out is not None and out.ranks == (0, 1) and out.mass == 2.0
+    assert np.array_equal(out.tensors[0], np.full(bad.size, 0x4080, np.uint16))  # 2 + 2 = 4.0
+
+
+def test_finite_f16_and_f32_deposits_whose_sum_overflows_are_not_refused():
+    check_finite([np.full(1000, 60000, np.float16), np.full(1000, 3e38, np.float32)], "test")
+    with pytest.raises(PoisonedDeposit):
+        check_finite([np.full(1000, 60000, np.float16), np.array([np.inf], np.float16)], "test")
