@@ -237,8 +237,8 @@ class Segment:
                 os.unlink(os.path.join(self.directory, self.name))
             except OSError:
                 pass  # gone already: closing never raises
-            if self._private and not _keep_dir:
-                _rmdir(self.directory)
+        if self._private and not _keep_dir:
+            _rmdir(self.directory)  # also when it never held a segment: the constructor made the directory
         self.name, self._map, self.frames = None, None, []
 
     def _replace(self, size: int) -> None:
