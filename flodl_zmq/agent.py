@@ -70,7 +70,13 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.launch import signal_group
-from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, limit_receive, recv_bounded
+from flodl_zmq.links import (
+    CONTROL_MAX_FRAME_BYTES,
+    JOIN_MAX_FRAMES,
+    limit_receive,
+    recv_bounded,
+    remove_local_dir,
+)
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
     MAX_DEVICES_PER_HOST,
@@ -460,6 +466,7 @@ class Agent:
             finally:
                 # A SIGKILLed relay or rank cannot unlink its shared-memory segments.
                 unlink_run(joined.run_id)
+                remove_local_dir(joined.run_id)  # and its ipc socket files
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -6,17 +6,22 @@ A bundle with stem `runs/digits` is two files:
     runs/digits.meta.json  {"format": 1, "epoch", "global_step", "reason", "world_size",
                             "coordinator": {...}}  (ElChe state, coverage, counters)
 
-Rules this module keeps: a write is temp file + atomic rename, model first,
-meta last, so a meta on disk always names a complete model; a bundle is read
+Rules this module keeps: a write is a fresh private temp file (mkstemp, mode
+0600, fsynced) + atomic rename, model first, meta last, so a meta on disk
+always names a complete model and no other local user can read it or steer the
+write through a planted symlink; a bundle is read
 back with a loud error naming the missing file or the format it does not know.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -31,16 +36,38 @@ def paths(stem: str | os.PathLike[str]) -> tuple[Path, Path]:
     return Path(s + ".pt"), Path(s + ".meta.json")
 
 
+def _write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write `path` atomically: a fresh 0600 temp file in its directory, fsynced, renamed over it.
+
+    mkstemp never follows or reuses an existing name (a fixed temp name would
+    follow a planted symlink), and 0600 keeps the model from other local users.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself durable (not every filesystem allows it)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
 def save(stem: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-    """Write the bundle atomically; returns the meta path."""
+    """Write the bundle atomically (files mode 0600); returns the meta path."""
     model_path, meta_path = paths(stem)
     model_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = model_path.with_suffix(".pt.tmp")
-    torch.save(state_dict, tmp)
-    os.replace(tmp, model_path)
-    tmp_meta = meta_path.with_suffix(".json.tmp")
-    tmp_meta.write_text(json.dumps({"format": FORMAT, **meta}, indent=2, sort_keys=True))
-    os.replace(tmp_meta, meta_path)
+    _write(model_path, lambda f: torch.save(state_dict, f))
+    text = json.dumps({"format": FORMAT, **meta}, indent=2, sort_keys=True)
+    _write(meta_path, lambda f: f.write(text.encode()))
     return meta_path
 
 

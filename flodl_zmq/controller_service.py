@@ -84,6 +84,7 @@ from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
+    MassBound,
     RoundOpened,
     RunEnded,
     SaveState,
@@ -554,6 +555,8 @@ class ControllerService:
                     if rank not in self.deaths and self.core.liveness.state(rank) is RankState.DEAD:
                         self.deaths[rank] = (time.time(), "silent past the coordinator's heartbeat timeout, or unreachable")
                     self.reducer.declare_dead(rank)
+                elif isinstance(out.record, MassBound):
+                    self.reducer.bound_round(out.record.round, dict(out.record.bounds))
                 else:
                     self.counts["unexpected.reducer"] += 1
             elif isinstance(out.record, RoundOpened):

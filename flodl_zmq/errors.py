@@ -63,6 +63,20 @@ class FoldError(ProtocolError):
     """A deposit cannot join this round's fold; the round is torn down, never shipped."""
 
 
+class PoisonedDeposit(ProtocolError):
+    """A deposit whose values or mass cannot be trusted: a non-finite element, or more mass than
+    its sender's realized work. It is refused before it touches the round; its sender is declared
+    dead and the round completes without it (one host must not NaN or dominate the consensus)."""
+
+
+class ShmError(FlodlError):
+    """Shared memory for by-reference payloads cannot be used safely (a squatted or foreign path)."""
+
+
+class PrivateDirError(FlodlError):
+    """A run's private directory (ipc socket files) is missing its privacy: another user's, or open."""
+
+
 class CoordinatorError(FlodlError):
     """The coordinator received an input that is illegal in its current state."""
 

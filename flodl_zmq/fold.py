@@ -30,6 +30,14 @@ root. This module is the middle move and keeps these rules:
   schema drift from the round's first deposit, non-finite or negative mass,
   a rank not on the roster) raises FoldError and poisons the station: nothing
   it holds is ever shipped, and the relay must tear its data channel down.
+- A deposit with a NaN or infinite element is refused and does not poison the
+  station: the rank is out of every barrier, listed in ``refused`` (the relay
+  makes it leave), and the round completes without it (one rank must not NaN
+  the consensus of every rank). The check rides on the pass that first reads
+  a deposit: the sum of the first two (the blocks of sums checked while in
+  cache), or a check of its own just before a later one is added in place
+  (which then raises PoisonedDeposit, the round untouched). A round's single
+  deposit is shipped unread, so unchecked: the reducer checks every HostFrame.
 - A deposit from a rank already dead is a late frame: dropped and counted.
 
 Deposits reach this core already authenticated (the wire verifies the MAC
@@ -51,7 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flodl_zmq import threads
-from flodl_zmq.errors import ConfigError, FoldError, ProtocolError
+from flodl_zmq.errors import ConfigError, FoldError, PoisonedDeposit, ProtocolError
 from flodl_zmq.tensors import DTYPES, bf16_from_f32, bf16_sum, dtype_name, f32_from_bf16
 
 # (wire dtype name, shape) of each tensor of a round, in order.
@@ -117,6 +125,40 @@ def check_mass(mass: float, who: str, error: type[ProtocolError]) -> float:
     return m
 
 
+def _finite_piece(dt: str, x: np.ndarray) -> bool:
+    with np.errstate(all="ignore"):
+        return _finite(dt, x)
+
+
+def _finite(dt: str, x: np.ndarray) -> bool:
+    if dt == "bf16":  # uint16 bits: non-finite iff the exponent is all ones
+        return bool(np.max(np.bitwise_and(x, 0x7FFF)) < 0x7F80) if x.size else True
+    # One read, no allocation: NaN and inf propagate into x.x (BLAS, the fastest
+    # reduction numpy has). A result that overflows from finite elements (values
+    # above ~1e19) is settled by the exact check; f16 has no BLAS dot.
+    quick = np.dot(x, x) if dt == "f32" else np.add.reduce(x, dtype=np.float32)
+    return math.isfinite(float(quick)) or bool(np.isfinite(x).all())
+
+
+def check_finite(tensors: Sequence[np.ndarray], who: str) -> None:
+    """Raise PoisonedDeposit unless every element of ``tensors`` is finite.
+
+    One NaN or inf in one deposit would make the whole consensus non-finite on
+    every rank (the sum propagates it). Checked in PIECE pieces on the worker
+    threads, before the deposit joins the round, so a refused one changes nothing.
+    """
+    work = []
+    for t in tensors:
+        flat = t.reshape(-1)
+        dt = dtype_name(t)
+        work += [(dt, flat[i : i + PIECE]) for i in range(0, flat.size, PIECE)]
+    if not all(threads.each(lambda w: _finite_piece(*w), work)):
+        raise PoisonedDeposit(
+            f"{who} carries a NaN or infinite element; it would poison the consensus of every rank "
+            "(a diverged or tampered model: check the learning rate, or who holds the session key)"
+        )
+
+
 def carve(
     shapes: Sequence[tuple[int, ...]], dtype: np.dtype
 ) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -155,20 +197,49 @@ def _widened(x: np.ndarray, scratch: np.ndarray) -> Iterable[tuple[int, int, np.
         yield i, i + w.size, w
 
 
-def _fill(dt: str, acc: np.ndarray, x: np.ndarray) -> None:
-    if dt == "bf16":
-        f32_from_bf16(x, acc)
-    else:
-        np.copyto(acc, x)
+# The fused finiteness checks: an operation that reads held contributions checks
+# each block of f32 sums it just wrote (still in cache, so no extra pass over
+# memory) and returns True when one is not finite. NaN and inf propagate into a
+# sum, so a non-finite input always shows; so does an f32 overflow of finite
+# inputs, which no honest deposit comes near. The caller then finds the culprit
+# (`OpenRound.refuse_held`), only on that path.
 
 
-def _fill_sum(dt: str, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+def _quiet(op: Callable[..., bool | None], args: tuple) -> bool | None:
+    # A poisoned input overflows or makes NaN by IEEE rules; the check reports it, numpy need not warn.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return op(*args)
+
+
+def _bad(sums: np.ndarray) -> bool:
+    return not _finite_piece("f32", sums)
+
+
+def _fill(dt: str, acc: np.ndarray, x: np.ndarray) -> bool:
+    bad = False
+    for i in range(0, acc.size, BLOCK):
+        block = slice(i, i + BLOCK)
+        if dt == "bf16":
+            f32_from_bf16(x[block], acc[block])
+        else:
+            np.copyto(acc[block], x[block])
+        bad = _bad(acc[block]) or bad
+    return bad
+
+
+def _fill_sum(dt: str, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
+    bad = False
     if dt == "bf16":
         for i, j, w in _widened(b, _scratch()):
             f32_from_bf16(a[i:j], acc[i:j])
             np.add(acc[i:j], w, out=acc[i:j])
+            bad = _bad(acc[i:j]) or bad
     else:
-        np.add(a, b, out=acc, dtype=np.float32)  # f16 inputs add in f32, never in f16
+        for i in range(0, acc.size, BLOCK):
+            block = slice(i, i + BLOCK)
+            np.add(a[block], b[block], out=acc[block], dtype=np.float32)  # f16 inputs add in f32, never in f16
+            bad = _bad(acc[block]) or bad
+    return bad
 
 
 def _add(dt: str, acc: np.ndarray, x: np.ndarray) -> None:
@@ -198,16 +269,21 @@ def _encode(dt: str, acc: np.ndarray, out: np.ndarray, d: np.float32 | None) -> 
 
 
 def _encode_sum(dt: str, acc: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray,
-                d: np.float32 | None) -> None:
+                d: np.float32 | None) -> bool:
     """``_fill_sum`` then ``_encode``, block by block, so each block is encoded while still in cache."""
+    bad = False
     if dt == "bf16" and d is None:
-        bf16_sum(a, b, out)  # no f32 sums at all
-        return
+        for i in range(0, out.size, BLOCK):
+            block = slice(i, i + BLOCK)
+            bf16_sum(a[block], b[block], out[block])  # no f32 sums at all
+            bad = not _finite_piece("bf16", out[block]) or bad
+        return bad
     sums = out if dt == "f32" else acc  # f32 sums may be summed and divided in the output itself
     for i in range(0, sums.size, BLOCK):
         block = slice(i, i + BLOCK)
-        _fill_sum(dt, sums[block], a[block], b[block])
+        bad = _fill_sum(dt, sums[block], a[block], b[block]) or bad
         _encode(dt, sums[block], out[block], d)
+    return bad
 
 
 class SumImage:
@@ -224,22 +300,27 @@ class SumImage:
         self.schema = schema
         self.flat, self.sums = carve([shape for _, shape in schema], np.dtype(np.float32))
 
-    def _pieces(self, op: Callable[..., None], *tensor_lists: Sequence[np.ndarray], extra: tuple = ()) -> None:
-        """``op(dtype, sums piece, piece of each tensor list..., *extra)`` over every tensor, piece by piece."""
+    def _pieces(self, op: Callable[..., bool | None], *tensor_lists: Sequence[np.ndarray],
+                extra: tuple = ()) -> bool:
+        """``op(dtype, sums piece, piece of each tensor list..., *extra)`` over every tensor, piece by piece.
+
+        True when any piece reported non-finite sums (the checking operations).
+        """
         work = []
         for k, ((dt, _), acc) in enumerate(zip(self.schema, self.sums, strict=True)):
             flats = [acc.reshape(-1)] + [ts[k].reshape(-1) for ts in tensor_lists]
             for i in range(0, flats[0].size, PIECE):
                 work.append((dt, *(f[i : i + PIECE] for f in flats), *extra))
-        threads.each(lambda args: op(*args), work)
+        return any(threads.each(lambda args: _quiet(op, args), work))
 
-    def fill(self, tensors: Sequence[np.ndarray]) -> None:
-        """Overwrite the sums with ``tensors`` widened to f32."""
-        self._pieces(_fill, tensors)
+    def fill(self, tensors: Sequence[np.ndarray]) -> bool:
+        """Overwrite the sums with ``tensors`` widened to f32; True if a sum is not finite."""
+        return self._pieces(_fill, tensors)
 
-    def fill_sum(self, first: Sequence[np.ndarray], second: Sequence[np.ndarray]) -> None:
-        """Overwrite the sums with ``first + second`` (widened to f32), in one pass over each."""
-        self._pieces(_fill_sum, first, second)
+    def fill_sum(self, first: Sequence[np.ndarray], second: Sequence[np.ndarray]) -> bool:
+        """Overwrite the sums with ``first + second`` (widened to f32), in one pass over each; True if a sum
+        is not finite."""
+        return self._pieces(_fill_sum, first, second)
 
     def add(self, tensors: Sequence[np.ndarray]) -> None:
         """Add ``tensors`` (widened to f32) into the sums, in place."""
@@ -254,15 +335,16 @@ class SumImage:
         self._pieces(_encode, outputs, extra=(None if divisor is None else np.float32(divisor),))
 
     def encode_sum_into(self, first: Sequence[np.ndarray], second: Sequence[np.ndarray],
-                        outputs: Sequence[np.ndarray], divisor: float | None = None) -> None:
-        """``fill_sum(first, second)`` then ``encode_into(outputs, divisor)`` in one pass over the inputs.
+                        outputs: Sequence[np.ndarray], divisor: float | None = None) -> bool:
+        """``fill_sum(first, second)`` then ``encode_into(outputs, divisor)`` in one pass over the inputs;
+        True if a sum is not finite (the outputs are then meaningless).
 
         The sums never go to memory and back: bf16 without a divisor is summed
         and rounded in one operation; otherwise each block of sums is divided
         and encoded while still in cache (f32 in the output itself).
         """
-        self._pieces(_encode_sum, first, second, outputs,
-                     extra=(None if divisor is None else np.float32(divisor),))
+        return self._pieces(_encode_sum, first, second, outputs,
+                            extra=(None if divisor is None else np.float32(divisor),))
 
 
 @dataclass(frozen=True, eq=False)
@@ -338,15 +420,23 @@ class OpenRound:
     f32 image in one pass, and later ones add in place. A round that completes
     with two held is encoded straight from them (``SumImage.encode_sum_into``).
     Contributions come in through ``contribute``, which checks mass and schema first.
+
+    Finiteness: a contribution added to the image is checked before (a pass of
+    its own, from the third contribution on); held ones are checked by the
+    operation that first reads them, in the same pass. When that operation
+    reports a non-finite sum, the tier calls ``refuse_held``: the culprits
+    leave the round (``refused``) and the tier recomputes without them.
     """
 
     def __init__(self, round_id: int, schema: Schema) -> None:
         self.round_id = round_id
         self.schema = schema
         self.members: list = []
+        self.masses: list[float] = []
         self.mass = 0.0
         self.held: list[tuple[np.ndarray, ...]] = []
         self.image: SumImage | None = None
+        self.refused: list[tuple[object, str]] = []  # (member, why), for the tier to drain
 
     def add(self, member: object, mass: float, tensors: Sequence[np.ndarray], images: ImageCache) -> None:
         """Count ``member``'s mass-premultiplied ``tensors`` and its ``mass`` in the round."""
@@ -356,14 +446,41 @@ class OpenRound:
         else:
             self.image.add(tensors)
         self.members.append(member)
+        self.masses.append(mass)
         self.mass += mass
 
     def promote(self, images: ImageCache) -> None:
-        """Sum two held contributions into the tier's image (no-op otherwise)."""
+        """Sum two held contributions into the tier's image (no-op otherwise); a non-finite one is refused."""
         if len(self.held) == 2:
-            self.image = images.get(self.schema)[0]
-            self.image.fill_sum(*self.held)
+            image = images.get(self.schema)[0]
+            if image.fill_sum(*self.held):
+                self.refuse_held()
+                return
+            self.image = image
             self.held = []
+
+    def refuse_held(self) -> None:
+        """Take the held contributions with a non-finite element out of the round (into ``refused``).
+
+        Held ones are the round's first members. When none has one, their sum
+        overflowed f32 from finite elements, which no honest deposit comes near
+        (values ~1e38): all of them are refused.
+        """
+        bad = [i for i, h in enumerate(self.held) if not _all_finite(h)] or list(range(len(self.held)))
+        for i in reversed(bad):
+            member = self.members.pop(i)
+            del self.masses[i], self.held[i]
+            self.refused.append((member, "its deposit carries a NaN or infinite element (or values so large "
+                                         "the f32 sum overflows); it would poison every rank's consensus"))
+        self.mass = sum(self.masses)  # in arrival order, as it was added up
+
+
+def _all_finite(tensors: Sequence[np.ndarray]) -> bool:
+    try:
+        check_finite(tensors, "")
+    except PoisonedDeposit:
+        return False
+    return True
 
 
 def contribute(
@@ -378,14 +495,17 @@ def contribute(
 ) -> OpenRound:
     """Add one contribution to ``rnd``, or open round ``round_id`` with its schema; returns the round.
 
-    The mass and the schema are checked before anything is added, so a refused
-    contribution leaves the round as it was.
+    The mass, the schema and the values (all finite) are checked before anything
+    is added, so a refused contribution leaves the round as it was.
     """
     m = check_mass(mass, who, error)
-    if rnd is None:
-        rnd = OpenRound(round_id, schema_of(tensors, who, error))
-    else:
+    schema = schema_of(tensors, who, error) if rnd is None else None
+    if rnd is not None:
         check_schema(rnd.schema, tensors, who, error)
+        if rnd.image is not None or len(rnd.held) == 2:
+            check_finite(tensors, who)  # it goes into the image: checked before it touches it
+    if rnd is None:
+        rnd = OpenRound(round_id, schema)
     rnd.add(member, m, tensors, images)
     return rnd
 
@@ -404,6 +524,7 @@ class FoldStation:
         if not self.roster:
             raise ConfigError("a fold station needs at least one local rank: give the relay a non-empty rank list")
         self.dead: set[int] = set()
+        self.refused: list[tuple[int, str]] = []  # (rank, why) refused for a poisoned deposit: the relay drains it
         self.counters = FoldCounters()
         self.poisoned: str | None = None
         self.last_round: int | None = None
@@ -456,10 +577,22 @@ class FoldStation:
         self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError)
         self.counters.deposits += 1
         self.counters.bytes_folded += sum(t.nbytes for t in tensors)
+        self._note_refused(self._round)
         done = self._take_if_complete()
-        if done is None:
+        if done is None and self._round is not None:
             self._round.promote(self._images)  # sum while the other ranks compute
+            if self._note_refused(self._round):
+                done = self._take_if_complete()
         return done
+
+    def _note_refused(self, rnd: OpenRound) -> bool:
+        """Move ``rnd``'s refused ranks out of every barrier and into ``refused``; True if there were any."""
+        for rank, why in rnd.refused:
+            self.dead.add(rank)
+            self.refused.append((rank, why))
+        got = bool(rnd.refused)
+        rnd.refused.clear()
+        return got
 
     def mark_dead(self, rank: int) -> HostFold | NothingToShip | None:
         """Take ``rank`` out of every later barrier (idempotent); its merged work stays counted."""
@@ -476,24 +609,33 @@ class FoldStation:
         return self._take_if_complete()
 
     def _take_if_complete(self) -> HostFold | NothingToShip | None:
-        rnd = self._round
-        if rnd is None:
-            if self.dead == self.roster:
-                return NothingToShip(
-                    f"every local rank {sorted(self.roster)} is dead; no round is pending"
-                )
-            return None
-        if any(r not in self.dead and r not in rnd.members for r in self.roster):
-            return None
-        self._round = None
-        self.last_round = rnd.round_id
-        self.counters.rounds_shipped += 1
-        ranks = tuple(sorted(rnd.members))
-        if len(rnd.held) == 1:
-            return HostFold(rnd.round_id, rnd.mass, ranks, rnd.held[0], verbatim=True)
-        image, outputs = self._images.get(rnd.schema)
-        if rnd.held:
-            image.encode_sum_into(*rnd.held, outputs)
-        else:
-            image.encode_into(outputs)
-        return HostFold(rnd.round_id, rnd.mass, ranks, tuple(outputs), verbatim=False)
+        while True:  # again after a refusal: the round is then computed without the culprit
+            rnd = self._round
+            if rnd is None:
+                if self.dead == self.roster:
+                    return NothingToShip(
+                        f"every local rank {sorted(self.roster)} is dead; no round is pending"
+                    )
+                return None
+            if any(r not in self.dead and r not in rnd.members for r in self.roster):
+                return None
+            image, outputs = self._images.get(rnd.schema) if len(rnd.held) != 1 else (None, [])
+            if len(rnd.held) == 2 and image.encode_sum_into(*rnd.held, outputs):
+                rnd.refuse_held()
+                self._note_refused(rnd)
+                continue
+            if not rnd.members:  # every deposit of the round was refused
+                self._round, self.last_round = None, rnd.round_id
+                continue
+            self._round = None
+            self.last_round = rnd.round_id
+            self.counters.rounds_shipped += 1
+            ranks = tuple(sorted(rnd.members))
+            if len(rnd.held) == 1:
+                # Unread here, so unchecked: the reducer checks it, and refusing this host
+                # there refuses the one live rank that deposited it.
+                return HostFold(rnd.round_id, rnd.mass, ranks, rnd.held[0], verbatim=True)
+            assert image is not None
+            if not rnd.held:
+                image.encode_into(outputs)
+            return HostFold(rnd.round_id, rnd.mass, ranks, tuple(outputs), verbatim=False)

@@ -38,6 +38,7 @@ from typing import Any
 from flodl_zmq.endpoints import OFFSETS, ControllerAddress
 from flodl_zmq.environment import CHILD_SCOPES, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.links import remove_local_dir
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import RUN_ID_BYTES, new_key
 from flodl_zmq.wire.shm import unlink_run
@@ -204,6 +205,7 @@ class Cluster:
                 c.reader.join(2.0)
         if self.run_id is not None:
             unlink_run(self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
+            remove_local_dir(self.run_id)  # nor its ipc socket files
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -33,7 +33,10 @@ frames of a message than its socket may legally carry (PROTOCOL.md 6.1).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -43,6 +46,7 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import is_loopback_endpoint
+from flodl_zmq.errors import PrivateDirError
 from flodl_zmq.wire import Attribution, Limits
 from flodl_zmq.wire.records import Channel
 
@@ -90,10 +94,77 @@ def relay_identity(host: str, incarnation: bytes) -> bytes:
     return f"relay:{host[:200]}:{incarnation.hex()}".encode()
 
 
+def _local_dir_path(run_id: bytes, base: str | None) -> str:
+    base = base or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return os.path.join(base, "flodl-" + hashlib.sha256(b"flodl-ipc\0" + run_id).hexdigest()[:16])
+
+
+def remove_local_dir(run_id: bytes, base: str | None = None) -> None:
+    """Remove the run's `local_dir` and what is left in it (a SIGKILLed relay's sockets); never raises.
+
+    Whoever started the run's processes calls it once they are gone; a path
+    that is not our own private directory is left alone.
+    """
+    path = _local_dir_path(run_id, base)
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return
+        for name in os.listdir(path):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(path, name))
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def local_dir(run_id: bytes, base: str | None = None) -> str:
+    """The run's private directory for ipc:// socket files: created 0700, or checked to be ours.
+
+    Under $XDG_RUNTIME_DIR (per user) when set, else the temp dir. Its name is a
+    hash of the run id, so a world-listable /tmp shows nothing of the run. A
+    path that is not a directory of this user with mode 0700 raises
+    PrivateDirError: another user could otherwise bind a relay's socket first.
+    """
+    path = _local_dir_path(run_id, base)
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise PrivateDirError(f"cannot create the run's socket directory {path}: {exc.strerror}; "
+                              "set XDG_RUNTIME_DIR or TMPDIR to a writable directory") from None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise PrivateDirError(
+            f"the run's socket directory {path} is not private (owner uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):04o}, {'a directory' if stat.S_ISDIR(st.st_mode) else 'not a directory'}); "
+            f"it must be a directory of uid {os.geteuid()} with mode 0700: remove it, or set XDG_RUNTIME_DIR "
+            "to a directory only you can write"
+        )
+    return path
+
+
 def local_endpoints(run_id: bytes, host: str, directory: str | None = None) -> tuple[str, str]:
-    """Default ipc:// endpoints (control, data) of a host's relay, unique per run and host."""
-    base = os.path.join(directory or tempfile.gettempdir(), f"flodl-{run_id.hex()[:12]}-{host}")
-    return f"ipc://{base}-control", f"ipc://{base}-data"
+    """Default ipc:// endpoints (control, data) of a host's relay, in the run's private `local_dir`."""
+    d = directory or local_dir(run_id)
+    name = hashlib.sha256(host.encode()).hexdigest()[:12]
+    return f"ipc://{os.path.join(d, name)}-control", f"ipc://{os.path.join(d, name)}-data"
+
+
+def remove_ipc(endpoint: str) -> None:
+    """Unlink a bound ipc:// endpoint's socket file, and its `local_dir` once empty; never raises."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://"):]
+    for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+        if remove is os.rmdir and not os.path.basename(target).startswith("flodl-"):
+            return  # only the run's own directory, never a caller's
+        try:
+            remove(target)
+        except OSError:
+            pass  # gone already, not empty (the other socket, another relay), or not ours
 
 
 def tune(sock: zmq.Socket, hwm: int, poll_s: float) -> None:

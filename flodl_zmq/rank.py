@@ -59,7 +59,7 @@ import zmq
 
 from flodl_zmq import bundle
 from flodl_zmq.datasets import dataset_signature
-from flodl_zmq.errors import ConfigError, TrainingError, WireError
+from flodl_zmq.errors import ConfigError, ShmError, TrainingError, WireError
 from flodl_zmq.job import Job
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
@@ -425,9 +425,13 @@ class RankRuntime:
         self.optimizer = job.optimizer(self.model.parameters())
         # A relay on this machine (ipc://) shares memory with this rank: deposit by reference.
         same_host = cfg.data_endpoint.startswith("ipc://")
-        self.buffers = ParamBuffers(
-            self.model, Segment(cfg.run_id, rank_owner(cfg.rank)) if same_host else None, job.wire_dtype
-        )
+        try:
+            self.buffers = ParamBuffers(
+                self.model, Segment(cfg.run_id, rank_owner(cfg.rank)) if same_host else None, job.wire_dtype
+            )
+        except ShmError as exc:  # a squatted or foreign shared-memory path: deposit framed instead
+            log.error("rank %d: deposits go framed, not by reference: %s", cfg.rank, exc)
+            self.buffers = ParamBuffers(self.model, None, job.wire_dtype)
         self.alpha = job.blend
         self.steps = 0  # cumulative optimizer steps
         self.steps_since_avg = 0

@@ -27,6 +27,11 @@ Rules the ledger keeps:
   a round id ahead of the open round, schema drift from the round's first
   frame, bad mass) raises ProtocolError and changes nothing: the host stays
   expected, so the service must tear it down or have its ranks declared dead.
+- A frame with a NaN or infinite element, or with more mass than the round's
+  bound for its host (the sum of its ranks' bounds, given by the coordinator
+  with `bound_round` before the round's first frame can arrive), raises
+  PoisonedDeposit and changes nothing: one host must not NaN or dominate the
+  consensus. A round with no bound given is not capped.
 - A frame for a finished round, or from a host whose ranks are all dead, is
   dropped and counted.
 - A round is never dropped silently: if no host is expected any more, the
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flodl_zmq.errors import ProtocolError
+from flodl_zmq.errors import PoisonedDeposit, ProtocolError
 from flodl_zmq.fold import (
     ImageCache,
     OpenRound,
@@ -53,6 +58,8 @@ from flodl_zmq.fold import (
     contribute,
 )
 from flodl_zmq.tensors import DTYPES
+
+_AGAIN = object()  # _settle_once refused a frame: settle the round again without it
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,12 +145,17 @@ class RoundLedger:
         if not self.hosts:
             raise ProtocolError("a reducer needs at least one host")
         self.dead: set[int] = set()
+        # Hosts refused for a poisoned frame found when the round was summed: expected no more, and
+        # listed in `refused` (host, why) for the service, which declares their ranks dead.
+        self.refused_hosts: set[str] = set()
+        self.refused: list[tuple[str, str]] = []
         self.counters = LedgerCounters()
         self.last_round: int | None = None
         self.latest: Reduced | None = None
         self._abandoned: Abandoned | None = None
         self._all_dead_reported = False
         self._round: OpenRound | None = None
+        self._bounds: dict[int, dict[int, float]] = {}  # round -> rank -> most mass it may carry
         # Sum images and consensus buffers by schema, most recently used last; the buffers are
         # separate from the sums, so the latest consensus survives while the next round accumulates.
         self._images = ImageCache(_consensus_outputs)
@@ -155,7 +167,7 @@ class RoundLedger:
 
     def expected_hosts(self) -> frozenset[str]:
         """Hosts with at least one live rank: the ones a round waits for."""
-        return frozenset(h for h, rs in self.hosts.items() if not rs <= self.dead)
+        return frozenset(h for h, rs in self.hosts.items() if not rs <= self.dead and h not in self.refused_hosts)
 
     def deposit(
         self, host: str, round_id: int, mass: float, tensors: Sequence[np.ndarray]
@@ -165,7 +177,7 @@ class RoundLedger:
         ranks = self.hosts.get(host)
         if ranks is None:
             raise ProtocolError(f"{who}: unknown host; known hosts are {sorted(self.hosts)}")
-        if ranks <= self.dead:
+        if ranks <= self.dead or host in self.refused_hosts:
             # A frame that raced its host's last death: nobody there will load the consensus.
             self.counters.dead_host_drops += 1
             return None
@@ -177,13 +189,47 @@ class RoundLedger:
             raise ProtocolError(f"{who}: round {rnd.round_id} is still open (desynced host)")
         if rnd is not None and host in rnd.members:
             raise ProtocolError(f"{who}: host sent a second frame in one round (desynced relay)")
+        bounds = self._bounds.get(round_id)
+        if bounds is not None:
+            cap = sum(bounds.get(r, 0.0) for r in ranks)
+            if not float(mass) <= cap:
+                # Mass is the weight of a frame in the mean: a host claiming more work
+                # than its ranks did would replace the consensus with its own values.
+                raise PoisonedDeposit(
+                    f"{who}: mass {mass!r} exceeds {cap:g}, the most its ranks {sorted(ranks)} can have "
+                    "realized this round by the coordinator's step count (a tampered or desynced host)"
+                )
         self._round = contribute(rnd, round_id, host, mass, tensors, self._images, who, ProtocolError)
         self.counters.frames += 1
         self.counters.bytes_reduced += sum(t.nbytes for t in tensors)
+        self._note_refused(self._round)
         done = self._settle()
         if done is None and self._round is not None:
             self._round.promote(self._images)  # sum while the other hosts' frames travel
+            if self._note_refused(self._round):
+                done = self._settle()
         return done
+
+    def _note_refused(self, rnd: OpenRound) -> bool:
+        """Hosts ``rnd`` refused are expected no more, and listed in ``refused``; True if there were any."""
+        for host, why in rnd.refused:
+            self.refused_hosts.add(host)
+            self.refused.append((host, why))
+        got = bool(rnd.refused)
+        rnd.refused.clear()
+        return got
+
+    def bound_round(self, round_id: int, bounds: Mapping[int, float]) -> None:
+        """Cap the mass of ``round_id``'s frames: a host may carry at most the sum of its ranks' bounds.
+
+        A rank without a bound (not in the round) contributes 0. Bounds of
+        finished rounds are dropped.
+        """
+        if self.last_round is not None and round_id <= self.last_round:
+            return
+        self._bounds[int(round_id)] = {int(r): float(b) for r, b in bounds.items()}
+        for r in [r for r in self._bounds if self.last_round is not None and r <= self.last_round]:
+            del self._bounds[r]  # abandoned rounds' bounds
 
     def declare_dead(self, rank: int) -> Declared:
         """Record ``rank``'s death (idempotent, permanent) and settle the open round."""
@@ -215,6 +261,12 @@ class RoundLedger:
 
     def _settle(self) -> Reduced | Abandoned | None:
         """Complete or abandon the open round if the live hosts allow it."""
+        while True:
+            done = self._settle_once()
+            if done is not _AGAIN:
+                return done  # type: ignore[return-value]
+
+    def _settle_once(self) -> Reduced | Abandoned | None | object:
         expected = self.expected_hosts()
         rnd = self._round
         if not expected:
@@ -233,16 +285,24 @@ class RoundLedger:
             return out
         if rnd is None or not expected <= set(rnd.members):
             return None
-        self._round = None
-        self.last_round = rnd.round_id
         image, outputs = self._images.get(rnd.schema)
         # The one divide of the whole reduce: by the mass of exactly the frames summed.
         divisor = rnd.mass if rnd.mass > 0.0 else None
-        if len(rnd.held) == 2:
-            image.encode_sum_into(*rnd.held, outputs, divisor)
-        else:
-            if rnd.held:
-                image.fill(rnd.held[0])  # a one-host round: its frame was never copied
+        # Held frames are checked by the pass that sums them (a non-finite sum refuses the culprit
+        # and the round is computed again without it); later ones were checked before their add.
+        if len(rnd.held) == 2 and image.encode_sum_into(*rnd.held, outputs, divisor):
+            rnd.refuse_held()
+            self._note_refused(rnd)
+            return _AGAIN
+        if len(rnd.held) == 1 and image.fill(rnd.held[0]):  # a one-host round: its frame was never copied
+            rnd.refuse_held()
+            self._note_refused(rnd)
+            return _AGAIN
+        self._round = None
+        self.last_round = rnd.round_id
+        for r in [r for r in self._bounds if r <= rnd.round_id]:
+            del self._bounds[r]
+        if len(rnd.held) != 2:
             image.encode_into(outputs, divisor)
         self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(rnd.members)), tuple(outputs))
         self.counters.rounds_reduced += 1

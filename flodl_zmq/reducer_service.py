@@ -22,7 +22,8 @@ Rules this module keeps:
 - Each death reaches the owning relay as DeclareDead exactly once (at once,
   or when the relay registers); a death the relay reported itself (RankExit)
   is not echoed back.
-- A relay that breaks the round protocol (second frame, schema drift) has
+- A relay that breaks the round protocol (second frame, schema drift, a
+  non-finite element, more mass than the coordinator's bound) has
   every one of its ranks declared dead: a desynced host must not wedge the
   run, and the ledger never sums its polluted frame.
 - Other threads talk to the service through thread-safe methods
@@ -48,7 +49,14 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.errors import AttributionError, ConfigError, FlodlError, ProtocolError, WireError
+from flodl_zmq.errors import (
+    AttributionError,
+    ConfigError,
+    FlodlError,
+    PoisonedDeposit,
+    ProtocolError,
+    WireError,
+)
 from flodl_zmq.io_threads import controller_context, io_affinity
 from flodl_zmq.links import (
     DATA_MAX_FRAME_BYTES,
@@ -161,7 +169,7 @@ class ReducerService:
         self.completed: Mailbox[RoundOutcome] = Mailbox()
         self.error: BaseException | None = None
         self._ctx = context or controller_context()
-        self._commands: Mailbox[tuple[str, int]] = Mailbox()
+        self._commands: Mailbox[tuple[str, Any]] = Mailbox()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -171,6 +179,7 @@ class ReducerService:
         self._subscribed: set[str] = set()
         self._forwarded: set[int] = set()
         self._drop: set[int] = set()
+        self._bounded = -1  # the latest round bound_round named
         self._nonce = itertools.count(1)
         self._last_nonce = 0
         self._latest_frames: tuple[int, list[Any]] | None = None
@@ -200,6 +209,14 @@ class ReducerService:
     def declare_dead(self, rank: int) -> None:
         """The coordinator declared `rank` dead: out of every barrier, forwarded to its relay once."""
         self._commands.put(("dead", int(rank)))
+
+    def bound_round(self, round_id: int, bounds: Mapping[int, float]) -> None:
+        """The coordinator's mass bound per rank for `round_id` (RoundLedger.bound_round).
+
+        Call it before the round's RequestParams go out: commands are handled
+        before the frames that arrive with them, so the bound is in place first.
+        """
+        self._commands.put(("bound", (int(round_id), dict(bounds))))
 
     def drop_broadcast(self, round_id: int) -> None:
         """Test hook: do not send the consensus of `round_id` (neither on PUB nor point to point)."""
@@ -283,6 +300,9 @@ class ReducerService:
         for what, arg in self._commands.drain():
             if what == "dead":
                 self._death(arg, reported_by=None)
+            elif what == "bound":
+                self._bounded = arg[0]
+                self.ledger.bound_round(*arg)
             elif what == "drop":
                 self._drop.add(arg)
             # "stop" only woke us: the loop checks _stop
@@ -325,6 +345,8 @@ class ReducerService:
             self._hello(route, rec)
             return
         if isinstance(rec, HostFrame):
+            if rec.round > self._bounded:
+                self._run_commands()  # a bound put before this round's requests went out is in place first
             if rec.host != host or not set(rec.ranks) <= set(self.config.world[host]):
                 self._count["forged_sender"] += 1
                 return
@@ -333,6 +355,7 @@ class ReducerService:
             except ProtocolError as exc:
                 self._violation(host, exc)
                 return
+            self._refused()
             self._settled(outcome)
         elif isinstance(rec, RankExit):
             if rec.rank in self.config.world[host]:
@@ -389,6 +412,7 @@ class ReducerService:
             self._count["unknown_rank"] += 1
             log.error("%s", exc)
             return
+        self._refused()
         if declared.forward_to is not None:
             if declared.forward_to == reported_by:
                 self._forwarded.add(rank)  # the relay told us: it already let go
@@ -400,9 +424,15 @@ class ReducerService:
         self._forwarded.add(rank)
         self._send_record(host, RelayDeclareDead(rank))
 
+    def _refused(self) -> None:
+        """Hosts the ledger refused while summing a round (a poisoned frame): their ranks die."""
+        while self.ledger.refused:
+            host, why = self.ledger.refused.pop(0)
+            self._violation(host, PoisonedDeposit(f"reducer: host {host!r}: {why}"))
+
     def _violation(self, host: str, exc: ProtocolError) -> None:
         log.error("reducer: relay %s broke the round protocol; declaring its ranks dead: %s", host, exc)
-        self._count["protocol_violations"] += 1
+        self._count["poisoned_frames" if isinstance(exc, PoisonedDeposit) else "protocol_violations"] += 1
         for rank in self.config.world[host]:
             self._death(rank, reported_by=None)
 

@@ -34,7 +34,9 @@ Rules this module keeps:
   authenticated sender is not the rank its routing identity names is dropped
   and counted: a rank cannot speak (or deposit) for another. Rejections never
   stop the relay; only a fold protocol violation does (the stream is
-  desynced and the polluted round must never ship).
+  desynced and the polluted round must never ship). A deposit with a NaN or
+  infinite element is refused before it joins the fold: that rank leaves
+  (RankExit upstream) and the round completes without it.
 - Liveness (the wheels have no ROUTER_NOTIFY): a rank is dead when it says
   goodbye (timing.exiting), when no control record arrived from it within
   `heartbeat_deadline_s` (or `first_contact_deadline_s` before its first
@@ -70,7 +72,15 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.errors import AttributionError, ConfigError, FlodlError, FoldError, WireError
+from flodl_zmq.errors import (
+    AttributionError,
+    ConfigError,
+    FlodlError,
+    FoldError,
+    PoisonedDeposit,
+    ShmError,
+    WireError,
+)
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
@@ -90,6 +100,7 @@ from flodl_zmq.links import (
     rank_sender,
     relay_identity,
     relay_sender,
+    remove_ipc,
     send,
     tune,
     tune_loopback,
@@ -379,6 +390,7 @@ class Relay:
         local = ctx.socket(zmq.ROUTER)
         up = ctx.socket(zmq.DEALER)
         pipe = ctx.socket(zmq.PAIR)
+        bound = ""  # the local endpoint this thread bound: its socket file is unlinked at exit
         try:
             for s in (local, up, pipe):
                 tune(s, cfg.hwm_records, cfg.poll_s)
@@ -386,6 +398,7 @@ class Relay:
                 limit_receive(s, CONTROL_MAX_FRAME_BYTES)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
             local.bind(cfg.local_control)
+            bound = cfg.local_control
             if cfg.curve is not None:
                 apply_client(up, cfg.curve)
             up.setsockopt(zmq.ROUTING_ID, self.identity)
@@ -427,6 +440,7 @@ class Relay:
         finally:
             for s in (local, up, pipe):
                 s.close(0)
+            remove_ipc(bound)
 
     def _from_rank(self, msg, codec: Codec, live: RankLiveness, up, death, count) -> None:
         rank = rank_of(msg[0]) if msg else None
@@ -520,7 +534,8 @@ class Relay:
         up = ctx.socket(zmq.DEALER)
         sub = ctx.socket(zmq.SUB)
         pipe = ctx.socket(zmq.PAIR)
-        segment: Segment | None = None
+        d: _DataPlane | None = None
+        bound = ""
         try:
             for s in (local, up, sub):
                 tune(s, cfg.data_hwm_records, cfg.poll_s)
@@ -529,6 +544,7 @@ class Relay:
                 limit_receive(s, DATA_MAX_FRAME_BYTES)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
             local.bind(cfg.local_data)
+            bound = cfg.local_data
             pipe.bind(self._pipe)
             if cfg.curve is not None:
                 apply_client(up, cfg.curve)
@@ -542,7 +558,6 @@ class Relay:
             sub.connect(cfg.bcast_upstream)
             self._ready.wait()
             d = _DataPlane(self, codec, local, up)
-            segment = d.segment
             poller = zmq.Poller()
             for s in (local, up, sub, pipe):
                 poller.register(s, zmq.POLLIN)
@@ -563,8 +578,9 @@ class Relay:
         finally:
             for s in (local, up, sub, pipe):
                 s.close(0)
-            if segment is not None:
-                segment.close()
+            remove_ipc(bound)
+            if d is not None and d.segment is not None:
+                d.segment.close()
 
 
 class _DataPlane:
@@ -576,9 +592,21 @@ class _DataPlane:
         self.count = relay._counts["data"]
         self.fold, self.watch, self.stop = relay.fold, relay.watch, relay._stop
         self.mapped = SegmentMap(self.cfg.run_id)  # the ranks' deposit segments, read-only
-        self.segment = Segment(self.cfg.run_id, host_owner(self.cfg.host))  # where consensus goes by reference
+        self.segment: Segment | None = None  # where consensus goes by reference (None: framed to everyone)
+        try:
+            self.segment = Segment(self.cfg.run_id, host_owner(self.cfg.host))
+        except ShmError as exc:
+            self.shm_unusable(exc)
         self.by_reference: set[int] = set()  # ranks that deposit by reference
         self.hello = _Hello(self.cfg.hello_retry_s)
+
+    def shm_unusable(self, exc: ShmError) -> None:
+        # A squatted or foreign shared-memory path must not stop the host: consensus goes framed.
+        log.error("relay %s: consensus goes framed, not by reference: %s", self.cfg.host, exc)
+        self.count["shm_unusable"] += 1
+        if self.segment is not None:
+            self.segment.close()
+        self.segment = None
 
     def send_up(self, rec: Any, payload: Sequence[Any] = ()) -> None:
         self.relay._send(self.up, self.codec.encode(rec, payload, channel=Channel.DATA), self.count, "upstream_data",
@@ -606,10 +634,25 @@ class _DataPlane:
         rec = env.record
         try:
             outcome = self.fold.deposit(rank, rec.round, rec.mass, env.payload)
+        except PoisonedDeposit as exc:
+            # Refused before it touched the round: this rank leaves, the others' round goes on.
+            log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, exc)
+            self.count["poisoned.local_data"] += 1
+            self.local_death(rank)
+            return
         except FoldError as exc:
             self.violation(exc)
             return
         self.ship(outcome)
+        self.refused()
+
+    def refused(self) -> None:
+        """Ranks the fold refused while summing (a poisoned deposit): they leave, as after a bad deposit."""
+        while self.fold.refused:
+            rank, why = self.fold.refused.pop(0)
+            log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, why)
+            self.count["poisoned.local_data"] += 1
+            self.local_death(rank)
 
     def violation(self, exc: FoldError) -> None:
         # The stream is desynced: the fold holds nothing that may ship, so the
@@ -641,6 +684,7 @@ class _DataPlane:
             self.ship(self.fold.mark_dead(rank))
         except FoldError as exc:
             self.violation(exc)
+        self.refused()
 
     # reducer -> relay
 
@@ -708,10 +752,13 @@ class _DataPlane:
             self.request(r)
         live = self.live_ranks()
         shared = None
-        if self.by_reference.intersection(live):
+        if self.segment is not None and self.by_reference.intersection(live):
             # Verified above and written once for every same-host rank, under this relay's signature.
-            self.segment.place(env.frames[1:-1])
-            shared = by_reference(self.codec, rec, env.payload, self.segment, channel=Channel.BROADCAST)
+            try:
+                self.segment.place(env.frames[1:-1])
+                shared = by_reference(self.codec, rec, env.payload, self.segment, channel=Channel.BROADCAST)
+            except ShmError as exc:
+                self.shm_unusable(exc)
         for rank in live:
             try:
                 out = shared if shared is not None and rank in self.by_reference else frames

@@ -112,11 +112,13 @@ from flodl_zmq.coordinator.metrics import aggregate_epoch
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
+    MassBound,
     Out,
     RoundOpened,
     RunEnded,
     SaveState,
     Target,
+    mass_bound,
 )
 from flodl_zmq.coordinator.resume import ResumeState
 from flodl_zmq.coordinator.roles import CallbackRoles, EpochCallbacks
@@ -519,6 +521,8 @@ class Coordinator:
         )
         self._final_reduced = final
         self._emit(CONTROLLER, RoundOpened(self.round, live))
+        window = self.window_steps
+        self._emit(REDUCER, MassBound(self.round, tuple((r, mass_bound(window[r])) for r in live)))
         for r in live:
             if self.mode.hard_barrier and r not in self._throttled:
                 # Without it the fast rank laps the others during the round

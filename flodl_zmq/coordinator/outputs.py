@@ -2,7 +2,7 @@
 
 `Coordinator` (core.py) answers every input with a list of `Out(dest,
 record)`. `dest` is a rank id (send `record` to that rank), `REDUCER` (a
-directive for the in-process reducer: `DeclareDead`) or `CONTROLLER` (an
+directive for the in-process reducer: `DeclareDead`, `MassBound`) or `CONTROLLER` (an
 effect on the controller itself: the records defined here, and
 `EpochAggregated` / `EvalResult` for the run report). These types are the
 whole contract a service, or the simulator, needs to act on the core.
@@ -46,6 +46,31 @@ class RoundOpened:
 
     round: int
     ranks: tuple[int, ...]
+
+
+# A rank's deposit mass is its steps since its previous snapshot, counted when it
+# handles RequestParams; the coordinator's count at the trigger lags that by the
+# steps whose Batch records were still in flight and those taken while the
+# request travelled. The bound allows that much again, plus a margin, so an
+# honest deposit is never refused; a liar gains at most that factor in weight.
+MASS_SLACK_STEPS = 64
+
+
+def mass_bound(window_steps: int) -> float:
+    """The most mass a rank that the coordinator counted `window_steps` for may deposit in a round."""
+    return float(2 * max(0, window_steps) + MASS_SLACK_STEPS)
+
+
+@dataclass(frozen=True)
+class MassBound:
+    """Reducer directive: the most mass each rank of round `round` may deposit (`mass_bound`).
+
+    Emitted with the round's trigger, before its RequestParams: the reducer
+    refuses a HostFrame with more mass than the sum of its ranks' bounds.
+    """
+
+    round: int
+    bounds: tuple[tuple[int, float], ...]  # (rank, bound) for each rank in the round
 
 
 @dataclass(frozen=True)

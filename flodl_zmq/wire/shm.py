@@ -25,6 +25,17 @@ Rules this module keeps:
   receiver attributes the message to (a rank's own segment for its deposit,
   its relay's for a consensus), in the shared-memory directory, with every
   frame inside the segment. A receiver never opens any other file.
+- Segments live in the run's private directory, ``<shm>/flodl-<run id hex>``
+  (``run_dir``): created 0700 by the run's first process on the host, and
+  used by the others only if it is a real directory (never a symlink) of
+  their own user that no group or other user may enter. Segment names are
+  predictable and /dev/shm is world-writable, so without it a local user
+  could squat a name ahead of the owner (its exclusive create would fail) or
+  plant files for cleanup to trip on. A directory that fails the check
+  raises ShmError naming the cause and fix; the relay and the ranks then
+  send payloads framed instead (slower, never stopped).
+- Cleanup never raises: it unlinks only inside a run directory that passes
+  the check, and a file it cannot remove is skipped.
 - A segment is created by its owner (exclusive create, mode 0600), reused for
   every round while the layout fits, replaced by a new generation when it does
   not, and unlinked by its owner when it closes. A rank that dies without
@@ -55,7 +66,7 @@ import msgpack
 import numpy as np
 
 from flodl_zmq import threads
-from flodl_zmq.errors import AuthError, FramingError, LimitError, SchemaError
+from flodl_zmq.errors import AuthError, FramingError, LimitError, SchemaError, ShmError
 from flodl_zmq.wire.codec import Codec, Envelope, Sender
 from flodl_zmq.wire.mac import byte_view
 from flodl_zmq.wire.records import Channel
@@ -70,6 +81,43 @@ _NAME = re.compile(r"^flodl-[0-9a-f]{32}-[a-z0-9]{1,32}-[0-9]{1,10}$")
 def shm_dir() -> str:
     """Where segments live: /dev/shm (memory-backed) when the system has it, else the temp dir."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def run_dir(run_id: bytes, base: str | None = None) -> str:
+    """The path of the run's private segment directory (not created; see ``ensure_run_dir``)."""
+    return os.path.join(base or shm_dir(), f"flodl-{run_id.hex()}")
+
+
+def _check_private(path: str) -> None:
+    """Raise ShmError unless ``path`` is a directory (not a symlink) of this user, mode 0700 or tighter."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise ShmError(f"shared-memory directory {path} cannot be checked: {exc.strerror}; "
+                       "check that the shared-memory filesystem is mounted and writable") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
+        raise ShmError(
+            f"shared-memory directory {path} is {what} owned by uid {st.st_uid} with mode "
+            f"{stat.S_IMODE(st.st_mode):04o}; a run's segments need a directory of its own user (uid "
+            f"{os.geteuid()}) with mode 0700. Another user may have created it ahead of this run: remove it, "
+            "or start the run with another run id; payloads go framed until then"
+        )
+
+
+def ensure_run_dir(run_id: bytes, base: str | None = None) -> str:
+    """The run's private segment directory, created 0700 if absent; ShmError if it is not private to us."""
+    path = run_dir(run_id, base)
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+    except FileExistsError:
+        pass  # another process of this run (or a squatter: the check below tells)
+    except OSError as exc:
+        raise ShmError(f"cannot create shared-memory directory {path}: {exc.strerror}; "
+                       "check that the shared-memory filesystem is mounted and writable") from None
+    _check_private(path)
+    return path
 
 
 def rank_owner(rank: int) -> str:
@@ -94,23 +142,42 @@ def is_by_reference(msg: Sequence[Any]) -> bool:
 
 def unlink_owner(run_id: bytes, owner: str, directory: str | None = None) -> int:
     """Unlink every segment of `owner` in this run (a dead rank's leftovers); returns how many."""
-    return _unlink(segment_prefix(run_id, owner), directory)
+    return _unlink(segment_prefix(run_id, owner), directory or run_dir(run_id))
 
 
 def unlink_run(run_id: bytes, directory: str | None = None) -> int:
-    """Unlink every segment of this run: whoever started its processes does it once they are gone."""
-    return _unlink(f"flodl-{run_id.hex()}-", directory)
+    """Unlink every segment of this run and its directory: whoever started its processes does it
+    once they are gone. Never raises; returns how many segments it removed."""
+    path = directory or run_dir(run_id)
+    removed = _unlink(f"flodl-{run_id.hex()}-", path)
+    if directory is None:
+        _rmdir(path)
+    return removed
 
 
-def _unlink(prefix: str, directory: str | None) -> int:
+def _unlink(prefix: str, directory: str) -> int:
+    """Unlink `prefix`* in `directory` if it is ours and private; skip what cannot be removed."""
+    try:
+        _check_private(directory)
+    except ShmError:
+        return 0  # absent, or not ours: nothing in it is ours to remove
     removed = 0
-    for path in glob.glob(os.path.join(directory or shm_dir(), glob.escape(prefix) + "*")):
+    for path in glob.glob(os.path.join(directory, glob.escape(prefix) + "*")):
         try:
             os.unlink(path)
             removed += 1
-        except FileNotFoundError:
-            pass
+        except OSError:
+            pass  # gone already, or not ours to remove: cleanup never stops its caller
     return removed
+
+
+def _rmdir(path: str) -> None:
+    """Remove the run directory once empty (another process may still hold segments in it)."""
+    try:
+        _check_private(path)
+        os.rmdir(path)
+    except (OSError, ShmError):
+        pass
 
 
 class Segment:
@@ -122,7 +189,10 @@ class Segment:
     """
 
     def __init__(self, run_id: bytes, owner: str, directory: str | None = None) -> None:
-        self.directory = directory or shm_dir()
+        """``directory`` defaults to the run's private directory (created here; ShmError if unusable)."""
+        self._run_id = run_id
+        self._private = directory is None  # the run directory: re-checked at each create, removed when empty
+        self.directory = ensure_run_dir(run_id) if directory is None else directory
         self.prefix = segment_prefix(run_id, owner)
         self._gen = itertools.count(1)
         self.name: str | None = None
@@ -160,20 +230,36 @@ class Segment:
             raise FramingError("the segment holds no layout yet; call layout() first")
         return msgpack.packb([self.name, [list(f) for f in self.frames]], use_bin_type=True)
 
-    def close(self) -> None:
-        """Unlink the segment (readers keep their mapping until they drop it)."""
+    def close(self, _keep_dir: bool = False) -> None:
+        """Unlink the segment, and the run directory once empty (readers keep their mapping until they drop it)."""
         if self.name is not None:
             try:
                 os.unlink(os.path.join(self.directory, self.name))
-            except FileNotFoundError:
-                pass
+            except OSError:
+                pass  # gone already: closing never raises
+        if self._private and not _keep_dir:
+            _rmdir(self.directory)  # also when it never held a segment: the constructor made the directory
         self.name, self._map, self.frames = None, None, []
 
     def _replace(self, size: int) -> None:
         # The old mapping is dropped, not closed: views of it may still be in flight.
-        self.close()
+        self.close(_keep_dir=True)
         name = f"{self.prefix}{next(self._gen)}"
-        fd = os.open(os.path.join(self.directory, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path = os.path.join(self.directory, name)
+        for attempt in (1, 2):
+            if self._private:
+                ensure_run_dir(self._run_id)  # another process of the run removes it when it empties
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                break
+            except FileNotFoundError:
+                if attempt == 2 or not self._private:
+                    raise ShmError(f"cannot create shared-memory segment {path}: its directory vanished "
+                                   "twice; check who removes it") from None
+            except OSError as exc:
+                raise ShmError(f"cannot create shared-memory segment {path}: {exc.strerror}; another process "
+                               "with this run id holds that name (two runs with one run id?), or the "
+                               "directory is not writable") from None
         try:
             os.ftruncate(fd, size)
             self._map = mmap.mmap(fd, size)
@@ -211,7 +297,7 @@ class SegmentMap:
 
     def __init__(self, run_id: bytes, directory: str | None = None) -> None:
         self.run_id = run_id
-        self.directory = directory or shm_dir()
+        self.directory = directory or run_dir(run_id)
         self._maps: dict[str, tuple[str, mmap.mmap]] = {}
 
     def decode(self, codec: Codec, msg: Sequence[Any], owner: str, channel: Channel, *,

@@ -22,7 +22,7 @@ from flodl_zmq.environment import with_tunables
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.wire import Channel, new_key
-from flodl_zmq.wire.shm import rank_owner, segment_prefix, shm_dir, unlink_run
+from flodl_zmq.wire.shm import rank_owner, run_dir, segment_prefix, unlink_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
 from dataplane_helpers import model, reference, tiered_bf16_reference  # noqa: E402
@@ -147,7 +147,7 @@ def test_two_hosts_of_two_rank_processes_produce_the_weighted_mean(tmp_path, dty
 
 
 def segments_of(run_id: bytes, rank: int) -> list[str]:
-    return glob.glob(os.path.join(shm_dir(), segment_prefix(run_id, rank_owner(rank)) + "*"))
+    return glob.glob(os.path.join(run_dir(run_id), segment_prefix(run_id, rank_owner(rank)) + "*"))
 
 
 @pytest.mark.parametrize("shm", [False, True], ids=["frames", "shm"])

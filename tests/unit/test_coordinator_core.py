@@ -9,6 +9,7 @@ from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
+    MassBound,
     RoundOpened,
     RunEnded,
     SaveState,
@@ -70,8 +71,10 @@ def test_sync_trigger_throttles_each_rank_before_requesting_params_then_updates_
     assert of(batch(c, 0, 1), rec.RequestParams) == []  # rank 1 has not stepped yet
     outs = batch(c, 1, 1)
     assert outs[0].dest is CONTROLLER and outs[0].record == RoundOpened(1, (0, 1))
+    # The reducer's mass cap before any request: each rank counted 1 step.
+    assert outs[1].dest is REDUCER and outs[1].record == MassBound(1, ((0, 66.0), (1, 66.0)))
     # Throttle first: a rank must not step between its deposit and the barrier.
-    assert [(o.dest, type(o.record)) for o in outs[1:]] == [
+    assert [(o.dest, type(o.record)) for o in outs[2:]] == [
         (0, rec.Throttle), (0, rec.RequestParams), (1, rec.Throttle), (1, rec.RequestParams)]
     outs = finish(c, 1, [0, 1])
     kinds = [type(o.record) for o in outs]
@@ -197,7 +200,8 @@ def test_heartbeat_stale_declares_rank_dead_and_unblocks_the_gate():
     plans = [p.plan for p in of(outs, rec.StartEpoch)]
     train(c, 0, plans[0], 0, t=0.9)
     outs = c.on_tick(1.5)  # rank 1 never spoke: stale after 1 s
-    assert [o.record for o in outs if o.dest in (REDUCER, CONTROLLER)] == [rec.DeclareDead(1), RoundOpened(1, (0,))]
+    assert [o.record for o in outs if o.dest in (REDUCER, CONTROLLER) and not isinstance(o.record, MassBound)] == [
+        rec.DeclareDead(1), RoundOpened(1, (0,))]
     assert [o.dest for o in outs if isinstance(o.record, rec.RequestParams)] == [0]
     assert c.liveness.failures == 1
 

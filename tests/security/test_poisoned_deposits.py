@@ -1,0 +1,189 @@
+"""Finding 4 (issue 15): one host must not NaN or dominate the consensus.
+
+Each test performs the attack over real sockets (a real reducer and relays in
+one process, scripted ranks, and a hand-made relay where the attack is a
+HostFrame) and asserts that the round completes without the attacker, with the
+honest ranks' exact weighted mean.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+from transport.dataplane_helpers import (
+    WAIT_S,
+    FakeRank,
+    endpoints,
+    model,
+    reference,
+    rel_error,
+    to_wire,
+)
+
+from flodl_zmq.errors import PoisonedDeposit
+from flodl_zmq.fold import PIECE, FoldStation, check_finite
+from flodl_zmq.links import relay_sender
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.relay import Relay, RelayConfig
+from flodl_zmq.wire import Channel, Codec, new_key
+from flodl_zmq.wire.records import HostFrame, RelayHello
+
+pytestmark = pytest.mark.timeout(60)
+
+MASS = {0: 1.0, 1: 3.0, 2: 0.5, 3: 2.0}
+
+
+class World:
+    """A reducer and real relays for `real` hosts; `fake` hosts are left for a hand-made relay."""
+
+    def __init__(self, tmp_path, hosts: dict[str, tuple[int, ...]], real: tuple[str, ...]):
+        self.ctx = zmq.Context()
+        self.key, self.run_id = new_key(), bytes(range(16))
+        self.eps = eps = endpoints("ipc", tmp_path)
+        self.reducer = ReducerService(
+            ReducerConfig(hosts, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05), self.ctx)
+        self.reducer.start()
+        self.relays = {}
+        for host in real:
+            cfg = RelayConfig(host, hosts[host], self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
+                              eps[f"{host}-control"], eps[f"{host}-data"], heartbeat_deadline_s=30.0)
+            self.relays[host] = Relay(cfg, self.ctx)
+            self.relays[host].start()
+        self.ranks = {r: FakeRank(self.ctx, r, self.key, self.run_id, eps[f"{h}-control"], eps[f"{h}-data"])
+                      for h in real for r in hosts[h]}
+
+    def deposit(self, rank: int, round_id: int, tensors=None, mass: float | None = None) -> None:
+        m = MASS[rank] if mass is None else mass
+        self.ranks[rank].deposit(round_id, m, tensors if tensors is not None else to_wire(model(rank, round_id), m,
+                                                                                            "f32"))
+
+    def close(self) -> None:
+        for r in self.ranks.values():
+            r.close()
+        for relay in self.relays.values():
+            relay.stop()
+        self.reducer.stop()
+        self.ctx.destroy(0)
+
+
+def honest_mean(round_id: int, ranks) -> list[np.ndarray]:
+    return reference([(model(r, round_id), MASS[r]) for r in ranks], "f32")
+
+
+def test_a_rank_depositing_a_nan_leaves_and_the_round_completes_without_it(tmp_path):
+    w = World(tmp_path, {"a": (0, 1), "b": (2, 3)}, real=("a", "b"))
+    try:
+        poisoned = to_wire(model(1, 1), MASS[1], "f32")
+        poisoned[0][123] = np.nan  # one element is enough to NaN every rank's model
+        w.deposit(0, 1)
+        w.deposit(1, 1, poisoned)
+        w.deposit(2, 1)
+        w.deposit(3, 1)
+        out = w.reducer.completed.get(timeout=WAIT_S)
+        assert (out.round_id, out.hosts) == (1, ("a", "b"))
+        assert out.mass == pytest.approx(MASS[0] + MASS[2] + MASS[3])
+        for r in (0, 2, 3):
+            env = w.ranks[r].consensus()
+            got = [p.astype(np.float64) for p in env.payload]
+            assert all(np.isfinite(p).all() for p in got)
+            assert rel_error(got, honest_mean(1, (0, 2, 3))) < 1e-6
+        assert w.relays["a"].running, "one rank's bad deposit must not stop its host's relay"
+        assert w.relays["a"].counters()["poisoned.local_data"] == 1
+        deadline = time.monotonic() + WAIT_S
+        while not w.reducer.ledger.is_dead(1) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.reducer.ledger.is_dead(1), "the relay reports the rank gone (RankExit)"
+        # The next round goes on without it.
+        for r in (0, 2, 3):
+            w.deposit(r, 2)
+        assert w.reducer.completed.get(timeout=WAIT_S).round_id == 2
+    finally:
+        w.close()
+
+
+def test_a_rank_claiming_mass_1e30_is_refused_at_the_reducer_and_its_host_declared_dead(tmp_path):
+    w = World(tmp_path, {"a": (0, 1), "b": (2, 3)}, real=("a", "b"))
+    try:
+        # The coordinator counted 10 steps for each rank at the trigger (MassBound: 2 * 10 + 64).
+        w.reducer.bound_round(1, {r: 84.0 for r in range(4)})
+        liar = 1e30
+        w.deposit(0, 1)
+        w.deposit(1, 1, to_wire(model(1, 1), liar, "f32"), mass=liar)  # finite, premultiplied, huge
+        w.deposit(2, 1)
+        w.deposit(3, 1)
+        out = w.reducer.completed.get(timeout=WAIT_S)
+        assert (out.round_id, out.hosts, out.mass) == (1, ("b",), MASS[2] + MASS[3])
+        env = w.ranks[2].consensus()
+        assert rel_error([p.astype(np.float64) for p in env.payload], honest_mean(1, (2, 3))) < 1e-6
+        assert w.reducer.counters()["poisoned_frames"] == 1
+        assert all(w.reducer.ledger.is_dead(r) for r in (0, 1))
+    finally:
+        w.close()
+
+
+def test_a_host_frame_with_a_nan_or_too_much_mass_is_refused_and_the_round_completes_without_it(tmp_path):
+    hosts = {"a": (0, 1), "b": (2,), "c": (3,)}
+    w = World(tmp_path, hosts, real=("a",))
+    fakes = {}
+    try:
+        for host in ("b", "c"):  # key holders running their own relay code
+            sock = w.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(w.eps["data"])
+            codec = Codec(w.key, w.run_id, relay_sender(host))
+            sock.send_multipart(codec.encode(RelayHello(host, list(hosts[host]), []), channel=Channel.DATA))
+            fakes[host] = (sock, codec)
+        w.reducer.bound_round(1, {r: 84.0 for r in range(4)})
+        for sock, _ in fakes.values():
+            assert sock.poll(int(WAIT_S * 1000)), "no RelayHelloAck"
+            sock.recv_multipart()
+        nan = to_wire(model(2, 1), MASS[2], "f32")
+        nan[1][0] = np.inf
+        sock, codec = fakes["b"]
+        sock.send_multipart(codec.encode(HostFrame(1, "b", [2], MASS[2]), nan, channel=Channel.DATA))
+        sock, codec = fakes["c"]
+        heavy = to_wire(model(3, 1), 1e6, "f32")
+        sock.send_multipart(codec.encode(HostFrame(1, "c", [3], 1e6), heavy, channel=Channel.DATA))
+        w.deposit(0, 1)
+        w.deposit(1, 1)
+        out = w.reducer.completed.get(timeout=WAIT_S)
+        assert (out.round_id, out.hosts, out.mass) == (1, ("a",), MASS[0] + MASS[1])
+        env = w.ranks[0].consensus()
+        assert rel_error([p.astype(np.float64) for p in env.payload], honest_mean(1, (0, 1))) < 1e-6
+        assert w.reducer.counters()["poisoned_frames"] == 2
+    finally:
+        for sock, _ in fakes.values():
+            sock.close(0)
+        w.close()
+
+
+@pytest.mark.parametrize("bits", [0x7FC0, 0x7F80, 0xFF80, 0xFFC1])  # NaN, +inf, -inf, negative NaN
+def test_a_bf16_deposit_with_a_non_finite_element_is_refused_and_the_round_ships_without_it(bits):
+    bad = np.full(3 * PIECE + 5, 0x3F80, np.uint16)  # 1.0 in bf16, over several pieces
+    bad[-1] = bits
+    ok = np.full(bad.size, 0x4000, np.uint16)  # 2.0
+    # Two ranks: the bad deposit is found by the pass that sums the pair.
+    station = FoldStation((0, 1))
+    assert station.deposit(0, 1, 1.0, [bad]) is None
+    out = station.deposit(1, 1, 2.0, [ok])
+    assert out is not None and out.ranks == (1,) and out.mass == 2.0 and out.verbatim
+    assert [r for r, _ in station.refused] == [0] and 0 in station.dead and station.poisoned is None
+    # Three ranks: the third deposit goes into the running sums, checked before it touches them.
+    station = FoldStation((0, 1, 2))
+    station.deposit(0, 1, 1.0, [ok])
+    station.deposit(1, 1, 1.0, [ok])
+    with pytest.raises(PoisonedDeposit, match="NaN or infinite"):
+        station.deposit(2, 1, 1.0, [bad])
+    assert station.poisoned is None
+    out = station.mark_dead(2)
+    assert out is not None and out.ranks == (0, 1) and out.mass == 2.0
+    assert np.array_equal(out.tensors[0], np.full(bad.size, 0x4080, np.uint16))  # 2 + 2 = 4.0
+
+
+def test_finite_f16_and_f32_deposits_whose_sum_overflows_are_not_refused():
+    check_finite([np.full(1000, 60000, np.float16), np.full(1000, 3e38, np.float32)], "test")
+    with pytest.raises(PoisonedDeposit):
+        check_finite([np.full(1000, 60000, np.float16), np.array([np.inf], np.float16)], "test")
