@@ -78,6 +78,7 @@ from flodl_zmq.links import (
     remove_local_dir,
 )
 from flodl_zmq.membership import (
+    CHALLENGE_NONCE_BYTES,
     JOIN_RUN_ID,
     MAX_DEVICES_PER_HOST,
     OPEN_JOIN_KEY,
@@ -93,9 +94,11 @@ from flodl_zmq.security import (
 )
 from flodl_zmq.settings import Settings, add_arguments, env_names
 from flodl_zmq.wire import PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec, key_from_hex
-from flodl_zmq.wire.mac import check_key
+from flodl_zmq.wire.mac import byte_view, check_key, verify_mac
 from flodl_zmq.wire.records import (
     Abort,
+    Challenge,
+    ChallengeRequest,
     JoinAccept,
     JoinHeartbeat,
     JoinHello,
@@ -353,13 +356,33 @@ class Agent:
         if cfg.curve is not None:
             apply_client(self._sock, cfg.curve)
         self._sock.connect(endpoint)
-        hello = JoinHello(cfg.host, list(cfg.devices), cfg.dataset_sig, PROTOCOL_VERSION, cfg.model_sig)
         log.info(
             "host %r dialing %s with %d device(s) %s (admission: %s)",
             cfg.host, endpoint, len(cfg.devices), list(cfg.devices), "pre-shared key" if cfg.key else "open",
         )
-        self._send(hello)
-        reply = self._receive(time.monotonic() + cfg.reply_timeout_s, before_admission=True)
+        # The challenge (PROTOCOL.md 10.4): our fresh nonce comes back in it, its nonce goes
+        # into the hello under the MAC and comes back in the answer, so nothing recorded
+        # earlier (a hello, a challenge, an accept or a reject) is good in this exchange.
+        ours = os.urandom(CHALLENGE_NONCE_BYTES)
+        self._send(ChallengeRequest(ours))
+        challenge = self._receive(
+            time.monotonic() + cfg.reply_timeout_s,
+            before_admission=True,
+            fresh=lambda r: isinstance(r, Challenge) and r.client_nonce == ours,
+        )
+        reply = None
+        if challenge is not None:
+            if not isinstance(challenge, Challenge):
+                raise MembershipError(f"expected join.challenge, got {challenge.KIND}: controller bug")
+            hello = JoinHello(
+                cfg.host, list(cfg.devices), cfg.dataset_sig, PROTOCOL_VERSION, cfg.model_sig, challenge.nonce
+            )
+            self._send(hello)
+            reply = self._receive(
+                time.monotonic() + cfg.reply_timeout_s,
+                before_admission=True,
+                fresh=lambda r: not isinstance(r, (JoinAccept, JoinReject)) or r.nonce == challenge.nonce,
+            )
         if reply is None:
             raise MembershipError(
                 f"no reply from the controller at {cfg.controller} within {cfg.reply_timeout_s:g} s: it is "
@@ -408,11 +431,13 @@ class Agent:
             )
         return Joined(tuple(reply.ranks), key, reply.run_id, formed.world_size, spawn)
 
-    def _receive(self, deadline: float, *, before_admission: bool) -> Any:
+    def _receive(self, deadline: float, *, before_admission: bool, fresh: Any = None) -> Any:
         """The next meaningful record before `deadline` (None: timed out or controller silent).
 
         After admission, heartbeats are answered in kind and only reset the
-        silence clock; a frame that fails verification is logged and skipped.
+        silence clock; a frame that fails verification is logged and skipped,
+        and so is a record `fresh` refuses (one that answers another exchange:
+        a replay).
         """
         while True:
             now = time.monotonic()
@@ -431,13 +456,27 @@ class Agent:
             try:
                 env = self._codec.decode(frames, Channel.JOIN)
             except VersionError as exc:
-                raise MembershipError(f"join refused: {exc}") from None
+                if self._authentic(frames):  # a stranger's frame of any version is not the controller's word
+                    raise MembershipError(f"join refused: {exc}") from None
+                log.warning("join frame of another protocol version dropped: its MAC does not verify")
+                continue
             except WireError as exc:
                 log.warning("join frame from the controller dropped: %s", exc)
+                continue
+            if fresh is not None and not fresh(env.record):
+                log.warning("%s from the controller dropped: it answers another exchange (a replay?)", env.kind)
                 continue
             self._last_heard = time.monotonic()
             if not isinstance(env.record, JoinHeartbeat):
                 return env.record
+
+    def _authentic(self, frames: list[Any]) -> bool:
+        try:
+            bufs = [byte_view(f) for f in frames]
+            verify_mac(self._codec.key, bufs[0], bufs[1:-1], bufs[-1])
+            return True
+        except (WireError, ValueError, TypeError, IndexError):
+            return False
 
     def _beat(self, now: float) -> None:
         if now >= self._next_beat:

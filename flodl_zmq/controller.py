@@ -56,6 +56,7 @@ from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
 from flodl_zmq.io_threads import controller_context
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, limit_receive, recv_bounded
 from flodl_zmq.membership import (
+    CHALLENGE_NONCE_BYTES,
     JOIN_RUN_ID,
     OPEN_JOIN_KEY,
     JoinConfig,
@@ -70,7 +71,7 @@ from flodl_zmq.membership import (
 from flodl_zmq.security import SERVER_ENV, CurveKeys, apply_client, start_gate
 from flodl_zmq.settings import Settings, add_arguments
 from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, key_from_hex, new_key
-from flodl_zmq.wire.records import StatusReply, StatusRequest
+from flodl_zmq.wire.records import Challenge, ChallengeRequest, StatusReply, StatusRequest
 
 log = logging.getLogger("flodl_zmq.controller")
 
@@ -263,8 +264,25 @@ def query_status(
             apply_client(sock, curve)
         sock.connect(address.endpoint(Channel.JOIN))
         codec = Codec(key or OPEN_JOIN_KEY, JOIN_RUN_ID, STATUS_SENDER)
-        sock.send_multipart(codec.encode(StatusRequest(), channel=Channel.JOIN))
-        if not sock.poll(int(timeout_s * 1000)):
+        deadline = time.monotonic() + timeout_s
+        # A challenge first (PROTOCOL.md 10.4): a status request is good once, on this connection.
+        ours = os.urandom(CHALLENGE_NONCE_BYTES)
+        sock.send_multipart(codec.encode(ChallengeRequest(ours), channel=Channel.JOIN))
+        challenge = _status_answer(sock, codec, address, deadline, timeout_s, Challenge, ours)
+        sock.send_multipart(codec.encode(StatusRequest(challenge.nonce), channel=Channel.JOIN))
+        reply = _status_answer(sock, codec, address, deadline, timeout_s, StatusReply, challenge.nonce)
+        return json.loads(reply.json)
+    finally:
+        sock.close(0)
+
+
+def _status_answer(
+    sock: zmq.Socket, codec: Codec, address: ControllerAddress, deadline: float, timeout_s: float, kind: type, nonce: bytes
+) -> Any:
+    """The controller's next `kind` record answering `nonce` (a replayed answer is skipped)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not sock.poll(max(1, int(left * 1000))):
             raise MembershipError(
                 f"no status reply from the controller at {address} within {timeout_s:g} s: it is not running or "
                 "not reachable, or it dropped the request because the key differs (FLODL_KEY must be the "
@@ -277,11 +295,13 @@ def query_status(
             env = codec.decode(frames, Channel.JOIN)
         except WireError as exc:
             raise MembershipError(f"the controller's status reply was refused: {exc}") from None
-        if not isinstance(env.record, StatusReply):
-            raise MembershipError(f"expected join.status_reply, got {env.kind}: the controller runs another version")
-        return json.loads(env.record.json)
-    finally:
-        sock.close(0)
+        rec = env.record
+        if not isinstance(rec, kind):
+            raise MembershipError(f"expected {kind.KIND}, got {env.kind}: the controller runs another version")
+        echoed = rec.client_nonce if isinstance(rec, Challenge) else rec.nonce
+        if echoed == nonce:
+            return rec
+        log.warning("%s from the controller dropped: it answers another request (a replay?)", env.kind)
 
 
 def format_status(address: ControllerAddress, status: Mapping[str, Any]) -> str:

@@ -51,13 +51,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hmac
 import ipaddress
 import json
 import logging
 import math
+import os
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,8 +76,11 @@ from flodl_zmq.mailbox import Mailbox, poll_ms
 from flodl_zmq.security import JOIN_ZAP_DOMAIN, CleartextWarner, CurveGate, CurveKeys, apply_server
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import KEY_BYTES, PROTOCOL_VERSION, RUN_ID_BYTES, Attribution, Channel, Codec
+from flodl_zmq.wire.mac import byte_view, verify_mac
 from flodl_zmq.wire.records import (
     Abort,
+    Challenge,
+    ChallengeRequest,
     JoinAccept,
     JoinHeartbeat,
     JoinHello,
@@ -93,6 +99,13 @@ JOIN_RUN_ID = bytes(RUN_ID_BYTES)
 # under open admission anyone may hello from fresh routing ids, and without a cap each
 # one would grow the controller's memory for the rest of the run (~1 kB apiece).
 JOIN_LEDGER_CAP = 4096
+# Challenge nonces (PROTOCOL.md 10.4): 16 random bytes, good for one hello or status request
+# from the connection they were issued to, within CHALLENGE_TTL_S. At most JOIN_CHALLENGE_CAP
+# are outstanding (one per connection; the oldest is forgotten first), so strangers asking
+# from fresh routing ids cannot grow the controller's memory.
+CHALLENGE_NONCE_BYTES = 16
+CHALLENGE_TTL_S = 30.0
+JOIN_CHALLENGE_CAP = 4096
 # Messages the join thread reads per wake-up before it runs its timers again.
 JOIN_RECV_BUDGET = 256
 OPEN_JOIN_KEY = bytes(KEY_BYTES)
@@ -159,6 +172,50 @@ def resolve_trust(open_admission: bool, bind_address: str) -> TrustMode:
         bind_address,
     )
     return TrustMode.OPEN
+
+
+# --------------------------------------------------------------------------- challenges
+
+
+class Challenges:
+    """The challenge nonces issued before admission: one per connection, used once, short-lived.
+
+    `issue(ident, now)` hands a connection a fresh nonce (replacing any it
+    held); `take(ident, nonce, now)` consumes it and says whether it was the
+    one issued to that connection and still fresh ("ok"), issued but expired
+    ("expired"), or anything else ("unknown": never issued there, already
+    used, forgotten). Bounded by `cap` outstanding nonces; the oldest go first.
+    """
+
+    def __init__(self, ttl_s: float = CHALLENGE_TTL_S, cap: int | None = None):
+        self.ttl_s = ttl_s
+        self.cap = JOIN_CHALLENGE_CAP if cap is None else cap
+        self._issued: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._issued)
+
+    def issue(self, ident: bytes, now: float) -> bytes:
+        nonce = os.urandom(CHALLENGE_NONCE_BYTES)
+        self._issued.pop(ident, None)
+        self._issued[ident] = (nonce, now + self.ttl_s)  # insertion order is expiry order
+        while self._issued:
+            _, (_, expires) = next(iter(self._issued.items()))
+            if len(self._issued) <= self.cap and expires > now:
+                break
+            self._issued.popitem(last=False)
+        return nonce
+
+    def take(self, ident: bytes, nonce: bytes, now: float) -> str:
+        issued = self._issued.get(ident)
+        if issued is None or len(nonce) != CHALLENGE_NONCE_BYTES or not _same(issued[0], nonce):
+            return "unknown"
+        del self._issued[ident]
+        return "ok" if now < issued[1] else "expired"
+
+
+def _same(a: bytes, b: bytes) -> bool:
+    return hmac.compare_digest(a, b)
 
 
 # --------------------------------------------------------------------------- configuration
@@ -611,6 +668,7 @@ class MembershipService:
         self._join = Codec(join_key(trust, session_key), JOIN_RUN_ID, SENDER, max_ledger=JOIN_LEDGER_CAP)
         self._session = Codec(session_key, run_id, SENDER)
         self._hosts: dict[bytes, str] = {}  # ROUTER identity -> admitted host
+        self._challenges = Challenges()  # the nonce each connection must sign into its hello
         # Aborts, each with the event set once its frames are handed to ZeroMQ; None wakes us to stop.
         self._commands: Mailbox[tuple[str, threading.Event] | None] = Mailbox()
         self._closed = threading.Event()
@@ -770,8 +828,14 @@ class MembershipService:
             # Before admission the hello introduces its sender; its numbers are kept per connection.
             env = self._join.decode_from(frames, Channel.JOIN, Attribution.anyone("a join link", scope=ident.hex()))
         except VersionError as exc:
+            # The version is read before the MAC: answer only a sender who holds the key,
+            # or a stranger would get a reject signed with it (PROTOCOL.md 10.4).
+            if not self._authentic(frames):
+                self.dropped += 1
+                log.warning("join frame of another protocol version dropped without reply: its MAC does not verify")
+                return
             log.warning("join refused, protocol version skew: %s", exc)
-            self._send(ident, self._join, JoinReject(f"protocol version skew: {exc}"))
+            self._send(ident, self._join, JoinReject(f"protocol version skew: {exc}", b""))
             return
         except WireError as exc:
             # Under a pre-shared key this is how a stranger's hello looks: no reply at all.
@@ -779,20 +843,41 @@ class MembershipService:
             log.warning("join frame dropped without reply: %s", exc)
             return
         hello = env.record
-        if isinstance(hello, StatusRequest):
-            self._send(ident, self._join, StatusReply(json.dumps(self.status())))
-            return
-        if not isinstance(hello, JoinHello):
-            self._send(ident, self._join, JoinReject(f"the first join record must be join.hello, got {env.kind}"))
-            return
         now = self.clock()
+        if isinstance(hello, ChallengeRequest):
+            if len(hello.nonce) != CHALLENGE_NONCE_BYTES:
+                self.dropped += 1
+                log.warning("join.challenge_request with a %d-byte nonce dropped", len(hello.nonce))
+                return
+            nonce = self._challenges.issue(ident, now)
+            self._send(ident, self._join, Challenge(hello.nonce, nonce, self._challenges.ttl_s))
+            return
+        if not isinstance(hello, (JoinHello, StatusRequest)):
+            self.dropped += 1
+            log.warning("join frame dropped: %s before admission (expected a challenge request, hello or status request)", env.kind)
+            return
+        fresh = self._challenges.take(ident, hello.nonce, now)
+        if fresh == "unknown":
+            # Never issued to this connection, or used already: a replay, answered by nothing.
+            self.dropped += 1
+            log.warning("%s dropped without reply: its challenge nonce is unknown or used (a replay?)", env.kind)
+            return
+        if fresh == "expired":
+            log.warning("%s refused: its challenge expired", env.kind)
+            self._send(ident, self._join, JoinReject(
+                f"challenge expired: the hello came more than {self._challenges.ttl_s:g} s after its challenge; "
+                "retry (is the link or the agent stalled?)", hello.nonce))
+            return
+        if isinstance(hello, StatusRequest):
+            self._send(ident, self._join, StatusReply(json.dumps(self.status()), hello.nonce))
+            return
         outcome = self.window.admit(hello, now)
         if isinstance(outcome, Rejected):
             log.warning("join refused for %r: %s", hello.host, outcome.reason)
-            self._send(ident, self._join, JoinReject(outcome.reason))
+            self._send(ident, self._join, JoinReject(outcome.reason, hello.nonce))
             return
         key = self._session_key if self.trust is TrustMode.OPEN else None
-        accept = JoinAccept(list(outcome.ranks), key, outcome.formation_wait_s, self.run_id)
+        accept = JoinAccept(list(outcome.ranks), key, outcome.formation_wait_s, self.run_id, hello.nonce)
         if not self._send(ident, self._join, accept):
             self.window.retract_last(hello.host)
             return
@@ -810,6 +895,15 @@ class MembershipService:
             self.window.joined_ranks,
             self.window.config.target_ranks or f"{self.window.config.min_ranks}+",
         )
+
+    def _authentic(self, frames: list[Any]) -> bool:
+        """Whether a pre-admission message's MAC verifies under the join key (whatever its version)."""
+        try:
+            bufs = [byte_view(f) for f in frames]
+            verify_mac(self._join.key, bufs[0], bufs[1:-1], bufs[-1])
+            return True
+        except (WireError, ValueError, TypeError, IndexError):
+            return False
 
     def _admit_curve_key(self, host: str, frames: list[Any]) -> None:
         """Let the key that carried `host`'s admitted hello through the data sockets (the gate)."""

@@ -380,13 +380,36 @@ class SubscriberReady:
 # --------------------------------------------------------------------------- join (agents <-> membership)
 
 
+@record("join.challenge_request", J)
+class ChallengeRequest:
+    """Before a hello or a status request: ask the membership for a fresh challenge nonce.
+
+    `nonce` is the asker's own fresh random nonce, echoed in `join.challenge`, so a
+    challenge recorded earlier cannot be replayed to it (PROTOCOL.md 10.4).
+    """
+
+    nonce: bytes
+
+
+@record("join.challenge", J)
+class Challenge:
+    """The membership's fresh nonce for this connection, valid once, for `ttl_s` seconds."""
+
+    client_nonce: bytes
+    nonce: bytes
+    ttl_s: float
+
+
 @record("join.hello", J)
 class JoinHello:
+    """`nonce`: the challenge nonce this connection was issued (under the MAC: a hello is good once)."""
+
     host: str
     devices: list[str]
     dataset_sig: bytes
     protocol: int
     model_sig: bytes | None
+    nonce: bytes
 
 
 @record("join.accept", J)
@@ -400,11 +423,15 @@ class JoinAccept:
     session_key: bytes | None
     formation_wait_s: float
     run_id: bytes
+    nonce: bytes  # the hello's challenge nonce: the accept answers that hello and no other
 
 
 @record("join.reject", J)
 class JoinReject:
+    """`nonce`: the refused hello's challenge nonce (empty when the message had none, e.g. version skew)."""
+
     reason: str
+    nonce: bytes
 
 
 @record("join.world_formed", J)
@@ -433,14 +460,20 @@ class JoinHeartbeat:
 
 @record("join.status_request", J)
 class StatusRequest:
-    """`flodl-zmq status` asks the controller for the cohort's state (keyed like a hello)."""
+    """`flodl-zmq status` asks the controller for the cohort's state (keyed like a hello).
+
+    `nonce`: the challenge nonce this connection was issued, as in a hello.
+    """
+
+    nonce: bytes
 
 
 @record("join.status_reply", J)
 class StatusReply:
-    """The cohort's state as a JSON object (schema: PROTOCOL.md, `join.status_reply`)."""
+    """The cohort's state as a JSON object (schema: PROTOCOL.md, `join.status_reply`); `nonce` echoes the request's."""
 
     json: str
+    nonce: bytes
 
 
 # --------------------------------------------------------------------------- field validation

@@ -29,7 +29,7 @@ import zmq
 from flodl_zmq.agent import Agent, AgentConfig
 from flodl_zmq.controller import ControllerOptions, query_status
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.errors import ConfigError, MembershipError
+from flodl_zmq.errors import ConfigError, MembershipError, WireError
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
     OPEN_JOIN_KEY,
@@ -41,7 +41,7 @@ from flodl_zmq.membership import (
 )
 from flodl_zmq.security import CurveKeys, apply_client, apply_server, start_gate
 from flodl_zmq.wire import Channel, Codec, new_key
-from flodl_zmq.wire.records import JoinAccept, JoinHeartbeat, WorldFormed
+from flodl_zmq.wire.records import Challenge, JoinAccept, JoinHeartbeat, WorldFormed
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_ID = bytes(range(16))
@@ -82,16 +82,28 @@ class FakeController:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _echo(self, frames: list[bytes], field: str) -> bytes:
+        """The nonce the agent's message carries, if this controller's key can read it."""
+        try:
+            return getattr(self.join.decode(frames[1:], Channel.JOIN, replay=False).record, field)
+        except (WireError, AttributeError):
+            return bytes(16)
+
     def _run(self) -> None:
         ident = None
+        challenged = False
         deadline = time.monotonic() + 30
         while not self._stop.is_set() and time.monotonic() < deadline:
             if self.sock.poll(100):
                 frames = self.sock.recv_multipart()
-                if ident is None:
-                    ident = frames[0]  # the hello is not even read: answering is all the attack takes
+                if not challenged:
+                    challenged = True  # it plays the challenge exchange as well as it can
+                    challenge = Challenge(self._echo(frames, "nonce"), bytes(16), 30.0)
+                    self.sock.send_multipart([frames[0], *self.join.encode(challenge, channel=Channel.JOIN)])
+                elif ident is None:
+                    ident = frames[0]  # the hello's content does not matter: answering is all the attack takes
                     accept = JoinAccept([0], self.session_key if self.join.key == OPEN_JOIN_KEY else None,
-                                        5.0, RUN_ID)
+                                        5.0, RUN_ID, self._echo(frames, "nonce"))
                     self.sock.send_multipart([ident, *self.join.encode(accept, channel=Channel.JOIN)])
                     spawn = SpawnSpec(self.argv, self.env, world={"victim": (0,)})
                     formed = WorldFormed(1, spawn.to_json())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -31,7 +32,14 @@ from flodl_zmq.membership import (
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, new_key
-from flodl_zmq.wire.records import JoinAccept, JoinHeartbeat, JoinHello, RelayHello, RelayHelloAck
+from flodl_zmq.wire.records import (
+    ChallengeRequest,
+    JoinAccept,
+    JoinHeartbeat,
+    JoinHello,
+    RelayHello,
+    RelayHelloAck,
+)
 
 from .zmtp import RawPeer
 
@@ -78,10 +86,22 @@ class Join:
             curve = CurveKeys(public=public, secret=secret, server=self.curve.public)
         return query_status(self.address, key, curve, timeout_s=timeout_s, context=ctx)
 
-    def hello_frames(self, host: str) -> list[bytes]:
-        key = OPEN_JOIN_KEY if self.trust is TrustMode.OPEN else self.key
-        codec = Codec(key, JOIN_RUN_ID, host)
-        return codec.encode(JoinHello(host, ["cpu:0"], SIG, PROTOCOL_VERSION, None), channel=Channel.JOIN)
+    def join_codec(self, host: str) -> Codec:
+        return Codec(OPEN_JOIN_KEY if self.trust is TrustMode.OPEN else self.key, JOIN_RUN_ID, host)
+
+    def challenge_frames(self, codec: Codec) -> list[bytes]:
+        return codec.encode(ChallengeRequest(bytes(16)), channel=Channel.JOIN)
+
+    def hello(self, sock: zmq.Socket, host: str) -> Any:
+        """The whole pre-admission exchange on `sock`: the membership's answer to the hello."""
+        codec = self.join_codec(host)
+        sock.send_multipart(self.challenge_frames(codec))
+        assert sock.poll(5000), "no challenge"
+        challenge = codec.decode(sock.recv_multipart(), Channel.JOIN).record
+        sock.send_multipart(codec.encode(JoinHello(host, ["cpu:0"], SIG, PROTOCOL_VERSION, None, challenge.nonce),
+                                         channel=Channel.JOIN))
+        assert sock.poll(5000), "no answer to an honest hello"
+        return codec.decode(sock.recv_multipart(), Channel.JOIN).record
 
     def close(self) -> None:
         self.svc.close()
@@ -122,10 +142,8 @@ def test_a_million_empty_frames_do_not_stall_the_join_heartbeat(ctx, join, peak_
     agent = ctx.socket(zmq.DEALER)
     agent.setsockopt(zmq.LINGER, 0)
     agent.connect(join.endpoint)
-    agent.send_multipart(join.hello_frames("honest"))
-    assert agent.poll(5000), "no answer to an honest hello"
+    assert isinstance(join.hello(agent, "honest"), JoinAccept)
     session = Codec(join.key, RUN_ID, "honest-reader")
-    assert isinstance(Codec(join.key, JOIN_RUN_ID, "r").decode(agent.recv_multipart(), Channel.JOIN).record, JoinAccept)
     peak_rss.reset()
 
     peer = RawPeer(join.endpoint)
@@ -153,11 +171,12 @@ def test_a_million_empty_frames_do_not_stall_the_join_heartbeat(ctx, join, peak_
     assert time.monotonic() - t0 < 2.0
 
 
-def test_hellos_from_ever_new_identities_do_not_grow_the_join_ledger(ctx, monkeypatch):
+def test_challenges_from_ever_new_identities_do_not_grow_the_join_ledger(ctx, monkeypatch):
     monkeypatch.setattr(membership_mod, "JOIN_LEDGER_CAP", 64)
+    monkeypatch.setattr(membership_mod, "JOIN_CHALLENGE_CAP", 64)
     j = Join(ctx, TrustMode.OPEN)
     try:
-        hello = j.hello_frames("phantom")
+        hello = j.challenge_frames(j.join_codec("phantom"))
         for batch in range(10):
             socks = []
             for i in range(100):
@@ -171,11 +190,12 @@ def test_hellos_from_ever_new_identities_do_not_grow_the_join_ledger(ctx, monkey
                 s.send_multipart(hello)
                 socks.append(s)
             for s in socks:
-                assert s.poll(5000), "no answer to a hello"
+                assert s.poll(5000), "no answer to a challenge request"
                 s.recv_multipart()
                 s.close(0)
         # One entry per connection that ever said hello, were it not capped.
         assert j.svc._join.ledger_size <= 64
+        assert len(j.svc._challenges) <= 64  # and one outstanding nonce per connection, capped too
         assert j.status(ctx)["phase"] == "open"
     finally:
         j.close()

@@ -197,7 +197,7 @@ def test_wrong_dataset_and_wrong_version_are_refused_by_name_and_the_world_forms
 def test_a_hello_from_another_wire_version_gets_a_reject_naming_the_skew(cluster, ctx):
     c = cluster()
     codec = Codec(c.key, JOIN_RUN_ID, "future")
-    header, *_ = codec.encode(JoinHello("future", ["cpu:0"], SIG, 1, None), channel=Channel.JOIN)
+    header, *_ = codec.encode(JoinHello("future", ["cpu:0"], SIG, 1, None, bytes(16)), channel=Channel.JOIN)
     head = msgpack.unpackb(header)
     head["v"] = 2
     header = msgpack.packb(head, use_bin_type=True)

@@ -42,7 +42,7 @@ def hello(
     devices: list[str] | None = None,
 ) -> JoinHello:
     devs = devices if devices is not None else [f"cpu:{i}" for i in range(n)]
-    return JoinHello(host=host, devices=devs, dataset_sig=sig, protocol=protocol, model_sig=model)
+    return JoinHello(host=host, devices=devs, dataset_sig=sig, protocol=protocol, model_sig=model, nonce=bytes(16))
 
 
 def window(**cfg) -> JoinWindow:

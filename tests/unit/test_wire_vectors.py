@@ -44,7 +44,7 @@ FILLER = {
     Channel.CONTROL: REGISTRY["control.shutdown"].cls(),
     Channel.DATA: REGISTRY["data.consensus_request"].cls(round=0),
     Channel.BROADCAST: REGISTRY["bcast.probe"].cls(nonce=0),
-    Channel.JOIN: REGISTRY["join.reject"].cls(reason=""),
+    Channel.JOIN: REGISTRY["join.reject"].cls(reason="", nonce=b""),
 }
 
 
