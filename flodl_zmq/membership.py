@@ -41,7 +41,13 @@ Trust modes (`TrustMode`):
   or private address, and it always logs a warning.
 
 Pre-admission frames carry the all-zero run id (`JOIN_RUN_ID`): a joiner does
-not know the run yet. The accept names the run id, and every later frame on
+not know the run yet. So each exchange is made fresh by a challenge
+(PROTOCOL.md 10.4): the joiner (or a status client) asks with
+`join.challenge_request`, gets a random nonce issued to its connection
+(`Challenges`: used once, 30 s, capped), and signs it into its hello or status
+request; a recorded one replayed later finds its nonce unknown and is dropped
+without a reply. Nothing is answered before a message's MAC verifies, not
+even a version skew. The accept names the run id, and every later frame on
 the link (world formed, rank exits, heartbeats, abort) carries it with the
 session key, so a frame recorded in an earlier run that used the same
 pre-shared key cannot tear down a host of this one.
