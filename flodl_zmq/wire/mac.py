@@ -39,9 +39,9 @@ from flodl_zmq.errors import AuthError, ConfigError
 
 KEY_BYTES = 32
 MAC_BYTES = 32
-PAYLOAD_KEY_LABEL = b"flodl-zmq/2/payload-key\x00"
-MAC_LABEL = b"flodl-zmq/2/mac\x00"
-REFERENCE_MAC_LABEL = b"flodl-zmq/2/by-reference\x00"
+PAYLOAD_KEY_LABEL = b"flodl-zmq/3/payload-key\x00"
+MAC_LABEL = b"flodl-zmq/3/mac\x00"
+REFERENCE_MAC_LABEL = b"flodl-zmq/3/by-reference\x00"
 GMAC_BLOCK = 1 << 20  # bytes per block tag: parallel grain, ~5% call overhead over one whole-frame tag
 
 Buffer = bytes | bytearray | memoryview
