@@ -7,10 +7,12 @@ Rules this module keeps (normative text: protocol/PROTOCOL.md, "Authentication")
 - The header is authenticated with HMAC-SHA256. Payload frames (tensor bytes,
   up to gigabytes) are authenticated block by block with GMAC (AES-256-GCM
   with no plaintext) under a one-time key that is itself an HMAC of the
-  header. The header holds the run id, channel, sender and a sequence number
-  that never repeats for that sender, so the one-time key never repeats, each
-  (key, nonce) pair is used once (GCM's requirement), and the payload tags are
-  bound to exactly this header. HMAC-SHA256 over 100 MB costs ~58 ms on one
+  header. The header holds the run id, channel, sender, a sequence number
+  that never repeats for that sender, and the sender incarnation's random
+  salt (a restarted process reusing its name and counters still signs new
+  headers), so the one-time key never repeats, each (key, nonce) pair is used
+  once (GCM's requirement), and the payload tags are bound to exactly this
+  header. HMAC-SHA256 over 100 MB costs ~58 ms on one
   core here; GMAC runs at ~20 GB/s, Poly1305 (protocol version 1) at ~12.
 - Block tags are independent and AES-GCM releases the GIL, so a large payload
   is authenticated on every core at once: the reducer verifies a host's
