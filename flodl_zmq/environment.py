@@ -6,7 +6,9 @@ runs the same user script in every one of them and sets:
     FLODL_ROLE        controller | relay | rank (unset: train in this process alone)
     FLODL_CONTROLLER  the controller address HOST:PORT (it binds PORT..PORT+3)
     FLODL_KEY         the 32-byte session key, 64 hex characters (`flodl-zmq keygen`)
-    FLODL_RUN_ID      the run id, 32 hex characters (binds every record to this run)
+    FLODL_RUN_ID      the run id, 32 hex characters (binds every record to this run);
+                      drawn at random by launch / the controller for each run and
+                      handed down, never chosen or reused by hand (PROTOCOL.md 4.1)
     FLODL_WORLD       the world: HOST=RANK,RANK;HOST=RANK,... (e.g. h0=0,1;h1=2,3)
     FLODL_HOST        relay and rank: the host this process belongs to
     FLODL_RANK        rank: its global rank

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -54,11 +55,14 @@ from flodl_zmq.wire.records import REGISTRY, Channel, from_fields, spec_of, to_f
 
 PROTOCOL_VERSION = 3
 RUN_ID_BYTES = 16
+SALT_BYTES = 16
 MAX_SEQ = 2**63 - 1
 
-HEADER_KEYS = ("v", "k", "run", "ch", "from", "seq", "f", "p")
+HEADER_KEYS = ("v", "k", "run", "ch", "from", "salt", "seq", "f", "p")
 _HEADER_KEYSET = frozenset(HEADER_KEYS)
-_HEADER_TYPES = {"k": str, "run": bytes, "ch": str, "from": str, "seq": int, "f": dict, "p": list}
+_HEADER_TYPES = {
+    "k": str, "run": bytes, "ch": str, "from": str, "salt": bytes, "seq": int, "f": dict, "p": list,
+}
 
 
 @dataclass(frozen=True)
@@ -198,9 +202,22 @@ class Codec:
     """
 
     def __init__(
-        self, key: bytes, run_id: bytes, sender: str, limits: Limits | None = None, max_ledger: int | None = None
+        self,
+        key: bytes,
+        run_id: bytes,
+        sender: str,
+        limits: Limits | None = None,
+        max_ledger: int | None = None,
+        *,
+        salt: bytes | None = None,
     ):
         """`max_ledger` caps the replay ledger's entries, oldest forgotten first (None: unbounded).
+
+        `salt` is this incarnation's header salt (PROTOCOL.md 3.2, 4.2): 16 bytes
+        drawn from the OS CSPRNG for each Codec unless given (test vectors only).
+        It keeps the payload MAC's one-time keys unique even when a restarted
+        process reuses a sender name, run id and session key: two incarnations
+        never sign the same header, so never share a (GCM key, nonce) pair.
 
         A codec whose ledger names come from strangers (the join socket before
         admission, scoped per connection) needs it: else every new routing id
@@ -211,6 +228,11 @@ class Codec:
         if len(run_id) != RUN_ID_BYTES:
             raise SchemaError(f"run id must be {RUN_ID_BYTES} bytes, got {len(run_id)}")
         self.run_id = bytes(run_id)
+        if salt is None:
+            salt = os.urandom(SALT_BYTES)
+        if not isinstance(salt, bytes | bytearray) or len(salt) != SALT_BYTES:
+            raise SchemaError(f"header salt must be {SALT_BYTES} bytes")
+        self.salt = bytes(salt)
         self.sender = sender
         self.limits = limits or Limits()
         self._unpack_kwargs = self.limits.unpack_kwargs()
@@ -277,6 +299,7 @@ class Codec:
                 "run": self.run_id,
                 "ch": ch.value,
                 "from": self.sender,
+                "salt": self.salt,
                 "seq": next(self._seq[ch]),
                 "f": to_fields(rec),
                 "p": descs,
@@ -445,6 +468,8 @@ class Codec:
             raise SchemaError(f"sequence number {head['seq']} is outside 1..2^63-1")
         if not 0 < len(head["from"]) <= 256:
             raise SchemaError("sender name must be 1..256 characters")
+        if len(head["salt"]) != SALT_BYTES:
+            raise SchemaError(f"header salt must be {SALT_BYTES} bytes, got {len(head['salt'])}")
         return head
 
     def _check_payload(self, descs: list[Any], bufs: list[memoryview]) -> list[tuple[str, list[int]]]:

@@ -7,10 +7,12 @@ Rules this module keeps (normative text: protocol/PROTOCOL.md, "Authentication")
 - The header is authenticated with HMAC-SHA256. Payload frames (tensor bytes,
   up to gigabytes) are authenticated block by block with GMAC (AES-256-GCM
   with no plaintext) under a one-time key that is itself an HMAC of the
-  header. The header holds the run id, channel, sender and a sequence number
-  that never repeats for that sender, so the one-time key never repeats, each
-  (key, nonce) pair is used once (GCM's requirement), and the payload tags are
-  bound to exactly this header. HMAC-SHA256 over 100 MB costs ~58 ms on one
+  header. The header holds the run id, channel, sender, a sequence number
+  that never repeats for that sender, and the sender incarnation's random
+  salt (a restarted process reusing its name and counters still signs new
+  headers), so the one-time key never repeats, each (key, nonce) pair is used
+  once (GCM's requirement), and the payload tags are bound to exactly this
+  header. HMAC-SHA256 over 100 MB costs ~58 ms on one
   core here; GMAC runs at ~20 GB/s, Poly1305 (protocol version 1) at ~12.
 - Block tags are independent and AES-GCM releases the GIL, so a large payload
   is authenticated on every core at once: the reducer verifies a host's
@@ -39,9 +41,9 @@ from flodl_zmq.errors import AuthError, ConfigError
 
 KEY_BYTES = 32
 MAC_BYTES = 32
-PAYLOAD_KEY_LABEL = b"flodl-zmq/2/payload-key\x00"
-MAC_LABEL = b"flodl-zmq/2/mac\x00"
-REFERENCE_MAC_LABEL = b"flodl-zmq/2/by-reference\x00"
+PAYLOAD_KEY_LABEL = b"flodl-zmq/3/payload-key\x00"
+MAC_LABEL = b"flodl-zmq/3/mac\x00"
+REFERENCE_MAC_LABEL = b"flodl-zmq/3/by-reference\x00"
 GMAC_BLOCK = 1 << 20  # bytes per block tag: parallel grain, ~5% call overhead over one whole-frame tag
 
 Buffer = bytes | bytearray | memoryview

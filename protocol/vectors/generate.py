@@ -6,7 +6,7 @@ rejection cause).
 
 Rules this script keeps:
 
-- Deterministic: a fixed key, run id and sender, and per-channel sequence
+- Deterministic: a fixed key, run id, sender and salt, and per-channel sequence
   numbers that count up through `records.json` in file order, so two runs
   write identical files and the positive vectors, replayed in order, are also
   one valid stream.
@@ -43,6 +43,8 @@ OTHER_KEY = bytes(range(32, 64))
 RUN_ID = bytes.fromhex("f10d17c0ffee4a11b0a7d00dfeedf00d")
 OTHER_RUN_ID = bytes.fromhex("0123456789abcdef0123456789abcdef")
 SENDER = "host-a/rank-2"
+SALT = bytes.fromhex("5a17c0de0123456789abcdef5a17c0de")  # the sender incarnation's salt (random in use)
+OTHER_SALT = bytes.fromhex("0badc0de0badc0de0badc0de0badc0de")
 
 
 def _sig(label: str) -> bytes:
@@ -206,7 +208,7 @@ def _hex_frames(frames: list[Any]) -> list[str]:
 
 
 def positive_vectors() -> list[dict[str, Any]]:
-    codec = Codec(KEY, RUN_ID, SENDER)
+    codec = Codec(KEY, RUN_ID, SENDER, salt=SALT)
     out = []
     for kind, spec in REGISTRY.items():
         for i, channel in enumerate(spec.channels):
@@ -224,6 +226,7 @@ def positive_vectors() -> list[dict[str, Any]]:
                     "key": KEY.hex(),
                     "run_id": RUN_ID.hex(),
                     "sender": SENDER,
+                    "salt": SALT.hex(),
                     "seq": seq,
                     "record": to_json(to_fields(rec)),
                     "payload": [_payload_json(d, a) for d, a in payload],
@@ -245,6 +248,7 @@ def header(
     run: Any = RUN_ID,
     v: Any = PROTOCOL_VERSION,
     sender: Any = SENDER,
+    salt: Any = SALT,
 ) -> dict[str, Any]:
     """A header map in the canonical key order; defaults make a valid timing.heartbeat."""
     return {
@@ -253,6 +257,7 @@ def header(
         "run": run,
         "ch": ch,
         "from": sender,
+        "salt": salt,
         "seq": seq,
         "f": {"rank": 2, "step_count": 1234} if fields is None else fields,
         "p": [] if p is None else p,
@@ -609,6 +614,34 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             "SchemaError",
             "header field 'seq' must be int",
             {"frames": signed(header(seq="1"))},
+        ),
+        (
+            "salt_missing",
+            "no `salt` key (a version 2 header under a version 3 number)",
+            "SchemaError",
+            "header keys",
+            {"frames": signed({k: v for k, v in header().items() if k != "salt"})},
+        ),
+        (
+            "salt_short",
+            "a 15-byte salt",
+            "SchemaError",
+            "header salt must be 16 bytes, got 15",
+            {"frames": signed(header(salt=SALT[:15]))},
+        ),
+        (
+            "salt_not_bin",
+            "the salt as a str of 32 hex characters",
+            "SchemaError",
+            "header field 'salt' must be bytes",
+            {"frames": signed(header(salt=SALT.hex()))},
+        ),
+        (
+            "version_2_header",
+            "a version 2 header (no `salt`)",
+            "VersionError",
+            "peer speaks protocol version 2, this build speaks 3",
+            {"frames": signed({k: v for k, v in header(v=2).items() if k != "salt"})},
         ),
         (
             "seq_zero",

@@ -216,7 +216,7 @@ def forge(
 
 def header(**over: Any) -> dict[str, Any]:
     """A valid timing.heartbeat header from "tx"; keyword arguments replace keys."""
-    head = {"v": PROTOCOL_VERSION, "k": "timing.heartbeat", "run": RUN, "ch": "control", "from": "tx", "seq": 1,
+    head = {"v": PROTOCOL_VERSION, "k": "timing.heartbeat", "run": RUN, "ch": "control", "from": "tx", "salt": bytes(16), "seq": 1,
             "f": {"rank": 0, "step_count": 5}, "p": []}  # fmt: skip
     head.update(over)
     return head
@@ -591,6 +591,38 @@ REJECTIONS: list[tuple[str, Any, Channel, Limits | None, type[WireError], str]] 
         "header field 'run' must be bytes",
     ),
     (
+        "salt_missing",
+        lambda: forge(_no("salt")),
+        Channel.CONTROL,
+        None,
+        SchemaError,
+        "header keys",
+    ),
+    (
+        "salt_short",
+        lambda: forge(header(salt=bytes(15))),
+        Channel.CONTROL,
+        None,
+        SchemaError,
+        "header salt must be 16 bytes, got 15",
+    ),
+    (
+        "salt_long",
+        lambda: forge(header(salt=bytes(17))),
+        Channel.CONTROL,
+        None,
+        SchemaError,
+        "header salt must be 16 bytes, got 17",
+    ),
+    (
+        "salt_mistyped",
+        lambda: forge(header(salt="00" * 16)),
+        Channel.CONTROL,
+        None,
+        SchemaError,
+        "header field 'salt' must be bytes",
+    ),
+    (
         "seq_bool",
         lambda: forge(header(seq=True)),
         Channel.CONTROL,
@@ -821,7 +853,7 @@ _ANY = st.recursive(
 @settings(max_examples=100, deadline=None)
 @given(
     head=st.dictionaries(
-        st.sampled_from(["v", "k", "run", "ch", "from", "seq", "f", "p", "x"]),
+        st.sampled_from(["v", "k", "run", "ch", "from", "salt", "seq", "f", "p", "x"]),
         _ANY,
     )
 )

@@ -23,7 +23,7 @@ def heartbeat(rank: int = 0) -> Heartbeat:
 
 def forged(signer: str, seq: int, key: bytes) -> list[bytes]:
     head = msgpack.packb(
-        {"v": PROTOCOL_VERSION, "k": "timing.heartbeat", "run": RUN, "ch": "control", "from": signer, "seq": seq,
+        {"v": PROTOCOL_VERSION, "k": "timing.heartbeat", "run": RUN, "ch": "control", "from": signer, "salt": bytes(16), "seq": seq,
          "f": {"rank": 0, "step_count": 1}, "p": []},  # fmt: skip
         use_bin_type=True,
     )

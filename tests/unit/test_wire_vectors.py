@@ -24,6 +24,7 @@ from flodl_zmq import errors
 from flodl_zmq.tensors import bf16_from_f32
 from flodl_zmq.wire import (
     REGISTRY,
+    SALT_BYTES,
     Attribution,
     Channel,
     Codec,
@@ -32,6 +33,7 @@ from flodl_zmq.wire import (
     compute_mac,
     verify_mac,
 )
+from flodl_zmq.wire import mac as mac_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "protocol" / "vectors"
@@ -91,7 +93,8 @@ def payload_arrays(vector: dict[str, Any]) -> tuple[list[np.ndarray], list[str]]
 def codec_for(
     vector: dict[str, Any], sender: str = "receiver", limits: Limits | None = None
 ) -> Codec:
-    return Codec(bytes.fromhex(vector["key"]), bytes.fromhex(vector["run_id"]), sender, limits)
+    salt = bytes.fromhex(vector["salt"]) if "salt" in vector else None
+    return Codec(bytes.fromhex(vector["key"]), bytes.fromhex(vector["run_id"]), sender, limits, salt=salt)
 
 
 @pytest.mark.parametrize("vector", POSITIVE, ids=[v["name"] for v in POSITIVE])
@@ -128,20 +131,55 @@ def spec_mac(key: bytes, header: bytes, payloads: list[bytes]) -> bytes:
     """The MAC of PROTOCOL.md 4.2, written from the text rather than from mac.py."""
     tag = b""
     if payloads:
-        one_time = hmac.new(key, b"flodl-zmq/2/payload-key\x00" + header, hashlib.sha256).digest()
+        one_time = hmac.new(key, b"flodl-zmq/3/payload-key\x00" + header, hashlib.sha256).digest()
         for i, p in enumerate(payloads, 1):
             tag += struct.pack("<Q", len(p))
             for j in range(0, len(p), 1 << 20):
                 nonce = struct.pack("<I", i) + struct.pack("<Q", j >> 20)
                 tag += AESGCM(one_time).encrypt(nonce, b"", p[j:j + (1 << 20)])
     body = struct.pack("<I", len(payloads)) + struct.pack("<Q", len(header)) + header + tag
-    return hmac.new(key, b"flodl-zmq/2/mac\x00" + body, hashlib.sha256).digest()
+    return hmac.new(key, b"flodl-zmq/3/mac\x00" + body, hashlib.sha256).digest()
 
 
 @pytest.mark.parametrize("vector", POSITIVE, ids=[v["name"] for v in POSITIVE])
 def test_vector_mac_is_the_construction_the_spec_describes(vector: dict[str, Any]) -> None:
     frames = frames_of(vector["frames"])
     assert spec_mac(bytes.fromhex(vector["key"]), frames[0], frames[1:-1]) == frames[-1]
+
+
+def test_two_incarnations_never_share_a_one_time_key_or_payload_tags() -> None:
+    # Issue 15 finding 8: a restarted process under the same sender name, run id and key,
+    # encoding the same record as its seq-th message, must not reuse a (GCM key, nonce):
+    # the salt in the signed header changes the one-time key, hence every block tag.
+    vector = next(v for v in POSITIVE if v["payload"])
+    channel = Channel(vector["channel"])
+    rec = record_from_json(REGISTRY[vector["kind"]].cls, vector["record"])
+    arrays, dtypes = payload_arrays(vector)
+    key, run = bytes.fromhex(vector["key"]), bytes.fromhex(vector["run_id"])
+    sent = []
+    for salt in (bytes(16), b"\xff" * 16):
+        codec = Codec(key, run, vector["sender"], salt=salt)
+        for _ in range(vector["seq"] - 1):
+            codec.encode(FILLER[channel], channel=channel)
+        sent.append(codec.encode(rec, arrays, channel=channel, dtypes=dtypes))
+    (h1, *p1, m1), (h2, *p2, m2) = ([bytes(f) for f in frames] for frames in sent)
+    assert p1 == p2 and h1 != h2 and m1 != m2
+    one_time = [hmac.new(key, b"flodl-zmq/3/payload-key\x00" + h, hashlib.sha256).digest() for h in (h1, h2)]
+    assert one_time[0] != one_time[1]
+    nonce = struct.pack("<IQ", 1, 0)
+    tags = [AESGCM(k).encrypt(nonce, b"", p1[0][: 1 << 20]) for k in one_time]
+    assert tags[0] != tags[1]
+    assert mac_module.payload_tag(key, h1, p1) != mac_module.payload_tag(key, h2, p2)
+    for frames in sent:  # both decode: the salt is a header field, not a receiver setting
+        codec_for(vector).decode(frames, channel)
+
+
+def test_codec_draws_a_fresh_salt_per_instance() -> None:
+    unsalted = {k: v for k, v in POSITIVE[0].items() if k != "salt"}
+    a, b = codec_for(unsalted), codec_for(unsalted)
+    assert len(a.salt) == SALT_BYTES and len(b.salt) == SALT_BYTES and a.salt != b.salt
+    with pytest.raises(errors.SchemaError, match="salt must be 16 bytes"):
+        Codec(bytes.fromhex(unsalted["key"]), bytes.fromhex(unsalted["run_id"]), "x", salt=bytes(15))
 
 
 def test_multi_block_payload_mac_is_the_construction_the_spec_describes() -> None:
