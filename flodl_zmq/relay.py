@@ -109,6 +109,7 @@ from flodl_zmq.security import CurveKeys, apply_client
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
+    RANK_CONTROL_RECORDS,
     Consensus,
     ConsensusGone,
     ConsensusRequest,
@@ -449,6 +450,12 @@ class Relay:
             return
         env = self._verify(codec, msg[1:], Channel.CONTROL, rank, count, "local_control")
         if env is None:
+            return
+        if type(env.record) not in RANK_CONTROL_RECORDS:
+            # A kind only the coordinator or a relay sends: the rank is out, as for any violation.
+            count["illegal_kind.local_control"] += 1
+            if live.leave(rank):
+                death(rank, f"protocol violation: it sent {env.kind}, which a rank never sends")
             return
         live.seen(rank, time.monotonic())
         self._send(up, msg, count, "upstream_control")  # verbatim: the rank's own MAC travels on

@@ -550,3 +550,12 @@ def to_fields(rec: Any) -> dict[str, Any]:
         out[f.name] = to_fields(v) if isinstance(v, EpochPlan) else v
     return out
 
+
+
+# What a rank may send on its control link (through its relay, to the coordinator). Every
+# other control kind is the coordinator's or a relay's: a rank that sends one is broken or
+# hostile, and its relay refuses it rather than carry it upstream (PROTOCOL.md 7).
+RANK_CONTROL_RECORDS: frozenset[type] = frozenset({
+    RankHello, Heartbeat, Batch, SyncAck, SnapshotReady, Exiting, LrUpdate,
+    EvalResult, CheckpointResult, EpochFnElapsed, EpochMetrics,
+})

@@ -235,6 +235,15 @@ def test_goodbye_leaves_the_barrier_and_is_reported_on_both_upstream_legs(rig):
     assert frame.ranks == [0] and frame.mass == 1.0
 
 
+def test_a_rank_sending_a_coordinator_record_is_refused_and_reported_gone(rig):
+    # Authentic and from rank 1 itself, but a kind only the coordinator sends.
+    rig.ranks[1].control.send_multipart(rig.ranks[1].codec.encode(CoordHeartbeat()))
+    route, env = rig.ctl.control_message()
+    assert route == RELAY_ROUTE and env.record == RankExit(1)  # not forwarded: the rank is out
+    assert rig.relay.counters()["illegal_kind.local_control"] == 1
+    assert RankExit(1) in [rig.ctl.data_record().record]  # its fold stops waiting for it too
+
+
 def test_a_silent_rank_is_out_within_the_deadline(tmp_path):
     rig = Rig(tmp_path, heartbeat_deadline_s=0.4, poll_s=0.02)
     try:

@@ -517,3 +517,9 @@ def test_resume_with_another_world_size_is_refused():
     c, _ = make(total=40)
     with pytest.raises(Exception, match="world_size"):
         Coordinator(c.config, 3, 0.0, resume=c.state_dict())
+
+
+def test_what_a_relay_lets_a_rank_send_is_exactly_what_the_controller_consumes():
+    # The relay refuses every other control kind from a rank (RANK_CONTROL_RECORDS); the
+    # controller service takes RankHello, the coordinator the rest. One list, checked here.
+    assert set(Coordinator._HANDLERS) | {rec.RankHello} == rec.RANK_CONTROL_RECORDS
