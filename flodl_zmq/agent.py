@@ -94,7 +94,7 @@ from flodl_zmq.security import (
 )
 from flodl_zmq.settings import Settings, add_arguments, env_names
 from flodl_zmq.wire import PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec, key_from_hex
-from flodl_zmq.wire.mac import byte_view, check_key, verify_mac
+from flodl_zmq.wire.mac import check_key
 from flodl_zmq.wire.records import (
     Abort,
     Challenge,
@@ -456,7 +456,7 @@ class Agent:
             try:
                 env = self._codec.decode(frames, Channel.JOIN)
             except VersionError as exc:
-                if self._authentic(frames):  # a stranger's frame of any version is not the controller's word
+                if self._codec.authentic(frames):  # a stranger's frame of any version is not the controller's word
                     raise MembershipError(f"join refused: {exc}") from None
                 log.warning("join frame of another protocol version dropped: its MAC does not verify")
                 continue
@@ -469,14 +469,6 @@ class Agent:
             self._last_heard = time.monotonic()
             if not isinstance(env.record, JoinHeartbeat):
                 return env.record
-
-    def _authentic(self, frames: list[Any]) -> bool:
-        try:
-            bufs = [byte_view(f) for f in frames]
-            verify_mac(self._codec.key, bufs[0], bufs[1:-1], bufs[-1])
-            return True
-        except (WireError, ValueError, TypeError, IndexError):
-            return False
 
     def _beat(self, now: float) -> None:
         if now >= self._next_beat:

@@ -82,7 +82,6 @@ from flodl_zmq.mailbox import Mailbox, poll_ms
 from flodl_zmq.security import JOIN_ZAP_DOMAIN, CleartextWarner, CurveGate, CurveKeys, apply_server
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import KEY_BYTES, PROTOCOL_VERSION, RUN_ID_BYTES, Attribution, Channel, Codec
-from flodl_zmq.wire.mac import byte_view, verify_mac
 from flodl_zmq.wire.records import (
     Abort,
     Challenge,
@@ -836,7 +835,7 @@ class MembershipService:
         except VersionError as exc:
             # The version is read before the MAC: answer only a sender who holds the key,
             # or a stranger would get a reject signed with it (PROTOCOL.md 10.4).
-            if not self._authentic(frames):
+            if not self._join.authentic(frames):
                 self.dropped += 1
                 log.warning("join frame of another protocol version dropped without reply: its MAC does not verify")
                 return
@@ -901,15 +900,6 @@ class MembershipService:
             self.window.joined_ranks,
             self.window.config.target_ranks or f"{self.window.config.min_ranks}+",
         )
-
-    def _authentic(self, frames: list[Any]) -> bool:
-        """Whether a pre-admission message's MAC verifies under the join key (whatever its version)."""
-        try:
-            bufs = [byte_view(f) for f in frames]
-            verify_mac(self._join.key, bufs[0], bufs[1:-1], bufs[-1])
-            return True
-        except (WireError, ValueError, TypeError, IndexError):
-            return False
 
     def _admit_curve_key(self, host: str, frames: list[Any]) -> None:
         """Let the key that carried `host`'s admitted hello through the data sockets (the gate)."""

@@ -48,6 +48,7 @@ from flodl_zmq.errors import (
     ReplayError,
     SchemaError,
     VersionError,
+    WireError,
 )
 from flodl_zmq.tensors import DTYPES, as_numpy, dtype_name
 from flodl_zmq.wire import mac as _mac
@@ -329,6 +330,19 @@ class Codec:
         `replay=False` skips only the sequence (broadcasts: PROTOCOL.md 5.1).
         """
         return self._decode(frames, channel, sender, replay)
+
+    def authentic(self, frames: Sequence[Any]) -> bool:
+        """Whether `frames` carry a valid MAC under this codec's key, whatever their version or schema.
+
+        `decode` reads the version before the MAC; a receiver that must not answer
+        anyone it cannot authenticate (a join reject naming both versions) asks this first.
+        """
+        try:
+            bufs = [_mac.byte_view(f) for f in frames]
+            _mac.verify_mac(self.key, bufs[0], bufs[1:-1], bufs[-1])
+            return True
+        except (WireError, ValueError, TypeError, IndexError):
+            return False
 
     def _decode(self, frames: Sequence[Any], channel: Channel, sender: Sender | None, replay: bool) -> Envelope:
         lim = self.limits

@@ -1,10 +1,11 @@
-"""Helpers for the attack tests: this process's memory, as the kernel counts it."""
+"""Helpers for the attack tests: a ZeroMQ context, and this process's memory as the kernel counts it."""
 
 from __future__ import annotations
 
 import gc
 
 import pytest
+import zmq
 
 
 def _status_kib(field: str) -> int:
@@ -36,3 +37,10 @@ def peak_rss() -> PeakRss:
     except OSError as exc:
         pytest.skip(f"needs /proc/self/clear_refs: {exc}")
     return p
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)

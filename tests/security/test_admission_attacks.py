@@ -50,12 +50,6 @@ FAST = {"heartbeat_s": 0.1, "silence_s": 2.0}
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
 
 class FakeController:
     """Answers the first hello it gets with an accept and a formed world of its choosing, then heartbeats.

@@ -49,12 +49,6 @@ SIG = bytes([7]) * 32
 SILENT_MS = 1500  # how long a replay or a stranger is given to draw an answer
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(0)
-
 
 class Run:
     """One run's membership service under the pre-shared `key` (a fresh run id each time)."""

@@ -51,12 +51,6 @@ MiB = 1 << 20
 BIG_FRAME = 64 * MiB  # many times every control socket's MAXMSGSIZE (1 MiB)
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(0)
-
 
 class Join:
     """A membership service (the controller's join socket) on tcp loopback."""
