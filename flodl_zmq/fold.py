@@ -26,10 +26,14 @@ root. This module is the middle move and keeps these rules:
   A dead rank is out of every later barrier, and work it already deposited
   stays counted (that work was realized). There is no deadline: dropping a
   round silently would break Local SGD, so liveness comes from deaths only.
-- Every protocol violation (second deposit from one rank, wrong round id,
-  schema drift from the round's first deposit, non-finite or negative mass,
-  a rank not on the roster) raises FoldError and poisons the station: nothing
-  it holds is ever shipped, and the relay must tear its data channel down.
+- Every protocol violation (a round id ahead of the open round, schema drift
+  from the round's first deposit, non-finite or negative mass, a rank not on
+  the roster) raises FoldError and poisons the station: nothing it holds is
+  ever shipped, and the relay must tear its data channel down.
+- Round id + rank make a deposit idempotent: a second deposit from one rank in
+  the open round (a resend that crossed the original) is dropped and counted,
+  never summed twice; a deposit for a round already shipped is late. Either
+  way nothing changes (PROTOCOL.md 10.6).
 - A deposit with a NaN or infinite element is refused and does not poison the
   station: the rank is out of every barrier, listed in ``refused`` (the relay
   makes it leave), and the round completes without it (one rank must not NaN
@@ -376,6 +380,7 @@ class FoldCounters:
     rounds_shipped: int = 0
     deposits: int = 0
     late_drops: int = 0
+    duplicate_drops: int = 0
     bytes_folded: int = 0
 
 
@@ -563,17 +568,16 @@ class FoldStation:
             # A frame that raced its rank's death: the barrier already let go of it.
             self.counters.late_drops += 1
             return None
+        if self.last_round is not None and round_id <= self.last_round:
+            # A resend that crossed the original, or one this relay asked for too late: already shipped.
+            self.counters.late_drops += 1
+            return None
         rnd = self._round
         if rnd is not None and round_id != rnd.round_id:
             raise FoldError(f"{who}: the open round is {rnd.round_id} (stream desynced)")
-        if rnd is None and self.last_round is not None and round_id <= self.last_round:
-            raise FoldError(
-                f"{who}: round {self.last_round} already shipped (stale or replayed frame)"
-            )
         if rnd is not None and rank in rnd.members:
-            raise FoldError(
-                f"{who}: rank deposited twice in one round (ping-pong violated; stream desynced)"
-            )
+            self.counters.duplicate_drops += 1  # a resend after the original arrived: counted once
+            return None
         self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError)
         self.counters.deposits += 1
         self.counters.bytes_folded += sum(t.nbytes for t in tensors)
@@ -593,6 +597,15 @@ class FoldStation:
         got = bool(rnd.refused)
         rnd.refused.clear()
         return got
+
+    def awaits(self, rank: int, round_id: int) -> bool:
+        """Whether live ``rank``'s deposit for unshipped ``round_id`` is missing (lost: ask for it again)."""
+        if rank not in self.roster or rank in self.dead or self.poisoned is not None:
+            return False
+        if self.last_round is not None and round_id <= self.last_round:
+            return False
+        rnd = self._round
+        return rnd is None or (rnd.round_id == round_id and rank not in rnd.members)
 
     def mark_dead(self, rank: int) -> HostFold | NothingToShip | None:
         """Take ``rank`` out of every later barrier (idempotent); its merged work stays counted."""

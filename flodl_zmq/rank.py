@@ -39,11 +39,17 @@ Rules this module keeps:
   end against the reducer's MAC. No model bytes cross the local socket.
 - The next plan of an `Update` is held until that round's consensus is
   loaded: training it on the pre-consensus replica would throw its steps away.
+- A deposit is kept until its round's consensus arrives: a rank that waited
+  `consensus_wait_s` asks its relay (ConsensusRequest), which resends the
+  consensus or asks for the deposit again (FrameRequest), so a record lost
+  on the local link never stalls the round (PROTOCOL.md 10.6). The snapshot
+  is not overwritten before that consensus, so the resend is the same deposit.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -245,6 +251,7 @@ class RankConfig:
     coordinator_timeout_s: float = DEFAULTS.coordinator_silence_at_rank_s
     # The world forms only once every rank has started: the first word may take long.
     first_contact_timeout_s: float = DEFAULTS.coordinator_first_contact_at_rank_s
+    consensus_wait_s: float = DEFAULTS.consensus_wait_at_relay_s  # then the rank asks its relay for it
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -277,6 +284,10 @@ class _Link:
         self._ctx = ctx
         self._stop = threading.Event()
         self.rejected = 0
+        self.resent = 0  # deposits sent again because the relay asked (lost on the local link)
+        # The round's deposit, kept until its consensus passes, and when to ask the relay for it.
+        self._deposit: tuple[Any, list[Any], ParamBuffers | None] | None = None
+        self._ask_at = math.inf
         self._thread = threading.Thread(target=self._run, name=f"flodl-rank{cfg.rank}-io", daemon=True)
 
     def start(self) -> None:
@@ -321,11 +332,15 @@ class _Link:
                 if now >= next_beat:
                     self._encode_send(control, rec.Heartbeat(rank=self.cfg.rank, step_count=self._step_count()))
                     next_beat = now + self.cfg.heartbeat_s
+                if now >= self._ask_at and self._deposit is not None:
+                    self._encode_send(data, rec.ConsensusRequest(round=self._deposit[0].round), Channel.DATA)
+                    self._ask_at = now + self.cfg.consensus_wait_s
                 limit = self.cfg.first_contact_timeout_s if last_heard is None else self.cfg.coordinator_timeout_s
                 if not lost and now - (last_heard or started) > limit:
                     lost = True
                     self.inbox.put(("lost", f"no word from the coordinator for {limit:.0f} s"))
-                events = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
+                wake = min(next_beat, self._ask_at)
+                events = dict(poller.poll(max(1, int((wake - time.monotonic()) * 1000))))
                 if control in events:
                     while control.poll(0):
                         frames = recv_bounded(control, CONTROL_MAX_FRAMES, copy=False)
@@ -339,8 +354,13 @@ class _Link:
                         # is byte-identical and may follow later rounds, so the round id
                         # (checked by the training thread), not the sequence, guards replays.
                         frames = recv_bounded(data, DATA_MAX_FRAMES, copy=False)
+                        if frames is not None and len(frames) == 2:  # no payload: the relay's own record
+                            self._from_relay_data(frames, data)
+                            continue
                         env = None if frames is None else self._decode_data(frames)
                         if env is not None and isinstance(env.record, rec.Consensus):
+                            if self._deposit is not None and env.record.round == self._deposit[0].round:
+                                self._deposit, self._ask_at = None, math.inf
                             self.inbox.put(("consensus", env))
         finally:
             self._flush(control, data)
@@ -369,28 +389,52 @@ class _Link:
             log.warning("rank %d: rejected a consensus: %s", self.cfg.rank, exc)
             return None
 
+    def _from_relay_data(self, frames: list[Any], data: zmq.Socket) -> None:
+        """A record of the relay's own on the data link: a FrameRequest for a deposit it never got."""
+        try:
+            env = self.codec.decode_from(frames, Channel.DATA, self._from_relay)
+        except WireError as exc:
+            self.rejected += 1
+            log.warning("rank %d: rejected a data record from the relay: %s", self.cfg.rank, exc)
+            return
+        held = self._deposit
+        if isinstance(env.record, rec.FrameRequest) and held is not None and held[0].round == env.record.round:
+            log.warning("rank %d: the relay lost this rank's deposit of round %d; sending it again",
+                        self.cfg.rank, env.record.round)
+            self.resent += 1
+            self._send_deposit(data, *held, again=True)
+
     def _flush(self, control: zmq.Socket, data: zmq.Socket) -> None:
         for item in self._outbox.drain():
             if item is None:
                 continue
             record, payload, tracked_by = item
             if payload:
-                if tracked_by is not None and tracked_by.segment is not None:
-                    # The payload stays in the segment; the round protocol keeps it unwritten
-                    # until the relay is done with it (the next snapshot follows this consensus).
-                    data.send_multipart(by_reference(self.codec, record, payload, tracked_by.segment,
-                                                     channel=Channel.DATA))
-                    tracked_by.hold_until_sent(None)
-                    continue
-                frames = self.codec.encode(record, payload, channel=Channel.DATA)
-                tracker = data.send_multipart(frames, copy=False, track=True)
-                if tracked_by is not None:
-                    tracked_by.hold_until_sent(tracker)
+                self._send_deposit(data, record, payload, tracked_by)
+                self._deposit, self._ask_at = item, time.monotonic() + self.cfg.consensus_wait_s
             else:
                 self._encode_send(control, record)
 
-    def _encode_send(self, sock: zmq.Socket, record: Any) -> None:
-        sock.send_multipart(self.codec.encode(record, channel=Channel.CONTROL))
+    def _send_deposit(self, data: zmq.Socket, record: Any, payload: list[Any], tracked_by: ParamBuffers | None,
+                      again: bool = False) -> None:
+        """Send a deposit; `again` re-signs a kept one (a fresh sequence number: a copy would be a replay)."""
+        if tracked_by is not None and tracked_by.segment is not None:
+            # The payload stays in the segment; the round protocol keeps it unwritten
+            # until the relay is done with it (the next snapshot follows this consensus).
+            data.send_multipart(by_reference(self.codec, record, payload, tracked_by.segment, channel=Channel.DATA))
+            if not again:
+                tracked_by.hold_until_sent(None)
+            return
+        frames = self.codec.encode(record, payload, channel=Channel.DATA)
+        if again:
+            data.send_multipart(frames)  # copied: the first send's tracker still guards the snapshot
+            return
+        tracker = data.send_multipart(frames, copy=False, track=True)
+        if tracked_by is not None:
+            tracked_by.hold_until_sent(tracker)
+
+    def _encode_send(self, sock: zmq.Socket, record: Any, channel: Channel = Channel.CONTROL) -> None:
+        sock.send_multipart(self.codec.encode(record, channel=channel))
 
 
 # --------------------------------------------------------------------------- training thread

@@ -23,10 +23,14 @@ Rules the ledger keeps:
   consensus in the round's dtype (bf16 rounds to nearest even) in the same
   pass. A zero-mass round is not divided: it ships mass 0 and receivers keep
   their state.
-- A protocol violation (unknown host, second frame from one host in a round,
-  a round id ahead of the open round, schema drift from the round's first
-  frame, bad mass) raises ProtocolError and changes nothing: the host stays
-  expected, so the service must tear it down or have its ranks declared dead.
+- A protocol violation (unknown host, a round id ahead of the open round,
+  schema drift from the round's first frame, bad mass) raises ProtocolError
+  and changes nothing: the host stays expected, so the service must tear it
+  down or have its ranks declared dead.
+- Round id + host make a frame idempotent: a second frame from one host in
+  the open round (a resend that crossed the original) is dropped and
+  counted, never summed twice. A host whose frame of the open round is
+  missing is asked for it again (`awaits`, PROTOCOL.md 10.6).
 - A frame with a NaN or infinite element, or with more mass than the round's
   bound for its host (the sum of its ranks' bounds, given by the coordinator
   with `bound_round` before the round's first frame can arrive), raises
@@ -104,6 +108,7 @@ class LedgerCounters:
 
     frames: int = 0
     late_drops: int = 0
+    duplicate_drops: int = 0
     dead_host_drops: int = 0
     rounds_reduced: int = 0
     rounds_abandoned: int = 0
@@ -188,7 +193,8 @@ class RoundLedger:
         if rnd is not None and round_id != rnd.round_id:
             raise ProtocolError(f"{who}: round {rnd.round_id} is still open (desynced host)")
         if rnd is not None and host in rnd.members:
-            raise ProtocolError(f"{who}: host sent a second frame in one round (desynced relay)")
+            self.counters.duplicate_drops += 1  # a resend after the original arrived: counted once
+            return None
         bounds = self._bounds.get(round_id)
         if bounds is not None:
             cap = sum(bounds.get(r, 0.0) for r in ranks)
@@ -244,6 +250,19 @@ class RoundLedger:
     def is_dead(self, rank: int) -> bool:
         """Whether ``rank`` has been declared dead."""
         return rank in self.dead
+
+    def awaits(self, host: str, round_id: int) -> bool:
+        """Whether ``host``'s frame for ``round_id`` is still wanted and not here (lost: ask for it again).
+
+        True only for an unfinished round that is open (or not yet learned) and
+        a host that is expected and has not deposited in it.
+        """
+        if host not in self.expected_hosts():
+            return False
+        if self.last_round is not None and round_id <= self.last_round:
+            return False
+        rnd = self._round
+        return rnd is None or (rnd.round_id == round_id and host not in rnd.members)
 
     def recover(self, round_id: int) -> Reduced | Gone:
         """The consensus of ``round_id`` if it is the latest one, else why it is not available."""

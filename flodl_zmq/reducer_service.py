@@ -18,11 +18,13 @@ Rules this module keeps:
   Until then a consensus reaches it point to point.
 - Each consensus is encoded once and published with its round id; the
   latest stays resendable for a relay that asks (ConsensusRequest). A request
-  the ledger cannot serve is answered ConsensusGone, never ignored.
+  the ledger cannot serve is answered ConsensusGone, never ignored; one for
+  an open round whose host frame never came is answered FrameRequest (the
+  frame was lost in a reset; PROTOCOL.md 10.6).
 - Each death reaches the owning relay as DeclareDead exactly once (at once,
   or when the relay registers); a death the relay reported itself (RankExit)
   is not echoed back.
-- A relay that breaks the round protocol (second frame, schema drift, a
+- A relay that breaks the round protocol (a round ahead, schema drift, a
   non-finite element, more mass than the coordinator's bound) has
   every one of its ranks declared dead: a desynced host must not wedge the
   run, and the ledger never sums its polluted frame.
@@ -81,6 +83,7 @@ from flodl_zmq.wire.records import (
     Consensus,
     ConsensusGone,
     ConsensusRequest,
+    FrameRequest,
     HostFrame,
     Probe,
     RankExit,
@@ -226,7 +229,7 @@ class ReducerService:
         """Every rejection, drop and recovery so far, keyed by cause, plus the ledger's counters."""
         out = dict(self._count)
         lc = self.ledger.counters
-        out.update(late_frames=lc.late_drops, dead_host_frames=lc.dead_host_drops,
+        out.update(late_frames=lc.late_drops, duplicate_frames=lc.duplicate_drops, dead_host_frames=lc.dead_host_drops,
                    rounds_reduced=lc.rounds_reduced, rounds_abandoned=lc.rounds_abandoned)
         return out
 
@@ -466,6 +469,11 @@ class ReducerService:
             return
         last = self.ledger.last_round
         if isinstance(got, Gone) and (last is None or round_id > last):
+            if self.ledger.awaits(host, round_id):
+                # The request came after its host frame on one connection, so that frame was lost
+                # in a reset: ask for it again (round id + host keep a crossing copy from counting twice).
+                self._count["frame_requests"] += 1
+                self._send_record(host, FrameRequest(round_id))
             return  # not finished yet: the broadcast will come, and the relay asks again if not
         latest = got.latest if isinstance(got, Gone) and got.latest is not None else -1
         log.error("reducer: relay %s asked for round %d: %s", host, round_id, getattr(got, "reason", "not cached"))

@@ -46,6 +46,12 @@ Rules this module keeps:
   shipped and whose consensus did not come (a later round came first, or
   silence past `consensus_deadline_s`) is requested point to point: PUB
   drops messages and a lost consensus is a correctness bug for Local SGD.
+- Nothing lost in a reset stalls a round (PROTOCOL.md 10.6): the last host
+  frame shipped is kept until its consensus comes and sent again when the
+  reducer asks (FrameRequest); a rank that asks for its consensus
+  (ConsensusRequest) gets the last one delivered again, or a FrameRequest
+  when its deposit never reached the fold. Round id + sender make a resend
+  idempotent: the fold and the reducer count a crossing copy once.
 - Every queue is bounded by a high-water mark counted in records; a slow
   upstream blocks the data thread, which stops reading the ranks.
 - Same-host ranks may deposit by reference (flodl_zmq/wire/shm.py): the
@@ -114,6 +120,7 @@ from flodl_zmq.wire.records import (
     ConsensusGone,
     ConsensusRequest,
     Exiting,
+    FrameRequest,
     HostFrame,
     Probe,
     RankExit,
@@ -606,6 +613,10 @@ class _DataPlane:
             self.shm_unusable(exc)
         self.by_reference: set[int] = set()  # ranks that deposit by reference
         self.hello = _Hello(self.cfg.hello_retry_s)
+        # Kept for a resend after a reset: the host frame awaiting its consensus, and the last
+        # consensus delivered (framed, and by reference while the host segment still holds it).
+        self.shipped: HostFold | None = None
+        self.delivered: tuple[int, list[Any], list[Any] | None] | None = None
 
     def shm_unusable(self, exc: ShmError) -> None:
         # A squatted or foreign shared-memory path must not stop the host: consensus goes framed.
@@ -635,6 +646,9 @@ class _DataPlane:
             return
         if is_by_reference(frames):
             self.by_reference.add(rank)
+        if isinstance(env.record, ConsensusRequest):
+            self.rank_asks(rank, env.record.round)
+            return
         if not isinstance(env.record, RoundFrame):
             self.count["unexpected.local_data"] += 1
             return
@@ -652,6 +666,28 @@ class _DataPlane:
             return
         self.ship(outcome)
         self.refused()
+
+    def rank_asks(self, rank: int, round_id: int) -> None:
+        """A rank waited too long for the consensus of `round_id`: resend it, or ask for its lost deposit.
+
+        The request follows the rank's deposit on one connection, so a deposit the
+        fold still awaits was lost. A round shipped and not yet delivered needs
+        nothing here: this relay's own watch asks the reducer.
+        """
+        if self.delivered is not None and self.delivered[0] == round_id:
+            _, framed, shared = self.delivered
+            out = shared if shared is not None and rank in self.by_reference else framed
+            self.count["consensus_resent.local_data"] += 1
+            self.to_rank(rank, out)
+        elif self.fold.awaits(rank, round_id):
+            self.count["frame_requests.local_data"] += 1
+            self.to_rank(rank, self.codec.encode(FrameRequest(round_id), channel=Channel.DATA))
+
+    def to_rank(self, rank: int, frames: Sequence[Any]) -> None:
+        try:
+            self.relay._send(self.local, [rank_identity(rank), *frames], self.count, "local_data", copy=False)
+        except zmq.ZMQError:  # EHOSTUNREACH: this rank's socket is gone
+            self.count["undeliverable.local_data"] += 1
 
     def refused(self) -> None:
         """Ranks the fold refused while summing (a poisoned deposit): they leave, as after a bad deposit."""
@@ -673,6 +709,7 @@ class _DataPlane:
             rec = HostFrame(outcome.round_id, self.cfg.host, list(outcome.ranks), outcome.mass)
             self.send_up(rec, outcome.tensors)
             self.watch.shipped(outcome.round_id, time.monotonic())
+            self.shipped = outcome
         elif isinstance(outcome, NothingToShip):
             log.info("relay %s: %s", self.cfg.host, outcome.reason)
 
@@ -685,6 +722,8 @@ class _DataPlane:
     def leave(self, rank: int) -> None:
         # A rank that is gone never unlinks its own segment; the fold keeps its
         # mapping for as long as it holds a deposit from it.
+        if self.shipped is not None and self.shipped.verbatim and rank in self.shipped.ranks:
+            self.shipped = None  # its tensors lie in that rank's deposit; its host has nobody left to wait
         self.mapped.forget(rank_owner(rank))
         unlink_owner(self.cfg.run_id, rank_owner(rank), self.mapped.directory)
         try:
@@ -727,8 +766,25 @@ class _DataPlane:
             self.count["consensus_gone"] += 1
         elif isinstance(rec, RelayHelloAck):
             self.hello.acked()
+        elif isinstance(rec, FrameRequest):
+            self.resend_host_frame(rec.round)
         else:
             self.count["unexpected.upstream_data"] += 1
+
+    def resend_host_frame(self, round_id: int) -> None:
+        """The reducer never got this host's frame of `round_id` (lost in a reset): send it again.
+
+        Re-signed with a fresh sequence number (a byte-identical copy would be a
+        replay); the reducer counts the round once per host whatever arrives.
+        """
+        held = self.shipped
+        if held is None or held.round_id != round_id or round_id not in self.watch.pending:
+            self.count["stale_frame_request.upstream_data"] += 1
+            return
+        log.warning("relay %s: the reducer lost this host's frame of round %d; sending it again",
+                    self.cfg.host, round_id)
+        self.count["frames_resent.upstream_data"] += 1
+        self.send_up(HostFrame(held.round_id, self.cfg.host, list(held.ranks), held.mass), held.tensors)
 
     def consensus(self, frames: list[zmq.Frame], where: str) -> None:
         """A broadcast-channel record from PUB or resent point to point: verify, then deliver."""
@@ -758,6 +814,8 @@ class _DataPlane:
         for r in gaps:
             self.request(r)
         live = self.live_ranks()
+        if self.shipped is not None and self.shipped.round_id <= rec.round:
+            self.shipped = None
         shared = None
         if self.segment is not None and self.by_reference.intersection(live):
             # Verified above and written once for every same-host rank, under this relay's signature.
@@ -766,12 +824,9 @@ class _DataPlane:
                 shared = by_reference(self.codec, rec, env.payload, self.segment, channel=Channel.BROADCAST)
             except ShmError as exc:
                 self.shm_unusable(exc)
+        self.delivered = (rec.round, list(frames), shared)
         for rank in live:
-            try:
-                out = shared if shared is not None and rank in self.by_reference else frames
-                self.relay._send(self.local, [rank_identity(rank), *out], self.count, "local_data", copy=False)
-            except zmq.ZMQError:  # EHOSTUNREACH: this rank's socket is gone
-                self.count["undeliverable.local_data"] += 1
+            self.to_rank(rank, shared if shared is not None and rank in self.by_reference else frames)
 
     def request(self, round_id: int) -> None:
         log.info("relay %s: consensus of round %d not here; asking the reducer", self.cfg.host, round_id)

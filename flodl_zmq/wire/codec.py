@@ -23,8 +23,10 @@ Rules this module keeps (normative text: protocol/PROTOCOL.md):
   frame must be from calls `Codec.decode_from`, which keeps this order in
   one place (`_open`).
 - Sequence numbers are per sender and per channel, start at 1 and strictly
-  increase; a receiver remembers the last one it accepted from each sender,
-  and only an accepted frame moves it.
+  increase at the sender. A receiver keeps an anti-replay window per sender
+  (`ReplayWindow`): an unseen number within the window is accepted (a resend
+  of a lost record, or a reorder), a seen one or one older than the window is
+  refused. Only an accepted frame moves it.
 - No pickle, no object hooks: msgpack decodes to plain types only.
 """
 
@@ -54,10 +56,11 @@ from flodl_zmq.tensors import DTYPES, as_numpy, dtype_name
 from flodl_zmq.wire import mac as _mac
 from flodl_zmq.wire.records import REGISTRY, Channel, from_fields, spec_of, to_fields
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 RUN_ID_BYTES = 16
 SALT_BYTES = 16
 MAX_SEQ = 2**63 - 1
+REPLAY_WINDOW = 4096  # sequence numbers below a sender's highest that may still arrive (PROTOCOL.md 5.1)
 
 HEADER_KEYS = ("v", "k", "run", "ch", "from", "salt", "seq", "f", "p")
 _HEADER_KEYSET = frozenset(HEADER_KEYS)
@@ -102,6 +105,44 @@ class Envelope:
     dtypes: list[str]
     # As received, for verbatim forwarding; empty for a by-reference message, which cannot leave its host.
     frames: list[Any] = field(repr=False)
+
+
+class ReplayWindow:
+    """Which sequence numbers of one (channel, sender) were accepted: an anti-replay window (pure).
+
+    Keeps the highest accepted number `top` and a bitmap of the `size` numbers
+    at and below it. A number above `top`, or an unseen one within the window,
+    is accepted: a record resent after a connection reset, or overtaken by a
+    later one, must not be refused. A number already accepted is a replay, and
+    one at or below `top - size` can no longer be told from one: both refused.
+    """
+
+    def __init__(self, size: int = REPLAY_WINDOW) -> None:
+        if size < 1:
+            raise ValueError(f"a replay window holds at least 1 sequence number, got {size}")
+        self.size = size
+        self.top = 0
+        self._seen = 0  # bit i: top - i was accepted
+
+    def refusal(self, seq: int) -> str | None:
+        """Why `seq` must be refused (a replay, or too old), or None when it is fresh."""
+        if seq > self.top:
+            return None
+        behind = self.top - seq
+        if behind >= self.size:
+            return f"is {behind} behind the highest accepted ({self.top}), outside the window of {self.size}"
+        if self._seen >> behind & 1:
+            return "was already accepted: a replayed frame"
+        return None
+
+    def accept(self, seq: int) -> None:
+        """Record `seq` as accepted (call only after `refusal(seq)` said None)."""
+        if seq > self.top:
+            shift = seq - self.top
+            self._seen = ((self._seen << shift) | 1) & ((1 << self.size) - 1) if shift < self.size else 1
+            self.top = seq
+        else:
+            self._seen |= 1 << (self.top - seq)
 
 
 @dataclass(frozen=True)
@@ -238,7 +279,7 @@ class Codec:
         self.limits = limits or Limits()
         self._unpack_kwargs = self.limits.unpack_kwargs()
         self._seq = {ch: itertools.count(1) for ch in Channel}
-        self._last: dict[tuple[str, str], int] = {}
+        self._windows: dict[tuple[str, str], ReplayWindow] = {}
         self._max_ledger = max_ledger
 
     # ------------------------------------------------------------------ encode
@@ -324,7 +365,7 @@ class Codec:
 
         The order is fixed: MAC (AuthError), then run, channel, kind and fields,
         then the signer against `sender` (AttributionError), then the sequence
-        (ReplayError). A rejected message never moves the sequence ledger, so
+        window (ReplayError). A rejected message never moves the sequence ledger, so
         the genuine sender's next message is still accepted. `sender` is an
         Attribution, or a rule that builds one from the decoded record.
         `replay=False` skips only the sequence (broadcasts: PROTOCOL.md 5.1).
@@ -438,21 +479,22 @@ class Codec:
         )
 
     def check_sequence(self, channel: Channel, sender: str, seq: int) -> None:
-        """Raise ReplayError unless `seq` is above the last accepted one for (channel, sender)."""
+        """Raise ReplayError unless `seq` is fresh in (channel, sender)'s window; then record it."""
         key = (channel.value, sender)
-        last = self._last.get(key, 0)
-        if seq <= last:
-            raise ReplayError(
-                f"sequence {seq} from {sender!r} on {channel.value} is not above {last}: replayed or reordered frame"
-            )
-        if last == 0 and self._max_ledger is not None and len(self._last) >= self._max_ledger:
-            del self._last[next(iter(self._last))]  # the entry first seen longest ago
-        self._last[key] = seq
+        window = self._windows.get(key)
+        why = None if window is None else window.refusal(seq)
+        if why is not None:
+            raise ReplayError(f"sequence {seq} from {sender!r} on {channel.value} {why}")
+        if window is None:
+            if self._max_ledger is not None and len(self._windows) >= self._max_ledger:
+                del self._windows[next(iter(self._windows))]  # the entry first seen longest ago
+            window = self._windows[key] = ReplayWindow()
+        window.accept(seq)
 
     @property
     def ledger_size(self) -> int:
         """How many (channel, signer) entries the replay ledger holds."""
-        return len(self._last)
+        return len(self._windows)
 
     def _unpack_header(self, buf: memoryview) -> dict[str, Any]:
         lim = self.limits

@@ -351,7 +351,7 @@ class Consensus:
 
 @record("data.consensus_request", D)
 class ConsensusRequest:
-    """A relay missed the broadcast of `round` and asks for it point-to-point."""
+    """A relay (or a rank, of its relay) missed the consensus of `round` and asks for it point-to-point."""
 
     round: int
 
@@ -362,6 +362,13 @@ class ConsensusGone:
 
     round: int
     latest: int
+
+
+@record("data.frame_request", D)
+class FrameRequest:
+    """The frame its receiver sent for `round` never arrived (lost in a reset): send it again."""
+
+    round: int
 
 
 @record("bcast.probe", B)

@@ -1,6 +1,7 @@
 """Regenerate the wire test vectors: `records.json` (one accepted message per
-record kind and channel) and `rejections.json` (one refused message per
-rejection cause).
+record kind and channel), `rejections.json` (one refused message per
+rejection cause) and `windows.json` (arrival orders through the anti-replay
+window).
 
     .venv/bin/python protocol/vectors/generate.py
 
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from flodl_zmq.wire import PROTOCOL_VERSION, REGISTRY, Channel, Codec, EpochPlan, compute_mac
+from flodl_zmq.wire.codec import REPLAY_WINDOW
 from flodl_zmq.wire.records import to_fields
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -617,7 +619,7 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
         ),
         (
             "salt_missing",
-            "no `salt` key (a version 2 header under a version 3 number)",
+            f"no `salt` key (a version 2 header under a version {PROTOCOL_VERSION} number)",
             "SchemaError",
             "header keys",
             {"frames": signed({k: v for k, v in header().items() if k != "salt"})},
@@ -640,8 +642,15 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             "version_2_header",
             "a version 2 header (no `salt`)",
             "VersionError",
-            "peer speaks protocol version 2, this build speaks 3",
+            f"peer speaks protocol version 2, this build speaks {PROTOCOL_VERSION}",
             {"frames": signed({k: v for k, v in header(v=2).items() if k != "salt"})},
+        ),
+        (
+            "version_3_header",
+            "a version 3 header (its receivers refuse a resent record, 5.1)",
+            "VersionError",
+            f"peer speaks protocol version 3, this build speaks {PROTOCOL_VERSION}",
+            {"frames": signed(header(v=3))},
         ),
         (
             "seq_zero",
@@ -668,17 +677,51 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             "replayed_sequence",
             "the same message twice",
             "ReplayError",
-            "is not above 1",
+            "was already accepted",
             {"frames": ok, "accept_first": [ok]},
         ),
         (
-            "reordered_sequence",
-            "seq 2 accepted, then seq 1",
+            "sequence_outside_window",
+            f"seq {REPLAY_WINDOW + 1} accepted, then seq 1 ({REPLAY_WINDOW} behind: outside the window)",
             "ReplayError",
-            "is not above 2",
-            {"frames": ok, "accept_first": [signed(header(seq=2))]},
+            f"outside the window of {REPLAY_WINDOW}",
+            {"frames": ok, "accept_first": [signed(header(seq=REPLAY_WINDOW + 1))]},
         ),
     ]
+
+
+# Arrival orders for one sender on one channel, and whether each arrival is accepted (PROTOCOL.md 5.1).
+WINDOW_STREAMS = [
+    ("resend_after_later_ones", [1, 3, 4, 2]),
+    ("replay_of_a_resend", [1, 3, 2, 2, 3]),
+    ("window_edge", [REPLAY_WINDOW + 4, 4, 5, 5, REPLAY_WINDOW + 3]),
+    ("jump_past_the_window", [1, 2 * REPLAY_WINDOW + 1, 2, REPLAY_WINDOW + 2]),
+]
+
+
+def window_vectors() -> list[dict[str, Any]]:
+    out = []
+    for name, seqs in WINDOW_STREAMS:
+        seen: set[int] = set()
+        accepted = []
+        for seq in seqs:
+            fresh = seq not in seen and seq > max(seen, default=0) - REPLAY_WINDOW
+            seen |= {seq} if fresh else set()
+            accepted.append(fresh)
+        out.append(
+            {
+                "name": name,
+                "key": KEY.hex(),
+                "run_id": RUN_ID.hex(),
+                "channel": "control",
+                "sender": SENDER,
+                "window": REPLAY_WINDOW,
+                "seqs": seqs,
+                "accepted": accepted,
+                "messages": [_hex_frames(signed(header(seq=seq))) for seq in seqs],
+            }
+        )
+    return out
 
 
 def negative_vectors() -> list[dict[str, Any]]:
@@ -715,6 +758,12 @@ def main() -> None:
             "(overrides of the defaults) whose route names `expected_sender`, and that has accepted "
             "`accept_first` on `channel`, rejects `frames` with `error`. See protocol/PROTOCOL.md, Test vectors.",
             "vectors": negative_vectors(),
+        },
+        "windows.json": {
+            "about": "Arrival orders of one sender's messages on one channel: a receiver decodes `messages` in "
+            "order and accepts exactly those marked in `accepted` (the others: ReplayError), by the anti-replay "
+            "window of `window` sequence numbers. See protocol/PROTOCOL.md, Sequence numbers and Test vectors.",
+            "vectors": window_vectors(),
         },
     }
     for name, doc in docs.items():

@@ -16,6 +16,7 @@ from flodl_zmq.wire import Channel, Codec, Envelope, new_key
 from flodl_zmq.wire.records import (
     ConsensusGone,
     ConsensusRequest,
+    FrameRequest,
     HostFrame,
     Probe,
     RankExit,
@@ -227,7 +228,8 @@ def test_the_latest_consensus_is_resent_on_request_and_older_ones_are_gone(rig):
     assert got.record.round == 2 and np.allclose(got.payload[0], 2.0)
     a.send(ConsensusRequest(1))
     assert a.record().record == ConsensusGone(1, 2)
-    a.send(ConsensusRequest(3))  # not reduced yet: no answer, the broadcast will come
+    a.send(*frame("a", 3, 1.0, 3.0))
+    a.send(ConsensusRequest(3))  # not reduced yet (b's frame is missing): no answer, the broadcast will come
     assert not a.data.poll(200)
 
 
@@ -235,16 +237,33 @@ def test_a_desynced_relay_is_declared_dead_and_the_round_completes_without_it(ri
     rig.ready()
     a, b = rig.relays["a"], rig.relays["b"]
     a.send(*frame("a", 1, 1.0, 2.0))
-    a.send(*frame("a", 1, 1.0, 2.0))  # second frame in one round: a protocol violation
+    a.send(*frame("a", 1, 5.0, 9.0))  # a resend that crossed the original: counted once
+    a.send(*frame("a", 2, 1.0, 2.0))  # a round ahead of the open one: a protocol violation
     assert a.record().record == RelayDeclareDead(0)
     assert a.record().record == RelayDeclareDead(1)
     with pytest.raises(queue.Empty):
         rig.svc.completed.get(timeout=0.2)
     b.send(*frame("b", 1, 2.0, 4.0))
     out = rig.svc.completed.get(timeout=WAIT_S)
-    # The ledger summed a's first (valid) frame; its second never counted.
+    # The ledger summed a's first (valid) frame; the copy and the desynced one never counted.
     assert out.hosts == ("a", "b") and out.mass == 3.0
-    assert rig.svc.counters()["protocol_violations"] == 1
+    counters = rig.svc.counters()
+    assert counters["protocol_violations"] == 1 and counters["duplicate_frames"] == 1
+
+
+def test_a_host_frame_never_received_is_asked_for_when_its_relay_asks_for_the_consensus(rig):
+    rig.ready()
+    a, b = rig.relays["a"], rig.relays["b"]
+    b.send(*frame("b", 1, 2.0, 4.0))
+    a.send(ConsensusRequest(1))  # a's frame of round 1 was lost in a reset
+    assert a.record().record == FrameRequest(1)
+    b.send(ConsensusRequest(1))  # b's frame is here: the round is just not finished
+    assert not b.data.poll(200)
+    a.send(*frame("a", 1, 1.0, 2.0))
+    out = rig.svc.completed.get(timeout=WAIT_S)
+    assert out.hosts == ("a", "b") and out.mass == 3.0
+    a.send(*frame("a", 1, 1.0, 2.0))  # a second resend arriving after the round closed: late
+    assert _settle(lambda: rig.svc.counters()["late_frames"] == 1) and rig.svc.counters()["frame_requests"] == 1
 
 
 def test_a_hello_that_disagrees_with_the_world_is_refused(rig):

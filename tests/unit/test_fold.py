@@ -286,7 +286,6 @@ def opened() -> FoldStation:
 @pytest.mark.parametrize(
     ("rank", "round_id", "mass", "tensors", "match"),
     [
-        (0, 5, 1.0, [f32(1, 2), bf16(1.0)], "deposited twice"),
         (1, 6, 1.0, [f32(1, 2), bf16(1.0)], "open round is 5"),
         (1, 5, 1.0, [f32(1, 2)], "carries 1 tensors"),
         (1, 5, 1.0, [f32(1, 2), f32(1.0)], r"tensor\[1\] is f32, the round's is bf16"),
@@ -316,11 +315,17 @@ def test_unsupported_dtype_in_a_first_deposit_is_refused():
         FoldStation([0]).deposit(0, 0, 1.0, [np.zeros(3)])
 
 
-def test_stale_round_after_shipping_is_refused():
-    station = FoldStation([0])
+def test_a_resent_deposit_is_counted_once_and_a_late_one_is_dropped():
+    station = FoldStation([0, 1])
+    assert station.awaits(0, 4) and station.awaits(1, 4)
     station.deposit(0, 4, 1.0, [f32(1)])
-    with pytest.raises(FoldError, match="already shipped"):
-        station.deposit(0, 4, 1.0, [f32(1)])
+    assert not station.awaits(0, 4) and station.awaits(1, 4)
+    assert station.deposit(0, 4, 5.0, [f32(9)]) is None  # the resend crossed the original
+    out = station.deposit(1, 4, 2.0, [f32(2)])
+    assert out.mass == 3.0 and out.tensors[0].tolist() == [3.0]
+    assert station.deposit(1, 4, 2.0, [f32(2)]) is None  # shipped: late, never a second frame
+    assert station.counters.duplicate_drops == 1 and station.counters.late_drops == 1
+    assert station.poisoned is None and not station.awaits(1, 4) and station.awaits(1, 5)
 
 
 def test_zero_mass_deposits_fold_like_any_other():

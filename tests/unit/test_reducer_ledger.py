@@ -233,10 +233,22 @@ def test_frame_for_a_finished_round_is_dropped_and_counted():
     assert ledger.counters.late_drops == 1 and ledger.round_id is None
 
 
+def test_a_resent_frame_is_counted_once_and_a_missing_one_is_awaited():
+    ledger = two_hosts()
+    assert ledger.awaits("a", 0) and ledger.awaits("b", 0)
+    ledger.deposit("a", 0, 1.0, [f32(2, 4)])
+    assert not ledger.awaits("a", 0) and ledger.awaits("b", 0) and not ledger.awaits("b", 1)
+    assert ledger.deposit("a", 0, 7.0, [f32(9, 9)]) is None  # a resend that crossed the original
+    out = ledger.deposit("b", 0, 1.0, [f32(4, 8)])
+    np.testing.assert_array_equal(out.tensors[0], [3, 6])
+    assert ledger.counters.duplicate_drops == 1 and not ledger.awaits("b", 0)
+    ledger.declare_dead(2)
+    assert not ledger.awaits("b", 1)  # nobody left there to load the consensus
+
+
 @pytest.mark.parametrize(
     ("host", "round_id", "mass", "tensors", "match"),
     [
-        ("a", 0, 1.0, [f32(1, 2)], "second frame"),
         ("b", 1, 1.0, [f32(1, 2)], "round 0 is still open"),
         ("z", 0, 1.0, [f32(1, 2)], "unknown host"),
         ("b", 0, 1.0, [f32(1, 2), f32(1)], "carries 2 tensors"),

@@ -34,12 +34,14 @@ from flodl_zmq.wire import (
     verify_mac,
 )
 from flodl_zmq.wire import mac as mac_module
+from flodl_zmq.wire.codec import REPLAY_WINDOW
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "protocol" / "vectors"
 SPEC = (ROOT / "protocol" / "PROTOCOL.md").read_text()
 POSITIVE = json.loads((VECTORS / "records.json").read_text())["vectors"]
 NEGATIVE = json.loads((VECTORS / "rejections.json").read_text())["vectors"]
+WINDOWS = json.loads((VECTORS / "windows.json").read_text())["vectors"]
 
 # One small record per channel, used to advance a fresh Codec's sequence counter.
 FILLER = {
@@ -242,6 +244,21 @@ def test_rejection_vector_raises_its_error(vector: dict[str, Any]) -> None:
         receiver.decode_from(frames_of(vector["frames"]), channel, sender)
     assert type(info.value) is error
     assert vector["message_contains"] in str(info.value)
+
+
+@pytest.mark.parametrize("vector", WINDOWS, ids=[v["name"] for v in WINDOWS])
+def test_window_vector_accepts_exactly_the_marked_arrivals(vector: dict[str, Any]) -> None:
+    assert vector["window"] == REPLAY_WINDOW
+    receiver = codec_for(vector)
+    sender = Attribution.signed_by(vector["sender"], "the vector's route")
+    got = []
+    for message in vector["messages"]:
+        try:
+            receiver.decode_from(frames_of(message), Channel(vector["channel"]), sender)
+            got.append(True)
+        except errors.ReplayError:
+            got.append(False)
+    assert got == vector["accepted"]
 
 
 def test_every_registered_kind_and_channel_has_a_positive_vector() -> None:
