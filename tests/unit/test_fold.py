@@ -390,3 +390,24 @@ def test_an_image_worked_in_pieces_on_worker_threads_equals_whole_array_numpy():
     image.encode_into(outputs, 3.0)
     for k, (dt, _) in enumerate(schema):
         np.testing.assert_array_equal(outputs[k], encode[dt](totals[k] / np.float32(3.0)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=4, max_size=12), st.integers(1, 4))
+def test_resent_deposits_in_any_order_give_the_same_host_frame_as_one_copy_each(arrivals, rounds):
+    """Round id + rank make a deposit idempotent: copies before or after the original never count twice."""
+    once, again = FoldStation([0, 1, 2, 3]), FoldStation([0, 1, 2, 3])
+    for round_id in range(1, rounds + 1):
+        deposit = {r: (float(r + 1), [f32(r + round_id, 2.0 * r)]) for r in range(4)}
+        want = None
+        for r in range(4):
+            want = once.deposit(r, round_id, *deposit[r]) or want
+        got = None
+        for r in [*arrivals, 0, 1, 2, 3]:  # copies of some ranks, then every rank at least once
+            got = again.deposit(r, round_id, *deposit[r]) or got
+        for r in arrivals[:3]:  # copies that arrive after the round shipped: late
+            assert again.deposit(r, round_id, *deposit[r]) is None
+        assert got.round_id == want.round_id == round_id and got.mass == want.mass
+        assert got.ranks == want.ranks
+        np.testing.assert_array_equal(got.tensors[0], want.tensors[0])
+    assert again.poisoned is None
