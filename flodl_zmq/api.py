@@ -122,6 +122,7 @@ def run_rank(job: Job, penv: ProcessEnv) -> int:
         slowdown=s.slowdown, heartbeat_s=s.rank_heartbeat_period_s,
         coordinator_timeout_s=s.coordinator_silence_at_rank_s,
         first_contact_timeout_s=s.coordinator_first_contact_at_rank_s,
+        consensus_wait_s=s.consensus_wait_at_relay_s,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return RankRuntime(job, cfg).run()

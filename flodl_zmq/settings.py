@@ -185,8 +185,8 @@ SETTINGS: tuple[Setting, ...] = (
             env=("FLODL_RANK_SILENCE_AT_RELAY",), scope="run", minimum=0.0, strict=True),
     Setting("rank_first_record_at_relay_s", 60.0, "how long a relay waits for a rank's first record before "
             "declaring it dead", env=("FLODL_RANK_FIRST_RECORD_AT_RELAY",), scope="run", minimum=0.0, strict=True),
-    Setting("consensus_wait_at_relay_s", 2.0, "how long a relay waits for a shipped round's consensus before "
-            "asking the reducer for it", env=("FLODL_CONSENSUS_WAIT_AT_RELAY",), scope="run", minimum=0.0,
+    Setting("consensus_wait_at_relay_s", 2.0, "how long a relay (or a rank) waits for a round's consensus "
+            "before asking the reducer (or its relay) for it", env=("FLODL_CONSENSUS_WAIT_AT_RELAY",), scope="run", minimum=0.0,
             strict=True),
     Setting("coordinator_silence_at_rank_s", 30.0, "coordinator silence after which a rank exits",
             env=("FLODL_COORDINATOR_SILENCE_AT_RANK",), scope="run", minimum=0.0, strict=True),
