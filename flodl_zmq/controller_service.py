@@ -19,7 +19,11 @@ Theory of operation:
    RankHello arrives through them. Once all W ranks have spoken, their model
    and dataset signatures are compared with the controller's own; any
    difference stops the run with an error naming the ranks, before a step
-   is trained. A rank known to have left stops it at once, naming the rank.
+   is trained. A rank known to have left before then (its launcher, agent
+   or relay saw it exit) is acted on at once: the world forms without it
+   while at least the minimum remain (--min-ranks under `flodl-zmq
+   controller`, any rank under `launch`), else the start-up fails naming it
+   and its exit code.
    A formation that does not complete in FLODL_STARTUP_TIMEOUT fails loudly
    (with AuthError if records failed authentication: a wrong FLODL_KEY
    somewhere). The checks are the pure `Formation` (flodl_zmq/formation.py);
@@ -90,7 +94,7 @@ from flodl_zmq.coordinator.outputs import (
     SaveState,
 )
 from flodl_zmq.datasets import dataset_signature
-from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
 from flodl_zmq.errors import (
     AttributionError,
     AuthError,
@@ -216,6 +220,9 @@ class ControllerService:
         self.formation = Formation(
             self.world, self.model_sig, self.dataset_sig,
             deadline=time.monotonic() + penv.startup_timeout_s, timeout_s=penv.startup_timeout_s,
+            # Under `flodl-zmq controller` the join window's quorum (--min-ranks); a local
+            # launch trains on with any rank that survives start-up.
+            minimum=penv.settings.min_ranks if link is not None else 1,
         )
         self.started = False
         self.ended: RunEnded | None = None
@@ -291,6 +298,9 @@ class ControllerService:
         membership = self.link.membership.events if self.link is not None else None
         if membership is not None:
             poller.register(membership, zmq.POLLIN)
+        exits = ExitReports(self.penv.exit_fd) if self.penv.exit_fd is not None else None
+        if exits is not None:
+            poller.register(exits.fd, zmq.POLLIN)
         drain_until: float | None = None
         while True:
             now = time.monotonic()
@@ -307,6 +317,13 @@ class ControllerService:
             if control in events:
                 oversized = drain(control, self._on_control, copy=False, max_frames=CONTROL_MAX_FRAMES)
                 self.counts["rejected.control"] += oversized  # apart: the handler counts rejections too
+            if exits is not None and exits.fd in events:
+                reports = exits.read()
+                if reports is None:  # the launcher is gone: nothing more will come
+                    poller.unregister(exits.fd)
+                    exits = None
+                for report in reports or ():
+                    self._on_exit(report)
             if self._held:
                 self._flush_held(time.monotonic())
             if reducer.error is not None:
@@ -473,17 +490,23 @@ class ControllerService:
         outcome = self.formation.hello(rank, hello)
         if isinstance(outcome, Ignored):
             self.counts[outcome.why] += 1
+            if outcome.why == "departed_hello" or (self.started and not self.core.liveness.is_live(rank)):
+                self._send_rank(rank, rec.Shutdown())  # counted out: it must not wait for plans
         elif isinstance(outcome, Failed):
             self._formation_failed(outcome)
         elif isinstance(outcome, Formed):
-            self._formed()
+            self._formed(outcome)
 
-    def _formed(self) -> None:
+    def _formed(self, formed: Formed) -> None:
         self.started = True
         self.report.started()
+        for rank, reason in formed.absent.items():
+            self.deaths[rank] = (time.time(), f"before the world formed: {reason}")
         if not self.job.quiet:
-            print(f"world formed: {self.world_size} ranks on {len(self.world)} hosts, mode {self.job.mode}", flush=True)
-        self._perform(self.core.start(time.monotonic()))
+            absent = f", without rank(s) {sorted(formed.absent)} (gone before it formed)" if formed.absent else ""
+            print(f"world formed: {len(formed.hellos)} of {self.world_size} ranks on {len(self.world)} hosts"
+                  f"{absent}, mode {self.job.mode}", flush=True)
+        self._perform(self.core.start(time.monotonic(), absent=formed.absent))
 
     # ------------------------------------------------------------------ membership (controller command)
 
@@ -497,11 +520,27 @@ class ControllerService:
                 for rank in event.ranks:
                     self._declare_dead(rank, f"host {event.host} lost: its agent fell silent")
 
+    def _on_exit(self, report: ChildExit) -> None:
+        """The launcher saw a relay or rank of this run exit: what an agent reports, at once."""
+        if report.code == 0:
+            return  # a clean end: the rank said goodbye itself
+        if report.rank is not None:
+            self._declare_dead(report.rank, f"it exited with code {report.code}")
+            return
+        for rank in self.world[report.host]:  # its ranks lost their only path to us
+            self._declare_dead(rank, f"the relay of {report.host} exited with code {report.code}")
+
     def _declare_dead(self, rank: int, reason: str) -> None:
         if not self.started:
             outcome = self.formation.rank_left(rank, reason)
             if isinstance(outcome, Failed):
                 self._formation_failed(outcome)
+            elif isinstance(outcome, Formed):
+                self._formed(outcome)
+            elif isinstance(outcome, Ignored):
+                self.counts[outcome.why] += 1
+            else:
+                log.warning("rank %d left before the world formed (%s); forming without it", rank, reason)
             return
         if self.core.liveness.is_live(rank):
             self.deaths[rank] = (time.time(), reason)

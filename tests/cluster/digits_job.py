@@ -5,7 +5,8 @@ Every process of a test cluster runs this file; the controller prints one
 --step-ms (a sleep per step, so a run lasts long enough to kill ranks in),
 --save / --resume (bundle stem), --eval-raises (eval_fn raises on its second
 call), --callback-errors report|stop, --wire-dtype f32|bf16. Environment: DIGITS_SHIFT=1 makes this
-process load a perturbed dataset (a dataset mismatch).
+process load a perturbed dataset (a dataset mismatch); DIGITS_SIGKILL=1 makes it SIGKILL itself before
+it does anything (a rank that dies before its hello).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 from torch.utils.data import TensorDataset
@@ -25,6 +27,8 @@ calls = {"eval": 0}
 
 
 def main() -> None:
+    if os.environ.get("DIGITS_SIGKILL"):
+        os.kill(os.getpid(), signal.SIGKILL)
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="cpu-cadence")
     p.add_argument("--epochs", type=int, default=15)
