@@ -113,6 +113,7 @@ from flodl_zmq.links import (
     COORDINATOR_SENDER,
     FROM_REDUCER,
     RELAY_ROUTE,
+    Connections,
     drain,
     keep_alive,
     limit_receive,
@@ -195,6 +196,12 @@ class ControllerService:
         self.codec = Codec(penv.key, penv.run_id, COORDINATOR_SENDER)
         self.counts: collections.Counter[str] = collections.Counter()
         self.relay_route: dict[str, bytes] = {}
+        # What `status` shows per host: records rejected by cause, when one was last accepted,
+        # and resends (counted by the resend path, issue 13 part 2). Reconnects: self.connections.
+        self.rejected: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.last_seen: dict[str, float] = {}
+        self.resends: collections.Counter[str] = collections.Counter()
+        self._reconnects_this_epoch = 0
         # Records for a relay whose connection is down (a reset, re-dialled underneath): held in
         # order for up to link_silence_s, then failed (on_send_failed). A reconnect must not kill ranks.
         self._held: dict[bytes, collections.deque[tuple[float, int | None, Any, list[bytes]]]] = {}
@@ -250,6 +257,7 @@ class ControllerService:
         # Relays' control DEALERs keep their identity across reconnects (links.relay_identity):
         # the returning connection takes the route over from a half-open one at once.
         take_over_routes(control)
+        self.connections = Connections(control)
         keep_alive(control, self.penv.controller.endpoint(Channel.CONTROL),
                    self.penv.settings.link_heartbeat_period_s, self.penv.settings.link_silence_s)
         sub = ctx.socket(zmq.SUB)
@@ -267,6 +275,7 @@ class ControllerService:
         finally:
             self.report.close()
             reducer.stop()
+            self.connections.close()
             control.close()
             sub.close()
             self._report_status()
@@ -292,6 +301,7 @@ class ControllerService:
         # polling interval and sleeps until its next timer (_wake_at) otherwise.
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)
+        poller.register(self.connections.monitor, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
         poller.register(reducer.completed, zmq.POLLIN)
         outcomes = reducer.completed.fileno()
@@ -314,6 +324,8 @@ class ControllerService:
             events = dict(poller.poll(poll_ms(self._wake_at(drain_until) - now)))
             if sub in events:
                 drain(sub, self._on_broadcast, copy=False, budget=16)
+            if control in events or self.connections.monitor in events:
+                self.connections.read_events()  # first: a reconnected peer's records follow its accept
             if control in events:
                 oversized = drain(control, self._on_control, copy=False, max_frames=CONTROL_MAX_FRAMES)
                 self.counts["rejected.control"] += oversized  # apart: the handler counts rejections too
@@ -405,14 +417,21 @@ class ControllerService:
         except AttributionError as exc:
             hello = exc.kind == rec.RelayHello.KIND
             self.counts["bad_hello.control" if hello else "forged_route.control"] += 1
+            self.rejected[self._host_of_relay(relay_id)]["bad_hello" if hello else "forged_route"] += 1
             log.log(logging.ERROR if hello else logging.WARNING, "controller: dropped: %s", exc)
             return
         except WireError as exc:
             self.counts["rejected.control"] += 1
+            self.rejected[self._host_of_relay(relay_id)][type(exc).__name__] += 1
             if isinstance(exc, AuthError):
                 self.formation.auth_failed(str(exc))
             log.warning("controller: rejected a control record: %s", exc)
             return
+        host = self._host_of_relay(relay_id)
+        self.last_seen[host] = time.time()
+        if self.connections.arrived(host, msg[-1]):
+            self._reconnects_this_epoch += 1
+            log.info("controller: host %s reconnected (%d so far)", host, self.connections.reconnects[host])
         if route == RELAY_ROUTE:
             self._on_relay(relay_id, env)
             return
@@ -440,6 +459,10 @@ class ControllerService:
             log.error("controller: coordinator failed on %s from rank %d:\n%s", env.kind, rank, traceback.format_exc())
             raise
         self._perform(outs)
+
+    def _host_of_relay(self, relay_id: bytes) -> str:
+        """The host whose relay holds `relay_id`, or "unknown" (counted apart)."""
+        return next((h for h, rid in self.relay_route.items() if rid == relay_id), "unknown")
 
     def _signer_of(self, relay_id: bytes, route: bytes, record: Any) -> Attribution:
         """Who may sign a control record that came through `relay_id` with `route`.
@@ -478,7 +501,7 @@ class ControllerService:
             self.relay_route[r.host] = relay_id  # the same identity again (a re-hello): acknowledged again
             self._send_route(relay_id, RELAY_ROUTE, rec.RelayHelloAck())
         elif isinstance(r, rec.RankExit):
-            host = next(h for h, rid in self.relay_route.items() if rid == relay_id)  # attributed: known
+            host = self._host_of_relay(relay_id)  # attributed: known
             if r.rank not in self.world[host]:
                 self.counts["forged_route.control"] += 1
                 return
@@ -566,6 +589,15 @@ class ControllerService:
             "last_round_ms": self.result.round_ms[-1] if self.result.round_ms else None,
             "last_round_at": self._last_round_at,
             "ended": None if self.ended is None else (self.ended.reason.value if self.ended.reason else "completed"),
+            "links": {
+                host: {
+                    "reconnects": self.connections.reconnects.get(host, 0),
+                    "resends": self.resends[host],
+                    "rejected": dict(self.rejected.get(host, {})),
+                    "last_seen": self.last_seen.get(host),
+                }
+                for host in [*self.world, *(["unknown"] if "unknown" in self.rejected else [])]
+            },
         })
 
     def _formation_failed(self, failed: Failed) -> None:
@@ -687,7 +719,9 @@ class ControllerService:
                 "samples": int(sum(r.per_rank_samples)),
                 "per_rank_samples": list(r.per_rank_samples),
                 "throughput": list(r.per_rank_throughput),
+                "reconnects": self._reconnects_this_epoch,
             })
+            self._reconnects_this_epoch = 0
         elif isinstance(r, rec.EvalResult):
             if r.error is None:
                 self.report.evaluated(r.epoch - 1, r.metric, by_rank=r.rank)
