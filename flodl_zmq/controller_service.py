@@ -275,6 +275,8 @@ class ControllerService:
         finally:
             self.report.close()
             reducer.stop()
+            # What the reducer refused or dropped (a late host's frames among them), for the log.
+            log.info("controller: reducer counters: %s", {k: v for k, v in reducer.counters().items() if v})
             self.connections.close()
             control.close()
             sub.close()
@@ -428,10 +430,11 @@ class ControllerService:
             log.warning("controller: rejected a control record: %s", exc)
             return
         host = self._host_of_relay(relay_id)
-        self.last_seen[host] = time.time()
-        if self.connections.arrived(host, msg[-1]):
-            self._reconnects_this_epoch += 1
-            log.info("controller: host %s reconnected (%d so far)", host, self.connections.reconnects[host])
+        if host != "unknown":  # else a first RelayHello: its host is known once it is acknowledged
+            self.last_seen[host] = time.time()
+            if self.connections.arrived(host, msg[-1]):
+                self._reconnects_this_epoch += 1
+                log.info("controller: host %s reconnected (%d so far)", host, self.connections.reconnects[host])
         if route == RELAY_ROUTE:
             self._on_relay(relay_id, env)
             return
@@ -625,6 +628,7 @@ class ControllerService:
                     rank = out.record.rank
                     if rank not in self.deaths and self.core.liveness.state(rank) is RankState.DEAD:
                         self.deaths[rank] = (time.time(), "silent past the coordinator's heartbeat timeout, or unreachable")
+                        log.warning("rank %d declared dead: %s", rank, self.deaths[rank][1])
                     self.reducer.declare_dead(rank)
                 elif isinstance(out.record, MassBound):
                     self.reducer.bound_round(out.record.round, dict(out.record.bounds))

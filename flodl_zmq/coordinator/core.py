@@ -236,6 +236,10 @@ class Coordinator:
             raise CoordinatorError("start() called twice: the coordinator is already running")
         self._started = True
         self._now = now
+        # Silence counts from here: every live rank just said hello, after a start-up
+        # (imports, data) that may have outlasted the heartbeat timeout.
+        for rank in self.liveness.live:
+            self.liveness.saw(rank, now)
         for rank in absent:
             self.liveness.check_rank(rank)
             if self.liveness.fail(rank):

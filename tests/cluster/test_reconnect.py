@@ -18,10 +18,8 @@ recovery). A record caught inside a dropped connection is not recovered yet
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,110 +27,15 @@ import pytest
 
 from flodl_zmq.endpoints import OFFSETS
 from flodl_zmq.launch import Cluster, free_port_base
+from tests.cluster.reset_proxy import ResettingProxy
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 SAMPLES_PER_EPOCH_16 = (1437 // 16) * 16
 ARGS = ("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4")
 RESETS = 5
-QUIET_S = 0.05  # a connection is closed only after this long without a byte either way
-QUIET_WAIT_S = 5.0
 WAIT_S = 120.0
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
-
-
-class ResettingProxy:
-    """Forwards 127.0.0.1:listen+i to 127.0.0.1:target+i for the controller's ports; `reset()` closes every connection.
-
-    Each connection is closed at a moment it is quiet (no byte either way for
-    `QUIET_S`): a reset then loses no record in flight. Records lost inside a
-    dropped connection are not recovered yet (PROTOCOL.md 10.5, item 7).
-    """
-
-    def __init__(self, listen: int, target: int):
-        self.listen, self.target = listen, target
-        self._lock = threading.Lock()
-        self._pairs: list[tuple[socket.socket, socket.socket, list[float]]] = []
-        self._servers: list[socket.socket] = []
-        self._stop = threading.Event()
-        self.resets = 0
-        self.accepted = 0
-
-    def start(self) -> None:
-        for offset in range(max(OFFSETS.values()) + 1):
-            srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            srv.bind(("127.0.0.1", self.listen + offset))
-            srv.listen(64)
-            srv.settimeout(0.2)
-            self._servers.append(srv)
-            threading.Thread(target=self._accept, args=(srv, self.target + offset), daemon=True).start()
-
-    def _accept(self, srv: socket.socket, port: int) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = srv.accept()
-            except (TimeoutError, OSError):
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", port), timeout=5)
-            except OSError:
-                client.close()
-                continue
-            upstream.settimeout(None)
-            client.settimeout(None)
-            last = [time.monotonic()]  # when a byte last crossed, either way
-            with self._lock:
-                self._pairs.append((client, upstream, last))
-                self.accepted += 1
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b, last), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, last: list[float]) -> None:
-        try:
-            while True:
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                last[0] = time.monotonic()
-                dst.sendall(data)
-                last[0] = time.monotonic()
-        except OSError:
-            pass
-        for s in (src, dst):
-            self._close(s)
-
-    def _close(self, s: socket.socket) -> None:
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        s.close()
-
-    def reset(self) -> float:
-        """Close every connection (both sides), each at a quiet moment; returns the longest wait for one."""
-        with self._lock:
-            pairs, self._pairs = self._pairs, []
-        longest = 0.0
-        for a, b, last in pairs:
-            t0 = time.monotonic()
-            while time.monotonic() - last[0] < QUIET_S and time.monotonic() - t0 < QUIET_WAIT_S:
-                time.sleep(QUIET_S / 10)
-            longest = max(longest, time.monotonic() - t0)
-            self._close(a)
-            self._close(b)
-        self.resets += 1
-        return longest
-
-    def stop(self) -> None:
-        self._stop.set()
-        for s in self._servers:
-            s.close()
-        with self._lock:
-            pairs, self._pairs = self._pairs, []
-        for a, b, _ in pairs:
-            self._close(a)
-            self._close(b)
 
 
 def cluster_run(proxy_every_s: float | None) -> tuple[int | None, dict | None, str, int, int]:

@@ -145,7 +145,7 @@ def test_sigkill_one_rank_mid_epoch_completes_with_every_sample_trained(undistur
 def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_the_rest_cover_every_epoch(undisturbed):
     started = time.monotonic()
     code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4",
-                            env_for={"h1:3": {"DIGITS_SIGKILL": "1"}})
+                            env_for={"h1:3": {"DIGITS_SIGKILL_RANK": "3"}})
     assert code == 0, out
     assert "world formed: 3 of 4 ranks on 2 hosts, without rank(s) [3]" in out
     assert "rank 3 left before the world formed (it exited with code -9)" in out
