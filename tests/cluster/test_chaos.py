@@ -240,7 +240,7 @@ def test_a_relay_stopped_past_the_timeout_loses_its_host_and_its_late_frames_are
 def test_a_rank_sigkilled_before_its_hello_is_left_out_and_the_others_train_every_sample(run, net, undisturbed):
     run.controller()
     run.workers(w2_env={"DIGITS_SIGKILL_RANK": "2"})
-    log = run.wait_for("controller", "world formed: 2 of 3 ranks", timeout=60)
+    log = run.wait_for("controller", "world formed: 2 of 3 ranks")
     assert "rank 2 left before the world formed (its agent on w2 reported exit code -9)" in log
     result, log = run.result()
     covered_exactly(result)
