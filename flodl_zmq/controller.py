@@ -315,6 +315,11 @@ def format_status(address: ControllerAddress, status: Mapping[str, Any]) -> str:
         for rank, d in t["deaths"].items():
             at = time.strftime("%H:%M:%S", time.localtime(d["at"])) + f".{int(d['at'] % 1 * 1000):03d}"
             lines.append(f"    rank {rank} dead at {at}: {d['reason']}")
+        for host, link in t.get("links", {}).items():
+            rejected = ", ".join(f"{cause} {n}" for cause, n in sorted(link["rejected"].items())) or "none"
+            seen = "never" if link["last_seen"] is None else f"{time.time() - link['last_seen']:.1f} s ago"
+            lines.append(f"  link {host}: reconnects {link['reconnects']}, resends {link['resends']}, "
+                         f"rejected {rejected}, last seen {seen}")
         last = "no round finished yet"
         if t["last_round_at"] is not None:
             last = f"last round {t['last_round_ms']:.1f} ms, {time.time() - t['last_round_at']:.1f} s ago"

@@ -19,7 +19,11 @@ Theory of operation:
    RankHello arrives through them. Once all W ranks have spoken, their model
    and dataset signatures are compared with the controller's own; any
    difference stops the run with an error naming the ranks, before a step
-   is trained. A rank known to have left stops it at once, naming the rank.
+   is trained. A rank known to have left before then (its launcher, agent
+   or relay saw it exit) is acted on at once: the world forms without it
+   while at least the minimum remain (--min-ranks under `flodl-zmq
+   controller`, any rank under `launch`), else the start-up fails naming it
+   and its exit code.
    A formation that does not complete in FLODL_STARTUP_TIMEOUT fails loudly
    (with AuthError if records failed authentication: a wrong FLODL_KEY
    somewhere). The checks are the pure `Formation` (flodl_zmq/formation.py);
@@ -90,7 +94,7 @@ from flodl_zmq.coordinator.outputs import (
     SaveState,
 )
 from flodl_zmq.datasets import dataset_signature
-from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
 from flodl_zmq.errors import (
     AttributionError,
     AuthError,
@@ -109,6 +113,7 @@ from flodl_zmq.links import (
     COORDINATOR_SENDER,
     FROM_REDUCER,
     RELAY_ROUTE,
+    Connections,
     drain,
     keep_alive,
     limit_receive,
@@ -191,6 +196,12 @@ class ControllerService:
         self.codec = Codec(penv.key, penv.run_id, COORDINATOR_SENDER)
         self.counts: collections.Counter[str] = collections.Counter()
         self.relay_route: dict[str, bytes] = {}
+        # What `status` shows per host: records rejected by cause, when one was last accepted,
+        # and resends (counted by the resend path, issue 13 part 2). Reconnects: self.connections.
+        self.rejected: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.last_seen: dict[str, float] = {}
+        self.resends: collections.Counter[str] = collections.Counter()
+        self._reconnects_this_epoch = 0
         # Records for a relay whose connection is down (a reset, re-dialled underneath): held in
         # order for up to link_silence_s, then failed (on_send_failed). A reconnect must not kill ranks.
         self._held: dict[bytes, collections.deque[tuple[float, int | None, Any, list[bytes]]]] = {}
@@ -216,6 +227,9 @@ class ControllerService:
         self.formation = Formation(
             self.world, self.model_sig, self.dataset_sig,
             deadline=time.monotonic() + penv.startup_timeout_s, timeout_s=penv.startup_timeout_s,
+            # Under `flodl-zmq controller` the join window's quorum (--min-ranks); a local
+            # launch trains on with any rank that survives start-up.
+            minimum=penv.settings.min_ranks if link is not None else 1,
         )
         self.started = False
         self.ended: RunEnded | None = None
@@ -243,6 +257,7 @@ class ControllerService:
         # Relays' control DEALERs keep their identity across reconnects (links.relay_identity):
         # the returning connection takes the route over from a half-open one at once.
         take_over_routes(control)
+        self.connections = Connections(control)
         keep_alive(control, self.penv.controller.endpoint(Channel.CONTROL),
                    self.penv.settings.link_heartbeat_period_s, self.penv.settings.link_silence_s)
         sub = ctx.socket(zmq.SUB)
@@ -260,6 +275,9 @@ class ControllerService:
         finally:
             self.report.close()
             reducer.stop()
+            # What the reducer refused or dropped (a late host's frames among them), for the log.
+            log.info("controller: reducer counters: %s", {k: v for k, v in reducer.counters().items() if v})
+            self.connections.close()
             control.close()
             sub.close()
             self._report_status()
@@ -285,12 +303,16 @@ class ControllerService:
         # polling interval and sleeps until its next timer (_wake_at) otherwise.
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)
+        poller.register(self.connections.monitor, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
         poller.register(reducer.completed, zmq.POLLIN)
         outcomes = reducer.completed.fileno()
         membership = self.link.membership.events if self.link is not None else None
         if membership is not None:
             poller.register(membership, zmq.POLLIN)
+        exits = ExitReports(self.penv.exit_fd) if self.penv.exit_fd is not None else None
+        if exits is not None:
+            poller.register(exits.fd, zmq.POLLIN)
         drain_until: float | None = None
         while True:
             now = time.monotonic()
@@ -304,9 +326,18 @@ class ControllerService:
             events = dict(poller.poll(poll_ms(self._wake_at(drain_until) - now)))
             if sub in events:
                 drain(sub, self._on_broadcast, copy=False, budget=16)
+            if control in events or self.connections.monitor in events:
+                self.connections.read_events()  # first: a reconnected peer's records follow its accept
             if control in events:
                 oversized = drain(control, self._on_control, copy=False, max_frames=CONTROL_MAX_FRAMES)
                 self.counts["rejected.control"] += oversized  # apart: the handler counts rejections too
+            if exits is not None and exits.fd in events:
+                reports = exits.read()
+                if reports is None:  # the launcher is gone: nothing more will come
+                    poller.unregister(exits.fd)
+                    exits = None
+                for report in reports or ():
+                    self._on_exit(report)
             if self._held:
                 self._flush_held(time.monotonic())
             if reducer.error is not None:
@@ -388,14 +419,22 @@ class ControllerService:
         except AttributionError as exc:
             hello = exc.kind == rec.RelayHello.KIND
             self.counts["bad_hello.control" if hello else "forged_route.control"] += 1
+            self.rejected[self._host_of_relay(relay_id)]["bad_hello" if hello else "forged_route"] += 1
             log.log(logging.ERROR if hello else logging.WARNING, "controller: dropped: %s", exc)
             return
         except WireError as exc:
             self.counts["rejected.control"] += 1
+            self.rejected[self._host_of_relay(relay_id)][type(exc).__name__] += 1
             if isinstance(exc, AuthError):
                 self.formation.auth_failed(str(exc))
             log.warning("controller: rejected a control record: %s", exc)
             return
+        host = self._host_of_relay(relay_id)
+        if host != "unknown":  # else a first RelayHello: its host is known once it is acknowledged
+            self.last_seen[host] = time.time()
+            if self.connections.arrived(host, msg[-1]):
+                self._reconnects_this_epoch += 1
+                log.info("controller: host %s reconnected (%d so far)", host, self.connections.reconnects[host])
         if route == RELAY_ROUTE:
             self._on_relay(relay_id, env)
             return
@@ -423,6 +462,10 @@ class ControllerService:
             log.error("controller: coordinator failed on %s from rank %d:\n%s", env.kind, rank, traceback.format_exc())
             raise
         self._perform(outs)
+
+    def _host_of_relay(self, relay_id: bytes) -> str:
+        """The host whose relay holds `relay_id`, or "unknown" (counted apart)."""
+        return next((h for h, rid in self.relay_route.items() if rid == relay_id), "unknown")
 
     def _signer_of(self, relay_id: bytes, route: bytes, record: Any) -> Attribution:
         """Who may sign a control record that came through `relay_id` with `route`.
@@ -461,7 +504,7 @@ class ControllerService:
             self.relay_route[r.host] = relay_id  # the same identity again (a re-hello): acknowledged again
             self._send_route(relay_id, RELAY_ROUTE, rec.RelayHelloAck())
         elif isinstance(r, rec.RankExit):
-            host = next(h for h, rid in self.relay_route.items() if rid == relay_id)  # attributed: known
+            host = self._host_of_relay(relay_id)  # attributed: known
             if r.rank not in self.world[host]:
                 self.counts["forged_route.control"] += 1
                 return
@@ -473,17 +516,23 @@ class ControllerService:
         outcome = self.formation.hello(rank, hello)
         if isinstance(outcome, Ignored):
             self.counts[outcome.why] += 1
+            if outcome.why == "departed_hello" or (self.started and not self.core.liveness.is_live(rank)):
+                self._send_rank(rank, rec.Shutdown())  # counted out: it must not wait for plans
         elif isinstance(outcome, Failed):
             self._formation_failed(outcome)
         elif isinstance(outcome, Formed):
-            self._formed()
+            self._formed(outcome)
 
-    def _formed(self) -> None:
+    def _formed(self, formed: Formed) -> None:
         self.started = True
         self.report.started()
+        for rank, reason in formed.absent.items():
+            self.deaths[rank] = (time.time(), f"before the world formed: {reason}")
         if not self.job.quiet:
-            print(f"world formed: {self.world_size} ranks on {len(self.world)} hosts, mode {self.job.mode}", flush=True)
-        self._perform(self.core.start(time.monotonic()))
+            absent = f", without rank(s) {sorted(formed.absent)} (gone before it formed)" if formed.absent else ""
+            print(f"world formed: {len(formed.hellos)} of {self.world_size} ranks on {len(self.world)} hosts"
+                  f"{absent}, mode {self.job.mode}", flush=True)
+        self._perform(self.core.start(time.monotonic(), absent=formed.absent))
 
     # ------------------------------------------------------------------ membership (controller command)
 
@@ -497,11 +546,27 @@ class ControllerService:
                 for rank in event.ranks:
                     self._declare_dead(rank, f"host {event.host} lost: its agent fell silent")
 
+    def _on_exit(self, report: ChildExit) -> None:
+        """The launcher saw a relay or rank of this run exit: what an agent reports, at once."""
+        if report.code == 0:
+            return  # a clean end: the rank said goodbye itself
+        if report.rank is not None:
+            self._declare_dead(report.rank, f"it exited with code {report.code}")
+            return
+        for rank in self.world[report.host]:  # its ranks lost their only path to us
+            self._declare_dead(rank, f"the relay of {report.host} exited with code {report.code}")
+
     def _declare_dead(self, rank: int, reason: str) -> None:
         if not self.started:
             outcome = self.formation.rank_left(rank, reason)
             if isinstance(outcome, Failed):
                 self._formation_failed(outcome)
+            elif isinstance(outcome, Formed):
+                self._formed(outcome)
+            elif isinstance(outcome, Ignored):
+                self.counts[outcome.why] += 1
+            else:
+                log.warning("rank %d left before the world formed (%s); forming without it", rank, reason)
             return
         if self.core.liveness.is_live(rank):
             self.deaths[rank] = (time.time(), reason)
@@ -527,6 +592,15 @@ class ControllerService:
             "last_round_ms": self.result.round_ms[-1] if self.result.round_ms else None,
             "last_round_at": self._last_round_at,
             "ended": None if self.ended is None else (self.ended.reason.value if self.ended.reason else "completed"),
+            "links": {
+                host: {
+                    "reconnects": self.connections.reconnects.get(host, 0),
+                    "resends": self.resends[host],
+                    "rejected": dict(self.rejected.get(host, {})),
+                    "last_seen": self.last_seen.get(host),
+                }
+                for host in [*self.world, *(["unknown"] if "unknown" in self.rejected else [])]
+            },
         })
 
     def _formation_failed(self, failed: Failed) -> None:
@@ -554,6 +628,7 @@ class ControllerService:
                     rank = out.record.rank
                     if rank not in self.deaths and self.core.liveness.state(rank) is RankState.DEAD:
                         self.deaths[rank] = (time.time(), "silent past the coordinator's heartbeat timeout, or unreachable")
+                        log.warning("rank %d declared dead: %s", rank, self.deaths[rank][1])
                     self.reducer.declare_dead(rank)
                 elif isinstance(out.record, MassBound):
                     self.reducer.bound_round(out.record.round, dict(out.record.bounds))
@@ -648,7 +723,9 @@ class ControllerService:
                 "samples": int(sum(r.per_rank_samples)),
                 "per_rank_samples": list(r.per_rank_samples),
                 "throughput": list(r.per_rank_throughput),
+                "reconnects": self._reconnects_this_epoch,
             })
+            self._reconnects_this_epoch = 0
         elif isinstance(r, rec.EvalResult):
             if r.error is None:
                 self.report.evaluated(r.epoch - 1, r.metric, by_rank=r.rank)

@@ -13,6 +13,8 @@ runs the same user script in every one of them and sets:
     FLODL_HOST        relay and rank: the host this process belongs to
     FLODL_RANK        rank: its global rank
     FLODL_LOCAL_RANK  rank: its index on the host (picks cuda:LOCAL_RANK when CUDA is present)
+    FLODL_EXIT_FD     controller under `flodl-zmq launch`: the pipe on which the launcher
+                      reports every relay and rank exit (`ExitReports`), as an agent does
 
 and the settings of flodl_zmq/settings.py that a child reads (FLODL_SLOWDOWN,
 FLODL_STARTUP_TIMEOUT, the relay's and the rank's timings), written and read
@@ -28,6 +30,7 @@ exact inverse of `from_environ`.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -103,6 +106,7 @@ class ProcessEnv:
     rank: int | None = None
     local_rank: int | None = None
     settings: Settings = field(default_factory=Settings)
+    exit_fd: int | None = None
 
     @property
     def slowdown(self) -> float:
@@ -142,7 +146,12 @@ class ProcessEnv:
         host = need("FLODL_HOST") if role in ("relay", "rank") else None
         if host is not None and host not in world:
             raise ConfigError(f"FLODL_HOST={host!r} is not a host of FLODL_WORLD ({', '.join(world)})")
-        rank = local_rank = None
+        rank = local_rank = exit_fd = None
+        if role == "controller" and env.get("FLODL_EXIT_FD", "").strip():
+            try:
+                exit_fd = int(env["FLODL_EXIT_FD"])
+            except ValueError:
+                raise ConfigError("FLODL_EXIT_FD must be a file descriptor number") from None
         if role == "rank":
             try:
                 rank, local_rank = int(need("FLODL_RANK")), int(need("FLODL_LOCAL_RANK"))
@@ -160,6 +169,7 @@ class ProcessEnv:
             rank=rank,
             local_rank=local_rank,
             settings=Settings.from_environ(env, CHILD_SCOPES),
+            exit_fd=exit_fd,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -182,4 +192,39 @@ class ProcessEnv:
         if self.rank is not None:
             out["FLODL_RANK"] = str(self.rank)
             out["FLODL_LOCAL_RANK"] = str(self.local_rank)
+        if self.exit_fd is not None:
+            out["FLODL_EXIT_FD"] = str(self.exit_fd)
         return out
+
+
+@dataclass(frozen=True)
+class ChildExit:
+    """A relay (`rank` None) or rank process of `host` ended with `code` (negative: killed by that signal)."""
+
+    host: str
+    rank: int | None
+    code: int
+
+
+class ExitReports:
+    """The launcher's exit reports on FLODL_EXIT_FD: one JSON line per child exit.
+
+    A pipe from the parent that started every process needs no MAC; it is how
+    the controller of a local run learns at once what an agent would report.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._pending = b""
+
+    @staticmethod
+    def line(exit: ChildExit) -> bytes:
+        return (json.dumps({"host": exit.host, "rank": exit.rank, "code": exit.code}) + "\n").encode()
+
+    def read(self) -> list[ChildExit] | None:
+        """The reports that arrived (call when the fd is readable); None once the launcher closed the pipe."""
+        chunk = os.read(self.fd, 65536)
+        if not chunk:
+            return None
+        *lines, self._pending = (self._pending + chunk).split(b"\n")
+        return [ChildExit(**json.loads(raw)) for raw in lines]

@@ -19,9 +19,12 @@ Rules the check keeps:
 - **A rank that lies about itself fails the formation.** A hello whose rank
   or host disagrees with where the relay says it came from is a misconfigured
   process (FLODL_RANK, FLODL_HOST): the world cannot form with it.
-- **A rank known to have left fails the formation at once** (`rank_left`),
-  naming it and why, instead of leaving every other process to wait out the
-  start-up timeout minutes later.
+- **A rank known to have left is acted on at once** (`rank_left`), never
+  found by the start-up timeout minutes later. The world forms without it
+  when the ranks left are still at least `minimum`: it keeps its number and
+  is simply absent (`Formed.absent`), so every other rank's number and the
+  exact coverage of every epoch stay as they are. Below the minimum the
+  formation fails at once, naming each rank gone and why (its exit code).
 - **Ignored, not fatal:** a hello from outside the world (the shell has
   already refused its route) and a second hello from the same rank (the first
   stands); both come back as `Ignored` for the shell to count.
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flodl_zmq.errors import AuthError, FlodlError, TrainingError
 from flodl_zmq.wire.records import RankHello
@@ -56,9 +59,14 @@ class Waiting:
 
 @dataclass(frozen=True)
 class Formed:
-    """Every rank said hello and agrees with the controller: start training."""
+    """Every rank still there said hello and agrees with the controller: start training.
+
+    `absent`: ranks that left before the world formed (rank -> why); the run
+    starts with them dead.
+    """
 
     hellos: Mapping[int, RankHello]
+    absent: Mapping[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,8 @@ class Failed:
 
 @dataclass(frozen=True)
 class Ignored:
-    """A hello that changes nothing (`why` is a counter name: `late_hello`, `duplicate_hello`, `unknown_rank`)."""
+    """A hello that changes nothing (`why` is a counter name: `late_hello`, `duplicate_hello`,
+    `departed_hello`, `unknown_rank`, `late_exit`, `duplicate_exit`)."""
 
     why: str
 
@@ -87,9 +96,10 @@ class Formation:
     """The rank-hello ledger of one start-up.
 
     `world`: host -> its global ranks. `model_sig`, `dataset_sig`: the
-    controller's own, which every rank must match. `deadline` and every `now`
-    are seconds on one monotonic clock the caller owns; `timeout_s` is only
-    named in the failure message.
+    controller's own, which every rank must match. `minimum`: the fewest
+    ranks the world may form with when some left before it formed.
+    `deadline` and every `now` are seconds on one monotonic clock the caller
+    owns; `timeout_s` is only named in the failure message.
     """
 
     def __init__(
@@ -99,6 +109,7 @@ class Formation:
         dataset_sig: bytes,
         deadline: float,
         timeout_s: float,
+        minimum: int,
     ) -> None:
         self.host_of = {r: h for h, rs in world.items() for r in rs}
         self.world_size = len(self.host_of)
@@ -106,7 +117,9 @@ class Formation:
         self.dataset_sig = dataset_sig
         self.deadline = deadline
         self.timeout_s = timeout_s
+        self.minimum = minimum
         self.hellos: dict[int, RankHello] = {}
+        self.left: dict[int, str] = {}  # rank -> why, ranks gone before the world formed
         self.auth_failures = 0
         self.last_auth_error = ""
         self._verdict: Waiting | Formed | Failed = Waiting(tuple(sorted(self.host_of)))
@@ -130,6 +143,8 @@ class Formation:
             return self._verdict
         if rank not in self.host_of:
             return Ignored("unknown_rank")
+        if rank in self.left:
+            return Ignored("departed_hello")  # declared gone, it stays gone: its number is not reused
         if rank in self.hellos:
             return Ignored("duplicate_hello")
         if hello.rank != rank:
@@ -143,26 +158,28 @@ class Formation:
                 f"check FLODL_HOST on that host", (rank,),
             )
         self.hellos[rank] = hello
-        if len(self.hellos) < self.world_size:
-            self._verdict = Waiting(self._missing())
-            return self._verdict
-        problems, bad = self._disagreements()
-        if problems:
-            return self._fail("; ".join(problems), bad)
-        self._verdict = Formed(dict(self.hellos))
-        return self._verdict
+        return self._settle()
 
     def rank_left(self, rank: int, reason: str) -> Outcome:
-        """`rank` is known to be gone (its relay or agent saw it exit): the world cannot form."""
+        """`rank` is known to be gone (its launcher, agent or relay saw it exit): form without it, or fail."""
         if self.phase is not Phase.FORMING:
             return self._verdict if self.phase is Phase.FAILED else Ignored("late_exit")
         if rank not in self.host_of:
             return Ignored("unknown_rank")
-        # Found only by the start-up timeout otherwise, minutes later; stop now, naming it.
-        return self._fail(
-            f"rank {rank} failed before training started ({reason}); its output is in that host's agent log",
-            (rank,),
-        )
+        if rank in self.left:
+            return Ignored("duplicate_exit")
+        self.left[rank] = reason
+        self.hellos.pop(rank, None)  # a hello said before it died does not bring it back
+        remaining = self.world_size - len(self.left)
+        if remaining < self.minimum:
+            # Found only by the start-up timeout otherwise, minutes later; stop now, naming each.
+            gone = "; ".join(f"rank {r} ({why})" for r, why in sorted(self.left.items()))
+            return self._fail(
+                f"rank(s) failed before training started: {gone}; {remaining} of {self.world_size} ranks "
+                f"remain, fewer than the minimum of {self.minimum} (--min-ranks); their output is in their "
+                f"host's log", tuple(sorted(self.left)),
+            )
+        return self._settle()
 
     def auth_failed(self, error: str) -> None:
         """A control record failed authentication while the world formed (counted for the time-out)."""
@@ -190,8 +207,20 @@ class Formation:
 
     # ------------------------------------------------------------------ internals
 
+    def _settle(self) -> Waiting | Formed | Failed:
+        """Waiting while a rank still there has not spoken; else compare the claims and form or fail."""
+        missing = self._missing()
+        if missing:
+            self._verdict = Waiting(missing)
+            return self._verdict
+        problems, bad = self._disagreements()
+        if problems:
+            return self._fail("; ".join(problems), bad)
+        self._verdict = Formed(dict(self.hellos), dict(self.left))
+        return self._verdict
+
     def _missing(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.host_of) - set(self.hellos)))
+        return tuple(sorted(set(self.host_of) - set(self.hellos) - set(self.left)))
 
     def _disagreements(self) -> tuple[list[str], tuple[int, ...]]:
         hellos = self.hellos

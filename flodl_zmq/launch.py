@@ -14,9 +14,10 @@ Rules this module keeps:
   the controller finishing, Ctrl-C, SIGTERM to the launcher, an exception.
 - The controller's exit status is the run's: ranks and relays that are still
   up a grace period after it ended are stopped.
-- The launcher is the agent of every simulated host, but it does not report
-  child exits upstream: relays detect a dead rank by its silence (within
-  their heartbeat deadline), which is the path a real host failure takes.
+- The launcher is the agent of every simulated host: it reports every relay
+  and rank exit to the controller at once (`ExitReports` on a pipe, the
+  FLODL_EXIT_FD of flodl_zmq/environment.py), as an agent does over its join
+  link, so a rank that dies before it ever spoke is never waited for.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flodl_zmq.endpoints import OFFSETS, ControllerAddress
-from flodl_zmq.environment import CHILD_SCOPES, ProcessEnv, with_tunables
+from flodl_zmq.environment import CHILD_SCOPES, ChildExit, ExitReports, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import remove_local_dir
 from flodl_zmq.settings import Settings
@@ -73,6 +74,7 @@ class Child:
     env: ProcessEnv
     proc: subprocess.Popen
     reader: threading.Thread | None = None
+    report_exit: bool = False  # a relay or rank: its exit goes to the controller
 
 
 @dataclass
@@ -105,6 +107,7 @@ class Cluster:
                 raise ConfigError(f"--slow {rank}:{factor}: rank must be in 0..{world_size - 1} and factor >= 1")
         self._lock = threading.Lock()
         self.run_id: bytes | None = None
+        self._exits: int | None = None  # write end of the controller's FLODL_EXIT_FD pipe
 
     @property
     def world(self) -> dict[str, tuple[int, ...]]:
@@ -120,7 +123,13 @@ class Cluster:
         if self.startup_timeout_s is not None:
             settings = replace(settings, startup_timeout_s=self.startup_timeout_s)
         base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
-        self._spawn("controller", ProcessEnv(role="controller", settings=settings, **base))
+        exits, self._exits = os.pipe()
+        os.set_blocking(self._exits, False)  # a controller that stops reading never blocks the launcher
+        try:
+            self._spawn("controller", ProcessEnv(role="controller", settings=settings, exit_fd=exits, **base),
+                        pass_fds=(exits,))
+        finally:
+            os.close(exits)  # the controller holds its own copy
         for host, ranks in self.world.items():
             self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, **base))
             for local, rank in enumerate(ranks):
@@ -130,7 +139,7 @@ class Cluster:
                     ProcessEnv(role="rank", host=host, rank=rank, local_rank=local, settings=slowed, **base),
                 )
 
-    def _spawn(self, label: str, penv: ProcessEnv) -> None:
+    def _spawn(self, label: str, penv: ProcessEnv, pass_fds: tuple[int, ...] = ()) -> None:
         env = with_tunables(os.environ, penv.role)
         env.update(penv.to_environ())
         env["PYTHONUNBUFFERED"] = "1"
@@ -142,8 +151,9 @@ class Cluster:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: teardown reaches all it started
+            pass_fds=pass_fds,
         )
-        child = Child(label, penv, proc)
+        child = Child(label, penv, proc, report_exit=penv.role != "controller")
         child.reader = threading.Thread(target=self._forward, args=(child,), daemon=True)
         child.reader.start()
         self.children[label] = child
@@ -156,6 +166,17 @@ class Cluster:
                 self.lines.append(line)
                 if self.sink is not None:
                     self.sink(line)
+        if child.report_exit:  # its output ended: it exited (or is about to)
+            self._report(ChildExit(child.env.host or "", child.env.rank, child.proc.wait()))
+
+    def _report(self, exit: ChildExit) -> None:
+        with self._lock:
+            if self._exits is None:
+                return
+            try:
+                os.write(self._exits, ExitReports.line(exit))
+            except OSError:  # the controller is gone: nobody left to tell
+                pass
 
     def output(self) -> str:
         with self._lock:
@@ -203,6 +224,10 @@ class Cluster:
         for c in self.children.values():
             if c.reader is not None:
                 c.reader.join(2.0)
+        with self._lock:
+            if self._exits is not None:
+                os.close(self._exits)
+                self._exits = None
         if self.run_id is not None:
             unlink_run(self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
             remove_local_dir(self.run_id)  # nor its ipc socket files

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from flodl_zmq.endpoints import is_loopback_endpoint
 from flodl_zmq.errors import PrivateDirError
@@ -220,6 +221,48 @@ def take_over_routes(sock: zmq.Socket) -> None:
 # buffer). Elsewhere the kernel's autotuning stays: a fixed buffer caps a link
 # at buffer / round-trip time, which would starve a long-distance link.
 LOOPBACK_SNDBUF = 256 * 1024
+
+
+class Connections:
+    """Which TCP connection each peer's records arrive on, so a reconnect can be counted.
+
+    A reconnect is invisible to a ROUTER's reader (the identity is kept, the
+    route handed over), so a person could not tell a flapping link from a
+    quiet one. `watch` turns on the socket's accept events; a peer whose
+    record arrives on a connection accepted after the one it last used
+    reconnected. Connections are told apart by (fd, accept number), since a
+    new connection often gets the old one's fd.
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED)
+        self._sock = sock
+        self._accepts = 0
+        self._accepted: dict[int, int] = {}  # fd -> its accept number
+        self._last: dict[str, tuple[int, int]] = {}  # peer -> (fd, accept number) it last used
+        self.reconnects: dict[str, int] = {}
+
+    def read_events(self) -> None:
+        """Take the accept events queued on `monitor` (before reading the socket's records)."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._accepts += 1
+                self._accepted[int(event["value"])] = self._accepts
+
+    def arrived(self, peer: str, frame: zmq.Frame) -> bool:
+        """`peer`'s authenticated record came in `frame`; True when it came over a new connection."""
+        fd = frame.get(zmq.SRCFD)
+        conn = (fd, self._accepted.get(fd, 0))
+        last, self._last[peer] = self._last.get(peer), conn
+        if last is None or last == conn:
+            return False
+        self.reconnects[peer] = self.reconnects.get(peer, 0) + 1
+        return True
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self.monitor.close(linger=0)
 
 
 def tune_loopback(sock: zmq.Socket, endpoint: str) -> None:

@@ -24,7 +24,7 @@ class TrainResult:
 
 
 def format_epoch(row: dict[str, Any], epochs: int) -> str:
-    """One line per epoch: loss, eval (when there is one), each rank's batch share, wall time."""
+    """One line per epoch: loss, eval (when there is one), each rank's batch share, wall time, reconnects."""
     parts = [f"epoch {row['epoch'] + 1}/{epochs}", f"loss {row['avg_loss']:.4f}"]
     if row.get("eval") is not None and not math.isnan(row["eval"]):
         parts.append(f"eval {row['eval']:.4f}")
@@ -32,4 +32,6 @@ def format_epoch(row: dict[str, Any], epochs: int) -> str:
     if len(share) > 1:
         parts.append("share " + " ".join(f"r{i}:{s * 100:.0f}%" for i, s in enumerate(share)))
     parts.append(f"{row['epoch_ms'] / 1000.0:.2f}s")
+    if row.get("reconnects"):  # a link flapped during the epoch: it cost time, not samples
+        parts.append(f"{row['reconnects']} reconnect(s)")
     return " | ".join(parts)

@@ -98,7 +98,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,12 +225,26 @@ class Coordinator:
 
     # ================================================================ inputs
 
-    def start(self, now: float) -> list[Out]:
-        """The world has formed: dispatch the first epoch (or the resumed one)."""
+    def start(self, now: float, absent: Iterable[int] = ()) -> list[Out]:
+        """The world has formed: dispatch the first epoch (or the resumed one).
+
+        `absent`: ranks that died before the world formed. They keep their
+        numbers and start dead (a failure each), so no plan, role or barrier
+        ever waits for them and the live ranks cover every sample.
+        """
         if self._started:
             raise CoordinatorError("start() called twice: the coordinator is already running")
         self._started = True
         self._now = now
+        # Silence counts from here: every live rank just said hello, after a start-up
+        # (imports, data) that may have outlasted the heartbeat timeout.
+        for rank in self.liveness.live:
+            self.liveness.saw(rank, now)
+        for rank in absent:
+            self.liveness.check_rank(rank)
+            if self.liveness.fail(rank):
+                self.roles.on_death(rank, self.feedback.smoothed_ms(), self.liveness.live_mask)
+                self._emit(REDUCER, rec.DeclareDead(rank=rank))  # the reducer must not wait for it
         self.dispatch.start(self.last_aggregated, now)
         first = self.last_aggregated + 1
         if first < self.config.num_epochs:

@@ -5,7 +5,9 @@ Every process of a test cluster runs this file; the controller prints one
 --step-ms (a sleep per step, so a run lasts long enough to kill ranks in),
 --save / --resume (bundle stem), --eval-raises (eval_fn raises on its second
 call), --callback-errors report|stop, --wire-dtype f32|bf16. Environment: DIGITS_SHIFT=1 makes this
-process load a perturbed dataset (a dataset mismatch).
+process load a perturbed dataset (a dataset mismatch); DIGITS_SIGKILL_RANK=N makes rank N SIGKILL
+itself before it does anything (a rank that dies before its hello). --heartbeat-timeout S: the
+coordinator's rank silence limit (the chaos suite's short one).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 from torch.utils.data import TensorDataset
@@ -25,6 +28,8 @@ calls = {"eval": 0}
 
 
 def main() -> None:
+    if os.environ.get("FLODL_ROLE") == "rank" and os.environ.get("FLODL_RANK") == os.environ.get("DIGITS_SIGKILL_RANK"):
+        os.kill(os.getpid(), signal.SIGKILL)
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="cpu-cadence")
     p.add_argument("--epochs", type=int, default=15)
@@ -35,6 +40,7 @@ def main() -> None:
     p.add_argument("--eval-raises", action="store_true")
     p.add_argument("--callback-errors", default="report")
     p.add_argument("--wire-dtype", default="f32")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0)
     args = p.parse_args()
     train, test = digits()
     if os.environ.get("DIGITS_SHIFT"):
@@ -56,7 +62,7 @@ def main() -> None:
         model=mlp, optimizer=sgd, train_step=step, dataset=train, batch_size=args.batch_size,
         epochs=args.epochs, mode=args.mode, eval_dataset=test, eval_fn=evaluate,
         on_callback_error=args.callback_errors, save_path=args.save, resume_from=args.resume,
-        wire_dtype=args.wire_dtype,
+        wire_dtype=args.wire_dtype, heartbeat_timeout_s=args.heartbeat_timeout,
     ).run()
     print("RESULT " + json.dumps({
         "accuracy": result.final_eval, "batch_share": result.batch_share, "epochs": result.epochs,

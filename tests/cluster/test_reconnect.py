@@ -21,10 +21,8 @@ must recover them by request (PROTOCOL.md 10.3, 10.6).
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,124 +30,15 @@ import pytest
 
 from flodl_zmq.endpoints import OFFSETS
 from flodl_zmq.launch import Cluster, free_port_base
-from flodl_zmq.wire import Channel
+from tests.cluster.reset_proxy import ResettingProxy
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 SAMPLES_PER_EPOCH_16 = (1437 // 16) * 16
 ARGS = ("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4")
 RESETS = 10  # alternately full (quiet) and data-only (busy): 5 of each
-QUIET_S = 0.05  # a control or join connection is closed only after this long without a byte either way
-QUIET_WAIT_S = 5.0
-BUSY_S = 0.002  # a data or broadcast connection is closed when a byte crossed this recently
-BUSY_WAIT_S = 0.5
-IN_FLIGHT = {OFFSETS[Channel.DATA], OFFSETS[Channel.BROADCAST]}  # links whose records a reset may lose
 WAIT_S = 120.0
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
-
-
-class ResettingProxy:
-    """Forwards 127.0.0.1:listen+i to 127.0.0.1:target+i for the controller's ports; `reset()` closes every connection.
-
-    A full reset closes each connection at a moment it is quiet (no byte
-    either way for `QUIET_S`): control records in flight are not recovered
-    yet (PROTOCOL.md 10.7). A data reset closes only the data and broadcast
-    connections, each while bytes cross (within `BUSY_S`, waiting at most
-    `BUSY_WAIT_S`): what they carried is lost and must be recovered by request.
-    """
-
-    def __init__(self, listen: int, target: int):
-        self.listen, self.target = listen, target
-        self._lock = threading.Lock()
-        self._pairs: list[tuple[int, socket.socket, socket.socket, list[float]]] = []
-        self._servers: list[socket.socket] = []
-        self._stop = threading.Event()
-        self.resets = 0
-        self.accepted = 0
-
-    def start(self) -> None:
-        for offset in range(max(OFFSETS.values()) + 1):
-            srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            srv.bind(("127.0.0.1", self.listen + offset))
-            srv.listen(64)
-            srv.settimeout(0.2)
-            self._servers.append(srv)
-            threading.Thread(target=self._accept, args=(srv, offset), daemon=True).start()
-
-    def _accept(self, srv: socket.socket, offset: int) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = srv.accept()
-            except (TimeoutError, OSError):
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target + offset), timeout=5)
-            except OSError:
-                client.close()
-                continue
-            upstream.settimeout(None)
-            client.settimeout(None)
-            last = [time.monotonic()]  # when a byte last crossed, either way
-            with self._lock:
-                self._pairs.append((offset, client, upstream, last))
-                self.accepted += 1
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b, last), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, last: list[float]) -> None:
-        try:
-            while True:
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                last[0] = time.monotonic()
-                dst.sendall(data)
-                last[0] = time.monotonic()
-        except OSError:
-            pass
-        for s in (src, dst):
-            self._close(s)
-
-    def _close(self, s: socket.socket) -> None:
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        s.close()
-
-    def reset(self, data_only: bool) -> float:
-        """Close every connection (both sides) when quiet, or (`data_only`) data and broadcast ones while busy.
-
-        Returns the longest wait for a quiet moment.
-        """
-        with self._lock:
-            closing = [p for p in self._pairs if not data_only or p[0] in IN_FLIGHT]
-            self._pairs = [p for p in self._pairs if p not in closing]
-        longest = 0.0
-        for _, a, b, last in closing:
-            t0 = time.monotonic()
-            if data_only:
-                while time.monotonic() - last[0] > BUSY_S and time.monotonic() - t0 < BUSY_WAIT_S:
-                    time.sleep(BUSY_S / 4)
-            else:
-                while time.monotonic() - last[0] < QUIET_S and time.monotonic() - t0 < QUIET_WAIT_S:
-                    time.sleep(QUIET_S / 10)
-                longest = max(longest, time.monotonic() - t0)
-            self._close(a)
-            self._close(b)
-        self.resets += 1
-        return longest
-
-    def stop(self) -> None:
-        self._stop.set()
-        for s in self._servers:
-            s.close()
-        with self._lock:
-            pairs, self._pairs = self._pairs, []
-        for _, a, b, _ in pairs:
-            self._close(a)
-            self._close(b)
 
 
 def cluster_run(proxy_every_s: float | None) -> tuple[int | None, dict | None, str, int, int]:

@@ -142,6 +142,20 @@ def test_sigkill_one_rank_mid_epoch_completes_with_every_sample_trained(undistur
     no_process_left(r)
 
 
+def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_the_rest_cover_every_epoch(undisturbed):
+    started = time.monotonic()
+    code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4",
+                            env_for={"h1:3": {"DIGITS_SIGKILL_RANK": "3"}})
+    assert code == 0, out
+    assert "world formed: 3 of 4 ranks on 2 hosts, without rank(s) [3]" in out
+    assert "rank 3 left before the world formed (it exited with code -9)" in out
+    assert len(result["epochs"]) == 15
+    assert all(e["samples"] == SAMPLES_PER_EPOCH[16] for e in result["epochs"]), result["epochs"]
+    assert all(e["per_rank_samples"][3] == 0 for e in result["epochs"])
+    assert result["accuracy"] >= undisturbed["accuracy"] - 0.01 - 1e-9, (result["accuracy"], undisturbed["accuracy"])
+    assert time.monotonic() - started < 100  # never the relay's 60 s first-contact wait on top of the run
+
+
 def test_sigkill_every_rank_saves_a_bundle_that_resume_continues(tmp_path):
     stem = str(tmp_path / "run")
     r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4", "--save", stem).start()

@@ -151,11 +151,21 @@ def test_a_rank_sending_an_illegal_record_is_declared_dead_and_the_run_goes_on(r
     assert isinstance(outcome.get("error"), TrainingError) and "stopped early (all_ranks_lost)" in str(outcome["error"])
 
 
-def test_a_rank_that_leaves_before_the_world_forms_ends_the_start_up_at_once(rig):
+def test_a_rank_that_leaves_before_the_world_forms_is_left_out_at_once(rig):
     service, relay, thread, outcome = rig
     relay.hello(0)
+    relay.relay_send(rec.RankExit(rank=1))
+    relay.wait_for(rank_identity(0), "StartEpoch")  # not the start-up timeout: the world formed without it
+    assert service.started and service.core.liveness.state(1) is RankState.DEAD
+    assert "before the world formed: the relay on h saw it leave" in service.deaths[1][1]
+
+
+def test_the_start_up_fails_at_once_naming_every_rank_gone_when_none_remain(rig):
+    service, relay, thread, outcome = rig
     t0 = time.monotonic()
     relay.relay_send(rec.RankExit(rank=1))
+    relay.relay_send(rec.RankExit(rank=0))
     thread.join(WAIT_S)
     assert not thread.is_alive() and time.monotonic() - t0 < WAIT_S / 2  # not the start-up timeout
-    assert "rank 1 failed before training started (the relay on h saw it leave)" in str(outcome["error"])
+    assert "rank 0 (the relay on h saw it leave); rank 1 (the relay on h saw it leave)" in str(outcome["error"])
+    assert "0 of 2 ranks remain" in str(outcome["error"])

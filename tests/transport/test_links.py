@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from flodl_zmq.links import keep_alive, relay_identity, send, take_over_routes, tune
+from flodl_zmq.links import Connections, keep_alive, relay_identity, send, take_over_routes, tune
 from flodl_zmq.relay import _Hello
 
 pytestmark = pytest.mark.timeout(30)
@@ -59,3 +59,37 @@ def test_a_hello_is_repeated_until_acknowledged():
     assert hello.due(1.1)  # lost in a reset: sent again
     hello.acked()
     assert not hello.due(10.0)
+
+
+def test_a_peer_coming_back_on_a_new_connection_counts_one_reconnect():
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    take_over_routes(router)
+    connections = Connections(router)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealers = []
+    try:
+        def record_from(identity: bytes) -> list[zmq.Frame]:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IDENTITY, identity)
+            dealer.connect(f"tcp://127.0.0.1:{port}")
+            dealers.append(dealer)
+            dealer.send(b"record")
+            assert router.poll(5000)
+            connections.read_events()
+            return router.recv_multipart(copy=False)
+
+        first = record_from(b"relay:h0:01")
+        assert not connections.arrived("h0", first[-1])
+        assert not connections.arrived("h0", first[-1])  # the same connection again
+        dealers[0].close(0)  # the link drops; the relay's DEALER re-dials with its identity
+        again = record_from(b"relay:h0:01")
+        assert connections.arrived("h0", again[-1])
+        assert not connections.arrived("h1", record_from(b"relay:h1:01")[-1])  # a first record is no reconnect
+        assert connections.reconnects == {"h0": 1}
+    finally:
+        for d in dealers:
+            d.close(0)
+        connections.close()
+        router.close(0)
+        ctx.term()

@@ -11,6 +11,7 @@ from flodl_zmq.controller import ControllerOptions, format_status, query_status,
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.membership import JoinConfig, JoinWindow, MembershipService, SpawnSpec, TrustMode
+from flodl_zmq.result import format_epoch
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.wire import new_key
 
@@ -69,7 +70,7 @@ def test_status_under_open_admission_needs_no_key_and_works_over_curve(ctx):
         service.close()
 
 
-def test_format_status_names_each_death_and_the_round():
+def test_format_status_names_each_death_the_round_and_each_hosts_link_counters():
     status = {
         "phase": "formed", "reason": "target ranks reached", "joined_ranks": 2,
         "hosts": {"a": {"ranks": [0], "state": "live"}, "b": {"ranks": [1], "state": "lost"}},
@@ -78,9 +79,16 @@ def test_format_status_names_each_death_and_the_round():
             "deaths": {"1": {"at": time.time(), "reason": "host b lost: its agent fell silent"}},
             "epoch": 3, "epochs": 8, "round": 12, "rounds_done": 11, "global_step": 400,
             "last_round_ms": 4.5, "last_round_at": time.time(), "ended": None,
+            "links": {
+                "a": {"reconnects": 3, "resends": 0, "rejected": {"AuthError": 2, "forged_route": 1},
+                      "last_seen": time.time() - 0.5},
+                "b": {"reconnects": 0, "resends": 0, "rejected": {}, "last_seen": None},
+            },
         },
     }
     text = format_status(ControllerAddress("10.0.0.5", 7300), status)
+    assert "link a: reconnects 3, resends 0, rejected AuthError 2, forged_route 1, last seen 0.5 s ago" in text
+    assert "link b: reconnects 0, resends 0, rejected none, last seen never" in text
     assert "host b: ranks [1] lost" in text
     assert "rank 1 dead at" in text and "host b lost" in text
     assert "epoch 4/8, round 12 (11 done)" in text
@@ -106,3 +114,9 @@ def test_run_script_returns_the_programs_exit_status(tmp_path):
     script.write_text("import sys\nsys.exit(int(sys.argv[1]))\n")
     assert run_script([str(script), "3"]) == 3
     assert run_script([str(script), "0"]) == 0
+
+
+def test_the_epoch_line_counts_reconnects_only_when_a_link_reconnected():
+    row = {"epoch": 1, "avg_loss": 0.5, "epoch_ms": 1200.0, "batch_share": [0.5, 0.5]}
+    assert "reconnect" not in format_epoch({**row, "reconnects": 0}, 3)
+    assert format_epoch({**row, "reconnects": 2}, 3).endswith("| 1.20s | 2 reconnect(s)")

@@ -238,6 +238,19 @@ def test_dead_rank_remainder_redistributed_via_extend_partition():
     assert ext == [(1, rec.ExtendPartition(0, 0, 5)), (2, rec.ExtendPartition(0, 5, 5))]
 
 
+@pytest.mark.parametrize("mode", ["sync", "cadence"])
+def test_a_rank_absent_at_start_keeps_its_number_gets_nothing_and_the_live_ranks_cover_the_epoch(mode):
+    cfg = CoordinatorConfig(total_samples=30, batch_size=1, num_epochs=1, mode=mode)
+    c = Coordinator(cfg, 3, 0.0)
+    outs = c.start(0.0, absent=[1])
+    assert of(outs, rec.DeclareDead, REDUCER) == [rec.DeclareDead(rank=1)]
+    assert not [o for o in outs if o.dest == 1]
+    assert c.liveness.live == [0, 2] and c.liveness.failures == 1
+    if mode == "sync":  # two partitions of the whole epoch, nothing for rank 1
+        plans = sorted((o.record.plan.offset, o.record.plan.size) for o in outs if isinstance(o.record, rec.StartEpoch))
+        assert plans == [(0, 15), (15, 15)]
+
+
 def test_dead_sync_rank_hands_on_only_what_it_did_not_train():
     c, _ = make(world=2, mode="sync", total=20)
     for s in range(1, 4):

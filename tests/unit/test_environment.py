@@ -7,7 +7,7 @@ import os
 import pytest
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ProcessEnv, parse_world, with_tunables
+from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv, parse_world, with_tunables
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import new_key
@@ -112,3 +112,27 @@ def test_the_controller_command_restarts_once_with_the_service_tunables(monkeypa
     monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])  # the restarted process: nothing more to do
     controller._restart_with_service_tunables()
     assert len(calls) == 1
+
+
+def test_exit_reports_cross_a_pipe_line_by_line_and_end_when_the_launcher_closes_it():
+    r, w = os.pipe()
+    try:
+        reports = ExitReports(r)
+        line = ExitReports.line(ChildExit("h1", 3, -9))
+        os.write(w, line[:7])  # half a line: nothing yet
+        assert reports.read() == []
+        os.write(w, line[7:] + ExitReports.line(ChildExit("h0", None, 1)))
+        assert reports.read() == [ChildExit("h1", 3, -9), ChildExit("h0", None, 1)]
+        os.close(w)
+        w = -1
+        assert reports.read() is None
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def test_the_controllers_exit_fd_round_trips_through_the_environment():
+    penv = ProcessEnv(role="controller", controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32),
+                      run_id=bytes(16), world={"h0": (0, 1)}, exit_fd=7)
+    assert ProcessEnv.from_environ(penv.to_environ()) == penv

@@ -13,8 +13,8 @@ MODEL, DATA = b"m" * 32, b"d" * 32
 DEADLINE = 100.0
 
 
-def formation() -> Formation:
-    return Formation(WORLD, MODEL, DATA, deadline=DEADLINE, timeout_s=120.0)
+def formation(minimum: int = 3) -> Formation:
+    return Formation(WORLD, MODEL, DATA, deadline=DEADLINE, timeout_s=120.0, minimum=minimum)
 
 
 def hello(rank: int, host: str | None = None, model: bytes = MODEL, data: bytes = DATA, world: int = 3) -> RankHello:
@@ -45,12 +45,13 @@ def test_mismatches_fail_naming_every_rank_only_once_all_have_spoken():
     assert isinstance(v.error(), TrainingError)
 
 
-def test_a_rank_known_to_have_left_fails_the_formation_at_once_naming_it():
+def test_a_rank_known_to_have_left_fails_the_formation_at_once_naming_it_below_the_minimum():
     f = formation()
     f.hello(0, hello(0))
-    v = f.rank_left(2, "the relay on b saw it leave")
+    v = f.rank_left(2, "it exited with code -9")
     assert isinstance(v, Failed) and v.ranks == (2,)
-    assert "rank 2 failed before training started (the relay on b saw it leave)" in v.reason
+    assert "rank 2 (it exited with code -9)" in v.reason and "2 of 3 ranks remain" in v.reason
+    assert "minimum of 3 (--min-ranks)" in v.reason
     assert f.phase is Phase.FAILED
     # Final: later hellos and the clock return the same verdict.
     assert f.hello(1, hello(1)) is v and f.hello(2, hello(2)) is v and f.poll(DEADLINE + 1) is v
@@ -60,6 +61,34 @@ def test_a_rank_that_leaves_after_its_hello_still_fails_the_formation():
     f = formation()
     f.hello(1, hello(1))
     assert isinstance(f.rank_left(1, "its agent on a reported exit code 1"), Failed)
+
+
+def test_the_world_forms_without_a_rank_that_left_while_enough_remain():
+    f = formation(minimum=2)
+    f.hello(0, hello(0))
+    assert f.rank_left(1, "it exited with code -9") == Waiting((2,))
+    assert f.hello(1, hello(1)) == Ignored("departed_hello")  # gone stays gone
+    assert f.rank_left(1, "again") == Ignored("duplicate_exit")
+    v = f.hello(2, hello(2))
+    assert isinstance(v, Formed) and sorted(v.hellos) == [0, 2]
+    assert v.absent == {1: "it exited with code -9"}
+
+
+def test_a_rank_leaving_last_forms_the_world_of_those_that_spoke():
+    f = formation(minimum=1)
+    f.hello(0, hello(0))
+    f.hello(2, hello(2))
+    v = f.rank_left(1, "it exited with code 1")
+    assert isinstance(v, Formed) and sorted(v.hellos) == [0, 2] and list(v.absent) == [1]
+
+
+def test_deaths_past_the_minimum_fail_naming_every_rank_gone():
+    f = formation(minimum=2)
+    f.hello(1, hello(1))
+    assert isinstance(f.rank_left(0, "it exited with code -9"), Waiting)
+    v = f.rank_left(1, "it exited with code 3")  # after its hello
+    assert isinstance(v, Failed) and v.ranks == (0, 1)
+    assert "rank 0 (it exited with code -9); rank 1 (it exited with code 3)" in v.reason
 
 
 def test_a_rank_leaving_after_formation_is_not_a_formation_matter():
