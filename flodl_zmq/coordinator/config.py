@@ -105,6 +105,7 @@ class CoordinatorConfig:
     partition_ratios: Sequence[float] | None = None
     guard: GuardKind = GuardKind.TREND
     divergence_threshold: float | None = None
+    msf_thresholds: tuple[float, float] | None = None
     meta_controller: bool = True
     easgd_alpha: float | None = None
     max_overshoot: int | None = None
@@ -153,7 +154,31 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"divergence_threshold = {self.divergence_threshold!r}: must be a finite number >= 0"
             )
+        if self.divergence_threshold is not None and self.guard is not GuardKind.TREND:
+            raise ConfigError(
+                f"divergence_threshold is the trend guard's threshold, but guard = {self.guard.value!r}: "
+                f"drop it or use guard='trend'"
+            )
+        if self.msf_thresholds is not None:
+            if self.guard is not GuardKind.MSF:
+                raise ConfigError(
+                    f"msf_thresholds are the msf guard's thresholds, but guard = {self.guard.value!r}: "
+                    f"drop them or use guard='msf'"
+                )
+            m = tuple(self.msf_thresholds) if isinstance(self.msf_thresholds, (tuple, list)) else ()
+            if not (len(m) == 2 and all(_finite(x) and x > 0 for x in m) and m[0] <= m[1]):
+                raise ConfigError(
+                    f"msf_thresholds = {self.msf_thresholds!r}: must be (suppress, nudge), two divergence "
+                    f"growth rates with 0 < suppress <= nudge (a nudge implies a suppress); default (1e-3, 1e-2)"
+                )
+            object.__setattr__(self, "msf_thresholds", (float(m[0]), float(m[1])))
         if self.partition_ratios is not None:
+            if not isinstance(self.partition_ratios, (tuple, list)) or not all(
+                _finite(x) and x > 0 for x in self.partition_ratios
+            ):
+                raise ConfigError(
+                    f"partition_ratios = {self.partition_ratios!r}: must be one positive finite number per rank"
+                )
             if self.mode is not Mode.SYNC:
                 raise ConfigError(
                     f"partition_ratios only apply to mode='sync' (mode is {self.mode.value}: "
@@ -237,6 +262,10 @@ def _enum(cls: type[enum.Enum], value: object, name: str) -> enum.Enum:
     except ValueError:
         allowed = ", ".join(repr(m.value) for m in cls)
         raise ConfigError(f"{name} = {value!r}: must be one of {allowed}") from None
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _int(value: object, name: str, minimum: int) -> None:
