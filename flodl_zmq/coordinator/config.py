@@ -247,7 +247,7 @@ class CoordinatorConfig:
         if self.callback_rank is not None and self.callback_rank >= world_size:
             raise ConfigError(
                 f"callback_rank = {self.callback_rank} is outside a world of {world_size} ranks "
-                f"(valid 0..{world_size - 1}, or None for the fastest rank)"
+                f"(valid 0..{world_size - 1}; without one the fastest rank runs the callbacks)"
             )
         if self.partition_ratios is not None and len(self.partition_ratios) != world_size:
             raise ConfigError(

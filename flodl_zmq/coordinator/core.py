@@ -231,6 +231,9 @@ class Coordinator:
             raise CoordinatorError("start() called twice: the coordinator is already running")
         self._started = True
         self._now = now
+        if self.global_step:
+            # A resumed run continues its learning-rate schedule where it stopped, from the first step.
+            self._to_live(rec.SetGlobalStep(global_step=self.global_step))
         self.dispatch.start(self.last_aggregated, now)
         first = self.last_aggregated + 1
         if first < self.config.num_epochs:
