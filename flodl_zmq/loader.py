@@ -19,7 +19,7 @@ Rules this module keeps:
   `BATCH_TIMEOUT_S`, is a `TrainingError` naming the worker. A worker whose
   parent died exits on its own (it polls for that), leaving no orphans.
 - **A dataset error surfaces in the training process** with the worker's
-  traceback, as it would without workers.
+  traceback, when its batch's turn comes, as it would without workers.
 """
 
 from __future__ import annotations
@@ -121,11 +121,11 @@ class BatchPipeline:
             except queue.Empty:
                 self._check_workers(seq, deadline)
                 continue
-            if error is not None:
-                raise TrainingError(f"the dataset raised in a loader worker (batch {got}):\n{error}")
-            self._ready[got] = batch
-        batch = self._ready.pop(seq)
+            self._ready[got] = (batch, error)
+        batch, error = self._ready.pop(seq)
         self._taken += 1
+        if error is not None:  # raised in its turn: the batches before it train first
+            raise TrainingError(f"the dataset raised in a loader worker (batch {seq}):\n{error}")
         self._top_up()
         return self._to_device(batch)
 
