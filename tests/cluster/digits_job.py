@@ -4,7 +4,9 @@ Every process of a test cluster runs this file; the controller prints one
 `RESULT {json}` line. Knobs (command line): --mode, --epochs, --batch-size,
 --step-ms (a sleep per step, so a run lasts long enough to kill ranks in),
 --save / --resume (bundle stem), --eval-raises (eval_fn raises on its second
-call), --callback-errors report|stop, --wire-dtype f32|bf16. Environment: DIGITS_SHIFT=1 makes this
+call), --callback-errors report|stop, --wire-dtype f32|bf16, --cosine (an LR schedule over the whole
+run, each step's LR recorded as the scalar "lr"), --max-grad-norm X, --workers N (loader processes
+per rank). Environment: DIGITS_SHIFT=1 makes this
 process load a perturbed dataset (a dataset mismatch).
 """
 
@@ -15,8 +17,10 @@ import json
 import os
 import time
 
+import torch
 from torch.utils.data import TensorDataset
 
+import flodl_zmq as fz
 from flodl_zmq.api import Trainer
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import accuracy, cross_entropy_step, mlp, sgd
@@ -35,15 +39,26 @@ def main() -> None:
     p.add_argument("--eval-raises", action="store_true")
     p.add_argument("--callback-errors", default="report")
     p.add_argument("--wire-dtype", default="f32")
+    p.add_argument("--cosine", action="store_true")
+    p.add_argument("--max-grad-norm", type=float)
+    p.add_argument("--workers", type=int, default=0)
     args = p.parse_args()
     train, test = digits()
     if os.environ.get("DIGITS_SHIFT"):
         x, y = train.tensors
         train = TensorDataset(x + 0.01, y)
 
+    optimizers = []
+
+    def cosine(optimizer):
+        optimizers.append(optimizer)
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * (len(train) // args.batch_size))
+
     def step(model, batch):
         if args.step_ms:
             time.sleep(args.step_ms / 1000.0)
+        if optimizers:
+            fz.record_scalar("lr", optimizers[0].param_groups[0]["lr"])
         return cross_entropy_step(model, batch)
 
     def evaluate(model, dataset):
@@ -56,7 +71,8 @@ def main() -> None:
         model=mlp, optimizer=sgd, train_step=step, dataset=train, batch_size=args.batch_size,
         epochs=args.epochs, mode=args.mode, eval_dataset=test, eval_fn=evaluate,
         on_callback_error=args.callback_errors, save_path=args.save, resume_from=args.resume,
-        wire_dtype=args.wire_dtype,
+        wire_dtype=args.wire_dtype, scheduler=cosine if args.cosine else None, max_grad_norm=args.max_grad_norm,
+        num_workers=args.workers,
     ).run()
     print("RESULT " + json.dumps({
         "accuracy": result.final_eval, "batch_share": result.batch_share, "epochs": result.epochs,
