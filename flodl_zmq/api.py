@@ -158,6 +158,15 @@ def run_relay(penv: ProcessEnv) -> int:
     return 1 if relay.error else 0
 
 
+def epoch_row(epoch: int, loss_sum: float, batches: int, t0: float, scalars: ScalarLog) -> dict[str, Any]:
+    """The row of `TrainResult.epochs` for the batches of `epoch` trained alone so far."""
+    return {
+        "epoch": epoch, "avg_loss": loss_sum / max(batches, 1),
+        "epoch_ms": (time.perf_counter() - t0) * 1000.0, "batch_share": [1.0],
+        "scalars": {k: scalars.sums[k] / scalars.counts[k] for k in sorted(scalars.sums)},
+    }
+
+
 def train_alone(job: Job) -> TrainResult:
     """Train `job` in this process: the same data order, steps and callbacks, no cluster."""
     torch.set_num_threads(job.torch_threads)
@@ -185,7 +194,7 @@ def train_alone(job: Job) -> TrainResult:
                     job.epoch_fn(epoch, model)
                 t0 = time.perf_counter()
                 perm = epoch_permutation(job.seed, epoch, job.total_samples)
-                loss_sum, batches = 0.0, 0
+                loss_sum, batches, parts = 0.0, 0, 0
                 pipeline.extend(perm[start : start + job.batch_size] for start in range(0, len(perm), job.batch_size))
                 while len(pipeline):
                     # The global step of a single process: every step before this one, resumed ones too.
@@ -193,12 +202,15 @@ def train_alone(job: Job) -> TrainResult:
                     loss_sum += stepper.step(pipeline.next())
                     batches += 1
                     report.step()
-                sums, counts = scalars.take()
-                row: dict[str, Any] = {
-                    "epoch": epoch, "avg_loss": loss_sum / max(batches, 1),
-                    "epoch_ms": (time.perf_counter() - t0) * 1000.0, "batch_share": [1.0],
-                    "scalars": {k: sums[k] / counts[k] for k in sorted(sums)},
-                }
+                    if job.reports_per_epoch > 1 and len(pipeline):
+                        # The cluster's rule (coordinator/core.py): one partial row per n-th of the epoch.
+                        k = batches * job.reports_per_epoch // steps_per_epoch
+                        if k > parts:
+                            parts = k
+                            report.progress({**epoch_row(epoch, loss_sum, batches, t0, scalars),
+                                             "fraction": k / job.reports_per_epoch})
+                row = epoch_row(epoch, loss_sum, batches, t0, scalars)
+                scalars.take()
                 if job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
                     (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
                 ):

@@ -83,6 +83,7 @@ from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
+    EpochProgress,
     MassBound,
     RoundOpened,
     RunEnded,
@@ -617,16 +618,9 @@ class ControllerService:
 
     def _on_effect(self, r: Any) -> None:
         if isinstance(r, rec.EpochAggregated):
-            self.report.epoch({
-                "epoch": r.epoch,
-                "avg_loss": r.avg_loss,
-                "epoch_ms": r.epoch_ms,
-                "batch_share": list(r.per_rank_batch_share),
-                "samples": int(sum(r.per_rank_samples)),
-                "per_rank_samples": list(r.per_rank_samples),
-                "throughput": list(r.per_rank_throughput),
-                "scalars": dict(r.scalars),
-            })
+            self.report.epoch(epoch_row(r))
+        elif isinstance(r, EpochProgress):
+            self.report.progress({**epoch_row(r.metrics), "fraction": r.fraction})
         elif isinstance(r, rec.EvalResult):
             if r.error is None:
                 self.report.evaluated(r.epoch - 1, r.metric, by_rank=r.rank)
@@ -649,6 +643,20 @@ class ControllerService:
             "consensus_round": self.consensus_round,
             "coordinator": state,
         })
+
+
+def epoch_row(r: rec.EpochAggregated) -> dict[str, Any]:
+    """The row of `TrainResult.epochs` (and `metrics_fn`) for an aggregated epoch."""
+    return {
+        "epoch": r.epoch,
+        "avg_loss": r.avg_loss,
+        "epoch_ms": r.epoch_ms,
+        "batch_share": list(r.per_rank_batch_share),
+        "samples": int(sum(r.per_rank_samples)),
+        "per_rank_samples": list(r.per_rank_samples),
+        "throughput": list(r.per_rank_throughput),
+        "scalars": dict(r.scalars),
+    }
 
 
 def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = None) -> TrainResult:

@@ -86,6 +86,7 @@ class Job:
     relax_up: cpu-async grows the window by one on each stable verdict.
     guard: "none", "trend" or "msf"; divergence_threshold (trend), msf_thresholds (msf).
     partition_ratios: cpu-sync, one share per rank. callback_rank: "fastest" or a rank.
+    reports_per_epoch: n > 1 also hands metrics_fn a partial row at each n-th of an epoch.
     """
 
     model: Callable[[], torch.nn.Module]
@@ -129,6 +130,7 @@ class Job:
     msf_thresholds: tuple[float, float] | None = None
     partition_ratios: Sequence[float] | None = None
     callback_rank: int | str = "fastest"
+    reports_per_epoch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "train_step"):
@@ -272,6 +274,7 @@ def coordinator_config(job: Job) -> CoordinatorConfig:
         callback_rank=None if job.callback_rank == "fastest" else job.callback_rank,
         max_batch_diff=job.max_batch_diff,
         relax_up=job.relax_up,
+        reports_per_epoch=job.reports_per_epoch,
         partition_ratios=job.partition_ratios,
         divergence_threshold=job.divergence_threshold,
         **optional,

@@ -83,6 +83,8 @@ class CoordinatorConfig:
     `eval_every` / `checkpoint_every` are epoch cadences (0 = off);
     `final_eval` asks for one canonical eval of the final consensus before
     shutdown. `max_overshoot` pins Async's lookahead (None = auto 3 -> 15).
+    `reports_per_epoch` n > 1 emits `EpochProgress` as each n-th of an
+    epoch's batches is reported (progressive modes; 0 or 1: the epoch only).
     """
 
     total_samples: int
@@ -110,6 +112,7 @@ class CoordinatorConfig:
     easgd_alpha: float | None = None
     max_overshoot: int | None = None
     min_chunk_batches: int = 1
+    reports_per_epoch: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum(Mode, self.mode, "mode"))
@@ -122,6 +125,12 @@ class CoordinatorConfig:
         _int(self.checkpoint_every, "checkpoint_every", 0)
         _int(self.max_anchor, "max_anchor", 1)
         _int(self.min_chunk_batches, "min_chunk_batches", 1)
+        _int(self.reports_per_epoch, "reports_per_epoch", 0)
+        if self.reports_per_epoch > 1 and self.mode is Mode.SYNC:
+            raise ConfigError(
+                f"reports_per_epoch = {self.reports_per_epoch}: sync ranks report once per epoch (their "
+                f"whole partition), so there is nothing to report within one; use 0 or 1, or a progressive mode"
+            )
         if self.total_samples < self.batch_size:
             raise ConfigError(
                 f"total_samples = {self.total_samples} is smaller than batch_size = "

@@ -146,3 +146,19 @@ def test_world_dependent_settings_are_checked_when_the_world_forms():
         cfg.check_world(2)
     with pytest.raises(ConfigError, match="callback_rank = 2 is outside a world of 2"):
         coordinator_config(job(callback_rank=2)).check_world(2)
+
+
+def test_reports_per_epoch_is_refused_under_sync_and_reaches_the_coordinator():
+    with pytest.raises(ConfigError, match="reports_per_epoch"):
+        job(mode="cpu-sync", reports_per_epoch=4)
+    with pytest.raises(ConfigError, match="reports_per_epoch"):
+        job(reports_per_epoch=-1)
+    assert coordinator_config(job(reports_per_epoch=4)).reports_per_epoch == 4
+
+
+def test_reports_per_epoch_hands_metrics_fn_partial_rows_alone():
+    from flodl_zmq.api import train_alone
+
+    rows = []
+    train_alone(job(reports_per_epoch=4, quiet=True, metrics_fn=rows.append))
+    assert [(r["epoch"], r.get("fraction")) for r in rows] == [(0, 0.25), (0, 0.5), (0, 0.75), (0, None)]
