@@ -39,6 +39,13 @@ Rules this module keeps:
   end against the reducer's MAC. No model bytes cross the local socket.
 - The next plan of an `Update` is held until that round's consensus is
   loaded: training it on the pre-consensus replica would throw its steps away.
+- A span's batches are queued in the loader pipeline (flodl_zmq/loader.py)
+  as soon as the span arrives: its indices are known, so worker processes
+  build them while earlier batches train.
+- The learning-rate schedule sits at the global step plus this rank's steps
+  not yet in a consensus (flodl_zmq/training.py); a `SetGlobalStep` that
+  arrives before its round's consensus is held until the load, like the
+  plan. Each rate change goes to the coordinator as `LrUpdate`.
 """
 
 from __future__ import annotations
