@@ -90,7 +90,10 @@ class Trainer:
     """
 
     def __init__(self, *args: Any, **keywords: Any) -> None:
+        from flodl_zmq.controller_service import coordinator_config
+
         self.job = Job.from_keywords(*args, **keywords)
+        coordinator_config(self.job)  # every scheduling setting is checked now, in every process
 
     def run(self) -> TrainResult:
         """Run this process's role; returns the result on the controller and when alone."""

@@ -24,14 +24,12 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure
 
 MODES = ("cpu-sync", "cpu-cadence", "cpu-async")
 CALLBACK_ERRORS = ("report", "stop")
 WIRE_DTYPES = ("f32", "bf16")
-COORDINATOR_MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
 AUTOCAST_DTYPES = (None, torch.bfloat16, torch.float16)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
@@ -177,7 +175,6 @@ class Job:
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         self._check_hooks()
-        coordinator_config(self)  # every scheduling setting is checked where it is used, now
 
     def _check_hooks(self) -> None:
         for name in ("scheduler", "collate_fn"):
@@ -249,36 +246,6 @@ class Job:
                 f"such as '25%' (0% to 100%), got {m!r}"
             )
         return MaxFailure.percent(float(match.group(1)) / 100.0)
-
-
-def coordinator_config(job: Job) -> CoordinatorConfig:
-    """The coordinator's configuration for `job` (its checks name the setting; run on every Job)."""
-    has_eval = job.eval_fn is not None
-    optional = {
-        name: getattr(job, name)
-        for name in ("anchor", "overhead_target", "guard", "msf_thresholds")
-        if getattr(job, name) is not None
-    }
-    return CoordinatorConfig(
-        total_samples=job.total_samples,
-        batch_size=job.batch_size,
-        num_epochs=job.epochs,
-        mode=COORDINATOR_MODES[job.mode],
-        seed=job.seed,
-        eval_every=job.eval_every if has_eval else 0,
-        checkpoint_every=job.checkpoint_every if job.checkpoint_fn is not None else 0,
-        final_eval=has_eval,
-        easgd_alpha=job.easgd_alpha,
-        heartbeat_timeout_s=job.heartbeat_timeout_s,
-        max_failure=job.max_failure(),
-        callback_rank=None if job.callback_rank == "fastest" else job.callback_rank,
-        max_batch_diff=job.max_batch_diff,
-        relax_up=job.relax_up,
-        reports_per_epoch=job.reports_per_epoch,
-        partition_ratios=job.partition_ratios,
-        divergence_threshold=job.divergence_threshold,
-        **optional,
-    )
 
 
 def _int(x: object) -> bool:

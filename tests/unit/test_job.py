@@ -80,6 +80,12 @@ def test_trainer_passes_the_knobs_to_the_job():
 # --------------------------------------------------------------------------- hooks, data and scheduling
 
 
+def trainer(**kw) -> Trainer:
+    """What a user builds: `Trainer()` checks the job and every scheduling setting."""
+    return Trainer(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                   train_step=lambda m, b: m(b[0]).sum(), dataset=DATA, batch_size=8, epochs=1, **kw)
+
+
 @pytest.mark.parametrize(("keywords", "named"), [
     ({"scheduler": 3}, "scheduler"),
     ({"collate_fn": "stack"}, "collate_fn"),
@@ -110,7 +116,7 @@ def test_trainer_passes_the_knobs_to_the_job():
 ])
 def test_a_bad_hook_data_or_scheduling_setting_is_a_config_error_naming_it(keywords, named):
     with pytest.raises(ConfigError, match=named):
-        job(**keywords)
+        trainer(**keywords)
 
 
 def test_an_iterable_dataset_is_refused_saying_why():
@@ -150,9 +156,9 @@ def test_world_dependent_settings_are_checked_when_the_world_forms():
 
 def test_reports_per_epoch_is_refused_under_sync_and_reaches_the_coordinator():
     with pytest.raises(ConfigError, match="reports_per_epoch"):
-        job(mode="cpu-sync", reports_per_epoch=4)
+        trainer(mode="cpu-sync", reports_per_epoch=4)
     with pytest.raises(ConfigError, match="reports_per_epoch"):
-        job(reports_per_epoch=-1)
+        trainer(reports_per_epoch=-1)
     assert coordinator_config(job(reports_per_epoch=4)).reports_per_epoch == 4
 
 
