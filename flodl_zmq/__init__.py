@@ -4,7 +4,7 @@ from typing import Any
 
 from flodl_zmq.errors import FlodlError
 
-__all__ = ["FlodlError", "TrainResult", "Trainer"]
+__all__ = ["FlodlError", "TrainResult", "Trainer", "record_scalar"]
 __version__ = "0.1.0"
 
 
@@ -14,4 +14,8 @@ def __getattr__(name: str) -> Any:
         from flodl_zmq import api
 
         return getattr(api, name)
+    if name == "record_scalar":
+        from flodl_zmq import training
+
+        return training.record_scalar
     raise AttributeError(f"module 'flodl_zmq' has no attribute {name!r}")

@@ -42,10 +42,12 @@ import torch
 from flodl_zmq import bundle
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.job import Job
-from flodl_zmq.rank import RankConfig, RankRuntime, fetch_batch
+from flodl_zmq.loader import BatchPipeline
+from flodl_zmq.rank import RankConfig, RankRuntime
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult
 from flodl_zmq.sampling import epoch_permutation
+from flodl_zmq.training import ScalarLog, Stepper, recording
 
 if TYPE_CHECKING:
     from flodl_zmq.controller_service import MembershipLink
@@ -88,7 +90,10 @@ class Trainer:
     """
 
     def __init__(self, *args: Any, **keywords: Any) -> None:
+        from flodl_zmq.controller_service import coordinator_config
+
         self.job = Job.from_keywords(*args, **keywords)
+        coordinator_config(self.job)  # every scheduling setting is checked now, in every process
 
     def run(self) -> TrainResult:
         """Run this process's role; returns the result on the controller and when alone."""
@@ -157,6 +162,15 @@ def run_relay(penv: ProcessEnv) -> int:
     return 1 if relay.error else 0
 
 
+def epoch_row(epoch: int, loss_sum: float, batches: int, t0: float, scalars: ScalarLog) -> dict[str, Any]:
+    """The row of `TrainResult.epochs` for the batches of `epoch` trained alone so far."""
+    return {
+        "epoch": epoch, "avg_loss": loss_sum / max(batches, 1),
+        "epoch_ms": (time.perf_counter() - t0) * 1000.0, "batch_share": [1.0],
+        "scalars": {k: scalars.sums[k] / scalars.counts[k] for k in sorted(scalars.sums)},
+    }
+
+
 def train_alone(job: Job) -> TrainResult:
     """Train `job` in this process: the same data order, steps and callbacks, no cluster."""
     torch.set_num_threads(job.torch_threads)
@@ -169,38 +183,47 @@ def train_alone(job: Job) -> TrainResult:
         start_epoch = int(meta.get("epoch", 0))
     optimizer = job.optimizer(model.parameters())
     device = torch.device("cpu")
+    stepper = Stepper(job, model, optimizer, device)
+    steps_per_epoch = math.ceil(job.total_samples / job.batch_size)
+    pipeline = BatchPipeline(job.dataset, device, job.num_workers, job.prefetch_factor, job.pin_memory,
+                             job.collate_fn)
+    scalars = ScalarLog()
     result = TrainResult(model=model)
-    report = RunReport(job, result, math.ceil(job.total_samples / job.batch_size), start_epoch)
+    report = RunReport(job, result, steps_per_epoch, start_epoch)
     t_run = time.perf_counter()
     try:
-        for epoch in range(start_epoch, job.epochs):
-            if job.epoch_fn is not None:
-                job.epoch_fn(epoch, model)
-            t0 = time.perf_counter()
-            perm = epoch_permutation(job.seed, epoch, job.total_samples)
-            loss_sum, batches = 0.0, 0
-            model.train()
-            for start in range(0, len(perm), job.batch_size):
-                batch = fetch_batch(job.dataset, perm[start : start + job.batch_size], device)
-                optimizer.zero_grad(set_to_none=True)
-                loss = job.train_step(model, batch)
-                loss.backward()
-                optimizer.step()
-                loss_sum += float(loss.detach())
-                batches += 1
-                report.step()
-            row: dict[str, Any] = {
-                "epoch": epoch, "avg_loss": loss_sum / max(batches, 1),
-                "epoch_ms": (time.perf_counter() - t0) * 1000.0, "batch_share": [1.0],
-            }
-            if job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
-                (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
-            ):
-                model.eval()
-                with torch.no_grad():
-                    report.evaluated(epoch, float(job.eval_fn(model, job.eval_dataset)), row=row)
-            report.epoch(row)
+        with recording(scalars):
+            for epoch in range(start_epoch, job.epochs):
+                if job.epoch_fn is not None:
+                    job.epoch_fn(epoch, model)
+                t0 = time.perf_counter()
+                perm = epoch_permutation(job.seed, epoch, job.total_samples)
+                loss_sum, batches, parts = 0.0, 0, 0
+                pipeline.extend(perm[start : start + job.batch_size] for start in range(0, len(perm), job.batch_size))
+                while len(pipeline):
+                    # The global step of a single process: every step before this one, resumed ones too.
+                    stepper.follow(epoch * steps_per_epoch + batches)
+                    loss_sum += stepper.step(pipeline.next())
+                    batches += 1
+                    report.step()
+                    if job.reports_per_epoch > 1 and len(pipeline):
+                        # The cluster's rule (coordinator/core.py): one partial row per n-th of the epoch.
+                        k = batches * job.reports_per_epoch // steps_per_epoch
+                        if k > parts:
+                            parts = k
+                            report.progress({**epoch_row(epoch, loss_sum, batches, t0, scalars),
+                                             "fraction": k / job.reports_per_epoch})
+                row = epoch_row(epoch, loss_sum, batches, t0, scalars)
+                scalars.take()
+                if job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
+                    (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
+                ):
+                    model.eval()
+                    with torch.no_grad():
+                        report.evaluated(epoch, float(job.eval_fn(model, job.eval_dataset)), row=row)
+                report.epoch(row)
     finally:
+        pipeline.close()
         report.close()
     report.finish(time.perf_counter() - t_run)
     result.batch_share = [1.0]

@@ -88,6 +88,7 @@ from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
+    EpochProgress,
     MassBound,
     RoundOpened,
     RunEnded,
@@ -147,14 +148,18 @@ MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.A
 
 
 def coordinator_config(job: Job) -> CoordinatorConfig:
-    """The coordinator's configuration for `job`."""
-    mode = MODES[job.mode]
+    """The coordinator's configuration for `job`; its checks name the setting (`Trainer()` runs them)."""
     has_eval = job.eval_fn is not None
+    optional = {
+        name: getattr(job, name)
+        for name in ("anchor", "overhead_target", "guard", "msf_thresholds")
+        if getattr(job, name) is not None
+    }
     return CoordinatorConfig(
         total_samples=job.total_samples,
         batch_size=job.batch_size,
         num_epochs=job.epochs,
-        mode=mode,
+        mode=MODES[job.mode],
         seed=job.seed,
         eval_every=job.eval_every if has_eval else 0,
         checkpoint_every=job.checkpoint_every if job.checkpoint_fn is not None else 0,
@@ -162,6 +167,13 @@ def coordinator_config(job: Job) -> CoordinatorConfig:
         easgd_alpha=job.easgd_alpha,
         heartbeat_timeout_s=job.heartbeat_timeout_s,
         max_failure=job.max_failure(),
+        callback_rank=None if job.callback_rank == "fastest" else job.callback_rank,
+        max_batch_diff=job.max_batch_diff,
+        relax_up=job.relax_up,
+        reports_per_epoch=job.reports_per_epoch,
+        partition_ratios=job.partition_ratios,
+        divergence_threshold=job.divergence_threshold,
+        **optional,
     )
 
 
@@ -715,17 +727,10 @@ class ControllerService:
 
     def _on_effect(self, r: Any) -> None:
         if isinstance(r, rec.EpochAggregated):
-            self.report.epoch({
-                "epoch": r.epoch,
-                "avg_loss": r.avg_loss,
-                "epoch_ms": r.epoch_ms,
-                "batch_share": list(r.per_rank_batch_share),
-                "samples": int(sum(r.per_rank_samples)),
-                "per_rank_samples": list(r.per_rank_samples),
-                "throughput": list(r.per_rank_throughput),
-                "reconnects": self._reconnects_this_epoch,
-            })
+            self.report.epoch({**epoch_row(r), "reconnects": self._reconnects_this_epoch})
             self._reconnects_this_epoch = 0
+        elif isinstance(r, EpochProgress):
+            self.report.progress({**epoch_row(r.metrics), "fraction": r.fraction})
         elif isinstance(r, rec.EvalResult):
             if r.error is None:
                 self.report.evaluated(r.epoch - 1, r.metric, by_rank=r.rank)
@@ -748,6 +753,20 @@ class ControllerService:
             "consensus_round": self.consensus_round,
             "coordinator": state,
         })
+
+
+def epoch_row(r: rec.EpochAggregated) -> dict[str, Any]:
+    """The row of `TrainResult.epochs` (and `metrics_fn`) for an aggregated epoch."""
+    return {
+        "epoch": r.epoch,
+        "avg_loss": r.avg_loss,
+        "epoch_ms": r.epoch_ms,
+        "batch_share": list(r.per_rank_batch_share),
+        "samples": int(sum(r.per_rank_samples)),
+        "per_rank_samples": list(r.per_rank_samples),
+        "throughput": list(r.per_rank_throughput),
+        "scalars": dict(r.scalars),
+    }
 
 
 def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = None) -> TrainResult:

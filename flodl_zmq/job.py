@@ -17,12 +17,12 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure
@@ -30,6 +30,7 @@ from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure
 MODES = ("cpu-sync", "cpu-cadence", "cpu-async")
 CALLBACK_ERRORS = ("report", "stop")
 WIRE_DTYPES = ("f32", "bf16")
+AUTOCAST_DTYPES = (None, torch.bfloat16, torch.float16)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
 
@@ -66,6 +67,24 @@ class Job:
         process settings (flodl_zmq/settings.py).
     easgd_alpha: cpu-async only: how far a rank moves towards each consensus
         (0 < a <= 1; None = 0.5).
+
+    Training hooks (docs/guide.md, "Training hooks", says what each means under Local SGD):
+    scheduler: factory `optimizer -> torch.optim.lr_scheduler.LRScheduler`, stepped to the
+        global step (every rank's steps counted together), so every rank follows one schedule.
+    max_grad_norm: clip the gradients' total norm to this before each step (None: no clipping).
+    autocast: torch.bfloat16 (CPU or CUDA) or torch.float16 (CUDA only, with a GradScaler).
+    grad_accumulation: run each batch as this many micro-batches (one optimizer step per batch).
+
+    Data (as torch's DataLoader): num_workers loader processes produce a dispatched span's
+    batches ahead of the step (0: in the training thread); prefetch_factor batches in flight
+    per worker; pin_memory (CUDA ranks); collate_fn (default torch's default_collate).
+
+    Scheduling (None: the coordinator's floDl default; flodl_zmq/coordinator/config.py):
+    anchor, overhead_target, max_batch_diff: ElChe's initial window, overhead share, per-update move.
+    relax_up: cpu-async grows the window by one on each stable verdict.
+    guard: "none", "trend" or "msf"; divergence_threshold (trend), msf_thresholds (msf).
+    partition_ratios: cpu-sync, one share per rank. callback_rank: "fastest" or a rank.
+    reports_per_epoch: n > 1 also hands metrics_fn a partial row at each n-th of an epoch.
     """
 
     model: Callable[[], torch.nn.Module]
@@ -92,11 +111,35 @@ class Job:
     wire_dtype: str = "f32"
     max_failures: int | str | None = None
     heartbeat_timeout_s: float = 30.0
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    max_grad_norm: float | None = None
+    autocast: torch.dtype | None = None
+    grad_accumulation: int = 1
+    num_workers: int = 0
+    prefetch_factor: int = 2
+    pin_memory: bool = False
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    anchor: int | None = None
+    overhead_target: float | None = None
+    max_batch_diff: int | None = None
+    relax_up: bool = False
+    guard: str | None = None
+    divergence_threshold: float | None = None
+    msf_thresholds: tuple[float, float] | None = None
+    partition_ratios: Sequence[float] | None = None
+    callback_rank: int | str = "fastest"
+    reports_per_epoch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "train_step"):
             if not callable(getattr(self, name)):
                 raise ConfigError(f"{name} must be callable (a factory or a function), got {getattr(self, name)!r}")
+        if isinstance(self.dataset, IterableDataset):
+            raise ConfigError(
+                "dataset is an IterableDataset: each rank trains exact index spans of the epoch's "
+                "permutation (that is how every sample is seen once per epoch, across deaths and "
+                "rebalancing), which needs indices; wrap it in a map-style Dataset (__len__ and __getitem__)"
+            )
         if self.dataset is None or not hasattr(self.dataset, "__len__") or not hasattr(self.dataset, "__getitem__"):
             raise ConfigError("dataset is required and must be a map-style torch Dataset (with __len__ and __getitem__)")
         if len(self.dataset) == 0:  # type: ignore[arg-type]
@@ -131,6 +174,36 @@ class Job:
             raise ConfigError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        self._check_hooks()
+
+    def _check_hooks(self) -> None:
+        for name in ("scheduler", "collate_fn"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ConfigError(f"{name} must be callable or None, got {getattr(self, name)!r}")
+        if self.max_grad_norm is not None and not (_real(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ConfigError(f"max_grad_norm must be a finite number > 0 (None: no clipping), got {self.max_grad_norm!r}")
+        if self.autocast not in AUTOCAST_DTYPES:
+            raise ConfigError(
+                f"autocast must be torch.bfloat16, torch.float16 (CUDA only) or None, got {self.autocast!r}"
+            )
+        for name, minimum in (("grad_accumulation", 1), ("num_workers", 0), ("prefetch_factor", 1)):
+            value = getattr(self, name)
+            if not _int(value) or value < minimum:
+                raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        if self.grad_accumulation > self.batch_size:
+            raise ConfigError(
+                f"grad_accumulation ({self.grad_accumulation}) must not exceed batch_size ({self.batch_size}): "
+                "each micro-batch needs at least one sample"
+            )
+        if not isinstance(self.pin_memory, bool) or not isinstance(self.relax_up, bool):
+            raise ConfigError(f"pin_memory and relax_up are True or False, got {self.pin_memory!r}, {self.relax_up!r}")
+        if self.relax_up and self.mode != "cpu-async":
+            raise ConfigError(
+                f"relax_up only applies to mode='cpu-async' (mode is {self.mode!r}, where windows are "
+                "barrier-paced and the setting would be ignored): drop relax_up or switch the mode"
+            )
+        if self.callback_rank != "fastest" and not (_int(self.callback_rank) and self.callback_rank >= 0):
+            raise ConfigError(f"callback_rank must be 'fastest' or a rank (an integer >= 0), got {self.callback_rank!r}")
 
     @classmethod
     def from_keywords(cls, *args: Any, **keywords: Any) -> Job:
@@ -173,6 +246,10 @@ class Job:
                 f"such as '25%' (0% to 100%), got {m!r}"
             )
         return MaxFailure.percent(float(match.group(1)) / 100.0)
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _real(x: object) -> bool:

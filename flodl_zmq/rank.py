@@ -44,6 +44,13 @@ Rules this module keeps:
   consensus or asks for the deposit again (FrameRequest), so a record lost
   on the local link never stalls the round (PROTOCOL.md 10.6). The snapshot
   is not overwritten before that consensus, so the resend is the same deposit.
+- A span's batches are queued in the loader pipeline (flodl_zmq/loader.py)
+  as soon as the span arrives: its indices are known, so worker processes
+  build them while earlier batches train.
+- The learning-rate schedule sits at the global step plus this rank's steps
+  not yet in a consensus (flodl_zmq/training.py); a `SetGlobalStep` that
+  arrives before its round's consensus is held until the load, like the
+  plan. Each rate change goes to the coordinator as `LrUpdate`.
 """
 
 from __future__ import annotations
@@ -80,11 +87,13 @@ from flodl_zmq.links import (
     recv_bounded,
     relay_sender,
 )
+from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.payload import flat_views, load_flat, model_signature, payload_tensors
 from flodl_zmq.sampling import epoch_permutation, plan_indices
 from flodl_zmq.settings import Settings
 from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32, torch_view
+from flodl_zmq.training import ScalarLog, Stepper, recording
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.shm import (
@@ -467,6 +476,11 @@ class RankRuntime:
             self.model.load_state_dict(bundle.load(job.resume_from)[0])
         self.model = self.model.to(self.device)
         self.optimizer = job.optimizer(self.model.parameters())
+        self.stepper = Stepper(job, self.model, self.optimizer, self.device)
+        self.scalars = ScalarLog()
+        # Built before any thread starts: its workers are forked (loader.py).
+        self.pipeline = BatchPipeline(job.dataset, self.device, job.num_workers, job.prefetch_factor,
+                                      job.pin_memory, job.collate_fn)
         # A relay on this machine (ipc://) shares memory with this rank: deposit by reference.
         same_host = cfg.data_endpoint.startswith("ipc://")
         try:
@@ -479,7 +493,8 @@ class RankRuntime:
         self.alpha = job.blend
         self.steps = 0  # cumulative optimizer steps
         self.steps_since_avg = 0
-        self.global_step = 0
+        self.global_step = 0  # every rank's steps in the last loaded consensus (SetGlobalStep)
+        self._held_global_step: int | None = None
         self._spans: deque[_Span] = deque()
         self._perms: dict[int, np.ndarray] = {}
         self._throttled = False
@@ -509,16 +524,18 @@ class RankRuntime:
         )
         code = 0
         try:
-            while self._stop_reason is None:
-                self._drain(block=not self._can_train())
-                if self._stop_reason is None and self._can_train():
-                    self._train_one()
+            with recording(self.scalars):
+                while self._stop_reason is None:
+                    self._drain(block=not self._can_train())
+                    if self._stop_reason is None and self._can_train():
+                        self._train_one()
         except Exception:
             log.exception("rank %d: training failed", self.cfg.rank)
             code = 1
         finally:
             link.send(rec.Exiting(rank=self.cfg.rank))
             link.close()
+            self.pipeline.close()
             if self.buffers.segment is not None:
                 self.buffers.segment.close()
         if self._stop_reason and self._stop_reason.startswith("lost"):
@@ -567,7 +584,12 @@ class RankRuntime:
         elif isinstance(r, rec.Throttle):
             self._throttled = True
         elif isinstance(r, rec.SetGlobalStep):
-            self.global_step = r.global_step
+            # It counts the steps of the round just finished; until its consensus is loaded,
+            # steps_since_avg still holds this rank's share of them (counted twice otherwise).
+            if self._pending_round is None:
+                self.global_step = r.global_step
+            else:
+                self._held_global_step = r.global_step
         elif isinstance(r, rec.SetEpochCallbackRole):
             self._epoch_role = r.rank
         elif isinstance(r, rec.ExecuteEval):
@@ -590,6 +612,8 @@ class RankRuntime:
             self._perms[epoch] = perm
         indices = plan_indices(perm, rec.EpochPlan(epoch, offset, size))
         self._spans.append(_Span(epoch, indices))
+        bs = self.job.batch_size
+        self.pipeline.extend(indices[i : i + bs] for i in range(0, len(indices), bs))
 
     def _deposit(self, round_id: int) -> None:
         self._steps_at_snapshot = self.steps_since_avg
@@ -616,6 +640,8 @@ class RankRuntime:
         # Steps taken while the round was in flight keep their credit for the next frame.
         self.steps_since_avg -= self._steps_at_snapshot
         self._pending_round = None
+        if self._held_global_step is not None:
+            self.global_step, self._held_global_step = self._held_global_step, None
         self.link.send(
             rec.SyncAck(
                 rank=self.cfg.rank, round=c.round, step_count=self.steps,
@@ -635,14 +661,12 @@ class RankRuntime:
             self._maybe_epoch_fn(span.epoch)
         idx = span.indices[span.pos : span.pos + self.job.batch_size]
         t0 = time.perf_counter()
-        batch = fetch_batch(self.job.dataset, idx, self.device)
+        batch = self.pipeline.next()  # the batch of `idx`: the pipeline keeps the spans' order
         t1 = time.perf_counter()
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.job.train_step(self.model, batch)
-        loss.backward()
-        self.optimizer.step()
-        loss_value = float(loss.detach())
+        lr = self.stepper.follow(self.global_step + self.steps_since_avg)
+        if lr is not None:
+            self.link.send(rec.LrUpdate(rank=self.cfg.rank, lr=lr))
+        loss_value = self.stepper.step(batch)
         t2 = time.perf_counter()
         if self.cfg.slowdown > 1.0:
             # Emulated slower hardware: the delay is part of the step's compute time.
@@ -664,13 +688,14 @@ class RankRuntime:
         )
         if span.pos >= len(span.indices):
             self._spans.popleft()
+            sums, counts = self.scalars.take()
             self.link.send(
                 rec.EpochMetrics(
                     rank=self.cfg.rank, epoch=span.epoch, avg_loss=span.loss_sum / span.batches,
                     batches_processed=span.batches, samples_processed=len(span.indices),
                     epoch_ms=(time.perf_counter() - span.started) * 1000.0,
                     compute_only_ms=span.compute_ms, data_starve_ms=span.data_ms,
-                    scalar_sums={}, scalar_counts={},
+                    scalar_sums=sums, scalar_counts=counts,
                 )
             )
 
@@ -735,33 +760,9 @@ class RankRuntime:
         )
 
 
-def fetch_batch(dataset: Any, indices: np.ndarray, device: torch.device) -> Any:
-    """The batch of `indices`: sliced in one go from a TensorDataset, else collated item by item."""
-    tensors = getattr(dataset, "tensors", None)
-    if tensors is not None:
-        t = torch.from_numpy(np.ascontiguousarray(indices))
-        batch: Any = tuple(x[t] for x in tensors)
-    else:
-        batch = torch.utils.data.default_collate([dataset[int(i)] for i in indices])
-    return _to_device(batch, device)
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
 __all__ = [
     "ParamBuffers",
     "RankConfig",
     "RankRuntime",
-    "fetch_batch",
     "pick_device",
 ]

@@ -78,6 +78,13 @@ class RunReport:
         self._bar_epoch = row["epoch"] + 1
         if not self.job.quiet:
             print(format_epoch(row, self.job.epochs), flush=True)
+        self._metrics(row)
+
+    def progress(self, row: dict[str, Any]) -> None:
+        """`row["fraction"]` of epoch `row["epoch"]` is done (`reports_per_epoch`): call `metrics_fn`."""
+        self._metrics(row)
+
+    def _metrics(self, row: dict[str, Any]) -> None:
         if self.job.metrics_fn is not None:
             try:
                 self.job.metrics_fn(dict(row))

@@ -83,6 +83,8 @@ class CoordinatorConfig:
     `eval_every` / `checkpoint_every` are epoch cadences (0 = off);
     `final_eval` asks for one canonical eval of the final consensus before
     shutdown. `max_overshoot` pins Async's lookahead (None = auto 3 -> 15).
+    `reports_per_epoch` n > 1 emits `EpochProgress` as each n-th of an
+    epoch's batches is reported (progressive modes; 0 or 1: the epoch only).
     """
 
     total_samples: int
@@ -105,10 +107,12 @@ class CoordinatorConfig:
     partition_ratios: Sequence[float] | None = None
     guard: GuardKind = GuardKind.TREND
     divergence_threshold: float | None = None
+    msf_thresholds: tuple[float, float] | None = None
     meta_controller: bool = True
     easgd_alpha: float | None = None
     max_overshoot: int | None = None
     min_chunk_batches: int = 1
+    reports_per_epoch: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum(Mode, self.mode, "mode"))
@@ -121,6 +125,12 @@ class CoordinatorConfig:
         _int(self.checkpoint_every, "checkpoint_every", 0)
         _int(self.max_anchor, "max_anchor", 1)
         _int(self.min_chunk_batches, "min_chunk_batches", 1)
+        _int(self.reports_per_epoch, "reports_per_epoch", 0)
+        if self.reports_per_epoch > 1 and self.mode is Mode.SYNC:
+            raise ConfigError(
+                f"reports_per_epoch = {self.reports_per_epoch}: sync ranks report once per epoch (their "
+                f"whole partition), so there is nothing to report within one; use 0 or 1, or a progressive mode"
+            )
         if self.total_samples < self.batch_size:
             raise ConfigError(
                 f"total_samples = {self.total_samples} is smaller than batch_size = "
@@ -153,7 +163,31 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"divergence_threshold = {self.divergence_threshold!r}: must be a finite number >= 0"
             )
+        if self.divergence_threshold is not None and self.guard is not GuardKind.TREND:
+            raise ConfigError(
+                f"divergence_threshold is the trend guard's threshold, but guard = {self.guard.value!r}: "
+                f"drop it or use guard='trend'"
+            )
+        if self.msf_thresholds is not None:
+            if self.guard is not GuardKind.MSF:
+                raise ConfigError(
+                    f"msf_thresholds are the msf guard's thresholds, but guard = {self.guard.value!r}: "
+                    f"drop them or use guard='msf'"
+                )
+            m = tuple(self.msf_thresholds) if isinstance(self.msf_thresholds, (tuple, list)) else ()
+            if not (len(m) == 2 and all(_finite(x) and x > 0 for x in m) and m[0] <= m[1]):
+                raise ConfigError(
+                    f"msf_thresholds = {self.msf_thresholds!r}: must be (suppress, nudge), two divergence "
+                    f"growth rates with 0 < suppress <= nudge (a nudge implies a suppress); default (1e-3, 1e-2)"
+                )
+            object.__setattr__(self, "msf_thresholds", (float(m[0]), float(m[1])))
         if self.partition_ratios is not None:
+            if not isinstance(self.partition_ratios, (tuple, list)) or not all(
+                _finite(x) and x > 0 for x in self.partition_ratios
+            ):
+                raise ConfigError(
+                    f"partition_ratios = {self.partition_ratios!r}: must be one positive finite number per rank"
+                )
             if self.mode is not Mode.SYNC:
                 raise ConfigError(
                     f"partition_ratios only apply to mode='sync' (mode is {self.mode.value}: "
@@ -222,7 +256,7 @@ class CoordinatorConfig:
         if self.callback_rank is not None and self.callback_rank >= world_size:
             raise ConfigError(
                 f"callback_rank = {self.callback_rank} is outside a world of {world_size} ranks "
-                f"(valid 0..{world_size - 1}, or None for the fastest rank)"
+                f"(valid 0..{world_size - 1}; without one the fastest rank runs the callbacks)"
             )
         if self.partition_ratios is not None and len(self.partition_ratios) != world_size:
             raise ConfigError(
@@ -237,6 +271,10 @@ def _enum(cls: type[enum.Enum], value: object, name: str) -> enum.Enum:
     except ValueError:
         allowed = ", ".join(repr(m.value) for m in cls)
         raise ConfigError(f"{name} = {value!r}: must be one of {allowed}") from None
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _int(value: object, name: str, minimum: int) -> None:

@@ -54,7 +54,8 @@ Contract with the service
   every barrier; the reducer learns each round from its first deposit) or
   `CONTROLLER` (local effects: `RoundOpened` to start the round's clock,
   `SaveState` to write the checkpoint meta, `EpochAggregated` for
-  `metrics_fn`, `EvalResult` for `eval_result_fn`, `RunEnded`); the types
+  `metrics_fn`, `EpochProgress` for `reports_per_epoch`, `EvalResult` for
+  `eval_result_fn`, `RunEnded`); the types
   are in outputs.py. Broadcasts are expanded to one `Out` per live rank, so
   the service never needs to know who is live.
 - Call `start` once when the world has formed, `on_record` for every record
@@ -112,6 +113,7 @@ from flodl_zmq.coordinator.metrics import aggregate_epoch
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
+    EpochProgress,
     MassBound,
     Out,
     RoundOpened,
@@ -202,6 +204,7 @@ class Coordinator:
         # Epochs: the lowest epoch not yet aggregated is `last_aggregated + 1`.
         self.last_aggregated = -1
         self._metrics: dict[int, list[rec.EpochMetrics]] = {}
+        self._progress: dict[int, int] = {}  # epoch -> EpochProgress slices emitted
         # What the last finished consensus contains (for state_dict).
         self._consensus_coverage: dict[int, list[Span]] = {}
         self._consensus_aggregated = -1
@@ -245,6 +248,9 @@ class Coordinator:
             if self.liveness.fail(rank):
                 self.roles.on_death(rank, self.feedback.smoothed_ms(), self.liveness.live_mask)
                 self._emit(REDUCER, rec.DeclareDead(rank=rank))  # the reducer must not wait for it
+        if self.global_step:
+            # A resumed run continues its learning-rate schedule where it stopped, from the first step.
+            self._to_live(rec.SetGlobalStep(global_step=self.global_step))
         self.dispatch.start(self.last_aggregated, now)
         first = self.last_aggregated + 1
         if first < self.config.num_epochs:
@@ -464,7 +470,20 @@ class Coordinator:
             self.ignored["late_completion"] += 1
             return
         self._metrics.setdefault(m.epoch, []).append(m)
+        self._report_progress(m.epoch)
         self._send_plan(rank)
+
+    def _report_progress(self, epoch: int) -> None:
+        """`reports_per_epoch`: one `EpochProgress` per n-th of the epoch's batches crossed."""
+        n = self.config.reports_per_epoch
+        if n < 2 or epoch <= self.last_aggregated:
+            return
+        done = sum(x.batches_processed for x in self._metrics[epoch])
+        k = min(done * n // max(self.config.batches_per_epoch, 1), n - 1)  # the n-th is the epoch record
+        if k > self._progress.get(epoch, 0):
+            self._progress[epoch] = k
+            agg = aggregate_epoch(epoch, self._metrics[epoch], self.world_size)
+            self._emit(CONTROLLER, EpochProgress(epoch, k / n, agg))
 
     _HANDLERS: dict[type, Callable[[Coordinator, int, Any, float], None]] = {
         rec.Batch: _on_batch,
@@ -655,6 +674,7 @@ class Coordinator:
                 return
             wall = self.dispatch.close_epoch(epoch, now)
             agg = aggregate_epoch(epoch, self._metrics.pop(epoch, []), self.world_size, wall)
+            self._progress.pop(epoch, None)
             self.last_aggregated = epoch
             self._to_live(agg)
             self._emit(CONTROLLER, agg)

@@ -66,7 +66,10 @@ def make_guard(config: CoordinatorConfig, history: Sequence[float] = ()) -> Conv
     if kind is GuardKind.NONE:
         return NoGuard()
     if kind is GuardKind.MSF:
-        return MsfGuard()
+        if config.msf_thresholds is None:
+            return MsfGuard()
+        suppress, nudge = config.msf_thresholds
+        return MsfGuard(suppress_threshold=suppress, nudge_threshold=nudge)
     return TrendGuard.with_history(config.guard_threshold, list(history))
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flodl_zmq.coordinator.liveness import ShutdownReason
+from flodl_zmq.wire.records import EpochAggregated
 
 
 class Target(enum.Enum):
@@ -79,6 +80,16 @@ class SaveState:
 
     reason: ShutdownReason
     state: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EpochProgress:
+    """Controller notice (`reports_per_epoch`): `fraction` of `epoch`'s batches are reported;
+    `metrics` aggregates the chunk reports so far, as the epoch's record will."""
+
+    epoch: int
+    fraction: float
+    metrics: EpochAggregated
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,12 @@ Every process of a test cluster runs this file; the controller prints one
 `RESULT {json}` line. Knobs (command line): --mode, --epochs, --batch-size,
 --step-ms (a sleep per step, so a run lasts long enough to kill ranks in),
 --save / --resume (bundle stem), --eval-raises (eval_fn raises on its second
-call), --callback-errors report|stop, --wire-dtype f32|bf16. Environment: DIGITS_SHIFT=1 makes this
-process load a perturbed dataset (a dataset mismatch); DIGITS_SIGKILL_RANK=N makes rank N SIGKILL
-itself before it does anything (a rank that dies before its hello). --heartbeat-timeout S: the
-coordinator's rank silence limit (the chaos suite's short one).
+call), --callback-errors report|stop, --wire-dtype f32|bf16, --cosine (an LR schedule over the whole
+run, each step's LR recorded as the scalar "lr"), --max-grad-norm X, --workers N (loader processes
+per rank), --heartbeat-timeout S (the coordinator's rank silence limit: the chaos suite's short one).
+Environment: DIGITS_SHIFT=1 makes this process load a perturbed dataset (a dataset mismatch);
+DIGITS_SIGKILL_RANK=N makes rank N SIGKILL itself before it does anything (a rank that dies before
+its hello).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import os
 import signal
 import time
 
+import torch
 from torch.utils.data import TensorDataset
 
+import flodl_zmq as fz
 from flodl_zmq.api import Trainer
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import accuracy, cross_entropy_step, mlp, sgd
@@ -41,15 +45,26 @@ def main() -> None:
     p.add_argument("--callback-errors", default="report")
     p.add_argument("--wire-dtype", default="f32")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0)
+    p.add_argument("--cosine", action="store_true")
+    p.add_argument("--max-grad-norm", type=float)
+    p.add_argument("--workers", type=int, default=0)
     args = p.parse_args()
     train, test = digits()
     if os.environ.get("DIGITS_SHIFT"):
         x, y = train.tensors
         train = TensorDataset(x + 0.01, y)
 
+    optimizers = []
+
+    def cosine(optimizer):
+        optimizers.append(optimizer)
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * (len(train) // args.batch_size))
+
     def step(model, batch):
         if args.step_ms:
             time.sleep(args.step_ms / 1000.0)
+        if optimizers:
+            fz.record_scalar("lr", optimizers[0].param_groups[0]["lr"])
         return cross_entropy_step(model, batch)
 
     def evaluate(model, dataset):
@@ -63,6 +78,7 @@ def main() -> None:
         epochs=args.epochs, mode=args.mode, eval_dataset=test, eval_fn=evaluate,
         on_callback_error=args.callback_errors, save_path=args.save, resume_from=args.resume,
         wire_dtype=args.wire_dtype, heartbeat_timeout_s=args.heartbeat_timeout,
+        scheduler=cosine if args.cosine else None, max_grad_norm=args.max_grad_norm, num_workers=args.workers,
     ).run()
     print("RESULT " + json.dumps({
         "accuracy": result.final_eval, "batch_share": result.batch_share, "epochs": result.epochs,

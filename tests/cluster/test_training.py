@@ -6,7 +6,9 @@ with the launcher's `Cluster` and reads the controller's `RESULT` line.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import signal
 import sys
 import threading
@@ -122,6 +124,25 @@ def test_cadence_gives_a_3x_slower_rank_a_third_of_the_batches():
     speed_share = [0.3, 0.3, 0.3, 0.1]
     assert all(abs(s - w) <= 0.15 for s, w in zip(share, speed_share, strict=True)), share
     assert share[3] < min(share[:3]), share
+
+
+def test_a_cosine_schedule_with_clipping_and_loader_workers_follows_the_global_step():
+    # Every rank's LR is that of the cluster's global step plus its own steps since the last
+    # consensus, so an epoch's LRs lie between the schedule's at the epoch's first and last step,
+    # whatever each rank's share (floDl's rule: lr = schedule(global_step + local steps)).
+    epochs, per_epoch = 4, 1437 // 32
+    code, result, out = run("--mode", "cpu-cadence", "--epochs", str(epochs), "--cosine", "--max-grad-norm", "1.0",
+                            "--workers", "2")
+    assert code == 0, out
+
+    def lr(step: int) -> float:
+        return 0.05 * (1 + math.cos(math.pi * min(step, epochs * per_epoch) / (epochs * per_epoch))) / 2
+
+    means = [e["scalars"]["lr"] for e in result["epochs"]]
+    for e, mean in enumerate(means):
+        assert lr((e + 1) * per_epoch) <= mean <= lr(e * per_epoch), (e, means)
+    losses = [e["avg_loss"] for e in result["epochs"]]
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses  # clipped steps still train
 
 
 # ---------------------------------------------------------------------------- failures

@@ -250,3 +250,26 @@ def test_each_epoch_eval_scores_that_epochs_consensus_under_a_costly_sync(mode):
         assert i < _first_data_of_epoch(res, o.dest, epoch), epoch
     # Every epoch averaged on its own: no two evals score the same consensus.
     assert all(any(a < f < b for f in finishes) for (a, _), (b, _) in zip(evals[:-1], evals[1:], strict=True))
+
+
+@pytest.mark.parametrize("mode", ["cadence", "async"])
+def test_reports_per_epoch_gives_each_epoch_its_partial_records_in_order(mode):
+    from flodl_zmq.coordinator.outputs import CONTROLLER, EpochProgress
+
+    res = Simulation(config(mode, epochs=3, reports_per_epoch=4), SPEEDS, SimConfig(seed=0)).run()
+    assert res.ended is not None and res.ended.reason is None
+    progress = [o.record for _, o in res.outputs if o.dest is CONTROLLER and isinstance(o.record, EpochProgress)]
+    for epoch in range(3):
+        mine = [p for p in progress if p.epoch == epoch]
+        fractions = [p.fraction for p in mine]
+        assert fractions == sorted(set(fractions)) and set(fractions) <= {0.25, 0.5, 0.75}, fractions
+        assert fractions, f"epoch {epoch} had no partial record"
+        # Each partial record aggregates what was reported so far: at least its fraction of the batches.
+        for p in mine:
+            assert sum(p.metrics.per_rank_samples) >= p.fraction * (TOTAL // BS) * BS
+    # A partial record never follows its epoch's own record.
+    order = [(type(o.record), o.record.epoch) for _, o in res.outputs if o.dest is CONTROLLER
+             and isinstance(o.record, (EpochProgress, rec.EpochAggregated))]
+    for i, (kind, epoch) in enumerate(order):
+        if kind is rec.EpochAggregated:
+            assert (EpochProgress, epoch) not in order[i:]

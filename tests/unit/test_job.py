@@ -75,3 +75,96 @@ def test_trainer_passes_the_knobs_to_the_job():
                 wire_dtype="bf16", max_failures="50%", heartbeat_timeout_s=5.0, easgd_alpha=0.25)
     j = t.job
     assert (j.wire_dtype, j.max_failures, j.heartbeat_timeout_s, j.easgd_alpha) == ("bf16", "50%", 5.0, 0.25)
+
+
+# --------------------------------------------------------------------------- hooks, data and scheduling
+
+
+def trainer(**kw) -> Trainer:
+    """What a user builds: `Trainer()` checks the job and every scheduling setting."""
+    return Trainer(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                   train_step=lambda m, b: m(b[0]).sum(), dataset=DATA, batch_size=8, epochs=1, **kw)
+
+
+@pytest.mark.parametrize(("keywords", "named"), [
+    ({"scheduler": 3}, "scheduler"),
+    ({"collate_fn": "stack"}, "collate_fn"),
+    ({"max_grad_norm": 0}, "max_grad_norm"),
+    ({"max_grad_norm": float("inf")}, "max_grad_norm"),
+    ({"autocast": torch.float32}, "autocast"),
+    ({"autocast": "bf16"}, "autocast"),
+    ({"grad_accumulation": 0}, "grad_accumulation"),
+    ({"grad_accumulation": 9}, "grad_accumulation"),  # more micro-batches than samples in a batch
+    ({"num_workers": -1}, "num_workers"),
+    ({"prefetch_factor": 0}, "prefetch_factor"),
+    ({"pin_memory": "yes"}, "pin_memory"),
+    ({"anchor": 0}, "anchor"),
+    ({"overhead_target": 0.9}, "overhead_target"),
+    ({"max_batch_diff": -1}, "max_batch_diff"),
+    ({"relax_up": True}, "relax_up"),  # cadence: barrier-paced windows never relax up
+    ({"guard": "strict"}, "guard"),
+    ({"divergence_threshold": -0.1}, "divergence_threshold"),
+    ({"guard": "msf", "divergence_threshold": 0.1}, "divergence_threshold"),
+    ({"msf_thresholds": (1e-3, 1e-2)}, "msf_thresholds"),  # the default guard is trend
+    ({"guard": "msf", "msf_thresholds": (1e-2, 1e-3)}, "msf_thresholds"),
+    ({"guard": "msf", "msf_thresholds": (0.0, 1e-3)}, "msf_thresholds"),
+    ({"partition_ratios": [1, 1]}, "partition_ratios"),  # cadence sizes chunks from speed
+    ({"mode": "cpu-sync", "partition_ratios": [1, -1]}, "partition_ratios"),
+    ({"mode": "cpu-sync", "partition_ratios": 0.5}, "partition_ratios"),
+    ({"callback_rank": "slowest"}, "callback_rank"),
+    ({"callback_rank": -1}, "callback_rank"),
+])
+def test_a_bad_hook_data_or_scheduling_setting_is_a_config_error_naming_it(keywords, named):
+    with pytest.raises(ConfigError, match=named):
+        trainer(**keywords)
+
+
+def test_an_iterable_dataset_is_refused_saying_why():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    with pytest.raises(ConfigError, match="IterableDataset.*needs indices"):
+        Job(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            train_step=lambda m, b: m(b).sum(), dataset=Stream(), batch_size=1, epochs=1)
+
+
+def test_scheduling_settings_reach_the_coordinator():
+    from flodl_zmq.coordinator.convergence import MsfGuard
+    from flodl_zmq.coordinator.feedback import make_guard
+
+    cfg = coordinator_config(job(mode="cpu-async", anchor=4, overhead_target=0.1, max_batch_diff=3, relax_up=True,
+                                 guard="msf", msf_thresholds=(0.002, 0.02), callback_rank=1))
+    assert (cfg.anchor, cfg.overhead_target, cfg.max_batch_diff, cfg.relax_up) == (4, 0.1, 3, True)
+    assert cfg.callback_rank == 1
+    guard = make_guard(cfg)
+    assert isinstance(guard, MsfGuard) and (guard.suppress_threshold, guard.nudge_threshold) == (0.002, 0.02)
+    sync = coordinator_config(job(mode="cpu-sync", partition_ratios=[3, 1], guard="none"))
+    assert sync.partition_ratios == (3, 1) and sync.guard.value == "none"
+    assert coordinator_config(job()).callback_rank is None  # "fastest"
+    assert coordinator_config(job(guard="trend", divergence_threshold=0.2)).guard_threshold == 0.2
+
+
+def test_world_dependent_settings_are_checked_when_the_world_forms():
+    cfg = coordinator_config(job(mode="cpu-sync", partition_ratios=[1, 1, 2], callback_rank=1))
+    cfg.check_world(3)
+    with pytest.raises(ConfigError, match="partition_ratios has 3 entries"):
+        cfg.check_world(2)
+    with pytest.raises(ConfigError, match="callback_rank = 2 is outside a world of 2"):
+        coordinator_config(job(callback_rank=2)).check_world(2)
+
+
+def test_reports_per_epoch_is_refused_under_sync_and_reaches_the_coordinator():
+    with pytest.raises(ConfigError, match="reports_per_epoch"):
+        trainer(mode="cpu-sync", reports_per_epoch=4)
+    with pytest.raises(ConfigError, match="reports_per_epoch"):
+        trainer(reports_per_epoch=-1)
+    assert coordinator_config(job(reports_per_epoch=4)).reports_per_epoch == 4
+
+
+def test_reports_per_epoch_hands_metrics_fn_partial_rows_alone():
+    from flodl_zmq.api import train_alone
+
+    rows = []
+    train_alone(job(reports_per_epoch=4, quiet=True, metrics_fn=rows.append))
+    assert [(r["epoch"], r.get("fraction")) for r in rows] == [(0, 0.25), (0, 0.5), (0, 0.75), (0, None)]

@@ -1,0 +1,181 @@
+"""One optimizer step with the job's hooks, and `record_scalar`: the same alone and on a rank.
+
+Rules this module keeps:
+
+- **The schedule follows the global step.** A rank's scheduler sits at the
+  cluster's global step (every rank's optimizer steps in the last consensus,
+  `SetGlobalStep`) plus its own steps since: a rank with twice the share does
+  not run through the schedule twice as fast, and the whole run sees the
+  schedule a single process training the same batches would. A torch
+  scheduler only steps forward, so the position never moves back; it only
+  catches up.
+- **grad_accumulation splits a batch, not the window.** A batch runs as n
+  micro-batches whose gradients add up to the whole batch's (each loss
+  weighted by its share of the samples), then one optimizer step: the
+  windows, the global step, the schedule and the averaging mass count the
+  same steps as without it, and no snapshot ever falls inside a step.
+- **Clip after unscaling.** Under float16 the gradients carry the
+  GradScaler's factor; clipping them scaled would clip nothing.
+- **float16 needs a GradScaler, bfloat16 does not**: f16 gradients underflow
+  (5 exponent bits), bf16 has f32's range. f16 autocast is CUDA only here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flodl_zmq.errors import ConfigError
+from flodl_zmq.job import Job
+
+
+@dataclass
+class ScalarLog:
+    """`record_scalar` values since the last `take`: (sum, count) per name."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, value: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def take(self) -> tuple[dict[str, float], dict[str, int]]:
+        """The sums and counts so far; the log starts empty again."""
+        out = (self.sums, self.counts)
+        self.sums, self.counts = {}, {}
+        return out
+
+
+_SCALARS: contextvars.ContextVar[ScalarLog | None] = contextvars.ContextVar("flodl_scalars", default=None)
+
+
+def record_scalar(name: str, value: float | torch.Tensor) -> None:
+    """Record a named value for this epoch (from `train_step` or a callback, on any rank).
+
+    Each epoch reports the mean of a name's values on each rank, and across
+    ranks the batch-weighted mean of those means (floDl's rule), in the epoch
+    row `metrics_fn` receives (`row["scalars"]`). Outside a run it does nothing.
+    """
+    log = _SCALARS.get()
+    if log is None:
+        return
+    v = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+    if not math.isfinite(v):
+        return  # one NaN would poison the epoch's mean, as a non-finite loss would
+    log.add(str(name), v)
+
+
+@contextlib.contextmanager
+def recording(log: ScalarLog) -> Iterator[ScalarLog]:
+    """Within the block, `record_scalar` adds to `log`."""
+    token = _SCALARS.set(log)
+    try:
+        yield log
+    finally:
+        _SCALARS.reset(token)
+
+
+class Stepper:
+    """The job's training step on one replica: autocast, accumulation, clipping, step, schedule."""
+
+    def __init__(self, job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device) -> None:
+        self.job = job
+        self.model = model
+        self.optimizer = optimizer
+        self.device = device
+        if job.autocast is torch.float16 and device.type != "cuda":
+            raise ConfigError(
+                f"autocast=torch.float16 needs a CUDA device (this replica runs on {device.type}): "
+                "use torch.bfloat16 on CPU"
+            )
+        self.scaler = torch.amp.GradScaler(device.type) if job.autocast is torch.float16 else None
+        self.scheduler = job.scheduler(optimizer) if job.scheduler is not None else None
+        self.position = 0  # the global step the scheduler is at
+        self._reported_lr: float | None = None
+
+    def follow(self, global_step: int) -> float | None:
+        """Advance the schedule to `global_step`; returns the learning rate when it changed."""
+        if self.scheduler is not None and global_step > self.position:
+            with warnings.catch_warnings():
+                # A rank that joins late starts mid-schedule, before its first optimizer step.
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+                for _ in range(global_step - self.position):
+                    self.scheduler.step()
+            self.position = global_step
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if lr == self._reported_lr:
+            return None
+        self._reported_lr = lr
+        return lr
+
+    def step(self, batch: Any) -> float:
+        """One optimizer step on `batch`; returns its loss (the mean over its micro-batches)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        pieces = split_batch(batch, self.job.grad_accumulation)
+        total = sum(n for _, n in pieces)
+        loss_value = 0.0
+        for piece, n in pieces:
+            with self._autocast():
+                loss = self.job.train_step(self.model, piece)
+            weighted = loss * (n / total) if len(pieces) > 1 else loss
+            (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+            loss_value += float(weighted.detach())
+        if self.job.max_grad_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.max_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return loss_value
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.job.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.job.autocast)
+
+
+def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
+    """`batch` as up to `parts` micro-batches with their sample counts: tensors are split along
+    dim 0 (inside tuples, lists and dicts); other leaves go whole to every micro-batch."""
+    size = _batch_len(batch)
+    if parts <= 1 or size is None or size < 2:
+        return [(batch, size or 1)]
+    bounds = [round(i * size / min(parts, size)) for i in range(min(parts, size) + 1)]
+    return [(_slice(batch, a, b), b - a) for a, b in itertools.pairwise(bounds)]
+
+
+def _batch_len(batch: Any) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() > 0 else None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    for item in items:
+        n = _batch_len(item)
+        if n is not None:
+            return n
+    return None
+
+
+def _slice(batch: Any, a: int, b: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[a:b] if batch.dim() > 0 else batch
+    if isinstance(batch, dict):
+        return {k: _slice(v, a, b) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_slice(v, a, b) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_slice(v, a, b) for v in batch)
+    return batch

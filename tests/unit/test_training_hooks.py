@@ -1,0 +1,232 @@
+"""The training hooks (flodl_zmq/training.py): schedule, clipping, autocast, accumulation, record_scalar.
+
+The rank-level test drives a `RankRuntime`'s training thread directly (its
+records go to a list, not a socket): two ranks with different shares of a
+window follow the same schedule, the one of the global step.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import flodl_zmq as fz
+from flodl_zmq.api import train_alone
+from flodl_zmq.errors import ConfigError
+from flodl_zmq.job import Job
+from flodl_zmq.rank import RankConfig, RankRuntime
+from flodl_zmq.training import ScalarLog, Stepper, recording, split_batch
+from flodl_zmq.wire import records as rec
+
+X = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+Y = (X.sum(1) > 0).long()
+DATA = TensorDataset(X, Y)
+LR0 = 0.1
+
+
+def cosine(total: int):
+    return lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, total)
+
+
+def step_fn(model, batch):
+    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def job(**kw) -> Job:
+    base = dict(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=LR0),
+                train_step=step_fn, dataset=DATA, batch_size=8, epochs=1, quiet=True)
+    return Job(**{**base, **kw})
+
+
+def stepper(j: Job) -> Stepper:
+    torch.manual_seed(0)
+    model = j.model()
+    return Stepper(j, model, j.optimizer(model.parameters()), torch.device("cpu"))
+
+
+def reference_lrs(total: int, steps: int) -> list[float]:
+    """The schedule a single process stepping once per batch sees: the LR of steps 0..steps-1."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR0)
+    sched = cosine(total)(opt)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_the_schedule_jumps_to_the_global_step_and_never_goes_back():
+    s = stepper(job(scheduler=cosine(20)))
+    ref = reference_lrs(20, 12)
+    assert s.follow(0) == pytest.approx(ref[0])  # the first LR is reported
+    assert s.follow(0) is None  # unchanged: nothing to report
+    assert s.follow(7) == pytest.approx(ref[7])
+    assert s.follow(3) is None and s.position == 7  # a torch scheduler only steps forward
+    assert s.follow(11) == pytest.approx(ref[11])
+
+
+def test_without_a_scheduler_only_a_changed_lr_is_reported():
+    s = stepper(job())
+    assert s.follow(5) == LR0
+    assert s.follow(9) is None
+    s.optimizer.param_groups[0]["lr"] = 0.01  # e.g. an epoch_fn that lowers the LR
+    assert s.follow(10) == 0.01
+
+
+def test_grad_accumulation_takes_the_step_of_the_whole_batch():
+    batch = (X[:10], Y[:10])  # 10 samples in 4 micro-batches of 2-3: uneven weights
+    whole, split = stepper(job()), stepper(job(grad_accumulation=4))
+    loss_whole, loss_split = whole.step(batch), split.step(batch)
+    assert loss_split == pytest.approx(loss_whole, rel=1e-5)
+    for a, b in zip(whole.model.parameters(), split.model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_max_grad_norm_bounds_the_step():
+    # SGD without momentum at lr 1 moves the parameters by exactly the (clipped) gradient.
+    j = job(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), train_step=lambda m, b: 100.0 * m(b[0]).pow(2).sum(),
+            max_grad_norm=0.5)
+    s = stepper(j)
+    before = torch.cat([p.detach().flatten().clone() for p in s.model.parameters()])
+    s.step((X[:8], Y[:8]))
+    after = torch.cat([p.detach().flatten() for p in s.model.parameters()])
+    assert float(torch.linalg.vector_norm(after - before)) == pytest.approx(0.5, rel=1e-4)
+
+
+def test_bf16_autocast_runs_the_forward_in_bf16_on_cpu():
+    seen = []
+
+    def probe(model, batch):
+        out = model(batch[0])
+        seen.append(out.dtype)
+        return torch.nn.functional.cross_entropy(out.float(), batch[1])
+
+    s = stepper(job(train_step=probe, autocast=torch.bfloat16))
+    assert math.isfinite(s.step((X[:8], Y[:8])))
+    assert seen == [torch.bfloat16] and s.scaler is None  # bf16 has f32's range: no scaler
+    assert all(p.dtype == torch.float32 for p in s.model.parameters())  # the weights stay f32
+
+
+def test_f16_autocast_on_cpu_is_refused_naming_autocast():
+    with pytest.raises(ConfigError, match="autocast=torch.float16 needs a CUDA device"):
+        stepper(job(autocast=torch.float16))
+
+
+def test_split_batch_splits_tensors_in_tuples_and_dicts_and_keeps_other_leaves():
+    batch = {"x": torch.arange(5), "pair": (torch.arange(5) * 2, "tag")}
+    pieces = split_batch(batch, 2)
+    assert [n for _, n in pieces] == [2, 3] or [n for _, n in pieces] == [3, 2]
+    assert torch.equal(torch.cat([p["x"] for p, _ in pieces]), torch.arange(5))
+    assert all(p["pair"][1] == "tag" for p, _ in pieces)
+    assert [n for _, n in split_batch((torch.zeros(1, 3),), 4)] == [1]  # never an empty micro-batch
+
+
+def test_record_scalar_is_a_per_epoch_mean_and_ignores_non_finite_values():
+    fz.record_scalar("outside", 1.0)  # no run: nothing happens
+    log = ScalarLog()
+    with recording(log):
+        for v in (1.0, 2.0, torch.tensor(6.0), float("nan")):
+            fz.record_scalar("m", v)
+    assert log.take() == ({"m": 9.0}, {"m": 3})
+    assert log.take() == ({}, {})
+
+
+def test_train_alone_reports_scalars_and_follows_the_schedule_per_batch():
+    lrs: list[float] = []
+
+    def probe(model, batch):
+        fz.record_scalar("n", float(len(batch[0])))
+        return step_fn(model, batch)
+
+    j = job(train_step=probe, epochs=2, scheduler=cosine(16),
+            epoch_fn=lambda e, m: None, metrics_fn=lambda row: lrs.append(row["scalars"]["n"]))
+    result = train_alone(j)
+    assert [row["scalars"] for row in result.epochs] == [{"n": 8.0}, {"n": 8.0}]
+    assert lrs == [8.0, 8.0]
+
+
+# --------------------------------------------------------------------------- rank level
+
+
+class Sent(list):
+    def send(self, record, payload=(), tracked_by=None):
+        self.append(record)
+        if tracked_by is not None:
+            tracked_by.hold_until_sent(None)  # "sent" at once: the next snapshot may overwrite it
+
+
+def rank(r: int, j: Job) -> RankRuntime:
+    cfg = RankConfig(rank=r, local_rank=r, world_size=2, host="h", key=b"k" * 32, run_id=b"r" * 16,
+                     control_endpoint="tcp://127.0.0.1:1", data_endpoint="tcp://127.0.0.1:2")
+    rt = RankRuntime(j, cfg, torch.device("cpu"))
+    rt.link = Sent()
+    return rt
+
+
+def lr_updates(rt: RankRuntime) -> list[float]:
+    return [x.lr for x in rt.link if isinstance(x, rec.LrUpdate)]
+
+
+def train_round(rt: RankRuntime, round_id: int, offset: int, steps: int, global_step_after: int,
+                in_flight: int = 0) -> list[float]:
+    """`steps` batches of a span, a deposit, SetGlobalStep before the consensus (as it can
+    arrive), `in_flight` more steps, the consensus; returns the LR each step used."""
+    used = []
+    rt._on_control(rec.StartEpoch(rec.EpochPlan(0, offset, (steps + in_flight) * rt.job.batch_size)))
+    for i in range(steps + in_flight):
+        if i == steps:
+            rt._on_control(rec.RequestParams(round=round_id))
+            rt._on_control(rec.SetGlobalStep(global_step=global_step_after))
+        rt._train_one()
+        used.append(rt.optimizer.param_groups[0]["lr"])
+    if not in_flight:
+        rt._on_control(rec.RequestParams(round=round_id))
+        rt._on_control(rec.SetGlobalStep(global_step=global_step_after))
+    rt._on_consensus(SimpleNamespace(record=rec.Consensus(round=round_id, mass=0.0), payload=[]))
+    return used
+
+
+def test_ranks_with_different_shares_follow_the_schedule_of_the_global_step():
+    # Rank 0 takes 3 of each window's 4 steps, rank 1 one: the global step advances by 4 a
+    # round on both, so the LR at rank 1's next step is the one of global step 4, not 1.
+    j = job(batch_size=2, scheduler=cosine(12), epochs=1)
+    fast, slow = rank(0, j), rank(1, j)
+    ref = reference_lrs(12, 12)
+    try:
+        assert train_round(fast, 1, 0, 3, 4) == pytest.approx(ref[0:3])
+        assert train_round(slow, 1, 6, 1, 4) == pytest.approx(ref[0:1])
+        # A step taken while the round is in flight (cpu-async) continues the rank's own count:
+        # the new global step counts only once the consensus that holds those steps is loaded.
+        assert train_round(fast, 2, 8, 3, 8, in_flight=1) == pytest.approx(ref[4:8])
+        assert train_round(slow, 2, 16, 1, 8) == pytest.approx(ref[4:5])
+        assert train_round(fast, 3, 18, 1, 12) == pytest.approx(ref[9:10])  # 8 + the in-flight step
+    finally:
+        fast.pipeline.close()
+        slow.pipeline.close()
+    # Each LR change is reported (LrUpdate), once, for the meta-controller.
+    assert lr_updates(fast) == pytest.approx([ref[i] for i in (0, 1, 2, 4, 5, 6, 7, 9)])
+    assert lr_updates(slow) == pytest.approx([ref[i] for i in (0, 4)])
+
+
+def test_a_rank_reports_record_scalar_with_its_chunk():
+    def probe(model, batch):
+        fz.record_scalar("label_mean", batch[1].float().mean())
+        return step_fn(model, batch)
+
+    rt = rank(0, job(train_step=probe, batch_size=4))
+    try:
+        with recording(rt.scalars):
+            rt._on_control(rec.StartEpoch(rec.EpochPlan(0, 0, 8)))
+            rt._train_one()
+            rt._train_one()
+    finally:
+        rt.pipeline.close()
+    (m,) = [x for x in rt.link if isinstance(x, rec.EpochMetrics)]
+    assert m.scalar_counts == {"label_mean": 2}
+    assert np.isfinite(m.scalar_sums["label_mean"])
