@@ -16,6 +16,7 @@ back with a loud error naming the missing file or the format it does not know.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import tempfile
@@ -65,7 +66,11 @@ def save(stem: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], meta
     """Write the bundle atomically (files mode 0600); returns the meta path."""
     model_path, meta_path = paths(stem)
     model_path.parent.mkdir(parents=True, exist_ok=True)
-    _write(model_path, lambda f: torch.save(state_dict, f))
+    # Serialized in memory first: torch reports a failed write (a full disk) as an opaque
+    # RuntimeError, a plain write names the cause (ENOSPC, EROFS, ...).
+    model = io.BytesIO()
+    torch.save(state_dict, model)
+    _write(model_path, lambda f: f.write(model.getbuffer()))
     text = json.dumps({"format": FORMAT, **meta}, indent=2, sort_keys=True)
     _write(meta_path, lambda f: f.write(text.encode()))
     return meta_path
