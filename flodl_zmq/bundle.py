@@ -78,6 +78,12 @@ def save(stem: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], meta
 
 def load(stem: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state_dict, meta) of bundle `stem`."""
+    meta = load_meta(stem)
+    return torch.load(paths(stem)[0], map_location="cpu", weights_only=True), meta
+
+
+def load_meta(stem: str | os.PathLike[str]) -> dict[str, Any]:
+    """The meta of bundle `stem` (checked complete and of this format), without reading the model."""
     model_path, meta_path = paths(stem)
     for p in (model_path, meta_path):
         if not p.exists():
@@ -85,4 +91,4 @@ def load(stem: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[st
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{meta_path}: bundle format {meta.get('format')!r} is not {FORMAT}; written by another version")
-    return torch.load(model_path, map_location="cpu", weights_only=True), meta
+    return meta

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from flodl_zmq import bundle
+from flodl_zmq.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,29 @@ def newest(directory: str | Path) -> Path | None:
     """The newest complete checkpoint's stem in `directory`, or None when it holds none."""
     found = complete(directory)
     return found[-1] if found else None
+
+
+def resolve(resume: str | None, checkpoint_dir: str | None) -> Path | None:
+    """The bundle stem `--resume` names (settings.py), or None for a fresh run.
+
+    `auto`: the newest checkpoint of `checkpoint_dir`, None when it holds none
+    (the first start of a run that may later restart); a directory: its newest
+    checkpoint, which must exist; anything else: a bundle stem.
+    """
+    if resume is None:
+        return None
+    if resume == "auto":
+        if checkpoint_dir is None:
+            raise ConfigError("--resume auto continues the newest checkpoint of --checkpoint-dir, which is not set: "
+                              "set --checkpoint-dir (FLODL_CHECKPOINT_DIR), or name a checkpoint directory")
+        return newest(checkpoint_dir)
+    if Path(resume).is_dir():
+        stem = newest(resume)
+        if stem is None:
+            raise ConfigError(f"--resume {resume}: the directory holds no complete checkpoint (ckpt-r*.meta.json); "
+                              "name the directory the controller wrote them to (--checkpoint-dir)")
+        return stem
+    return Path(resume)
 
 
 @dataclass

@@ -200,11 +200,13 @@ class ControllerService:
         self.model = job.model()
         start_epoch = 0
         resume = None
+        self.incarnation = 1  # this controller's place in the run's line of restarts (status, bundles)
         if job.resume_from:
             state, meta = bundle.load(job.resume_from)
             self.model.load_state_dict(state)
             resume = meta.get("coordinator")
             start_epoch = int(meta.get("epoch", 0))
+            self.incarnation = int(meta.get("incarnation", 0)) + 1
         self.consensus = flatten(self.model).numpy()  # latest positive-mass consensus
         self.consensus_round = -1
         self._completed_round = -1  # the last round the coordinator counted finished
@@ -212,7 +214,10 @@ class ControllerService:
         self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resume)
         self.model_sig = model_signature(self.model)
         self.dataset_sig = dataset_signature(job.dataset)
-        self.result = TrainResult(model=self.model)
+        self.result = TrainResult(model=self.model, resumed_from=job.resume_from, incarnation=self.incarnation)
+        if job.resume_from and not job.quiet:
+            print(f"resumed from {job.resume_from}: epoch {start_epoch + 1}, round {self.core.avg_count}, "
+                  f"controller incarnation {self.incarnation}", flush=True)
         self.report = RunReport(
             job, self.result, self.config.batches_per_epoch, start_epoch, on_callback_error=self._callback_failed
         )
@@ -572,6 +577,7 @@ class ControllerService:
             "global_step": self.core.global_step,
             "last_round_ms": self.result.round_ms[-1] if self.result.round_ms else None,
             "last_round_at": self._last_round_at,
+            "incarnation": self.incarnation,
             "checkpoint": None if self.checkpoints is None else self.checkpoints.status.to_dict(),
             "ended": None if self.ended is None else (self.ended.reason.value if self.ended.reason else "completed"),
         })
@@ -723,6 +729,7 @@ class ControllerService:
             "world_size": self.world_size,
             "world": {host: list(ranks) for host, ranks in self.world.items()},
             "run_id": self.penv.run_id.hex(),
+            "incarnation": self.incarnation,
             "consensus_round": self.consensus_round,
             "coordinator": state,
         }

@@ -17,6 +17,12 @@ Rules this module keeps:
 - The launcher is the agent of every simulated host, but it does not report
   child exits upstream: relays detect a dead rank by its silence (within
   their heartbeat deadline), which is the path a real host failure takes.
+- A controller killed by a signal other than SIGTERM/SIGINT (which stop a
+  run) comes back when the run writes checkpoints (FLODL_CHECKPOINT_DIR):
+  the relays and ranks are stopped, and the whole cohort starts again with
+  the same run id, key and world, resuming the newest checkpoint
+  (FLODL_RESUME). A checkpoint already restarted from is not tried twice:
+  a controller that keeps dying before the next checkpoint is not a loop.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from flodl_zmq import checkpoints
 from flodl_zmq.endpoints import OFFSETS, ControllerAddress
 from flodl_zmq.environment import CHILD_SCOPES, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError
@@ -105,6 +112,7 @@ class Cluster:
                 raise ConfigError(f"--slow {rank}:{factor}: rank must be in 0..{world_size - 1} and factor >= 1")
         self._lock = threading.Lock()
         self.run_id: bytes | None = None
+        self.restarts: list[tuple[str, float]] = []  # (checkpoint, seconds from the kill to the respawn)
 
     @property
     def world(self) -> dict[str, tuple[int, ...]]:
@@ -119,7 +127,14 @@ class Cluster:
         settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
         if self.startup_timeout_s is not None:
             settings = replace(settings, startup_timeout_s=self.startup_timeout_s)
-        base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
+        # `auto` is chosen once, here: every process must continue the same checkpoint.
+        stem = checkpoints.resolve(settings.resume, settings.checkpoint_dir)
+        self._settings = replace(settings, resume=None if stem is None else str(stem))
+        self._base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
+        self._spawn_cohort(self._settings)
+
+    def _spawn_cohort(self, settings: Settings) -> None:
+        base = self._base
         self._spawn("controller", ProcessEnv(role="controller", settings=settings, **base))
         for host, ranks in self.world.items():
             self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, **base))
@@ -129,6 +144,32 @@ class Cluster:
                     f"{host}:{rank}",
                     ProcessEnv(role="rank", host=host, rank=rank, local_rank=local, settings=slowed, **base),
                 )
+
+    def _restart(self, code: int) -> bool:
+        """A controller killed by a signal comes back from the newest checkpoint; True if it did (module doc)."""
+        if code >= 0 or -code in (signal.SIGTERM, signal.SIGINT) or self._settings.checkpoint_dir is None:
+            return False
+        t0 = time.monotonic()
+        killed = signal.Signals(-code).name
+        stem = checkpoints.newest(self._settings.checkpoint_dir)
+        if stem is None or str(stem) == self._settings.resume:
+            self._say(f"the controller was killed by {killed} and there is no newer checkpoint in "
+                      f"{self._settings.checkpoint_dir} than the last restart's: not restarting")
+            return False
+        self._say(f"the controller was killed by {killed}; stopping the relays and ranks, restarting the run "
+                  f"from {stem}")
+        self.shutdown()
+        self._settings = replace(self._settings, resume=str(stem))
+        self._spawn_cohort(self._settings)
+        self.restarts.append((str(stem), time.monotonic() - t0))
+        return True
+
+    def _say(self, text: str) -> None:
+        line = f"[launch] {text}"
+        with self._lock:
+            self.lines.append(line)
+        if self.sink is not None:
+            self.sink(line)
 
     def _spawn(self, label: str, penv: ProcessEnv) -> None:
         env = with_tunables(os.environ, penv.role)
@@ -170,12 +211,16 @@ class Cluster:
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the controller, then stop whatever is left; returns the controller's exit status."""
-        controller = self.children["controller"].proc
-        try:
-            code = controller.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.shutdown()
-            raise
+        until = None if timeout is None else time.monotonic() + timeout
+        while True:
+            controller = self.children["controller"].proc
+            try:
+                code = controller.wait(None if until is None else max(0.0, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.shutdown()
+                raise
+            if not self._restart(code):
+                break
         deadline = time.monotonic() + self.grace_s
         for child in self.children.values():
             try:

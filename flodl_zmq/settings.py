@@ -215,6 +215,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("checkpoint_every_rounds", 0, "a checkpoint every this many averaging rounds as well (0: off)",
             kind=int, flags=("--checkpoint-every-rounds",), env=("FLODL_CHECKPOINT_EVERY_ROUNDS",),
             commands=("controller",), scope="run", minimum=0),
+    Setting("resume", None, "restart a killed run: a checkpoint directory (its newest checkpoint), a bundle stem, "
+            "or auto (the newest checkpoint of checkpoint_dir, if any; else a fresh run); the controller ships the "
+            "checkpoint it chose to every host", kind=str, metavar="DIR|STEM|auto", flags=("--resume",),
+            env=("FLODL_RESUME",), commands=("controller",), scope="run"),
     Setting("checkpoint_keep", 3, "how many of the newest checkpoints to keep", kind=int,
             flags=("--checkpoint-keep",), env=("FLODL_CHECKPOINT_KEEP",), commands=("controller",), scope="run",
             minimum=1),
@@ -229,9 +233,13 @@ SETTINGS: tuple[Setting, ...] = (
             "of its host dead", flags=("--host-silence", "--heartbeat-timeout"),
             env=("FLODL_HOST_SILENCE", "FLODL_HEARTBEAT_TIMEOUT"), commands=("controller",), minimum=0.0,
             strict=True),
-    Setting("controller_silence_at_agent_s", 10.0, "controller silence after which an agent tears its host down",
+    Setting("controller_silence_at_agent_s", 10.0, "controller silence after which an agent stops its host's relay "
+            "and ranks (and re-dials for controller_grace_s)",
             flags=("--controller-silence", "--heartbeat-timeout"), env=("FLODL_CONTROLLER_SILENCE",),
             commands=("agent",), minimum=0.0, strict=True),
+    Setting("controller_grace_s", 600.0, "how long an agent whose controller fell silent keeps re-dialling it "
+            "(its ranks stopped) for a restarted controller to take it back; 0: exit at once",
+            flags=("--controller-grace",), env=("FLODL_CONTROLLER_GRACE",), commands=("agent",), minimum=0.0),
     Setting("join_reply_timeout_s", 30.0, "how long an agent waits for the controller's answer to its hello",
             flags=("--join-timeout",), env=("FLODL_JOIN_TIMEOUT",), commands=("agent",), minimum=0.0, strict=True),
     Setting("status_reply_timeout_s", 5.0, "how long `status` waits for the controller's reply",
@@ -304,11 +312,13 @@ class Settings:
     checkpoint_dir: str | None = None
     checkpoint_every_s: float = BY_FIELD["checkpoint_every_s"].default
     checkpoint_every_rounds: int = BY_FIELD["checkpoint_every_rounds"].default
+    resume: str | None = None
     checkpoint_keep: int = BY_FIELD["checkpoint_keep"].default
     slowdown: float = BY_FIELD["slowdown"].default
     join_heartbeat_period_s: float = BY_FIELD["join_heartbeat_period_s"].default
     host_silence_at_controller_s: float = BY_FIELD["host_silence_at_controller_s"].default
     controller_silence_at_agent_s: float = BY_FIELD["controller_silence_at_agent_s"].default
+    controller_grace_s: float = BY_FIELD["controller_grace_s"].default
     join_reply_timeout_s: float = BY_FIELD["join_reply_timeout_s"].default
     status_reply_timeout_s: float = BY_FIELD["status_reply_timeout_s"].default
     bind: str | None = None
