@@ -336,6 +336,10 @@ def format_status(address: ControllerAddress, status: Mapping[str, Any]) -> str:
             f"({t['rounds_done']} done), global step {t['global_step']}, {last}"
             + (f"; run ended: {t['ended']}" if t["ended"] else "")
         )
+        ck = t.get("checkpoint")
+        lines.append(f"  controller incarnation {t.get('incarnation', 1)}" + (
+            "" if ck is None else f", last checkpoint {ck['last_path'] or 'none yet'}"
+            + (f" (last write failed: {ck['last_error']})" if ck["last_error"] else "")))
     return "\n".join(lines)
 
 

@@ -205,7 +205,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("peer_send_timeout_s", 10.0, "how long the controller's reducer or a relay waits on a peer that "
             "stops reading before that send fails (the controller's own control sends never wait)",
             env=("FLODL_PEER_SEND_TIMEOUT",), scope="run", minimum=0.0, strict=True),
-    # ---- the controller's consensus checkpoints (read by the controller role; PROTOCOL.md 12)
+    # ---- the controller's consensus checkpoints (read by the controller role; PROTOCOL.md 13)
     Setting("checkpoint_dir", None, "where the controller writes its periodic consensus checkpoints, keeping "
             "the last checkpoint_keep (none: no checkpoints)", kind=str, metavar="DIR", flags=("--checkpoint-dir",),
             env=("FLODL_CHECKPOINT_DIR",), commands=("controller",), scope="run"),

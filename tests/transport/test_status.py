@@ -77,10 +77,12 @@ def test_format_status_names_each_death_and_the_round():
             "started": True, "alive": [0], "exited": [], "dead": [1],
             "deaths": {"1": {"at": time.time(), "reason": "host b lost: its agent fell silent"}},
             "epoch": 3, "epochs": 8, "round": 12, "rounds_done": 11, "global_step": 400,
-            "last_round_ms": 4.5, "last_round_at": time.time(), "ended": None,
+            "last_round_ms": 4.5, "last_round_at": time.time(), "ended": None, "incarnation": 2,
+            "checkpoint": {"last_path": "runs/ckpt/ckpt-r000000008", "last_error": "disk full"},
         },
     }
     text = format_status(ControllerAddress("10.0.0.5", 7300), status)
+    assert "controller incarnation 2, last checkpoint runs/ckpt/ckpt-r000000008 (last write failed: disk full)" in text
     assert "host b: ranks [1] lost" in text
     assert "rank 1 dead at" in text and "host b lost" in text
     assert "epoch 4/8, round 12 (11 done)" in text

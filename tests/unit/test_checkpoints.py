@@ -16,6 +16,7 @@ import torch
 
 from flodl_zmq import bundle, checkpoints
 from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, Snapshot
+from flodl_zmq.errors import ConfigError
 
 
 def writer(directory, keep=2) -> CheckpointWriter:
@@ -100,3 +101,20 @@ def test_a_full_disk_keeps_the_previous_checkpoint_valid_and_leaves_no_partial_f
         assert sorted(os.listdir(mnt)) == ["ckpt-r000000001.meta.json", "ckpt-r000000001.pt"]
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_resume_names_a_stem_a_directory_s_newest_or_auto_s_newest_if_any(tmp_path):
+    assert checkpoints.resolve(None, str(tmp_path)) is None
+    assert checkpoints.resolve("auto", str(tmp_path)) is None  # the first start of a restartable run
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        checkpoints.resolve(str(tmp_path), None)
+    with pytest.raises(ConfigError, match="--checkpoint-dir, which is not set"):
+        checkpoints.resolve("auto", None)
+    for r in (4, 9):
+        w = writer(tmp_path)
+        w.submit(snap(r))
+        w.close(10.0)
+    newest = tmp_path / "ckpt-r000000009"
+    assert checkpoints.resolve("auto", str(tmp_path)) == newest
+    assert checkpoints.resolve(str(tmp_path), None) == newest
+    assert checkpoints.resolve(str(tmp_path / "ckpt-r000000004"), None) == tmp_path / "ckpt-r000000004"
