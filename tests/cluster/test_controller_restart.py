@@ -185,7 +185,8 @@ def start_run(c: Compose, ckpt: Path, key: str, grace_s: float, name: str = "con
     """The controller (pre-shared key, checkpoints, --resume auto) as `name`, on host `controller`."""
     c.up(name, host="controller", service="controller", env={"FLODL_KEY": key}, argv=controller_argv(
         c, open_admission=False, program=[JOB, *HOSTS_JOB],
-        extra=["--checkpoint-dir", str(ckpt), "--checkpoint-every-rounds", "4", "--resume", "auto"]))
+        extra=["--checkpoint-dir", str(ckpt), "--checkpoint-every-rounds", "4", "--checkpoint-keep", "100",
+               "--resume", "auto"]))
     if name == "controller":
         env = {"FLODL_KEY": key, "FLODL_CONTROLLER_SILENCE": "3", "FLODL_CONTROLLER_GRACE": str(grace_s)}
         start_workers(c, env=env)
