@@ -41,7 +41,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from flodl_zmq import checkpoints
 from flodl_zmq.endpoints import OFFSETS, ControllerAddress
 from flodl_zmq.environment import CHILD_SCOPES, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError
@@ -127,6 +126,9 @@ class Cluster:
         settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
         if self.startup_timeout_s is not None:
             settings = replace(settings, startup_timeout_s=self.startup_timeout_s)
+        # Imported here: the agent imports this module, and must never import torch (bundle does).
+        from flodl_zmq import checkpoints
+
         # `auto` is chosen once, here: every process must continue the same checkpoint.
         stem = checkpoints.resolve(settings.resume, settings.checkpoint_dir)
         self._settings = replace(settings, resume=None if stem is None else str(stem))
@@ -149,6 +151,8 @@ class Cluster:
         """A controller killed by a signal comes back from the newest checkpoint; True if it did (module doc)."""
         if code >= 0 or -code in (signal.SIGTERM, signal.SIGINT) or self._settings.checkpoint_dir is None:
             return False
+        from flodl_zmq import checkpoints  # see start()
+
         t0 = time.monotonic()
         killed = signal.Signals(-code).name
         stem = checkpoints.newest(self._settings.checkpoint_dir)
