@@ -86,6 +86,7 @@ def test_a_full_checkpoint_disk_is_reported_with_the_path_and_the_run_completes(
 # ---------------------------------------------------------------------------- restart
 
 ARGS = ["--mode", "cpu-cadence", "--epochs", "8", "--batch-size", "16", "--step-ms", "4"]
+TWICE = pytest.mark.timeout(300)  # a cohort started twice (and the undisturbed run) on two shared cores
 
 
 class Watched:
@@ -121,6 +122,7 @@ def covered(meta: dict, epoch: int) -> int:
     return sum(n for _, n in meta["coordinator"]["coverage"].get(str(epoch), []))
 
 
+@TWICE
 @pytest.mark.parametrize("when", ["mid-epoch", "during-eval"])
 def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_run_completes(
     tmp_path, monkeypatch, undisturbed, when
@@ -162,7 +164,6 @@ def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_
 # ---------------------------------------------------------------------------- hosts: agents re-dial
 
 HOSTS_JOB = ["--epochs", "5", "--batch-size", "16", "--step-ms", "8"]
-HOSTS_TIMEOUT = pytest.mark.timeout(300)  # a cohort started twice, in namespaces, on two shared cores
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +200,7 @@ def kill_controller(c: Compose) -> float:
     return time.monotonic()
 
 
-@HOSTS_TIMEOUT
+@TWICE
 def test_agents_rejoin_a_restarted_controller_with_their_old_ranks_and_the_run_completes(hosts, tmp_path):
     key, ckpt = new_key().hex(), tmp_path / "ckpt"
     start_run(hosts, ckpt, key, grace_s=90)
@@ -228,7 +229,7 @@ def test_agents_rejoin_a_restarted_controller_with_their_old_ranks_and_the_run_c
     print(f"hosts restart: accuracy {result['accuracy']:.4f}; kill -> world formed again {restart_s:.1f} s")
 
 
-@HOSTS_TIMEOUT
+@TWICE
 def test_agents_exit_with_the_reason_when_the_controller_stays_gone_past_the_grace_period(hosts, tmp_path):
     start_run(hosts, tmp_path / "ckpt", new_key().hex(), grace_s=4)
     kill_controller(hosts)
