@@ -15,6 +15,12 @@ Rules this module keeps:
   world formation by the budget the controller announced plus a margin; the
   controller's liveness by its heartbeats (`silence_s`), because ZeroMQ does
   not report a vanished peer.
+- **A silent controller may come back.** When it falls silent (`silence_s`)
+  the agent stops its relay and ranks, then re-dials it with backoff for
+  `grace_s`: a controller restarted with `--resume` takes this host back
+  with its old ranks in the same run (the accept's run id and ranks must be
+  the old ones, PROTOCOL.md 13), and the host runs again from the
+  checkpoint. Past the grace period it exits, saying so.
 - **Every rank exit is reported upstream at once** (`RankExited`, code
   negative for the killing signal): it is the controller's fast path to
   declaring a rank dead, seconds before heartbeats would.
@@ -111,6 +117,7 @@ from flodl_zmq.wire.shm import unlink_run
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
+REJOIN_BACKOFF_S = (0.5, 5.0)  # first and longest wait between two re-dials of a silent controller
 DEFAULTS = Settings()  # AgentConfig's timings default to the settings table
 # Variables of the contract that are settings, not identity: the controller's
 # SpawnSpec.env sets the run's for every child, and ours (FLODL_SLOWDOWN) pass through.
@@ -206,6 +213,7 @@ class AgentConfig:
     formation_margin_s: float = 10.0
     heartbeat_s: float = DEFAULTS.join_heartbeat_period_s
     silence_s: float = DEFAULTS.controller_silence_at_agent_s
+    grace_s: float = DEFAULTS.controller_grace_s
     kill_grace_s: float = 5.0
     curve: CurveKeys | None = None
     script: tuple[str, ...] | None = None
@@ -231,6 +239,10 @@ class AgentConfig:
                 raise ConfigError(f"{name} must be > 0 (got {getattr(self, name)})")
         if self.silence_s <= self.heartbeat_s:
             raise ConfigError(f"silence_s ({self.silence_s}) must exceed heartbeat_s ({self.heartbeat_s})")
+
+
+class NoReply(MembershipError):
+    """The controller did not answer a join in time (not running, unreachable, or another key)."""
 
 
 @dataclass(frozen=True)
@@ -329,15 +341,20 @@ class Agent:
         self._out_lock = threading.Lock()
         self._stop_reason: str | None = None
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        # A fixed routing id survives reconnects, so the controller still knows
-        # this link after a network blip (its ROUTER hands the id over).
-        self._sock.setsockopt(zmq.ROUTING_ID, b"A" + os.urandom(15))
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        limit_receive(self._sock, CONTROL_MAX_FRAME_BYTES)
+        self._sock = self._new_link()
         self._codec = Codec(config.key or OPEN_JOIN_KEY, JOIN_RUN_ID, config.host)
         self._last_heard = 0.0
         self._next_beat = 0.0
+        self._lost_controller = False  # the last teardown was the controller's silence under running ranks
+
+    def _new_link(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        # A fixed routing id survives reconnects, so the controller still knows
+        # this link after a network blip (its ROUTER hands the id over).
+        sock.setsockopt(zmq.ROUTING_ID, b"A" + os.urandom(15))
+        sock.setsockopt(zmq.LINGER, 1000)
+        limit_receive(sock, CONTROL_MAX_FRAME_BYTES)
+        return sock
 
     def stop(self, reason: str) -> None:
         if self._stop_reason is None:
@@ -348,9 +365,10 @@ class Agent:
 
     # ------------------------------------------------------------------ join
 
-    def join(self) -> Joined:
-        """Dial, send the hello, and wait for admission and then the formed world."""
+    def join(self, reply_timeout_s: float | None = None) -> Joined:
+        """Dial, send the hello, and wait for admission and then the formed world (NoReply: no answer)."""
         cfg = self.config
+        reply_timeout_s = cfg.reply_timeout_s if reply_timeout_s is None else reply_timeout_s
         endpoint = cfg.controller.endpoint(Channel.JOIN)
         CleartextWarner(log).warn_if_cleartext(cfg.controller.host, encrypted=cfg.curve is not None)
         if cfg.curve is not None:
@@ -366,7 +384,7 @@ class Agent:
         ours = os.urandom(CHALLENGE_NONCE_BYTES)
         self._send(ChallengeRequest(ours))
         challenge = self._receive(
-            time.monotonic() + cfg.reply_timeout_s,
+            time.monotonic() + reply_timeout_s,
             before_admission=True,
             fresh=lambda r: isinstance(r, Challenge) and r.client_nonce == ours,
         )
@@ -379,13 +397,13 @@ class Agent:
             )
             self._send(hello)
             reply = self._receive(
-                time.monotonic() + cfg.reply_timeout_s,
+                time.monotonic() + reply_timeout_s,
                 before_admission=True,
                 fresh=lambda r: not isinstance(r, (JoinAccept, JoinReject)) or r.nonce == challenge.nonce,
             )
         if reply is None:
-            raise MembershipError(
-                f"no reply from the controller at {cfg.controller} within {cfg.reply_timeout_s:g} s: it is "
+            raise NoReply(
+                f"no reply from the controller at {cfg.controller} within {reply_timeout_s:g} s: it is "
                 "not running or not reachable, or it dropped our hello because its key differs from ours "
                 "(FLODL_KEY must be the same on every host; an open-admission controller takes no key)"
             )
@@ -491,16 +509,56 @@ class Agent:
                 previous[sig] = signal.signal(sig, lambda s, _f: self.stop(f"agent received {signal.Signals(s).name}"))
         try:
             joined = self.join()
-            try:
-                children = self._spawn(joined)
-                return self._supervise(children)
-            finally:
-                # A SIGKILLed relay or rank cannot unlink its shared-memory segments.
-                unlink_run(joined.run_id)
-                remove_local_dir(joined.run_id)  # and its ipc socket files
+            while True:
+                try:
+                    children = self._spawn(joined)
+                    code = self._supervise(children)
+                finally:
+                    # A SIGKILLed relay or rank cannot unlink its shared-memory segments.
+                    unlink_run(joined.run_id)
+                    remove_local_dir(joined.run_id)  # and its ipc socket files
+                if not self._lost_controller or not self.config.grace_s or self._stop_reason is not None:
+                    return code
+                joined = self._rejoin(joined)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _rejoin(self, before: Joined) -> Joined:
+        """Re-dial a silent controller with backoff until a restart of our run takes us back (grace_s)."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.grace_s
+        wait = REJOIN_BACKOFF_S[0]
+        log.warning("host %r: re-dialling the controller at %s for up to %g s (--controller-grace) for a restart "
+                    "of run %s", cfg.host, cfg.controller, cfg.grace_s, before.run_id.hex()[:8])
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stop_reason is not None:
+                raise MembershipError(
+                    f"the controller at {cfg.controller} did not come back within the grace period of "
+                    f"{cfg.grace_s:g} s (--controller-grace): host {cfg.host!r} leaves run {before.run_id.hex()[:8]}; "
+                    "restart the controller with --resume auto and start this agent again"
+                    if self._stop_reason is None else f"stopped while waiting for the controller: {self._stop_reason}"
+                )
+            # A fresh link and the join key: nothing of the dead controller's link carries over.
+            self._sock.close(0)
+            self._sock = self._new_link()
+            self._codec = Codec(cfg.key or OPEN_JOIN_KEY, JOIN_RUN_ID, cfg.host)
+            try:
+                joined = self.join(reply_timeout_s=min(cfg.reply_timeout_s, max(left, 0.1)))
+            except NoReply:
+                time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+                wait = min(2 * wait, REJOIN_BACKOFF_S[1])
+                continue
+            if joined.run_id != before.run_id or joined.ranks != before.ranks:
+                raise MembershipError(
+                    f"the controller at {cfg.controller} came back with another run ({joined.run_id.hex()[:8]}, ranks "
+                    f"{list(joined.ranks)}) than ours ({before.run_id.hex()[:8]}, ranks {list(before.ranks)}): it was "
+                    "started fresh, not with --resume; host leaves"
+                )
+            log.warning("host %r: taken back by the restarted controller with ranks %s", cfg.host, list(joined.ranks))
+            self._lost_controller = False
+            return joined
 
     def child_environ(self, joined: Joined, role: str, rank: int | None, local_rank: int | None) -> dict[str, str]:
         """The environment of one child: ours, the run's tunables, then its identity."""
@@ -584,6 +642,7 @@ class Agent:
             ranks_live = any(c.rank is not None for c in live)
             why = self._stop_reason or self._poll_controller(now)
             if why is not None and teardown is None:
+                self._lost_controller = ranks_live and self._stop_reason is None and now - self._last_heard > cfg.silence_s
                 teardown, kill_at = why, now + cfg.kill_grace_s
                 # The controller vanishing after every rank exited is just the end of the run.
                 fault = fault or ranks_live or self._stop_reason is not None
@@ -693,6 +752,7 @@ def _agent_command(args: Any) -> int:
         reply_timeout_s=settings.join_reply_timeout_s,
         heartbeat_s=settings.join_heartbeat_period_s,
         silence_s=settings.controller_silence_at_agent_s,
+        grace_s=settings.controller_grace_s,
         curve=CurveKeys.for_client(os.environ, settings.curve_secret_file, settings.curve_server_file),
         script=parse_script(settings.script) if settings.script else None,
     )

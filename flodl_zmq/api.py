@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import math
 import os
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flodl_zmq import bundle
+from flodl_zmq import bundle, checkpoints
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.job import Job
 from flodl_zmq.loader import BatchPipeline
@@ -101,6 +102,10 @@ class Trainer:
         penv = host.penv if host is not None else ProcessEnv.from_environ()
         if penv is None:
             return train_alone(self.job)
+        job = self.job
+        stem = checkpoints.resolve(penv.settings.resume, penv.settings.checkpoint_dir)
+        if stem is not None:  # a restart: every role continues from the checkpoint the controller chose
+            job = dataclasses.replace(job, resume_from=str(stem))
         # A relay's comings and goings (ranks joining, leaving) are what an operator reads
         # when a host misbehaves; ranks and the controller print progress, not chatter.
         level = logging.INFO if penv.role == "relay" else logging.WARNING
@@ -108,10 +113,10 @@ class Trainer:
         if penv.role == "controller":
             from flodl_zmq.controller_service import run_controller
 
-            return run_controller(self.job, penv, host.link if host is not None else None)
+            return run_controller(job, penv, host.link if host is not None else None)
         if penv.role == "relay":
             raise SystemExit(run_relay(penv))
-        raise SystemExit(run_rank(self.job, penv))
+        raise SystemExit(run_rank(job, penv))
 
 
 def run_rank(job: Job, penv: ProcessEnv) -> int:

@@ -16,6 +16,7 @@ back with a loud error naming the missing file or the format it does not know.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import tempfile
@@ -65,7 +66,11 @@ def save(stem: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], meta
     """Write the bundle atomically (files mode 0600); returns the meta path."""
     model_path, meta_path = paths(stem)
     model_path.parent.mkdir(parents=True, exist_ok=True)
-    _write(model_path, lambda f: torch.save(state_dict, f))
+    # Serialized in memory first: torch reports a failed write (a full disk) as an opaque
+    # RuntimeError, a plain write names the cause (ENOSPC, EROFS, ...).
+    model = io.BytesIO()
+    torch.save(state_dict, model)
+    _write(model_path, lambda f: f.write(model.getbuffer()))
     text = json.dumps({"format": FORMAT, **meta}, indent=2, sort_keys=True)
     _write(meta_path, lambda f: f.write(text.encode()))
     return meta_path
@@ -73,6 +78,12 @@ def save(stem: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], meta
 
 def load(stem: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state_dict, meta) of bundle `stem`."""
+    meta = load_meta(stem)
+    return torch.load(paths(stem)[0], map_location="cpu", weights_only=True), meta
+
+
+def load_meta(stem: str | os.PathLike[str]) -> dict[str, Any]:
+    """The meta of bundle `stem` (checked complete and of this format), without reading the model."""
     model_path, meta_path = paths(stem)
     for p in (model_path, meta_path):
         if not p.exists():
@@ -80,4 +91,4 @@ def load(stem: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[st
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{meta_path}: bundle format {meta.get('format')!r} is not {FORMAT}; written by another version")
-    return torch.load(model_path, map_location="cpu", weights_only=True), meta
+    return meta

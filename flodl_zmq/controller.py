@@ -45,11 +45,12 @@ import textwrap
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
 
+from flodl_zmq import bundle, checkpoints
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
@@ -126,7 +127,21 @@ def serve(opts: ControllerOptions) -> int:
     join_endpoint = opts.address.endpoint(Channel.JOIN)
     trust = resolve_trust(opts.open_admission, endpoint_ip(join_endpoint))
     key = opts.key if opts.key is not None else new_key()
-    run_id = os.urandom(RUN_ID_BYTES)
+    run_id, resumed, settings, cfg = os.urandom(RUN_ID_BYTES), None, opts.settings, opts.join
+    stem = checkpoints.resolve(settings.resume, settings.checkpoint_dir)
+    if stem is not None:
+        # A restart (PROTOCOL.md 13): the checkpoint's run id and world, the same hosts with
+        # their old ranks, all of them; every host is told the one checkpoint chosen here.
+        if opts.open_admission:
+            raise ConfigError("--resume needs the run's pre-shared FLODL_KEY: under --open-admission the session "
+                              "key the agents hold died with the old controller")
+        meta = bundle.load_meta(stem)
+        run_id = bytes.fromhex(meta["run_id"])
+        resumed = {host: tuple(ranks) for host, ranks in meta["world"].items()}
+        size = sum(map(len, resumed.values()))
+        cfg = replace(cfg, min_ranks=size, target_ranks=size)
+        log.info("resuming run %s from %s: waiting for hosts %s to rejoin", run_id.hex()[:8], stem, sorted(resumed))
+    settings = replace(settings, resume=None if stem is None else str(stem))
     ctx = controller_context()
     curve, auth, gate = opts.curve, None, None
     if curve is not None:
@@ -135,15 +150,14 @@ def serve(opts: ControllerOptions) -> int:
         gate, auth = start_gate(ctx, curve)
         log.info("CURVE on; this controller's public key (give it to every agent): %s=%s",
                  SERVER_ENV, curve.public.decode())
-    window = JoinWindow(opts.join, opened_at=time.monotonic(), dataset_sig=opts.dataset_sig)
+    window = JoinWindow(cfg, opened_at=time.monotonic(), dataset_sig=opts.dataset_sig, resumed=resumed)
     membership = MembershipService(
         window, endpoint=join_endpoint, trust=trust, session_key=key, run_id=run_id,
         # Every host's relay and ranks read the run's timings from the controller's settings.
-        spawn=SpawnSpec(opts.argv, env=opts.settings.to_environ(("run",))),
-        heartbeat_s=opts.settings.join_heartbeat_period_s, silence_s=opts.settings.host_silence_at_controller_s,
+        spawn=SpawnSpec(opts.argv, env=settings.to_environ(("run",))),
+        heartbeat_s=settings.join_heartbeat_period_s, silence_s=settings.host_silence_at_controller_s,
         context=ctx, curve=curve, gate=gate,
     )
-    cfg = opts.join
     log.info(
         "join window open on %s (%s%s): forming at %s ranks, at least %d, window %g s, hard cap %g s",
         membership.endpoint, trust.value, ", CURVE" if curve is not None else "",
@@ -162,8 +176,7 @@ def serve(opts: ControllerOptions) -> int:
         world = {m.host: m.ranks for m in verdict.members}
         log.info("world formed: %s; running %s", world, " ".join(opts.argv))
         penv = ProcessEnv(
-            role="controller", controller=opts.address, key=key, run_id=run_id, world=world,
-            settings=opts.settings,
+            role="controller", controller=opts.address, key=key, run_id=run_id, world=world, settings=settings,
         )
         from flodl_zmq.api import hosted
         from flodl_zmq.controller_service import MembershipLink
@@ -328,6 +341,10 @@ def format_status(address: ControllerAddress, status: Mapping[str, Any]) -> str:
             f"({t['rounds_done']} done), global step {t['global_step']}, {last}"
             + (f"; run ended: {t['ended']}" if t["ended"] else "")
         )
+        ck = t.get("checkpoint")
+        lines.append(f"  controller incarnation {t.get('incarnation', 1)}" + (
+            "" if ck is None else f", last checkpoint {ck['last_path'] or 'none yet'}"
+            + (f" (last write failed: {ck['last_error']})" if ck["last_error"] else "")))
     return "\n".join(lines)
 
 

@@ -75,6 +75,7 @@ import math
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,7 @@ import torch
 import zmq
 
 from flodl_zmq import bundle
+from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, Snapshot
 from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
 from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.liveness import RankState
@@ -221,18 +223,24 @@ class ControllerService:
         self.model = job.model()
         start_epoch = 0
         resume = None
+        self.incarnation = 1  # this controller's place in the run's line of restarts (status, bundles)
         if job.resume_from:
             state, meta = bundle.load(job.resume_from)
             self.model.load_state_dict(state)
             resume = meta.get("coordinator")
             start_epoch = int(meta.get("epoch", 0))
+            self.incarnation = int(meta.get("incarnation", 0)) + 1
         self.consensus = flatten(self.model).numpy()  # latest positive-mass consensus
         self.consensus_round = -1
+        self._completed_round = -1  # the last round the coordinator counted finished
         self.config = coordinator_config(job)
         self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resume)
         self.model_sig = model_signature(self.model)
         self.dataset_sig = dataset_signature(job.dataset)
-        self.result = TrainResult(model=self.model)
+        self.result = TrainResult(model=self.model, resumed_from=job.resume_from, incarnation=self.incarnation)
+        if job.resume_from and not job.quiet:
+            print(f"resumed from {job.resume_from}: epoch {start_epoch + 1}, round {self.core.avg_count}, "
+                  f"controller incarnation {self.incarnation}", flush=True)
         self.report = RunReport(
             job, self.result, self.config.batches_per_epoch, start_epoch, on_callback_error=self._callback_failed
         )
@@ -247,6 +255,8 @@ class ControllerService:
         self.ended: RunEnded | None = None
         self.stop_error: FlodlError | None = None
         self._round_started: dict[int, float] = {}
+        self.checkpoints: CheckpointWriter | None = None
+        self._checkpoint_policy: CheckpointPolicy | None = None
 
     # ------------------------------------------------------------------ run
 
@@ -283,9 +293,12 @@ class ControllerService:
             reducer.start()
             sub.connect(reducer.local_bcast)  # in process: no TCP copy, no CURVE
             self.control, self.reducer = control, reducer
+            self._start_checkpoints()
             self._loop(control, sub, reducer)
         finally:
             self.report.close()
+            if self.checkpoints is not None:
+                self.checkpoints.close()
             reducer.stop()
             # What the reducer refused or dropped (a late host's frames among them), for the log.
             log.info("controller: reducer counters: %s", {k: v for k, v in reducer.counters().items() if v})
@@ -371,11 +384,13 @@ class ControllerService:
                         if started is not None:
                             self.result.round_ms.append((time.perf_counter() - started) * 1000.0)
                             self._last_round_at = time.time()
+                        self._completed_round = outcome.round_id
                         self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
                     else:
                         self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
             if self.started:
                 self._perform(self.core.on_tick(time.monotonic()))
+                self._maybe_checkpoint()
             if drain_until is None and (self.ended is not None or self.stop_error is not None):
                 drain_until = time.monotonic() + END_DRAIN_S
 
@@ -392,6 +407,42 @@ class ControllerService:
         if self._held:
             due.append(time.monotonic() + HELD_RETRY_S)
         return min(due)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _start_checkpoints(self) -> None:
+        """The periodic checkpoints of `checkpoint_dir` (settings.py), if set."""
+        settings = self.penv.settings
+        if settings.checkpoint_dir is None:
+            return
+
+        def to_state_dict(flat: torch.Tensor) -> dict[str, torch.Tensor]:
+            model = self.job.model()
+            load_flat(model, flat)
+            return model.state_dict()
+
+        self.checkpoints = CheckpointWriter(Path(settings.checkpoint_dir), settings.checkpoint_keep, to_state_dict)
+        self._checkpoint_policy = CheckpointPolicy(
+            settings.checkpoint_every_s, settings.checkpoint_every_rounds, started_at=time.monotonic(),
+            last_rounds=self.core.avg_count,
+        )
+
+    def _maybe_checkpoint(self) -> None:
+        """Hand the writer a copy of the newest consensus when a checkpoint is due; never waits on it.
+
+        Only when the kept consensus is the round the coordinator last counted finished:
+        the coordinator's state then describes exactly that consensus (resume.py).
+        """
+        policy = self._checkpoint_policy
+        if policy is None or self.checkpoints is None or self.consensus_round != self._completed_round:
+            return
+        now, rounds = time.monotonic(), self.core.avg_count
+        if not policy.due(now, rounds):
+            return
+        policy.taken(now, rounds)
+        self.checkpoints.submit(Snapshot(
+            self.consensus_round, self.consensus.copy(), self._bundle_meta("checkpoint", self.core.state_dict()),
+        ))
 
     # ------------------------------------------------------------------ inbound
 
@@ -603,6 +654,8 @@ class ControllerService:
             "global_step": self.core.global_step,
             "last_round_ms": self.result.round_ms[-1] if self.result.round_ms else None,
             "last_round_at": self._last_round_at,
+            "incarnation": self.incarnation,
+            "checkpoint": None if self.checkpoints is None else self.checkpoints.status.to_dict(),
             "ended": None if self.ended is None else (self.ended.reason.value if self.ended.reason else "completed"),
             "links": {
                 host: {
@@ -727,6 +780,8 @@ class ControllerService:
 
     def _on_effect(self, r: Any) -> None:
         if isinstance(r, rec.EpochAggregated):
+            if self._checkpoint_policy is not None:
+                self._checkpoint_policy.epoch_ended = True
             self.report.epoch({**epoch_row(r), "reconnects": self._reconnects_this_epoch})
             self._reconnects_this_epoch = 0
         elif isinstance(r, EpochProgress):
@@ -745,14 +800,21 @@ class ControllerService:
         """Save the latest consensus with the coordinator's state (what `resume_from` continues)."""
         model = self.job.model()
         load_flat(model, torch.from_numpy(self.consensus))
-        return self.report.save(model.state_dict(), {
+        return self.report.save(model.state_dict(), self._bundle_meta(reason, state))
+
+    def _bundle_meta(self, reason: str, state: dict[str, Any]) -> dict[str, Any]:
+        """A bundle's meta: the coordinator's state, and the run and world a restart re-admits."""
+        return {
             "epoch": state.get("epoch", 0),
             "global_step": state.get("global_step", 0),
             "reason": reason,
             "world_size": self.world_size,
+            "world": {host: list(ranks) for host, ranks in self.world.items()},
+            "run_id": self.penv.run_id.hex(),
+            "incarnation": self.incarnation,
             "consensus_round": self.consensus_round,
             "coordinator": state,
-        })
+        }
 
 
 def epoch_row(r: rec.EpochAggregated) -> dict[str, Any]:

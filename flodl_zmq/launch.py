@@ -18,6 +18,12 @@ Rules this module keeps:
   and rank exit to the controller at once (`ExitReports` on a pipe, the
   FLODL_EXIT_FD of flodl_zmq/environment.py), as an agent does over its join
   link, so a rank that dies before it ever spoke is never waited for.
+- A controller killed by a signal other than SIGTERM/SIGINT (which stop a
+  run) comes back when the run writes checkpoints (FLODL_CHECKPOINT_DIR):
+  the relays and ranks are stopped, and the whole cohort starts again with
+  the same run id, key and world, resuming the newest checkpoint
+  (FLODL_RESUME). A checkpoint already restarted from is not tried twice:
+  a controller that keeps dying before the next checkpoint is not a loop.
 """
 
 from __future__ import annotations
@@ -108,6 +114,7 @@ class Cluster:
         self._lock = threading.Lock()
         self.run_id: bytes | None = None
         self._exits: int | None = None  # write end of the controller's FLODL_EXIT_FD pipe
+        self.restarts: list[tuple[str, float]] = []  # (checkpoint, seconds from the kill to the respawn)
 
     @property
     def world(self) -> dict[str, tuple[int, ...]]:
@@ -122,9 +129,21 @@ class Cluster:
         settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
         if self.startup_timeout_s is not None:
             settings = replace(settings, startup_timeout_s=self.startup_timeout_s)
-        base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
-        exits, self._exits = os.pipe()
-        os.set_blocking(self._exits, False)  # a controller that stops reading never blocks the launcher
+        # Imported here: the agent imports this module, and must never import torch (bundle does).
+        from flodl_zmq import checkpoints
+
+        # `auto` is chosen once, here: every process must continue the same checkpoint.
+        stem = checkpoints.resolve(settings.resume, settings.checkpoint_dir)
+        self._settings = replace(settings, resume=None if stem is None else str(stem))
+        self._base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
+        self._spawn_cohort(self._settings)
+
+    def _spawn_cohort(self, settings: Settings) -> None:
+        base = self._base
+        exits, exits_w = os.pipe()
+        os.set_blocking(exits_w, False)  # a controller that stops reading never blocks the launcher
+        with self._lock:
+            self._exits = exits_w
         try:
             self._spawn("controller", ProcessEnv(role="controller", settings=settings, exit_fd=exits, **base),
                         pass_fds=(exits,))
@@ -138,6 +157,34 @@ class Cluster:
                     f"{host}:{rank}",
                     ProcessEnv(role="rank", host=host, rank=rank, local_rank=local, settings=slowed, **base),
                 )
+
+    def _restart(self, code: int) -> bool:
+        """A controller killed by a signal comes back from the newest checkpoint; True if it did (module doc)."""
+        if code >= 0 or -code in (signal.SIGTERM, signal.SIGINT) or self._settings.checkpoint_dir is None:
+            return False
+        from flodl_zmq import checkpoints  # see start()
+
+        t0 = time.monotonic()
+        killed = signal.Signals(-code).name
+        stem = checkpoints.newest(self._settings.checkpoint_dir)
+        if stem is None or str(stem) == self._settings.resume:
+            self._say(f"the controller was killed by {killed} and there is no newer checkpoint in "
+                      f"{self._settings.checkpoint_dir} than the last restart's: not restarting")
+            return False
+        self._say(f"the controller was killed by {killed}; stopping the relays and ranks, restarting the run "
+                  f"from {stem}")
+        self.shutdown()
+        self._settings = replace(self._settings, resume=str(stem))
+        self._spawn_cohort(self._settings)
+        self.restarts.append((str(stem), time.monotonic() - t0))
+        return True
+
+    def _say(self, text: str) -> None:
+        line = f"[launch] {text}"
+        with self._lock:
+            self.lines.append(line)
+        if self.sink is not None:
+            self.sink(line)
 
     def _spawn(self, label: str, penv: ProcessEnv, pass_fds: tuple[int, ...] = ()) -> None:
         env = with_tunables(os.environ, penv.role)
@@ -191,12 +238,16 @@ class Cluster:
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the controller, then stop whatever is left; returns the controller's exit status."""
-        controller = self.children["controller"].proc
-        try:
-            code = controller.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.shutdown()
-            raise
+        until = None if timeout is None else time.monotonic() + timeout
+        while True:
+            controller = self.children["controller"].proc
+            try:
+                code = controller.wait(None if until is None else max(0.0, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.shutdown()
+                raise
+            if not self._restart(code):
+                break
         deadline = time.monotonic() + self.grace_s
         for child in self.children.values():
             try:

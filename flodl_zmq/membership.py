@@ -67,7 +67,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -310,6 +310,10 @@ class JoinWindow:
     `opened_at` and every `now` are seconds on one monotonic clock the caller
     owns. The controller's `dataset_sig` / `model_sig` (None: the first
     member's seeds the expectation) and `protocol` are what joiners must match.
+    `resumed`: the world of the checkpoint a restarted controller continues
+    (PROTOCOL.md 13): only its hosts are admitted, each with as many devices
+    as it had ranks, and each gets its old ranks back (the coordinator's
+    state is per rank); the caller sets the quorum to the whole world.
     """
 
     def __init__(
@@ -320,8 +324,10 @@ class JoinWindow:
         protocol: int = PROTOCOL_VERSION,
         dataset_sig: bytes | None = None,
         model_sig: bytes | None = None,
+        resumed: Mapping[str, tuple[int, ...]] | None = None,
     ):
         self.config = config
+        self.resumed = None if resumed is None else {h: tuple(rs) for h, rs in resumed.items()}
         self.opened_at = opened_at
         self.protocol = protocol
         self.dataset_sig = dataset_sig
@@ -350,8 +356,11 @@ class JoinWindow:
             self.dataset_sig = hello.dataset_sig
         if self.model_sig is None and hello.model_sig is not None:
             self.model_sig = hello.model_sig
-        first = self.joined_ranks
-        ranks = tuple(range(first, first + len(hello.devices)))
+        if self.resumed is not None:
+            ranks = self.resumed[hello.host]
+        else:
+            first = self.joined_ranks
+            ranks = tuple(range(first, first + len(hello.devices)))
         self._members.append(Member(hello.host, ranks, tuple(hello.devices), now))
         elapsed = now - self.opened_at
         return Accepted(ranks, max(0.0, self.config.cap_s - elapsed))
@@ -386,6 +395,16 @@ class JoinWindow:
             return (
                 f"worker {host!r} offers a blank or repeated device in {devices[:8]}: each rank "
                 "needs its own device; fix --devices"
+            )
+        if self.resumed is not None and host not in self.resumed:
+            return (
+                f"host {host!r} is not part of the run this controller resumes (its checkpoint's hosts are "
+                f"{sorted(self.resumed)}); a restarted run takes back only its own hosts"
+            )
+        if self.resumed is not None and len(devices) != len(self.resumed[host]):
+            return (
+                f"host {host!r} rejoins with {len(devices)} device(s) but ran ranks {list(self.resumed[host])} "
+                "before the restart; give it the same devices (--devices) so it gets its ranks back"
             )
         if any(m.host == host for m in self._members):
             return (

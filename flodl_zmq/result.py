@@ -21,6 +21,8 @@ class TrainResult:
     wall_s: float = 0.0
     round_ms: list[float] = field(default_factory=list)  # trigger -> consensus published, per round
     reason: str = "completed"
+    resumed_from: str | None = None  # the bundle or checkpoint this run continued
+    incarnation: int = 1  # 1 + the restarts before it (a restarted controller resumes a checkpoint)
 
 
 def format_epoch(row: dict[str, Any], epochs: int) -> str:

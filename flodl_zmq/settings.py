@@ -205,6 +205,23 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("peer_send_timeout_s", 10.0, "how long the controller's reducer or a relay waits on a peer that "
             "stops reading before that send fails (the controller's own control sends never wait)",
             env=("FLODL_PEER_SEND_TIMEOUT",), scope="run", minimum=0.0, strict=True),
+    # ---- the controller's consensus checkpoints (read by the controller role; PROTOCOL.md 13)
+    Setting("checkpoint_dir", None, "where the controller writes its periodic consensus checkpoints, keeping "
+            "the last checkpoint_keep (none: no checkpoints)", kind=str, metavar="DIR", flags=("--checkpoint-dir",),
+            env=("FLODL_CHECKPOINT_DIR",), commands=("controller",), scope="run"),
+    Setting("checkpoint_every_s", 300.0, "seconds between two checkpoints (one is also written at every epoch "
+            "end); 0: only at epoch ends and every checkpoint_every_rounds", flags=("--checkpoint-every",),
+            env=("FLODL_CHECKPOINT_EVERY",), commands=("controller",), scope="run", minimum=0.0),
+    Setting("checkpoint_every_rounds", 0, "a checkpoint every this many averaging rounds as well (0: off)",
+            kind=int, flags=("--checkpoint-every-rounds",), env=("FLODL_CHECKPOINT_EVERY_ROUNDS",),
+            commands=("controller",), scope="run", minimum=0),
+    Setting("resume", None, "restart a killed run: a checkpoint directory (its newest checkpoint), a bundle stem, "
+            "or auto (the newest checkpoint of checkpoint_dir, if any; else a fresh run); the controller ships the "
+            "checkpoint it chose to every host", kind=str, metavar="DIR|STEM|auto", flags=("--resume",),
+            env=("FLODL_RESUME",), commands=("controller",), scope="run"),
+    Setting("checkpoint_keep", 3, "how many of the newest checkpoints to keep", kind=int,
+            flags=("--checkpoint-keep",), env=("FLODL_CHECKPOINT_KEEP",), commands=("controller",), scope="run",
+            minimum=1),
     # ---- each process's own
     Setting("slowdown", 1.0, "a rank emulates slower hardware by this factor (per-batch delay); set in an "
             "agent's environment it applies to every rank of that host", env=("FLODL_SLOWDOWN",),
@@ -216,9 +233,13 @@ SETTINGS: tuple[Setting, ...] = (
             "of its host dead", flags=("--host-silence", "--heartbeat-timeout"),
             env=("FLODL_HOST_SILENCE", "FLODL_HEARTBEAT_TIMEOUT"), commands=("controller",), minimum=0.0,
             strict=True),
-    Setting("controller_silence_at_agent_s", 10.0, "controller silence after which an agent tears its host down",
+    Setting("controller_silence_at_agent_s", 10.0, "controller silence after which an agent stops its host's relay "
+            "and ranks (and re-dials for controller_grace_s)",
             flags=("--controller-silence", "--heartbeat-timeout"), env=("FLODL_CONTROLLER_SILENCE",),
             commands=("agent",), minimum=0.0, strict=True),
+    Setting("controller_grace_s", 600.0, "how long an agent whose controller fell silent keeps re-dialling it "
+            "(its ranks stopped) for a restarted controller to take it back; 0: exit at once",
+            flags=("--controller-grace",), env=("FLODL_CONTROLLER_GRACE",), commands=("agent",), minimum=0.0),
     Setting("join_reply_timeout_s", 30.0, "how long an agent waits for the controller's answer to its hello",
             flags=("--join-timeout",), env=("FLODL_JOIN_TIMEOUT",), commands=("agent",), minimum=0.0, strict=True),
     Setting("status_reply_timeout_s", 5.0, "how long `status` waits for the controller's reply",
@@ -288,10 +309,16 @@ class Settings:
     link_heartbeat_period_s: float = BY_FIELD["link_heartbeat_period_s"].default
     link_silence_s: float = BY_FIELD["link_silence_s"].default
     peer_send_timeout_s: float = BY_FIELD["peer_send_timeout_s"].default
+    checkpoint_dir: str | None = None
+    checkpoint_every_s: float = BY_FIELD["checkpoint_every_s"].default
+    checkpoint_every_rounds: int = BY_FIELD["checkpoint_every_rounds"].default
+    resume: str | None = None
+    checkpoint_keep: int = BY_FIELD["checkpoint_keep"].default
     slowdown: float = BY_FIELD["slowdown"].default
     join_heartbeat_period_s: float = BY_FIELD["join_heartbeat_period_s"].default
     host_silence_at_controller_s: float = BY_FIELD["host_silence_at_controller_s"].default
     controller_silence_at_agent_s: float = BY_FIELD["controller_silence_at_agent_s"].default
+    controller_grace_s: float = BY_FIELD["controller_grace_s"].default
     join_reply_timeout_s: float = BY_FIELD["join_reply_timeout_s"].default
     status_reply_timeout_s: float = BY_FIELD["status_reply_timeout_s"].default
     bind: str | None = None

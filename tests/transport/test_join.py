@@ -261,10 +261,20 @@ def test_an_abort_after_formation_tears_the_hosts_down(cluster):
 
 def test_a_silent_controller_tears_the_host_down(cluster):
     c = cluster(target_ranks=2, rank_code="time.sleep(60)")
-    a, b = in_thread(c.agent("a").run), in_thread(c.agent("b").run)
+    a, b = in_thread(c.agent("a", grace_s=0).run), in_thread(c.agent("b", grace_s=0).run)
     assert c.service.wait_closed(10).phase is Phase.FORMED
     c.service.close()  # no more heartbeats, no goodbye: as if the link were cut
     assert a() == 1 and b() == 1
+
+
+def test_a_controller_silent_past_the_grace_period_leaves_the_agents_with_the_reason(cluster):
+    c = cluster(target_ranks=2, rank_code="time.sleep(60)")
+    a, b = in_thread(c.agent("a", grace_s=1.5).run), in_thread(c.agent("b", grace_s=1.5).run)
+    assert c.service.wait_closed(10).phase is Phase.FORMED
+    c.service.close()
+    for agent in (a, b):
+        with pytest.raises(MembershipError, match=r"did not come back within the grace period of 1\.5 s"):
+            agent()
 
 
 def test_abort_returns_once_the_service_thread_acted_on_it_and_not_after_close(cluster):

@@ -78,7 +78,8 @@ def test_format_status_names_each_death_the_round_and_each_hosts_link_counters()
             "started": True, "alive": [0], "exited": [], "dead": [1],
             "deaths": {"1": {"at": time.time(), "reason": "host b lost: its agent fell silent"}},
             "epoch": 3, "epochs": 8, "round": 12, "rounds_done": 11, "global_step": 400,
-            "last_round_ms": 4.5, "last_round_at": time.time(), "ended": None,
+            "last_round_ms": 4.5, "last_round_at": time.time(), "ended": None, "incarnation": 2,
+            "checkpoint": {"last_path": "runs/ckpt/ckpt-r000000008", "last_error": "disk full"},
             "links": {
                 "a": {"reconnects": 3, "resends": 0, "rejected": {"AuthError": 2, "forged_route": 1},
                       "last_seen": time.time() - 0.5},
@@ -87,6 +88,7 @@ def test_format_status_names_each_death_the_round_and_each_hosts_link_counters()
         },
     }
     text = format_status(ControllerAddress("10.0.0.5", 7300), status)
+    assert "controller incarnation 2, last checkpoint runs/ckpt/ckpt-r000000008 (last write failed: disk full)" in text
     assert "link a: reconnects 3, resends 0, rejected AuthError 2, forged_route 1, last seen 0.5 s ago" in text
     assert "link b: reconnects 0, resends 0, rejected none, last seen never" in text
     assert "host b: ranks [1] lost" in text

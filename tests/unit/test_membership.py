@@ -77,6 +77,23 @@ def test_ranks_cover_zero_to_n_exactly_once_whatever_the_host_sizes(sizes):
     assert ranks == list(range(sum(sizes)))
 
 
+def test_a_resumed_window_gives_each_host_its_old_ranks_whatever_the_order_and_forms_when_all_are_back():
+    w = JoinWindow(JoinConfig(min_ranks=4, target_ranks=4, window_s=10.0, cap_s=30.0), opened_at=100.0,
+                   resumed={"w1": (0, 1), "w2": (2, 3)})
+    assert w.admit(hello("w2", 2), 100.0).ranks == (2, 3)
+    assert w.poll(101.0).phase is Phase.OPEN
+    assert w.admit(hello("w1", 2), 102.0).ranks == (0, 1)
+    verdict = w.poll(102.0)
+    assert verdict.phase is Phase.FORMED and {m.host: m.ranks for m in verdict.members} == {"w1": (0, 1), "w2": (2, 3)}
+
+
+def test_a_resumed_window_refuses_a_stranger_and_a_host_with_other_devices_by_name():
+    w = JoinWindow(JoinConfig(min_ranks=4, target_ranks=4), opened_at=100.0, resumed={"w1": (0, 1), "w2": (2, 3)})
+    assert "host 'w3' is not part of the run this controller resumes" in rejected(w.admit(hello("w3", 2), 100.0))
+    assert "rejoins with 1 device(s) but ran ranks [0, 1]" in rejected(w.admit(hello("w1", 1), 100.0))
+    assert w.joined_ranks == 0
+
+
 def test_accept_tells_the_remaining_hard_cap_budget():
     w = window(cap_s=30.0)
     outcome = w.admit(hello("a"), 112.0)

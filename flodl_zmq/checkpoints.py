@@ -1,0 +1,218 @@
+"""Periodic consensus checkpoints: when one is due, the writer that keeps the last K, the newest one.
+
+A checkpoint is a bundle (flodl_zmq/bundle.py) named after the round whose
+consensus it holds, `DIR/ckpt-r000000042.pt` + `.meta.json`; its meta is
+what `resume_from` continues (the coordinator's state as of that consensus),
+plus the run id and the world, so a restarted controller can re-admit the
+same hosts with their old ranks.
+
+Rules this module keeps:
+
+- A checkpoint never stalls a round. The controller hands a copy of the
+  consensus and the coordinator's state to one writer thread and goes on; a
+  newer snapshot replaces one the writer has not started (only the newest
+  matters), so a slow disk costs checkpoints, never rounds.
+- Atomic: `bundle.save` writes each file to a fresh temp file, fsyncs and
+  renames it, model first and meta last; a checkpoint exists once its meta
+  does, so a crash mid-write leaves the previous checkpoints whole.
+- The last K are kept: older ones are removed only after a newer one is
+  complete, so there is always a valid one once the first write succeeded.
+- A failed write (a full disk, an unwritable path) is logged with the path
+  and the error, and kept for `status`; the run goes on, the partial files
+  are removed, and the previous checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flodl_zmq import bundle
+from flodl_zmq.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_STEM = re.compile(r"^ckpt-r(\d{9})\.meta\.json$")
+CLOSE_TIMEOUT_S = 60.0  # how long the run's end waits for a checkpoint being written
+
+
+def stem_for(directory: Path, round: int) -> Path:
+    """The bundle stem of the checkpoint of round `round` in `directory`."""
+    return directory / f"ckpt-r{round:09d}"
+
+
+def complete(directory: str | Path) -> list[Path]:
+    """The stems of the complete checkpoints in `directory` (their meta exists), oldest first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = sorted((int(m.group(1)), d / m.group(0).removesuffix(".meta.json"))
+                   for m in (_STEM.match(p.name) for p in d.iterdir()) if m)
+    return [stem for _, stem in found]
+
+
+def newest(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint's stem in `directory`, or None when it holds none."""
+    found = complete(directory)
+    return found[-1] if found else None
+
+
+def resolve(resume: str | None, checkpoint_dir: str | None) -> Path | None:
+    """The bundle stem `--resume` names (settings.py), or None for a fresh run.
+
+    `auto`: the newest checkpoint of `checkpoint_dir`, None when it holds none
+    (the first start of a run that may later restart); a directory: its newest
+    checkpoint, which must exist; anything else: a bundle stem.
+    """
+    if resume is None:
+        return None
+    if resume == "auto":
+        if checkpoint_dir is None:
+            raise ConfigError("--resume auto continues the newest checkpoint of --checkpoint-dir, which is not set: "
+                              "set --checkpoint-dir (FLODL_CHECKPOINT_DIR), or name a checkpoint directory")
+        return newest(checkpoint_dir)
+    if Path(resume).is_dir():
+        stem = newest(resume)
+        if stem is None:
+            raise ConfigError(f"--resume {resume}: the directory holds no complete checkpoint (ckpt-r*.meta.json); "
+                              "name the directory the controller wrote them to (--checkpoint-dir)")
+        return stem
+    return Path(resume)
+
+
+@dataclass
+class CheckpointPolicy:
+    """When a checkpoint is due; pure: the caller gives the time and the rounds done.
+
+    Due at the first finished round after `every_s` seconds since the last one
+    (or since the start), after `every_rounds` rounds (0: off), or after an
+    epoch ended (`epoch_ended`), whichever comes first.
+    """
+
+    every_s: float
+    every_rounds: int
+    started_at: float
+    last_at: float | None = None
+    last_rounds: int = 0
+    epoch_ended: bool = False
+
+    def due(self, now: float, rounds_done: int) -> bool:
+        if rounds_done <= self.last_rounds:
+            return False  # nothing new since the last checkpoint
+        if self.epoch_ended:
+            return True
+        if self.every_rounds and rounds_done - self.last_rounds >= self.every_rounds:
+            return True
+        since = now - (self.last_at if self.last_at is not None else self.started_at)
+        return self.every_s > 0 and since >= self.every_s
+
+    def taken(self, now: float, rounds_done: int) -> None:
+        self.last_at, self.last_rounds, self.epoch_ended = now, rounds_done, False
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one checkpoint holds: the consensus of `round` (a copy) and its meta."""
+
+    round: int
+    consensus: np.ndarray
+    meta: dict[str, Any]
+
+
+@dataclass
+class WriterStatus:
+    """What `status` shows of the checkpoints: the last written, the last failure."""
+
+    written: int = 0
+    failed: int = 0
+    last_path: str | None = None
+    last_round: int | None = None
+    last_at: float | None = None  # unix time
+    last_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class CheckpointWriter:
+    """Writes snapshots on its own thread into `directory`, keeping the newest `keep`.
+
+    `to_state_dict(flat)`: the model's state_dict with the flat consensus loaded
+    (built on the writer's thread, off the controller's loop).
+    """
+
+    directory: Path
+    keep: int
+    to_state_dict: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    status: WriterStatus = field(default_factory=WriterStatus)
+
+    def __post_init__(self) -> None:
+        self._cv = threading.Condition()
+        self._pending: Snapshot | None = None
+        self._busy = False
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="flodl-checkpoint", daemon=True)
+        self._thread.start()
+
+    def submit(self, snapshot: Snapshot) -> None:
+        """Queue `snapshot` (replacing one not started yet); never waits on the disk."""
+        with self._cv:
+            self._pending = snapshot
+            self._cv.notify()
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Write what is queued, then stop; False if the writer was still busy after `timeout_s`."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("checkpoint: a write into %s did not finish within %g s; it goes on as the run ends",
+                      self.directory, timeout_s)
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._pending is None and not self._closing:
+                    self._cv.wait()
+                snapshot, self._pending = self._pending, None
+                if snapshot is None:
+                    return
+            self._write(snapshot)
+
+    def _write(self, snapshot: Snapshot) -> None:
+        stem = stem_for(self.directory, snapshot.round)
+        try:
+            state = self.to_state_dict(torch.from_numpy(snapshot.consensus))
+            meta_path = bundle.save(stem, state, snapshot.meta)
+        except OSError as exc:
+            for p in bundle.paths(stem):  # a model without its meta is no checkpoint: do not leave it
+                with contextlib.suppress(OSError):
+                    p.unlink()
+            self.status.failed += 1
+            self.status.last_error = f"{stem}: {type(exc).__name__}: {exc}"
+            log.error("checkpoint: could not write %s (%s: %s); the run goes on and %s stays the newest "
+                      "checkpoint: free space or fix the path (--checkpoint-dir)", stem, type(exc).__name__, exc,
+                      newest(self.directory) or "none")
+            return
+        self.status.written += 1
+        self.status.last_path, self.status.last_round = str(stem), snapshot.round
+        self.status.last_at, self.status.last_error = time.time(), None
+        log.info("checkpoint: wrote %s (round %d)", meta_path, snapshot.round)
+        for old in complete(self.directory)[:-self.keep]:
+            for p in reversed(bundle.paths(old)):  # meta first: a model without meta is no checkpoint
+                with contextlib.suppress(OSError):
+                    p.unlink()

@@ -1,0 +1,238 @@
+"""A controller that comes back: periodic checkpoints, and a killed controller restarted from the newest.
+
+Real processes: the launcher's `Cluster` (2 hosts x 2 ranks, tcp loopback,
+`digits_job.py` as in test_training.py), and `flodl-zmq controller` with two
+agents in network namespaces (the compose harness of test_multihost.py). The
+checkpoint directory and its timings are the controller's settings
+(FLODL_CHECKPOINT_*).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from flodl_zmq import bundle, checkpoints
+from flodl_zmq.launch import Cluster
+from flodl_zmq.wire import new_key
+from tests.cluster.netns import network_or_skip
+from tests.cluster.test_multihost import Compose, controller_argv, result_of, start_workers
+
+JOB = str(Path(__file__).with_name("digits_job.py"))
+SAMPLES_16 = (1437 // 16) * 16  # a progressive pool is batch-aligned
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
+
+
+def cluster(args: list[str], controller_env: dict[str, str], **kw) -> Cluster:
+    return Cluster(argv=[JOB, *args], hosts=2, ranks_per_host=2, env_for={"controller": controller_env},
+                   grace_s=3.0, **kw)
+
+
+def finish(c: Cluster, timeout: float = 120.0) -> tuple[int, dict | None, str]:
+    try:
+        code = c.wait(timeout)
+    finally:
+        c.shutdown()
+    out = c.output()
+    lines = [ln for ln in out.splitlines() if ln.startswith("[controller] RESULT ")]
+    return code, json.loads(lines[-1][len("[controller] RESULT "):]) if lines else None, out
+
+
+def test_periodic_checkpoints_keep_the_last_k_and_name_the_run_and_world(tmp_path):
+    c = cluster(["--epochs", "4", "--batch-size", "16"], {
+        "FLODL_CHECKPOINT_DIR": str(tmp_path), "FLODL_CHECKPOINT_EVERY_ROUNDS": "5", "FLODL_CHECKPOINT_KEEP": "2",
+    })
+    c.start()
+    code, result, out = finish(c)
+    assert code == 0, out
+    kept = checkpoints.complete(tmp_path)
+    assert len(kept) == 2, (kept, out)
+    state, meta = bundle.load(kept[-1])
+    assert meta["run_id"] == c.run_id.hex() and meta["world"] == {"h0": [0, 1], "h1": [2, 3]}
+    assert meta["reason"] == "checkpoint" and meta["coordinator"]["round"] >= 5 and state
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
+def test_a_full_checkpoint_disk_is_reported_with_the_path_and_the_run_completes(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(small)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        c = cluster(["--epochs", "3", "--batch-size", "16"], {
+            "FLODL_CHECKPOINT_DIR": str(small), "FLODL_CHECKPOINT_EVERY_ROUNDS": "5",
+        })
+        c.start()
+        code, result, out = finish(c)
+        assert code == 0, out  # the model (69 KB) never fits: every write fails, the run does not
+        assert f"could not write {small}/ckpt-r" in out and "No space left on device" in out, out
+        assert result["accuracy"] is not None and len(result["epochs"]) == 3
+        assert os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+# ---------------------------------------------------------------------------- restart
+
+ARGS = ["--mode", "cpu-cadence", "--epochs", "8", "--batch-size", "16", "--step-ms", "4"]
+TWICE = pytest.mark.timeout(300)  # a cohort started twice (and the undisturbed run) on two shared cores
+
+
+class Watched:
+    """A cluster whose output a test can wait on."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.seen = threading.Condition()
+        self.cluster = Cluster(argv=[JOB, *args], hosts=2, ranks_per_host=2, grace_s=3.0, sink=self._sink)
+
+    def _sink(self, _line: str) -> None:
+        with self.seen:
+            self.seen.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self.seen:
+            while text not in self.cluster.output():
+                left = deadline - time.monotonic()
+                assert left > 0, f"{text!r} never appeared:\n{self.cluster.output()}"
+                self.seen.wait(left)
+
+
+@pytest.fixture(scope="module")
+def undisturbed() -> dict:
+    c = Cluster(argv=[JOB, *ARGS], hosts=2, ranks_per_host=2, grace_s=3.0)
+    c.start()
+    code, result, out = finish(c)
+    assert code == 0, out
+    return result
+
+
+def covered(meta: dict, epoch: int) -> int:
+    return sum(n for _, n in meta["coordinator"]["coverage"].get(str(epoch), []))
+
+
+@TWICE
+@pytest.mark.parametrize("when", ["mid-epoch", "during-eval"])
+def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_run_completes(
+    tmp_path, monkeypatch, undisturbed, when
+):
+    monkeypatch.setenv("FLODL_CHECKPOINT_DIR", str(tmp_path))
+    monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "4")
+    monkeypatch.setenv("FLODL_CHECKPOINT_KEEP", "100")  # the resumed one stays readable for the checks
+    w = Watched([*ARGS, "--eval-ms", "1500"] if when == "during-eval" else ARGS)
+    w.cluster.start()
+    try:
+        w.wait_for("[controller] epoch 3/")
+        if when == "mid-epoch":
+            time.sleep(1.0)  # rounds go on all epoch long: the kill lands in or between rounds
+        else:
+            time.sleep(0.3)  # the eval of epoch 3 (1.5 s) has just been dispatched
+        stem = checkpoints.newest(tmp_path)
+        assert stem is not None, "an epoch end wrote a checkpoint"
+        w.cluster.kill("controller")
+        code, result, out = finish(w.cluster)
+    finally:
+        w.cluster.shutdown()
+    assert code == 0, out
+    assert "the controller was killed by SIGKILL" in out and len(w.cluster.restarts) == 1, out
+    resumed, took = w.cluster.restarts[0]
+    assert Path(resumed) >= stem, (resumed, stem)  # the newest at the kill (or one written just before)
+    _, meta = bundle.load(resumed)
+    first = meta["epoch"]
+    assert f"resumed from {resumed}: epoch {first + 1}" in out and "controller incarnation 2" in out, out
+    # Every epoch exactly once: the resumed epoch trains what its checkpoint lacked, later ones whole.
+    epochs = result["epochs"]
+    assert [e["epoch"] for e in epochs] == list(range(first, 8)), epochs
+    assert epochs[0]["samples"] + covered(meta, first) == SAMPLES_16, (epochs[0], meta["coordinator"]["coverage"])
+    assert all(e["samples"] == SAMPLES_16 for e in epochs[1:]), epochs
+    assert result["accuracy"] >= undisturbed["accuracy"] - 0.01 - 1e-9, (result["accuracy"], undisturbed["accuracy"])
+    print(f"restart ({when}): accuracy {result['accuracy']:.4f} vs undisturbed {undisturbed['accuracy']:.4f}; "
+          f"relaunch {took:.2f} s")
+
+
+# ---------------------------------------------------------------------------- hosts: agents re-dial
+
+HOSTS_JOB = ["--epochs", "5", "--batch-size", "16", "--step-ms", "8"]
+
+
+@pytest.fixture(scope="module")
+def net():
+    with network_or_skip("controller", "worker1", "worker2") as n:
+        yield n
+
+
+@pytest.fixture
+def hosts(net, tmp_path, monkeypatch):
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    monkeypatch.setenv("FLODL_CURVE_SECRET", secret)
+    monkeypatch.setenv("FLODL_CURVE_SERVER", public)
+    c = Compose(net, tmp_path)
+    yield c
+    c.down()
+
+
+def start_run(c: Compose, ckpt: Path, key: str, grace_s: float, name: str = "controller") -> None:
+    """The controller (pre-shared key, checkpoints, --resume auto) as `name`, on host `controller`."""
+    c.up(name, host="controller", service="controller", env={"FLODL_KEY": key}, argv=controller_argv(
+        c, open_admission=False, program=[JOB, *HOSTS_JOB],
+        extra=["--checkpoint-dir", str(ckpt), "--checkpoint-every-rounds", "4", "--checkpoint-keep", "100",
+               "--resume", "auto"]))
+    if name == "controller":
+        env = {"FLODL_KEY": key, "FLODL_CONTROLLER_SILENCE": "3", "FLODL_CONTROLLER_GRACE": str(grace_s)}
+        start_workers(c, env=env)
+
+
+def kill_controller(c: Compose) -> float:
+    c.wait_for("controller", "epoch 2/")
+    os.killpg(c.procs["controller"].pid, signal.SIGKILL)
+    c.procs["controller"].wait(10)
+    return time.monotonic()
+
+
+@TWICE
+def test_agents_rejoin_a_restarted_controller_with_their_old_ranks_and_the_run_completes(hosts, tmp_path):
+    key, ckpt = new_key().hex(), tmp_path / "ckpt"
+    start_run(hosts, ckpt, key, grace_s=90)
+    killed = kill_controller(hosts)
+    for worker in ("worker1", "worker2"):
+        hosts.wait_for(worker, "re-dialling the controller")
+    stem = checkpoints.newest(ckpt)
+    assert stem is not None
+    start_run(hosts, ckpt, key, grace_s=90, name="controller2")
+    log = hosts.wait_for("controller2", "world formed")
+    restart_s = time.monotonic() - killed
+    assert hosts.wait("controller2", 200) == 0, hosts.tails()
+    log = hosts.log("controller2")
+    assert f"resuming run {bundle.load_meta(stem)['run_id'][:8]} from {stem}" in log, log
+    for worker, ranks in (("worker1", [0, 1]), ("worker2", [2, 3])):
+        assert f"taken back by the restarted controller with ranks {ranks}" in hosts.log(worker), hosts.tails()
+        assert hosts.wait(worker) == 0, hosts.tails()
+    result = result_of(log, "RESULT ")
+    meta = bundle.load_meta(stem)
+    first = meta["epoch"]
+    epochs = result["epochs"]
+    assert [e["epoch"] for e in epochs] == list(range(first, 5)), epochs
+    assert epochs[0]["samples"] + covered(meta, first) == SAMPLES_16
+    assert all(e["samples"] == SAMPLES_16 for e in epochs[1:]), epochs
+    assert result["accuracy"] >= 0.9, result
+    print(f"hosts restart: accuracy {result['accuracy']:.4f}; kill -> world formed again {restart_s:.1f} s")
+
+
+@TWICE
+def test_agents_exit_with_the_reason_when_the_controller_stays_gone_past_the_grace_period(hosts, tmp_path):
+    start_run(hosts, tmp_path / "ckpt", new_key().hex(), grace_s=4)
+    kill_controller(hosts)
+    for worker in ("worker1", "worker2"):
+        assert hosts.wait(worker, 60) != 0
+        assert "did not come back within the grace period of 4 s" in hosts.log(worker), hosts.tails()

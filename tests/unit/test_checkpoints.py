@@ -1,0 +1,120 @@
+"""Periodic checkpoints (flodl_zmq/checkpoints.py): when one is due, keep-last-K, and failed writes.
+
+The writer is tested against real filesystems: a path that cannot be a
+directory, and (as root) a tmpfs too small for a second checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from flodl_zmq import bundle, checkpoints
+from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, Snapshot
+from flodl_zmq.errors import ConfigError
+
+
+def writer(directory, keep=2) -> CheckpointWriter:
+    return CheckpointWriter(directory, keep, lambda flat: {"w": flat.clone()})
+
+
+def snap(round: int, n: int = 16) -> Snapshot:
+    return Snapshot(round, np.full(n, float(round), dtype=np.float32), {"round": round})
+
+
+def test_policy_is_due_after_the_period_an_epoch_end_or_n_rounds_never_without_a_new_round():
+    p = CheckpointPolicy(every_s=10.0, every_rounds=0, started_at=0.0)
+    assert not p.due(5.0, 3)
+    assert p.due(10.0, 3)
+    p.taken(10.0, 3)
+    assert not p.due(30.0, 3), "no round since the last checkpoint: nothing new to write"
+    assert not p.due(15.0, 4)
+    p.epoch_ended = True
+    assert p.due(15.0, 4)
+    p.taken(15.0, 4)
+    assert not p.epoch_ended
+    r = CheckpointPolicy(every_s=0.0, every_rounds=3, started_at=0.0)
+    assert not r.due(1e9, 2) and r.due(0.0, 3)
+
+
+def test_the_writer_keeps_the_newest_k_and_newest_names_the_last(tmp_path):
+    for r in (3, 7, 12):  # one writer each: none is replaced before it is written
+        w = writer(tmp_path, keep=2)
+        w.submit(snap(r))
+        assert w.close(10.0)
+    assert [s.name for s in checkpoints.complete(tmp_path)] == ["ckpt-r000000007", "ckpt-r000000012"]
+    state, meta = bundle.load(checkpoints.newest(tmp_path))
+    assert meta["round"] == 12 and torch.equal(state["w"], torch.full((16,), 12.0))
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_newer_snapshot_replaces_one_not_yet_written(tmp_path):
+    w = writer(tmp_path, keep=5)
+    with w._cv:  # hold the writer back: both submits land before it looks
+        w.submit(snap(1))
+        w.submit(snap(2))
+    assert w.close(10.0)
+    assert [s.name for s in checkpoints.complete(tmp_path)] == ["ckpt-r000000002"]
+
+
+def test_an_empty_or_missing_directory_has_no_newest(tmp_path):
+    assert checkpoints.newest(tmp_path) is None
+    assert checkpoints.newest(tmp_path / "absent") is None
+
+
+def test_an_unwritable_path_is_reported_with_the_path_and_the_error_and_nothing_stops(tmp_path, caplog):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the checkpoint directory should be")
+    w = writer(blocker / "ckpts")
+    w.submit(snap(5))
+    assert w.close(10.0)
+    assert w.status.failed == 1 and w.status.written == 0
+    assert str(blocker / "ckpts" / "ckpt-r000000005") in w.status.last_error
+    assert "could not write" in caplog.text and "not-a-dir" in caplog.text
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="mounts a tmpfs: needs root")
+def test_a_full_disk_keeps_the_previous_checkpoint_valid_and_leaves_no_partial_files(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        n = 12 * 1024  # 48 KiB of f32: one checkpoint fits in 96 KiB, two do not
+        w = writer(mnt, keep=3)
+        w.submit(snap(1, n))
+        w.close(10.0)
+        w = writer(mnt, keep=3)
+        w.submit(snap(2, n))
+        assert w.close(10.0)
+        assert w.status.failed == 1
+        assert str(mnt / "ckpt-r000000002") in w.status.last_error
+        assert "No space left on device" in w.status.last_error
+        assert checkpoints.newest(mnt) == mnt / "ckpt-r000000001"
+        state, _ = bundle.load(checkpoints.newest(mnt))
+        assert state["w"].numel() == n
+        assert sorted(os.listdir(mnt)) == ["ckpt-r000000001.meta.json", "ckpt-r000000001.pt"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_resume_names_a_stem_a_directory_s_newest_or_auto_s_newest_if_any(tmp_path):
+    assert checkpoints.resolve(None, str(tmp_path)) is None
+    assert checkpoints.resolve("auto", str(tmp_path)) is None  # the first start of a restartable run
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        checkpoints.resolve(str(tmp_path), None)
+    with pytest.raises(ConfigError, match="--checkpoint-dir, which is not set"):
+        checkpoints.resolve("auto", None)
+    for r in (4, 9):
+        w = writer(tmp_path)
+        w.submit(snap(r))
+        w.close(10.0)
+    newest = tmp_path / "ckpt-r000000009"
+    assert checkpoints.resolve("auto", str(tmp_path)) == newest
+    assert checkpoints.resolve(str(tmp_path), None) == newest
+    assert checkpoints.resolve(str(tmp_path / "ckpt-r000000004"), None) == tmp_path / "ckpt-r000000004"
