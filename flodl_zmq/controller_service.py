@@ -120,6 +120,7 @@ from flodl_zmq.links import (
 )
 from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
+from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.report import RunReport
@@ -157,6 +158,8 @@ def coordinator_config(job: Job) -> CoordinatorConfig:
         easgd_alpha=job.easgd_alpha,
         heartbeat_timeout_s=job.heartbeat_timeout_s,
         max_failure=job.max_failure(),
+        anchor=job.anchor,
+        max_anchor=CoordinatorConfig.max_anchor if job.max_anchor is None else job.max_anchor,
     )
 
 
@@ -198,12 +201,14 @@ class ControllerService:
         self.model = job.model()
         start_epoch = 0
         resume = None
+        meta: dict[str, Any] | None = None
         if job.resume_from:
             state, meta = bundle.load(job.resume_from)
             self.model.load_state_dict(state)
             resume = meta.get("coordinator")
             start_epoch = int(meta.get("epoch", 0))
         self.consensus = flatten(self.model).numpy()  # latest positive-mass consensus
+        self.outer = self._outer(meta)
         self.consensus_round = -1
         self.config = coordinator_config(job)
         self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resume)
@@ -234,6 +239,7 @@ class ControllerService:
                 send_timeout_s=self.penv.settings.peer_send_timeout_s,
             ),
             ctx,
+            self.outer,
         )
         control = ctx.socket(zmq.ROUTER)
         keep_off_the_data_plane(control)
@@ -648,6 +654,7 @@ class ControllerService:
                 "samples": int(sum(r.per_rank_samples)),
                 "per_rank_samples": list(r.per_rank_samples),
                 "throughput": list(r.per_rank_throughput),
+                "round": self.consensus_round,  # the latest consensus when the epoch closed (rounds per epoch)
             })
         elif isinstance(r, rec.EvalResult):
             if r.error is None:
@@ -659,10 +666,28 @@ class ControllerService:
         elif isinstance(r, RunEnded):
             self.ended = r
 
+    def _outer(self, meta: dict[str, Any] | None) -> OuterOptimizer | None:
+        """The outer optimizer from the initial (or resumed) model, its momentum resumed when saved by the same step."""
+        config = self.job.outer_config()
+        if config is None:
+            return None
+        momentum = None
+        if meta is not None and meta.get("outer") == config.kind:
+            saved = bundle.load_outer(self.job.resume_from)
+            momentum = None if saved is None else saved.numpy()
+        if meta is not None and momentum is None:
+            log.info("controller: the outer %s momentum starts at zero (the bundle has none for this step)", config.kind)
+        return OuterOptimizer(config, self.consensus, momentum)
+
     def _save(self, reason: str, state: dict[str, Any]) -> str:
-        """Save the latest consensus with the coordinator's state (what `resume_from` continues)."""
+        """Save the latest consensus with the coordinator's state (what `resume_from` continues).
+
+        With an outer step, the saved model and momentum are the reducer's f32 global model and
+        momentum of one round (not the broadcast copy, which the wire may have rounded).
+        """
+        outer = self.reducer.outer_state() if self.outer is not None else None
         model = self.job.model()
-        load_flat(model, torch.from_numpy(self.consensus))
+        load_flat(model, torch.from_numpy(self.consensus if outer is None else outer[0]))
         return self.report.save(model.state_dict(), {
             "epoch": state.get("epoch", 0),
             "global_step": state.get("global_step", 0),
@@ -670,7 +695,8 @@ class ControllerService:
             "world_size": self.world_size,
             "consensus_round": self.consensus_round,
             "coordinator": state,
-        })
+            "outer": self.job.outer,
+        }, None if outer is None else torch.from_numpy(outer[1]))
 
 
 def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = None) -> TrainResult:

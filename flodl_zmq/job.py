@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.outer import OuterConfig
 from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure
 
 MODES = ("cpu-sync", "cpu-cadence", "cpu-async")
@@ -66,6 +67,13 @@ class Job:
         process settings (flodl_zmq/settings.py).
     easgd_alpha: cpu-async only: how far a rank moves towards each consensus
         (0 < a <= 1; None = 0.5).
+    outer: the step the controller takes on each round's average: "none" (the
+        average is the new model), "nesterov" (DiLoCo) or "momentum" (SlowMo);
+        outer_lr and outer_momentum default to 0.7 / 0.9 (nesterov) and 1.0 / 0.7
+        (momentum). See docs/guide.md for when to pick one.
+    anchor, max_anchor: ElChe's window in batches per round: where it starts (and
+        its floor; None = 10) and how far it may grow (None = 1000). A DiLoCo-style
+        run sets both to hundreds of inner steps.
     """
 
     model: Callable[[], torch.nn.Module]
@@ -92,6 +100,11 @@ class Job:
     wire_dtype: str = "f32"
     max_failures: int | str | None = None
     heartbeat_timeout_s: float = 30.0
+    outer: str = "none"
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    anchor: int | None = None
+    max_anchor: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "train_step"):
@@ -127,6 +140,13 @@ class Job:
             # Ranks beat every 0.5 s: a timeout near that would declare busy-but-alive ranks dead.
             raise ConfigError(f"heartbeat_timeout_s must be a finite number of seconds > 1, got {self.heartbeat_timeout_s!r}")
         self.max_failure()  # raises on a malformed max_failures
+        self.outer_config()  # raises on an unknown outer step or a bad outer_lr / outer_momentum
+        for name in ("anchor", "max_anchor"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a number of batches >= 1 (or None for ElChe's default), got {value!r}")
+        if self.anchor is not None and self.max_anchor is not None and self.max_anchor < self.anchor:
+            raise ConfigError(f"max_anchor ({self.max_anchor}) is below anchor ({self.anchor}): raise max_anchor")
         if self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.seed < 0:
@@ -158,6 +178,10 @@ class Job:
     @property
     def total_samples(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
+
+    def outer_config(self) -> OuterConfig | None:
+        """The outer step the controller takes on each consensus, or None for plain averaging."""
+        return OuterConfig.of(self.outer, self.outer_lr, self.outer_momentum)
 
     def max_failure(self) -> MaxFailure | None:
         """`max_failures` as the coordinator's threshold: a count, a fraction of the world, or None."""

@@ -4,7 +4,8 @@ Every process of a test cluster runs this file; the controller prints one
 `RESULT {json}` line. Knobs (command line): --mode, --epochs, --batch-size,
 --step-ms (a sleep per step, so a run lasts long enough to kill ranks in),
 --save / --resume (bundle stem), --eval-raises (eval_fn raises on its second
-call), --callback-errors report|stop, --wire-dtype f32|bf16. Environment: DIGITS_SHIFT=1 makes this
+call), --callback-errors report|stop, --wire-dtype f32|bf16, --outer none|nesterov|momentum,
+--anchor N (ElChe's window floor). Environment: DIGITS_SHIFT=1 makes this
 process load a perturbed dataset (a dataset mismatch).
 """
 
@@ -35,6 +36,8 @@ def main() -> None:
     p.add_argument("--eval-raises", action="store_true")
     p.add_argument("--callback-errors", default="report")
     p.add_argument("--wire-dtype", default="f32")
+    p.add_argument("--outer", default="none")
+    p.add_argument("--anchor", type=int)
     args = p.parse_args()
     train, test = digits()
     if os.environ.get("DIGITS_SHIFT"):
@@ -56,11 +59,11 @@ def main() -> None:
         model=mlp, optimizer=sgd, train_step=step, dataset=train, batch_size=args.batch_size,
         epochs=args.epochs, mode=args.mode, eval_dataset=test, eval_fn=evaluate,
         on_callback_error=args.callback_errors, save_path=args.save, resume_from=args.resume,
-        wire_dtype=args.wire_dtype,
+        wire_dtype=args.wire_dtype, outer=args.outer, anchor=args.anchor,
     ).run()
     print("RESULT " + json.dumps({
         "accuracy": result.final_eval, "batch_share": result.batch_share, "epochs": result.epochs,
-        "saved": result.saved,
+        "saved": result.saved, "rounds": result.epochs[-1]["round"] + 1 if result.epochs else 0,
     }), flush=True)
 
 

@@ -189,3 +189,13 @@ def test_wrong_key_is_an_auth_error():
     code, _, out = run("--epochs", "3", env_for={"controller": {"FLODL_KEY": new_key().hex()}}, startup_timeout_s=6)
     assert code != 0
     assert "AuthError" in out and "FLODL_KEY" in out
+
+
+# ---------------------------------------------------------------------------- outer optimizer
+
+@pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async"])
+def test_an_outer_nesterov_step_with_a_long_window_trains_digits_to_95_percent(mode):
+    # DiLoCo-style: 40 inner steps per round at least (4x ElChe's default floor of 10).
+    code, result, out = run("--mode", mode, "--batch-size", "16", "--outer", "nesterov", "--anchor", "40")
+    assert code == 0, out
+    assert result["accuracy"] >= 0.95, out

@@ -18,7 +18,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("errors", "tensors", "threads", "mailbox", "settings"),
     "wire": ("wire", "wire.records", "wire.mac", "wire.codec", "wire.shm", "endpoints"),
     "cores": (
-        "fold", "reducer", "sampling",
+        "fold", "outer", "reducer", "sampling",
         "coordinator", "coordinator.config", "coordinator.core", "coordinator.dispatch",
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
