@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flodl_zmq import bundle
-from flodl_zmq.demo import cross_entropy_step, mlp, sgd
 from flodl_zmq.datasets import digits
+from flodl_zmq.demo import cross_entropy_step, mlp, sgd
 from flodl_zmq.errors import ConfigError, ProtocolError
 from flodl_zmq.job import Job
 from flodl_zmq.outer import OuterConfig, OuterOptimizer
