@@ -77,7 +77,7 @@ import numpy as np
 import torch
 import zmq
 
-from flodl_zmq import bundle
+from flodl_zmq import bundle, int8
 from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
 from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.liveness import RankState
@@ -375,8 +375,10 @@ class ControllerService:
             if flat.size != self.consensus.size:
                 return
             # The kept consensus (the result and the saved model) is f32 whatever the wire
-            # carries: a bf16 round is widened once, here, exactly.
-            if flat.dtype == DTYPES["bf16"]:
+            # carries: a bf16 round is widened once, here, exactly (int8: values times scales).
+            if int8.is_int8(env.payload) and len(env.payload) == 2:
+                int8.widen(env.payload, [self.consensus])
+            elif flat.dtype == DTYPES["bf16"]:
                 f32_from_bf16(flat, self.consensus)
             elif flat.dtype == DTYPES["f32"]:
                 np.copyto(self.consensus, flat)

@@ -30,7 +30,7 @@ from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure
 
 MODES = ("cpu-sync", "cpu-cadence", "cpu-async")
 CALLBACK_ERRORS = ("report", "stop")
-WIRE_DTYPES = ("f32", "bf16")
+WIRE_DTYPES = ("f32", "bf16", "int8")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
 
@@ -58,8 +58,9 @@ class Job:
         written by a shutdown-with-save. resume_from: a bundle stem to continue from.
     seed: shuffle and initialisation seed. torch_threads: threads per rank.
     quiet: no progress bar and no per-epoch lines.
-    wire_dtype: what a round carries, "f32" or "bf16" (half the bytes; ranks keep
-        f32 weights and the saved model is f32).
+    wire_dtype: what a round carries, "f32", "bf16" (half the bytes) or "int8"
+        (a quarter, with per-block scales and error feedback); ranks keep f32
+        weights and the saved model is f32.
     max_failures: rank failures that end the run (with a save): a count, or a
         percent of the world such as "25%"; None (default) trains on while any rank lives.
     heartbeat_timeout_s: rank silence at the coordinator: a rank silent this long

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from flodl_zmq import int8
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import (
     AttributionError,
@@ -172,6 +173,10 @@ class ReducerService:
         # Held while the ledger may step the outer state, and by `outer_state`: a save must not
         # copy a global model and a momentum from two different rounds.
         self._outer_lock = threading.Lock()
+        # int8 host frames are widened into the f32 reduce; the consensus goes out in int8 again,
+        # with the reducer's own error feedback.
+        self._widener = int8.Widener("reducer")
+        self._downlink = int8.PayloadEncoder()
         self.completed: Mailbox[RoundOutcome] = Mailbox()
         self.error: BaseException | None = None
         self._ctx = context or controller_context()
@@ -365,8 +370,13 @@ class ReducerService:
                 self._count["forged_sender"] += 1
                 return
             try:
+                payload = self._widener.widen(f"host {host!r}", env.payload)
+            except ValueError as exc:
+                self._violation(host, ProtocolError(str(exc)))
+                return
+            try:
                 with self._outer_lock:
-                    outcome = self.ledger.deposit(host, rec.round, rec.mass, env.payload)
+                    outcome = self.ledger.deposit(host, rec.round, rec.mass, payload)
             except ProtocolError as exc:
                 self._violation(host, exc)
                 return
@@ -463,7 +473,8 @@ class ReducerService:
             self.completed.put(RoundOutcome(outcome.round_id, 0.0, (), outcome.reason))
 
     def _publish(self, red: Reduced) -> None:
-        frames = self._codec.encode(Consensus(red.round_id, red.mass), red.tensors, channel=Channel.BROADCAST)
+        tensors = self._downlink.encode(red.tensors) if self._widener.packed else red.tensors
+        frames = self._codec.encode(Consensus(red.round_id, red.mass), tensors, channel=Channel.BROADCAST)
         self._latest_frames = (red.round_id, frames)
         if red.round_id in self._drop:
             self._drop.discard(red.round_id)

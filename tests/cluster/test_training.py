@@ -199,3 +199,12 @@ def test_an_outer_nesterov_step_with_a_long_window_trains_digits_to_95_percent(m
     code, result, out = run("--mode", mode, "--batch-size", "16", "--outer", "nesterov", "--anchor", "40")
     assert code == 0, out
     assert result["accuracy"] >= 0.95, out
+
+
+def test_an_int8_wire_with_error_feedback_trains_digits_to_95_percent_and_saves_an_f32_model(tmp_path):
+    stem = str(tmp_path / "int8")
+    code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--wire-dtype", "int8", "--save", stem)
+    assert code == 0, out
+    assert result["accuracy"] >= 0.95, out
+    state, _ = bundle.load(stem)
+    assert all(t.dtype == torch.float32 for t in state.values())
