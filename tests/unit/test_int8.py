@@ -3,6 +3,10 @@ receivers' widening, and a rank's deposit."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +18,7 @@ from flodl_zmq.errors import FoldError
 from flodl_zmq.fold import FoldStation
 from flodl_zmq.payload import flatten
 from flodl_zmq.rank import ParamBuffers
+from flodl_zmq.wire import Channel, Codec
 
 
 def roundtrip(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -110,3 +115,28 @@ def test_an_int8_rank_deposits_values_and_scales_and_loads_an_int8_consensus():
     consensus = int8.PayloadEncoder().encode([flatten(m).numpy() * 0.5])
     buf.load(consensus)
     np.testing.assert_allclose(flatten(m).numpy(), int8.widen(consensus, [np.empty(buf.numel, np.float32)])[0])
+
+
+VECTORS = json.loads((Path(__file__).resolve().parents[2] / "protocol/vectors/int8.json").read_text())["vectors"]
+
+
+@pytest.mark.parametrize("vector", [v for v in VECTORS if "n" in v], ids=lambda v: v["name"])
+def test_the_int8_vectors_encode_as_written(vector):
+    n = vector["n"]
+    x = (np.asarray(vector["values"], np.float32) if "values" in vector
+         else ((np.arange(n) * 37 % 255 - 127) / 64).astype(np.float32))
+    q, s, _ = roundtrip(x)
+    assert s.view("<u4").tolist() == vector["scale_bits"]
+    if "q" in vector:
+        assert q.tolist() == vector["q"]
+    else:
+        assert hashlib.sha256(q.tobytes()).hexdigest() == vector["q_sha256"]
+
+
+def test_the_int8_round_frame_vector_decodes_to_values_and_scales():
+    vector = next(v for v in VECTORS if v["name"] == "round_frame")
+    source = next(v for v in VECTORS if v["name"] == vector["payload_of"])
+    codec = Codec(bytes.fromhex(vector["key"]), bytes.fromhex(vector["run_id"]), "receiver")
+    env = codec.decode([bytes.fromhex(f) for f in vector["frames"]], Channel(vector["channel"]))
+    assert env.record.round == vector["record"]["round"] and int8.is_int8(env.payload)
+    assert env.payload[0].tolist() == source["q"] and env.payload[1].tolist() == source["scales"]
