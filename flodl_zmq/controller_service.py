@@ -677,8 +677,10 @@ class ControllerService:
         if meta is not None and meta.get("outer") == config.kind:
             saved = bundle.load_outer(self.job.resume_from)
             momentum = None if saved is None else saved.numpy()
-        if meta is not None and momentum is None:
-            log.info("controller: the outer %s momentum starts at zero (the bundle has none for this step)", config.kind)
+        if meta is not None:
+            log.info("controller: the outer %s momentum %s", config.kind,
+                     "starts at zero (the bundle has none for this step)" if momentum is None
+                     else f"resumes from {self.job.resume_from}")
         return OuterOptimizer(config, self.consensus, momentum)
 
     def _save(self, reason: str, state: dict[str, Any]) -> str:
