@@ -121,7 +121,9 @@ def ddp_worker(rank: int, world: int, master: str, hook: str, epochs: int, targe
     t0 = time.perf_counter()
     steps = 0
     for epoch in range(epochs):
-        mine = torch.as_tensor(epoch_permutation(42, epoch, len(train)))[rank::world]
+        # Every rank the same number of steps (a DDP step is collective): the epoch's tail is dropped.
+        perm = epoch_permutation(42, epoch, len(train))
+        mine = torch.as_tensor(perm[: len(perm) // (world * BATCH) * world * BATCH])[rank::world]
         for i in range(0, len(mine) - BATCH + 1, BATCH):
             idx = mine[i : i + BATCH]
             opt.zero_grad()
