@@ -12,7 +12,8 @@ optimizer (SGD lr 0.05, momentum 0.9), batch (8 per rank) and target for every r
 - flodl_nesterov: ours, cpu-cadence, a 4x longer window (40) and outer="nesterov"
 - flodl_int8:     ours as flodl_nesterov with wire_dtype="int8" (skipped where the job refuses it)
 - ddp:            torch DDP on gloo across the same namespaces, gradients all-reduced every step
-- ddp_compressed: DDP with the PowerSGD hook (rank 2, error feedback; `--ddp-hook bf16` for the bf16 hook)
+- ddp_compressed: DDP with the fp16 compression hook (half the bytes; torch's bf16 hook needs CUDA and
+                  NCCL); `--ddp-hook powersgd` for PowerSGD (rank 2, error feedback), which hung on gloo here
 
 Ours runs with `flodl-zmq controller` in `controller` and one `flodl-zmq agent`
 per worker; DDP's rendezvous is on worker1 and its ring crosses both shaped
@@ -109,10 +110,10 @@ def ddp_worker(rank: int, world: int, master: str, hook: str, epochs: int, targe
 
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif hook == "bf16":
+    elif hook == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     opt = sgd(model.parameters())
     train, test = digits()
     x, y = train.tensors
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=8, help="ours trains this many epochs; DDP up to 4x as many")
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--cap", type=float, default=300.0, help="DDP stops after the first epoch past this many seconds")
-    p.add_argument("--ddp-hook", default="powersgd", choices=("powersgd", "bf16", "none"))
+    p.add_argument("--ddp-hook", default="fp16", choices=("fp16", "powersgd", "none"))
     p.add_argument("--json", action="store_true")
     p.add_argument("--job", help=argparse.SUPPRESS)  # inside the namespaces: our run's program
     p.add_argument("--ddp-rank", type=int, help=argparse.SUPPRESS)
