@@ -677,10 +677,9 @@ class ControllerService:
         if meta is not None and meta.get("outer") == config.kind:
             saved = bundle.load_outer(self.job.resume_from)
             momentum = None if saved is None else saved.numpy()
-        if meta is not None:
-            log.info("controller: the outer %s momentum %s", config.kind,
-                     "starts at zero (the bundle has none for this step)" if momentum is None
-                     else f"resumes from {self.job.resume_from}")
+        if meta is not None and not self.job.quiet:  # a resume's outcome is the user's to see
+            print(f"outer {config.kind} momentum " + ("starts at zero (the bundle has none for this step)"
+                  if momentum is None else f"resumes from {self.job.resume_from}"), flush=True)
         return OuterOptimizer(config, self.consensus, momentum)
 
     def _save(self, reason: str, state: dict[str, Any]) -> str:
