@@ -6,6 +6,10 @@ A bundle with stem `runs/digits` is two files:
     runs/digits.meta.json  {"format": 1, "epoch", "global_step", "reason", "world_size",
                             "coordinator": {...}}  (ElChe state, coverage, counters)
 
+and, for a run with an outer optimizer, a third file written before the meta:
+
+    runs/digits.outer.pt   {"momentum": flat f32 tensor} (the meta's "outer" names the step)
+
 Rules this module keeps: a write is a fresh private temp file (mkstemp, mode
 0600, fsynced) + atomic rename, model first, meta last, so a meta on disk
 always names a complete model and no other local user can read it or steer the
@@ -62,15 +66,27 @@ def _write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             os.close(dfd)
 
 
-def save(stem: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-    """Write the bundle atomically (files mode 0600); returns the meta path."""
-    model_path, meta_path = paths(stem)
-    model_path.parent.mkdir(parents=True, exist_ok=True)
+def _write_torch(path: Path, obj: Any) -> None:
     # Serialized in memory first: torch reports a failed write (a full disk) as an opaque
     # RuntimeError, a plain write names the cause (ENOSPC, EROFS, ...).
-    model = io.BytesIO()
-    torch.save(state_dict, model)
-    _write(model_path, lambda f: f.write(model.getbuffer()))
+    data = io.BytesIO()
+    torch.save(obj, data)
+    _write(path, lambda f: f.write(data.getbuffer()))
+
+
+def outer_path(stem: str | os.PathLike[str]) -> Path:
+    """The outer optimizer's state file of bundle `stem`."""
+    return Path(str(stem) + ".outer.pt")
+
+
+def save(stem: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], meta: dict[str, Any],
+         outer_momentum: torch.Tensor | None = None) -> Path:
+    """Write the bundle atomically (files mode 0600), the outer momentum if given; returns the meta path."""
+    model_path, meta_path = paths(stem)
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    _write_torch(model_path, state_dict)
+    if outer_momentum is not None:
+        _write_torch(outer_path(stem), {"momentum": outer_momentum})
     text = json.dumps({"format": FORMAT, **meta}, indent=2, sort_keys=True)
     _write(meta_path, lambda f: f.write(text.encode()))
     return meta_path
@@ -92,3 +108,11 @@ def load_meta(stem: str | os.PathLike[str]) -> dict[str, Any]:
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{meta_path}: bundle format {meta.get('format')!r} is not {FORMAT}; written by another version")
     return meta
+
+
+def load_outer(stem: str | os.PathLike[str]) -> torch.Tensor | None:
+    """The outer momentum saved with bundle `stem`, or None when the run that wrote it had no outer step."""
+    path = outer_path(stem)
+    if not path.exists():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)["momentum"]

@@ -82,7 +82,7 @@ import numpy as np
 import torch
 import zmq
 
-from flodl_zmq import bundle
+from flodl_zmq import bundle, int8
 from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, Snapshot
 from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
 from flodl_zmq.coordinator.core import Coordinator
@@ -128,6 +128,7 @@ from flodl_zmq.links import (
 )
 from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
+from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.report import RunReport
@@ -154,7 +155,7 @@ def coordinator_config(job: Job) -> CoordinatorConfig:
     has_eval = job.eval_fn is not None
     optional = {
         name: getattr(job, name)
-        for name in ("anchor", "overhead_target", "guard", "msf_thresholds")
+        for name in ("anchor", "max_anchor", "overhead_target", "guard", "msf_thresholds")
         if getattr(job, name) is not None
     }
     return CoordinatorConfig(
@@ -224,6 +225,7 @@ class ControllerService:
         start_epoch = 0
         resume = None
         self.incarnation = 1  # this controller's place in the run's line of restarts (status, bundles)
+        meta: dict[str, Any] | None = None
         if job.resume_from:
             state, meta = bundle.load(job.resume_from)
             self.model.load_state_dict(state)
@@ -231,6 +233,7 @@ class ControllerService:
             start_epoch = int(meta.get("epoch", 0))
             self.incarnation = int(meta.get("incarnation", 0)) + 1
         self.consensus = flatten(self.model).numpy()  # latest positive-mass consensus
+        self.outer = self._outer(meta)
         self.consensus_round = -1
         self._completed_round = -1  # the last round the coordinator counted finished
         self.config = coordinator_config(job)
@@ -270,6 +273,7 @@ class ControllerService:
                 send_timeout_s=self.penv.settings.peer_send_timeout_s,
             ),
             ctx,
+            self.outer,
         )
         control = ctx.socket(zmq.ROUTER)
         keep_off_the_data_plane(control)
@@ -463,8 +467,10 @@ class ControllerService:
             if flat.size != self.consensus.size:
                 return
             # The kept consensus (the result and the saved model) is f32 whatever the wire
-            # carries: a bf16 round is widened once, here, exactly.
-            if flat.dtype == DTYPES["bf16"]:
+            # carries: a bf16 round is widened once, here, exactly (int8: values times scales).
+            if int8.is_int8(env.payload) and len(env.payload) == 2:
+                int8.widen(env.payload, [self.consensus])
+            elif flat.dtype == DTYPES["bf16"]:
                 f32_from_bf16(flat, self.consensus)
             elif flat.dtype == DTYPES["f32"]:
                 np.copyto(self.consensus, flat)
@@ -782,7 +788,9 @@ class ControllerService:
         if isinstance(r, rec.EpochAggregated):
             if self._checkpoint_policy is not None:
                 self._checkpoint_policy.epoch_ended = True
-            self.report.epoch({**epoch_row(r), "reconnects": self._reconnects_this_epoch})
+            # `round`: the latest consensus when the epoch closed (rounds per epoch).
+            self.report.epoch({**epoch_row(r), "reconnects": self._reconnects_this_epoch,
+                               "round": self.consensus_round})
             self._reconnects_this_epoch = 0
         elif isinstance(r, EpochProgress):
             self.report.progress({**epoch_row(r.metrics), "fraction": r.fraction})
@@ -796,11 +804,31 @@ class ControllerService:
         elif isinstance(r, RunEnded):
             self.ended = r
 
+    def _outer(self, meta: dict[str, Any] | None) -> OuterOptimizer | None:
+        """The outer optimizer from the initial (or resumed) model, its momentum resumed when saved by the same step."""
+        config = self.job.outer_config()
+        if config is None:
+            return None
+        momentum = None
+        if meta is not None and meta.get("outer") == config.kind:
+            saved = bundle.load_outer(self.job.resume_from)
+            momentum = None if saved is None else saved.numpy()
+        if meta is not None and not self.job.quiet:  # a resume's outcome is the user's to see
+            print(f"outer {config.kind} momentum " + ("starts at zero (the bundle has none for this step)"
+                  if momentum is None else f"resumes from {self.job.resume_from}"), flush=True)
+        return OuterOptimizer(config, self.consensus, momentum)
+
     def _save(self, reason: str, state: dict[str, Any]) -> str:
-        """Save the latest consensus with the coordinator's state (what `resume_from` continues)."""
+        """Save the latest consensus with the coordinator's state (what `resume_from` continues).
+
+        With an outer step, the saved model and momentum are the reducer's f32 global model and
+        momentum of one round (not the broadcast copy, which the wire may have rounded).
+        """
+        outer = self.reducer.outer_state() if self.outer is not None else None
         model = self.job.model()
-        load_flat(model, torch.from_numpy(self.consensus))
-        return self.report.save(model.state_dict(), self._bundle_meta(reason, state))
+        load_flat(model, torch.from_numpy(self.consensus if outer is None else outer[0]))
+        return self.report.save(model.state_dict(), self._bundle_meta(reason, state),
+                                None if outer is None else torch.from_numpy(outer[1]))
 
     def _bundle_meta(self, reason: str, state: dict[str, Any]) -> dict[str, Any]:
         """A bundle's meta: the coordinator's state, and the run and world a restart re-admits."""
@@ -814,6 +842,7 @@ class ControllerService:
             "incarnation": self.incarnation,
             "consensus_round": self.consensus_round,
             "coordinator": state,
+            "outer": self.job.outer,
         }
 
 

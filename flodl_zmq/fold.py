@@ -81,9 +81,12 @@ def schema_of(tensors: Sequence[np.ndarray], who: str, error: type[ProtocolError
         if not isinstance(t, np.ndarray):
             raise error(f"{who}: tensor[{i}] is a {type(t).__name__}, not a numpy array")
         try:
-            schema.append((dtype_name(t), t.shape))
+            name = dtype_name(t)
         except TypeError as e:
             raise error(f"{who}: tensor[{i}]: {e}") from None
+        if name == "i8":  # a service widens int8 payloads before they are summed (flodl_zmq/int8.py)
+            raise error(f"{who}: tensor[{i}] is int8 outside (values, scales) pairs: not an int8 payload")
+        schema.append((name, t.shape))
     return tuple(schema)
 
 

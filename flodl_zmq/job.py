@@ -25,11 +25,12 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.outer import OuterConfig
 from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure
 
 MODES = ("cpu-sync", "cpu-cadence", "cpu-async")
 CALLBACK_ERRORS = ("report", "stop")
-WIRE_DTYPES = ("f32", "bf16")
+WIRE_DTYPES = ("f32", "bf16", "int8")
 AUTOCAST_DTYPES = (None, torch.bfloat16, torch.float16)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
@@ -58,8 +59,9 @@ class Job:
         written by a shutdown-with-save. resume_from: a bundle stem to continue from.
     seed: shuffle and initialisation seed. torch_threads: threads per rank.
     quiet: no progress bar and no per-epoch lines.
-    wire_dtype: what a round carries, "f32" or "bf16" (half the bytes; ranks keep
-        f32 weights and the saved model is f32).
+    wire_dtype: what a round carries, "f32", "bf16" (half the bytes) or "int8"
+        (a quarter, with per-block scales and error feedback); ranks keep f32
+        weights and the saved model is f32.
     max_failures: rank failures that end the run (with a save): a count, or a
         percent of the world such as "25%"; None (default) trains on while any rank lives.
     heartbeat_timeout_s: rank silence at the coordinator: a rank silent this long
@@ -80,11 +82,18 @@ class Job:
     per worker; pin_memory (CUDA ranks); collate_fn (default torch's default_collate).
 
     Scheduling (None: the coordinator's floDl default; flodl_zmq/coordinator/config.py):
-    anchor, overhead_target, max_batch_diff: ElChe's initial window, overhead share, per-update move.
+    anchor, max_anchor, overhead_target, max_batch_diff: ElChe's initial window (and floor; None = 10),
+        its ceiling (None = 1000; a DiLoCo-style run sets both to hundreds of inner steps), overhead
+        share, per-update move.
     relax_up: cpu-async grows the window by one on each stable verdict.
     guard: "none", "trend" or "msf"; divergence_threshold (trend), msf_thresholds (msf).
     partition_ratios: cpu-sync, one share per rank. callback_rank: "fastest" or a rank.
     reports_per_epoch: n > 1 also hands metrics_fn a partial row at each n-th of an epoch.
+
+    outer: the step the controller takes on each round's average: "none" (the
+        average is the new model), "nesterov" (DiLoCo) or "momentum" (SlowMo);
+        outer_lr and outer_momentum default to 0.7 / 0.9 (nesterov) and 1.0 / 0.7
+        (momentum). See docs/guide.md for when to pick one.
     """
 
     model: Callable[[], torch.nn.Module]
@@ -120,6 +129,7 @@ class Job:
     pin_memory: bool = False
     collate_fn: Callable[[list[Any]], Any] | None = None
     anchor: int | None = None
+    max_anchor: int | None = None
     overhead_target: float | None = None
     max_batch_diff: int | None = None
     relax_up: bool = False
@@ -129,6 +139,9 @@ class Job:
     partition_ratios: Sequence[float] | None = None
     callback_rank: int | str = "fastest"
     reports_per_epoch: int = 0
+    outer: str = "none"
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "train_step"):
@@ -170,6 +183,13 @@ class Job:
             # Ranks beat every 0.5 s: a timeout near that would declare busy-but-alive ranks dead.
             raise ConfigError(f"heartbeat_timeout_s must be a finite number of seconds > 1, got {self.heartbeat_timeout_s!r}")
         self.max_failure()  # raises on a malformed max_failures
+        self.outer_config()  # raises on an unknown outer step or a bad outer_lr / outer_momentum
+        for name in ("anchor", "max_anchor"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a number of batches >= 1 (or None for ElChe's default), got {value!r}")
+        if self.anchor is not None and self.max_anchor is not None and self.max_anchor < self.anchor:
+            raise ConfigError(f"max_anchor ({self.max_anchor}) is below anchor ({self.anchor}): raise max_anchor")
         if self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.seed < 0:
@@ -231,6 +251,10 @@ class Job:
     @property
     def total_samples(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
+
+    def outer_config(self) -> OuterConfig | None:
+        """The outer step the controller takes on each consensus, or None for plain averaging."""
+        return OuterConfig.of(self.outer, self.outer_lr, self.outer_momentum)
 
     def max_failure(self) -> MaxFailure | None:
         """`max_failures` as the coordinator's threshold: a count, a fraction of the world, or None."""

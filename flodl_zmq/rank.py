@@ -70,7 +70,7 @@ import numpy as np
 import torch
 import zmq
 
-from flodl_zmq import bundle
+from flodl_zmq import bundle, int8
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.errors import ConfigError, ShmError, TrainingError, WireError
 from flodl_zmq.job import Job
@@ -109,8 +109,8 @@ log = logging.getLogger(__name__)
 
 DEFAULTS = Settings()  # the timings below default to the settings table
 # Wire dtype name -> the torch dtype of the deposit buffer, and the numpy dtype a received consensus has.
-WIRE_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16}
-WIRE_NUMPY = {name: DTYPES[name] for name in WIRE_TORCH}
+WIRE_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+WIRE_NUMPY = {name: DTYPES["i8" if name == "int8" else name] for name in WIRE_TORCH}
 SEND_RELEASE_TIMEOUT_S = 60.0
 
 
@@ -120,10 +120,12 @@ class ParamBuffers:
     `snapshot(mass)` fills one flat float32 host vector (pinned on CUDA) with
     the payload tensors times `mass` and returns the deposit in the wire dtype
     (in `segment` when one is given, for deposits by reference): the f32
-    vector itself, or its bf16 encoding in a second reused buffer.
-    `load(consensus)` takes a flat consensus in the wire dtype (bf16 is widened
-    into a reused f32 buffer first), writes it back with one batched copy (or
-    an EASGD lerp) and returns the divergence triple against the last snapshot.
+    vector itself, its bf16 encoding in a second reused buffer, or its int8
+    encoding (values and scales, with this rank's error feedback).
+    `load(consensus)` takes a consensus payload in the wire dtype (bf16 and
+    int8 are widened into a reused f32 buffer first), writes it back with one
+    batched copy (or an EASGD lerp) and returns the divergence triple against
+    the last snapshot.
     """
 
     def __init__(self, model: torch.nn.Module, segment: Segment | None = None, wire_dtype: str = "f32") -> None:
@@ -136,16 +138,22 @@ class ParamBuffers:
             raise ConfigError(f"wire_dtype must be one of {tuple(WIRE_TORCH)}, got {wire_dtype!r}")
         self.wire_dtype = wire_dtype
         dtype = WIRE_TORCH[wire_dtype]
+        # Under int8 the deposit is two tensors: the values, then one f32 scale per block.
+        nscales = int8.blocks(self.numel) if wire_dtype == "int8" else 0
         if segment is None:
             self.wire = torch.empty(self.numel, dtype=dtype, pin_memory=self.cuda and wire_dtype == "f32")
+            self.scales = torch.empty(nscales, dtype=torch.float32)
         else:
-            self.wire = torch.frombuffer(segment.layout([self.numel * dtype.itemsize])[0], dtype=dtype)
+            views = segment.layout([self.numel * dtype.itemsize] + ([nscales * 4] if nscales else []))
+            self.wire = torch.frombuffer(views[0], dtype=dtype)
+            self.scales = torch.frombuffer(views[1], dtype=torch.float32) if nscales else torch.empty(0)
+        self._feedback = int8.ErrorFeedback(self.numel) if wire_dtype == "int8" else None
         # The f32 snapshot is the deposit itself under f32; under bf16 it is kept for the
         # divergence against the consensus, and the deposit is its encoding (bf16_from_f32).
         self.snap = self.wire if wire_dtype == "f32" else torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
         self._snap_views = flat_views(self.snap, self.tensors)
         self._scratch = torch.empty(self.numel, dtype=torch.float32)
-        self._widened = torch.empty(self.numel, dtype=torch.float32) if wire_dtype == "bf16" else None
+        self._widened = torch.empty(self.numel, dtype=torch.float32) if wire_dtype != "f32" else None
         self.consensus: torch.Tensor | None = None  # the last loaded consensus, f32 (valid until the next load)
         self._recv: torch.Tensor | None = None
         self._recv_views: list[torch.Tensor] = []
@@ -178,8 +186,8 @@ class ParamBuffers:
             self._tracker.wait(SEND_RELEASE_TIMEOUT_S)
         self._tracker = None
 
-    def snapshot(self, mass: float) -> torch.Tensor:
-        """Fill the flat host snapshot, pre-multiplied by `mass`; returns the deposit in the wire dtype."""
+    def snapshot(self, mass: float) -> list[torch.Tensor]:
+        """Fill the flat host snapshot, pre-multiplied by `mass`; returns the deposit's payload in the wire dtype."""
         self._wait_sent()
         with torch.no_grad():
             torch._foreach_copy_(self._snap_views, [t.detach() for t in self.tensors], non_blocking=self.cuda)
@@ -188,24 +196,30 @@ class ParamBuffers:
             self.pre_norm = float(torch.linalg.vector_norm(self.snap))
             if mass != 1.0:
                 self.snap.mul_(mass)
-            if self.wire is not self.snap:
+            if self._feedback is not None:
+                self._feedback.encode(as_numpy(self.snap), as_numpy(self.wire), as_numpy(self.scales))
+            elif self.wire is not self.snap:
                 bf16_from_f32(as_numpy(self.snap), as_numpy(self.wire))
         self.mass = float(mass)
-        return self.wire
+        return [self.wire, self.scales] if self._feedback is not None else [self.wire]
 
-    def load(self, consensus: np.ndarray, alpha: float = 1.0) -> tuple[float | None, float, float | None]:
-        """Adopt a flat consensus in the wire dtype: overwrite (alpha 1) or lerp towards it (EASGD);
+    def load(self, payload: Sequence[np.ndarray], alpha: float = 1.0) -> tuple[float | None, float, float | None]:
+        """Adopt a consensus payload in the wire dtype: overwrite (alpha 1) or lerp towards it (EASGD);
         returns (divergence ||pre - consensus|| / ||consensus||, post norm, pre norm)."""
-        flat = consensus.reshape(-1)
+        flat = payload[0].reshape(-1) if payload else np.empty(0, np.float32)
         expected = WIRE_NUMPY[self.wire_dtype]
-        if flat.dtype != expected or flat.size != self.numel:
+        pairs = self._feedback is None or int8.is_int8(payload)
+        if flat.dtype != expected or flat.size != self.numel or len(payload) != (2 if self._feedback else 1) or not pairs:
             raise TrainingError(
                 f"consensus of {flat.size} {flat.dtype} elements does not fit this model's "
                 f"{self.numel} {self.wire_dtype} elements: every rank must build the same model "
                 f"and run with the same wire_dtype"
             )
         cons = torch_view(flat)  # the received frame is read-only; it is only ever read here
-        if self._widened is not None:
+        if self._feedback is not None:
+            assert self._widened is not None
+            cons = torch.from_numpy(int8.widen(payload, [as_numpy(self._widened)])[0])
+        elif self._widened is not None:
             cons = self._widened.copy_(cons)  # exact: bf16 is the top half of f32
         self.consensus = cons
         with torch.no_grad():
@@ -617,13 +631,13 @@ class RankRuntime:
 
     def _deposit(self, round_id: int) -> None:
         self._steps_at_snapshot = self.steps_since_avg
-        flat = self.buffers.snapshot(float(self.steps_since_avg))
+        payload = self.buffers.snapshot(float(self.steps_since_avg))
         self._pending_round = round_id
         self.buffers.mark_queued()
         self.link.send(rec.SnapshotReady(rank=self.cfg.rank, round=round_id))
         self.link.send(
             rec.RoundFrame(round=round_id, rank=self.cfg.rank, mass=float(self._steps_at_snapshot)),
-            [flat],
+            payload,
             tracked_by=self.buffers,
         )
 
@@ -633,7 +647,7 @@ class RankRuntime:
             return  # a round this rank did not deposit in (joined late, or a duplicate)
         divergence = post = pre = None
         if c.mass > 0.0:
-            divergence, post, pre = self.buffers.load(env.payload[0], self.alpha)
+            divergence, post, pre = self.buffers.load(env.payload, self.alpha)
             if self.alpha < 1.0 and self.job.eval_fn is not None:
                 assert self.buffers.consensus is not None
                 self._keep_consensus(self.buffers.consensus)

@@ -24,9 +24,10 @@ Rules the ledger keeps:
   pass. A zero-mass round is not divided: it ships mass 0 and receivers keep
   their state.
 - A protocol violation (unknown host, a round id ahead of the open round,
-  schema drift from the round's first frame, bad mass) raises ProtocolError
-  and changes nothing: the host stays expected, so the service must tear it
-  down or have its ranks declared dead.
+  schema drift from the round's first frame, bad mass, another size than the
+  outer optimizer's model) raises ProtocolError and changes nothing: the host
+  stays expected, so the service must tear it down or have its ranks
+  declared dead.
 - Round id + host make a frame idempotent: a second frame from one host in
   the open round (a resend that crossed the original) is dropped and
   counted, never summed twice. A host whose frame of the open round is
@@ -40,6 +41,9 @@ Rules the ledger keeps:
   dropped and counted.
 - A round is never dropped silently: if no host is expected any more, the
   ledger reports the open round as Abandoned with the reason.
+- With an outer optimizer (flodl_zmq/outer.py), the divided average is
+  stepped into the next global model before it is published or kept; a
+  zero-mass round is not stepped (there is no average).
 - The latest consensus stays available for point-to-point recovery (a relay
   that missed the broadcast asks for it by round id). Its tensors live in
   buffers reused only when the next round with the same schema completes.
@@ -61,6 +65,7 @@ from flodl_zmq.fold import (
     carve,
     contribute,
 )
+from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.tensors import DTYPES
 
 _AGAIN = object()  # _settle_once refused a frame: settle the round again without it
@@ -130,7 +135,8 @@ class RoundLedger:
     or nothing yet.
     """
 
-    def __init__(self, hosts: Mapping[str, Iterable[int]]) -> None:
+    def __init__(self, hosts: Mapping[str, Iterable[int]], outer: OuterOptimizer | None = None) -> None:
+        self.outer = outer
         self.hosts: dict[str, frozenset[int]] = {}
         self._owner: dict[int, str] = {}
         for host, ranks in hosts.items():
@@ -205,6 +211,10 @@ class RoundLedger:
                     f"{who}: mass {mass!r} exceeds {cap:g}, the most its ranks {sorted(ranks)} can have "
                     "realized this round by the coordinator's step count (a tampered or desynced host)"
                 )
+        if self.outer is not None and sum(t.size for t in tensors) != self.outer.global_model.size:
+            # Checked before the frame is summed: the outer step must never mix two models.
+            raise ProtocolError(f"{who}: the frame has {sum(t.size for t in tensors)} values, the model "
+                                f"{self.outer.global_model.size} (a host built another model)")
         self._round = contribute(rnd, round_id, host, mass, tensors, self._images, who, ProtocolError)
         self.counters.frames += 1
         self.counters.bytes_reduced += sum(t.nbytes for t in tensors)
@@ -323,6 +333,8 @@ class RoundLedger:
             del self._bounds[r]
         if len(rnd.held) != 2:
             image.encode_into(outputs, divisor)
+        if self.outer is not None and divisor is not None:
+            self.outer.step(outputs)
         self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(rnd.members)), tuple(outputs))
         self.counters.rounds_reduced += 1
         return self.latest

@@ -48,8 +48,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import zmq
 
+from flodl_zmq import int8
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import (
     AttributionError,
@@ -76,6 +78,7 @@ from flodl_zmq.links import (
     tune_loopback,
 )
 from flodl_zmq.mailbox import Mailbox, poll_ms
+from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.wire import Attribution, Channel, Codec
@@ -166,9 +169,17 @@ class ReducerService:
     every model.
     """
 
-    def __init__(self, config: ReducerConfig, context: zmq.Context | None = None):
+    def __init__(self, config: ReducerConfig, context: zmq.Context | None = None,
+                 outer: OuterOptimizer | None = None):
         self.config = config
-        self.ledger = RoundLedger(config.world)
+        self.ledger = RoundLedger(config.world, outer)
+        # Held while the ledger may step the outer state, and by `outer_state`: a save must not
+        # copy a global model and a momentum from two different rounds.
+        self._outer_lock = threading.Lock()
+        # int8 host frames are widened into the f32 reduce; the consensus goes out in int8 again,
+        # with the reducer's own error feedback.
+        self._widener = int8.Widener("reducer")
+        self._downlink = int8.PayloadEncoder()
         self.completed: Mailbox[RoundOutcome] = Mailbox()
         self.error: BaseException | None = None
         self._ctx = context or controller_context()
@@ -232,6 +243,14 @@ class ReducerService:
         out.update(late_frames=lc.late_drops, duplicate_frames=lc.duplicate_drops, dead_host_frames=lc.dead_host_drops,
                    rounds_reduced=lc.rounds_reduced, rounds_abandoned=lc.rounds_abandoned)
         return out
+
+    def outer_state(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Copies of the outer optimizer's (global model, momentum) as of one round; None without one."""
+        outer = self.ledger.outer
+        if outer is None:
+            return None
+        with self._outer_lock:
+            return outer.global_model.copy(), outer.momentum.copy()
 
     def subscribed(self) -> set[str]:
         """Hosts whose relays proved they receive the broadcast."""
@@ -354,7 +373,13 @@ class ReducerService:
                 self._count["forged_sender"] += 1
                 return
             try:
-                outcome = self.ledger.deposit(host, rec.round, rec.mass, env.payload)
+                payload = self._widener.widen(f"host {host!r}", env.payload)
+            except ValueError as exc:
+                self._violation(host, ProtocolError(str(exc)))
+                return
+            try:
+                with self._outer_lock:
+                    outcome = self.ledger.deposit(host, rec.round, rec.mass, payload)
             except ProtocolError as exc:
                 self._violation(host, exc)
                 return
@@ -410,7 +435,8 @@ class ReducerService:
 
     def _death(self, rank: int, reported_by: str | None) -> None:
         try:
-            declared = self.ledger.declare_dead(rank)
+            with self._outer_lock:
+                declared = self.ledger.declare_dead(rank)
         except ProtocolError as exc:
             self._count["unknown_rank"] += 1
             log.error("%s", exc)
@@ -450,7 +476,8 @@ class ReducerService:
             self.completed.put(RoundOutcome(outcome.round_id, 0.0, (), outcome.reason))
 
     def _publish(self, red: Reduced) -> None:
-        frames = self._codec.encode(Consensus(red.round_id, red.mass), red.tensors, channel=Channel.BROADCAST)
+        tensors = self._downlink.encode(red.tensors) if self._widener.packed else red.tensors
+        frames = self._codec.encode(Consensus(red.round_id, red.mass), tensors, channel=Channel.BROADCAST)
         self._latest_frames = (red.round_id, frames)
         if red.round_id in self._drop:
             self._drop.discard(red.round_id)

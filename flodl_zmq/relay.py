@@ -77,6 +77,7 @@ from typing import Any
 
 import zmq
 
+from flodl_zmq import int8
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import (
     AttributionError,
@@ -617,6 +618,10 @@ class _DataPlane:
         # consensus delivered (framed, and by reference while the host segment still holds it).
         self.shipped: HostFold | None = None
         self.delivered: tuple[int, list[Any], list[Any] | None] | None = None
+        # int8 deposits are widened into the f32 fold; the host frame goes up in int8 again, with this
+        # relay's own error feedback (what its quantization loses goes into its next frame).
+        self.widener = int8.Widener(f"relay {self.cfg.host}")
+        self.uplink = int8.PayloadEncoder()
 
     def shm_unusable(self, exc: ShmError) -> None:
         # A squatted or foreign shared-memory path must not stop the host: consensus goes framed.
@@ -654,7 +659,12 @@ class _DataPlane:
             return
         rec = env.record
         try:
-            outcome = self.fold.deposit(rank, rec.round, rec.mass, env.payload)
+            payload = self.widener.widen(f"rank {rank}", env.payload)
+        except ValueError as exc:
+            self.violation(FoldError(str(exc)))
+            return
+        try:
+            outcome = self.fold.deposit(rank, rec.round, rec.mass, payload)
         except PoisonedDeposit as exc:
             # Refused before it touched the round: this rank leaves, the others' round goes on.
             log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, exc)
@@ -707,7 +717,7 @@ class _DataPlane:
     def ship(self, outcome: HostFold | NothingToShip | None) -> None:
         if isinstance(outcome, HostFold):
             rec = HostFrame(outcome.round_id, self.cfg.host, list(outcome.ranks), outcome.mass)
-            self.send_up(rec, outcome.tensors)
+            self.send_up(rec, self.uplink.encode(outcome.tensors) if self.widener.packed else outcome.tensors)
             self.watch.shipped(outcome.round_id, time.monotonic())
             self.shipped = outcome
         elif isinstance(outcome, NothingToShip):

@@ -111,10 +111,10 @@ class RunReport:
     def row(self, epoch: int) -> dict[str, Any] | None:
         return next((row for row in self.result.epochs if row["epoch"] == epoch), None)
 
-    def save(self, state_dict: dict[str, Any], meta: dict[str, Any]) -> str:
+    def save(self, state_dict: dict[str, Any], meta: dict[str, Any], outer_momentum: Any = None) -> str:
         """Write the bundle at the job's `save_path` (set); its path is the result's `saved`."""
         assert self.job.save_path, "save() needs the job's save_path"
-        self.result.saved = str(bundle.save(self.job.save_path, state_dict, meta))
+        self.result.saved = str(bundle.save(self.job.save_path, state_dict, meta, outer_momentum))
         return self.result.saved
 
     def finish(self, wall_s: float) -> TrainResult:

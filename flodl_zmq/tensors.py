@@ -2,7 +2,8 @@
 
 Rules this module keeps:
 
-- Three wire dtypes: ``f32``, ``bf16`` and ``f16``. numpy has no bfloat16, so a
+- Three float wire dtypes: ``f32``, ``bf16`` and ``f16``, and ``i8``, which only
+  travels as the values of an int8 payload (flodl_zmq/int8.py). numpy has no bfloat16, so a
   bf16 tensor lives in a ``uint16`` array holding the top half of the f32 bit
   pattern; on the data plane a ``uint16`` array always means bf16.
 - f32 -> bf16 rounds to nearest, ties to even; a NaN stays a NaN (its top half
@@ -29,6 +30,7 @@ DTYPES: dict[str, np.dtype] = {
     "f32": np.dtype("<f4"),
     "bf16": np.dtype("<u2"),
     "f16": np.dtype("<f2"),
+    "i8": np.dtype("i1"),
 }
 _NAMES: dict[np.dtype, str] = {dt: name for name, dt in DTYPES.items()}
 

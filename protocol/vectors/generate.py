@@ -1,7 +1,7 @@
 """Regenerate the wire test vectors: `records.json` (one accepted message per
 record kind and channel), `rejections.json` (one refused message per
-rejection cause) and `windows.json` (arrival orders through the anti-replay
-window).
+rejection cause), `windows.json` (arrival orders through the anti-replay
+window) and `int8.json` (the int8 payload, PROTOCOL.md 3.6).
 
     .venv/bin/python protocol/vectors/generate.py
 
@@ -35,6 +35,7 @@ import msgpack
 import numpy as np
 import torch
 
+from flodl_zmq import int8
 from flodl_zmq.wire import PROTOCOL_VERSION, REGISTRY, Channel, Codec, EpochPlan, compute_mac
 from flodl_zmq.wire.codec import REPLAY_WINDOW
 from flodl_zmq.wire.records import to_fields
@@ -745,6 +746,40 @@ def negative_vectors() -> list[dict[str, Any]]:
     return out
 
 
+def int8_vectors() -> list[dict[str, Any]]:
+    """f32 tensors and their int8 encoding (values, scales), and one RoundFrame carrying such a payload."""
+    cases = {
+        "ties_to_even": np.array([127.0, 0.5, 1.5, 2.5, -2.5, -0.5, 3.49], dtype="<f4"),
+        "negative_max": np.array([-4.0, 1.0, 0.015625, 2.0], dtype="<f4"),
+        "zero_block": np.zeros(3, dtype="<f4"),
+        # Two blocks, the second short: x[i] = ((37 * i) % 255 - 127) / 64 for i < BLOCK + 5.
+        "two_blocks": ((np.arange(int8.BLOCK + 5) * 37 % 255 - 127) / 64).astype("<f4"),
+    }
+    out = []
+    for name, x in cases.items():
+        q, s = np.empty(x.size, int8.I8), np.empty(int8.blocks(x.size), int8.F32)
+        int8.quantize(x, q, s)
+        vec: dict[str, Any] = {"name": name, "n": x.size, "scales": s.tolist(),
+                               "scale_bits": s.view("<u4").tolist()}
+        if x.size <= 16:
+            vec.update(values=x.tolist(), q=q.tolist())
+        else:
+            vec.update(values_rule="x[i] = ((37 * i) % 255 - 127) / 64, as f32",
+                       q_sha256=hashlib.sha256(q.tobytes()).hexdigest(), q_head=q[:8].tolist(),
+                       q_tail=q[-8:].tolist())
+        out.append(vec)
+    codec = Codec(KEY, RUN_ID, SENDER, salt=SALT)
+    x = cases["ties_to_even"]
+    q, s = np.empty(x.size, int8.I8), np.empty(int8.blocks(x.size), int8.F32)
+    int8.quantize(x, q, s)
+    rec = REGISTRY["data.round_frame"].cls(round=7, rank=2, mass=1.0)
+    frames = codec.encode(rec, [q, s], channel=Channel.DATA, dtypes=["i8", "f32"])
+    out.append({"name": "round_frame", "kind": "data.round_frame", "channel": "data", "key": KEY.hex(),
+                "run_id": RUN_ID.hex(), "sender": SENDER, "salt": SALT.hex(), "record": to_json(to_fields(rec)),
+                "payload_of": "ties_to_even", "frames": _hex_frames(frames)})
+    return out
+
+
 def main() -> None:
     docs = {
         "records.json": {
@@ -764,6 +799,13 @@ def main() -> None:
             "order and accepts exactly those marked in `accepted` (the others: ReplayError), by the anti-replay "
             "window of `window` sequence numbers. See protocol/PROTOCOL.md, Sequence numbers and Test vectors.",
             "vectors": window_vectors(),
+        },
+        "int8.json": {
+            "about": "The int8 payload (PROTOCOL.md 3.6): each f32 tensor of `n` values and its encoding, "
+            "`q` (int8 values, or their SHA-256 when long) and `scales` (f32, one per block of 4096; "
+            "`scale_bits` their binary32 patterns); and one data.round_frame carrying the first as "
+            "(i8 values, f32 scales), decoded like a records.json vector.",
+            "vectors": int8_vectors(),
         },
     }
     for name, doc in docs.items():

@@ -6,7 +6,7 @@ Every process of a test cluster runs this file; the controller prints one
 --save / --resume (bundle stem), --eval-raises (eval_fn raises on its second
 call), --eval-ms (a sleep per eval), --callback-errors report|stop, --wire-dtype f32|bf16, --cosine (an LR schedule over the whole
 run, each step's LR recorded as the scalar "lr"), --max-grad-norm X, --workers N (loader processes
-per rank), --heartbeat-timeout S (the coordinator's rank silence limit: the chaos suite's short one).
+per rank), --outer none|nesterov|momentum, --anchor N (ElChe's window floor), --heartbeat-timeout S (the coordinator's rank silence limit: the chaos suite's short one).
 Environment: DIGITS_SHIFT=1 makes this process load a perturbed dataset (a dataset mismatch);
 DIGITS_SIGKILL_RANK=N makes rank N SIGKILL itself before it does anything (a rank that dies before
 its hello).
@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--cosine", action="store_true")
     p.add_argument("--max-grad-norm", type=float)
     p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--outer", default="none")
+    p.add_argument("--anchor", type=int)
     args = p.parse_args()
     train, test = digits()
     if os.environ.get("DIGITS_SHIFT"):
@@ -82,10 +84,11 @@ def main() -> None:
         on_callback_error=args.callback_errors, save_path=args.save, resume_from=args.resume,
         wire_dtype=args.wire_dtype, heartbeat_timeout_s=args.heartbeat_timeout,
         scheduler=cosine if args.cosine else None, max_grad_norm=args.max_grad_norm, num_workers=args.workers,
+        outer=args.outer, anchor=args.anchor,
     ).run()
     print("RESULT " + json.dumps({
         "accuracy": result.final_eval, "batch_share": result.batch_share, "epochs": result.epochs,
-        "saved": result.saved,
+        "saved": result.saved, "rounds": result.epochs[-1]["round"] + 1 if result.epochs else 0,
     }), flush=True)
 
 

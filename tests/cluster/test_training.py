@@ -224,3 +224,35 @@ def test_wrong_key_is_an_auth_error():
     code, _, out = run("--epochs", "3", env_for={"controller": {"FLODL_KEY": new_key().hex()}}, startup_timeout_s=6)
     assert code != 0
     assert "AuthError" in out and "FLODL_KEY" in out
+
+
+# ---------------------------------------------------------------------------- outer optimizer
+
+@pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async"])
+def test_an_outer_nesterov_step_with_a_long_window_trains_digits_to_95_percent(mode):
+    # DiLoCo-style: 40 inner steps per round at least (4x ElChe's default floor of 10).
+    code, result, out = run("--mode", mode, "--batch-size", "16", "--outer", "nesterov", "--anchor", "40")
+    assert code == 0, out
+    assert result["accuracy"] >= 0.95, out
+
+
+def test_an_int8_wire_with_error_feedback_trains_digits_to_95_percent_and_saves_an_f32_model(tmp_path):
+    stem = str(tmp_path / "int8")
+    code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--wire-dtype", "int8", "--save", stem)
+    assert code == 0, out
+    assert result["accuracy"] >= 0.95, out
+    state, _ = bundle.load(stem)
+    assert all(t.dtype == torch.float32 for t in state.values())
+
+
+def test_an_outer_step_saves_its_momentum_and_a_resume_continues_it(tmp_path):
+    stem = str(tmp_path / "outer")
+    code, _, out = run("--epochs", "4", "--batch-size", "16", "--outer", "nesterov", "--save", stem)
+    assert code == 0, out
+    assert json.loads(Path(stem + ".meta.json").read_text())["outer"] == "nesterov"
+    momentum = bundle.load_outer(stem)
+    assert momentum is not None and float(momentum.abs().sum()) > 0
+    code, result, out = run("--epochs", "8", "--batch-size", "16", "--outer", "nesterov", "--resume", stem)
+    assert code == 0, out
+    assert f"outer nesterov momentum resumes from {stem}" in out
+    assert result["accuracy"] >= 0.95, out

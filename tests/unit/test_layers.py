@@ -15,10 +15,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "flodl_zmq"
 
 # Bottom to top. A module may import its own layer or any below it, never above.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("errors", "tensors", "threads", "mailbox", "settings"),
+    "base": ("errors", "tensors", "int8", "threads", "mailbox", "settings"),
     "wire": ("wire", "wire.records", "wire.mac", "wire.codec", "wire.shm", "endpoints"),
     "cores": (
-        "fold", "reducer", "sampling",
+        "fold", "outer", "reducer", "sampling",
         "coordinator", "coordinator.config", "coordinator.core", "coordinator.dispatch",
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",

@@ -39,7 +39,7 @@ def test_float64_model_is_refused_with_the_fix():
 def test_snapshot_is_the_flat_payload_times_the_mass():
     m = net()
     buf = ParamBuffers(m)
-    snap = buf.snapshot(3.0)
+    snap = buf.snapshot(3.0)[0]
     assert torch.equal(snap, flatten(m) * 3.0)
     assert buf.pre_norm == pytest.approx(float(flatten(m).norm()))
 
@@ -47,17 +47,17 @@ def test_snapshot_is_the_flat_payload_times_the_mass():
 def test_snapshot_reuses_one_buffer_across_rounds():
     m = net()
     buf = ParamBuffers(m)
-    first = buf.snapshot(1.0).data_ptr()
+    first = buf.snapshot(1.0)[0].data_ptr()
     with torch.no_grad():
         for p in m.parameters():
             p.add_(1.0)
-    assert buf.snapshot(2.0).data_ptr() == first
+    assert buf.snapshot(2.0)[0].data_ptr() == first
 
 
 def test_snapshot_is_a_copy_so_training_on_does_not_change_a_deposit():
     m = net()
     buf = ParamBuffers(m)
-    before = buf.snapshot(1.0).clone()
+    before = buf.snapshot(1.0)[0].clone()
     with torch.no_grad():
         next(m.parameters()).add_(5.0)
     assert torch.equal(buf.snap, before)
@@ -68,7 +68,7 @@ def test_load_overwrites_parameters_and_float_buffers():
     buf = ParamBuffers(m)
     target = torch.arange(buf.numel, dtype=torch.float32).numpy()
     target.setflags(write=False)  # received frames are read-only
-    buf.load(target)
+    buf.load([target])
     assert np.array_equal(flatten(m).numpy(), target)
     assert torch.equal(m[1].running_mean, torch.from_numpy(target[-6:-3].copy()))
 
@@ -78,7 +78,7 @@ def test_load_with_alpha_blends_towards_the_consensus():
     buf = ParamBuffers(m)
     local = flatten(m)
     cons = torch.zeros(buf.numel)
-    buf.load(cons.numpy(), alpha=0.5)
+    buf.load([cons.numpy()], alpha=0.5)
     assert torch.allclose(flatten(m), local * 0.5)
 
 
@@ -88,7 +88,7 @@ def test_divergence_is_relative_distance_between_snapshot_and_consensus():
     pre = flatten(m)
     buf.snapshot(4.0)
     cons = pre * 1.1
-    divergence, post, pre_norm = buf.load(cons.numpy())
+    divergence, post, pre_norm = buf.load([cons.numpy()])
     assert post == pytest.approx(float(cons.norm()), rel=1e-6)
     assert pre_norm == pytest.approx(float(pre.norm()), rel=1e-6)
     assert divergence == pytest.approx(float((pre - cons).norm() / cons.norm()), rel=1e-4)
@@ -98,14 +98,14 @@ def test_zero_mass_snapshot_reports_no_divergence():
     m = net()
     buf = ParamBuffers(m)
     buf.snapshot(0.0)
-    divergence, _, _ = buf.load(flatten(m).numpy())
+    divergence, _, _ = buf.load([flatten(m).numpy()])
     assert divergence is None
 
 
 def test_consensus_of_another_model_is_refused():
     buf = ParamBuffers(net())
     with pytest.raises(TrainingError, match="same model"):
-        buf.load(np.zeros(buf.numel + 1, np.float32))
+        buf.load([np.zeros(buf.numel + 1, np.float32)])
 
 
 # ---------------------------------------------------------------------------- bf16 wire
@@ -118,7 +118,7 @@ def _bf16_bits(t: torch.Tensor) -> np.ndarray:
 def test_bf16_snapshot_is_the_round_to_nearest_even_encoding_of_the_premultiplied_payload():
     m = net()
     buf = ParamBuffers(m, wire_dtype="bf16")
-    wire = buf.snapshot(3.0)
+    wire = buf.snapshot(3.0)[0]
     assert wire.dtype == torch.bfloat16 and wire.numel() == buf.numel
     expected = np.empty(buf.numel, np.uint16)
     bf16_from_f32((flatten(m) * 3.0).numpy(), expected)
@@ -133,21 +133,21 @@ def test_a_nan_parameter_goes_on_the_bf16_wire_as_the_protocol_s_quiet_nan():
         first.view(-1)[0] = float("nan")
         first.view(-1)[1] = -float("nan")
     bits = flatten(m).numpy().view(np.uint32)[:2]
-    wire = _bf16_bits(ParamBuffers(m, wire_dtype="bf16").snapshot(1.0))
+    wire = _bf16_bits(ParamBuffers(m, wire_dtype="bf16").snapshot(1.0)[0])
     np.testing.assert_array_equal(wire[:2], (bits >> 16).astype(np.uint16) | np.uint16(0x0040))
 
 
 def test_bf16_snapshot_and_consensus_reuse_their_buffers_across_rounds():
     m = net()
     buf = ParamBuffers(m, wire_dtype="bf16")
-    wire, snap = buf.snapshot(1.0).data_ptr(), buf.snap.data_ptr()
-    buf.load(_bf16_bits(buf.wire).copy())
+    wire, snap = buf.snapshot(1.0)[0].data_ptr(), buf.snap.data_ptr()
+    buf.load([_bf16_bits(buf.wire).copy()])
     widened = buf.consensus.data_ptr()
     with torch.no_grad():
         for p in m.parameters():
             p.add_(1.0)
-    assert buf.snapshot(2.0).data_ptr() == wire and buf.snap.data_ptr() == snap
-    buf.load(_bf16_bits(buf.wire).copy())
+    assert buf.snapshot(2.0)[0].data_ptr() == wire and buf.snap.data_ptr() == snap
+    buf.load([_bf16_bits(buf.wire).copy()])
     assert buf.consensus.data_ptr() == widened
 
 
@@ -155,12 +155,12 @@ def test_bf16_round_trip_loads_the_model_within_bf16_precision():
     m = net()
     before = flatten(m)
     buf = ParamBuffers(m, wire_dtype="bf16")
-    frame = _bf16_bits(buf.snapshot(1.0)).copy()
+    frame = _bf16_bits(buf.snapshot(1.0)[0]).copy()
     frame.setflags(write=False)  # received frames are read-only
     with torch.no_grad():
         for p in m.parameters():
             p.mul_(-3.0)
-    divergence, _, _ = buf.load(frame)
+    divergence, _, _ = buf.load([frame])
     after = flatten(m)
     assert torch.allclose(after, before, rtol=2**-8, atol=0.0)  # bf16 keeps 8 significant bits
     assert divergence is not None and divergence <= 2**-8
@@ -169,7 +169,7 @@ def test_bf16_round_trip_loads_the_model_within_bf16_precision():
 def test_bf16_buffers_refuse_an_f32_consensus_naming_the_wire_dtype():
     buf = ParamBuffers(net(), wire_dtype="bf16")
     with pytest.raises(TrainingError, match="wire_dtype"):
-        buf.load(np.zeros(buf.numel, np.float32))
+        buf.load([np.zeros(buf.numel, np.float32)])
 
 
 def test_unknown_wire_dtype_is_refused():
@@ -189,11 +189,11 @@ class FakeTracker:
 
 def test_snapshot_waits_until_zeromq_released_the_previous_deposit():
     buf = ParamBuffers(net())
-    buf.snapshot(1.0)
+    buf.snapshot(1.0)[0]
     buf.mark_queued()
     tracker = FakeTracker()
     buf.hold_until_sent(tracker)
-    buf.snapshot(1.0)
+    buf.snapshot(1.0)[0]
     assert tracker.waited
 
 

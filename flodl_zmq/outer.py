@@ -1,0 +1,132 @@
+"""The outer optimizer: a step the reducer takes on each consensus (DiLoCo, SlowMo).
+
+A core: no sockets, no clocks. It holds the global model and its momentum
+(both f32, flat, in payload order) and turns each round's weighted average
+into the next global model, in place:
+
+    d      = global - average                (the pseudo-gradient: what the window undid)
+    buf    = momentum * buf + d
+    update = d + momentum * buf              ("nesterov", DiLoCo) or buf ("momentum", SlowMo)
+    global = global - lr * update
+
+With lr 1 and momentum 0 the average itself is the new global model, which is
+what ``outer="none"`` does without this object. torch's ``SGD(nesterov=True)``
+gives the same numbers (its first buffer is ``d``, which ``0 * 0 + d`` is too).
+
+Rules this module keeps:
+
+- The state is f32 whatever the wire carries: a bf16 average is widened,
+  stepped and encoded back, and the kept global is never rounded, so wire
+  rounding does not accumulate in the pseudo-gradient.
+- The global model starts as the run's initial model (or the resumed one): the
+  first round's pseudo-gradient is then the first window's change, as in the
+  paper, not a step skipped.
+- A consensus that does not have the model's size is refused (ProtocolError):
+  the step must never mix two models.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flodl_zmq.errors import ConfigError, ProtocolError
+from flodl_zmq.tensors import bf16_from_f32, dtype_name, f32_from_bf16
+
+OUTERS = ("none", "nesterov", "momentum")
+# DiLoCo's (Douillard et al. 2023) outer Nesterov; SlowMo's (Wang et al. 2020) slow
+# momentum with its slow learning rate 1 and a momentum in its best range (0.6-0.8).
+DEFAULTS: dict[str, tuple[float, float]] = {"nesterov": (0.7, 0.9), "momentum": (1.0, 0.7)}
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Which outer step and its hyperparameters (``lr`` > 0, 0 <= ``momentum`` < 1)."""
+
+    kind: str
+    lr: float
+    momentum: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in DEFAULTS:
+            raise ConfigError(f"outer = {self.kind!r}: an outer step is one of {sorted(DEFAULTS)}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"outer_lr = {self.lr!r}: must be a finite number > 0")
+        if not (math.isfinite(self.momentum) and 0.0 <= self.momentum < 1.0):
+            raise ConfigError(f"outer_momentum = {self.momentum!r}: must be in [0, 1)")
+
+    @classmethod
+    def of(cls, kind: str, lr: float | None, momentum: float | None) -> OuterConfig | None:
+        """The configuration of ``outer=kind`` (None for "none"), defaults filled in per kind."""
+        if kind not in OUTERS:
+            raise ConfigError(f"outer = {kind!r}: must be one of {OUTERS}")
+        if kind == "none":
+            if lr is not None or momentum is not None:
+                raise ConfigError(
+                    "outer_lr and outer_momentum need an outer step: set outer='nesterov' or "
+                    "outer='momentum', or drop them"
+                )
+            return None
+        d_lr, d_mom = DEFAULTS[kind]
+        return cls(kind, d_lr if lr is None else float(lr), d_mom if momentum is None else float(momentum))
+
+
+class OuterOptimizer:
+    """The global model and its momentum; ``step`` turns a round's average into the next global model."""
+
+    def __init__(self, config: OuterConfig, global_model: np.ndarray, momentum: np.ndarray | None = None) -> None:
+        self.config = config
+        self.global_model = np.array(global_model, dtype=np.float32).reshape(-1)
+        self.momentum = np.zeros_like(self.global_model) if momentum is None else (
+            np.array(momentum, dtype=np.float32).reshape(-1))
+        if self.momentum.size != self.global_model.size:
+            raise ConfigError(
+                f"outer momentum has {self.momentum.size} values for a model of {self.global_model.size}: "
+                "it was saved for another model; resume with the model it was saved with"
+            )
+        self._scratch = np.empty_like(self.global_model)
+        self._lookahead = np.empty_like(self.global_model) if config.kind == "nesterov" else None
+
+    def step(self, consensus: Sequence[np.ndarray]) -> None:
+        """Replace ``consensus`` (the round's weighted average, f32 or bf16) with the next global model."""
+        sizes = [t.size for t in consensus]
+        if sum(sizes) != self.global_model.size:
+            raise ProtocolError(
+                f"outer step: the consensus has {sum(sizes)} values but the model {self.global_model.size}"
+            )
+        offset = 0
+        for t, n in zip(consensus, sizes, strict=True):
+            part = slice(offset, offset + n)
+            offset += n
+            d = self._scratch[part]
+            flat = t.reshape(-1)
+            if dtype_name(t) not in ("f32", "bf16"):
+                raise ProtocolError(f"outer step: a {dtype_name(t)} consensus cannot be stepped (f32 and bf16 only)")
+            if dtype_name(t) == "f32":
+                np.subtract(self.global_model[part], flat, out=d)
+            else:
+                f32_from_bf16(flat, d)
+                np.subtract(self.global_model[part], d, out=d)
+            self._apply(d, self.global_model[part], self.momentum[part], part)
+            if dtype_name(t) == "f32":
+                np.copyto(flat, self.global_model[part])
+            else:
+                bf16_from_f32(self.global_model[part], flat)
+
+    def _apply(self, d: np.ndarray, g: np.ndarray, buf: np.ndarray, part: slice) -> None:
+        """``g -= lr * update`` for pseudo-gradient ``d`` (overwritten), momentum ``buf`` updated."""
+        mu, lr = np.float32(self.config.momentum), np.float32(self.config.lr)
+        buf *= mu
+        buf += d
+        if self._lookahead is not None:
+            ahead = self._lookahead[part]
+            np.multiply(buf, mu, out=ahead)
+            d += ahead
+        else:
+            np.copyto(d, buf)
+        d *= lr
+        g -= d
+

@@ -1,0 +1,124 @@
+"""The outer optimizer (flodl_zmq/outer.py): its step against hand-computed numbers and torch's SGD,
+in the reducer's ledger, in the Job's keywords and in a bundle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flodl_zmq import bundle
+from flodl_zmq.datasets import digits
+from flodl_zmq.demo import cross_entropy_step, mlp, sgd
+from flodl_zmq.errors import ConfigError, ProtocolError
+from flodl_zmq.job import Job
+from flodl_zmq.outer import OuterConfig, OuterOptimizer
+from flodl_zmq.reducer import RoundLedger
+from flodl_zmq.tensors import bf16_from_f32, f32_from_bf16
+
+
+def f32(*values: float) -> np.ndarray:
+    return np.array(values, np.float32)
+
+
+def test_nesterov_steps_match_a_hand_computed_pair_of_rounds():
+    outer = OuterOptimizer(OuterConfig("nesterov", 0.7, 0.9), f32(1.0, 2.0))
+    avg = f32(0.8, 2.2)
+    outer.step([avg])
+    # d = (0.2, -0.2); buf = d; update = d + 0.9 d = 1.9 d; global = g0 - 0.7 * 1.9 d
+    np.testing.assert_allclose(avg, [0.734, 2.266], rtol=1e-6)
+    avg2 = f32(0.7, 2.3)
+    outer.step([avg2])
+    # d2 = 0.734 - 0.7 = 0.034; buf = 0.9 * 0.2 + 0.034 = 0.214; update = 0.034 + 0.9 * 0.214 = 0.2266
+    np.testing.assert_allclose(avg2, [0.734 - 0.7 * 0.2266, 2.266 + 0.7 * 0.2266], rtol=1e-6)
+    np.testing.assert_allclose(outer.momentum, [0.214, -0.214], rtol=1e-6)
+
+
+def test_momentum_step_is_slowmo_heavy_ball():
+    outer = OuterOptimizer(OuterConfig("momentum", 1.0, 0.5), f32(1.0))
+    a = f32(0.5)
+    outer.step([a])  # d = 0.5, buf = 0.5, global = 1 - 0.5
+    assert a[0] == pytest.approx(0.5)
+    b = f32(0.25)
+    outer.step([b])  # d = 0.25, buf = 0.25 + 0.25 = 0.5, global = 0.5 - 0.5
+    assert b[0] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("kind", ["nesterov", "momentum"])
+def test_outer_steps_equal_torch_sgd_on_the_pseudo_gradient(kind):
+    rng = np.random.default_rng(3)
+    g0 = rng.standard_normal(1000).astype(np.float32)
+    cfg = OuterConfig.of(kind, None, None)
+    outer = OuterOptimizer(cfg, g0)
+    p = torch.nn.Parameter(torch.from_numpy(g0.copy()))
+    opt = torch.optim.SGD([p], lr=cfg.lr, momentum=cfg.momentum, nesterov=kind == "nesterov")
+    for _ in range(5):
+        avg = (p.detach().numpy() + 0.1 * rng.standard_normal(1000)).astype(np.float32)
+        p.grad = p.detach() - torch.from_numpy(avg)
+        opt.step()
+        outer.step([avg])
+        np.testing.assert_allclose(avg, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bf16_consensus_is_stepped_in_f32_and_the_global_model_is_kept_unrounded():
+    g0 = f32(1.001, -3.3)
+    outer = OuterOptimizer(OuterConfig("nesterov", 0.7, 0.9), g0)
+    ref = OuterOptimizer(OuterConfig("nesterov", 0.7, 0.9), g0)
+    wire = bf16_from_f32(f32(0.9, -3.1), np.empty(2, np.uint16))
+    widened = f32_from_bf16(wire, np.empty(2, np.float32))
+    outer.step([wire])
+    ref.step([widened])
+    np.testing.assert_array_equal(outer.global_model, ref.global_model)
+    np.testing.assert_array_equal(wire, bf16_from_f32(ref.global_model, np.empty(2, np.uint16)))
+
+
+def test_the_ledger_publishes_the_stepped_average_and_keeps_it_for_recovery():
+    outer = OuterOptimizer(OuterConfig("nesterov", 0.7, 0.9), f32(1.0, 2.0))
+    ledger = RoundLedger({"a": [0], "b": [1]}, outer)
+    ledger.deposit("a", 0, 1.0, [f32(0.7, 2.1)])
+    out = ledger.deposit("b", 0, 3.0, [f32(2.7, 6.9)])  # average (0.85, 2.25)
+    np.testing.assert_allclose(out.tensors[0], [1.0 - 0.7 * 1.9 * 0.15, 2.0 + 0.7 * 1.9 * 0.25], rtol=1e-6)
+    assert ledger.recover(0).tensors[0] is out.tensors[0]
+
+
+def test_a_zero_mass_round_is_not_stepped():
+    outer = OuterOptimizer(OuterConfig("nesterov", 0.7, 0.9), f32(1.0))
+    ledger = RoundLedger({"a": [0]}, outer)
+    out = ledger.deposit("a", 0, 0.0, [f32(0.0)])
+    assert out.mass == 0.0
+    np.testing.assert_array_equal(outer.momentum, [0.0])
+    np.testing.assert_array_equal(outer.global_model, [1.0])
+
+
+def test_a_frame_of_another_model_size_is_refused_before_it_is_summed():
+    ledger = RoundLedger({"a": [0], "b": [1]}, OuterOptimizer(OuterConfig("momentum", 1.0, 0.7), f32(1.0, 2.0)))
+    with pytest.raises(ProtocolError, match="another model"):
+        ledger.deposit("a", 0, 1.0, [f32(1.0, 2.0, 3.0)])
+    assert ledger.round_id is None
+
+
+def job(**kw) -> Job:
+    train, _ = digits()
+    return Job(model=mlp, optimizer=sgd, train_step=cross_entropy_step, dataset=train, batch_size=32, epochs=1, **kw)
+
+
+def test_job_keywords_fill_the_paper_defaults_and_refuse_nonsense():
+    assert job().outer_config() is None
+    assert job(outer="nesterov").outer_config() == OuterConfig("nesterov", 0.7, 0.9)
+    assert job(outer="momentum", outer_lr=0.5).outer_config() == OuterConfig("momentum", 0.5, 0.7)
+    with pytest.raises(ConfigError, match="outer = 'adam'"):
+        job(outer="adam")
+    with pytest.raises(ConfigError, match="need an outer step"):
+        job(outer_lr=0.7)
+    with pytest.raises(ConfigError, match="outer_momentum"):
+        job(outer="nesterov", outer_momentum=1.0)
+    with pytest.raises(ConfigError, match="max_anchor"):
+        job(anchor=200, max_anchor=100)
+
+
+def test_a_bundle_keeps_the_outer_momentum(tmp_path):
+    stem = tmp_path / "run"
+    momentum = torch.arange(5, dtype=torch.float32)
+    bundle.save(stem, {"w": torch.zeros(5)}, {"outer": "nesterov"}, momentum)
+    assert torch.equal(bundle.load_outer(stem), momentum)
+    assert bundle.load_outer(tmp_path / "other") is None
