@@ -122,11 +122,12 @@ class CheckpointPolicy:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What one checkpoint holds: the consensus of `round` (a copy) and its meta."""
+    """What one checkpoint holds: the consensus of `round` (a copy), its meta, the outer momentum if any."""
 
     round: int
     consensus: np.ndarray
     meta: dict[str, Any]
+    outer_momentum: np.ndarray | None = None
 
 
 @dataclass
@@ -197,9 +198,10 @@ class CheckpointWriter:
         stem = stem_for(self.directory, snapshot.round)
         try:
             state = self.to_state_dict(torch.from_numpy(snapshot.consensus))
-            meta_path = bundle.save(stem, state, snapshot.meta)
+            momentum = None if snapshot.outer_momentum is None else torch.from_numpy(snapshot.outer_momentum)
+            meta_path = bundle.save(stem, state, snapshot.meta, momentum)
         except OSError as exc:
-            for p in bundle.paths(stem):  # a model without its meta is no checkpoint: do not leave it
+            for p in (*bundle.paths(stem), bundle.outer_path(stem)):  # a model without its meta is no checkpoint
                 with contextlib.suppress(OSError):
                     p.unlink()
             self.status.failed += 1
@@ -213,6 +215,7 @@ class CheckpointWriter:
         self.status.last_at, self.status.last_error = time.time(), None
         log.info("checkpoint: wrote %s (round %d)", meta_path, snapshot.round)
         for old in complete(self.directory)[:-self.keep]:
-            for p in reversed(bundle.paths(old)):  # meta first: a model without meta is no checkpoint
+            # Meta first: a model without its meta is no checkpoint.
+            for p in (*reversed(bundle.paths(old)), bundle.outer_path(old)):
                 with contextlib.suppress(OSError):
                     p.unlink()

@@ -444,9 +444,13 @@ class ControllerService:
         if not policy.due(now, rounds):
             return
         policy.taken(now, rounds)
-        self.checkpoints.submit(Snapshot(
-            self.consensus_round, self.consensus.copy(), self._bundle_meta("checkpoint", self.core.state_dict()),
-        ))
+        meta = self._bundle_meta("checkpoint", self.core.state_dict())
+        # With an outer step, the reducer's f32 global model and momentum, as `_save` keeps them.
+        outer = self.reducer.outer_state() if self.outer is not None else None
+        if outer is None:
+            self.checkpoints.submit(Snapshot(self.consensus_round, self.consensus.copy(), meta))
+        else:
+            self.checkpoints.submit(Snapshot(self.consensus_round, outer[0], meta, outer[1]))
 
     # ------------------------------------------------------------------ inbound
 

@@ -53,6 +53,17 @@ def test_the_writer_keeps_the_newest_k_and_newest_names_the_last(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
+def test_an_outer_step_s_momentum_is_kept_with_its_checkpoint_and_pruned_with_it(tmp_path):
+    for r in (3, 7, 12):
+        w = writer(tmp_path, keep=2)
+        s = snap(r)
+        w.submit(Snapshot(s.round, s.consensus, s.meta, np.full(16, -float(r), dtype=np.float32)))
+        assert w.close(10.0)
+    assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".outer.pt")) == [
+        "ckpt-r000000007.outer.pt", "ckpt-r000000012.outer.pt"]
+    assert torch.equal(bundle.load_outer(checkpoints.newest(tmp_path)), torch.full((16,), -12.0))
+
+
 def test_a_newer_snapshot_replaces_one_not_yet_written(tmp_path):
     w = writer(tmp_path, keep=5)
     with w._cv:  # hold the writer back: both submits land before it looks
