@@ -45,7 +45,9 @@ from flodl_zmq.job import Job
 from flodl_zmq.rank import RankConfig, RankRuntime, fetch_batch
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult
+from flodl_zmq.runlog import run_dir_for
 from flodl_zmq.sampling import epoch_permutation
+from flodl_zmq.settings import Settings
 
 if TYPE_CHECKING:
     from flodl_zmq.controller_service import MembershipLink
@@ -169,7 +171,11 @@ def train_alone(job: Job) -> TrainResult:
     optimizer = job.optimizer(model.parameters())
     device = torch.device("cpu")
     result = TrainResult(model=model)
-    report = RunReport(job, result, math.ceil(job.total_samples / job.batch_size), start_epoch)
+    report = RunReport(
+        job, result, math.ceil(job.total_samples / job.batch_size),
+        run_dir_for(job.run_dir, Settings.from_environ(scopes=("process",)).run_dir), start_epoch,
+    )
+    report.events.write("start", mode="alone", epochs=job.epochs, world={"local": [0]}, world_size=1)
     t_run = time.perf_counter()
     try:
         for epoch in range(start_epoch, job.epochs):
@@ -188,9 +194,10 @@ def train_alone(job: Job) -> TrainResult:
                 loss_sum += float(loss.detach())
                 batches += 1
                 report.step()
+            epoch_s = time.perf_counter() - t0
             row: dict[str, Any] = {
                 "epoch": epoch, "avg_loss": loss_sum / max(batches, 1),
-                "epoch_ms": (time.perf_counter() - t0) * 1000.0, "batch_share": [1.0],
+                "epoch_ms": epoch_s * 1000.0, "batch_share": [1.0], "throughput": [len(perm) / max(epoch_s * 1000.0, 1e-9)],
             }
             if job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
                 (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
@@ -201,10 +208,11 @@ def train_alone(job: Job) -> TrainResult:
             report.epoch(row)
     finally:
         report.close()
-    report.finish(time.perf_counter() - t_run)
-    result.batch_share = [1.0]
+    wall_s = time.perf_counter() - t_run
     if job.save_path:
         report.save(model.state_dict(), {
             "epoch": job.epochs, "global_step": None, "reason": "completed", "world_size": 1, "coordinator": None,
         })
+    report.finish(wall_s)
+    result.batch_share = [1.0]
     return result

@@ -124,6 +124,7 @@ from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult
+from flodl_zmq.runlog import run_dir_for
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Attribution, Channel, Codec
@@ -211,7 +212,8 @@ class ControllerService:
         self.dataset_sig = dataset_signature(job.dataset)
         self.result = TrainResult(model=self.model)
         self.report = RunReport(
-            job, self.result, self.config.batches_per_epoch, start_epoch, on_callback_error=self._callback_failed
+            job, self.result, self.config.batches_per_epoch, run_dir_for(job.run_dir, penv.settings.run_dir),
+            start_epoch, on_callback_error=self._callback_failed,
         )
         self.formation = Formation(
             self.world, self.model_sig, self.dataset_sig,
@@ -263,14 +265,17 @@ class ControllerService:
             control.close()
             sub.close()
             self._report_status()
-        self.report.finish(time.perf_counter() - t0)
+        wall_s = time.perf_counter() - t0
         if self.stop_error is not None:
+            self.result.reason = f"failed: {self.stop_error}"
+            self.report.finish(wall_s)
             raise self.stop_error
         load_flat(self.model, torch.from_numpy(self.consensus))
         reason = self.ended.reason if self.ended is not None else None
         self.result.reason = "completed" if reason is None else reason.value
         if self.job.save_path and reason is None:
             self._save("completed", self.core.state_dict())
+        self.report.finish(wall_s)  # after the save: the log ends with the run's end
         if reason is not None:
             raise TrainingError(
                 f"the run stopped early ({reason.value}); "
@@ -329,12 +334,24 @@ class ControllerService:
                             self.result.round_ms.append((time.perf_counter() - started) * 1000.0)
                             self._last_round_at = time.time()
                         self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
+                        self._log_round(outcome.round_id, started)
                     else:
                         self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
             if self.started:
                 self._perform(self.core.on_tick(time.monotonic()))
             if drain_until is None and (self.ended is not None or self.stop_error is not None):
                 drain_until = time.monotonic() + END_DRAIN_S
+
+    def _log_round(self, round_id: int, started: float | None) -> None:
+        """The round summary in the run log: its time, ElChe's windows, the guard's verdict."""
+        feedback = self.core.feedback
+        verdict = feedback.last_verdict
+        self.report.events.write(
+            "round", round=round_id, round_ms=self.result.round_ms[-1] if started is not None else None,
+            global_step=self.core.global_step, epoch=self.core.last_aggregated + 1,
+            counts=self.core.elche.batch_counts, anchor=self.core.elche.anchor,
+            verdict=None if verdict is None else verdict.kind.value, divergence=feedback.last_divergence,
+        )
 
     def _wake_at(self, drain_until: float | None) -> float:
         """The next moment this loop has something to do unprompted (monotonic seconds)."""
@@ -481,6 +498,10 @@ class ControllerService:
     def _formed(self) -> None:
         self.started = True
         self.report.started()
+        self.report.events.write(
+            "start", mode=self.job.mode, epochs=self.job.epochs, world_size=self.world_size,
+            world={h: list(rs) for h, rs in self.world.items()},
+        )
         if not self.job.quiet:
             print(f"world formed: {self.world_size} ranks on {len(self.world)} hosts, mode {self.job.mode}", flush=True)
         self._perform(self.core.start(time.monotonic()))
@@ -505,6 +526,7 @@ class ControllerService:
             return
         if self.core.liveness.is_live(rank):
             self.deaths[rank] = (time.time(), reason)
+            self.report.events.write("death", rank=rank, reason=reason)
             log.warning("rank %d declared dead: %s", rank, reason)
         self._perform(self.core.on_rank_death(rank, reason, time.monotonic()))
 
@@ -553,7 +575,9 @@ class ControllerService:
                 if isinstance(out.record, rec.DeclareDead):
                     rank = out.record.rank
                     if rank not in self.deaths and self.core.liveness.state(rank) is RankState.DEAD:
-                        self.deaths[rank] = (time.time(), "silent past the coordinator's heartbeat timeout, or unreachable")
+                        why = "silent past the coordinator's heartbeat timeout, or unreachable"
+                        self.deaths[rank] = (time.time(), why)
+                        self.report.events.write("death", rank=rank, reason=why)
                     self.reducer.declare_dead(rank)
                 elif isinstance(out.record, MassBound):
                     self.reducer.bound_round(out.record.round, dict(out.record.bounds))

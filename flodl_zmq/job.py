@@ -57,6 +57,9 @@ class Job:
         written by a shutdown-with-save. resume_from: a bundle stem to continue from.
     seed: shuffle and initialisation seed. torch_threads: threads per rank.
     quiet: no progress bar and no per-epoch lines.
+    run_dir: where the controller (or the process alone) writes `events.jsonl`
+        for `flodl-zmq report` (flodl_zmq/runlog.py); None: `--run-dir` /
+        FLODL_RUN_DIR, else a fresh `runs/<time>-<id>`.
     wire_dtype: what a round carries, "f32" or "bf16" (half the bytes; ranks keep
         f32 weights and the saved model is f32).
     max_failures: rank failures that end the run (with a save): a count, or a
@@ -92,6 +95,7 @@ class Job:
     wire_dtype: str = "f32"
     max_failures: int | str | None = None
     heartbeat_timeout_s: float = 30.0
+    run_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "train_step"):

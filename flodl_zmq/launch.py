@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from flodl_zmq.endpoints import OFFSETS, ControllerAddress
@@ -92,6 +93,7 @@ class Cluster:
     env_for: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     sink: Callable[[str], None] | None = None
     startup_timeout_s: float | None = None
+    run_dir: str | None = None  # the controller's run directory (--run-dir; None: its own default)
     grace_s: float = AFTER_CONTROLLER_GRACE_S  # how long ranks and relays may outlive the controller
     children: dict[str, Child] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
@@ -119,6 +121,8 @@ class Cluster:
         settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
         if self.startup_timeout_s is not None:
             settings = replace(settings, startup_timeout_s=self.startup_timeout_s)
+        if self.run_dir is not None:
+            settings = replace(settings, run_dir=self.run_dir)
         base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
         self._spawn("controller", ProcessEnv(role="controller", settings=settings, **base))
         for host, ranks in self.world.items():
@@ -265,22 +269,26 @@ def _launch_command(args: argparse.Namespace) -> int:
         raise ConfigError("launch needs a script to run: flodl-zmq launch [options] script.py [args]")
     cluster = Cluster(
         argv=argv, hosts=args.hosts, ranks_per_host=args.ranks_per_host, port=args.port,
-        slow=parse_slow(args.slow), sink=default_sink,
+        slow=parse_slow(args.slow), sink=default_sink, run_dir=args.run_dir,
     )
     return run_cluster(cluster)
 
 
 def _demo_command(args: argparse.Namespace) -> int:
     from flodl_zmq import demo
+    from flodl_zmq.runlog import default_run_dir
+    from flodl_zmq.runreport import write_report
 
     world = 4
     result: dict | None = None
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     argv = ["-m", "flodl_zmq.demo", "--epochs", str(args.epochs), "--mode", args.mode]
     if args.json:
         argv.append("--quiet")
     cluster = Cluster(
         argv=argv, hosts=2, ranks_per_host=2, slow={world - 1: args.slow} if args.slow > 1 else {},
         sink=None if args.json else (lambda line: None if demo.RESULT_TAG in line else default_sink(line)),
+        run_dir=str(run_dir.resolve()),
     )
     code = run_cluster(cluster)
     for line in cluster.lines:
@@ -292,7 +300,9 @@ def _demo_command(args: argparse.Namespace) -> int:
             print(cluster.output(), file=sys.stderr)
         print(f"flodl-zmq demo: the cluster run failed (controller exit status {code})", file=sys.stderr)
         return code or 1
-    alone = demo.trainer(args.epochs, args.mode, quiet=True).run()
+    report = write_report(run_dir)
+    # The single-process baseline keeps its own log beside the cluster's.
+    alone = demo.trainer(args.epochs, args.mode, quiet=True, run_dir=str(run_dir / "single-process")).run()
     figures = {
         "epochs": args.epochs,
         "mode": args.mode,
@@ -303,6 +313,7 @@ def _demo_command(args: argparse.Namespace) -> int:
         "batch_share": result["batch_share"],
         "cluster_wall_s": result["wall_s"],
         "single_process_wall_s": alone.wall_s,
+        "report": str(report),
     }
     if args.json:
         print(json.dumps(figures))
@@ -312,6 +323,7 @@ def _demo_command(args: argparse.Namespace) -> int:
     print(f"  test accuracy, cluster (consensus):   {result['accuracy'] * 100:.2f}%")
     print(f"  test accuracy, one process alone:     {alone.final_eval * 100:.2f}%")
     print("  batch share per rank:  " + "  ".join(f"r{i} {s * 100:.1f}%" for i, s in enumerate(result["batch_share"])))
+    print(f"  report (open in a browser):  {report}")
     return 0
 
 
@@ -326,6 +338,9 @@ def add_commands(sub: Any) -> None:
     launch.add_argument("--port", type=int, help="controller base port (default: a free one; uses PORT..PORT+3)")
     launch.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR",
                         help="emulate a slower rank (per-batch delay), e.g. --slow 3:3; repeatable")
+    launch.add_argument("--run-dir", metavar="DIR",
+                        help="the controller's run directory for events.jsonl (default: runs/TIME-ID; "
+                             "Trainer(run_dir=...) wins)")
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="script.py [args], or -- -m module [args]")
     launch.set_defaults(func=_launch_command)
     demo = sub.add_parser("demo", help="train an MLP on the packaged digits on 2 hosts x 2 ranks, one rank slowed")
@@ -333,4 +348,6 @@ def add_commands(sub: Any) -> None:
     demo.add_argument("--epochs", type=int, default=15, help="epochs (default 15)")
     demo.add_argument("--mode", default="cpu-cadence", choices=["cpu-cadence", "cpu-sync", "cpu-async"])
     demo.add_argument("--json", action="store_true", help="print only the final figures, as JSON")
+    demo.add_argument("--run-dir", metavar="DIR",
+                      help="where the run directory goes (events.jsonl, report.html; default: runs/TIME-ID)")
     demo.set_defaults(func=_demo_command)

@@ -27,7 +27,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
-        "io_threads", "result", "report",
+        "io_threads", "result", "runlog", "report", "runreport",
     ),
     "services": ("relay", "reducer_service", "membership", "controller_service", "rank"),
     "roles": ("api", "controller", "agent", "launch", "demo", "cli", "__init__"),
