@@ -44,7 +44,9 @@ runs in the same process as the membership service, linked through a
 `MembershipLink` (handed over with the role by `api.hosted`): a rank exit
 an agent reports (non-zero code) and a host whose agent fell silent are
 deaths declared at once, seconds before rank heartbeats would tell; the
-coordinator's view is reported to the membership for `flodl-zmq status`;
+coordinator's view is reported to the membership for `flodl-zmq status`
+(started any other way, `flodl-zmq launch` or compose, the controller
+answers status itself: flodl_zmq/status_server.py);
 and the controller's sockets are CURVE servers when
 the link carries keys.
 
@@ -126,6 +128,7 @@ from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult
 from flodl_zmq.runlog import run_dir_for
 from flodl_zmq.security import CurveKeys, apply_server
+from flodl_zmq.status_server import StatusServer
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire import records as rec
@@ -182,6 +185,9 @@ class ControllerService:
         self.job = job
         self.penv = penv
         self.link = link
+        # Who serves `flodl-zmq status`: the membership under `flodl-zmq controller`, else
+        # our own StatusServer on the join endpoint (set in run()).
+        self.status_sink: MembershipService | StatusServer | None = link.membership if link is not None else None
         self.curve = link.curve if link is not None else None
         self.deaths: dict[int, tuple[float, str]] = {}  # rank -> (unix time, why), failures only
         self._last_round_at: float | None = None
@@ -253,7 +259,13 @@ class ControllerService:
         if self.curve is not None:
             apply_server(control, self.curve)
         t0 = time.perf_counter()
+        status_server = None
         try:
+            if self.link is None:
+                status_server = StatusServer(
+                    self.penv.controller.endpoint(Channel.JOIN), self.penv.key, self.world, ctx)
+                status_server.start()
+                self.status_sink = status_server
             control.bind(self.penv.controller.endpoint(Channel.CONTROL))
             reducer.start()
             sub.connect(reducer.local_bcast)  # in process: no TCP copy, no CURVE
@@ -265,6 +277,8 @@ class ControllerService:
             control.close()
             sub.close()
             self._report_status()
+            if status_server is not None:
+                status_server.close()
         wall_s = time.perf_counter() - t0
         if self.stop_error is not None:
             self.result.reason = f"failed: {self.stop_error}"
@@ -316,13 +330,12 @@ class ControllerService:
                 self._flush_held(time.monotonic())
             if reducer.error is not None:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
-            if membership is not None:
-                if membership.fileno() in events:
-                    self._on_membership()
-                now = time.monotonic()
-                if now >= self._next_status:
-                    self._next_status = now + STATUS_EVERY_S
-                    self._report_status()
+            if membership is not None and membership.fileno() in events:
+                self._on_membership()
+            now = time.monotonic()
+            if self.status_sink is not None and now >= self._next_status:
+                self._next_status = now + STATUS_EVERY_S
+                self._report_status()
             if outcomes in events:
                 for outcome in reducer.completed.drain():
                     # No round opens before the world forms: an outcome then names none.
@@ -361,7 +374,7 @@ class ControllerService:
         else:
             tick = self.core.next_due()
             due.append(math.inf if tick is None else tick)
-        if self.link is not None:
+        if self.status_sink is not None:
             due.append(self._next_status)
         if self._held:
             due.append(time.monotonic() + HELD_RETRY_S)
@@ -531,11 +544,11 @@ class ControllerService:
         self._perform(self.core.on_rank_death(rank, reason, time.monotonic()))
 
     def _report_status(self) -> None:
-        """Hand the coordinator's view to the membership service, which serves `flodl-zmq status`."""
-        if self.link is None:
+        """Hand the coordinator's view to whoever serves `flodl-zmq status` (`status_sink`)."""
+        if self.status_sink is None:
             return
         states = [self.core.liveness.state(r) for r in range(self.world_size)]
-        self.link.membership.report_training({
+        self.status_sink.report_training({
             "started": self.started,
             "alive": [r for r, st in enumerate(states) if st is RankState.LIVE],
             "exited": [r for r, st in enumerate(states) if st is RankState.EXITED],
@@ -548,6 +561,11 @@ class ControllerService:
             "global_step": self.core.global_step,
             "last_round_ms": self.result.round_ms[-1] if self.result.round_ms else None,
             "last_round_at": self._last_round_at,
+            # Per rank, for `status --watch`: ElChe's window, and the last epoch's share and samples/s.
+            "window": list(self.core.elche.batch_counts),
+            "share": list(self.result.epochs[-1].get("batch_share") or []) if self.result.epochs else [],
+            "throughput": [x * 1000.0 for x in self.result.epochs[-1].get("throughput") or []]
+            if self.result.epochs else [],
             "ended": None if self.ended is None else (self.ended.reason.value if self.ended.reason else "completed"),
         })
 

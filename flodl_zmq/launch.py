@@ -41,7 +41,7 @@ from flodl_zmq.environment import CHILD_SCOPES, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import remove_local_dir
 from flodl_zmq.settings import Settings
-from flodl_zmq.wire import RUN_ID_BYTES, new_key
+from flodl_zmq.wire import RUN_ID_BYTES, key_from_hex, new_key
 from flodl_zmq.wire.shm import unlink_run
 
 AFTER_CONTROLLER_GRACE_S = 10.0
@@ -123,8 +123,16 @@ class Cluster:
             settings = replace(settings, startup_timeout_s=self.startup_timeout_s)
         if self.run_dir is not None:
             settings = replace(settings, run_dir=self.run_dir)
-        base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
+        # FLODL_KEY, when set, is the run's key, so that `flodl-zmq status` can sign with it.
+        key_hex = os.environ.get("FLODL_KEY", "").strip()
+        key = key_from_hex(key_hex) if key_hex else new_key()
+        base = dict(controller=address, key=key, run_id=self.run_id, world=self.world)
         self._spawn("controller", ProcessEnv(role="controller", settings=settings, **base))
+        # The key guards a loopback-only run and sits in every child's environment already;
+        # a generated one is shown so that the status command can be pasted as it is.
+        shown = "" if key_hex else f"FLODL_KEY={key.hex()} "
+        self._emit(f"[launch] controller at {address}; watch it with: {shown}flodl-zmq status "
+                   f"--controller {address} --watch")
         for host, ranks in self.world.items():
             self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, **base))
             for local, rank in enumerate(ranks):
@@ -155,11 +163,13 @@ class Cluster:
     def _forward(self, child: Child) -> None:
         assert child.proc.stdout is not None
         for raw in child.proc.stdout:
-            line = f"[{child.label}] {raw.decode(errors='replace').rstrip()}"
-            with self._lock:
-                self.lines.append(line)
-                if self.sink is not None:
-                    self.sink(line)
+            self._emit(f"[{child.label}] {raw.decode(errors='replace').rstrip()}")
+
+    def _emit(self, line: str) -> None:
+        with self._lock:
+            self.lines.append(line)
+            if self.sink is not None:
+                self.sink(line)
 
     def output(self) -> str:
         with self._lock:

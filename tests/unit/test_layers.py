@@ -29,7 +29,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
         "io_threads", "result", "runlog", "report", "runreport",
     ),
-    "services": ("relay", "reducer_service", "membership", "controller_service", "rank"),
+    "services": ("relay", "reducer_service", "membership", "status_server", "controller_service", "rank"),
     "roles": ("api", "controller", "agent", "launch", "demo", "cli", "__init__"),
 }
 RANK = {module: i for i, layer in enumerate(LAYERS.values()) for module in layer}
