@@ -79,7 +79,7 @@ class StatusServer:
             "phase": "formed",
             "reason": "a fixed world (launched, not joined)",
             "joined_ranks": sum(len(rs) for rs in self._world.values()),
-            "hosts": {h: {"ranks": rs, "state": "running"} for h, rs in self._world.items()},
+            "hosts": {h: {"ranks": rs, "state": "live"} for h, rs in self._world.items()},
         }
         if self._training is not None:
             out["training"] = self._training

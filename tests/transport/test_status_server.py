@@ -41,7 +41,7 @@ def test_a_launched_controller_answers_status_with_its_fixed_world_and_training_
     address, key, server, ctx = served
     status = query_status(address, key, context=ctx, timeout_s=5.0)
     assert status["phase"] == "formed" and status["joined_ranks"] == 4
-    assert status["hosts"] == {"h0": {"ranks": [0, 1], "state": "running"}, "h1": {"ranks": [2, 3], "state": "running"}}
+    assert status["hosts"] == {"h0": {"ranks": [0, 1], "state": "live"}, "h1": {"ranks": [2, 3], "state": "live"}}
     assert "training" not in status
     server.report_training(TRAINING)
     assert query_status(address, key, context=ctx, timeout_s=5.0)["training"] == TRAINING
