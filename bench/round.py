@@ -23,6 +23,14 @@ on the same bytes.
     python bench/round.py --json          # {"ratio_f32_25M": ..., "zmq_cpu_ms_f32_25M": ..., ...}
     python bench/round.py --sizes 1M --rounds 5
     python bench/round.py --transports shm,socket   # also the framed path, for comparison
+    python bench/round.py --device cuda --sizes 1M,10M --repeats 1   # CUDA ranks (scripts/gpu-check.sh)
+
+`--device cuda`: each rank's parameters live on its GPU (`cuda:LOCAL_RANK`,
+modulo the GPUs there are) and every round goes through the rank runtime's
+own CUDA path (`rank.ParamBuffers`: the snapshot copied device to host into
+pinned or shared memory, the consensus loaded back host to device); gloo
+all-reduces a tensor on the same device. Default `cpu`: numpy ranks, the
+data plane alone.
 
 Each case runs gloo and ours `--repeats` times, alternated, and takes the
 median over every measured round of every run: this machine drifts by tens
@@ -116,11 +124,11 @@ def _relay(host: str, port: int, key: bytes, run_id: bytes, ipc_dir: str, stop: 
 
 
 def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int, key: bytes, run_id: bytes,
-          ipc_dir: str, barrier: Any, out: Any, stop: Any) -> None:
+          ipc_dir: str, barrier: Any, out: Any, stop: Any, device: str = "cpu") -> None:
     import zmq
 
     from flodl_zmq.links import local_endpoints, rank_identity, rank_sender
-    from flodl_zmq.tensors import DTYPES, bf16_from_f32
+    from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32
     from flodl_zmq.wire import Channel, Codec
     from flodl_zmq.wire.records import Heartbeat, RoundFrame
     from flodl_zmq.wire.shm import (
@@ -162,11 +170,18 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
         bf16_from_f32(params, wire)
     else:
         np.copyto(wire, params)
+    buffers = None
+    if device == "cuda":
+        import torch
+
+        buffers = _cuda_buffers(rank, host, n, dtype, segment)
     mapped = SegmentMap(run_id)
     expect = sum(MASS[r] * (r + 1) for r in range(WORLD)) / sum(MASS.values())
     for round_id in range(1, rounds + 1):
         barrier.wait(timeout=120)
         t0 = time.monotonic_ns()
+        if buffers is not None:
+            wire = as_numpy(buffers.snapshot(MASS[rank]))  # device -> host, the rank's deposit buffer
         deposit = RoundFrame(round_id, rank, MASS[rank])
         if segment is None:
             data.send_multipart(codec.encode(deposit, [wire], dtypes=[dtype]), copy=False)
@@ -175,6 +190,9 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
         if not data.poll(120_000):
             raise TimeoutError(f"rank {rank}: no consensus for round {round_id}")
         env = mapped.decode(decoder, data.recv_multipart(copy=False), host_owner(host), Channel.BROADCAST, replay=False)
+        if buffers is not None:
+            buffers.load(env.payload[0])  # host -> device, as a rank adopts the consensus
+            torch.cuda.synchronize(buffers.device)
         t1 = time.monotonic_ns()
         if env.record.round != round_id:
             raise RuntimeError(f"rank {rank}: got round {env.record.round}, expected {round_id}")
@@ -190,7 +208,19 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
         segment.close()
 
 
-def zmq_rounds(n: int, dtype: str, transport: str, rounds: int, warmup: int) -> Rounds:
+def _cuda_buffers(rank: int, host: str, n: int, dtype: str, segment: Any) -> Any:
+    """The rank runtime's snapshot/load buffers over one n-element parameter on this rank's GPU."""
+    import torch
+
+    from flodl_zmq.rank import ParamBuffers
+
+    device = torch.device("cuda", HOSTS[host].index(rank) % torch.cuda.device_count())
+    holder = torch.nn.Module()
+    holder.p = torch.nn.Parameter(torch.full((n,), float(rank + 1), device=device))
+    return ParamBuffers(holder, segment, dtype)
+
+
+def zmq_rounds(n: int, dtype: str, transport: str, rounds: int, warmup: int, device: str = "cpu") -> Rounds:
     """Round times of the zmq data plane (controller, relays and ranks)."""
     import tempfile
 
@@ -206,7 +236,7 @@ def zmq_rounds(n: int, dtype: str, transport: str, rounds: int, warmup: int) -> 
     procs = {ctx.Process(target=_controller, args=(port, key, run_id, stop)): "controller"}
     procs.update({ctx.Process(target=_relay, args=(h, port, key, run_id, ipc_dir, stop)): "relay" for h in HOSTS})
     procs.update({ctx.Process(target=_rank, args=(r, h, n, dtype, transport, rounds, key, run_id, ipc_dir, barrier,
-                                                  out, stop)): "rank" for h, rs in HOSTS.items() for r in rs})
+                                                  out, stop, device)): "rank" for h, rs in HOSTS.items() for r in rs})
     for p, role in procs.items():
         start(p, role)
     try:
@@ -261,30 +291,33 @@ def summary(runs: list[Rounds], warmup: int) -> tuple[float, float]:
 # ---------------------------------------------------------------------- gloo
 
 
-def _gloo(rank: int, port: int, n: int, dtype: str, rounds: int, out: Any) -> None:
+def _gloo(rank: int, port: int, n: int, dtype: str, rounds: int, out: Any, device: str = "cpu") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    t = torch.full((n,), float(rank + 1), dtype=torch.float32 if dtype == "f32" else torch.bfloat16)
+    where = torch.device("cuda", rank % 2 % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+    t = torch.full((n,), float(rank + 1), dtype=torch.float32 if dtype == "f32" else torch.bfloat16, device=where)
     for round_id in range(1, rounds + 1):
         dist.barrier()
         t0 = time.monotonic_ns()
         dist.all_reduce(t)
         t.div_(WORLD)
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
         t1 = time.monotonic_ns()
         out.put((round_id, rank, t0, t1))
     dist.destroy_process_group()
 
 
-def gloo_rounds(n: int, dtype: str, rounds: int, warmup: int) -> Rounds:
+def gloo_rounds(n: int, dtype: str, rounds: int, warmup: int, device: str = "cpu") -> Rounds:
     from flodl_zmq.launch import free_port_base
 
     ctx = mp.get_context("spawn")
     port = free_port_base()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo, args=(r, port, n, dtype, rounds, out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_gloo, args=(r, port, n, dtype, rounds, out, device)) for r in range(WORLD)]
     for p in procs:
         start(p, "rank")  # what a gloo job's processes would get from our launcher
     try:
@@ -337,8 +370,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="runs of each side per case, alternated; the median is over every measured round")
     p.add_argument("--transports", default="shm",
                    help="comma list: shm (same-host ranks deposit and load by reference), socket (frames)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where each rank's parameters live (cuda: the rank runtime's CUDA path; see above)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = p.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda needs a GPU and a CUDA build of torch (torch.cuda.is_available() is False)")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every spawned child
     total = args.rounds + args.warmup
     transports = args.transports.split(",")
@@ -349,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
             gloo: list[Rounds] = []
             ours: dict[str, list[Rounds]] = {t: [] for t in transports}
             for _ in range(args.repeats):  # alternated, so the machine's drift hits both sides alike
-                gloo.append(gloo_rounds(n, dtype, total, args.warmup))
+                gloo.append(gloo_rounds(n, dtype, total, args.warmup, args.device))
                 for transport in transports:
-                    ours[transport].append(zmq_rounds(n, dtype, transport, total, args.warmup))
+                    ours[transport].append(zmq_rounds(n, dtype, transport, total, args.warmup, args.device))
             g, g_cpu = summary(gloo, args.warmup)
             figures[f"gloo_ms_{dtype}_{size}"] = round(g * 1e3, 2)
             figures[f"gloo_cpu_ms_{dtype}_{size}"] = round(g_cpu * 1e3, 1)

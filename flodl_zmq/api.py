@@ -47,7 +47,9 @@ from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.rank import RankConfig, RankRuntime
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult
+from flodl_zmq.runlog import run_dir_for
 from flodl_zmq.sampling import epoch_permutation
+from flodl_zmq.settings import Settings
 from flodl_zmq.training import ScalarLog, Stepper, recording
 
 if TYPE_CHECKING:
@@ -167,11 +169,13 @@ def run_relay(penv: ProcessEnv) -> int:
     return 1 if relay.error else 0
 
 
-def epoch_row(epoch: int, loss_sum: float, batches: int, t0: float, scalars: ScalarLog) -> dict[str, Any]:
-    """The row of `TrainResult.epochs` for the batches of `epoch` trained alone so far."""
+def epoch_row(epoch: int, loss_sum: float, batches: int, samples: int, t0: float,
+              scalars: ScalarLog) -> dict[str, Any]:
+    """The row of `TrainResult.epochs` for the batches (`samples`) of `epoch` trained alone so far."""
+    epoch_ms = (time.perf_counter() - t0) * 1000.0
     return {
         "epoch": epoch, "avg_loss": loss_sum / max(batches, 1),
-        "epoch_ms": (time.perf_counter() - t0) * 1000.0, "batch_share": [1.0],
+        "epoch_ms": epoch_ms, "batch_share": [1.0], "throughput": [samples / max(epoch_ms, 1e-9)],
         "scalars": {k: scalars.sums[k] / scalars.counts[k] for k in sorted(scalars.sums)},
     }
 
@@ -194,7 +198,11 @@ def train_alone(job: Job) -> TrainResult:
                              job.collate_fn)
     scalars = ScalarLog()
     result = TrainResult(model=model)
-    report = RunReport(job, result, steps_per_epoch, start_epoch)
+    report = RunReport(
+        job, result, steps_per_epoch,
+        run_dir_for(job.run_dir, Settings.from_environ(scopes=("process",)).run_dir), start_epoch,
+    )
+    report.events.write("start", mode="alone", epochs=job.epochs, world={"local": [0]}, world_size=1)
     t_run = time.perf_counter()
     try:
         with recording(scalars):
@@ -216,9 +224,9 @@ def train_alone(job: Job) -> TrainResult:
                         k = batches * job.reports_per_epoch // steps_per_epoch
                         if k > parts:
                             parts = k
-                            report.progress({**epoch_row(epoch, loss_sum, batches, t0, scalars),
+                            report.progress({**epoch_row(epoch, loss_sum, batches, min(batches * job.batch_size, len(perm)), t0, scalars),
                                              "fraction": k / job.reports_per_epoch})
-                row = epoch_row(epoch, loss_sum, batches, t0, scalars)
+                row = epoch_row(epoch, loss_sum, batches, min(batches * job.batch_size, len(perm)), t0, scalars)
                 scalars.take()
                 if job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
                     (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
@@ -230,10 +238,11 @@ def train_alone(job: Job) -> TrainResult:
     finally:
         pipeline.close()
         report.close()
-    report.finish(time.perf_counter() - t_run)
-    result.batch_share = [1.0]
+    wall_s = time.perf_counter() - t_run
     if job.save_path:
         report.save(model.state_dict(), {
             "epoch": job.epochs, "global_step": None, "reason": "completed", "world_size": 1, "coordinator": None,
         })
+    report.finish(wall_s)
+    result.batch_share = [1.0]
     return result

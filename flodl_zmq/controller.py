@@ -23,7 +23,10 @@
    after a failure they are aborted at once, with the reason.
 
 `flodl-zmq status --controller HOST:PORT` asks the membership service for
-the cohort's state (`join.status_request`, keyed like a hello) and prints it.
+the cohort's state (`join.status_request`, keyed like a hello) and prints it;
+with `--watch` it redraws a compact per-rank table every `--interval`
+seconds until the run ends. A controller started by `flodl-zmq launch`
+answers the same request itself (flodl_zmq/status_server.py).
 
 Rules this module keeps: every flag is a setting of flodl_zmq/settings.py,
 with its environment fallback, and the help says which; every wait is bounded or interruptible (SIGINT/SIGTERM
@@ -82,6 +85,7 @@ END_GRACE_S = 15.0  # after a completed run: how long agents may take to see the
 # join socket closes without lingering as this process exits.
 ABORT_FLUSH_S = 0.5
 STATUS_SENDER = "status"
+WATCH_FIRST_CONTACT_S = 60.0  # how long `status --watch` asks a controller that is not answering yet
 
 
 @dataclass(frozen=True)
@@ -348,6 +352,67 @@ def format_status(address: ControllerAddress, status: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_watch(address: ControllerAddress, status: Mapping[str, Any]) -> str:
+    """The status as one header line and a row per rank: state, window, batch share, throughput."""
+    t = status.get("training")
+    if t is None:
+        return f"controller {address}: {status['phase']} ({status['reason']}), {status['joined_ranks']} ranks joined"
+    last = "-" if t["last_round_ms"] is None else f"{t['last_round_ms']:.1f} ms"
+    lines = [
+        f"controller {address}  epoch {min(t['epoch'] + 1, t['epochs'])}/{t['epochs']}  round {t['round']}  "
+        f"step {t['global_step']}  last round {last}" + (f"  ended: {t['ended']}" if t["ended"] else ""),
+        f"{'rank':>4}  {'host':<8} {'state':<7} {'window':>6} {'share':>6} {'samples/s':>10}",
+    ]
+    state = {r: "alive" for r in t["alive"]} | {r: "exited" for r in t["exited"]} | {r: "dead" for r in t["dead"]}
+    host_of = {r: h for h, info in status.get("hosts", {}).items() for r in info["ranks"]}
+    window, share, speed = t.get("window") or [], t.get("share") or [], t.get("throughput") or []
+    for r in sorted(set(state) | set(host_of)):
+        lines.append(
+            f"{r:>4}  {host_of.get(r, '?'):<8} {state.get(r, '?'):<7} {_at(window, r, '{:d}'):>6} "
+            f"{_at(share, r, '{:.1%}'):>6} {_at(speed, r, '{:.0f}'):>10}"
+        )
+    return "\n".join(lines)
+
+
+def _at(values: Sequence[Any], i: int, fmt: str) -> str:
+    return fmt.format(values[i]) if i < len(values) and values[i] is not None else "-"
+
+
+def watch_status(
+    address: ControllerAddress, key: bytes | None, curve: CurveKeys | None, timeout_s: float, interval_s: float,
+    out: Any = None,
+) -> int:
+    """Redraw `format_watch` every `interval_s` until the run ends (0), or the controller goes quiet.
+
+    Quiet at first: a controller just launched may still be starting, so it is
+    asked again for WATCH_FIRST_CONTACT_S, then MembershipError as plain
+    `status`. Quiet after a reply: the run is over or the controller died;
+    said, and exit status 1.
+    """
+    out = out or sys.stdout
+    clear = "\x1b[H\x1b[2J" if out.isatty() else ""
+    seen = False
+    give_up = time.monotonic() + WATCH_FIRST_CONTACT_S
+    while True:
+        try:
+            status = query_status(address, key, curve, timeout_s=timeout_s)
+        except MembershipError as exc:
+            if not seen and time.monotonic() < give_up:
+                print(f"{clear}controller {address}: no reply yet, still asking", file=out, flush=True)
+                time.sleep(interval_s)
+                continue
+            if not seen:
+                raise
+            print(f"controller {address} stopped answering: {exc}", file=out, flush=True)
+            return 1
+        seen = True
+        print(clear + format_watch(address, status), file=out, flush=True)
+        t = status.get("training")
+        if t is not None and t.get("ended"):
+            return 0
+        time.sleep(interval_s)
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -386,6 +451,9 @@ def add_commands(sub: Any) -> None:
     )
     add_arguments(s, "status")
     s.add_argument("--json", action="store_true", help="print the status object as JSON")
+    s.add_argument("--watch", action="store_true",
+                   help="redraw a compact per-rank table until the run ends (Ctrl-C to stop watching)")
+    s.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between redraws (default 1)")
     s.set_defaults(func=_status_command)
 
 
@@ -454,9 +522,14 @@ def _status_command(args: argparse.Namespace) -> int:
     if not settings.controller:
         raise ConfigError("status needs the controller's address: --controller HOST:PORT (or FLODL_CONTROLLER)")
     address = ControllerAddress.parse(settings.controller)
-    status = query_status(
-        address, _session_key(os.environ), CurveKeys.for_client(os.environ, server_file=settings.curve_server_file),
-        timeout_s=settings.status_reply_timeout_s,
-    )
+    key, curve = _session_key(os.environ), CurveKeys.for_client(os.environ, server_file=settings.curve_server_file)
+    if args.watch:
+        if args.json or not args.interval > 0:
+            raise ConfigError("--watch draws a table every --interval seconds (> 0); it does not take --json")
+        try:
+            return watch_status(address, key, curve, settings.status_reply_timeout_s, args.interval)
+        except KeyboardInterrupt:
+            return 0
+    status = query_status(address, key, curve, timeout_s=settings.status_reply_timeout_s)
     print(json.dumps(status, indent=2, sort_keys=True) if args.json else format_status(address, status))
     return 0

@@ -48,7 +48,9 @@ runs in the same process as the membership service, linked through a
 `MembershipLink` (handed over with the role by `api.hosted`): a rank exit
 an agent reports (non-zero code) and a host whose agent fell silent are
 deaths declared at once, seconds before rank heartbeats would tell; the
-coordinator's view is reported to the membership for `flodl-zmq status`;
+coordinator's view is reported to the membership for `flodl-zmq status`
+(started any other way, `flodl-zmq launch` or compose, the controller
+answers status itself: flodl_zmq/status_server.py);
 and the controller's sockets are CURVE servers when
 the link carries keys.
 
@@ -133,7 +135,9 @@ from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult
+from flodl_zmq.runlog import run_dir_for
 from flodl_zmq.security import CurveKeys, apply_server
+from flodl_zmq.status_server import StatusServer
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire import records as rec
@@ -201,6 +205,9 @@ class ControllerService:
         self.job = job
         self.penv = penv
         self.link = link
+        # Who serves `flodl-zmq status`: the membership under `flodl-zmq controller`, else
+        # our own StatusServer on the join endpoint (set in run()).
+        self.status_sink: MembershipService | StatusServer | None = link.membership if link is not None else None
         self.curve = link.curve if link is not None else None
         self.deaths: dict[int, tuple[float, str]] = {}  # rank -> (unix time, why), failures only
         self._last_round_at: float | None = None
@@ -245,7 +252,8 @@ class ControllerService:
             print(f"resumed from {job.resume_from}: epoch {start_epoch + 1}, round {self.core.avg_count}, "
                   f"controller incarnation {self.incarnation}", flush=True)
         self.report = RunReport(
-            job, self.result, self.config.batches_per_epoch, start_epoch, on_callback_error=self._callback_failed
+            job, self.result, self.config.batches_per_epoch, run_dir_for(job.run_dir, penv.settings.run_dir),
+            start_epoch, on_callback_error=self._callback_failed,
         )
         self.formation = Formation(
             self.world, self.model_sig, self.dataset_sig,
@@ -292,7 +300,13 @@ class ControllerService:
         if self.curve is not None:
             apply_server(control, self.curve)
         t0 = time.perf_counter()
+        status_server = None
         try:
+            if self.link is None:
+                status_server = StatusServer(
+                    self.penv.controller.endpoint(Channel.JOIN), self.penv.key, self.world, ctx)
+                status_server.start()
+                self.status_sink = status_server
             control.bind(self.penv.controller.endpoint(Channel.CONTROL))
             reducer.start()
             sub.connect(reducer.local_bcast)  # in process: no TCP copy, no CURVE
@@ -310,14 +324,19 @@ class ControllerService:
             control.close()
             sub.close()
             self._report_status()
-        self.report.finish(time.perf_counter() - t0)
+            if status_server is not None:
+                status_server.close()
+        wall_s = time.perf_counter() - t0
         if self.stop_error is not None:
+            self.result.reason = f"failed: {self.stop_error}"
+            self.report.finish(wall_s)
             raise self.stop_error
         load_flat(self.model, torch.from_numpy(self.consensus))
         reason = self.ended.reason if self.ended is not None else None
         self.result.reason = "completed" if reason is None else reason.value
         if self.job.save_path and reason is None:
             self._save("completed", self.core.state_dict())
+        self.report.finish(wall_s)  # after the save: the log ends with the run's end
         if reason is not None:
             raise TrainingError(
                 f"the run stopped early ({reason.value}); "
@@ -371,13 +390,12 @@ class ControllerService:
                 self._flush_held(time.monotonic())
             if reducer.error is not None:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
-            if membership is not None:
-                if membership.fileno() in events:
-                    self._on_membership()
-                now = time.monotonic()
-                if now >= self._next_status:
-                    self._next_status = now + STATUS_EVERY_S
-                    self._report_status()
+            if membership is not None and membership.fileno() in events:
+                self._on_membership()
+            now = time.monotonic()
+            if self.status_sink is not None and now >= self._next_status:
+                self._next_status = now + STATUS_EVERY_S
+                self._report_status()
             if outcomes in events:
                 for outcome in reducer.completed.drain():
                     # No round opens before the world forms: an outcome then names none.
@@ -390,6 +408,7 @@ class ControllerService:
                             self._last_round_at = time.time()
                         self._completed_round = outcome.round_id
                         self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
+                        self._log_round(outcome.round_id, started)
                     else:
                         self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
             if self.started:
@@ -397,6 +416,17 @@ class ControllerService:
                 self._maybe_checkpoint()
             if drain_until is None and (self.ended is not None or self.stop_error is not None):
                 drain_until = time.monotonic() + END_DRAIN_S
+
+    def _log_round(self, round_id: int, started: float | None) -> None:
+        """The round summary in the run log: its time, ElChe's windows, the guard's verdict."""
+        feedback = self.core.feedback
+        verdict = feedback.last_verdict
+        self.report.events.write(
+            "round", round=round_id, round_ms=self.result.round_ms[-1] if started is not None else None,
+            global_step=self.core.global_step, epoch=self.core.last_aggregated + 1,
+            counts=self.core.elche.batch_counts, anchor=self.core.elche.anchor,
+            verdict=None if verdict is None else verdict.kind.value, divergence=feedback.last_divergence,
+        )
 
     def _wake_at(self, drain_until: float | None) -> float:
         """The next moment this loop has something to do unprompted (monotonic seconds)."""
@@ -406,7 +436,7 @@ class ControllerService:
         else:
             tick = self.core.next_due()
             due.append(math.inf if tick is None else tick)
-        if self.link is not None:
+        if self.status_sink is not None:
             due.append(self._next_status)
         if self._held:
             due.append(time.monotonic() + HELD_RETRY_S)
@@ -601,6 +631,10 @@ class ControllerService:
         self.report.started()
         for rank, reason in formed.absent.items():
             self.deaths[rank] = (time.time(), f"before the world formed: {reason}")
+        self.report.events.write(
+            "start", mode=self.job.mode, epochs=self.job.epochs, world_size=self.world_size,
+            world={h: list(rs) for h, rs in self.world.items()},
+        )
         if not self.job.quiet:
             absent = f", without rank(s) {sorted(formed.absent)} (gone before it formed)" if formed.absent else ""
             print(f"world formed: {len(formed.hellos)} of {self.world_size} ranks on {len(self.world)} hosts"
@@ -643,15 +677,16 @@ class ControllerService:
             return
         if self.core.liveness.is_live(rank):
             self.deaths[rank] = (time.time(), reason)
+            self.report.events.write("death", rank=rank, reason=reason)
             log.warning("rank %d declared dead: %s", rank, reason)
         self._perform(self.core.on_rank_death(rank, reason, time.monotonic()))
 
     def _report_status(self) -> None:
-        """Hand the coordinator's view to the membership service, which serves `flodl-zmq status`."""
-        if self.link is None:
+        """Hand the coordinator's view to whoever serves `flodl-zmq status` (`status_sink`)."""
+        if self.status_sink is None:
             return
         states = [self.core.liveness.state(r) for r in range(self.world_size)]
-        self.link.membership.report_training({
+        self.status_sink.report_training({
             "started": self.started,
             "alive": [r for r, st in enumerate(states) if st is RankState.LIVE],
             "exited": [r for r, st in enumerate(states) if st is RankState.EXITED],
@@ -666,6 +701,11 @@ class ControllerService:
             "last_round_at": self._last_round_at,
             "incarnation": self.incarnation,
             "checkpoint": None if self.checkpoints is None else self.checkpoints.status.to_dict(),
+            # Per rank, for `status --watch`: ElChe's window, and the last epoch's share and samples/s.
+            "window": list(self.core.elche.batch_counts),
+            "share": list(self.result.epochs[-1].get("batch_share") or []) if self.result.epochs else [],
+            "throughput": [x * 1000.0 for x in self.result.epochs[-1].get("throughput") or []]
+            if self.result.epochs else [],
             "ended": None if self.ended is None else (self.ended.reason.value if self.ended.reason else "completed"),
             "links": {
                 host: {
@@ -702,8 +742,10 @@ class ControllerService:
                 if isinstance(out.record, rec.DeclareDead):
                     rank = out.record.rank
                     if rank not in self.deaths and self.core.liveness.state(rank) is RankState.DEAD:
-                        self.deaths[rank] = (time.time(), "silent past the coordinator's heartbeat timeout, or unreachable")
-                        log.warning("rank %d declared dead: %s", rank, self.deaths[rank][1])
+                        why = "silent past the coordinator's heartbeat timeout, or unreachable"
+                        self.deaths[rank] = (time.time(), why)
+                        log.warning("rank %d declared dead: %s", rank, why)
+                        self.report.events.write("death", rank=rank, reason=why)
                     self.reducer.declare_dead(rank)
                 elif isinstance(out.record, MassBound):
                     self.reducer.bound_round(out.record.round, dict(out.record.bounds))

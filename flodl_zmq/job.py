@@ -59,6 +59,9 @@ class Job:
         written by a shutdown-with-save. resume_from: a bundle stem to continue from.
     seed: shuffle and initialisation seed. torch_threads: threads per rank.
     quiet: no progress bar and no per-epoch lines.
+    run_dir: where the controller (or the process alone) writes `events.jsonl`
+        for `flodl-zmq report` (flodl_zmq/runlog.py); None: `--run-dir` /
+        FLODL_RUN_DIR, else a fresh `runs/<time>-<id>`.
     wire_dtype: what a round carries, "f32", "bf16" (half the bytes) or "int8"
         (a quarter, with per-block scales and error feedback); ranks keep f32
         weights and the saved model is f32.
@@ -142,6 +145,7 @@ class Job:
     outer: str = "none"
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    run_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "train_step"):

@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from flodl_zmq.endpoints import OFFSETS, ControllerAddress
@@ -47,7 +48,7 @@ from flodl_zmq.environment import CHILD_SCOPES, ChildExit, ExitReports, ProcessE
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import remove_local_dir
 from flodl_zmq.settings import Settings
-from flodl_zmq.wire import RUN_ID_BYTES, new_key
+from flodl_zmq.wire import RUN_ID_BYTES, key_from_hex, new_key
 from flodl_zmq.wire.shm import unlink_run
 
 AFTER_CONTROLLER_GRACE_S = 10.0
@@ -100,6 +101,7 @@ class Cluster:
     env_for: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     sink: Callable[[str], None] | None = None
     startup_timeout_s: float | None = None
+    run_dir: str | None = None  # the controller's run directory (--run-dir; None: its own default)
     grace_s: float = AFTER_CONTROLLER_GRACE_S  # how long ranks and relays may outlive the controller
     children: dict[str, Child] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
@@ -129,14 +131,24 @@ class Cluster:
         settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
         if self.startup_timeout_s is not None:
             settings = replace(settings, startup_timeout_s=self.startup_timeout_s)
+        if self.run_dir is not None:
+            settings = replace(settings, run_dir=self.run_dir)
         # Imported here: the agent imports this module, and must never import torch (bundle does).
         from flodl_zmq import checkpoints
 
         # `auto` is chosen once, here: every process must continue the same checkpoint.
         stem = checkpoints.resolve(settings.resume, settings.checkpoint_dir)
         self._settings = replace(settings, resume=None if stem is None else str(stem))
-        self._base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
+        # FLODL_KEY, when set, is the run's key, so that `flodl-zmq status` can sign with it.
+        key_hex = os.environ.get("FLODL_KEY", "").strip()
+        key = key_from_hex(key_hex) if key_hex else new_key()
+        self._base = dict(controller=address, key=key, run_id=self.run_id, world=self.world)
         self._spawn_cohort(self._settings)
+        # The key guards a loopback-only run and sits in every child's environment already;
+        # a generated one is shown so that the status command can be pasted as it is.
+        shown = "" if key_hex else f"FLODL_KEY={key.hex()} "
+        self._emit(f"[launch] controller at {address}; watch it with: {shown}flodl-zmq status "
+                   f"--controller {address} --watch")
 
     def _spawn_cohort(self, settings: Settings) -> None:
         base = self._base
@@ -168,23 +180,16 @@ class Cluster:
         killed = signal.Signals(-code).name
         stem = checkpoints.newest(self._settings.checkpoint_dir)
         if stem is None or str(stem) == self._settings.resume:
-            self._say(f"the controller was killed by {killed} and there is no newer checkpoint in "
-                      f"{self._settings.checkpoint_dir} than the last restart's: not restarting")
+            self._emit(f"[launch] the controller was killed by {killed} and there is no newer checkpoint in "
+                       f"{self._settings.checkpoint_dir} than the last restart's: not restarting")
             return False
-        self._say(f"the controller was killed by {killed}; stopping the relays and ranks, restarting the run "
-                  f"from {stem}")
+        self._emit(f"[launch] the controller was killed by {killed}; stopping the relays and ranks, "
+                   f"restarting the run from {stem}")
         self.shutdown()
         self._settings = replace(self._settings, resume=str(stem))
         self._spawn_cohort(self._settings)
         self.restarts.append((str(stem), time.monotonic() - t0))
         return True
-
-    def _say(self, text: str) -> None:
-        line = f"[launch] {text}"
-        with self._lock:
-            self.lines.append(line)
-        if self.sink is not None:
-            self.sink(line)
 
     def _spawn(self, label: str, penv: ProcessEnv, pass_fds: tuple[int, ...] = ()) -> None:
         env = with_tunables(os.environ, penv.role)
@@ -208,13 +213,15 @@ class Cluster:
     def _forward(self, child: Child) -> None:
         assert child.proc.stdout is not None
         for raw in child.proc.stdout:
-            line = f"[{child.label}] {raw.decode(errors='replace').rstrip()}"
-            with self._lock:
-                self.lines.append(line)
-                if self.sink is not None:
-                    self.sink(line)
+            self._emit(f"[{child.label}] {raw.decode(errors='replace').rstrip()}")
         if child.report_exit:  # its output ended: it exited (or is about to)
             self._report(ChildExit(child.env.host or "", child.env.rank, child.proc.wait()))
+
+    def _emit(self, line: str) -> None:
+        with self._lock:
+            self.lines.append(line)
+            if self.sink is not None:
+                self.sink(line)
 
     def _report(self, exit: ChildExit) -> None:
         with self._lock:
@@ -341,22 +348,26 @@ def _launch_command(args: argparse.Namespace) -> int:
         raise ConfigError("launch needs a script to run: flodl-zmq launch [options] script.py [args]")
     cluster = Cluster(
         argv=argv, hosts=args.hosts, ranks_per_host=args.ranks_per_host, port=args.port,
-        slow=parse_slow(args.slow), sink=default_sink,
+        slow=parse_slow(args.slow), sink=default_sink, run_dir=args.run_dir,
     )
     return run_cluster(cluster)
 
 
 def _demo_command(args: argparse.Namespace) -> int:
     from flodl_zmq import demo
+    from flodl_zmq.runlog import default_run_dir
+    from flodl_zmq.runreport import write_report
 
     world = 4
     result: dict | None = None
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     argv = ["-m", "flodl_zmq.demo", "--epochs", str(args.epochs), "--mode", args.mode]
     if args.json:
         argv.append("--quiet")
     cluster = Cluster(
         argv=argv, hosts=2, ranks_per_host=2, slow={world - 1: args.slow} if args.slow > 1 else {},
         sink=None if args.json else (lambda line: None if demo.RESULT_TAG in line else default_sink(line)),
+        run_dir=str(run_dir.resolve()),
     )
     code = run_cluster(cluster)
     for line in cluster.lines:
@@ -368,7 +379,9 @@ def _demo_command(args: argparse.Namespace) -> int:
             print(cluster.output(), file=sys.stderr)
         print(f"flodl-zmq demo: the cluster run failed (controller exit status {code})", file=sys.stderr)
         return code or 1
-    alone = demo.trainer(args.epochs, args.mode, quiet=True).run()
+    report = write_report(run_dir)
+    # The single-process baseline keeps its own log beside the cluster's.
+    alone = demo.trainer(args.epochs, args.mode, quiet=True, run_dir=str(run_dir / "single-process")).run()
     figures = {
         "epochs": args.epochs,
         "mode": args.mode,
@@ -379,6 +392,7 @@ def _demo_command(args: argparse.Namespace) -> int:
         "batch_share": result["batch_share"],
         "cluster_wall_s": result["wall_s"],
         "single_process_wall_s": alone.wall_s,
+        "report": str(report),
     }
     if args.json:
         print(json.dumps(figures))
@@ -388,6 +402,7 @@ def _demo_command(args: argparse.Namespace) -> int:
     print(f"  test accuracy, cluster (consensus):   {result['accuracy'] * 100:.2f}%")
     print(f"  test accuracy, one process alone:     {alone.final_eval * 100:.2f}%")
     print("  batch share per rank:  " + "  ".join(f"r{i} {s * 100:.1f}%" for i, s in enumerate(result["batch_share"])))
+    print(f"  report (open in a browser):  {report}")
     return 0
 
 
@@ -402,6 +417,9 @@ def add_commands(sub: Any) -> None:
     launch.add_argument("--port", type=int, help="controller base port (default: a free one; uses PORT..PORT+3)")
     launch.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR",
                         help="emulate a slower rank (per-batch delay), e.g. --slow 3:3; repeatable")
+    launch.add_argument("--run-dir", metavar="DIR",
+                        help="the controller's run directory for events.jsonl (default: runs/TIME-ID; "
+                             "Trainer(run_dir=...) wins)")
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="script.py [args], or -- -m module [args]")
     launch.set_defaults(func=_launch_command)
     demo = sub.add_parser("demo", help="train an MLP on the packaged digits on 2 hosts x 2 ranks, one rank slowed")
@@ -409,4 +427,6 @@ def add_commands(sub: Any) -> None:
     demo.add_argument("--epochs", type=int, default=15, help="epochs (default 15)")
     demo.add_argument("--mode", default="cpu-cadence", choices=["cpu-cadence", "cpu-sync", "cpu-async"])
     demo.add_argument("--json", action="store_true", help="print only the final figures, as JSON")
+    demo.add_argument("--run-dir", metavar="DIR",
+                      help="where the run directory goes (events.jsonl, report.html; default: runs/TIME-ID)")
     demo.set_defaults(func=_demo_command)

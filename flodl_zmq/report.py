@@ -2,7 +2,8 @@
 
 `RunReport` owns, for one run, the progress bar, the per-epoch lines
 (`format_epoch`), the result rows of `TrainResult`, the user's `metrics_fn`
-call and the bundle save. `train_alone` (flodl_zmq/api.py) and the
+call, the bundle save and the run directory's event log (`events`, a
+`RunLog`: flodl_zmq/runlog.py). `train_alone` (flodl_zmq/api.py) and the
 controller (flodl_zmq/controller_service.py) both feed it, so the two paths
 print and save identically from one place: only where the numbers come
 from differs (a local loop, or the coordinator's epoch aggregates).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,14 +28,18 @@ import numpy as np
 from flodl_zmq import bundle
 from flodl_zmq.job import Job
 from flodl_zmq.result import TrainResult, format_epoch
+from flodl_zmq.runlog import RunLog
 
 
 class RunReport:
-    """One run's report: progress, epoch rows and lines, metrics_fn, the saved bundle.
+    """One run's report: progress, epoch rows and lines, metrics_fn, the saved bundle, the event log.
 
-    `batches_per_epoch`: the bar's length. `first_epoch`: the epoch the run
-    starts at (not 0 after a resume). `on_callback_error(message)`: what to
-    do when `metrics_fn` raises (None: let it raise).
+    `batches_per_epoch`: the bar's length. `run_dir`: where `events.jsonl`
+    goes (runlog.run_dir_for). `first_epoch`: the epoch the run starts at
+    (not 0 after a resume). `on_callback_error(message)`: what to do when
+    `metrics_fn` raises (None: let it raise). Epochs, evals, saves and the
+    end are logged here; the controller adds rounds and world changes with
+    `events.write`.
     """
 
     def __init__(
@@ -41,6 +47,7 @@ class RunReport:
         job: Job,
         result: TrainResult,
         batches_per_epoch: int,
+        run_dir: Path,
         first_epoch: int = 0,
         on_callback_error: Callable[[str], None] | None = None,
     ) -> None:
@@ -51,6 +58,7 @@ class RunReport:
         self._bar: Any = None
         self._bar_epoch = first_epoch
         self._t0 = time.perf_counter()
+        self.events = RunLog(run_dir)
 
     def started(self) -> None:
         """Training starts now: eval times (`eval_at_s`) count from here."""
@@ -74,6 +82,11 @@ class RunReport:
     def epoch(self, row: dict[str, Any]) -> None:
         """Epoch `row["epoch"]` is done: keep its row, print its line, call `metrics_fn`."""
         self.result.epochs.append(row)
+        self.events.write(
+            "epoch", epoch=row["epoch"], avg_loss=row["avg_loss"], epoch_ms=row["epoch_ms"],
+            batch_share=row.get("batch_share") or [],
+            throughput=[x * 1000.0 for x in row.get("throughput") or []],  # the row's samples/ms, as samples/s
+        )
         self.close()
         self._bar_epoch = row["epoch"] + 1
         if not self.job.quiet:
@@ -103,6 +116,7 @@ class RunReport:
         if row is not None:
             row["eval"] = metric
             row["eval_at_s"] = time.perf_counter() - self._t0
+        self.events.write("eval", epoch=epoch, metric=metric)
         if epoch + 1 >= self.job.epochs:
             self.result.final_eval = metric
         if by_rank is not None and not self.job.quiet:
@@ -115,6 +129,7 @@ class RunReport:
         """Write the bundle at the job's `save_path` (set); its path is the result's `saved`."""
         assert self.job.save_path, "save() needs the job's save_path"
         self.result.saved = str(bundle.save(self.job.save_path, state_dict, meta, outer_momentum))
+        self.events.write("checkpoint", path=self.result.saved, reason=meta.get("reason"), epoch=meta.get("epoch"))
         return self.result.saved
 
     def finish(self, wall_s: float) -> TrainResult:
@@ -124,6 +139,8 @@ class RunReport:
         shares = [row["batch_share"] for row in self.result.epochs if row.get("batch_share")]
         if shares:
             self.result.batch_share = [float(np.mean(col)) for col in zip(*shares, strict=True)]
+        self.events.write("end", reason=self.result.reason, wall_s=wall_s, final_eval=self.result.final_eval)
+        self.events.close()
         return self.result
 
     def close(self) -> None:

@@ -226,6 +226,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("slowdown", 1.0, "a rank emulates slower hardware by this factor (per-batch delay); set in an "
             "agent's environment it applies to every rank of that host", env=("FLODL_SLOWDOWN",),
             scope="process", minimum=1.0),
+    Setting("run_dir", None, "the run directory: events.jsonl (and report.html, `flodl-zmq report`); "
+            "Trainer(run_dir=...) wins over it", kind=str, metavar="DIR", flags=("--run-dir",),
+            env=("FLODL_RUN_DIR",), commands=("controller",), scope="process",
+            default_text="runs/TIME-ID"),
     # ---- the join link between agents and the controller
     Setting("join_heartbeat_period_s", 1.0, "how often the controller and each agent send a heartbeat on the "
             "join link", env=("FLODL_JOIN_HEARTBEAT_PERIOD",), minimum=0.0, strict=True),
@@ -315,6 +319,7 @@ class Settings:
     resume: str | None = None
     checkpoint_keep: int = BY_FIELD["checkpoint_keep"].default
     slowdown: float = BY_FIELD["slowdown"].default
+    run_dir: str | None = None
     join_heartbeat_period_s: float = BY_FIELD["join_heartbeat_period_s"].default
     host_silence_at_controller_s: float = BY_FIELD["host_silence_at_controller_s"].default
     controller_silence_at_agent_s: float = BY_FIELD["controller_silence_at_agent_s"].default

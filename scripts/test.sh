@@ -3,4 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The run report's browser test (tests/browser) drives Debian's Chromium. Install it when we
+# may (root with apt-get, as on CI); anyone else gets that one test skipped, with the reason.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+    || echo "scripts/test.sh: could not install chromium; the report's browser test will be skipped" >&2
+fi
 exec .venv/bin/python -m pytest -q "$@"

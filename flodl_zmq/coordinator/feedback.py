@@ -101,6 +101,9 @@ class WindowFeedback:
         self.overshoot = init
         self._lr: list[float | None] = [None] * world_size
         self._round_trip_ms = 0.0  # the cycle that closed the previous window
+        # The last close's verdict and worst divergence, for the run log (what the guard saw).
+        self.last_verdict: Verdict | None = None
+        self.last_divergence: float | None = None
 
     def on_lr(self, rank: int, lr: float) -> None:
         """`rank` reported its learning rate (the meta-controller reads the first rank's)."""
@@ -140,6 +143,7 @@ class WindowFeedback:
         self.ledger.reset_steps()
         self.ledger.reset_timing()
         self._round_trip_ms = round_trip_ms
+        self.last_verdict, self.last_divergence = verdict, div.max_relative_delta
         return verdict
 
     def state(self) -> ElCheState:

@@ -27,9 +27,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
-        "io_threads", "result", "report", "loader", "training", "checkpoints",
+        "io_threads", "result", "runlog", "report", "runreport", "loader", "training", "checkpoints",
     ),
-    "services": ("relay", "reducer_service", "membership", "controller_service", "rank"),
+    "services": ("relay", "reducer_service", "membership", "status_server", "controller_service", "rank"),
     "roles": ("api", "controller", "agent", "launch", "demo", "cli", "__init__"),
 }
 RANK = {module: i for i, layer in enumerate(LAYERS.values()) for module in layer}

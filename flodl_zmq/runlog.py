@@ -1,0 +1,101 @@
+"""The run directory's event log: `RUN_DIR/events.jsonl`, one JSON object per line.
+
+Every run, in a cluster or alone, leaves one behind so that a finished (or
+crashed) run can be looked at afterwards: `flodl-zmq report RUN_DIR` draws it
+(flodl_zmq/runreport.py). Each line is `{"t": unix seconds, "kind": KIND, ...}`:
+
+    start       mode, epochs, world {host: [ranks]}, world_size
+    epoch       epoch, avg_loss, epoch_ms, batch_share[r], throughput[r] (samples/s)
+    eval        epoch, metric
+    round       round, round_ms, global_step, epoch, counts[r] (ElChe's window), anchor,
+                verdict (the guard's: stable, suppress_growth, nudge_down), divergence
+    death       rank, reason
+    join, restart   rank (or host), reason: the world growing back
+    checkpoint  path, reason, epoch
+    end         reason, wall_s
+
+Rules it keeps:
+
+- The log never stalls or ends a run. Lines are written by the controller
+  side only (never a rank), each flushed as written (a crash loses at most
+  the line being written); a directory that cannot be made or a write that
+  fails (read-only, disk full) is reported once, with the path and the
+  error, and the run goes on without its log.
+- Where: `Trainer(run_dir=...)`, else `--run-dir` / FLODL_RUN_DIR of the
+  command that started the controller, else a fresh `runs/<time>-<id>` in
+  the working directory (`run_dir_for`, the one rule).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+EVENTS_FILE = "events.jsonl"
+DEFAULT_PARENT = "runs"
+
+
+def default_run_dir() -> Path:
+    """A fresh run directory under `runs/` in the working directory: `runs/20260101-120000-1a2b3c`."""
+    return Path(DEFAULT_PARENT) / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
+
+
+def run_dir_for(job_run_dir: str | os.PathLike[str] | None, settings_run_dir: str | None) -> Path:
+    """The run directory: the Trainer's `run_dir`, else the command's `--run-dir`, else a fresh default."""
+    chosen = job_run_dir if job_run_dir is not None else settings_run_dir
+    return Path(chosen) if chosen else default_run_dir()
+
+
+class RunLog:
+    """Appends events to `run_dir/events.jsonl` (module docstring: the kinds and the rules)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / EVENTS_FILE
+        self._file: IO[str] | None = None
+        self._broken = False
+
+    def write(self, kind: str, **fields: Any) -> None:
+        """Write one line `{"t": now, "kind": kind, **fields}`; a failure is logged once, never raised."""
+        if self._broken:
+            return
+        line = json.dumps({"t": time.time(), "kind": kind, **{k: _plain(v) for k, v in fields.items()}},
+                          allow_nan=False)
+        try:
+            if self._file is None:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held for the run
+            self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as exc:
+            self._broken = True
+            log.warning("run log %s disabled, the run goes on without it: %s", self.path, exc)
+            self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass  # the failed flush was reported by write()
+            self._file = None
+
+
+def _plain(value: Any) -> Any:
+    """JSON's subset of a value: tuples as lists, NaN and infinities as null, numpy scalars as numbers."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, float) or hasattr(value, "item"):
+        value = value.item() if hasattr(value, "item") else value
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+    return value

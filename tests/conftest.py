@@ -1,0 +1,12 @@
+"""Shared by every test: a run a test starts logs into that test's temp dir, not `runs/` of the checkout."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _run_dir_in_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # FLODL_RUN_DIR is read by a run alone and by every controller a test launches
+    # (flodl_zmq/runlog.py); a test that cares about the place sets its own.
+    monkeypatch.setenv("FLODL_RUN_DIR", str(tmp_path_factory.mktemp("run")))

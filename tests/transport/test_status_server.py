@@ -1,0 +1,97 @@
+"""`flodl-zmq status` against a controller with no membership service (launch, compose): StatusServer."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import zmq
+
+from flodl_zmq.controller import format_watch, query_status, watch_status
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.errors import MembershipError
+from flodl_zmq.launch import free_port_base
+from flodl_zmq.status_server import StatusServer
+from flodl_zmq.wire import Channel, new_key
+
+WORLD = {"h0": (0, 1), "h1": (2, 3)}
+TRAINING = {
+    "started": True, "alive": [0, 1, 3], "exited": [], "dead": [2], "deaths": {"2": {"at": 0.0, "reason": "gone"}},
+    "epoch": 2, "epochs": 5, "round": 9, "rounds_done": 8, "global_step": 400, "last_round_ms": 41.5,
+    "last_round_at": None, "ended": None, "window": [12, 20, 0, 4], "share": [0.3, 0.45, 0.0, 0.25],
+    "throughput": [1200.0, 1800.0, 0.0, 950.0],
+}
+
+
+@pytest.fixture
+def served():
+    ctx = zmq.Context()
+    address = ControllerAddress("127.0.0.1", free_port_base())
+    key = new_key()
+    server = StatusServer(address.endpoint(Channel.JOIN), key, WORLD, ctx)
+    server.start()
+    try:
+        yield address, key, server, ctx
+    finally:
+        server.close()
+        ctx.term()
+
+
+def test_a_launched_controller_answers_status_with_its_fixed_world_and_training_view(served):
+    address, key, server, ctx = served
+    status = query_status(address, key, context=ctx, timeout_s=5.0)
+    assert status["phase"] == "formed" and status["joined_ranks"] == 4
+    assert status["hosts"] == {"h0": {"ranks": [0, 1], "state": "live"}, "h1": {"ranks": [2, 3], "state": "live"}}
+    assert "training" not in status
+    server.report_training(TRAINING)
+    assert query_status(address, key, context=ctx, timeout_s=5.0)["training"] == TRAINING
+
+
+def test_a_status_request_with_the_wrong_key_gets_no_answer(served):
+    address, _key, server, ctx = served
+    with pytest.raises(MembershipError, match="no status reply"):
+        query_status(address, new_key(), context=ctx, timeout_s=0.5)
+    assert server.dropped >= 1
+
+
+def test_watch_draws_a_row_per_rank_and_ends_with_the_run(served):
+    address, key, server, ctx = served
+    server.report_training({**TRAINING, "ended": "completed"})
+    out = io.StringIO()
+    assert watch_status(address, key, None, timeout_s=5.0, interval_s=0.1, out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert "epoch 3/5" in lines[0] and "round 9" in lines[0] and "ended: completed" in lines[0]
+    rows = {int(line.split()[0]): line.split() for line in lines[2:]}
+    assert rows[1] == ["1", "h0", "alive", "20", "45.0%", "1800"]
+    assert rows[2][:3] == ["2", "h1", "dead"]
+
+
+def test_watch_says_when_the_controller_goes_away():
+    ctx = zmq.Context()
+    address = ControllerAddress("127.0.0.1", free_port_base())
+    key = new_key()
+    server = StatusServer(address.endpoint(Channel.JOIN), key, WORLD, ctx)
+    server.start()
+    server.report_training(TRAINING)
+    calls = {"n": 0}
+
+    class Closing(io.StringIO):
+        def write(self, text: str) -> int:
+            calls["n"] += 1
+            server.close()  # the run ended (or the controller died) after the first table
+            return super().write(text)
+
+    out = Closing()
+    try:
+        assert watch_status(address, key, None, timeout_s=0.5, interval_s=0.05, out=out) == 1
+        assert "stopped answering" in out.getvalue()
+    finally:
+        server.close()
+        ctx.term()
+
+
+def test_format_watch_before_training_is_one_line():
+    text = format_watch(ControllerAddress("127.0.0.1", 7300), {"phase": "open", "reason": "waiting", "joined_ranks": 1})
+    assert text.count("\n") == 0 and "open" in text
+
+
