@@ -14,6 +14,10 @@ Rules this module keeps:
 - **One pipe per worker, no helper threads.** A task or a result is written
   straight to the worker's pipe (a queue would hand it to a feeder thread
   first: two more wake-ups per batch, which a loaded machine makes slow).
+- **Small batches travel by value, large ones in shared memory.** Sharing a
+  tensor's memory costs a round trip to the worker per tensor while the
+  trainer unpickles it (the worker's thread hands over the descriptor); for a
+  batch under `BY_VALUE_BYTES` copying its bytes through the pipe is cheaper.
 - **Workers start before any thread does** (the owner builds the pipeline
   before it opens sockets): they are forked, and a fork copies no other
   thread, so a lock held by one would never be released in the child.
@@ -27,12 +31,15 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable
 from multiprocessing import connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -42,6 +49,7 @@ import torch.multiprocessing as mp
 from flodl_zmq.errors import TrainingError
 
 BATCH_TIMEOUT_S = 300.0
+BY_VALUE_BYTES = 1 << 20
 POLL_S = 0.5  # how often a waiting parent checks its workers, and a waiting worker its parent
 CLOSE_S = 2.0
 
@@ -122,7 +130,7 @@ class BatchPipeline:
             readable = connection.wait(self._pipes, timeout=POLL_S)
             for pipe in readable:
                 try:
-                    got, batch, error = pipe.recv()
+                    got, batch, error = pickle.loads(pipe.recv_bytes())
                 except (EOFError, OSError):
                     break  # its worker died: named just below
                 self._ready[got] = (batch, error)
@@ -203,6 +211,37 @@ def _worker(dataset: Any, collate_fn: Collate | None, pipe: Any, parent: int) ->
             return
         seq, indices = task
         try:
-            pipe.send((seq, load_batch(dataset, indices, collate_fn), None))
+            pipe.send_bytes(_dumps((seq, load_batch(dataset, indices, collate_fn), None)))
         except Exception:
-            pipe.send((seq, None, traceback.format_exc()))
+            pipe.send_bytes(_dumps((seq, None, traceback.format_exc())))
+
+
+def _dumps(message: Any) -> bytes:
+    """`message` pickled: its tensors by value when they are small, else in shared memory."""
+    if _nbytes(message) > BY_VALUE_BYTES:
+        return bytes(ForkingPickler.dumps(message))
+    buf = io.BytesIO()
+    _ByValue(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return buf.getvalue()
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+class _ByValue(pickle.Pickler):
+    """Pickles CPU tensors as numpy arrays (their bytes, no shared memory)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.requires_grad:
+            try:
+                return torch.from_numpy, (obj.numpy(),)
+            except (TypeError, RuntimeError):  # bfloat16 and other dtypes numpy lacks: torch's own pickling
+                return NotImplemented
+        return NotImplemented
