@@ -11,6 +11,13 @@ Rules this module keeps:
   are the coordinator's plan, and the data path must not reorder them.
 - **At most `num_workers * prefetch_factor` batches in flight**, so a long
   queue of spans costs no memory until it is near.
+- **One pipe per worker, no helper threads.** A task or a result is written
+  straight to the worker's pipe (a queue would hand it to a feeder thread
+  first: two more wake-ups per batch, which a loaded machine makes slow).
+- **Small batches travel by value, large ones in shared memory.** Sharing a
+  tensor's memory costs a round trip to the worker per tensor while the
+  trainer unpickles it (the worker's thread hands over the descriptor); for a
+  batch under `BY_VALUE_BYTES` copying its bytes through the pipe is cheaper.
 - **Workers start before any thread does** (the owner builds the pipeline
   before it opens sockets): they are forked, and a fork copies no other
   thread, so a lock held by one would never be released in the child.
@@ -24,12 +31,15 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import io
 import os
-import queue
+import pickle
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable
+from multiprocessing import connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -39,6 +49,7 @@ import torch.multiprocessing as mp
 from flodl_zmq.errors import TrainingError
 
 BATCH_TIMEOUT_S = 300.0
+BY_VALUE_BYTES = 1 << 20
 POLL_S = 0.5  # how often a waiting parent checks its workers, and a waiting worker its parent
 CLOSE_S = 2.0
 
@@ -82,19 +93,19 @@ class BatchPipeline:
         self._taken = 0  # sequence number of the next batch `next` returns
         self._limit = num_workers * prefetch_factor
         self._workers: list[Any] = []
-        self._tasks: list[Any] = []
+        self._pipes: list[Any] = []  # our end of each worker's duplex pipe
         if num_workers:
             ctx = mp.get_context("fork")
-            self._results = ctx.Queue()
             for i in range(num_workers):
-                tasks = ctx.Queue()
+                ours, theirs = ctx.Pipe()
                 w = ctx.Process(
-                    target=_worker, args=(dataset, collate_fn, tasks, self._results, os.getpid()),
+                    target=_worker, args=(dataset, collate_fn, theirs, os.getpid()),
                     name=f"flodl-loader-{i}", daemon=True,
                 )
                 w.start()
+                theirs.close()  # the worker holds it now; a dead worker then reads as EOF here
                 self._workers.append(w)
-                self._tasks.append(tasks)
+                self._pipes.append(ours)
 
     def extend(self, batches: Iterable[np.ndarray]) -> None:
         """Queue index batches, in training order, and start loading the nearest ones."""
@@ -116,12 +127,15 @@ class BatchPipeline:
         seq = self._taken
         deadline = time.monotonic() + BATCH_TIMEOUT_S
         while seq not in self._ready:
-            try:
-                got, batch, error = self._results.get(timeout=POLL_S)
-            except queue.Empty:
+            readable = connection.wait(self._pipes, timeout=POLL_S)
+            for pipe in readable:
+                try:
+                    got, batch, error = pickle.loads(pipe.recv_bytes())
+                except (EOFError, OSError):
+                    break  # its worker died: named just below
+                self._ready[got] = (batch, error)
+            if seq not in self._ready:
                 self._check_workers(seq, deadline)
-                continue
-            self._ready[got] = (batch, error)
         batch, error = self._ready.pop(seq)
         self._taken += 1
         if error is not None:  # raised in its turn: the batches before it train first
@@ -131,10 +145,10 @@ class BatchPipeline:
 
     def close(self) -> None:
         """Stop the workers (bounded; a worker that does not stop is killed)."""
-        for tasks in self._tasks:
+        for pipe in self._pipes:
             try:
-                tasks.put_nowait(None)
-            except Exception:  # a full or broken queue: the kill below ends the worker anyway
+                pipe.send(None)
+            except OSError:  # a worker already gone: the join below finds it ended
                 pass
         end = time.monotonic() + CLOSE_S
         for w in self._workers:
@@ -142,15 +156,14 @@ class BatchPipeline:
             if w.is_alive():
                 w.kill()
                 w.join(CLOSE_S)
-        for q in [*self._tasks, *([self._results] if self._workers else [])]:
-            q.cancel_join_thread()  # exiting must not wait on a queue no worker reads
-            q.close()
-        self._workers, self._tasks = [], []
+        for pipe in self._pipes:
+            pipe.close()
+        self._workers, self._pipes = [], []
 
     def _top_up(self) -> None:
         while self._workers and self._todo and self._submitted - self._taken < self._limit:
             seq = self._submitted
-            self._tasks[seq % len(self._tasks)].put((seq, self._todo.popleft()))
+            self._pipes[seq % len(self._pipes)].send((seq, self._todo.popleft()))
             self._submitted += 1
 
     def _check_workers(self, seq: int, deadline: float) -> None:
@@ -182,20 +195,53 @@ def _move(batch: Any, device: torch.device, pin: bool) -> Any:
     return batch
 
 
-def _worker(dataset: Any, collate_fn: Collate | None, tasks: Any, results: Any, parent: int) -> None:
+def _worker(dataset: Any, collate_fn: Collate | None, pipe: Any, parent: int) -> None:
     """A loader process: load each (seq, indices) task, answer (seq, batch, error)."""
     torch.set_num_threads(1)  # workers run side by side; one thread each keeps them off the trainer's cores
     while True:
-        try:
-            task = tasks.get(timeout=POLL_S)
-        except queue.Empty:
+        if not pipe.poll(POLL_S):
             if os.getppid() != parent:
                 return  # the training process is gone: nobody reads what we would load
             continue
+        try:
+            task = pipe.recv()
+        except EOFError:
+            return  # the trainer closed its end
         if task is None:
             return
         seq, indices = task
         try:
-            results.put((seq, load_batch(dataset, indices, collate_fn), None))
+            pipe.send_bytes(_dumps((seq, load_batch(dataset, indices, collate_fn), None)))
         except Exception:
-            results.put((seq, None, traceback.format_exc()))
+            pipe.send_bytes(_dumps((seq, None, traceback.format_exc())))
+
+
+def _dumps(message: Any) -> bytes:
+    """`message` pickled: its tensors by value when they are small, else in shared memory."""
+    if _nbytes(message) > BY_VALUE_BYTES:
+        return bytes(ForkingPickler.dumps(message))
+    buf = io.BytesIO()
+    _ByValue(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return buf.getvalue()
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+class _ByValue(pickle.Pickler):
+    """Pickles CPU tensors as numpy arrays (their bytes, no shared memory)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.requires_grad:
+            try:
+                return torch.from_numpy, (obj.numpy(),)
+            except (TypeError, RuntimeError):  # bfloat16 and other dtypes numpy lacks: torch's own pickling
+                return NotImplemented
+        return NotImplemented

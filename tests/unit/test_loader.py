@@ -122,3 +122,30 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+class Wide(Dataset):
+    """Items of `width` floats (a batch of 8 is 8 * width * 4 bytes), in `dtype`."""
+
+    def __init__(self, width: int, dtype: torch.dtype = torch.float32) -> None:
+        self.width, self.dtype = width, dtype
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        return torch.full((self.width,), float(i), dtype=self.dtype)
+
+
+@pytest.mark.parametrize(("width", "dtype"), [(4, torch.float32), (4, torch.bfloat16), (65536, torch.float32)])
+def test_small_batches_go_by_value_and_large_ones_in_shared_memory_alike(width, dtype, recwarn):
+    # 8 x 65536 floats is 2 MiB, past BY_VALUE_BYTES; bfloat16 has no numpy dtype.
+    p = BatchPipeline(Wide(width, dtype), CPU, num_workers=2)
+    try:
+        p.extend([np.arange(8), np.arange(8, 16)])
+        a, b = p.next(), p.next()
+    finally:
+        p.close()
+    assert a.dtype == dtype and a.shape == (8, width) and float(b[7, -1]) == 15.0
+    a.add_(1)  # a batch is the trainer's to change
+    assert not [w for w in recwarn if "not writable" in str(w.message)]
