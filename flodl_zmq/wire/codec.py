@@ -48,7 +48,6 @@ from flodl_zmq.errors import (
     ReplayError,
     SchemaError,
     VersionError,
-    WireError,
 )
 from flodl_zmq.tensors import DTYPES, as_numpy, dtype_name
 from flodl_zmq.wire import mac as _mac
@@ -332,16 +331,25 @@ class Codec:
         return self._decode(frames, channel, sender, replay)
 
     def authentic(self, frames: Sequence[Any]) -> bool:
-        """Whether `frames` carry a valid MAC under this codec's key, whatever their version or schema.
+        """Whether `frames` carry a valid MAC under this codec's key, in the version their header claims.
 
-        `decode` reads the version before the MAC; a receiver that must not answer
-        anyone it cannot authenticate (a join reject naming both versions) asks this first.
+        `decode` refuses another version before the MAC (VersionError); a receiver
+        that must not answer, or believe, anyone it cannot authenticate asks this
+        next. The MAC is checked under the labels of the claimed version
+        (PROTOCOL.md 12), so a genuine peer of another version is told apart
+        from a stranger and refused by name instead of met with silence.
         """
         try:
             bufs = [_mac.byte_view(f) for f in frames]
-            _mac.verify_mac(self.key, bufs[0], bufs[1:-1], bufs[-1])
+            if bufs[0].nbytes > self.limits.max_header_bytes:
+                return False
+            head = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True, **self._unpack_kwargs)
+            version = head.get("v") if isinstance(head, dict) else None
+            if type(version) is not int or version < 1:
+                return False
+            _mac.verify_mac(self.key, bufs[0], bufs[1:-1], bufs[-1], version)
             return True
-        except (WireError, ValueError, TypeError, IndexError):
+        except Exception:  # any malformed input is simply not authentic
             return False
 
     def _decode(self, frames: Sequence[Any], channel: Channel, sender: Sender | None, replay: bool) -> Envelope:
