@@ -168,8 +168,23 @@ class Attribution:
 Sender: TypeAlias = Attribution | Callable[[Any], Attribution]
 
 
+def _map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """A msgpack map as a dict, refusing a key that is not a str or that appears twice (PROTOCOL.md 3.2).
+
+    The MAC covers the bytes, not their meaning: decoders that kept different
+    copies of a repeated key would read one signed header two ways.
+    """
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError(f"a map repeats a key ({len(pairs)} entries, {len(out)} distinct keys)")
+    for k in out:
+        if type(k) is not str:
+            raise ValueError(f"map keys must be str, got {type(k).__name__}")
+    return out
+
+
 def _depth(obj: dict | list, limit: int, level: int = 1) -> None:
-    """Refuse containers nested deeper than `limit` (plain values are not visited)."""
+    """Refuse a container (map or array) at a level above `limit`; the header map is level 1, scalars count not."""
     if level > limit:
         raise SchemaError(f"header nests deeper than {limit} levels")
     for v in obj.values() if isinstance(obj, dict) else obj:
@@ -465,7 +480,8 @@ class Codec:
     def _unpack_header(self, buf: memoryview) -> dict[str, Any]:
         lim = self.limits
         try:
-            head = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True, **self._unpack_kwargs)
+            head = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True, object_pairs_hook=_map,
+                                   **self._unpack_kwargs)
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
             raise SchemaError(f"header is not valid msgpack within limits: {type(exc).__name__}: {exc}") from None
         except Exception as exc:  # msgpack raises assorted types on truncated input
