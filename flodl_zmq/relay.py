@@ -52,8 +52,8 @@ Rules this module keeps:
   payload lies in the rank's shared-memory segment and is verified there
   exactly as if it were frames. A rank that deposits by reference proved it
   shares the relay's memory, so its consensus goes by reference too: the
-  relay writes each consensus once into its host segment and sends that rank
-  the reducer's own header and MAC, which the rank verifies end to end. A
+  relay verifies the reducer's consensus, writes it once into its host segment
+  and sends that rank the same record by reference, signed by the relay. A
   rank that leaves has its segments unlinked (a SIGKILLed rank cannot).
 """
 
