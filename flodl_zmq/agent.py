@@ -496,8 +496,8 @@ class Agent:
                 return self._supervise(children)
             finally:
                 # A SIGKILLed relay or rank cannot unlink its shared-memory segments.
-                unlink_run(joined.run_id)
-                remove_local_dir(joined.run_id)  # and its ipc socket files
+                unlink_run(joined.session_key, joined.run_id)
+                remove_local_dir(joined.session_key, joined.run_id)  # and its ipc socket files
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

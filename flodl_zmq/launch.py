@@ -105,6 +105,7 @@ class Cluster:
                 raise ConfigError(f"--slow {rank}:{factor}: rank must be in 0..{world_size - 1} and factor >= 1")
         self._lock = threading.Lock()
         self.run_id: bytes | None = None
+        self.key: bytes | None = None
 
     @property
     def world(self) -> dict[str, tuple[int, ...]]:
@@ -114,12 +115,12 @@ class Cluster:
     def start(self) -> None:
         """Spawn the controller, the relays, then the ranks."""
         address = ControllerAddress("127.0.0.1", self.port or free_port_base())
-        self.run_id = os.urandom(RUN_ID_BYTES)
+        self.run_id, self.key = os.urandom(RUN_ID_BYTES), new_key()
         # The run's settings come from our environment, like the controller's; slowdowns from --slow.
         settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
         if self.startup_timeout_s is not None:
             settings = replace(settings, startup_timeout_s=self.startup_timeout_s)
-        base = dict(controller=address, key=new_key(), run_id=self.run_id, world=self.world)
+        base = dict(controller=address, key=self.key, run_id=self.run_id, world=self.world)
         self._spawn("controller", ProcessEnv(role="controller", settings=settings, **base))
         for host, ranks in self.world.items():
             self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, **base))
@@ -203,9 +204,9 @@ class Cluster:
         for c in self.children.values():
             if c.reader is not None:
                 c.reader.join(2.0)
-        if self.run_id is not None:
-            unlink_run(self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
-            remove_local_dir(self.run_id)  # nor its ipc socket files
+        if self.run_id is not None and self.key is not None:
+            unlink_run(self.key, self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
+            remove_local_dir(self.key, self.run_id)  # nor its ipc socket files
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

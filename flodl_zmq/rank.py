@@ -88,6 +88,7 @@ from flodl_zmq.wire.shm import (
     host_owner,
     is_by_reference,
     rank_owner,
+    run_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -268,7 +269,7 @@ class _Link:
     def __init__(self, cfg: RankConfig, ctx: zmq.Context, step_count: Callable[[], int]) -> None:
         self.cfg = cfg
         self.codec = Codec(cfg.key, cfg.run_id, rank_sender(cfg.rank))
-        self.mapped = SegmentMap(cfg.run_id)  # the relay's consensus segment, when it sends by reference
+        self.mapped = SegmentMap(cfg.run_id, run_dir(cfg.key, cfg.run_id))  # the relay's consensus segment, by reference
         self._from_relay = Attribution.signed_by(relay_sender(cfg.host), "this host's relay")
         self.inbox: Mailbox[tuple[str, Any]] = Mailbox()
         # None is a bare wake-up (close): the I/O thread then sees _stop.
@@ -427,7 +428,7 @@ class RankRuntime:
         same_host = cfg.data_endpoint.startswith("ipc://")
         try:
             self.buffers = ParamBuffers(
-                self.model, Segment(cfg.run_id, rank_owner(cfg.rank)) if same_host else None, job.wire_dtype
+                self.model, Segment(cfg.key, cfg.run_id, rank_owner(cfg.rank)) if same_host else None, job.wire_dtype
             )
         except ShmError as exc:  # a squatted or foreign shared-memory path: deposit framed instead
             log.error("rank %d: deposits go framed, not by reference: %s", cfg.rank, exc)
