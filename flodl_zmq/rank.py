@@ -442,6 +442,7 @@ class RankRuntime:
         self._throttled = False
         self._consensus_model: torch.nn.Module | None = None
         self._pending_round: int | None = None  # deposited, consensus not yet loaded
+        self.stale_consensus = 0  # consensus records refused by round: duplicates, late joins, replays
         self._steps_at_snapshot = 0
         self._held_plans: dict[int, rec.EpochPlan] = {}
         self._epoch_role = 0
@@ -563,7 +564,12 @@ class RankRuntime:
     def _on_consensus(self, env: Any) -> None:
         c: rec.Consensus = env.record
         if self._pending_round is None or c.round != self._pending_round:
-            return  # a round this rank did not deposit in (joined late, or a duplicate)
+            # A round this rank did not deposit in (joined late), a duplicate, or a replay: the
+            # broadcast waives the sequence check, so the round is the guard (PROTOCOL.md 5.2).
+            self.stale_consensus += 1
+            log.info("rank %d: consensus of round %d refused: not the round awaited (%s)", self.cfg.rank, c.round,
+                     self._pending_round)
+            return
         divergence = post = pre = None
         if c.mass > 0.0:
             divergence, post, pre = self.buffers.load(env.payload[0], self.alpha)
