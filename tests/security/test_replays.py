@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -68,9 +69,8 @@ class OnPath:
 
     def consensus(self, round_id: int) -> list[bytes]:
         """The recorded broadcast of `round_id`'s consensus (what the genuine reducer published)."""
-        decoder = Codec(bytes(32), bytes(16), "attacker")
         for frames in list(self.recorded):
-            head = decoder._unpack_header(memoryview(frames[0]))
+            head = msgpack.unpackb(frames[0])  # headers are not secret: the MAC authenticates, it does not hide
             if head["k"] == Consensus.KIND and head["f"]["round"] == round_id:
                 return frames
         raise AssertionError(f"no consensus of round {round_id} went by")
