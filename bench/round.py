@@ -116,7 +116,7 @@ def _relay(host: str, port: int, key: bytes, run_id: bytes, ipc_dir: str, stop: 
     )
     # declaring a busy rank dead mid-benchmark.
     cfg = RelayConfig.for_controller(host, HOSTS[host], key, run_id, ControllerAddress("127.0.0.1", port),
-                                     local_endpoints(run_id, host, ipc_dir), heartbeat_deadline_s=10.0)
+                                     local_endpoints(key, run_id, host, ipc_dir), heartbeat_deadline_s=10.0)
     relay = Relay(cfg)
     relay.start()
     stop.wait()
@@ -137,9 +137,10 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
         by_reference,
         host_owner,
         rank_owner,
+        run_dir,
     )
 
-    control_ep, data_ep = local_endpoints(run_id, host, ipc_dir)
+    control_ep, data_ep = local_endpoints(key, run_id, host, ipc_dir)
     codec = Codec(key, run_id, rank_sender(rank))
     hb_codec = Codec(key, run_id, rank_sender(rank))  # heartbeats: their own thread, their own counter
     ctx = zmq.Context()
@@ -163,7 +164,7 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
     decoder = Codec(key, run_id, "bench")
     params = np.full(n, MASS[rank] * (rank + 1), np.float32)  # pre-scaled by the mass
     # The snapshot buffer: in the rank's shared-memory segment (by reference) or its own memory.
-    segment = Segment(run_id, rank_owner(rank)) if transport == "shm" else None
+    segment = Segment(key, run_id, rank_owner(rank)) if transport == "shm" else None
     wire = np.empty(n, DTYPES[dtype]) if segment is None else np.frombuffer(
         segment.layout([n * DTYPES[dtype].itemsize])[0], DTYPES[dtype])
     if dtype == "bf16":
@@ -175,7 +176,7 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
         import torch
 
         buffers = _cuda_buffers(rank, host, n, dtype, segment)
-    mapped = SegmentMap(run_id)
+    mapped = SegmentMap(run_id, run_dir(key, run_id))
     expect = sum(MASS[r] * (r + 1) for r in range(WORLD)) / sum(MASS.values())
     for round_id in range(1, rounds + 1):
         barrier.wait(timeout=120)
@@ -247,7 +248,7 @@ def zmq_rounds(n: int, dtype: str, transport: str, rounds: int, warmup: int, dev
             p.join(10)
             if p.is_alive():
                 p.kill()
-        unlink_run(run_id)
+        unlink_run(key, run_id)
 
 
 @dataclass

@@ -515,8 +515,8 @@ class Agent:
                     code = self._supervise(children)
                 finally:
                     # A SIGKILLed relay or rank cannot unlink its shared-memory segments.
-                    unlink_run(joined.run_id)
-                    remove_local_dir(joined.run_id)  # and its ipc socket files
+                    unlink_run(joined.session_key, joined.run_id)
+                    remove_local_dir(joined.session_key, joined.run_id)  # and its ipc socket files
                 if not self._lost_controller or not self.config.grace_s or self._stop_reason is not None:
                     return code
                 joined = self._rejoin(joined)

@@ -126,7 +126,7 @@ def run_rank(job: Job, penv: ProcessEnv) -> int:
     from flodl_zmq.links import local_endpoints
 
     assert penv.host is not None and penv.rank is not None and penv.local_rank is not None
-    control, data = local_endpoints(penv.run_id, penv.host)
+    control, data = local_endpoints(penv.key, penv.run_id, penv.host)
     s = penv.settings
     cfg = RankConfig(
         rank=penv.rank, local_rank=penv.local_rank, world_size=penv.world_size, host=penv.host,

@@ -117,6 +117,7 @@ class Cluster:
         self.run_id: bytes | None = None
         self._exits: int | None = None  # write end of the controller's FLODL_EXIT_FD pipe
         self.restarts: list[tuple[str, float]] = []  # (checkpoint, seconds from the kill to the respawn)
+        self.key: bytes | None = None
 
     @property
     def world(self) -> dict[str, tuple[int, ...]]:
@@ -126,7 +127,7 @@ class Cluster:
     def start(self) -> None:
         """Spawn the controller, the relays, then the ranks."""
         address = ControllerAddress("127.0.0.1", self.port or free_port_base())
-        self.run_id = os.urandom(RUN_ID_BYTES)
+        self.run_id, self.key = os.urandom(RUN_ID_BYTES), new_key()
         # The run's settings come from our environment, like the controller's; slowdowns from --slow.
         settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
         if self.startup_timeout_s is not None:
@@ -141,7 +142,7 @@ class Cluster:
         self._settings = replace(settings, resume=None if stem is None else str(stem))
         # FLODL_KEY, when set, is the run's key, so that `flodl-zmq status` can sign with it.
         key_hex = os.environ.get("FLODL_KEY", "").strip()
-        key = key_from_hex(key_hex) if key_hex else new_key()
+        key = self.key = key_from_hex(key_hex) if key_hex else new_key()
         self._base = dict(controller=address, key=key, run_id=self.run_id, world=self.world)
         self._spawn_cohort(self._settings)
         # The key guards a loopback-only run and sits in every child's environment already;
@@ -286,9 +287,9 @@ class Cluster:
             if self._exits is not None:
                 os.close(self._exits)
                 self._exits = None
-        if self.run_id is not None:
-            unlink_run(self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
-            remove_local_dir(self.run_id)  # nor its ipc socket files
+        if self.run_id is not None and self.key is not None:
+            unlink_run(self.key, self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
+            remove_local_dir(self.key, self.run_id)  # nor its ipc socket files
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -50,6 +50,7 @@ from flodl_zmq.endpoints import is_loopback_endpoint
 from flodl_zmq.errors import PrivateDirError
 from flodl_zmq.wire import Attribution, Limits
 from flodl_zmq.wire.records import Channel
+from flodl_zmq.wire.shm import private_dir_name
 
 RELAY_ROUTE = b""  # route frame of the relay's own control records
 TAG_DATA = Channel.DATA.value.encode()
@@ -95,18 +96,18 @@ def relay_identity(host: str, incarnation: bytes) -> bytes:
     return f"relay:{host[:200]}:{incarnation.hex()}".encode()
 
 
-def _local_dir_path(run_id: bytes, base: str | None) -> str:
+def _local_dir_path(key: bytes, run_id: bytes, base: str | None) -> str:
     base = base or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return os.path.join(base, "flodl-" + hashlib.sha256(b"flodl-ipc\0" + run_id).hexdigest()[:16])
+    return os.path.join(base, private_dir_name(key, run_id, "ipc"))
 
 
-def remove_local_dir(run_id: bytes, base: str | None = None) -> None:
+def remove_local_dir(key: bytes, run_id: bytes, base: str | None = None) -> None:
     """Remove the run's `local_dir` and what is left in it (a SIGKILLed relay's sockets); never raises.
 
     Whoever started the run's processes calls it once they are gone; a path
     that is not our own private directory is left alone.
     """
-    path = _local_dir_path(run_id, base)
+    path = _local_dir_path(key, run_id, base)
     try:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
@@ -119,15 +120,17 @@ def remove_local_dir(run_id: bytes, base: str | None = None) -> None:
         pass
 
 
-def local_dir(run_id: bytes, base: str | None = None) -> str:
+def local_dir(key: bytes, run_id: bytes, base: str | None = None) -> str:
     """The run's private directory for ipc:// socket files: created 0700, or checked to be ours.
 
-    Under $XDG_RUNTIME_DIR (per user) when set, else the temp dir. Its name is a
-    hash of the run id, so a world-listable /tmp shows nothing of the run. A
-    path that is not a directory of this user with mode 0700 raises
-    PrivateDirError: another user could otherwise bind a relay's socket first.
+    Under $XDG_RUNTIME_DIR (per user) when set, else the temp dir. Its name is an
+    HMAC of the run id under the session key (`private_dir_name`): a
+    world-listable /tmp shows nothing of the run, and nobody without the key
+    can create it first to block the relay. A path that is not a directory of
+    this user with mode 0700 raises PrivateDirError: another user could
+    otherwise bind a relay's socket first.
     """
-    path = _local_dir_path(run_id, base)
+    path = _local_dir_path(key, run_id, base)
     try:
         os.mkdir(path, 0o700)
         os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
@@ -147,9 +150,9 @@ def local_dir(run_id: bytes, base: str | None = None) -> str:
     return path
 
 
-def local_endpoints(run_id: bytes, host: str, directory: str | None = None) -> tuple[str, str]:
+def local_endpoints(key: bytes, run_id: bytes, host: str, directory: str | None = None) -> tuple[str, str]:
     """Default ipc:// endpoints (control, data) of a host's relay, in the run's private `local_dir`."""
-    d = directory or local_dir(run_id)
+    d = directory or local_dir(key, run_id)
     name = hashlib.sha256(host.encode()).hexdigest()[:12]
     return f"ipc://{os.path.join(d, name)}-control", f"ipc://{os.path.join(d, name)}-data"
 

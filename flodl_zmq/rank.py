@@ -103,6 +103,7 @@ from flodl_zmq.wire.shm import (
     host_owner,
     is_by_reference,
     rank_owner,
+    run_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -298,7 +299,7 @@ class _Link:
     def __init__(self, cfg: RankConfig, ctx: zmq.Context, step_count: Callable[[], int]) -> None:
         self.cfg = cfg
         self.codec = Codec(cfg.key, cfg.run_id, rank_sender(cfg.rank))
-        self.mapped = SegmentMap(cfg.run_id)  # the relay's consensus segment, when it sends by reference
+        self.mapped = SegmentMap(cfg.run_id, run_dir(cfg.key, cfg.run_id))  # the relay's consensus segment, by reference
         self._from_relay = Attribution.signed_by(relay_sender(cfg.host), "this host's relay")
         self.inbox: Mailbox[tuple[str, Any]] = Mailbox()
         # None is a bare wake-up (close): the I/O thread then sees _stop.
@@ -499,7 +500,7 @@ class RankRuntime:
         same_host = cfg.data_endpoint.startswith("ipc://")
         try:
             self.buffers = ParamBuffers(
-                self.model, Segment(cfg.run_id, rank_owner(cfg.rank)) if same_host else None, job.wire_dtype
+                self.model, Segment(cfg.key, cfg.run_id, rank_owner(cfg.rank)) if same_host else None, job.wire_dtype
             )
         except ShmError as exc:  # a squatted or foreign shared-memory path: deposit framed instead
             log.error("rank %d: deposits go framed, not by reference: %s", cfg.rank, exc)
@@ -514,6 +515,7 @@ class RankRuntime:
         self._throttled = False
         self._consensus_model: torch.nn.Module | None = None
         self._pending_round: int | None = None  # deposited, consensus not yet loaded
+        self.stale_consensus = 0  # consensus records refused by round: duplicates, late joins, replays
         self._steps_at_snapshot = 0
         self._held_plans: dict[int, rec.EpochPlan] = {}
         self._epoch_role = 0
@@ -644,7 +646,12 @@ class RankRuntime:
     def _on_consensus(self, env: Any) -> None:
         c: rec.Consensus = env.record
         if self._pending_round is None or c.round != self._pending_round:
-            return  # a round this rank did not deposit in (joined late, or a duplicate)
+            # A round this rank did not deposit in (joined late), a duplicate, or a replay: the
+            # broadcast waives the sequence check, so the round is the guard (PROTOCOL.md 5.2).
+            self.stale_consensus += 1
+            log.info("rank %d: consensus of round %d refused: not the round awaited (%s)", self.cfg.rank, c.round,
+                     self._pending_round)
+            return
         divergence = post = pre = None
         if c.mass > 0.0:
             divergence, post, pre = self.buffers.load(env.payload, self.alpha)

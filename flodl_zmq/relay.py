@@ -58,8 +58,8 @@ Rules this module keeps:
   payload lies in the rank's shared-memory segment and is verified there
   exactly as if it were frames. A rank that deposits by reference proved it
   shares the relay's memory, so its consensus goes by reference too: the
-  relay writes each consensus once into its host segment and sends that rank
-  the reducer's own header and MAC, which the rank verifies end to end. A
+  relay verifies the reducer's consensus, writes it once into its host segment
+  and sends that rank the same record by reference, signed by the relay. A
   rank that leaves has its segments unlinked (a SIGKILLed rank cannot).
 """
 
@@ -138,6 +138,7 @@ from flodl_zmq.wire.shm import (
     host_owner,
     is_by_reference,
     rank_owner,
+    run_dir,
     unlink_owner,
 )
 
@@ -197,7 +198,7 @@ class RelayConfig:
         **timing: Any,
     ) -> RelayConfig:
         """A relay of `controller`; local endpoints default to per-run ipc:// paths."""
-        control, data = local or local_endpoints(run_id, host)
+        control, data = local or local_endpoints(key, run_id, host)
         return cls(
             host=host,
             ranks=tuple(sorted(int(r) for r in ranks)),
@@ -606,10 +607,10 @@ class _DataPlane:
         self.cfg = relay.config
         self.count = relay._counts["data"]
         self.fold, self.watch, self.stop = relay.fold, relay.watch, relay._stop
-        self.mapped = SegmentMap(self.cfg.run_id)  # the ranks' deposit segments, read-only
+        self.mapped = SegmentMap(self.cfg.run_id, run_dir(self.cfg.key, self.cfg.run_id))  # the ranks' deposits, read-only
         self.segment: Segment | None = None  # where consensus goes by reference (None: framed to everyone)
         try:
-            self.segment = Segment(self.cfg.run_id, host_owner(self.cfg.host))
+            self.segment = Segment(self.cfg.key, self.cfg.run_id, host_owner(self.cfg.host))
         except ShmError as exc:
             self.shm_unusable(exc)
         self.by_reference: set[int] = set()  # ranks that deposit by reference

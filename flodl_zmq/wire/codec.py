@@ -50,7 +50,6 @@ from flodl_zmq.errors import (
     ReplayError,
     SchemaError,
     VersionError,
-    WireError,
 )
 from flodl_zmq.tensors import DTYPES, as_numpy, dtype_name
 from flodl_zmq.wire import mac as _mac
@@ -210,8 +209,23 @@ class Attribution:
 Sender: TypeAlias = Attribution | Callable[[Any], Attribution]
 
 
+def _map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """A msgpack map as a dict, refusing a key that is not a str or that appears twice (PROTOCOL.md 3.2).
+
+    The MAC covers the bytes, not their meaning: decoders that kept different
+    copies of a repeated key would read one signed header two ways.
+    """
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError(f"a map repeats a key ({len(pairs)} entries, {len(out)} distinct keys)")
+    for k in out:
+        if type(k) is not str:
+            raise ValueError(f"map keys must be str, got {type(k).__name__}")
+    return out
+
+
 def _depth(obj: dict | list, limit: int, level: int = 1) -> None:
-    """Refuse containers nested deeper than `limit` (plain values are not visited)."""
+    """Refuse a container (map or array) at a level above `limit`; the header map is level 1, scalars count not."""
     if level > limit:
         raise SchemaError(f"header nests deeper than {limit} levels")
     for v in obj.values() if isinstance(obj, dict) else obj:
@@ -373,16 +387,25 @@ class Codec:
         return self._decode(frames, channel, sender, replay)
 
     def authentic(self, frames: Sequence[Any]) -> bool:
-        """Whether `frames` carry a valid MAC under this codec's key, whatever their version or schema.
+        """Whether `frames` carry a valid MAC under this codec's key, in the version their header claims.
 
-        `decode` reads the version before the MAC; a receiver that must not answer
-        anyone it cannot authenticate (a join reject naming both versions) asks this first.
+        `decode` refuses another version before the MAC (VersionError); a receiver
+        that must not answer, or believe, anyone it cannot authenticate asks this
+        next. The MAC is checked under the labels of the claimed version
+        (PROTOCOL.md 12), so a genuine peer of another version is told apart
+        from a stranger and refused by name instead of met with silence.
         """
         try:
             bufs = [_mac.byte_view(f) for f in frames]
-            _mac.verify_mac(self.key, bufs[0], bufs[1:-1], bufs[-1])
+            if bufs[0].nbytes > self.limits.max_header_bytes:
+                return False
+            head = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True, **self._unpack_kwargs)
+            version = head.get("v") if isinstance(head, dict) else None
+            if type(version) is not int or version < 1:
+                return False
+            _mac.verify_mac(self.key, bufs[0], bufs[1:-1], bufs[-1], version)
             return True
-        except (WireError, ValueError, TypeError, IndexError):
+        except Exception:  # any malformed input is simply not authentic
             return False
 
     def _decode(self, frames: Sequence[Any], channel: Channel, sender: Sender | None, replay: bool) -> Envelope:
@@ -499,7 +522,8 @@ class Codec:
     def _unpack_header(self, buf: memoryview) -> dict[str, Any]:
         lim = self.limits
         try:
-            head = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True, **self._unpack_kwargs)
+            head = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True, object_pairs_hook=_map,
+                                   **self._unpack_kwargs)
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
             raise SchemaError(f"header is not valid msgpack within limits: {type(exc).__name__}: {exc}") from None
         except Exception as exc:  # msgpack raises assorted types on truncated input

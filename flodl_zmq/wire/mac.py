@@ -41,9 +41,7 @@ from flodl_zmq.errors import AuthError, ConfigError
 
 KEY_BYTES = 32
 MAC_BYTES = 32
-PAYLOAD_KEY_LABEL = b"flodl-zmq/3/payload-key\x00"
-MAC_LABEL = b"flodl-zmq/3/mac\x00"
-REFERENCE_MAC_LABEL = b"flodl-zmq/3/by-reference\x00"
+LABEL_VERSION = 4  # the protocol version this build signs under: codec.PROTOCOL_VERSION (a test keeps them equal)
 GMAC_BLOCK = 1 << 20  # bytes per block tag: parallel grain, ~5% call overhead over one whole-frame tag
 
 Buffer = bytes | bytearray | memoryview
@@ -78,9 +76,20 @@ def key_from_hex(text: str) -> bytes:
     return check_key(key)
 
 
-def payload_tag(key: bytes, header: Buffer, payloads: Sequence[Buffer]) -> bytes:
+def label(use: str, version: int | None = None) -> bytes:
+    """The HMAC label `flodl-zmq/<version>/<use>` || 0x00 (PROTOCOL.md 4.2).
+
+    It names the version the header claims, so a receiver can authenticate a
+    peer of another version (under that version's label) before refusing it
+    by name, instead of dropping its messages as forgeries (PROTOCOL.md 12).
+    None: this build's version.
+    """
+    return f"flodl-zmq/{LABEL_VERSION if version is None else version}/{use}".encode() + b"\x00"
+
+
+def payload_tag(key: bytes, header: Buffer, payloads: Sequence[Buffer], version: int | None = None) -> bytes:
     """Per payload frame: its u64 length, then the GMAC tag of each GMAC_BLOCK-byte block."""
-    gcm = AESGCM(hmac.new(key, PAYLOAD_KEY_LABEL + bytes(header), hashlib.sha256).digest())
+    gcm = AESGCM(hmac.new(key, label("payload-key", version) + bytes(header), hashlib.sha256).digest())
     frames = [byte_view(frame) for frame in payloads]
     blocks = [
         (_NONCE.pack(i, j), view[start:start + GMAC_BLOCK])
@@ -107,15 +116,19 @@ def byte_view(frame: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def compute_mac(key: bytes, header: Buffer, payloads: Sequence[Buffer]) -> bytes:
-    """The 32-byte MAC frame for a message: HMAC-SHA256 over the header and the payload tag."""
+def compute_mac(key: bytes, header: Buffer, payloads: Sequence[Buffer], version: int | None = None) -> bytes:
+    """The 32-byte MAC frame for a message: HMAC-SHA256 over the header and the payload tag.
+
+    `version` is the protocol version whose labels sign it: this build's, or
+    the one a received header claims (`Codec.authentic`).
+    """
     header = bytes(header)
-    mac = hmac.new(key, MAC_LABEL, hashlib.sha256)
+    mac = hmac.new(key, label("mac", version), hashlib.sha256)
     mac.update(_U32.pack(len(payloads)))
     mac.update(_U64.pack(len(header)))
     mac.update(header)
     if payloads:
-        mac.update(payload_tag(key, header, payloads))
+        mac.update(payload_tag(key, header, payloads, version))
     return mac.digest()
 
 
@@ -125,7 +138,7 @@ def reference_mac(key: bytes, header: Buffer, locator: Buffer) -> bytes:
     Its own label keeps it from ever validating a framed message, or the reverse.
     """
     header, locator = bytes(header), bytes(locator)
-    mac = hmac.new(key, REFERENCE_MAC_LABEL, hashlib.sha256)
+    mac = hmac.new(key, label("by-reference"), hashlib.sha256)
     mac.update(_U64.pack(len(header)))
     mac.update(header)
     mac.update(_U64.pack(len(locator)))
@@ -133,9 +146,11 @@ def reference_mac(key: bytes, header: Buffer, locator: Buffer) -> bytes:
     return mac.digest()
 
 
-def verify_mac(key: bytes, header: Buffer, payloads: Sequence[Buffer], tag: Buffer) -> None:
+def verify_mac(
+    key: bytes, header: Buffer, payloads: Sequence[Buffer], tag: Buffer, version: int | None = None
+) -> None:
     """Raise AuthError unless `tag` is the MAC of this header and these payload frames."""
-    _compare(compute_mac(key, header, payloads), tag)
+    _compare(compute_mac(key, header, payloads, version), tag)
 
 
 def verify_reference_mac(key: bytes, header: Buffer, locator: Buffer, tag: Buffer) -> None:

@@ -25,15 +25,19 @@ Rules this module keeps:
   receiver attributes the message to (a rank's own segment for its deposit,
   its relay's for a consensus), in the shared-memory directory, with every
   frame inside the segment. A receiver never opens any other file.
-- Segments live in the run's private directory, ``<shm>/flodl-<run id hex>``
-  (``run_dir``): created 0700 by the run's first process on the host, and
-  used by the others only if it is a real directory (never a symlink) of
-  their own user that no group or other user may enter. Segment names are
-  predictable and /dev/shm is world-writable, so without it a local user
-  could squat a name ahead of the owner (its exclusive create would fail) or
-  plant files for cleanup to trip on. A directory that fails the check
-  raises ShmError naming the cause and fix; the relay and the ranks then
-  send payloads framed instead (slower, never stopped).
+- Segments live in the run's private directory, ``<shm>/flodl-<24 hex>``
+  (``run_dir``), its name an HMAC of the run id under the session key
+  (``private_dir_name``): every process of the run finds it without being
+  told, and no one without the key can predict it. It is created 0700 by the
+  run's first process on the host (mkdir: exclusive), and used by the others
+  only if it is a real directory (never a symlink) of their own user that no
+  group or other user may enter. Segment names are predictable and /dev/shm
+  is world-writable, so without it a local user could squat a name ahead of
+  the owner (its exclusive create would fail) or plant files for cleanup to
+  trip on; with a name derived from the run id alone (world-readable in
+  every header) a user could squat the directory itself. A directory that
+  fails the check raises ShmError naming the cause and fix; the relay and the
+  ranks then send payloads framed instead (slower, never stopped).
 - Cleanup never raises: it unlinks only inside a run directory that passes
   the check, and a file it cannot remove is skipped.
 - A segment is created by its owner (exclusive create, mode 0600), reused for
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import hmac
 import itertools
 import mmap
 import os
@@ -83,9 +88,20 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def run_dir(run_id: bytes, base: str | None = None) -> str:
+def private_dir_name(key: bytes, run_id: bytes, use: str) -> str:
+    """The name of one of the run's private directories on a host: `flodl-` and 24 hex digits.
+
+    An HMAC of the run id under the session key: the run's processes agree on it
+    without being told, and a local user without the key cannot predict it, so
+    cannot create it first (squat) to block or redirect the run.
+    """
+    mac = hmac.new(key, b"flodl-zmq/private-dir\x00" + use.encode() + b"\x00" + run_id, hashlib.sha256)
+    return "flodl-" + mac.hexdigest()[:24]
+
+
+def run_dir(key: bytes, run_id: bytes, base: str | None = None) -> str:
     """The path of the run's private segment directory (not created; see ``ensure_run_dir``)."""
-    return os.path.join(base or shm_dir(), f"flodl-{run_id.hex()}")
+    return os.path.join(base or shm_dir(), private_dir_name(key, run_id, "shm"))
 
 
 def _check_private(path: str) -> None:
@@ -105,9 +121,9 @@ def _check_private(path: str) -> None:
         )
 
 
-def ensure_run_dir(run_id: bytes, base: str | None = None) -> str:
+def ensure_run_dir(key: bytes, run_id: bytes, base: str | None = None) -> str:
     """The run's private segment directory, created 0700 if absent; ShmError if it is not private to us."""
-    path = run_dir(run_id, base)
+    path = run_dir(key, run_id, base)
     try:
         os.mkdir(path, 0o700)
         os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
@@ -140,15 +156,15 @@ def is_by_reference(msg: Sequence[Any]) -> bool:
     return len(msg) == 4 and byte_view(msg[0]) == SHM_TAG
 
 
-def unlink_owner(run_id: bytes, owner: str, directory: str | None = None) -> int:
-    """Unlink every segment of `owner` in this run (a dead rank's leftovers); returns how many."""
-    return _unlink(segment_prefix(run_id, owner), directory or run_dir(run_id))
+def unlink_owner(run_id: bytes, owner: str, directory: str) -> int:
+    """Unlink every segment of `owner` in this run (a dead rank's leftovers) in `directory`; returns how many."""
+    return _unlink(segment_prefix(run_id, owner), directory)
 
 
-def unlink_run(run_id: bytes, directory: str | None = None) -> int:
+def unlink_run(key: bytes, run_id: bytes, directory: str | None = None) -> int:
     """Unlink every segment of this run and its directory: whoever started its processes does it
     once they are gone. Never raises; returns how many segments it removed."""
-    path = directory or run_dir(run_id)
+    path = directory or run_dir(key, run_id)
     removed = _unlink(f"flodl-{run_id.hex()}-", path)
     if directory is None:
         _rmdir(path)
@@ -188,11 +204,11 @@ class Segment:
     names where the current layout lies; ``close()`` unlinks it.
     """
 
-    def __init__(self, run_id: bytes, owner: str, directory: str | None = None) -> None:
+    def __init__(self, key: bytes, run_id: bytes, owner: str, directory: str | None = None) -> None:
         """``directory`` defaults to the run's private directory (created here; ShmError if unusable)."""
-        self._run_id = run_id
+        self._key, self._run_id = key, run_id
         self._private = directory is None  # the run directory: re-checked at each create, removed when empty
-        self.directory = ensure_run_dir(run_id) if directory is None else directory
+        self.directory = ensure_run_dir(key, run_id) if directory is None else directory
         self.prefix = segment_prefix(run_id, owner)
         self._gen = itertools.count(1)
         self.name: str | None = None
@@ -248,7 +264,7 @@ class Segment:
         path = os.path.join(self.directory, name)
         for attempt in (1, 2):
             if self._private:
-                ensure_run_dir(self._run_id)  # another process of the run removes it when it empties
+                ensure_run_dir(self._key, self._run_id)  # another process of the run removes it when it empties
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 break
@@ -295,9 +311,10 @@ class SegmentMap:
     One mapping is kept per owner; a new generation replaces it.
     """
 
-    def __init__(self, run_id: bytes, directory: str | None = None) -> None:
+    def __init__(self, run_id: bytes, directory: str) -> None:
+        """``directory``: where the owners' segments lie (``run_dir`` of the run)."""
         self.run_id = run_id
-        self.directory = directory or run_dir(run_id)
+        self.directory = directory
         self._maps: dict[str, tuple[str, mmap.mmap]] = {}
 
     def decode(self, codec: Codec, msg: Sequence[Any], owner: str, channel: Channel, *,

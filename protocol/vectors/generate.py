@@ -36,9 +36,11 @@ import numpy as np
 import torch
 
 from flodl_zmq import int8
+from flodl_zmq.links import RELAY_ROUTE, TAG_BCAST, TAG_DATA, rank_identity, relay_identity
 from flodl_zmq.wire import PROTOCOL_VERSION, REGISTRY, Channel, Codec, EpochPlan, compute_mac
 from flodl_zmq.wire.codec import REPLAY_WINDOW
 from flodl_zmq.wire.records import to_fields
+from flodl_zmq.wire.shm import ALIGN, SHM_TAG, host_owner, rank_owner
 
 HERE = pathlib.Path(__file__).resolve().parent
 KEY = bytes(range(32))
@@ -79,7 +81,7 @@ FIELD_VALUES: dict[str, Any] = {
     "per_rank_batch_share": [0.53125, 0.46875],
     "per_rank_loss": [0.40625, None],
     "per_rank_samples": [6000, 5210],
-    "scalars": {"accuracy": 0.953125},
+    "scalars": {"accuracy": 0.953125, "top5": 0.99609375},  # a map of several keys
     "metric": 0.953125,
     "batch_ms": 12.5,
     "data_ms": 0.75,
@@ -97,8 +99,8 @@ FIELD_VALUES: dict[str, Any] = {
     "samples_processed": 6000,
     "compute_only_ms": 70000.0,
     "data_starve_ms": 1500.5,
-    "scalar_sums": {"accuracy": 179.25},
-    "scalar_counts": {"accuracy": 188},
+    "scalar_sums": {"accuracy": 179.25, "top5": 187.25},
+    "scalar_counts": {"accuracy": 188, "top5": 188},
     "ranks": [2, 3],
     "model_sigs": [_sig("model"), _sig("model")],
     "mass": 3.0,
@@ -179,7 +181,9 @@ def _payloads(kind: str, channel: Channel) -> list[tuple[str, np.ndarray]]:
 
 def _payload_json(dtype: str, arr: np.ndarray) -> dict[str, Any]:
     out: dict[str, Any] = {"dtype": dtype, "shape": list(arr.shape)}
-    if dtype == "bf16":
+    if arr.nbytes > 4096:  # too large to repeat as numbers: the frame holds them, this checks them
+        out["sha256"] = hashlib.sha256(arr.tobytes()).hexdigest()
+    elif dtype == "bf16":
         out["bits"] = arr.tolist()
         out["values"] = (arr.astype("<u4") << 16).view("<f4").tolist()
         out["from_f32"] = BF16_SOURCE.tolist()
@@ -236,7 +240,124 @@ def positive_vectors() -> list[dict[str, Any]]:
                     "frames": _hex_frames(frames),
                 }
             )
+    for name, kind, channel, overrides, payload in EXTRA:
+        rec = dataclasses.replace(sample_record(REGISTRY[kind].cls), **overrides)
+        frames = codec.encode(rec, [a for _, a in payload], channel=channel, dtypes=[d for d, _ in payload])
+        out.append(
+            {
+                "name": name,
+                "kind": kind,
+                "channel": channel.value,
+                "key": KEY.hex(),
+                "run_id": RUN_ID.hex(),
+                "sender": SENDER,
+                "salt": SALT.hex(),
+                "seq": msgpack.unpackb(frames[0])["seq"],
+                "record": to_json(to_fields(rec)),
+                "payload": [_payload_json(d, a) for d, a in payload],
+                "frames": _hex_frames(frames),
+            }
+        )
+    out.append(noncanonical_vector())
     return out
+
+
+# A payload just over one GMAC block (1 MiB + 4 bytes): its second block has block index 1.
+LARGE = (np.arange((1 << 18) + 1, dtype="<u4") % 4093).astype("<f4") * np.float32(0.25)
+
+# Accepted messages beyond one per kind and channel: what the per-kind samples do not reach.
+EXTRA: list[tuple[str, str, Channel, dict[str, Any], list[tuple[str, np.ndarray]]]] = [
+    ("control.execute_eval@false", "control.execute_eval", Channel.CONTROL, {"adopt_consensus": False}, []),
+    ("data.round_frame@no-payload", "data.round_frame", Channel.DATA, {}, []),
+    ("data.round_frame@over-1MiB", "data.round_frame", Channel.DATA, {}, [("f32", LARGE)]),
+]
+
+
+# ---------------------------------------------------------------- hand-made msgpack
+
+def _str(text: str, width: int) -> bytes:
+    """A msgpack str in the given length width (8, 16 or 32 bits), whatever is shortest."""
+    raw = text.encode()
+    return {8: b"\xd9", 16: b"\xda", 32: b"\xdb"}[width] + len(raw).to_bytes(width // 8, "big") + raw
+
+
+def _bin(data: bytes, width: int) -> bytes:
+    return {8: b"\xc4", 16: b"\xc5", 32: b"\xc6"}[width] + len(data).to_bytes(width // 8, "big") + data
+
+
+def _uint(n: int, width: int) -> bytes:
+    return {8: b"\xcc", 16: b"\xcd", 32: b"\xce", 64: b"\xcf"}[width] + n.to_bytes(width // 8, "big")
+
+
+def _int(n: int, width: int) -> bytes:
+    return {8: b"\xd0", 16: b"\xd1", 32: b"\xd2", 64: b"\xd3"}[width] + n.to_bytes(width // 8, "big", signed=True)
+
+
+def _map(pairs: list[tuple[bytes, bytes]], width: int | None = None) -> bytes:
+    """A msgpack map of already-encoded (key, value) pairs, as fixmap or map16/map32."""
+    head = bytes([0x80 | len(pairs)]) if width is None else {16: b"\xde", 32: b"\xdf"}[width] + len(pairs).to_bytes(width // 8, "big")
+    return head + b"".join(k + v for k, v in pairs)
+
+
+def _array(items: list[bytes], width: int | None = None) -> bytes:
+    head = bytes([0x90 | len(items)]) if width is None else {16: b"\xdc", 32: b"\xdd"}[width] + len(items).to_bytes(width // 8, "big")
+    return head + b"".join(items)
+
+
+def _pk(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _header_pairs(fields: bytes, sender: bytes | None = None) -> list[tuple[bytes, bytes]]:
+    """The encoded (key, value) pairs of a timing.heartbeat header whose `f` (and sender) are raw msgpack."""
+    return [
+        (_pk("v"), _pk(PROTOCOL_VERSION)), (_pk("k"), _pk("timing.heartbeat")), (_pk("run"), _pk(RUN_ID)),
+        (_pk("ch"), _pk("control")), (_pk("from"), _pk(SENDER) if sender is None else sender),
+        (_pk("salt"), _pk(SALT)), (_pk("seq"), _pk(1)), (_pk("f"), fields), (_pk("p"), _pk([])),
+    ]
+
+
+def _raw_header(fields: bytes, sender: bytes | None = None) -> bytes:
+    """A header holding what a dict cannot (a repeated key, a non-str key, bytes that are not UTF-8)."""
+    return _map(_header_pairs(fields, sender))
+
+
+NONCANONICAL_SENDER = "host-a/noncanonical"
+
+
+def noncanonical_vector() -> dict[str, Any]:
+    """A data.round_frame whose header uses a non-shortest form for every value: a decoder MUST accept it
+    (PROTOCOL.md 3.2); an encoder never produces it, so it has no byte-for-byte encoding check."""
+    head = _map([
+        (_str("v", 8), _uint(PROTOCOL_VERSION, 64)),
+        (_str("k", 16), _str("data.round_frame", 32)),
+        (_str("run", 8), _bin(RUN_ID, 32)),
+        (_str("ch", 32), _str("data", 16)),
+        (_str("from", 8), _str(NONCANONICAL_SENDER, 16)),
+        (_str("salt", 8), _bin(SALT, 16)),
+        (_str("seq", 8), _uint(1, 32)),
+        (_str("f", 8), _map([
+            (_str("round", 8), _int(7, 64)),
+            (_str("rank", 8), _int(2, 8)),
+            (_str("mass", 8), b"\xca" + np.array([3.0], dtype=">f4").tobytes()),  # float32, read as float
+        ], 32)),
+        (_str("p", 8), _array([_array([_str("f32", 8), _array([_uint(4, 16)], 32), _uint(16, 32)], 16)], 16)),
+    ], 16)
+    frames = signed(head, [F32x4])
+    return {
+        "name": "data.round_frame@non-canonical",
+        "kind": "data.round_frame",
+        "channel": "data",
+        "canonical": False,
+        "key": KEY.hex(),
+        "run_id": RUN_ID.hex(),
+        "sender": NONCANONICAL_SENDER,
+        "salt": SALT.hex(),
+        "seq": 1,
+        "record": {"round": 7, "rank": 2, "mass": 3.0},
+        "payload": [_payload_json("f32", np.frombuffer(F32x4, "<f4"))],
+        "frames": _hex_frames(frames),
+    }
 
 
 # ---------------------------------------------------------------- negative vectors
@@ -268,11 +389,11 @@ def header(
 
 
 def signed(
-    head: dict[str, Any] | bytes, payloads: list[bytes] = (), key: bytes = KEY
+    head: dict[str, Any] | bytes, payloads: list[bytes] = (), key: bytes = KEY, version: int | None = None
 ) -> list[bytes]:
-    """Frames `[header, payload..., mac]` with a valid MAC over whatever the header is."""
+    """Frames `[header, payload..., mac]` with a valid MAC over whatever the header is (`version`: whose labels)."""
     raw = head if isinstance(head, bytes) else msgpack.packb(head, use_bin_type=True)
-    return [raw, *payloads, compute_mac(key, raw, list(payloads))]
+    return [raw, *payloads, compute_mac(key, raw, list(payloads), version)]
 
 
 F32x4 = np.array([1.0, 2.0, 3.0, 4.0], dtype="<f4").tobytes()
@@ -675,6 +796,121 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             {"frames": signed(header(sender="host-a/rank-3"))},
         ),
         (
+            "duplicate_field_key",
+            "`f` holds `rank` twice (2, then 3): which one a decoder keeps is not for it to choose",
+            "SchemaError",
+            "repeats a key",
+            {"frames": signed(_raw_header(_map([(_pk("rank"), _pk(2)), (_pk("rank"), _pk(3)),
+                                                 (_pk("step_count"), _pk(1234))])))},
+        ),
+        (
+            "duplicate_header_key",
+            "the header holds `seq` twice",
+            "SchemaError",
+            "repeats a key",
+            {"frames": signed(_map([*_header_pairs(_pk({"rank": 2, "step_count": 1234})), (_pk("seq"), _pk(2))]))},
+        ),
+        (
+            "bin_map_key",
+            "a key of `f` is the bin b\"rank\", not the str \"rank\"",
+            "SchemaError",
+            "map keys must be str",
+            {"frames": signed(_raw_header(_map([(_bin(b"rank", 8), _pk(2)), (_pk("step_count"), _pk(1234))])))},
+        ),
+        (
+            "int_map_key",
+            "a key of `f` is the int 1",
+            "SchemaError",
+            "map key",
+            {"frames": signed(_raw_header(_map([(_pk(1), _pk(2)), (_pk("step_count"), _pk(1234))])))},
+        ),
+        (
+            "invalid_utf8",
+            "the sender name holds the byte 0xff, which is never UTF-8",
+            "SchemaError",
+            "not valid msgpack",
+            {"frames": signed(_raw_header(_pk({"rank": 2, "step_count": 1234}), sender=b"\xa3a\xffb"))},
+        ),
+        (
+            "utf8_surrogate",
+            "the sender name holds an encoded UTF-16 surrogate (ED A0 80), which UTF-8 forbids",
+            "SchemaError",
+            "not valid msgpack",
+            {"frames": signed(_raw_header(_pk({"rank": 2, "step_count": 1234}), sender=b"\xa3\xed\xa0\x80"))},
+        ),
+        (
+            "utf8_overlong",
+            "the sender name is \"/\" in an overlong 2-byte form (C0 AF)",
+            "SchemaError",
+            "not valid msgpack",
+            {"frames": signed(_raw_header(_pk({"rank": 2, "step_count": 1234}), sender=b"\xa2\xc0\xaf"))},
+        ),
+        (
+            "depth_9_container",
+            "an array at level 9 (the header map is level 1, `f` level 2, the field's arrays levels 3..9)",
+            "SchemaError",
+            "nests deeper than 8",
+            {"frames": signed(header(fields={"rank": 2, "step_count": _nested(7)}))},
+        ),
+        (
+            "depth_8_container_passes",
+            "arrays at levels 3..8 holding a scalar at level 9: within the depth limit, refused only by the "
+            "field type",
+            "SchemaError",
+            "expected int, got list",
+            {"frames": signed(header(fields={"rank": 2, "step_count": _nested(6)}))},
+        ),
+        (
+            "map_pairs_over_max_items",
+            "a header map of 9 pairs with max_items 8",
+            "SchemaError",
+            "within limits",
+            {"frames": ok, "limits": {"max_items": 8}},
+        ),
+        (
+            "max_items_counts_map_pairs",
+            "a header map of 9 pairs (18 objects) with max_items 9 passes the parser; refused later, by its run id",
+            "AuthError",
+            "belongs to run",
+            {"frames": signed(header(run=OTHER_RUN_ID)), "limits": {"max_items": 9}},
+        ),
+        (
+            "shape_product_wraps_u64",
+            "shape [2^32, 2^32, 4] of f32 with nbytes 0 and an empty frame: 2^68 bytes, 0 modulo 2^64",
+            "FramingError",
+            "is not 0 bytes",
+            {"frames": round_frame(p=[["f32", [1 << 32, 1 << 32, 4], 0]], payloads=[b""]), "channel": "data"},
+        ),
+        (
+            "run_id_short",
+            "a 15-byte run id (a prefix of the receiver's)",
+            "AuthError",
+            "belongs to run",
+            {"frames": signed(header(run=RUN_ID[:15]))},
+        ),
+        (
+            "version_is_float",
+            f"`v` is the float {PROTOCOL_VERSION}.0",
+            "VersionError",
+            f"protocol version {float(PROTOCOL_VERSION)}",
+            {"frames": signed(header(v=float(PROTOCOL_VERSION)))},
+        ),
+        (
+            "version_is_str",
+            f"`v` is the str \"{PROTOCOL_VERSION}\"",
+            "VersionError",
+            f"protocol version '{PROTOCOL_VERSION}'",
+            {"frames": signed(header(v=str(PROTOCOL_VERSION)))},
+        ),
+        (
+            "other_version_genuine",
+            f"a genuine version {PROTOCOL_VERSION + 1} message, signed under that version's labels "
+            "(Codec.authentic: true, so a join socket may name the skew)",
+            "VersionError",
+            f"peer speaks protocol version {PROTOCOL_VERSION + 1}, this build speaks {PROTOCOL_VERSION}",
+            {"frames": signed(header(v=PROTOCOL_VERSION + 1), version=PROTOCOL_VERSION + 1)},
+        ),
+        (
             "replayed_sequence",
             "the same message twice",
             "ReplayError",
@@ -725,9 +961,138 @@ def window_vectors() -> list[dict[str, Any]]:
     return out
 
 
+# ---------------------------------------------------------------- by reference (PROTOCOL.md 3.5)
+
+HOST = "host-a"
+
+
+def by_reference(codec: Codec, rec: Any, payload: list[tuple[str, np.ndarray]], owner: str, channel: Channel,
+                 *, run_id: bytes = RUN_ID, frames_at: list[list[int]] | None = None) -> tuple[list[bytes], dict[str, str]]:
+    """`[b"shm", locator, header, mac]` and the segment file (name, hex) holding the payload frames.
+
+    Frames lie ALIGN-aligned in order, as a Segment lays them out; `frames_at` overrides the
+    locator's [offset, nbytes] pairs (to point outside the file)."""
+    at, pairs = 0, []
+    for _, arr in payload:
+        pairs.append([at, arr.nbytes])
+        at += -(-arr.nbytes // ALIGN) * ALIGN
+    segment = bytearray(max(at, 1))
+    for (off, n), (_, arr) in zip(pairs, payload, strict=True):
+        segment[off:off + n] = arr.tobytes()
+    name = f"flodl-{run_id.hex()}-{owner}-1"
+    locator = _pk([name, frames_at if frames_at is not None else pairs])
+    header, mac = codec.encode_reference(rec, [a for _, a in payload], locator, channel=channel,
+                                         dtypes=[d for d, _ in payload])
+    return [SHM_TAG, locator, header, mac], {"name": name, "hex": bytes(segment).hex()}
+
+
+def by_reference_vectors() -> list[dict[str, Any]]:
+    out = []
+    for kind, channel, owner in (("data.round_frame", Channel.DATA, rank_owner(2)),
+                                 ("data.consensus", Channel.BROADCAST, host_owner(HOST))):
+        codec = Codec(KEY, RUN_ID, SENDER, salt=SALT)
+        rec = sample_record(REGISTRY[kind].cls)
+        payload = _payloads(kind, channel)
+        frames, segment = by_reference(codec, rec, payload, owner, channel)
+        out.append({
+            "name": f"{kind}@by-reference", "kind": kind, "channel": channel.value, "key": KEY.hex(),
+            "run_id": RUN_ID.hex(), "sender": SENDER, "salt": SALT.hex(), "seq": 1, "owner": owner,
+            "segment": segment, "record": to_json(to_fields(rec)),
+            "payload": [_payload_json(d, a) for d, a in payload], "frames": _hex_frames(frames),
+        })
+    return out
+
+
+def by_reference_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
+    """Rejections of the by-reference form: a deposit of rank 2 (owner r2) received on the data channel."""
+    rec = REGISTRY["data.round_frame"].cls(round=7, rank=2, mass=3.0)
+    payload = [("f32", np.frombuffer(F32x4, "<f4"))]
+
+    def ref(**kw: Any) -> tuple[list[bytes], dict[str, str]]:
+        return by_reference(Codec(KEY, RUN_ID, SENDER, salt=SALT), rec, payload, kw.pop("owner", rank_owner(2)),
+                            Channel.DATA, **kw)
+
+    good, segment = ref()
+    moved = _pk([segment["name"], [[4, 16]]])
+    extra = {"channel": "data", "owner": rank_owner(2), "segment": segment}
+    return [
+        ("ref_framed_mac", "the by-reference form carrying the framed MAC of its header (no payload frames)",
+         "AuthError", "MAC verification failed", {**extra, "frames": [*good[:3], compute_mac(KEY, good[2], [])]}),
+        ("ref_locator_tampered", "the locator's offset changed after signing (0 -> 4)", "AuthError",
+         "MAC verification failed", {**extra, "frames": [good[0], moved, good[2], good[3]]}),
+        ("ref_other_owner", "a validly signed locator naming rank 3's segment, on rank 2's socket", "FramingError",
+         "not one of r2's", {**extra, "frames": ref(owner=rank_owner(3))[0]}),
+        ("ref_other_run", "a validly signed locator naming a segment of another run", "FramingError",
+         "not one of r2's", {**extra, "frames": ref(run_id=OTHER_RUN_ID)[0]}),
+        ("ref_frame_outside", "a validly signed locator whose frame ends past the segment's end", "FramingError",
+         "does not lie inside", {**extra, "frames": ref(frames_at=[[60, 16]])[0]}),
+        ("ref_locator_not_pair", "a validly signed locator of three items", "SchemaError", "must be [name",
+         {**extra, "frames": _resigned(good, _pk([segment["name"], [[0, 16]], 0]))}),
+        ("ref_locator_map", "a validly signed locator that is a map (no map is allowed in a locator)",
+         "SchemaError", "not valid msgpack", {**extra, "frames": _resigned(good, _pk({"name": segment["name"]}))}),
+        ("ref_frame_length_mismatch", "the locator's frame is 12 bytes, its descriptor says 16", "FramingError",
+         "header says 16 bytes, frame has 12", {**extra, "frames": ref(frames_at=[[0, 12]])[0]}),
+    ]
+
+
+def _resigned(frames: list[bytes], locator: bytes) -> list[bytes]:
+    """A by-reference message with another locator, its MAC recomputed (an insider's message)."""
+    from flodl_zmq.wire.mac import reference_mac
+
+    return [frames[0], locator, frames[2], reference_mac(KEY, frames[2], locator)]
+
+
+# ---------------------------------------------------------------- envelopes (PROTOCOL.md 3.1)
+
+INCARNATION = bytes.fromhex("0123456789abcdef")
+RELAY_ID = relay_identity(HOST, INCARNATION)
+
+
+def envelope_vectors() -> list[dict[str, Any]]:
+    """Each leg's frames in front of a message, as the receiving application reads them."""
+    consensus = REGISTRY["data.consensus"].cls
+    hello_ack = REGISTRY["relay.hello_ack"].cls
+    legs = [
+        ("rank_to_relay_control", "a rank's control DEALER to its relay's control ROUTER: the routing identity "
+         "is the rank in ASCII decimal", [rank_identity(2)], "rank:2", sample_record(REGISTRY["timing.heartbeat"].cls),
+         Channel.CONTROL, []),
+        ("relay_to_controller_rank_record", "a rank's record forwarded verbatim by its relay (DEALER) to the "
+         "controller's control ROUTER: the relay's routing identity, then the route frame naming the rank",
+         [RELAY_ID, rank_identity(2)], "rank:2", sample_record(REGISTRY["timing.heartbeat"].cls), Channel.CONTROL, []),
+        ("relay_own_control_record", "the relay's own control record to the controller: an empty route frame",
+         [RELAY_ID, RELAY_ROUTE], f"relay:{HOST}", sample_record(REGISTRY["relay.hello"].cls), Channel.CONTROL, []),
+        ("controller_to_relay_for_rank", "the coordinator's record for rank 2, as the relay's control DEALER reads "
+         "it (the controller sends [relay id, route, message]); the relay passes [b\"2\", message] to its ROUTER, "
+         "and the rank's DEALER reads the bare message", [rank_identity(2)], "coordinator",
+         REGISTRY["control.shutdown"].cls(), Channel.CONTROL, []),
+        ("reducer_to_relay_data", "the reducer's own data record to a relay, as the relay's data DEALER reads it: "
+         "the tag frame b\"data\"", [TAG_DATA], "reducer", hello_ack(), Channel.DATA, []),
+        ("reducer_resend_consensus", "a consensus resent point to point, byte-identical to the broadcast: the tag "
+         "frame b\"bcast\"", [TAG_BCAST], "reducer", sample_record(consensus),
+         Channel.BROADCAST, _payloads("data.consensus", Channel.BROADCAST)),
+        ("pub_to_sub", "the broadcast: no envelope and no topic frame (subscribers subscribe to b\"\")", [],
+         "reducer", sample_record(consensus), Channel.BROADCAST, _payloads("data.consensus", Channel.BROADCAST)),
+        ("relay_to_reducer_data", "a relay's data record to the reducer's data ROUTER: its routing identity only",
+         [RELAY_ID], f"relay:{HOST}", sample_record(REGISTRY["data.host_frame"].cls), Channel.DATA,
+         _payloads("data.host_frame", Channel.DATA)),
+    ]
+    out = []
+    for name, leg, envelope, signer, rec, channel, payload in legs:
+        frames = Codec(KEY, RUN_ID, signer, salt=SALT).encode(
+            rec, [a for _, a in payload], channel=channel, dtypes=[d for d, _ in payload])
+        out.append({
+            "name": name, "leg": leg, "kind": rec.KIND, "channel": channel.value, "key": KEY.hex(),
+            "run_id": RUN_ID.hex(), "signer": signer, "salt": SALT.hex(), "seq": 1,
+            "record": to_json(to_fields(rec)), "payload": [_payload_json(d, a) for d, a in payload],
+            "envelope": _hex_frames(envelope), "frames": _hex_frames(frames),
+        })
+    return out
+
+
 def negative_vectors() -> list[dict[str, Any]]:
     out = []
-    for name, cause, error, fragment, extra in negative_cases():
+    for name, cause, error, fragment, extra in [*negative_cases(), *by_reference_cases()]:
+        by_ref = {k: extra[k] for k in ("owner", "segment") if k in extra}
         out.append(
             {
                 "name": name,
@@ -741,6 +1106,7 @@ def negative_vectors() -> list[dict[str, Any]]:
                 "limits": extra.get("limits", {}),
                 "accept_first": [_hex_frames(f) for f in extra.get("accept_first", [])],
                 "frames": _hex_frames(extra["frames"]),
+                **by_ref,
             }
         )
     return out
@@ -787,6 +1153,8 @@ def main() -> None:
             "`payload`, and encoding `record` as the `seq`-th message of `sender` on `channel` gives `frames` "
             "byte for byte. See protocol/PROTOCOL.md, Test vectors.",
             "vectors": positive_vectors(),
+            "by_reference": by_reference_vectors(),
+            "envelopes": envelope_vectors(),
         },
         "rejections.json": {
             "about": "One refused message per rejection cause: a receiver with `key`, `run_id` and `limits` "

@@ -36,6 +36,7 @@ from flodl_zmq.wire.shm import (  # noqa: E402
     host_owner,
     is_by_reference,
     rank_owner,
+    run_dir,
 )
 
 MASS = {0: 1.0, 1: 3.0, 2: 0.5, 3: 2.0}
@@ -74,8 +75,8 @@ def main() -> int:
     data.setsockopt(zmq.IDENTITY, rank_identity(a.rank))
     data.setsockopt(zmq.LINGER, 0)
     data.connect(a.data)
-    segment = Segment(run_id, rank_owner(a.rank)) if a.shm else None
-    mapped = SegmentMap(run_id)
+    segment = Segment(key, run_id, rank_owner(a.rank)) if a.shm else None
+    mapped = SegmentMap(run_id, run_dir(key, run_id))
     for k in range(1, a.rounds + 1):
         if k == a.hang_at:
             print(f"hanging at {k}", flush=True)

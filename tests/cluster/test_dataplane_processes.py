@@ -108,7 +108,7 @@ class World:
     def close(self) -> None:
         for p in self.procs.values():
             p.kill()
-        unlink_run(self.run_id)  # as the launcher does: SIGKILLed relays leave their segments
+        unlink_run(self.key, self.run_id)  # as the launcher does: SIGKILLed relays leave their segments
         self._stop.set()
         self._coord.join(5)
         self.reducer.stop()
@@ -146,8 +146,8 @@ def test_two_hosts_of_two_rank_processes_produce_the_weighted_mean(tmp_path, dty
         w.close()
 
 
-def segments_of(run_id: bytes, rank: int) -> list[str]:
-    return glob.glob(os.path.join(run_dir(run_id), segment_prefix(run_id, rank_owner(rank)) + "*"))
+def segments_of(key: bytes, run_id: bytes, rank: int) -> list[str]:
+    return glob.glob(os.path.join(run_dir(key, run_id), segment_prefix(run_id, rank_owner(rank)) + "*"))
 
 
 @pytest.mark.parametrize("shm", [False, True], ids=["frames", "shm"])
@@ -160,7 +160,7 @@ def test_sigkilled_rank_mid_round_leaves_the_barrier_and_survivors_get_their_mea
         time.sleep(0.3)
         killed = time.monotonic()
         if shm:
-            assert segments_of(w.run_id, 3), "the hanging rank deposited round 1 from its segment"
+            assert segments_of(w.key, w.run_id, 3), "the hanging rank deposited round 1 from its segment"
         w.procs["r3"].kill()
         for k in (2, 3):
             want = expected(k, [0, 1, 2], "f32")
@@ -170,7 +170,7 @@ def test_sigkilled_rank_mid_round_leaves_the_barrier_and_survivors_get_their_mea
                 # Out of the barrier within the 1.5 s heartbeat deadline, plus the round itself.
                 assert time.monotonic() - killed < 5.0
         # The killed rank could not unlink its segment; its relay did when the rank left.
-        assert segments_of(w.run_id, 3) == []
+        assert segments_of(w.key, w.run_id, 3) == []
     finally:
         w.close()
 

@@ -59,8 +59,8 @@ def runtime(monkeypatch):
 
 def test_ipc_sockets_live_in_a_private_directory_named_without_the_run_id_and_are_removed(runtime, tmp_path):
     key, run_id = new_key(), os.urandom(16)
-    control, data = local_endpoints(run_id, "host-a")
-    d = local_dir(run_id)
+    control, data = local_endpoints(key, run_id, "host-a")
+    d = local_dir(key, run_id)
     st = os.lstat(d)
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
     for ep in (control, data):
@@ -78,15 +78,15 @@ def test_ipc_sockets_live_in_a_private_directory_named_without_the_run_id_and_ar
         relay.stop()
         ctx.destroy(0)
     assert not os.path.exists(d), "the relay's socket files (and their directory) must go when it stops"
-    remove_local_dir(run_id)  # the launcher's cleanup after a clean stop: nothing left, nothing raised
+    remove_local_dir(key, run_id)  # the launcher's cleanup after a clean stop: nothing left, nothing raised
 
 
 def test_a_socket_directory_created_ahead_of_the_run_is_refused_with_a_named_error(runtime):
-    run_id = os.urandom(16)
-    path = local_dir(run_id)
+    key, run_id = new_key(), os.urandom(16)
+    path = local_dir(key, run_id)
     os.chmod(path, 0o777)  # as if another user made it first, open for them to bind in
     with pytest.raises(PrivateDirError, match="not private.*remove it"):
-        local_endpoints(run_id, "host-a")
-    remove_local_dir(run_id)
+        local_endpoints(key, run_id, "host-a")
+    remove_local_dir(key, run_id)
     assert os.path.exists(path), "cleanup must leave a directory that is not private alone"
     os.rmdir(path)

@@ -204,7 +204,7 @@ def test_a_hello_from_another_wire_version_gets_a_reject_naming_the_skew(cluster
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(c.address.endpoint(Channel.JOIN))
-    dealer.send_multipart([header, compute_mac(c.key, header, [])])
+    dealer.send_multipart([header, compute_mac(c.key, header, [], version=2)])  # signed as a version 2 peer signs
     assert dealer.poll(10_000), "no reply to a version-skewed hello"
     reply = codec.decode(dealer.recv_multipart(), Channel.JOIN).record
     dealer.close()

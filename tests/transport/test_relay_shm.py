@@ -17,6 +17,7 @@ from flodl_zmq.wire.shm import (
     host_owner,
     is_by_reference,
     rank_owner,
+    run_dir,
 )
 
 from .dataplane_helpers import WAIT_S
@@ -31,8 +32,8 @@ class SharedRank:
     def __init__(self, rig: Rig, rank: int):
         self.fake = rig.ranks[rank]
         self.rank = rank
-        self.segment = Segment(rig.run_id, rank_owner(rank))
-        self.mapped = SegmentMap(rig.run_id)
+        self.segment = Segment(rig.key, rig.run_id, rank_owner(rank))
+        self.mapped = SegmentMap(rig.run_id, run_dir(rig.key, rig.run_id))
         self.decoder = Codec(rig.key, rig.run_id, "test")
 
     def place(self, tensors: list[np.ndarray]) -> list[np.ndarray]:

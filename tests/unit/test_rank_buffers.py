@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -228,3 +230,14 @@ def test_new_data_does_not_release_a_throttled_rank_only_an_update_does():
     assert not rt._can_train()  # running ahead would train on a replica the consensus overwrites
     rt._on_control(rec.Update(round=1, next_plan=None))
     assert rt._can_train()
+
+
+def test_a_consensus_for_a_round_not_awaited_is_refused_and_counted():
+    # The broadcast channel waives the sequence check: a replayed or duplicate consensus is
+    # refused by its round, before anything of it is loaded (PROTOCOL.md 5.2).
+    rt = _runtime()
+    before = [p.detach().clone() for p in rt.model.parameters()]
+    for round_id in (1, 7):  # nothing deposited: no round is awaited
+        rt._on_consensus(SimpleNamespace(record=rec.Consensus(round_id, 1.0), payload=[]))
+    assert rt.stale_consensus == 2
+    assert all(torch.equal(a, b) for a, b in zip(before, rt.model.parameters(), strict=True))

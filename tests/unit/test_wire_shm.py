@@ -51,7 +51,7 @@ def deposit(seg: Segment, tensors: list[np.ndarray]) -> list:
 
 def reference_mac_from_the_spec(key: bytes, header: bytes, locator: bytes) -> bytes:
     """PROTOCOL.md 3.5, written out with the standard library only."""
-    label = b"flodl-zmq/3/by-reference\x00"
+    label = b"flodl-zmq/4/by-reference\x00"
     return hmac.new(key, label + struct.pack("<Q", len(header)) + header + struct.pack("<Q", len(locator)) + locator,
                     hashlib.sha256).digest()
 
@@ -62,7 +62,7 @@ def decode(msg: list, where, owner: str = rank_owner(0)):
 
 @pytest.fixture
 def seg(tmp_path):
-    s = Segment(RUN, rank_owner(0), str(tmp_path))
+    s = Segment(KEY, RUN, rank_owner(0), str(tmp_path))
     yield s
     s.close()
 
@@ -124,7 +124,7 @@ def test_a_larger_layout_moves_to_a_new_generation_and_the_reader_follows(seg, t
 @given(st.data())
 def test_any_bit_changed_in_the_header_or_locator_after_signing_fails_the_mac(tmp_path_factory, data):
     where = tmp_path_factory.mktemp("shm")
-    seg = Segment(RUN, rank_owner(0), str(where))
+    seg = Segment(KEY, RUN, rank_owner(0), str(where))
     try:
         msg = deposit(seg, [np.arange(64, dtype=np.float32), np.arange(10, dtype=np.float32)])
         frame = data.draw(st.sampled_from([1, 2]))  # locator or header
@@ -197,7 +197,7 @@ def test_by_reference_refuses_a_payload_the_layout_does_not_hold(seg):
 
 
 def test_a_dead_owners_segments_are_unlinked_and_no_one_elses(tmp_path):
-    mine, other = Segment(RUN, rank_owner(3), str(tmp_path)), Segment(RUN, rank_owner(4), str(tmp_path))
+    mine, other = Segment(KEY, RUN, rank_owner(3), str(tmp_path)), Segment(KEY, RUN, rank_owner(4), str(tmp_path))
     mine.layout([8])
     mine.layout([1 << 16])  # a second generation: the first is already gone
     other.layout([8])
@@ -215,7 +215,7 @@ def test_the_round_frame_vector_sent_by_reference_decodes_to_the_vectors_record(
     frames = [bytes.fromhex(f) for f in vec["frames"]]
     run, key = bytes.fromhex(vec["run_id"]), bytes.fromhex(vec["key"])
     owner = rank_owner(vec["record"]["rank"])
-    seg = Segment(run, owner, str(tmp_path))
+    seg = Segment(key, run, owner, str(tmp_path))
     try:
         payload = frames[1:-1]
         for dst, src in zip(seg.layout([len(p) for p in payload]), payload, strict=True):

@@ -15,14 +15,17 @@ import types
 import typing
 from typing import Any, Union
 
+import msgpack
 import numpy as np
 import pytest
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from flodl_zmq import errors
+from flodl_zmq.links import RELAY_ROUTE, TAG_BCAST, TAG_DATA, rank_identity, relay_identity
 from flodl_zmq.tensors import bf16_from_f32
 from flodl_zmq.wire import (
+    PROTOCOL_VERSION,
     REGISTRY,
     SALT_BYTES,
     Attribution,
@@ -35,6 +38,7 @@ from flodl_zmq.wire import (
 )
 from flodl_zmq.wire import mac as mac_module
 from flodl_zmq.wire.codec import REPLAY_WINDOW
+from flodl_zmq.wire.shm import ALIGN, SHM_TAG, SegmentMap, host_owner, rank_owner
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "protocol" / "vectors"
@@ -80,10 +84,15 @@ def frames_of(hexes: list[str]) -> list[bytes]:
     return [bytes.fromhex(h) for h in hexes]
 
 
-def payload_arrays(vector: dict[str, Any]) -> tuple[list[np.ndarray], list[str]]:
+def payload_arrays(vector: dict[str, Any], frames: list[bytes] | None = None) -> tuple[list[np.ndarray], list[str]]:
+    """The vector's payload arrays; one given by its `sha256` only is read from `frames` (the payload frames)."""
     arrays, dtypes = [], []
-    for p in vector["payload"]:
-        if p["dtype"] == "bf16":
+    for i, p in enumerate(vector["payload"]):
+        if "sha256" in p:
+            raw = (frames or frames_of(vector["frames"])[1:-1])[i]
+            assert hashlib.sha256(raw).hexdigest() == p["sha256"]
+            arr = np.frombuffer(raw, dtype={"f32": "<f4", "f16": "<f2", "bf16": "<u2"}[p["dtype"]])
+        elif p["dtype"] == "bf16":
             arr = np.array(p["bits"], dtype="<u2")
         else:
             arr = np.array(p["values"], dtype={"f32": "<f4", "f16": "<f2"}[p["dtype"]])
@@ -119,6 +128,8 @@ def test_vector_decodes_to_its_record_and_payload(vector: dict[str, Any]) -> Non
 
 @pytest.mark.parametrize("vector", POSITIVE, ids=[v["name"] for v in POSITIVE])
 def test_record_encodes_to_the_vector_frames_byte_for_byte(vector: dict[str, Any]) -> None:
+    if not vector.get("canonical", True):
+        pytest.skip("a non-canonical encoding: decoders accept it, encoders never produce it")
     channel = Channel(vector["channel"])
     codec = codec_for(vector, sender=vector["sender"])
     for _ in range(vector["seq"] - 1):  # the Codec numbers each channel from 1
@@ -129,18 +140,19 @@ def test_record_encodes_to_the_vector_frames_byte_for_byte(vector: dict[str, Any
     assert [bytes(f).hex() for f in frames] == vector["frames"]
 
 
-def spec_mac(key: bytes, header: bytes, payloads: list[bytes]) -> bytes:
+def spec_mac(key: bytes, header: bytes, payloads: list[bytes], version: int = PROTOCOL_VERSION) -> bytes:
     """The MAC of PROTOCOL.md 4.2, written from the text rather than from mac.py."""
     tag = b""
     if payloads:
-        one_time = hmac.new(key, b"flodl-zmq/3/payload-key\x00" + header, hashlib.sha256).digest()
+        one_time = hmac.new(key, f"flodl-zmq/{version}/payload-key".encode() + b"\x00" + header,
+                            hashlib.sha256).digest()
         for i, p in enumerate(payloads, 1):
             tag += struct.pack("<Q", len(p))
             for j in range(0, len(p), 1 << 20):
                 nonce = struct.pack("<I", i) + struct.pack("<Q", j >> 20)
                 tag += AESGCM(one_time).encrypt(nonce, b"", p[j:j + (1 << 20)])
     body = struct.pack("<I", len(payloads)) + struct.pack("<Q", len(header)) + header + tag
-    return hmac.new(key, b"flodl-zmq/3/mac\x00" + body, hashlib.sha256).digest()
+    return hmac.new(key, f"flodl-zmq/{version}/mac".encode() + b"\x00" + body, hashlib.sha256).digest()
 
 
 @pytest.mark.parametrize("vector", POSITIVE, ids=[v["name"] for v in POSITIVE])
@@ -166,7 +178,7 @@ def test_two_incarnations_never_share_a_one_time_key_or_payload_tags() -> None:
         sent.append(codec.encode(rec, arrays, channel=channel, dtypes=dtypes))
     (h1, *p1, m1), (h2, *p2, m2) = ([bytes(f) for f in frames] for frames in sent)
     assert p1 == p2 and h1 != h2 and m1 != m2
-    one_time = [hmac.new(key, b"flodl-zmq/3/payload-key\x00" + h, hashlib.sha256).digest() for h in (h1, h2)]
+    one_time = [hmac.new(key, mac_module.label("payload-key") + h, hashlib.sha256).digest() for h in (h1, h2)]
     assert one_time[0] != one_time[1]
     nonce = struct.pack("<IQ", 1, 0)
     tags = [AESGCM(k).encrypt(nonce, b"", p1[0][: 1 << 20]) for k in one_time]
@@ -231,8 +243,17 @@ def test_bf16_payload_bits_are_f32_rounded_to_nearest_even() -> None:
         )
 
 
+def segment_map(vector: dict[str, Any], directory: pathlib.Path) -> SegmentMap:
+    """A reader whose run directory holds the vector's segment file, private to this user (0600)."""
+    path = directory / vector["segment"]["name"]
+    path.write_bytes(bytes.fromhex(vector["segment"]["hex"]))
+    path.chmod(0o600)
+    directory.chmod(0o700)
+    return SegmentMap(bytes.fromhex(vector["run_id"]), str(directory))
+
+
 @pytest.mark.parametrize("vector", NEGATIVE, ids=[v["name"] for v in NEGATIVE])
-def test_rejection_vector_raises_its_error(vector: dict[str, Any]) -> None:
+def test_rejection_vector_raises_its_error(vector: dict[str, Any], tmp_path: pathlib.Path) -> None:
     receiver = codec_for(vector, limits=Limits(**vector["limits"]))
     channel = Channel(vector["channel"])
     sender = Attribution.signed_by(vector["expected_sender"], "the vector's route")
@@ -241,7 +262,11 @@ def test_rejection_vector_raises_its_error(vector: dict[str, Any]) -> None:
     error = getattr(errors, vector["error"])
     assert issubclass(error, errors.WireError)
     with pytest.raises(error) as info:
-        receiver.decode_from(frames_of(vector["frames"]), channel, sender)
+        if "segment" in vector:  # the by-reference form, read from the owner's segment
+            segment_map(vector, tmp_path).decode(receiver, frames_of(vector["frames"]), vector["owner"], channel,
+                                                 sender=sender)
+        else:
+            receiver.decode_from(frames_of(vector["frames"]), channel, sender)
     assert type(info.value) is error
     assert vector["message_contains"] in str(info.value)
 
@@ -259,6 +284,83 @@ def test_window_vector_accepts_exactly_the_marked_arrivals(vector: dict[str, Any
         except errors.ReplayError:
             got.append(False)
     assert got == vector["accepted"]
+
+
+def test_a_genuine_message_of_another_version_is_authentic_and_a_forgery_is_not() -> None:
+    # PROTOCOL.md 12: a receiver may tell a peer of another version from a stranger by checking the MAC
+    # under the labels of the version the header claims; only then does a join socket name the skew.
+    vector = next(v for v in NEGATIVE if v["name"] == "other_version_genuine")
+    frames = frames_of(vector["frames"])
+    receiver = codec_for(vector)
+    assert receiver.authentic(frames)
+    assert not receiver.authentic([frames[0], bytes(32)])
+    assert not Codec(bytes(32), bytes.fromhex(vector["run_id"]), "x").authentic(frames)
+    version = msgpack.unpackb(frames[0])["v"]
+    assert spec_mac(receiver.key, frames[0], [], version) == frames[-1]
+
+
+BY_REFERENCE = json.loads((VECTORS / "records.json").read_text())["by_reference"]
+ENVELOPES = json.loads((VECTORS / "records.json").read_text())["envelopes"]
+
+
+def reference_mac_from_the_spec(key: bytes, header: bytes, locator: bytes) -> bytes:
+    """The by-reference MAC of PROTOCOL.md 3.5, written from the text."""
+    body = struct.pack("<Q", len(header)) + header + struct.pack("<Q", len(locator)) + locator
+    return hmac.new(key, f"flodl-zmq/{PROTOCOL_VERSION}/by-reference".encode() + b"\0" + body, hashlib.sha256).digest()
+
+
+@pytest.mark.parametrize("vector", BY_REFERENCE, ids=[v["name"] for v in BY_REFERENCE])
+def test_by_reference_vector_decodes_from_its_segment(vector: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    frames = frames_of(vector["frames"])
+    assert frames[0] == b"shm" and len(frames) == 4
+    assert reference_mac_from_the_spec(bytes.fromhex(vector["key"]), frames[2], frames[1]) == frames[3]
+    env = segment_map(vector, tmp_path).decode(codec_for(vector), frames, vector["owner"], Channel(vector["channel"]))
+    assert env.record == record_from_json(REGISTRY[vector["kind"]].cls, vector["record"])
+    name, pairs = msgpack.unpackb(frames[1])
+    segment = bytes.fromhex(vector["segment"]["hex"])
+    arrays, dtypes = payload_arrays(vector, [segment[off:off + n] for off, n in pairs])
+    assert env.dtypes == dtypes and all(np.array_equal(a, b) for a, b in zip(env.payload, arrays, strict=True))
+
+
+@pytest.mark.parametrize("vector", BY_REFERENCE, ids=[v["name"] for v in BY_REFERENCE])
+def test_by_reference_record_encodes_to_the_vector_frames(vector: dict[str, Any]) -> None:
+    frames = frames_of(vector["frames"])
+    name, pairs = msgpack.unpackb(frames[1])
+    segment = bytes.fromhex(vector["segment"]["hex"])
+    arrays, dtypes = payload_arrays(vector, [segment[off:off + n] for off, n in pairs])
+    rec = record_from_json(REGISTRY[vector["kind"]].cls, vector["record"])
+    header, mac = codec_for(vector, sender=vector["sender"]).encode_reference(
+        rec, arrays, frames[1], channel=Channel(vector["channel"]), dtypes=dtypes)
+    assert [SHM_TAG, frames[1], header, mac] == frames
+    owner = vector["owner"]
+    assert name == f"flodl-{vector['run_id']}-{owner}-1"
+    assert owner in (rank_owner(2), host_owner("host-a"))
+    assert all(off % ALIGN == 0 for off, _ in pairs)
+
+
+@pytest.mark.parametrize("vector", ENVELOPES, ids=[v["name"] for v in ENVELOPES])
+def test_envelope_vector_is_what_the_legs_send_and_its_message_decodes(vector: dict[str, Any]) -> None:
+    envelope = {
+        "rank_to_relay_control": [rank_identity(2)],
+        "relay_to_controller_rank_record": [relay_identity("host-a", bytes.fromhex("0123456789abcdef")),
+                                            rank_identity(2)],
+        "relay_own_control_record": [relay_identity("host-a", bytes.fromhex("0123456789abcdef")), RELAY_ROUTE],
+        "controller_to_relay_for_rank": [rank_identity(2)],
+        "reducer_to_relay_data": [TAG_DATA],
+        "reducer_resend_consensus": [TAG_BCAST],
+        "pub_to_sub": [],
+        "relay_to_reducer_data": [relay_identity("host-a", bytes.fromhex("0123456789abcdef"))],
+    }[vector["name"]]
+    assert frames_of(vector["envelope"]) == envelope
+    channel = Channel(vector["channel"])
+    rec = record_from_json(REGISTRY[vector["kind"]].cls, vector["record"])
+    frames = frames_of(vector["frames"])
+    arrays, dtypes = payload_arrays(vector)
+    encoder = Codec(bytes.fromhex(vector["key"]), bytes.fromhex(vector["run_id"]), vector["signer"],
+                    salt=bytes.fromhex(vector["salt"]))
+    assert [bytes(f) for f in encoder.encode(rec, arrays, channel=channel, dtypes=dtypes)] == frames
+    env = codec_for(vector).decode_from(frames, channel, Attribution.signed_by(vector["signer"], vector["name"]))
+    assert env.record == rec
 
 
 def test_every_registered_kind_and_channel_has_a_positive_vector() -> None:
