@@ -396,7 +396,10 @@ class Coordinator:
 
     def _on_batch(self, rank: int, m: rec.Batch, now: float) -> None:
         self._count_steps(rank, m.step_count)
-        self.feedback.ledger.record_batch(rank, m.batch_ms, m.data_ms, m.batch_loss)
+        # One report covers every step since the last: the ledger sees each step as if
+        # it had come alone, so ElChe's window (fill, marginal rate) is unchanged.
+        for batch_ms, data_ms, loss in zip(m.batch_ms, m.data_ms, m.batch_loss, strict=True):
+            self.feedback.ledger.record_batch(rank, batch_ms, data_ms, loss)
         self._check_throttle()
 
     def _on_heartbeat(self, rank: int, m: rec.Heartbeat, now: float) -> None:

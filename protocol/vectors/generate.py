@@ -78,12 +78,10 @@ FIELD_VALUES: dict[str, Any] = {
     "per_rank_samples": [6000, 5210],
     "scalars": {"accuracy": 0.953125},
     "metric": 0.953125,
-    "batch_ms": 12.5,
-    "data_ms": 0.75,
+    "batch_ms": [12.5, 11.75],
+    "data_ms": [0.75, 0.5],
     "step_count": 1234,
-    "batch_loss": 0.40625,
-    "param_norm": 15.25,
-    "sync_divergence": None,
+    "batch_loss": [0.40625, 0.375],
     "divergence": 0.0078125,
     "post_norm": 15.0,
     "pre_norm": 15.125,
@@ -574,6 +572,21 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             {"frames": signed(header(fields={"rank": True, "step_count": 1}))},
         ),
         (
+            "batch_lists_unequal",
+            "timing.batch listing two steps' batch_ms but one data_ms",
+            "SchemaError",
+            "a report lists each step once in all three",
+            {
+                "frames": signed(
+                    header(
+                        "timing.batch",
+                        fields={"rank": 2, "step_count": 1234, "batch_ms": [12.5, 11.75], "data_ms": [0.75],
+                                "batch_loss": [0.40625, 0.375]},
+                    )
+                )
+            },
+        ),
+        (
             "nested_field_mistyped",
             "control.update whose next_plan.epoch is a string",
             "SchemaError",
@@ -640,8 +653,20 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             "version_2_header",
             "a version 2 header (no `salt`)",
             "VersionError",
-            "peer speaks protocol version 2, this build speaks 3",
+            f"peer speaks protocol version 2, this build speaks {PROTOCOL_VERSION}",
             {"frames": signed({k: v for k, v in header(v=2).items() if k != "salt"})},
+        ),
+        (
+            "version_3_header",
+            "a version 3 timing.batch (one step, single floats)",
+            "VersionError",
+            f"peer speaks protocol version 3, this build speaks {PROTOCOL_VERSION}",
+            {
+                "frames": signed(header("timing.batch", v=3, fields={
+                    "rank": 2, "batch_ms": 12.5, "data_ms": 0.75, "step_count": 1234, "batch_loss": 0.40625,
+                    "param_norm": None, "sync_divergence": None,
+                }))
+            },
         ),
         (
             "seq_zero",

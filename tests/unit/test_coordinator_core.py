@@ -30,8 +30,7 @@ def of(outs, kind, dest=None):
 
 
 def batch(c, r, step, t=0.1, ms=10.0):
-    return c.on_record(r, rec.Batch(rank=r, batch_ms=ms, data_ms=0.0, step_count=step,
-                                    batch_loss=1.0, param_norm=None, sync_divergence=None), t)
+    return c.on_record(r, rec.Batch(rank=r, step_count=step, batch_ms=[ms], data_ms=[0.0], batch_loss=[1.0]), t)
 
 
 def done(c, r, epoch, samples, t=0.1):
