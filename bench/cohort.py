@@ -151,10 +151,10 @@ class CpuSampler:
 
 def steady_figures(epoch_ends: list[float], evals: list, eval_at_s: list, fast_steps: list[float]) -> dict:
     window = (epoch_ends[0], epoch_ends[-1])
-    fast = [b - a for a, b in zip(fast_steps, fast_steps[1:]) if window[0] <= a and b <= window[1]]
-    hit = next((t for e, t in zip(evals, eval_at_s) if e is not None and e >= TARGET), None)
+    fast = [b - a for a, b in zip(fast_steps, fast_steps[1:], strict=False) if window[0] <= a and b <= window[1]]
+    hit = next((t for e, t in zip(evals, eval_at_s, strict=True) if e is not None and e >= TARGET), None)
     return {
-        "epoch_s": statistics.median(b - a for a, b in zip(epoch_ends, epoch_ends[1:])),
+        "epoch_s": statistics.median(b - a for a, b in zip(epoch_ends, epoch_ends[1:], strict=False)),
         "time_to_target_s": hit,
         "step_ms": statistics.median(fast) * 1000.0,
         "window": window,

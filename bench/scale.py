@@ -71,8 +71,15 @@ def light_rank() -> int:
 
     from flodl_zmq.environment import ProcessEnv
     from flodl_zmq.links import (
-        CONTROL_MAX_FRAMES, DATA_MAX_FRAMES, FROM_COORDINATOR, FROM_REDUCER, local_endpoints, rank_identity,
-        rank_sender, recv_bounded, relay_sender,
+        CONTROL_MAX_FRAMES,
+        DATA_MAX_FRAMES,
+        FROM_COORDINATOR,
+        FROM_REDUCER,
+        local_endpoints,
+        rank_identity,
+        rank_sender,
+        recv_bounded,
+        relay_sender,
     )
     from flodl_zmq.wire import Attribution, Channel, Codec
     from flodl_zmq.wire import records as rec
