@@ -61,3 +61,27 @@ def test_the_coordinator_learns_the_same_from_one_report_as_from_one_record_per_
     coalesced = [rec.Batch(rank=0, step_count=3, batch_ms=[s[0] for s in steps], data_ms=[s[1] for s in steps],
                            batch_loss=[s[2] for s in steps])]
     assert _ledger_after(coalesced) == _ledger_after(single)
+
+
+def test_the_link_sends_pending_step_timings_ahead_of_any_other_record():
+    import zmq
+
+    from flodl_zmq.rank import RankConfig, _Link
+
+    cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="h0", key=bytes(32), run_id=bytes(16),
+                     control_endpoint="ipc:///nonexistent-c", data_endpoint="ipc:///nonexistent-d")
+    ctx = zmq.Context()
+    link = _Link(cfg, ctx, report_period_s=60.0)  # never due by time: only the edge sends them
+    try:
+        link.step(10.0, 0.0, 1.0, step_count=1)
+        link.step(11.0, 0.0, 0.9, step_count=2)
+        link.send(rec.SnapshotReady(rank=0, round=4))
+        queued = [item[0] for item in link._outbox.drain()]
+        assert queued == [rec.Batch(rank=0, step_count=2, batch_ms=[10.0, 11.0], data_ms=[0.0, 0.0],
+                                    batch_loss=[1.0, 0.9]), rec.SnapshotReady(rank=0, round=4)]
+        link.flush_steps()
+        assert link._outbox.drain() == []  # nothing pending: no empty report
+    finally:
+        link._outbox.close()
+        link.inbox.close()
+        ctx.term()
