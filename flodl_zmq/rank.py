@@ -6,8 +6,9 @@ the protocol like this (PROTOCOL.md, Rank):
 
 1. Sends `RankHello` (rank, world size, host, model and dataset signatures).
 2. Trains the spans of the epoch permutation it is given (`StartEpoch`,
-   `Update.next_plan`, `ExtendPartition`), one `Batch` timing record per step,
-   one `EpochMetrics` per completed span.
+   `Update.next_plan`, `ExtendPartition`), reporting its steps' timings in
+   `Batch` records (coalesced: `StepReport`), one `EpochMetrics` per
+   completed span.
 3. On `RequestParams(round)` snapshots its parameters and float buffers into
    a reused host buffer, multiplies it by its realized-work mass (steps since
    the last sync) and deposits one `RoundFrame` on the data socket.
@@ -62,7 +63,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,8 @@ DEFAULTS = Settings()  # the timings below default to the settings table
 WIRE_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 WIRE_NUMPY = {name: DTYPES["i8" if name == "int8" else name] for name in WIRE_TORCH}
 SEND_RELEASE_TIMEOUT_S = 60.0
+# How long a step's timing may wait to be coalesced with the next ones (PROTOCOL.md, timing.batch).
+REPORT_PERIOD_S = 0.05
 
 
 class ParamBuffers:
@@ -285,6 +288,51 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+# --------------------------------------------------------------------------- step reports
+
+
+class StepReport:
+    """The steps not yet reported, coalesced into one `Batch` record (training thread only).
+
+    One record per step (a wake-up of the I/O thread, encode and MAC, the
+    relay's and the controller's decode) cost a small model's rank about as
+    much as its step. Steps now go out together at least every `period_s`,
+    and at once before any other record of the rank and before it stops
+    stepping (a chunk done, a deposit, a throttle: the edges of a window), so
+    the coordinator's gate and ElChe see the same steps in the same order.
+    """
+
+    def __init__(self, rank: int, period_s: float) -> None:
+        self.rank = rank
+        self.period_s = period_s
+        self.reported = 0  # the step count of the last report taken
+        self._step_count = 0
+        self._batch_ms: list[float] = []
+        self._data_ms: list[float] = []
+        self._loss: list[float] = []
+        self._opened = 0.0
+
+    def add(self, batch_ms: float, data_ms: float, loss: float, step_count: int, now: float) -> rec.Batch | None:
+        """Note one step; returns the report when it is due."""
+        if not self._batch_ms:
+            self._opened = now
+        self._batch_ms.append(batch_ms)
+        self._data_ms.append(data_ms)
+        self._loss.append(loss)
+        self._step_count = step_count
+        return self.take() if now - self._opened >= self.period_s else None
+
+    def take(self) -> rec.Batch | None:
+        """The pending steps as one record (None when there are none)."""
+        if not self._batch_ms:
+            return None
+        report = rec.Batch(rank=self.rank, step_count=self._step_count, batch_ms=self._batch_ms,
+                           data_ms=self._data_ms, batch_loss=self._loss)
+        self._batch_ms, self._data_ms, self._loss = [], [], []
+        self.reported = self._step_count
+        return report
+
+
 # --------------------------------------------------------------------------- I/O thread
 
 
@@ -292,19 +340,20 @@ class _Link:
     """The I/O thread: owns the control and data DEALERs, encodes, decodes, beats.
 
     Inbound items on `inbox`: ("control", record), ("consensus", Envelope) or
-    ("lost", reason). Outbound: `send(record, payload, tracked_by)` from the
-    training thread.
+    ("lost", reason). Outbound: `step(...)` and `send(record, payload,
+    tracked_by)` from the training thread; pending step timings always go
+    out ahead of any other record (`flush_steps`).
     """
 
-    def __init__(self, cfg: RankConfig, ctx: zmq.Context, step_count: Callable[[], int]) -> None:
+    def __init__(self, cfg: RankConfig, ctx: zmq.Context, report_period_s: float) -> None:
         self.cfg = cfg
+        self.steps = StepReport(cfg.rank, report_period_s)
         self.codec = Codec(cfg.key, cfg.run_id, rank_sender(cfg.rank))
         self.mapped = SegmentMap(cfg.run_id, run_dir(cfg.key, cfg.run_id))  # the relay's consensus segment, by reference
         self._from_relay = Attribution.signed_by(relay_sender(cfg.host), "this host's relay")
         self.inbox: Mailbox[tuple[str, Any]] = Mailbox()
         # None is a bare wake-up (close): the I/O thread then sees _stop.
         self._outbox: Mailbox[tuple[Any, list[Any], ParamBuffers | None] | None] = Mailbox()
-        self._step_count = step_count
         self._ctx = ctx
         self._stop = threading.Event()
         self.rejected = 0
@@ -317,8 +366,21 @@ class _Link:
     def start(self) -> None:
         self._thread.start()
 
+    def step(self, batch_ms: float, data_ms: float, loss: float, step_count: int) -> None:
+        """Note one finished step; its report goes out when due (training thread only)."""
+        report = self.steps.add(batch_ms, data_ms, loss, step_count, time.monotonic())
+        if report is not None:
+            self._outbox.put((report, [], None))
+
+    def flush_steps(self) -> None:
+        """Send the pending step timings now: the rank is about to stop stepping."""
+        report = self.steps.take()
+        if report is not None:
+            self._outbox.put((report, [], None))
+
     def send(self, record: Any, payload: Sequence[Any] = (), tracked_by: ParamBuffers | None = None) -> None:
-        """Queue `record` for the I/O thread (called from the training thread only)."""
+        """Queue `record` for the I/O thread, after the pending step timings (training thread only)."""
+        self.flush_steps()
         self._outbox.put((record, list(payload), tracked_by))
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -354,7 +416,9 @@ class _Link:
                     break
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._encode_send(control, rec.Heartbeat(rank=self.cfg.rank, step_count=self._step_count()))
+                    # The steps already reported: a count ahead of the timings would let the
+                    # gate close a window whose last steps ElChe has not seen yet.
+                    self._encode_send(control, rec.Heartbeat(rank=self.cfg.rank, step_count=self.steps.reported))
                     next_beat = now + self.cfg.heartbeat_s
                 if now >= self._ask_at and self._deposit is not None:
                     self._encode_send(data, rec.ConsensusRequest(round=self._deposit[0].round), Channel.DATA)
@@ -526,7 +590,8 @@ class RankRuntime:
 
     def run(self) -> int:
         ctx = zmq.Context.instance()
-        link = _Link(self.cfg, ctx, lambda: self.steps)
+        # Sync averages after every step: each step is a window edge and is reported at once.
+        link = _Link(self.cfg, ctx, 0.0 if self.job.mode == "cpu-sync" else REPORT_PERIOD_S)
         self.link = link
         link.start()
         link.send(
@@ -542,6 +607,8 @@ class RankRuntime:
         try:
             with recording(self.scalars):
                 while self._stop_reason is None:
+                    if not self._can_train():
+                        link.flush_steps()  # a window edge: the coordinator must see every step before we wait
                     self._drain(block=not self._can_train())
                     if self._stop_reason is None and self._can_train():
                         self._train_one()
@@ -701,12 +768,7 @@ class RankRuntime:
         span.loss_sum += loss_value
         span.compute_ms += compute_ms
         span.data_ms += data_ms
-        self.link.send(
-            rec.Batch(
-                rank=self.cfg.rank, batch_ms=compute_ms, data_ms=data_ms, step_count=self.steps,
-                batch_loss=loss_value, param_norm=None, sync_divergence=None,
-            )
-        )
+        self.link.step(compute_ms, data_ms, loss_value, self.steps)
         if span.pos >= len(span.indices):
             self._spans.popleft()
             sums, counts = self.scalars.take()

@@ -416,7 +416,10 @@ class Coordinator:
 
     def _on_batch(self, rank: int, m: rec.Batch, now: float) -> None:
         self._count_steps(rank, m.step_count)
-        self.feedback.ledger.record_batch(rank, m.batch_ms, m.data_ms, m.batch_loss)
+        # One report covers every step since the last: the ledger sees each step as if
+        # it had come alone, so ElChe's window (fill, marginal rate) is unchanged.
+        for batch_ms, data_ms, loss in zip(m.batch_ms, m.data_ms, m.batch_loss, strict=True):
+            self.feedback.ledger.record_batch(rank, batch_ms, data_ms, loss)
         self._check_throttle()
 
     def _on_heartbeat(self, rank: int, m: rec.Heartbeat, now: float) -> None:
@@ -515,8 +518,7 @@ class Coordinator:
                 self._trigger(now)
         self._aggregate(now)
         if self.cycle is None:
-            steps = self.window_steps
-            if not any(steps[r] for r in self.liveness.live):
+            if not any(self._step_count[r] != self._step_base[r] for r in self.liveness.live):
                 # Nothing stepped since the last consensus: it holds all reported work.
                 done = self.dispatch.done_through(self.last_aggregated)
                 self._consensus_complete = max(self._consensus_complete, done)
@@ -527,13 +529,13 @@ class Coordinator:
         """The count-based gate: every live rank full, throttled or quiesced, and one stepped."""
         if self.phase is not RunPhase.TRAINING or not self.liveness.live:
             return False
-        steps = self.window_steps
         any_mover = False
-        for r in self.liveness.live:
-            any_mover |= steps[r] > 0
+        for r in self.liveness.live:  # per record: stops at the first rank not done
+            steps = self._step_count[r] - self._step_base[r]
+            any_mover |= steps > 0
             # A rank we throttled is parked at the barrier on our orders.
             if not (
-                self.dispatch.window_full(r, steps[r])
+                self.dispatch.window_full(r, steps)
                 or r in self._throttled
                 or self.dispatch.quiesced(r, self.last_aggregated)
             ):

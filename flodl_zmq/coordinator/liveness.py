@@ -60,6 +60,8 @@ class Liveness:
         # is declared dead one timeout after the coordinator started.
         self._last_seen = [now] * world_size
         self._state = [RankState.LIVE] * world_size
+        # Asked for on every record: kept, not rebuilt (O(world) per record at 256 ranks).
+        self._live = tuple(range(world_size))
         self._last_beacon: float | None = None
 
     # ----------------------------------------------------------------- inputs
@@ -111,8 +113,9 @@ class Liveness:
         return self._state[rank]
 
     @property
-    def live(self) -> list[int]:
-        return [r for r in range(self.world_size) if self._state[r] is RankState.LIVE]
+    def live(self) -> tuple[int, ...]:
+        """The live ranks, in rank order."""
+        return self._live
 
     @property
     def live_mask(self) -> list[bool]:
@@ -134,6 +137,7 @@ class Liveness:
         if self._state[rank] is not RankState.LIVE:
             return False
         self._state[rank] = to
+        self._live = tuple(r for r in self._live if r != rank)
         return True
 
     def check_rank(self, rank: int) -> None:

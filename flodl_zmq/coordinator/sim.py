@@ -237,9 +237,8 @@ class _Rank:
         self.steps += 1
         self.batches += 1
         bs = self.sim.coord.config.batch_size
-        batch = rec.Batch(
-            rank=self.rank, batch_ms=ms, data_ms=self.sim.cfg.data_ms, step_count=self.steps,
-            batch_loss=1.0, param_norm=None, sync_divergence=None)
+        batch = rec.Batch(rank=self.rank, step_count=self.steps, batch_ms=[ms], data_ms=[self.sim.cfg.data_ms],
+                          batch_loss=[1.0])
         if self.chunk is not None:
             self.sim.send(t, self.rank, batch)
             self.chunk[3] += bs

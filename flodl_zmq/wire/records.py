@@ -202,13 +202,25 @@ class RankHello:
 
 @record("timing.batch", C)
 class Batch:
+    """The steps taken since the rank's last report, one list entry per step, oldest first.
+
+    Coalesced (PROTOCOL.md): a record per step cost the rank's core more than
+    a small model's step; the lists keep every step's numbers for ElChe.
+    """
+
     rank: int
-    batch_ms: float
-    data_ms: float
     step_count: int
-    batch_loss: float
-    param_norm: float | None
-    sync_divergence: float | None
+    batch_ms: list[float]
+    data_ms: list[float]
+    batch_loss: list[float]
+
+    def __post_init__(self) -> None:
+        if not len(self.batch_ms) == len(self.data_ms) == len(self.batch_loss):
+            raise SchemaError(
+                f"Batch from rank {self.rank}: batch_ms, data_ms and batch_loss have "
+                f"{len(self.batch_ms)}, {len(self.data_ms)} and {len(self.batch_loss)} entries; "
+                "a report lists each step once in all three"
+            )
 
 
 @record("timing.sync_ack", C)

@@ -83,12 +83,10 @@ FIELD_VALUES: dict[str, Any] = {
     "per_rank_samples": [6000, 5210],
     "scalars": {"accuracy": 0.953125, "top5": 0.99609375},  # a map of several keys
     "metric": 0.953125,
-    "batch_ms": 12.5,
-    "data_ms": 0.75,
+    "batch_ms": [12.5, 11.75],
+    "data_ms": [0.75, 0.5],
     "step_count": 1234,
-    "batch_loss": 0.40625,
-    "param_norm": 15.25,
-    "sync_divergence": None,
+    "batch_loss": [0.40625, 0.375],
     "divergence": 0.0078125,
     "post_norm": 15.0,
     "pre_norm": 15.125,
@@ -698,6 +696,21 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             {"frames": signed(header(fields={"rank": True, "step_count": 1}))},
         ),
         (
+            "batch_lists_unequal",
+            "timing.batch listing two steps' batch_ms but one data_ms",
+            "SchemaError",
+            "a report lists each step once in all three",
+            {
+                "frames": signed(
+                    header(
+                        "timing.batch",
+                        fields={"rank": 2, "step_count": 1234, "batch_ms": [12.5, 11.75], "data_ms": [0.75],
+                                "batch_loss": [0.40625, 0.375]},
+                    )
+                )
+            },
+        ),
+        (
             "nested_field_mistyped",
             "control.update whose next_plan.epoch is a string",
             "SchemaError",
@@ -769,10 +782,15 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
         ),
         (
             "version_3_header",
-            "a version 3 header (its receivers refuse a resent record, 5.1)",
+            "a version 3 timing.batch (one step, single floats; its receivers refuse a resent record, 5.1)",
             "VersionError",
             f"peer speaks protocol version 3, this build speaks {PROTOCOL_VERSION}",
-            {"frames": signed(header(v=3))},
+            {
+                "frames": signed(header("timing.batch", v=3, fields={
+                    "rank": 2, "batch_ms": 12.5, "data_ms": 0.75, "step_count": 1234, "batch_loss": 0.40625,
+                    "param_norm": None, "sync_divergence": None,
+                }))
+            },
         ),
         (
             "seq_zero",

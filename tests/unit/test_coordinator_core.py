@@ -30,8 +30,7 @@ def of(outs, kind, dest=None):
 
 
 def batch(c, r, step, t=0.1, ms=10.0):
-    return c.on_record(r, rec.Batch(rank=r, batch_ms=ms, data_ms=0.0, step_count=step,
-                                    batch_loss=1.0, param_norm=None, sync_divergence=None), t)
+    return c.on_record(r, rec.Batch(rank=r, step_count=step, batch_ms=[ms], data_ms=[0.0], batch_loss=[1.0]), t)
 
 
 def done(c, r, epoch, samples, t=0.1):
@@ -245,7 +244,7 @@ def test_a_rank_absent_at_start_keeps_its_number_gets_nothing_and_the_live_ranks
     outs = c.start(0.0, absent=[1])
     assert of(outs, rec.DeclareDead, REDUCER) == [rec.DeclareDead(rank=1)]
     assert not [o for o in outs if o.dest == 1]
-    assert c.liveness.live == [0, 2] and c.liveness.failures == 1
+    assert c.liveness.live == (0, 2) and c.liveness.failures == 1
     if mode == "sync":  # two partitions of the whole epoch, nothing for rank 1
         plans = sorted((o.record.plan.offset, o.record.plan.size) for o in outs if isinstance(o.record, rec.StartEpoch))
         assert plans == [(0, 15), (15, 15)]

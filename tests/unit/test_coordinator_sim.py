@@ -273,3 +273,35 @@ def test_reports_per_epoch_gives_each_epoch_its_partial_records_in_order(mode):
     for i, (kind, epoch) in enumerate(order):
         if kind is rec.EpochAggregated:
             assert (EpochProgress, epoch) not in order[i:]
+
+
+def speeds_1_to_16(n: int) -> list[float]:
+    """`n` throughputs spread geometrically from 1 to 16."""
+    return [16 ** (i / (n - 1)) for i in range(n)]
+
+
+def test_64_ranks_of_speeds_1_to_16_get_their_share_and_every_sample_once_through_deaths():
+    speeds = speeds_1_to_16(64)
+    deaths = {63: 0.3, 31: 0.8, 5: 1.3}  # the fastest, a middle one and a slow one, about every 2 epochs
+    ranks = [RankSpec(16.0 / s, die_at=deaths.get(r)) for r, s in enumerate(speeds)]
+    total, epochs = int(sum(speeds) * 12) * BS, 9  # the slowest rank does about 12 batches an epoch
+    res = Simulation(CoordinatorConfig(total_samples=total, batch_size=BS, num_epochs=epochs, mode="cadence"),
+                     ranks, SimConfig(seed=0)).run()
+    assert res.ended is not None and res.ended.reason is None
+    assert sorted(r for _, r in res.deaths_seen) == sorted(deaths)
+    assert_each_sample_once(res, epochs, total)
+    # Shares against speed over the live ranks, in epochs ElChe had settled in: past
+    # calibration, and neither the epoch of a death nor the one after it.
+    ends = [t for t, o in res.outputs if o.dest is CONTROLLER and isinstance(o.record, rec.EpochAggregated)]
+    ratios: dict[int, list[float]] = {}
+    for e, agg in enumerate(res.aggregated):
+        begin = ends[e - 2] if e >= 2 else 0.0
+        if e < 3 or any(begin <= t <= ends[e] for t, _ in res.deaths_seen):
+            continue
+        live = [r for r in range(64) if not any(r == d and t <= ends[e] for t, d in res.deaths_seen)]
+        speed_sum = sum(speeds[r] for r in live)
+        for r in live:
+            ratios.setdefault(r, []).append(agg.per_rank_batch_share[r] / (speeds[r] / speed_sum))
+    assert len(ratios[0]) >= 2, "too few settled epochs to judge"
+    worst = max(abs(statistics.mean(v) - 1.0) for v in ratios.values())
+    assert worst <= 0.10, f"a rank's batch share is {worst:.1%} off its speed share"

@@ -155,6 +155,11 @@ def test_train_alone_reports_scalars_and_follows_the_schedule_per_batch():
 
 
 class Sent(list):
+    """The rank's link, keeping what the training thread hands it (step timings aside)."""
+
+    def step(self, batch_ms, data_ms, loss, step_count):
+        pass
+
     def send(self, record, payload=(), tracked_by=None):
         self.append(record)
         if tracked_by is not None:

@@ -41,7 +41,7 @@ from flodl_zmq.wire import (
     tensor_view,
 )
 from flodl_zmq.wire.codec import REPLAY_WINDOW
-from flodl_zmq.wire.records import HostFrame, RoundFrame, to_fields
+from flodl_zmq.wire.records import Batch, HostFrame, RoundFrame, to_fields
 
 KEY = bytes(range(32))
 RUN = bytes(range(100, 116))
@@ -82,6 +82,11 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
 
 def record_strategy(cls: type) -> st.SearchStrategy[Any]:
     hints = typing.get_type_hints(cls)
+    if cls is Batch:  # its three lists list the same steps: equal lengths
+        floats = strategy_for(float)
+        return st.integers(0, 4).flatmap(lambda n: st.builds(
+            cls, rank=strategy_for(int), step_count=strategy_for(int),
+            **{name: st.lists(floats, min_size=n, max_size=n) for name in ("batch_ms", "data_ms", "batch_loss")}))
     return st.builds(cls, **{f.name: strategy_for(hints[f.name]) for f in dataclasses.fields(cls)})
 
 
