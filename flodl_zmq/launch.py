@@ -74,7 +74,6 @@ class Child:
     env: ProcessEnv
     proc: subprocess.Popen
     reader: threading.Thread | None = None
-    report_exit: bool = False  # a relay or rank: its exit goes to the controller
 
 
 @dataclass
@@ -153,7 +152,7 @@ class Cluster:
             start_new_session=True,  # its own process group: teardown reaches all it started
             pass_fds=pass_fds,
         )
-        child = Child(label, penv, proc, report_exit=penv.role != "controller")
+        child = Child(label, penv, proc)
         child.reader = threading.Thread(target=self._forward, args=(child,), daemon=True)
         child.reader.start()
         self.children[label] = child
@@ -166,7 +165,7 @@ class Cluster:
                 self.lines.append(line)
                 if self.sink is not None:
                     self.sink(line)
-        if child.report_exit:  # its output ended: it exited (or is about to)
+        if child.env.role != "controller":  # its output ended: it exited (or is about to)
             self._report(ChildExit(child.env.host or "", child.env.rank, child.proc.wait()))
 
     def _report(self, exit: ChildExit) -> None:
@@ -175,7 +174,7 @@ class Cluster:
                 return
             try:
                 os.write(self._exits, ExitReports.line(exit))
-            except OSError:  # the controller is gone: nobody left to tell
+            except OSError:  # the controller is gone (or stopped reading): nobody to tell
                 pass
 
     def output(self) -> str:
