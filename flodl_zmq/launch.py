@@ -81,7 +81,6 @@ class Child:
     env: ProcessEnv
     proc: subprocess.Popen
     reader: threading.Thread | None = None
-    report_exit: bool = False  # a relay or rank: its exit goes to the controller
 
 
 @dataclass
@@ -206,7 +205,7 @@ class Cluster:
             start_new_session=True,  # its own process group: teardown reaches all it started
             pass_fds=pass_fds,
         )
-        child = Child(label, penv, proc, report_exit=penv.role != "controller")
+        child = Child(label, penv, proc)
         child.reader = threading.Thread(target=self._forward, args=(child,), daemon=True)
         child.reader.start()
         self.children[label] = child
@@ -215,7 +214,7 @@ class Cluster:
         assert child.proc.stdout is not None
         for raw in child.proc.stdout:
             self._emit(f"[{child.label}] {raw.decode(errors='replace').rstrip()}")
-        if child.report_exit:  # its output ended: it exited (or is about to)
+        if child.env.role != "controller":  # its output ended: it exited (or is about to)
             self._report(ChildExit(child.env.host or "", child.env.rank, child.proc.wait()))
 
     def _emit(self, line: str) -> None:
@@ -230,7 +229,7 @@ class Cluster:
                 return
             try:
                 os.write(self._exits, ExitReports.line(exit))
-            except OSError:  # the controller is gone: nobody left to tell
+            except OSError:  # the controller is gone (or stopped reading): nobody to tell
                 pass
 
     def output(self) -> str:

@@ -5,10 +5,10 @@ sides, and ZeroMQ re-dials underneath. Used in process by
 tests/cluster/test_reconnect.py, and inside a network namespace as a script
 by tests/cluster/test_chaos.py:
 
-    python -m tests.cluster.reset_proxy LISTEN_HOST:PORT TARGET_HOST:PORT EVERY_S RESETS
+    python -m tests.cluster.reset_proxy LISTEN_HOST:PORT TARGET_HOST:PORT
 
-which resets every EVERY_S seconds (at once, whatever is in flight), RESETS
-times, printing `reset N` after each, then forwards until killed.
+which resets once (at once, whatever is in flight) for each line it reads
+on stdin, printing `reset N` after each, and forwards until stdin closes.
 """
 
 from __future__ import annotations
@@ -139,15 +139,13 @@ def main(argv: list[str]) -> None:
     (listen_host, listen), (target_host, target) = (
         (a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in argv[:2]
     )
-    every_s, resets = float(argv[2]), int(argv[3])
     proxy = ResettingProxy(listen, target, listen_host, target_host, quiet_s=0.0)
     proxy.start()
     print("proxy up", flush=True)
-    for n in range(1, resets + 1):
-        time.sleep(every_s)
+    for n, _ in enumerate(sys.stdin, start=1):
         proxy.reset()
         print(f"reset {n}, {proxy.accepted} connections so far", flush=True)
-    threading.Event().wait()  # forward until killed
+    proxy.stop()
 
 
 if __name__ == "__main__":

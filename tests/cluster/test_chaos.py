@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -36,19 +37,19 @@ from tests.cluster.netns import Network, network_or_skip
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 JOB = str(Path(__file__).with_name("digits_job.py"))
-EPOCHS = 8
+EPOCHS = 12  # fewer leave the accuracy of two undisturbed runs more than a point apart
 SAMPLES_PER_EPOCH_16 = (1437 // 16) * 16  # progressive pools are batch-aligned
 PROGRAM = [JOB, "--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "4", "--heartbeat-timeout", "6"]
 TIMINGS = {
     "FLODL_LINK_HEARTBEAT_PERIOD": "0.5",
     "FLODL_LINK_SILENCE": "4",
     "FLODL_PEER_SEND_TIMEOUT": "4",
-    "FLODL_STARTUP_TIMEOUT": "60",
+    "FLODL_STARTUP_TIMEOUT": "120",
 }
 HOST_SILENCE_S = 5.0
-WAIT_S = 90.0
+WAIT_S = 150.0  # generous: the machine running the suite may be shared
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(sys.platform != "linux", reason="network namespaces")]
+pytestmark = [pytest.mark.timeout(330), pytest.mark.skipif(sys.platform != "linux", reason="network namespaces")]
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +66,18 @@ class Run:
         self.key = new_key().hex()
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def up(self, name: str, host: str, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+    def up(self, name: str, host: str, argv: Sequence[str], env: dict[str, str] | None = None, **kw) -> None:
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "FLODL_KEY": self.key,
                    **TIMINGS, **(env or {})}
         for var in ("FLODL_CURVE_SECRET", "FLODL_CURVE_SERVER"):
             environ.pop(var, None)
         with open(self.logs / f"{name}.log", "w") as out:
-            self.procs[name] = self.net.popen(host, argv, env=environ, stdout=out, stderr=subprocess.STDOUT)
+            self.procs[name] = self.net.popen(host, argv, env=environ, stdout=out, stderr=subprocess.STDOUT, **kw)
 
-    def controller(self) -> None:
+    def controller(self, ranks: int = 3) -> None:
         self.up("controller", "controller", [
             str(BIN / "flodl-zmq"), "controller", "--bind", "controller:7300", "--min-ranks", "2",
-            "--target-ranks", "3", "--join-window", "60", "--host-silence", str(HOST_SILENCE_S), "--", *PROGRAM,
+            "--target-ranks", str(ranks), "--join-window", "60", "--host-silence", str(HOST_SILENCE_S), "--", *PROGRAM,
         ])
         self.wait_for("controller", "join window open")
 
@@ -87,11 +88,11 @@ class Run:
             "--script", JOB,
         ], env)
 
-    def workers(self, w2_port: int = 7300, w2_env: dict[str, str] | None = None) -> None:
-        """w1 (ranks 0, 1) admitted first, then w2 (rank 2)."""
+    def workers(self, w2_port: int = 7300, w2_env: dict[str, str] | None = None, w2_slots: int = 1) -> None:
+        """w1 (ranks 0, 1) admitted first, then w2 (rank 2, and 3 with two slots)."""
         self.agent("w1", 2)
         self.wait_for("controller", "admitted 'w1'")
-        self.agent("w2", 1, w2_port, w2_env)
+        self.agent("w2", w2_slots, w2_port, w2_env)
 
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text(errors="replace")
@@ -172,6 +173,7 @@ def covered_exactly(result: dict) -> None:
 
 
 def accurate_as(result: dict, undisturbed: dict) -> None:
+    print(f"accuracy {result['accuracy']:.4f}, undisturbed {undisturbed['accuracy']:.4f}")
     assert result["accuracy"] >= undisturbed["accuracy"] - 0.01 - 1e-9, (result["accuracy"], undisturbed["accuracy"])
 
 
@@ -195,12 +197,20 @@ def test_a_hosts_link_down_for_2_s_three_times_costs_only_time(run, net, undistu
 def test_connection_resets_at_random_moments_cost_no_sample_and_no_accuracy(run, net, undisturbed):
     # The proxy runs on the controller's host; w2's agent (and so its relay) dials it, not the controller.
     run.up("proxy", "controller", [sys.executable, "-m", "tests.cluster.reset_proxy",
-                                   "0.0.0.0:8300", "controller:7300", "1.5", "6"])
+                                   "0.0.0.0:8300", "controller:7300"], stdin=subprocess.PIPE)
+    proxy = run.procs["proxy"]
     run.wait_for("proxy", "proxy up")
     run.controller()
     run.workers(w2_port=8300)
+    run.wait_for("controller", "epoch 1/")
+    rng = random.Random(13)
+    for _ in range(6):  # at random moments, whatever the connections carry
+        time.sleep(rng.uniform(0.3, 1.2))
+        proxy.stdin.write(b"reset\n")
+        proxy.stdin.flush()
+    run.wait_for("proxy", "reset 6")
     result, log = run.result()
-    assert run.log("proxy").count("reset ") >= 5, run.log("proxy")
+    proxy.stdin.close()  # the proxy stops with its input
     covered_exactly(result)
     accurate_as(result, undisturbed)
     assert "declared dead" not in log
@@ -238,14 +248,15 @@ def test_a_relay_stopped_past_the_timeout_loses_its_host_and_its_late_frames_are
 
 
 def test_a_rank_sigkilled_before_its_hello_is_left_out_and_the_others_train_every_sample(run, net, undisturbed):
-    run.controller()
-    run.workers(w2_env={"DIGITS_SIGKILL_RANK": "2"})
-    log = run.wait_for("controller", "world formed: 2 of 3 ranks")
-    assert "rank 2 left before the world formed (its agent on w2 reported exit code -9)" in log
+    # A world of four whose rank 3 dies at once: the three left train like the undisturbed three.
+    run.controller(ranks=4)
+    run.workers(w2_env={"DIGITS_SIGKILL_RANK": "3"}, w2_slots=2)
+    log = run.wait_for("controller", "world formed: 3 of 4 ranks")
+    assert "rank 3 left before the world formed (its agent on w2 reported exit code -9)" in log
     result, log = run.result()
     covered_exactly(result)
     accurate_as(result, undisturbed)
-    assert all(e["per_rank_samples"][2] == 0 for e in result["epochs"])
+    assert all(e["per_rank_samples"][3] == 0 for e in result["epochs"])
 
 
 def test_the_agents_link_flapping_during_formation_still_forms_the_world(run, net, undisturbed):

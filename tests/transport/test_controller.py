@@ -158,6 +158,9 @@ def test_a_rank_that_leaves_before_the_world_forms_is_left_out_at_once(rig):
     relay.wait_for(rank_identity(0), "StartEpoch")  # not the start-up timeout: the world formed without it
     assert service.started and service.core.liveness.state(1) is RankState.DEAD
     assert "before the world formed: the relay on h saw it leave" in service.deaths[1][1]
+    relay.send(0, rec.Exiting(rank=0))  # the last rank leaves: the run ends, the service stops
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
 
 
 def test_the_start_up_fails_at_once_naming_every_rank_gone_when_none_remain(rig):
