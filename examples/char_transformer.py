@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 VOCAB = 128  # ASCII code points
 VALIDATION_EVERY = 10  # every tenth file (by sorted name) is held out
@@ -104,9 +104,7 @@ def step(model: torch.nn.Module, batch) -> torch.Tensor:
 def validation_loss(model: torch.nn.Module, dataset: Windows) -> float:
     """Mean cross-entropy per character (nats) over every validation window (called in eval mode, no grad)."""
     total, count = 0.0, 0
-    for start in range(0, len(dataset), 64):
-        x, y = zip(*(dataset[i] for i in range(start, min(start + 64, len(dataset)))))
-        x, y = torch.stack(x), torch.stack(y)
+    for x, y in DataLoader(dataset, batch_size=64):
         total += float(F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum"))
         count += y.numel()
     return total / count
@@ -120,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-3, help="AdamW")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW")
     p.add_argument("--train-chars", type=int, default=200_000, help="cap on the training text (an epoch's length)")
     p.add_argument("--val-chars", type=int, default=20_000)
     p.add_argument("--mode", default="cpu-cadence")
