@@ -87,7 +87,10 @@ class CharTransformer(torch.nn.Module):
         layer = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
         self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = torch.nn.LayerNorm(width)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+        # True above the diagonal: a position never sees the characters after it. A boolean
+        # buffer, not the usual float one of -inf: float buffers travel with the weights in
+        # every round, and a relay rightly refuses a deposit that holds an infinity.
+        self.register_buffer("mask", torch.ones(context, context, dtype=torch.bool).triu(1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
