@@ -34,7 +34,10 @@ from tests.cluster.reset_proxy import ResettingProxy
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 SAMPLES_PER_EPOCH_16 = (1437 // 16) * 16
-ARGS = ("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4")
+# 15 epochs of about 45 steps per rank at 12 ms a step: at least 8 s of training, so that the
+# ten resets, 0.6 s apart once the first epoch ends, all land while the run trains.
+ARGS = ("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "12")
+RESET_EVERY_S = 0.6
 RESETS = 10  # alternately full (quiet) and data-only (busy): 5 of each
 WAIT_S = 120.0
 
@@ -94,7 +97,7 @@ def test_connection_resets_between_relays_and_controller_cost_no_sample_and_no_a
     code, baseline, out, _, _ = cluster_run(None)
     assert code == 0, out
     t1 = time.monotonic()
-    code, result, out, resets, accepted = cluster_run(1.0)
+    code, result, out, resets, accepted = cluster_run(RESET_EVERY_S)
     recovered = {what: out.count(what) for what in ("sending it again", "asking the reducer", "lost this host's frame")}
     print(f"undisturbed: accuracy {baseline['accuracy']:.4f} in {t1 - t0:.1f} s; {resets} resets, "
           f"{accepted} connections: accuracy {result and result['accuracy']} in {time.monotonic() - t1:.1f} s; "
