@@ -188,15 +188,40 @@ class Network:
         self._procs.append(proc)
         return proc
 
+    def pids(self, name: str) -> list[int]:
+        """The processes in the host's namespace."""
+        out = subprocess.run(["ip", "netns", "pids", self.hosts[name].netns], capture_output=True, text=True,
+                             check=False).stdout
+        return [int(pid) for pid in out.split()]
+
+    def pid_with(self, name: str, *environment: str) -> int:
+        """The pid of the process on host `name` whose environment holds every `VAR=value` given."""
+        for pid in self.pids(name):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if all(e.encode() in env for e in environment):
+                return pid
+        raise AssertionError(f"no process with {' '.join(environment)} on {name}")
+
     def kill_host_processes(self, name: str) -> None:
         """SIGKILL every process in the host's namespace (a machine that dies)."""
-        pids = subprocess.run(["ip", "netns", "pids", self.hosts[name].netns], capture_output=True, text=True,
-                              check=False).stdout.split()
-        for pid in pids:
+        for pid in self.pids(name):
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def stop(self, procs: Iterator[subprocess.Popen] | Sequence[subprocess.Popen]) -> None:
+        """SIGKILL `procs`' process groups, reap them, then whatever is left in every host."""
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for host in self.hosts:  # the agents' children run in sessions of their own
+            self.kill_host_processes(host)
 
     # ------------------------------------------------------------------ teardown
 

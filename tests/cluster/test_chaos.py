@@ -122,27 +122,10 @@ class Run:
 
     def pid_of(self, host: str, role: str) -> int:
         """The pid of the process of `role` (relay or rank) on `host`, from its FLODL_* environment."""
-        pids = subprocess.run(["ip", "netns", "pids", self.net.hosts[host].netns], capture_output=True,
-                              text=True, check=False).stdout.split()
-        for pid in pids:
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"FLODL_ROLE={role}".encode() in env:
-                return int(pid)
-        raise AssertionError(f"no {role} process on {host}")
+        return self.net.pid_with(host, f"FLODL_ROLE={role}")
 
     def down(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait(10)
-        for host in self.net.hosts:  # the agents' children run in sessions of their own
-            self.net.kill_host_processes(host)
+        self.net.stop(self.procs.values())
 
 
 @pytest.fixture

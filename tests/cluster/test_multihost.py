@@ -102,27 +102,10 @@ class Compose:
 
     def rank_pid(self, host: str, rank: int) -> int:
         """The pid of global rank `rank`'s process on `host` (from its FLODL_* environment)."""
-        pids = subprocess.run(["ip", "netns", "pids", self.net.hosts[host].netns], capture_output=True,
-                              text=True, check=False).stdout.split()
-        for pid in pids:
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"FLODL_ROLE=rank" in env and f"FLODL_RANK={rank}".encode() in env:
-                return int(pid)
-        raise AssertionError(f"no process of rank {rank} on {host}")
+        return self.net.pid_with(host, "FLODL_ROLE=rank", f"FLODL_RANK={rank}")
 
     def down(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait(10)
-        for host in self.net.hosts:  # the agents' children run in sessions of their own
-            self.net.kill_host_processes(host)
+        self.net.stop(self.procs.values())
 
 
 @pytest.fixture
