@@ -143,7 +143,7 @@ from flodl_zmq.status_server import StatusServer
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire import records as rec
-from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outstream
+from flodl_zmq.wire.stream import InOrder, Outstream
 
 log = logging.getLogger(__name__)
 
@@ -440,9 +440,7 @@ class ControllerService:
             due.append(math.inf if tick is None else tick)
         if self.status_sink is not None:
             due.append(self._next_status)
-        kept = [t for t in (s.next_due() for s in self._to_rank.values()) if t is not None]
-        if kept:
-            due.append(min(kept) + RESEND_AFTER_S)
+        due.extend(s.due_at() for s in self._to_rank.values())
         return min(due)
 
     # ------------------------------------------------------------------ checkpoints
@@ -806,7 +804,11 @@ class ControllerService:
             if self.started and not self.core.liveness.is_live(rank):
                 stream.forget()
                 continue
-            for frames in stream.due(now):
+            due = stream.due(now)
+            if due:
+                log.warning("controller: rank %d has not acknowledged %d control records; sending them again",
+                            rank, len(due))
+            for frames in due:
                 self.resends[self.host_of[rank]] += 1
                 self._to_relay_of(rank, frames)
 

@@ -376,7 +376,7 @@ class _Link:
                 if not lost and now - (last_heard or started) > limit:
                     lost = True
                     self.inbox.put(("lost", f"no word from the coordinator for {limit:.0f} s"))
-                wake = min(next_beat, self._ask_at, (self._up.next_due() or math.inf) + RESEND_AFTER_S)
+                wake = min(next_beat, self._ask_at, self._up.due_at())
                 events = dict(poller.poll(max(1, int((wake - time.monotonic()) * 1000))))
                 if control in events:
                     while control.poll(0):
@@ -428,7 +428,11 @@ class _Link:
 
     def _resend(self, control: zmq.Socket, now: float) -> None:
         """Send again what the coordinator has not acknowledged (lost in a reset), byte-identical."""
-        for frames in self._up.due(now):
+        due = self._up.due(now)
+        if due:
+            log.warning("rank %d: the coordinator has not acknowledged %d control records; sending them again",
+                        self.cfg.rank, len(due))
+        for frames in due:
             self.resent_control += 1
             control.send_multipart(frames)
 

@@ -17,6 +17,7 @@ Pure: the caller passes the time and does the sending.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from flodl_zmq.wire.codec import REPLAY_WINDOW, Codec
@@ -38,12 +39,15 @@ class Outstream:
         self.codec = codec
         self._sent = 0
         self._kept: dict[int, tuple[float, list[Any]]] = {}  # seq -> (last sent, frames), in seq order
+        # No resend is due before this (it may be early after an ack: a wasted look, never a late resend).
+        self._due_at = math.inf
 
     def send(self, record: Any, now: float) -> list[Any]:
         """Encode `record`, keep it, and return the frames to send now."""
         frames = [bytes(f) for f in self.codec.encode(record, channel=Channel.CONTROL)]
         self._sent += 1
         self._kept[self._sent] = (now, frames)
+        self._due_at = min(self._due_at, now + RESEND_AFTER_S)
         if len(self._kept) > REPLAY_WINDOW:  # the receiver's window refuses it as too old anyway
             del self._kept[next(iter(self._kept))]
         return frames
@@ -55,20 +59,24 @@ class Outstream:
 
     def due(self, now: float) -> list[list[Any]]:
         """Frames unacknowledged for `RESEND_AFTER_S` since last sent, in order; marked sent now."""
+        if now < self._due_at:  # the common case, cheap: called on every turn of a service loop
+            return []
         out = []
         for seq, (at, frames) in self._kept.items():
             if now - at >= RESEND_AFTER_S:
                 self._kept[seq] = (now, frames)
                 out.append(frames)
+        self._due_at = min((at for at, _ in self._kept.values()), default=math.inf) + RESEND_AFTER_S
         return out
 
-    def next_due(self) -> float | None:
-        """When the oldest kept record was last sent (None: nothing kept); a resend is due `RESEND_AFTER_S` later."""
-        return min((at for at, _ in self._kept.values()), default=None)
+    def due_at(self) -> float:
+        """The earliest moment a resend may fall due (inf: nothing kept)."""
+        return self._due_at
 
     def forget(self) -> None:
         """Stop keeping: the peer is dead or gone, and must not receive its old records again."""
         self._kept.clear()
+        self._due_at = math.inf
 
     def __len__(self) -> int:
         return len(self._kept)

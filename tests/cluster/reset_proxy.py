@@ -19,13 +19,11 @@ import threading
 import time
 
 from flodl_zmq.endpoints import OFFSETS
-from flodl_zmq.wire import Channel
 
 QUIET_S = 0.05  # a connection is closed only after this long without a byte either way
 QUIET_WAIT_S = 5.0
-BUSY_S = 0.002  # a data-only reset closes a connection when a byte crossed this recently
+BUSY_S = 0.002  # a busy reset closes a connection when a byte crossed this recently
 BUSY_WAIT_S = 0.5
-IN_FLIGHT = {OFFSETS[Channel.DATA], OFFSETS[Channel.BROADCAST]}  # links whose records a reset may lose
 
 
 class ResettingProxy:
@@ -33,10 +31,10 @@ class ResettingProxy:
 
     With `quiet_s`, each connection is closed at a moment it is quiet (no
     byte either way for that long): a reset then loses no record in flight.
-    With 0, at once, whatever it carries. A data-only reset closes only the
-    data and broadcast connections, each while bytes cross (within `BUSY_S`),
-    so what they carried is lost and must be recovered by request. It never
-    alters a byte.
+    With 0, at once, whatever it carries. A busy reset closes each connection
+    while bytes cross (within `BUSY_S`), so what it carried is lost and must be
+    recovered: by request on the data links, by resend on the control link.
+    It never alters a byte.
     """
 
     def __init__(self, listen: int, target: int, listen_host: str = "127.0.0.1", target_host: str = "127.0.0.1",
@@ -101,18 +99,17 @@ class ResettingProxy:
             pass
         s.close()
 
-    def reset(self, data_only: bool = False) -> float:
-        """Close every connection (both sides) when quiet, or (`data_only`) data and broadcast ones while busy.
+    def reset(self, busy: bool = False) -> float:
+        """Close every connection (both sides), each when quiet, or (`busy`) while bytes cross.
 
         Returns the longest wait for a quiet moment.
         """
         with self._lock:
-            closing = [p for p in self._pairs if not data_only or p[0] in IN_FLIGHT]
-            self._pairs = [p for p in self._pairs if p not in closing]
+            closing, self._pairs = self._pairs, []
         longest = 0.0
         for _, a, b, last in closing:
             t0 = time.monotonic()
-            if data_only:
+            if busy:
                 while time.monotonic() - last[0] > BUSY_S and time.monotonic() - t0 < BUSY_WAIT_S:
                     time.sleep(BUSY_S / 4)
             else:
