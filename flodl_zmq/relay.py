@@ -478,7 +478,7 @@ class Relay:
 
     def _verify(self, codec: Codec, frames: list[Any], channel: Channel, rank: int, count, where: str,
                 mapped: SegmentMap | None = None, replay: bool = True) -> Envelope | None:
-        """Decode a rank's record; None (counted) unless it is authentic, from `rank` itself, and fresh.
+        """Decode a rank's record; None (counted) unless it is authentic, from `rank` itself, and (with `replay`) fresh.
 
         With `mapped`, a by-reference message is read from that rank's own segment.
         """

@@ -11,8 +11,8 @@ epoch's samples trained once, accuracy within a point.
 Two kinds of reset alternate, each closing every connection. A quiet reset
 closes each at a moment it carries nothing (50 ms quiet): it covers the
 reconnect itself (identities, handover, hellos, re-subscription). A busy
-reset closes each while bytes cross (a byte within the last 2 ms), so
-records in flight are lost on every link: host frames, requests and
+reset is a middlebox that dies: each connection swallows what crosses it for
+0.2 s, then closes, so the records sent meanwhile are lost on every link: host frames, requests and
 consensus messages must be recovered by request (PROTOCOL.md 10.3, 10.6),
 plans, updates, batches, metrics and goodbyes by the control streams'
 resend (10.7).
