@@ -106,6 +106,7 @@ from flodl_zmq.errors import (
     CoordinatorError,
     FlodlError,
     ProtocolError,
+    ReplayError,
     TrainingError,
     WireError,
 )
@@ -119,6 +120,7 @@ from flodl_zmq.links import (
     FROM_REDUCER,
     RELAY_ROUTE,
     Connections,
+    coordinator_sender,
     drain,
     keep_alive,
     limit_receive,
@@ -141,14 +143,11 @@ from flodl_zmq.status_server import StatusServer
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire import records as rec
-
-# Dispatch records whose loss would strand samples: a failed send returns the chunk to the pool.
-_DISPATCH = (rec.StartEpoch, rec.Update, rec.ExtendPartition)
+from flodl_zmq.wire.stream import InOrder, Outstream
 
 log = logging.getLogger(__name__)
 
 END_DRAIN_S = 1.0
-HELD_RETRY_S = 0.05  # how often records held for a reconnecting relay are tried again
 STATUS_EVERY_S = 0.25
 
 MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
@@ -224,9 +223,13 @@ class ControllerService:
         self.last_seen: dict[str, float] = {}
         self.resends: collections.Counter[str] = collections.Counter()
         self._reconnects_this_epoch = 0
-        # Records for a relay whose connection is down (a reset, re-dialled underneath): held in
-        # order for up to link_silence_s, then failed (on_send_failed). A reconnect must not kill ranks.
-        self._held: dict[bytes, collections.deque[tuple[float, int | None, Any, list[bytes]]]] = {}
+        # The control streams with each rank (PROTOCOL.md 10.7): records to it kept until it
+        # acknowledges them and sent again if a reset lost them; its records handed on in order.
+        # A record is never failed while its rank lives, so a chunk is reassigned only after a
+        # death, and a dead rank's records are never sent again: nothing is trained twice.
+        self._to_rank = {r: Outstream(Codec(penv.key, penv.run_id, coordinator_sender(r)))
+                         for r in range(self.world_size)}
+        self._from_rank = {r: InOrder() for r in range(self.world_size)}
         torch.manual_seed(job.seed)  # the same initial replica as every rank
         self.model = job.model()
         start_epoch = 0
@@ -386,8 +389,7 @@ class ControllerService:
                     exits = None
                 for report in reports or ():
                     self._on_exit(report)
-            if self._held:
-                self._flush_held(time.monotonic())
+            self._resend(time.monotonic())
             if reducer.error is not None:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
             if membership is not None and membership.fileno() in events:
@@ -438,8 +440,7 @@ class ControllerService:
             due.append(math.inf if tick is None else tick)
         if self.status_sink is not None:
             due.append(self._next_status)
-        if self._held:
-            due.append(time.monotonic() + HELD_RETRY_S)
+        due.extend(s.due_at() for s in self._to_rank.values())
         return min(due)
 
     # ------------------------------------------------------------------ checkpoints
@@ -525,6 +526,12 @@ class ControllerService:
             self.rejected[self._host_of_relay(relay_id)]["bad_hello" if hello else "forged_route"] += 1
             log.log(logging.ERROR if hello else logging.WARNING, "controller: dropped: %s", exc)
             return
+        except ReplayError:
+            rank = rank_of(route)  # attributed before the window: a rank of this world, or a relay
+            self.counts["duplicate.control"] += 1  # a resend whose first copy arrived: its ack was lost
+            if rank is not None and self.started and self.core.liveness.state(rank) is RankState.EXITED:
+                self._send_rank(rank, rec.CoordHeartbeat())  # an exited rank gets no beacon to carry it
+            return
         except WireError as exc:
             self.counts["rejected.control"] += 1
             self.rejected[self._host_of_relay(relay_id)][type(exc).__name__] += 1
@@ -541,8 +548,17 @@ class ControllerService:
         if route == RELAY_ROUTE:
             self._on_relay(relay_id, env)
             return
-        rank = rank_of(route)
-        record = env.record
+        rank = rank_of(route)  # attributed: a rank of this world
+        if isinstance(env.record, rec.Heartbeat):
+            self._to_rank[rank].ack(env.record.ack)
+        for record in self._from_rank[rank].accept(env.seq, env.record):
+            self._on_rank_record(rank, record)
+
+    def _on_rank_record(self, rank: int, record: Any) -> None:
+        """A rank's control record, in the order it sent them."""
+        if isinstance(record, rec.Exiting):
+            # Acknowledged at once: after its goodbye a rank gets no beacons, and it waits for this.
+            self._send_rank(rank, rec.CoordHeartbeat())
         if isinstance(record, rec.RankHello):
             self._on_hello(rank, record)
             return
@@ -559,10 +575,11 @@ class ControllerService:
             # That rank is out, as if it had died: a peer must not end the run (the reducer's policy too).
             self.counts["violation.control"] += 1
             self._send_rank(rank, rec.Shutdown())  # declared dead, it must not train on alone
-            self._declare_dead(rank, f"protocol violation: {env.kind}: {exc}")
+            self._declare_dead(rank, f"protocol violation: {record.KIND}: {exc}")
             return
         except Exception:  # a core bug must not be mistaken for a peer's fault
-            log.error("controller: coordinator failed on %s from rank %d:\n%s", env.kind, rank, traceback.format_exc())
+            log.error("controller: coordinator failed on %s from rank %d:\n%s", record.KIND, rank,
+                      traceback.format_exc())
             raise
         self._perform(outs)
 
@@ -605,7 +622,7 @@ class ControllerService:
                           r.host, relay_id, old)
                 return
             self.relay_route[r.host] = relay_id  # the same identity again (a re-hello): acknowledged again
-            self._send_route(relay_id, RELAY_ROUTE, rec.RelayHelloAck())
+            self._send_relay(relay_id, rec.RelayHelloAck())
         elif isinstance(r, rec.RankExit):
             host = self._host_of_relay(relay_id)  # attributed: known
             if r.rank not in self.world[host]:
@@ -736,7 +753,6 @@ class ControllerService:
     # ------------------------------------------------------------------ outbound
 
     def _perform(self, outs: list[Any]) -> None:
-        failed: list[tuple[int, Any]] = []
         for out in outs:
             if out.dest is REDUCER:
                 if isinstance(out.record, rec.DeclareDead):
@@ -756,66 +772,53 @@ class ControllerService:
                 self._round_started[out.record.round] = time.perf_counter()
             elif out.dest is CONTROLLER:
                 self._on_effect(out.record)
-            elif not self._send_rank(out.dest, out.record) and isinstance(out.record, _DISPATCH):
-                failed.append((out.dest, out.record))
-        # After the whole batch: a rank must receive records in the order the core
-        # produced them, or a Sync survivor could train a redistributed span twice.
-        for rank, record in failed:
-            self._perform(self.core.on_send_failed(rank, record, time.monotonic()))
+            else:
+                self._send_rank(out.dest, out.record)
 
-    def _send_rank(self, rank: int, record: Any) -> bool:
-        """Send `record` to `rank` through its relay; False (counted) if it could not be delivered."""
+    def _send_rank(self, rank: int, record: Any) -> None:
+        """Send `record` on the control stream to `rank`, through its relay; kept until acknowledged.
+
+        Never blocks: a relay whose queue is full stopped reading, and the one loop of the
+        coordinator must not wait on it. Whatever does not go now (no relay yet, its
+        connection down in a reset, its queue full) goes again with the resends.
+        """
+        if isinstance(record, rec.CoordHeartbeat):  # the beacon carries this rank's acknowledgement
+            record = rec.CoordHeartbeat(ack=self._from_rank[rank].acked)
+        self._to_relay_of(rank, self._to_rank[rank].send(record, time.monotonic()))
+
+    def _to_relay_of(self, rank: int, frames: list[Any]) -> None:
         relay_id = self.relay_route.get(self.host_of[rank])
         if relay_id is None:
             self.counts["undeliverable.control"] += 1
-            return False
-        return self._send_route(relay_id, rank_identity(rank), record, rank)
-
-    def _send_route(self, relay_id: bytes, route: bytes, record: Any, rank: int | None = None) -> bool:
-        """Send to `route` through `relay_id`; False only when the record is lost for good.
-
-        Never blocks: a relay whose queue is full stopped reading, and the one loop of the
-        coordinator must not wait on it (counted undeliverable, the caller's on_send_failed).
-        A relay with no connection right now (EHOSTUNREACH: a reset it is re-dialling) has
-        the record held, in order, and sent when it is back (`_flush_held`).
-        """
-        frames = [relay_id, route, *self.codec.encode(record, channel=Channel.CONTROL)]
-        held = self._held.get(relay_id)
-        if held:
-            held.append((time.monotonic(), rank, record, frames))  # behind what waits: order kept
-            return True
+            return
         try:
-            self.control.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:  # its queue is full: it is not reading
+            self.control.send_multipart([relay_id, rank_identity(rank), *frames], zmq.NOBLOCK)
+        except zmq.ZMQError:  # full (not reading), or EHOSTUNREACH (re-dialling): resent later
             self.counts["undeliverable.control"] += 1
-            return False
-        except zmq.ZMQError:  # EHOSTUNREACH: its connection is down
-            self.counts["held.control"] += 1
-            self._held[relay_id] = collections.deque([(time.monotonic(), rank, record, frames)])
-        return True
 
-    def _flush_held(self, now: float) -> None:
-        """Send what waits for reconnecting relays; what waited past link_silence_s fails."""
-        limit = self.penv.settings.link_silence_s
-        for relay_id in list(self._held):
-            held = self._held[relay_id]
-            while held:
-                try:
-                    self.control.send_multipart(held[0][3], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    break
-                held.popleft()
-            if held and now - held[0][0] <= limit:
+    def _resend(self, now: float) -> None:
+        """Send again what a live rank has not acknowledged; a dead or exited rank's records never go again."""
+        for rank, stream in self._to_rank.items():
+            if not len(stream):
                 continue
-            del self._held[relay_id]
-            lost = [(rank, record) for _, rank, record, _ in held]
-            if lost:
-                self.counts["undeliverable.control"] += len(lost)
-                log.warning("controller: relay %r stayed unreachable for %g s; %d records undelivered",
-                            relay_id, limit, len(lost))
-            for rank, record in lost:
-                if rank is not None and self.started and isinstance(record, _DISPATCH):
-                    self._perform(self.core.on_send_failed(rank, record, time.monotonic()))
+            if self.started and not self.core.liveness.is_live(rank):
+                stream.forget()
+                continue
+            due = stream.due(now)
+            if due:
+                log.warning("controller: rank %d has not acknowledged %d control records; sending them again",
+                            rank, len(due))
+            for frames in due:
+                self.resends[self.host_of[rank]] += 1
+                self._to_relay_of(rank, frames)
+
+    def _send_relay(self, relay_id: bytes, record: Any) -> None:
+        """Send a record of the coordinator's own to a relay; never blocks, never kept (a relay repeats its hello)."""
+        try:
+            self.control.send_multipart([relay_id, RELAY_ROUTE, *self.codec.encode(record, channel=Channel.CONTROL)],
+                                        zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.counts["undeliverable.control"] += 1
 
     def _route_gone(self, relay_id: bytes) -> bool:
         """True when ZeroMQ holds no connection for `relay_id` (ROUTER_MANDATORY refuses a send to it)."""

@@ -63,6 +63,16 @@ FROM_REDUCER = Attribution.signed_by(REDUCER_SENDER, "the reducer's link")
 FROM_COORDINATOR = Attribution.signed_by(COORDINATOR_SENDER, "the coordinator's link")
 
 
+def coordinator_sender(rank: int) -> str:
+    """The coordinator's sender name on its control stream to `rank` (PROTOCOL.md 10.7).
+
+    One counter per rank makes each stream gap-free, so a rank can tell a lost
+    record from one sent to another rank; and a record to one rank is never
+    accepted by another (attribution refuses it).
+    """
+    return f"{COORDINATOR_SENDER}:{int(rank)}"
+
+
 def rank_identity(rank: int) -> bytes:
     """The ZeroMQ routing identity of a rank's DEALERs (and its route frame upstream)."""
     return str(int(rank)).encode()

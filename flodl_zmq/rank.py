@@ -73,15 +73,15 @@ import zmq
 
 from flodl_zmq import bundle, int8
 from flodl_zmq.datasets import dataset_signature
-from flodl_zmq.errors import ConfigError, ShmError, TrainingError, WireError
+from flodl_zmq.errors import ConfigError, ReplayError, ShmError, TrainingError, WireError
 from flodl_zmq.job import Job
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
     DATA_MAX_FRAME_BYTES,
     DATA_MAX_FRAMES,
-    FROM_COORDINATOR,
     FROM_REDUCER,
+    coordinator_sender,
     limit_receive,
     rank_identity,
     rank_sender,
@@ -106,6 +106,7 @@ from flodl_zmq.wire.shm import (
     rank_owner,
     run_dir,
 )
+from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outstream
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ WIRE_NUMPY = {name: DTYPES["i8" if name == "int8" else name] for name in WIRE_TO
 SEND_RELEASE_TIMEOUT_S = 60.0
 # How long a step's timing may wait to be coalesced with the next ones (PROTOCOL.md, timing.batch).
 REPORT_PERIOD_S = 0.05
+# How long a closing rank waits for the coordinator to acknowledge its last records (its
+# goodbye among them): two resends, and under close()'s join timeout.
+ACK_WAIT_AT_EXIT_S = 2 * RESEND_AFTER_S
 
 
 class ParamBuffers:
@@ -351,6 +355,13 @@ class _Link:
         self.codec = Codec(cfg.key, cfg.run_id, rank_sender(cfg.rank))
         self.mapped = SegmentMap(cfg.run_id, run_dir(cfg.key, cfg.run_id))  # the relay's consensus segment, by reference
         self._from_relay = Attribution.signed_by(relay_sender(cfg.host), "this host's relay")
+        self._from_coordinator = Attribution.signed_by(coordinator_sender(cfg.rank), "the coordinator's link")
+        # The control streams to and from the coordinator (PROTOCOL.md 10.7): what this rank
+        # sent is kept until acknowledged, what it receives is handed on in order.
+        self._up = Outstream(self.codec)
+        self._down = InOrder()
+        self.resent_control = 0
+        self.duplicates = 0
         self.inbox: Mailbox[tuple[str, Any]] = Mailbox()
         # None is a bare wake-up (close): the I/O thread then sees _stop.
         self._outbox: Mailbox[tuple[Any, list[Any], ParamBuffers | None] | None] = Mailbox()
@@ -418,8 +429,10 @@ class _Link:
                 if now >= next_beat:
                     # The steps already reported: a count ahead of the timings would let the
                     # gate close a window whose last steps ElChe has not seen yet.
-                    self._encode_send(control, rec.Heartbeat(rank=self.cfg.rank, step_count=self.steps.reported))
+                    self._encode_send(control, rec.Heartbeat(rank=self.cfg.rank, step_count=self.steps.reported,
+                                                             ack=self._down.acked))
                     next_beat = now + self.cfg.heartbeat_s
+                self._resend(control, now)
                 if now >= self._ask_at and self._deposit is not None:
                     self._encode_send(data, rec.ConsensusRequest(round=self._deposit[0].round), Channel.DATA)
                     self._ask_at = now + self.cfg.consensus_wait_s
@@ -427,15 +440,15 @@ class _Link:
                 if not lost and now - (last_heard or started) > limit:
                     lost = True
                     self.inbox.put(("lost", f"no word from the coordinator for {limit:.0f} s"))
-                wake = min(next_beat, self._ask_at)
+                wake = min(next_beat, self._ask_at, self._up.due_at())
                 events = dict(poller.poll(max(1, int((wake - time.monotonic()) * 1000))))
                 if control in events:
                     while control.poll(0):
                         frames = recv_bounded(control, CONTROL_MAX_FRAMES, copy=False)
-                        record = None if frames is None else self._decode_control(frames)
-                        if record is not None:
+                        env = None if frames is None else self._decode_control(frames)
+                        if env is not None:
                             last_heard = time.monotonic()
-                            self.inbox.put(("control", record.record))
+                            self._on_control(env)
                 if data in events:
                     while data.poll(0):
                         # The relay fans the reducer's broadcast out verbatim; a resend
@@ -450,6 +463,8 @@ class _Link:
                             if self._deposit is not None and env.record.round == self._deposit[0].round:
                                 self._deposit, self._ask_at = None, math.inf
                             self.inbox.put(("consensus", env))
+            if not lost:
+                self._await_acks(control)
         finally:
             self._flush(control, data)
             control.close()
@@ -458,12 +473,46 @@ class _Link:
     def _decode_control(self, frames: list[Any]) -> Any:
         try:
             # The relay forwards the coordinator's records verbatim: nobody else signs them.
-            return self.codec.decode_from(frames, Channel.CONTROL, FROM_COORDINATOR)
+            return self.codec.decode_from(frames, Channel.CONTROL, self._from_coordinator)
+        except ReplayError:  # a resend whose first copy arrived (its ack was lost): normal after a reset
+            self.duplicates += 1
+            return None
         except WireError as exc:
             # A rejected record never reaches the training thread; counted and logged.
             self.rejected += 1
             log.warning("rank %d: rejected a control message: %s", self.cfg.rank, exc)
             return None
+
+    def _on_control(self, env: Any) -> None:
+        """An authentic, fresh record of the coordinator's stream: acknowledgements at once, the rest in order."""
+        if isinstance(env.record, rec.CoordHeartbeat):
+            self._up.ack(env.record.ack)
+        for record in self._down.accept(env.seq, env.record):
+            self.inbox.put(("control", record))
+
+    def _resend(self, control: zmq.Socket, now: float) -> None:
+        """Send again what the coordinator has not acknowledged (lost in a reset), byte-identical."""
+        due = self._up.due(now)
+        if due:
+            log.warning("rank %d: the coordinator has not acknowledged %d control records; sending them again",
+                        self.cfg.rank, len(due))
+        for frames in due:
+            self.resent_control += 1
+            control.send_multipart(frames)
+
+    def _await_acks(self, control: zmq.Socket) -> None:
+        """Before closing, wait (bounded) until the coordinator has every record: the goodbye must not be lost."""
+        deadline = time.monotonic() + ACK_WAIT_AT_EXIT_S
+        while len(self._up) and time.monotonic() < deadline:
+            self._resend(control, time.monotonic())
+            if control.poll(int(min(RESEND_AFTER_S, max(0.0, deadline - time.monotonic())) * 1000)):
+                frames = recv_bounded(control, CONTROL_MAX_FRAMES, copy=False)
+                env = None if frames is None else self._decode_control(frames)
+                if env is not None and isinstance(env.record, rec.CoordHeartbeat):
+                    self._up.ack(env.record.ack)
+        if len(self._up):
+            log.warning("rank %d: the coordinator did not acknowledge %d control records before exit",
+                        self.cfg.rank, len(self._up))
 
     def _decode_data(self, msg: list[Any]) -> Any:
         # Framed, a consensus is the reducer's message fanned out verbatim; by reference,
@@ -522,7 +571,10 @@ class _Link:
             tracked_by.hold_until_sent(tracker)
 
     def _encode_send(self, sock: zmq.Socket, record: Any, channel: Channel = Channel.CONTROL) -> None:
-        sock.send_multipart(self.codec.encode(record, channel=channel))
+        if channel is Channel.CONTROL:  # one encoder for the control stream: it has no gap
+            sock.send_multipart(self._up.send(record, time.monotonic()))
+        else:
+            sock.send_multipart(self.codec.encode(record, channel=channel))
 
 
 # --------------------------------------------------------------------------- training thread

@@ -98,6 +98,7 @@ from flodl_zmq.links import (
     RELAY_ROUTE,
     TAG_BCAST,
     TAG_DATA,
+    coordinator_sender,
     drain,
     keep_alive,
     limit_receive,
@@ -340,6 +341,8 @@ class Relay:
         self.watch = ConsensusWatch(config.consensus_deadline_s)
         # Both upstream DEALERs carry it: stable for this process, so a reconnect keeps the route.
         self.identity = relay_identity(config.host, os.urandom(8))
+        self._coordinator_to = {r: Attribution.signed_by(coordinator_sender(r), "the coordinator's link")
+                                for r in config.ranks}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -457,7 +460,9 @@ class Relay:
         if rank is None or rank not in self.config.ranks:
             count["unknown_rank.local_control"] += 1
             return
-        env = self._verify(codec, msg[1:], Channel.CONTROL, rank, count, "local_control")
+        # No sequence check: the coordinator's window is the duplicate filter, and a rank's
+        # resend whose first copy passed here but was lost upstream must pass again (10.7).
+        env = self._verify(codec, msg[1:], Channel.CONTROL, rank, count, "local_control", replay=False)
         if env is None:
             return
         if type(env.record) not in RANK_CONTROL_RECORDS:
@@ -472,8 +477,8 @@ class Relay:
             death(rank, GOODBYE)
 
     def _verify(self, codec: Codec, frames: list[Any], channel: Channel, rank: int, count, where: str,
-                mapped: SegmentMap | None = None) -> Envelope | None:
-        """Decode a rank's record; None (counted) unless it is authentic, from `rank` itself, and fresh.
+                mapped: SegmentMap | None = None, replay: bool = True) -> Envelope | None:
+        """Decode a rank's record; None (counted) unless it is authentic, from `rank` itself, and (with `replay`) fresh.
 
         With `mapped`, a by-reference message is read from that rank's own segment.
         """
@@ -482,7 +487,7 @@ class Relay:
             if mapped is not None:
                 env = mapped.decode(codec, frames, rank_owner(rank), channel, sender=sender)
             else:
-                env = codec.decode_from(frames, channel, sender)
+                env = codec.decode_from(frames, channel, sender, replay=replay)
         except AttributionError as exc:
             count[f"forged_route.{where}"] += 1
             log.warning("relay %s: dropped: %s", self.config.host, exc)
@@ -514,8 +519,15 @@ class Relay:
             count["rejected.upstream_control"] += 1
             return
         route = msg[0]
+        rank = rank_of(route)
+        if route != RELAY_ROUTE and (rank is None or rank not in self.config.ranks):
+            count["unknown_rank.upstream_control"] += 1
+            return
         try:
-            env = codec.decode_from(msg[1:], Channel.CONTROL, FROM_COORDINATOR)
+            # To a rank: signed for that rank's stream, and forwarded without the sequence
+            # check (the rank's window is the duplicate filter; a resend must pass, 10.7).
+            env = codec.decode_from(msg[1:], Channel.CONTROL, FROM_COORDINATOR) if route == RELAY_ROUTE else \
+                codec.decode_from(msg[1:], Channel.CONTROL, self._coordinator_to[rank], replay=False)
         except AttributionError:
             count["forged_route.upstream_control"] += 1
             return
@@ -528,10 +540,6 @@ class Relay:
                 hello.acked()
             else:
                 count["unexpected.upstream_control"] += 1
-            return
-        rank = rank_of(route)
-        if rank is None or rank not in self.config.ranks:
-            count["unknown_rank.upstream_control"] += 1
             return
         try:
             self._send(local, [route, *msg[1:]], count, "local_control")

@@ -64,11 +64,13 @@ Contract with the service
   `on_rank_death` when an agent or relay reports a rank's exit, and
   `on_round_complete` / `on_round_abandoned` when the reducer has published
   or torn down a round.
-- Call `on_send_failed` when a record for a rank could not be handed to the
-  control socket (the relay's connection is gone, or the socket would
-  block). The rank fails at once and what the record carried goes back to
-  the pool: a rank that missed a record it needed (its partition, its chunk,
-  the end of a round) can no longer follow the protocol, and waiting for the
+- Call `on_send_failed` when a record for a rank is lost for good (the
+  simulator's send-failure model; the controller service never does: its
+  control streams keep a live rank's records until acknowledged, PROTOCOL.md
+  10.7, so a record is only lost with a rank declared dead). The rank
+  fails at once and what the record carried goes back to the pool: a rank
+  that missed a record it needed (its partition, its chunk, the end of a
+  round) can no longer follow the protocol, and waiting for the
   heartbeat timeout instead would wedge the gate whenever the link comes
   back and the rank keeps heartbeating. Send what it returns *after* the
   rest of the batch being sent: each rank must receive records in the order

@@ -183,7 +183,7 @@ class EvalBroadcast:
 
 @record("control.coord_heartbeat", C)
 class CoordHeartbeat:
-    pass
+    ack: int = 0  # the rank's control records accepted without a gap (PROTOCOL.md 10.7)
 
 
 # --------------------------------------------------------------------------- timing: rank -> coordinator
@@ -250,6 +250,7 @@ class LrUpdate:
 class Heartbeat:
     rank: int
     step_count: int
+    ack: int = 0  # the coordinator's control records to this rank accepted without a gap (PROTOCOL.md 10.7)
 
 
 @record("timing.snapshot_ready", C)

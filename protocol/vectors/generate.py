@@ -86,6 +86,7 @@ FIELD_VALUES: dict[str, Any] = {
     "batch_ms": [12.5, 11.75],
     "data_ms": [0.75, 0.5],
     "step_count": 1234,
+    "ack": 1233,
     "batch_loss": [0.40625, 0.375],
     "divergence": 0.0078125,
     "post_norm": 15.0,
@@ -381,7 +382,7 @@ def header(
         "from": sender,
         "salt": salt,
         "seq": seq,
-        "f": {"rank": 2, "step_count": 1234} if fields is None else fields,
+        "f": {"rank": 2, "step_count": 1234, "ack": 0} if fields is None else fields,
         "p": [] if p is None else p,
     }
 
@@ -424,7 +425,7 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
     """(name, cause, error class, message fragment, vector extras)."""
     ok = signed(header())
     ok_pair = round_frame(p=[["f32", [4], 16], ["f32", [4], 16]], payloads=[F32x4, F32x4[::-1]])
-    tampered_head = msgpack.packb(header(fields={"rank": 2, "step_count": 1235}), use_bin_type=True)
+    tampered_head = msgpack.packb(header(fields={"rank": 2, "step_count": 1235, "ack": 0}), use_bin_type=True)
     return [
         (
             "mac_bit_flipped",
@@ -539,7 +540,7 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             "a field nests 12 arrays deep (limit 8 levels)",
             "SchemaError",
             "nests deeper than 8",
-            {"frames": signed(header(fields={"rank": 2, "step_count": _nested(12)}))},
+            {"frames": signed(header(fields={"rank": 2, "step_count": _nested(12), "ack": 0}))},
         ),
         (
             "msgpack_string_over_limit",
@@ -672,28 +673,28 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             "timing.heartbeat without step_count",
             "SchemaError",
             "missing field",
-            {"frames": signed(header(fields={"rank": 2}))},
+            {"frames": signed(header(fields={"rank": 2, "ack": 0}))},
         ),
         (
             "field_unknown",
             "timing.heartbeat with an extra field",
             "SchemaError",
             "unknown field",
-            {"frames": signed(header(fields={"rank": 2, "step_count": 1, "extra": 0}))},
+            {"frames": signed(header(fields={"rank": 2, "step_count": 1, "ack": 0, "extra": 0}))},
         ),
         (
             "field_mistyped",
             "step_count as a string",
             "SchemaError",
             "expected int, got str",
-            {"frames": signed(header(fields={"rank": 2, "step_count": "1234"}))},
+            {"frames": signed(header(fields={"rank": 2, "step_count": "1234", "ack": 0}))},
         ),
         (
             "field_bool_for_int",
             "rank given as true",
             "SchemaError",
             "expected int, got bool",
-            {"frames": signed(header(fields={"rank": True, "step_count": 1}))},
+            {"frames": signed(header(fields={"rank": True, "step_count": 1, "ack": 0}))},
         ),
         (
             "batch_lists_unequal",
@@ -826,7 +827,7 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             "the header holds `seq` twice",
             "SchemaError",
             "repeats a key",
-            {"frames": signed(_map([*_header_pairs(_pk({"rank": 2, "step_count": 1234})), (_pk("seq"), _pk(2))]))},
+            {"frames": signed(_map([*_header_pairs(_pk({"rank": 2, "step_count": 1234, "ack": 0})), (_pk("seq"), _pk(2))]))},
         ),
         (
             "bin_map_key",
@@ -847,28 +848,28 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             "the sender name holds the byte 0xff, which is never UTF-8",
             "SchemaError",
             "not valid msgpack",
-            {"frames": signed(_raw_header(_pk({"rank": 2, "step_count": 1234}), sender=b"\xa3a\xffb"))},
+            {"frames": signed(_raw_header(_pk({"rank": 2, "step_count": 1234, "ack": 0}), sender=b"\xa3a\xffb"))},
         ),
         (
             "utf8_surrogate",
             "the sender name holds an encoded UTF-16 surrogate (ED A0 80), which UTF-8 forbids",
             "SchemaError",
             "not valid msgpack",
-            {"frames": signed(_raw_header(_pk({"rank": 2, "step_count": 1234}), sender=b"\xa3\xed\xa0\x80"))},
+            {"frames": signed(_raw_header(_pk({"rank": 2, "step_count": 1234, "ack": 0}), sender=b"\xa3\xed\xa0\x80"))},
         ),
         (
             "utf8_overlong",
             "the sender name is \"/\" in an overlong 2-byte form (C0 AF)",
             "SchemaError",
             "not valid msgpack",
-            {"frames": signed(_raw_header(_pk({"rank": 2, "step_count": 1234}), sender=b"\xa2\xc0\xaf"))},
+            {"frames": signed(_raw_header(_pk({"rank": 2, "step_count": 1234, "ack": 0}), sender=b"\xa2\xc0\xaf"))},
         ),
         (
             "depth_9_container",
             "an array at level 9 (the header map is level 1, `f` level 2, the field's arrays levels 3..9)",
             "SchemaError",
             "nests deeper than 8",
-            {"frames": signed(header(fields={"rank": 2, "step_count": _nested(7)}))},
+            {"frames": signed(header(fields={"rank": 2, "step_count": _nested(7), "ack": 0}))},
         ),
         (
             "depth_8_container_passes",
@@ -876,7 +877,7 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             "field type",
             "SchemaError",
             "expected int, got list",
-            {"frames": signed(header(fields={"rank": 2, "step_count": _nested(6)}))},
+            {"frames": signed(header(fields={"rank": 2, "step_count": _nested(6), "ack": 0}))},
         ),
         (
             "map_pairs_over_max_items",

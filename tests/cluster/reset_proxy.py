@@ -19,13 +19,10 @@ import threading
 import time
 
 from flodl_zmq.endpoints import OFFSETS
-from flodl_zmq.wire import Channel
 
 QUIET_S = 0.05  # a connection is closed only after this long without a byte either way
 QUIET_WAIT_S = 5.0
-BUSY_S = 0.002  # a data-only reset closes a connection when a byte crossed this recently
-BUSY_WAIT_S = 0.5
-IN_FLIGHT = {OFFSETS[Channel.DATA], OFFSETS[Channel.BROADCAST]}  # links whose records a reset may lose
+SWALLOW_S = 0.2  # a busy reset first swallows what crosses each connection this long, then closes it
 
 
 class ResettingProxy:
@@ -33,10 +30,11 @@ class ResettingProxy:
 
     With `quiet_s`, each connection is closed at a moment it is quiet (no
     byte either way for that long): a reset then loses no record in flight.
-    With 0, at once, whatever it carries. A data-only reset closes only the
-    data and broadcast connections, each while bytes cross (within `BUSY_S`),
-    so what they carried is lost and must be recovered by request. It never
-    alters a byte.
+    With 0, at once, whatever it carries. A busy reset is a middlebox that
+    dies: every connection swallows what crosses it for `SWALLOW_S`, then
+    closes, so every record sent meanwhile, either way, is lost and must be
+    recovered: by request on the data links, by resend on the control link.
+    It never alters a byte it forwards.
     """
 
     def __init__(self, listen: int, target: int, listen_host: str = "127.0.0.1", target_host: str = "127.0.0.1",
@@ -44,7 +42,7 @@ class ResettingProxy:
         self.listen, self.target = listen, target
         self.listen_host, self.target_host, self.quiet_s = listen_host, target_host, quiet_s
         self._lock = threading.Lock()
-        self._pairs: list[tuple[int, socket.socket, socket.socket, list[float]]] = []
+        self._pairs: list[tuple[int, socket.socket, socket.socket, list[float | bool]]] = []
         self._servers: list[socket.socket] = []
         self._stop = threading.Event()
         self.resets = 0
@@ -73,20 +71,22 @@ class ResettingProxy:
                 continue
             upstream.settimeout(None)
             client.settimeout(None)
-            last = [time.monotonic()]  # when a byte last crossed, either way
+            last = [time.monotonic(), False]  # when a byte last crossed, either way; swallowing
             with self._lock:
                 self._pairs.append((offset, client, upstream, last))
                 self.accepted += 1
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b, last), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, last: list[float]) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, last: list[float | bool]) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
                 last[0] = time.monotonic()
+                if last[1]:
+                    continue  # swallowed: the busy reset's dead middlebox
                 dst.sendall(data)
                 last[0] = time.monotonic()
         except OSError:
@@ -101,21 +101,21 @@ class ResettingProxy:
             pass
         s.close()
 
-    def reset(self, data_only: bool = False) -> float:
-        """Close every connection (both sides) when quiet, or (`data_only`) data and broadcast ones while busy.
+    def reset(self, busy: bool = False) -> float:
+        """Close every connection (both sides), each when quiet, or (`busy`) after swallowing what crosses it.
 
         Returns the longest wait for a quiet moment.
         """
         with self._lock:
-            closing = [p for p in self._pairs if not data_only or p[0] in IN_FLIGHT]
-            self._pairs = [p for p in self._pairs if p not in closing]
+            closing, self._pairs = self._pairs, []
+        if busy:
+            for _, _, _, last in closing:
+                last[1] = True
+            time.sleep(SWALLOW_S)
         longest = 0.0
         for _, a, b, last in closing:
             t0 = time.monotonic()
-            if data_only:
-                while time.monotonic() - last[0] > BUSY_S and time.monotonic() - t0 < BUSY_WAIT_S:
-                    time.sleep(BUSY_S / 4)
-            else:
+            if not busy:
                 while time.monotonic() - last[0] < self.quiet_s and time.monotonic() - t0 < QUIET_WAIT_S:
                     time.sleep(self.quiet_s / 10)
                 longest = max(longest, time.monotonic() - t0)

@@ -33,7 +33,7 @@ from transport.test_controller import rig  # noqa: F401  (the fixture: a real co
 from transport.test_rank_link import link  # noqa: F401  (the fixture: a rank's real link, its relay's sockets)
 
 from flodl_zmq.coordinator.liveness import RankState
-from flodl_zmq.links import COORDINATOR_SENDER, rank_identity
+from flodl_zmq.links import coordinator_sender, rank_identity
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay, RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
@@ -130,7 +130,8 @@ def test_a_recorded_consensus_replayed_rounds_later_is_refused_and_the_ranks_tra
         deadline = time.monotonic() + WAIT_S
         while relay.counters().get("stale_consensus.bcast", 0) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert relay.counters()["stale_consensus.bcast"] == 2
+        # Both replays counted (a genuine resend the round's recovery asked for may add to them).
+        assert relay.counters()["stale_consensus.bcast"] >= 2
         assert relay.running
         play(3)  # the ranks train on: the next round is averaged and delivered as usual
     finally:
@@ -150,13 +151,13 @@ def test_a_recorded_rank_control_record_replayed_to_the_controller_is_refused_an
     # What went over the wire for rank 0: recorded by someone on the path between relay and controller.
     recorded = relay.ranks[0].encode(rec.Heartbeat(rank=0, step_count=3), channel=Channel.CONTROL)
     relay.sock.send_multipart([rank_identity(0), *recorded])
-    before = service.counts.get("rejected.control", 0)
+    before = service.counts.get("duplicate.control", 0)
     for _ in range(3):
         relay.sock.send_multipart([rank_identity(0), *recorded])
     deadline = time.monotonic() + WAIT_S
-    while service.counts.get("rejected.control", 0) < before + 3 and time.monotonic() < deadline:
+    while service.counts.get("duplicate.control", 0) < before + 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert service.counts["rejected.control"] == before + 3
+    assert service.counts["duplicate.control"] == before + 3  # refused by the window, as a resend would be
     assert thread.is_alive() and "error" not in outcome
     assert 0 not in service.deaths, "a replay must not cost the honest rank its place"
     assert service.core.liveness.state(0) is RankState.LIVE
@@ -166,16 +167,16 @@ def test_a_recorded_rank_control_record_replayed_to_the_controller_is_refused_an
     while service.core.liveness.state(0) is RankState.LIVE and time.monotonic() < deadline:
         time.sleep(0.01)
     assert service.core.liveness.state(0) is RankState.EXITED
-    assert service.counts["rejected.control"] == before + 3
+    assert service.counts["duplicate.control"] == before + 3
 
 
 def test_a_recorded_coordinator_record_replayed_to_a_rank_never_reaches_its_training(link):  # noqa: F811
     lk, control, _data, key, run_id = link
-    recorded = Codec(key, run_id, COORDINATOR_SENDER).encode(rec.SetGlobalStep(global_step=7))
+    recorded = Codec(key, run_id, coordinator_sender(0)).encode(rec.SetGlobalStep(global_step=7))
     for _ in range(3):  # once genuine, then twice replayed by someone on the relay's path
         control.send_multipart([rank_identity(0), *recorded])
     kind, record = lk.inbox.get(timeout=WAIT_S)
     assert (kind, record) == ("control", rec.SetGlobalStep(global_step=7))
     with pytest.raises(queue.Empty):
         lk.inbox.get(timeout=0.3)
-    assert lk.rejected == 2
+    assert lk.duplicates == 2 and lk.rejected == 0  # refused by the window (a resend looks the same)

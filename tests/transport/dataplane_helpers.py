@@ -14,11 +14,11 @@ import numpy as np
 import zmq
 
 from flodl_zmq.links import (
-    COORDINATOR_SENDER,
     REDUCER_SENDER,
     RELAY_ROUTE,
     TAG_BCAST,
     TAG_DATA,
+    coordinator_sender,
     rank_identity,
     rank_sender,
 )
@@ -158,7 +158,7 @@ class FakeController:
 
     def __init__(self, ctx: zmq.Context, key: bytes, run_id: bytes, eps: dict[str, str]):
         self.codec = Codec(key, run_id, REDUCER_SENDER)
-        self.coordinator = Codec(key, run_id, COORDINATOR_SENDER)
+        self.key, self.run_id = key, run_id
         self.decoder = Codec(key, run_id, "test")
         self.control = ctx.socket(zmq.ROUTER)
         self.data = ctx.socket(zmq.ROUTER)
@@ -188,6 +188,10 @@ class FakeController:
         msg = self.recv(self.control, timeout)
         self.control_route = msg[0]
         return msg[1], self.decoder.decode(msg[2:], Channel.CONTROL, replay=False)
+
+    def coordinator(self, rank: int) -> Codec:
+        """A codec signing as the coordinator's stream to `rank` (a fresh counter each time)."""
+        return Codec(self.key, self.run_id, coordinator_sender(rank))
 
     def to_relay(self, rec: Any) -> None:
         self.data.send_multipart([self.data_route, TAG_DATA, *self.codec.encode(rec, channel=Channel.DATA)])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-from flodl_zmq.links import COORDINATOR_SENDER, REDUCER_SENDER, rank_identity
+from flodl_zmq.links import COORDINATOR_SENDER, REDUCER_SENDER, coordinator_sender, rank_identity
 from flodl_zmq.rank import RankConfig, _Link
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
@@ -46,7 +46,7 @@ def test_only_the_coordinators_control_records_reach_the_training_thread(link):
     lk, control, _data, key, run_id = link
     # Right key, wrong signer: the reducer (or any holder of the key) may not speak as the coordinator.
     control.send_multipart([rank_identity(0), *Codec(key, run_id, REDUCER_SENDER).encode(rec.Shutdown())])
-    control.send_multipart([rank_identity(0), *Codec(key, run_id, COORDINATOR_SENDER).encode(rec.CoordHeartbeat())])
+    control.send_multipart([rank_identity(0), *Codec(key, run_id, coordinator_sender(0)).encode(rec.CoordHeartbeat())])
     kind, record = lk.inbox.get(WAIT_S)
     assert kind == "control" and isinstance(record, rec.CoordHeartbeat)
     assert lk.rejected == 1

@@ -131,7 +131,7 @@ def test_rank_records_go_up_verbatim_and_replies_come_back_to_the_addressed_rank
     rig.ranks[1].control.send_multipart(frames)
     route, env = rig.ctl.control_message()
     assert route == rank_identity(1) and env.sender == "rank:1"
-    reply = rig.ctl.coordinator.encode(CoordHeartbeat())
+    reply = rig.ctl.coordinator(1).encode(CoordHeartbeat())
     rig.ctl.to_rank(1, reply)
     assert rig.ranks[1].control.poll(int(WAIT_S * 1000))
     assert rig.ranks[1].control.recv_multipart() == [bytes(f) for f in reply]
@@ -147,7 +147,7 @@ def _hb(rank):
 def test_records_for_or_from_unknown_ranks_are_dropped_and_counted(rig):
     rig.ranks[0].heartbeat()
     rig.ctl.control_message()
-    rig.ctl.to_rank(5, rig.ctl.coordinator.encode(CoordHeartbeat()))
+    rig.ctl.to_rank(5, rig.ctl.coordinator(5).encode(CoordHeartbeat()))
     stranger = rig.rogue(9, endpoint="a-control")
     stranger.send_multipart(Codec(rig.key, rig.run_id, "rank:9").encode(_hb(9)))
     assert settle(lambda: rig.relay.counters().get("unknown_rank.upstream_control") == 1
@@ -156,25 +156,31 @@ def test_records_for_or_from_unknown_ranks_are_dropped_and_counted(rig):
     stranger.close(0)
 
 
-def test_corrupt_forged_and_replayed_control_records_are_rejected_on_both_legs(rig):
+def test_corrupt_and_forged_control_records_are_rejected_on_both_legs_and_resends_pass(rig):
     frames = rig.ranks[0].codec.encode(_hb(0))
     rig.ranks[0].control.send_multipart(corrupt(frames, 0))
     impostor = rig.ranks[1].control  # rank 1's socket speaking as rank 0, then with a wrong key
     impostor.send_multipart(Codec(rig.key, rig.run_id, "rank:0").encode(_hb(0)))
     impostor.send_multipart(Codec(new_key(), rig.run_id, "rank:1").encode(_hb(1)))
-    rig.ranks[0].control.send_multipart(frames)  # the genuine one, then its replay
+    # The genuine one, then a byte-identical resend: the relay forwards both (no sequence
+    # check there: a resend whose first copy was lost upstream must pass, PROTOCOL.md 10.7).
     rig.ranks[0].control.send_multipart(frames)
-    route, env = rig.ctl.control_message()
-    assert route == rank_identity(0) and env.seq == 1
-    reply = rig.ctl.coordinator.encode(CoordHeartbeat())
+    rig.ranks[0].control.send_multipart(frames)
+    for _ in range(2):
+        route, env = rig.ctl.control_message()
+        assert route == rank_identity(0) and env.seq == 1
+    reply = rig.ctl.coordinator(0).encode(CoordHeartbeat())
     rig.ctl.to_rank(0, corrupt(reply, 0))
+    rig.ctl.to_rank(0, rig.ctl.coordinator(1).encode(CoordHeartbeat()))  # rank 1's stream, routed to rank 0
     rig.ctl.to_rank(0, reply)
     rig.ctl.to_rank(0, reply)
-    assert rig.ranks[0].control.poll(int(WAIT_S * 1000))
-    assert rig.ranks[0].control.recv_multipart() == [bytes(f) for f in reply]
-    assert settle(lambda: rig.relay.counters().get("rejected.upstream_control") == 2)
+    for _ in range(2):
+        assert rig.ranks[0].control.poll(int(WAIT_S * 1000))
+        assert rig.ranks[0].control.recv_multipart() == [bytes(f) for f in reply]
+    assert settle(lambda: rig.relay.counters().get("rejected.upstream_control") == 1
+                  and rig.relay.counters().get("forged_route.upstream_control") == 1)
     c = rig.relay.counters()
-    assert c["rejected.local_control"] == 3 and c["forged_route.local_control"] == 1
+    assert c["rejected.local_control"] == 2 and c["forged_route.local_control"] == 1
     assert not rig.ctl.control.poll(100) and not rig.ranks[0].control.poll(100)
 
 
@@ -183,7 +189,7 @@ def test_a_control_record_not_signed_by_the_coordinator_is_not_forwarded(rig):
     rig.ctl.control_message()
     # Good key, wrong signer: the reducer (or anyone holding the key) may not speak as the coordinator.
     rig.ctl.to_rank(0, rig.ctl.codec.encode(CoordHeartbeat()))
-    genuine = rig.ctl.coordinator.encode(CoordHeartbeat())
+    genuine = rig.ctl.coordinator(0).encode(CoordHeartbeat())
     rig.ctl.to_rank(0, genuine)
     assert rig.ranks[0].control.poll(int(WAIT_S * 1000))
     assert rig.ranks[0].control.recv_multipart() == [bytes(f) for f in genuine]
@@ -215,6 +221,8 @@ def test_a_second_deposit_in_one_round_is_counted_once_and_the_relay_goes_on(rig
     t = [np.ones(4, np.float32)]
     rig.ranks[0].deposit(1, 1.0, t)
     rig.ranks[0].deposit(1, 5.0, [np.full(4, 9.0, np.float32)])  # a resend that crossed the original
+    # Rank 1 deposits on its own socket: only once the copy is in is the round still open for it.
+    assert settle(lambda: rig.relay.fold.counters.duplicate_drops == 1)
     rig.ranks[1].deposit(1, 2.0, [np.full(4, 2.0, np.float32)])
     env = rig.ctl.data_record()
     assert isinstance(env.record, HostFrame) and env.record.mass == 3.0

@@ -223,7 +223,7 @@ def forge(
 def header(**over: Any) -> dict[str, Any]:
     """A valid timing.heartbeat header from "tx"; keyword arguments replace keys."""
     head = {"v": PROTOCOL_VERSION, "k": "timing.heartbeat", "run": RUN, "ch": "control", "from": "tx", "salt": bytes(16), "seq": 1,
-            "f": {"rank": 0, "step_count": 5}, "p": []}  # fmt: skip
+            "f": {"rank": 0, "step_count": 5, "ack": 0}, "p": []}  # fmt: skip
     head.update(over)
     return head
 
@@ -542,7 +542,7 @@ REJECTIONS: list[tuple[str, Any, Channel, Limits | None, type[WireError], str]] 
     ),
     (
         "field_unknown",
-        lambda: forge(header(f={"rank": 0, "step_count": 1, "z": 1})),
+        lambda: forge(header(f={"rank": 0, "step_count": 1, "ack": 0, "z": 1})),
         Channel.CONTROL,
         None,
         SchemaError,
@@ -550,7 +550,7 @@ REJECTIONS: list[tuple[str, Any, Channel, Limits | None, type[WireError], str]] 
     ),
     (
         "field_mistyped",
-        lambda: forge(header(f={"rank": 0.5, "step_count": 1})),
+        lambda: forge(header(f={"rank": 0.5, "step_count": 1, "ack": 0})),
         Channel.CONTROL,
         None,
         SchemaError,
@@ -558,7 +558,7 @@ REJECTIONS: list[tuple[str, Any, Channel, Limits | None, type[WireError], str]] 
     ),
     (
         "field_bool",
-        lambda: forge(header(f={"rank": False, "step_count": 1})),
+        lambda: forge(header(f={"rank": False, "step_count": 1, "ack": 0})),
         Channel.CONTROL,
         None,
         SchemaError,

@@ -24,7 +24,7 @@ def heartbeat(rank: int = 0) -> Heartbeat:
 def forged(signer: str, seq: int, key: bytes) -> list[bytes]:
     head = msgpack.packb(
         {"v": PROTOCOL_VERSION, "k": "timing.heartbeat", "run": RUN, "ch": "control", "from": signer, "salt": bytes(16), "seq": seq,
-         "f": {"rank": 0, "step_count": 1}, "p": []},  # fmt: skip
+         "f": {"rank": 0, "step_count": 1, "ack": 0}, "p": []},  # fmt: skip
         use_bin_type=True,
     )
     return [head, compute_mac(key, head, [])]

@@ -1,0 +1,47 @@
+"""Control streams (PROTOCOL.md 10.7): kept until acknowledged, resent byte-identical, handed on in order."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl_zmq.errors import AttributionError, ReplayError
+from flodl_zmq.links import coordinator_sender
+from flodl_zmq.wire import Attribution, Channel, Codec, new_key
+from flodl_zmq.wire import records as rec
+from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outstream
+
+KEY, RUN = new_key(), bytes(range(16))
+TO_RANK_0 = Attribution.signed_by(coordinator_sender(0), "test")
+
+
+def test_a_lost_record_is_resent_byte_identical_until_acknowledged_and_accepted_once_in_order():
+    out, rx, order = Outstream(Codec(KEY, RUN, coordinator_sender(0))), Codec(KEY, RUN, "rank:0"), InOrder()
+    sent = [out.send(rec.SetGlobalStep(global_step=n), now=0.0) for n in (1, 2, 3)]
+    handed = []
+    for frames in (sent[0], sent[2]):  # the second is lost in a reset
+        env = rx.decode_from(frames, Channel.CONTROL, TO_RANK_0)
+        handed += order.accept(env.seq, env.record)
+    assert handed == [rec.SetGlobalStep(global_step=1)] and order.acked == 1  # the third waits for the gap
+    out.ack(order.acked)
+    assert out.due_at() == RESEND_AFTER_S and out.due(RESEND_AFTER_S - 0.01) == []
+    again = out.due(RESEND_AFTER_S)
+    assert again == [[bytes(f) for f in sent[1]], [bytes(f) for f in sent[2]]]
+    env = rx.decode_from(again[0], Channel.CONTROL, TO_RANK_0)
+    assert order.accept(env.seq, env.record) == [rec.SetGlobalStep(global_step=2), rec.SetGlobalStep(global_step=3)]
+    with pytest.raises(ReplayError):  # the copy of one that did arrive: refused by the window, never handed on twice
+        rx.decode_from(again[1], Channel.CONTROL, TO_RANK_0)
+    out.ack(order.acked)
+    assert len(out) == 0 and out.due(10.0) == []
+
+
+def test_a_record_to_one_rank_is_never_accepted_by_another():
+    frames = Outstream(Codec(KEY, RUN, coordinator_sender(1))).send(rec.Shutdown(), now=0.0)
+    with pytest.raises(AttributionError, match="coordinator:1"):
+        Codec(KEY, RUN, "rank:0").decode_from(frames, Channel.CONTROL, TO_RANK_0)
+
+
+def test_a_forgotten_stream_never_resends():
+    out = Outstream(Codec(KEY, RUN, coordinator_sender(0)))
+    out.send(rec.Shutdown(), now=0.0)
+    out.forget()
+    assert out.due(100.0) == [] and len(out) == 0
