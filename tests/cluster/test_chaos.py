@@ -176,7 +176,6 @@ def test_a_hosts_link_down_for_2_s_three_times_costs_only_time(run, net, undistu
     assert all(e["per_rank_samples"][2] > 0 for e in result["epochs"])
 
 
-@pytest.mark.xfail(strict=False, reason="a record inside a reset connection is lost until resend lands (issue 13 part 2)")
 def test_connection_resets_at_random_moments_cost_no_sample_and_no_accuracy(run, net, undisturbed):
     # The proxy runs on the controller's host; w2's agent (and so its relay) dials it, not the controller.
     run.up("proxy", "controller", [sys.executable, "-m", "tests.cluster.reset_proxy",
