@@ -105,10 +105,9 @@ def test_connection_resets_between_relays_and_controller_cost_no_sample_and_no_a
           f"{accepted} connections: accuracy {result and result['accuracy']} in {time.monotonic() - t1:.1f} s; "
           f"recoveries logged: {recovered}")
     assert resets >= RESETS, out
-    # Every reset re-dials each relay's three upstream connections (control, data, broadcast), but a
-    # busy one may close a connection that is still re-dialling from the one before: count one per relay.
-    quiet, busy = (resets + 1) // 2, resets // 2
-    assert accepted >= 2 * 3 * (quiet + 1) + 2 * busy, (accepted, out)
+    # Each relay dials three upstream connections (control, data, broadcast), and every reset makes it
+    # re-dial: all three, but a reset may find one still re-dialling from the last, so count one per relay.
+    assert accepted >= 2 * 3 + 2 * resets, (accepted, out)
     assert code == 0, out
     assert len(result["epochs"]) == 15, out
     assert all(e["samples"] == SAMPLES_PER_EPOCH_16 for e in result["epochs"]), result["epochs"]
