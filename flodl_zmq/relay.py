@@ -41,7 +41,9 @@ Rules this module keeps:
   goodbye (timing.exiting), when no control record arrived from it within
   `heartbeat_deadline_s` (or `first_contact_deadline_s` before its first
   one), or when the controller sends DeclareDead. Death is permanent, leaves
-  the fold barrier at once and is reported upstream as RankExit.
+  the fold barrier at once and is reported upstream as RankExit, restated
+  every RESEND_AFTER_S for the rest of the run (one lost in a reset must not
+  leave the controller waiting for a timeout; a repeat changes nothing).
 - A consensus is delivered to every live local rank once. A round that was
   shipped and whose consensus did not come (a later round came first, or
   silence past `consensus_deadline_s`) is requested point to point: PUB
@@ -142,6 +144,7 @@ from flodl_zmq.wire.shm import (
     run_dir,
     unlink_owner,
 )
+from flodl_zmq.wire.stream import RESEND_AFTER_S
 
 log = logging.getLogger(__name__)
 
@@ -426,12 +429,20 @@ class Relay:
             poller.register(up, zmq.POLLIN)
             poll_ms = int(cfg.poll_s * 1000)
 
+            # Ranks reported gone, restated every RESEND_AFTER_S for the rest of the run: a RankExit
+            # lost in a reset must not leave the controller waiting for a heartbeat timeout (10.7).
+            departed: list[int] = []
+            restate_at = math.inf
+
             def death(rank: int, why: str) -> None:
+                nonlocal restate_at
                 # A goodbye is the normal end of a rank; only a silent departure deserves a warning.
                 level = logging.INFO if why == GOODBYE else logging.WARNING
                 log.log(level, "relay %s: rank %d left (%s)", cfg.host, rank, why)
                 self._send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], count,
                            "upstream_control")
+                departed.append(rank)
+                restate_at = min(restate_at, time.monotonic() + RESEND_AFTER_S)
                 send(pipe, [rank_identity(rank)], self._stop, timeout_s=math.inf)  # in-process: the data thread reads it
 
             while not self._stop.is_set():
@@ -450,6 +461,12 @@ class Relay:
                     )
                 for rank in live.expired(time.monotonic()):
                     death(rank, "heartbeat deadline passed")
+                if time.monotonic() >= restate_at:
+                    for rank in departed:
+                        self._send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], count,
+                                   "upstream_control")
+                    count["restated_exit.upstream_control"] += len(departed)
+                    restate_at = time.monotonic() + RESEND_AFTER_S
         finally:
             for s in (local, up, pipe):
                 s.close(0)

@@ -245,6 +245,20 @@ def test_goodbye_leaves_the_barrier_and_is_reported_on_both_upstream_legs(rig):
     assert frame.ranks == [0] and frame.mass == 1.0
 
 
+def test_a_departed_rank_is_restated_upstream_so_a_lost_rank_exit_is_not_waited_for(rig):
+    rig.ranks[1].goodbye()
+    seen = []
+    deadline = time.monotonic() + WAIT_S
+    while seen.count(RankExit(1)) < 2 and time.monotonic() < deadline:
+        route, env = rig.ctl.control_message()
+        if route == RELAY_ROUTE:
+            seen.append(env.record)
+    # The first report, then the same again a resend period later (PROTOCOL.md 10.7): had the
+    # first been lost in a reset, the controller would still hear of the exit at once.
+    assert seen.count(RankExit(1)) == 2, seen
+    assert rig.relay.counters()["restated_exit.upstream_control"] >= 1
+
+
 def test_a_rank_sending_a_coordinator_record_is_refused_and_reported_gone(rig):
     # Authentic and from rank 1 itself, but a kind only the coordinator sends.
     rig.ranks[1].control.send_multipart(rig.ranks[1].codec.encode(CoordHeartbeat()))
