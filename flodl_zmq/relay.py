@@ -462,10 +462,10 @@ class Relay:
                 for rank in live.expired(time.monotonic()):
                     death(rank, "heartbeat deadline passed")
                 if time.monotonic() >= restate_at:
+                    count["restated_exit.upstream_control"] += len(departed)
                     for rank in departed:
                         self._send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], count,
                                    "upstream_control")
-                    count["restated_exit.upstream_control"] += len(departed)
                     restate_at = time.monotonic() + RESEND_AFTER_S
         finally:
             for s in (local, up, pipe):
