@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import zmq
 
 from flodl_zmq import bundle, checkpoints
 from flodl_zmq.launch import Cluster
@@ -186,10 +185,7 @@ def net():
 
 @pytest.fixture
 def hosts(net, tmp_path, monkeypatch):
-    public, secret = (k.decode() for k in zmq.curve_keypair())
-    monkeypatch.setenv("FLODL_CURVE_SECRET", secret)
-    monkeypatch.setenv("FLODL_CURVE_SERVER", public)
-    c = Compose(net, tmp_path)
+    c = Compose.with_curve_keys(net, tmp_path, monkeypatch)
     yield c
     c.down()
 

@@ -53,6 +53,15 @@ class Compose:
         self.services = {s.name: s for s in read_compose(ROOT / "docker-compose.yml")}
         self.procs: dict[str, subprocess.Popen] = {}
 
+    @classmethod
+    def with_curve_keys(cls, net: Network, logs: Path, monkeypatch: pytest.MonkeyPatch) -> Compose:
+        """The services with the compose file's CURVE keys (its `.env`) in the environment: the
+        controller's secret, the agents' pinned public key."""
+        public, secret = (k.decode() for k in zmq.curve_keypair())
+        monkeypatch.setenv("FLODL_CURVE_SECRET", secret)
+        monkeypatch.setenv("FLODL_CURVE_SERVER", public)
+        return cls(net, logs)
+
     def up(self, name: str, *, host: str | None = None, service: str | None = None,
            argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start `service` (default `name`) as `name` on `host` (default `name`), argv/env overridden."""
@@ -110,11 +119,7 @@ class Compose:
 
 @pytest.fixture
 def compose(net, tmp_path, monkeypatch):
-    # The compose file's CURVE keys (its `.env`): the controller's secret, the agents' pinned public key.
-    public, secret = (k.decode() for k in zmq.curve_keypair())
-    monkeypatch.setenv("FLODL_CURVE_SECRET", secret)
-    monkeypatch.setenv("FLODL_CURVE_SERVER", public)
-    c = Compose(net, tmp_path)
+    c = Compose.with_curve_keys(net, tmp_path, monkeypatch)
     yield c
     c.down()
     for host in net.hosts:
