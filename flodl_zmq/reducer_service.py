@@ -21,9 +21,11 @@ Rules this module keeps:
   the ledger cannot serve is answered ConsensusGone, never ignored; one for
   an open round whose host frame never came is answered FrameRequest (the
   frame was lost in a reset; PROTOCOL.md 10.6).
-- Each death reaches the owning relay as DeclareDead exactly once (at once,
-  or when the relay registers); a death the relay reported itself (RankExit)
-  is not echoed back.
+- Each death reaches the owning relay as DeclareDead at once (or when the
+  relay registers), and is restated every RESEND_AFTER_S for the rest of the
+  run: one lost in a reset must not leave a wedged rank in the host's fold
+  until the relay's own heartbeat deadline (PROTOCOL.md 10.7 item 8). A death
+  the relay reported itself (RankExit) is not echoed back.
 - A relay that breaks the round protocol (a round ahead, schema drift, a
   non-finite element, more mass than the coordinator's bound) has
   every one of its ranks declared dead: a desynced host must not wedge the
@@ -95,6 +97,7 @@ from flodl_zmq.wire.records import (
     RelayHelloAck,
     SubscriberReady,
 )
+from flodl_zmq.wire.stream import RESEND_AFTER_S
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +195,8 @@ class ReducerService:
         self._host_of: dict[bytes, str] = {}
         self._subscribed: set[str] = set()
         self._forwarded: set[int] = set()
+        self._restate: list[tuple[str, int]] = []  # (host, rank) this service told, restated until the end
+        self._restate_at = math.inf
         self._drop: set[int] = set()
         self._bounded = -1  # the latest round bound_round named
         self._nonce = itertools.count(1)
@@ -221,7 +226,7 @@ class ReducerService:
             self.completed.close()
 
     def declare_dead(self, rank: int) -> None:
-        """The coordinator declared `rank` dead: out of every barrier, forwarded to its relay once."""
+        """The coordinator declared `rank` dead: out of every barrier, forwarded to its relay (and restated)."""
         self._commands.put(("dead", int(rank)))
 
     def bound_round(self, round_id: int, bounds: Mapping[int, float]) -> None:
@@ -298,8 +303,9 @@ class ReducerService:
             commands = self._commands.fileno()
             next_probe = 0.0
             while not self._stop.is_set():
-                # Asleep until a message or a command; the probe is the only timer.
-                wait_s = max(0.0, next_probe - time.monotonic()) if self._unsubscribed() else math.inf
+                # Asleep until a message or a command; the probe and the restatement are the only timers.
+                wake_at = min(next_probe if self._unsubscribed() else math.inf, self._restate_at)
+                wait_s = max(0.0, wake_at - time.monotonic())
                 events = dict(poller.poll(poll_ms(wait_s)))
                 if commands in events:
                     self._run_commands()
@@ -310,6 +316,8 @@ class ReducerService:
                     self._last_nonce = next(self._nonce)
                     pub.send_multipart(self._codec.encode(Probe(self._last_nonce), channel=Channel.BROADCAST))
                     next_probe = now + cfg.probe_interval_s
+                if now >= self._restate_at:
+                    self._restate_deaths(now)
         finally:
             data.close(0)
             pub.close(0)
@@ -452,6 +460,20 @@ class ReducerService:
     def _forward(self, host: str, rank: int) -> None:
         self._forwarded.add(rank)
         self._send_record(host, RelayDeclareDead(rank))
+        self._restate.append((host, rank))
+        self._restate_at = min(self._restate_at, time.monotonic() + RESEND_AFTER_S)
+
+    def _restate_deaths(self, now: float) -> None:
+        """Send every forwarded death again; never waits (a relay not reading gets the next one)."""
+        self._count["restated_deaths"] += len(self._restate)  # counted first: a reader may look as soon as one lands
+        for host, rank in self._restate:
+            try:
+                self._data.send_multipart(
+                    [self._route[host], TAG_DATA, *self._codec.encode(RelayDeclareDead(rank), channel=Channel.DATA)],
+                    zmq.NOBLOCK)
+            except zmq.ZMQError:  # full, or the relay's connection is gone: the next period tries again
+                pass
+        self._restate_at = now + RESEND_AFTER_S
 
     def _refused(self) -> None:
         """Hosts the ledger refused while summing a round (a poisoned frame): their ranks die."""

@@ -789,7 +789,9 @@ class _DataPlane:
             return
         rec = env.record
         if isinstance(rec, RelayDeclareDead):
-            if rec.rank in self.cfg.ranks:
+            if rec.rank in self.fold.dead:  # the reducer restates its deaths (10.7 item 8): a repeat is a no-op
+                self.count["restated_death.upstream_data"] += 1
+            elif rec.rank in self.cfg.ranks:
                 log.warning("relay %s: the controller declared rank %d dead", self.cfg.host, rec.rank)
                 self.leave(rec.rank)
             else:

@@ -25,6 +25,7 @@ from flodl_zmq.wire.records import (
     RelayHelloAck,
     SubscriberReady,
 )
+from flodl_zmq.wire.stream import RESEND_AFTER_S
 
 from .dataplane_helpers import WAIT_S, endpoints
 
@@ -164,7 +165,7 @@ def test_a_relay_is_counted_only_after_answering_a_probe_and_is_served_directly_
     assert rig.svc.completed.get(timeout=WAIT_S).hosts == ("a", "b")
 
 
-def test_each_death_is_forwarded_to_its_relay_exactly_once(rig):
+def test_each_death_is_forwarded_to_its_relay_once_at_once(rig):
     rig.svc.declare_dead(3)  # before b registered: forwarded on registration
     a, b = rig.relays["a"], rig.relays["b"]
     a.hello()
@@ -176,7 +177,17 @@ def test_each_death_is_forwarded_to_its_relay_exactly_once(rig):
     rig.svc.declare_dead(3)
     assert a.record().record == RelayDeclareDead(0)
     a.send(RankExit(1))  # reported by the relay itself: not echoed back
-    assert not a.data.poll(300) and not b.data.poll(100)
+    assert not a.data.poll(300) and not b.data.poll(100)  # (restatements come a resend period later)
+
+
+def test_a_forwarded_death_is_restated_so_a_lost_one_does_not_wait_for_the_relays_deadline(rig):
+    rig.ready()
+    a = rig.relays["a"]
+    rig.svc.declare_dead(0)
+    assert a.record().record == RelayDeclareDead(0)  # say this one is lost in a reset
+    # Restated a resend period later (PROTOCOL.md 10.7 item 8): the relay learns of it all the same.
+    assert a.record(timeout=RESEND_AFTER_S + WAIT_S).record == RelayDeclareDead(0)
+    assert rig.svc.counters()["restated_deaths"] >= 1
 
 
 def test_a_command_wakes_the_idle_service_at_once_not_after_a_poll_tick(rig):

@@ -286,12 +286,17 @@ def test_a_silent_rank_is_out_within_the_deadline(tmp_path):
         rig.close()
 
 
-def test_declare_dead_from_the_controller_unblocks_the_fold(rig):
+def test_declare_dead_from_the_controller_unblocks_the_fold_and_a_restatement_is_a_no_op(rig):
     rig.ranks[1].deposit(1, 2.0, [np.ones(4, np.float32)])
     assert not rig.ctl.data.poll(200)
     rig.ctl.to_relay(RelayDeclareDead(0))
     env = rig.ctl.data_record()
     assert isinstance(env.record, HostFrame) and env.record.ranks == [1] and env.record.mass == 2.0
+    rig.ctl.to_relay(RelayDeclareDead(0))  # the reducer restates its deaths (PROTOCOL.md 10.7 item 8)
+    rig.ranks[1].deposit(2, 1.0, [np.ones(4, np.float32)])
+    env = rig.ctl.data_record()  # the next round ships as before: rank 0 stays out, nothing torn down
+    assert isinstance(env.record, HostFrame) and env.record.round == 2 and env.record.ranks == [1]
+    assert rig.relay.counters()["restated_death.upstream_data"] == 1
 
 
 # ---------------------------------------------------------------------- fan-out and recovery
