@@ -143,7 +143,7 @@ from flodl_zmq.status_server import StatusServer
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire import records as rec
-from flodl_zmq.wire.stream import InOrder, Outstream
+from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outage, Outstream
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,7 @@ class ControllerService:
         self.rejected: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.last_seen: dict[str, float] = {}
         self.resends: collections.Counter[str] = collections.Counter()
+        self._outages: dict[str, Outage] = collections.defaultdict(Outage)  # host -> its resends, logged per outage
         self._reconnects_this_epoch = 0
         # The control streams with each rank (PROTOCOL.md 10.7): records to it kept until it
         # acknowledges them and sent again if a reset lost them; its records handed on in order.
@@ -549,8 +550,8 @@ class ControllerService:
             self._on_relay(relay_id, env)
             return
         rank = rank_of(route)  # attributed: a rank of this world
-        if isinstance(env.record, rec.Heartbeat):
-            self._to_rank[rank].ack(env.record.ack)
+        if isinstance(env.record, rec.Heartbeat) and self._to_rank[rank].ack(env.record.ack):
+            self._settled(rank)
         for record in self._from_rank[rank].accept(env.seq, env.record):
             self._on_rank_record(rank, record)
 
@@ -803,14 +804,24 @@ class ControllerService:
                 continue
             if self.started and not self.core.liveness.is_live(rank):
                 stream.forget()
+                self._settled(rank)
                 continue
             due = stream.due(now)
-            if due:
-                log.warning("controller: rank %d has not acknowledged %d control records; sending them again",
-                            rank, len(due))
+            host = self.host_of[rank]
+            if due and self._outages[host].resent_on(rank, len(due), now):
+                log.warning("controller: host %s has not acknowledged %d control records; sending them again "
+                            "every %g s until it does", host, len(due), RESEND_AFTER_S)
             for frames in due:
-                self.resends[self.host_of[rank]] += 1
+                self.resends[host] += 1
                 self._to_relay_of(rank, frames)
+
+    def _settled(self, rank: int) -> None:
+        """Rank `rank`'s stream was acknowledged (or forgotten): the end of its host's outage, if the last."""
+        host = self.host_of[rank]
+        summary = self._outages[host].settled(rank, time.monotonic())
+        if summary is not None:
+            log.info("controller: host %s acknowledges again: %d control records resent over %.1f s",
+                     host, *summary)
 
     def _send_relay(self, relay_id: bytes, record: Any) -> None:
         """Send a record of the coordinator's own to a relay; never blocks, never kept (a relay repeats its hello)."""

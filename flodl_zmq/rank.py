@@ -106,7 +106,7 @@ from flodl_zmq.wire.shm import (
     rank_owner,
     run_dir,
 )
-from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outstream
+from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outage, Outstream
 
 log = logging.getLogger(__name__)
 
@@ -359,6 +359,7 @@ class _Link:
         # The control streams to and from the coordinator (PROTOCOL.md 10.7): what this rank
         # sent is kept until acknowledged, what it receives is handed on in order.
         self._up = Outstream(self.codec)
+        self._outage = Outage()  # resends logged once per outage of the link, with a summary after
         self._down = InOrder()
         self.resent_control = 0
         self.duplicates = 0
@@ -486,16 +487,23 @@ class _Link:
     def _on_control(self, env: Any) -> None:
         """An authentic, fresh record of the coordinator's stream: acknowledgements at once, the rest in order."""
         if isinstance(env.record, rec.CoordHeartbeat):
-            self._up.ack(env.record.ack)
+            self._acked(env.record.ack)
         for record in self._down.accept(env.seq, env.record):
             self.inbox.put(("control", record))
+
+    def _acked(self, n: int) -> None:
+        if self._up.ack(n):
+            summary = self._outage.settled(self.cfg.rank, time.monotonic())
+            if summary is not None:
+                log.info("rank %d: the coordinator acknowledges again: %d control records resent over %.1f s",
+                         self.cfg.rank, *summary)
 
     def _resend(self, control: zmq.Socket, now: float) -> None:
         """Send again what the coordinator has not acknowledged (lost in a reset), byte-identical."""
         due = self._up.due(now)
-        if due:
-            log.warning("rank %d: the coordinator has not acknowledged %d control records; sending them again",
-                        self.cfg.rank, len(due))
+        if due and self._outage.resent_on(self.cfg.rank, len(due), now):
+            log.warning("rank %d: the coordinator has not acknowledged %d control records; sending them again "
+                        "every %g s until it does", self.cfg.rank, len(due), RESEND_AFTER_S)
         for frames in due:
             self.resent_control += 1
             control.send_multipart(frames)
@@ -509,7 +517,7 @@ class _Link:
                 frames = recv_bounded(control, CONTROL_MAX_FRAMES, copy=False)
                 env = None if frames is None else self._decode_control(frames)
                 if env is not None and isinstance(env.record, rec.CoordHeartbeat):
-                    self._up.ack(env.record.ack)
+                    self._acked(env.record.ack)
         if len(self._up):
             log.warning("rank %d: the coordinator did not acknowledge %d control records before exit",
                         self.cfg.rank, len(self._up))

@@ -52,10 +52,12 @@ class Outstream:
             del self._kept[next(iter(self._kept))]
         return frames
 
-    def ack(self, n: int) -> None:
-        """The receiver has every record up to `n`: forget them."""
+    def ack(self, n: int) -> int:
+        """The receiver has every record up to `n`: forget them; how many that was (0: no news)."""
+        before = len(self._kept)
         while self._kept and next(iter(self._kept)) <= n:
             del self._kept[next(iter(self._kept))]
+        return before - len(self._kept)
 
     def due(self, now: float) -> list[list[Any]]:
         """Frames unacknowledged for `RESEND_AFTER_S` since last sent, in order; marked sent now."""
@@ -97,3 +99,39 @@ class InOrder:
             self.acked += 1
             out.append(self._waiting.pop(self.acked))
         return out
+
+
+class Outage:
+    """The resends over one link, logged once per outage rather than once per pass.
+
+    While a link is down every pass (each RESEND_AFTER_S) resends to each of its
+    streams; a warning per pass and stream buried the log (about 130 lines per
+    busy reset). The caller warns when `resent` opens an outage, and logs the
+    summary `settled` returns once every stream that needed a resend has been
+    acknowledged again (or is gone).
+    """
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.resent = 0
+        self._waiting: set[int] = set()
+
+    def resent_on(self, stream: int, records: int, now: float) -> bool:
+        """`records` of `stream` were just sent again; True when this opens an outage."""
+        opened = self.since is None
+        if opened:
+            self.since, self.resent = now, 0
+        self.resent += records
+        self._waiting.add(stream)
+        return opened
+
+    def settled(self, stream: int, now: float) -> tuple[int, float] | None:
+        """`stream` is acknowledged again (or gone); (records resent, seconds) when that ends the outage."""
+        if stream not in self._waiting:
+            return None
+        self._waiting.discard(stream)
+        if self._waiting or self.since is None:
+            return None
+        summary = (self.resent, now - self.since)
+        self.since = None
+        return summary

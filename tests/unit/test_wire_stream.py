@@ -8,7 +8,7 @@ from flodl_zmq.errors import AttributionError, ReplayError
 from flodl_zmq.links import coordinator_sender
 from flodl_zmq.wire import Attribution, Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
-from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outstream
+from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outage, Outstream
 
 KEY, RUN = new_key(), bytes(range(16))
 TO_RANK_0 = Attribution.signed_by(coordinator_sender(0), "test")
@@ -45,3 +45,15 @@ def test_a_forgotten_stream_never_resends():
     out.send(rec.Shutdown(), now=0.0)
     out.forget()
     assert out.due(100.0) == [] and len(out) == 0
+
+
+def test_an_outage_is_opened_once_and_summed_up_when_its_last_stream_is_acknowledged():
+    outage = Outage()
+    assert outage.resent_on(2, 3, now=10.0)  # the first resend opens it: the caller warns once
+    assert not outage.resent_on(3, 1, now=10.0)
+    assert not outage.resent_on(2, 4, now=12.0)  # later passes only count
+    assert outage.settled(7, now=12.5) is None  # a stream that needed no resend says nothing
+    assert outage.settled(2, now=13.0) is None  # rank 3 still waits
+    assert outage.settled(3, now=14.0) == (8, 4.0)
+    assert outage.settled(3, now=15.0) is None  # over: said once
+    assert outage.resent_on(3, 1, now=20.0)  # the next outage is a new one
