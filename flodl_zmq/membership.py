@@ -211,6 +211,13 @@ class Challenges:
             self._issued.popitem(last=False)
         return nonce
 
+    def answer(self, ident: bytes, request: ChallengeRequest, now: float) -> Challenge | None:
+        """The `join.challenge` for `request` (a fresh nonce issued to `ident`); None for a malformed one,
+        which is dropped unanswered. Shared by the membership and the status server (one exchange)."""
+        if len(request.nonce) != CHALLENGE_NONCE_BYTES:
+            return None
+        return Challenge(request.nonce, self.issue(ident, now), self.ttl_s)
+
     def take(self, ident: bytes, nonce: bytes, now: float) -> str:
         issued = self._issued.get(ident)
         if issued is None or len(nonce) != CHALLENGE_NONCE_BYTES or not _same(issued[0], nonce):
@@ -869,12 +876,12 @@ class MembershipService:
         hello = env.record
         now = self.clock()
         if isinstance(hello, ChallengeRequest):
-            if len(hello.nonce) != CHALLENGE_NONCE_BYTES:
+            challenge = self._challenges.answer(ident, hello, now)
+            if challenge is None:
                 self.dropped += 1
                 log.warning("join.challenge_request with a %d-byte nonce dropped", len(hello.nonce))
-                return
-            nonce = self._challenges.issue(ident, now)
-            self._send(ident, self._join, Challenge(hello.nonce, nonce, self._challenges.ttl_s))
+            else:
+                self._send(ident, self._join, challenge)
             return
         if not isinstance(hello, (JoinHello, StatusRequest)):
             self.dropped += 1

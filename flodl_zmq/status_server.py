@@ -30,7 +30,6 @@ from flodl_zmq.errors import WireError
 from flodl_zmq.io_threads import keep_off_the_data_plane
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, limit_receive
 from flodl_zmq.membership import (
-    CHALLENGE_NONCE_BYTES,
     JOIN_LEDGER_CAP,
     JOIN_RECV_BUDGET,
     JOIN_RUN_ID,
@@ -38,7 +37,7 @@ from flodl_zmq.membership import (
     Challenges,
 )
 from flodl_zmq.wire import Attribution, Channel, Codec
-from flodl_zmq.wire.records import Challenge, ChallengeRequest, StatusReply, StatusRequest
+from flodl_zmq.wire.records import ChallengeRequest, StatusReply, StatusRequest
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +108,9 @@ class StatusServer:
             log.warning("status request dropped without reply: %s", exc)
             return
         r, now = env.record, time.monotonic()
-        if isinstance(r, ChallengeRequest) and len(r.nonce) == CHALLENGE_NONCE_BYTES:
-            self._send(ident, Challenge(r.nonce, self._challenges.issue(ident, now), self._challenges.ttl_s))
+        challenge = self._challenges.answer(ident, r, now) if isinstance(r, ChallengeRequest) else None
+        if challenge is not None:
+            self._send(ident, challenge)
         elif isinstance(r, StatusRequest) and self._challenges.take(ident, r.nonce, now) == "ok":
             self._send(ident, StatusReply(json.dumps(self.status()), r.nonce))
         else:

@@ -211,3 +211,12 @@ def test_a_nonce_is_good_once_on_its_own_connection_and_the_outstanding_ones_are
     assert len(c) == 3
     c.issue(b"z", 100.0)  # the expired go first
     assert len(c) == 1
+
+
+def test_a_challenge_answers_only_a_well_formed_request_and_its_nonce_is_the_one_taken():
+    # One exchange for the membership and the status server (Challenges.answer).
+    c = Challenges(ttl_s=10.0)
+    assert c.answer(b"a", ChallengeRequest(bytes(15)), 0.0) is None  # dropped unanswered
+    challenge = c.answer(b"a", ChallengeRequest(bytes(16)), 0.0)
+    assert challenge.client_nonce == bytes(16) and challenge.ttl_s == 10.0
+    assert c.take(b"a", challenge.nonce, 1.0) == "ok"
