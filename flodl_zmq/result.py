@@ -27,9 +27,14 @@ class TrainResult:
 
 def format_epoch(row: dict[str, Any], epochs: int) -> str:
     """One line per epoch: loss, eval (when there is one), each rank's batch share, wall time, reconnects."""
-    parts = [f"epoch {row['epoch'] + 1}/{epochs}", f"loss {row['avg_loss']:.4f}"]
-    if row.get("eval") is not None and not math.isnan(row["eval"]):
-        parts.append(f"eval {row['eval']:.4f}")
+    head = f"epoch {row['epoch'] + 1}/{epochs}"
+    evaluated = f"eval {row['eval']:.4f}" if row.get("eval") is not None and not math.isnan(row["eval"]) else None
+    if row.get("samples") == 0:
+        # A resumed run's first epoch, fully covered before it stopped: no loss, share or time to show.
+        return " | ".join([f"{head}: covered before the resume", *([evaluated] if evaluated else [])])
+    parts = [head, f"loss {row['avg_loss']:.4f}"]
+    if evaluated:
+        parts.append(evaluated)
     share = row.get("batch_share") or []
     if len(share) > 1:
         parts.append("share " + " ".join(f"r{i}:{s * 100:.0f}%" for i, s in enumerate(share)))

@@ -122,3 +122,10 @@ def test_the_epoch_line_counts_reconnects_only_when_a_link_reconnected():
     row = {"epoch": 1, "avg_loss": 0.5, "epoch_ms": 1200.0, "batch_share": [0.5, 0.5]}
     assert "reconnect" not in format_epoch({**row, "reconnects": 0}, 3)
     assert format_epoch({**row, "reconnects": 2}, 3).endswith("| 1.20s | 2 reconnect(s)")
+
+
+def test_an_epoch_covered_before_a_resume_says_so_instead_of_a_nan_loss():
+    row = {"epoch": 2, "avg_loss": float("nan"), "epoch_ms": 0.0, "batch_share": [0.0, 0.0], "samples": 0}
+    assert format_epoch(row, 8) == "epoch 3/8: covered before the resume"
+    assert format_epoch({**row, "eval": 0.9}, 8) == "epoch 3/8: covered before the resume | eval 0.9000"
+    assert format_epoch({**row, "samples": 64, "avg_loss": 0.5}, 8).startswith("epoch 3/8 | loss 0.5000")
