@@ -21,6 +21,13 @@ Rules this module keeps:
   with its old ranks in the same run (the accept's run id and ranks must be
   the old ones, PROTOCOL.md 13), and the host runs again from the
   checkpoint. Past the grace period it exits, saying so.
+- **A world may re-form mid-run** (hosts joining, PROTOCOL.md 13.1): a
+  `join.world_formed` on the admitted link is the new world. The agent stops
+  its relay and ranks, reports their exits, and spawns them again for the
+  new world from the checkpoint it names (FLODL_RESUME); this host's ranks
+  must be the ones it has. A host admitted after formation waits for that
+  record like any joiner, for the announced budget (the controller's join
+  cap, which must cover an epoch).
 - **Every rank exit is reported upstream at once** (`RankExited`, code
   negative for the killing signal): it is the controller's fast path to
   declaring a rank dead, seconds before heartbeats would.
@@ -346,6 +353,7 @@ class Agent:
         self._last_heard = 0.0
         self._next_beat = 0.0
         self._lost_controller = False  # the last teardown was the controller's silence under running ranks
+        self._reformed: WorldFormed | None = None  # a re-formed world the controller sent while ranks ran
 
     def _new_link(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -517,12 +525,30 @@ class Agent:
                     # A SIGKILLed relay or rank cannot unlink its shared-memory segments.
                     unlink_run(joined.session_key, joined.run_id)
                     remove_local_dir(joined.session_key, joined.run_id)  # and its ipc socket files
+                if self._reformed is not None and self._stop_reason is None:
+                    joined = self._reform(joined, self._reformed)
+                    continue
                 if not self._lost_controller or not self.config.grace_s or self._stop_reason is not None:
                     return code
                 joined = self._rejoin(joined)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _reform(self, before: Joined, formed: WorldFormed) -> Joined:
+        """The world this host runs next, after a re-form: the same run, our ranks as they were."""
+        self._reformed = None
+        spawn = SpawnSpec.from_json(formed.spawn_json)
+        check_spawn(spawn, self.config.script)  # before anything of it is used
+        ranks = tuple(spawn.world.get(self.config.host, ()))
+        if ranks != before.ranks or formed.world_size != sum(map(len, spawn.world.values())):
+            raise MembershipError(
+                f"re-formed world {spawn.world} of size {formed.world_size} gives host {self.config.host!r} "
+                f"ranks {list(ranks)}, not its {list(before.ranks)}: protocol violation"
+            )
+        log.info("host %r: the world re-formed (%d ranks); starting ranks %s again from the checkpoint",
+                 self.config.host, formed.world_size, list(ranks))
+        return Joined(before.ranks, before.session_key, before.run_id, formed.world_size, spawn)
 
     def _rejoin(self, before: Joined) -> Joined:
         """Re-dial a silent controller with backoff until a restart of our run takes us back (grace_s)."""
@@ -702,6 +728,9 @@ class Agent:
             self._last_heard = now
             if isinstance(env.record, Abort):
                 return f"the controller aborted the run: {env.record.reason}"
+            if isinstance(env.record, WorldFormed):
+                self._reformed = env.record
+                return "the world re-forms with hosts that joined"
         if now - self._last_heard > self.config.silence_s:
             return f"controller silent for {now - self._last_heard:.0f} s (gone, or the link is cut)"
         return None

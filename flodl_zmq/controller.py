@@ -190,6 +190,8 @@ def serve(opts: ControllerOptions) -> int:
         if code != 0:
             _abort(membership, f"the controller's program exited with status {code}")
             return code
+        if membership.end_joins("the run is over (a host joins at an epoch boundary; there is no next one)"):
+            time.sleep(ABORT_FLUSH_S)
         _see_agents_out(membership)
         return 0
     except KeyboardInterrupt:
@@ -493,7 +495,7 @@ def _controller_command(args: argparse.Namespace) -> int:
         argv=tuple(argv),
         join=JoinConfig(
             min_ranks=settings.min_ranks, target_ranks=settings.target_ranks, window_s=settings.join_window_s,
-            cap_s=settings.effective_join_cap_s,
+            cap_s=settings.effective_join_cap_s, max_ranks=settings.max_ranks,
         ),
         open_admission=settings.open_admission,
         key=_session_key(os.environ),
