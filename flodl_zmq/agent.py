@@ -82,6 +82,7 @@ import zmq
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
+from flodl_zmq.formation import rank_space
 from flodl_zmq.launch import signal_group
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
@@ -92,6 +93,7 @@ from flodl_zmq.links import (
 )
 from flodl_zmq.membership import (
     CHALLENGE_NONCE_BYTES,
+    DUPLICATE_JOIN,
     JOIN_RUN_ID,
     MAX_DEVICES_PER_HOST,
     OPEN_JOIN_KEY,
@@ -250,6 +252,14 @@ class AgentConfig:
 
 class NoReply(MembershipError):
     """The controller did not answer a join in time (not running, unreachable, or another key)."""
+
+
+class Refused(MembershipError):
+    """The controller refused the join; `reason` is its word (PROTOCOL.md `join.reject`)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"join REJECTED by the controller: {reason}")
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -416,7 +426,7 @@ class Agent:
                 "(FLODL_KEY must be the same on every host; an open-admission controller takes no key)"
             )
         if isinstance(reply, JoinReject):
-            raise MembershipError(f"join REJECTED by the controller: {reply.reason}")
+            raise Refused(reply.reason)
         if not isinstance(reply, JoinAccept):
             raise MembershipError(f"expected join.accept or join.reject, got {reply.KIND}: controller bug")
         key = cfg.key or reply.session_key
@@ -448,9 +458,7 @@ class Agent:
             raise MembershipError(f"expected join.world_formed or join.abort, got {formed.KIND}: controller bug")
         spawn = SpawnSpec.from_json(formed.spawn_json)
         check_spawn(spawn, cfg.script)  # before anything of it is used
-        if tuple(spawn.world.get(cfg.host, ())) != tuple(reply.ranks) or formed.world_size != sum(
-            map(len, spawn.world.values())
-        ):
+        if tuple(spawn.world.get(cfg.host, ())) != tuple(reply.ranks) or formed.world_size != rank_space(spawn.world):
             raise MembershipError(
                 f"formed world {spawn.world} of size {formed.world_size} disagrees with our ranks "
                 f"{reply.ranks}: protocol violation"
@@ -541,7 +549,7 @@ class Agent:
         spawn = SpawnSpec.from_json(formed.spawn_json)
         check_spawn(spawn, self.config.script)  # before anything of it is used
         ranks = tuple(spawn.world.get(self.config.host, ()))
-        if ranks != before.ranks or formed.world_size != sum(map(len, spawn.world.values())):
+        if ranks != before.ranks or formed.world_size != rank_space(spawn.world):
             raise MembershipError(
                 f"re-formed world {spawn.world} of size {formed.world_size} gives host {self.config.host!r} "
                 f"ranks {list(ranks)}, not its {list(before.ranks)}: protocol violation"
@@ -572,17 +580,28 @@ class Agent:
             self._codec = Codec(cfg.key or OPEN_JOIN_KEY, JOIN_RUN_ID, cfg.host)
             try:
                 joined = self.join(reply_timeout_s=min(cfg.reply_timeout_s, max(left, 0.1)))
-            except NoReply:
+            except (NoReply, Refused) as exc:
+                # A controller that still runs may not have seen our old link go silent yet: it
+                # refuses us as a duplicate until it declares this host lost. Anything else is final.
+                if isinstance(exc, Refused) and not exc.reason.startswith(DUPLICATE_JOIN):
+                    raise
                 time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
                 wait = min(2 * wait, REJOIN_BACKOFF_S[1])
                 continue
-            if joined.run_id != before.run_id or joined.ranks != before.ranks:
+            if joined.run_id != before.run_id:
                 raise MembershipError(
                     f"the controller at {cfg.controller} came back with another run ({joined.run_id.hex()[:8]}, ranks "
                     f"{list(joined.ranks)}) than ours ({before.run_id.hex()[:8]}, ranks {list(before.ranks)}): it was "
                     "started fresh, not with --resume; host leaves"
                 )
-            log.warning("host %r: taken back by the restarted controller with ranks %s", cfg.host, list(joined.ranks))
+            if joined.ranks != before.ranks:
+                # The run went on without us (our ranks were declared dead): we re-entered its
+                # world at an epoch boundary with fresh ranks (PROTOCOL.md 13.1).
+                log.warning("host %r: back in the running world with new ranks %s (its old ranks %s stay dead)",
+                            cfg.host, list(joined.ranks), list(before.ranks))
+            else:
+                log.warning("host %r: taken back by the restarted controller with ranks %s", cfg.host,
+                            list(joined.ranks))
             self._lost_controller = False
             return joined
 

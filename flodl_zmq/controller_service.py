@@ -848,7 +848,8 @@ class ControllerService:
                         self.deaths[rank] = (time.time(), why)
                         log.warning("rank %d declared dead: %s", rank, why)
                         self.report.events.write("death", rank=rank, reason=why)
-                    self.reducer.declare_dead(rank)
+                    if rank in self.host_of:  # a vacancy was never the reducer's (no host serves it)
+                        self.reducer.declare_dead(rank)
                 elif isinstance(out.record, MassBound):
                     self.reducer.bound_round(out.record.round, dict(out.record.bounds))
                 else:
@@ -873,7 +874,7 @@ class ControllerService:
         self._to_relay_of(rank, self._to_rank[rank].send(record, time.monotonic()))
 
     def _to_relay_of(self, rank: int, frames: list[Any]) -> None:
-        relay_id = self.relay_route.get(self.host_of[rank])
+        relay_id = self.relay_route.get(self.host_of.get(rank, ""))  # a vacancy has no host
         if relay_id is None:
             self.counts["undeliverable.control"] += 1
             return
@@ -895,7 +896,7 @@ class ControllerService:
                 log.warning("controller: rank %d has not acknowledged %d control records; sending them again",
                             rank, len(due))
             for frames in due:
-                self.resends[self.host_of[rank]] += 1
+                self.resends[self.host_of.get(rank, "")] += 1
                 self._to_relay_of(rank, frames)
 
     def _send_relay(self, relay_id: bytes, record: Any) -> None:

@@ -81,6 +81,7 @@ import zmq
 from flodl_zmq.endpoints import is_private_address, tcp_host
 from flodl_zmq.environment import format_world, parse_world
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
+from flodl_zmq.formation import rank_space
 from flodl_zmq.io_threads import keep_off_the_data_plane
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, limit_receive
 from flodl_zmq.mailbox import Mailbox, poll_ms
@@ -124,6 +125,9 @@ OPEN_JOIN_KEY = bytes(KEY_BYTES)
 MAX_DEVICES_PER_HOST = 256
 MAX_HOST_CHARS = 255
 SIGNATURE_BYTES = 32
+# How a refusal of a host that is already a member begins: an agent re-dialling after its link
+# was cut retries it until the controller declares its old link lost (agent.py).
+DUPLICATE_JOIN = "duplicate join"
 
 
 # --------------------------------------------------------------------------- trust
@@ -306,7 +310,8 @@ class Verdict:
 
     @property
     def world_size(self) -> int:
-        return sum(len(m.ranks) for m in self.members)
+        """The rank space (a restarted run's world may hold vacancies, `environment.parse_world`)."""
+        return rank_space({m.host: m.ranks for m in self.members})
 
 
 def _prefix(sig: bytes) -> str:
@@ -463,7 +468,7 @@ class JoinWindow:
             )
         if any(m.host == host for m in (*self._members, *self._pending)):
             return (
-                f"duplicate join: host {host!r} is already a member (a stale worker still running, "
+                f"{DUPLICATE_JOIN}: host {host!r} is already a member (a stale worker still running, "
                 "or two machines sharing one name); stop the old agent or give this one --host"
             )
         if self.dataset_sig is not None and hello.dataset_sig != self.dataset_sig:
@@ -572,8 +577,11 @@ class HostLinks:
         self._closed: set[str] = set()
 
     def add(self, member: Member, now: float) -> None:
+        """Watch `member`'s link from `now` (a host that was lost and came back starts over)."""
         self._heard[member.host] = now
         self._live_ranks[member.host] = set(member.ranks)
+        self._retiring.pop(member.host, None)
+        self._closed.discard(member.host)
 
     def reform(self, member: Member) -> None:
         """`member`'s host runs the ranks of `member` from now on; its live ones retire first."""
@@ -1000,7 +1008,7 @@ class MembershipService:
         world = self.window.reform()
         self._pending = ()
         self.spawn = dataclasses.replace(self.spawn, env={**self.spawn.env, **env}, world=world)
-        formed = WorldFormed(sum(map(len, world.values())), self.spawn.to_json())
+        formed = WorldFormed(rank_space(world), self.spawn.to_json())
         for m in self.window.members:
             if m.host not in joined:  # a joiner has nothing to stop
                 self.links.reform(m)

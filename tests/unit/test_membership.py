@@ -377,7 +377,7 @@ def test_spawn_spec_round_trips_and_refuses_malformed_json():
         {**good, "argv": []},
         {**good, "env": {"a": 1}},
         {**good, "extra": 1},
-        {**good, "world": "a=0;b=2"},
+        {**good, "world": "a=0;b=0"},
         {"argv": ["x"], "env": {}},
     ]
     for bad in ["not json", "[]", *map(json.dumps, bads)]:
