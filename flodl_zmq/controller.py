@@ -328,6 +328,13 @@ def format_status(address: ControllerAddress, status: Mapping[str, Any]) -> str:
     lines = [f"controller {address}: {status['phase']} ({status['reason']}), {status['joined_ranks']} ranks joined"]
     for host, h in status.get("hosts", {}).items():
         lines.append(f"  host {host}: ranks {h['ranks']} {h['state']}")
+    for host, h in status.get("pending", {}).items():
+        lines.append(f"  host {host}: ranks {h['ranks']} pending (joins at the next epoch boundary)")
+    for d in status.get("departed", []):
+        lines.append(f"  host {d['host']}: left the world; its ranks {d['ranks']} stay dead")
+    for j in status.get("joins", []):
+        at = time.strftime("%H:%M:%S", time.localtime(j["at"]))
+        lines.append(f"  host {j['host']}: joined mid-run at {at} as ranks {j['ranks']}")
     t = status.get("training")
     if t is not None:
         lines.append(f"  ranks alive {t['alive']}, dead {t['dead']}, exited {t['exited']}")

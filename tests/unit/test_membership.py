@@ -364,6 +364,26 @@ def test_a_host_whose_ranks_all_exited_is_done_and_never_lost():
     assert links.lost(100.0) == []
 
 
+def test_at_a_re_form_the_exits_of_the_old_ranks_retire_and_never_count_for_the_new_world():
+    links = HostLinks(timeout_s=5.0)
+    links.add(member("a", 0, 1), 0.0)
+    links.rank_exited("a", 1, 1.0)  # died before the re-form: not retiring
+    links.reform(member("a", 0, 1))  # the new world runs ranks 0 and 1 on a again
+    assert links.retiring() == ["a"]
+    assert links.retire("a", 1) is False  # not one of the old incarnation's live ranks
+    assert links.retire("a", 0) is True and links.retiring() == []
+    assert links.live_ranks("a") == (0, 1)  # the new world's ranks, both live
+    assert links.retire("a", 0) is False  # from now on an exit is the new rank 0's
+
+
+def test_a_host_lost_and_admitted_again_is_watched_afresh():
+    links = HostLinks(timeout_s=5.0)
+    links.add(member("b", 1), 0.0)
+    assert links.lost(10.0) == ["b"] and links.running() == []
+    links.add(member("b", 2), 20.0)
+    assert links.running() == ["b"] and links.state("b") == "live" and links.live_ranks("b") == (2,)
+
+
 # --------------------------------------------------------------------------- spawn artifacts
 
 
