@@ -198,12 +198,20 @@ class WorldChange:
     checkpoint: str
     marked: bool = False
 
+    @property
+    def joined(self) -> list[str]:
+        """Hosts with new ranks: new hosts, and hosts that left and came back."""
+        return [h for h in self.after if self.after[h] != self.before.get(h)]
+
+    @property
+    def left(self) -> list[str]:
+        return [h for h in self.before if h not in self.after]
+
     def describe(self) -> str:
-        """E.g. `4 -> 6 ranks (+w3)`: sizes count live hosts' ranks; + joined, - left."""
-        size = lambda w: sum(map(len, w.values()))  # noqa: E731
-        moved = [f"+{h}" for h in self.after if h not in self.before or self.after[h] != self.before[h]]
-        moved += [f"-{h}" for h in self.before if h not in self.after]
-        return f"{size(self.before)} -> {size(self.after)} ranks ({' '.join(moved)})"
+        """E.g. `4 -> 6 ranks (+w3)`: the ranks hosts hold before and after; + joined, - left."""
+        before, after = (sum(map(len, w.values())) for w in (self.before, self.after))
+        moved = [f"+{h}" for h in self.joined] + [f"-{h}" for h in self.left]
+        return f"{before} -> {after} ranks ({' '.join(moved)})"
 
     def summary(self, epoch: int) -> dict[str, Any]:
         """`TrainResult.world_changes` entry (JSON-able)."""
@@ -1017,8 +1025,7 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
                                   run_dir=str(service.report.events.run_dir))
         change = reform(link.membership, penv.world, str(service.reform_stem), result)
         service.report.events.write("join", epoch=bundle.load_meta(service.reform_stem)["epoch"],
-                                    world=change.after, joined=[h for h in change.after if h not in change.before],
-                                    left=[h for h in change.before if h not in change.after])
+                                    world=change.after, joined=change.joined, left=change.left)
         service.report.events.close()
         penv = dataclasses.replace(penv, world=change.after,
                                    settings=dataclasses.replace(penv.settings, resume=change.checkpoint))
