@@ -21,6 +21,13 @@ Rules this module keeps:
   with its old ranks in the same run (the accept's run id and ranks must be
   the old ones, PROTOCOL.md 13), and the host runs again from the
   checkpoint. Past the grace period it exits, saying so.
+- **A world may re-form mid-run** (hosts joining, PROTOCOL.md 13.1): a
+  `join.world_formed` on the admitted link is the new world. The agent stops
+  its relay and ranks, reports their exits, and spawns them again for the
+  new world from the checkpoint it names (FLODL_RESUME); this host's ranks
+  must be the ones it has. A host admitted after formation waits for that
+  record like any joiner, for the announced budget (the controller's join
+  cap, which must cover an epoch).
 - **Every rank exit is reported upstream at once** (`RankExited`, code
   negative for the killing signal): it is the controller's fast path to
   declaring a rank dead, seconds before heartbeats would.
@@ -75,6 +82,7 @@ import zmq
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
+from flodl_zmq.formation import rank_space
 from flodl_zmq.launch import signal_group
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
@@ -85,6 +93,7 @@ from flodl_zmq.links import (
 )
 from flodl_zmq.membership import (
     CHALLENGE_NONCE_BYTES,
+    DUPLICATE_JOIN,
     JOIN_RUN_ID,
     MAX_DEVICES_PER_HOST,
     OPEN_JOIN_KEY,
@@ -245,6 +254,14 @@ class NoReply(MembershipError):
     """The controller did not answer a join in time (not running, unreachable, or another key)."""
 
 
+class Refused(MembershipError):
+    """The controller refused the join; `reason` is its word (PROTOCOL.md `join.reject`)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"join REJECTED by the controller: {reason}")
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class Joined:
     """An admitted host in a formed world."""
@@ -346,6 +363,7 @@ class Agent:
         self._last_heard = 0.0
         self._next_beat = 0.0
         self._lost_controller = False  # the last teardown was the controller's silence under running ranks
+        self._reformed: WorldFormed | None = None  # a re-formed world the controller sent while ranks ran
 
     def _new_link(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -408,7 +426,7 @@ class Agent:
                 "(FLODL_KEY must be the same on every host; an open-admission controller takes no key)"
             )
         if isinstance(reply, JoinReject):
-            raise MembershipError(f"join REJECTED by the controller: {reply.reason}")
+            raise Refused(reply.reason)
         if not isinstance(reply, JoinAccept):
             raise MembershipError(f"expected join.accept or join.reject, got {reply.KIND}: controller bug")
         key = cfg.key or reply.session_key
@@ -440,9 +458,7 @@ class Agent:
             raise MembershipError(f"expected join.world_formed or join.abort, got {formed.KIND}: controller bug")
         spawn = SpawnSpec.from_json(formed.spawn_json)
         check_spawn(spawn, cfg.script)  # before anything of it is used
-        if tuple(spawn.world.get(cfg.host, ())) != tuple(reply.ranks) or formed.world_size != sum(
-            map(len, spawn.world.values())
-        ):
+        if tuple(spawn.world.get(cfg.host, ())) != tuple(reply.ranks) or formed.world_size != rank_space(spawn.world):
             raise MembershipError(
                 f"formed world {spawn.world} of size {formed.world_size} disagrees with our ranks "
                 f"{reply.ranks}: protocol violation"
@@ -517,12 +533,30 @@ class Agent:
                     # A SIGKILLed relay or rank cannot unlink its shared-memory segments.
                     unlink_run(joined.session_key, joined.run_id)
                     remove_local_dir(joined.session_key, joined.run_id)  # and its ipc socket files
+                if self._reformed is not None and self._stop_reason is None:
+                    joined = self._reform(joined, self._reformed)
+                    continue
                 if not self._lost_controller or not self.config.grace_s or self._stop_reason is not None:
                     return code
                 joined = self._rejoin(joined)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _reform(self, before: Joined, formed: WorldFormed) -> Joined:
+        """The world this host runs next, after a re-form: the same run, our ranks as they were."""
+        self._reformed = None
+        spawn = SpawnSpec.from_json(formed.spawn_json)
+        check_spawn(spawn, self.config.script)  # before anything of it is used
+        ranks = tuple(spawn.world.get(self.config.host, ()))
+        if ranks != before.ranks or formed.world_size != rank_space(spawn.world):
+            raise MembershipError(
+                f"re-formed world {spawn.world} of size {formed.world_size} gives host {self.config.host!r} "
+                f"ranks {list(ranks)}, not its {list(before.ranks)}: protocol violation"
+            )
+        log.info("host %r: the world re-formed (%d ranks); starting ranks %s again from the checkpoint",
+                 self.config.host, formed.world_size, list(ranks))
+        return Joined(before.ranks, before.session_key, before.run_id, formed.world_size, spawn)
 
     def _rejoin(self, before: Joined) -> Joined:
         """Re-dial a silent controller with backoff until a restart of our run takes us back (grace_s)."""
@@ -546,17 +580,28 @@ class Agent:
             self._codec = Codec(cfg.key or OPEN_JOIN_KEY, JOIN_RUN_ID, cfg.host)
             try:
                 joined = self.join(reply_timeout_s=min(cfg.reply_timeout_s, max(left, 0.1)))
-            except NoReply:
+            except (NoReply, Refused) as exc:
+                # A controller that still runs may not have seen our old link go silent yet: it
+                # refuses us as a duplicate until it declares this host lost. Anything else is final.
+                if isinstance(exc, Refused) and not exc.reason.startswith(DUPLICATE_JOIN):
+                    raise
                 time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
                 wait = min(2 * wait, REJOIN_BACKOFF_S[1])
                 continue
-            if joined.run_id != before.run_id or joined.ranks != before.ranks:
+            if joined.run_id != before.run_id:
                 raise MembershipError(
                     f"the controller at {cfg.controller} came back with another run ({joined.run_id.hex()[:8]}, ranks "
                     f"{list(joined.ranks)}) than ours ({before.run_id.hex()[:8]}, ranks {list(before.ranks)}): it was "
                     "started fresh, not with --resume; host leaves"
                 )
-            log.warning("host %r: taken back by the restarted controller with ranks %s", cfg.host, list(joined.ranks))
+            if joined.ranks != before.ranks:
+                # The run went on without us (our ranks were declared dead): we re-entered its
+                # world at an epoch boundary with fresh ranks (PROTOCOL.md 13.1).
+                log.warning("host %r: back in the running world with new ranks %s (its old ranks %s stay dead)",
+                            cfg.host, list(joined.ranks), list(before.ranks))
+            else:
+                log.warning("host %r: taken back by the restarted controller with ranks %s", cfg.host,
+                            list(joined.ranks))
             self._lost_controller = False
             return joined
 
@@ -702,6 +747,9 @@ class Agent:
             self._last_heard = now
             if isinstance(env.record, Abort):
                 return f"the controller aborted the run: {env.record.reason}"
+            if isinstance(env.record, WorldFormed):
+                self._reformed = env.record
+                return "the world re-forms with hosts that joined"
         if now - self._last_heard > self.config.silence_s:
             return f"controller silent for {now - self._last_heard:.0f} s (gone, or the link is cut)"
         return None

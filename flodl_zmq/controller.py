@@ -190,6 +190,8 @@ def serve(opts: ControllerOptions) -> int:
         if code != 0:
             _abort(membership, f"the controller's program exited with status {code}")
             return code
+        if membership.end_joins("the run is over (a host joins at an epoch boundary; there is no next one)"):
+            time.sleep(ABORT_FLUSH_S)
         _see_agents_out(membership)
         return 0
     except KeyboardInterrupt:
@@ -326,6 +328,13 @@ def format_status(address: ControllerAddress, status: Mapping[str, Any]) -> str:
     lines = [f"controller {address}: {status['phase']} ({status['reason']}), {status['joined_ranks']} ranks joined"]
     for host, h in status.get("hosts", {}).items():
         lines.append(f"  host {host}: ranks {h['ranks']} {h['state']}")
+    for host, h in status.get("pending", {}).items():
+        lines.append(f"  host {host}: ranks {h['ranks']} pending (joins at the next epoch boundary)")
+    for d in status.get("departed", []):
+        lines.append(f"  host {d['host']}: left the world; its ranks {d['ranks']} stay dead")
+    for j in status.get("joins", []):
+        at = time.strftime("%H:%M:%S", time.localtime(j["at"]))
+        lines.append(f"  host {j['host']}: joined mid-run at {at} as ranks {j['ranks']}")
     t = status.get("training")
     if t is not None:
         lines.append(f"  ranks alive {t['alive']}, dead {t['dead']}, exited {t['exited']}")
@@ -493,7 +502,7 @@ def _controller_command(args: argparse.Namespace) -> int:
         argv=tuple(argv),
         join=JoinConfig(
             min_ranks=settings.min_ranks, target_ranks=settings.target_ranks, window_s=settings.join_window_s,
-            cap_s=settings.effective_join_cap_s,
+            cap_s=settings.effective_join_cap_s, max_ranks=settings.max_ranks,
         ),
         open_admission=settings.open_admission,
         key=_session_key(os.environ),

@@ -72,6 +72,7 @@ A peer must never be able to end the service; only the service's own bugs
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import time
@@ -84,7 +85,7 @@ import numpy as np
 import torch
 import zmq
 
-from flodl_zmq import bundle, int8
+from flodl_zmq import bundle, checkpoints, int8
 from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, Snapshot
 from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
 from flodl_zmq.coordinator.core import Coordinator
@@ -183,6 +184,44 @@ def coordinator_config(job: Job) -> CoordinatorConfig:
     )
 
 
+@dataclass
+class WorldChange:
+    """A re-formed world (elastic join): the run's result so far, and the world before and after.
+
+    Handed to the next `ControllerService`, which continues `result` and
+    marks its first epoch line with `describe()`.
+    """
+
+    result: TrainResult
+    before: dict[str, tuple[int, ...]]
+    after: dict[str, tuple[int, ...]]
+    checkpoint: str
+    marked: bool = False
+
+    @property
+    def joined(self) -> list[str]:
+        """Hosts with new ranks: new hosts, and hosts that left and came back."""
+        return [h for h in self.after if self.after[h] != self.before.get(h)]
+
+    @property
+    def left(self) -> list[str]:
+        return [h for h in self.before if h not in self.after]
+
+    def describe(self) -> str:
+        """E.g. `4 -> 6 ranks (+w3)`: the ranks hosts hold before and after; + joined, - left."""
+        before, after = (sum(map(len, w.values())) for w in (self.before, self.after))
+        moved = [f"+{h}" for h in self.joined] + [f"-{h}" for h in self.left]
+        return f"{before} -> {after} ranks ({' '.join(moved)})"
+
+    def summary(self, epoch: int) -> dict[str, Any]:
+        """`TrainResult.world_changes` entry (JSON-able)."""
+        return {
+            "epoch": epoch, "checkpoint": self.checkpoint,
+            "before": {h: list(rs) for h, rs in self.before.items()},
+            "after": {h: list(rs) for h, rs in self.after.items()},
+        }
+
+
 @dataclass(frozen=True)
 class MembershipLink:
     """What `flodl-zmq controller` hands the controller role it runs in its own process.
@@ -200,7 +239,9 @@ class MembershipLink:
 class ControllerService:
     """Runs one training job's controller until the run ends; `run()` returns the TrainResult."""
 
-    def __init__(self, job: Job, penv: ProcessEnv, link: MembershipLink | None = None) -> None:
+    def __init__(
+        self, job: Job, penv: ProcessEnv, link: MembershipLink | None = None, carried: WorldChange | None = None
+    ) -> None:
         self.job = job
         self.penv = penv
         self.link = link
@@ -252,7 +293,15 @@ class ControllerService:
         self.model_sig = model_signature(self.model)
         self.dataset_sig = dataset_signature(job.dataset)
         self.result = TrainResult(model=self.model, resumed_from=job.resume_from, incarnation=self.incarnation)
-        if job.resume_from and not job.quiet:
+        self._carried = carried
+        if carried is not None:  # a re-form continues this run's result: not a restart
+            self.incarnation = self.result.incarnation = carried.result.incarnation
+            self.result = carried.result
+            self.result.model = self.model
+            self.result.world_changes.append(carried.summary(start_epoch))
+            if not job.quiet:
+                print(f"world re-formed at epoch {start_epoch + 1}: {carried.describe()}", flush=True)
+        elif job.resume_from and not job.quiet:
             print(f"resumed from {job.resume_from}: epoch {start_epoch + 1}, round {self.core.avg_count}, "
                   f"controller incarnation {self.incarnation}", flush=True)
         self.report = RunReport(
@@ -272,6 +321,10 @@ class ControllerService:
         self._round_started: dict[int, float] = {}
         self.checkpoints: CheckpointWriter | None = None
         self._checkpoint_policy: CheckpointPolicy | None = None
+        # Elastic join (PROTOCOL.md 13.1): the epoch after which hosts wait to join, and the
+        # checkpoint this service ended on to re-form the world with them.
+        self._reform_after: int | None = None
+        self.reform_stem: Path | None = None
 
     # ------------------------------------------------------------------ run
 
@@ -330,7 +383,12 @@ class ControllerService:
             self._report_status()
             if status_server is not None:
                 status_server.close()
-        wall_s = time.perf_counter() - t0
+        wall_s = time.perf_counter() - t0 + (0.0 if self._carried is None else self._carried.result.wall_s)
+        if self.reform_stem is not None and self.stop_error is None:
+            self.result.wall_s = wall_s  # the run goes on in the re-formed world's service
+            self.report.close()
+            self.report.events.close()
+            return self.result
         if self.stop_error is not None:
             self.result.reason = f"failed: {self.stop_error}"
             self.report.finish(wall_s)
@@ -417,6 +475,8 @@ class ControllerService:
             if self.started:
                 self._perform(self.core.on_tick(time.monotonic()))
                 self._maybe_checkpoint()
+                if self._maybe_reform():
+                    return
             if drain_until is None and (self.ended is not None or self.stop_error is not None):
                 drain_until = time.monotonic() + END_DRAIN_S
 
@@ -483,6 +543,40 @@ class ControllerService:
             self.checkpoints.submit(Snapshot(self.consensus_round, self.consensus.copy(), meta))
         else:
             self.checkpoints.submit(Snapshot(self.consensus_round, outer[0], meta, outer[1]))
+
+    def _maybe_reform(self) -> bool:
+        """End this service on a checkpoint once hosts wait to join and their epoch boundary is reached.
+
+        The boundary is the first finished round whose consensus holds every
+        sample of the epoch they waited for: the checkpoint then describes it
+        (resume.py), and the re-formed world goes on from its coverage, so
+        nothing is trained twice or lost. Written here, synchronously: the
+        run cannot go on without it.
+        """
+        after = self._reform_after
+        if after is None or self.consensus_round != self._completed_round or self.ended is not None:
+            return False
+        state = self.core.state_dict()
+        if state["epoch"] <= after:
+            return False
+        settings = self.penv.settings
+        directory = Path(settings.checkpoint_dir) if settings.checkpoint_dir else self.report.events.run_dir / "reform"
+        stem = checkpoints.stem_for(directory.resolve(), self.consensus_round)
+        outer = self.reducer.outer_state() if self.outer is not None else None
+        model = self.job.model()
+        load_flat(model, torch.from_numpy(self.consensus if outer is None else outer[0]))
+        try:
+            bundle.save(stem, model.state_dict(), self._bundle_meta("reform", state),
+                        None if outer is None else torch.from_numpy(outer[1]))
+        except OSError as exc:
+            # Without it the joiners cannot come in; the run goes on as it is and tries at the next epoch end.
+            log.error("controller: could not write the re-form checkpoint %s (%s); hosts waiting to join wait "
+                      "for the next epoch boundary", stem, exc)
+            self._reform_after = None
+            return False
+        self.reform_stem = stem
+        log.info("controller: epoch boundary with hosts waiting to join; re-forming from %s", stem)
+        return True
 
     # ------------------------------------------------------------------ inbound
 
@@ -763,7 +857,8 @@ class ControllerService:
                         self.deaths[rank] = (time.time(), why)
                         log.warning("rank %d declared dead: %s", rank, why)
                         self.report.events.write("death", rank=rank, reason=why)
-                    self.reducer.declare_dead(rank)
+                    if rank in self.host_of:  # a vacancy was never the reducer's (no host serves it)
+                        self.reducer.declare_dead(rank)
                 elif isinstance(out.record, MassBound):
                     self.reducer.bound_round(out.record.round, dict(out.record.bounds))
                 else:
@@ -788,7 +883,7 @@ class ControllerService:
         self._to_relay_of(rank, self._to_rank[rank].send(record, time.monotonic()))
 
     def _to_relay_of(self, rank: int, frames: list[Any]) -> None:
-        relay_id = self.relay_route.get(self.host_of[rank])
+        relay_id = self.relay_route.get(self.host_of.get(rank, ""))  # a vacancy has no host
         if relay_id is None:
             self.counts["undeliverable.control"] += 1
             return
@@ -807,7 +902,7 @@ class ControllerService:
                 self._settled(rank)
                 continue
             due = stream.due(now)
-            host = self.host_of[rank]
+            host = self.host_of.get(rank, "")  # a vacancy has no host
             if due and self._outages[host].resent_on(rank, len(due), now):
                 log.warning("controller: host %s has not acknowledged %d control records; sending them again "
                             "every %g s until it does", host, len(due), RESEND_AFTER_S)
@@ -848,9 +943,15 @@ class ControllerService:
         if isinstance(r, rec.EpochAggregated):
             if self._checkpoint_policy is not None:
                 self._checkpoint_policy.epoch_ended = True
+            if (self.link is not None and self._reform_after is None and r.epoch + 1 < self.job.epochs
+                    and self.link.membership.pending()):
+                self._reform_after = r.epoch  # re-form once this epoch is whole in a consensus
+            row = {**epoch_row(r), "reconnects": self._reconnects_this_epoch, "round": self.consensus_round}
+            if self._carried is not None and not self._carried.marked:
+                self._carried.marked = True
+                row["world_change"] = self._carried.describe()  # the first epoch line of the new world
             # `round`: the latest consensus when the epoch closed (rounds per epoch).
-            self.report.epoch({**epoch_row(r), "reconnects": self._reconnects_this_epoch,
-                               "round": self.consensus_round})
+            self.report.epoch(row)
             self._reconnects_this_epoch = 0
         elif isinstance(r, EpochProgress):
             self.report.progress({**epoch_row(r.metrics), "fraction": r.fraction})
@@ -921,10 +1022,47 @@ def epoch_row(r: rec.EpochAggregated) -> dict[str, Any]:
 
 
 def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = None) -> TrainResult:
-    """Entry point of the controller role (`link`: the membership, under `flodl-zmq controller`)."""
-    result = ControllerService(job, penv, link).run()
+    """Entry point of the controller role (`link`: the membership, under `flodl-zmq controller`).
+
+    Under `flodl-zmq controller` hosts may join mid-run: a service that ends
+    on a re-form checkpoint is followed by one for the larger world, resumed
+    from it (PROTOCOL.md 13.1), until the run ends.
+    """
+    service = ControllerService(job, penv, link)
+    result = service.run()
+    while service.reform_stem is not None:
+        assert link is not None  # only a membership has joiners
+        job = dataclasses.replace(job, resume_from=str(service.reform_stem),
+                                  run_dir=str(service.report.events.run_dir))
+        change = reform(link.membership, penv.world, str(service.reform_stem), result)
+        service.report.events.write("join", epoch=bundle.load_meta(service.reform_stem)["epoch"],
+                                    world=change.after, joined=change.joined, left=change.left)
+        service.report.events.close()
+        penv = dataclasses.replace(penv, world=change.after,
+                                   settings=dataclasses.replace(penv.settings, resume=change.checkpoint))
+        service = ControllerService(job, penv, link, carried=change)
+        result = service.run()
     if result.final_eval is None and result.epochs and result.epochs[-1].get("eval") is not None:
         result.final_eval = result.epochs[-1]["eval"]
     if not job.quiet and result.final_eval is not None and not math.isnan(result.final_eval):
         print(f"final eval: {result.final_eval:.4f} in {result.wall_s:.1f} s", flush=True)
     return result
+
+
+REFORM_STOP_S = 15.0  # how long the hosts get to stop their ranks of the world before a re-form
+
+
+def reform(membership: MembershipService, before: dict[str, tuple[int, ...]], stem: str,
+           result: TrainResult) -> WorldChange:
+    """Send every host the re-formed world and wait (bounded) until each stopped its old ranks.
+
+    The old incarnation's events are dropped first: a rank exit reported for
+    the world before must not kill a rank of the new one with the same number.
+    """
+    membership.events.drain()
+    after = membership.reform({"FLODL_RESUME": stem})
+    late = membership.wait_reformed(REFORM_STOP_S)
+    if late:
+        log.warning("controller: host(s) %s did not stop their ranks within %g s of the re-form; the new world "
+                    "starts anyway (ranks that do not say hello in time are left out)", late, REFORM_STOP_S)
+    return WorldChange(result, dict(before), after, stem)

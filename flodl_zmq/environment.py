@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.formation import rank_space
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import RUN_ID_BYTES, key_from_hex
 
@@ -71,7 +72,12 @@ def with_tunables(env: Mapping[str, str], role: str) -> dict[str, str]:
 
 
 def parse_world(text: str) -> dict[str, tuple[int, ...]]:
-    """`h0=0,1;h1=2,3` -> {"h0": (0, 1), "h1": (2, 3)}; ranks must be exactly 0..W-1."""
+    """`h0=0,1;h1=2,3` -> {"h0": (0, 1), "h1": (2, 3)}; ranks distinct and >= 0.
+
+    A rank no host holds is a *vacancy*: a rank of a host that left before the
+    world re-formed (PROTOCOL.md 13.1). Numbers are never reused, so it stays
+    in the rank space (`world_size`) and starts dead.
+    """
     world: dict[str, tuple[int, ...]] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         host, sep, ranks = part.partition("=")
@@ -81,10 +87,10 @@ def parse_world(text: str) -> dict[str, tuple[int, ...]]:
             world[host.strip()] = tuple(int(r) for r in ranks.split(",") if r.strip())
         except ValueError:
             raise ConfigError(f"FLODL_WORLD entry {part!r}: ranks must be integers") from None
-    every = sorted(r for rs in world.values() for r in rs)
-    if not world or every != list(range(len(every))) or not all(world.values()):
+    every = [r for rs in world.values() for r in rs]
+    if not world or len(set(every)) != len(every) or min(every, default=-1) < 0 or not all(world.values()):
         raise ConfigError(
-            f"FLODL_WORLD {text!r} must give every host at least one rank and number the ranks 0..W-1 exactly once"
+            f"FLODL_WORLD {text!r} must give every host at least one rank and each rank (>= 0) to one host"
         )
     return world
 
@@ -118,7 +124,7 @@ class ProcessEnv:
 
     @property
     def world_size(self) -> int:
-        return sum(len(rs) for rs in self.world.values())
+        return rank_space(self.world)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> ProcessEnv | None:

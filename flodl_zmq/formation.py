@@ -25,6 +25,9 @@ Rules the check keeps:
   is simply absent (`Formed.absent`), so every other rank's number and the
   exact coverage of every epoch stay as they are. Below the minimum the
   formation fails at once, naming each rank gone and why (its exit code).
+- **A vacancy starts dead.** A rank of the rank space that no host holds
+  (its host left before the world re-formed, PROTOCOL.md 13.1) is absent
+  from the start, like a rank that left, and counts toward no quorum.
 - **Ignored, not fatal:** a hello from outside the world (the shell has
   already refused its route) and a second hello from the same rank (the first
   stands); both come back as `Ignored` for the shell to count.
@@ -37,11 +40,22 @@ Rules the check keeps:
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flodl_zmq.errors import AuthError, FlodlError, TrainingError
 from flodl_zmq.wire.records import RankHello
+
+
+def rank_space(world: Mapping[str, Sequence[int]]) -> int:
+    """The world size: the highest rank + 1, vacancies included (see environment.parse_world)."""
+    return 1 + max((r for rs in world.values() for r in rs), default=-1)
+
+
+def vacancies(world: Mapping[str, Sequence[int]]) -> tuple[int, ...]:
+    """Ranks of the rank space no host holds: they start dead."""
+    held = {r for rs in world.values() for r in rs}
+    return tuple(r for r in range(rank_space(world)) if r not in held)
 
 
 class Phase(str, enum.Enum):
@@ -112,7 +126,8 @@ class Formation:
         minimum: int,
     ) -> None:
         self.host_of = {r: h for h, rs in world.items() for r in rs}
-        self.world_size = len(self.host_of)
+        self.world_size = rank_space(world)
+        self.vacant = {r: "no host holds it: its host left before the world re-formed" for r in vacancies(world)}
         self.model_sig = model_sig
         self.dataset_sig = dataset_sig
         self.deadline = deadline
@@ -170,12 +185,12 @@ class Formation:
             return Ignored("duplicate_exit")
         self.left[rank] = reason
         self.hellos.pop(rank, None)  # a hello said before it died does not bring it back
-        remaining = self.world_size - len(self.left)
+        remaining = len(self.host_of) - len(self.left)
         if remaining < self.minimum:
             # Found only by the start-up timeout otherwise, minutes later; stop now, naming each.
             gone = "; ".join(f"rank {r} ({why})" for r, why in sorted(self.left.items()))
             return self._fail(
-                f"rank(s) failed before training started: {gone}; {remaining} of {self.world_size} ranks "
+                f"rank(s) failed before training started: {gone}; {remaining} of {len(self.host_of)} ranks "
                 f"remain, fewer than the minimum of {self.minimum} (--min-ranks); their output is in their "
                 f"host's log", tuple(sorted(self.left)),
             )
@@ -216,7 +231,7 @@ class Formation:
         problems, bad = self._disagreements()
         if problems:
             return self._fail("; ".join(problems), bad)
-        self._verdict = Formed(dict(self.hellos), dict(self.left))
+        self._verdict = Formed(dict(self.hellos), {**self.vacant, **self.left})
         return self._verdict
 
     def _missing(self) -> tuple[int, ...]:

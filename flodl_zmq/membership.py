@@ -25,6 +25,11 @@ Rules the core keeps:
   the clock runs). After it, with quorum: form. Before the hard cap: stay
   open (the first moment quorum is met, it forms). At the cap: fail, naming
   how many ranks came. A verdict other than open is final.
+- **After formation a host may still join** (PROTOCOL.md 13.1): the same
+  checks, plus `max_ranks`, admit it as *pending*; it enters the world when
+  the controller re-forms it at the next epoch boundary (`reform`). Rank
+  numbers are never reused: a joiner's ranks follow the highest ever given,
+  and a host that left (`depart`) and comes back gets fresh ones.
 
 Trust modes (`TrustMode`):
 
@@ -76,6 +81,7 @@ import zmq
 from flodl_zmq.endpoints import is_private_address, tcp_host
 from flodl_zmq.environment import format_world, parse_world
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
+from flodl_zmq.formation import rank_space
 from flodl_zmq.io_threads import keep_off_the_data_plane
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, limit_receive
 from flodl_zmq.mailbox import Mailbox, poll_ms
@@ -119,6 +125,9 @@ OPEN_JOIN_KEY = bytes(KEY_BYTES)
 MAX_DEVICES_PER_HOST = 256
 MAX_HOST_CHARS = 255
 SIGNATURE_BYTES = 32
+# How a refusal of a host that is already a member begins: an agent re-dialling after its link
+# was cut retries it until the controller declares its old link lost (agent.py).
+DUPLICATE_JOIN = "duplicate join"
 
 
 # --------------------------------------------------------------------------- trust
@@ -240,13 +249,17 @@ class JoinConfig:
     `min_ranks`: quorum, the fewest ranks the run may start with.
     `target_ranks`: form as soon as this many have joined (None: wait for the window).
     `window_s`: how long the window stays open once quorum is met early.
-    `cap_s`: the hard limit; without quorum by then, the run aborts.
+    `cap_s`: the hard limit; without quorum by then, the run aborts. After
+    formation it is also how long a pending joiner may wait for the next
+    epoch boundary (its `formation_wait_s`).
+    `max_ranks`: the most ranks the world may grow to (None: no cap).
     """
 
     min_ranks: int = 2
     target_ranks: int | None = None
     window_s: float = 300.0
     cap_s: float = 600.0
+    max_ranks: int | None = None
 
     def __post_init__(self) -> None:
         # A one-rank world has nothing to average: it is a single-device run.
@@ -304,7 +317,8 @@ class Verdict:
 
     @property
     def world_size(self) -> int:
-        return sum(len(m.ranks) for m in self.members)
+        """The rank space (a restarted run's world may hold vacancies, `environment.parse_world`)."""
+        return rank_space({m.host: m.ranks for m in self.members})
 
 
 def _prefix(sig: bytes) -> str:
@@ -340,6 +354,10 @@ class JoinWindow:
         self.dataset_sig = dataset_sig
         self.model_sig = model_sig
         self._members: list[Member] = []
+        self._pending: list[Member] = []  # admitted after formation: in the world from the next re-form
+        self._departed: list[Member] = []  # left after formation (lost); their ranks are never given again
+        self._ended: str | None = None  # why no host may join any more (the run is over)
+        self._next_rank = 0 if resumed is None else 1 + max((r for rs in resumed.values() for r in rs), default=-1)
         self._verdict = Verdict(Phase.OPEN, "waiting for workers")
 
     @property
@@ -347,8 +365,21 @@ class JoinWindow:
         return tuple(self._members)
 
     @property
+    def pending(self) -> tuple[Member, ...]:
+        """Hosts admitted after formation, waiting for the next re-form."""
+        return tuple(self._pending)
+
+    @property
+    def departed(self) -> tuple[Member, ...]:
+        return tuple(self._departed)
+
+    @property
     def joined_ranks(self) -> int:
         return sum(len(m.ranks) for m in self._members)
+
+    @property
+    def world(self) -> dict[str, tuple[int, ...]]:
+        return {m.host: m.ranks for m in self._members}
 
     @property
     def phase(self) -> Phase:
@@ -363,24 +394,53 @@ class JoinWindow:
             self.dataset_sig = hello.dataset_sig
         if self.model_sig is None and hello.model_sig is not None:
             self.model_sig = hello.model_sig
-        if self.resumed is not None:
+        if self.resumed is not None and self.phase is Phase.OPEN:
             ranks = self.resumed[hello.host]
         else:
-            first = self.joined_ranks
-            ranks = tuple(range(first, first + len(hello.devices)))
-        self._members.append(Member(hello.host, ranks, tuple(hello.devices), now))
+            ranks = tuple(range(self._next_rank, self._next_rank + len(hello.devices)))
+            self._next_rank += len(hello.devices)
+        member = Member(hello.host, ranks, tuple(hello.devices), now)
+        if self.phase is Phase.FORMED:
+            # Into the world at the next epoch boundary; it may wait that long (bounded by the cap).
+            self._pending.append(member)
+            return Accepted(ranks, self.config.cap_s)
+        self._members.append(member)
         elapsed = now - self.opened_at
         return Accepted(ranks, max(0.0, self.config.cap_s - elapsed))
 
+    @property
+    def last_admitted(self) -> Member:
+        """The member (or pending joiner) the last `admit` accepted."""
+        return self._pending[-1] if self.phase is Phase.FORMED else self._members[-1]
+
+    def depart(self, host: str) -> None:
+        """`host` left after formation (its link was lost): it may join again, with fresh ranks."""
+        for group in (self._members, self._pending):
+            for m in [m for m in group if m.host == host]:
+                group.remove(m)
+                if group is self._members:
+                    self._departed.append(m)
+
+    def end(self, reason: str) -> tuple[Member, ...]:
+        """No host may join any more (the run ended); the pending joiners, now turned away."""
+        self._ended = reason
+        turned_away, self._pending = tuple(self._pending), []
+        return turned_away
+
+    def reform(self) -> dict[str, tuple[int, ...]]:
+        """Take the pending joiners into the world (at an epoch boundary); the new world."""
+        if self.phase is not Phase.FORMED:
+            raise MembershipError(f"cannot re-form: the window is {self.phase.value}, not formed")
+        self._members.extend(self._pending)
+        self._pending.clear()
+        return self.world
+
     def _refusal(self, hello: JoinHello) -> str | None:
         host, devices = hello.host, hello.devices
-        if self.phase is Phase.FORMED:
-            return (
-                f"join window closed: the world already formed with {self.joined_ranks} ranks; "
-                "start this worker before the window closes in the next run"
-            )
         if self.phase is Phase.FAILED:
             return f"join window closed: the run was aborted ({self._verdict.reason})"
+        if self._ended is not None:
+            return f"join window closed: {self._ended}"
         if hello.protocol != self.protocol:
             return (
                 f"protocol version skew: worker {host!r} speaks {hello.protocol}, the controller "
@@ -403,19 +463,19 @@ class JoinWindow:
                 f"worker {host!r} offers a blank or repeated device in {devices[:8]}: each rank "
                 "needs its own device; fix --devices"
             )
-        if self.resumed is not None and host not in self.resumed:
+        if self.resumed is not None and self.phase is Phase.OPEN and host not in self.resumed:
             return (
                 f"host {host!r} is not part of the run this controller resumes (its checkpoint's hosts are "
                 f"{sorted(self.resumed)}); a restarted run takes back only its own hosts"
             )
-        if self.resumed is not None and len(devices) != len(self.resumed[host]):
+        if self.resumed is not None and self.phase is Phase.OPEN and len(devices) != len(self.resumed[host]):
             return (
                 f"host {host!r} rejoins with {len(devices)} device(s) but ran ranks {list(self.resumed[host])} "
                 "before the restart; give it the same devices (--devices) so it gets its ranks back"
             )
-        if any(m.host == host for m in self._members):
+        if any(m.host == host for m in (*self._members, *self._pending)):
             return (
-                f"duplicate join: host {host!r} is already a member (a stale worker still running, "
+                f"{DUPLICATE_JOIN}: host {host!r} is already a member (a stale worker still running, "
                 "or two machines sharing one name); stop the old agent or give this one --host"
             )
         if self.dataset_sig is not None and hello.dataset_sig != self.dataset_sig:
@@ -433,18 +493,31 @@ class JoinWindow:
                 f"model signature mismatch: worker {host!r} builds {_prefix(hello.model_sig)}, the "
                 f"run trains {_prefix(self.model_sig)}; run the same script and version everywhere"
             )
+        cap = self.config.max_ranks
+        if cap is not None and self._world_ranks() + len(devices) > cap:
+            return (
+                f"world full: worker {host!r} offers {len(devices)} rank(s) but the world already has "
+                f"{self._world_ranks()} of at most {cap} (--max-ranks); raise --max-ranks or offer fewer devices"
+            )
         return None
+
+    def _world_ranks(self) -> int:
+        """Ranks in the world once the pending joiners are in (departed hosts' ranks are dead, not counted)."""
+        return self.joined_ranks + sum(len(m.ranks) for m in self._pending)
 
     def retract_last(self, host: str) -> None:
         """Roll back the most recent admission (its accept could not be delivered)."""
-        if self.phase is not Phase.OPEN:
+        if self.phase is Phase.FAILED:
             raise MembershipError(f"cannot retract {host!r}: the window is {self.phase.value}")
-        if not self._members or self._members[-1].host != host:
+        group = self._pending if self.phase is Phase.FORMED else self._members
+        if not group or group[-1].host != host:
             raise MembershipError(
                 f"only the most recent member can be retracted; {host!r} is not it "
                 "(retracting another would leave a hole in the rank space)"
             )
-        self._members.pop()
+        gone = group.pop()
+        if self.phase is Phase.FORMED or self.resumed is None:  # its ranks were the newest given
+            self._next_rank -= len(gone.ranks)
 
     def poll(self, now: float) -> Verdict:
         """The verdict at `now`; once formed or failed, the same verdict forever."""
@@ -494,7 +567,11 @@ class HostLinks:
     arrives here at once (the fast path to declaring a rank dead), and a host
     whose agent falls silent for `timeout_s` is lost with every rank it had
     not reported. A host is done once every one of its ranks has exited; a
-    done host is never reported lost.
+    done host is never reported lost. At a re-form (`reform`) a host's ranks
+    of the incarnation before are *retiring*: their exits are expected (the
+    agent stops them) and belong to no rank of the new world, which may
+    reuse the same numbers on that host; the agent reports them before it
+    starts the new ones, so an exit is a retiring rank's while any remains.
     """
 
     def __init__(self, timeout_s: float):
@@ -503,11 +580,37 @@ class HostLinks:
         self.timeout_s = timeout_s
         self._heard: dict[str, float] = {}
         self._live_ranks: dict[str, set[int]] = {}
+        self._retiring: dict[str, set[int]] = {}
         self._closed: set[str] = set()
 
     def add(self, member: Member, now: float) -> None:
+        """Watch `member`'s link from `now` (a host that was lost and came back starts over)."""
         self._heard[member.host] = now
         self._live_ranks[member.host] = set(member.ranks)
+        self._retiring.pop(member.host, None)
+        self._closed.discard(member.host)
+
+    def reform(self, member: Member) -> None:
+        """`member`'s host runs the ranks of `member` from now on; its live ones retire first."""
+        self._retiring[member.host] = self._live_ranks.get(member.host, set())
+        self._live_ranks[member.host] = set(member.ranks)
+
+    def retire(self, host: str, rank: int) -> bool:
+        """True when `rank`'s exit is that of a rank retiring at a re-form (and records it)."""
+        old = self._retiring.get(host)
+        if not old or rank not in old:
+            return False
+        old.discard(rank)
+        return True
+
+    def forget(self, host: str) -> None:
+        """`host` is no longer watched (a joiner turned away before it ran anything)."""
+        for ledger in (self._heard, self._live_ranks, self._retiring):
+            ledger.pop(host, None)
+
+    def retiring(self) -> list[str]:
+        """Hosts still stopping their ranks of the incarnation before a re-form."""
+        return [h for h, old in self._retiring.copy().items() if old and h not in self._closed.copy()]
 
     def heard(self, host: str, now: float) -> None:
         if host in self._heard:
@@ -701,10 +804,12 @@ class MembershipService:
         self._hosts: dict[bytes, str] = {}  # ROUTER identity -> admitted host
         self._challenges = Challenges()  # the nonce each connection must sign into its hello
         # Aborts, each with the event set once its frames are handed to ZeroMQ; None wakes us to stop.
-        self._commands: Mailbox[tuple[str, threading.Event] | None] = Mailbox()
+        self._commands: Mailbox[Callable[[], None] | None] = Mailbox()  # run on the join thread
         self._closed = threading.Event()
         self._stop = threading.Event()
         self._verdict: Verdict | None = None
+        self._pending: tuple[Member, ...] = ()  # the window's pending joiners, swapped whole for other threads
+        self.joins: list[dict[str, Any]] = []  # hosts that entered the world at a re-form (status)
         # Replaced whole by the controller's thread, read whole by ours: a reference swap needs no lock.
         self._training: dict[str, Any] | None = None
         self._curve = curve
@@ -742,9 +847,55 @@ class MembershipService:
         or after `timeout` seconds, or at once if the thread is not running (False).
         """
         sent = threading.Event()
-        if not self._commands.put((reason, sent)) or not self._thread.is_alive():
+        if not self._commands.put(lambda: self._on_abort(reason, sent)) or not self._thread.is_alive():
             return False
         return sent.wait(timeout)
+
+    def pending(self) -> tuple[Member, ...]:
+        """Hosts admitted after formation, waiting for the next epoch boundary (safe from any thread)."""
+        return self._pending
+
+    def reform(self, env: Mapping[str, str], timeout: float = 5.0) -> dict[str, tuple[int, ...]]:
+        """Re-form the world with the pending joiners: send every running host and joiner the new world.
+
+        `env` is added to the spawn spec (the checkpoint to resume, FLODL_RESUME).
+        Hosts no longer running (done or lost) leave the world. Returns the new
+        world once the records are handed to ZeroMQ; `wait_reformed` then says
+        when every host stopped its ranks of the incarnation before.
+        """
+        done: list[dict[str, tuple[int, ...]]] = []
+        sent = threading.Event()
+
+        def run() -> None:
+            done.append(self._on_reform(env))
+            sent.set()
+
+        if not self._commands.put(run) or not self._thread.is_alive() or not sent.wait(timeout):
+            raise MembershipError("the membership service did not re-form the world: its thread is gone or stuck")
+        return done[0]
+
+    def end_joins(self, reason: str, timeout: float = 5.0) -> bool:
+        """Admit nobody any more and abort the pending joiners (the run is over); True once any abort is sent."""
+        sent, aborted = threading.Event(), []
+
+        def run() -> None:
+            away = {m.host for m in self.window.end(reason)}
+            for ident, host in list(self._hosts.items()):
+                if host in away:
+                    aborted.append(self._send(ident, self._session, Abort(reason)))
+                    self.links.forget(host)
+                    del self._hosts[ident]
+            self._pending = ()
+            sent.set()
+
+        return self._commands.put(run) and self._thread.is_alive() and sent.wait(timeout) and any(aborted)
+
+    def wait_reformed(self, timeout: float) -> list[str]:
+        """Wait until every host stopped its ranks of the incarnation before; the hosts still stopping."""
+        deadline = time.monotonic() + timeout
+        while self.links.retiring() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.links.retiring()
 
     def report_training(self, snapshot: dict[str, Any]) -> None:
         """The coordinator's current view (JSON-able), served as `training` in status replies."""
@@ -766,6 +917,13 @@ class MembershipService:
                 for m in self.window.members
             },
         }
+        # Joins after formation, and hosts that left (a host that came back is in both).
+        if self.window.pending:
+            out["pending"] = {m.host: {"ranks": list(m.ranks)} for m in self.window.pending}
+        if self.window.departed:
+            out["departed"] = [{"host": m.host, "ranks": list(m.ranks)} for m in self.window.departed]
+        if self.joins:
+            out["joins"] = list(self.joins)
         if self._training is not None:
             out["training"] = self._training
         return out
@@ -808,11 +966,19 @@ class MembershipService:
             if commands in events:
                 for command in self._commands.drain():
                     if command is not None:
-                        self._on_abort(*command)
+                        command()
             self._on_verdict(self.window.poll(now))
             self._beat()
             for host in self.links.lost(now):
                 ranks = self.links.live_ranks(host)
+                pending = any(m.host == host for m in self.window.pending)
+                if self.window.phase is Phase.FORMED:
+                    self.window.depart(host)  # it may join again, with fresh ranks
+                    self._pending = self.window.pending
+                    self._hosts = {i: h for i, h in self._hosts.items() if h != host}
+                if pending:  # not in the world yet: nobody schedules its ranks
+                    log.warning("host %r lost while waiting to join: its agent is silent", host)
+                    continue
                 log.warning("host %r lost: its agent is silent; ranks %s are gone", host, list(ranks))
                 self.events.put(HostLost(host, ranks))
 
@@ -839,6 +1005,26 @@ class MembershipService:
             for ident in self._hosts:
                 self._send(ident, self._session, Abort(verdict.reason))
         self._closed.set()
+
+    def _on_reform(self, env: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
+        running = set(self.links.running())
+        for m in self.window.members:
+            if m.host not in running:
+                self.window.depart(m.host)  # done or lost: its ranks stay dead
+        joined = [m.host for m in self.window.pending]
+        world = self.window.reform()
+        self._pending = ()
+        self.spawn = dataclasses.replace(self.spawn, env={**self.spawn.env, **env}, world=world)
+        formed = WorldFormed(rank_space(world), self.spawn.to_json())
+        for m in self.window.members:
+            if m.host not in joined:  # a joiner has nothing to stop
+                self.links.reform(m)
+        for ident, host in self._hosts.items():
+            if host in world:
+                self._send(ident, self._session, formed)
+        self.joins.extend({"host": h, "ranks": list(world[h]), "at": time.time()} for h in joined)
+        log.info("world re-formed: %s (joined: %s)", world, joined)
+        return world
 
     def _on_abort(self, reason: str, sent: threading.Event) -> None:
         verdict = self.window.abort(reason)
@@ -913,12 +1099,17 @@ class MembershipService:
             self.window.retract_last(hello.host)
             return
         self._hosts[ident] = hello.host
-        self.links.add(self.window.members[-1], now)
+        self.links.add(self.window.last_admitted, now)
+        self._pending = self.window.pending
         if self._gate is not None:
             self._admit_curve_key(hello.host, frames)
         peer = _peer_address(frames)
         if peer is not None:
             self._cleartext.warn_if_cleartext(peer, encrypted=self._curve is not None)
+        if self.window.phase is Phase.FORMED:
+            log.info("admitted %r as ranks %s, pending: it joins the world at the next epoch boundary",
+                     hello.host, list(outcome.ranks))
+            return
         log.info(
             "admitted %r as ranks %s (%d/%s ranks joined)",
             hello.host,
@@ -951,6 +1142,9 @@ class MembershipService:
         self.links.heard(host, now)
         rec = env.record
         if isinstance(rec, RankExited):
+            if self.links.retire(host, rec.rank):
+                log.info("host %r: rank %d of the world before the re-form stopped", host, rec.rank)
+                return
             if rec.rank not in self.links.live_ranks(host):
                 log.warning("host %r reported an exit of rank %d, not one of its live ranks", host, rec.rank)
                 return

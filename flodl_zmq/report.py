@@ -138,7 +138,10 @@ class RunReport:
         self.result.wall_s = wall_s
         shares = [row["batch_share"] for row in self.result.epochs if row.get("batch_share")]
         if shares:
-            self.result.batch_share = [float(np.mean(col)) for col in zip(*shares, strict=True)]
+            # A world that grew mid-run has longer rows from then on: a rank not yet there had no share.
+            width = max(map(len, shares))
+            self.result.batch_share = [float(np.mean([s[r] if r < len(s) else 0.0 for s in shares]))
+                                       for r in range(width)]
         self.events.write("end", reason=self.result.reason, wall_s=wall_s, final_eval=self.result.final_eval)
         self.events.close()
         return self.result

@@ -23,6 +23,8 @@ class TrainResult:
     reason: str = "completed"
     resumed_from: str | None = None  # the bundle or checkpoint this run continued
     incarnation: int = 1  # 1 + the restarts before it (a restarted controller resumes a checkpoint)
+    # Each re-formed world (hosts joined mid-run): epoch it starts at, checkpoint, world before and after.
+    world_changes: list[dict[str, Any]] = field(default_factory=list)
 
 
 def format_epoch(row: dict[str, Any], epochs: int) -> str:
@@ -41,4 +43,6 @@ def format_epoch(row: dict[str, Any], epochs: int) -> str:
     parts.append(f"{row['epoch_ms'] / 1000.0:.2f}s")
     if row.get("reconnects"):  # a link flapped during the epoch: it cost time, not samples
         parts.append(f"{row['reconnects']} reconnect(s)")
+    if row.get("world_change"):  # the first epoch of a re-formed world
+        parts.append(f"world {row['world_change']}")
     return " | ".join(parts)

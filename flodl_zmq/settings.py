@@ -261,6 +261,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("target_ranks", None, "form the world as soon as this many ranks joined (none: wait for the "
             "window to close)", kind=int, flags=("--target-ranks",), env=("FLODL_TARGET_RANKS",),
             commands=("controller",), minimum=2),
+    Setting("max_ranks", None, "the most ranks the world may grow to, hosts joining mid-run included (none: no "
+            "cap); a host that would pass it is refused by name", kind=int, flags=("--max-ranks",),
+            env=("FLODL_MAX_RANKS",), commands=("controller",), minimum=2),
     Setting("join_window_s", 300.0, "how long the join window stays open, from the controller's start",
             flags=("--join-window",), env=("FLODL_JOIN_WINDOW",), commands=("controller",), minimum=0.0),
     Setting("join_cap_s", None, "hard limit of the join window: without the minimum ranks by then, the run "
@@ -330,6 +333,7 @@ class Settings:
     open_admission: bool = False
     min_ranks: int = BY_FIELD["min_ranks"].default
     target_ranks: int | None = None
+    max_ranks: int | None = None
     join_window_s: float = BY_FIELD["join_window_s"].default
     join_cap_s: float | None = None
     dataset_sig: str | None = None
@@ -363,6 +367,11 @@ class Settings:
             raise ConfigError(
                 f"target_ranks ({self.target_ranks}, --target-ranks) must be >= min_ranks "
                 f"({self.min_ranks}, --min-ranks)"
+            )
+        if self.max_ranks is not None and self.max_ranks < max(self.min_ranks, self.target_ranks or 0):
+            raise ConfigError(
+                f"max_ranks ({self.max_ranks}, --max-ranks) must be >= min_ranks and target_ranks: the world "
+                "could never form"
             )
 
     @property

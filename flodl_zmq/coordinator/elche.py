@@ -46,6 +46,7 @@ gate and chunk sizes; ``state()`` goes into the checkpoint meta and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -163,6 +164,20 @@ class ElCheState:
     phase: Phase
     calibration_count: int
     trend_history: tuple[float, ...] | None = None
+
+    def grown(self, world_size: int) -> ElCheState:
+        """The state for a world grown to `world_size` ranks: the new ranks cold (no measurement yet).
+
+        A cold rank gets the anchor's count until its first windows are
+        measured (the probe), then a share by its speed, as at a run's start.
+        """
+        missing = world_size - len(self.smoothed_ms_per_batch)
+        if missing < 0:
+            raise ConfigError(
+                f"resume: the checkpoint has {len(self.smoothed_ms_per_batch)} ranks, more than this "
+                f"run's {world_size}; a world may only grow"
+            )
+        return dataclasses.replace(self, smoothed_ms_per_batch=self.smoothed_ms_per_batch + (0.0,) * missing)
 
     def to_dict(self) -> dict[str, Any]:
         return {

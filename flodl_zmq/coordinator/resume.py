@@ -9,10 +9,13 @@ Rules this module keeps:
   and coverage describe the consensus that was saved, never work in flight,
   so a resume trains exactly the samples that consensus lacks.
 - **A resume must match the run it continues.** The coverage is in sample
-  offsets of one permutation and ElChe's state has one entry per rank, so
-  the world size, the seed, the dataset size and the batch size must equal
-  this run's; anything else raises `ConfigError` naming the key, before any
-  state is adopted. The epoch must lie within this run's epochs.
+  offsets of one permutation, so the seed, the dataset size and the batch
+  size must equal this run's; anything else raises `ConfigError` naming the
+  key, before any state is adopted. The epoch must lie within this run's
+  epochs. The world may have grown (hosts joined at a re-form, PROTOCOL.md
+  13.1): ranks numbered past the checkpoint's start cold in ElChe; it may
+  never shrink (rank numbers are never reused, so a smaller world is
+  another run).
 - **Only open epochs' coverage is kept.** Epochs before the saved epoch are
   whole in the consensus; their spans would only be noise.
 """
@@ -67,8 +70,13 @@ class ResumeState:
         cls, state: Mapping[str, Any], config: CoordinatorConfig, world_size: int
     ) -> ResumeState:
         """Read a checkpoint meta back; `ConfigError` if this run and world cannot continue it."""
+        saved = state.get("world_size")
+        if not isinstance(saved, int) or not 1 <= saved <= world_size:
+            raise ConfigError(
+                f"resume: the checkpoint has world_size = {saved!r} but this run has {world_size}; a world "
+                "may only grow (hosts join with new ranks): resume with at least the checkpoint's ranks"
+            )
         for key, want in (
-            ("world_size", world_size),
             ("seed", config.seed),
             ("total_samples", config.total_samples),
             ("batch_size", config.batch_size),
@@ -78,7 +86,7 @@ class ResumeState:
                     f"resume: the checkpoint has {key} = {state.get(key)!r} but this run has "
                     f"{want!r}; resume with the same {key} (the data coverage depends on it)"
                 )
-        elche = ElCheState.from_dict(state["elche"])
+        elche = ElCheState.from_dict(state["elche"]).grown(world_size)
         global_step = int(state["global_step"])
         rounds = int(state["round"])
         epoch = int(state["epoch"])

@@ -89,6 +89,7 @@ def main() -> None:
     print("RESULT " + json.dumps({
         "accuracy": result.final_eval, "batch_share": result.batch_share, "epochs": result.epochs,
         "saved": result.saved, "rounds": result.epochs[-1]["round"] + 1 if result.epochs else 0,
+        "world_changes": result.world_changes,
     }), flush=True)
 
 

@@ -96,6 +96,20 @@ def test_format_status_names_each_death_the_round_and_each_hosts_link_counters()
     assert "epoch 4/8, round 12 (11 done)" in text
 
 
+def test_format_status_lists_pending_joiners_departed_hosts_and_joins_mid_run():
+    status = {
+        "phase": "formed", "reason": "target ranks reached", "joined_ranks": 2,
+        "hosts": {"a": {"ranks": [0], "state": "live"}, "b": {"ranks": [2], "state": "live"}},
+        "pending": {"c": {"ranks": [3]}},
+        "departed": [{"host": "b", "ranks": [1]}],
+        "joins": [{"host": "b", "ranks": [2], "at": time.time()}],
+    }
+    text = format_status(ControllerAddress("10.0.0.5", 7300), status)
+    assert "host c: ranks [3] pending (joins at the next epoch boundary)" in text
+    assert "host b: left the world; its ranks [1] stay dead" in text
+    assert "host b: joined mid-run at" in text and "as ranks [2]" in text
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [

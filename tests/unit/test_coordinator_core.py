@@ -525,10 +525,28 @@ def test_state_dict_round_trips_into_a_resumed_coordinator():
     assert r.global_step == 20 and r.avg_count == 1
 
 
-def test_resume_with_another_world_size_is_refused():
+def test_resume_into_a_smaller_world_is_refused():
     c, _ = make(total=40)
     with pytest.raises(Exception, match="world_size"):
-        Coordinator(c.config, 3, 0.0, resume=c.state_dict())
+        Coordinator(c.config, 1, 0.0, resume=c.state_dict())
+
+
+def test_a_resume_into_a_grown_world_covers_the_holes_with_every_rank_and_the_new_one_starts_cold():
+    c, outs = make(total=40, epochs=3)
+    plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
+    train(c, 0, plans[0], 0)
+    train(c, 1, plans[1], 0)
+    finish(c, 1, [0, 1])
+    state = c.state_dict()
+    r = Coordinator(c.config, 3, 0.0, resume=state)  # a host with rank 2 joined at the re-form
+    assert r.elche.smoothed_ms_per_batch(2) is None and r.elche.smoothed_ms_per_batch(0) is not None  # rank 2 cold
+    outs = r.start(0.0)
+    served = [(p.plan.offset, p.plan.size) for p in of(outs, rec.StartEpoch)]
+    assert {o.dest for o in outs if isinstance(o.record, rec.StartEpoch)} == {0, 1, 2}  # the new rank trains too
+    served_samples = [x for off, n in served for x in range(off, off + n)]
+    assert len(set(served_samples)) == len(served_samples)  # nothing twice
+    assert set(served_samples) <= set(range(10, 20)) | set(range(30, 40))  # only what the consensus lacks
+    assert r.global_step == 20 and r.avg_count == 1
 
 
 def test_what_a_relay_lets_a_rank_send_is_exactly_what_the_controller_consumes():

@@ -90,15 +90,18 @@ def test_the_trend_ring_survives_a_resume():
     assert again.elche.batch_counts == fb.elche.batch_counts
 
 
-def test_a_resume_point_round_trips_and_refuses_another_world():
+def test_a_resume_point_round_trips_grows_with_the_world_and_refuses_a_smaller_one():
     config = cfg()
     point = ResumeState(1, 40, 5, WindowFeedback(config, 2).state(), {0: [(0, 8)], 1: [(0, 16)]})
     state = point.to_dict(config, 2)
     assert state["coverage"] == {"1": [[0, 16]]}  # epochs before the saved one are whole
     back = ResumeState.from_dict(state, config, 2)
     assert (back.epoch, back.global_step, back.round, back.coverage) == (1, 40, 5, {1: [(0, 16)]})
+    grown = ResumeState.from_dict(state, config, 3)  # a host joined at a re-form: its rank starts cold
+    assert grown.elche.smoothed_ms_per_batch == (*back.elche.smoothed_ms_per_batch, 0.0)
+    assert grown.coverage == back.coverage
     with pytest.raises(ConfigError, match="world_size"):
-        ResumeState.from_dict(state, config, 3)
+        ResumeState.from_dict(state, config, 1)
     with pytest.raises(ConfigError, match="num_epochs"):
         ResumeState.from_dict({**state, "epoch": 9}, config, 2)
 

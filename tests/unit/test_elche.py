@@ -591,3 +591,14 @@ def test_state_round_trip_is_identity(run):
     state = el.state()
     assert ElCheState.from_dict(json.loads(json.dumps(state.to_dict()))) == state
     assert ElChe.from_state(cfg, world, state).state() == state
+
+
+def test_a_grown_world_keeps_the_measured_ranks_and_starts_the_new_ones_cold():
+    state = ElCheState(10, 0, (40.0, 20.0), Phase.STABLE, 6).grown(3)
+    assert state.smoothed_ms_per_batch == (40.0, 20.0, 0.0)
+    el = ElChe.from_state(ElCheConfig(anchor=10), 3, state)
+    # The measured ranks keep their shares by speed; the cold rank probes with the anchor's count.
+    assert el.batch_counts == (10, 20, 10) and el.anchor_rank == 0
+    assert el.smoothed_ms_per_batch(2) is None
+    with pytest.raises(ConfigError, match="only grow"):
+        state.grown(2)

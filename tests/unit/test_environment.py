@@ -9,6 +9,7 @@ import pytest
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv, parse_world, with_tunables
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.formation import rank_space, vacancies
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import new_key
 
@@ -45,10 +46,15 @@ def test_a_rank_outside_its_host_is_refused():
         ProcessEnv.from_environ(environ)
 
 
-@pytest.mark.parametrize("text", ["", "h0=0,1;h1=1,2", "h0=1", "h0=0;h1=", "=0"])
-def test_a_world_must_number_ranks_once_from_zero(text):
+@pytest.mark.parametrize("text", ["", "h0=0,1;h1=1,2", "h0=-1", "h0=0;h1=", "=0"])
+def test_a_world_must_give_each_rank_to_one_host(text):
     with pytest.raises(ConfigError):
         parse_world(text)
+
+
+def test_a_rank_no_host_holds_is_a_vacancy_in_the_rank_space():
+    world = parse_world("h0=0;h2=3")  # h1 (ranks 1, 2) left before the world re-formed
+    assert rank_space(world) == 4 and vacancies(world) == (1, 2)
 
 
 def _rss_after_malloc_free(tunables: str) -> tuple[int, int]:

@@ -33,6 +33,16 @@ def test_the_world_forms_once_every_rank_agrees():
     assert f.poll(DEADLINE + 1) == v  # a formed world never times out
 
 
+def test_a_vacancy_of_a_re_formed_world_starts_absent_and_counts_toward_no_quorum():
+    world = {"a": (0,), "c": (3,)}  # b (ranks 1, 2) left before the world re-formed
+    f = Formation(world, MODEL, DATA, deadline=DEADLINE, timeout_s=120.0, minimum=2)
+    assert f.world_size == 4
+    f.hello(0, RankHello(rank=0, world_size=4, host="a", model_sig=MODEL, dataset_sig=DATA))
+    v = f.hello(3, RankHello(rank=3, world_size=4, host="c", model_sig=MODEL, dataset_sig=DATA))
+    assert isinstance(v, Formed) and sorted(v.hellos) == [0, 3] and sorted(v.absent) == [1, 2]
+    assert "its host left" in v.absent[1]
+
+
 def test_mismatches_fail_naming_every_rank_only_once_all_have_spoken():
     f = formation()
     assert isinstance(f.hello(0, hello(0, data=b"x" * 32)), Waiting)

@@ -169,11 +169,43 @@ def test_retract_last_returns_rank_ids_to_the_pool():
     assert w.admit(hello("c", 2), 100.0).ranks == (1, 2)
 
 
-def test_a_closed_window_refuses_late_joiners_by_name():
+def test_after_formation_a_joiner_is_pending_with_fresh_ranks_until_the_world_re_forms():
     w = window(target_ranks=2)
     w.admit(hello("a", 2), 100.0)
     assert w.poll(100.0).phase is Phase.FORMED
-    assert "window closed" in rejected(w.admit(hello("late"), 101.0))
+    late = w.admit(hello("late", 2), 101.0)
+    assert isinstance(late, Accepted) and late.ranks == (2, 3) and late.formation_wait_s == 30.0
+    assert w.world == {"a": (0, 1)} and [m.host for m in w.pending] == ["late"]
+    assert w.reform() == {"a": (0, 1), "late": (2, 3)} and w.pending == ()
+    assert w.poll(200.0).phase is Phase.FORMED  # the verdict stays final
+
+
+def test_a_joiner_after_formation_passes_the_same_checks_and_the_rank_cap():
+    w = window(target_ranks=2, max_ranks=4)
+    w.admit(hello("a", 2), 100.0)
+    w.poll(100.0)
+    assert "dataset signature mismatch" in rejected(w.admit(hello("b", sig=SIG_B), 101.0))
+    assert "protocol version skew" in rejected(w.admit(hello("b", protocol=PROTOCOL_VERSION + 1), 101.0))
+    assert "duplicate join" in rejected(w.admit(hello("a"), 101.0))
+    assert "world full" in rejected(w.admit(hello("b", 3), 101.0))
+    assert w.admit(hello("b", 2), 101.0).ranks == (2, 3)  # refusals burnt no ranks
+    assert "world full" in rejected(w.admit(hello("c"), 102.0))
+
+
+def test_a_host_that_left_comes_back_with_fresh_ranks_and_its_old_ones_stay_given():
+    w = window(target_ranks=4)
+    w.admit(hello("a", 2), 100.0)
+    w.admit(hello("b", 2), 100.0)
+    w.poll(100.0)
+    w.depart("b")
+    assert "duplicate" not in str(w.admit(hello("b", 2), 101.0))
+    assert w.last_admitted.ranks == (4, 5)
+    w.retract_last("b")  # its accept could not be sent: the ranks are given again, not skipped
+    assert w.admit(hello("b", 2), 102.0).ranks == (4, 5)
+    assert w.reform() == {"a": (0, 1), "b": (4, 5)} and [m.ranks for m in w.departed] == [(2, 3)]
+
+
+def test_a_failed_window_refuses_late_joiners_by_name():
     failed = window()
     failed.abort("operator gave up")
     assert "operator gave up" in rejected(failed.admit(hello("late"), 100.0))
@@ -332,6 +364,26 @@ def test_a_host_whose_ranks_all_exited_is_done_and_never_lost():
     assert links.lost(100.0) == []
 
 
+def test_at_a_re_form_the_exits_of_the_old_ranks_retire_and_never_count_for_the_new_world():
+    links = HostLinks(timeout_s=5.0)
+    links.add(member("a", 0, 1), 0.0)
+    links.rank_exited("a", 1, 1.0)  # died before the re-form: not retiring
+    links.reform(member("a", 0, 1))  # the new world runs ranks 0 and 1 on a again
+    assert links.retiring() == ["a"]
+    assert links.retire("a", 1) is False  # not one of the old incarnation's live ranks
+    assert links.retire("a", 0) is True and links.retiring() == []
+    assert links.live_ranks("a") == (0, 1)  # the new world's ranks, both live
+    assert links.retire("a", 0) is False  # from now on an exit is the new rank 0's
+
+
+def test_a_host_lost_and_admitted_again_is_watched_afresh():
+    links = HostLinks(timeout_s=5.0)
+    links.add(member("b", 1), 0.0)
+    assert links.lost(10.0) == ["b"] and links.running() == []
+    links.add(member("b", 2), 20.0)
+    assert links.running() == ["b"] and links.state("b") == "live" and links.live_ranks("b") == (2,)
+
+
 # --------------------------------------------------------------------------- spawn artifacts
 
 
@@ -345,7 +397,7 @@ def test_spawn_spec_round_trips_and_refuses_malformed_json():
         {**good, "argv": []},
         {**good, "env": {"a": 1}},
         {**good, "extra": 1},
-        {**good, "world": "a=0;b=2"},
+        {**good, "world": "a=0;b=0"},
         {"argv": ["x"], "env": {}},
     ]
     for bad in ["not json", "[]", *map(json.dumps, bads)]:

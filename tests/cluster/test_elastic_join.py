@@ -1,0 +1,150 @@
+"""Elastic join: hosts that dial in after the world formed enter it at the next epoch boundary.
+
+Real processes: `flodl-zmq controller` and agents in network namespaces (the
+compose harness of test_multihost.py), one CPU rank per host, training
+tests/cluster/digits_job.py. The controller re-forms the world from an
+epoch-end checkpoint (PROTOCOL.md 13.1): every host's ranks start again from
+it with the larger world, the joiner's cold in ElChe.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from flodl_zmq import bundle
+from tests.cluster.netns import network_or_skip
+from tests.cluster.test_multihost import BIN, Compose, controller_argv, result_of
+
+JOB = str(Path(__file__).with_name("digits_job.py"))
+EPOCHS = 6
+SAMPLES_16 = (1437 // 16) * 16  # a progressive pool is batch-aligned
+PROGRAM = [JOB, "--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "30"]
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linux", reason="network namespaces")]
+
+
+@pytest.fixture(scope="module")
+def net():
+    with network_or_skip("controller", "worker1", "worker2", "worker3", "intruder") as n:
+        yield n
+
+
+@pytest.fixture
+def hosts(net, tmp_path, monkeypatch):
+    c = Compose.with_curve_keys(net, tmp_path, monkeypatch)
+    yield c
+    c.down()
+    for host in net.hosts:
+        net.restore(host)
+
+
+def agent(c: Compose, name: str, *, host: str | None = None, extra: tuple[str, ...] = (),
+          env: dict[str, str] | None = None) -> None:
+    """An agent named `name` (its --host) on netns host `host` (default `name`), one CPU slot."""
+    c.up(name, host=host or name, service="worker1", env=env, argv=[
+        str(BIN / "flodl-zmq"), "agent", "--controller", "controller:7300", "--host", name, "--cpu-slots", "1",
+        "--join-timeout", "60", "--script", JOB, *extra])
+
+
+def reform_seconds(run_dir: Path, first: int) -> float:
+    """From the run log: the epoch before `first` ending -> the re-formed world starting (its `join` event logged)."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    ended = next(e["t"] for e in events if e["kind"] == "epoch" and e["epoch"] == first - 1)
+    join = next(i for i, e in enumerate(events) if e["kind"] == "join")
+    assert events[join]["epoch"] == first
+    return next(e["t"] for e in events[join:] if e["kind"] == "start") - ended
+
+
+def covered(meta: dict, epoch: int) -> int:
+    return sum(n for _, n in meta["coordinator"]["coverage"].get(str(epoch), []))
+
+
+def test_a_host_joins_mid_run_with_a_share_by_speed_and_one_with_other_data_is_refused(hosts, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    hosts.up("controller", argv=controller_argv(hosts, program=PROGRAM, extra=[
+        "--min-ranks", "2", "--target-ranks", "2", "--max-ranks", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-keep", "100",
+        "--run-dir", str(tmp_path / "run")]))
+    agent(hosts, "worker1")
+    hosts.wait_for("controller", "admitted 'worker1'")
+    agent(hosts, "worker2")
+    # Both dial in once the world of two formed (the second admission forms it): admitted mid-run,
+    # while the ranks start, so even on a loaded machine the join lands well before the last epoch.
+    hosts.wait_for("controller", "admitted 'worker2'")
+    # Slower hardware: ElChe must measure it and give it a smaller share than the others.
+    agent(hosts, "worker3", env={"FLODL_SLOWDOWN": "3"})
+    # Another dataset: refused by name, the run goes on untouched.
+    agent(hosts, "other-data", host="intruder", extra=("--dataset-sig", "ab" * 32))
+
+    assert hosts.wait("other-data") == 2, hosts.tails()
+    assert "REJECTED by the controller: dataset signature mismatch: worker 'other-data'" in hosts.log("other-data")
+    assert hosts.wait("controller", 150) == 0, hosts.tails()
+    for name in ("worker1", "worker2", "worker3"):
+        assert hosts.wait(name) == 0, hosts.tails()
+    log = hosts.log("controller")
+    result = result_of(log, "RESULT ")
+    assert "admitted 'worker3' as ranks [2], pending" in log, log
+    [change] = result["world_changes"]
+    assert change["before"] == {"worker1": [0], "worker2": [1]} and change["after"]["worker3"] == [2]
+    first = change["epoch"]  # the first epoch the world of three trains in
+    assert 1 <= first < EPOCHS, change  # after the epoch it was admitted in
+    assert "world 2 -> 3 ranks (+worker3)" in log, log
+    # Every epoch once, every sample of every epoch once: the re-formed world trains what the checkpoint lacks.
+    epochs = result["epochs"]
+    assert [e["epoch"] for e in epochs] == list(range(EPOCHS)), [e["epoch"] for e in epochs]
+    meta = bundle.load_meta(change["checkpoint"])
+    assert meta["epoch"] == first and meta["reason"] == "reform"
+    for e in epochs:
+        want = SAMPLES_16 - (covered(meta, first) if e["epoch"] == first else 0)
+        assert e["samples"] == want, (e["epoch"], e["samples"], want)
+    # From the epoch after the join on, the slow joiner has the smallest share, measured by ElChe.
+    last = epochs[-1]["batch_share"]
+    assert len(last) == 3 and last[2] < min(last[0], last[1]), [e["batch_share"] for e in epochs]
+    assert result["accuracy"] >= 0.9, result["accuracy"]
+    took = reform_seconds(tmp_path / "run", first)
+    print(f"elastic join at epoch {first + 1}: accuracy {result['accuracy']:.4f}; shares of the last epoch "
+          f"{[round(s, 3) for s in last]}; epoch end -> re-formed world training {took:.1f} s")
+
+
+SILENCE_S = 3.0
+
+
+def test_a_host_declared_dead_after_its_link_was_cut_rejoins_with_new_ranks(hosts, net, tmp_path):
+    program = [JOB, "--epochs", "8", "--batch-size", "16", "--step-ms", "30"]
+    hosts.up("controller", argv=controller_argv(hosts, program=program, extra=[
+        "--min-ranks", "2", "--target-ranks", "2", "--host-silence", str(SILENCE_S), "--run-dir", str(tmp_path / "run")]))
+    agent(hosts, "worker1")
+    hosts.wait_for("controller", "admitted 'worker1'")
+    agent(hosts, "worker2", extra=("--controller-silence", str(SILENCE_S), "--controller-grace", "120"))
+    hosts.wait_for("controller", "epoch 1/")
+    net.cut("worker2")
+    hosts.wait_for("controller", "rank 1 declared dead")
+    hosts.wait_for("worker2", "re-dialling the controller")
+    net.restore("worker2")
+    hosts.wait_for("controller", "world re-formed", timeout=90)
+    status = hosts.status("worker1")  # `flodl-zmq status`: the host that left, and its return
+    assert status["departed"] == [{"host": "worker2", "ranks": [1]}], status
+    assert [(j["host"], j["ranks"]) for j in status["joins"]] == [("worker2", [2])], status
+    assert status["hosts"]["worker2"] == {"ranks": [2], "state": "live"}, status
+
+    assert hosts.wait("controller", 150) == 0, hosts.tails()
+    for name in ("worker1", "worker2"):
+        assert hosts.wait(name) == 0, hosts.tails()
+    assert "back in the running world with new ranks [2] (its old ranks [1] stay dead)" in hosts.log("worker2")
+    result = result_of(hosts.log("controller"), "RESULT ")
+    [change] = result["world_changes"]
+    assert change["after"] == {"worker1": [0], "worker2": [2]}, change
+    epochs = result["epochs"]
+    assert [e["epoch"] for e in epochs] == list(range(8))
+    meta = bundle.load_meta(change["checkpoint"])
+    for e in epochs:
+        want = SAMPLES_16 - (covered(meta, change["epoch"]) if e["epoch"] == change["epoch"] else 0)
+        assert e["samples"] == want, (e["epoch"], e["samples"], want)
+    last = epochs[-1]["per_rank_samples"]
+    assert len(last) == 3 and last[1] == 0 and last[2] > 0, last  # rank 1 stays dead, rank 2 trains
+    took = reform_seconds(tmp_path / "run", change["epoch"])
+    print(f"rejoin at epoch {change['epoch'] + 1}: accuracy {result['accuracy']:.4f}; epoch end -> re-formed "
+          f"world training {took:.1f} s")
