@@ -1024,8 +1024,10 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
         job = dataclasses.replace(job, resume_from=str(service.reform_stem),
                                   run_dir=str(service.report.events.run_dir))
         change = reform(link.membership, penv.world, str(service.reform_stem), result)
-        service.report.events.write("join", epoch=bundle.load_meta(service.reform_stem)["epoch"],
-                                    world=change.after, joined=change.joined, left=change.left)
+        epoch = bundle.load_meta(service.reform_stem)["epoch"]
+        service.report.events.write("join", epoch=epoch, world=change.after, joined=change.joined, left=change.left,
+                                    host=" ".join(change.joined),
+                                    reason=f"world re-formed at epoch {epoch + 1}: {change.describe()}")
         service.report.events.close()
         penv = dataclasses.replace(penv, world=change.after,
                                    settings=dataclasses.replace(penv.settings, resume=change.checkpoint))
