@@ -559,6 +559,8 @@ class ControllerService:
         if state["epoch"] <= after:
             return False
         settings = self.penv.settings
+        if self.checkpoints is not None:
+            self.checkpoints.close()  # its last write may be this very round: one writer per file
         directory = Path(settings.checkpoint_dir) if settings.checkpoint_dir else self.report.events.run_dir / "reform"
         stem = checkpoints.stem_for(directory.resolve(), self.consensus_round)
         outer = self.reducer.outer_state() if self.outer is not None else None
