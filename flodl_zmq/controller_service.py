@@ -560,6 +560,8 @@ class ControllerService:
         if state["epoch"] <= after:
             return False
         settings = self.penv.settings
+        if self.checkpoints is not None:
+            self.checkpoints.close()  # its last write may be this very round: one writer per file
         directory = Path(settings.checkpoint_dir) if settings.checkpoint_dir else self.report.events.run_dir / "reform"
         stem = checkpoints.stem_for(directory.resolve(), self.consensus_round)
         outer = self.reducer.outer_state() if self.outer is not None else None
@@ -1035,8 +1037,10 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
         job = dataclasses.replace(job, resume_from=str(service.reform_stem),
                                   run_dir=str(service.report.events.run_dir))
         change = reform(link.membership, penv.world, str(service.reform_stem), result)
-        service.report.events.write("join", epoch=bundle.load_meta(service.reform_stem)["epoch"],
-                                    world=change.after, joined=change.joined, left=change.left)
+        epoch = bundle.load_meta(service.reform_stem)["epoch"]
+        service.report.events.write("join", epoch=epoch, world=change.after, joined=change.joined, left=change.left,
+                                    host=" ".join(change.joined),
+                                    reason=f"world re-formed at epoch {epoch + 1}: {change.describe()}")
         service.report.events.close()
         penv = dataclasses.replace(penv, world=change.after,
                                    settings=dataclasses.replace(penv.settings, resume=change.checkpoint))

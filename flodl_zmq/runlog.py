@@ -10,7 +10,9 @@ crashed) run can be looked at afterwards: `flodl-zmq report RUN_DIR` draws it
     round       round, round_ms, global_step, epoch, counts[r] (ElChe's window), anchor,
                 verdict (the guard's: stable, suppress_growth, nudge_down), divergence
     death       rank, reason
-    join, restart   rank (or host), reason: the world growing back
+    join        epoch, world {host: [ranks]}, joined, left [hosts], host, reason: the world
+                re-formed with hosts that joined mid-run (PROTOCOL.md 13.1)
+    restart     rank (or host), reason: the world growing back
     checkpoint  path, reason, epoch
     end         reason, wall_s
 
