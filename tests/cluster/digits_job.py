@@ -30,6 +30,14 @@ from flodl_zmq.demo import accuracy, cross_entropy_step, mlp, sgd
 
 calls = {"eval": 0}
 
+# What this job reliably reaches undisturbed in 12 to 15 epochs of batch 16 on 3 or 4 ranks:
+# 0.972 to 0.989 seen (one test image is 0.28 points of 359). Tests of a disturbance assert it
+# rather than a point under one undisturbed run of their own: two single runs can lie more than
+# a point apart by chance (0.9721 against 0.9833 failed CI once) with nothing wrong. A broken
+# recovery (a stale or corrupt consensus, a rank's state lost) costs far more, and what a
+# disturbance could cost in samples is checked exactly, epoch by epoch.
+RELIABLE_ACCURACY = 0.965
+
 
 def main() -> None:
     if os.environ.get("FLODL_ROLE") == "rank" and os.environ.get("FLODL_RANK") == os.environ.get("DIGITS_SIGKILL_RANK"):

@@ -32,7 +32,8 @@ import shlex
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -257,6 +258,50 @@ class Network:
 
 
 # --------------------------------------------------------------------------- docker-compose
+
+
+class Logged:
+    """Processes a test starts in the namespaces, each writing `logs/<name>.log`: wait on a log or an exit,
+    show the tails, tear down. The chaos and compose harnesses start theirs each their own way."""
+
+    WAIT_S = 60.0
+
+    def __init__(self, net: Network, logs: Path):
+        self.net, self.logs = net, logs
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, host: str, argv: Sequence[str], env: Mapping[str, str], **kw) -> subprocess.Popen:
+        with open(self.logs / f"{name}.log", "w") as out:  # the child keeps its own descriptor
+            self.procs[name] = self.net.popen(host, argv, env=env, stdout=out, stderr=subprocess.STDOUT, **kw)
+        return self.procs[name]
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def wait_for(self, name: str, predicate: str | Callable[[str], bool], timeout: float | None = None) -> str:
+        """Poll `name`'s log until it contains the text (or satisfies the predicate); its log."""
+        test = (lambda text: predicate in text) if isinstance(predicate, str) else predicate
+        deadline = time.monotonic() + (self.WAIT_S if timeout is None else timeout)
+        while True:
+            text = self.log(name)
+            if test(text):
+                return text
+            if time.monotonic() > deadline or self.procs[name].poll() is not None and not test(self.log(name)):
+                raise AssertionError(f"{name}: {predicate!r} never appeared:\n{text[-4000:]}\n{self.tails()}")
+            time.sleep(0.1)
+
+    def wait(self, name: str, timeout: float | None = None) -> int:
+        """`name`'s exit code, once it exits."""
+        try:
+            return self.procs[name].wait(self.WAIT_S if timeout is None else timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still running after {timeout or self.WAIT_S:g} s\n{self.tails()}") from None
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {n}\n{self.log(n)[-2000:]}" for n in self.procs)
+
+    def down(self) -> None:
+        self.net.stop(self.procs.values())
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,8 +22,10 @@ import pytest
 from flodl_zmq import bundle, checkpoints
 from flodl_zmq.launch import Cluster
 from flodl_zmq.wire import new_key
+from tests.cluster.digits_job import RELIABLE_ACCURACY
 from tests.cluster.netns import network_or_skip
 from tests.cluster.test_multihost import Compose, controller_argv, result_of, start_workers
+from tests.cluster.test_training import Run
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 SAMPLES_16 = (1437 // 16) * 16  # a progressive pool is batch-aligned
@@ -85,46 +85,17 @@ def test_a_full_checkpoint_disk_is_reported_with_the_path_and_the_run_completes(
 
 # ---------------------------------------------------------------------------- restart
 
-ARGS = ["--mode", "cpu-cadence", "--epochs", "8", "--batch-size", "16", "--step-ms", "4"]
-TWICE = pytest.mark.timeout(300)  # a cohort started twice (and the undisturbed run) on two shared cores
+ARGS = ["--mode", "cpu-cadence", "--epochs", "15", "--batch-size", "16", "--step-ms", "4"]
+EPOCHS = 15
+TWICE = pytest.mark.timeout(300)  # a cohort started twice on two shared cores
 
 
-class Watched:
-    """A cluster whose output a test can wait on."""
-
-    def __init__(self, args: list[str]) -> None:
-        self.seen = threading.Condition()
-        self.cluster = Cluster(argv=[JOB, *args], hosts=2, ranks_per_host=2, grace_s=3.0, sink=self._sink)
-
-    def _sink(self, _line: str) -> None:
-        with self.seen:
-            self.seen.notify_all()
-
-    def wait_for(self, text: str, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        with self.seen:
-            while text not in self.cluster.output():
-                left = deadline - time.monotonic()
-                assert left > 0, f"{text!r} never appeared:\n{self.cluster.output()}"
-                self.seen.wait(left)
-
-
-@pytest.fixture(scope="module")
-def undisturbed() -> Callable[[list[str]], dict]:
-    """The result of the same job run without a kill, once per set of arguments (an eval's length
-    changes how the cohort trains, so each variant is compared with its own)."""
-    results: dict[tuple[str, ...], dict] = {}
-
-    def run(args: list[str]) -> dict:
-        if tuple(args) not in results:
-            c = Cluster(argv=[JOB, *args], hosts=2, ranks_per_host=2, grace_s=3.0)
-            c.start()
-            code, result, out = finish(c)
-            assert code == 0, out
-            results[tuple(args)] = result
-        return results[tuple(args)]
-
-    return run
+def reliably_accurate(result: dict) -> None:
+    # What the job reliably reaches undisturbed (tests/cluster/digits_job.py), rather than a point
+    # under one undisturbed run: single runs of this world spread 2 points at 8 epochs (0.961 to
+    # 0.981 seen), so that comparison failed with nothing wrong. Where the resumed run starts is
+    # checked exactly (the checkpoint's epoch and coverage), and a lost or corrupt state costs more.
+    assert result["accuracy"] >= RELIABLE_ACCURACY, result["accuracy"]
 
 
 def covered(meta: dict, epoch: int) -> int:
@@ -134,17 +105,15 @@ def covered(meta: dict, epoch: int) -> int:
 @TWICE
 @pytest.mark.parametrize("when", ["mid-epoch", "during-eval"])
 def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_run_completes(
-    tmp_path, monkeypatch, undisturbed, when
+    tmp_path, monkeypatch, when
 ):
     monkeypatch.setenv("FLODL_CHECKPOINT_DIR", str(tmp_path))
     monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "4")
     monkeypatch.setenv("FLODL_CHECKPOINT_KEEP", "100")  # the resumed one stays readable for the checks
     args = [*ARGS, "--eval-ms", "1500"] if when == "during-eval" else ARGS
-    baseline = undisturbed(args)["accuracy"]
-    w = Watched(args)
-    w.cluster.start()
+    w = Run(*args).start()
     try:
-        w.wait_for("[controller] epoch 3/")
+        w.wait_for("[controller] epoch 3/", timeout=90.0)
         if when == "mid-epoch":
             time.sleep(1.0)  # rounds go on all epoch long: the kill lands in or between rounds
         else:
@@ -164,17 +133,16 @@ def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_
     assert f"resumed from {resumed}: epoch {first + 1}" in out and "controller incarnation 2" in out, out
     # Every epoch exactly once: the resumed epoch trains what its checkpoint lacked, later ones whole.
     epochs = result["epochs"]
-    assert [e["epoch"] for e in epochs] == list(range(first, 8)), epochs
+    assert [e["epoch"] for e in epochs] == list(range(first, EPOCHS)), epochs
     assert epochs[0]["samples"] + covered(meta, first) == SAMPLES_16, (epochs[0], meta["coordinator"]["coverage"])
     assert all(e["samples"] == SAMPLES_16 for e in epochs[1:]), epochs
-    assert result["accuracy"] >= baseline - 0.01 - 1e-9, (result["accuracy"], baseline)
-    print(f"restart ({when}): accuracy {result['accuracy']:.4f} vs undisturbed {baseline:.4f}; "
-          f"relaunch {took:.2f} s")
+    print(f"restart ({when}): accuracy {result['accuracy']:.4f}; relaunch {took:.2f} s")
+    reliably_accurate(result)
 
 
 # ---------------------------------------------------------------------------- hosts: agents re-dial
 
-HOSTS_JOB = ["--epochs", "5", "--batch-size", "16", "--step-ms", "8"]
+HOSTS_JOB = ARGS
 
 
 @pytest.fixture(scope="module")
@@ -230,11 +198,11 @@ def test_agents_rejoin_a_restarted_controller_with_their_old_ranks_and_the_run_c
     meta = bundle.load_meta(stem)
     first = meta["epoch"]
     epochs = result["epochs"]
-    assert [e["epoch"] for e in epochs] == list(range(first, 5)), epochs
+    assert [e["epoch"] for e in epochs] == list(range(first, EPOCHS)), epochs
     assert epochs[0]["samples"] + covered(meta, first) == SAMPLES_16
     assert all(e["samples"] == SAMPLES_16 for e in epochs[1:]), epochs
-    assert result["accuracy"] >= 0.9, result
     print(f"hosts restart: accuracy {result['accuracy']:.4f}; kill -> world formed again {restart_s:.1f} s")
+    reliably_accurate(result)
 
 
 @TWICE

@@ -17,14 +17,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import zmq
 
 from flodl_zmq.wire import new_key
-from tests.cluster.netns import Network, Service, network_or_skip, read_compose
+from tests.cluster.netns import Logged, Network, Service, network_or_skip, read_compose
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -45,13 +45,12 @@ def net():
         yield n
 
 
-class Compose:
+class Compose(Logged):
     """The compose file's services in the namespaces: start, watch logs, act, tear down."""
 
     def __init__(self, net: Network, logs: Path):
-        self.net, self.logs = net, logs
+        super().__init__(net, logs)
         self.services = {s.name: s for s in read_compose(ROOT / "docker-compose.yml")}
-        self.procs: dict[str, subprocess.Popen] = {}
 
     @classmethod
     def with_curve_keys(cls, net: Network, logs: Path, monkeypatch: pytest.MonkeyPatch) -> Compose:
@@ -73,35 +72,7 @@ class Compose:
         for var in ("FLODL_KEY", "FLODL_CURVE_SECRET", "FLODL_CURVE_PUBLIC", "FLODL_CURVE_SERVER"):
             if var not in svc.environment and var not in (env or {}):
                 environ.pop(var, None)
-        out = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 - the child owns it until it exits
-        proc = self.net.popen(host or name, command, env=environ, stdout=out, stderr=subprocess.STDOUT)
-        out.close()
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.logs / f"{name}.log").read_text(errors="replace")
-
-    def wait_for(self, name: str, predicate: str | Callable[[str], bool], timeout: float = WAIT_S) -> str:
-        """Poll `name`'s log until it contains the text (or satisfies the predicate); its log."""
-        test = (lambda text: predicate in text) if isinstance(predicate, str) else predicate
-        deadline = time.monotonic() + timeout
-        while True:
-            text = self.log(name)
-            if test(text):
-                return text
-            if time.monotonic() > deadline or self.procs[name].poll() is not None and not test(self.log(name)):
-                raise AssertionError(f"{name}: {predicate!r} never appeared:\n{text[-4000:]}\n{self.tails()}")
-            time.sleep(0.1)
-
-    def wait(self, name: str, timeout: float = WAIT_S) -> int:
-        try:
-            return self.procs[name].wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{name} still running after {timeout:g} s\n{self.tails()}") from None
-
-    def tails(self) -> str:
-        return "\n".join(f"--- {n}\n{self.log(n)[-1500:]}" for n in self.procs)
+        return self.start(name, host or name, command, environ)
 
     def status(self, host: str, env: dict[str, str] | None = None) -> dict:
         done = self.net.run(host, [str(BIN / "flodl-zmq"), "status", "--controller", "controller:7300", "--json"],
@@ -112,9 +83,6 @@ class Compose:
     def rank_pid(self, host: str, rank: int) -> int:
         """The pid of global rank `rank`'s process on `host` (from its FLODL_* environment)."""
         return self.net.pid_with(host, "FLODL_ROLE=rank", f"FLODL_RANK={rank}")
-
-    def down(self) -> None:
-        self.net.stop(self.procs.values())
 
 
 @pytest.fixture

@@ -1,10 +1,19 @@
-"""A real cluster run's run directory: what the controller logs, and the report drawn from it."""
+"""A launched cluster run seen by its user: `flodl-zmq status --watch` live, then the run directory and its report.
+
+One run serves both (they start the same cluster): the watch follows it from
+the address the launcher prints, and the controller logs rounds, epochs and
+a killed rank into the run directory the report is drawn from.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
+import subprocess
 import sys
+import threading
 
 import pytest
 from test_training import Run
@@ -14,16 +23,46 @@ from flodl_zmq.runreport import write_report
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 
+ROW = re.compile(r"^\s*(\d+)\s+(h\d)\s+(alive|dead|exited)\s")
 
-def test_a_cluster_run_logs_rounds_epochs_and_a_killed_rank_and_its_report_marks_the_death(tmp_path):
+
+def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report_mark_a_killed_rank(tmp_path):
     run_dir = tmp_path / "run"
-    r = Run("--epochs", "6", "--batch-size", "16", "--step-ms", "4")
+    r = Run("--epochs", "6", "--batch-size", "16", "--step-ms", "8")
     r.cluster.run_dir = str(run_dir)  # what `flodl-zmq launch --run-dir` sets
     r.start()
-    r.wait_for("[controller] epoch 2/")
-    r.cluster.kill("h1:2", signal.SIGKILL)
-    code, result, out = r.finish()
-    assert code == 0, out
+    r.wait_for("[launch] controller at")
+    hint = next(line for line in r.cluster.output().splitlines() if line.startswith("[launch] controller at"))
+    key, address = re.search(r"FLODL_KEY=([0-9a-f]{64}) flodl-zmq status --controller (\S+) --watch", hint).groups()
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "flodl_zmq.cli", "status", "--controller", address, "--watch", "--interval", "0.3"],
+        env={**os.environ, "FLODL_KEY": key}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(watcher.stdout), daemon=True)
+    reader.start()
+    try:
+        r.wait_for("[controller] epoch 2/")
+        r.cluster.kill("h1:2", signal.SIGKILL)
+        code, result, out = r.finish()
+        assert code == 0, out
+        assert watcher.wait(30) in (0, 1)  # 0: it saw the end; 1: the controller was gone first (said)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+    reader.join(5)
+
+    # The live view: redrawn while the run went on, a row per rank.
+    headers = [line for line in lines if line.startswith(f"controller {address}  epoch ")]
+    assert len(headers) >= 2, "".join(lines)
+    rows = [ROW.match(line) for line in lines]
+    seen = {(int(m.group(1)), m.group(2)) for m in rows if m}
+    assert seen == {(0, "h0"), (1, "h0"), (2, "h1"), (3, "h1")}, "".join(lines)
+    assert any(m and m.group(3) == "alive" for m in rows)
+    assert "ended: completed" in "".join(lines) or "stopped answering" in lines[-1], "".join(lines)
+
+    # The run directory and the report drawn from it.
     events = [json.loads(line) for line in (run_dir / EVENTS_FILE).read_text().splitlines()]
     kinds = [e["kind"] for e in events]
     assert kinds[0] == "start" and kinds[-1] == "end" and events[-1]["reason"] == "completed", kinds

@@ -21,6 +21,7 @@ import torch
 from flodl_zmq import bundle
 from flodl_zmq.launch import Cluster
 from flodl_zmq.wire import new_key
+from tests.cluster.digits_job import RELIABLE_ACCURACY
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 SAMPLES_PER_EPOCH = {32: (1437 // 32) * 32, 16: (1437 // 16) * 16}  # progressive pools are batch-aligned
@@ -72,18 +73,8 @@ def no_process_left(r: Run) -> None:
     assert all(c.proc.poll() is not None for c in r.cluster.children.values())
 
 
-@pytest.fixture(scope="module")
-def undisturbed() -> dict:
-    code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4")
-    assert code == 0, out
-    return result
-
-
 # ---------------------------------------------------------------------------- modes
-
-
-def test_cadence_trains_digits_to_95_percent(undisturbed):
-    assert undisturbed["accuracy"] >= 0.95
+# Cadence alone reaching 95% is asserted with each wire below, and at RELIABLE_ACCURACY with ranks lost.
 
 
 def test_cadence_with_a_bf16_wire_trains_digits_to_95_percent_and_saves_an_f32_model(tmp_path):
@@ -151,33 +142,27 @@ def test_a_cosine_schedule_with_clipping_and_loader_workers_follows_the_global_s
 # ---------------------------------------------------------------------------- failures
 
 
-def test_sigkill_one_rank_mid_epoch_completes_with_every_sample_trained(undisturbed):
-    r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4").start()
-    r.wait_for("[controller] epoch 3/")
-    r.cluster.kill("h1:2", signal.SIGKILL)
-    code, result, out = r.finish()
-    assert code == 0, out
-    assert "rank 2 left" in out
-    assert len(result["epochs"]) == 15
-    assert all(e["samples"] == SAMPLES_PER_EPOCH[16] for e in result["epochs"]), result["epochs"]
-    assert result["epochs"][-1]["per_rank_samples"][2] == 0
-    # Losing a rank must not cost accuracy (run-to-run timing may as well make it a little better).
-    assert result["accuracy"] >= undisturbed["accuracy"] - 0.01 - 1e-9, (result["accuracy"], undisturbed["accuracy"])
-    no_process_left(r)
-
-
-def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_the_rest_cover_every_epoch(undisturbed):
+def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_one_sigkilled_mid_epoch_costs_no_sample():
+    # One run, two deaths on different paths: rank 3 before the world forms (its exit reported
+    # before any hello), rank 1 (the other host) in epoch 3. The two left cover every epoch.
     started = time.monotonic()
-    code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4",
-                            env_for={"h1:3": {"DIGITS_SIGKILL_RANK": "3"}})
+    r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4",
+            env_for={"h1:3": {"DIGITS_SIGKILL_RANK": "3"}}).start()
+    r.wait_for("[controller] epoch 3/")
+    r.cluster.kill("h0:1", signal.SIGKILL)
+    code, result, out = r.finish()
     assert code == 0, out
     assert "world formed: 3 of 4 ranks on 2 hosts, without rank(s) [3]" in out
     assert "rank 3 left before the world formed (it exited with code -9)" in out
+    assert "rank 1 left" in out
     assert len(result["epochs"]) == 15
     assert all(e["samples"] == SAMPLES_PER_EPOCH[16] for e in result["epochs"]), result["epochs"]
     assert all(e["per_rank_samples"][3] == 0 for e in result["epochs"])
-    assert result["accuracy"] >= undisturbed["accuracy"] - 0.01 - 1e-9, (result["accuracy"], undisturbed["accuracy"])
+    assert result["epochs"][-1]["per_rank_samples"][1] == 0
+    # Losing ranks must not cost accuracy (tests/cluster/digits_job.py: RELIABLE_ACCURACY).
+    assert result["accuracy"] >= RELIABLE_ACCURACY, result["accuracy"]
     assert time.monotonic() - started < 100  # never the relay's 60 s first-contact wait on top of the run
+    no_process_left(r)
 
 
 def test_sigkill_every_rank_saves_a_bundle_that_resume_continues(tmp_path):
