@@ -24,8 +24,7 @@ Rules this module keeps:
   reducer's error feedback, given by ``published``), not the unrounded
   global. Measured from the global, each round's downlink rounding would
   enter the pseudo-gradient as if the ranks had trained it, and the outer
-  momentum would carry it on for rounds (the int8 wire lost about 3 points
-  to this at 1 Gbit/s, docs/benchmarks.md). With an f32 wire both are equal.
+  momentum would carry it on for rounds. With an f32 wire both are equal.
 - The global model starts as the run's initial model (or the resumed one): the
   first round's pseudo-gradient is then the first window's change, as in the
   paper, not a step skipped.
