@@ -10,7 +10,7 @@ optimizer (SGD lr 0.05, momentum 0.9), batch (8 per rank) and target for every r
 
 - flodl_f32:      ours, cpu-cadence, plain averaging every 11 batches (4 rounds per epoch), f32 wire
 - flodl_nesterov: ours, cpu-cadence, a 4x longer window (44 batches: one round per epoch) and
-                  outer="nesterov"
+                  outer="nesterov" (outer lr 0.7, momentum --outer-momentum, 0.5 by default)
 - flodl_int8:     ours as flodl_nesterov with wire_dtype="int8"
 - ddp:            torch DDP on gloo across the same namespaces, gradients all-reduced every step
 - ddp_compressed: DDP with the fp16 compression hook (half the bytes; torch's bf16 hook needs CUDA and
@@ -66,6 +66,10 @@ LR = 0.05
 # Plain averaging's window, in batches per rank: a quarter of an epoch (44 batches per rank), so the
 # outer step's runs, averaging once per epoch, take 4x fewer rounds (the issue's outer target).
 WINDOW = 11
+# The outer step's momentum: 0.5, not DiLoCo's 0.9. A run here takes 8 outer steps, and a momentum
+# of 0.9 remembers about 10: it overshoots and swings by points from epoch to epoch (0.9 is for runs of
+# hundreds of outer steps). bench/wansim.py measures both (--outer-momentum).
+OUTER_MOMENTUM = 0.5
 FLODL = {  # run -> Trainer keywords beyond the shared ones
     "flodl_f32": {"anchor": WINDOW, "max_anchor": WINDOW},
     "flodl_nesterov": {"outer": "nesterov", "anchor": 4 * WINDOW, "max_anchor": 4 * WINDOW},
@@ -92,14 +96,15 @@ def sgd(params) -> torch.optim.Optimizer:
 # ---------------------------------------------------------------------------- inside the namespaces
 
 
-def flodl_job(run: str, epochs: int) -> None:
+def flodl_job(run: str, epochs: int, outer_momentum: float) -> None:
     """The program every process of our run executes (controller, relays, ranks)."""
     from flodl_zmq.api import Trainer
 
     train, test = digits()
+    outer = {"outer_momentum": outer_momentum} if "outer" in FLODL[run] else {}
     result = Trainer(
         model=wide_mlp, optimizer=sgd, train_step=cross_entropy_step, dataset=train, batch_size=BATCH,
-        epochs=epochs, mode="cpu-cadence", eval_dataset=test, eval_fn=accuracy, quiet=True, **FLODL[run],
+        epochs=epochs, mode="cpu-cadence", eval_dataset=test, eval_fn=accuracy, quiet=True, **FLODL[run], **outer,
     ).run()
     rows = [{"eval": e.get("eval"), "at_s": e.get("eval_at_s"), "rounds": e["round"] + 1} for e in result.epochs]
     print(f"{TAG} " + json.dumps({"rows": rows, "final": result.final_eval, "wall_s": result.wall_s}), flush=True)
@@ -185,11 +190,13 @@ def result_line(text: str) -> dict[str, Any] | None:
     return None
 
 
-def run_flodl(net: Any, run: str, epochs: int, logs: Path, timeout_s: float) -> dict[str, Any] | None:
+def run_flodl(net: Any, run: str, epochs: int, outer_momentum: float, logs: Path,
+              timeout_s: float) -> dict[str, Any] | None:
     from flodl_zmq.wire import new_key
 
     env = environ({"FLODL_KEY": new_key().hex(), "FLODL_STARTUP_TIMEOUT": "120"})
-    program = [str(Path(__file__).resolve()), "--job", run, "--epochs", str(epochs)]
+    program = [str(Path(__file__).resolve()), "--job", run, "--epochs", str(epochs),
+               "--outer-momentum", str(outer_momentum)]
     out = {name: open(logs / f"{run}-{name}.log", "w") for name in ("controller", "worker1", "worker2")}  # noqa: SIM115
     procs = [net.popen("controller", [str(BIN / "flodl-zmq"), "controller", "--bind", "controller:7300",
                                       "--min-ranks", "4", "--target-ranks", "4", "--join-window", "60",
@@ -302,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=8, help="ours trains this many epochs; DDP up to 4x as many")
     p.add_argument("--repeats", type=int, default=1, help="runs of each, interleaved; figures are their medians")
     p.add_argument("--target", type=float, default=0.95)
+    p.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM, help="of the outer Nesterov step")
     p.add_argument("--cap", type=float, default=300.0, help="DDP stops after the first epoch past this many seconds")
     p.add_argument("--ddp-hook", default="fp16", choices=("fp16", "powersgd", "none"))
     p.add_argument("--json", action="store_true")
@@ -310,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--master", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.job:
-        flodl_job(args.job, args.epochs)
+        flodl_job(args.job, args.epochs, args.outer_momentum)
         return 0
     if args.ddp_rank is not None:
         ddp_worker(args.ddp_rank, 4, args.master, args.ddp_hook, args.epochs, args.target, args.cap)
@@ -334,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 for run in runs:
                     before = tx_bytes(net, "worker1")
                     if run.startswith("flodl"):
-                        got = run_flodl(net, run, args.epochs, here, timeout_s=args.cap * 2 + START_S)
+                        got = run_flodl(net, run, args.epochs, args.outer_momentum, here, timeout_s=args.cap * 2 + START_S)
                     else:
                         got = run_ddp(net, run, args.epochs * 4, args.target, args.cap, here, args.ddp_hook)
                     each[run].append(figures(got, args.target, tx_bytes(net, "worker1") - before))
@@ -350,12 +358,13 @@ def main(argv: list[str] | None = None) -> int:
             out.update(comparisons(medians, link))
     load = os.getloadavg()
     out["repeats"] = args.repeats
+    out["outer_momentum"] = args.outer_momentum
     out["load_avg_1m"] = load[0]
 
     def cell(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
-    print(f"medians of {args.repeats} run(s) each")
+    print(f"medians of {args.repeats} run(s) each; outer momentum {args.outer_momentum}")
     print(f"{'link':8} {'run':15} {'to target s':>12} {'final acc':>10} {'MB/epoch/host':>14} {'rounds/epoch':>13}")
     for link, run, f in table:
         print(f"{link:8} {run:15} {cell(f['time'], '12.1f')} {cell(f['final'], '10.4f')} "
