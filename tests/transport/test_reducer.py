@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import zmq
 
-from flodl_zmq.links import TAG_BCAST, TAG_DATA, relay_sender
 from flodl_zmq import int8
+from flodl_zmq.links import TAG_BCAST, TAG_DATA, relay_sender
 from flodl_zmq.mailbox import IDLE_S
 from flodl_zmq.outer import OuterConfig, OuterOptimizer
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
