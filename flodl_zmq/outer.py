@@ -4,10 +4,11 @@ A core: no sockets, no clocks. It holds the global model and its momentum
 (both f32, flat, in payload order) and turns each round's weighted average
 into the next global model, in place:
 
-    d      = global - average                (the pseudo-gradient: what the window undid)
+    d      = base - average                  (the pseudo-gradient: what the window undid)
     buf    = momentum * buf + d
     update = d + momentum * buf              ("nesterov", DiLoCo) or buf ("momentum", SlowMo)
     global = global - lr * update
+    base   = global as the wire carries it   (what the ranks start the next window from)
 
 With lr 1 and momentum 0 the average itself is the new global model, which is
 what ``outer="none"`` does without this object. torch's ``SGD(nesterov=True)``
@@ -17,7 +18,13 @@ Rules this module keeps:
 
 - The state is f32 whatever the wire carries: a bf16 average is widened,
   stepped and encoded back, and the kept global is never rounded, so wire
-  rounding does not accumulate in the pseudo-gradient.
+  rounding does not accumulate in the global model.
+- The pseudo-gradient is measured from ``base``, the model the ranks started
+  the window from: the consensus as they widened it (bf16, or int8 with the
+  reducer's error feedback, given by ``published``), not the unrounded
+  global. Measured from the global, each round's downlink rounding would
+  enter the pseudo-gradient as if the ranks had trained it, and the outer
+  momentum would carry it on for rounds. With an f32 wire both are equal.
 - The global model starts as the run's initial model (or the resumed one): the
   first round's pseudo-gradient is then the first window's change, as in the
   paper, not a step skipped.
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flodl_zmq import int8
 from flodl_zmq.errors import ConfigError, ProtocolError
 from flodl_zmq.tensors import bf16_from_f32, dtype_name, f32_from_bf16
 
@@ -87,6 +95,7 @@ class OuterOptimizer:
                 f"outer momentum has {self.momentum.size} values for a model of {self.global_model.size}: "
                 "it was saved for another model; resume with the model it was saved with"
             )
+        self.base = self.global_model.copy()  # the ranks start from the run's initial (or resumed) model
         self._scratch = np.empty_like(self.global_model)
         self._lookahead = np.empty_like(self.global_model) if config.kind == "nesterov" else None
 
@@ -105,16 +114,29 @@ class OuterOptimizer:
             flat = t.reshape(-1)
             if dtype_name(t) not in ("f32", "bf16"):
                 raise ProtocolError(f"outer step: a {dtype_name(t)} consensus cannot be stepped (f32 and bf16 only)")
+            base = self.base[part]
             if dtype_name(t) == "f32":
-                np.subtract(self.global_model[part], flat, out=d)
+                np.subtract(base, flat, out=d)
             else:
                 f32_from_bf16(flat, d)
-                np.subtract(self.global_model[part], d, out=d)
+                np.subtract(base, d, out=d)
             self._apply(d, self.global_model[part], self.momentum[part], part)
             if dtype_name(t) == "f32":
                 np.copyto(flat, self.global_model[part])
+                np.copyto(base, flat)
             else:
                 bf16_from_f32(self.global_model[part], flat)
+                f32_from_bf16(flat, base)
+
+    def published(self, payload: Sequence[np.ndarray]) -> None:
+        """The stepped consensus as the int8 wire re-encoded it (values, scales per tensor): the ranks
+        load it widened, so the next pseudo-gradient is measured from that."""
+        sizes = [v.size for v in payload[::2]]
+        if not int8.is_int8(payload) or sum(sizes) != self.base.size:
+            raise ProtocolError(f"outer step: the published consensus is not an int8 payload of the model's "
+                                f"{self.base.size} values")
+        offsets = np.cumsum([0, *sizes])
+        int8.widen(payload, [self.base[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)])
 
     def _apply(self, d: np.ndarray, g: np.ndarray, buf: np.ndarray, part: slice) -> None:
         """``g -= lr * update`` for pseudo-gradient ``d`` (overwritten), momentum ``buf`` updated."""

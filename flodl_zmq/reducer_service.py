@@ -499,6 +499,8 @@ class ReducerService:
 
     def _publish(self, red: Reduced) -> None:
         tensors = self._downlink.encode(red.tensors) if self._widener.packed else red.tensors
+        if self._widener.packed and self.ledger.outer is not None and red.mass > 0.0:
+            self.ledger.outer.published(tensors)  # the next pseudo-gradient starts where the ranks do
         frames = self._codec.encode(Consensus(red.round_id, red.mass), tensors, channel=Channel.BROADCAST)
         self._latest_frames = (red.round_id, frames)
         if red.round_id in self._drop:

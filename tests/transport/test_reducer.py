@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import zmq
 
+from flodl_zmq import int8
 from flodl_zmq.links import TAG_BCAST, TAG_DATA, relay_sender
 from flodl_zmq.mailbox import IDLE_S
+from flodl_zmq.outer import OuterConfig, OuterOptimizer
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.wire import Channel, Codec, Envelope, new_key
 from flodl_zmq.wire.records import (
@@ -84,12 +86,13 @@ class FakeRelay:
 
 
 class Rig:
-    def __init__(self, tmp_path, kind="inproc"):
+    def __init__(self, tmp_path, kind="inproc", outer=None):
         self.ctx = zmq.Context()
         self.key, self.run_id = new_key(), bytes(range(16))
         self.eps = eps = endpoints(kind, tmp_path)
         self.svc = ReducerService(
-            ReducerConfig(WORLD, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05), self.ctx
+            ReducerConfig(WORLD, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05), self.ctx,
+            outer,
         )
         self.svc.start()
         self.relays = {h: FakeRelay(self.ctx, h, self.key, self.run_id, eps) for h in WORLD}
@@ -282,3 +285,26 @@ def test_a_hello_that_disagrees_with_the_world_is_refused(rig):
     a.send(RelayHello("a", [0, 1, 2], []))
     assert not a.data.poll(200)
     assert rig.svc.counters()["bad_hello"] == 1
+
+
+def test_an_int8_consensus_after_an_outer_step_is_where_the_next_pseudo_gradient_starts(tmp_path):
+    # The ranks load the int8 consensus widened; the outer step must measure the next round from
+    # exactly that, not from its own unrounded global model.
+    n = int8.BLOCK + 5
+    outer = OuterOptimizer(OuterConfig("nesterov", 0.7, 0.9), np.zeros(n, np.float32))
+    rig = Rig(tmp_path, outer=outer)
+    try:
+        rig.ready()
+        encoders = {h: int8.PayloadEncoder() for h in WORLD}
+        rng = np.random.default_rng(5)
+        for round_id in (1, 2, 3):
+            for h, relay in rig.relays.items():
+                relay.send(HostFrame(round_id, h, list(WORLD[h]), 1.0),
+                           encoders[h].encode([rng.standard_normal(n).astype(np.float32)]))
+            env = rig.relays["a"].broadcast()
+            assert env.record.round == round_id and int8.is_int8(env.payload)
+            loaded = int8.widen(env.payload, [np.empty(n, np.float32)])[0]
+            assert _settle(lambda loaded=loaded: np.array_equal(outer.base, loaded))
+            assert not np.array_equal(outer.global_model, loaded)  # the kept global is the unrounded one
+    finally:
+        rig.close()

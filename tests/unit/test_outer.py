@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_zmq import bundle
+from flodl_zmq import bundle, int8
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import cross_entropy_step, mlp, sgd
 from flodl_zmq.errors import ConfigError, ProtocolError
@@ -95,6 +95,83 @@ def test_a_frame_of_another_model_size_is_refused_before_it_is_summed():
     with pytest.raises(ProtocolError, match="another model"):
         ledger.deposit("a", 0, 1.0, [f32(1.0, 2.0, 3.0)])
     assert ledger.round_id is None
+
+
+def int8_wire(x: np.ndarray, encoder: int8.PayloadEncoder) -> tuple[list[np.ndarray], np.ndarray]:
+    """``x`` through one sender's int8 encoder: (the payload, what the receiver widens it to)."""
+    payload = encoder.encode([x])
+    return payload, int8.widen(payload, [np.empty(x.size, np.float32)])[0]
+
+
+def test_the_pseudo_gradient_is_measured_from_the_consensus_as_published():
+    outer = OuterOptimizer(OuterConfig("momentum", 1.0, 0.5), f32(1.0, 2.0))
+    avg = f32(0.5, 1.5)
+    outer.step([avg])  # d = 0.5, global = (0.5, 1.5)
+    # The int8 wire re-encodes it: the ranks load (0.5, 1.5) rounded to the block's step (1.5 / 127).
+    payload, loaded = int8_wire(avg, int8.PayloadEncoder())
+    outer.published(payload)
+    np.testing.assert_array_equal(outer.base, loaded)
+    nxt = loaded - f32(0.25, 0.25)  # the window moved each value by -0.25 from where the ranks started
+    outer.step([nxt])
+    # d = 0.25 (not 0.25 plus the rounding), buf = 0.5 * 0.5 + 0.25, global = 0.5 - 0.5
+    np.testing.assert_allclose(outer.momentum, [0.5, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(outer.global_model, [0.0, 1.0], rtol=1e-6)
+    with pytest.raises(ProtocolError, match="not an int8 payload"):
+        outer.published([f32(1.0, 2.0)])
+
+
+def rounds_through_the_wire(p0: np.ndarray, changes: list[np.ndarray], deposits: bool, consensus: bool,
+                            published: bool = True) -> tuple[list[np.ndarray], OuterOptimizer]:
+    """Rounds of 4 ranks on 2 hosts with an outer Nesterov step, the window's change of each rank given
+    (so that only the wire differs between two runs). Deposits and host frames go int8 when
+    ``deposits``, the consensus when ``consensus``; returns what the ranks load each round."""
+    outer = OuterOptimizer(OuterConfig.of("nesterov", None, None), p0)
+    senders = [int8.PayloadEncoder() for _ in range(7)]  # 4 ranks, 2 relays, the reducer
+    start, loaded = p0.copy(), []
+    for change in changes:
+        sent = [int8_wire(x, senders[i])[1] if deposits else x
+                for i, x in enumerate((start + c) * np.float32(0.25) for c in change)]
+        hosts = [sent[0] + sent[1], sent[2] + sent[3]]
+        avg = sum(int8_wire(h, senders[4 + i])[1] if deposits else h for i, h in enumerate(hosts))
+        outer.step([avg])
+        if consensus:
+            payload, avg = int8_wire(avg, senders[6])
+            if published:
+                outer.published(payload)
+        start = avg
+        loaded.append(start.copy())
+    return loaded, outer
+
+
+def window_changes(n: int, rounds: int, seed: int = 0) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+    """An initial model and each round's per-rank change: a shared drift plus each rank's own noise."""
+    rng = np.random.default_rng(seed)
+    p0 = rng.uniform(-0.05, 0.05, n).astype(np.float32)
+    drift = rng.normal(0, 2e-4, n).astype(np.float32)
+    return p0, [[(drift + rng.normal(0, 1e-3, n)).astype(np.float32) for _ in range(4)] for _ in range(rounds)]
+
+
+def test_the_consensus_rounding_never_enters_the_outer_step():
+    # f32 deposits, int8 consensus: the ranks start each window from the rounded consensus, and
+    # the outer step must see only what the window changed. Its global model then equals the
+    # all-f32 run's; measured from its own unrounded copy instead, it drifts away round by round.
+    p0, changes = window_changes(2 * int8.BLOCK, 60)
+    ref, ref_outer = rounds_through_the_wire(p0, changes, deposits=False, consensus=False)
+    _, outer = rounds_through_the_wire(p0, changes, deposits=False, consensus=True)
+    np.testing.assert_allclose(outer.global_model, ref_outer.global_model, rtol=0, atol=1e-6)
+    _, unpublished = rounds_through_the_wire(p0, changes, deposits=False, consensus=True, published=False)
+    assert np.abs(unpublished.global_model - ref_outer.global_model).max() > 1e-4
+
+
+def test_the_int8_path_tracks_the_f32_path_over_many_rounds():
+    # Every hop int8 with error feedback (rank, relay, reducer): what the ranks load stays within a
+    # few quantization steps of the f32 run's model, with no drift over 150 rounds of outer Nesterov.
+    p0, changes = window_changes(2 * int8.BLOCK, 150)
+    ref, _ = rounds_through_the_wire(p0, changes, deposits=False, consensus=False)
+    got, _ = rounds_through_the_wire(p0, changes, deposits=True, consensus=True)
+    steps = [np.abs(g - r).max() / (np.abs(r).max() / int8.QMAX) for g, r in zip(got, ref, strict=True)]
+    assert max(steps) < 8
+    assert np.mean(steps[-40:]) < 1.5 * np.mean(steps[40:80])  # bounded, not a random walk
 
 
 def job(**kw) -> Job:
