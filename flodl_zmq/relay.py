@@ -357,7 +357,7 @@ class ReportQueue:
         """`rank` left: the queue no longer waits for it."""
         self._live.discard(rank)
         if self._items and self._from >= self._live:
-            self.due_at = -math.inf
+            self.due_at = 0.0  # due at once
 
     def take(self) -> HostReports | None:
         """What is held, as one record (None when nothing is)."""

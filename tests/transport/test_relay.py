@@ -174,6 +174,18 @@ def test_a_lone_ranks_report_is_not_held_past_the_merge_period(rig):
     assert route == RELAY_ROUTE and env.record.unmerge() == [(1, Heartbeat(1, 0))]
 
 
+def test_a_report_naming_another_rank_is_never_merged(rig):
+    # Signed by rank 1 but naming rank 0: merged, it would count in rank 0's stream. Attribution refuses it.
+    rig.ranks[1].control.send_multipart(rig.ranks[1].codec.encode(Heartbeat(0, 5)))
+    rig.ranks[0].heartbeat()
+    rig.ranks[1].heartbeat()
+    route, env = rig.ctl.control_message()
+    while isinstance(env.record, RelayHello):  # repeated until acknowledged; this controller never does
+        route, env = rig.ctl.control_message()
+    assert route == RELAY_ROUTE and sorted(r.rank for _, r in env.record.unmerge()) == [0, 1]
+    assert rig.relay.counters()["forged_route.local_control"] == 1
+
+
 def test_records_for_or_from_unknown_ranks_are_dropped_and_counted(rig):
     rig.ranks[0].heartbeat()
     rig.ctl.control_message()
