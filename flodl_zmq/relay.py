@@ -330,7 +330,8 @@ class ReportQueue:
     """The host's rank records waiting to go up as one `relay.reports` (pure; PROTOCOL.md 9.4).
 
     Forwarded one by one, a host of R ranks cost the controller R decodes and
-    R records' bytes per report period; merged, one. The queue is due when
+    R records' bytes per report period; merged, one. A lone held record goes
+    up as it came: there is nothing to merge it with. The queue is due when
     every live local rank has a record in it (one rank: at once, no added
     latency), or `period_s` after the first; the relay also empties it before
     any other record of the host goes up, so a rank's next stream record never
@@ -341,14 +342,14 @@ class ReportQueue:
         self.period_s = period_s
         self.due_at = math.inf
         self._live = set(ranks)
-        self._items: list[tuple[int, Any]] = []
+        self._items: list[tuple[int, Any, list[Any]]] = []
         self._from: set[int] = set()
 
-    def add(self, seq: int, record: Any, now: float) -> None:
-        """Hold `record` (sequence number `seq` of its rank's stream)."""
+    def add(self, seq: int, record: Any, frames: list[Any], now: float) -> None:
+        """Hold `record` (sequence number `seq` of its rank's stream), which came as `frames`."""
         if not self._items:
             self.due_at = now + self.period_s
-        self._items.append((seq, record))
+        self._items.append((seq, record, frames))
         self._from.add(record.rank)
         if self._from >= self._live:
             self.due_at = now
@@ -359,13 +360,13 @@ class ReportQueue:
         if self._items and self._from >= self._live:
             self.due_at = 0.0  # due at once
 
-    def take(self) -> HostReports | None:
-        """What is held, as one record (None when nothing is)."""
-        if not self._items:
-            return None
-        merged = HostReports.merge(self._items)
-        self._items, self._from, self.due_at = [], set(), math.inf
-        return merged
+    def take(self) -> HostReports | list[Any] | None:
+        """What is held: several records as one HostReports; a lone one as the frames it came in
+        (nothing to merge it with: verbatim, it is smaller and costs no signature); None when nothing is."""
+        items, self._items, self._from, self.due_at = self._items, [], set(), math.inf
+        if len(items) <= 1:
+            return items[0][2] if items else None
+        return HostReports.merge([(seq, record) for seq, record, _ in items])
 
 
 class Relay:
@@ -483,10 +484,12 @@ class Relay:
             reports = ReportQueue(cfg.ranks, MERGE_PERIOD_S)
 
             def report_up() -> None:
-                merged = reports.take()
-                if merged is not None:
-                    self._send(up, [RELAY_ROUTE, *codec.encode(merged, channel=Channel.CONTROL)], count,
+                held = reports.take()
+                if isinstance(held, HostReports):
+                    self._send(up, [RELAY_ROUTE, *codec.encode(held, channel=Channel.CONTROL)], count,
                                "upstream_control")
+                elif held is not None:
+                    self._send(up, held, count, "upstream_control")  # a lone record, verbatim (route, frames)
 
             def death(rank: int, why: str) -> None:
                 nonlocal restate_at
@@ -551,7 +554,7 @@ class Relay:
         now = time.monotonic()
         live.seen(rank, now)
         if isinstance(env.record, MERGEABLE):
-            reports.add(env.seq, env.record, now)  # vouched for by this relay, under its own MAC (9.4)
+            reports.add(env.seq, env.record, msg, now)  # merged: vouched for by this relay, under its MAC (9.4)
             return
         report_up()  # the rank's earlier records first: the coordinator hands them on in order
         self._send(up, msg, count, "upstream_control")  # verbatim: the rank's own MAC travels on
