@@ -70,11 +70,12 @@ def light_rank() -> int:
     import zmq
 
     from flodl_zmq.environment import ProcessEnv
+    from flodl_zmq.errors import ReplayError
     from flodl_zmq.links import (
         CONTROL_MAX_FRAMES,
         DATA_MAX_FRAMES,
-        FROM_COORDINATOR,
         FROM_REDUCER,
+        coordinator_sender,
         local_endpoints,
         rank_identity,
         rank_sender,
@@ -83,16 +84,19 @@ def light_rank() -> int:
     )
     from flodl_zmq.wire import Attribution, Channel, Codec
     from flodl_zmq.wire import records as rec
-    from flodl_zmq.wire.shm import SegmentMap, host_owner, is_by_reference
+    from flodl_zmq.wire.shm import SegmentMap, host_owner, is_by_reference, run_dir
+    from flodl_zmq.wire.stream import InOrder, Outstream
 
     penv = ProcessEnv.from_environ()
     assert penv is not None and penv.rank is not None and penv.host is not None
     rank, host = penv.rank, penv.host
     codec = Codec(penv.key, penv.run_id, rank_sender(rank))
-    mapped = SegmentMap(penv.run_id)
+    mapped = SegmentMap(penv.run_id, run_dir(penv.key, penv.run_id))
     from_relay = Attribution.signed_by(relay_sender(host), "this host's relay")
+    from_coordinator = Attribution.signed_by(coordinator_sender(rank), "the coordinator's link")
+    up, down = Outstream(codec), InOrder()  # the control streams of PROTOCOL.md 10.7, as a real rank keeps them
     ctx = zmq.Context()
-    control_ep, data_ep = local_endpoints(penv.run_id, host)
+    control_ep, data_ep = local_endpoints(penv.key, penv.run_id, host)
     socks = []
     for ep in (control_ep, data_ep):
         s = ctx.socket(zmq.DEALER)
@@ -104,7 +108,10 @@ def light_rank() -> int:
     params = np.zeros(68, dtype=np.float32)
 
     def send(record, payload=(), channel=Channel.CONTROL):
-        (data if channel is Channel.DATA else control).send_multipart(codec.encode(record, list(payload), channel=channel))
+        if channel is Channel.DATA:
+            data.send_multipart(codec.encode(record, list(payload), channel=channel))
+        else:
+            control.send_multipart(up.send(record, time.monotonic()))
 
     send(rec.RankHello(rank=rank, world_size=penv.world_size, host=host,
                        model_sig=bytes.fromhex(os.environ["BENCH_MODEL_SIG"]),
@@ -137,12 +144,36 @@ def light_rank() -> int:
                            batch_loss=[1.0] * len(report)))
             report = []
 
+    def handle(r) -> bool:
+        """One coordinator record, in stream order; True to stop."""
+        nonlocal throttled, at_snapshot, pending
+        if isinstance(r, rec.StartEpoch):
+            add(r.plan)
+        elif isinstance(r, rec.Update):
+            throttled = False
+            if r.next_plan is not None and pending is not None:
+                held.append(r.next_plan)  # trained only on this round's consensus
+            elif r.next_plan is not None:
+                add(r.next_plan)
+        elif isinstance(r, rec.RequestParams):
+            flush()
+            requests.append((time.monotonic(), r.round))
+            at_snapshot, pending = since_avg, r.round
+            send(rec.SnapshotReady(rank=rank, round=r.round))
+            send(rec.RoundFrame(round=r.round, rank=rank, mass=float(at_snapshot)),
+                 [params * at_snapshot], Channel.DATA)
+        elif isinstance(r, rec.Throttle):
+            throttled = True
+        return isinstance(r, (rec.Shutdown, rec.ShutdownWithSave))
+
     stop = False
     while not stop:
         now = time.monotonic()
         if now >= next_beat:
-            send(rec.Heartbeat(rank=rank, step_count=steps - len(report)))
+            send(rec.Heartbeat(rank=rank, step_count=steps - len(report), ack=down.acked))
             next_beat = now + 0.5
+        for frames in up.due(now):
+            control.send_multipart(frames)
         can_train = bool(spans) and not throttled
         if not can_train:
             flush()
@@ -150,26 +181,14 @@ def light_rank() -> int:
         if control in events:
             while control.poll(0):
                 frames = recv_bounded(control, CONTROL_MAX_FRAMES, copy=False)
-                r = codec.decode_from(frames, Channel.CONTROL, FROM_COORDINATOR).record
-                if isinstance(r, rec.StartEpoch):
-                    add(r.plan)
-                elif isinstance(r, rec.Update):
-                    throttled = False
-                    if r.next_plan is not None and pending is not None:
-                        held.append(r.next_plan)  # trained only on this round's consensus
-                    elif r.next_plan is not None:
-                        add(r.next_plan)
-                elif isinstance(r, rec.RequestParams):
-                    flush()
-                    requests.append((time.monotonic(), r.round))
-                    at_snapshot, pending = since_avg, r.round
-                    send(rec.SnapshotReady(rank=rank, round=r.round))
-                    send(rec.RoundFrame(round=r.round, rank=rank, mass=float(at_snapshot)),
-                         [params * at_snapshot], Channel.DATA)
-                elif isinstance(r, rec.Throttle):
-                    throttled = True
-                elif isinstance(r, (rec.Shutdown, rec.ShutdownWithSave)):
-                    stop = True
+                try:
+                    env = codec.decode_from(frames, Channel.CONTROL, from_coordinator)
+                except ReplayError:  # a resend whose first copy arrived
+                    continue
+                if isinstance(env.record, rec.CoordHeartbeat):
+                    up.ack(env.record.ack)
+                for r in down.accept(env.seq, env.record):
+                    stop = stop or handle(r)
         if data in events:
             while data.poll(0):
                 frames = recv_bounded(data, DATA_MAX_FRAMES, copy=False)

@@ -645,11 +645,14 @@ class ControllerService:
         if route == RELAY_ROUTE:
             self._on_relay(relay_id, env)
             return
-        rank = rank_of(route)  # attributed: a rank of this world
-        if isinstance(env.record, rec.Heartbeat) and self._to_rank[rank].ack(env.record.ack):
+        self._from_stream(rank_of(route), env.seq, env.record)  # attributed: a rank of this world
+
+    def _from_stream(self, rank: int, seq: int, record: Any) -> None:
+        """Record `seq` of `rank`'s stream, alone or merged by its relay: acknowledgements at once, the rest in order."""
+        if isinstance(record, rec.Heartbeat) and self._to_rank[rank].ack(record.ack):
             self._settled(rank)
-        for record in self._from_rank[rank].accept(env.seq, env.record):
-            self._on_rank_record(rank, record)
+        for r in self._from_rank[rank].accept(seq, record):
+            self._on_rank_record(rank, r)
 
     def _on_rank_record(self, rank: int, record: Any) -> None:
         """A rank's control record, in the order it sent them."""
@@ -726,6 +729,14 @@ class ControllerService:
                 self.counts["forged_route.control"] += 1
                 return
             self._declare_dead(r.rank, f"the relay on {host} saw it leave")
+        elif isinstance(r, rec.HostReports):
+            host = self._host_of_relay(relay_id)  # attributed: known
+            merged = r.unmerge()
+            if any(record.rank not in self.world[host] for _, record in merged):  # it speaks for its own ranks only
+                self.counts["forged_route.control"] += 1
+                return
+            for seq, record in merged:
+                self._from_stream(record.rank, seq, record)
         else:
             self.counts["unexpected.control"] += 1
 

@@ -79,7 +79,7 @@ from typing import Any
 
 import zmq
 
-from flodl_zmq import int8
+from flodl_zmq import int8, mailbox
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import (
     AttributionError,
@@ -119,6 +119,7 @@ from flodl_zmq.security import CurveKeys, apply_client
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
+    MERGEABLE,
     RANK_CONTROL_RECORDS,
     Consensus,
     ConsensusGone,
@@ -126,6 +127,7 @@ from flodl_zmq.wire.records import (
     Exiting,
     FrameRequest,
     HostFrame,
+    HostReports,
     Probe,
     RankExit,
     RelayDeclareDead,
@@ -149,6 +151,9 @@ from flodl_zmq.wire.stream import RESEND_AFTER_S
 log = logging.getLogger(__name__)
 
 GOODBYE = "said goodbye"
+# How long the relay holds its ranks' mergeable records to send them up as one: a rank's own report
+# period (PROTOCOL.md 9.3, timing.batch), so a host's ranks make one record per period.
+MERGE_PERIOD_S = 0.05
 DEFAULTS = Settings()  # RelayConfig's timings default to the settings table
 
 @dataclass(frozen=True)
@@ -321,6 +326,49 @@ class _Hello:
         self._next = None
 
 
+class ReportQueue:
+    """The host's rank records waiting to go up as one `relay.reports` (pure; PROTOCOL.md 9.4).
+
+    Forwarded one by one, a host of R ranks cost the controller R decodes and
+    R records' bytes per report period; merged, one. A lone held record goes
+    up as it came: there is nothing to merge it with. The queue is due when
+    every live local rank has a record in it (one rank: at once, no added
+    latency), or `period_s` after the first; the relay also empties it before
+    any other record of the host goes up, so a rank's next stream record never
+    waits at the coordinator behind one the relay still holds.
+    """
+
+    def __init__(self, ranks: Iterable[int], period_s: float):
+        self.period_s = period_s
+        self.due_at = math.inf
+        self._live = set(ranks)
+        self._items: list[tuple[int, Any, list[Any]]] = []
+        self._from: set[int] = set()
+
+    def add(self, seq: int, record: Any, frames: list[Any], now: float) -> None:
+        """Hold `record` (sequence number `seq` of its rank's stream), which came as `frames`."""
+        if not self._items:
+            self.due_at = now + self.period_s
+        self._items.append((seq, record, frames))
+        self._from.add(record.rank)
+        if self._from >= self._live:
+            self.due_at = now
+
+    def leave(self, rank: int) -> None:
+        """`rank` left: the queue no longer waits for it."""
+        self._live.discard(rank)
+        if self._items and self._from >= self._live:
+            self.due_at = 0.0  # due at once
+
+    def take(self) -> HostReports | list[Any] | None:
+        """What is held: several records as one HostReports; a lone one as the frames it came in
+        (nothing to merge it with: verbatim, it is smaller and costs no signature); None when nothing is."""
+        items, self._items, self._from, self.due_at = self._items, [], set(), math.inf
+        if len(items) <= 1:
+            return items[0][2] if items else None
+        return HostReports.merge([(seq, record) for seq, record, _ in items])
+
+
 class Relay:
     """One host's relay: control byte router, data fold station, consensus fan-out.
 
@@ -433,12 +481,23 @@ class Relay:
             # lost in a reset must not leave the controller waiting for a heartbeat timeout (10.7).
             departed: list[int] = []
             restate_at = math.inf
+            reports = ReportQueue(cfg.ranks, MERGE_PERIOD_S)
+
+            def report_up() -> None:
+                held = reports.take()
+                if isinstance(held, HostReports):
+                    self._send(up, [RELAY_ROUTE, *codec.encode(held, channel=Channel.CONTROL)], count,
+                               "upstream_control")
+                elif held is not None:
+                    self._send(up, held, count, "upstream_control")  # a lone record, verbatim (route, frames)
 
             def death(rank: int, why: str) -> None:
                 nonlocal restate_at
                 # A goodbye is the normal end of a rank; only a silent departure deserves a warning.
                 level = logging.INFO if why == GOODBYE else logging.WARNING
                 log.log(level, "relay %s: rank %d left (%s)", cfg.host, rank, why)
+                report_up()  # what it reported before it left comes first
+                reports.leave(rank)
                 self._send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], count,
                            "upstream_control")
                 departed.append(rank)
@@ -450,11 +509,14 @@ class Relay:
                     hello_rec = RelayHello(cfg.host, list(cfg.ranks), [])
                     self._send(up, [RELAY_ROUTE, *codec.encode(hello_rec, channel=Channel.CONTROL)], count,
                                "upstream_control")
-                events = dict(poller.poll(poll_ms))
+                events = dict(poller.poll(min(poll_ms, mailbox.poll_ms(reports.due_at - time.monotonic()))))
                 if local in events:
                     count["oversized"] += drain(
-                        local, lambda m: self._from_rank(m, codec, live, up, death, count), max_frames=CONTROL_MAX_FRAMES
+                        local, lambda m: self._from_rank(m, codec, live, up, death, count, reports, report_up),
+                        max_frames=CONTROL_MAX_FRAMES,
                     )
+                if time.monotonic() >= reports.due_at:
+                    report_up()
                 if up in events:
                     count["oversized"] += drain(
                         up, lambda m: self._to_rank(m, codec, local, count, hello), max_frames=CONTROL_MAX_FRAMES
@@ -472,7 +534,8 @@ class Relay:
                 s.close(0)
             remove_ipc(bound)
 
-    def _from_rank(self, msg, codec: Codec, live: RankLiveness, up, death, count) -> None:
+    def _from_rank(self, msg, codec: Codec, live: RankLiveness, up, death, count, reports: ReportQueue,
+                   report_up) -> None:
         rank = rank_of(msg[0]) if msg else None
         if rank is None or rank not in self.config.ranks:
             count["unknown_rank.local_control"] += 1
@@ -488,7 +551,12 @@ class Relay:
             if live.leave(rank):
                 death(rank, f"protocol violation: it sent {env.kind}, which a rank never sends")
             return
-        live.seen(rank, time.monotonic())
+        now = time.monotonic()
+        live.seen(rank, now)
+        if isinstance(env.record, MERGEABLE):
+            reports.add(env.seq, env.record, msg, now)  # merged: vouched for by this relay, under its MAC (9.4)
+            return
+        report_up()  # the rank's earlier records first: the coordinator hands them on in order
         self._send(up, msg, count, "upstream_control")  # verbatim: the rank's own MAC travels on
         if isinstance(env.record, Exiting) and live.leave(rank):
             death(rank, GOODBYE)

@@ -55,7 +55,7 @@ from flodl_zmq.tensors import DTYPES, as_numpy, dtype_name
 from flodl_zmq.wire import mac as _mac
 from flodl_zmq.wire.records import REGISTRY, Channel, from_fields, spec_of, to_fields
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 RUN_ID_BYTES = 16
 SALT_BYTES = 16
 MAX_SEQ = 2**63 - 1

@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -325,6 +326,49 @@ class RankExit:
     rank: int
 
 
+@record("relay.reports", C)
+class HostReports:
+    """A host's step reports, heartbeats, snapshot notices and acks, merged by its relay (PROTOCOL.md 9.4).
+
+    One record per host and period instead of one per rank: the controller's
+    decode work and the per-message bytes (header, MAC, routes) grow with
+    hosts, not with ranks per host. Each merged record keeps its fields and
+    its sequence number in its rank's stream (`seqs`, in the order of the
+    lists below, concatenated), so the coordinator hands it on in order and
+    acknowledges it as if it had come alone (10.7 item 9).
+    """
+
+    seqs: list[int]
+    heartbeats: list[Heartbeat]
+    batches: list[Batch]
+    snapshots: list[SnapshotReady]
+    sync_acks: list[SyncAck]
+
+    def __post_init__(self) -> None:
+        held = len(self.heartbeats) + len(self.batches) + len(self.snapshots) + len(self.sync_acks)
+        if len(self.seqs) != held:
+            raise SchemaError(f"HostReports: {len(self.seqs)} sequence numbers for {held} merged records; "
+                              "each record has exactly one")
+
+    @classmethod
+    def merge(cls, items: Sequence[tuple[int, Any]]) -> HostReports:
+        """One record of `(seq, record)` pairs (each of a kind in MERGEABLE)."""
+        by_kind: dict[type, list[tuple[int, Any]]] = {k: [] for k in MERGEABLE}
+        for seq, r in items:
+            by_kind[type(r)].append((seq, r))
+        groups = [by_kind[k] for k in MERGEABLE]
+        return cls([seq for g in groups for seq, _ in g], *([r for _, r in g] for g in groups))
+
+    def unmerge(self) -> list[tuple[int, Any]]:
+        """The `(seq, record)` pairs this record carries, grouped by kind (the receiver orders by `seq`)."""
+        return list(zip(self.seqs, [*self.heartbeats, *self.batches, *self.snapshots, *self.sync_acks], strict=True))
+
+
+# The rank records a relay merges into `relay.reports`, in the order of its lists. The others (a
+# chunk's metrics, a goodbye, a callback's result) go up alone and at once: a rank waits on their answers.
+MERGEABLE: tuple[type, ...] = (Heartbeat, Batch, SnapshotReady, SyncAck)
+
+
 @record("relay.declare_dead", D)
 class RelayDeclareDead:
     """The controller declared `rank` dead: drop it from the fold barrier."""
@@ -531,8 +575,8 @@ def _check(value: Any, tp: Any, where: str) -> Any:
                 raise SchemaError(f"{where}: map keys must be strings, got {type(k).__name__}")
             out[k] = _check(v, vt, f"{where}[{k!r}]")
         return out
-    if tp is EpochPlan:
-        return from_fields(EpochPlan, value, where)
+    if tp is EpochPlan or tp in _BY_CLASS:  # a nested structure, or a record merged into another
+        return from_fields(tp, value, where)
     raise TypeError(f"{where}: annotation {tp!r} has no wire validator")  # a records.py bug, not input
 
 
@@ -563,11 +607,15 @@ def from_fields(cls: type, fields: Any, where: str = "") -> Any:
 
 
 def to_fields(rec: Any) -> dict[str, Any]:
-    """The msgpack map of a record (nested EpochPlan becomes a map)."""
+    """The msgpack map of a record (a nested EpochPlan or merged record becomes a map)."""
     out = {}
     for f in dataclasses.fields(rec):
         v = getattr(rec, f.name)
-        out[f.name] = to_fields(v) if isinstance(v, EpochPlan) else v
+        if isinstance(v, EpochPlan):
+            v = to_fields(v)
+        elif isinstance(v, list) and v and dataclasses.is_dataclass(v[0]):  # records merged into this one
+            v = [to_fields(x) for x in v]
+        out[f.name] = v
     return out
 
 

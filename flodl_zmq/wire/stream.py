@@ -92,7 +92,15 @@ class InOrder:
         self._waiting: dict[int, Any] = {}
 
     def accept(self, seq: int, item: Any) -> list[Any]:
-        """`item` passed the codec's window with `seq`; returns what may be handed on now, in order."""
+        """`item` came with `seq`; returns what may be handed on now, in order.
+
+        A copy of a record already held or handed on is dropped, and so is one
+        beyond the window: the codec's window refuses both for a record that
+        came alone, but one merged by a relay (`relay.reports`) never met it,
+        and a rank's resend after a reset may be merged twice.
+        """
+        if seq <= self.acked or seq in self._waiting or seq > self.acked + REPLAY_WINDOW:
+            return []
         self._waiting[seq] = item
         out = []
         while self.acked + 1 in self._waiting:

@@ -114,7 +114,11 @@ FIELD_VALUES: dict[str, Any] = {
     "code": -9,
     "next_plan": PLAN,
     "plan": PLAN,
+    "seqs": [7, 12, 8, 9],  # relay.reports: one per merged record (a heartbeat, a batch, a snapshot notice, an ack)
 }
+
+
+RECORD_CLASSES = {spec.cls for spec in REGISTRY.values()}
 
 
 def sample(tp: Any, name: str) -> Any:
@@ -127,7 +131,8 @@ def sample(tp: Any, name: str) -> Any:
     if origin in (Union, types.UnionType):
         return sample(next(a for a in typing.get_args(tp) if a is not type(None)), name)
     if origin is list:
-        return [sample(typing.get_args(tp)[0], name)]
+        item = typing.get_args(tp)[0]
+        return [sample_record(item) if item in RECORD_CLASSES else sample(item, name)]
     if origin is dict:
         return {"key": sample(typing.get_args(tp)[1], name)}
     return {
@@ -197,7 +202,7 @@ def _payload_json(dtype: str, arr: np.ndarray) -> dict[str, Any]:
 def to_json(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.hex()
-    if isinstance(value, EpochPlan):
+    if dataclasses.is_dataclass(value):  # EpochPlan, or a record merged into another
         return to_json(to_fields(value))
     if isinstance(value, dict):
         return {k: to_json(v) for k, v in value.items()}

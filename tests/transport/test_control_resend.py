@@ -96,7 +96,9 @@ def run_with_drops(tmp_path, drops: dict[tuple[str, bool], int]) -> tuple[dict, 
 
 @pytest.mark.parametrize("drops", [
     pytest.param({("control.update", False): 1, ("metrics.epoch", True): 1}, id="an update down, epoch metrics up"),
-    pytest.param({("control.start_epoch", False): 1, ("timing.batch", True): 2}, id="a plan down, batches up"),
+    # Step reports go up merged by the relay (PROTOCOL.md 10.7 item 9): a lost merged record is
+    # recovered by its ranks' resends, merged again.
+    pytest.param({("control.start_epoch", False): 1, ("relay.reports", True): 2}, id="a plan down, merged reports up"),
 ])
 def test_a_control_record_lost_either_way_is_resent_and_every_sample_is_trained_once(tmp_path, drops):
     outcome, service, ranks = run_with_drops(tmp_path, drops)

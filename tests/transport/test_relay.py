@@ -12,9 +12,13 @@ from flodl_zmq.links import RELAY_ROUTE, rank_identity
 from flodl_zmq.relay import ConsensusWatch, RankLiveness, Relay, RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import (
+    Batch,
     ConsensusRequest,
     CoordHeartbeat,
+    Heartbeat,
     HostFrame,
+    HostReports,
+    LrUpdate,
     Probe,
     RankExit,
     RelayDeclareDead,
@@ -127,7 +131,7 @@ def test_consensus_watch_asks_for_overtaken_and_silent_rounds_and_refuses_replay
 
 
 def test_rank_records_go_up_verbatim_and_replies_come_back_to_the_addressed_rank(rig):
-    frames = rig.ranks[1].codec.encode(_hb(1))
+    frames = rig.ranks[1].codec.encode(_lr(1))
     rig.ranks[1].control.send_multipart(frames)
     route, env = rig.ctl.control_message()
     assert route == rank_identity(1) and env.sender == "rank:1"
@@ -138,10 +142,50 @@ def test_rank_records_go_up_verbatim_and_replies_come_back_to_the_addressed_rank
     assert not rig.ranks[0].control.poll(100)
 
 
-def _hb(rank):
-    from flodl_zmq.wire.records import Heartbeat
+def _lr(rank):
+    """A rank record the relay forwards verbatim (not one it merges: PROTOCOL.md 9.4)."""
+    return LrUpdate(rank, 0.1)
 
-    return Heartbeat(rank, 7)
+
+def test_a_hosts_step_reports_and_heartbeats_go_up_as_one_record_that_keeps_each_ranks_sequence(rig):
+    rig.ranks[0].control.send_multipart(rig.ranks[0].codec.encode(Batch(0, 2, [1.0, 2.0], [0.1, 0.2], [0.5, 0.4])))
+    rig.ranks[0].control.send_multipart(rig.ranks[0].codec.encode(Heartbeat(0, 2, ack=3)))
+    rig.ranks[1].control.send_multipart(rig.ranks[1].codec.encode(Batch(1, 1, [9.0], [0.0], [0.7])))
+    route, env = rig.ctl.control_message()
+    assert route == RELAY_ROUTE and env.sender == "relay:a" and isinstance(env.record, HostReports)
+    assert sorted(env.record.unmerge(), key=lambda i: (i[1].rank, i[0])) == [  # every rank's numbers, each under its own seq
+        (1, Batch(0, 2, [1.0, 2.0], [0.1, 0.2], [0.5, 0.4])), (2, Heartbeat(0, 2, 3)), (1, Batch(1, 1, [9.0], [0.0], [0.7])),
+    ]
+    assert not rig.ctl.control.poll(100)
+
+
+def test_a_record_the_relay_does_not_merge_goes_up_after_the_reports_it_holds(rig):
+    rig.ranks[0].control.send_multipart(rig.ranks[0].codec.encode(Batch(0, 1, [1.0], [0.0], [0.5])))
+    rig.ranks[0].control.send_multipart(rig.ranks[0].codec.encode(_lr(0)))  # rank 1 never reported
+    route, env = rig.ctl.control_message()  # held alone, so it goes as it came: verbatim
+    assert route == rank_identity(0) and env.sender == "rank:0" and env.seq == 1 and env.kind == "timing.batch"
+    route, env = rig.ctl.control_message()
+    assert route == rank_identity(0) and env.sender == "rank:0" and env.seq == 2 and env.record == _lr(0)
+
+
+def test_a_lone_ranks_report_is_not_held_past_the_merge_period(rig):
+    rig.ranks[1].heartbeat()  # rank 0 stays silent: the queue stops waiting for it after a period
+    route, env = rig.ctl.control_message()
+    while isinstance(env.record, RelayHello):  # repeated until acknowledged; this controller never does
+        route, env = rig.ctl.control_message()
+    assert route == rank_identity(1) and env.record == Heartbeat(1, 0)  # alone: verbatim, under its own MAC
+
+
+def test_a_report_naming_another_rank_is_never_merged(rig):
+    # Signed by rank 1 but naming rank 0: merged, it would count in rank 0's stream. Attribution refuses it.
+    rig.ranks[1].control.send_multipart(rig.ranks[1].codec.encode(Heartbeat(0, 5)))
+    rig.ranks[0].heartbeat()
+    rig.ranks[1].heartbeat()
+    route, env = rig.ctl.control_message()
+    while isinstance(env.record, RelayHello):  # repeated until acknowledged; this controller never does
+        route, env = rig.ctl.control_message()
+    assert route == RELAY_ROUTE and sorted(r.rank for _, r in env.record.unmerge()) == [0, 1]
+    assert rig.relay.counters()["forged_route.local_control"] == 1
 
 
 def test_records_for_or_from_unknown_ranks_are_dropped_and_counted(rig):
@@ -149,7 +193,7 @@ def test_records_for_or_from_unknown_ranks_are_dropped_and_counted(rig):
     rig.ctl.control_message()
     rig.ctl.to_rank(5, rig.ctl.coordinator(5).encode(CoordHeartbeat()))
     stranger = rig.rogue(9, endpoint="a-control")
-    stranger.send_multipart(Codec(rig.key, rig.run_id, "rank:9").encode(_hb(9)))
+    stranger.send_multipart(Codec(rig.key, rig.run_id, "rank:9").encode(_lr(9)))
     assert settle(lambda: rig.relay.counters().get("unknown_rank.upstream_control") == 1
                   and rig.relay.counters().get("unknown_rank.local_control") == 1)
     assert not rig.ctl.control.poll(100)
@@ -157,11 +201,11 @@ def test_records_for_or_from_unknown_ranks_are_dropped_and_counted(rig):
 
 
 def test_corrupt_and_forged_control_records_are_rejected_on_both_legs_and_resends_pass(rig):
-    frames = rig.ranks[0].codec.encode(_hb(0))
+    frames = rig.ranks[0].codec.encode(_lr(0))
     rig.ranks[0].control.send_multipart(corrupt(frames, 0))
     impostor = rig.ranks[1].control  # rank 1's socket speaking as rank 0, then with a wrong key
-    impostor.send_multipart(Codec(rig.key, rig.run_id, "rank:0").encode(_hb(0)))
-    impostor.send_multipart(Codec(new_key(), rig.run_id, "rank:1").encode(_hb(1)))
+    impostor.send_multipart(Codec(rig.key, rig.run_id, "rank:0").encode(_lr(0)))
+    impostor.send_multipart(Codec(new_key(), rig.run_id, "rank:1").encode(_lr(1)))
     # The genuine one, then a byte-identical resend: the relay forwards both (no sequence
     # check there: a resend whose first copy was lost upstream must pass, PROTOCOL.md 10.7).
     rig.ranks[0].control.send_multipart(frames)

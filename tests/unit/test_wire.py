@@ -41,7 +41,7 @@ from flodl_zmq.wire import (
     tensor_view,
 )
 from flodl_zmq.wire.codec import REPLAY_WINDOW
-from flodl_zmq.wire.records import Batch, HostFrame, RoundFrame, to_fields
+from flodl_zmq.wire.records import MERGEABLE, Batch, HostFrame, HostReports, RoundFrame, to_fields
 
 KEY = bytes(range(32))
 RUN = bytes(range(100, 116))
@@ -87,6 +87,11 @@ def record_strategy(cls: type) -> st.SearchStrategy[Any]:
         return st.integers(0, 4).flatmap(lambda n: st.builds(
             cls, rank=strategy_for(int), step_count=strategy_for(int),
             **{name: st.lists(floats, min_size=n, max_size=n) for name in ("batch_ms", "data_ms", "batch_loss")}))
+    if cls is HostReports:  # the records it merges, each with one sequence number
+        parts = [st.lists(record_strategy(k), max_size=2) for k in MERGEABLE]
+        return st.tuples(*parts).flatmap(lambda lists: st.builds(
+            cls, st.lists(strategy_for(int), min_size=sum(map(len, lists)), max_size=sum(map(len, lists))),
+            *(st.just(x) for x in lists)))
     return st.builds(cls, **{f.name: strategy_for(hints[f.name]) for f in dataclasses.fields(cls)})
 
 

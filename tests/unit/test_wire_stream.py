@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_zmq.errors import AttributionError, ReplayError
+from flodl_zmq.errors import AttributionError, ReplayError, SchemaError
 from flodl_zmq.links import coordinator_sender
 from flodl_zmq.wire import Attribution, Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
@@ -57,3 +57,24 @@ def test_an_outage_is_opened_once_and_summed_up_when_its_last_stream_is_acknowle
     assert outage.settled(3, now=14.0) == (8, 4.0)
     assert outage.settled(3, now=15.0) is None  # over: said once
     assert outage.resent_on(3, 1, now=20.0)  # the next outage is a new one
+
+
+def test_records_merged_by_a_relay_are_handed_on_in_order_once_even_when_merged_twice():
+    # A rank's resend after a reset is merged again (PROTOCOL.md 10.7 item 9): the copy must not be handed on twice.
+    first = rec.HostReports.merge([(1, rec.Batch(0, 1, [1.0], [0.0], [0.5])), (3, rec.Heartbeat(0, 1, ack=4))])
+    again = rec.HostReports.merge([(2, rec.Batch(0, 2, [2.0], [0.0], [0.4])), (3, rec.Heartbeat(0, 1, ack=4))])
+    order, handed = InOrder(), []
+    for merged in (first, again):
+        for seq, record in merged.unmerge():
+            handed += order.accept(seq, record)
+    assert [type(r).__name__ for r in handed] == ["Batch", "Batch", "Heartbeat"] and order.acked == 3
+    assert order.accept(9999, rec.Shutdown()) == [] and order.accept(3 + 4097, rec.Shutdown()) == []
+
+
+def test_merged_records_come_back_with_their_sequence_numbers_and_a_count_that_disagrees_is_refused():
+    items = [(5, rec.Batch(2, 7, [1.0, 2.0], [0.1, 0.2], [0.9, 0.8])), (6, rec.Heartbeat(2, 7, ack=1)),
+             (2, rec.SyncAck(3, 4, 9, 0.01, 1.0, 1.01)), (3, rec.SnapshotReady(3, 5))]
+    merged = rec.HostReports.merge(items)
+    assert sorted(merged.unmerge(), key=lambda i: i[0]) == sorted(items, key=lambda i: i[0])
+    with pytest.raises(SchemaError, match="one"):
+        rec.HostReports([1, 2], [rec.Heartbeat(0, 1)], [], [], [])
