@@ -267,13 +267,18 @@ class ConsensusWatch:
 
     `shipped` arms a round; `accept` says whether a consensus is new (deliver
     it) and which older shipped rounds it overtook (ask for those now); `due`
-    returns rounds silent past the deadline and re-arms them, so a request
-    that is itself lost is repeated.
+    returns rounds silent past their wait and re-arms them, so a request
+    that is itself lost is repeated. Each request for a round doubles its
+    wait (up to `BACKOFF_CAP` deadlines): on a slow link a consensus may take
+    longer than the deadline to arrive, and every early request would put one
+    more full copy of it on that link (PROTOCOL.md 10.3).
     """
+
+    BACKOFF_CAP = 8
 
     def __init__(self, deadline: float):
         self.deadline = deadline
-        self._pending: dict[int, float] = {}
+        self._pending: dict[int, tuple[float, float]] = {}  # round -> (armed or last asked at, wait)
         self._high = 0  # highest round shipped or delivered
 
     @property
@@ -281,7 +286,7 @@ class ConsensusWatch:
         return sorted(self._pending)
 
     def shipped(self, round_id: int, now: float) -> None:
-        self._pending[round_id] = now
+        self._pending[round_id] = (now, self.deadline)
         self._high = max(self._high, round_id)
 
     def accept(self, round_id: int, now: float) -> tuple[bool, list[int]]:
@@ -294,14 +299,18 @@ class ConsensusWatch:
             return False, []  # already delivered: a replay or a duplicate resend
         gaps = [r for r in sorted(self._pending) if r < round_id]
         for r in gaps:
-            self._pending[r] = now
+            self._asked(r, now)
         return True, gaps
 
     def due(self, now: float) -> list[int]:
-        out = [r for r, t in sorted(self._pending.items()) if now - t > self.deadline]
+        out = [r for r, (t, wait) in sorted(self._pending.items()) if now - t > wait]
         for r in out:
-            self._pending[r] = now
+            self._asked(r, now)
         return out
+
+    def _asked(self, round_id: int, now: float) -> None:
+        wait = self._pending[round_id][1]
+        self._pending[round_id] = (now, min(2 * wait, self.BACKOFF_CAP * self.deadline))
 
 
 class _Hello:

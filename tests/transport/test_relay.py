@@ -120,11 +120,21 @@ def test_consensus_watch_asks_for_overtaken_and_silent_rounds_and_refuses_replay
     w.shipped(1, 0.0)
     w.shipped(2, 0.5)
     assert w.accept(2, 0.6) == (True, [1])
-    assert w.due(1.5) == []  # the overtaken round was just asked for at 0.6
-    assert w.due(1.7) == [1]
-    assert w.accept(1, 1.8) == (True, [])
-    assert w.accept(1, 1.9) == (False, [])  # a replay of a delivered round
-    assert w.accept(2, 1.9) == (False, [])
+    assert w.due(1.7) == []  # the overtaken round was just asked for at 0.6: its next wait is 2 s
+    assert w.due(2.7) == [1]
+    assert w.accept(1, 2.8) == (True, [])
+    assert w.accept(1, 2.9) == (False, [])  # a replay of a delivered round
+    assert w.accept(2, 2.9) == (False, [])
+
+
+def test_consensus_watch_backs_off_so_a_slow_link_is_not_filled_with_copies_of_one_consensus():
+    # At 20 Mbit/s a 10 MB consensus takes 4 s to arrive: asking every 2 s put a new copy on the link each time.
+    w = ConsensusWatch(deadline=2.0)
+    w.shipped(1, 0.0)
+    asked = [t / 10 for t in range(0, 1000) if w.due(t / 10)]
+    assert asked[:4] == [2.1, 6.2, 14.3, 30.4]  # waits of 2, 4, 8, 16 s
+    assert [round(b - a, 1) for a, b in zip(asked[3:], asked[4:])] == [16.1] * (len(asked) - 4)  # capped
+    assert w.accept(1, 100.0) == (True, [])
 
 
 # ---------------------------------------------------------------------- control channel
