@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flodl_zmq import bundle, checkpoints
-from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.environment import ProcessEnv, watch_lifeline
 from flodl_zmq.job import Job
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.rank import RankConfig, RankRuntime
@@ -104,6 +104,8 @@ class Trainer:
         penv = host.penv if host is not None else ProcessEnv.from_environ()
         if penv is None:
             return train_alone(self.job)
+        if penv.lifeline_fd is not None:
+            watch_lifeline(penv.lifeline_fd)
         job = self.job
         stem = checkpoints.resolve(penv.settings.resume, penv.settings.checkpoint_dir)
         if stem is not None:  # a restart: every role continues from the checkpoint the controller chose

@@ -15,6 +15,9 @@ runs the same user script in every one of them and sets:
     FLODL_LOCAL_RANK  rank: its index on the host (picks cuda:LOCAL_RANK when CUDA is present)
     FLODL_EXIT_FD     controller under `flodl-zmq launch`: the pipe on which the launcher
                       reports every relay and rank exit (`ExitReports`), as an agent does
+    FLODL_LIFELINE_FD every role under `flodl-zmq launch`: the read end of a pipe only the
+                      launcher writes to; its end of file means the launcher is gone, and
+                      the process stops as on SIGTERM (`watch_lifeline`)
 
 and the settings of flodl_zmq/settings.py that a child reads (FLODL_SLOWDOWN,
 FLODL_STARTUP_TIMEOUT, the relay's and the rank's timings), written and read
@@ -32,6 +35,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -113,6 +118,7 @@ class ProcessEnv:
     local_rank: int | None = None
     settings: Settings = field(default_factory=Settings)
     exit_fd: int | None = None
+    lifeline_fd: int | None = None
 
     @property
     def slowdown(self) -> float:
@@ -152,12 +158,8 @@ class ProcessEnv:
         host = need("FLODL_HOST") if role in ("relay", "rank") else None
         if host is not None and host not in world:
             raise ConfigError(f"FLODL_HOST={host!r} is not a host of FLODL_WORLD ({', '.join(world)})")
-        rank = local_rank = exit_fd = None
-        if role == "controller" and env.get("FLODL_EXIT_FD", "").strip():
-            try:
-                exit_fd = int(env["FLODL_EXIT_FD"])
-            except ValueError:
-                raise ConfigError("FLODL_EXIT_FD must be a file descriptor number") from None
+        rank = local_rank = None
+        exit_fd = _fd(env, "FLODL_EXIT_FD") if role == "controller" else None
         if role == "rank":
             try:
                 rank, local_rank = int(need("FLODL_RANK")), int(need("FLODL_LOCAL_RANK"))
@@ -176,6 +178,7 @@ class ProcessEnv:
             local_rank=local_rank,
             settings=Settings.from_environ(env, CHILD_SCOPES),
             exit_fd=exit_fd,
+            lifeline_fd=_fd(env, "FLODL_LIFELINE_FD"),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -200,7 +203,36 @@ class ProcessEnv:
             out["FLODL_LOCAL_RANK"] = str(self.local_rank)
         if self.exit_fd is not None:
             out["FLODL_EXIT_FD"] = str(self.exit_fd)
+        if self.lifeline_fd is not None:
+            out["FLODL_LIFELINE_FD"] = str(self.lifeline_fd)
         return out
+
+
+def _fd(env: Mapping[str, str], name: str) -> int | None:
+    """The file descriptor number in `name`, None when unset."""
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be a file descriptor number") from None
+
+
+def watch_lifeline(fd: int) -> None:
+    """Stop this process as on SIGTERM once the launcher that holds the pipe's write end is gone.
+
+    Its children run in sessions of their own, so a launcher killed outright
+    (SIGKILL, a test harness's timeout) signals none of them; the kernel closing
+    its end of this pipe is the one notice that always comes.
+    """
+
+    def watch() -> None:
+        while os.read(fd, 4096):  # nothing is ever written: only the end of file matters
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="flodl-lifeline", daemon=True).start()
 
 
 @dataclass(frozen=True)

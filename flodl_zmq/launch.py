@@ -12,6 +12,10 @@ Rules this module keeps:
   session), so a signal reaches everything it started; teardown is SIGTERM to
   every group, a grace period, then SIGKILL, and it runs on every exit path:
   the controller finishing, Ctrl-C, SIGTERM to the launcher, an exception.
+  A launcher that cannot tear down (SIGKILL, a parent killed by a harness's
+  timeout) still leaves nothing: every child holds the read end of a pipe
+  only the launcher writes to (FLODL_LIFELINE_FD) and stops as on SIGTERM at
+  its end of file.
 - The controller's exit status is the run's: ranks and relays that are still
   up a grace period after it ended are stopped.
 - The launcher is the agent of every simulated host: it reports every relay
@@ -115,6 +119,7 @@ class Cluster:
         self._lock = threading.Lock()
         self.run_id: bytes | None = None
         self._exits: int | None = None  # write end of the controller's FLODL_EXIT_FD pipe
+        self._lifeline: int | None = None  # write end of the children's FLODL_LIFELINE_FD pipe
         self.restarts: list[tuple[str, float]] = []  # (checkpoint, seconds from the kill to the respawn)
         self.key: bytes | None = None
 
@@ -151,24 +156,28 @@ class Cluster:
                    f"--controller {address} --watch")
 
     def _spawn_cohort(self, settings: Settings) -> None:
-        base = self._base
         exits, exits_w = os.pipe()
         os.set_blocking(exits_w, False)  # a controller that stops reading never blocks the launcher
+        lifeline, self._lifeline = os.pipe()  # never written: only this process's death closes it
+        base = dict(self._base, lifeline_fd=lifeline)
         with self._lock:
             self._exits = exits_w
         try:
             self._spawn("controller", ProcessEnv(role="controller", settings=settings, exit_fd=exits, **base),
-                        pass_fds=(exits,))
+                        pass_fds=(exits, lifeline))
+            for host, ranks in self.world.items():
+                self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, **base),
+                            pass_fds=(lifeline,))
+                for local, rank in enumerate(ranks):
+                    slowed = replace(settings, slowdown=float(self.slow.get(rank, 1.0)))
+                    self._spawn(
+                        f"{host}:{rank}",
+                        ProcessEnv(role="rank", host=host, rank=rank, local_rank=local, settings=slowed, **base),
+                        pass_fds=(lifeline,),
+                    )
         finally:
-            os.close(exits)  # the controller holds its own copy
-        for host, ranks in self.world.items():
-            self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, **base))
-            for local, rank in enumerate(ranks):
-                slowed = replace(settings, slowdown=float(self.slow.get(rank, 1.0)))
-                self._spawn(
-                    f"{host}:{rank}",
-                    ProcessEnv(role="rank", host=host, rank=rank, local_rank=local, settings=slowed, **base),
-                )
+            os.close(exits)  # the children hold their own copies
+            os.close(lifeline)
 
     def _restart(self, code: int) -> bool:
         """A controller killed by a signal comes back from the newest checkpoint; True if it did (module doc)."""
@@ -286,6 +295,9 @@ class Cluster:
             if self._exits is not None:
                 os.close(self._exits)
                 self._exits = None
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
         if self.run_id is not None and self.key is not None:
             unlink_run(self.key, self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
             remove_local_dir(self.key, self.run_id)  # nor its ipc socket files

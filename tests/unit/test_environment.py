@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
+import threading
 
 import pytest
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv, parse_world, with_tunables
+from flodl_zmq.environment import (
+    ChildExit,
+    ExitReports,
+    ProcessEnv,
+    parse_world,
+    watch_lifeline,
+    with_tunables,
+)
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.formation import rank_space, vacancies
 from flodl_zmq.settings import Settings
@@ -142,3 +152,26 @@ def test_the_controllers_exit_fd_round_trips_through_the_environment():
     penv = ProcessEnv(role="controller", controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32),
                       run_id=bytes(16), world={"h0": (0, 1)}, exit_fd=7)
     assert ProcessEnv.from_environ(penv.to_environ()) == penv
+
+
+def test_the_lifeline_fd_round_trips_and_a_bad_one_is_named():
+    penv = dataclasses.replace(rank_env(), lifeline_fd=9)
+    environ = penv.to_environ()
+    assert ProcessEnv.from_environ(environ) == penv
+    environ["FLODL_LIFELINE_FD"] = "nine"
+    with pytest.raises(ConfigError, match="FLODL_LIFELINE_FD must be a file descriptor number"):
+        ProcessEnv.from_environ(environ)
+
+
+def test_the_end_of_the_lifeline_stops_the_process_as_sigterm_does():
+    r, w = os.pipe()
+    stopped = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    try:
+        watch_lifeline(r)
+        assert not stopped.wait(0.2)  # the launcher is alive: nothing happens
+        os.close(w)  # the launcher died
+        assert stopped.wait(10.0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        os.close(r)

@@ -1,0 +1,124 @@
+"""No orphans: a launcher killed outright leaves no relay, rank or controller behind.
+
+A test harness's `timeout` SIGKILLs or SIGTERMs the launcher (or the pytest
+process that holds a `Cluster`) without letting it tear down, and its children
+run in sessions of their own, so no signal reaches them. They stop on the end
+of file of the launcher's lifeline pipe (FLODL_LIFELINE_FD), as on SIGTERM,
+instead of waiting for a controller that never comes back (docs/operations.md,
+Failure behaviour).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flodl_zmq.launch import TERM_GRACE_S
+from flodl_zmq.links import remove_local_dir
+from flodl_zmq.wire import key_from_hex
+from flodl_zmq.wire.shm import unlink_run
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ["-m", "flodl_zmq.demo", "--epochs", "1000"]  # far longer than any test waits
+# docs/operations.md, "When the launcher dies": every child stops at once as on SIGTERM, a rank
+# after at most 5 s for its goodbye's acknowledgement; twice the launcher's own SIGTERM grace.
+ORPHAN_DEADLINE_S = 2 * TERM_GRACE_S
+# A pytest-like parent: holds the Cluster in-process, and dies of SIGTERM without tearing down.
+PARENT = f"""
+from flodl_zmq.launch import Cluster
+c = Cluster(argv={DEMO!r}, hosts=2, ranks_per_host=1, sink=lambda line: print(line, flush=True))
+c.start()
+c.wait()
+"""
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linux", reason="/proc, sessions")]
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """The live processes whose parent is `pid`, with their FLODL_ROLE."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rpartition(")")[2].split()[1]) != pid:
+                continue
+            environ = dict(v.split("=", 1) for v in Path(f"/proc/{entry}/environ").read_text().split("\0") if "=" in v)
+        except (OSError, ValueError):
+            continue
+        out[int(entry)] = environ.get("FLODL_ROLE", "")
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its (dead) parent would reap it
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_text()
+    return dict(v.split("=", 1) for v in raw.split("\0") if "=" in v)
+
+
+def start(argv: list[str]) -> subprocess.Popen:
+    """Start the launcher and return once the controller reported a trained epoch (every role is up)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(raw.decode(errors="replace")) for raw in proc.stdout],
+                     daemon=True).start()
+    deadline, seen = time.monotonic() + 90, []
+    while time.monotonic() < deadline:
+        try:
+            seen.append(lines.get(timeout=1.0))
+        except queue.Empty:
+            continue
+        if seen[-1].startswith("[controller] epoch "):
+            return proc
+    proc.kill()
+    proc.wait(10)
+    pytest.fail("the launched cluster trained no epoch within 90 s:\n" + "".join(seen[-40:]))
+
+
+@pytest.mark.parametrize("how", ["sigkill-launcher", "sigkill-launcher-then-controller", "sigterm-parent"])
+def test_every_child_exits_when_the_launcher_dies_without_tearing_down(how):
+    if how == "sigterm-parent":
+        launcher = start(["-c", PARENT])
+    else:
+        launcher = start(["-m", "flodl_zmq.cli", "launch", "--hosts", "2", "--ranks-per-host", "1", "--", *DEMO])
+    children = children_of(launcher.pid)
+    assert sorted(children.values()) == ["controller", "rank", "rank", "relay", "relay"], children
+    env = environ_of(next(iter(children)))
+    key, run_id = key_from_hex(env["FLODL_KEY"]), bytes.fromhex(env["FLODL_RUN_ID"])
+    try:
+        launcher.send_signal(signal.SIGTERM if how == "sigterm-parent" else signal.SIGKILL)
+        launcher.wait(10)
+        if how == "sigkill-launcher-then-controller":
+            with contextlib.suppress(ProcessLookupError):  # it may have stopped on its own already
+                os.kill(next(p for p, role in children.items() if role == "controller"), signal.SIGKILL)
+        deadline = time.monotonic() + ORPHAN_DEADLINE_S
+        while time.monotonic() < deadline and any(alive(p) for p in children):
+            time.sleep(0.1)
+        left = {p: role for p, role in children.items() if alive(p)}
+        assert not left, f"still running {ORPHAN_DEADLINE_S:g} s after the launcher died: {left}"
+    finally:
+        for pid in children:
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        unlink_run(key, run_id)
+        remove_local_dir(key, run_id)
