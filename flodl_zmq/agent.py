@@ -59,6 +59,8 @@ Rules this module keeps:
   private networks is warned about once.
 - Children run in their own process groups so a teardown reaches their
   helpers (data loader workers) too: SIGTERM first, SIGKILL after a grace.
+  They hold a lifeline (FLODL_LIFELINE_FD) only this process keeps open: a
+  SIGKILLed agent leaves no relay or rank behind.
 """
 
 from __future__ import annotations
@@ -364,6 +366,7 @@ class Agent:
         self._next_beat = 0.0
         self._lost_controller = False  # the last teardown was the controller's silence under running ranks
         self._reformed: WorldFormed | None = None  # a re-formed world the controller sent while ranks ran
+        self._lifeline: int | None = None  # write end of the running children's FLODL_LIFELINE_FD pipe
 
     def _new_link(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -640,15 +643,22 @@ class Agent:
             label = f"{host}:{device.replace(':', '')}:r{rank}"
             plan.append((label, rank, self.child_environ(joined, "rank", rank, local)))
         children: list[_Child] = []
+        # The children's lifeline (environment.watch_lifeline): only this process's death closes
+        # the write end we keep, so a SIGKILLed agent leaves no relay or rank behind.
+        lifeline, keep = os.pipe()
+        if self._lifeline is not None:
+            os.close(self._lifeline)  # the incarnation before is gone (every child reaped)
+        self._lifeline = keep
         try:
             for label, rank, env in plan:
                 proc = subprocess.Popen(
                     [self.python, *joined.spawn.argv],
-                    env=env,
+                    env={**env, "FLODL_LIFELINE_FD": str(lifeline)},
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
+                    pass_fds=(lifeline,),
                 )
                 forwarders = [self._forward(proc.stdout, f"[{label}] "), self._forward(proc.stderr, f"[{label}] ")]
                 children.append(_Child(label, rank, proc, forwarders))
@@ -657,6 +667,8 @@ class Agent:
                 signal_group(c.proc, signal.SIGKILL)
                 c.proc.wait()
             raise MembershipError(f"could not start {joined.spawn.argv[0]!r} with {self.python}: {exc}") from None
+        finally:
+            os.close(lifeline)  # the children hold their own copies
         log.info("host %r running relay + ranks %s of a %d-rank world", host, list(joined.ranks), joined.world_size)
         return children
 

@@ -15,9 +15,9 @@ runs the same user script in every one of them and sets:
     FLODL_LOCAL_RANK  rank: its index on the host (picks cuda:LOCAL_RANK when CUDA is present)
     FLODL_EXIT_FD     controller under `flodl-zmq launch`: the pipe on which the launcher
                       reports every relay and rank exit (`ExitReports`), as an agent does
-    FLODL_LIFELINE_FD every role under `flodl-zmq launch`: the read end of a pipe only the
-                      launcher writes to; its end of file means the launcher is gone, and
-                      the process stops as on SIGTERM (`watch_lifeline`)
+    FLODL_LIFELINE_FD every role under `flodl-zmq launch`, and an agent's relay and ranks: the
+                      read end of a pipe only the parent holds open; its end of file means
+                      the parent is gone, and the process stops as on SIGTERM (`watch_lifeline`)
 
 and the settings of flodl_zmq/settings.py that a child reads (FLODL_SLOWDOWN,
 FLODL_STARTUP_TIMEOUT, the relay's and the rank's timings), written and read

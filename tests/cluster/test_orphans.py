@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_zmq.launch import TERM_GRACE_S
+from flodl_zmq.launch import TERM_GRACE_S, free_port_base
 from flodl_zmq.links import remove_local_dir
 from flodl_zmq.wire import key_from_hex
 from flodl_zmq.wire.shm import unlink_run
@@ -122,3 +122,43 @@ def test_every_child_exits_when_the_launcher_dies_without_tearing_down(how):
                     os.kill(pid, signal.SIGKILL)
         unlink_run(key, run_id)
         remove_local_dir(key, run_id)
+
+
+def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
+    # The agent gives its children the same lifeline as the launcher (agent.py): its death closes it.
+    port = free_port_base()
+    address = f"127.0.0.1:{port}"
+    key = os.urandom(32).hex()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", FLODL_KEY=key)
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "flodl_zmq.cli", "controller", "--bind", address, "--min-ranks", "2",
+         "--target-ranks", "2", "--", *DEMO],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "flodl_zmq.cli", "agent", "--controller", address, "--host", f"h{i}",
+         "--cpu-slots", "1", "--script", " ".join(DEMO[:2])],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        for i in range(2)]
+    children: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and sorted(children.values()) != ["rank", "relay"]:
+            children = children_of(agents[0].pid)
+            time.sleep(0.2)
+        assert sorted(children.values()) == ["rank", "relay"], f"agent h0 started {children} within 90 s"
+        agents[0].kill()
+        agents[0].wait(10)
+        deadline = time.monotonic() + ORPHAN_DEADLINE_S
+        while time.monotonic() < deadline and any(alive(p) for p in children):
+            time.sleep(0.1)
+        left = {p: role for p, role in children.items() if alive(p)}
+        assert not left, f"still running {ORPHAN_DEADLINE_S:g} s after their agent was SIGKILLed: {left}"
+    finally:
+        for proc in (*agents, controller):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for pid in children:
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
