@@ -25,7 +25,7 @@ from flodl_zmq import bundle, checkpoints
 from flodl_zmq.launch import Cluster
 from flodl_zmq.wire import new_key
 from tests.cluster.netns import network_or_skip
-from tests.cluster.test_multihost import BIN, Compose, agent_argv, controller_argv, result_of
+from tests.cluster.test_multihost import Compose, agent_argv, controller_argv, result_of, without
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 SAMPLES_16 = (1437 // 16) * 16  # a progressive pool is batch-aligned
@@ -201,15 +201,6 @@ def start_run(c: Compose, ckpt: Path, key: str, grace_s: float, name: str = "con
         c.up("worker1", env=env, argv=without(ckpt, agent_argv(c, "worker1", JOB)))
         c.wait_for("controller", "admitted 'worker1'")
         c.up("worker2", env=env, argv=without(ckpt, agent_argv(c, "worker2", JOB)))
-
-
-def without(directory: Path, agent: list[str]) -> list[str]:
-    """`agent` in a mount namespace of its own where `directory` is an empty tmpfs: a worker host that
-    does not share the controller's filesystem, so its ranks must get their model over the wire."""
-    directory.mkdir(parents=True, exist_ok=True)
-    command = [str(BIN / "flodl-zmq"), *agent[1:]] if agent[0] == "flodl-zmq" else agent
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-            'mount -t tmpfs hidden "$0" && exec "$@"', str(directory), *command]
 
 
 def kill_controller(c: Compose) -> float:
