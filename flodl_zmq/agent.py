@@ -24,8 +24,9 @@ Rules this module keeps:
 - **A world may re-form mid-run** (hosts joining, PROTOCOL.md 13.1): a
   `join.world_formed` on the admitted link is the new world. The agent stops
   its relay and ranks, reports their exits, and spawns them again for the
-  new world from the checkpoint it names (FLODL_RESUME); this host's ranks
-  must be the ones it has. A host admitted after formation waits for that
+  new world, marked resumed (FLODL_RESUME): the ranks load the checkpoint's
+  consensus from the controller's reducer (no file here is read); this
+  host's ranks must be the ones it has. A host admitted after formation waits for that
   record like any joiner, for the announced budget (the controller's join
   cap, which must cover an epoch).
 - **Every rank exit is reported upstream at once** (`RankExited`, code

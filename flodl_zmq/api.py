@@ -107,9 +107,6 @@ class Trainer:
         if penv.lifeline_fd is not None:
             watch_lifeline(penv.lifeline_fd)
         job = self.job
-        stem = checkpoints.resolve(penv.settings.resume, penv.settings.checkpoint_dir)
-        if stem is not None:  # a restart: every role continues from the checkpoint the controller chose
-            job = dataclasses.replace(job, resume_from=str(stem))
         # A relay's comings and goings (ranks joining, leaving) are what an operator reads
         # when a host misbehaves; ranks and the controller print progress, not chatter.
         level = logging.INFO if penv.role == "relay" else logging.WARNING
@@ -117,6 +114,10 @@ class Trainer:
         if penv.role == "controller":
             from flodl_zmq.controller_service import run_controller
 
+            # A restart or re-form: only the controller reads the checkpoint (PROTOCOL.md 13).
+            stem = checkpoints.resolve(penv.settings.resume, penv.settings.checkpoint_dir)
+            if stem is not None:
+                job = dataclasses.replace(job, resume_from=str(stem))
             return run_controller(job, penv, host.link if host is not None else None)
         if penv.role == "relay":
             raise SystemExit(run_relay(penv))
@@ -131,6 +132,9 @@ def run_rank(job: Job, penv: ProcessEnv) -> int:
     control, data = local_endpoints(penv.key, penv.run_id, penv.host)
     s = penv.settings
     cfg = RankConfig(
+        # Resumed (the job's resume_from, or the checkpoint the controller ships, FLODL_RESUME): the rank
+        # loads the starting consensus from the reducer before its first step and opens no file.
+        resumed=bool(job.resume_from) or s.resume is not None,
         rank=penv.rank, local_rank=penv.local_rank, world_size=penv.world_size, host=penv.host,
         key=penv.key, run_id=penv.run_id, control_endpoint=control, data_endpoint=data,
         slowdown=s.slowdown, heartbeat_s=s.rank_heartbeat_period_s,

@@ -135,7 +135,7 @@ from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import flatten, load_flat, model_signature
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult
 from flodl_zmq.runlog import run_dir_for
@@ -339,6 +339,8 @@ class ControllerService:
             ),
             ctx,
             self.outer,
+            # A resumed world's ranks load the checkpoint's consensus from the reducer (PROTOCOL.md 13).
+            None if not self.job.resume_from else (rec.RESUME_ROUND, resume_payload(self.consensus, self.job.wire_dtype)),
         )
         control = ctx.socket(zmq.ROUTER)
         keep_off_the_data_plane(control)

@@ -5,6 +5,10 @@ data; routing identity = its global rank as ASCII digits). It takes part in
 the protocol like this (PROTOCOL.md, Rank):
 
 1. Sends `RankHello` (rank, world size, host, model and dataset signatures).
+   A rank of a resumed or re-formed world then asks its relay for the
+   starting consensus (`ConsensusRequest(RESUME_ROUND)`, again every
+   `consensus_wait_s`) and loads it before anything else: its model comes
+   over the wire from the controller's checkpoint, never from a file.
 2. Trains the spans of the epoch permutation it is given (`StartEpoch`,
    `Update.next_plan`, `ExtendPartition`), reporting its steps' timings in
    `Batch` records (coalesced: `StepReport`), one `EpochMetrics` per
@@ -71,7 +75,7 @@ import numpy as np
 import torch
 import zmq
 
-from flodl_zmq import bundle, int8
+from flodl_zmq import int8
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.errors import ConfigError, ReplayError, ShmError, TrainingError, WireError
 from flodl_zmq.job import Job
@@ -283,6 +287,9 @@ class RankConfig:
     # The world forms only once every rank has started: the first word may take long.
     first_contact_timeout_s: float = DEFAULTS.coordinator_first_contact_at_rank_s
     consensus_wait_s: float = DEFAULTS.consensus_wait_at_relay_s  # then the rank asks its relay for it
+    # A resumed or re-formed world: the rank loads the reducer's starting consensus (round
+    # rec.RESUME_ROUND) before its first step; it never reads a checkpoint (PROTOCOL.md 13).
+    resumed: bool = False
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -370,9 +377,11 @@ class _Link:
         self._stop = threading.Event()
         self.rejected = 0
         self.resent = 0  # deposits sent again because the relay asked (lost on the local link)
-        # The round's deposit, kept until its consensus passes, and when to ask the relay for it.
+        # The round's deposit, kept until its consensus passes; the round whose consensus is awaited
+        # (the deposit's, or a resumed world's start, asked for at once) and when to ask the relay for it.
         self._deposit: tuple[Any, list[Any], ParamBuffers | None] | None = None
-        self._ask_at = math.inf
+        self._awaited: int | None = rec.RESUME_ROUND if cfg.resumed else None
+        self._ask_at = 0.0 if cfg.resumed else math.inf
         self._thread = threading.Thread(target=self._run, name=f"flodl-rank{cfg.rank}-io", daemon=True)
 
     def start(self) -> None:
@@ -434,8 +443,8 @@ class _Link:
                                                              ack=self._down.acked))
                     next_beat = now + self.cfg.heartbeat_s
                 self._resend(control, now)
-                if now >= self._ask_at and self._deposit is not None:
-                    self._encode_send(data, rec.ConsensusRequest(round=self._deposit[0].round), Channel.DATA)
+                if now >= self._ask_at and self._awaited is not None:
+                    self._encode_send(data, rec.ConsensusRequest(round=self._awaited), Channel.DATA)
                     self._ask_at = now + self.cfg.consensus_wait_s
                 limit = self.cfg.first_contact_timeout_s if last_heard is None else self.cfg.coordinator_timeout_s
                 if not lost and now - (last_heard or started) > limit:
@@ -461,8 +470,8 @@ class _Link:
                             continue
                         env = None if frames is None else self._decode_data(frames)
                         if env is not None and isinstance(env.record, rec.Consensus):
-                            if self._deposit is not None and env.record.round == self._deposit[0].round:
-                                self._deposit, self._ask_at = None, math.inf
+                            if env.record.round == self._awaited:
+                                self._deposit, self._awaited, self._ask_at = None, None, math.inf
                             self.inbox.put(("consensus", env))
             if not lost:
                 self._await_acks(control)
@@ -556,7 +565,8 @@ class _Link:
             record, payload, tracked_by = item
             if payload:
                 self._send_deposit(data, record, payload, tracked_by)
-                self._deposit, self._ask_at = item, time.monotonic() + self.cfg.consensus_wait_s
+                self._deposit, self._awaited = item, record.round
+                self._ask_at = time.monotonic() + self.cfg.consensus_wait_s
             else:
                 self._encode_send(control, record)
 
@@ -609,11 +619,8 @@ class RankRuntime:
         torch.set_num_threads(job.torch_threads)
         torch.manual_seed(job.seed)  # same initial replica on every rank
         self.device = device or pick_device(cfg.local_rank)
-        self.model = job.model()
-        if job.resume_from:
-            # Every rank starts from the saved consensus (the bundle must be readable on each host).
-            self.model.load_state_dict(bundle.load(job.resume_from)[0])
-        self.model = self.model.to(self.device)
+        # A resumed rank's start comes over the wire (_load_start), never from job.resume_from's files.
+        self.model = job.model().to(self.device)
         self.optimizer = job.optimizer(self.model.parameters())
         self.stepper = Stepper(job, self.model, self.optimizer, self.device)
         self.scalars = ScalarLog()
@@ -665,6 +672,8 @@ class RankRuntime:
         )
         code = 0
         try:
+            if self.cfg.resumed:
+                self._load_start()
             with recording(self.scalars):
                 while self._stop_reason is None:
                     if not self._can_train():
@@ -685,6 +694,41 @@ class RankRuntime:
             log.error("rank %d: %s; exiting", self.cfg.rank, self._stop_reason)
             code = code or 1
         return code
+
+    def _load_start(self) -> None:
+        """Load the resumed world's starting consensus, asked of the relay, before the first step (PROTOCOL.md 13).
+
+        Control records that arrive meanwhile wait in order: a RequestParams served
+        on the initial replica would deposit a model the run never had.
+        """
+        limit = self.cfg.first_contact_timeout_s
+        deadline = time.monotonic() + limit
+        held: list[Any] = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TrainingError(
+                    f"rank {self.cfg.rank}: the resumed run's starting model (the consensus of round "
+                    f"{rec.RESUME_ROUND}) did not come from the controller's reducer within {limit:g} s "
+                    "(FLODL_COORDINATOR_FIRST_CONTACT_AT_RANK): check that this host reaches the controller's "
+                    "data ports and that the controller resumed the same run"
+                )
+            try:
+                kind, item = self.link.inbox.get(min(left, 0.5))
+            except queue.Empty:
+                continue
+            if kind == "control":
+                held.append(item)
+            elif kind == "consensus" and item.record.round == rec.RESUME_ROUND:
+                self._adopt(item.payload, 1.0)  # the start replaces the initial replica, whatever the blend
+                break
+            elif kind == "consensus":
+                self.stale_consensus += 1
+            else:
+                self._stop_reason = f"lost: {item}"
+                return
+        for record in held:
+            self._on_control(record)
 
     def _can_train(self) -> bool:
         return bool(self._spans) and not self._throttled
@@ -781,10 +825,7 @@ class RankRuntime:
             return
         divergence = post = pre = None
         if c.mass > 0.0:
-            divergence, post, pre = self.buffers.load(env.payload, self.alpha)
-            if self.alpha < 1.0 and self.job.eval_fn is not None:
-                assert self.buffers.consensus is not None
-                self._keep_consensus(self.buffers.consensus)
+            divergence, post, pre = self._adopt(env.payload, self.alpha)
         # Steps taken while the round was in flight keep their credit for the next frame.
         self.steps_since_avg -= self._steps_at_snapshot
         self._pending_round = None
@@ -799,6 +840,14 @@ class RankRuntime:
         for held in sorted(r for r in self._held_plans if r <= c.round):
             plan = self._held_plans.pop(held)
             self._add_span(plan.epoch, plan.offset, plan.size)
+
+    def _adopt(self, payload: Sequence[np.ndarray], alpha: float) -> tuple[float | None, float, float | None]:
+        """Load a consensus payload (ParamBuffers.load); a blending rank also keeps it for its evals."""
+        out = self.buffers.load(payload, alpha)
+        if self.alpha < 1.0 and self.job.eval_fn is not None:
+            assert self.buffers.consensus is not None
+            self._keep_consensus(self.buffers.consensus)
+        return out
 
     # -- training -----------------------------------------------------------
 

@@ -171,6 +171,15 @@ class RoundLedger:
         # separate from the sums, so the latest consensus survives while the next round accumulates.
         self._images = ImageCache(_consensus_outputs)
 
+    def start_at(self, round_id: int, tensors: Sequence[np.ndarray]) -> None:
+        """Begin as if ``round_id`` had just been reduced to ``tensors``: a resumed world's starting consensus.
+
+        Its ranks ask for that round before their first step (PROTOCOL.md 13), and
+        ``recover`` serves it like any latest consensus; later rounds start above it.
+        """
+        self.last_round = int(round_id)
+        self.latest = Reduced(int(round_id), 1.0, (), tuple(tensors))
+
     @property
     def round_id(self) -> int | None:
         """The round being collected, or None between rounds."""

@@ -21,6 +21,10 @@ Rules this module keeps:
   the ledger cannot serve is answered ConsensusGone, never ignored; one for
   an open round whose host frame never came is answered FrameRequest (the
   frame was lost in a reset; PROTOCOL.md 10.6).
+- A service that starts from a checkpoint (`resumed`) holds the checkpoint's
+  consensus as its latest, encoded in the run's wire dtype like a broadcast:
+  the ranks of a resumed or re-formed world ask for that round and get their
+  starting model over the wire, never from a file (PROTOCOL.md 13).
 - Each death reaches the owning relay as DeclareDead at once (or when the
   relay registers), and is restated every RESEND_AFTER_S for the rest of the
   run: one lost in a reset must not leave a wedged rank in the host's fold
@@ -83,6 +87,7 @@ from flodl_zmq.mailbox import Mailbox, poll_ms
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.security import CurveKeys, apply_server
+from flodl_zmq.tensors import DTYPES, bf16_from_f32
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     Consensus,
@@ -157,6 +162,22 @@ class RoundOutcome:
     abandoned: str | None = None
 
 
+def resume_payload(consensus: np.ndarray, wire_dtype: str) -> list[np.ndarray]:
+    """A resumed world's starting consensus (flat f32) as its broadcast carries it, in the run's wire dtype.
+
+    f32 is the checkpoint itself. bf16 is exact too: the checkpoint is the
+    widened bf16 broadcast, or under an outer step its f32 global model, whose
+    broadcast is this same rounding. int8 is quantized afresh, without the
+    error feedback of the run before (it is not saved).
+    """
+    flat = np.array(consensus, dtype=np.float32).reshape(-1)  # a copy: the caller's consensus moves on
+    if wire_dtype == "int8":
+        return int8.PayloadEncoder().encode([flat])
+    if wire_dtype == "bf16":
+        return [bf16_from_f32(flat, np.empty(flat.size, DTYPES["bf16"]))]
+    return [flat]
+
+
 class ReducerService:
     """The controller's data plane: collect HostFrames, reduce, publish, recover, forward deaths.
 
@@ -173,9 +194,12 @@ class ReducerService:
     """
 
     def __init__(self, config: ReducerConfig, context: zmq.Context | None = None,
-                 outer: OuterOptimizer | None = None):
+                 outer: OuterOptimizer | None = None, resumed: tuple[int, list[np.ndarray]] | None = None):
         self.config = config
         self.ledger = RoundLedger(config.world, outer)
+        self._resumed = resumed  # (round, payload in the wire dtype): the starting consensus, see resume_payload
+        if resumed is not None:
+            self.ledger.start_at(*resumed)
         # Held while the ledger may step the outer state, and by `outer_state`: a save must not
         # copy a global model and a momentum from two different rounds.
         self._outer_lock = threading.Lock()
@@ -276,6 +300,10 @@ class ReducerService:
     def _loop(self) -> None:
         cfg = self.config
         self._codec = Codec(cfg.key, cfg.run_id, REDUCER_SENDER)
+        if self._resumed is not None:  # served on request only (ConsensusRequest), as a resend is
+            round_id, payload = self._resumed
+            self._latest_frames = (round_id, self._codec.encode(Consensus(round_id, 1.0), payload,
+                                                                channel=Channel.BROADCAST))
         self._data = data = self._ctx.socket(zmq.ROUTER)
         self._pub = pub = self._ctx.socket(zmq.PUB)
         try:

@@ -52,7 +52,9 @@ Rules this module keeps:
   frame shipped is kept until its consensus comes and sent again when the
   reducer asks (FrameRequest); a rank that asks for its consensus
   (ConsensusRequest) gets the last one delivered again, or a FrameRequest
-  when its deposit never reached the fold. Round id + sender make a resend
+  when its deposit never reached the fold. A request for RESUME_ROUND (a
+  resumed world's starting consensus, PROTOCOL.md 13) not yet delivered goes
+  to the reducer and is watched like a shipped round. Round id + sender make a resend
   idempotent: the fold and the reducer count a crossing copy once.
 - Every queue is bounded by a high-water mark counted in records; a slow
   upstream blocks the data thread, which stops reading the ranks.
@@ -121,6 +123,7 @@ from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
     MERGEABLE,
     RANK_CONTROL_RECORDS,
+    RESUME_ROUND,
     Consensus,
     ConsensusGone,
     ConsensusRequest,
@@ -792,6 +795,12 @@ class _DataPlane:
             out = shared if shared is not None and rank in self.by_reference else framed
             self.count["consensus_resent.local_data"] += 1
             self.to_rank(rank, out)
+        elif round_id == RESUME_ROUND and self.delivered is None:
+            # The starting model of a resumed world: the reducer holds it, and this relay delivers
+            # it to every live rank like a round it shipped (a rank that missed it asks again).
+            # Once a later round is delivered it is superseded: nobody here can still need it.
+            self.watch.shipped(round_id, time.monotonic())
+            self.request(round_id)
         elif self.fold.awaits(rank, round_id):
             self.count["frame_requests.local_data"] += 1
             self.to_rank(rank, self.codec.encode(FrameRequest(round_id), channel=Channel.DATA))

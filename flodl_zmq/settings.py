@@ -216,8 +216,8 @@ SETTINGS: tuple[Setting, ...] = (
             kind=int, flags=("--checkpoint-every-rounds",), env=("FLODL_CHECKPOINT_EVERY_ROUNDS",),
             commands=("controller",), scope="run", minimum=0),
     Setting("resume", None, "restart a killed run: a checkpoint directory (its newest checkpoint), a bundle stem, "
-            "or auto (the newest checkpoint of checkpoint_dir, if any; else a fresh run); the controller ships the "
-            "checkpoint it chose to every host", kind=str, metavar="DIR|STEM|auto", flags=("--resume",),
+            "or auto (the newest checkpoint of checkpoint_dir, if any; else a fresh run); only the controller reads "
+            "it: the ranks load its consensus from the controller's reducer", kind=str, metavar="DIR|STEM|auto", flags=("--resume",),
             env=("FLODL_RESUME",), commands=("controller",), scope="run"),
     Setting("checkpoint_keep", 3, "how many of the newest checkpoints to keep", kind=int,
             flags=("--checkpoint-keep",), env=("FLODL_CHECKPOINT_KEEP",), commands=("controller",), scope="run",

@@ -406,6 +406,11 @@ class Consensus:
     mass: float
 
 
+# Round 0 is never averaged (the coordinator counts rounds from 1): it names the consensus a
+# resumed or re-formed world starts from, which its ranks ask the reducer for (PROTOCOL.md 13).
+RESUME_ROUND = 0
+
+
 @record("data.consensus_request", D)
 class ConsensusRequest:
     """A relay (or a rank, of its relay) missed the consensus of `round` and asks for it point-to-point."""

@@ -24,7 +24,7 @@ from flodl_zmq.launch import Cluster
 from flodl_zmq.wire import new_key
 from tests.cluster.digits_job import RELIABLE_ACCURACY
 from tests.cluster.netns import network_or_skip
-from tests.cluster.test_multihost import Compose, controller_argv, result_of, start_workers
+from tests.cluster.test_multihost import Compose, agent_argv, controller_argv, result_of, without
 from tests.cluster.test_training import Run
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
@@ -166,7 +166,9 @@ def start_run(c: Compose, ckpt: Path, key: str, grace_s: float, name: str = "con
                "--resume", "auto"]))
     if name == "controller":
         env = {"FLODL_KEY": key, "FLODL_CONTROLLER_SILENCE": "3", "FLODL_CONTROLLER_GRACE": str(grace_s)}
-        start_workers(c, env=env)
+        c.up("worker1", env=env, argv=without(ckpt, agent_argv(c, "worker1", JOB)))
+        c.wait_for("controller", "admitted 'worker1'")
+        c.up("worker2", env=env, argv=without(ckpt, agent_argv(c, "worker2", JOB)))
 
 
 def kill_controller(c: Compose) -> float:
@@ -185,6 +187,9 @@ def test_agents_rejoin_a_restarted_controller_with_their_old_ranks_and_the_run_c
         hosts.wait_for(worker, "re-dialling the controller")
     stem = checkpoints.newest(ckpt)
     assert stem is not None
+    # The agents' view has no checkpoint: their ranks can only load it from the controller.
+    hidden = hosts.net.run("worker1", without(ckpt, ["test", "!", "-e", f"{stem}.meta.json"]))
+    assert hidden.returncode == 0, hidden.stderr
     start_run(hosts, ckpt, key, grace_s=90, name="controller2")
     log = hosts.wait_for("controller2", "world formed")
     restart_s = time.monotonic() - killed

@@ -17,7 +17,7 @@ import pytest
 
 from flodl_zmq import bundle
 from tests.cluster.netns import network_or_skip
-from tests.cluster.test_multihost import BIN, Compose, controller_argv, result_of
+from tests.cluster.test_multihost import BIN, Compose, controller_argv, result_of, without
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 EPOCHS = 6
@@ -43,11 +43,12 @@ def hosts(net, tmp_path, monkeypatch):
 
 
 def agent(c: Compose, name: str, *, host: str | None = None, extra: tuple[str, ...] = (),
-          env: dict[str, str] | None = None) -> None:
-    """An agent named `name` (its --host) on netns host `host` (default `name`), one CPU slot."""
-    c.up(name, host=host or name, service="worker1", env=env, argv=[
-        str(BIN / "flodl-zmq"), "agent", "--controller", "controller:7300", "--host", name, "--cpu-slots", "1",
-        "--join-timeout", "60", "--script", JOB, *extra])
+          env: dict[str, str] | None = None, hidden: Path | None = None) -> None:
+    """An agent named `name` (its --host) on netns host `host` (default `name`), one CPU slot;
+    `hidden`: a directory of the controller's this host does not see (no shared filesystem)."""
+    argv = [str(BIN / "flodl-zmq"), "agent", "--controller", "controller:7300", "--host", name, "--cpu-slots", "1",
+            "--join-timeout", "60", "--script", JOB, *extra]
+    c.up(name, host=host or name, service="worker1", env=env, argv=argv if hidden is None else without(hidden, argv))
 
 
 def reform_seconds(run_dir: Path, first: int) -> float:
@@ -68,14 +69,15 @@ def test_a_host_joins_mid_run_with_a_share_by_speed_and_one_with_other_data_is_r
     hosts.up("controller", argv=controller_argv(hosts, program=PROGRAM, extra=[
         "--min-ranks", "2", "--target-ranks", "2", "--max-ranks", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-keep", "100",
         "--run-dir", str(tmp_path / "run")]))
-    agent(hosts, "worker1")
+    # No worker sees the checkpoint directory: the re-formed world's ranks get their model over the wire.
+    agent(hosts, "worker1", hidden=ckpt)
     hosts.wait_for("controller", "admitted 'worker1'")
-    agent(hosts, "worker2")
+    agent(hosts, "worker2", hidden=ckpt)
     # Both dial in once the world of two formed (the second admission forms it): admitted mid-run,
     # while the ranks start, so even on a loaded machine the join lands well before the last epoch.
     hosts.wait_for("controller", "admitted 'worker2'")
     # Slower hardware: ElChe must measure it and give it a smaller share than the others.
-    agent(hosts, "worker3", env={"FLODL_SLOWDOWN": "3"})
+    agent(hosts, "worker3", env={"FLODL_SLOWDOWN": "3"}, hidden=ckpt)
     # Another dataset: refused by name, the run goes on untouched.
     agent(hosts, "other-data", host="intruder", extra=("--dataset-sig", "ab" * 32))
 

@@ -112,6 +112,15 @@ def agent_argv(compose: Compose, name: str, script: str) -> list[str]:
     return command
 
 
+def without(directory: Path, agent: Sequence[str]) -> list[str]:
+    """`agent` in a mount namespace of its own where `directory` is an empty tmpfs: a worker host that
+    does not share the controller's filesystem, so its ranks must get their model over the wire."""
+    directory.mkdir(parents=True, exist_ok=True)
+    command = [str(BIN / "flodl-zmq"), *agent[1:]] if agent[0] == "flodl-zmq" else list(agent)
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs hidden "$0" && exec "$@"', str(directory), *command]
+
+
 def start_workers(compose: Compose, env: dict[str, str] | None = None, script: str = JOB) -> None:
     """worker1, admitted as ranks 0 and 1, then worker2 (ranks 2 and 3), each agreeing to run `script`."""
     compose.up("worker1", env=env, argv=agent_argv(compose, "worker1", script))

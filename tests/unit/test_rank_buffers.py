@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from torch.utils.data import TensorDataset
 
 from flodl_zmq.errors import ConfigError, TrainingError
 from flodl_zmq.job import Job
+from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.payload import flatten, load_flat, model_signature, payload_tensors
 from flodl_zmq.rank import ParamBuffers, RankConfig, RankRuntime
 from flodl_zmq.tensors import bf16_from_f32
@@ -241,3 +244,41 @@ def test_a_consensus_for_a_round_not_awaited_is_refused_and_counted():
         rt._on_consensus(SimpleNamespace(record=rec.Consensus(round_id, 1.0), payload=[]))
     assert rt.stale_consensus == 2
     assert all(torch.equal(a, b) for a, b in zip(before, rt.model.parameters(), strict=True))
+
+
+def _resumed_runtime(**cfg: Any) -> RankRuntime:
+    """A rank of a resumed world whose job names a bundle no worker can read."""
+    data = TensorDataset(torch.zeros(64, 4), torch.zeros(64, dtype=torch.long))
+    job = Job(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+              train_step=lambda m, b: m(b[0]).sum(), dataset=data, batch_size=8, epochs=1,
+              resume_from="/nonexistent/on/this/host/ckpt-r000000007")
+    rc = RankConfig(rank=0, local_rank=0, world_size=1, host="h", key=b"k" * 32, run_id=b"r" * 16,
+                    control_endpoint="tcp://127.0.0.1:1", data_endpoint="tcp://127.0.0.1:2", resumed=True, **cfg)
+    return RankRuntime(job, rc, device=torch.device("cpu"))
+
+
+def test_a_resumed_rank_never_opens_a_file_and_starts_from_the_consensus_it_is_sent(monkeypatch):
+    # PROTOCOL.md 13: only the controller reads checkpoints; a worker's host may not even have one.
+    def no_file(*args: Any, **kw: Any) -> Any:
+        raise AssertionError(f"a rank opened a file: {args!r}")
+
+    monkeypatch.setattr(builtins, "open", no_file)
+    monkeypatch.setattr(torch, "load", no_file)
+    rt = _resumed_runtime()
+    start = np.arange(rt.buffers.numel, dtype=np.float32)
+    rt.link = SimpleNamespace(inbox=Mailbox())
+    # Control records that come before the starting model wait for it, in order.
+    rt.link.inbox.put(("control", rec.StartEpoch(plan=rec.EpochPlan(epoch=0, offset=0, size=16))))
+    rt.link.inbox.put(("consensus", SimpleNamespace(record=rec.Consensus(round=9, mass=1.0), payload=[start * 0])))
+    rt.link.inbox.put(("consensus", SimpleNamespace(record=rec.Consensus(round=rec.RESUME_ROUND, mass=1.0),
+                                                     payload=[start])))
+    rt._load_start()
+    assert torch.equal(flatten(rt.model), torch.from_numpy(start))
+    assert rt.stale_consensus == 1 and rt._can_train() and rt._pending_round is None
+
+
+def test_a_resumed_rank_whose_starting_model_never_comes_fails_by_name():
+    rt = _resumed_runtime(first_contact_timeout_s=0.3)
+    rt.link = SimpleNamespace(inbox=Mailbox())
+    with pytest.raises(TrainingError, match=r"starting model .* did not come from the controller's reducer"):
+        rt._load_start()

@@ -1,0 +1,93 @@
+"""A resumed world's ranks get their starting model over the wire (PROTOCOL.md 13): reducer, relay, rank on ipc."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zmq
+
+from flodl_zmq import int8
+from flodl_zmq.rank import RankConfig, _Link
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
+from flodl_zmq.relay import Relay, RelayConfig
+from flodl_zmq.tensors import DTYPES, bf16_from_f32, f32_from_bf16
+from flodl_zmq.wire import new_key
+from flodl_zmq.wire.records import RESUME_ROUND, RoundFrame
+
+from .dataplane_helpers import WAIT_S, FakeRank, endpoints
+
+pytestmark = pytest.mark.timeout(60)
+
+N = 5000  # values of the model: more than one int8 block
+
+
+def widened(payload: list[np.ndarray]) -> np.ndarray:
+    """The f32 model a rank loads from a consensus payload in any wire dtype."""
+    if int8.is_int8(payload):
+        return int8.widen(payload, [np.empty(payload[0].size, np.float32)])[0]
+    flat = payload[0].reshape(-1)
+    return f32_from_bf16(flat, np.empty(flat.size, np.float32)) if flat.dtype == DTYPES["bf16"] else flat.copy()
+
+
+def checkpoint_consensus(wire_dtype: str) -> np.ndarray:
+    """A checkpoint's consensus as a run on `wire_dtype` keeps it: a widened broadcast."""
+    x = np.random.default_rng(7).standard_normal(N).astype(np.float32)
+    return widened(resume_payload(x, wire_dtype))
+
+
+@pytest.mark.parametrize("wire_dtype", ["f32", "bf16", "int8"])
+def test_the_starting_consensus_is_the_checkpoint_in_the_wire_dtype(wire_dtype):
+    ckpt = checkpoint_consensus(wire_dtype)
+    got = widened(resume_payload(ckpt, wire_dtype))
+    if wire_dtype == "int8":  # quantized afresh: the same int8 values, scales within an f32 rounding
+        x = np.random.default_rng(7).standard_normal(N).astype(np.float32)
+        assert np.array_equal(resume_payload(ckpt, "int8")[0], resume_payload(x, "int8")[0])
+        assert np.allclose(got, ckpt, rtol=1e-6, atol=0)
+    else:
+        assert np.array_equal(got, ckpt)
+    if wire_dtype == "bf16":
+        assert resume_payload(ckpt, "bf16")[0].dtype == DTYPES["bf16"]
+
+
+@pytest.mark.parametrize("wire_dtype", ["f32", "bf16"])
+def test_a_resumed_rank_asks_its_relay_and_loads_the_checkpoint_consensus_then_rounds_go_on(tmp_path, wire_dtype):
+    ctx = zmq.Context()
+    key, run_id = new_key(), bytes(range(16))
+    eps = endpoints("ipc", tmp_path)
+    ckpt = checkpoint_consensus(wire_dtype)
+    reducer = ReducerService(ReducerConfig({"a": (0, 1)}, key, run_id, eps["data"], eps["bcast"],
+                                           probe_interval_s=0.05), ctx,
+                             resumed=(RESUME_ROUND, resume_payload(ckpt, wire_dtype)))
+    reducer.start()
+    relay = Relay(RelayConfig("a", (0, 1), key, run_id, eps["control"], eps["data"], eps["bcast"],
+                              eps["a-control"], eps["a-data"], consensus_deadline_s=0.5), ctx)
+    relay.start()
+    cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="a", key=key, run_id=run_id,
+                     control_endpoint=eps["a-control"], data_endpoint=eps["a-data"],
+                     consensus_wait_s=0.5, first_contact_timeout_s=WAIT_S * 6, resumed=True)
+    link = _Link(cfg, ctx, 0.0)
+    other = FakeRank(ctx, 1, key, run_id, eps["a-control"], eps["a-data"])
+    try:
+        link.start()
+        kind, env = link.inbox.get(WAIT_S)
+        assert kind == "consensus" and env.record.round == RESUME_ROUND
+        assert np.array_equal(widened(list(env.payload)), ckpt)  # the checkpoint, bit for bit
+        assert reducer.counters()["consensus_requests"] >= 1
+        # The next round is the checkpoint's + 1 and above: the reducer, which began at round 0, takes it.
+        wire = np.ones(N, np.float32)
+        if wire_dtype == "bf16":
+            wire = bf16_from_f32(wire, np.empty(N, DTYPES["bf16"]))
+        link.send(RoundFrame(round=5, rank=0, mass=1.0), [wire])
+        other.deposit(5, 1.0, [wire], wire_dtype)
+        assert reducer.completed.get(timeout=WAIT_S).round_id == 5
+        while True:  # rank 1 may or may not have been connected when the relay delivered round 0
+            kind, env = link.inbox.get(WAIT_S)
+            if env.record.round == 5:
+                break
+        assert np.array_equal(widened(list(env.payload)), np.ones(N, np.float32))
+    finally:
+        link.close()
+        other.close()
+        relay.stop()
+        reducer.stop()
+        ctx.destroy(0)
