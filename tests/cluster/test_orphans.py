@@ -154,6 +154,8 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
         left = {p: role for p, role in children.items() if alive(p)}
         assert not left, f"still running {ORPHAN_DEADLINE_S:g} s after their agent was SIGKILLed: {left}"
     finally:
+        for proc in agents[1:]:  # the other host's relay and rank, which no test kill reached
+            children.update(children_of(proc.pid))
         for proc in (*agents, controller):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
