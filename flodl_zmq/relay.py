@@ -799,8 +799,10 @@ class _DataPlane:
             # The starting model of a resumed world: the reducer holds it, and this relay delivers
             # it to every live rank like a round it shipped (a rank that missed it asks again).
             # Once a later round is delivered it is superseded: nobody here can still need it.
-            self.watch.shipped(round_id, time.monotonic())
-            self.request(round_id)
+            # Asked upstream once for all the host's ranks; the watch repeats it, backing off (10.3).
+            if round_id not in self.watch.pending:
+                self.watch.shipped(round_id, time.monotonic())
+                self.request(round_id)
         elif self.fold.awaits(rank, round_id):
             self.count["frame_requests.local_data"] += 1
             self.to_rank(rank, self.codec.encode(FrameRequest(round_id), channel=Channel.DATA))

@@ -12,6 +12,7 @@ from flodl_zmq.links import RELAY_ROUTE, rank_identity
 from flodl_zmq.relay import ConsensusWatch, RankLiveness, Relay, RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import (
+    RESUME_ROUND,
     Batch,
     ConsensusRequest,
     CoordHeartbeat,
@@ -403,6 +404,21 @@ def test_silence_after_shipping_asks_for_the_consensus_and_the_resend_is_deliver
             assert r.consensus().record.round == 4
     finally:
         rig.close()
+
+
+def test_a_resumed_hosts_ranks_asking_for_their_starting_model_make_one_request_upstream(rig):
+    # PROTOCOL.md 13: each rank asks for round RESUME_ROUND; the relay asks the reducer once for all of
+    # them (repeats back off, 10.3), or a slow link would carry one copy of the model per rank and ask.
+    for _ in range(3):
+        for r in rig.ranks:
+            r.data.send_multipart(r.codec.encode(ConsensusRequest(RESUME_ROUND), channel=Channel.DATA))
+    assert rig.ctl.data_record().record == ConsensusRequest(RESUME_ROUND)
+    assert rig.ctl.data.poll(300) == 0  # nothing more: the other five asks were answered by the one
+    assert rig.relay.counters()["consensus_requests"] == 1
+    rig.ctl.resend(rig.ctl.codec.encode(_consensus(RESUME_ROUND), [np.ones(3, np.float32)],
+                                        channel=Channel.BROADCAST))
+    for r in rig.ranks:
+        assert r.consensus().record.round == RESUME_ROUND
 
 
 def test_forged_declare_dead_is_rejected(rig):
