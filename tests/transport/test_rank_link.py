@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import time
 import uuid
 
 import numpy as np
@@ -35,11 +36,27 @@ def link(tmp_path):
     # The first heartbeat tells us the link is up (and gives the ROUTER the rank's route).
     assert control.poll(int(WAIT_S * 1000))
     control.recv_multipart()
+    # The data DEALER connects on its own schedule, and a ROUTER drops what it cannot route yet:
+    # make such a send fail instead (tests retry it until the rank's data connection is there).
+    data.setsockopt(zmq.ROUTER_MANDATORY, 1)
     yield lk, control, data, key, run_id
     lk.close()
     control.close(0)
     data.close(0)
     ctx.term()
+
+
+def send_when_routable(router: zmq.Socket, frames: list) -> None:
+    """Send once the peer's connection exists (ROUTER_MANDATORY: EHOSTUNREACH until then), within WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            router.send_multipart(frames)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def test_only_the_coordinators_control_records_reach_the_training_thread(link):
@@ -59,7 +76,7 @@ def test_a_consensus_framed_by_anyone_but_the_reducer_is_rejected(link):
     t = [np.arange(4, dtype=np.float32)]
     forged = Codec(key, run_id, COORDINATOR_SENDER).encode(rec.Consensus(1, 1.0), t, channel=Channel.BROADCAST)
     genuine = Codec(key, run_id, REDUCER_SENDER).encode(rec.Consensus(1, 1.0), t, channel=Channel.BROADCAST)
-    data.send_multipart([rank_identity(0), *forged])
+    send_when_routable(data, [rank_identity(0), *forged])
     data.send_multipart([rank_identity(0), *genuine])
     kind, env = lk.inbox.get(WAIT_S)
     assert kind == "consensus" and env.sender == REDUCER_SENDER
