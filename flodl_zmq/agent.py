@@ -92,7 +92,7 @@ from flodl_zmq.links import (
     JOIN_MAX_FRAMES,
     limit_receive,
     recv_bounded,
-    remove_local_dir,
+    remove_host_sockets,
 )
 from flodl_zmq.membership import (
     CHALLENGE_NONCE_BYTES,
@@ -124,7 +124,7 @@ from flodl_zmq.wire.records import (
     RankExited,
     WorldFormed,
 )
-from flodl_zmq.wire.shm import unlink_run
+from flodl_zmq.wire.shm import unlink_host
 
 log = logging.getLogger(__name__)
 
@@ -534,9 +534,10 @@ class Agent:
                     children = self._spawn(joined)
                     code = self._supervise(children)
                 finally:
-                    # A SIGKILLed relay or rank cannot unlink its shared-memory segments.
-                    unlink_run(joined.session_key, joined.run_id)
-                    remove_local_dir(joined.session_key, joined.run_id)  # and its ipc socket files
+                    # A SIGKILLed relay or rank cannot unlink its shared-memory segments, nor its
+                    # ipc socket files. Only this host's: another agent's may share the machine.
+                    unlink_host(joined.session_key, joined.run_id, self.config.host, joined.ranks)
+                    remove_host_sockets(joined.session_key, joined.run_id, self.config.host)
                 if self._reformed is not None and self._stop_reason is None:
                     joined = self._reform(joined, self._reformed)
                     continue

@@ -181,6 +181,16 @@ def remove_ipc(endpoint: str) -> None:
             pass  # gone already, not empty (the other socket, another relay), or not ours
 
 
+def remove_host_sockets(key: bytes, run_id: bytes, host: str, base: str | None = None) -> None:
+    """Remove `host`'s relay socket files (a SIGKILLed relay leaves them), and the run's `local_dir` once empty.
+
+    An agent removes only its own host's: another host's relay on the same
+    machine may be bound there still. Never raises.
+    """
+    for endpoint in local_endpoints(key, run_id, host, _local_dir_path(key, run_id, base)):
+        remove_ipc(endpoint)
+
+
 def tune(sock: zmq.Socket, hwm: int, poll_s: float) -> None:
     """Bounded queues (in records), no linger on close, sends that give up after one poll tick."""
     sock.setsockopt(zmq.SNDHWM, hwm)

@@ -171,6 +171,19 @@ def unlink_run(key: bytes, run_id: bytes, directory: str | None = None) -> int:
     return removed
 
 
+def unlink_host(key: bytes, run_id: bytes, host: str, ranks: Sequence[int], base: str | None = None) -> int:
+    """Unlink the segments of one host's relay and ranks, and the run's directory once empty.
+
+    An agent cleans up after its own host only: other hosts' relays and ranks
+    may share this machine's shared memory (several agents on one machine), and
+    their live segments are not its to remove. Never raises; returns how many.
+    """
+    path = run_dir(key, run_id, base)
+    removed = sum(_unlink(segment_prefix(run_id, owner), path) for owner in (host_owner(host), *map(rank_owner, ranks)))
+    _rmdir(path)
+    return removed
+
+
 def _unlink(prefix: str, directory: str) -> int:
     """Unlink `prefix`* in `directory` if it is ours and private; skip what cannot be removed."""
     try:

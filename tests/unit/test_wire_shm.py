@@ -26,9 +26,13 @@ from flodl_zmq.wire.shm import (
     Segment,
     SegmentMap,
     by_reference,
+    ensure_run_dir,
+    host_owner,
     is_by_reference,
     rank_owner,
+    run_dir,
     segment_prefix,
+    unlink_host,
     unlink_owner,
 )
 
@@ -205,6 +209,19 @@ def test_a_dead_owners_segments_are_unlinked_and_no_one_elses(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [other.name]
     other.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_an_agent_unlinks_its_own_hosts_segments_and_not_another_agents_on_the_same_machine(tmp_path):
+    # Two agents on one machine share its shared memory: a re-form on one must not pull the other's
+    # live segments from under its ranks (a test in namespaces met exactly that).
+    ours = [Segment(KEY, RUN, owner, ensure_run_dir(KEY, RUN, str(tmp_path))) for owner in (host_owner("a"), rank_owner(0))]
+    theirs = Segment(KEY, RUN, rank_owner(2), run_dir(KEY, RUN, str(tmp_path)))
+    for seg in (*ours, theirs):
+        seg.layout([8])
+    assert unlink_host(KEY, RUN, "a", [0], str(tmp_path)) == 2
+    assert os.listdir(run_dir(KEY, RUN, str(tmp_path))) == [theirs.name]
+    theirs.close()
+    assert unlink_host(KEY, RUN, "b", [2], str(tmp_path)) == 0 and os.listdir(tmp_path) == []  # the empty dir goes
 
 
 def test_the_round_frame_vector_sent_by_reference_decodes_to_the_vectors_record(tmp_path):
