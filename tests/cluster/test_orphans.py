@@ -140,12 +140,14 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         for i in range(2)]
     children: dict[int, str] = {}
+    run_id: bytes | None = None
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and sorted(children.values()) != ["rank", "relay"]:
             children = children_of(agents[0].pid)
             time.sleep(0.2)
         assert sorted(children.values()) == ["rank", "relay"], f"agent h0 started {children} within 90 s"
+        run_id = bytes.fromhex(environ_of(next(iter(children)))["FLODL_RUN_ID"])
         agents[0].kill()
         agents[0].wait(10)
         deadline = time.monotonic() + ORPHAN_DEADLINE_S
@@ -164,3 +166,6 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
             if alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+        if run_id is not None:  # SIGKILLed: nobody unlinked their segments and sockets
+            unlink_run(key_from_hex(key), run_id)
+            remove_local_dir(key_from_hex(key), run_id)
