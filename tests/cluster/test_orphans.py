@@ -94,6 +94,25 @@ def start(argv: list[str]) -> subprocess.Popen:
     pytest.fail("the launched cluster trained no epoch within 90 s:\n" + "".join(seen[-40:]))
 
 
+def left_after_deadline(children: dict[int, str]) -> dict[int, str]:
+    """The children still running ORPHAN_DEADLINE_S from now (polled; those gone early end the wait)."""
+    deadline = time.monotonic() + ORPHAN_DEADLINE_S
+    while time.monotonic() < deadline and any(alive(p) for p in children):
+        time.sleep(0.1)
+    return {p: role for p, role in children.items() if alive(p)}
+
+
+def reap(children: dict[int, str], key: bytes, run_id: bytes | None) -> None:
+    """SIGKILL what is left and remove the run's segments and sockets (a SIGKILLed process leaves them)."""
+    for pid in children:
+        if alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    if run_id is not None:
+        unlink_run(key, run_id)
+        remove_local_dir(key, run_id)
+
+
 @pytest.mark.parametrize("how", ["sigkill-launcher", "sigkill-launcher-then-controller", "sigterm-parent"])
 def test_every_child_exits_when_the_launcher_dies_without_tearing_down(how):
     if how == "sigterm-parent":
@@ -110,18 +129,10 @@ def test_every_child_exits_when_the_launcher_dies_without_tearing_down(how):
         if how == "sigkill-launcher-then-controller":
             with contextlib.suppress(ProcessLookupError):  # it may have stopped on its own already
                 os.kill(next(p for p, role in children.items() if role == "controller"), signal.SIGKILL)
-        deadline = time.monotonic() + ORPHAN_DEADLINE_S
-        while time.monotonic() < deadline and any(alive(p) for p in children):
-            time.sleep(0.1)
-        left = {p: role for p, role in children.items() if alive(p)}
+        left = left_after_deadline(children)
         assert not left, f"still running {ORPHAN_DEADLINE_S:g} s after the launcher died: {left}"
     finally:
-        for pid in children:
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        unlink_run(key, run_id)
-        remove_local_dir(key, run_id)
+        reap(children, key, run_id)
 
 
 def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
@@ -150,10 +161,7 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
         run_id = bytes.fromhex(environ_of(next(iter(children)))["FLODL_RUN_ID"])
         agents[0].kill()
         agents[0].wait(10)
-        deadline = time.monotonic() + ORPHAN_DEADLINE_S
-        while time.monotonic() < deadline and any(alive(p) for p in children):
-            time.sleep(0.1)
-        left = {p: role for p, role in children.items() if alive(p)}
+        left = left_after_deadline(children)
         assert not left, f"still running {ORPHAN_DEADLINE_S:g} s after their agent was SIGKILLed: {left}"
     finally:
         for proc in agents[1:]:  # the other host's relay and rank, which no test kill reached
@@ -162,10 +170,4 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        for pid in children:
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        if run_id is not None:  # SIGKILLed: nobody unlinked their segments and sockets
-            unlink_run(key_from_hex(key), run_id)
-            remove_local_dir(key_from_hex(key), run_id)
+        reap(children, key_from_hex(key), run_id)

@@ -509,13 +509,18 @@ def test_late_and_duplicate_sync_acks_are_ignored_and_counted():
 # ------------------------------------------------------------------ resume
 
 
-def test_state_dict_round_trips_into_a_resumed_coordinator():
+def half_trained() -> tuple[Coordinator, dict]:
+    """Two ranks, 40 samples: each trained the front half of its span of epoch 0; the state then."""
     c, outs = make(total=40, epochs=3)
     plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
     train(c, 0, plans[0], 0)
     train(c, 1, plans[1], 0)
     finish(c, 1, [0, 1])
-    state = c.state_dict()
+    return c, c.state_dict()
+
+
+def test_state_dict_round_trips_into_a_resumed_coordinator():
+    c, state = half_trained()
     # Each rank trained the front of its span: [0, 10) and [20, 30).
     assert state["coverage"] == {"0": [[0, 10], [20, 10]]} and state["global_step"] == 20
     r = Coordinator(c.config, 2, 0.0, resume=state)
@@ -532,12 +537,7 @@ def test_resume_into_a_smaller_world_is_refused():
 
 
 def test_a_resume_into_a_grown_world_covers_the_holes_with_every_rank_and_the_new_one_starts_cold():
-    c, outs = make(total=40, epochs=3)
-    plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
-    train(c, 0, plans[0], 0)
-    train(c, 1, plans[1], 0)
-    finish(c, 1, [0, 1])
-    state = c.state_dict()
+    c, state = half_trained()
     r = Coordinator(c.config, 3, 0.0, resume=state)  # a host with rank 2 joined at the re-form
     assert r.elche.smoothed_ms_per_batch(2) is None and r.elche.smoothed_ms_per_batch(0) is not None  # rank 2 cold
     outs = r.start(0.0)
