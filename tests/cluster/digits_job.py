@@ -30,13 +30,15 @@ from flodl_zmq.demo import accuracy, cross_entropy_step, mlp, sgd
 
 calls = {"eval": 0}
 
-# What this job reliably reaches undisturbed in 12 to 15 epochs of batch 16 on 3 or 4 ranks:
-# 0.972 to 0.989 seen (one test image is 0.28 points of 359). Tests of a disturbance assert it
-# rather than a point under one undisturbed run of their own: two single runs can lie more than
-# a point apart by chance (0.9721 against 0.9833 failed CI once) with nothing wrong. A broken
-# recovery (a stale or corrupt consensus, a rank's state lost) costs far more, and what a
-# disturbance could cost in samples is checked exactly, epoch by epoch.
-RELIABLE_ACCURACY = 0.965
+# What this job reliably reaches undisturbed in 12 to 15 epochs of batch 16 (one test image is
+# 0.28 points of 359): 0.972 to 0.989 seen on 3 or 4 ranks, 0.9638 to 0.9777 on 2 (4 runs on a
+# quiet machine), and a run that loses ranks trains on what is left (4 ranks losing 2: 0.9638 to
+# 0.9694). Tests of a disturbance assert it, three images under the lowest seen, rather than a
+# point under one undisturbed run of their own: two single runs can lie more than a point apart
+# by chance with nothing wrong. A broken recovery (a stale or corrupt consensus, a rank's state
+# lost) costs far more, and what a disturbance could cost in samples is checked exactly, epoch by
+# epoch.
+RELIABLE_ACCURACY = 0.955
 
 
 def main() -> None:

@@ -39,6 +39,9 @@ from pathlib import Path
 
 import pytest
 
+from flodl_zmq.links import remove_host_sockets
+from flodl_zmq.wire.shm import unlink_host
+
 PREFIX = "flt"
 SUBNET = "10.231.0"
 NETNS_ETC = Path("/etc/netns")
@@ -78,6 +81,19 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _run_files_of(pid: int) -> tuple | None:
+    """(key, run id, host, *rank) naming the files a relay or rank process owns, from its environment."""
+    try:
+        env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
+    except OSError:
+        return None
+    if env.get(b"FLODL_ROLE") not in (b"relay", b"rank"):
+        return None
+    rank = (int(env[b"FLODL_RANK"]),) if env.get(b"FLODL_ROLE") == b"rank" else ()
+    return (bytes.fromhex(env[b"FLODL_KEY"].decode()), bytes.fromhex(env[b"FLODL_RUN_ID"].decode()),
+            env[b"FLODL_HOST"].decode(), *rank)
 
 
 def clean_stale() -> list[str]:
@@ -207,26 +223,37 @@ class Network:
         raise AssertionError(f"no process with {' '.join(environment)} on {name}")
 
     def kill_host_processes(self, name: str) -> None:
-        """SIGKILL every process in the host's namespace (a machine that dies)."""
+        """SIGKILL every process in the host's namespace (a machine that dies), then remove the
+        shared-memory segments and ipc socket files its relays and ranks leave (no agent is left to)."""
+        left: dict[tuple[bytes, bytes, str], set[int]] = {}
         for pid in self.pids(name):
+            owner = _run_files_of(pid)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
-                pass
+                continue
+            if owner is not None:
+                left.setdefault(owner[:3], set()).update(owner[3:])
+        for (key, run_id, host), ranks in left.items():
+            unlink_host(key, run_id, host, sorted(ranks))
+            remove_host_sockets(key, run_id, host)
 
     def stop(self, procs: Iterator[subprocess.Popen] | Sequence[subprocess.Popen]) -> None:
-        """SIGKILL `procs`' process groups, reap them, then whatever is left in every host."""
+        """SIGKILL every process in every host (the agents' children run in sessions of their own;
+        killed first, before an agent's death could stop them halfway), then `procs`' process groups."""
+        for host in self.hosts:
+            self.kill_host_processes(host)
         for proc in procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        for host in self.hosts:  # the agents' children run in sessions of their own
-            self.kill_host_processes(host)
 
     # ------------------------------------------------------------------ teardown
 
     def destroy(self) -> None:
+        for name in self.hosts:
+            self.kill_host_processes(name)
         for proc in self._procs:
             if proc.poll() is None:
                 try:
@@ -237,8 +264,6 @@ class Network:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        for name in self.hosts:
-            self.kill_host_processes(name)
         for ns in reversed(self._created):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
