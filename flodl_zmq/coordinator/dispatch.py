@@ -13,10 +13,14 @@ Rules this module keeps:
 - **A dead rank's unfinished data is handed on, never dropped.** Under Sync the
   remainder of its partition (everything after the samples it has processed)
   is split into contiguous `ExtendPartition` spans across the survivors.
-- **No final window leaves a rank at exactly one step.** A one-step rank has no
-  marginal (delivered) timing sample, and since the two timing scales are never
-  mixed in one window (timing.py), it would force the whole window's ElChe
-  feed back to the compute scale.
+- **A final window leaves a rank at exactly one step only to save time.** A
+  one-step rank has no marginal (delivered) timing sample, and since the two
+  timing scales are never mixed in one window (timing.py), it forces the
+  whole window's ElChe feed back to the compute scale. Its batch moves to a
+  peer, as in floDl, except in a window that is its whole epoch, where that
+  would leave the rank nothing to do every epoch (an epoch of a few batches:
+  the cohort is then slower than its fastest rank alone): there it moves
+  only if the window stretches by a tenth at most.
 - **An epoch's tail crumb rides in its last full window.** A remainder of up to
   `max_crumb` batches past one full schedule is folded into that window
   instead of getting a window of its own: a crumb window costs a whole
@@ -42,6 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from flodl_zmq.errors import ConfigError, CoordinatorError
 from flodl_zmq.wire.records import EpochPlan  # one plan type: the wire carries it as is
@@ -258,7 +263,7 @@ def is_final_window(remaining_batches: int, counts: Sequence[int], alive: Sequen
 
 
 def final_window_alloc(
-    remaining_batches: int, counts: Sequence[int], alive: Sequence[bool]
+    remaining_batches: int, counts: Sequence[int], alive: Sequence[bool], *, whole_epoch: bool = False
 ) -> list[int]:
     """Split the last `remaining_batches` of an epoch into one window with no one-step rank.
 
@@ -272,9 +277,11 @@ def final_window_alloc(
     then gets at least its count and the crumb lands where it stretches every
     rank's window alike (round-robin onto the slow ranks would make the
     slowest rank's window the longest by whole batches). All bands then
-    consolidate: a rank left at exactly 1 moves its batch to the live peer
-    with the smallest non-zero allocation. Dead ranks get 0 and the sum is
-    exactly `rem`. A lone 1 survives only when `rem == 1`.
+    consolidate (`_consolidate`): a rank left at exactly 1 moves its batch to
+    the live peer with the smallest non-zero allocation, unless the window is
+    the `whole_epoch` and the move stretches it by over a tenth. Dead ranks
+    get 0 and the sum is exactly `rem`; a lone 1 survives then and when
+    `rem == 1`.
     """
     live = _live_counts(counts, alive)
     ranks = [r for r, a in enumerate(alive) if a]
@@ -301,25 +308,37 @@ def final_window_alloc(
             fractions.append((-frac, r))
         for _, r in sorted(fractions)[: remaining_batches - sum(alloc)]:
             alloc[r] += 1
-    _consolidate(alloc, ranks)
+    _consolidate(alloc, live, ranks, whole_epoch)
     return alloc
 
 
-def _consolidate(alloc: list[int], ranks: Sequence[int]) -> None:
-    """Move each lone batch onto the smallest non-zero live peer (in place)."""
+def _consolidate(alloc: list[int], counts: Sequence[int], ranks: Sequence[int], whole_epoch: bool) -> None:
+    """Move each lone batch onto the smallest non-zero live peer (in place).
+
+    Except in a window that is its whole epoch, where the batch stays unless
+    the move stretches the window by a tenth at most (the stretch `max_crumb`
+    accepts): otherwise the rank would get nothing in the epoch, every epoch.
+    Counts are proportional to speed, so `alloc[r] / counts[r]` is rank r's
+    time in the window (an epoch of 5 batches at 1 : 3 speed: [4, 1], which
+    floDl makes [5, 0], a window a quarter longer with the slow rank idle).
+    """
+
+    def time(r: int, batches: int) -> Fraction | float:
+        return Fraction(batches, counts[r]) if counts[r] else (math.inf if batches else 0)
+
+    limit = max(time(r, alloc[r]) for r in ranks) * Fraction(11, 10) if whole_epoch else math.inf
     moved = True
     while moved:
         moved = False
         for r in ranks:
-            if alloc[r] != 1:
-                continue
             peers = [p for p in ranks if p != r and alloc[p] >= 1]
-            if not peers:
-                return  # rem == 1: irreducible; that window takes the compute-scale fallback
+            if alloc[r] != 1 or not peers:
+                continue
             target = min(peers, key=lambda p: (alloc[p], p))
-            alloc[target] += 1
-            alloc[r] = 0
-            moved = True
+            if time(target, alloc[target] + 1) <= limit:
+                alloc[target] += 1
+                alloc[r] = 0
+                moved = True
 
 
 def refresh_final_window_plan(
@@ -329,6 +348,7 @@ def refresh_final_window_plan(
     remaining_batches: int,
     counts: Sequence[int],
     alive: Sequence[bool],
+    whole_epoch: bool = False,
 ) -> FinalWindowPlan | None:
     """The final-window plan to use for `epoch` now: keep, re-pin, pin or drop.
 
@@ -337,10 +357,12 @@ def refresh_final_window_plan(
     kept as it is (its allocation covers the remainder it was pinned for); a
     stale one (other epoch, or live counts changed by ElChe or a death) is
     replaced; a new plan is pinned when the remainder fits in one window.
+    `whole_epoch`: nothing of the epoch is handed out yet.
     """
     live = _live_counts(counts, alive)
     if plan is not None and plan.epoch == epoch and plan.pinned_counts == live:
         return plan
     if not is_final_window(remaining_batches, counts, alive):
         return None
-    return FinalWindowPlan(epoch, tuple(final_window_alloc(remaining_batches, counts, alive)), live)
+    alloc = final_window_alloc(remaining_batches, counts, alive, whole_epoch=whole_epoch)
+    return FinalWindowPlan(epoch, tuple(alloc), live)

@@ -407,12 +407,14 @@ class ChunkStream:
 
     def _pin_final(self, epoch: int) -> None:
         """At a window start: plan the epoch's final window if its remainder fits one window."""
+        pool = self.pools[epoch]
         plan = dispatch.refresh_final_window_plan(
             None,
             epoch=epoch,
-            remaining_batches=self.pools[epoch].remaining() // self._config.batch_size,
+            remaining_batches=pool.remaining() // self._config.batch_size,
             counts=self._live_counts(),
             alive=self._liveness.live_mask,
+            whole_epoch=pool.remaining() == pool.size,
         )
         if plan is None:
             self._final.pop(epoch, None)

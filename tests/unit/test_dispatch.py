@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -219,6 +221,43 @@ def test_tiny_proportional_windows_consolidate(rem):
     alloc = final_window_alloc(rem, [71, 18, 15], ALL)
     assert sum(alloc) == rem
     assert 1 not in alloc
+
+
+def window_time(alloc, counts):
+    """A window's time in units of a schedule: counts are proportional to speed."""
+    return max(Fraction(a, c) for a, c in zip(alloc, counts, strict=True) if c)
+
+
+def test_a_window_that_is_its_whole_epoch_keeps_the_slow_ranks_lone_batch():
+    # 5 batches at 1 : 3 speed: [4, 1] ends with the fast rank's 4th batch; [5, 0]
+    # (floDl's rule, kept for an epoch's later windows) a batch later, with the slow
+    # rank idle every epoch.
+    two = [True, True]
+    assert final_window_alloc(5, [12, 4], two, whole_epoch=True) == [4, 1]
+    assert final_window_alloc(5, [12, 4], two) == [5, 0]
+    assert window_time([4, 1], [12, 4]) < window_time([5, 0], [12, 4])
+
+
+def test_in_a_whole_epoch_window_a_lone_batch_moves_where_it_stretches_the_window_a_tenth_at_most():
+    two = [True, True]
+    # [2, 1]: the slow rank's one batch takes as long as three of the fast rank's.
+    assert final_window_alloc(3, [12, 4], two, whole_epoch=True) == [3, 0]
+    # [19, 1] at 19 : 1 speed: a 20th batch stretches the fast rank's window by a
+    # twentieth; [9, 1] at 8 : 1, a 10th by more than a tenth.
+    assert final_window_alloc(20, [190, 10], two, whole_epoch=True) == [20, 0]
+    assert final_window_alloc(10, [80, 10], two, whole_epoch=True) == [9, 1]
+
+
+@pytest.mark.parametrize("rem", range(2, 21))
+def test_whole_epoch_windows_keep_lone_ones_only_where_moving_them_stretches_the_window(rem):
+    counts = [71, 18, 15]
+    alloc = final_window_alloc(rem, counts, ALL, whole_epoch=True)
+    assert sum(alloc) == rem
+    for r in (r for r in range(3) if alloc[r] == 1):
+        peer = min((p for p in range(3) if p != r and alloc[p] >= 1), key=lambda p: (alloc[p], p))
+        moved = list(alloc)
+        moved[peer], moved[r] = moved[peer] + 1, 0
+        assert window_time(moved, counts) > window_time(alloc, counts) * Fraction(11, 10)
 
 
 def test_fold_band_pads_slow_ranks_not_the_fastest():
