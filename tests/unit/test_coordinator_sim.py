@@ -164,6 +164,21 @@ def test_an_epochs_tail_crumb_rides_in_its_last_window(seed):
     assert res.coordinator.round <= epochs * ideal + 3  # + the final reduce and calibration
 
 
+def test_a_slow_rank_trains_in_every_epoch_of_a_few_batches_and_the_pair_beats_the_fast_rank_alone():
+    # bench/cohort.py at batch 256: 5 batches an epoch, rank 1 three times slower. Each
+    # epoch is one window; [4, 1] ends a fast batch sooner than [5, 0] (floDl's rule,
+    # under which the pair took 8.71 s against the fast rank's 8.20 s alone).
+    epochs, batches, fast_ms = 40, 5, 41.0
+    res = Simulation(CoordinatorConfig(total_samples=batches * 256, batch_size=256, num_epochs=epochs),
+                     [RankSpec(fast_ms), RankSpec(3 * fast_ms)], SimConfig(seed=1)).run()
+    assert res.ended.reason is None
+    assert_each_sample_once(res, epochs, batches * 256)
+    settled = [a.per_rank_batch_share[1] for a in res.aggregated[3:]]
+    assert min(settled) > 0, settled
+    alone_s = epochs * batches * fast_ms / 1000.0
+    assert res.end_time < alone_s / 1.15, (res.end_time, alone_s)
+
+
 def assert_no_sample_twice_and_aggregated_epochs_whole(res, total):
     aggregated = {a.epoch for a in res.aggregated}
     for epoch, done in res.completed.items():
