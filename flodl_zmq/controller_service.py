@@ -438,6 +438,23 @@ class ControllerService:
             events = dict(poller.poll(poll_ms(self._wake_at(drain_until) - now)))
             if sub in events:
                 drain(sub, self._on_broadcast, copy=False, budget=16)
+            # Before the ranks' records: a finished round's Updates (the next plans) are what
+            # idle ranks wait for, and a burst of reports must not hold them back.
+            if outcomes in events:
+                for outcome in reducer.completed.drain():
+                    # No round opens before the world forms: an outcome then names none.
+                    if outcome.round_id is None or not self.started:
+                        continue
+                    started = self._round_started.pop(outcome.round_id, None)
+                    if outcome.abandoned is None:
+                        if started is not None and outcome.published_at is not None:
+                            self.result.round_ms.append((outcome.published_at - started) * 1000.0)
+                            self._last_round_at = time.time()
+                        self._completed_round = outcome.round_id
+                        self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
+                        self._log_round(outcome.round_id, started)
+                    else:
+                        self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
             if control in events or self.connections.monitor in events:
                 self.connections.read_events()  # first: a reconnected peer's records follow its accept
             if control in events:
@@ -459,21 +476,6 @@ class ControllerService:
             if self.status_sink is not None and now >= self._next_status:
                 self._next_status = now + STATUS_EVERY_S
                 self._report_status()
-            if outcomes in events:
-                for outcome in reducer.completed.drain():
-                    # No round opens before the world forms: an outcome then names none.
-                    if outcome.round_id is None or not self.started:
-                        continue
-                    started = self._round_started.pop(outcome.round_id, None)
-                    if outcome.abandoned is None:
-                        if started is not None:
-                            self.result.round_ms.append((time.perf_counter() - started) * 1000.0)
-                            self._last_round_at = time.time()
-                        self._completed_round = outcome.round_id
-                        self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
-                        self._log_round(outcome.round_id, started)
-                    else:
-                        self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
             if self.started:
                 self._perform(self.core.on_tick(time.monotonic()))
                 self._maybe_checkpoint()

@@ -160,6 +160,7 @@ class RoundOutcome:
     mass: float
     hosts: tuple[str, ...]
     abandoned: str | None = None
+    published_at: float | None = None  # time.perf_counter() once the consensus was sent to every host
 
 
 def resume_payload(consensus: np.ndarray, wire_dtype: str) -> list[np.ndarray]:
@@ -518,7 +519,8 @@ class ReducerService:
     def _settled(self, outcome: Reduced | Abandoned | None) -> None:
         if isinstance(outcome, Reduced):
             self._publish(outcome)
-            self.completed.put(RoundOutcome(outcome.round_id, outcome.mass, outcome.hosts))
+            self.completed.put(RoundOutcome(outcome.round_id, outcome.mass, outcome.hosts,
+                                            published_at=time.perf_counter()))
         elif isinstance(outcome, Abandoned):
             # With no round open nothing was lost (the run's normal end); an open round lost is an error.
             level = logging.INFO if outcome.round_id is None else logging.ERROR
