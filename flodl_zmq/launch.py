@@ -17,7 +17,7 @@ Rules this module keeps:
   only the launcher writes to (FLODL_LIFELINE_FD) and stops as on SIGTERM at
   its end of file.
 - The controller's exit status is the run's: ranks and relays that are still
-  up a grace period after it ended are stopped.
+  up a grace period after it ended are stopped, at once if it failed.
 - The launcher is the agent of every simulated host: it reports every relay
   and rank exit to the controller at once (`ExitReports` on a pipe, the
   FLODL_EXIT_FD of flodl_zmq/environment.py), as an agent does over its join
@@ -264,7 +264,8 @@ class Cluster:
                 raise
             if not self._restart(code):
                 break
-        deadline = time.monotonic() + self.grace_s
+        # After a failed controller nobody will tell the ranks and relays to stop: at once.
+        deadline = time.monotonic() + (self.grace_s if code == 0 else 0.0)
         for child in self.children.values():
             try:
                 child.proc.wait(max(0.0, deadline - time.monotonic()))

@@ -473,7 +473,9 @@ class _Link:
                             if env.record.round == self._awaited:
                                 self._deposit, self._awaited, self._ask_at = None, None, math.inf
                             self.inbox.put(("consensus", env))
-            if not lost:
+            # A coordinator gone silent, or never heard (its records all refused: another key),
+            # acknowledges nothing: the agent or launcher reports this exit instead.
+            if not lost and last_heard is not None:
                 self._await_acks(control)
         finally:
             self._flush(control, data)

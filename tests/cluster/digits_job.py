@@ -4,7 +4,7 @@ Every process of a test cluster runs this file; the controller prints one
 `RESULT {json}` line. Knobs (command line): --mode, --epochs, --batch-size,
 --step-ms (a sleep per step, so a run lasts long enough to kill ranks in),
 --save / --resume (bundle stem), --eval-raises (eval_fn raises on its second
-call), --eval-ms (a sleep per eval), --callback-errors report|stop, --wire-dtype f32|bf16, --cosine (an LR schedule over the whole
+call), --eval-ms (a sleep per eval; with --slow-evals N, in the first N evals of each rank only), --callback-errors report|stop, --wire-dtype f32|bf16, --cosine (an LR schedule over the whole
 run, each step's LR recorded as the scalar "lr"), --max-grad-norm X, --workers N (loader processes
 per rank), --outer none|nesterov|momentum, --anchor N (ElChe's window floor), --heartbeat-timeout S (the coordinator's rank silence limit: the chaos suite's short one).
 Environment: DIGITS_SHIFT=1 makes this process load a perturbed dataset (a dataset mismatch);
@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--resume")
     p.add_argument("--eval-raises", action="store_true")
     p.add_argument("--eval-ms", type=float, default=0.0)
+    p.add_argument("--slow-evals", type=int)
     p.add_argument("--callback-errors", default="report")
     p.add_argument("--wire-dtype", default="f32")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0)
@@ -82,7 +83,7 @@ def main() -> None:
 
     def evaluate(model, dataset):
         calls["eval"] += 1
-        if args.eval_ms:
+        if args.eval_ms and (args.slow_evals is None or calls["eval"] <= args.slow_evals):
             time.sleep(args.eval_ms / 1000.0)
         if args.eval_raises and calls["eval"] == 2:
             raise RuntimeError("eval exploded on purpose")

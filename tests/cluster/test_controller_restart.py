@@ -110,7 +110,8 @@ def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_
     monkeypatch.setenv("FLODL_CHECKPOINT_DIR", str(tmp_path))
     monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "4")
     monkeypatch.setenv("FLODL_CHECKPOINT_KEEP", "100")  # the resumed one stays readable for the checks
-    args = [*ARGS, "--eval-ms", "1500"] if when == "during-eval" else ARGS
+    # Slow evals up to the kill (epoch 3's), at full speed after it.
+    args = [*ARGS, "--eval-ms", "1500", "--slow-evals", "4"] if when == "during-eval" else ARGS
     w = Run(*args).start()
     try:
         w.wait_for("[controller] epoch 3/", timeout=90.0)

@@ -121,8 +121,11 @@ def rig():
     relay.relay_send(rec.RelayHello(host="h", ranks=[0, 1], model_sigs=[]))
     relay.wait_for(RELAY_ROUTE, "RelayHelloAck")
     yield service, relay, thread, outcome
-    relay.sock.close(0)
+    for rank in (0, 1):  # the relay reports its ranks gone: the run ends, the service returns
+        relay.relay_send(rec.RankExit(rank))
     thread.join(WAIT_S)
+    relay.sock.close(0)
+    assert not thread.is_alive(), "the controller service outlived its test"
     ctx.term()
 
 

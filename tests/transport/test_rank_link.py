@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from flodl_zmq.links import COORDINATOR_SENDER, REDUCER_SENDER, coordinator_sender, rank_identity
+from flodl_zmq import rank as rank_module
 from flodl_zmq.rank import RankConfig, _Link
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
@@ -21,7 +22,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def link(tmp_path):
+def link(tmp_path, monkeypatch):
+    # No coordinator here acknowledges the rank's records: its bounded wait for that at exit
+    # would only run out (4 s a test).
+    monkeypatch.setattr(rank_module, "ACK_WAIT_AT_EXIT_S", 0.0)
     ctx = zmq.Context()
     key, run_id = new_key(), uuid.uuid4().bytes
     control, data = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
