@@ -32,11 +32,12 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(sys.platform != "linu
 class Run:
     """One cluster run: start, optionally act when a line shows up, wait, parse."""
 
-    def __init__(self, *args: str, slow: dict[int, float] | None = None, env_for=None, startup_timeout_s=None):
+    def __init__(self, *args: str, slow: dict[int, float] | None = None, env_for=None, startup_timeout_s=None,
+                 grace_s: float = 3.0):
         self.seen = threading.Condition()
         self.cluster = Cluster(
             argv=[JOB, *args], hosts=2, ranks_per_host=2, slow=slow or {}, env_for=env_for or {},
-            sink=self._sink, startup_timeout_s=startup_timeout_s, grace_s=3.0,
+            sink=self._sink, startup_timeout_s=startup_timeout_s, grace_s=grace_s,
         )
 
     def _sink(self, line: str) -> None:
@@ -208,10 +209,15 @@ def test_dataset_mismatch_stops_before_training_naming_the_rank():
     assert "epoch 1/" not in out
 
 
-def test_wrong_key_is_an_auth_error():
-    code, _, out = run("--epochs", "3", env_for={"controller": {"FLODL_KEY": new_key().hex()}}, startup_timeout_s=6)
+def test_wrong_key_is_an_auth_error_and_the_failed_controllers_ranks_are_stopped_at_once():
+    # A grace far longer than the test's wait: ranks left to outlive a failed controller would
+    # run into it (nobody will tell them to stop); they are stopped as soon as it has exited.
+    r = Run("--epochs", "3", env_for={"controller": {"FLODL_KEY": new_key().hex()}}, startup_timeout_s=6,
+            grace_s=600.0).start()
+    code, _, out = r.finish(timeout=100.0)
     assert code != 0
     assert "AuthError" in out and "FLODL_KEY" in out
+    no_process_left(r)
 
 
 # ---------------------------------------------------------------------------- outer optimizer
