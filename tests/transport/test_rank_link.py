@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import zmq
 
-from flodl_zmq.links import COORDINATOR_SENDER, REDUCER_SENDER, coordinator_sender, rank_identity
 from flodl_zmq import rank as rank_module
+from flodl_zmq.links import COORDINATOR_SENDER, REDUCER_SENDER, coordinator_sender, rank_identity
 from flodl_zmq.rank import RankConfig, _Link
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import zmq
 
-from flodl_zmq.links import rank_identity
 from flodl_zmq import rank as rank_module
+from flodl_zmq.links import rank_identity
 from flodl_zmq.rank import RankConfig, _Link
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay, RelayConfig
