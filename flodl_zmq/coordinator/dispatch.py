@@ -265,7 +265,7 @@ def is_final_window(remaining_batches: int, counts: Sequence[int], alive: Sequen
 def final_window_alloc(
     remaining_batches: int, counts: Sequence[int], alive: Sequence[bool], *, whole_epoch: bool = False
 ) -> list[int]:
-    """Split the last `remaining_batches` of an epoch into one window with no one-step rank.
+    """Split the last `remaining_batches` of an epoch into one window, one-step ranks consolidated.
 
     Narrow fold band (`sum <= rem < sum + W`, sum of live counts): every live
     rank gets its full count and the crumb `rem - sum` (< W batches) goes one
