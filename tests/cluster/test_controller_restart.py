@@ -154,9 +154,8 @@ def net():
 
 @pytest.fixture
 def hosts(net, tmp_path, monkeypatch):
-    c = Compose.with_curve_keys(net, tmp_path, monkeypatch)
-    yield c
-    c.down()
+    with Compose.running(net, tmp_path, monkeypatch) as c:
+        yield c
 
 
 def start_run(c: Compose, ckpt: Path, key: str, grace_s: float, name: str = "controller") -> None:

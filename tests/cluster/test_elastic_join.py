@@ -17,6 +17,7 @@ import pytest
 
 from flodl_zmq import bundle
 from tests.cluster.netns import network_or_skip
+from tests.cluster.test_controller_restart import covered
 from tests.cluster.test_multihost import BIN, Compose, controller_argv, result_of, without
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
@@ -35,11 +36,8 @@ def net():
 
 @pytest.fixture
 def hosts(net, tmp_path, monkeypatch):
-    c = Compose.with_curve_keys(net, tmp_path, monkeypatch)
-    yield c
-    c.down()
-    for host in net.hosts:
-        net.restore(host)
+    with Compose.running(net, tmp_path, monkeypatch) as c:
+        yield c
 
 
 def agent(c: Compose, name: str, *, host: str | None = None, extra: tuple[str, ...] = (),
@@ -58,10 +56,6 @@ def reform_seconds(run_dir: Path, first: int) -> float:
     join = next(i for i, e in enumerate(events) if e["kind"] == "join")
     assert events[join]["epoch"] == first
     return next(e["t"] for e in events[join:] if e["kind"] == "start") - ended
-
-
-def covered(meta: dict, epoch: int) -> int:
-    return sum(n for _, n in meta["coordinator"]["coverage"].get(str(epoch), []))
 
 
 def test_a_host_joins_mid_run_with_a_share_by_speed_and_one_with_other_data_is_refused(hosts, tmp_path):

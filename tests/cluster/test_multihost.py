@@ -11,13 +11,14 @@ silence timeout so a lost host is declared within seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,18 @@ class Compose(Logged):
         monkeypatch.setenv("FLODL_CURVE_SERVER", public)
         return cls(net, logs)
 
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, net: Network, logs: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Compose]:
+        """`with_curve_keys`; at the end every service stopped and every host's link up again."""
+        c = cls.with_curve_keys(net, logs, monkeypatch)
+        try:
+            yield c
+        finally:
+            c.down()
+            for host in net.hosts:
+                net.restore(host)
+
     def up(self, name: str, *, host: str | None = None, service: str | None = None,
            argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start `service` (default `name`) as `name` on `host` (default `name`), argv/env overridden."""
@@ -87,11 +100,8 @@ class Compose(Logged):
 
 @pytest.fixture
 def compose(net, tmp_path, monkeypatch):
-    c = Compose.with_curve_keys(net, tmp_path, monkeypatch)
-    yield c
-    c.down()
-    for host in net.hosts:
-        net.restore(host)
+    with Compose.running(net, tmp_path, monkeypatch) as c:
+        yield c
 
 
 def controller_argv(compose: Compose, *, open_admission: bool = True, program: Sequence[str] | None = None,
