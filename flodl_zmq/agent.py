@@ -548,6 +548,11 @@ class Agent:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    @property
+    def _teardown_level(self) -> int:
+        """A re-form is the run going on, not a fault: said at info level; any other teardown at error."""
+        return logging.INFO if self._reformed is not None else logging.ERROR
+
     def _reform(self, before: Joined, formed: WorldFormed) -> Joined:
         """The world this host runs next, after a re-form: the same run, our ranks as they were."""
         self._reformed = None
@@ -705,9 +710,8 @@ class Agent:
                 teardown, kill_at = why, now + cfg.kill_grace_s
                 # The controller vanishing after every rank exited is just the end of the run.
                 fault = fault or ranks_live or self._stop_reason is not None
-                # A re-form is the run going on, not a fault: said at info level.
-                level = logging.INFO if self._reformed is not None else logging.ERROR
-                log.log(level, "tearing down host %r (%s); stopping %d process(es)", host, why, len(live))
+                log.log(self._teardown_level, "tearing down host %r (%s); stopping %d process(es)", host, why,
+                        len(live))
                 for c in live:
                     signal_group(c.proc, signal.SIGTERM)
             elif teardown is not None and now >= kill_at:
@@ -740,8 +744,7 @@ class Agent:
             for t in c.forwarders:
                 t.join(timeout=2.0)
         if fault:
-            log.log(logging.INFO if self._reformed is not None else logging.ERROR, "host %r torn down: %s",
-                    host, teardown)
+            log.log(self._teardown_level, "host %r torn down: %s", host, teardown)
             return 1
         if failures:
             log.warning("host %r finished DEGRADED: %d rank(s) exited non-zero (reported)", host, failures)

@@ -145,6 +145,20 @@ class WriterStatus:
         return dict(self.__dict__)
 
 
+def write(stem: Path, snapshot: Snapshot, to_state_dict: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> Path:
+    """Write `snapshot` as the bundle `stem`; its meta path. On OSError nothing of it is left (a
+    model without its meta is no checkpoint) and the error is raised."""
+    try:
+        state = to_state_dict(torch.from_numpy(snapshot.consensus))
+        momentum = None if snapshot.outer_momentum is None else torch.from_numpy(snapshot.outer_momentum)
+        return bundle.save(stem, state, snapshot.meta, momentum)
+    except OSError:
+        for p in (*bundle.paths(stem), bundle.outer_path(stem)):
+            with contextlib.suppress(OSError):
+                p.unlink()
+        raise
+
+
 @dataclass
 class CheckpointWriter:
     """Writes snapshots on its own thread into `directory`, keeping the newest `keep`.
@@ -197,13 +211,8 @@ class CheckpointWriter:
     def _write(self, snapshot: Snapshot) -> None:
         stem = stem_for(self.directory, snapshot.round)
         try:
-            state = self.to_state_dict(torch.from_numpy(snapshot.consensus))
-            momentum = None if snapshot.outer_momentum is None else torch.from_numpy(snapshot.outer_momentum)
-            meta_path = bundle.save(stem, state, snapshot.meta, momentum)
+            meta_path = write(stem, snapshot, self.to_state_dict)
         except OSError as exc:
-            for p in (*bundle.paths(stem), bundle.outer_path(stem)):  # a model without its meta is no checkpoint
-                with contextlib.suppress(OSError):
-                    p.unlink()
             self.status.failed += 1
             self.status.last_error = f"{stem}: {type(exc).__name__}: {exc}"
             log.error("checkpoint: could not write %s (%s: %s); the run goes on and %s stays the newest "

@@ -515,13 +515,8 @@ class ControllerService:
         settings = self.penv.settings
         if settings.checkpoint_dir is None:
             return
-
-        def to_state_dict(flat: torch.Tensor) -> dict[str, torch.Tensor]:
-            model = self.job.model()
-            load_flat(model, flat)
-            return model.state_dict()
-
-        self.checkpoints = CheckpointWriter(Path(settings.checkpoint_dir), settings.checkpoint_keep, to_state_dict)
+        self.checkpoints = CheckpointWriter(Path(settings.checkpoint_dir), settings.checkpoint_keep,
+                                            self._state_dict_of)
         self._checkpoint_policy = CheckpointPolicy(
             settings.checkpoint_every_s, settings.checkpoint_every_rounds, started_at=time.monotonic(),
             last_rounds=self.core.avg_count,
@@ -540,13 +535,25 @@ class ControllerService:
         if not policy.due(now, rounds):
             return
         policy.taken(now, rounds)
-        meta = self._bundle_meta("checkpoint", self.core.state_dict())
-        # With an outer step, the reducer's f32 global model and momentum, as `_save` keeps them.
+        self.checkpoints.submit(self._snapshot("checkpoint", self.core.state_dict()))
+
+    def _snapshot(self, reason: str, state: dict[str, Any]) -> Snapshot:
+        """A copy of the latest consensus with its meta, for a bundle.
+
+        With an outer step, the reducer's f32 global model and momentum of one
+        round (not the broadcast copy, which the wire may have rounded).
+        """
+        meta = self._bundle_meta(reason, state)
         outer = self.reducer.outer_state() if self.outer is not None else None
         if outer is None:
-            self.checkpoints.submit(Snapshot(self.consensus_round, self.consensus.copy(), meta))
-        else:
-            self.checkpoints.submit(Snapshot(self.consensus_round, outer[0], meta, outer[1]))
+            return Snapshot(self.consensus_round, self.consensus.copy(), meta)
+        return Snapshot(self.consensus_round, outer[0], meta, outer[1])
+
+    def _state_dict_of(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The job's model's state_dict holding the flat parameters `flat`."""
+        model = self.job.model()
+        load_flat(model, flat)
+        return model.state_dict()
 
     def _maybe_reform(self) -> bool:
         """End this service on a checkpoint once hosts wait to join and their epoch boundary is reached.
@@ -568,12 +575,8 @@ class ControllerService:
             self.checkpoints.close()  # its last write may be this very round: one writer per file
         directory = Path(settings.checkpoint_dir) if settings.checkpoint_dir else self.report.events.run_dir / "reform"
         stem = checkpoints.stem_for(directory.resolve(), self.consensus_round)
-        outer = self.reducer.outer_state() if self.outer is not None else None
-        model = self.job.model()
-        load_flat(model, torch.from_numpy(self.consensus if outer is None else outer[0]))
         try:
-            bundle.save(stem, model.state_dict(), self._bundle_meta("reform", state),
-                        None if outer is None else torch.from_numpy(outer[1]))
+            checkpoints.write(stem, self._snapshot("reform", state), self._state_dict_of)
         except OSError as exc:
             # Without it the joiners cannot come in; the run goes on as it is and tries at the next epoch end.
             log.error("controller: could not write the re-form checkpoint %s (%s); hosts waiting to join wait "
@@ -997,16 +1000,10 @@ class ControllerService:
         return OuterOptimizer(config, self.consensus, momentum)
 
     def _save(self, reason: str, state: dict[str, Any]) -> str:
-        """Save the latest consensus with the coordinator's state (what `resume_from` continues).
-
-        With an outer step, the saved model and momentum are the reducer's f32 global model and
-        momentum of one round (not the broadcast copy, which the wire may have rounded).
-        """
-        outer = self.reducer.outer_state() if self.outer is not None else None
-        model = self.job.model()
-        load_flat(model, torch.from_numpy(self.consensus if outer is None else outer[0]))
-        return self.report.save(model.state_dict(), self._bundle_meta(reason, state),
-                                None if outer is None else torch.from_numpy(outer[1]))
+        """Save the latest consensus with the coordinator's state (what `resume_from` continues)."""
+        snap = self._snapshot(reason, state)
+        return self.report.save(self._state_dict_of(torch.from_numpy(snap.consensus)), snap.meta,
+                                None if snap.outer_momentum is None else torch.from_numpy(snap.outer_momentum))
 
     def _bundle_meta(self, reason: str, state: dict[str, Any]) -> dict[str, Any]:
         """A bundle's meta: the coordinator's state, and the run and world a restart re-admits."""

@@ -610,7 +610,8 @@ class HostLinks:
 
     def retiring(self) -> list[str]:
         """Hosts still stopping their ranks of the incarnation before a re-form."""
-        return [h for h, old in self._retiring.copy().items() if old and h not in self._closed.copy()]
+        closed = set(self._closed)  # copies: the join thread changes both while the controller's asks
+        return [h for h, old in list(self._retiring.items()) if old and h not in closed]
 
     def heard(self, host: str, now: float) -> None:
         if host in self._heard:

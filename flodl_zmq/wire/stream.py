@@ -114,7 +114,7 @@ class Outage:
 
     While a link is down every pass (each RESEND_AFTER_S) resends to each of its
     streams; a warning per pass and stream buried the log (about 130 lines per
-    busy reset). The caller warns when `resent` opens an outage, and logs the
+    busy reset). The caller warns when `resent_on` opens an outage, and logs the
     summary `settled` returns once every stream that needed a resend has been
     acknowledged again (or is gone).
     """
