@@ -1,4 +1,4 @@
-"""The one way work crosses between threads of a process: a Mailbox.
+"""How work crosses between the threads of a service: a Mailbox (docs/architecture.md, "Between threads").
 
 A mailbox is a FIFO queue plus a wake-up file descriptor (an eventfd, or a
 pipe where there is none). Any thread may `put`; one thread receives. The

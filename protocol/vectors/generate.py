@@ -36,7 +36,14 @@ import numpy as np
 import torch
 
 from flodl_zmq import int8
-from flodl_zmq.links import RELAY_ROUTE, TAG_BCAST, TAG_DATA, rank_identity, relay_identity
+from flodl_zmq.links import (
+    RELAY_ROUTE,
+    TAG_BCAST,
+    TAG_DATA,
+    coordinator_sender,
+    rank_identity,
+    relay_identity,
+)
 from flodl_zmq.wire import PROTOCOL_VERSION, REGISTRY, Channel, Codec, EpochPlan, compute_mac
 from flodl_zmq.wire.codec import REPLAY_WINDOW
 from flodl_zmq.wire.records import to_fields
@@ -1087,8 +1094,8 @@ def envelope_vectors() -> list[dict[str, Any]]:
          [RELAY_ID, RELAY_ROUTE], f"relay:{HOST}", sample_record(REGISTRY["relay.hello"].cls), Channel.CONTROL, []),
         ("controller_to_relay_for_rank", "the coordinator's record for rank 2, as the relay's control DEALER reads "
          "it (the controller sends [relay id, route, message]); the relay passes [b\"2\", message] to its ROUTER, "
-         "and the rank's DEALER reads the bare message", [rank_identity(2)], "coordinator",
-         REGISTRY["control.shutdown"].cls(), Channel.CONTROL, []),
+         "and the rank's DEALER reads the bare message; signed by rank 2's stream", [rank_identity(2)],
+         coordinator_sender(2), REGISTRY["control.shutdown"].cls(), Channel.CONTROL, []),
         ("reducer_to_relay_data", "the reducer's own data record to a relay, as the relay's data DEALER reads it: "
          "the tag frame b\"data\"", [TAG_DATA], "reducer", hello_ack(), Channel.DATA, []),
         ("reducer_resend_consensus", "a consensus resent point to point, byte-identical to the broadcast: the tag "
