@@ -1,9 +1,10 @@
 """The worker agent: the one process a worker host starts.
 
 It dials the controller's join endpoint, joins, waits for the world to form,
-then spawns this host's relay and one rank process per device, all running
-the controller's program with their role in the environment
-(flodl_zmq/environment.py), and supervises them until the run ends.
+then spawns this host's relay (`python -m flodl_zmq.relay`) and one rank
+process per device running the controller's program, each with its role in
+the environment (flodl_zmq/environment.py), and supervises them until the
+run ends.
 
 Rules this module keeps:
 
@@ -76,14 +77,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ProcessEnv, with_tunables
+from flodl_zmq.environment import RELAY_ARGV, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.launch import signal_group
@@ -643,12 +644,12 @@ class Agent:
     def _spawn(self, joined: Joined) -> list[_Child]:
         """Relay first (ranks dial its local sockets), then one rank per device; all or nothing."""
         host = self.config.host
-        plan: list[tuple[str, int | None, dict[str, str]]] = [
-            (f"{host}:relay", None, self.child_environ(joined, "relay", None, None))
+        plan: list[tuple[str, int | None, Sequence[str], dict[str, str]]] = [
+            (f"{host}:relay", None, RELAY_ARGV, self.child_environ(joined, "relay", None, None))
         ]
         for local, (rank, device) in enumerate(zip(joined.ranks, self.config.devices, strict=True)):
             label = f"{host}:{device.replace(':', '')}:r{rank}"
-            plan.append((label, rank, self.child_environ(joined, "rank", rank, local)))
+            plan.append((label, rank, joined.spawn.argv, self.child_environ(joined, "rank", rank, local)))
         children: list[_Child] = []
         # The children's lifeline (environment.watch_lifeline): only this process's death closes
         # the write end we keep, so a SIGKILLed agent leaves no relay or rank behind.
@@ -657,9 +658,9 @@ class Agent:
             os.close(self._lifeline)  # the incarnation before is gone (every child reaped)
         self._lifeline = keep
         try:
-            for label, rank, env in plan:
+            for label, rank, argv, env in plan:
                 proc = subprocess.Popen(
-                    [self.python, *joined.spawn.argv],
+                    [self.python, *argv],
                     env={**env, "FLODL_LIFELINE_FD": str(lifeline)},
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,

@@ -30,7 +30,6 @@ import contextvars
 import dataclasses
 import logging
 import math
-import os
 import signal
 import sys
 import time
@@ -120,6 +119,8 @@ class Trainer:
                 job = dataclasses.replace(job, resume_from=str(stem))
             return run_controller(job, penv, host.link if host is not None else None)
         if penv.role == "relay":
+            from flodl_zmq.relay import run_relay
+
             raise SystemExit(run_relay(penv))
         raise SystemExit(run_rank(job, penv))
 
@@ -144,35 +145,6 @@ def run_rank(job: Job, penv: ProcessEnv) -> int:
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return RankRuntime(job, cfg).run()
-
-
-def run_relay(penv: ProcessEnv) -> int:
-    """The relay role: broker this host's ranks until every one of them has left (or SIGTERM)."""
-    from flodl_zmq.relay import Relay, RelayConfig
-    from flodl_zmq.security import CurveKeys
-
-    assert penv.host is not None
-    # CURVE keys come from the agent, which puts its own into our environment (FLODL_CURVE_*).
-    s = penv.settings
-    cfg = RelayConfig.for_controller(
-        penv.host, penv.world[penv.host], penv.key, penv.run_id, penv.controller,
-        curve=CurveKeys.for_client(os.environ), heartbeat_deadline_s=s.rank_silence_at_relay_s,
-        first_contact_deadline_s=s.rank_first_record_at_relay_s, consensus_deadline_s=s.consensus_wait_at_relay_s,
-        link_heartbeat_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
-        send_timeout_s=s.peer_send_timeout_s,
-    )
-    relay = Relay(cfg)
-    relay.start()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: relay.stop(timeout=0))
-    ranks = set(cfg.ranks)
-    while not relay.wait(0.2):
-        if ranks <= relay.fold.dead:
-            # Give the last goodbye and any shipped frame time to leave before closing.
-            time.sleep(0.5)
-            break
-    relay.stop()
-    return 1 if relay.error else 0
 
 
 def epoch_row(epoch: int, loss_sum: float, batches: int, samples: int, t0: float,

@@ -53,7 +53,6 @@ from typing import Any
 
 import zmq
 
-from flodl_zmq import bundle, checkpoints
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
@@ -132,6 +131,10 @@ def serve(opts: ControllerOptions) -> int:
     trust = resolve_trust(opts.open_admission, endpoint_ip(join_endpoint))
     key = opts.key if opts.key is not None else new_key()
     run_id, resumed, settings, cfg = os.urandom(RUN_ID_BYTES), None, opts.settings, opts.join
+    # Imported here: every `flodl-zmq` command builds this module's parser, and the agent's and
+    # status's must start without torch (bundle and checkpoints import it).
+    from flodl_zmq import bundle, checkpoints
+
     stem = checkpoints.resolve(settings.resume, settings.checkpoint_dir)
     if stem is not None:
         # A restart (PROTOCOL.md 13): the checkpoint's run id and world, the same hosts with

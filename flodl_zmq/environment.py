@@ -1,7 +1,9 @@
 """The FLODL_* environment contract: how a spawned process learns its role.
 
 Whoever starts the processes (the local launcher, an agent, a compose file)
-runs the same user script in every one of them and sets:
+runs the user script as the controller and the ranks, a host's relay as
+`python -m flodl_zmq.relay` (`RELAY_ARGV`: it needs nothing of the script),
+and sets:
 
     FLODL_ROLE        controller | relay | rank (unset: train in this process alone)
     FLODL_CONTROLLER  the controller address HOST:PORT (it binds PORT..PORT+3)
@@ -47,6 +49,9 @@ from flodl_zmq.settings import Settings
 from flodl_zmq.wire import RUN_ID_BYTES, key_from_hex
 
 ROLES = ("controller", "relay", "rank")
+# The interpreter's arguments that start a host's relay (flodl_zmq/relay.py, `main`). A user
+# script run with FLODL_ROLE=relay serves the same relay; this one imports no torch.
+RELAY_ARGV = ("-m", "flodl_zmq.relay")
 # The settings a spawned process reads (a command's own, such as --bind, are not its business).
 CHILD_SCOPES = ("run", "process")
 # glibc tunables for spawned processes (glibc reads them once, at process start).

@@ -1,9 +1,9 @@
 """The local launcher: a whole cluster on this machine, one process per role.
 
 `flodl-zmq launch --hosts H --ranks-per-host K script.py [args]` starts the
-user's script H*K + H + 1 times: the controller, one relay per simulated host
-(`h0`, `h1`, ...), and the ranks, each with its FLODL_* environment (see
-flodl_zmq/environment.py). Every line a child prints comes out prefixed with
+user's script H*K + 1 times, the controller and the ranks, and one relay per
+simulated host (`h0`, `h1`, ...; `python -m flodl_zmq.relay`), each with its
+FLODL_* environment (see flodl_zmq/environment.py). Every line a child prints comes out prefixed with
 `[controller]`, `[host:relay]` or `[host:rank]`.
 
 Rules this module keeps:
@@ -48,7 +48,14 @@ from pathlib import Path
 from typing import Any
 
 from flodl_zmq.endpoints import OFFSETS, ControllerAddress
-from flodl_zmq.environment import CHILD_SCOPES, ChildExit, ExitReports, ProcessEnv, with_tunables
+from flodl_zmq.environment import (
+    CHILD_SCOPES,
+    RELAY_ARGV,
+    ChildExit,
+    ExitReports,
+    ProcessEnv,
+    with_tunables,
+)
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import remove_local_dir
 from flodl_zmq.settings import Settings
@@ -167,7 +174,7 @@ class Cluster:
                         pass_fds=(exits, lifeline))
             for host, ranks in self.world.items():
                 self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, **base),
-                            pass_fds=(lifeline,))
+                            pass_fds=(lifeline,), argv=RELAY_ARGV)
                 for local, rank in enumerate(ranks):
                     slowed = replace(settings, slowdown=float(self.slow.get(rank, 1.0)))
                     self._spawn(
@@ -200,13 +207,14 @@ class Cluster:
         self.restarts.append((str(stem), time.monotonic() - t0))
         return True
 
-    def _spawn(self, label: str, penv: ProcessEnv, pass_fds: tuple[int, ...] = ()) -> None:
+    def _spawn(self, label: str, penv: ProcessEnv, pass_fds: tuple[int, ...] = (),
+               argv: Sequence[str] | None = None) -> None:
         env = with_tunables(os.environ, penv.role)
         env.update(penv.to_environ())
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.env_for.get(label, {}))
         proc = subprocess.Popen(
-            [sys.executable, *self.argv],
+            [sys.executable, *(self.argv if argv is None else argv)],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

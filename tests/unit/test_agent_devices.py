@@ -54,6 +54,9 @@ def test_a_rank_is_pinned_to_its_gpu_and_a_cpu_slot_sees_none():
     assert device_env("cpu:1") == {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def test_the_agent_module_never_imports_torch():
-    code = "import sys, flodl_zmq.agent, flodl_zmq.membership; sys.exit('torch' in sys.modules)"
+def test_the_agent_the_relay_and_the_command_line_never_import_torch():
+    # A worker host starts `flodl-zmq agent` and `python -m flodl_zmq.relay`; neither trains, and
+    # importing torch costs each seconds of the cores its ranks train on.
+    code = ("import sys, flodl_zmq.agent, flodl_zmq.membership, flodl_zmq.relay, flodl_zmq.cli; "
+            "flodl_zmq.cli.build_parser(); sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
