@@ -9,4 +9,11 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
     || echo "scripts/test.sh: could not install chromium; the report's browser test will be skipped" >&2
 fi
-exec .venv/bin/python -m pytest -q "$@"
+# Two workers: the network-namespace tests run one after another on one of them
+# (tests/cluster/conftest.py), everything else beside them. --quick: every layer but cluster.
+layers=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  layers=(-m "not cluster")
+fi
+exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "${layers[@]}" "$@"

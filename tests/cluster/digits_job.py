@@ -6,7 +6,9 @@ Every process of a test cluster runs this file; the controller prints one
 --save / --resume (bundle stem), --eval-raises (eval_fn raises on its second
 call), --eval-ms (a sleep per eval; with --slow-evals N, in the first N evals of each rank only), --callback-errors report|stop, --wire-dtype f32|bf16, --cosine (an LR schedule over the whole
 run, each step's LR recorded as the scalar "lr"), --max-grad-norm X, --workers N (loader processes
-per rank), --outer none|nesterov|momentum, --anchor N (ElChe's window floor), --heartbeat-timeout S (the coordinator's rank silence limit: the chaos suite's short one).
+per rank), --outer none|nesterov|momentum, --anchor N (ElChe's window floor), --heartbeat-timeout S (the coordinator's rank silence limit: the chaos suite's short one),
+--gate PATH --gate-after N (each rank holds before its step N+1 until PATH exists: the run cannot
+end before the test has seen what it waits for, whatever this machine's speed; the test opens it).
 Environment: DIGITS_SHIFT=1 makes this process load a perturbed dataset (a dataset mismatch);
 DIGITS_SIGKILL_RANK=N makes rank N SIGKILL itself before it does anything (a rank that dies before
 its hello).
@@ -28,7 +30,8 @@ from flodl_zmq.api import Trainer
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import accuracy, cross_entropy_step, mlp, sgd
 
-calls = {"eval": 0}
+calls = {"eval": 0, "step": 0}
+GATE_HANG_GUARD_S = 120.0  # a test that never opens its gate fails on its own deadline first
 
 # What this job reliably reaches undisturbed in 12 to 15 epochs of batch 16 (one test image is
 # 0.28 points of 359): 0.972 to 0.989 seen on 3 or 4 ranks, 0.9638 to 0.9777 on 2 (4 runs on a
@@ -62,6 +65,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--outer", default="none")
     p.add_argument("--anchor", type=int)
+    p.add_argument("--gate")
+    p.add_argument("--gate-after", type=int, default=0)
     args = p.parse_args()
     train, test = digits()
     if os.environ.get("DIGITS_SHIFT"):
@@ -75,6 +80,11 @@ def main() -> None:
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * (len(train) // args.batch_size))
 
     def step(model, batch):
+        calls["step"] += 1
+        if args.gate and calls["step"] > args.gate_after:
+            held_until = time.monotonic() + GATE_HANG_GUARD_S
+            while not os.path.exists(args.gate) and time.monotonic() < held_until:
+                time.sleep(0.01)
         if args.step_ms:
             time.sleep(args.step_ms / 1000.0)
         if optimizers:

@@ -23,7 +23,15 @@ from tests.cluster.test_multihost import BIN, Compose, controller_argv, result_o
 JOB = str(Path(__file__).with_name("digits_job.py"))
 EPOCHS = 6
 SAMPLES_16 = (1437 // 16) * 16  # a progressive pool is batch-aligned
+BATCHES = 1437 // 16
 PROGRAM = [JOB, "--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "30"]
+
+
+def gated(program: list[str], gate: Path, epochs: int) -> list[str]:
+    """`program` whose ranks hold after `epochs` epochs' worth of batches each until `gate` exists: the
+    world has then covered at most `epochs` x its ranks epochs, so the run cannot end before a join the
+    test lets through by opening the gate once the joiner is admitted (the join lands at the boundary)."""
+    return [*program, "--gate", str(gate), "--gate-after", str(epochs * BATCHES)]
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linux", reason="network namespaces")]
 
@@ -59,21 +67,23 @@ def reform_seconds(run_dir: Path, first: int) -> float:
 
 
 def test_a_host_joins_mid_run_with_a_share_by_speed_and_one_with_other_data_is_refused(hosts, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    hosts.up("controller", argv=controller_argv(hosts, program=PROGRAM, extra=[
+    ckpt, gate = tmp_path / "ckpt", tmp_path / "gate"
+    # Two ranks hold within three epochs of six until worker3 is admitted.
+    hosts.up("controller", argv=controller_argv(hosts, program=gated(PROGRAM, gate, 1), extra=[
         "--min-ranks", "2", "--target-ranks", "2", "--max-ranks", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-keep", "100",
         "--run-dir", str(tmp_path / "run")]))
     # No worker sees the checkpoint directory: the re-formed world's ranks get their model over the wire.
     agent(hosts, "worker1", hidden=ckpt)
     hosts.wait_for("controller", "admitted 'worker1'")
     agent(hosts, "worker2", hidden=ckpt)
-    # Both dial in once the world of two formed (the second admission forms it): admitted mid-run,
-    # while the ranks start, so even on a loaded machine the join lands well before the last epoch.
+    # Both dial in once the world of two formed (the second admission forms it): admitted mid-run.
     hosts.wait_for("controller", "admitted 'worker2'")
     # Slower hardware: ElChe must measure it and give it a smaller share than the others.
     agent(hosts, "worker3", env={"FLODL_SLOWDOWN": "3"}, hidden=ckpt)
     # Another dataset: refused by name, the run goes on untouched.
     agent(hosts, "other-data", host="intruder", extra=("--dataset-sig", "ab" * 32))
+    hosts.wait_for("controller", "admitted 'worker3' as ranks [2], pending")
+    gate.touch()
 
     assert hosts.wait("other-data") == 2, hosts.tails()
     assert "REJECTED by the controller: dataset signature mismatch: worker 'other-data'" in hosts.log("other-data")
@@ -109,7 +119,10 @@ SILENCE_S = 3.0
 
 
 def test_a_host_declared_dead_after_its_link_was_cut_rejoins_with_new_ranks(hosts, net, tmp_path):
-    program = [JOB, "--epochs", "8", "--batch-size", "16", "--step-ms", "30"]
+    # Rank 0 holds after two epochs' worth of batches (the world has covered at most four of eight)
+    # until worker2 is admitted again: the run cannot end before its rejoin.
+    gate = tmp_path / "gate"
+    program = gated([JOB, "--epochs", "8", "--batch-size", "16", "--step-ms", "30"], gate, 2)
     hosts.up("controller", argv=controller_argv(hosts, program=program, extra=[
         "--min-ranks", "2", "--target-ranks", "2", "--host-silence", str(SILENCE_S), "--run-dir", str(tmp_path / "run")]))
     agent(hosts, "worker1")
@@ -120,6 +133,8 @@ def test_a_host_declared_dead_after_its_link_was_cut_rejoins_with_new_ranks(host
     hosts.wait_for("controller", "rank 1 declared dead")
     hosts.wait_for("worker2", "re-dialling the controller")
     net.restore("worker2")
+    hosts.wait_for("controller", "admitted 'worker2' as ranks [2], pending", timeout=90)
+    gate.touch()
     hosts.wait_for("controller", "world re-formed", timeout=90)
     status = hosts.status("worker1")  # `flodl-zmq status`: the host that left, and its return
     assert status["departed"] == [{"host": "worker2", "ranks": [1]}], status

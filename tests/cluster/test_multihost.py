@@ -33,6 +33,7 @@ JOB = str(Path(__file__).with_name("digits_job.py"))
 WAIT_S = 60.0
 # Failure runs: ~90 batches of 16 per epoch, each step sleeping 12 ms.
 SLOW_JOB = ["--epochs", "14", "--batch-size", "16", "--step-ms", "12"]
+BATCHES_PER_EPOCH = 1437 // 16
 HOST_SILENCE_S = 3.0
 AGENT_HEARTBEAT_S = 1.0  # AgentConfig.heartbeat_s
 FAST_PATH_S = 2.0
@@ -185,12 +186,16 @@ def test_compose_trains_digits_to_95_percent_and_refuses_bad_workers_by_name(com
 # ---------------------------------------------------------------------------- failures
 
 
-def test_with_curve_a_killed_rank_is_dead_within_2s_and_a_cut_host_after_the_silence_timeout(compose, net):
+def test_with_curve_a_killed_rank_is_dead_within_2s_and_a_cut_host_after_the_silence_timeout(compose, net, tmp_path):
     key = new_key().hex()
     public, secret = (k.decode() for k in zmq.curve_keypair())
     client_env = {"FLODL_KEY": key, "FLODL_CURVE_SERVER": public}
+    # The run must outlast the cut host's silence timeout: every rank holds after two epochs'
+    # worth of batches (one rank alone covers two epochs with them) until the deaths are seen.
+    gate = tmp_path / "gate"
+    held = ["--gate", str(gate), "--gate-after", str(2 * BATCHES_PER_EPOCH)]
     compose.up("controller", env={"FLODL_KEY": key, "FLODL_CURVE_SECRET": secret}, argv=controller_argv(
-        compose, open_admission=False, program=[JOB, *SLOW_JOB],
+        compose, open_admission=False, program=[JOB, *SLOW_JOB, *held],
         extra=["--heartbeat-timeout", str(HOST_SILENCE_S)]))
     start_workers(compose, client_env)
     compose.wait_for("controller", "epoch 2/")
@@ -219,6 +224,7 @@ def test_with_curve_a_killed_rank_is_dead_within_2s_and_a_cut_host_after_the_sil
         # The silence clock runs from the agent's last heartbeat, up to one interval before the cut.
         assert deaths[rank]["at"] - cut_at >= HOST_SILENCE_S - AGENT_HEARTBEAT_S
 
+    gate.touch()
     assert compose.wait("controller") == 0, compose.tails()
     result = result_of(compose.log("controller"), "RESULT ")
     assert len(result["epochs"]) == 14

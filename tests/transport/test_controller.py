@@ -26,7 +26,7 @@ from flodl_zmq.wire import records as rec
 
 from .dataplane_helpers import WAIT_S
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(150)
 
 WORLD = {"h": (0, 1)}
 
