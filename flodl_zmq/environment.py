@@ -50,7 +50,7 @@ from flodl_zmq.wire import RUN_ID_BYTES, key_from_hex
 
 ROLES = ("controller", "relay", "rank")
 # The interpreter's arguments that start a host's relay (flodl_zmq/relay.py, `main`). A user
-# script run with FLODL_ROLE=relay serves the same relay; this one imports no torch.
+# script run with FLODL_ROLE=relay serves the same relay; this one runs none of the user's code.
 RELAY_ARGV = ("-m", "flodl_zmq.relay")
 # The settings a spawned process reads (a command's own, such as --bind, are not its business).
 CHILD_SCOPES = ("run", "process")

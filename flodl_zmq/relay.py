@@ -82,7 +82,7 @@ from typing import Any
 
 import zmq
 
-from flodl_zmq import int8, mailbox
+from flodl_zmq import int8, mailbox, tensors
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, watch_lifeline
 from flodl_zmq.errors import (
@@ -413,6 +413,10 @@ class Relay:
 
     def start(self, timeout: float = 10.0) -> None:
         """Bind, connect, and run; raises if a socket cannot be set up."""
+        # Before any liveness clock runs: torch (the bf16 fold's kernels) imported at a
+        # run's first bf16 frame would hold the GIL for seconds, and the control thread,
+        # starved of it, would find every rank silent past its deadline.
+        tensors.load_torch()
         for name, target in (("control", self._control_main), ("data", self._data_main)):
             t = threading.Thread(target=target, name=f"relay-{self.config.host}-{name}", daemon=True)
             t.start()
@@ -994,8 +998,7 @@ def run_relay(penv: ProcessEnv) -> int:
 
 def main() -> int:
     """`python -m flodl_zmq.relay`: how the launcher and the agent start a host's relay. It needs
-    nothing of the user's script, so it runs none of it: no torch import, no user code, a start in
-    a fraction of the script's time, on the cores the ranks train on."""
+    nothing of the user's script, so it runs none of it: no user code, no dataset, no model."""
     penv = ProcessEnv.from_environ()
     if penv is None or penv.role != "relay":
         raise SystemExit("python -m flodl_zmq.relay runs a host's relay for `flodl-zmq launch` or an agent; "

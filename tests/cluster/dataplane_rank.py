@@ -27,6 +27,7 @@ from dataplane_helpers import from_wire, model, to_wire  # noqa: E402
 
 from flodl_zmq.links import rank_identity
 from flodl_zmq.relay import rank_sender  # noqa: E402
+from flodl_zmq.tensors import load_torch  # noqa: E402
 from flodl_zmq.wire import Channel, Codec, key_from_hex  # noqa: E402
 from flodl_zmq.wire.records import Heartbeat, RoundFrame  # noqa: E402
 from flodl_zmq.wire.shm import (  # noqa: E402
@@ -57,6 +58,9 @@ def main() -> int:
     p.add_argument("--shm", action="store_true")
     a = p.parse_args()
     key, run_id = key_from_hex(os.environ["FLODL_KEY"]), bytes.fromhex(a.run_id)
+    # As a real rank has, before its first heartbeat: torch imported at the first bf16 encode
+    # would hold the GIL for seconds and starve the heartbeats past the relay's deadline.
+    load_torch()
     ctx = zmq.Context()
 
     def heartbeats() -> None:

@@ -1,6 +1,6 @@
 """A relay process for the data-plane process tests (the product runs relays through `Trainer.run()`).
 
-Starts one host's `Relay` exactly as `flodl_zmq.api.run_relay` does, but from
+Starts one host's `Relay` exactly as `flodl_zmq.relay.run_relay` does, but from
 flags instead of the FLODL_* role contract, with local endpoints the test
 chooses; prints `relay HOST ready`, runs until SIGTERM/SIGINT (exit 0) or a
 fatal error (exit 1). Key from FLODL_KEY.

@@ -55,8 +55,9 @@ def test_a_rank_is_pinned_to_its_gpu_and_a_cpu_slot_sees_none():
 
 
 def test_the_agent_the_relay_and_the_command_line_never_import_torch():
-    # A worker host starts `flodl-zmq agent` and `python -m flodl_zmq.relay`; neither trains, and
-    # importing torch costs each seconds of the cores its ranks train on.
+    # Neither the agent nor a `flodl-zmq` command trains: importing torch would cost each seconds
+    # of the cores the ranks train on. The relay loads it when it starts (its bf16 kernels), not
+    # when it is imported.
     code = ("import sys, flodl_zmq.agent, flodl_zmq.membership, flodl_zmq.relay, flodl_zmq.cli; "
             "flodl_zmq.cli.build_parser(); sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

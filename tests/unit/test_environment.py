@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
-import threading
+import subprocess
+import sys
 
 import pytest
 
@@ -15,7 +15,6 @@ from flodl_zmq.environment import (
     ExitReports,
     ProcessEnv,
     parse_world,
-    watch_lifeline,
     with_tunables,
 )
 from flodl_zmq.errors import ConfigError
@@ -163,15 +162,30 @@ def test_the_lifeline_fd_round_trips_and_a_bad_one_is_named():
         ProcessEnv.from_environ(environ)
 
 
+# A child holding the read end, as a spawned relay or rank does: its SIGTERM handler says so and exits 7.
+LIFELINE_CHILD = """
+import os, signal, sys
+from flodl_zmq.environment import watch_lifeline
+signal.signal(signal.SIGTERM, lambda *_: (print("stopped as on SIGTERM", flush=True), os._exit(7)))
+watch_lifeline(int(sys.argv[1]))
+print("watching", flush=True)
+signal.pause()
+"""
+
+
 def test_the_end_of_the_lifeline_stops_the_process_as_sigterm_does():
     r, w = os.pipe()
-    stopped = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    child = subprocess.Popen([sys.executable, "-c", LIFELINE_CHILD, str(r)], pass_fds=(r,), stdout=subprocess.PIPE,
+                             text=True)
+    os.close(r)
     try:
-        watch_lifeline(r)
-        assert not stopped.wait(0.2)  # the launcher is alive: nothing happens
+        assert child.stdout.readline() == "watching\n"
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(0.2)  # the launcher is alive: nothing happens
         os.close(w)  # the launcher died
-        assert stopped.wait(10.0)
+        assert child.wait(60) == 7  # a hang guard: the end of file comes at once
+        assert child.stdout.read() == "stopped as on SIGTERM\n"
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        os.close(r)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
