@@ -78,6 +78,16 @@ def start(argv: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    wait_for_an_epoch(proc)
+    return proc
+
+
+def wait_for_an_epoch(proc: subprocess.Popen) -> None:
+    """Return once `proc` (a launcher or a controller) printed a trained epoch: every rank is past start-up.
+
+    A rank watches its lifeline from `Trainer.run` on; a rank still importing
+    torch when its parent dies stops only when it gets there.
+    """
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(raw.decode(errors="replace")) for raw in proc.stdout],
                      daemon=True).start()
@@ -87,11 +97,11 @@ def start(argv: list[str]) -> subprocess.Popen:
             seen.append(lines.get(timeout=1.0))
         except queue.Empty:
             continue
-        if seen[-1].startswith("[controller] epoch "):
-            return proc
+        if seen[-1].startswith("[controller] epoch ") or seen[-1].startswith("epoch "):
+            return
     proc.kill()
     proc.wait(10)
-    pytest.fail("the launched cluster trained no epoch within 90 s:\n" + "".join(seen[-40:]))
+    pytest.fail("the cluster trained no epoch within 90 s:\n" + "".join(seen[-40:]))
 
 
 def left_after_deadline(children: dict[int, str]) -> dict[int, str]:
@@ -144,7 +154,7 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
     controller = subprocess.Popen(
         [sys.executable, "-m", "flodl_zmq.cli", "controller", "--bind", address, "--min-ranks", "2",
          "--target-ranks", "2", "--", *DEMO],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     agents = [subprocess.Popen(
         [sys.executable, "-m", "flodl_zmq.cli", "agent", "--controller", address, "--host", f"h{i}",
          "--cpu-slots", "1", "--script", " ".join(DEMO[:2])],
@@ -158,6 +168,7 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
             children = children_of(agents[0].pid)
             time.sleep(0.2)
         assert sorted(children.values()) == ["rank", "relay"], f"agent h0 started {children} within 90 s"
+        wait_for_an_epoch(controller)
         run_id = bytes.fromhex(environ_of(next(iter(children)))["FLODL_RUN_ID"])
         agents[0].kill()
         agents[0].wait(10)
