@@ -34,6 +34,7 @@ frames of a message than its socket may legally carry (PROTOCOL.md 6.1).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import stat
@@ -140,7 +141,11 @@ def local_dir(key: bytes, run_id: bytes, base: str | None = None) -> str:
     this user with mode 0700 raises PrivateDirError: another user could
     otherwise bind a relay's socket first.
     """
-    path = _local_dir_path(key, run_id, base)
+    return _private_dir(_local_dir_path(key, run_id, base))
+
+
+def _private_dir(path: str) -> str:
+    """Create `path` 0700, or check that it is ours and 0700 (`local_dir`); returns it."""
     try:
         os.mkdir(path, 0o700)
         os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
@@ -179,6 +184,26 @@ def remove_ipc(endpoint: str) -> None:
             remove(target)
         except OSError:
             pass  # gone already, not empty (the other socket, another relay), or not ours
+
+
+def bind_local(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind a relay's local endpoint, in a run's `local_dir` re-created if it went.
+
+    Every host of a run on one machine shares that directory, and the last
+    socket removed takes it with it (`remove_ipc`): at a re-form another host's
+    agent may remove it, empty, between this relay's `local_endpoints` and its
+    bind. A bound socket file keeps it from going, so a few tries always do.
+    """
+    directory = os.path.dirname(endpoint[len("ipc://"):])
+    for attempt in range(3):
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            ours = endpoint.startswith("ipc://") and os.path.basename(directory).startswith("flodl-")
+            if exc.errno != errno.ENOENT or not ours or attempt == 2:
+                raise
+            _private_dir(directory)
 
 
 def remove_host_sockets(key: bytes, run_id: bytes, host: str, base: str | None = None) -> None:

@@ -104,6 +104,7 @@ from flodl_zmq.links import (
     RELAY_ROUTE,
     TAG_BCAST,
     TAG_DATA,
+    bind_local,
     coordinator_sender,
     drain,
     keep_alive,
@@ -479,7 +480,7 @@ class Relay:
             for s in (local, up):
                 limit_receive(s, CONTROL_MAX_FRAME_BYTES)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            local.bind(cfg.local_control)
+            bind_local(local, cfg.local_control)
             bound = cfg.local_control
             if cfg.curve is not None:
                 apply_client(up, cfg.curve)
@@ -670,7 +671,7 @@ class Relay:
             for s in (local, up, sub):
                 limit_receive(s, DATA_MAX_FRAME_BYTES)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            local.bind(cfg.local_data)
+            bind_local(local, cfg.local_data)
             bound = cfg.local_data
             pipe.bind(self._pipe)
             if cfg.curve is not None:

@@ -20,7 +20,7 @@ from transport.dataplane_helpers import FakeController, endpoints
 
 from flodl_zmq import bundle
 from flodl_zmq.errors import PrivateDirError
-from flodl_zmq.links import local_dir, local_endpoints, remove_local_dir
+from flodl_zmq.links import bind_local, local_dir, local_endpoints, remove_host_sockets, remove_local_dir
 from flodl_zmq.relay import Relay, RelayConfig
 from flodl_zmq.wire import new_key
 
@@ -79,6 +79,26 @@ def test_ipc_sockets_live_in_a_private_directory_named_without_the_run_id_and_ar
         ctx.destroy(0)
     assert not os.path.exists(d), "the relay's socket files (and their directory) must go when it stops"
     remove_local_dir(key, run_id)  # the launcher's cleanup after a clean stop: nothing left, nothing raised
+
+
+def test_a_relay_binds_after_another_hosts_agent_removed_the_shared_socket_directory(runtime):
+    # Hosts of one run on one machine share the directory; at a re-form the agent of a host whose old
+    # relay is gone removes it once empty, maybe just after a new relay made it (a CI failure).
+    key, run_id = new_key(), os.urandom(16)
+    control, _ = local_endpoints(key, run_id, "host-a")
+    directory = os.path.dirname(control[len("ipc://"):])
+    remove_host_sockets(key, run_id, "host-b")
+    assert not os.path.exists(directory)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        bind_local(sock, control)
+        assert os.path.exists(control[len("ipc://"):])
+        assert stat.S_IMODE(os.lstat(directory).st_mode) == 0o700
+    finally:
+        sock.close(0)
+        ctx.term()
+        remove_local_dir(key, run_id)
 
 
 def test_a_socket_directory_created_ahead_of_the_run_is_refused_with_a_named_error(runtime):
