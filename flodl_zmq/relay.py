@@ -82,7 +82,7 @@ from typing import Any
 
 import zmq
 
-from flodl_zmq import int8, mailbox, tensors
+from flodl_zmq import int8, mailbox
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, watch_lifeline
 from flodl_zmq.errors import (
@@ -160,6 +160,9 @@ GOODBYE = "said goodbye"
 # How long the relay holds its ranks' mergeable records to send them up as one: a rank's own report
 # period (PROTOCOL.md 9.3, timing.batch), so a host's ranks make one record per period.
 MERGE_PERIOD_S = 0.05
+# A control-loop turn this much longer than its poll is this process stalled (RankLiveness.stalled):
+# a turn's own work takes milliseconds, and a rank's deadline is seconds.
+OWN_STALL_S = 0.5
 DEFAULTS = Settings()  # RelayConfig's timings default to the settings table
 
 @dataclass(frozen=True)
@@ -235,6 +238,9 @@ class RankLiveness:
     past its deadline: `heartbeat_deadline` after its last record, or
     `first_contact_deadline` after `start` if it never spoke (process start-up
     is slower than a heartbeat). Death is permanent: membership only shrinks.
+    A stall of this process (a SIGSTOP, the GIL held by torch's import at a
+    run's first bf16 fold) is not its ranks' silence: `stalled` takes it off
+    every clock, since what they sent meanwhile is still on its way in.
     """
 
     def __init__(self, roster: Iterable[int], start: float, heartbeat_deadline: float, first_contact_deadline: float):
@@ -255,6 +261,12 @@ class RankLiveness:
             return False
         self.dead.add(rank)
         return True
+
+    def stalled(self, gap: float) -> None:
+        """This process heard nothing for `gap` seconds of its own making: no rank's silence grows by it."""
+        self._start += gap
+        for rank in self._last:
+            self._last[rank] += gap
 
     def expired(self, now: float) -> list[int]:
         """Ranks whose deadline passed at `now`; they are marked dead."""
@@ -414,10 +426,6 @@ class Relay:
 
     def start(self, timeout: float = 10.0) -> None:
         """Bind, connect, and run; raises if a socket cannot be set up."""
-        # Before any liveness clock runs: torch (the bf16 fold's kernels) imported at a
-        # run's first bf16 frame would hold the GIL for seconds, and the control thread,
-        # starved of it, would find every rank silent past its deadline.
-        tensors.load_torch()
         for name, target in (("control", self._control_main), ("data", self._data_main)):
             t = threading.Thread(target=target, name=f"relay-{self.config.host}-{name}", daemon=True)
             t.start()
@@ -491,6 +499,7 @@ class Relay:
             self._ready.wait()
             hello = _Hello(cfg.hello_retry_s)
             live = RankLiveness(cfg.ranks, time.monotonic(), cfg.heartbeat_deadline_s, cfg.first_contact_deadline_s)
+            turned = time.monotonic()  # when the loop last came round: a much later turn is our own stall
             poller = zmq.Poller()
             poller.register(local, zmq.POLLIN)
             poller.register(up, zmq.POLLIN)
@@ -528,7 +537,12 @@ class Relay:
                     hello_rec = RelayHello(cfg.host, list(cfg.ranks), [])
                     self._send(up, [RELAY_ROUTE, *codec.encode(hello_rec, channel=Channel.CONTROL)], count,
                                "upstream_control")
-                events = dict(poller.poll(min(poll_ms, mailbox.poll_ms(reports.due_at - time.monotonic()))))
+                wait_ms = min(poll_ms, mailbox.poll_ms(reports.due_at - time.monotonic()))
+                events = dict(poller.poll(wait_ms))
+                now = time.monotonic()
+                if now - turned - wait_ms / 1000 > OWN_STALL_S:
+                    live.stalled(now - turned - wait_ms / 1000)
+                turned = now
                 if local in events:
                     count["oversized"] += drain(
                         local, lambda m: self._from_rank(m, codec, live, up, death, count, reports, report_up),

@@ -120,12 +120,6 @@ def f32_from_bf16(src_u16: np.ndarray, out_f32: np.ndarray) -> np.ndarray:
     return out_f32
 
 
-def load_torch() -> None:
-    """Import torch now, for the bf16 kernels above: a service that may fold bf16 calls this before
-    its clocks start, since the import holds the GIL for seconds (flodl_zmq/relay.py)."""
-    import torch  # noqa: F401
-
-
 def torch_view(array: np.ndarray) -> Any:
     """A zero-copy torch tensor over ``array``, read-only memory included; ``uint16`` is bfloat16.
 

@@ -27,7 +27,6 @@ from dataplane_helpers import from_wire, model, to_wire  # noqa: E402
 
 from flodl_zmq.links import rank_identity
 from flodl_zmq.relay import rank_sender  # noqa: E402
-from flodl_zmq.tensors import load_torch  # noqa: E402
 from flodl_zmq.wire import Channel, Codec, key_from_hex  # noqa: E402
 from flodl_zmq.wire.records import Heartbeat, RoundFrame  # noqa: E402
 from flodl_zmq.wire.shm import (  # noqa: E402
@@ -60,7 +59,7 @@ def main() -> int:
     key, run_id = key_from_hex(os.environ["FLODL_KEY"]), bytes.fromhex(a.run_id)
     # As a real rank has, before its first heartbeat: torch imported at the first bf16 encode
     # would hold the GIL for seconds and starve the heartbeats past the relay's deadline.
-    load_torch()
+    import torch  # noqa: F401
     ctx = zmq.Context()
 
     def heartbeats() -> None:

@@ -21,6 +21,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import with_tunables
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Channel, new_key
 from flodl_zmq.wire.shm import rank_owner, run_dir, segment_prefix, unlink_run
 
@@ -175,11 +176,16 @@ def test_sigkilled_rank_mid_round_leaves_the_barrier_and_survivors_get_their_mea
         w.close()
 
 
-def test_sigkilled_relay_lets_the_reducer_finish_rounds_with_the_remaining_host(tmp_path):
+def test_a_stopped_relay_kills_none_of_its_ranks_and_a_sigkilled_one_lets_the_other_host_finish(tmp_path):
     w = World(tmp_path, rounds=3, hang={2: 2, 3: 2})
     try:
         for r in range(4):
             w.consensus(r, 1) if r < 2 else w.procs[f"r{r}"].wait_for("hanging at 2")
+        # Relay a's own stall (SIGSTOP here; in the field torch's import holding its GIL) is not its
+        # ranks' silence: their heartbeats wait in the socket and are read before a deadline is judged.
+        w.procs["a"].p.send_signal(signal.SIGSTOP)
+        time.sleep(2 * Settings().rank_silence_at_relay_s)
+        w.procs["a"].p.send_signal(signal.SIGCONT)
         w.procs["b"].kill()
         for r in HOSTS["b"]:  # what the coordinator does once the host's heartbeats stop
             w.reducer.declare_dead(r)
@@ -189,6 +195,7 @@ def test_sigkilled_relay_lets_the_reducer_finish_rounds_with_the_remaining_host(
                 assert_mean(w.consensus(r, k), want, "f32")
         outcomes = [w.reducer.completed.get(timeout=WAIT_S) for _ in range(3)]
         assert [o.hosts for o in outcomes] == [("a", "b"), ("a",), ("a",)]
+        assert not [ln for ln in w.procs["a"].lines if "left" in ln], w.procs["a"].lines
     finally:
         w.close()
 

@@ -20,7 +20,13 @@ from transport.dataplane_helpers import FakeController, endpoints
 
 from flodl_zmq import bundle
 from flodl_zmq.errors import PrivateDirError
-from flodl_zmq.links import bind_local, local_dir, local_endpoints, remove_host_sockets, remove_local_dir
+from flodl_zmq.links import (
+    bind_local,
+    local_dir,
+    local_endpoints,
+    remove_host_sockets,
+    remove_local_dir,
+)
 from flodl_zmq.relay import Relay, RelayConfig
 from flodl_zmq.wire import new_key
 

@@ -116,6 +116,15 @@ def test_liveness_gives_a_silent_rank_its_deadline_and_a_quiet_newcomer_longer()
     assert live.leave(2) is False  # death is permanent and reported once
 
 
+def test_liveness_does_not_count_the_relays_own_stall_as_its_ranks_silence():
+    live = RankLiveness([0, 1], start=0.0, heartbeat_deadline=1.5, first_contact_deadline=10.0)
+    live.seen(0, 1.0)
+    live.stalled(3.0)  # stopped from 1.2 to 4.2: nothing the ranks sent could be read
+    assert live.expired(4.3) == []
+    assert live.expired(5.6) == [0]  # 1.5 s of silence heard after the stall
+    assert live.expired(13.1) == [1]  # its first contact's 10 s, stall excluded
+
+
 def test_consensus_watch_asks_for_overtaken_and_silent_rounds_and_refuses_replays():
     w = ConsensusWatch(deadline=1.0)
     w.shipped(1, 0.0)
