@@ -543,6 +543,10 @@ class Relay:
                 if now - turned - wait_ms / 1000 > OWN_STALL_S:
                     live.stalled(now - turned - wait_ms / 1000)
                 turned = now
+                # Judged here, right after a stall is taken off: one later in this turn would be
+                # judged with it still on.
+                for rank in live.expired(now):
+                    death(rank, "heartbeat deadline passed")
                 if local in events:
                     count["oversized"] += drain(
                         local, lambda m: self._from_rank(m, codec, live, up, death, count, reports, report_up),
@@ -554,8 +558,6 @@ class Relay:
                     count["oversized"] += drain(
                         up, lambda m: self._to_rank(m, codec, local, count, hello), max_frames=CONTROL_MAX_FRAMES
                     )
-                for rank in live.expired(time.monotonic()):
-                    death(rank, "heartbeat deadline passed")
                 if time.monotonic() >= restate_at:
                     count["restated_exit.upstream_control"] += len(departed)
                     for rank in departed:
