@@ -66,11 +66,31 @@ AFTER_CONTROLLER_GRACE_S = 10.0
 TERM_GRACE_S = 5.0
 
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _listening_port_range(span: int) -> range:
+    """Bases for `span` ports outside the kernel's ephemeral range: the controller binds seconds after
+    the probe (it imports torch first), and a port in that range can meanwhile become the local end of
+    any outgoing connection on the machine (a CI run lost a launch to one)."""
+    low, high = 32768, 60999  # Linux's default, where the range cannot be read
+    try:
+        low, high = (int(x) for x in EPHEMERAL_PORTS.read_text().split())
+    except (OSError, ValueError):
+        pass
+    if low - span > 10000:
+        return range(10000, low - span)
+    if high + 1 < 65536 - span:
+        return range(high + 1, 65536 - span)
+    return range(1024, 65536 - span)  # the whole range is ephemeral: nothing better to do
+
+
 def free_port_base(host: str = "127.0.0.1", tries: int = 200) -> int:
     """A port P such that P..P+3 (the controller's four endpoints) are free on `host` right now."""
     span = max(OFFSETS.values()) + 1
+    bases = _listening_port_range(span)
     for _ in range(tries):
-        base = random.randrange(20000, 60000 - span)
+        base = random.choice(bases)
         socks = []
         try:
             for offset in range(span):

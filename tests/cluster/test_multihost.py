@@ -232,16 +232,20 @@ def test_with_curve_a_killed_rank_is_dead_within_2s_and_a_cut_host_after_the_sil
     assert compose.wait("worker1") == 0  # a lost rank is not a host fault
 
 
-def test_killing_every_process_of_one_host_leaves_the_other_to_finish(compose, net):
-    compose.up("controller", argv=controller_argv(compose, program=[JOB, *SLOW_JOB],
+def test_killing_every_process_of_one_host_leaves_the_other_to_finish(compose, net, tmp_path):
+    # Held as above: a run that ended before the kill would leave nobody to declare dead.
+    gate = tmp_path / "gate"
+    held = ["--gate", str(gate), "--gate-after", str(2 * BATCHES_PER_EPOCH)]
+    compose.up("controller", argv=controller_argv(compose, program=[JOB, *SLOW_JOB, *held],
                                                   extra=["--heartbeat-timeout", str(HOST_SILENCE_S)]))
     start_workers(compose)
     compose.wait_for("controller", "epoch 2/")
     net.kill_host_processes("worker2")
+    compose.wait_for("controller", lambda log: "rank 2 declared dead" in log and "rank 3 declared dead" in log)
 
+    gate.touch()
     assert compose.wait("controller") == 0, compose.tails()
     log = compose.log("controller")
-    assert "rank 2 declared dead" in log and "rank 3 declared dead" in log
     result = result_of(log, "RESULT ")
     assert len(result["epochs"]) == 14
     assert result["epochs"][-1]["per_rank_samples"][2:] == [0, 0]

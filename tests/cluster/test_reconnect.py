@@ -36,9 +36,11 @@ from tests.cluster.reset_proxy import ResettingProxy
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 SAMPLES_PER_EPOCH_16 = (1437 // 16) * 16
-# 15 epochs of about 45 steps per rank at 12 ms a step: at least 8 s of training, so that the
-# ten resets, 0.6 s apart once the first epoch ends, all land while the run trains.
+# 15 epochs of about 45 steps per rank (2 hosts x 1 rank) at 12 ms a step. The ranks hold at
+# their step GATE_AFTER (about epoch 8) until the last of the ten resets, 0.6 s apart once the
+# first epoch ends, has been made: the run cannot end first, however fast this machine is.
 ARGS = ("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "12")
+GATE_AFTER = 4 * SAMPLES_PER_EPOCH_16 // 16
 RESET_EVERY_S = 0.6
 RESETS = 10  # alternately quiet and busy: 5 of each
 WAIT_S = 120.0
@@ -46,8 +48,8 @@ WAIT_S = 120.0
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 
 
-def reset_run() -> tuple[int | None, dict | None, str, int, int]:
-    """One 2 x 2 digits run whose relays dial through a proxy that resets every RESET_EVERY_S once training runs."""
+def reset_run(gate: Path) -> tuple[int | None, dict | None, str, int, int]:
+    """One 2 x 1 digits run whose relays dial through a proxy that resets every RESET_EVERY_S once training runs."""
     port = free_port_base()
     listen = free_port_base()
     while abs(listen - port) <= max(OFFSETS.values()):
@@ -55,7 +57,8 @@ def reset_run() -> tuple[int | None, dict | None, str, int, int]:
     proxy = ResettingProxy(listen, port)
     proxy.start()
     env_for = {f"h{h}:relay": {"FLODL_CONTROLLER": f"127.0.0.1:{listen}"} for h in range(2)}
-    cluster = Cluster(argv=[JOB, *ARGS], hosts=2, ranks_per_host=2, port=port, env_for=env_for, grace_s=3.0)
+    cluster = Cluster(argv=[JOB, *ARGS, "--gate", str(gate), "--gate-after", str(GATE_AFTER)], hosts=2,
+                      ranks_per_host=1, port=port, env_for=env_for, grace_s=3.0)
     cluster.start()
     resets = 0
     waits: list[float] = []
@@ -72,6 +75,7 @@ def reset_run() -> tuple[int | None, dict | None, str, int, int]:
             time.sleep(RESET_EVERY_S)
             waits.append(proxy.reset(busy=i % 2 == 1))
             resets += 1
+        gate.touch()
         try:
             code = cluster.wait(WAIT_S)
         except subprocess.TimeoutExpired:
@@ -88,9 +92,9 @@ def reset_run() -> tuple[int | None, dict | None, str, int, int]:
     return code, result, out, resets, proxy.accepted
 
 
-def test_connection_resets_between_relays_and_controller_cost_no_sample_and_no_accuracy():
+def test_connection_resets_between_relays_and_controller_cost_no_sample_and_no_accuracy(tmp_path):
     t0 = time.monotonic()
-    code, result, out, resets, accepted = reset_run()
+    code, result, out, resets, accepted = reset_run(tmp_path / "gate")
     recovered = {what: out.count(what) for what in ("sending it again", "asking the reducer", "lost this host's frame",
                                                      "control records; sending them again")}
     print(f"{resets} resets, {accepted} connections: accuracy {result and result['accuracy']} in "

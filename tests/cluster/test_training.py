@@ -172,9 +172,9 @@ def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_one_sigkilled
 
 def test_sigkill_every_rank_saves_a_bundle_that_resume_continues(tmp_path):
     stem = str(tmp_path / "run")
-    r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4", "--save", stem).start()
+    r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4", "--save", stem, ranks_per_host=1).start()
     r.wait_for("[controller] epoch 3/")
-    for rank, host in ((0, "h0"), (1, "h0"), (2, "h1"), (3, "h1")):
+    for rank, host in ((0, "h0"), (1, "h1")):
         r.cluster.kill(f"{host}:{rank}", signal.SIGKILL)
     code, result, out = r.finish()
     assert code != 0 and "TrainingError" in out and "all_ranks_lost" in out, out
@@ -183,11 +183,11 @@ def test_sigkill_every_rank_saves_a_bundle_that_resume_continues(tmp_path):
     assert meta["reason"] == "all_ranks_lost" and 1 <= meta["epoch"] < 15, meta
     assert state  # the consensus state_dict
 
-    code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--resume", stem)
+    code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--resume", stem, ranks_per_host=1)
     assert code == 0, out
     epochs = [e["epoch"] for e in result["epochs"]]
     assert epochs == list(range(meta["epoch"], 15)), epochs
-    assert result["accuracy"] >= 0.95
+    assert result["accuracy"] >= RELIABLE_ACCURACY, result["accuracy"]  # two ranks (digits_job.py)
 
 
 # ---------------------------------------------------------------------------- named errors

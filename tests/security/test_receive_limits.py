@@ -8,7 +8,6 @@ Memory is this process's peak resident set (VmHWM, reset before the attack).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
@@ -19,6 +18,7 @@ import zmq
 from flodl_zmq import membership as membership_mod
 from flodl_zmq.controller import query_status
 from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import DISCARD_TICK_FRAMES, TAG_DATA, rank_identity, recv_bounded, relay_sender
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
@@ -195,16 +195,10 @@ def test_challenges_from_ever_new_identities_do_not_grow_the_join_ledger(ctx, mo
         j.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_an_oversized_frame_to_the_reducer_data_socket_is_refused_before_it_is_allocated(ctx, peak_rss):
     key = new_key()
-    data_ep = f"tcp://127.0.0.1:{_free_port()}"
-    cfg = ReducerConfig({"a": (0,)}, key, RUN_ID, data_ep, f"tcp://127.0.0.1:{_free_port()}",
+    data_ep = f"tcp://127.0.0.1:{free_port_base()}"
+    cfg = ReducerConfig({"a": (0,)}, key, RUN_ID, data_ep, f"tcp://127.0.0.1:{free_port_base()}",
                         max_frame_bytes=8 * MiB)
     svc = ReducerService(cfg, ctx)
     svc.start()

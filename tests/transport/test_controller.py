@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -18,6 +17,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import TrainingError
 from flodl_zmq.job import Job
+from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import RELAY_ROUTE, rank_identity, rank_sender, relay_sender
 from flodl_zmq.payload import model_signature
 from flodl_zmq.settings import Settings
@@ -29,24 +29,6 @@ from .dataplane_helpers import WAIT_S
 pytestmark = pytest.mark.timeout(150)
 
 WORLD = {"h": (0, 1)}
-
-
-def free_base_port() -> int:
-    """A port P with P..P+3 free on loopback (the controller binds all four)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + 3 > 65535:
-            continue
-        try:
-            for off in range(1, 4):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", base + off))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no four consecutive free ports")
 
 
 def model() -> torch.nn.Module:
@@ -102,7 +84,7 @@ class ScriptedRelay:
 def rig():
     ctx = zmq.Context()
     key, run_id = new_key(), bytes(range(16))
-    address = ControllerAddress("127.0.0.1", free_base_port())
+    address = ControllerAddress("127.0.0.1", free_port_base())
     penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, world=WORLD,
                       settings=Settings(startup_timeout_s=WAIT_S))
     j = job()
