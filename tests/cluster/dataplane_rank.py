@@ -57,9 +57,10 @@ def main() -> int:
     p.add_argument("--shm", action="store_true")
     a = p.parse_args()
     key, run_id = key_from_hex(os.environ["FLODL_KEY"]), bytes.fromhex(a.run_id)
-    # As a real rank has, before its first heartbeat: torch imported at the first bf16 encode
-    # would hold the GIL for seconds and starve the heartbeats past the relay's deadline.
-    import torch  # noqa: F401
+    if a.dtype == "bf16":
+        # As a real rank has, before its first heartbeat: torch imported at the first bf16 encode
+        # would hold the GIL for seconds and starve the heartbeats past the relay's deadline.
+        import torch  # noqa: F401
     ctx = zmq.Context()
 
     def heartbeats() -> None:

@@ -22,12 +22,12 @@ from flodl_zmq.controller_service import ControllerService
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.job import Job
+from flodl_zmq.launch import free_port_base
 from flodl_zmq.rank import RankConfig, RankRuntime
 from flodl_zmq.relay import Relay, RelayConfig
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Channel, new_key
 
-from .test_controller import free_base_port
 from .test_resend import DropShim
 
 pytestmark = pytest.mark.timeout(90)
@@ -51,7 +51,7 @@ def job() -> Job:
 def run_with_drops(tmp_path, drops: dict[tuple[str, bool], int]) -> tuple[dict, ControllerService, list[RankRuntime]]:
     """One run of WORLD with `drops` applied on the relay's control link (the shim's count in outcome)."""
     key, run_id = new_key(), uuid.uuid4().bytes
-    address = ControllerAddress("127.0.0.1", free_base_port())
+    address = ControllerAddress("127.0.0.1", free_port_base())
     penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, world=WORLD,
                       settings=Settings(startup_timeout_s=30.0))
     service = ControllerService(job(), penv)
