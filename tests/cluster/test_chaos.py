@@ -160,13 +160,15 @@ def test_a_hosts_link_flapping_during_formation_and_down_for_2_s_three_times_in_
     assert all(e["per_rank_samples"][2] > 0 for e in result["epochs"])
 
 
-def test_connection_resets_at_random_moments_cost_no_sample_and_no_accuracy(run, net):
+def test_connection_resets_at_random_moments_cost_no_sample_and_no_accuracy(run, net, tmp_path):
     # The proxy runs on the controller's host; w2's agent (and so its relay) dials it, not the controller.
     run.up("proxy", "controller", [sys.executable, "-m", "tests.cluster.reset_proxy",
                                    "0.0.0.0:8300", "controller:7300"], stdin=subprocess.PIPE)
     proxy = run.procs["proxy"]
     run.wait_for("proxy", "proxy up")
-    run.controller()
+    # Held as the flapping test's run is, until the last reset: every reset lands inside the run.
+    gate = tmp_path / "gate"
+    run.controller(extra=["--gate", str(gate), "--gate-after", str(3 * SAMPLES_PER_EPOCH_16 // 16)])
     run.workers(w2_port=8300)
     run.wait_for("controller", "epoch 1/")
     rng = random.Random(13)
@@ -175,6 +177,7 @@ def test_connection_resets_at_random_moments_cost_no_sample_and_no_accuracy(run,
         proxy.stdin.write(b"reset\n")
         proxy.stdin.flush()
     run.wait_for("proxy", "reset 6")
+    gate.touch()
     result, log = run.result()
     proxy.stdin.close()  # the proxy stops with its input
     covered_exactly(result)

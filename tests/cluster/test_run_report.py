@@ -23,12 +23,18 @@ from flodl_zmq.runreport import write_report
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 
+EPOCHS = 9
+BATCHES_16 = 1437 // 16
 ROW = re.compile(r"^\s*(\d+)\s+(h\d)\s+(alive|dead|exited)\s")
 
 
 def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report_mark_a_killed_rank(tmp_path):
     run_dir = tmp_path / "run"
-    r = Run("--epochs", "6", "--batch-size", "16", "--step-ms", "8")
+    # Every rank holds after two epochs' worth of batches until the kill is seen: none can hold before
+    # epoch 2 ends, and 9 epochs on 4 ranks leave one that must, so the run cannot end before the kill.
+    gate = tmp_path / "gate"
+    r = Run("--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "8",
+            "--gate", str(gate), "--gate-after", str(2 * BATCHES_16))
     r.cluster.run_dir = str(run_dir)  # what `flodl-zmq launch --run-dir` sets
     r.start()
     r.wait_for("[launch] controller at")
@@ -44,6 +50,8 @@ def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report
     try:
         r.wait_for("[controller] epoch 2/")
         r.cluster.kill("h1:2", signal.SIGKILL)
+        r.wait_for("rank 2 declared dead")
+        gate.touch()
         code, result, out = r.finish()
         assert code == 0, out
         assert watcher.wait(30) in (0, 1)  # 0: it saw the end; 1: the controller was gone first (said)
@@ -67,7 +75,7 @@ def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report
     kinds = [e["kind"] for e in events]
     assert kinds[0] == "start" and kinds[-1] == "end" and events[-1]["reason"] == "completed", kinds
     assert events[0]["world"] == {"h0": [0, 1], "h1": [2, 3]} and events[0]["world_size"] == 4
-    assert kinds.count("epoch") == 6 and kinds.count("eval") >= 6
+    assert kinds.count("epoch") == EPOCHS and kinds.count("eval") >= EPOCHS
     deaths = [e for e in events if e["kind"] == "death"]
     assert [d["rank"] for d in deaths] == [2], deaths
     rounds = [e for e in events if e["kind"] == "round"]
