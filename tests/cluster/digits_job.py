@@ -42,6 +42,28 @@ GATE_HANG_GUARD_S = 120.0  # a test that never opens its gate fails on its own d
 # lost) costs far more, and what a disturbance could cost in samples is checked exactly, epoch by
 # epoch.
 RELIABLE_ACCURACY = 0.955
+TRAIN_SAMPLES = 1437  # the packaged digits' training split
+
+
+def batches_per_epoch(batch_size: int) -> int:
+    """An epoch's batches: a progressive pool is batch-aligned (the last partial batch is left out)."""
+    return TRAIN_SAMPLES // batch_size
+
+
+def held(gate: object, *, after_epochs: int, epochs: int, ranks: int, batch_size: int = 16) -> list[str]:
+    """The job's arguments that hold every rank, once it has taken `after_epochs` epochs' worth of
+    batches, until the file `gate` exists; the test creates it once it has seen what it waits for.
+
+    By construction, whatever this machine's speed: no rank holds before `after_epochs` epochs have
+    ended (it would need more batches than they have), and a run of `epochs` on at most `ranks`
+    training ranks cannot end before one holds (each would have taken at most that many batches,
+    fewer in all than the run has). A layout where the second may fail is refused here.
+    """
+    limit = after_epochs * batches_per_epoch(batch_size)
+    if epochs * batches_per_epoch(batch_size) <= ranks * limit:
+        raise ValueError(f"{epochs} epochs on {ranks} ranks can end before any rank has taken {after_epochs} "
+                         f"epochs' worth of batches: the gate could hold nothing")
+    return ["--gate", str(gate), "--gate-after", str(limit)]
 
 
 def main() -> None:

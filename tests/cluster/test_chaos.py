@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from flodl_zmq.wire import new_key
-from tests.cluster.digits_job import RELIABLE_ACCURACY
+from tests.cluster.digits_job import RELIABLE_ACCURACY, held
 from tests.cluster.netns import Logged, Network, network_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def test_a_hosts_link_flapping_during_formation_and_down_for_2_s_three_times_in_
     # Every rank holds after 3 epochs' worth of its batches (the three ranks have then covered at
     # most 9 of 12 epochs) until the last flap is over: the flaps all land inside the run.
     gate = tmp_path / "gate"
-    run.controller(extra=["--gate", str(gate), "--gate-after", str(3 * SAMPLES_PER_EPOCH_16 // 16)])
+    run.controller(extra=held(gate, after_epochs=3, epochs=EPOCHS, ranks=3))
     run.agent("w1", 2)
     run.wait_for("controller", "admitted 'w1'")
     run.agent("w2", 1)
@@ -168,7 +168,7 @@ def test_connection_resets_at_random_moments_cost_no_sample_and_no_accuracy(run,
     run.wait_for("proxy", "proxy up")
     # Held as the flapping test's run is, until the last reset: every reset lands inside the run.
     gate = tmp_path / "gate"
-    run.controller(extra=["--gate", str(gate), "--gate-after", str(3 * SAMPLES_PER_EPOCH_16 // 16)])
+    run.controller(extra=held(gate, after_epochs=3, epochs=EPOCHS, ranks=3))
     run.workers(w2_port=8300)
     run.wait_for("controller", "epoch 1/")
     rng = random.Random(13)

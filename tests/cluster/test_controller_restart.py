@@ -25,7 +25,7 @@ import pytest
 from flodl_zmq import bundle, checkpoints
 from flodl_zmq.launch import Cluster
 from flodl_zmq.wire import new_key
-from tests.cluster.digits_job import RELIABLE_ACCURACY
+from tests.cluster.digits_job import RELIABLE_ACCURACY, held
 from tests.cluster.netns import network_or_skip
 from tests.cluster.test_multihost import Compose, agent_argv, controller_argv, result_of, without
 from tests.cluster.test_training import Run
@@ -114,8 +114,12 @@ def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_
     monkeypatch.setenv("FLODL_CHECKPOINT_DIR", str(tmp_path))
     monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "4")
     monkeypatch.setenv("FLODL_CHECKPOINT_KEEP", "100")  # the resumed one stays readable for the checks
-    # Slow evals up to the kill (epoch 3's), at full speed after it.
-    args = [*ARGS, "--eval-ms", "1500", "--slow-evals", "4"] if when == "during-eval" else ARGS
+    # Slow evals up to the kill (epoch 3's), at full speed after it. Held from epoch 5 on until the
+    # kill: it lands in epoch 3 whatever this machine's speed, while the ranks train.
+    gate = tmp_path / "gate"
+    args = [*ARGS, *held(gate, after_epochs=5, epochs=EPOCHS, ranks=2)]
+    if when == "during-eval":
+        args += ["--eval-ms", "1500", "--slow-evals", "4"]
     w = Run(*args, ranks_per_host=1).start()
     try:
         w.wait_for("[controller] epoch 3/", timeout=90.0)
@@ -126,6 +130,7 @@ def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_
         stem = checkpoints.newest(tmp_path)
         assert stem is not None, "an epoch end wrote a checkpoint"
         w.cluster.kill("controller")
+        gate.touch()
         code, result, out = finish(w.cluster)
     finally:
         w.cluster.shutdown()
@@ -163,9 +168,10 @@ def hosts(net, tmp_path, monkeypatch):
 
 
 def start_run(c: Compose, ckpt: Path, key: str, grace_s: float, name: str = "controller") -> None:
-    """The controller (pre-shared key, checkpoints, --resume auto) as `name`, on host `controller`."""
+    """The controller (pre-shared key, checkpoints, --resume auto) as `name`, on host `controller`; its
+    ranks held from epoch 3 on until `kill_controller` (the run cannot end before the kill)."""
     c.up(name, host="controller", service="controller", env={"FLODL_KEY": key}, argv=controller_argv(
-        c, open_admission=False, program=[JOB, *HOSTS_JOB],
+        c, open_admission=False, program=[JOB, *HOSTS_JOB, *held(gate_of(ckpt), after_epochs=3, epochs=EPOCHS, ranks=2)],
         extra=["--checkpoint-dir", str(ckpt), "--checkpoint-every-rounds", "4", "--checkpoint-keep", "100",
                "--resume", "auto", "--min-ranks", "2", "--target-ranks", "2"]))
     if name == "controller":
@@ -182,10 +188,15 @@ def one_slot(agent: list[str]) -> list[str]:
     return agent
 
 
-def kill_controller(c: Compose) -> float:
+def gate_of(ckpt: Path) -> Path:
+    return ckpt.with_name("gate")
+
+
+def kill_controller(c: Compose, ckpt: Path) -> float:
     c.wait_for("controller", "epoch 2/")
     os.killpg(c.procs["controller"].pid, signal.SIGKILL)
     c.procs["controller"].wait(10)
+    gate_of(ckpt).touch()
     return time.monotonic()
 
 
@@ -193,7 +204,7 @@ def kill_controller(c: Compose) -> float:
 def test_agents_rejoin_a_restarted_controller_with_their_old_ranks_and_the_run_completes(hosts, tmp_path):
     key, ckpt = new_key().hex(), tmp_path / "ckpt"
     start_run(hosts, ckpt, key, grace_s=90)
-    killed = kill_controller(hosts)
+    killed = kill_controller(hosts, ckpt)
     for worker in ("worker1", "worker2"):
         hosts.wait_for(worker, "re-dialling the controller")
     stem = checkpoints.newest(ckpt)
@@ -223,8 +234,9 @@ def test_agents_rejoin_a_restarted_controller_with_their_old_ranks_and_the_run_c
 
 @TWICE
 def test_agents_exit_with_the_reason_when_the_controller_stays_gone_past_the_grace_period(hosts, tmp_path):
-    start_run(hosts, tmp_path / "ckpt", new_key().hex(), grace_s=4)
-    kill_controller(hosts)
+    ckpt = tmp_path / "ckpt"
+    start_run(hosts, ckpt, new_key().hex(), grace_s=4)
+    kill_controller(hosts, ckpt)
     for worker in ("worker1", "worker2"):
         assert hosts.wait(worker, 60) != 0
         assert "did not come back within the grace period of 4 s" in hosts.log(worker), hosts.tails()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from flodl_zmq import bundle
+from tests.cluster.digits_job import held
 from tests.cluster.netns import network_or_skip
 from tests.cluster.test_controller_restart import covered
 from tests.cluster.test_multihost import BIN, Compose, controller_argv, result_of, without
@@ -23,15 +24,8 @@ from tests.cluster.test_multihost import BIN, Compose, controller_argv, result_o
 JOB = str(Path(__file__).with_name("digits_job.py"))
 EPOCHS = 6
 SAMPLES_16 = (1437 // 16) * 16  # a progressive pool is batch-aligned
-BATCHES = 1437 // 16
 PROGRAM = [JOB, "--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "30"]
 
-
-def gated(program: list[str], gate: Path, epochs: int) -> list[str]:
-    """`program` whose ranks hold after `epochs` epochs' worth of batches each until `gate` exists: the
-    world has then covered at most `epochs` x its ranks epochs, so the run cannot end before a join the
-    test lets through by opening the gate once the joiner is admitted (the join lands at the boundary)."""
-    return [*program, "--gate", str(gate), "--gate-after", str(epochs * BATCHES)]
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linux", reason="network namespaces")]
 
@@ -69,7 +63,7 @@ def reform_seconds(run_dir: Path, first: int) -> float:
 def test_a_host_joins_mid_run_with_a_share_by_speed_and_one_with_other_data_is_refused(hosts, tmp_path):
     ckpt, gate = tmp_path / "ckpt", tmp_path / "gate"
     # Two ranks hold within three epochs of six until worker3 is admitted.
-    hosts.up("controller", argv=controller_argv(hosts, program=gated(PROGRAM, gate, 1), extra=[
+    hosts.up("controller", argv=controller_argv(hosts, program=[*PROGRAM, *held(gate, after_epochs=1, epochs=EPOCHS, ranks=2)], extra=[
         "--min-ranks", "2", "--target-ranks", "2", "--max-ranks", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-keep", "100",
         "--run-dir", str(tmp_path / "run")]))
     # No worker sees the checkpoint directory: the re-formed world's ranks get their model over the wire.
@@ -122,7 +116,7 @@ def test_a_host_declared_dead_after_its_link_was_cut_rejoins_with_new_ranks(host
     # Rank 0 holds after two epochs' worth of batches (the world has covered at most four of eight)
     # until worker2 is admitted again: the run cannot end before its rejoin.
     gate = tmp_path / "gate"
-    program = gated([JOB, "--epochs", "8", "--batch-size", "16", "--step-ms", "30"], gate, 2)
+    program = [JOB, "--epochs", "8", "--batch-size", "16", "--step-ms", "30", *held(gate, after_epochs=2, epochs=8, ranks=2)]
     hosts.up("controller", argv=controller_argv(hosts, program=program, extra=[
         "--min-ranks", "2", "--target-ranks", "2", "--host-silence", str(SILENCE_S), "--run-dir", str(tmp_path / "run")]))
     agent(hosts, "worker1")

@@ -25,6 +25,7 @@ import pytest
 import zmq
 
 from flodl_zmq.wire import new_key
+from tests.cluster.digits_job import held
 from tests.cluster.netns import Logged, Network, Service, network_or_skip, read_compose
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +34,6 @@ JOB = str(Path(__file__).with_name("digits_job.py"))
 WAIT_S = 60.0
 # Failure runs: ~90 batches of 16 per epoch, each step sleeping 12 ms.
 SLOW_JOB = ["--epochs", "14", "--batch-size", "16", "--step-ms", "12"]
-BATCHES_PER_EPOCH = 1437 // 16
 HOST_SILENCE_S = 3.0
 AGENT_HEARTBEAT_S = 1.0  # AgentConfig.heartbeat_s
 FAST_PATH_S = 2.0
@@ -190,12 +190,12 @@ def test_with_curve_a_killed_rank_is_dead_within_2s_and_a_cut_host_after_the_sil
     key = new_key().hex()
     public, secret = (k.decode() for k in zmq.curve_keypair())
     client_env = {"FLODL_KEY": key, "FLODL_CURVE_SERVER": public}
-    # The run must outlast the cut host's silence timeout: every rank holds after two epochs'
-    # worth of batches (one rank alone covers two epochs with them) until the deaths are seen.
+    # The run must outlast the cut host's silence timeout: held from epoch 2 on (digits_job.held)
+    # until the deaths are seen.
     gate = tmp_path / "gate"
-    held = ["--gate", str(gate), "--gate-after", str(2 * BATCHES_PER_EPOCH)]
+    hold = held(gate, after_epochs=2, epochs=14, ranks=4)
     compose.up("controller", env={"FLODL_KEY": key, "FLODL_CURVE_SECRET": secret}, argv=controller_argv(
-        compose, open_admission=False, program=[JOB, *SLOW_JOB, *held],
+        compose, open_admission=False, program=[JOB, *SLOW_JOB, *hold],
         extra=["--heartbeat-timeout", str(HOST_SILENCE_S)]))
     start_workers(compose, client_env)
     compose.wait_for("controller", "epoch 2/")
@@ -235,8 +235,8 @@ def test_with_curve_a_killed_rank_is_dead_within_2s_and_a_cut_host_after_the_sil
 def test_killing_every_process_of_one_host_leaves_the_other_to_finish(compose, net, tmp_path):
     # Held as above: a run that ended before the kill would leave nobody to declare dead.
     gate = tmp_path / "gate"
-    held = ["--gate", str(gate), "--gate-after", str(2 * BATCHES_PER_EPOCH)]
-    compose.up("controller", argv=controller_argv(compose, program=[JOB, *SLOW_JOB, *held],
+    hold = held(gate, after_epochs=2, epochs=14, ranks=4)
+    compose.up("controller", argv=controller_argv(compose, program=[JOB, *SLOW_JOB, *hold],
                                                   extra=["--heartbeat-timeout", str(HOST_SILENCE_S)]))
     start_workers(compose)
     compose.wait_for("controller", "epoch 2/")

@@ -31,16 +31,15 @@ import pytest
 
 from flodl_zmq.endpoints import OFFSETS
 from flodl_zmq.launch import Cluster, free_port_base
-from tests.cluster.digits_job import RELIABLE_ACCURACY
+from tests.cluster.digits_job import RELIABLE_ACCURACY, held
 from tests.cluster.reset_proxy import ResettingProxy
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 SAMPLES_PER_EPOCH_16 = (1437 // 16) * 16
-# 15 epochs of about 45 steps per rank (2 hosts x 1 rank) at 12 ms a step. The ranks hold at
-# their step GATE_AFTER (about epoch 8) until the last of the ten resets, 0.6 s apart once the
+# 15 epochs of about 45 steps per rank (2 hosts x 1 rank) at 12 ms a step. The ranks hold after
+# four epochs' worth of their batches (about epoch 8) until the last of the ten resets, 0.6 s apart once the
 # first epoch ends, has been made: the run cannot end first, however fast this machine is.
 ARGS = ("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "12")
-GATE_AFTER = 4 * SAMPLES_PER_EPOCH_16 // 16
 RESET_EVERY_S = 0.6
 RESETS = 10  # alternately quiet and busy: 5 of each
 WAIT_S = 120.0
@@ -57,7 +56,7 @@ def reset_run(gate: Path) -> tuple[int | None, dict | None, str, int, int]:
     proxy = ResettingProxy(listen, port)
     proxy.start()
     env_for = {f"h{h}:relay": {"FLODL_CONTROLLER": f"127.0.0.1:{listen}"} for h in range(2)}
-    cluster = Cluster(argv=[JOB, *ARGS, "--gate", str(gate), "--gate-after", str(GATE_AFTER)], hosts=2,
+    cluster = Cluster(argv=[JOB, *ARGS, *held(gate, after_epochs=4, epochs=15, ranks=2)], hosts=2,
                       ranks_per_host=1, port=port, env_for=env_for, grace_s=3.0)
     cluster.start()
     resets = 0

@@ -20,21 +20,20 @@ from test_training import Run
 
 from flodl_zmq.runlog import EVENTS_FILE
 from flodl_zmq.runreport import write_report
+from tests.cluster.digits_job import held
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 
 EPOCHS = 9
-BATCHES_16 = 1437 // 16
 ROW = re.compile(r"^\s*(\d+)\s+(h\d)\s+(alive|dead|exited)\s")
 
 
 def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report_mark_a_killed_rank(tmp_path):
     run_dir = tmp_path / "run"
-    # Every rank holds after two epochs' worth of batches until the kill is seen: none can hold before
-    # epoch 2 ends, and 9 epochs on 4 ranks leave one that must, so the run cannot end before the kill.
+    # Held (digits_job.held) from epoch 2 on until the kill is seen: the run cannot end before it.
     gate = tmp_path / "gate"
     r = Run("--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "8",
-            "--gate", str(gate), "--gate-after", str(2 * BATCHES_16))
+            *held(gate, after_epochs=2, epochs=EPOCHS, ranks=4))
     r.cluster.run_dir = str(run_dir)  # what `flodl-zmq launch --run-dir` sets
     r.start()
     r.wait_for("[launch] controller at")

@@ -21,7 +21,7 @@ import torch
 from flodl_zmq import bundle
 from flodl_zmq.launch import Cluster
 from flodl_zmq.wire import new_key
-from tests.cluster.digits_job import RELIABLE_ACCURACY
+from tests.cluster.digits_job import RELIABLE_ACCURACY, held
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 SAMPLES_PER_EPOCH = {32: (1437 // 32) * 32, 16: (1437 // 16) * 16}  # progressive pools are batch-aligned
@@ -147,14 +147,18 @@ def test_a_cosine_schedule_with_clipping_and_loader_workers_follows_the_global_s
 # ---------------------------------------------------------------------------- failures
 
 
-def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_one_sigkilled_mid_epoch_costs_no_sample():
+def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_one_sigkilled_mid_epoch_costs_no_sample(
+        tmp_path):
     # One run, two deaths on different paths: rank 3 before the world forms (its exit reported
     # before any hello), rank 1 (the other host) in epoch 3. The two left cover every epoch.
-    started = time.monotonic()
+    # Held from epoch 3 on until rank 1's death is seen: the run cannot end before the kill.
+    started, gate = time.monotonic(), tmp_path / "gate"
     r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4",
-            env_for={"h1:3": {"DIGITS_SIGKILL_RANK": "3"}}).start()
+            *held(gate, after_epochs=3, epochs=15, ranks=4), env_for={"h1:3": {"DIGITS_SIGKILL_RANK": "3"}}).start()
     r.wait_for("[controller] epoch 3/")
     r.cluster.kill("h0:1", signal.SIGKILL)
+    r.wait_for("rank 1 declared dead")
+    gate.touch()
     code, result, out = r.finish()
     assert code == 0, out
     assert "world formed: 3 of 4 ranks on 2 hosts, without rank(s) [3]" in out
@@ -172,7 +176,9 @@ def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_one_sigkilled
 
 def test_sigkill_every_rank_saves_a_bundle_that_resume_continues(tmp_path):
     stem = str(tmp_path / "run")
-    r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4", "--save", stem, ranks_per_host=1).start()
+    # Held from epoch 3 on (never let through): the run cannot end before the kills.
+    r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4", "--save", stem,
+            *held(tmp_path / "gate", after_epochs=3, epochs=15, ranks=2), ranks_per_host=1).start()
     r.wait_for("[controller] epoch 3/")
     for rank, host in ((0, "h0"), (1, "h1")):
         r.cluster.kill(f"{host}:{rank}", signal.SIGKILL)
