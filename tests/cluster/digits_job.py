@@ -51,7 +51,12 @@ def batches_per_epoch(batch_size: int) -> int:
     return TRAIN_SAMPLES // batch_size
 
 
-def held(gate: object, *, after_epochs: int, epochs: int, ranks: int, batch_size: int = 16) -> list[str]:
+def samples_per_epoch(batch_size: int) -> int:
+    """What every epoch trains exactly once (`batches_per_epoch` full batches)."""
+    return batches_per_epoch(batch_size) * batch_size
+
+
+def held(gate: str | os.PathLike[str], *, after_epochs: int, epochs: int, ranks: int, batch_size: int = 16) -> list[str]:
     """The job's arguments that hold every rank, once it has taken `after_epochs` epochs' worth of
     batches, until the file `gate` exists; the test creates it once it has seen what it waits for.
 

@@ -35,14 +35,14 @@ from pathlib import Path
 import pytest
 
 from flodl_zmq.wire import new_key
-from tests.cluster.digits_job import RELIABLE_ACCURACY, held
+from tests.cluster.digits_job import RELIABLE_ACCURACY, held, samples_per_epoch
 from tests.cluster.netns import Logged, Network, network_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 JOB = str(Path(__file__).with_name("digits_job.py"))
 EPOCHS = 12
-SAMPLES_PER_EPOCH_16 = (1437 // 16) * 16  # progressive pools are batch-aligned
+SAMPLES_PER_EPOCH_16 = samples_per_epoch(16)
 PROGRAM = [JOB, "--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "4", "--heartbeat-timeout", "7"]
 TIMINGS = {
     "FLODL_LINK_HEARTBEAT_PERIOD": "0.5",

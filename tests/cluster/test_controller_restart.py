@@ -25,13 +25,13 @@ import pytest
 from flodl_zmq import bundle, checkpoints
 from flodl_zmq.launch import Cluster
 from flodl_zmq.wire import new_key
-from tests.cluster.digits_job import RELIABLE_ACCURACY, held
+from tests.cluster.digits_job import RELIABLE_ACCURACY, held, samples_per_epoch
 from tests.cluster.netns import network_or_skip
 from tests.cluster.test_multihost import Compose, agent_argv, controller_argv, result_of, without
 from tests.cluster.test_training import Run
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
-SAMPLES_16 = (1437 // 16) * 16  # a progressive pool is batch-aligned
+SAMPLES_16 = samples_per_epoch(16)
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 
@@ -176,16 +176,10 @@ def start_run(c: Compose, ckpt: Path, key: str, grace_s: float, name: str = "con
                "--resume", "auto", "--min-ranks", "2", "--target-ranks", "2"]))
     if name == "controller":
         env = {"FLODL_KEY": key, "FLODL_CONTROLLER_SILENCE": "3", "FLODL_CONTROLLER_GRACE": str(grace_s)}
-        for worker in ("worker1", "worker2"):
-            c.up(worker, env=env, argv=without(ckpt, one_slot(agent_argv(c, worker, JOB))))
-            if worker == "worker1":
-                c.wait_for("controller", "admitted 'worker1'")
-
-
-def one_slot(agent: list[str]) -> list[str]:
-    """The compose file's agent with one CPU slot: one rank per host shows what these tests check."""
-    agent[agent.index("--cpu-slots") + 1] = "1"
-    return agent
+        # One CPU slot each: one rank per host shows what these tests check.
+        c.up("worker1", env=env, argv=without(ckpt, agent_argv(c, "worker1", JOB, cpu_slots=1)))
+        c.wait_for("controller", "admitted 'worker1'")
+        c.up("worker2", env=env, argv=without(ckpt, agent_argv(c, "worker2", JOB, cpu_slots=1)))
 
 
 def gate_of(ckpt: Path) -> Path:

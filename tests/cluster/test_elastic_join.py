@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from flodl_zmq import bundle
-from tests.cluster.digits_job import held
+from tests.cluster.digits_job import held, samples_per_epoch
 from tests.cluster.netns import network_or_skip
 from tests.cluster.test_controller_restart import covered
 from tests.cluster.test_multihost import BIN, Compose, controller_argv, result_of, without
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 EPOCHS = 6
-SAMPLES_16 = (1437 // 16) * 16  # a progressive pool is batch-aligned
+SAMPLES_16 = samples_per_epoch(16)
 PROGRAM = [JOB, "--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "30"]
 
 

@@ -116,10 +116,13 @@ def controller_argv(compose: Compose, *, open_admission: bool = True, program: S
     return [*head, *extra, "--", *(program if program is not None else tail)]
 
 
-def agent_argv(compose: Compose, name: str, script: str) -> list[str]:
-    """The compose file's command of worker `name`, agreeing to run `script` (its --script swapped)."""
+def agent_argv(compose: Compose, name: str, script: str, cpu_slots: int | None = None) -> list[str]:
+    """The compose file's command of worker `name`, agreeing to run `script` (its --script swapped),
+    with `cpu_slots` for its --cpu-slots if given."""
     command = list(compose.services[name].command)
     command[command.index("--script") + 1] = script
+    if cpu_slots is not None:
+        command[command.index("--cpu-slots") + 1] = str(cpu_slots)
     return command
 
 

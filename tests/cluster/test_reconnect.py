@@ -31,11 +31,11 @@ import pytest
 
 from flodl_zmq.endpoints import OFFSETS
 from flodl_zmq.launch import Cluster, free_port_base
-from tests.cluster.digits_job import RELIABLE_ACCURACY, held
+from tests.cluster.digits_job import RELIABLE_ACCURACY, held, samples_per_epoch
 from tests.cluster.reset_proxy import ResettingProxy
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
-SAMPLES_PER_EPOCH_16 = (1437 // 16) * 16
+SAMPLES_PER_EPOCH_16 = samples_per_epoch(16)
 # 15 epochs of about 45 steps per rank (2 hosts x 1 rank) at 12 ms a step. The ranks hold after
 # four epochs' worth of their batches (about epoch 8) until the last of the ten resets, 0.6 s apart once the
 # first epoch ends, has been made: the run cannot end first, however fast this machine is.

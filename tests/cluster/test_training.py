@@ -21,10 +21,10 @@ import torch
 from flodl_zmq import bundle
 from flodl_zmq.launch import Cluster
 from flodl_zmq.wire import new_key
-from tests.cluster.digits_job import RELIABLE_ACCURACY, held
+from tests.cluster.digits_job import RELIABLE_ACCURACY, batches_per_epoch, held, samples_per_epoch
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
-SAMPLES_PER_EPOCH = {32: (1437 // 32) * 32, 16: (1437 // 16) * 16}  # progressive pools are batch-aligned
+SAMPLES_PER_EPOCH = {b: samples_per_epoch(b) for b in (32, 16)}
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 
@@ -126,7 +126,7 @@ def test_a_cosine_schedule_with_clipping_and_loader_workers_follows_the_global_s
     # own count would sit at its share of the global step: far above that bound by epoch 3.
     # The same run's eval raises on its second call: reported with rank and traceback, and
     # training goes on (the callbacks' hooks, like the step's, are the loop's).
-    epochs, per_epoch = 4, 1437 // 32
+    epochs, per_epoch = 4, batches_per_epoch(32)
     code, result, out = run("--mode", "cpu-cadence", "--epochs", str(epochs), "--cosine", "--max-grad-norm", "1.0",
                             "--workers", "2", "--eval-raises")
     assert code == 0, out
