@@ -246,10 +246,11 @@ class Job:
         return cls(*args, **keywords)
 
     @property
-    def blend(self) -> float:
-        """How far a rank moves towards each consensus: 1 (overwrite), or the EASGD alpha under cpu-async."""
+    def blend(self) -> float | None:
+        """None: a rank overwrites its replica with each consensus; under cpu-async, the EASGD alpha
+        scaling the correction it adds (it trained on while the round was in flight)."""
         if self.mode != "cpu-async":
-            return 1.0
+            return None
         return DEFAULT_EASGD_ALPHA if self.easgd_alpha is None else self.easgd_alpha
 
     @property

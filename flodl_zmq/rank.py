@@ -16,9 +16,11 @@ the protocol like this (PROTOCOL.md, Rank):
 3. On `RequestParams(round)` snapshots its parameters and float buffers into
    a reused host buffer, multiplies it by its realized-work mass (steps since
    the last sync) and deposits one `RoundFrame` on the data socket.
-4. On the round's `Consensus` loads it (overwrite, or the EASGD blend under
-   cpu-async) and answers `SyncAck` with the divergence triple; a zero-mass
-   consensus keeps local state.
+4. On the round's `Consensus` loads it and answers `SyncAck` with the
+   divergence triple; a zero-mass consensus keeps local state. It overwrites
+   the replica, except under cpu-async, where the rank trained on while its
+   deposit travelled: it adds `easgd_alpha * (consensus - snapshot)`, so
+   those steps are kept (the overlapped round's correction).
 5. Runs eval / checkpoint / epoch callbacks when its role is elected and
    reports them (`EvalResult`, `CheckpointResult`, `EpochFnElapsed`), with
    the rank and the traceback when one raises; training continues.
@@ -136,7 +138,9 @@ class ParamBuffers:
     encoding (values and scales, with this rank's error feedback).
     `load(consensus)` takes a consensus payload in the wire dtype (bf16 and
     int8 are widened into a reused f32 buffer first), writes it back with one
-    batched copy (or an EASGD lerp) and returns the divergence triple against
+    batched copy, or under a blend adds `blend * (consensus - snapshot)` to
+    the live parameters (the overlapped round's correction: the steps taken
+    since the snapshot are kept), and returns the divergence triple against
     the last snapshot.
     """
 
@@ -206,6 +210,8 @@ class ParamBuffers:
             if self.cuda:
                 torch.cuda.synchronize(self.device)  # one fence for all tensors
             self.pre_norm = float(torch.linalg.vector_norm(self.snap))
+            if mass == 0.0:
+                self._scratch.copy_(self.snap)  # the deposit is zeros: a correction needs the snapshot itself
             if mass != 1.0:
                 self.snap.mul_(mass)
             if self._feedback is not None:
@@ -215,9 +221,11 @@ class ParamBuffers:
         self.mass = float(mass)
         return [self.wire, self.scales] if self._feedback is not None else [self.wire]
 
-    def load(self, payload: Sequence[np.ndarray], alpha: float = 1.0) -> tuple[float | None, float, float | None]:
-        """Adopt a consensus payload in the wire dtype: overwrite (alpha 1) or lerp towards it (EASGD);
-        returns (divergence ||pre - consensus|| / ||consensus||, post norm, pre norm)."""
+    def load(self, payload: Sequence[np.ndarray], blend: float | None = None) -> tuple[float | None, float, float | None]:
+        """Adopt a consensus payload in the wire dtype: overwrite (`blend` None), or add
+        `blend * (consensus - snapshot)` (cpu-async: the rank trained on while the round was in
+        flight, and keeps those steps); returns (divergence ||pre - consensus|| / ||consensus||,
+        post norm, pre norm)."""
         flat = payload[0].reshape(-1) if payload else np.empty(0, np.float32)
         expected = WIRE_NUMPY[self.wire_dtype]
         pairs = self._feedback is None or int8.is_int8(payload)
@@ -237,31 +245,36 @@ class ParamBuffers:
         with torch.no_grad():
             post = float(torch.linalg.vector_norm(cons))
             divergence = None
-            if self.mass > 0.0 and post > 0.0:
-                torch.mul(cons, self.mass, out=self._scratch).sub_(self.snap)
-                divergence = float(torch.linalg.vector_norm(self._scratch)) / self.mass / post
+            if self.mass > 0.0:
+                torch.mul(cons, self.mass, out=self._scratch).sub_(self.snap)  # (consensus - snapshot) * mass
+                if post > 0.0:
+                    divergence = float(torch.linalg.vector_norm(self._scratch)) / self.mass / post
+                if blend is not None:
+                    self._scratch.div_(self.mass)
+            elif blend is not None:
+                torch.sub(cons, self._scratch, out=self._scratch)  # a zero-mass snapshot kept itself here
+            source = cons if blend is None else self._scratch
             if self.cuda:
-                self._load_cuda(cons, alpha)
+                self._load_cuda(source, blend)
+            elif blend is None:
+                torch._foreach_copy_(self.tensors, flat_views(source, self.tensors))
             else:
-                views = flat_views(cons, self.tensors)
-                if alpha >= 1.0:
-                    torch._foreach_copy_(self.tensors, views)
-                else:
-                    torch._foreach_lerp_(self.tensors, views, alpha)
+                torch._foreach_add_(self.tensors, flat_views(source, self.tensors), alpha=blend)
         return divergence, post, self.pre_norm
 
-    def _load_cuda(self, cons: torch.Tensor, alpha: float) -> None:
+    def _load_cuda(self, source: torch.Tensor, blend: float | None) -> None:
+        """Write `source` (the consensus, or under a blend the correction) to the device parameters."""
         assert self._recv is not None
         if self._recv_done is not None:
             self._recv_done.synchronize()  # the previous H2D copy must be out of the pinned buffer
-        self._recv.copy_(cons)
-        if alpha >= 1.0:
+        self._recv.copy_(source)
+        if blend is None:
             torch._foreach_copy_(self.tensors, self._recv_views, non_blocking=True)
         else:
             if self._device_scratch is None:
                 self._device_scratch = [torch.empty_like(t) for t in self.tensors]
             torch._foreach_copy_(self._device_scratch, self._recv_views, non_blocking=True)
-            torch._foreach_lerp_(self.tensors, self._device_scratch, alpha)
+            torch._foreach_add_(self.tensors, self._device_scratch, alpha=blend)
         self._recv_done = torch.cuda.Event()
         self._recv_done.record()
 
@@ -638,7 +651,7 @@ class RankRuntime:
         except ShmError as exc:  # a squatted or foreign shared-memory path: deposit framed instead
             log.error("rank %d: deposits go framed, not by reference: %s", cfg.rank, exc)
             self.buffers = ParamBuffers(self.model, None, job.wire_dtype)
-        self.alpha = job.blend
+        self.blend = job.blend
         self.steps = 0  # cumulative optimizer steps
         self.steps_since_avg = 0
         self.global_step = 0  # every rank's steps in the last loaded consensus (SetGlobalStep)
@@ -722,7 +735,7 @@ class RankRuntime:
             if kind == "control":
                 held.append(item)
             elif kind == "consensus" and item.record.round == rec.RESUME_ROUND:
-                self._adopt(item.payload, 1.0)  # the start replaces the initial replica, whatever the blend
+                self._adopt(item.payload, None)  # the start replaces the initial replica, whatever the blend
                 break
             elif kind == "consensus":
                 self.stale_consensus += 1
@@ -827,7 +840,7 @@ class RankRuntime:
             return
         divergence = post = pre = None
         if c.mass > 0.0:
-            divergence, post, pre = self._adopt(env.payload, self.alpha)
+            divergence, post, pre = self._adopt(env.payload, self.blend)
         # Steps taken while the round was in flight keep their credit for the next frame.
         self.steps_since_avg -= self._steps_at_snapshot
         self._pending_round = None
@@ -843,10 +856,11 @@ class RankRuntime:
             plan = self._held_plans.pop(held)
             self._add_span(plan.epoch, plan.offset, plan.size)
 
-    def _adopt(self, payload: Sequence[np.ndarray], alpha: float) -> tuple[float | None, float, float | None]:
-        """Load a consensus payload (ParamBuffers.load); a blending rank also keeps it for its evals."""
-        out = self.buffers.load(payload, alpha)
-        if self.alpha < 1.0 and self.job.eval_fn is not None:
+    def _adopt(self, payload: Sequence[np.ndarray], blend: float | None) -> tuple[float | None, float, float | None]:
+        """Load a consensus payload (ParamBuffers.load); a blending rank, whose replica is not the
+        consensus, also keeps the consensus for its evals."""
+        out = self.buffers.load(payload, blend)
+        if self.blend is not None and self.job.eval_fn is not None:
             assert self.buffers.consensus is not None
             self._keep_consensus(self.buffers.consensus)
         return out

@@ -519,6 +519,8 @@ class Coordinator:
             if self._should_average():
                 self._trigger(now)
         self._aggregate(now)
+        if self.cycle is None and self.phase is RunPhase.TRAINING and self._epoch_awaits_average():
+            self._trigger(now)  # the epoch just aggregated queued its callbacks
         if self.cycle is None:
             if not any(self._step_count[r] != self._step_base[r] for r in self.liveness.live):
                 # Nothing stepped since the last consensus: it holds all reported work.
@@ -528,9 +530,16 @@ class Coordinator:
         self._maybe_end(now)
 
     def _should_average(self) -> bool:
-        """The count-based gate: every live rank full, throttled or quiesced, and one stepped."""
+        """The count-based gate: every live rank full, throttled or quiesced, and one stepped.
+
+        Async also averages as soon as an epoch that an eval or checkpoint waits
+        for is trained whole: its ranks train on through the round, and waiting
+        for the next full window would leave the call a window late.
+        """
         if self.phase is not RunPhase.TRAINING or not self.liveness.live:
             return False
+        if self._epoch_awaits_average():
+            return True
         any_mover = False
         for r in self.liveness.live:  # per record: stops at the first rank not done
             steps = self._step_count[r] - self._step_base[r]
@@ -543,6 +552,15 @@ class Coordinator:
             ):
                 return False
         return any_mover
+
+    def _epoch_awaits_average(self) -> bool:
+        """Async: an eval or checkpoint waits only for a consensus of its trained epoch, and a rank
+        stepped since the last one."""
+        return (
+            not self.mode.barrier_paced
+            and self.callbacks.waiting(self.dispatch.done_through(self.last_aggregated))
+            and any(self._step_count[r] != self._step_base[r] for r in self.liveness.live)
+        )
 
     def _trigger(self, now: float, final: bool = False) -> None:
         live = tuple(self.liveness.live)

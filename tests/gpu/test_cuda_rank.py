@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flodl_zmq.launch import Cluster
-from flodl_zmq.payload import flatten
+from flodl_zmq.payload import flatten, payload_tensors
 from flodl_zmq.rank import ParamBuffers, pick_device
 from flodl_zmq.tensors import bf16_from_f32
 
@@ -62,7 +62,7 @@ def test_consensus_load_writes_the_device_parameters_and_reports_the_divergence(
     before = flatten(model).cpu()
     for shift in (0.5, -0.25):  # twice: the second load waits for the first copy out of the staging buffer
         consensus = (before + shift).numpy()
-        divergence, post, pre = buf.load(consensus)
+        divergence, post, pre = buf.load([consensus])
         torch.cuda.synchronize()
         assert torch.equal(flatten(model).cpu(), torch.from_numpy(consensus))
         assert post == pytest.approx(float(np.linalg.norm(consensus)), rel=1e-5)
@@ -70,14 +70,18 @@ def test_consensus_load_writes_the_device_parameters_and_reports_the_divergence(
     assert divergence is not None and divergence > 0
 
 
-def test_easgd_load_blends_the_device_parameters_towards_the_consensus():
+def test_async_load_adds_the_blended_correction_to_the_device_parameters_keeping_later_steps():
     model = net()
     buf = ParamBuffers(model)
     start = flatten(model).cpu()
+    buf.snapshot(2.0)
+    with torch.no_grad():
+        for t in payload_tensors(model):
+            t.add_(0.5)  # steps taken while the round was in flight
     target = torch.zeros_like(start)
-    buf.load(target.numpy(), alpha=0.25)
+    buf.load([target.numpy()], blend=0.25)
     torch.cuda.synchronize()
-    assert torch.allclose(flatten(model).cpu(), start * 0.75, atol=1e-6)
+    assert torch.allclose(flatten(model).cpu(), start * 0.75 + 0.5, atol=1e-6)
 
 
 @pytest.mark.cluster

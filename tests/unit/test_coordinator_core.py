@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from flodl_zmq.coordinator.config import CoordinatorConfig, MaxFailure
@@ -553,3 +555,23 @@ def test_what_a_relay_lets_a_rank_send_is_exactly_what_the_controller_consumes()
     # The relay refuses every other control kind from a rank (RANK_CONTROL_RECORDS); the
     # controller service takes RankHello, the coordinator the rest. One list, checked here.
     assert set(Coordinator._HANDLERS) | {rec.RankHello} == rec.RANK_CONTROL_RECORDS
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_async_averages_as_soon_as_an_epoch_an_eval_waits_for_is_trained_whole(seed):
+    # Ranks train on through an async round, so an epoch's eval need not wait for the next
+    # full window: once the epoch is trained whole, a round is in flight (or its eval went out).
+    rng = random.Random(seed)
+    c, outs = make(mode="async", total=60, epochs=4, eval_every=1, max_overshoot=100)
+    plans = [(o.dest, o.record.plan) for o in outs if isinstance(o.record, rec.StartEpoch)]
+    steps, evals = [0, 0], []
+    while plans:
+        r, plan = plans.pop(rng.randrange(len(plans)))
+        got, steps[r] = train(c, r, plan, steps[r])
+        if c.cycle is not None and rng.random() < 0.5:
+            got += finish(c, c.cycle.round, [0, 1])
+        evals += [e.epoch for e in of(got, rec.ExecuteEval)]
+        waiting = [e for e in range(1, 4) if e not in evals and c.dispatch.done_through(c.last_aggregated) >= e - 1]
+        assert not waiting or c.cycle is not None, f"epoch {waiting[0] - 1} is trained but no round is in flight"
+        plans += [(o.dest, o.record.plan) for o in got if isinstance(o.record, rec.StartEpoch)]
+        plans += [(o.dest, o.record.next_plan) for o in got if isinstance(o.record, rec.Update) and o.record.next_plan]

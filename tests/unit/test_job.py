@@ -65,7 +65,7 @@ def test_easgd_alpha_outside_async_is_refused_naming_the_mode(mode):
 def test_ranks_blend_by_easgd_alpha_under_async_and_overwrite_otherwise():
     assert job(mode="cpu-async", easgd_alpha=0.3).blend == 0.3
     assert job(mode="cpu-async").blend == 0.5
-    assert job(mode="cpu-cadence").blend == 1.0
+    assert job(mode="cpu-cadence").blend is None
     assert coordinator_config(job(mode="cpu-async", easgd_alpha=0.3)).effective_easgd_alpha == 0.3
 
 

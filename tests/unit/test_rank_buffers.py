@@ -78,13 +78,44 @@ def test_load_overwrites_parameters_and_float_buffers():
     assert torch.equal(m[1].running_mean, torch.from_numpy(target[-6:-3].copy()))
 
 
-def test_load_with_alpha_blends_towards_the_consensus():
+def train_on(m: torch.nn.Module, by: float) -> torch.Tensor:
+    """Stand-in for steps taken after a snapshot: every payload value moves by `by`; returns the move."""
+    with torch.no_grad():
+        for t in payload_tensors(m):
+            t.add_(by)
+    return torch.full((sum(t.numel() for t in payload_tensors(m)),), by)
+
+
+@pytest.mark.parametrize("mass", [3.0, 0.0])
+def test_a_consensus_applied_mid_window_as_a_correction_keeps_the_steps_taken_since_the_snapshot(mass):
+    # Overlapped (cpu-async): the rank deposited, trained on, then the consensus landed.
     m = net()
     buf = ParamBuffers(m)
-    local = flatten(m)
-    cons = torch.zeros(buf.numel)
-    buf.load([cons.numpy()], alpha=0.5)
-    assert torch.allclose(flatten(m), local * 0.5)
+    buf.snapshot(mass)
+    moved = train_on(m, 0.25)
+    consensus = torch.linspace(-1.0, 1.0, buf.numel)
+    buf.load([consensus.numpy()], blend=1.0)
+    assert torch.allclose(flatten(m), consensus + moved, atol=1e-6)  # the consensus, plus no step lost
+
+
+def test_a_blend_under_one_moves_that_share_of_the_way_and_keeps_the_steps_since():
+    m = net()
+    buf = ParamBuffers(m)
+    snap = flatten(m)
+    buf.snapshot(2.0)
+    moved = train_on(m, -0.5)
+    consensus = torch.zeros(buf.numel)
+    buf.load([consensus.numpy()], blend=0.5)
+    assert torch.allclose(flatten(m), snap + 0.5 * (consensus - snap) + moved, atol=1e-6)
+
+
+def test_a_correction_with_no_step_since_the_snapshot_lands_on_the_consensus():
+    m = net()
+    buf = ParamBuffers(m)
+    buf.snapshot(5.0)
+    consensus = flatten(m) * 0.9 + 0.1
+    buf.load([consensus.numpy()], blend=1.0)
+    assert torch.allclose(flatten(m), consensus, atol=1e-6)
 
 
 def test_divergence_is_relative_distance_between_snapshot_and_consensus():
@@ -216,10 +247,10 @@ def test_model_signature_tells_architectures_apart():
     assert model_signature(net()) != model_signature(torch.nn.Linear(4, 2))
 
 
-def _runtime() -> RankRuntime:
-    data = TensorDataset(torch.zeros(64, 4), torch.zeros(64, dtype=torch.long))
+def _runtime(**job: Any) -> RankRuntime:
+    data = TensorDataset(torch.randn(64, 4), torch.zeros(64, dtype=torch.long))
     job = Job(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-              train_step=lambda m, b: m(b[0]).sum(), dataset=data, batch_size=8, epochs=1)
+              train_step=lambda m, b: m(b[0]).sum(), dataset=data, batch_size=8, epochs=1, **job)
     cfg = RankConfig(rank=0, local_rank=0, world_size=1, host="h", key=b"k" * 32, run_id=b"r" * 16,
                      control_endpoint="tcp://127.0.0.1:1", data_endpoint="tcp://127.0.0.1:2")
     return RankRuntime(job, cfg, device=torch.device("cpu"))
@@ -282,3 +313,26 @@ def test_a_resumed_rank_whose_starting_model_never_comes_fails_by_name():
     rt.link = SimpleNamespace(inbox=Mailbox())
     with pytest.raises(TrainingError, match=r"starting model .* did not come from the controller's reducer"):
         rt._load_start()
+
+
+def test_an_async_rank_trains_on_while_its_round_travels_and_the_consensus_loses_none_of_those_steps():
+    rt = _runtime(mode="cpu-async", easgd_alpha=1.0)
+    sent: list[Any] = []
+    rt.link = SimpleNamespace(send=lambda record, *a, **k: sent.append(record), step=lambda *a: None,
+                              flush_steps=lambda: None)
+    rt._on_control(rec.StartEpoch(plan=rec.EpochPlan(epoch=0, offset=0, size=64)))
+    for _ in range(2):
+        rt._train_one()
+    rt._on_control(rec.RequestParams(round=1))
+    deposit = next(r for r in sent if isinstance(r, rec.RoundFrame))
+    at_snapshot = flatten(rt.model)
+    assert deposit.mass == 2.0 and rt._can_train()  # no stop for the round
+    for _ in range(3):
+        rt._train_one()
+    moved = flatten(rt.model) - at_snapshot
+    assert float(moved.abs().sum()) > 0
+    consensus = at_snapshot * 0.5 + 1.0
+    rt._on_consensus(SimpleNamespace(record=rec.Consensus(round=1, mass=4.0), payload=[consensus.numpy()]))
+    assert torch.allclose(flatten(rt.model), consensus + moved, atol=1e-6)
+    assert rt.steps_since_avg == 3  # the steps in flight weigh in the next deposit
+    assert isinstance(sent[-1], rec.SyncAck) and sent[-1].round == 1

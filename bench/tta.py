@@ -1,0 +1,469 @@
+"""Time to target on real jobs: flodl-zmq (defaults, and tuned) against torch DDP and the fastest member alone.
+
+    python bench/tta.py [--jobs cnn,transformer,mlp] [--worlds 1x2,1x2slow,2x2slow] [--runs ours,best,ddp,alone]
+                        [--repeats 3] [--json]
+
+The question a user asks before adding a machine: does the run reach the
+target sooner? Every run trains the same job from the same seed with one
+torch thread per process, each rank pinned to a core of its own where the
+machine has one (round robin otherwise), and records when each evaluation
+finished (CLOCK_MONOTONIC, shared by every process).
+
+Jobs (the examples' and bench/train.py's models, per-rank batch 32):
+
+  cnn:         examples/cnn_digits.py (SGD Nesterov, warm-up + cosine), test accuracy >= 0.98
+  mlp:         bench/train.py's 2.2M-parameter MLP (SGD momentum), test accuracy >= 0.95
+  transformer: examples/char_transformer.py (AdamW, cosine), validation loss <= 2.5 nats/char
+
+Worlds: 1x2 (one host, two equal ranks), 1x2slow (rank 1 slowed 3x, `launch
+--slow`), 2x2slow (two hosts of two ranks, rank 3 slowed 3x). Runs:
+
+  ours:  flodl-zmq with the Trainer's defaults (what a user gets untuned);
+  best:  flodl-zmq with BEST's settings (the best found; docs/benchmarks.md);
+  ddp:   DistributedDataParallel on gloo in the same world, the same per-rank
+         batch, the slow rank sleeping the same way, the learning rate scaled
+         as DDP users do (linearly with the world for SGD, by its square root
+         for AdamW), warm-up as the job's;
+  alone: the fastest member alone: one process, one pinned core.
+
+Figures per job, world and run (medians over --repeats runs, alternated):
+time to target from the first step (`ttt_s`) and from the command's start
+(`ttt_cmd_s`, start-up included), samples to target, the metric at a fixed
+budget (the lone run's time to target), the metric after the job's epochs,
+and the services' share of the run's CPU time (relays and controller).
+
+JSON keys: tta_speedup_vs_alone_<job>_<world> and tta_speedup_vs_ddp_<job>_<world>
+(time from the first step; ours with defaults, `_best` appended for BEST),
+final_delta_vs_alone_<job>_<world> (ours minus alone after equal epochs, in
+points of accuracy or nats; `_best` too), and per run
+ttt_s_/ttt_cmd_s_/samples_/budget_metric_/final_/service_cpu_share_<run>_<job>_<world>.
+This script is also the job the launcher runs (FLODL_ROLE set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+TAG = "TTA_RESULT"
+SEED = 11
+BATCH = 32
+SLOW = 3.0
+WORLDS: dict[str, tuple[int, int, dict[int, float]]] = {  # hosts, ranks per host, slowed ranks
+    "1x2": (1, 2, {}),
+    "1x2slow": (1, 2, {1: SLOW}),
+    "2x2slow": (2, 2, {3: SLOW}),
+}
+# The runner-up to the defaults (Trainer keywords): the overlapped round. docs/benchmarks.md
+# has what else was tried; none of it beat the defaults' time to target yet.
+BEST: dict[str, Any] = {"mode": "cpu-async", "easgd_alpha": 1.0}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One job: what the Trainer (or DDP) trains, and the target that ends the race."""
+
+    build: Callable[[], dict[str, Any]]  # Trainer keywords without optimizer/scheduler
+    optimizer: Callable[[Any, float], torch.optim.Optimizer]  # (params, lr scale)
+    scheduler: Callable[[int], Callable[[Any], Any]] | None  # total steps -> scheduler factory
+    epochs: int
+    target: float
+    higher_is_better: bool
+    adam: bool  # DDP scales an Adam learning rate by sqrt(world), SGD's linearly
+
+    def reached(self, metric: float) -> bool:
+        return metric >= self.target if self.higher_is_better else metric <= self.target
+
+
+def _cnn() -> dict[str, Any]:
+    import cnn_digits
+
+    from flodl_zmq.datasets import digits
+
+    train, test = digits()
+    return {"model": cnn_digits.cnn, "train_step": cnn_digits.step, "dataset": train, "eval_dataset": test,
+            "eval_fn": cnn_digits.accuracy, "max_grad_norm": 2.0}
+
+
+def _mlp() -> dict[str, Any]:
+    import train as mlp_bench
+
+    from flodl_zmq.datasets import digits
+
+    train, test = digits()
+    return {"model": mlp_bench.model, "train_step": mlp_bench.step, "dataset": train, "eval_dataset": test,
+            "eval_fn": mlp_bench.accuracy}
+
+
+def _transformer() -> dict[str, Any]:
+    import char_transformer as ct
+
+    train, val = ct.corpus(200_000, 20_000)
+    return {"model": lambda: ct.CharTransformer(64, 128, 2, 4), "train_step": ct.step,
+            "dataset": ct.Windows(train, 64), "eval_dataset": ct.Windows(val, 64), "eval_fn": ct.validation_loss,
+            "max_grad_norm": 1.0}
+
+
+def _warmup_cosine(total: int) -> Callable[[Any], Any]:
+    import cnn_digits
+
+    return cnn_digits.warmup_cosine(total, min(50, total))
+
+
+JOBS: dict[str, Spec] = {
+    "cnn": Spec(_cnn, lambda p, s: torch.optim.SGD(p, lr=0.1 * s, momentum=0.9, nesterov=True, weight_decay=5e-4),
+                _warmup_cosine, epochs=12, target=0.98, higher_is_better=True, adam=False),
+    "mlp": Spec(_mlp, lambda p, s: torch.optim.SGD(p, lr=0.05 * s, momentum=0.9), None,
+                epochs=12, target=0.95, higher_is_better=True, adam=False),
+    "transformer": Spec(_transformer, lambda p, s: torch.optim.AdamW(p, lr=3e-3 * s, weight_decay=0.01),
+                        lambda total: lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, total),
+                        epochs=3, target=2.5, higher_is_better=False, adam=True),
+}
+
+
+# --------------------------------------------------------------------------- inside a run's processes
+
+_first_step: list[float] = []
+_evals: list[tuple[float, float]] = []  # (monotonic time the eval ended, metric)
+
+
+def pin(slot: int) -> None:
+    """This process on one core: slot `slot`, round robin over the cores this process may use."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[slot % len(cores)]})
+
+
+def _timed(spec_kw: dict[str, Any]) -> dict[str, Any]:
+    """The job's step and eval, noting the first step's and every eval's time."""
+    step, evaluate = spec_kw["train_step"], spec_kw["eval_fn"]
+
+    def train_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if not _first_step:
+            _first_step.append(time.monotonic())
+        return step(model, batch)
+
+    def eval_fn(model: torch.nn.Module, dataset: Any) -> float:
+        metric = float(evaluate(model, dataset))
+        _evals.append((time.monotonic(), metric))
+        return metric
+
+    return {**spec_kw, "train_step": train_step, "eval_fn": eval_fn}
+
+
+def _report() -> None:
+    print(TAG + " " + json.dumps({"first_step": _first_step[:1], "evals": _evals, "timeline": _timeline}), flush=True)
+
+
+_timeline: dict[str, float] = {}  # phase -> seconds, on a rank (--timeline)
+
+
+def time_phases() -> None:
+    """Account a rank's wall time to phases by wrapping its runtime's steps (a measurement, not an API).
+
+    Nested phases are taken out of the enclosing one; a wait is "round" while
+    this rank's deposit awaits its consensus, else "idle" (no work given yet).
+    """
+    from flodl_zmq.rank import RankRuntime
+
+    stack: list[list[float]] = []
+
+    def wrap(name: str | Callable[[Any], str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(self: Any, *a: Any, **k: Any) -> Any:
+            phase = name(self, *a, **k) if callable(name) else name
+            if phase is None:
+                return fn(self, *a, **k)
+            stack.append([time.perf_counter(), 0.0])
+            try:
+                return fn(self, *a, **k)
+            finally:
+                t0, nested = stack.pop()
+                spent = time.perf_counter() - t0
+                _timeline[phase] = _timeline.get(phase, 0.0) + spent - nested
+                if stack:
+                    stack[-1][1] += spent
+        return timed
+
+    def wait_phase(self: Any, block: bool) -> str | None:
+        return None if not block else ("round" if self._pending_round is not None else "idle")
+
+    RankRuntime._train_one = wrap("train", RankRuntime._train_one)
+    RankRuntime._drain = wrap(wait_phase, RankRuntime._drain)
+    RankRuntime._on_consensus = wrap("load", RankRuntime._on_consensus)
+    RankRuntime._deposit = wrap("deposit", RankRuntime._deposit)
+    RankRuntime._run_eval = wrap("eval", RankRuntime._run_eval)
+
+
+def run_trainer(job: str, variant: str, best: dict[str, Any], timeline: bool) -> None:
+    """ours / best / alone: the Trainer, in whatever role this process has."""
+    from flodl_zmq.api import Trainer
+
+    spec = JOBS[job]
+    role = os.environ.get("FLODL_ROLE")
+    if role in (None, "rank"):
+        pin(int(os.environ.get("FLODL_RANK", "0")))
+    if role == "rank" and timeline:
+        time_phases()
+    kw = _timed(spec.build())
+    total = spec.epochs * math.ceil(len(kw["dataset"]) / BATCH)
+    extra = best if variant == "best" else {}
+    atexit.register(_report)
+    Trainer(**kw, optimizer=lambda p: spec.optimizer(p, 1.0), batch_size=BATCH, epochs=spec.epochs, seed=SEED,
+            scheduler=spec.scheduler(total) if spec.scheduler else None, quiet=True, **extra).run()
+
+
+def _ddp_worker(rank: int, world: int, job: str, slow: dict[int, float], init: str) -> None:
+    import torch.distributed as dist
+
+    from flodl_zmq.sampling import epoch_permutation
+
+    pin(rank)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    spec = JOBS[job]
+    torch.manual_seed(SEED)
+    kw = _timed(spec.build())
+    ddp = torch.nn.parallel.DistributedDataParallel(kw["model"]())
+    opt = spec.optimizer(ddp.parameters(), math.sqrt(world) if spec.adam else float(world))
+    data, n = kw["dataset"], len(kw["dataset"])
+    per_step = world * BATCH
+    sched = spec.scheduler(spec.epochs * (n // per_step))(opt) if spec.scheduler else None
+    dist.barrier()
+    for epoch in range(spec.epochs):
+        perm = epoch_permutation(SEED, epoch, n)
+        for s in range(n // per_step):  # equal step counts: DDP moves in lockstep
+            t = time.perf_counter()
+            idx = perm[s * per_step + rank : (s + 1) * per_step : world]
+            batch = torch.utils.data.default_collate([data[int(i)] for i in idx])
+            opt.zero_grad(set_to_none=True)
+            loss = kw["train_step"](ddp, batch)
+            loss.backward()  # the all-reduce: every rank waits for the slowest
+            if kw.get("max_grad_norm"):
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), kw["max_grad_norm"])
+            opt.step()
+            if sched is not None:
+                sched.step()
+            if rank in slow:
+                time.sleep((slow[rank] - 1.0) * (time.perf_counter() - t))
+        if rank == 0:
+            ddp.module.eval()
+            with torch.no_grad():
+                kw["eval_fn"](ddp.module, kw["eval_dataset"])
+            ddp.module.train()
+    if rank == 0:
+        _report()
+    dist.destroy_process_group()
+
+
+def run_ddp(job: str, world_name: str) -> None:
+    import torch.multiprocessing as mp
+
+    hosts, per_host, slow = WORLDS[world_name]
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_ddp_worker, args=(hosts * per_host, job, slow, f"file://{d}/rendezvous"),
+                 nprocs=hosts * per_host, join=True)
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+class CpuTicks:
+    """The last CPU ticks seen of each process (sampled every 50 ms until it is gone)."""
+
+    def __init__(self, pids: dict[int, bool]) -> None:
+        self.pids = pids  # pid -> is a service
+        self.ticks: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            for pid in self.pids:
+                try:
+                    with open(f"/proc/{pid}/stat") as fh:
+                        fields = fh.read().rpartition(")")[2].split()
+                    self.ticks[pid] = int(fields[11]) + int(fields[12])
+                except (OSError, IndexError):
+                    continue
+
+    def service_share(self) -> float | None:
+        self._stop.set()
+        self._thread.join(2)
+        total = sum(self.ticks.values())
+        return sum(t for p, t in self.ticks.items() if self.pids[p]) / total if total else None
+
+
+def _parse(lines: list[str]) -> dict[str, Any]:
+    first: list[float] = []
+    evals: list[tuple[float, float]] = []
+    timelines: dict[str, dict[str, float]] = {}
+    for line in lines:
+        label, _, text = line.partition("] ") if line.startswith("[") else ("", "", line)
+        if text.startswith(TAG):
+            data = json.loads(text[len(TAG) + 1:])
+            first += data["first_step"]
+            evals += [tuple(e) for e in data["evals"]]
+            if data["timeline"]:
+                timelines[label.lstrip("[")] = data["timeline"]
+    if not first or not evals:
+        raise RuntimeError("the run reported no step or no evaluation:\n" + "\n".join(lines[-40:]))
+    return {"first_step": min(first), "evals": sorted(evals), "timelines": timelines}
+
+
+def run_one(job: str, world: str, run: str, best: str, timeline: bool = False) -> dict[str, Any]:
+    """One run in fresh processes; its raw figures (times are CLOCK_MONOTONIC)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
+    child = [sys.executable, __file__, "--child", run, "--jobs", job, "--worlds", world, "--best", best,
+             *(["--timeline"] if timeline else [])]
+    t_cmd = time.monotonic()
+    share = None
+    if run in ("ours", "best"):
+        from flodl_zmq.launch import Cluster
+
+        hosts, per_host, slow = WORLDS[world]
+        cluster = Cluster(argv=child[1:], hosts=hosts, ranks_per_host=per_host, slow=slow)
+        cluster.start()
+        ticks = CpuTicks({c.proc.pid: not label.split(":")[-1].isdigit() for label, c in cluster.children.items()})
+        code = cluster.wait(1800)
+        share = ticks.service_share()
+        if code != 0:
+            raise RuntimeError(f"{run} {job} {world}: the cluster failed (exit {code}):\n{cluster.output()}")
+        lines = cluster.lines
+    else:
+        proc = subprocess.run(child, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{run} {job} {world}: exit {proc.returncode}:\n{proc.stdout}{proc.stderr}")
+        lines = proc.stdout.splitlines()
+    out = _parse(lines)
+    return {**out, "t_cmd": t_cmd, "service_cpu_share": share}
+
+
+def figures(spec: Spec, raw: dict[str, Any], samples_per_epoch: int, budget_s: float | None) -> dict[str, Any]:
+    """What one run says: time and samples to target, the metric at the budget and after the epochs."""
+    evals = raw["evals"][: spec.epochs]  # one per epoch (a cluster adds one on the final consensus)
+    hit = next((i for i, (_, m) in enumerate(evals) if spec.reached(m)), None)
+    t_hit = None if hit is None else evals[hit][0]
+    at_budget = None
+    if budget_s is not None:
+        within = [m for t, m in evals if t - raw["first_step"] <= budget_s]
+        at_budget = within[-1] if within else None
+    return {
+        "ttt_s": None if t_hit is None else t_hit - raw["first_step"],
+        "ttt_cmd_s": None if t_hit is None else t_hit - raw["t_cmd"],
+        "samples": None if hit is None else (hit + 1) * samples_per_epoch,
+        "budget_metric": at_budget,
+        "final": evals[-1][1] if len(evals) == spec.epochs else None,
+        "service_cpu_share": raw["service_cpu_share"],
+    }
+
+
+def _median(values: list[Any]) -> Any:
+    """The median, or None when a run missed (a run that never reached the target has no time)."""
+    return None if not values or any(v is None for v in values) else statistics.median(values)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", default="cnn,transformer,mlp")
+    p.add_argument("--worlds", default="1x2,1x2slow,2x2slow")
+    p.add_argument("--runs", default="ours,best,ddp,alone")
+    p.add_argument("--repeats", type=int, default=3, help="alternated runs of each; medians over them")
+    p.add_argument("--best", default=json.dumps(BEST), help="the best run's Trainer keywords, as JSON")
+    p.add_argument("--timeline", action="store_true", help="account each rank's time to phases; print it per run")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    jobs, worlds, runs = (a.split(",") for a in (args.jobs, args.worlds, args.runs))
+    for name, known in (("job", JOBS), ("world", WORLDS)):
+        bad = [x for x in (jobs if name == "job" else worlds) if x not in known]
+        if bad:
+            p.error(f"unknown {name} {bad}: choose from {sorted(known)}")
+    if args.child:  # one run's process (the launcher's roles too: FLODL_ROLE)
+        if args.child == "ddp":
+            run_ddp(jobs[0], worlds[0])
+        else:
+            run_trainer(jobs[0], args.child, json.loads(args.best), args.timeline)
+        return 0
+
+    out: dict[str, Any] = {"load_average": os.getloadavg(), "repeats": args.repeats, "best": json.loads(args.best)}
+    table = []
+    for job in jobs:
+        spec = JOBS[job]
+        n = len(spec.build()["dataset"])
+        samples = n // BATCH * BATCH
+        raw: dict[tuple[str, str], list[dict]] = {}
+        for _ in range(args.repeats):
+            if "alone" in runs:
+                raw.setdefault(("alone", ""), []).append(run_one(job, worlds[0], "alone", args.best, args.timeline))
+            for world in worlds:
+                for run in (r for r in runs if r != "alone"):
+                    raw.setdefault((run, world), []).append(run_one(job, world, run, args.best, args.timeline))
+        alone_figs = [figures(spec, r, samples, None) for r in raw.get(("alone", ""), [])]
+        budget = _median([f["ttt_s"] for f in alone_figs])
+        med: dict[tuple[str, str], dict] = {}
+        for (run, world), rs in raw.items():
+            figs = [figures(spec, r, samples, budget) for r in rs]
+            med[run, world] = {k: _median([f[k] for f in figs]) for k in figs[0]}
+        for (run, world), m in med.items():
+            tag = f"{run}_{job}" + (f"_{world}" if world else "")
+            for k, v in m.items():
+                out[f"{k}_{tag}"] = v
+            table.append((job, world or "alone", run, m))
+            for label in raw[run, world][0]["timelines"]:  # medians over the repeats, per rank and phase
+                runs_of = [r["timelines"].get(label, {}) for r in raw[run, world]]
+                phases = sorted({k for t in runs_of for k in t})
+                out[f"timeline_{tag}_{label}"] = {k: round(statistics.median(t.get(k, 0.0) for t in runs_of), 3)
+                                                  for k in phases}
+        alone = med.get(("alone", ""))
+        for world in worlds:
+            for run, suffix in (("ours", ""), ("best", "_best")):
+                m = med.get((run, world))
+                if m is None:
+                    continue
+                key = f"{job}_{world}{suffix}"
+                if alone and m["ttt_s"] and alone["ttt_s"]:
+                    out[f"tta_speedup_vs_alone_{key}"] = round(alone["ttt_s"] / m["ttt_s"], 3)
+                ddp = med.get(("ddp", world))
+                if ddp and m["ttt_s"] and ddp["ttt_s"]:
+                    out[f"tta_speedup_vs_ddp_{key}"] = round(ddp["ttt_s"] / m["ttt_s"], 3)
+                if alone and m["final"] is not None and alone["final"] is not None:
+                    delta = (m["final"] - alone["final"]) * (100.0 if spec.higher_is_better else 1.0)
+                    out[f"final_delta_vs_alone_{key}"] = round(delta, 3)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"time to target, medians of {args.repeats}; load average {out['load_average'][0]:.2f}; best = {args.best}")
+    print("job | world | run | ttt s (first step) | ttt s (command) | samples | metric at budget | final | svc cpu")
+    for job, world, run, m in table:
+        cells = [("-" if m[k] is None else f"{m[k]:.{d}f}") for k, d in
+                 (("ttt_s", 2), ("ttt_cmd_s", 2), ("samples", 0), ("budget_metric", 4), ("final", 4),
+                  ("service_cpu_share", 3))]
+        print(f"{job} | {world} | {run} | " + " | ".join(cells))
+    for k in sorted(out):
+        if k.startswith(("tta_", "final_delta", "timeline_")):
+            print(f"{k} = {out[k]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
