@@ -19,7 +19,8 @@ Worlds: 1x2 (one host, two equal ranks), 1x2slow (rank 1 slowed 3x, `launch
 --slow`), 2x2slow (two hosts of two ranks, rank 3 slowed 3x). Runs:
 
   ours:  flodl-zmq with the Trainer's defaults (what a user gets untuned);
-  best:  flodl-zmq with BEST's settings (the best found; docs/benchmarks.md);
+  best:  flodl-zmq with --best's Trainer keywords (default BEST: the overlapped
+         round, cpu-async with easgd_alpha 1; docs/benchmarks.md);
   ddp:   DistributedDataParallel on gloo in the same world, the same per-rank
          batch, the slow rank sleeping the same way, the learning rate scaled
          as DDP users do (linearly with the world for SGD, by its square root
@@ -30,10 +31,13 @@ Figures per job, world and run (medians over --repeats runs, alternated):
 time to target from the first step (`ttt_s`) and from the command's start
 (`ttt_cmd_s`, start-up included), samples to target, the metric at a fixed
 budget (the lone run's time to target), the metric after the job's epochs,
-and the services' share of the run's CPU time (relays and controller).
+the time to train all of them (`run_s`: floDl's own measure, the whole
+schedule's wall time with the final metric beside it) and the services'
+share of the run's CPU time (relays and controller).
 
 JSON keys: tta_speedup_vs_alone_<job>_<world> and tta_speedup_vs_ddp_<job>_<world>
 (time from the first step; ours with defaults, `_best` appended for BEST),
+run_speedup_vs_alone_<job>_<world> (all epochs),
 final_delta_vs_alone_<job>_<world> (ours minus alone after equal epochs, in
 points of accuracy or nats; `_best` too), and per run
 ttt_s_/ttt_cmd_s_/samples_/budget_metric_/final_/service_cpu_share_<run>_<job>_<world>.
@@ -373,6 +377,7 @@ def figures(spec: Spec, raw: dict[str, Any], samples_per_epoch: int, budget_s: f
         "samples": None if hit is None else (hit + 1) * samples_per_epoch,
         "budget_metric": at_budget,
         "final": evals[-1][1] if len(evals) == spec.epochs else None,
+        "run_s": evals[-1][0] - raw["first_step"] if len(evals) == spec.epochs else None,
         "service_cpu_share": raw["service_cpu_share"],
     }
 
@@ -446,6 +451,8 @@ def main() -> int:
                 ddp = med.get(("ddp", world))
                 if ddp and m["ttt_s"] and ddp["ttt_s"]:
                     out[f"tta_speedup_vs_ddp_{key}"] = round(ddp["ttt_s"] / m["ttt_s"], 3)
+                if alone and m["run_s"] and alone["run_s"]:
+                    out[f"run_speedup_vs_alone_{key}"] = round(alone["run_s"] / m["run_s"], 3)
                 if alone and m["final"] is not None and alone["final"] is not None:
                     delta = (m["final"] - alone["final"]) * (100.0 if spec.higher_is_better else 1.0)
                     out[f"final_delta_vs_alone_{key}"] = round(delta, 3)
@@ -453,14 +460,15 @@ def main() -> int:
         print(json.dumps(out))
         return 0
     print(f"time to target, medians of {args.repeats}; load average {out['load_average'][0]:.2f}; best = {args.best}")
-    print("job | world | run | ttt s (first step) | ttt s (command) | samples | metric at budget | final | svc cpu")
+    print("job | world | run | ttt s (first step) | ttt s (command) | samples | metric at budget | final | "
+          "all epochs s | svc cpu")
     for job, world, run, m in table:
         cells = [("-" if m[k] is None else f"{m[k]:.{d}f}") for k, d in
                  (("ttt_s", 2), ("ttt_cmd_s", 2), ("samples", 0), ("budget_metric", 4), ("final", 4),
-                  ("service_cpu_share", 3))]
+                  ("run_s", 2), ("service_cpu_share", 3))]
         print(f"{job} | {world} | {run} | " + " | ".join(cells))
     for k in sorted(out):
-        if k.startswith(("tta_", "final_delta", "timeline_")):
+        if k.startswith(("tta_", "run_speedup", "final_delta", "timeline_")):
             print(f"{k} = {out[k]}")
     return 0
 
