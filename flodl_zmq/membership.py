@@ -29,7 +29,9 @@ Rules the core keeps:
   checks, plus `max_ranks`, admit it as *pending*; it enters the world when
   the controller re-forms it at the next epoch boundary (`reform`). Rank
   numbers are never reused: a joiner's ranks follow the highest ever given,
-  and a host that left (`depart`) and comes back gets fresh ones.
+  and a host that left (`depart`) and comes back gets fresh ones. A host
+  whose ranks have all exited is no duplicate either: its agent tore them
+  down (it lost the controller for a while) and comes back the same way.
 
 Trust modes (`TrustMode`):
 
@@ -385,11 +387,19 @@ class JoinWindow:
     def phase(self) -> Phase:
         return self._verdict.phase
 
-    def admit(self, hello: JoinHello, now: float) -> Accepted | Rejected:
-        """Admit `hello` and assign its ranks, or refuse it with a reason that names the fix."""
-        reason = self._refusal(hello)
+    def admit(self, hello: JoinHello, now: float, *, finished: bool = False) -> Accepted | Rejected:
+        """Admit `hello` and assign its ranks, or refuse it with a reason that names the fix.
+
+        `finished`: every rank of the host's current membership has exited (its join
+        link says done). After formation such a host is no duplicate: it comes back
+        as a host whose link was lost does, with fresh ranks (its old ones stay dead).
+        """
+        taken_back = finished and self.phase is Phase.FORMED
+        reason = self._refusal(hello, taken_back)
         if reason is not None:
             return Rejected(reason)
+        if taken_back:
+            self.depart(hello.host)
         if self.dataset_sig is None:
             self.dataset_sig = hello.dataset_sig
         if self.model_sig is None and hello.model_sig is not None:
@@ -435,7 +445,7 @@ class JoinWindow:
         self._pending.clear()
         return self.world
 
-    def _refusal(self, hello: JoinHello) -> str | None:
+    def _refusal(self, hello: JoinHello, taken_back: bool) -> str | None:
         host, devices = hello.host, hello.devices
         if self.phase is Phase.FAILED:
             return f"join window closed: the run was aborted ({self._verdict.reason})"
@@ -473,7 +483,7 @@ class JoinWindow:
                 f"host {host!r} rejoins with {len(devices)} device(s) but ran ranks {list(self.resumed[host])} "
                 "before the restart; give it the same devices (--devices) so it gets its ranks back"
             )
-        if any(m.host == host for m in (*self._members, *self._pending)):
+        if not taken_back and any(m.host == host for m in (*self._members, *self._pending)):
             return (
                 f"{DUPLICATE_JOIN}: host {host!r} is already a member (a stale worker still running, "
                 "or two machines sharing one name); stop the old agent or give this one --host"
@@ -1089,7 +1099,7 @@ class MembershipService:
         if isinstance(hello, StatusRequest):
             self._send(ident, self._join, StatusReply(json.dumps(self.status()), hello.nonce))
             return
-        outcome = self.window.admit(hello, now)
+        outcome = self.window.admit(hello, now, finished=self.links.state(hello.host) == "done")
         if isinstance(outcome, Rejected):
             log.warning("join refused for %r: %s", hello.host, outcome.reason)
             self._send(ident, self._join, JoinReject(outcome.reason, hello.nonce))
@@ -1099,6 +1109,8 @@ class MembershipService:
         if not self._send(ident, self._join, accept):
             self.window.retract_last(hello.host)
             return
+        # A host taken back drops its old connection: WorldFormed and heartbeats go to the new one.
+        self._hosts = {i: h for i, h in self._hosts.items() if h != hello.host}
         self._hosts[ident] = hello.host
         self.links.add(self.window.last_admitted, now)
         self._pending = self.window.pending

@@ -286,3 +286,23 @@ def test_abort_returns_once_the_service_thread_acted_on_it_and_not_after_close(c
     assert verdict is not None and verdict.phase is Phase.FAILED and verdict.reason == "operator gave up"
     c.service.close()
     assert c.service.abort("again") is False  # nobody left to send it
+
+
+def test_a_host_whose_ranks_all_exited_dials_in_again_and_is_taken_back_with_fresh_ranks(cluster):
+    # An agent that lost the controller for a while stops its ranks (each exit reported) and
+    # re-dials: it is no duplicate member any more (PROTOCOL.md 13.1), it joins as a host that came back.
+    c = cluster(target_ranks=2, rank_code="pass")
+    a, b = in_thread(c.agent("a").run), in_thread(c.agent("b").run)
+    assert a() == 0 and b() == 0
+    old = c.window.world["b"]
+    seen = events(c.service, timeout=5.0, until=lambda e: isinstance(e, HostDone) and e.host == "b")
+    assert any(isinstance(e, HostDone) and e.host == "b" for e in seen)
+    out = io.StringIO()
+    c.agent("b", out=out)  # the same host, dialling in again
+    in_thread(c.agents[-1].join)
+    deadline = time.monotonic() + 10
+    while not c.window.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(m.host, m.ranks) for m in c.window.pending] == [("b", (2,))], out.getvalue()
+    assert "duplicate join" not in out.getvalue()
+    assert c.service.status()["departed"] == [{"host": "b", "ranks": list(old)}]  # its old ranks stay dead

@@ -205,6 +205,36 @@ def test_a_host_that_left_comes_back_with_fresh_ranks_and_its_old_ones_stay_give
     assert w.reform() == {"a": (0, 1), "b": (4, 5)} and [m.ranks for m in w.departed] == [(2, 3)]
 
 
+def test_a_host_whose_ranks_all_exited_is_taken_back_with_fresh_ranks_and_a_running_one_is_still_a_duplicate():
+    # Its agent lost the controller for a while and stopped its ranks (each exit reported):
+    # the link says done, and its re-dial must not be refused as a duplicate forever.
+    w = window(target_ranks=4)
+    w.admit(hello("a", 2), 100.0)
+    w.admit(hello("b", 2), 100.0)
+    w.poll(100.0)
+    links = HostLinks(timeout_s=30.0)
+    for m in w.members:
+        links.add(m, 100.0)
+    links.rank_exited("b", 2, 101.0)
+    assert links.state("b") == "live"
+    assert "duplicate join" in rejected(w.admit(hello("b", 2), 102.0, finished=links.state("b") == "done"))
+    links.rank_exited("b", 3, 103.0)
+    assert links.state("b") == "done"
+    outcome = w.admit(hello("b", 2), 104.0, finished=links.state("b") == "done")
+    assert isinstance(outcome, Accepted) and outcome.ranks == (4, 5)
+    assert [m.host for m in w.departed] == ["b"] and [m.host for m in w.pending] == ["b"]
+    assert w.reform() == {"a": (0, 1), "b": (4, 5)}
+    assert "duplicate join" in rejected(w.admit(hello("a", 2), 105.0, finished=links.state("a") == "done"))
+
+
+def test_a_finished_host_is_refused_by_the_other_checks_and_keeps_its_membership():
+    w = window(target_ranks=2)
+    w.admit(hello("a", 2), 100.0)
+    w.poll(100.0)
+    assert "dataset signature mismatch" in rejected(w.admit(hello("a", 2, sig=SIG_B), 101.0, finished=True))
+    assert [m.host for m in w.members] == ["a"] and not w.departed
+
+
 def test_a_failed_window_refuses_late_joiners_by_name():
     failed = window()
     failed.abort("operator gave up")
