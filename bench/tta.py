@@ -80,7 +80,6 @@ WORLDS: dict[str, tuple[int, int, dict[int, float]]] = {  # hosts, ranks per hos
 # The runner-up to the defaults (Trainer keywords): the overlapped round. docs/benchmarks.md
 # has what else was tried; none of it beat the defaults' time to target yet.
 BEST: dict[str, Any] = {"mode": "cpu-async", "easgd_alpha": 1.0}
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
