@@ -144,6 +144,7 @@ class Cluster:
             if not 0 <= rank < world_size or factor < 1.0:
                 raise ConfigError(f"--slow {rank}:{factor}: rank must be in 0..{world_size - 1} and factor >= 1")
         self._lock = threading.Lock()
+        self._sink_lock = threading.Lock()
         self.run_id: bytes | None = None
         self._exits: int | None = None  # write end of the controller's FLODL_EXIT_FD pipe
         self._lifeline: int | None = None  # write end of the children's FLODL_LIFELINE_FD pipe
@@ -257,7 +258,10 @@ class Cluster:
     def _emit(self, line: str) -> None:
         with self._lock:
             self.lines.append(line)
-            if self.sink is not None:
+        if self.sink is not None:
+            # Outside `_lock`: a sink that waits on a lock of its own while another thread holds
+            # that lock and reads `output()` deadlocked a test. Sinks still get one line at a time.
+            with self._sink_lock:
                 self.sink(line)
 
     def _report(self, exit: ChildExit) -> None:
