@@ -398,8 +398,8 @@ def main() -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     jobs, worlds, runs = (a.split(",") for a in (args.jobs, args.worlds, args.runs))
-    for name, known in (("job", JOBS), ("world", WORLDS)):
-        bad = [x for x in (jobs if name == "job" else worlds) if x not in known]
+    for name, chosen, known in (("job", jobs, JOBS), ("world", worlds, WORLDS)):
+        bad = [x for x in chosen if x not in known]
         if bad:
             p.error(f"unknown {name} {bad}: choose from {sorted(known)}")
     if args.child:  # one run's process (the launcher's roles too: FLODL_ROLE)

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.outer import OuterConfig
-from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure
+from flodl_zmq.settings import MaxFailure, easgd_blend
 
 MODES = ("cpu-sync", "cpu-cadence", "cpu-async")
 CALLBACK_ERRORS = ("report", "stop")
@@ -249,9 +249,7 @@ class Job:
     def blend(self) -> float | None:
         """None: a rank overwrites its replica with each consensus; under cpu-async, the EASGD alpha
         scaling the correction it adds (it trained on while the round was in flight)."""
-        if self.mode != "cpu-async":
-            return None
-        return DEFAULT_EASGD_ALPHA if self.easgd_alpha is None else self.easgd_alpha
+        return easgd_blend(self.mode == "cpu-async", self.easgd_alpha)
 
     @property
     def total_samples(self) -> int:

@@ -986,12 +986,16 @@ class MembershipService:
                 if self.window.phase is Phase.FORMED:
                     self.window.depart(host)  # it may join again, with fresh ranks
                     self._pending = self.window.pending
-                    self._hosts = {i: h for i, h in self._hosts.items() if h != host}
+                    self._drop_connections(host)
                 if pending:  # not in the world yet: nobody schedules its ranks
                     log.warning("host %r lost while waiting to join: its agent is silent", host)
                     continue
                 log.warning("host %r lost: its agent is silent; ranks %s are gone", host, list(ranks))
                 self.events.put(HostLost(host, ranks))
+
+    def _drop_connections(self, host: str) -> None:
+        """Forget every join connection of `host` (it left, or came back on a new one)."""
+        self._hosts = {i: h for i, h in self._hosts.items() if h != host}
 
     def _beat(self) -> None:
         """Send every admitted agent its heartbeat if one is due."""
@@ -1109,8 +1113,7 @@ class MembershipService:
         if not self._send(ident, self._join, accept):
             self.window.retract_last(hello.host)
             return
-        # A host taken back drops its old connection: WorldFormed and heartbeats go to the new one.
-        self._hosts = {i: h for i, h in self._hosts.items() if h != hello.host}
+        self._drop_connections(hello.host)  # a host taken back: WorldFormed and heartbeats go to the new one
         self._hosts[ident] = hello.host
         self.links.add(self.window.last_admitted, now)
         self._pending = self.window.pending

@@ -35,7 +35,7 @@ Rules this module keeps:
   timings. `process`: each process's own (a rank's slowdown). `command`: only
   the command that takes the flag.
 - Shared definitions the job and the coordinator both need (`MaxFailure`,
-  `DEFAULT_EASGD_ALPHA`) live here, below both.
+  `DEFAULT_EASGD_ALPHA` and the blend rule `easgd_blend`) live here, below both.
 """
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ from typing import Any
 from flodl_zmq.errors import ConfigError
 
 DEFAULT_EASGD_ALPHA = 0.5
+
+
+def easgd_blend(is_async: bool, easgd_alpha: float | None) -> float | None:
+    """The share of each consensus's correction a rank applies: None (it overwrites its replica)
+    outside cpu-async, else `easgd_alpha` or its default."""
+    if not is_async:
+        return None
+    return DEFAULT_EASGD_ALPHA if easgd_alpha is None else easgd_alpha
 SCOPES = ("run", "process", "command")
 COMMANDS = ("controller", "agent", "status")
 _TRUE = ("1", "true", "yes", "on")

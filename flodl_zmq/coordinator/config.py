@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from flodl_zmq.coordinator.elche import ElCheConfig
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.sampling import SHUFFLE_BASE_SEED
-from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure
+from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure, easgd_blend
 
 # MaxFailure and DEFAULT_EASGD_ALPHA live in settings.py, below both this core and
 # the job that also needs them; they are re-exported here for the coordinator's users.
@@ -202,9 +202,7 @@ class CoordinatorConfig:
     @property
     def effective_easgd_alpha(self) -> float | None:
         """The blend factor ranks apply to the consensus; None means overwrite."""
-        if self.mode is Mode.ASYNC:
-            return DEFAULT_EASGD_ALPHA if self.easgd_alpha is None else self.easgd_alpha
-        return None
+        return easgd_blend(self.mode is Mode.ASYNC, self.easgd_alpha)
 
     @property
     def guard_threshold(self) -> float:

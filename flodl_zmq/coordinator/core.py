@@ -520,7 +520,7 @@ class Coordinator:
                 self._trigger(now)
         self._aggregate(now)
         if self.cycle is None and self.phase is RunPhase.TRAINING and self._epoch_awaits_average():
-            self._trigger(now)  # the epoch just aggregated queued its callbacks
+            self._trigger(now)
         if self.cycle is None:
             if not any(self._step_count[r] != self._step_base[r] for r in self.liveness.live):
                 # Nothing stepped since the last consensus: it holds all reported work.
@@ -530,16 +530,9 @@ class Coordinator:
         self._maybe_end(now)
 
     def _should_average(self) -> bool:
-        """The count-based gate: every live rank full, throttled or quiesced, and one stepped.
-
-        Async also averages as soon as an epoch that an eval or checkpoint waits
-        for is trained whole: its ranks train on through the round, and waiting
-        for the next full window would leave the call a window late.
-        """
+        """The count-based gate: every live rank full, throttled or quiesced, and one stepped."""
         if self.phase is not RunPhase.TRAINING or not self.liveness.live:
             return False
-        if self._epoch_awaits_average():
-            return True
         any_mover = False
         for r in self.liveness.live:  # per record: stops at the first rank not done
             steps = self._step_count[r] - self._step_base[r]
@@ -555,10 +548,14 @@ class Coordinator:
 
     def _epoch_awaits_average(self) -> bool:
         """Async: an eval or checkpoint waits only for a consensus of its trained epoch, and a rank
-        stepped since the last one."""
+        stepped since the last one. Its ranks train on through the round, and waiting for the next
+        full window would leave the call a window late. (Checked after the epochs are aggregated:
+        an epoch's callbacks are queued there.)"""
+        first = self.callbacks.first_epoch()
         return (
-            not self.mode.barrier_paced
-            and self.callbacks.waiting(self.dispatch.done_through(self.last_aggregated))
+            first is not None
+            and not self.mode.barrier_paced
+            and first - 1 <= self.dispatch.done_through(self.last_aggregated)
             and any(self._step_count[r] != self._step_base[r] for r in self.liveness.live)
         )
 

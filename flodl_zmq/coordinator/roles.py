@@ -172,9 +172,9 @@ class EpochCallbacks:
         if is_due(epoch, self.eval_every):
             self._pending.append(("eval", epoch))
 
-    def waiting(self, done_through: int) -> bool:
-        """A call waits only for a consensus: its epoch is trained whole (through `done_through`)."""
-        return any(e - 1 <= done_through for _, e in self._pending)
+    def first_epoch(self) -> int | None:
+        """The earliest epoch a pending call is due on entering (None when none is pending)."""
+        return min((e for _, e in self._pending), default=None)
 
     def release(
         self, complete_through: int, roles: CallbackRoles
