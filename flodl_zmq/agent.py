@@ -91,6 +91,7 @@ from flodl_zmq.launch import signal_group
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     JOIN_MAX_FRAMES,
+    keep_alive,
     limit_receive,
     recv_bounded,
     remove_host_sockets,
@@ -396,6 +397,10 @@ class Agent:
         CleartextWarner(log).warn_if_cleartext(cfg.controller.host, encrypted=cfg.curve is not None)
         if cfg.curve is not None:
             apply_client(self._sock, cfg.curve)
+        # A connection silent for half our limit is dropped and re-dialled: after a few flaps in a
+        # row TCP's retransmission backoff can keep a link that is back silent for longer than
+        # the limit, though every cut was shorter (the controller's ROUTER hands our id over).
+        keep_alive(self._sock, endpoint, cfg.heartbeat_s, cfg.silence_s / 2)
         self._sock.connect(endpoint)
         log.info(
             "host %r dialing %s with %d device(s) %s (admission: %s)",

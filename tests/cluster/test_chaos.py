@@ -10,7 +10,8 @@ exactly once, and the accuracy reaches what the undisturbed job reliably
 reaches (digits_job.RELIABLE_ACCURACY).
 
 Timings are short so a run fits in seconds: links beat every 0.5 s and are
-re-dialled after 5 s of silence, an agent silent for 6 s loses its host, a
+re-dialled after 5 s of silence (an agent's join link after 3 s: half its
+silence limit), an agent silent for 6 s loses its host, a
 rank silent for 7 s at the coordinator is dead. A 2 s flap is shorter than
 all of them and must cost nothing but time: after it, TCP's retransmission
 backoff can keep a link silent for a second or more (with 4 s and 5 s, a

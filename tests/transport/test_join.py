@@ -6,9 +6,11 @@ heartbeats fast, and the window's cap is seconds.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import queue
 import signal
+import socket
 import threading
 import time
 
@@ -59,8 +61,9 @@ def ctx():
 class Cluster:
     """A membership service on loopback plus helpers to run agents against it."""
 
-    def __init__(self, ctx, trust=TrustMode.PRE_SHARED, rank_code="pass", **cfg):
+    def __init__(self, ctx, trust=TrustMode.PRE_SHARED, rank_code="pass", timings=FAST, **cfg):
         self.ctx = ctx
+        self.timings = timings
         self.key = new_key()
         config = {"min_ranks": 2, "window_s": 30.0, "cap_s": 30.0, **cfg}
         self.window = JoinWindow(JoinConfig(**config), opened_at=time.monotonic())
@@ -70,7 +73,7 @@ class Cluster:
         self.curve = CurveKeys(public=public, secret=secret) if trust is TrustMode.OPEN else None
         self.service = MembershipService(
             self.window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=self.key,
-            run_id=RUN_ID, spawn=spawn, context=ctx, curve=self.curve, **FAST,
+            run_id=RUN_ID, spawn=spawn, context=ctx, curve=self.curve, **timings,
         )
         port = int(self.service.endpoint.rsplit(":", 1)[1])
         self.address = ControllerAddress("127.0.0.1", port - 3)  # the join endpoint is port+3
@@ -83,8 +86,8 @@ class Cluster:
             cfg.setdefault("curve", CurveKeys.for_client({"FLODL_CURVE_SERVER": self.curve.public.decode()}))
         cfg.setdefault("script", ("-c", CHILD))
         config = AgentConfig(
-            self.address, host, tuple(f"cpu:{i}" for i in range(n)), key=key, dataset_sig=cfg.pop("sig", SIG),
-            reply_timeout_s=cfg.pop("reply_timeout_s", 10.0), kill_grace_s=2.0, **FAST, **cfg,
+            cfg.pop("controller", self.address), host, tuple(f"cpu:{i}" for i in range(n)), key=key, dataset_sig=cfg.pop("sig", SIG),
+            reply_timeout_s=cfg.pop("reply_timeout_s", 10.0), kill_grace_s=2.0, **self.timings, **cfg,
         )
         a = Agent(config, context=self.ctx, out=out or io.StringIO())
         self.agents.append(a)
@@ -265,6 +268,71 @@ def test_a_silent_controller_tears_the_host_down(cluster):
     assert c.service.wait_closed(10).phase is Phase.FORMED
     c.service.close()  # no more heartbeats, no goodbye: as if the link were cut
     assert a() == 1 and b() == 1
+
+
+class FreezingProxy:
+    """A TCP proxy whose `freeze()` makes every connection it carries swallow all bytes from then on,
+    still open: a link whose TCP is stuck in retransmission backoff. New connections forward."""
+
+    def __init__(self, target: int):
+        self._target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._frozen: set[int] = set()  # ids of the connections that swallow
+        self._live: list[int] = []
+        self.connections = threading.Semaphore(0)  # released per accepted connection
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def freeze(self) -> None:
+        self._frozen.update(self._live)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._target))
+            conn = len(self._live)
+            self._live.append(conn)
+            for src, dst in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(conn, src, dst), daemon=True).start()
+            self.connections.release()
+
+    def _pump(self, conn: int, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if conn not in self._frozen:
+                    dst.sendall(data)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_a_join_link_stuck_silent_is_redialled_before_the_controller_counts_as_silent(cluster, tmp_path):
+    # After a few flaps in a row, TCP's backoff can keep a link that is back silent for longer than
+    # the agent's silence limit. ZeroMQ heartbeats drop such a connection at half the limit and
+    # re-dial; the controller's ROUTER hands the agent's id to the new connection: nothing is lost.
+    gate = tmp_path / "gate"
+    # Longer than FAST's: a link dropped when a loaded machine starves its process loses what it
+    # carried, and the join protocol does not resend an accept.
+    timings = {"heartbeat_s": 0.2, "silence_s": 4.0}
+    c = cluster(target_ranks=2, rank_code=f"while not os.path.exists({str(gate)!r}): time.sleep(0.01)",
+                timings=timings)
+    proxy = FreezingProxy(c.address.port + 3)  # the join port
+    try:
+        a = in_thread(c.agent("a", grace_s=0).run)
+        b_out = io.StringIO()
+        b = in_thread(c.agent("b", grace_s=0, out=b_out, controller=ControllerAddress("127.0.0.1", proxy.port - 3)).run)
+        assert c.service.wait_closed(10).phase is Phase.FORMED
+        assert proxy.connections.acquire(timeout=10)
+        proxy.freeze()
+        assert proxy.connections.acquire(timeout=10), "the agent never re-dialled its stuck join link"
+        time.sleep(timings["silence_s"])  # past the agent's silence limit: it would have torn its host down
+        gate.touch()
+        assert a() == 0 and b() == 0, b_out.getvalue()
+    finally:
+        proxy.close()
 
 
 def test_a_controller_silent_past_the_grace_period_leaves_the_agents_with_the_reason(cluster):
