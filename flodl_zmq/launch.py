@@ -4,7 +4,9 @@
 user's script H*K + 1 times, the controller and the ranks, and one relay per
 simulated host (`h0`, `h1`, ...; `python -m flodl_zmq.relay`), each with its
 FLODL_* environment (see flodl_zmq/environment.py). Every line a child prints comes out prefixed with
-`[controller]`, `[host:relay]` or `[host:rank]`.
+`[controller]`, `[host:relay]` or `[host:rank]`. The ranks are forked from one
+warm interpreter that has imported torch already (flodl_zmq/warm.py), so the
+run does not start with H*K torch imports side by side.
 
 Rules this module keeps:
 
@@ -59,6 +61,7 @@ from flodl_zmq.environment import (
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import remove_local_dir
 from flodl_zmq.settings import Settings
+from flodl_zmq.warm import WarmProcess, WarmServer, runnable
 from flodl_zmq.wire import RUN_ID_BYTES, key_from_hex, new_key
 from flodl_zmq.wire.shm import unlink_run
 
@@ -110,7 +113,7 @@ def free_port_base(host: str = "127.0.0.1", tries: int = 200) -> int:
 class Child:
     label: str
     env: ProcessEnv
-    proc: subprocess.Popen
+    proc: subprocess.Popen | WarmProcess
     reader: threading.Thread | None = None
 
 
@@ -150,6 +153,7 @@ class Cluster:
         self._lifeline: int | None = None  # write end of the children's FLODL_LIFELINE_FD pipe
         self.restarts: list[tuple[str, float]] = []  # (checkpoint, seconds from the kill to the respawn)
         self.key: bytes | None = None
+        self._warm: WarmServer | None = None  # forks the ranks (flodl_zmq/warm.py)
 
     @property
     def world(self) -> dict[str, tuple[int, ...]]:
@@ -176,6 +180,8 @@ class Cluster:
         key_hex = os.environ.get("FLODL_KEY", "").strip()
         key = self.key = key_from_hex(key_hex) if key_hex else new_key()
         self._base = dict(controller=address, key=key, run_id=self.run_id, world=self.world)
+        if runnable(self.argv):
+            self._warm = WarmServer(with_tunables(os.environ, "rank"))
         self._spawn_cohort(self._settings)
         # The key guards a loopback-only run and sits in every child's environment already;
         # a generated one is shown so that the status command can be pasted as it is.
@@ -222,7 +228,7 @@ class Cluster:
             return False
         self._emit(f"[launch] the controller was killed by {killed}; stopping the relays and ranks, "
                    f"restarting the run from {stem}")
-        self.shutdown()
+        self._stop_children()
         self._settings = replace(self._settings, resume=str(stem))
         self._spawn_cohort(self._settings)
         self.restarts.append((str(stem), time.monotonic() - t0))
@@ -234,15 +240,19 @@ class Cluster:
         env.update(penv.to_environ())
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.env_for.get(label, {}))
-        proc = subprocess.Popen(
-            [sys.executable, *(self.argv if argv is None else argv)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: teardown reaches all it started
-            pass_fds=pass_fds,
-        )
+        proc: subprocess.Popen | WarmProcess
+        if penv.role == "rank" and self._warm is not None:  # torch is imported already
+            proc = self._warm.spawn(label, self.argv, env, pass_fds)
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, *(self.argv if argv is None else argv)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: teardown reaches all it started
+                pass_fds=pass_fds,
+            )
         child = Child(label, penv, proc)
         child.reader = threading.Thread(target=self._forward, args=(child,), daemon=True)
         child.reader.start()
@@ -307,6 +317,13 @@ class Cluster:
         return code
 
     def shutdown(self) -> None:
+        """Stop every child (see `_stop_children`), then the warm interpreter (idempotent)."""
+        self._stop_children()
+        if self._warm is not None:
+            self._warm.close()
+            self._warm = None
+
+    def _stop_children(self) -> None:
         """SIGTERM every child's group, wait, SIGKILL stragglers, reap all (idempotent)."""
         live = [c for c in self.children.values() if c.proc.poll() is None]
         for c in live:
@@ -336,7 +353,7 @@ class Cluster:
             remove_local_dir(self.key, self.run_id)  # nor its ipc socket files
 
 
-def signal_group(proc: subprocess.Popen, sig: int) -> None:
+def signal_group(proc: subprocess.Popen | WarmProcess, sig: int) -> None:
     """Send `sig` to the process group `proc` leads (children run with start_new_session)."""
     try:
         os.killpg(proc.pid, sig)

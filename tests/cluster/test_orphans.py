@@ -48,20 +48,30 @@ pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linu
 
 
 def children_of(pid: int) -> dict[int, str]:
-    """The live processes whose parent is `pid`, with their FLODL_ROLE."""
+    """The live processes `pid` started, with their FLODL_ROLE; those its warm interpreter forked
+    (flodl_zmq/warm.py) are ranks, and /proc shows them the interpreter's environment."""
     out = {}
+    for child in _children(pid):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if b"flodl_zmq.warm" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                out[child] = environ_of(child).get("FLODL_ROLE", "")
+                continue
+            out[child] = "warm"
+            out.update(dict.fromkeys(_children(child), "rank"))
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            if int(stat.rpartition(")")[2].split()[1]) != pid:
-                continue
-            environ = dict(v.split("=", 1) for v in Path(f"/proc/{entry}/environ").read_text().split("\0") if "=" in v)
+            if int(Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry))
         except (OSError, ValueError):
             continue
-        out[int(entry)] = environ.get("FLODL_ROLE", "")
-    return out
+    return found
 
 
 def alive(pid: int) -> bool:
@@ -134,8 +144,8 @@ def test_every_child_exits_when_the_launcher_dies_without_tearing_down(how):
     else:
         launcher = start(["-m", "flodl_zmq.cli", "launch", "--hosts", "2", "--ranks-per-host", "1", "--", *DEMO])
     children = children_of(launcher.pid)
-    assert sorted(children.values()) == ["controller", "rank", "rank", "relay", "relay"], children
-    env = environ_of(next(iter(children)))
+    assert sorted(children.values()) == ["controller", "rank", "rank", "relay", "relay", "warm"], children
+    env = environ_of(next(p for p, role in children.items() if role == "relay"))
     key, run_id = key_from_hex(env["FLODL_KEY"]), bytes.fromhex(env["FLODL_RUN_ID"])
     try:
         launcher.send_signal(signal.SIGTERM if how == "sigterm-parent" else signal.SIGKILL)
@@ -173,7 +183,7 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
             time.sleep(0.2)
         assert sorted(children.values()) == ["rank", "relay"], f"agent h0 started {children} within 90 s"
         wait_for_an_epoch(controller)
-        run_id = bytes.fromhex(environ_of(next(iter(children)))["FLODL_RUN_ID"])
+        run_id = bytes.fromhex(environ_of(next(p for p, role in children.items() if role == "relay"))["FLODL_RUN_ID"])
         agents[0].kill()
         agents[0].wait(10)
         left = left_after_deadline(children)

@@ -28,6 +28,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
         "io_threads", "result", "runlog", "report", "runreport", "loader", "training", "checkpoints",
+        "warm",
     ),
     "services": ("relay", "reducer_service", "membership", "status_server", "controller_service", "rank"),
     "roles": ("api", "controller", "agent", "launch", "demo", "cli", "__init__"),
