@@ -33,7 +33,11 @@ BIN = Path(sys.executable).parent
 JOB = str(Path(__file__).with_name("digits_job.py"))
 WAIT_S = 60.0
 # Failure runs: ~90 batches of 16 per epoch, each step sleeping 12 ms.
-SLOW_JOB = ["--epochs", "14", "--batch-size", "16", "--step-ms", "12"]
+# Held (digits_job.held) from epoch 2 on until the test has seen what it waits for: no step delay
+# is needed to outlast anything, and the fewest epochs the hold allows on 4 ranks keep the tail
+# that one surviving rank trains alone short.
+EPOCHS = 9
+HELD_JOB = ["--epochs", str(EPOCHS), "--batch-size", "16"]
 HOST_SILENCE_S = 3.0
 AGENT_HEARTBEAT_S = 1.0  # AgentConfig.heartbeat_s
 FAST_PATH_S = 2.0
@@ -196,9 +200,9 @@ def test_with_curve_a_killed_rank_is_dead_within_2s_and_a_cut_host_after_the_sil
     # The run must outlast the cut host's silence timeout: held from epoch 2 on (digits_job.held)
     # until the deaths are seen.
     gate = tmp_path / "gate"
-    hold = held(gate, after_epochs=2, epochs=14, ranks=4)
+    hold = held(gate, after_epochs=2, epochs=EPOCHS, ranks=4)
     compose.up("controller", env={"FLODL_KEY": key, "FLODL_CURVE_SECRET": secret}, argv=controller_argv(
-        compose, open_admission=False, program=[JOB, *SLOW_JOB, *hold],
+        compose, open_admission=False, program=[JOB, *HELD_JOB, *hold],
         extra=["--heartbeat-timeout", str(HOST_SILENCE_S)]))
     start_workers(compose, client_env)
     compose.wait_for("controller", "epoch 2/")
@@ -230,7 +234,7 @@ def test_with_curve_a_killed_rank_is_dead_within_2s_and_a_cut_host_after_the_sil
     gate.touch()
     assert compose.wait("controller") == 0, compose.tails()
     result = result_of(compose.log("controller"), "RESULT ")
-    assert len(result["epochs"]) == 14
+    assert len(result["epochs"]) == EPOCHS
     assert result["epochs"][-1]["per_rank_samples"][1:] == [0, 0, 0]  # rank 0 alone finished
     assert compose.wait("worker1") == 0  # a lost rank is not a host fault
 
@@ -238,8 +242,8 @@ def test_with_curve_a_killed_rank_is_dead_within_2s_and_a_cut_host_after_the_sil
 def test_killing_every_process_of_one_host_leaves_the_other_to_finish(compose, net, tmp_path):
     # Held as above: a run that ended before the kill would leave nobody to declare dead.
     gate = tmp_path / "gate"
-    hold = held(gate, after_epochs=2, epochs=14, ranks=4)
-    compose.up("controller", argv=controller_argv(compose, program=[JOB, *SLOW_JOB, *hold],
+    hold = held(gate, after_epochs=2, epochs=EPOCHS, ranks=4)
+    compose.up("controller", argv=controller_argv(compose, program=[JOB, *HELD_JOB, *hold],
                                                   extra=["--heartbeat-timeout", str(HOST_SILENCE_S)]))
     start_workers(compose)
     compose.wait_for("controller", "epoch 2/")
@@ -250,6 +254,6 @@ def test_killing_every_process_of_one_host_leaves_the_other_to_finish(compose, n
     assert compose.wait("controller") == 0, compose.tails()
     log = compose.log("controller")
     result = result_of(log, "RESULT ")
-    assert len(result["epochs"]) == 14
+    assert len(result["epochs"]) == EPOCHS
     assert result["epochs"][-1]["per_rank_samples"][2:] == [0, 0]
     assert compose.wait("worker1") == 0
