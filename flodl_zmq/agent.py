@@ -63,6 +63,9 @@ Rules this module keeps:
   helpers (data loader workers) too: SIGTERM first, SIGKILL after a grace.
   They hold a lifeline (FLODL_LIFELINE_FD) only this process keeps open: a
   SIGKILLed agent leaves no relay or rank behind.
+- Ranks are forked from a warm interpreter (flodl_zmq/warm.py) started while
+  the agent joins: torch is imported once per host, not once per rank and
+  again at every re-form. The agent itself never imports torch.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ from flodl_zmq.security import (
     apply_client,
 )
 from flodl_zmq.settings import Settings, add_arguments, env_names
+from flodl_zmq.warm import WarmProcess, WarmServer, runnable
 from flodl_zmq.wire import PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec, key_from_hex
 from flodl_zmq.wire.mac import check_key
 from flodl_zmq.wire.records import (
@@ -337,7 +341,7 @@ def check_spawn(spawn: SpawnSpec, script: tuple[str, ...] | None) -> None:
 class _Child:
     label: str
     rank: int | None  # None: the relay
-    proc: subprocess.Popen
+    proc: subprocess.Popen | WarmProcess
     forwarders: list[threading.Thread]
 
 
@@ -370,6 +374,7 @@ class Agent:
         self._lost_controller = False  # the last teardown was the controller's silence under running ranks
         self._reformed: WorldFormed | None = None  # a re-formed world the controller sent while ranks ran
         self._lifeline: int | None = None  # write end of the running children's FLODL_LIFELINE_FD pipe
+        self._warm: WarmServer | None = None  # forks the ranks (`_warm_for`)
 
     def _new_link(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -533,6 +538,8 @@ class Agent:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, lambda s, _f: self.stop(f"agent received {signal.Signals(s).name}"))
+        if self.config.script is not None:
+            self._warm_for(self.config.script)  # it imports torch while we join
         try:
             joined = self.join()
             while True:
@@ -551,6 +558,9 @@ class Agent:
                     return code
                 joined = self._rejoin(joined)
         finally:
+            if self._warm is not None:
+                self._warm.close()
+                self._warm = None
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -655,6 +665,10 @@ class Agent:
         for local, (rank, device) in enumerate(zip(joined.ranks, self.config.devices, strict=True)):
             label = f"{host}:{device.replace(':', '')}:r{rank}"
             plan.append((label, rank, joined.spawn.argv, self.child_environ(joined, "rank", rank, local)))
+        warm = self._warm_for(joined.spawn.argv)
+        # Heartbeats go on while it imports (seconds): a host silent that long is declared lost.
+        while warm is not None and not warm.wait_ready(self.config.heartbeat_s / 2) and self._stop_reason is None:
+            self._beat(time.monotonic())
         children: list[_Child] = []
         # The children's lifeline (environment.watch_lifeline): only this process's death closes
         # the write end we keep, so a SIGKILLed agent leaves no relay or rank behind.
@@ -664,26 +678,36 @@ class Agent:
         self._lifeline = keep
         try:
             for label, rank, argv, env in plan:
-                proc = subprocess.Popen(
-                    [self.python, *argv],
-                    env={**env, "FLODL_LIFELINE_FD": str(lifeline)},
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    pass_fds=(lifeline,),
-                )
-                forwarders = [self._forward(proc.stdout, f"[{label}] "), self._forward(proc.stderr, f"[{label}] ")]
+                env = {**env, "FLODL_LIFELINE_FD": str(lifeline)}
+                proc: subprocess.Popen | WarmProcess
+                warm = self._warm_for(argv) if rank is not None else None
+                if warm is not None:
+                    proc = warm.spawn(label, argv, env, pass_fds=(lifeline,))
+                    forwarders = [self._forward(proc.stdout, f"[{label}] ")]
+                else:
+                    proc = subprocess.Popen(
+                        [self.python, *argv], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, start_new_session=True, pass_fds=(lifeline,),
+                    )
+                    forwarders = [self._forward(proc.stdout, f"[{label}] "), self._forward(proc.stderr, f"[{label}] ")]
                 children.append(_Child(label, rank, proc, forwarders))
-        except OSError as exc:
+        except (OSError, ConfigError) as exc:
             for c in children:
                 signal_group(c.proc, signal.SIGKILL)
                 c.proc.wait()
             raise MembershipError(f"could not start {joined.spawn.argv[0]!r} with {self.python}: {exc}") from None
         finally:
             os.close(lifeline)  # the children hold their own copies
-        log.info("host %r running relay + ranks %s of a %d-rank world", host, list(joined.ranks), joined.world_size)
+        # With the pids: /proc/PID/environ of a forked rank shows the warm interpreter's environment.
+        log.info("host %r running relay (pid %d) + ranks %s of a %d-rank world", host, children[0].proc.pid,
+                 {c.rank: c.proc.pid for c in children[1:]}, joined.world_size)
         return children
+
+    def _warm_for(self, argv: Sequence[str]) -> WarmServer | None:
+        """The warm interpreter that forks ranks running `argv`, started once; None for a form it cannot run."""
+        if self._warm is None and runnable(argv):
+            self._warm = WarmServer(with_tunables(os.environ, "rank"), self.python)
+        return self._warm if runnable(argv) else None
 
     def _forward(self, pipe: IO[bytes] | None, prefix: str) -> threading.Thread:
         def pump() -> None:

@@ -194,6 +194,7 @@ def main() -> None:
     _preload()
     sys.stdout.flush()
     sys.stderr.flush()
+    _report(sock, {"ready": True})
     request = _serve(sock)
     if request is not None:
         _run(request)
@@ -230,9 +231,10 @@ class WarmProcess:
 class WarmServer:
     """The launcher's end: start the server, ask it for children, learn how each one ended.
 
-    `spawn` blocks until the server has imported what it preloads (the first call) and forked.
-    A server that dies takes its children with it: their handles read as killed by SIGKILL, and
-    `spawn` raises ConfigError naming the server's exit code.
+    `spawn` blocks until the server has imported what it preloads (the first call) and forked;
+    a caller that must not block that long (an agent heartbeating its join link) waits on
+    `wait_ready` first. A server that dies takes its children with it: their handles read as
+    killed by SIGKILL, and `spawn` raises ConfigError naming the server's exit code.
     """
 
     def __init__(self, env: Mapping[str, str], python: str = sys.executable):
@@ -249,8 +251,14 @@ class WarmServer:
         self._codes: dict[int, int] = {}  # every exit the server reported, by pid
         self._replies: list[dict[str, Any]] = []
         self._gone = False
+        self._ready = False
         self._spawning = threading.Lock()  # one request in flight: its reply is the next one
         threading.Thread(target=self._read, name="flodl-warm", daemon=True).start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True once the server has preloaded (or is gone: `spawn` then says why); False after `timeout`."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self._ready or self._gone, timeout)
 
     def exit_code(self, pid: int) -> int | None:
         """How child `pid` ended; None while it runs (-SIGKILL once the server is gone: it died too)."""
@@ -311,6 +319,8 @@ class WarmServer:
                 message = json.loads(data)
                 if "exit" in message:
                     self._codes[message["exit"]] = message["code"]
+                elif "ready" in message:
+                    self._ready = True
                 else:
                     self._replies.append(message)
                 self.changed.notify_all()

@@ -26,7 +26,7 @@ echo "stress: $runs run(s) of tests/cluster beside $load busy process(es); logs 
 failed_runs=0
 for i in $(seq "$runs"); do
   start=$(date +%s)
-  if .venv/bin/python -m pytest -q -p no:cacheprovider -rf -n 2 --dist loadgroup tests/cluster "$@" \
+  if .venv/bin/python -m pytest -q -p no:cacheprovider -rf -n 3 --dist loadgroup tests/cluster "$@" \
       > "$out/run$i.log" 2>&1; then
     verdict=passed
   else

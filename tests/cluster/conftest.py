@@ -2,10 +2,11 @@
 
 `pytest -m "not cluster"` runs the fast layers alone (unit, transport, security).
 
-Under pytest-xdist (`scripts/test.sh` runs two workers, `--dist loadgroup`) the tests that
-use the network namespaces (the `net` fixture: hosts named `controller`, `worker1`, ... on
-one bridge) run one after another on one worker, since two of them would fight over those
-names; every other test may run beside them.
+Under pytest-xdist (`scripts/test.sh` runs three workers, `--dist loadgroup`) the tests of
+one module that use the network namespaces (its `net` fixture: hosts named `controller`,
+`worker1`, ... on one bridge) run one after another on one worker: two such fixtures alive in
+one process would fight over those names (a worker's namespaces carry its pid, so two workers
+never do). Every other test, and another module's namespaces, may run beside them.
 """
 
 from __future__ import annotations
@@ -22,4 +23,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if HERE in Path(item.fspath).parents:
             item.add_marker(pytest.mark.cluster)
             if "net" in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.xdist_group("netns"))
+                item.add_marker(pytest.mark.xdist_group(f"netns-{Path(item.fspath).stem}"))

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import pytest
 
+from flodl_zmq.environment import parse_world
 from flodl_zmq.links import remove_host_sockets
 from flodl_zmq.wire.shm import unlink_host
 
@@ -89,11 +90,13 @@ def _run_files_of(pid: int) -> tuple | None:
         env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
     except OSError:
         return None
-    if env.get(b"FLODL_ROLE") not in (b"relay", b"rank"):
+    role, host = env.get(b"FLODL_ROLE"), env.get(b"FLODL_HOST", b"").decode()
+    if role not in (b"relay", b"rank"):
         return None
-    rank = (int(env[b"FLODL_RANK"]),) if env.get(b"FLODL_ROLE") == b"rank" else ()
-    return (bytes.fromhex(env[b"FLODL_KEY"].decode()), bytes.fromhex(env[b"FLODL_RUN_ID"].decode()),
-            env[b"FLODL_HOST"].decode(), *rank)
+    # A relay names its host's ranks too: a rank forked from an agent's warm interpreter shows
+    # that interpreter's environment here, not its own.
+    ranks = (int(env[b"FLODL_RANK"]),) if role == b"rank" else parse_world(env[b"FLODL_WORLD"].decode()).get(host, ())
+    return (bytes.fromhex(env[b"FLODL_KEY"].decode()), bytes.fromhex(env[b"FLODL_RUN_ID"].decode()), host, *ranks)
 
 
 def clean_stale() -> list[str]:

@@ -11,6 +11,7 @@ silence timeout so a lost host is declared within seconds.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
@@ -99,8 +100,11 @@ class Compose(Logged):
         return json.loads(done.stdout)
 
     def rank_pid(self, host: str, rank: int) -> int:
-        """The pid of global rank `rank`'s process on `host` (from its FLODL_* environment)."""
-        return self.net.pid_with(host, "FLODL_ROLE=rank", f"FLODL_RANK={rank}")
+        """The pid of global rank `rank`'s process on agent `host`, from the agent's log (a rank forked
+        from its warm interpreter shows that interpreter's environment in /proc)."""
+        started = [ln for ln in self.log(host).splitlines() if "running relay (pid" in ln]
+        assert started, self.log(host)
+        return ast.literal_eval(started[-1].split(" + ranks ", 1)[1].split(" of a ", 1)[0])[rank]
 
 
 @pytest.fixture

@@ -178,10 +178,10 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
     run_id: bytes | None = None
     try:
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and sorted(children.values()) != ["rank", "relay"]:
+        while time.monotonic() < deadline and sorted(children.values()) != ["rank", "relay", "warm"]:
             children = children_of(agents[0].pid)
             time.sleep(0.2)
-        assert sorted(children.values()) == ["rank", "relay"], f"agent h0 started {children} within 90 s"
+        assert sorted(children.values()) == ["rank", "relay", "warm"], f"agent h0 started {children} within 90 s"
         wait_for_an_epoch(controller)
         run_id = bytes.fromhex(environ_of(next(p for p, role in children.items() if role == "relay"))["FLODL_RUN_ID"])
         agents[0].kill()

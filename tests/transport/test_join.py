@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
+import os
 import queue
 import signal
 import socket
@@ -61,13 +63,13 @@ def ctx():
 class Cluster:
     """A membership service on loopback plus helpers to run agents against it."""
 
-    def __init__(self, ctx, trust=TrustMode.PRE_SHARED, rank_code="pass", timings=FAST, **cfg):
+    def __init__(self, ctx, trust=TrustMode.PRE_SHARED, rank_code="pass", timings=FAST, program=None, **cfg):
         self.ctx = ctx
         self.timings = timings
         self.key = new_key()
         config = {"min_ranks": 2, "window_s": 30.0, "cap_s": 30.0, **cfg}
         self.window = JoinWindow(JoinConfig(**config), opened_at=time.monotonic())
-        spawn = SpawnSpec(("-c", CHILD, rank_code))
+        spawn = SpawnSpec(program or ("-c", CHILD, rank_code))
         # Open admission needs CURVE: the agents pin this service's public key.
         public, secret = zmq.curve_keypair()
         self.curve = CurveKeys(public=public, secret=secret) if trust is TrustMode.OPEN else None
@@ -270,6 +272,25 @@ def test_a_silent_controller_tears_the_host_down(cluster):
     assert a() == 1 and b() == 1
 
 
+def test_an_agent_forks_its_ranks_from_one_warm_interpreter_and_logs_their_pids(cluster, tmp_path, caplog):
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys\n"
+                      "print('rank', os.environ['FLODL_RANK'], 'warm', 'torch' in sys.modules, 'pid', os.getpid(),"
+                      " 'parent', os.getppid())\n")
+    c = cluster(target_ranks=2, program=(str(script),))
+    out = io.StringIO()
+    with caplog.at_level(logging.INFO, logger="flodl_zmq.agent"):
+        assert c.agent("a", 2, out=out, script=(str(script),)).run() == 0
+    ranks = [line.split() for line in out.getvalue().splitlines() if " rank " in line and " warm " in line]
+    assert len(ranks) == 2, out.getvalue()
+    assert all(words[words.index("warm") + 1] == "True" for words in ranks)  # torch imported before the fork
+    parents = {words[words.index("parent") + 1] for words in ranks}
+    assert len(parents) == 1 and parents != {str(os.getpid())}  # one warm interpreter, not the agent
+    started = next(r.getMessage() for r in caplog.records if "running relay (pid" in r.getMessage())
+    pids = {int(words[words.index("rank") + 1]): int(words[words.index("pid") + 1]) for words in ranks}
+    assert str(pids) in started  # the log names each rank's pid: /proc shows a forked rank as the interpreter
+
+
 class FreezingProxy:
     """A TCP proxy whose `freeze()` makes every connection it carries swallow all bytes from then on,
     still open: a link whose TCP is stuck in retransmission backoff. New connections forward."""
@@ -314,9 +335,9 @@ def test_a_join_link_stuck_silent_is_redialled_before_the_controller_counts_as_s
     # the agent's silence limit. ZeroMQ heartbeats drop such a connection at half the limit and
     # re-dial; the controller's ROUTER hands the agent's id to the new connection: nothing is lost.
     gate = tmp_path / "gate"
-    # Longer than FAST's: a link dropped when a loaded machine starves its process loses what it
-    # carried, and the join protocol does not resend an accept.
-    timings = {"heartbeat_s": 0.2, "silence_s": 4.0}
+    # The defaults' ratio, not FAST's: a connection dropped because a loaded machine starved the
+    # process for its timeout (here 3 s) loses what it carried, and the join does not resend an accept.
+    timings = {"heartbeat_s": 0.5, "silence_s": 6.0}
     c = cluster(target_ranks=2, rank_code=f"while not os.path.exists({str(gate)!r}): time.sleep(0.01)",
                 timings=timings)
     proxy = FreezingProxy(c.address.port + 3)  # the join port
@@ -327,8 +348,10 @@ def test_a_join_link_stuck_silent_is_redialled_before_the_controller_counts_as_s
         assert c.service.wait_closed(10).phase is Phase.FORMED
         assert proxy.connections.acquire(timeout=10)
         proxy.freeze()
+        frozen_at = time.monotonic()
         assert proxy.connections.acquire(timeout=10), "the agent never re-dialled its stuck join link"
-        time.sleep(timings["silence_s"])  # past the agent's silence limit: it would have torn its host down
+        # Past the agent's silence limit since the freeze: by then it would have torn its host down.
+        time.sleep(max(0.0, frozen_at + timings["silence_s"] - time.monotonic()))
         gate.touch()
         assert a() == 0 and b() == 0, b_out.getvalue()
     finally:
