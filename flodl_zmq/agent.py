@@ -94,7 +94,6 @@ from flodl_zmq.launch import signal_group
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     JOIN_MAX_FRAMES,
-    keep_alive,
     limit_receive,
     recv_bounded,
     remove_host_sockets,
@@ -375,12 +374,13 @@ class Agent:
         self._reformed: WorldFormed | None = None  # a re-formed world the controller sent while ranks ran
         self._lifeline: int | None = None  # write end of the running children's FLODL_LIFELINE_FD pipe
         self._warm: WarmServer | None = None  # forks the ranks (`_warm_for`)
+        self._redialled_at = 0.0  # the join link's last re-dial, or the last word heard on it
 
-    def _new_link(self) -> zmq.Socket:
+    def _new_link(self, routing_id: bytes | None = None) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         # A fixed routing id survives reconnects, so the controller still knows
         # this link after a network blip (its ROUTER hands the id over).
-        sock.setsockopt(zmq.ROUTING_ID, b"A" + os.urandom(15))
+        sock.setsockopt(zmq.ROUTING_ID, routing_id or b"A" + os.urandom(15))
         sock.setsockopt(zmq.LINGER, 1000)
         limit_receive(sock, CONTROL_MAX_FRAME_BYTES)
         return sock
@@ -402,10 +402,6 @@ class Agent:
         CleartextWarner(log).warn_if_cleartext(cfg.controller.host, encrypted=cfg.curve is not None)
         if cfg.curve is not None:
             apply_client(self._sock, cfg.curve)
-        # A connection silent for half our limit is dropped and re-dialled: after a few flaps in a
-        # row TCP's retransmission backoff can keep a link that is back silent for longer than
-        # the limit, though every cut was shorter (the controller's ROUTER hands our id over).
-        keep_alive(self._sock, endpoint, cfg.heartbeat_s, cfg.silence_s / 2)
         self._sock.connect(endpoint)
         log.info(
             "host %r dialing %s with %d device(s) %s (admission: %s)",
@@ -496,6 +492,7 @@ class Agent:
                 if now - self._last_heard > self.config.silence_s:
                     log.error("controller silent for %.0f s while the world forms", now - self._last_heard)
                     return None
+                self._redial_if_silent(now)
                 self._beat(now)
             if not self._sock.poll(int(min(POLL_S, deadline - now) * 1000) + 1):
                 continue
@@ -515,7 +512,7 @@ class Agent:
             if fresh is not None and not fresh(env.record):
                 log.warning("%s from the controller dropped: it answers another exchange (a replay?)", env.kind)
                 continue
-            self._last_heard = time.monotonic()
+            self._last_heard = self._redialled_at = time.monotonic()
             if not isinstance(env.record, JoinHeartbeat):
                 return env.record
 
@@ -680,8 +677,7 @@ class Agent:
             for label, rank, argv, env in plan:
                 env = {**env, "FLODL_LIFELINE_FD": str(lifeline)}
                 proc: subprocess.Popen | WarmProcess
-                warm = self._warm_for(argv) if rank is not None else None
-                if warm is not None:
+                if rank is not None and warm is not None:
                     proc = warm.spawn(label, argv, env, pass_fds=(lifeline,))
                     forwarders = [self._forward(proc.stdout, f"[{label}] ")]
                 else:
@@ -730,7 +726,7 @@ class Agent:
         fault = False  # a host-level fault: exit 1
         kill_at = 0.0
         failures = 0
-        self._last_heard = time.monotonic()
+        self._last_heard = self._redialled_at = time.monotonic()
         while live:
             now = time.monotonic()
             ranks_live = any(c.rank is not None for c in live)
@@ -794,7 +790,7 @@ class Agent:
             except WireError as exc:
                 log.warning("join frame from the controller dropped: %s", exc)
                 continue
-            self._last_heard = now
+            self._last_heard = self._redialled_at = now
             if isinstance(env.record, Abort):
                 return f"the controller aborted the run: {env.record.reason}"
             if isinstance(env.record, WorldFormed):
@@ -802,7 +798,25 @@ class Agent:
                 return "the world re-forms with hosts that joined"
         if now - self._last_heard > self.config.silence_s:
             return f"controller silent for {now - self._last_heard:.0f} s (gone, or the link is cut)"
+        self._redial_if_silent(now)
         return None
+
+    def _redial_if_silent(self, now: float) -> None:
+        """After admission: a fresh connection under the same identity once the controller has been
+        silent for half the limit (and again after as long), which its ROUTER hands our id over to.
+        After a few flaps in a row TCP's retransmission backoff can keep a link that is back silent
+        for longer than the limit, though every cut was shorter; a new connection gets through."""
+        if now - self._redialled_at <= self.config.silence_s / 2:
+            return
+        log.info("host %r: the controller silent for %.1f s; dialling it again", self.config.host,
+                 now - self._last_heard)
+        identity = self._sock.getsockopt(zmq.ROUTING_ID)
+        self._sock.close(0)
+        self._sock = self._new_link(identity)
+        if self.config.curve is not None:
+            apply_client(self._sock, self.config.curve)
+        self._sock.connect(self.config.controller.endpoint(Channel.JOIN))
+        self._redialled_at = now
 
 
 # --------------------------------------------------------------------------- command line

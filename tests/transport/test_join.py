@@ -332,14 +332,14 @@ class FreezingProxy:
 
 def test_a_join_link_stuck_silent_is_redialled_before_the_controller_counts_as_silent(cluster, tmp_path):
     # After a few flaps in a row, TCP's backoff can keep a link that is back silent for longer than
-    # the agent's silence limit. ZeroMQ heartbeats drop such a connection at half the limit and
-    # re-dial; the controller's ROUTER hands the agent's id to the new connection: nothing is lost.
+    # the agent's silence limit. The agent re-dials at half the limit under the same identity,
+    # which the controller's ROUTER hands to the new connection.
     gate = tmp_path / "gate"
-    # The defaults' ratio, not FAST's: a connection dropped because a loaded machine starved the
-    # process for its timeout (here 3 s) loses what it carried, and the join does not resend an accept.
-    timings = {"heartbeat_s": 0.5, "silence_s": 6.0}
-    c = cluster(target_ranks=2, rank_code=f"while not os.path.exists({str(gate)!r}): time.sleep(0.01)",
-                timings=timings)
+    # Longer than FAST's, the same on both sides: the re-dial at half the limit beats the
+    # controller's own silence limit with a margin a loaded machine keeps.
+    timings = {"heartbeat_s": 0.2, "silence_s": 3.0}
+    c = cluster(target_ranks=2, timings=timings,
+                rank_code=f"print('up', flush=True)\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)")
     proxy = FreezingProxy(c.address.port + 3)  # the join port
     try:
         a = in_thread(c.agent("a", grace_s=0).run)
@@ -347,6 +347,9 @@ def test_a_join_link_stuck_silent_is_redialled_before_the_controller_counts_as_s
         b = in_thread(c.agent("b", grace_s=0, out=b_out, controller=ControllerAddress("127.0.0.1", proxy.port - 3)).run)
         assert c.service.wait_closed(10).phase is Phase.FORMED
         assert proxy.connections.acquire(timeout=10)
+        deadline = time.monotonic() + 20  # a hang guard: b's rank starts once b has the formed world
+        while "up" not in b_out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
         proxy.freeze()
         frozen_at = time.monotonic()
         assert proxy.connections.acquire(timeout=10), "the agent never re-dialled its stuck join link"
