@@ -2,8 +2,9 @@
 
 Each rank runs the user's script, and the script imports torch: about 2 s of CPU, and 2 s more
 for torch._dynamo, which torch.optim imports at its first step. On a host with few cores those
-imports run side by side, so starting a run costs seconds per rank. Instead the launcher starts
-one `python -m flodl_zmq.warm`, which imports them once. Each rank is then a fork of it that takes its argv, environment, working directory, standard streams and passed
+imports run side by side, so starting a run costs seconds per rank. Instead the launcher and
+each agent start one `python -m flodl_zmq.warm`, which imports them once. Each rank is then a
+fork of it that takes its argv, environment, working directory, standard streams and passed
 descriptors from the request. It runs the script as `python script.py` (or `-m module`) would:
 as `__main__`, with sys.argv and sys.path[0] set, atexit handlers run, and non-daemon threads
 joined at exit.
@@ -19,9 +20,10 @@ Rules this module keeps:
   on their own (on their lifeline, flodl_zmq/environment.py), not killed by this exit.
 - A fresh interpreter reads some variables when it starts (PYTHON*, GLIBC_TUNABLES, and
   OMP_NUM_THREADS when the thread-pool library loads). A forked child gets those from the
-  server's environment, which its starter gives (the launcher: the ranks' own, so the controller,
-  whose malloc tunables differ, is not forked); every other variable comes from the request. `/proc/PID/cmdline` and
-  `/proc/PID/environ` show the server's; its name (`ps -o comm`, `top`) is the one requested.
+  server's environment, which its starter gives: the ranks' own (so the controller, whose
+  malloc tunables differ, is not forked). Every other variable comes from the request.
+  `/proc/PID/cmdline` and `/proc/PID/environ` show the server's; the child's name
+  (`ps -o comm`, `top`) is the one requested.
 """
 
 from __future__ import annotations
