@@ -90,7 +90,8 @@ def test_cadence_with_a_bf16_wire_trains_digits_to_95_percent_and_saves_an_f32_m
     assert all(bool(((t.view(torch.int32) & 0xFFFF) == 0).all()) for t in floats)
 
 
-# Modes whose claim is the coordinator's (not a relay's fold of several ranks) run on 2 hosts x 1 rank.
+# Sync and async, whose claim is the coordinator's (not a relay's fold of several ranks), run on
+# 2 hosts x 1 rank.
 
 def test_sync_mode_trains_digits_to_95_percent():
     code, result, out = run("--mode", "cpu-sync", ranks_per_host=1)
@@ -233,8 +234,8 @@ def test_wrong_key_is_an_auth_error_and_the_failed_controllers_ranks_are_stopped
 @pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async"])
 def test_an_outer_nesterov_step_with_a_long_window_trains_digits_to_95_percent(mode):
     # DiLoCo-style: 40 inner steps per round at least (4x ElChe's default floor of 10).
-    code, result, out = run("--mode", mode, "--batch-size", "16", "--outer", "nesterov", "--anchor", "40",
-                            ranks_per_host=1)
+    # Four ranks: on two the outer momentum ended one run at 0.93 after 0.98 at epoch 8.
+    code, result, out = run("--mode", mode, "--batch-size", "16", "--outer", "nesterov", "--anchor", "40")
     assert code == 0, out
     assert result["accuracy"] >= 0.95, out
 
