@@ -115,7 +115,7 @@ from flodl_zmq.security import (
     apply_client,
 )
 from flodl_zmq.settings import Settings, add_arguments, env_names
-from flodl_zmq.warm import WarmProcess, WarmServer, runnable
+from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
 from flodl_zmq.wire import PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec, key_from_hex
 from flodl_zmq.wire.mac import check_key
 from flodl_zmq.wire.records import (
@@ -374,7 +374,7 @@ class Agent:
         self._reformed: WorldFormed | None = None  # a re-formed world the controller sent while ranks ran
         self._lifeline: int | None = None  # write end of the running children's FLODL_LIFELINE_FD pipe
         self._warm: WarmServer | None = None  # forks the ranks (`_warm_for`)
-        self._redialled_at = 0.0  # the join link's last re-dial, or the last word heard on it
+        self._dialled_at = 0.0  # the join link's last re-dial (`_redial_if_silent`)
 
     def _new_link(self, routing_id: bytes | None = None) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -400,9 +400,7 @@ class Agent:
         reply_timeout_s = cfg.reply_timeout_s if reply_timeout_s is None else reply_timeout_s
         endpoint = cfg.controller.endpoint(Channel.JOIN)
         CleartextWarner(log).warn_if_cleartext(cfg.controller.host, encrypted=cfg.curve is not None)
-        if cfg.curve is not None:
-            apply_client(self._sock, cfg.curve)
-        self._sock.connect(endpoint)
+        self._dial()
         log.info(
             "host %r dialing %s with %d device(s) %s (admission: %s)",
             cfg.host, endpoint, len(cfg.devices), list(cfg.devices), "pre-shared key" if cfg.key else "open",
@@ -512,7 +510,7 @@ class Agent:
             if fresh is not None and not fresh(env.record):
                 log.warning("%s from the controller dropped: it answers another exchange (a replay?)", env.kind)
                 continue
-            self._last_heard = self._redialled_at = time.monotonic()
+            self._last_heard = time.monotonic()
             if not isinstance(env.record, JoinHeartbeat):
                 return env.record
 
@@ -675,18 +673,9 @@ class Agent:
         self._lifeline = keep
         try:
             for label, rank, argv, env in plan:
-                env = {**env, "FLODL_LIFELINE_FD": str(lifeline)}
-                proc: subprocess.Popen | WarmProcess
-                if rank is not None and warm is not None:
-                    proc = warm.spawn(label, argv, env, pass_fds=(lifeline,))
-                    forwarders = [self._forward(proc.stdout, f"[{label}] ")]
-                else:
-                    proc = subprocess.Popen(
-                        [self.python, *argv], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, start_new_session=True, pass_fds=(lifeline,),
-                    )
-                    forwarders = [self._forward(proc.stdout, f"[{label}] "), self._forward(proc.stderr, f"[{label}] ")]
-                children.append(_Child(label, rank, proc, forwarders))
+                proc = start(label, argv, {**env, "FLODL_LIFELINE_FD": str(lifeline)}, (lifeline,),
+                             warm if rank is not None else None, self.python)
+                children.append(_Child(label, rank, proc, [self._forward(proc.stdout, f"[{label}] ")]))
         except (OSError, ConfigError) as exc:
             for c in children:
                 signal_group(c.proc, signal.SIGKILL)
@@ -701,9 +690,11 @@ class Agent:
 
     def _warm_for(self, argv: Sequence[str]) -> WarmServer | None:
         """The warm interpreter that forks ranks running `argv`, started once; None for a form it cannot run."""
-        if self._warm is None and runnable(argv):
+        if not runnable(argv):
+            return None
+        if self._warm is None:
             self._warm = WarmServer(with_tunables(os.environ, "rank"), self.python)
-        return self._warm if runnable(argv) else None
+        return self._warm
 
     def _forward(self, pipe: IO[bytes] | None, prefix: str) -> threading.Thread:
         def pump() -> None:
@@ -726,7 +717,7 @@ class Agent:
         fault = False  # a host-level fault: exit 1
         kill_at = 0.0
         failures = 0
-        self._last_heard = self._redialled_at = time.monotonic()
+        self._last_heard = time.monotonic()
         while live:
             now = time.monotonic()
             ranks_live = any(c.rank is not None for c in live)
@@ -790,7 +781,7 @@ class Agent:
             except WireError as exc:
                 log.warning("join frame from the controller dropped: %s", exc)
                 continue
-            self._last_heard = self._redialled_at = now
+            self._last_heard = now
             if isinstance(env.record, Abort):
                 return f"the controller aborted the run: {env.record.reason}"
             if isinstance(env.record, WorldFormed):
@@ -806,17 +797,21 @@ class Agent:
         silent for half the limit (and again after as long), which its ROUTER hands our id over to.
         After a few flaps in a row TCP's retransmission backoff can keep a link that is back silent
         for longer than the limit, though every cut was shorter; a new connection gets through."""
-        if now - self._redialled_at <= self.config.silence_s / 2:
+        if now - max(self._last_heard, self._dialled_at) <= self.config.silence_s / 2:
             return
         log.info("host %r: the controller silent for %.1f s; dialling it again", self.config.host,
                  now - self._last_heard)
         identity = self._sock.getsockopt(zmq.ROUTING_ID)
         self._sock.close(0)
         self._sock = self._new_link(identity)
+        self._dial()
+        self._dialled_at = now
+
+    def _dial(self) -> None:
+        """Connect the join link to the controller (as its CURVE client when we have keys)."""
         if self.config.curve is not None:
             apply_client(self._sock, self.config.curve)
         self._sock.connect(self.config.controller.endpoint(Channel.JOIN))
-        self._redialled_at = now
 
 
 # --------------------------------------------------------------------------- command line

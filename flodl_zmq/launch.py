@@ -61,7 +61,7 @@ from flodl_zmq.environment import (
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import remove_local_dir
 from flodl_zmq.settings import Settings
-from flodl_zmq.warm import WarmProcess, WarmServer, runnable
+from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
 from flodl_zmq.wire import RUN_ID_BYTES, key_from_hex, new_key
 from flodl_zmq.wire.shm import unlink_run
 
@@ -240,19 +240,8 @@ class Cluster:
         env.update(penv.to_environ())
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.env_for.get(label, {}))
-        proc: subprocess.Popen | WarmProcess
-        if penv.role == "rank" and self._warm is not None:  # torch is imported already
-            proc = self._warm.spawn(label, self.argv, env, pass_fds)
-        else:
-            proc = subprocess.Popen(
-                [sys.executable, *(self.argv if argv is None else argv)],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: teardown reaches all it started
-                pass_fds=pass_fds,
-            )
+        warm = self._warm if penv.role == "rank" else None  # a rank: torch is imported already
+        proc = start(label, self.argv if argv is None else argv, env, pass_fds, warm)
         child = Child(label, penv, proc)
         child.reader = threading.Thread(target=self._forward, args=(child,), daemon=True)
         child.reader.start()

@@ -328,5 +328,19 @@ class WarmServer:
                 self.changed.notify_all()
 
 
+
+def start(name: str, argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int],
+          warm: WarmServer | None, python: str = sys.executable) -> subprocess.Popen | WarmProcess:
+    """A child running `argv` in a session of its own, stdout and stderr on one pipe: forked by
+    `warm` when given, else a fresh `python` (the launcher's and the agent's one way to start)."""
+    if warm is not None:
+        return warm.spawn(name, argv, env, pass_fds)
+    return subprocess.Popen(
+        [python, *argv], env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: a teardown reaches all it started
+        pass_fds=tuple(pass_fds),
+    )
+
+
 if __name__ == "__main__":
     main()
