@@ -38,8 +38,9 @@ Theory of operation:
    eval results, save-state, run end) drive the `RunReport`
    (flodl_zmq/report.py: progress, epoch lines, result, bundle), the same
    one `train_alone` uses.
-3. The end. After RunEnded the loop keeps serving for a short drain so the
-   Shutdown records and the goodbyes cross, then stops the reducer. The
+3. The end. After RunEnded the loop keeps serving until every rank has said
+   goodbye or is dead (at most a short drain), so the Shutdown records and the
+   goodbyes cross, then stops the reducer. The
    final model is the last consensus with positive mass seen on the
    broadcast (the controller subscribes to its own PUB, exactly like a relay).
 
@@ -148,7 +149,7 @@ from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outage, Outstream
 
 log = logging.getLogger(__name__)
 
-END_DRAIN_S = 1.0
+END_DRAIN_S = 1.0  # the longest the end waits for goodbyes (`_every_rank_left`)
 STATUS_EVERY_S = 0.25
 
 MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
@@ -428,7 +429,7 @@ class ControllerService:
         drain_until: float | None = None
         while True:
             now = time.monotonic()
-            if drain_until is not None and now >= drain_until:
+            if drain_until is not None and (now >= drain_until or self._every_rank_left()):
                 return
             if not self.started and self.stop_error is None:
                 verdict = self.formation.poll(now)
@@ -483,6 +484,10 @@ class ControllerService:
                     return
             if drain_until is None and (self.ended is not None or self.stop_error is not None):
                 drain_until = time.monotonic() + END_DRAIN_S
+
+    def _every_rank_left(self) -> bool:
+        """After the end: every rank said goodbye (and had it acknowledged) or is dead; the drain has nothing left to carry."""
+        return self.started and not self.core.liveness.live
 
     def _log_round(self, round_id: int, started: float | None) -> None:
         """The round summary in the run log: its time, ElChe's windows, the guard's verdict."""

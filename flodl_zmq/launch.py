@@ -4,9 +4,10 @@
 user's script H*K + 1 times, the controller and the ranks, and one relay per
 simulated host (`h0`, `h1`, ...; `python -m flodl_zmq.relay`), each with its
 FLODL_* environment (see flodl_zmq/environment.py). Every line a child prints comes out prefixed with
-`[controller]`, `[host:relay]` or `[host:rank]`. The ranks are forked from one
-warm interpreter that has imported torch already (flodl_zmq/warm.py), so the
-run does not start with H*K torch imports side by side.
+`[controller]`, `[host:relay]` or `[host:rank]`. The controller and the ranks
+are forked from one warm interpreter that has imported torch already
+(flodl_zmq/warm.py), so the run does not start with H*K + 1 torch imports side
+by side; the relays, which never import torch, start meanwhile.
 
 Rules this module keeps:
 
@@ -123,7 +124,10 @@ class Cluster:
 
     `env_for` adds or overrides environment variables of one child by label
     (`controller`, `h0:relay`, `h1:3`), which is how tests give one process a
-    wrong key or a different dataset.
+    wrong key or a different dataset. `warm`: a warm interpreter (`warm_interpreter`)
+    to fork from and leave running, for a caller that starts run after run (a
+    sweep, a test session) and imports torch once for all of them; by default
+    each run starts its own.
     """
 
     argv: Sequence[str]  # what follows the interpreter: ["script.py", *args] or ["-m", "pkg.mod", *args]
@@ -136,6 +140,7 @@ class Cluster:
     startup_timeout_s: float | None = None
     run_dir: str | None = None  # the controller's run directory (--run-dir; None: its own default)
     grace_s: float = AFTER_CONTROLLER_GRACE_S  # how long ranks and relays may outlive the controller
+    warm: WarmServer | None = None
     children: dict[str, Child] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
 
@@ -153,7 +158,7 @@ class Cluster:
         self._lifeline: int | None = None  # write end of the children's FLODL_LIFELINE_FD pipe
         self.restarts: list[tuple[str, float]] = []  # (checkpoint, seconds from the kill to the respawn)
         self.key: bytes | None = None
-        self._warm: WarmServer | None = None  # forks the ranks (flodl_zmq/warm.py)
+        self._warm: WarmServer | None = None  # forks the controller and the ranks (flodl_zmq/warm.py)
 
     @property
     def world(self) -> dict[str, tuple[int, ...]]:
@@ -181,7 +186,7 @@ class Cluster:
         key = self.key = key_from_hex(key_hex) if key_hex else new_key()
         self._base = dict(controller=address, key=key, run_id=self.run_id, world=self.world)
         if runnable(self.argv):
-            self._warm = WarmServer(with_tunables(os.environ, "rank"))
+            self._warm = self.warm or warm_interpreter()
         self._spawn_cohort(self._settings)
         # The key guards a loopback-only run and sits in every child's environment already;
         # a generated one is shown so that the status command can be pasted as it is.
@@ -197,11 +202,13 @@ class Cluster:
         with self._lock:
             self._exits = exits_w
         try:
+            # The relays first: the controller and the ranks wait for the warm interpreter's imports.
+            for host in self.world:
+                self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, **base),
+                            pass_fds=(lifeline,), argv=RELAY_ARGV)
             self._spawn("controller", ProcessEnv(role="controller", settings=settings, exit_fd=exits, **base),
                         pass_fds=(exits, lifeline))
             for host, ranks in self.world.items():
-                self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, **base),
-                            pass_fds=(lifeline,), argv=RELAY_ARGV)
                 for local, rank in enumerate(ranks):
                     slowed = replace(settings, slowdown=float(self.slow.get(rank, 1.0)))
                     self._spawn(
@@ -240,7 +247,7 @@ class Cluster:
         env.update(penv.to_environ())
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.env_for.get(label, {}))
-        warm = self._warm if penv.role == "rank" else None  # a rank: torch is imported already
+        warm = self._warm if penv.role != "relay" else None  # the user's script: torch is imported already
         proc = start(label, self.argv if argv is None else argv, env, pass_fds, warm)
         child = Child(label, penv, proc)
         child.reader = threading.Thread(target=self._forward, args=(child,), daemon=True)
@@ -306,11 +313,11 @@ class Cluster:
         return code
 
     def shutdown(self) -> None:
-        """Stop every child (see `_stop_children`), then the warm interpreter (idempotent)."""
+        """Stop every child (see `_stop_children`), then the warm interpreter if it started it (idempotent)."""
         self._stop_children()
-        if self._warm is not None:
+        if self._warm is not None and self._warm is not self.warm:
             self._warm.close()
-            self._warm = None
+        self._warm = None
 
     def _stop_children(self) -> None:
         """SIGTERM every child's group, wait, SIGKILL stragglers, reap all (idempotent)."""
@@ -340,6 +347,11 @@ class Cluster:
         if self.run_id is not None and self.key is not None:
             unlink_run(self.key, self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
             remove_local_dir(self.key, self.run_id)  # nor its ipc socket files
+
+
+def warm_interpreter() -> WarmServer:
+    """A warm interpreter for `Cluster`s: started with the ranks' environment (their malloc tunables)."""
+    return WarmServer(with_tunables(os.environ, "rank"))
 
 
 def signal_group(proc: subprocess.Popen | WarmProcess, sig: int) -> None:

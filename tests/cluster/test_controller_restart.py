@@ -52,10 +52,10 @@ def finish(c: Cluster, timeout: float = 120.0) -> tuple[int, dict | None, str]:
     return code, json.loads(lines[-1][len("[controller] RESULT "):]) if lines else None, out
 
 
-def test_periodic_checkpoints_keep_the_last_k_and_name_the_run_and_world(tmp_path):
+def test_periodic_checkpoints_keep_the_last_k_and_name_the_run_and_world(tmp_path, warm):
     c = cluster(["--epochs", "4", "--batch-size", "16"], {
         "FLODL_CHECKPOINT_DIR": str(tmp_path), "FLODL_CHECKPOINT_EVERY_ROUNDS": "5", "FLODL_CHECKPOINT_KEEP": "2",
-    })
+    }, warm=warm)
     c.start()
     code, result, out = finish(c)
     assert code == 0, out
@@ -68,7 +68,7 @@ def test_periodic_checkpoints_keep_the_last_k_and_name_the_run_and_world(tmp_pat
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
-def test_a_full_checkpoint_disk_is_reported_with_the_path_and_the_run_completes(tmp_path):
+def test_a_full_checkpoint_disk_is_reported_with_the_path_and_the_run_completes(tmp_path, warm):
     small = tmp_path / "small"
     small.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(small)]).returncode != 0:
@@ -76,7 +76,7 @@ def test_a_full_checkpoint_disk_is_reported_with_the_path_and_the_run_completes(
     try:
         c = cluster(["--epochs", "3", "--batch-size", "16"], {
             "FLODL_CHECKPOINT_DIR": str(small), "FLODL_CHECKPOINT_EVERY_ROUNDS": "5",
-        })
+        }, warm=warm)
         c.start()
         code, result, out = finish(c)
         assert code == 0, out  # the model (69 KB) never fits: every write fails, the run does not
@@ -109,7 +109,7 @@ def covered(meta: dict, epoch: int) -> int:
 @TWICE
 @pytest.mark.parametrize("when", ["mid-epoch", "during-eval"])
 def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_run_completes(
-    tmp_path, monkeypatch, when
+    tmp_path, monkeypatch, when, warm
 ):
     monkeypatch.setenv("FLODL_CHECKPOINT_DIR", str(tmp_path))
     monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "4")
@@ -120,7 +120,7 @@ def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_
     args = [*ARGS, *held(gate, after_epochs=5, epochs=EPOCHS, ranks=2)]
     if when == "during-eval":
         args += ["--eval-ms", "1500", "--slow-evals", "4"]
-    w = Run(*args, ranks_per_host=1).start()
+    w = Run(*args, ranks_per_host=1, warm=warm).start()
     try:
         w.wait_for("[controller] epoch 3/", timeout=90.0)
         if when == "mid-epoch":

@@ -48,8 +48,9 @@ pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linu
 
 
 def children_of(pid: int) -> dict[int, str]:
-    """The live processes `pid` started, with their FLODL_ROLE; those its warm interpreter forked
-    (flodl_zmq/warm.py) are ranks, and /proc shows them the interpreter's environment."""
+    """The live processes `pid` started, with their FLODL_ROLE. /proc shows those its warm
+    interpreter forked (flodl_zmq/warm.py) the interpreter's environment, and their own name:
+    the controller, or a rank's label."""
     out = {}
     for child in _children(pid):
         with contextlib.suppress(OSError):  # gone meanwhile
@@ -57,7 +58,9 @@ def children_of(pid: int) -> dict[int, str]:
                 out[child] = environ_of(child).get("FLODL_ROLE", "")
                 continue
             out[child] = "warm"
-            out.update(dict.fromkeys(_children(child), "rank"))
+            for forked in _children(child):
+                name = Path(f"/proc/{forked}/comm").read_text().strip()
+                out[forked] = "controller" if name == "controller" else "rank"
     return out
 
 

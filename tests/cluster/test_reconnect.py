@@ -31,6 +31,7 @@ import pytest
 
 from flodl_zmq.endpoints import OFFSETS
 from flodl_zmq.launch import Cluster, free_port_base
+from flodl_zmq.warm import WarmServer
 from tests.cluster.digits_job import RELIABLE_ACCURACY, held, samples_per_epoch
 from tests.cluster.reset_proxy import ResettingProxy
 
@@ -47,7 +48,7 @@ WAIT_S = 120.0
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 
 
-def reset_run(gate: Path) -> tuple[int | None, dict | None, str, int, int]:
+def reset_run(gate: Path, warm: WarmServer) -> tuple[int | None, dict | None, str, int, int]:
     """One 2 x 1 digits run whose relays dial through a proxy that resets every RESET_EVERY_S once training runs."""
     port = free_port_base()
     listen = free_port_base()
@@ -57,7 +58,7 @@ def reset_run(gate: Path) -> tuple[int | None, dict | None, str, int, int]:
     proxy.start()
     env_for = {f"h{h}:relay": {"FLODL_CONTROLLER": f"127.0.0.1:{listen}"} for h in range(2)}
     cluster = Cluster(argv=[JOB, *ARGS, *held(gate, after_epochs=4, epochs=15, ranks=2)], hosts=2,
-                      ranks_per_host=1, port=port, env_for=env_for, grace_s=3.0)
+                      ranks_per_host=1, port=port, env_for=env_for, grace_s=3.0, warm=warm)
     cluster.start()
     resets = 0
     waits: list[float] = []
@@ -91,9 +92,9 @@ def reset_run(gate: Path) -> tuple[int | None, dict | None, str, int, int]:
     return code, result, out, resets, proxy.accepted
 
 
-def test_connection_resets_between_relays_and_controller_cost_no_sample_and_no_accuracy(tmp_path):
+def test_connection_resets_between_relays_and_controller_cost_no_sample_and_no_accuracy(tmp_path, warm):
     t0 = time.monotonic()
-    code, result, out, resets, accepted = reset_run(tmp_path / "gate")
+    code, result, out, resets, accepted = reset_run(tmp_path / "gate", warm)
     recovered = {what: out.count(what) for what in ("sending it again", "asking the reducer", "lost this host's frame",
                                                      "control records; sending them again")}
     print(f"{resets} resets, {accepted} connections: accuracy {result and result['accuracy']} in "

@@ -28,12 +28,12 @@ EPOCHS = 9
 ROW = re.compile(r"^\s*(\d+)\s+(h\d)\s+(alive|dead|exited)\s")
 
 
-def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report_mark_a_killed_rank(tmp_path):
+def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report_mark_a_killed_rank(tmp_path, warm):
     run_dir = tmp_path / "run"
     # Held (digits_job.held) from epoch 2 on until the kill is seen: the run cannot end before it.
     gate = tmp_path / "gate"
     r = Run("--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "8",
-            *held(gate, after_epochs=2, epochs=EPOCHS, ranks=4))
+            *held(gate, after_epochs=2, epochs=EPOCHS, ranks=4), warm=warm)
     r.cluster.run_dir = str(run_dir)  # what `flodl-zmq launch --run-dir` sets
     r.start()
     r.wait_for("[launch] controller at")

@@ -20,6 +20,7 @@ import torch
 
 from flodl_zmq import bundle
 from flodl_zmq.launch import Cluster
+from flodl_zmq.warm import WarmServer
 from flodl_zmq.wire import new_key
 from tests.cluster.digits_job import RELIABLE_ACCURACY, batches_per_epoch, held, samples_per_epoch
 
@@ -32,12 +33,12 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(sys.platform != "linu
 class Run:
     """One cluster run: start, optionally act when a line shows up, wait, parse."""
 
-    def __init__(self, *args: str, slow: dict[int, float] | None = None, env_for=None, startup_timeout_s=None,
-                 grace_s: float = 3.0, hosts: int = 2, ranks_per_host: int = 2):
+    def __init__(self, *args: str, warm: WarmServer, slow: dict[int, float] | None = None, env_for=None,
+                 startup_timeout_s=None, grace_s: float = 3.0, hosts: int = 2, ranks_per_host: int = 2):
         self.seen = threading.Condition()
         self.cluster = Cluster(
             argv=[JOB, *args], hosts=hosts, ranks_per_host=ranks_per_host, slow=slow or {}, env_for=env_for or {},
-            sink=self._sink, startup_timeout_s=startup_timeout_s, grace_s=grace_s,
+            sink=self._sink, startup_timeout_s=startup_timeout_s, grace_s=grace_s, warm=warm,
         )
 
     def _sink(self, line: str) -> None:
@@ -66,8 +67,10 @@ class Run:
         return code, result, out
 
 
-def run(*args: str, **kw) -> tuple[int, dict | None, str]:
-    return Run(*args, **kw).start().finish()
+@pytest.fixture
+def run(warm):
+    """Start a run forked from this worker's warm interpreter and wait for it: (exit code, RESULT, output)."""
+    return lambda *args, **kw: Run(*args, warm=warm, **kw).start().finish()
 
 
 def no_process_left(r: Run) -> None:
@@ -78,7 +81,7 @@ def no_process_left(r: Run) -> None:
 # Cadence alone reaching 95% is asserted with each wire below, and at RELIABLE_ACCURACY with ranks lost.
 
 
-def test_cadence_with_a_bf16_wire_trains_digits_to_95_percent_and_saves_an_f32_model(tmp_path):
+def test_cadence_with_a_bf16_wire_trains_digits_to_95_percent_and_saves_an_f32_model(tmp_path, run):
     stem = str(tmp_path / "bf16")
     code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--wire-dtype", "bf16", "--save", stem)
     assert code == 0, out
@@ -93,13 +96,13 @@ def test_cadence_with_a_bf16_wire_trains_digits_to_95_percent_and_saves_an_f32_m
 # Sync and async, whose claim is the coordinator's (not a relay's fold of several ranks), run on
 # 2 hosts x 1 rank.
 
-def test_sync_mode_trains_digits_to_95_percent():
+def test_sync_mode_trains_digits_to_95_percent(run):
     code, result, out = run("--mode", "cpu-sync", ranks_per_host=1)
     assert code == 0, out
     assert result["accuracy"] >= 0.95, out
 
 
-def test_async_mode_trains_digits_to_95_percent_and_holds_it():
+def test_async_mode_trains_digits_to_95_percent_and_holds_it(run):
     # Async ranks average whenever their own cadence says so: the last epoch's model can sit a
     # sample or two under the best one (CI once saw 0.9499 after 0.97 at epoch 13). The claim is
     # that training reaches 95% and does not fall back from it.
@@ -110,7 +113,7 @@ def test_async_mode_trains_digits_to_95_percent_and_holds_it():
     assert result["accuracy"] >= 0.93, out
 
 
-def test_cadence_gives_a_3x_slower_rank_a_third_of_the_batches():
+def test_cadence_gives_a_3x_slower_rank_a_third_of_the_batches(run):
     # Steps dominated by a sleep: on 2 shared cores raw compute speed is mostly scheduling noise.
     code, result, out = run("--mode", "cpu-cadence", "--step-ms", "6", slow={3: 3.0})
     assert code == 0, out
@@ -121,7 +124,8 @@ def test_cadence_gives_a_3x_slower_rank_a_third_of_the_batches():
     assert share[3] < min(share[:3]), share
 
 
-def test_a_cosine_schedule_with_clipping_and_loader_workers_follows_the_global_step_and_a_raising_eval_is_reported():
+def test_a_cosine_schedule_with_clipping_and_loader_workers_follows_the_global_step_and_a_raising_eval_is_reported(
+        run):
     # Every rank's LR is that of the cluster's global step plus its own steps since the last
     # consensus (floDl's rule: lr = schedule(global_step + local steps)), so an epoch's LRs lie
     # between the schedule's at the epoch's last step and (a window not yet averaged may lag)
@@ -151,13 +155,14 @@ def test_a_cosine_schedule_with_clipping_and_loader_workers_follows_the_global_s
 
 
 def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_one_sigkilled_mid_epoch_costs_no_sample(
-        tmp_path):
+        tmp_path, warm):
     # One run, two deaths on different paths: rank 3 before the world forms (its exit reported
     # before any hello), rank 1 (the other host) in epoch 3. The two left cover every epoch.
     # Held from epoch 3 on until rank 1's death is seen: the run cannot end before the kill.
     started, gate = time.monotonic(), tmp_path / "gate"
     r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4",
-            *held(gate, after_epochs=3, epochs=15, ranks=4), env_for={"h1:3": {"DIGITS_SIGKILL_RANK": "3"}}).start()
+            *held(gate, after_epochs=3, epochs=15, ranks=4), env_for={"h1:3": {"DIGITS_SIGKILL_RANK": "3"}},
+            warm=warm).start()
     r.wait_for("[controller] epoch 3/")
     r.cluster.kill("h0:1", signal.SIGKILL)
     r.wait_for("rank 1 declared dead")
@@ -177,11 +182,11 @@ def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_one_sigkilled
     no_process_left(r)
 
 
-def test_sigkill_every_rank_saves_a_bundle_that_resume_continues(tmp_path):
+def test_sigkill_every_rank_saves_a_bundle_that_resume_continues(tmp_path, run, warm):
     stem = str(tmp_path / "run")
     # Held from epoch 3 on (never let through): the run cannot end before the kills.
     r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4", "--save", stem,
-            *held(tmp_path / "gate", after_epochs=3, epochs=15, ranks=2), ranks_per_host=1).start()
+            *held(tmp_path / "gate", after_epochs=3, epochs=15, ranks=2), ranks_per_host=1, warm=warm).start()
     r.wait_for("[controller] epoch 3/")
     for rank, host in ((0, "h0"), (1, "h1")):
         r.cluster.kill(f"{host}:{rank}", signal.SIGKILL)
@@ -205,24 +210,24 @@ def test_sigkill_every_rank_saves_a_bundle_that_resume_continues(tmp_path):
 # (A raising eval that is only reported: the cosine run above.) The runs below stop early, so
 # two hosts of one rank each show what they check; every rank is a process importing torch.
 
-def test_a_raising_callback_stops_the_run_when_asked():
+def test_a_raising_callback_stops_the_run_when_asked(run):
     code, _, out = run("--epochs", "6", "--eval-raises", "--callback-errors", "stop", ranks_per_host=1)
     assert code != 0
     assert "TrainingError" in out and "eval exploded on purpose" in out
 
 
-def test_dataset_mismatch_stops_before_training_naming_the_rank():
+def test_dataset_mismatch_stops_before_training_naming_the_rank(run):
     code, _, out = run("--epochs", "3", env_for={"h1:1": {"DIGITS_SHIFT": "1"}}, ranks_per_host=1)
     assert code != 0
     assert "TrainingError: dataset mismatch: rank(s) [1]" in out
     assert "epoch 1/" not in out
 
 
-def test_wrong_key_is_an_auth_error_and_the_failed_controllers_ranks_are_stopped_at_once():
+def test_wrong_key_is_an_auth_error_and_the_failed_controllers_ranks_are_stopped_at_once(warm):
     # A grace far longer than the test's wait: ranks left to outlive a failed controller would
     # run into it (nobody will tell them to stop); they are stopped as soon as it has exited.
     r = Run("--epochs", "3", env_for={"controller": {"FLODL_KEY": new_key().hex()}}, startup_timeout_s=6,
-            grace_s=600.0, ranks_per_host=1).start()
+            grace_s=600.0, ranks_per_host=1, warm=warm).start()
     code, _, out = r.finish(timeout=100.0)
     assert code != 0
     assert "AuthError" in out and "FLODL_KEY" in out
@@ -232,7 +237,7 @@ def test_wrong_key_is_an_auth_error_and_the_failed_controllers_ranks_are_stopped
 # ---------------------------------------------------------------------------- outer optimizer
 
 @pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async"])
-def test_an_outer_nesterov_step_with_a_long_window_trains_digits_to_95_percent(mode):
+def test_an_outer_nesterov_step_with_a_long_window_trains_digits_to_95_percent(mode, run):
     # DiLoCo-style: 40 inner steps per round at least (4x ElChe's default floor of 10).
     # Four ranks: on two the outer momentum ended one run at 0.93 after 0.98 at epoch 8.
     code, result, out = run("--mode", mode, "--batch-size", "16", "--outer", "nesterov", "--anchor", "40")
@@ -240,7 +245,7 @@ def test_an_outer_nesterov_step_with_a_long_window_trains_digits_to_95_percent(m
     assert result["accuracy"] >= 0.95, out
 
 
-def test_an_int8_wire_with_error_feedback_trains_digits_to_95_percent_and_saves_an_f32_model(tmp_path):
+def test_an_int8_wire_with_error_feedback_trains_digits_to_95_percent_and_saves_an_f32_model(tmp_path, run):
     stem = str(tmp_path / "int8")
     code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--wire-dtype", "int8", "--save", stem)
     assert code == 0, out
@@ -249,7 +254,7 @@ def test_an_int8_wire_with_error_feedback_trains_digits_to_95_percent_and_saves_
     assert all(t.dtype == torch.float32 for t in state.values())
 
 
-def test_an_outer_step_saves_its_momentum_and_a_resume_continues_it(tmp_path):
+def test_an_outer_step_saves_its_momentum_and_a_resume_continues_it(tmp_path, run):
     stem = str(tmp_path / "outer")
     code, _, out = run("--epochs", "4", "--batch-size", "16", "--outer", "nesterov", "--save", stem)
     assert code == 0, out

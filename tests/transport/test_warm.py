@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from flodl_zmq.environment import with_tunables
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.warm import WarmServer, runnable
+from tests.unit.test_environment import MALLOC_FREE_RSS
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(sys.platform != "linux", reason="fork, SCM_RIGHTS")]
 
@@ -146,6 +148,24 @@ def test_a_server_whose_client_is_gone_lets_its_children_finish_and_then_exits(s
     finally:
         os.close(lifeline)
         warm.close()
+
+
+def test_a_child_takes_the_malloc_tunables_of_its_request_where_mallopt_can_set_them(server, tmp_path):
+    # The launcher forks its controller (service tunables: freed memory is kept for the next
+    # round's message) from the server the ranks' environment started (glibc's defaults).
+    script = tmp_path / "malloc_free.py"
+    script.write_text(MALLOC_FREE_RSS)
+    rss = {}
+    for role in ("controller", "rank"):
+        env = {**os.environ, "GLIBC_TUNABLES": with_tunables({}, role)["GLIBC_TUNABLES"]}
+        child = server.spawn(role, [str(script)], env)
+        out = child.stdout.read().decode()
+        assert child.wait(30) == 0, out
+        rss[role] = tuple(map(int, out.split()))
+    held, after = rss["controller"]
+    assert after > held - (16 << 10), f"the controller's RSS fell from {held} to {after} KiB after free"
+    held, after = rss["rank"]
+    assert after < held - (200 << 10), f"a rank's freed block should go back to the kernel ({held} -> {after} KiB)"
 
 
 def test_only_a_script_or_a_module_is_runnable():

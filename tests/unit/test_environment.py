@@ -66,25 +66,29 @@ def test_a_rank_no_host_holds_is_a_vacancy_in_the_rank_space():
     assert rank_space(world) == 4 and vacancies(world) == (1, 2)
 
 
+# Mallocs and touches 256 MiB, frees it, prints its RSS (KiB) with the block held and after.
+MALLOC_FREE_RSS = (
+    "import ctypes\n"
+    "libc = ctypes.CDLL(None)\n"
+    "libc.malloc.restype = ctypes.c_void_p\n"
+    "def rss():\n"
+    "    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1])\n"
+    "p = libc.malloc(256 << 20)\n"
+    "ctypes.memset(p, 1, 256 << 20)\n"
+    "held = rss()\n"
+    "libc.free(ctypes.c_void_p(p))\n"
+    "print(held, rss())\n"
+)
+
+
 def _rss_after_malloc_free(tunables: str) -> tuple[int, int]:
-    """A child process mallocs and touches 256 MiB, frees it: its RSS (KiB) with the block held, and after."""
+    """A fresh process with `tunables` runs MALLOC_FREE_RSS: its RSS (KiB) with the block held, and after."""
     import subprocess
     import sys
 
-    code = (
-        "import ctypes\n"
-        "libc = ctypes.CDLL(None)\n"
-        "libc.malloc.restype = ctypes.c_void_p\n"
-        "def rss():\n"
-        "    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1])\n"
-        "p = libc.malloc(256 << 20)\n"
-        "ctypes.memset(p, 1, 256 << 20)\n"
-        "held = rss()\n"
-        "libc.free(ctypes.c_void_p(p))\n"
-        "print(held, rss())\n"
-    )
     env = {**os.environ, "GLIBC_TUNABLES": tunables}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([sys.executable, "-c", MALLOC_FREE_RSS], env=env, capture_output=True, text=True,
+                         timeout=60, check=True)
     held, after = map(int, out.stdout.split())
     return held, after
 
