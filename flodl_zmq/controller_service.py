@@ -40,9 +40,9 @@ Theory of operation:
    one `train_alone` uses.
 3. The end. After RunEnded the loop keeps serving until every rank has said
    goodbye or is dead (at most a short drain), so the Shutdown records and the
-   goodbyes cross, then stops the reducer. The
-   final model is the last consensus with positive mass seen on the
-   broadcast (the controller subscribes to its own PUB, exactly like a relay).
+   goodbyes cross, then stops the reducer. The final model is the last
+   consensus with positive mass seen on the broadcast (the controller
+   subscribes to its own PUB, exactly like a relay).
 
 Under `flodl-zmq controller` (flodl_zmq/controller.py) the controller role
 runs in the same process as the membership service, linked through a
@@ -486,7 +486,8 @@ class ControllerService:
                 drain_until = time.monotonic() + END_DRAIN_S
 
     def _every_rank_left(self) -> bool:
-        """After the end: every rank said goodbye (and had it acknowledged) or is dead; the drain has nothing left to carry."""
+        """After the end: every rank said goodbye (acknowledged at once) or is dead, so the drain
+        has nothing left to carry."""
         return self.started and not self.core.liveness.live
 
     def _log_round(self, round_id: int, started: float | None) -> None:
