@@ -375,6 +375,7 @@ class Agent:
         self._lifeline: int | None = None  # write end of the running children's FLODL_LIFELINE_FD pipe
         self._warm: WarmServer | None = None  # forks the ranks (`_warm_for`)
         self._dialled_at = 0.0  # the join link's last re-dial (`_redial_if_silent`)
+        self._replaced: zmq.Socket | None = None  # the connection the last re-dial replaced, still read
 
     def _new_link(self, routing_id: bytes | None = None) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -382,6 +383,9 @@ class Agent:
         # this link after a network blip (its ROUTER hands the id over).
         sock.setsockopt(zmq.ROUTING_ID, routing_id or b"A" + os.urandom(15))
         sock.setsockopt(zmq.LINGER, 1000)
+        # A dial into a cut link gives up after a beat and starts again with a fresh SYN, instead
+        # of following the kernel's SYN backoff (1, 2, 4 s) long after the link is back.
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, max(100, int(self.config.heartbeat_s * 1000)))
         limit_receive(sock, CONTROL_MAX_FRAME_BYTES)
         return sock
 
@@ -390,6 +394,7 @@ class Agent:
             self._stop_reason = reason
 
     def close(self) -> None:
+        self._drop_replaced()
         self._sock.close()
 
     # ------------------------------------------------------------------ join
@@ -492,9 +497,7 @@ class Agent:
                     return None
                 self._redial_if_silent(now)
                 self._beat(now)
-            if not self._sock.poll(int(min(POLL_S, deadline - now) * 1000) + 1):
-                continue
-            frames = recv_bounded(self._sock, JOIN_MAX_FRAMES, copy=False)
+            frames = self._recv(int(min(POLL_S, deadline - now) * 1000) + 1)
             if frames is None:
                 continue
             try:
@@ -596,6 +599,7 @@ class Agent:
                     if self._stop_reason is None else f"stopped while waiting for the controller: {self._stop_reason}"
                 )
             # A fresh link and the join key: nothing of the dead controller's link carries over.
+            self._drop_replaced()
             self._sock.close(0)
             self._sock = self._new_link()
             self._codec = Codec(cfg.key or OPEN_JOIN_KEY, JOIN_RUN_ID, cfg.host)
@@ -772,10 +776,7 @@ class Agent:
     def _poll_controller(self, now: float) -> str | None:
         """Drain the join link; the reason to tear down, if the controller gave one or went silent."""
         self._beat(now)
-        while self._sock.poll(0):
-            frames = recv_bounded(self._sock, JOIN_MAX_FRAMES, copy=False)
-            if frames is None:
-                continue
+        while (frames := self._recv(0)) is not None:
             try:
                 env = self._codec.decode(frames, Channel.JOIN)
             except WireError as exc:
@@ -796,16 +797,37 @@ class Agent:
         """After admission: a fresh connection under the same identity once the controller has been
         silent for half the limit (and again after as long), which its ROUTER hands our id over to.
         After a few flaps in a row TCP's retransmission backoff can keep a link that is back silent
-        for longer than the limit, though every cut was shorter; a new connection gets through."""
+        for longer than the limit, though every cut was shorter; a new connection gets through.
+        The old one is still read until either speaks: its next retransmission may be due any
+        moment (after a 2 s cut, about 3 s after the first loss), before the new one is through."""
         if now - max(self._last_heard, self._dialled_at) <= self.config.silence_s / 2:
             return
         log.info("host %r: the controller silent for %.1f s; dialling it again", self.config.host,
                  now - self._last_heard)
         identity = self._sock.getsockopt(zmq.ROUTING_ID)
-        self._sock.close(0)
+        self._drop_replaced()
+        self._replaced = self._sock
         self._sock = self._new_link(identity)
         self._dial()
         self._dialled_at = now
+
+    def _recv(self, timeout_ms: int) -> list[Any] | None:
+        """The next message from the controller on the join link or the connection a re-dial
+        replaced (None: nothing within `timeout_ms`, or a message refused for its frame count).
+        Once either speaks the replaced one is closed: the link works again, and a replaced
+        connection left open would dial back and take the route over."""
+        links = [self._sock] if self._replaced is None else [self._sock, self._replaced]
+        ready = zmq.select(links, [], [], timeout_ms / 1000)[0]
+        if not ready:
+            return None
+        frames = recv_bounded(ready[0], JOIN_MAX_FRAMES, copy=False)
+        self._drop_replaced()
+        return frames
+
+    def _drop_replaced(self) -> None:
+        if self._replaced is not None:
+            self._replaced.close(0)
+            self._replaced = None
 
     def _dial(self) -> None:
         """Connect the join link to the controller (as its CURVE client when we have keys)."""

@@ -291,21 +291,38 @@ def test_an_agent_forks_its_ranks_from_one_warm_interpreter_and_logs_their_pids(
     assert str(pids) in started  # the log names each rank's pid: /proc shows a forked rank as the interpreter
 
 
-class FreezingProxy:
-    """A TCP proxy whose `freeze()` makes every connection it carries swallow all bytes from then on,
-    still open: a link whose TCP is stuck in retransmission backoff. New connections forward."""
+class HoldingProxy:
+    """A TCP proxy whose `hold()` makes the connections it carries keep every byte, both ways, still
+    open: a link whose TCP is stuck in retransmission backoff. `release(n)` delivers what
+    connection n (in order of acceptance) held and lets it flow again, as a retransmission does."""
 
     def __init__(self, target: int):
         self._target = target
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
-        self._frozen: set[int] = set()  # ids of the connections that swallow
-        self._live: list[int] = []
+        self._lock = threading.Lock()
+        self._held: dict[int, list[tuple[socket.socket, bytes]]] = {}  # connection -> (destination, bytes)
+        self._hold_new = False
+        self._count = 0
         self.connections = threading.Semaphore(0)  # released per accepted connection
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def freeze(self) -> None:
-        self._frozen.update(self._live)
+    def hold(self, new_too: bool = False) -> None:
+        """Hold every connection's bytes from now on; `new_too`: also those of connections yet to come."""
+        with self._lock:
+            for conn in range(self._count):
+                self._held.setdefault(conn, [])
+            self._hold_new = new_too
+
+    def release(self, conn: int | None = None) -> None:
+        """Deliver what connection `conn` (every one: None) held, in order, and let it flow again."""
+        with self._lock:
+            for n in [conn] if conn is not None else list(self._held):
+                for dst, data in self._held.pop(n, []):
+                    with contextlib.suppress(OSError):
+                        dst.sendall(data)
+            if conn is None:
+                self._hold_new = False
 
     def _accept(self) -> None:
         while True:
@@ -314,8 +331,10 @@ class FreezingProxy:
             except OSError:
                 return
             server = socket.create_connection(("127.0.0.1", self._target))
-            conn = len(self._live)
-            self._live.append(conn)
+            with self._lock:
+                conn, self._count = self._count, self._count + 1
+                if self._hold_new:
+                    self._held[conn] = []
             for src, dst in ((client, server), (server, client)):
                 threading.Thread(target=self._pump, args=(conn, src, dst), daemon=True).start()
             self.connections.release()
@@ -323,8 +342,11 @@ class FreezingProxy:
     def _pump(self, conn: int, src: socket.socket, dst: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
-                if conn not in self._frozen:
-                    dst.sendall(data)
+                with self._lock:
+                    if conn in self._held:
+                        self._held[conn].append((dst, data))
+                    else:
+                        dst.sendall(data)
 
     def close(self) -> None:
         self._listener.close()
@@ -340,7 +362,7 @@ def test_a_join_link_stuck_silent_is_redialled_before_the_controller_counts_as_s
     timings = {"heartbeat_s": 0.2, "silence_s": 3.0}
     c = cluster(target_ranks=2, timings=timings,
                 rank_code=f"print('up', flush=True)\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)")
-    proxy = FreezingProxy(c.address.port + 3)  # the join port
+    proxy = HoldingProxy(c.address.port + 3)  # the join port
     try:
         a = in_thread(c.agent("a", grace_s=0).run)
         b_out = io.StringIO()
@@ -350,11 +372,44 @@ def test_a_join_link_stuck_silent_is_redialled_before_the_controller_counts_as_s
         deadline = time.monotonic() + 20  # a hang guard: b's rank starts once b has the formed world
         while "up" not in b_out.getvalue() and time.monotonic() < deadline:
             time.sleep(0.01)
-        proxy.freeze()
+        proxy.hold()  # never released: the agent's re-dial, a new connection, must get through
         frozen_at = time.monotonic()
         assert proxy.connections.acquire(timeout=10), "the agent never re-dialled its stuck join link"
         # Past the agent's silence limit since the freeze: by then it would have torn its host down.
         time.sleep(max(0.0, frozen_at + timings["silence_s"] - time.monotonic()))
+        gate.touch()
+        assert a() == 0 and b() == 0, b_out.getvalue()
+    finally:
+        proxy.close()
+
+
+def test_what_the_replaced_connection_delivers_after_a_redial_counts_as_the_controller_heard(cluster, tmp_path):
+    # The flap the chaos suite saw: the agent re-dialled at half its silence limit just before TCP
+    # retransmitted the old connection's backlog, and the new connection did not get through before
+    # the next cut. Here the new connection stays held past the silence limit, and the old one
+    # delivers what it held after the re-dial: that is the controller heard, and the host stays.
+    gate = tmp_path / "gate"
+    timings = {"heartbeat_s": 0.2, "silence_s": 3.0}
+    c = cluster(target_ranks=2, timings=timings,
+                rank_code=f"print('up', flush=True)\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)")
+    proxy = HoldingProxy(c.address.port + 3)  # the join port
+    try:
+        a = in_thread(c.agent("a", grace_s=0).run)
+        b_out = io.StringIO()
+        b = in_thread(c.agent("b", grace_s=0, out=b_out, controller=ControllerAddress("127.0.0.1", proxy.port - 3)).run)
+        assert c.service.wait_closed(10).phase is Phase.FORMED
+        assert proxy.connections.acquire(timeout=10)
+        deadline = time.monotonic() + 20  # a hang guard: b's rank starts once b has the formed world
+        while "up" not in b_out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proxy.hold(new_too=True)
+        held_at = time.monotonic()
+        assert proxy.connections.acquire(timeout=10), "the agent never re-dialled its stuck join link"
+        proxy.release(0)  # the old connection's retransmission, after the re-dial
+        # Past the agent's silence limit since the hold, the new connection still held: without the
+        # old connection's bytes the agent would have torn its host down by now.
+        time.sleep(max(0.0, held_at + timings["silence_s"] + 0.5 - time.monotonic()))
+        proxy.release()
         gate.touch()
         assert a() == 0 and b() == 0, b_out.getvalue()
     finally:
