@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The flake hunt: run the cluster layer N times (default 5), as scripts/test.sh runs it (two
+# The flake hunt: run the cluster layer N times (default 5), as scripts/test.sh runs it (three
 # workers), beside LOAD busy processes (default 2), then print each test that failed and in how
 # many runs. A test that waits on a guess of this machine's speed, not on an event, shows up
 # here. Extra arguments go to pytest.
