@@ -90,10 +90,11 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import RELAY_ARGV, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.formation import rank_space
-from flodl_zmq.launch import signal_group
+from flodl_zmq.launch import signal_group, warm_interpreter
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     JOIN_MAX_FRAMES,
+    dial_afresh,
     limit_receive,
     recv_bounded,
     remove_host_sockets,
@@ -383,9 +384,7 @@ class Agent:
         # this link after a network blip (its ROUTER hands the id over).
         sock.setsockopt(zmq.ROUTING_ID, routing_id or b"A" + os.urandom(15))
         sock.setsockopt(zmq.LINGER, 1000)
-        # A dial into a cut link gives up after a beat and starts again with a fresh SYN, instead
-        # of following the kernel's SYN backoff (1, 2, 4 s) long after the link is back.
-        sock.setsockopt(zmq.CONNECT_TIMEOUT, max(100, int(self.config.heartbeat_s * 1000)))
+        dial_afresh(sock, self.config.heartbeat_s)
         limit_receive(sock, CONTROL_MAX_FRAME_BYTES)
         return sock
 
@@ -697,7 +696,7 @@ class Agent:
         if not runnable(argv):
             return None
         if self._warm is None:
-            self._warm = WarmServer(with_tunables(os.environ, "rank"), self.python)
+            self._warm = warm_interpreter(self.python)
         return self._warm
 
     def _forward(self, pipe: IO[bytes] | None, prefix: str) -> threading.Thread:

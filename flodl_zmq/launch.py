@@ -349,9 +349,9 @@ class Cluster:
             remove_local_dir(self.key, self.run_id)  # nor its ipc socket files
 
 
-def warm_interpreter() -> WarmServer:
-    """A warm interpreter for `Cluster`s: started with the ranks' environment (their malloc tunables)."""
-    return WarmServer(with_tunables(os.environ, "rank"))
+def warm_interpreter(python: str = sys.executable) -> WarmServer:
+    """A warm interpreter for `Cluster`s and agents: started with the ranks' environment (their malloc tunables)."""
+    return WarmServer(with_tunables(os.environ, "rank"), python)
 
 
 def signal_group(proc: subprocess.Popen | WarmProcess, sig: int) -> None:

@@ -247,9 +247,13 @@ def keep_alive(sock: zmq.Socket, endpoint: str, heartbeat_s: float, silence_s: f
     # connection delivered. Messages it has not read when the same identity comes back are
     # handed over under a temporary identity, which no route check accepts (lost, counted).
     sock.setsockopt(zmq.RECONNECT_IVL, max(100, ivl_ms // 2))
-    # A dial into a cut link gives up after a beat and starts again with a fresh SYN, instead of
-    # following the kernel's SYN backoff (1, 2, 4 s, ...) long after the link is back.
-    sock.setsockopt(zmq.CONNECT_TIMEOUT, max(100, ivl_ms))
+    dial_afresh(sock, heartbeat_s)
+
+
+def dial_afresh(sock: zmq.Socket, heartbeat_s: float) -> None:
+    """A dial into a cut link gives up after a beat and starts again with a fresh SYN, instead of
+    following the kernel's SYN backoff (1, 2, 4 s, ...) long after the link is back. Set before connect."""
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, max(100, int(heartbeat_s * 1000)))
 
 
 def take_over_routes(sock: zmq.Socket) -> None:
