@@ -288,7 +288,8 @@ def test_an_agent_forks_its_ranks_from_one_warm_interpreter_and_logs_their_pids(
     assert len(parents) == 1 and parents != {str(os.getpid())}  # one warm interpreter, not the agent
     started = next(r.getMessage() for r in caplog.records if "running relay (pid" in r.getMessage())
     pids = {int(words[words.index("rank") + 1]): int(words[words.index("pid") + 1]) for words in ranks}
-    assert str(pids) in started  # the log names each rank's pid: /proc shows a forked rank as the interpreter
+    # The log names each rank's pid (in whatever order the ranks printed): /proc shows a forked rank as the interpreter.
+    assert all(f"{rank}: {pid}" in started for rank, pid in pids.items()), (pids, started)
 
 
 class HoldingProxy:
