@@ -19,8 +19,10 @@ Worlds: 1x2 (one host, two equal ranks), 1x2slow (rank 1 slowed 3x, `launch
 --slow`), 2x2slow (two hosts of two ranks, rank 3 slowed 3x). Runs:
 
   ours:  flodl-zmq with the Trainer's defaults (what a user gets untuned);
-  best:  flodl-zmq with --best's Trainer keywords (default BEST: the overlapped
-         round, cpu-async with easgd_alpha 1; docs/benchmarks.md);
+  best:  flodl-zmq with --best's Trainer keywords (default BEST, per job: the
+         overlapped round, cpu-async with easgd_alpha 1, and for the
+         transformer also the lone run's batch split over the ranks with an
+         average after every step; docs/benchmarks.md);
   ddp:   DistributedDataParallel on gloo in the same world, the same per-rank
          batch, the slow rank sleeping the same way, the learning rate scaled
          as DDP users do (linearly with the world for SGD, by its square root
@@ -77,9 +79,16 @@ WORLDS: dict[str, tuple[int, int, dict[int, float]]] = {  # hosts, ranks per hos
     "1x2slow": (1, 2, {1: SLOW}),
     "2x2slow": (2, 2, {3: SLOW}),
 }
-# The runner-up to the defaults (Trainer keywords): the overlapped round. docs/benchmarks.md
-# has what else was tried; none of it beat the defaults' time to target yet.
-BEST: dict[str, Any] = {"mode": "cpu-async", "easgd_alpha": 1.0}
+# The best Trainer keywords found per job (docs/benchmarks.md, "What was tried"); --best replaces them for
+# every job. "batch_size": "split" is the lone run's batch split over the world's ranks, which keeps the
+# lone run's samples to target: it wins where a step's cost follows its batch (the transformer), not on
+# the digits models, whose steps cost about the same at half the batch.
+OVERLAPPED: dict[str, Any] = {"mode": "cpu-async", "easgd_alpha": 1.0}
+BEST: dict[str, dict[str, Any]] = {
+    "cnn": OVERLAPPED,
+    "mlp": OVERLAPPED,
+    "transformer": {**OVERLAPPED, "batch_size": "split", "anchor": 1, "max_anchor": 1},
+}
 
 
 @dataclass(frozen=True)
@@ -216,7 +225,17 @@ def time_phases() -> None:
     RankRuntime._run_eval = wrap("eval", RankRuntime._run_eval)
 
 
-def run_trainer(job: str, variant: str, best: dict[str, Any], timeline: bool) -> None:
+def keywords(best: dict[str, Any], world: str) -> dict[str, Any]:
+    """A run's Trainer keywords beyond the job's: BATCH per rank unless `best` sets a batch; "split" is BATCH
+    over the world's ranks, the lone run's batch as the world's."""
+    extra = {"batch_size": BATCH, **best}
+    if extra["batch_size"] == "split":
+        hosts, per_host, _ = WORLDS[world]
+        extra["batch_size"] = BATCH // (hosts * per_host)
+    return extra
+
+
+def run_trainer(job: str, world: str, variant: str, best: dict[str, Any], timeline: bool) -> None:
     """ours / best / alone: the Trainer, in whatever role this process has."""
     from flodl_zmq.api import Trainer
 
@@ -227,10 +246,10 @@ def run_trainer(job: str, variant: str, best: dict[str, Any], timeline: bool) ->
     if role == "rank" and timeline:
         time_phases()
     kw = _timed(spec.build())
-    total = spec.epochs * math.ceil(len(kw["dataset"]) / BATCH)
-    extra = best if variant == "best" else {}
+    extra = keywords(best if variant == "best" else {}, world)
+    total = spec.epochs * math.ceil(len(kw["dataset"]) / extra["batch_size"])
     atexit.register(_report)
-    Trainer(**kw, optimizer=lambda p: spec.optimizer(p, 1.0), batch_size=BATCH, epochs=spec.epochs, seed=SEED,
+    Trainer(**kw, optimizer=lambda p: spec.optimizer(p, 1.0), epochs=spec.epochs, seed=SEED,
             scheduler=spec.scheduler(total) if spec.scheduler else None, quiet=True, **extra).run()
 
 
@@ -392,7 +411,7 @@ def main() -> int:
     p.add_argument("--worlds", default="1x2,1x2slow,2x2slow")
     p.add_argument("--runs", default="ours,best,ddp,alone")
     p.add_argument("--repeats", type=int, default=3, help="alternated runs of each; medians over them")
-    p.add_argument("--best", default=json.dumps(BEST), help="the best run's Trainer keywords, as JSON")
+    p.add_argument("--best", help="the best run's Trainer keywords for every job, as JSON (default: BEST, per job)")
     p.add_argument("--timeline", action="store_true", help="account each rank's time to phases; print it per run")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -406,22 +425,24 @@ def main() -> int:
         if args.child == "ddp":
             run_ddp(jobs[0], worlds[0])
         else:
-            run_trainer(jobs[0], args.child, json.loads(args.best), args.timeline)
+            run_trainer(jobs[0], worlds[0], args.child, json.loads(args.best), args.timeline)
         return 0
 
-    out: dict[str, Any] = {"load_average": os.getloadavg(), "repeats": args.repeats, "best": json.loads(args.best)}
+    out: dict[str, Any] = {"load_average": os.getloadavg(), "repeats": args.repeats, "best": {}}
     table = []
     for job in jobs:
         spec = JOBS[job]
+        best = args.best or json.dumps(BEST[job])
+        out["best"][job] = json.loads(best)
         n = len(spec.build()["dataset"])
         samples = n // BATCH * BATCH
         raw: dict[tuple[str, str], list[dict]] = {}
         for _ in range(args.repeats):
             if "alone" in runs:
-                raw.setdefault(("alone", ""), []).append(run_one(job, worlds[0], "alone", args.best, args.timeline))
+                raw.setdefault(("alone", ""), []).append(run_one(job, worlds[0], "alone", best, args.timeline))
             for world in worlds:
                 for run in (r for r in runs if r != "alone"):
-                    raw.setdefault((run, world), []).append(run_one(job, world, run, args.best, args.timeline))
+                    raw.setdefault((run, world), []).append(run_one(job, world, run, best, args.timeline))
         alone_figs = [figures(spec, r, samples, None) for r in raw.get(("alone", ""), [])]
         budget = _median([f["ttt_s"] for f in alone_figs])
         med: dict[tuple[str, str], dict] = {}
@@ -458,7 +479,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"time to target, medians of {args.repeats}; load average {out['load_average'][0]:.2f}; best = {args.best}")
+    print(f"time to target, medians of {args.repeats}; load average {out['load_average'][0]:.2f}; "
+          f"best = {json.dumps(out['best'])}")
     print("job | world | run | ttt s (first step) | ttt s (command) | samples | metric at budget | final | "
           "all epochs s | svc cpu")
     for job, world, run, m in table:
