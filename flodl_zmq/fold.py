@@ -59,6 +59,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -387,6 +388,32 @@ class FoldCounters:
     bytes_folded: int = 0
 
 
+class GateCounters(Protocol):
+    late_drops: int
+    duplicate_drops: int
+
+
+def round_gate(round_id: int, last_round: int | None, rnd: OpenRound | None, member: object,
+               counters: GateCounters, who: str, error: type[ProtocolError]) -> bool:
+    """Whether a frame for ``round_id`` from ``member`` may join the open round ``rnd``.
+
+    The one admission rule of a relay's fold and of the reducer. A frame for a
+    round already shipped (a resend that crossed the original, or one asked for
+    too late) or from a member already held (a resend after the original) is
+    dropped and counted, False; one for any other round than the open one means
+    the sender's stream is desynced, and raises ``error``.
+    """
+    if last_round is not None and round_id <= last_round:
+        counters.late_drops += 1
+        return False
+    if rnd is not None and round_id != rnd.round_id:
+        raise error(f"{who}: round {rnd.round_id} is still open (the sender's stream is desynced)")
+    if rnd is not None and member in rnd.members:
+        counters.duplicate_drops += 1
+        return False
+    return True
+
+
 class ImageCache:
     """Reused sum images and output buffers for the last IMAGES_KEPT schemas.
 
@@ -571,15 +598,8 @@ class FoldStation:
             # A frame that raced its rank's death: the barrier already let go of it.
             self.counters.late_drops += 1
             return None
-        if self.last_round is not None and round_id <= self.last_round:
-            # A resend that crossed the original, or one this relay asked for too late: already shipped.
-            self.counters.late_drops += 1
-            return None
         rnd = self._round
-        if rnd is not None and round_id != rnd.round_id:
-            raise FoldError(f"{who}: the open round is {rnd.round_id} (stream desynced)")
-        if rnd is not None and rank in rnd.members:
-            self.counters.duplicate_drops += 1  # a resend after the original arrived: counted once
+        if not round_gate(round_id, self.last_round, rnd, rank, self.counters, who, FoldError):
             return None
         self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError)
         self.counters.deposits += 1

@@ -64,6 +64,7 @@ from flodl_zmq.fold import (
     SumImage,
     carve,
     contribute,
+    round_gate,
 )
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.tensors import DTYPES
@@ -201,14 +202,8 @@ class RoundLedger:
             # A frame that raced its host's last death: nobody there will load the consensus.
             self.counters.dead_host_drops += 1
             return None
-        if self.last_round is not None and round_id <= self.last_round:
-            self.counters.late_drops += 1
-            return None
         rnd = self._round
-        if rnd is not None and round_id != rnd.round_id:
-            raise ProtocolError(f"{who}: round {rnd.round_id} is still open (desynced host)")
-        if rnd is not None and host in rnd.members:
-            self.counters.duplicate_drops += 1  # a resend after the original arrived: counted once
+        if not round_gate(round_id, self.last_round, rnd, host, self.counters, who, ProtocolError):
             return None
         bounds = self._bounds.get(round_id)
         if bounds is not None:

@@ -286,7 +286,7 @@ def opened() -> FoldStation:
 @pytest.mark.parametrize(
     ("rank", "round_id", "mass", "tensors", "match"),
     [
-        (1, 6, 1.0, [f32(1, 2), bf16(1.0)], "open round is 5"),
+        (1, 6, 1.0, [f32(1, 2), bf16(1.0)], "round 5 is still open"),
         (1, 5, 1.0, [f32(1, 2)], "carries 1 tensors"),
         (1, 5, 1.0, [f32(1, 2), f32(1.0)], r"tensor\[1\] is f32, the round's is bf16"),
         (1, 5, 1.0, [f32(1, 2, 3), bf16(1.0)], r"tensor\[0\] has shape \(3,\)"),
