@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import builtins
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -293,8 +293,13 @@ def test_a_resumed_rank_never_opens_a_file_and_starts_from_the_consensus_it_is_s
     def no_file(*args: Any, **kw: Any) -> Any:
         raise AssertionError(f"a rank opened a file: {args!r}")
 
-    monkeypatch.setattr(builtins, "open", no_file)
+    # open() patched where our modules look it up, not in builtins: torch imports lazily during the
+    # test, and the import system (pytest's rewriting hook too) opens files of its own.
+    for name, module in list(sys.modules.items()):
+        if name == "flodl_zmq" or name.startswith("flodl_zmq."):
+            monkeypatch.setattr(module, "open", no_file, raising=False)
     monkeypatch.setattr(torch, "load", no_file)
+    monkeypatch.setattr(np, "load", no_file)
     rt = _resumed_runtime()
     start = np.arange(rt.buffers.numel, dtype=np.float32)
     rt.link = SimpleNamespace(inbox=Mailbox())
