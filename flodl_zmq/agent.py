@@ -4,7 +4,9 @@ It dials the controller's join endpoint, joins, waits for the world to form,
 then spawns this host's relay (`python -m flodl_zmq.relay`) and one rank
 process per device running the controller's program, each with its role in
 the environment (flodl_zmq/environment.py), and supervises them until the
-run ends.
+run ends. What it makes of devices, of the controller's answers and of
+what it is asked to run is decided by the pure rules of
+flodl_zmq/agent_rules.py; this module does the dialling, waiting and spawning.
 
 Rules this module keeps:
 
@@ -39,16 +41,9 @@ Rules this module keeps:
   1 for host-level faults: the controller aborted the run, the controller
   went silent while ranks ran, the relay died under running ranks, or the
   agent was told to stop. A refused or failed join raises MembershipError.
-- **Nothing from the wire runs unchecked.** The agent runs only the program
-  it was told to run locally (`--script`/FLODL_SCRIPT): the controller's
-  argv must start with exactly those words, or the run is refused naming
-  both. This holds in every trust mode: under a pre-shared key every worker
-  holds the key, so the MAC proves "a member of the run", not "the
-  controller". The spawn spec's environment may set only the run and process
-  settings of flodl_zmq/settings.py (FLODL_*), with valid values; any other
-  variable (LD_PRELOAD, PYTHONPATH, ...) refuses the run: dropping it would
-  run with settings the controller did not mean, and it is a hostile or
-  mismatched controller either way.
+- **Nothing from the wire runs unchecked.** A spawn spec is checked
+  (`agent_rules.check_spawn`) before anything of it is used, at the first
+  formation and at every re-form.
 - **The controller is authenticated before anything it says is taken.**
   Under a pre-shared key by the MAC; under open admission by CURVE (the
   agent pins the controller's public key, FLODL_CURVE_SERVER): open
@@ -72,24 +67,36 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shlex
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
 import zmq
 
+from flodl_zmq.agent_rules import (
+    REJOIN_BACKOFF_S,
+    TUNABLES,
+    AgentConfig,
+    Joined,
+    NoReply,
+    Refused,
+    check_accept,
+    check_comeback,
+    check_world,
+    device_env,
+    parse_script,
+    resolve_devices,
+    worth_redialling,
+)
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import RELAY_ARGV, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
-from flodl_zmq.formation import rank_space
 from flodl_zmq.launch import signal_group, warm_interpreter
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
@@ -101,11 +108,8 @@ from flodl_zmq.links import (
 )
 from flodl_zmq.membership import (
     CHALLENGE_NONCE_BYTES,
-    DUPLICATE_JOIN,
     JOIN_RUN_ID,
-    MAX_DEVICES_PER_HOST,
     OPEN_JOIN_KEY,
-    SpawnSpec,
 )
 from flodl_zmq.security import (
     PUBLIC_ENV,
@@ -115,9 +119,9 @@ from flodl_zmq.security import (
     CurveKeys,
     apply_client,
 )
-from flodl_zmq.settings import Settings, add_arguments, env_names
+from flodl_zmq.settings import Settings, add_arguments
 from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
-from flodl_zmq.wire import PROTOCOL_VERSION, RUN_ID_BYTES, Channel, Codec, key_from_hex
+from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, Envelope, key_from_hex
 from flodl_zmq.wire.mac import check_key
 from flodl_zmq.wire.records import (
     Abort,
@@ -135,203 +139,15 @@ from flodl_zmq.wire.shm import unlink_host
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
-REJOIN_BACKOFF_S = (0.5, 5.0)  # first and longest wait between two re-dials of a silent controller
-DEFAULTS = Settings()  # AgentConfig's timings default to the settings table
-# Variables of the contract that are settings, not identity: the controller's
-# SpawnSpec.env sets the run's for every child, and ours (FLODL_SLOWDOWN) pass through.
-TUNABLES = env_names(("run", "process"))
-
-
-# --------------------------------------------------------------------------- devices
-
-
-def parse_nvidia_smi(text: str) -> list[tuple[str, str]]:
-    """`nvidia-smi -L` output -> [(index, uuid)]."""
-    out = []
-    for line in text.splitlines():
-        m = re.match(r"\s*GPU\s+(\d+):.*?\(UUID:\s*([^)\s]+)\)", line)
-        if m:
-            out.append((m.group(1), m.group(2)))
-    return out
-
-
-def cuda_devices(environ: Mapping[str, str], smi_output: str | None) -> list[str]:
-    """The CUDA devices this host offers, as `cuda:ID` (ID as CUDA_VISIBLE_DEVICES names it).
-
-    `smi_output` is `nvidia-smi -L`'s output, None when it is missing or
-    failed (no driver: no GPUs). CUDA_VISIBLE_DEVICES, when set, restricts the
-    GPUs to the ones it lists that nvidia-smi sees, by index or UUID.
-    """
-    gpus = parse_nvidia_smi(smi_output or "")
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return [f"cuda:{index}" for index, _ in gpus]
-    out = []
-    for entry in (e.strip() for e in visible.split(",")):
-        if any(entry == index or (len(entry) > 4 and uuid.startswith(entry)) for index, uuid in gpus):
-            out.append(f"cuda:{entry}")
-        else:
-            break  # CUDA ignores everything from the first invalid entry on
-    return out
 
 
 def run_nvidia_smi() -> str | None:
+    """`nvidia-smi -L`'s output, None when it is missing or fails (no driver: no GPUs)."""
     try:
         done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout if done.returncode == 0 else None
-
-
-def resolve_devices(
-    explicit: list[str] | None, cpu_slots: int, environ: Mapping[str, str], smi_output: str | None
-) -> tuple[str, ...]:
-    """The devices to offer: `explicit`, else the CUDA devices, else `cpu_slots` CPU slots."""
-    if explicit:
-        bad = [d for d in explicit if not re.fullmatch(r"cuda:[\w-]+|cpu:\d+", d)]
-        if bad:
-            raise ConfigError(f"devices {bad} are not cuda:ID or cpu:N (e.g. --devices cuda:0,cuda:1)")
-        devices = tuple(explicit)
-    else:
-        devices = tuple(cuda_devices(environ, smi_output)) or tuple(f"cpu:{i}" for i in range(cpu_slots))
-    if not devices:
-        raise ConfigError("this host has no GPUs and --cpu-slots is 0: give it at least one CPU slot")
-    if len(devices) > MAX_DEVICES_PER_HOST or len(set(devices)) != len(devices):
-        raise ConfigError(f"devices must be distinct and at most {MAX_DEVICES_PER_HOST}: {list(devices)[:8]}")
-    return devices
-
-
-def device_env(device: str) -> dict[str, str]:
-    """Pin a child to its device: a rank on `cuda:ID` sees only that GPU; a CPU slot sees none."""
-    kind, _, ident = device.partition(":")
-    return {"CUDA_VISIBLE_DEVICES": ident if kind == "cuda" else ""}
-
-
-# --------------------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    """One worker host.
-
-    `key`: the pre-shared session key, or None for open admission (the key
-    then arrives in the accept, and `curve` is required). `devices`: from
-    `resolve_devices`. `curve`: CURVE client keys (`CurveKeys.for_client`),
-    or None for cleartext links. `script`: the program this host agrees to
-    run (`parse_script`); None refuses every run (the agent can still join).
-    """
-
-    controller: ControllerAddress
-    host: str
-    devices: tuple[str, ...]
-    key: bytes | None = None
-    dataset_sig: bytes = bytes(32)
-    model_sig: bytes | None = None
-    reply_timeout_s: float = DEFAULTS.join_reply_timeout_s
-    formation_margin_s: float = 10.0
-    heartbeat_s: float = DEFAULTS.join_heartbeat_period_s
-    silence_s: float = DEFAULTS.controller_silence_at_agent_s
-    grace_s: float = DEFAULTS.controller_grace_s
-    kill_grace_s: float = 5.0
-    curve: CurveKeys | None = None
-    script: tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.key is not None:
-            check_key(self.key)
-        if self.key is None and self.curve is None:
-            raise ConfigError(
-                "open admission without CURVE refused: nothing would tell the controller from anyone who "
-                "answers our hello (and would then choose what this host runs); set FLODL_CURVE_SERVER to the "
-                "controller's public key (it logs it at start; or --curve-server FILE), or give every host "
-                "the same FLODL_KEY"
-            )
-        if self.script is not None:
-            check_script(self.script)
-        if not self.host.strip():
-            raise ConfigError("the agent needs a host name (--host, default: this machine's hostname)")
-        if len(self.dataset_sig) != 32:
-            raise ConfigError("dataset signature must be 32 bytes (64 hex characters)")
-        for name in ("reply_timeout_s", "heartbeat_s", "silence_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0 (got {getattr(self, name)})")
-        if self.silence_s <= self.heartbeat_s:
-            raise ConfigError(f"silence_s ({self.silence_s}) must exceed heartbeat_s ({self.heartbeat_s})")
-
-
-class NoReply(MembershipError):
-    """The controller did not answer a join in time (not running, unreachable, or another key)."""
-
-
-class Refused(MembershipError):
-    """The controller refused the join; `reason` is its word (PROTOCOL.md `join.reject`)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"join REJECTED by the controller: {reason}")
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class Joined:
-    """An admitted host in a formed world."""
-
-    ranks: tuple[int, ...]
-    session_key: bytes
-    run_id: bytes
-    world_size: int
-    spawn: SpawnSpec
-
-
-# --------------------------------------------------------------------------- what may run
-
-
-def check_script(words: tuple[str, ...]) -> tuple[str, ...]:
-    """`words` if they name a program the way the controller's argv does, else ConfigError."""
-    ok = bool(words) and (len(words) >= 2 if words[0] in ("-m", "-c") else not words[0].startswith("-"))
-    if not ok:
-        raise ConfigError(
-            f"--script {shlex.join(words)!r}: give the program this host runs, SCRIPT [ARGS] or -m MODULE [ARGS] "
-            "(the same words the controller gets after `--`), e.g. --script='-m flodl_zmq.demo'"
-        )
-    return words
-
-
-def parse_script(text: str) -> tuple[str, ...]:
-    """The words of `--script`/FLODL_SCRIPT (shell quoting), checked."""
-    try:
-        return check_script(tuple(shlex.split(text)))
-    except ValueError as exc:
-        raise ConfigError(f"--script {text!r}: {exc}") from None
-
-
-def check_spawn(spawn: SpawnSpec, script: tuple[str, ...] | None) -> None:
-    """Raise MembershipError unless `spawn` asks only what this host agreed to.
-
-    The argv must start with the local `script`'s words (the rest are the
-    program's arguments, which the program itself interprets); the env may
-    carry only the run/process settings (`TUNABLES`), each with a valid value.
-    """
-    wanted = shlex.join(spawn.argv)
-    if script is None:
-        raise MembershipError(
-            f"run refused: the controller asks this host to run {wanted!r}, but this agent was not told "
-            "what it may run; start it with --script (or FLODL_SCRIPT) naming that program"
-        )
-    if tuple(spawn.argv[: len(script)]) != script:
-        raise MembershipError(
-            f"run refused: the controller asks this host to run {wanted!r}, but this agent runs only "
-            f"{shlex.join(script)!r} (--script / FLODL_SCRIPT); start both with the same program"
-        )
-    foreign = sorted(k for k in spawn.env if k not in TUNABLES)
-    if foreign:
-        raise MembershipError(
-            f"run refused: the controller's spawn environment sets {foreign[:8]}, which are not settings of "
-            f"flodl-zmq (allowed: {', '.join(TUNABLES)}); a controller of another version, or a hostile one"
-        )
-    try:
-        Settings.from_environ(spawn.env, scopes=("run", "process"))
-    except ConfigError as exc:
-        raise MembershipError(f"run refused: the controller's spawn environment is invalid: {exc}") from None
 
 
 # --------------------------------------------------------------------------- the agent
@@ -402,16 +218,37 @@ class Agent:
         """Dial, send the hello, and wait for admission and then the formed world (NoReply: no answer)."""
         cfg = self.config
         reply_timeout_s = cfg.reply_timeout_s if reply_timeout_s is None else reply_timeout_s
-        endpoint = cfg.controller.endpoint(Channel.JOIN)
         CleartextWarner(log).warn_if_cleartext(cfg.controller.host, encrypted=cfg.curve is not None)
         self._dial()
         log.info(
-            "host %r dialing %s with %d device(s) %s (admission: %s)",
-            cfg.host, endpoint, len(cfg.devices), list(cfg.devices), "pre-shared key" if cfg.key else "open",
+            "host %r dialing %s with %d device(s) %s (admission: %s)", cfg.host, cfg.controller.endpoint(Channel.JOIN),
+            len(cfg.devices), list(cfg.devices), "pre-shared key" if cfg.key else "open",
         )
-        # The challenge (PROTOCOL.md 10.4): our fresh nonce comes back in it, its nonce goes
-        # into the hello under the MAC and comes back in the answer, so nothing recorded
-        # earlier (a hello, a challenge, an accept or a reject) is good in this exchange.
+        reply = self._hello(reply_timeout_s)
+        if reply is None:
+            raise NoReply(
+                f"no reply from the controller at {cfg.controller} within {reply_timeout_s:g} s: it is "
+                "not running or not reachable, or it dropped our hello because its key differs from ours "
+                "(FLODL_KEY must be the same on every host; an open-admission controller takes no key)"
+            )
+        key = check_accept(reply, cfg)
+        log.info(
+            "joined as rank(s) %s; waiting for the world to form (up to %.0f s)",
+            reply.ranks, reply.formation_wait_s,
+        )
+        self._codec = Codec(check_key(key), reply.run_id, cfg.host)
+        formed = self._await_world(reply)
+        spawn = check_world(formed, cfg, reply.ranks, "formed")  # before anything of it is used
+        return Joined(tuple(reply.ranks), key, reply.run_id, formed.world_size, spawn)
+
+    def _hello(self, reply_timeout_s: float) -> Any:
+        """Ask for a challenge, then send the hello it makes fresh: the controller's answer (None: none in time).
+
+        The challenge (PROTOCOL.md 10.4): our fresh nonce comes back in it, its nonce goes
+        into the hello under the MAC and comes back in the answer, so nothing recorded
+        earlier (a hello, a challenge, an accept or a reject) is good in this exchange.
+        """
+        cfg = self.config
         ours = os.urandom(CHALLENGE_NONCE_BYTES)
         self._send(ChallengeRequest(ours))
         challenge = self._receive(
@@ -419,64 +256,34 @@ class Agent:
             before_admission=True,
             fresh=lambda r: isinstance(r, Challenge) and r.client_nonce == ours,
         )
-        reply = None
-        if challenge is not None:
-            if not isinstance(challenge, Challenge):
-                raise MembershipError(f"expected join.challenge, got {challenge.KIND}: controller bug")
-            hello = JoinHello(
-                cfg.host, list(cfg.devices), cfg.dataset_sig, PROTOCOL_VERSION, cfg.model_sig, challenge.nonce
-            )
-            self._send(hello)
-            reply = self._receive(
-                time.monotonic() + reply_timeout_s,
-                before_admission=True,
-                fresh=lambda r: not isinstance(r, (JoinAccept, JoinReject)) or r.nonce == challenge.nonce,
-            )
-        if reply is None:
-            raise NoReply(
-                f"no reply from the controller at {cfg.controller} within {reply_timeout_s:g} s: it is "
-                "not running or not reachable, or it dropped our hello because its key differs from ours "
-                "(FLODL_KEY must be the same on every host; an open-admission controller takes no key)"
-            )
-        if isinstance(reply, JoinReject):
-            raise Refused(reply.reason)
-        if not isinstance(reply, JoinAccept):
-            raise MembershipError(f"expected join.accept or join.reject, got {reply.KIND}: controller bug")
-        key = cfg.key or reply.session_key
-        if key is None:
-            raise MembershipError(
-                "the controller admitted us without a session key: controller and worker disagree on the "
-                "trust mode (give both the same FLODL_KEY, or neither)"
-            )
-        if len(reply.run_id) != RUN_ID_BYTES or len(reply.ranks) != len(cfg.devices):
-            raise MembershipError(
-                f"malformed accept ({len(reply.ranks)} ranks for {len(cfg.devices)} devices): protocol violation"
-            )
-        log.info(
-            "joined as rank(s) %s; waiting for the world to form (up to %.0f s)",
-            reply.ranks, reply.formation_wait_s,
+        if challenge is None:
+            return None
+        if not isinstance(challenge, Challenge):
+            raise MembershipError(f"expected join.challenge, got {challenge.KIND}: controller bug")
+        self._send(JoinHello(cfg.host, list(cfg.devices), cfg.dataset_sig, PROTOCOL_VERSION, cfg.model_sig,
+                             challenge.nonce))
+        return self._receive(
+            time.monotonic() + reply_timeout_s,
+            before_admission=True,
+            fresh=lambda r: not isinstance(r, (JoinAccept, JoinReject)) or r.nonce == challenge.nonce,
         )
-        self._codec = Codec(check_key(key), reply.run_id, cfg.host)
+
+    def _await_world(self, accept: JoinAccept) -> WorldFormed:
+        """Wait, admitted, for the formed world: the budget the controller announced plus our margin."""
+        cfg = self.config
         self._last_heard = time.monotonic()
-        deadline = self._last_heard + reply.formation_wait_s + cfg.formation_margin_s
+        deadline = self._last_heard + accept.formation_wait_s + cfg.formation_margin_s
         formed = self._receive(deadline, before_admission=False)
         if formed is None:
             raise MembershipError(
-                f"the world did not form within the announced {reply.formation_wait_s:.0f} s "
+                f"the world did not form within the announced {accept.formation_wait_s:.0f} s "
                 f"(+{cfg.formation_margin_s:g} s margin), or the controller went silent: is it still running?"
             )
         if isinstance(formed, Abort):
             raise MembershipError(f"run aborted before world formation: {formed.reason}")
         if not isinstance(formed, WorldFormed):
             raise MembershipError(f"expected join.world_formed or join.abort, got {formed.KIND}: controller bug")
-        spawn = SpawnSpec.from_json(formed.spawn_json)
-        check_spawn(spawn, cfg.script)  # before anything of it is used
-        if tuple(spawn.world.get(cfg.host, ())) != tuple(reply.ranks) or formed.world_size != rank_space(spawn.world):
-            raise MembershipError(
-                f"formed world {spawn.world} of size {formed.world_size} disagrees with our ranks "
-                f"{reply.ranks}: protocol violation"
-            )
-        return Joined(tuple(reply.ranks), key, reply.run_id, formed.world_size, spawn)
+        return formed
 
     def _receive(self, deadline: float, *, before_admission: bool, fresh: Any = None) -> Any:
         """The next meaningful record before `deadline` (None: timed out or controller silent).
@@ -497,17 +304,8 @@ class Agent:
                 self._redial_if_silent(now)
                 self._beat(now)
             frames = self._recv(int(min(POLL_S, deadline - now) * 1000) + 1)
-            if frames is None:
-                continue
-            try:
-                env = self._codec.decode(frames, Channel.JOIN)
-            except VersionError as exc:
-                if self._codec.authentic(frames):  # a stranger's frame of any version is not the controller's word
-                    raise MembershipError(f"join refused: {exc}") from None
-                log.warning("join frame of another protocol version dropped: its MAC does not verify")
-                continue
-            except WireError as exc:
-                log.warning("join frame from the controller dropped: %s", exc)
+            env = None if frames is None else self._open(frames, joining=True)
+            if env is None:
                 continue
             if fresh is not None and not fresh(env.record):
                 log.warning("%s from the controller dropped: it answers another exchange (a replay?)", env.kind)
@@ -569,16 +367,9 @@ class Agent:
     def _reform(self, before: Joined, formed: WorldFormed) -> Joined:
         """The world this host runs next, after a re-form: the same run, our ranks as they were."""
         self._reformed = None
-        spawn = SpawnSpec.from_json(formed.spawn_json)
-        check_spawn(spawn, self.config.script)  # before anything of it is used
-        ranks = tuple(spawn.world.get(self.config.host, ()))
-        if ranks != before.ranks or formed.world_size != rank_space(spawn.world):
-            raise MembershipError(
-                f"re-formed world {spawn.world} of size {formed.world_size} gives host {self.config.host!r} "
-                f"ranks {list(ranks)}, not its {list(before.ranks)}: protocol violation"
-            )
+        spawn = check_world(formed, self.config, before.ranks, "re-formed")  # before anything of it is used
         log.info("host %r: the world re-formed (%d ranks); starting ranks %s again from the checkpoint",
-                 self.config.host, formed.world_size, list(ranks))
+                 self.config.host, formed.world_size, list(before.ranks))
         return Joined(before.ranks, before.session_key, before.run_id, formed.world_size, spawn)
 
     def _rejoin(self, before: Joined) -> Joined:
@@ -605,20 +396,12 @@ class Agent:
             try:
                 joined = self.join(reply_timeout_s=min(cfg.reply_timeout_s, max(left, 0.1)))
             except (NoReply, Refused) as exc:
-                # A controller that still runs may not have seen our old link go silent yet: it
-                # refuses us as a duplicate until it declares this host lost. Anything else is final.
-                if isinstance(exc, Refused) and not exc.reason.startswith(DUPLICATE_JOIN):
+                if not worth_redialling(exc):
                     raise
                 time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
                 wait = min(2 * wait, REJOIN_BACKOFF_S[1])
                 continue
-            if joined.run_id != before.run_id:
-                raise MembershipError(
-                    f"the controller at {cfg.controller} came back with another run ({joined.run_id.hex()[:8]}, ranks "
-                    f"{list(joined.ranks)}) than ours ({before.run_id.hex()[:8]}, ranks {list(before.ranks)}): it was "
-                    "started fresh, not with --resume; host leaves"
-                )
-            if joined.ranks != before.ranks:
+            if not check_comeback(before, joined, cfg.controller):
                 # The run went on without us (our ranks were declared dead): we re-entered its
                 # world at an epoch boundary with fresh ranks (PROTOCOL.md 13.1).
                 log.warning("host %r: back in the running world with new ranks %s (its old ranks %s stay dead)",
@@ -763,8 +546,14 @@ class Agent:
         for c in children:
             for t in c.forwarders:
                 t.join(timeout=2.0)
-        if fault:
-            log.log(self._teardown_level, "host %r torn down: %s", host, teardown)
+        return self._exit_code(teardown if fault else None, failures)
+
+    def _exit_code(self, fault: str | None, failures: int) -> int:
+        """The host's exit code (the module docstring's contract), said in the log: 1 for a host-level
+        `fault`, else 0, degraded by rank `failures` the controller already knows of."""
+        host = self.config.host
+        if fault is not None:
+            log.log(self._teardown_level, "host %r torn down: %s", host, fault)
             return 1
         if failures:
             log.warning("host %r finished DEGRADED: %d rank(s) exited non-zero (reported)", host, failures)
@@ -776,10 +565,8 @@ class Agent:
         """Drain the join link; the reason to tear down, if the controller gave one or went silent."""
         self._beat(now)
         while (frames := self._recv(0)) is not None:
-            try:
-                env = self._codec.decode(frames, Channel.JOIN)
-            except WireError as exc:
-                log.warning("join frame from the controller dropped: %s", exc)
+            env = self._open(frames, joining=False)
+            if env is None:
                 continue
             self._last_heard = now
             if isinstance(env.record, Abort):
@@ -822,6 +609,24 @@ class Agent:
         frames = recv_bounded(ready[0], JOIN_MAX_FRAMES, copy=False)
         self._drop_replaced()
         return frames
+
+    def _open(self, frames: list[Any], *, joining: bool) -> Envelope | None:
+        """The controller's message in `frames`, or None for a frame that fails verification (logged, dropped).
+
+        While `joining`, an authentic message of another protocol version refuses
+        the join by name; a host whose ranks run drops it like any frame it cannot
+        read, and the silence rule decides.
+        """
+        try:
+            return self._codec.decode(frames, Channel.JOIN)
+        except WireError as exc:
+            if not (joining and isinstance(exc, VersionError)):
+                log.warning("join frame from the controller dropped: %s", exc)
+            elif self._codec.authentic(frames):  # a stranger's frame of any version is not the controller's word
+                raise MembershipError(f"join refused: {exc}") from None
+            else:
+                log.warning("join frame of another protocol version dropped: its MAC does not verify")
+            return None
 
     def _drop_replaced(self) -> None:
         if self._replaced is not None:

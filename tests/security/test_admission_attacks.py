@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from flodl_zmq.agent import Agent, AgentConfig
+from flodl_zmq.agent import Agent
+from flodl_zmq.agent_rules import AgentConfig
 from flodl_zmq.controller import ControllerOptions, query_status
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, MembershipError, WireError

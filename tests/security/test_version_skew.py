@@ -23,7 +23,8 @@ import msgpack
 import pytest
 import zmq
 
-from flodl_zmq.agent import Agent, AgentConfig
+from flodl_zmq.agent import Agent
+from flodl_zmq.agent_rules import AgentConfig
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import MembershipError
 from flodl_zmq.membership import JoinConfig, JoinWindow, MembershipService, SpawnSpec, TrustMode
@@ -45,7 +46,8 @@ from flodl_zmq.wire import codec, mac
 codec.PROTOCOL_VERSION = mac.LABEL_VERSION = int(sys.argv[1])
 import flodl_zmq.agent as agent_module
 agent_module.PROTOCOL_VERSION = codec.PROTOCOL_VERSION
-from flodl_zmq.agent import Agent, AgentConfig
+from flodl_zmq.agent import Agent
+from flodl_zmq.agent_rules import AgentConfig
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import MembershipError
 config = AgentConfig(ControllerAddress("127.0.0.1", int(sys.argv[2])), "future", ("cpu:0",),

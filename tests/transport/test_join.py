@@ -20,7 +20,8 @@ import msgpack
 import pytest
 import zmq
 
-from flodl_zmq.agent import Agent, AgentConfig
+from flodl_zmq.agent import Agent
+from flodl_zmq.agent_rules import AgentConfig
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import MembershipError
 from flodl_zmq.membership import (

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from flodl_zmq.agent import cuda_devices, device_env, parse_nvidia_smi, resolve_devices
+from flodl_zmq.agent_rules import cuda_devices, device_env, parse_nvidia_smi, resolve_devices
 from flodl_zmq.errors import ConfigError
 
 SMI = (

@@ -130,7 +130,8 @@ def test_the_job_takes_its_shared_definitions_from_settings_not_from_the_coordin
 def test_a_child_of_an_agent_runs_with_the_controllers_timings_and_its_hosts_slowdown(monkeypatch):
     import os
 
-    from flodl_zmq.agent import Agent, AgentConfig, Joined
+    from flodl_zmq.agent import Agent
+    from flodl_zmq.agent_rules import AgentConfig, Joined
     from flodl_zmq.endpoints import ControllerAddress
     from flodl_zmq.environment import ProcessEnv
     from flodl_zmq.membership import SpawnSpec
