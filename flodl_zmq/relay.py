@@ -120,6 +120,14 @@ from flodl_zmq.links import (
     tune,
     tune_loopback,
 )
+from flodl_zmq.relay_core import (
+    MERGE_PERIOD_S,
+    ConsensusWatch,
+    Departures,
+    HelloRetry,
+    RankLiveness,
+    ReportQueue,
+)
 from flodl_zmq.security import CurveKeys, apply_client
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
@@ -152,17 +160,10 @@ from flodl_zmq.wire.shm import (
     run_dir,
     unlink_owner,
 )
-from flodl_zmq.wire.stream import RESEND_AFTER_S
 
 log = logging.getLogger(__name__)
 
 GOODBYE = "said goodbye"
-# How long the relay holds its ranks' mergeable records to send them up as one: a rank's own report
-# period (PROTOCOL.md 9.3, timing.batch), so a host's ranks make one record per period.
-MERGE_PERIOD_S = 0.05
-# A control-loop turn this much longer than its poll is this process stalled (RankLiveness.stalled):
-# a turn's own work takes milliseconds, and a rank's deadline is seconds.
-OWN_STALL_S = 0.5
 DEFAULTS = Settings()  # RelayConfig's timings default to the settings table
 
 @dataclass(frozen=True)
@@ -229,171 +230,6 @@ class RelayConfig:
             local_data=data,
             **timing,
         )
-
-
-class RankLiveness:
-    """Local rank liveness from records and goodbyes (pure: the caller passes the time).
-
-    A rank is alive until it says goodbye, is declared dead, or stays silent
-    past its deadline: `heartbeat_deadline` after its last record, or
-    `first_contact_deadline` after `start` if it never spoke (process start-up
-    is slower than a heartbeat). Death is permanent: membership only shrinks.
-    A stall of this process (a SIGSTOP, the GIL held by torch's import at a
-    run's first bf16 fold) is not its ranks' silence: `stalled` takes it off
-    every clock, since what they sent meanwhile is still on its way in.
-    """
-
-    def __init__(self, roster: Iterable[int], start: float, heartbeat_deadline: float, first_contact_deadline: float):
-        self.roster = frozenset(roster)
-        self.heartbeat_deadline = heartbeat_deadline
-        self.first_contact_deadline = first_contact_deadline
-        self._start = start
-        self._last: dict[int, float] = {}
-        self.dead: set[int] = set()
-
-    def seen(self, rank: int, now: float) -> None:
-        """A record from `rank` arrived at `now`."""
-        self._last[rank] = now
-
-    def leave(self, rank: int) -> bool:
-        """Mark `rank` dead; True when it was alive."""
-        if rank in self.dead or rank not in self.roster:
-            return False
-        self.dead.add(rank)
-        return True
-
-    def stalled(self, gap: float) -> None:
-        """This process heard nothing for `gap` seconds of its own making: no rank's silence grows by it."""
-        self._start += gap
-        for rank in self._last:
-            self._last[rank] += gap
-
-    def expired(self, now: float) -> list[int]:
-        """Ranks whose deadline passed at `now`; they are marked dead."""
-        out = []
-        for rank in sorted(self.roster - self.dead):
-            last = self._last.get(rank)
-            limit = self.first_contact_deadline if last is None else self.heartbeat_deadline
-            if now - (self._start if last is None else last) > limit:
-                self.dead.add(rank)
-                out.append(rank)
-        return out
-
-
-class ConsensusWatch:
-    """Which shipped rounds still await their consensus, and when to ask for one (pure).
-
-    `shipped` arms a round; `accept` says whether a consensus is new (deliver
-    it) and which older shipped rounds it overtook (ask for those now); `due`
-    returns rounds silent past their wait and re-arms them, so a request
-    that is itself lost is repeated. Each request for a round doubles its
-    wait (up to `BACKOFF_CAP` deadlines): on a slow link a consensus may take
-    longer than the deadline to arrive, and every early request would put one
-    more full copy of it on that link (PROTOCOL.md 10.3).
-    """
-
-    BACKOFF_CAP = 8
-
-    def __init__(self, deadline: float):
-        self.deadline = deadline
-        self._pending: dict[int, tuple[float, float]] = {}  # round -> (armed or last asked at, wait)
-        self._high = 0  # highest round shipped or delivered
-
-    @property
-    def pending(self) -> list[int]:
-        return sorted(self._pending)
-
-    def shipped(self, round_id: int, now: float) -> None:
-        self._pending[round_id] = (now, self.deadline)
-        self._high = max(self._high, round_id)
-
-    def accept(self, round_id: int, now: float) -> tuple[bool, list[int]]:
-        """(deliver, overtaken rounds to request) for a consensus of `round_id`."""
-        if round_id in self._pending:
-            del self._pending[round_id]
-        elif round_id > self._high:
-            self._high = round_id  # a round this host had nothing for; its live ranks still adopt it
-        else:
-            return False, []  # already delivered: a replay or a duplicate resend
-        gaps = [r for r in sorted(self._pending) if r < round_id]
-        for r in gaps:
-            self._asked(r, now)
-        return True, gaps
-
-    def due(self, now: float) -> list[int]:
-        out = [r for r, (t, wait) in sorted(self._pending.items()) if now - t > wait]
-        for r in out:
-            self._asked(r, now)
-        return out
-
-    def _asked(self, round_id: int, now: float) -> None:
-        wait = self._pending[round_id][1]
-        self._pending[round_id] = (now, min(2 * wait, self.BACKOFF_CAP * self.deadline))
-
-
-class _Hello:
-    """When a relay (re)sends its RelayHello on one upstream link (pure: the caller passes the time).
-
-    Due at once, then every `retry_s` until acknowledged: a hello lost in a
-    connection reset must not leave the host unregistered. The controller and
-    the reducer accept a repeated hello from the same identity idempotently.
-    """
-
-    def __init__(self, retry_s: float):
-        self.retry_s = retry_s
-        self._next: float | None = 0.0  # None: acknowledged
-
-    def due(self, now: float) -> bool:
-        if self._next is None or now < self._next:
-            return False
-        self._next = now + self.retry_s
-        return True
-
-    def acked(self) -> None:
-        self._next = None
-
-
-class ReportQueue:
-    """The host's rank records waiting to go up as one `relay.reports` (pure; PROTOCOL.md 9.4).
-
-    Forwarded one by one, a host of R ranks cost the controller R decodes and
-    R records' bytes per report period; merged, one. A lone held record goes
-    up as it came: there is nothing to merge it with. The queue is due when
-    every live local rank has a record in it (one rank: at once, no added
-    latency), or `period_s` after the first; the relay also empties it before
-    any other record of the host goes up, so a rank's next stream record never
-    waits at the coordinator behind one the relay still holds.
-    """
-
-    def __init__(self, ranks: Iterable[int], period_s: float):
-        self.period_s = period_s
-        self.due_at = math.inf
-        self._live = set(ranks)
-        self._items: list[tuple[int, Any, list[Any]]] = []
-        self._from: set[int] = set()
-
-    def add(self, seq: int, record: Any, frames: list[Any], now: float) -> None:
-        """Hold `record` (sequence number `seq` of its rank's stream), which came as `frames`."""
-        if not self._items:
-            self.due_at = now + self.period_s
-        self._items.append((seq, record, frames))
-        self._from.add(record.rank)
-        if self._from >= self._live:
-            self.due_at = now
-
-    def leave(self, rank: int) -> None:
-        """`rank` left: the queue no longer waits for it."""
-        self._live.discard(rank)
-        if self._items and self._from >= self._live:
-            self.due_at = 0.0  # due at once
-
-    def take(self) -> HostReports | list[Any] | None:
-        """What is held: several records as one HostReports; a lone one as the frames it came in
-        (nothing to merge it with: verbatim, it is smaller and costs no signature); None when nothing is."""
-        items, self._items, self._from, self.due_at = self._items, [], set(), math.inf
-        if len(items) <= 1:
-            return items[0][2] if items else None
-        return HostReports.merge([(seq, record) for seq, record, _ in items])
 
 
 class Relay:
@@ -476,8 +312,7 @@ class Relay:
         self._run("control", self._control_loop)
 
     def _control_loop(self) -> None:
-        cfg, ctx, count = self.config, self._ctx, self._counts["control"]
-        codec = Codec(cfg.key, cfg.run_id, relay_sender(cfg.host))
+        cfg, ctx = self.config, self._ctx
         local = ctx.socket(zmq.ROUTER)
         up = ctx.socket(zmq.DEALER)
         pipe = ctx.socket(zmq.PAIR)
@@ -497,104 +332,11 @@ class Relay:
             up.connect(cfg.control_upstream)
             pipe.connect(self._pipe)
             self._ready.wait()
-            hello = _Hello(cfg.hello_retry_s)
-            live = RankLiveness(cfg.ranks, time.monotonic(), cfg.heartbeat_deadline_s, cfg.first_contact_deadline_s)
-            turned = time.monotonic()  # when the loop last came round: a much later turn is our own stall
-            poller = zmq.Poller()
-            poller.register(local, zmq.POLLIN)
-            poller.register(up, zmq.POLLIN)
-            poll_ms = int(cfg.poll_s * 1000)
-
-            # Ranks reported gone, restated every RESEND_AFTER_S for the rest of the run: a RankExit
-            # lost in a reset must not leave the controller waiting for a heartbeat timeout (10.7).
-            departed: list[int] = []
-            restate_at = math.inf
-            reports = ReportQueue(cfg.ranks, MERGE_PERIOD_S)
-
-            def report_up() -> None:
-                held = reports.take()
-                if isinstance(held, HostReports):
-                    self._send(up, [RELAY_ROUTE, *codec.encode(held, channel=Channel.CONTROL)], count,
-                               "upstream_control")
-                elif held is not None:
-                    self._send(up, held, count, "upstream_control")  # a lone record, verbatim (route, frames)
-
-            def death(rank: int, why: str) -> None:
-                nonlocal restate_at
-                # A goodbye is the normal end of a rank; only a silent departure deserves a warning.
-                level = logging.INFO if why == GOODBYE else logging.WARNING
-                log.log(level, "relay %s: rank %d left (%s)", cfg.host, rank, why)
-                report_up()  # what it reported before it left comes first
-                reports.leave(rank)
-                self._send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], count,
-                           "upstream_control")
-                departed.append(rank)
-                restate_at = min(restate_at, time.monotonic() + RESEND_AFTER_S)
-                send(pipe, [rank_identity(rank)], self._stop, timeout_s=math.inf)  # in-process: the data thread reads it
-
-            while not self._stop.is_set():
-                if hello.due(time.monotonic()):
-                    hello_rec = RelayHello(cfg.host, list(cfg.ranks), [])
-                    self._send(up, [RELAY_ROUTE, *codec.encode(hello_rec, channel=Channel.CONTROL)], count,
-                               "upstream_control")
-                wait_ms = min(poll_ms, mailbox.poll_ms(reports.due_at - time.monotonic()))
-                events = dict(poller.poll(wait_ms))
-                now = time.monotonic()
-                if now - turned - wait_ms / 1000 > OWN_STALL_S:
-                    live.stalled(now - turned - wait_ms / 1000)
-                turned = now
-                # Judged here, right after a stall is taken off: one later in this turn would be
-                # judged with it still on.
-                for rank in live.expired(now):
-                    death(rank, "heartbeat deadline passed")
-                if local in events:
-                    count["oversized"] += drain(
-                        local, lambda m: self._from_rank(m, codec, live, up, death, count, reports, report_up),
-                        max_frames=CONTROL_MAX_FRAMES,
-                    )
-                if time.monotonic() >= reports.due_at:
-                    report_up()
-                if up in events:
-                    count["oversized"] += drain(
-                        up, lambda m: self._to_rank(m, codec, local, count, hello), max_frames=CONTROL_MAX_FRAMES
-                    )
-                if time.monotonic() >= restate_at:
-                    count["restated_exit.upstream_control"] += len(departed)
-                    for rank in departed:
-                        self._send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], count,
-                                   "upstream_control")
-                    restate_at = time.monotonic() + RESEND_AFTER_S
+            _ControlPlane(self, local, up, pipe).run()
         finally:
             for s in (local, up, pipe):
                 s.close(0)
             remove_ipc(bound)
-
-    def _from_rank(self, msg, codec: Codec, live: RankLiveness, up, death, count, reports: ReportQueue,
-                   report_up) -> None:
-        rank = rank_of(msg[0]) if msg else None
-        if rank is None or rank not in self.config.ranks:
-            count["unknown_rank.local_control"] += 1
-            return
-        # No sequence check: the coordinator's window is the duplicate filter, and a rank's
-        # resend whose first copy passed here but was lost upstream must pass again (10.7).
-        env = self._verify(codec, msg[1:], Channel.CONTROL, rank, count, "local_control", replay=False)
-        if env is None:
-            return
-        if type(env.record) not in RANK_CONTROL_RECORDS:
-            # A kind only the coordinator or a relay sends: the rank is out, as for any violation.
-            count["illegal_kind.local_control"] += 1
-            if live.leave(rank):
-                death(rank, f"protocol violation: it sent {env.kind}, which a rank never sends")
-            return
-        now = time.monotonic()
-        live.seen(rank, now)
-        if isinstance(env.record, MERGEABLE):
-            reports.add(env.seq, env.record, msg, now)  # merged: vouched for by this relay, under its MAC (9.4)
-            return
-        report_up()  # the rank's earlier records first: the coordinator hands them on in order
-        self._send(up, msg, count, "upstream_control")  # verbatim: the rank's own MAC travels on
-        if isinstance(env.record, Exiting) and live.leave(rank):
-            death(rank, GOODBYE)
 
     def _verify(self, codec: Codec, frames: list[Any], channel: Channel, rank: int, count, where: str,
                 mapped: SegmentMap | None = None, replay: bool = True) -> Envelope | None:
@@ -633,38 +375,6 @@ class Relay:
             count[f"send_timeout.{where}"] += 1
             log.warning("relay %s: a send on %s timed out after %g s: the peer is not reading", cfg.host, where, limit)
         return False
-
-    def _to_rank(self, msg, codec: Codec, local, count, hello: _Hello) -> None:
-        if len(msg) < 3:
-            count["rejected.upstream_control"] += 1
-            return
-        route = msg[0]
-        rank = rank_of(route)
-        if route != RELAY_ROUTE and (rank is None or rank not in self.config.ranks):
-            count["unknown_rank.upstream_control"] += 1
-            return
-        try:
-            # To a rank: signed for that rank's stream, and forwarded without the sequence
-            # check (the rank's window is the duplicate filter; a resend must pass, 10.7).
-            env = codec.decode_from(msg[1:], Channel.CONTROL, FROM_COORDINATOR) if route == RELAY_ROUTE else \
-                codec.decode_from(msg[1:], Channel.CONTROL, self._coordinator_to[rank], replay=False)
-        except AttributionError:
-            count["forged_route.upstream_control"] += 1
-            return
-        except WireError as exc:
-            count["rejected.upstream_control"] += 1
-            log.warning("relay %s: rejected a record from the coordinator: %s", self.config.host, exc)
-            return
-        if route == RELAY_ROUTE:
-            if isinstance(env.record, RelayHelloAck):
-                hello.acked()
-            else:
-                count["unexpected.upstream_control"] += 1
-            return
-        try:
-            self._send(local, [route, *msg[1:]], count, "local_control")
-        except zmq.ZMQError:  # EHOSTUNREACH: the rank is not connected (not yet, or any more)
-            count["undeliverable.local_control"] += 1
 
     # ------------------------------------------------------------------ data thread
 
@@ -727,6 +437,136 @@ class Relay:
                 d.segment.close()
 
 
+class _ControlPlane:
+    """The control thread's handlers: ranks' records up, the coordinator's down, the local liveness clock."""
+
+    def __init__(self, relay: Relay, local: zmq.Socket, up: zmq.Socket, pipe: zmq.Socket):
+        self.relay, self.local, self.up, self.pipe = relay, local, up, pipe
+        self.cfg = cfg = relay.config
+        self.count = relay._counts["control"]
+        self.codec = Codec(cfg.key, cfg.run_id, relay_sender(cfg.host))
+        self.hello = HelloRetry(cfg.hello_retry_s)
+        self.live = RankLiveness(cfg.ranks, time.monotonic(), cfg.heartbeat_deadline_s, cfg.first_contact_deadline_s)
+        self.departed = Departures()
+        self.reports = ReportQueue(cfg.ranks, MERGE_PERIOD_S)
+
+    def run(self) -> None:
+        """Until the relay stops: hello, ranks' records, due reports, the coordinator's records, restated exits."""
+        poller = zmq.Poller()
+        poller.register(self.local, zmq.POLLIN)
+        poller.register(self.up, zmq.POLLIN)
+        poll_ms = int(self.cfg.poll_s * 1000)
+        while not self.relay._stop.is_set():
+            if self.hello.due(time.monotonic()):
+                self.send_own(RelayHello(self.cfg.host, list(self.cfg.ranks), []))
+            wait_ms = min(poll_ms, mailbox.poll_ms(self.reports.due_at - time.monotonic()))
+            events = dict(poller.poll(wait_ms))
+            for rank in self.live.turn(time.monotonic(), wait_ms / 1000):
+                self.death(rank, "heartbeat deadline passed")
+            if self.local in events:
+                self.count["oversized"] += drain(self.local, self.from_rank, max_frames=CONTROL_MAX_FRAMES)
+            if time.monotonic() >= self.reports.due_at:
+                self.report_up()
+            if self.up in events:
+                self.count["oversized"] += drain(self.up, self.to_rank, max_frames=CONTROL_MAX_FRAMES)
+            self.restate(time.monotonic())
+
+    def send_own(self, rec: Any) -> None:
+        """Send one of this relay's own records up (route RELAY_ROUTE), signed by the relay."""
+        self.relay._send(self.up, [RELAY_ROUTE, *self.codec.encode(rec, channel=Channel.CONTROL)], self.count,
+                         "upstream_control")
+
+    def report_up(self) -> None:
+        held = self.reports.take()
+        if isinstance(held, HostReports):
+            self.send_own(held)
+        elif held is not None:
+            self.relay._send(self.up, held, self.count, "upstream_control")  # a lone record, verbatim (route, frames)
+
+    def death(self, rank: int, why: str) -> None:
+        # A goodbye is the normal end of a rank; only a silent departure deserves a warning.
+        level = logging.INFO if why == GOODBYE else logging.WARNING
+        log.log(level, "relay %s: rank %d left (%s)", self.cfg.host, rank, why)
+        self.report_up()  # what it reported before it left comes first
+        self.reports.leave(rank)
+        self.send_own(RankExit(rank))
+        self.departed.add(rank, time.monotonic())
+        # In-process: the data thread reads it.
+        send(self.pipe, [rank_identity(rank)], self.relay._stop, timeout_s=math.inf)
+
+    def restate(self, now: float) -> None:
+        """Every rank gone so far, reported again when due (one RankExit lost in a reset must not stall)."""
+        gone = self.departed.due(now)
+        if not gone:
+            return
+        self.count["restated_exit.upstream_control"] += len(gone)
+        for rank in gone:
+            self.send_own(RankExit(rank))
+
+    # ranks -> relay
+
+    def from_rank(self, msg: list[bytes]) -> None:
+        rank = rank_of(msg[0]) if msg else None
+        if rank is None or rank not in self.cfg.ranks:
+            self.count["unknown_rank.local_control"] += 1
+            return
+        # No sequence check: the coordinator's window is the duplicate filter, and a rank's
+        # resend whose first copy passed here but was lost upstream must pass again (10.7).
+        env = self.relay._verify(self.codec, msg[1:], Channel.CONTROL, rank, self.count, "local_control",
+                                 replay=False)
+        if env is None:
+            return
+        if type(env.record) not in RANK_CONTROL_RECORDS:
+            # A kind only the coordinator or a relay sends: the rank is out, as for any violation.
+            self.count["illegal_kind.local_control"] += 1
+            if self.live.leave(rank):
+                self.death(rank, f"protocol violation: it sent {env.kind}, which a rank never sends")
+            return
+        now = time.monotonic()
+        self.live.seen(rank, now)
+        if isinstance(env.record, MERGEABLE):
+            self.reports.add(env.seq, env.record, msg, now)  # merged: vouched for by this relay, under its MAC (9.4)
+            return
+        self.report_up()  # the rank's earlier records first: the coordinator hands them on in order
+        self.relay._send(self.up, msg, self.count, "upstream_control")  # verbatim: the rank's own MAC travels on
+        if isinstance(env.record, Exiting) and self.live.leave(rank):
+            self.death(rank, GOODBYE)
+
+    # coordinator -> relay
+
+    def to_rank(self, msg: list[bytes]) -> None:
+        if len(msg) < 3:
+            self.count["rejected.upstream_control"] += 1
+            return
+        route = msg[0]
+        rank = rank_of(route)
+        if route != RELAY_ROUTE and (rank is None or rank not in self.cfg.ranks):
+            self.count["unknown_rank.upstream_control"] += 1
+            return
+        try:
+            # To a rank: signed for that rank's stream, and forwarded without the sequence
+            # check (the rank's window is the duplicate filter; a resend must pass, 10.7).
+            env = self.codec.decode_from(msg[1:], Channel.CONTROL, FROM_COORDINATOR) if route == RELAY_ROUTE else \
+                self.codec.decode_from(msg[1:], Channel.CONTROL, self.relay._coordinator_to[rank], replay=False)
+        except AttributionError:
+            self.count["forged_route.upstream_control"] += 1
+            return
+        except WireError as exc:
+            self.count["rejected.upstream_control"] += 1
+            log.warning("relay %s: rejected a record from the coordinator: %s", self.cfg.host, exc)
+            return
+        if route == RELAY_ROUTE:
+            if isinstance(env.record, RelayHelloAck):
+                self.hello.acked()
+            else:
+                self.count["unexpected.upstream_control"] += 1
+            return
+        try:
+            self.relay._send(self.local, [route, *msg[1:]], self.count, "local_control")
+        except zmq.ZMQError:  # EHOSTUNREACH: the rank is not connected (not yet, or any more)
+            self.count["undeliverable.local_control"] += 1
+
+
 class _DataPlane:
     """The data thread's handlers; owns the fold station and the consensus watch through the relay."""
 
@@ -742,7 +582,7 @@ class _DataPlane:
         except ShmError as exc:
             self.shm_unusable(exc)
         self.by_reference: set[int] = set()  # ranks that deposit by reference
-        self.hello = _Hello(self.cfg.hello_retry_s)
+        self.hello = HelloRetry(self.cfg.hello_retry_s)
         # Kept for a resend after a reset: the host frame awaiting its consensus, and the last
         # consensus delivered (framed, and by reference while the host segment still holds it).
         self.shipped: HostFold | None = None

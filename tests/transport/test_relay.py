@@ -9,7 +9,8 @@ import pytest
 import zmq
 
 from flodl_zmq.links import RELAY_ROUTE, rank_identity
-from flodl_zmq.relay import ConsensusWatch, RankLiveness, Relay, RelayConfig
+from flodl_zmq.relay import Relay, RelayConfig
+from flodl_zmq.relay_core import ConsensusWatch, RankLiveness
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import (
     RESUME_ROUND,

@@ -23,7 +23,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
         "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "coordinator.feedback",
-        "coordinator.resume", "coordinator.outputs", "formation",
+        "coordinator.resume", "coordinator.outputs", "formation", "relay_core",
     ),
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
@@ -101,7 +101,7 @@ def test_no_import_loop():
     assert not loops, f"import loops: {loops}"
 
 
-PURE = sorted((PACKAGE / "coordinator").glob("*.py")) + [PACKAGE / "formation.py"]
+PURE = sorted((PACKAGE / "coordinator").glob("*.py")) + [PACKAGE / "formation.py", PACKAGE / "relay_core.py"]
 
 
 @pytest.mark.parametrize("path", PURE, ids=lambda p: p.name)
