@@ -28,9 +28,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
         "io_threads", "result", "runlog", "report", "runreport", "loader", "training", "checkpoints",
-        "warm",
+        "warm", "relay_config",
     ),
-    "services": ("relay", "reducer_service", "membership", "status_server", "controller_service", "rank"),
+    "services": ("relay", "relay_data", "reducer_service", "membership", "status_server", "controller_service", "rank"),
     "roles": ("api", "controller", "agent", "launch", "demo", "cli", "__init__"),
 }
 RANK = {module: i for i, layer in enumerate(LAYERS.values()) for module in layer}
