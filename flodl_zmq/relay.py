@@ -1,5 +1,12 @@
 """The relay: one per host, the broker between the host's ranks and the controller.
 
+This module holds the service (`Relay`: the sockets, the two threads, the
+control thread's handlers); the data thread's handlers are in relay_data.py,
+the rules the two apply as pure objects (liveness, the consensus watch,
+merged reports, restated exits, hello retries) in relay_core.py, and the
+configuration in relay_config.py. The rules below are the relay's, whichever
+of them keeps each.
+
 Sockets (protocol/PROTOCOL.md, 1 and 3.1):
 
     local control  ROUTER (bind, ipc:// or tcp://)  <- each rank's control DEALER
@@ -23,7 +30,7 @@ A rank's DEALER routing identity is its global rank in ASCII decimal
   RelayDeclareDead, ConsensusGone) or ``b"bcast"`` (a Consensus resent point to
   point, byte-identical to what PUB carried).
 
-Rules this module keeps:
+Rules the relay keeps:
 
 - One socket is owned by one thread. The control thread owns the two control
   sockets and the local liveness clock; the data thread owns the data sockets,
@@ -76,43 +83,27 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from flodl_zmq import int8, mailbox
-from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq import mailbox
 from flodl_zmq.environment import ProcessEnv, watch_lifeline
-from flodl_zmq.errors import (
-    AttributionError,
-    ConfigError,
-    FlodlError,
-    FoldError,
-    PoisonedDeposit,
-    ShmError,
-    WireError,
-)
-from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
+from flodl_zmq.errors import AttributionError, FlodlError, WireError
+from flodl_zmq.fold import FoldStation
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
     DATA_MAX_FRAME_BYTES,
     FROM_COORDINATOR,
-    FROM_REDUCER,
     RELAY_ROUTE,
-    TAG_BCAST,
-    TAG_DATA,
     bind_local,
     coordinator_sender,
     drain,
     keep_alive,
     limit_receive,
-    local_endpoints,
     rank_identity,
     rank_of,
-    rank_sender,
     relay_identity,
     relay_sender,
     remove_ipc,
@@ -120,282 +111,31 @@ from flodl_zmq.links import (
     tune,
     tune_loopback,
 )
+from flodl_zmq.relay_config import RelayConfig
+from flodl_zmq.relay_core import (
+    MERGE_PERIOD_S,
+    ConsensusWatch,
+    Departures,
+    HelloRetry,
+    RankLiveness,
+    ReportQueue,
+)
+from flodl_zmq.relay_data import DataPlane, Plane
 from flodl_zmq.security import CurveKeys, apply_client
-from flodl_zmq.settings import Settings
-from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
+from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     MERGEABLE,
     RANK_CONTROL_RECORDS,
-    RESUME_ROUND,
-    Consensus,
-    ConsensusGone,
-    ConsensusRequest,
     Exiting,
-    FrameRequest,
-    HostFrame,
     HostReports,
-    Probe,
     RankExit,
-    RelayDeclareDead,
     RelayHello,
     RelayHelloAck,
-    RoundFrame,
-    SubscriberReady,
 )
-from flodl_zmq.wire.shm import (
-    Segment,
-    SegmentMap,
-    by_reference,
-    host_owner,
-    is_by_reference,
-    rank_owner,
-    run_dir,
-    unlink_owner,
-)
-from flodl_zmq.wire.stream import RESEND_AFTER_S
 
 log = logging.getLogger(__name__)
 
 GOODBYE = "said goodbye"
-# How long the relay holds its ranks' mergeable records to send them up as one: a rank's own report
-# period (PROTOCOL.md 9.3, timing.batch), so a host's ranks make one record per period.
-MERGE_PERIOD_S = 0.05
-# A control-loop turn this much longer than its poll is this process stalled (RankLiveness.stalled):
-# a turn's own work takes milliseconds, and a rank's deadline is seconds.
-OWN_STALL_S = 0.5
-DEFAULTS = Settings()  # RelayConfig's timings default to the settings table
-
-@dataclass(frozen=True)
-class RelayConfig:
-    """Everything a relay needs; validated on construction."""
-
-    host: str
-    ranks: tuple[int, ...]
-    key: bytes
-    run_id: bytes
-    control_upstream: str
-    data_upstream: str
-    bcast_upstream: str
-    local_control: str
-    local_data: str
-    heartbeat_deadline_s: float = DEFAULTS.rank_silence_at_relay_s
-    first_contact_deadline_s: float = DEFAULTS.rank_first_record_at_relay_s
-    consensus_deadline_s: float = DEFAULTS.consensus_wait_at_relay_s
-    hwm_records: int = 64
-    data_hwm_records: int = 4  # data records are model-sized: a few in flight is plenty
-    poll_s: float = 0.05
-    curve: CurveKeys | None = None  # CURVE client keys for the three upstream sockets (None: cleartext)
-    link_heartbeat_s: float = DEFAULTS.link_heartbeat_period_s  # ZeroMQ heartbeats on the tcp:// upstream links
-    link_silence_s: float = DEFAULTS.link_silence_s  # an upstream link silent this long is re-dialled
-    send_timeout_s: float = DEFAULTS.peer_send_timeout_s  # a send to a peer that stopped reading fails after this
-    hello_retry_s: float = 1.0  # a RelayHello not acknowledged by then is sent again (one lost in a reset)
-
-    def __post_init__(self) -> None:
-        if not self.host:
-            raise ConfigError("relay host name must not be empty")
-        if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
-            raise ConfigError(f"relay ranks {self.ranks} must be distinct non-negative global ranks, at least one")
-        for name in ("heartbeat_deadline_s", "first_contact_deadline_s", "consensus_deadline_s", "poll_s",
-                     "link_heartbeat_s", "link_silence_s", "send_timeout_s", "hello_retry_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"relay {name} must be > 0, got {getattr(self, name)}")
-        if self.poll_s >= self.heartbeat_deadline_s:
-            raise ConfigError("relay poll_s must be below heartbeat_deadline_s or deaths are detected late")
-        if self.hwm_records < 1 or self.data_hwm_records < 1:
-            raise ConfigError("relay high-water marks must be at least 1 record")
-
-    @classmethod
-    def for_controller(
-        cls,
-        host: str,
-        ranks: Iterable[int],
-        key: bytes,
-        run_id: bytes,
-        controller: ControllerAddress,
-        local: tuple[str, str] | None = None,
-        **timing: Any,
-    ) -> RelayConfig:
-        """A relay of `controller`; local endpoints default to per-run ipc:// paths."""
-        control, data = local or local_endpoints(key, run_id, host)
-        return cls(
-            host=host,
-            ranks=tuple(sorted(int(r) for r in ranks)),
-            key=key,
-            run_id=run_id,
-            control_upstream=controller.endpoint(Channel.CONTROL),
-            data_upstream=controller.endpoint(Channel.DATA),
-            bcast_upstream=controller.endpoint(Channel.BROADCAST),
-            local_control=control,
-            local_data=data,
-            **timing,
-        )
-
-
-class RankLiveness:
-    """Local rank liveness from records and goodbyes (pure: the caller passes the time).
-
-    A rank is alive until it says goodbye, is declared dead, or stays silent
-    past its deadline: `heartbeat_deadline` after its last record, or
-    `first_contact_deadline` after `start` if it never spoke (process start-up
-    is slower than a heartbeat). Death is permanent: membership only shrinks.
-    A stall of this process (a SIGSTOP, the GIL held by torch's import at a
-    run's first bf16 fold) is not its ranks' silence: `stalled` takes it off
-    every clock, since what they sent meanwhile is still on its way in.
-    """
-
-    def __init__(self, roster: Iterable[int], start: float, heartbeat_deadline: float, first_contact_deadline: float):
-        self.roster = frozenset(roster)
-        self.heartbeat_deadline = heartbeat_deadline
-        self.first_contact_deadline = first_contact_deadline
-        self._start = start
-        self._last: dict[int, float] = {}
-        self.dead: set[int] = set()
-
-    def seen(self, rank: int, now: float) -> None:
-        """A record from `rank` arrived at `now`."""
-        self._last[rank] = now
-
-    def leave(self, rank: int) -> bool:
-        """Mark `rank` dead; True when it was alive."""
-        if rank in self.dead or rank not in self.roster:
-            return False
-        self.dead.add(rank)
-        return True
-
-    def stalled(self, gap: float) -> None:
-        """This process heard nothing for `gap` seconds of its own making: no rank's silence grows by it."""
-        self._start += gap
-        for rank in self._last:
-            self._last[rank] += gap
-
-    def expired(self, now: float) -> list[int]:
-        """Ranks whose deadline passed at `now`; they are marked dead."""
-        out = []
-        for rank in sorted(self.roster - self.dead):
-            last = self._last.get(rank)
-            limit = self.first_contact_deadline if last is None else self.heartbeat_deadline
-            if now - (self._start if last is None else last) > limit:
-                self.dead.add(rank)
-                out.append(rank)
-        return out
-
-
-class ConsensusWatch:
-    """Which shipped rounds still await their consensus, and when to ask for one (pure).
-
-    `shipped` arms a round; `accept` says whether a consensus is new (deliver
-    it) and which older shipped rounds it overtook (ask for those now); `due`
-    returns rounds silent past their wait and re-arms them, so a request
-    that is itself lost is repeated. Each request for a round doubles its
-    wait (up to `BACKOFF_CAP` deadlines): on a slow link a consensus may take
-    longer than the deadline to arrive, and every early request would put one
-    more full copy of it on that link (PROTOCOL.md 10.3).
-    """
-
-    BACKOFF_CAP = 8
-
-    def __init__(self, deadline: float):
-        self.deadline = deadline
-        self._pending: dict[int, tuple[float, float]] = {}  # round -> (armed or last asked at, wait)
-        self._high = 0  # highest round shipped or delivered
-
-    @property
-    def pending(self) -> list[int]:
-        return sorted(self._pending)
-
-    def shipped(self, round_id: int, now: float) -> None:
-        self._pending[round_id] = (now, self.deadline)
-        self._high = max(self._high, round_id)
-
-    def accept(self, round_id: int, now: float) -> tuple[bool, list[int]]:
-        """(deliver, overtaken rounds to request) for a consensus of `round_id`."""
-        if round_id in self._pending:
-            del self._pending[round_id]
-        elif round_id > self._high:
-            self._high = round_id  # a round this host had nothing for; its live ranks still adopt it
-        else:
-            return False, []  # already delivered: a replay or a duplicate resend
-        gaps = [r for r in sorted(self._pending) if r < round_id]
-        for r in gaps:
-            self._asked(r, now)
-        return True, gaps
-
-    def due(self, now: float) -> list[int]:
-        out = [r for r, (t, wait) in sorted(self._pending.items()) if now - t > wait]
-        for r in out:
-            self._asked(r, now)
-        return out
-
-    def _asked(self, round_id: int, now: float) -> None:
-        wait = self._pending[round_id][1]
-        self._pending[round_id] = (now, min(2 * wait, self.BACKOFF_CAP * self.deadline))
-
-
-class _Hello:
-    """When a relay (re)sends its RelayHello on one upstream link (pure: the caller passes the time).
-
-    Due at once, then every `retry_s` until acknowledged: a hello lost in a
-    connection reset must not leave the host unregistered. The controller and
-    the reducer accept a repeated hello from the same identity idempotently.
-    """
-
-    def __init__(self, retry_s: float):
-        self.retry_s = retry_s
-        self._next: float | None = 0.0  # None: acknowledged
-
-    def due(self, now: float) -> bool:
-        if self._next is None or now < self._next:
-            return False
-        self._next = now + self.retry_s
-        return True
-
-    def acked(self) -> None:
-        self._next = None
-
-
-class ReportQueue:
-    """The host's rank records waiting to go up as one `relay.reports` (pure; PROTOCOL.md 9.4).
-
-    Forwarded one by one, a host of R ranks cost the controller R decodes and
-    R records' bytes per report period; merged, one. A lone held record goes
-    up as it came: there is nothing to merge it with. The queue is due when
-    every live local rank has a record in it (one rank: at once, no added
-    latency), or `period_s` after the first; the relay also empties it before
-    any other record of the host goes up, so a rank's next stream record never
-    waits at the coordinator behind one the relay still holds.
-    """
-
-    def __init__(self, ranks: Iterable[int], period_s: float):
-        self.period_s = period_s
-        self.due_at = math.inf
-        self._live = set(ranks)
-        self._items: list[tuple[int, Any, list[Any]]] = []
-        self._from: set[int] = set()
-
-    def add(self, seq: int, record: Any, frames: list[Any], now: float) -> None:
-        """Hold `record` (sequence number `seq` of its rank's stream), which came as `frames`."""
-        if not self._items:
-            self.due_at = now + self.period_s
-        self._items.append((seq, record, frames))
-        self._from.add(record.rank)
-        if self._from >= self._live:
-            self.due_at = now
-
-    def leave(self, rank: int) -> None:
-        """`rank` left: the queue no longer waits for it."""
-        self._live.discard(rank)
-        if self._items and self._from >= self._live:
-            self.due_at = 0.0  # due at once
-
-    def take(self) -> HostReports | list[Any] | None:
-        """What is held: several records as one HostReports; a lone one as the frames it came in
-        (nothing to merge it with: verbatim, it is smaller and costs no signature); None when nothing is."""
-        items, self._items, self._from, self.due_at = self._items, [], set(), math.inf
-        if len(items) <= 1:
-            return items[0][2] if items else None
-        return HostReports.merge([(seq, record) for seq, record, _ in items])
-
-
 class Relay:
     """One host's relay: control byte router, data fold station, consensus fan-out.
 
@@ -419,8 +159,6 @@ class Relay:
         self.watch = ConsensusWatch(config.consensus_deadline_s)
         # Both upstream DEALERs carry it: stable for this process, so a reconnect keeps the route.
         self.identity = relay_identity(config.host, os.urandom(8))
-        self._coordinator_to = {r: Attribution.signed_by(coordinator_sender(r), "the coordinator's link")
-                                for r in config.ranks}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -466,9 +204,13 @@ class Relay:
             body()
         except BaseException as exc:  # a dead thread must stop the relay loudly, never linger half-alive
             log.exception("relay %s: %s thread failed", self.config.host, name)
-            self.error = self.error or exc
+            self._fail(exc)
             self._ready.abort()
-            self._stop.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        """Stop the relay for `exc`; the first cause is the one kept."""
+        self.error = self.error or exc
+        self._stop.set()
 
     # ------------------------------------------------------------------ control thread
 
@@ -476,8 +218,7 @@ class Relay:
         self._run("control", self._control_loop)
 
     def _control_loop(self) -> None:
-        cfg, ctx, count = self.config, self._ctx, self._counts["control"]
-        codec = Codec(cfg.key, cfg.run_id, relay_sender(cfg.host))
+        cfg, ctx = self.config, self._ctx
         local = ctx.socket(zmq.ROUTER)
         up = ctx.socket(zmq.DEALER)
         pipe = ctx.socket(zmq.PAIR)
@@ -497,174 +238,11 @@ class Relay:
             up.connect(cfg.control_upstream)
             pipe.connect(self._pipe)
             self._ready.wait()
-            hello = _Hello(cfg.hello_retry_s)
-            live = RankLiveness(cfg.ranks, time.monotonic(), cfg.heartbeat_deadline_s, cfg.first_contact_deadline_s)
-            turned = time.monotonic()  # when the loop last came round: a much later turn is our own stall
-            poller = zmq.Poller()
-            poller.register(local, zmq.POLLIN)
-            poller.register(up, zmq.POLLIN)
-            poll_ms = int(cfg.poll_s * 1000)
-
-            # Ranks reported gone, restated every RESEND_AFTER_S for the rest of the run: a RankExit
-            # lost in a reset must not leave the controller waiting for a heartbeat timeout (10.7).
-            departed: list[int] = []
-            restate_at = math.inf
-            reports = ReportQueue(cfg.ranks, MERGE_PERIOD_S)
-
-            def report_up() -> None:
-                held = reports.take()
-                if isinstance(held, HostReports):
-                    self._send(up, [RELAY_ROUTE, *codec.encode(held, channel=Channel.CONTROL)], count,
-                               "upstream_control")
-                elif held is not None:
-                    self._send(up, held, count, "upstream_control")  # a lone record, verbatim (route, frames)
-
-            def death(rank: int, why: str) -> None:
-                nonlocal restate_at
-                # A goodbye is the normal end of a rank; only a silent departure deserves a warning.
-                level = logging.INFO if why == GOODBYE else logging.WARNING
-                log.log(level, "relay %s: rank %d left (%s)", cfg.host, rank, why)
-                report_up()  # what it reported before it left comes first
-                reports.leave(rank)
-                self._send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], count,
-                           "upstream_control")
-                departed.append(rank)
-                restate_at = min(restate_at, time.monotonic() + RESEND_AFTER_S)
-                send(pipe, [rank_identity(rank)], self._stop, timeout_s=math.inf)  # in-process: the data thread reads it
-
-            while not self._stop.is_set():
-                if hello.due(time.monotonic()):
-                    hello_rec = RelayHello(cfg.host, list(cfg.ranks), [])
-                    self._send(up, [RELAY_ROUTE, *codec.encode(hello_rec, channel=Channel.CONTROL)], count,
-                               "upstream_control")
-                wait_ms = min(poll_ms, mailbox.poll_ms(reports.due_at - time.monotonic()))
-                events = dict(poller.poll(wait_ms))
-                now = time.monotonic()
-                if now - turned - wait_ms / 1000 > OWN_STALL_S:
-                    live.stalled(now - turned - wait_ms / 1000)
-                turned = now
-                # Judged here, right after a stall is taken off: one later in this turn would be
-                # judged with it still on.
-                for rank in live.expired(now):
-                    death(rank, "heartbeat deadline passed")
-                if local in events:
-                    count["oversized"] += drain(
-                        local, lambda m: self._from_rank(m, codec, live, up, death, count, reports, report_up),
-                        max_frames=CONTROL_MAX_FRAMES,
-                    )
-                if time.monotonic() >= reports.due_at:
-                    report_up()
-                if up in events:
-                    count["oversized"] += drain(
-                        up, lambda m: self._to_rank(m, codec, local, count, hello), max_frames=CONTROL_MAX_FRAMES
-                    )
-                if time.monotonic() >= restate_at:
-                    count["restated_exit.upstream_control"] += len(departed)
-                    for rank in departed:
-                        self._send(up, [RELAY_ROUTE, *codec.encode(RankExit(rank), channel=Channel.CONTROL)], count,
-                                   "upstream_control")
-                    restate_at = time.monotonic() + RESEND_AFTER_S
+            _ControlPlane(cfg, self._stop, self._counts["control"], local, up, pipe).run()
         finally:
             for s in (local, up, pipe):
                 s.close(0)
             remove_ipc(bound)
-
-    def _from_rank(self, msg, codec: Codec, live: RankLiveness, up, death, count, reports: ReportQueue,
-                   report_up) -> None:
-        rank = rank_of(msg[0]) if msg else None
-        if rank is None or rank not in self.config.ranks:
-            count["unknown_rank.local_control"] += 1
-            return
-        # No sequence check: the coordinator's window is the duplicate filter, and a rank's
-        # resend whose first copy passed here but was lost upstream must pass again (10.7).
-        env = self._verify(codec, msg[1:], Channel.CONTROL, rank, count, "local_control", replay=False)
-        if env is None:
-            return
-        if type(env.record) not in RANK_CONTROL_RECORDS:
-            # A kind only the coordinator or a relay sends: the rank is out, as for any violation.
-            count["illegal_kind.local_control"] += 1
-            if live.leave(rank):
-                death(rank, f"protocol violation: it sent {env.kind}, which a rank never sends")
-            return
-        now = time.monotonic()
-        live.seen(rank, now)
-        if isinstance(env.record, MERGEABLE):
-            reports.add(env.seq, env.record, msg, now)  # merged: vouched for by this relay, under its MAC (9.4)
-            return
-        report_up()  # the rank's earlier records first: the coordinator hands them on in order
-        self._send(up, msg, count, "upstream_control")  # verbatim: the rank's own MAC travels on
-        if isinstance(env.record, Exiting) and live.leave(rank):
-            death(rank, GOODBYE)
-
-    def _verify(self, codec: Codec, frames: list[Any], channel: Channel, rank: int, count, where: str,
-                mapped: SegmentMap | None = None, replay: bool = True) -> Envelope | None:
-        """Decode a rank's record; None (counted) unless it is authentic, from `rank` itself, and (with `replay`) fresh.
-
-        With `mapped`, a by-reference message is read from that rank's own segment.
-        """
-        sender = Attribution.signed_by(rank_sender(rank), f"rank {rank}'s connection", rank=rank)
-        try:
-            if mapped is not None:
-                env = mapped.decode(codec, frames, rank_owner(rank), channel, sender=sender)
-            else:
-                env = codec.decode_from(frames, channel, sender, replay=replay)
-        except AttributionError as exc:
-            count[f"forged_route.{where}"] += 1
-            log.warning("relay %s: dropped: %s", self.config.host, exc)
-            return None
-        except WireError as exc:
-            count[f"rejected.{where}"] += 1
-            log.warning("relay %s: rejected a %s record routed as rank %d: %s", self.config.host, channel.value,
-                        rank, exc)
-            return None
-        return env
-
-    def _send(self, sock: zmq.Socket, frames: Sequence[Any], count, where: str, copy: bool = True) -> bool:
-        """Send, bounded in time; a message a peer did not take in time is dropped and counted.
-
-        Upstream waits up to `send_timeout_s`; a local rank at most half its
-        silence deadline, so one wedged rank never starves the others' liveness.
-        """
-        cfg = self.config
-        limit = min(cfg.send_timeout_s, cfg.heartbeat_deadline_s / 2) if where.startswith("local") else cfg.send_timeout_s
-        if send(sock, frames, self._stop, copy=copy, timeout_s=limit):
-            return True
-        if not self._stop.is_set():
-            count[f"send_timeout.{where}"] += 1
-            log.warning("relay %s: a send on %s timed out after %g s: the peer is not reading", cfg.host, where, limit)
-        return False
-
-    def _to_rank(self, msg, codec: Codec, local, count, hello: _Hello) -> None:
-        if len(msg) < 3:
-            count["rejected.upstream_control"] += 1
-            return
-        route = msg[0]
-        rank = rank_of(route)
-        if route != RELAY_ROUTE and (rank is None or rank not in self.config.ranks):
-            count["unknown_rank.upstream_control"] += 1
-            return
-        try:
-            # To a rank: signed for that rank's stream, and forwarded without the sequence
-            # check (the rank's window is the duplicate filter; a resend must pass, 10.7).
-            env = codec.decode_from(msg[1:], Channel.CONTROL, FROM_COORDINATOR) if route == RELAY_ROUTE else \
-                codec.decode_from(msg[1:], Channel.CONTROL, self._coordinator_to[rank], replay=False)
-        except AttributionError:
-            count["forged_route.upstream_control"] += 1
-            return
-        except WireError as exc:
-            count["rejected.upstream_control"] += 1
-            log.warning("relay %s: rejected a record from the coordinator: %s", self.config.host, exc)
-            return
-        if route == RELAY_ROUTE:
-            if isinstance(env.record, RelayHelloAck):
-                hello.acked()
-            else:
-                count["unexpected.upstream_control"] += 1
-            return
-        try:
-            self._send(local, [route, *msg[1:]], count, "local_control")
-        except zmq.ZMQError:  # EHOSTUNREACH: the rank is not connected (not yet, or any more)
-            count["undeliverable.local_control"] += 1
 
     # ------------------------------------------------------------------ data thread
 
@@ -678,7 +256,7 @@ class Relay:
         up = ctx.socket(zmq.DEALER)
         sub = ctx.socket(zmq.SUB)
         pipe = ctx.socket(zmq.PAIR)
-        d: _DataPlane | None = None
+        d: DataPlane | None = None
         bound = ""
         try:
             for s in (local, up, sub):
@@ -701,7 +279,7 @@ class Relay:
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(cfg.bcast_upstream)
             self._ready.wait()
-            d = _DataPlane(self, codec, local, up)
+            d = DataPlane(cfg, self._stop, self._counts["data"], codec, local, up, self.fold, self.watch, self._fail)
             poller = zmq.Poller()
             for s in (local, up, sub, pipe):
                 poller.register(s, zmq.POLLIN)
@@ -727,264 +305,133 @@ class Relay:
                 d.segment.close()
 
 
-class _DataPlane:
-    """The data thread's handlers; owns the fold station and the consensus watch through the relay."""
+class _ControlPlane(Plane):
+    """The control thread's handlers: ranks' records up, the coordinator's down, the local liveness clock."""
 
-    def __init__(self, relay: Relay, codec: Codec, local: zmq.Socket, up: zmq.Socket):
-        self.relay, self.codec, self.local, self.up = relay, codec, local, up
-        self.cfg = relay.config
-        self.count = relay._counts["data"]
-        self.fold, self.watch, self.stop = relay.fold, relay.watch, relay._stop
-        self.mapped = SegmentMap(self.cfg.run_id, run_dir(self.cfg.key, self.cfg.run_id))  # the ranks' deposits, read-only
-        self.segment: Segment | None = None  # where consensus goes by reference (None: framed to everyone)
-        try:
-            self.segment = Segment(self.cfg.key, self.cfg.run_id, host_owner(self.cfg.host))
-        except ShmError as exc:
-            self.shm_unusable(exc)
-        self.by_reference: set[int] = set()  # ranks that deposit by reference
-        self.hello = _Hello(self.cfg.hello_retry_s)
-        # Kept for a resend after a reset: the host frame awaiting its consensus, and the last
-        # consensus delivered (framed, and by reference while the host segment still holds it).
-        self.shipped: HostFold | None = None
-        self.delivered: tuple[int, list[Any], list[Any] | None] | None = None
-        # int8 deposits are widened into the f32 fold; the host frame goes up in int8 again, with this
-        # relay's own error feedback (what its quantization loses goes into its next frame).
-        self.widener = int8.Widener(f"relay {self.cfg.host}")
-        self.uplink = int8.PayloadEncoder()
+    def __init__(self, cfg: RelayConfig, stop: threading.Event, count: collections.Counter[str], local: zmq.Socket,
+                 up: zmq.Socket, pipe: zmq.Socket):
+        super().__init__(cfg, stop, count, Codec(cfg.key, cfg.run_id, relay_sender(cfg.host)))
+        self.local, self.up, self.pipe = local, up, pipe
+        self.coordinator_to = {r: Attribution.signed_by(coordinator_sender(r), "the coordinator's link")
+                               for r in cfg.ranks}
+        self.hello = HelloRetry(cfg.hello_retry_s)
+        self.live = RankLiveness(cfg.ranks, time.monotonic(), cfg.heartbeat_deadline_s, cfg.first_contact_deadline_s)
+        self.departed = Departures()
+        self.reports = ReportQueue(cfg.ranks, MERGE_PERIOD_S)
 
-    def shm_unusable(self, exc: ShmError) -> None:
-        # A squatted or foreign shared-memory path must not stop the host: consensus goes framed.
-        log.error("relay %s: consensus goes framed, not by reference: %s", self.cfg.host, exc)
-        self.count["shm_unusable"] += 1
-        if self.segment is not None:
-            self.segment.close()
-        self.segment = None
+    def run(self) -> None:
+        """Until the relay stops: hello, ranks' records, due reports, the coordinator's records, restated exits."""
+        poller = zmq.Poller()
+        poller.register(self.local, zmq.POLLIN)
+        poller.register(self.up, zmq.POLLIN)
+        poll_ms = int(self.cfg.poll_s * 1000)
+        while not self.stop.is_set():
+            if self.hello.due(time.monotonic()):
+                self.send_own(RelayHello(self.cfg.host, list(self.cfg.ranks), []))
+            wait_ms = min(poll_ms, mailbox.poll_ms(self.reports.due_at - time.monotonic()))
+            events = dict(poller.poll(wait_ms))
+            for rank in self.live.turn(time.monotonic(), wait_ms / 1000):
+                self.death(rank, "heartbeat deadline passed")
+            if self.local in events:
+                self.count["oversized"] += drain(self.local, self.from_rank, max_frames=CONTROL_MAX_FRAMES)
+            if time.monotonic() >= self.reports.due_at:
+                self.report_up()
+            if self.up in events:
+                self.count["oversized"] += drain(self.up, self.to_rank, max_frames=CONTROL_MAX_FRAMES)
+            self.restate(time.monotonic())
 
-    def send_up(self, rec: Any, payload: Sequence[Any] = ()) -> None:
-        self.relay._send(self.up, self.codec.encode(rec, payload, channel=Channel.DATA), self.count, "upstream_data",
-                         copy=False)
+    def send_own(self, rec: Any) -> None:
+        """Send one of this relay's own records up (route RELAY_ROUTE), signed by the relay."""
+        self.send(self.up, [RELAY_ROUTE, *self.codec.encode(rec, channel=Channel.CONTROL)], "upstream_control")
 
-    def live_ranks(self) -> list[int]:
-        return [r for r in self.cfg.ranks if r not in self.fold.dead]
+    def report_up(self) -> None:
+        held = self.reports.take()
+        if isinstance(held, HostReports):
+            self.send_own(held)
+        elif held is not None:
+            self.send(self.up, held, "upstream_control")  # a lone record, verbatim (route, frames)
+
+    def death(self, rank: int, why: str) -> None:
+        # A goodbye is the normal end of a rank; only a silent departure deserves a warning.
+        level = logging.INFO if why == GOODBYE else logging.WARNING
+        log.log(level, "relay %s: rank %d left (%s)", self.cfg.host, rank, why)
+        self.report_up()  # what it reported before it left comes first
+        self.reports.leave(rank)
+        self.send_own(RankExit(rank))
+        self.departed.add(rank, time.monotonic())
+        # In-process: the data thread reads it.
+        send(self.pipe, [rank_identity(rank)], self.stop, timeout_s=math.inf)
+
+    def restate(self, now: float) -> None:
+        """Every rank gone so far, reported again when due (one RankExit lost in a reset must not stall)."""
+        gone = self.departed.due(now)
+        if not gone:
+            return
+        self.count["restated_exit.upstream_control"] += len(gone)
+        for rank in gone:
+            self.send_own(RankExit(rank))
 
     # ranks -> relay
 
-    def deposit(self, msg: list[zmq.Frame]) -> None:
-        rank = rank_of(msg[0].bytes) if msg else None
+    def from_rank(self, msg: list[bytes]) -> None:
+        rank = rank_of(msg[0]) if msg else None
         if rank is None or rank not in self.cfg.ranks:
-            self.count["unknown_rank.local_data"] += 1
+            self.count["unknown_rank.local_control"] += 1
             return
-        frames = msg[1:]
-        env = self.relay._verify(self.codec, frames, Channel.DATA, rank, self.count, "local_data", self.mapped)
+        # No sequence check: the coordinator's window is the duplicate filter, and a rank's
+        # resend whose first copy passed here but was lost upstream must pass again (10.7).
+        env = self.verify(msg[1:], Channel.CONTROL, rank, "local_control", replay=False)
         if env is None:
             return
-        if is_by_reference(frames):
-            self.by_reference.add(rank)
-        if isinstance(env.record, ConsensusRequest):
-            self.rank_asks(rank, env.record.round)
-            return
-        if not isinstance(env.record, RoundFrame):
-            self.count["unexpected.local_data"] += 1
-            return
-        rec = env.record
-        try:
-            payload = self.widener.widen(f"rank {rank}", env.payload)
-        except ValueError as exc:
-            self.violation(FoldError(str(exc)))
-            return
-        try:
-            outcome = self.fold.deposit(rank, rec.round, rec.mass, payload)
-        except PoisonedDeposit as exc:
-            # Refused before it touched the round: this rank leaves, the others' round goes on.
-            log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, exc)
-            self.count["poisoned.local_data"] += 1
-            self.local_death(rank)
-            return
-        except FoldError as exc:
-            self.violation(exc)
-            return
-        self.ship(outcome)
-        self.refused()
-
-    def rank_asks(self, rank: int, round_id: int) -> None:
-        """A rank waited too long for the consensus of `round_id`: resend it, or ask for its lost deposit.
-
-        The request follows the rank's deposit on one connection, so a deposit the
-        fold still awaits was lost. A round shipped and not yet delivered needs
-        nothing here: this relay's own watch asks the reducer.
-        """
-        if self.delivered is not None and self.delivered[0] == round_id:
-            _, framed, shared = self.delivered
-            out = shared if shared is not None and rank in self.by_reference else framed
-            self.count["consensus_resent.local_data"] += 1
-            self.to_rank(rank, out)
-        elif round_id == RESUME_ROUND and self.delivered is None:
-            # The starting model of a resumed world: the reducer holds it, and this relay delivers
-            # it to every live rank like a round it shipped (a rank that missed it asks again).
-            # Once a later round is delivered it is superseded: nobody here can still need it.
-            # Asked upstream once for all the host's ranks; the watch repeats it, backing off (10.3).
-            if round_id not in self.watch.pending:
-                self.watch.shipped(round_id, time.monotonic())
-                self.request(round_id)
-        elif self.fold.awaits(rank, round_id):
-            self.count["frame_requests.local_data"] += 1
-            self.to_rank(rank, self.codec.encode(FrameRequest(round_id), channel=Channel.DATA))
-
-    def to_rank(self, rank: int, frames: Sequence[Any]) -> None:
-        try:
-            self.relay._send(self.local, [rank_identity(rank), *frames], self.count, "local_data", copy=False)
-        except zmq.ZMQError:  # EHOSTUNREACH: this rank's socket is gone
-            self.count["undeliverable.local_data"] += 1
-
-    def refused(self) -> None:
-        """Ranks the fold refused while summing (a poisoned deposit): they leave, as after a bad deposit."""
-        while self.fold.refused:
-            rank, why = self.fold.refused.pop(0)
-            log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, why)
-            self.count["poisoned.local_data"] += 1
-            self.local_death(rank)
-
-    def violation(self, exc: FoldError) -> None:
-        # The stream is desynced: the fold holds nothing that may ship, so the
-        # relay stops and the controller sees this host go (never a wrong mean).
-        log.error("relay %s: protocol violation, tearing the data channel down: %s", self.cfg.host, exc)
-        self.relay.error = self.relay.error or exc
-        self.stop.set()
-
-    def ship(self, outcome: HostFold | NothingToShip | None) -> None:
-        if isinstance(outcome, HostFold):
-            rec = HostFrame(outcome.round_id, self.cfg.host, list(outcome.ranks), outcome.mass)
-            self.send_up(rec, self.uplink.encode(outcome.tensors) if self.widener.packed else outcome.tensors)
-            self.watch.shipped(outcome.round_id, time.monotonic())
-            self.shipped = outcome
-        elif isinstance(outcome, NothingToShip):
-            log.info("relay %s: %s", self.cfg.host, outcome.reason)
-
-    def local_death(self, rank: int | None) -> None:
-        if rank is None:
-            return
-        self.leave(rank)
-        self.send_up(RankExit(rank))
-
-    def leave(self, rank: int) -> None:
-        # A rank that is gone never unlinks its own segment; the fold keeps its
-        # mapping for as long as it holds a deposit from it.
-        if self.shipped is not None and self.shipped.verbatim and rank in self.shipped.ranks:
-            self.shipped = None  # its tensors lie in that rank's deposit; its host has nobody left to wait
-        self.mapped.forget(rank_owner(rank))
-        unlink_owner(self.cfg.run_id, rank_owner(rank), self.mapped.directory)
-        try:
-            self.ship(self.fold.mark_dead(rank))
-        except FoldError as exc:
-            self.violation(exc)
-        self.refused()
-
-    # reducer -> relay
-
-    def from_reducer(self, msg: list[zmq.Frame]) -> None:
-        tag = msg[0].bytes if msg else b""
-        if tag == TAG_BCAST:
-            self.consensus(msg[1:], "upstream_data")
-            return
-        if tag != TAG_DATA:
-            self.count["rejected.upstream_data"] += 1
-            return
-        try:
-            env = self.codec.decode_from(msg[1:], Channel.DATA, FROM_REDUCER)
-        except AttributionError:
-            self.count["forged_route.upstream_data"] += 1
-            return
-        except WireError as exc:
-            self.count["rejected.upstream_data"] += 1
-            log.warning("relay %s: rejected a record from the reducer: %s", self.cfg.host, exc)
-            return
-        rec = env.record
-        if isinstance(rec, RelayDeclareDead):
-            if rec.rank in self.fold.dead:  # the reducer restates its deaths (10.7 item 8): a repeat is a no-op
-                self.count["restated_death.upstream_data"] += 1
-            elif rec.rank in self.cfg.ranks:
-                log.warning("relay %s: the controller declared rank %d dead", self.cfg.host, rec.rank)
-                self.leave(rec.rank)
-            else:
-                self.count["unknown_rank.upstream_data"] += 1
-        elif isinstance(rec, ConsensusGone):
-            # Unrecoverable for this host's ranks: say so loudly; the coordinator's
-            # stall detection owns what happens next.
-            log.error("relay %s: the reducer no longer holds round %d (latest %d); this host missed it",
-                      self.cfg.host, rec.round, rec.latest)
-            self.count["consensus_gone"] += 1
-        elif isinstance(rec, RelayHelloAck):
-            self.hello.acked()
-        elif isinstance(rec, FrameRequest):
-            self.resend_host_frame(rec.round)
-        else:
-            self.count["unexpected.upstream_data"] += 1
-
-    def resend_host_frame(self, round_id: int) -> None:
-        """The reducer never got this host's frame of `round_id` (lost in a reset): send it again.
-
-        Re-signed with a fresh sequence number (a byte-identical copy would be a
-        replay); the reducer counts the round once per host whatever arrives.
-        """
-        held = self.shipped
-        if held is None or held.round_id != round_id or round_id not in self.watch.pending:
-            self.count["stale_frame_request.upstream_data"] += 1
-            return
-        log.warning("relay %s: the reducer lost this host's frame of round %d; sending it again",
-                    self.cfg.host, round_id)
-        self.count["frames_resent.upstream_data"] += 1
-        self.send_up(HostFrame(held.round_id, self.cfg.host, list(held.ranks), held.mass), held.tensors)
-
-    def consensus(self, frames: list[zmq.Frame], where: str) -> None:
-        """A broadcast-channel record from PUB or resent point to point: verify, then deliver."""
-        try:
-            # No sequence check: a resend is byte-identical to the broadcast and
-            # may come after later rounds; the round id is the replay guard.
-            env = self.codec.decode_from(frames, Channel.BROADCAST, FROM_REDUCER, replay=False)
-        except AttributionError:
-            self.count[f"forged_route.{where}"] += 1
-            return
-        except WireError as exc:
-            self.count[f"rejected.{where}"] += 1
-            log.warning("relay %s: rejected a broadcast record: %s", self.cfg.host, exc)
-            return
-        rec = env.record
-        if isinstance(rec, Probe):
-            self.send_up(SubscriberReady(self.cfg.host, rec.nonce))
-            return
-        if not isinstance(rec, Consensus):
-            self.count[f"unexpected.{where}"] += 1
+        if type(env.record) not in RANK_CONTROL_RECORDS:
+            # A kind only the coordinator or a relay sends: the rank is out, as for any violation.
+            self.count["illegal_kind.local_control"] += 1
+            if self.live.leave(rank):
+                self.death(rank, f"protocol violation: it sent {env.kind}, which a rank never sends")
             return
         now = time.monotonic()
-        deliver, gaps = self.watch.accept(rec.round, now)
-        if not deliver:
-            self.count[f"stale_consensus.{where}"] += 1
+        self.live.seen(rank, now)
+        if isinstance(env.record, MERGEABLE):
+            self.reports.add(env.seq, env.record, msg, now)  # merged: vouched for by this relay, under its MAC (9.4)
             return
-        for r in gaps:
-            self.request(r)
-        live = self.live_ranks()
-        if self.shipped is not None and self.shipped.round_id <= rec.round:
-            self.shipped = None
-        shared = None
-        if self.segment is not None and self.by_reference.intersection(live):
-            # Verified above and written once for every same-host rank, under this relay's signature.
-            try:
-                self.segment.place(env.frames[1:-1])
-                shared = by_reference(self.codec, rec, env.payload, self.segment, channel=Channel.BROADCAST)
-            except ShmError as exc:
-                self.shm_unusable(exc)
-        self.delivered = (rec.round, list(frames), shared)
-        for rank in live:
-            self.to_rank(rank, shared if shared is not None and rank in self.by_reference else frames)
+        self.report_up()  # the rank's earlier records first: the coordinator hands them on in order
+        self.send(self.up, msg, "upstream_control")  # verbatim: the rank's own MAC travels on
+        if isinstance(env.record, Exiting) and self.live.leave(rank):
+            self.death(rank, GOODBYE)
 
-    def request(self, round_id: int) -> None:
-        log.info("relay %s: consensus of round %d not here; asking the reducer", self.cfg.host, round_id)
-        self.count["consensus_requests"] += 1
-        self.send_up(ConsensusRequest(round_id))
+    # coordinator -> relay
 
-    def recover(self, now: float) -> None:
-        for r in self.watch.due(now):
-            self.request(r)
+    def to_rank(self, msg: list[bytes]) -> None:
+        if len(msg) < 3:
+            self.count["rejected.upstream_control"] += 1
+            return
+        route = msg[0]
+        rank = rank_of(route)
+        if route != RELAY_ROUTE and (rank is None or rank not in self.cfg.ranks):
+            self.count["unknown_rank.upstream_control"] += 1
+            return
+        try:
+            # To a rank: signed for that rank's stream, and forwarded without the sequence
+            # check (the rank's window is the duplicate filter; a resend must pass, 10.7).
+            env = self.codec.decode_from(msg[1:], Channel.CONTROL, FROM_COORDINATOR) if route == RELAY_ROUTE else \
+                self.codec.decode_from(msg[1:], Channel.CONTROL, self.coordinator_to[rank], replay=False)
+        except AttributionError:
+            self.count["forged_route.upstream_control"] += 1
+            return
+        except WireError as exc:
+            self.count["rejected.upstream_control"] += 1
+            log.warning("relay %s: rejected a record from the coordinator: %s", self.cfg.host, exc)
+            return
+        if route == RELAY_ROUTE:
+            if isinstance(env.record, RelayHelloAck):
+                self.hello.acked()
+            else:
+                self.count["unexpected.upstream_control"] += 1
+            return
+        try:
+            self.send(self.local, [route, *msg[1:]], "local_control")
+        except zmq.ZMQError:  # EHOSTUNREACH: the rank is not connected (not yet, or any more)
+            self.count["undeliverable.local_control"] += 1
 
 
 def run_relay(penv: ProcessEnv) -> int:

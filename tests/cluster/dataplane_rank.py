@@ -25,8 +25,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
 from dataplane_helpers import from_wire, model, to_wire  # noqa: E402
 
-from flodl_zmq.links import rank_identity
-from flodl_zmq.relay import rank_sender  # noqa: E402
+from flodl_zmq.links import rank_identity, rank_sender  # noqa: E402
 from flodl_zmq.wire import Channel, Codec, key_from_hex  # noqa: E402
 from flodl_zmq.wire.records import Heartbeat, RoundFrame  # noqa: E402
 from flodl_zmq.wire.shm import (  # noqa: E402

@@ -15,7 +15,8 @@ import signal
 import sys
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.relay import Relay, RelayConfig
+from flodl_zmq.relay import Relay
+from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import key_from_hex
 
 

@@ -27,7 +27,8 @@ from flodl_zmq.links import (
     remove_host_sockets,
     remove_local_dir,
 )
-from flodl_zmq.relay import Relay, RelayConfig
+from flodl_zmq.relay import Relay
+from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import new_key
 
 pytestmark = pytest.mark.timeout(60)

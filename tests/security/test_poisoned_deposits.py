@@ -27,7 +27,8 @@ from flodl_zmq.errors import PoisonedDeposit
 from flodl_zmq.fold import PIECE, FoldStation, check_finite
 from flodl_zmq.links import relay_sender
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
-from flodl_zmq.relay import Relay, RelayConfig
+from flodl_zmq.relay import Relay
+from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import HostFrame, RelayHello
 

@@ -35,7 +35,8 @@ from transport.test_rank_link import link  # noqa: F401  (the fixture: a rank's 
 from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.links import coordinator_sender, rank_identity
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
-from flodl_zmq.relay import Relay, RelayConfig
+from flodl_zmq.relay import Relay
+from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.records import Consensus

@@ -25,7 +25,8 @@ from transport.dataplane_helpers import WAIT_S, FakeController, FakeRank, endpoi
 from flodl_zmq.errors import ShmError
 from flodl_zmq.links import _local_dir_path as local_dir_path
 from flodl_zmq.links import local_dir, remove_local_dir
-from flodl_zmq.relay import Relay, RelayConfig
+from flodl_zmq.relay import Relay
+from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import Consensus, RelayHello, RoundFrame
 from flodl_zmq.wire.shm import (

@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from flodl_zmq.links import Connections, keep_alive, relay_identity, send, take_over_routes, tune
-from flodl_zmq.relay import _Hello
+from flodl_zmq.relay_core import HelloRetry
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -53,7 +53,7 @@ def test_a_relay_identity_is_fixed_by_host_and_incarnation_and_fits_zeromq():
 
 
 def test_a_hello_is_repeated_until_acknowledged():
-    hello = _Hello(retry_s=1.0)
+    hello = HelloRetry(retry_s=1.0)
     assert hello.due(0.0)
     assert not hello.due(0.5)
     assert hello.due(1.1)  # lost in a reset: sent again

@@ -9,7 +9,9 @@ import pytest
 import zmq
 
 from flodl_zmq.links import RELAY_ROUTE, rank_identity
-from flodl_zmq.relay import ConsensusWatch, RankLiveness, Relay, RelayConfig
+from flodl_zmq.relay import Relay
+from flodl_zmq.relay_config import RelayConfig
+from flodl_zmq.relay_core import ConsensusWatch, Departures, RankLiveness
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import (
     RESUME_ROUND,
@@ -123,6 +125,27 @@ def test_liveness_does_not_count_the_relays_own_stall_as_its_ranks_silence():
     assert live.expired(4.3) == []
     assert live.expired(5.6) == [0]  # 1.5 s of silence heard after the stall
     assert live.expired(13.1) == [1]  # its first contact's 10 s, stall excluded
+
+
+def test_liveness_takes_a_turn_far_longer_than_its_poll_off_as_the_relays_own_stall():
+    live = RankLiveness([0], start=0.0, heartbeat_deadline=1.5, first_contact_deadline=10.0)
+    live.seen(0, 0.1)
+    assert live.turn(0.15, waited=0.05) == []
+    assert live.turn(3.0, waited=0.05) == []  # 2.8 s beyond its poll: this process stalled, not the rank
+    assert live.turn(3.5, waited=0.5) == []  # turns within their poll: the silence counts from 2.9
+    assert live.turn(4.0, waited=0.5) == []
+    assert live.turn(4.5, waited=0.5) == [0]
+
+
+def test_departures_are_restated_together_every_resend_period_for_the_rest_of_the_run():
+    gone = Departures()
+    assert gone.due(100.0) == []
+    gone.add(3, 0.0)
+    gone.add(1, 1.0)
+    assert gone.due(1.9) == []
+    assert gone.due(2.0) == [3, 1]
+    assert gone.due(3.9) == []
+    assert gone.due(4.0) == [3, 1]
 
 
 def test_consensus_watch_asks_for_overtaken_and_silent_rounds_and_refuses_replays():

@@ -20,7 +20,8 @@ from flodl_zmq import rank as rank_module
 from flodl_zmq.links import rank_identity
 from flodl_zmq.rank import RankConfig, _Link
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
-from flodl_zmq.relay import Relay, RelayConfig
+from flodl_zmq.relay import Relay
+from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import new_key
 from flodl_zmq.wire import records as rec
 

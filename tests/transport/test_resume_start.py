@@ -9,7 +9,8 @@ import zmq
 from flodl_zmq import int8
 from flodl_zmq.rank import RankConfig, _Link
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
-from flodl_zmq.relay import Relay, RelayConfig
+from flodl_zmq.relay import Relay
+from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.tensors import DTYPES, bf16_from_f32, f32_from_bf16
 from flodl_zmq.wire import new_key
 from flodl_zmq.wire.records import RESUME_ROUND, RoundFrame

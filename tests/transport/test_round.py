@@ -11,7 +11,8 @@ import zmq
 
 from flodl_zmq.io_threads import CONTROLLER_IO_THREADS
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
-from flodl_zmq.relay import Relay, RelayConfig
+from flodl_zmq.relay import Relay
+from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import new_key
 
 from .dataplane_helpers import (

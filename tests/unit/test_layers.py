@@ -23,14 +23,17 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
         "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "coordinator.feedback",
-        "coordinator.resume", "coordinator.outputs", "formation",
+        "coordinator.resume", "coordinator.outputs", "formation", "relay_core",
     ),
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
         "io_threads", "result", "runlog", "report", "runreport", "loader", "training", "checkpoints",
-        "warm",
+        "warm", "relay_config",
     ),
-    "services": ("relay", "reducer_service", "membership", "status_server", "controller_service", "rank", "agent_rules"),
+    "services": (
+        "relay", "relay_data", "reducer_service", "membership", "status_server", "controller_service", "rank",
+        "agent_rules",
+    ),
     "roles": ("api", "controller", "agent", "launch", "demo", "cli", "__init__"),
 }
 RANK = {module: i for i, layer in enumerate(LAYERS.values()) for module in layer}
@@ -101,7 +104,7 @@ def test_no_import_loop():
     assert not loops, f"import loops: {loops}"
 
 
-PURE = sorted((PACKAGE / "coordinator").glob("*.py")) + [PACKAGE / "formation.py"]
+PURE = sorted((PACKAGE / "coordinator").glob("*.py")) + [PACKAGE / "formation.py", PACKAGE / "relay_core.py"]
 
 
 @pytest.mark.parametrize("path", PURE, ids=lambda p: p.name)

@@ -1,0 +1,88 @@
+"""A relay's configuration: everything it needs, validated on construction.
+
+Apart from the service (``relay.Relay``) so that both of the relay's
+threads, in ``relay.py`` and ``relay_data.py``, can read it without either
+module importing the other's. Timings default to the settings table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.errors import ConfigError
+from flodl_zmq.links import local_endpoints
+from flodl_zmq.security import CurveKeys
+from flodl_zmq.settings import Settings
+from flodl_zmq.wire import Channel
+
+DEFAULTS = Settings()  # RelayConfig's timings default to the settings table
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """Everything a relay needs; validated on construction."""
+
+    host: str
+    ranks: tuple[int, ...]
+    key: bytes
+    run_id: bytes
+    control_upstream: str
+    data_upstream: str
+    bcast_upstream: str
+    local_control: str
+    local_data: str
+    heartbeat_deadline_s: float = DEFAULTS.rank_silence_at_relay_s
+    first_contact_deadline_s: float = DEFAULTS.rank_first_record_at_relay_s
+    consensus_deadline_s: float = DEFAULTS.consensus_wait_at_relay_s
+    hwm_records: int = 64
+    data_hwm_records: int = 4  # data records are model-sized: a few in flight is plenty
+    poll_s: float = 0.05
+    curve: CurveKeys | None = None  # CURVE client keys for the three upstream sockets (None: cleartext)
+    link_heartbeat_s: float = DEFAULTS.link_heartbeat_period_s  # ZeroMQ heartbeats on the tcp:// upstream links
+    link_silence_s: float = DEFAULTS.link_silence_s  # an upstream link silent this long is re-dialled
+    send_timeout_s: float = DEFAULTS.peer_send_timeout_s  # a send to a peer that stopped reading fails after this
+    hello_retry_s: float = 1.0  # a RelayHello not acknowledged by then is sent again (one lost in a reset)
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("relay host name must not be empty")
+        if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
+            raise ConfigError(f"relay ranks {self.ranks} must be distinct non-negative global ranks, at least one")
+        for name in ("heartbeat_deadline_s", "first_contact_deadline_s", "consensus_deadline_s", "poll_s",
+                     "link_heartbeat_s", "link_silence_s", "send_timeout_s", "hello_retry_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"relay {name} must be > 0, got {getattr(self, name)}")
+        if self.poll_s >= self.heartbeat_deadline_s:
+            raise ConfigError("relay poll_s must be below heartbeat_deadline_s or deaths are detected late")
+        if self.hwm_records < 1 or self.data_hwm_records < 1:
+            raise ConfigError("relay high-water marks must be at least 1 record")
+
+    @classmethod
+    def for_controller(
+        cls,
+        host: str,
+        ranks: Iterable[int],
+        key: bytes,
+        run_id: bytes,
+        controller: ControllerAddress,
+        local: tuple[str, str] | None = None,
+        **timing: Any,
+    ) -> RelayConfig:
+        """A relay of `controller`; local endpoints default to per-run ipc:// paths."""
+        control, data = local or local_endpoints(key, run_id, host)
+        return cls(
+            host=host,
+            ranks=tuple(sorted(int(r) for r in ranks)),
+            key=key,
+            run_id=run_id,
+            control_upstream=controller.endpoint(Channel.CONTROL),
+            data_upstream=controller.endpoint(Channel.DATA),
+            bcast_upstream=controller.endpoint(Channel.BROADCAST),
+            local_control=control,
+            local_data=data,
+            **timing,
+        )
+

@@ -1,0 +1,241 @@
+"""The relay's rules as plain objects: liveness, consensus recovery, hellos, merged reports (sans-I/O).
+
+The ZeroMQ service that drives them is ``relay.Relay``; every method here
+takes the current time as an argument and touches no socket, thread or clock.
+
+Rules this module keeps:
+
+- Liveness (the wheels have no ROUTER_NOTIFY): a rank is dead when it says
+  goodbye, when no control record arrived from it within its heartbeat
+  deadline (or its first-contact deadline before its first one), or when the
+  controller declares it dead. Death is permanent: membership only shrinks.
+  A stall of the relay's own process is nobody's silence.
+- A rank reported gone is restated every RESEND_AFTER_S for the rest of the
+  run: a RankExit lost in a reset must not leave the controller waiting for a
+  timeout, and a repeat changes nothing (PROTOCOL.md 10.7).
+- A consensus is delivered once. A shipped round whose consensus did not
+  come (a later round came first, or silence past the deadline) is requested
+  again, each request doubling the wait up to a cap (PROTOCOL.md 10.3).
+- A RelayHello is repeated until acknowledged.
+- A host's mergeable rank records go up as one `relay.reports` per period,
+  or at once when every live local rank has one held (PROTOCOL.md 9.4).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from flodl_zmq.wire.records import HostReports
+from flodl_zmq.wire.stream import RESEND_AFTER_S
+
+# How long the relay holds its ranks' mergeable records to send them up as one: a rank's own report
+# period (PROTOCOL.md 9.3, timing.batch), so a host's ranks make one record per period.
+MERGE_PERIOD_S = 0.05
+# A control-loop turn this much longer than its poll is this process stalled (RankLiveness.turn):
+# a turn's own work takes milliseconds, and a rank's deadline is seconds.
+OWN_STALL_S = 0.5
+
+
+class RankLiveness:
+    """Local rank liveness from records and goodbyes (pure: the caller passes the time).
+
+    A rank is alive until it says goodbye, is declared dead, or stays silent
+    past its deadline: `heartbeat_deadline` after its last record, or
+    `first_contact_deadline` after `start` if it never spoke (process start-up
+    is slower than a heartbeat). Death is permanent: membership only shrinks.
+    A stall of this process (a SIGSTOP, the GIL held by torch's import at a
+    run's first bf16 fold) is not its ranks' silence: `stalled` takes it off
+    every clock, since what they sent meanwhile is still on its way in.
+    """
+
+    def __init__(self, roster: Iterable[int], start: float, heartbeat_deadline: float, first_contact_deadline: float):
+        self.roster = frozenset(roster)
+        self.heartbeat_deadline = heartbeat_deadline
+        self.first_contact_deadline = first_contact_deadline
+        self._start = start
+        self._turned = start  # when the caller's loop last came round: a much later turn is our own stall
+        self._last: dict[int, float] = {}
+        self.dead: set[int] = set()
+
+    def seen(self, rank: int, now: float) -> None:
+        """A record from `rank` arrived at `now`."""
+        self._last[rank] = now
+
+    def leave(self, rank: int) -> bool:
+        """Mark `rank` dead; True when it was alive."""
+        if rank in self.dead or rank not in self.roster:
+            return False
+        self.dead.add(rank)
+        return True
+
+    def stalled(self, gap: float) -> None:
+        """This process heard nothing for `gap` seconds of its own making: no rank's silence grows by it."""
+        self._start += gap
+        for rank in self._last:
+            self._last[rank] += gap
+
+    def expired(self, now: float) -> list[int]:
+        """Ranks whose deadline passed at `now`; they are marked dead."""
+        out = []
+        for rank in sorted(self.roster - self.dead):
+            last = self._last.get(rank)
+            limit = self.first_contact_deadline if last is None else self.heartbeat_deadline
+            if now - (self._start if last is None else last) > limit:
+                self.dead.add(rank)
+                out.append(rank)
+        return out
+
+    def turn(self, now: float, waited: float) -> list[int]:
+        """The caller's loop came round at `now` after a poll of `waited` seconds: `expired`, once a turn
+        longer than the poll by OWN_STALL_S is taken off as this process's stall.
+
+        Judged right after the stall is taken off: judged later in the turn, it would still be on.
+        """
+        gap = now - self._turned - waited
+        if gap > OWN_STALL_S:
+            self.stalled(gap)
+        self._turned = now
+        return self.expired(now)
+
+
+class Departures:
+    """The ranks reported gone, and when to restate them (pure; PROTOCOL.md 10.7).
+
+    Each is restated every RESEND_AFTER_S for the rest of the run: a RankExit
+    lost in a reset must not leave the controller waiting for a heartbeat
+    timeout, and a repeat changes nothing there.
+    """
+
+    def __init__(self) -> None:
+        self.ranks: list[int] = []
+        self._due_at = math.inf
+
+    def add(self, rank: int, now: float) -> None:
+        """`rank` was reported gone at `now`."""
+        self.ranks.append(rank)
+        self._due_at = min(self._due_at, now + RESEND_AFTER_S)
+
+    def due(self, now: float) -> list[int]:
+        """Every rank gone so far when a restatement is due at `now` (the next one is then armed), else none."""
+        if now < self._due_at:
+            return []
+        self._due_at = now + RESEND_AFTER_S
+        return list(self.ranks)
+
+
+class ConsensusWatch:
+    """Which shipped rounds still await their consensus, and when to ask for one (pure).
+
+    `shipped` arms a round; `accept` says whether a consensus is new (deliver
+    it) and which older shipped rounds it overtook (ask for those now); `due`
+    returns rounds silent past their wait and re-arms them, so a request
+    that is itself lost is repeated. Each request for a round doubles its
+    wait (up to `BACKOFF_CAP` deadlines): on a slow link a consensus may take
+    longer than the deadline to arrive, and every early request would put one
+    more full copy of it on that link (PROTOCOL.md 10.3).
+    """
+
+    BACKOFF_CAP = 8
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self._pending: dict[int, tuple[float, float]] = {}  # round -> (armed or last asked at, wait)
+        self._high = 0  # highest round shipped or delivered
+
+    @property
+    def pending(self) -> list[int]:
+        return sorted(self._pending)
+
+    def shipped(self, round_id: int, now: float) -> None:
+        self._pending[round_id] = (now, self.deadline)
+        self._high = max(self._high, round_id)
+
+    def accept(self, round_id: int, now: float) -> tuple[bool, list[int]]:
+        """(deliver, overtaken rounds to request) for a consensus of `round_id`."""
+        if round_id in self._pending:
+            del self._pending[round_id]
+        elif round_id > self._high:
+            self._high = round_id  # a round this host had nothing for; its live ranks still adopt it
+        else:
+            return False, []  # already delivered: a replay or a duplicate resend
+        gaps = [r for r in sorted(self._pending) if r < round_id]
+        for r in gaps:
+            self._asked(r, now)
+        return True, gaps
+
+    def due(self, now: float) -> list[int]:
+        out = [r for r, (t, wait) in sorted(self._pending.items()) if now - t > wait]
+        for r in out:
+            self._asked(r, now)
+        return out
+
+    def _asked(self, round_id: int, now: float) -> None:
+        wait = self._pending[round_id][1]
+        self._pending[round_id] = (now, min(2 * wait, self.BACKOFF_CAP * self.deadline))
+
+
+class HelloRetry:
+    """When a relay (re)sends its RelayHello on one upstream link (pure: the caller passes the time).
+
+    Due at once, then every `retry_s` until acknowledged: a hello lost in a
+    connection reset must not leave the host unregistered. The controller and
+    the reducer accept a repeated hello from the same identity idempotently.
+    """
+
+    def __init__(self, retry_s: float):
+        self.retry_s = retry_s
+        self._next: float | None = 0.0  # None: acknowledged
+
+    def due(self, now: float) -> bool:
+        if self._next is None or now < self._next:
+            return False
+        self._next = now + self.retry_s
+        return True
+
+    def acked(self) -> None:
+        self._next = None
+
+
+class ReportQueue:
+    """The host's rank records waiting to go up as one `relay.reports` (pure; PROTOCOL.md 9.4).
+
+    Forwarded one by one, a host of R ranks cost the controller R decodes and
+    R records' bytes per report period; merged, one. A lone held record goes
+    up as it came: there is nothing to merge it with. The queue is due when
+    every live local rank has a record in it (one rank: at once, no added
+    latency), or `period_s` after the first; the relay also empties it before
+    any other record of the host goes up, so a rank's next stream record never
+    waits at the coordinator behind one the relay still holds.
+    """
+
+    def __init__(self, ranks: Iterable[int], period_s: float):
+        self.period_s = period_s
+        self.due_at = math.inf
+        self._live = set(ranks)
+        self._items: list[tuple[int, Any, list[Any]]] = []
+        self._from: set[int] = set()
+
+    def add(self, seq: int, record: Any, frames: list[Any], now: float) -> None:
+        """Hold `record` (sequence number `seq` of its rank's stream), which came as `frames`."""
+        if not self._items:
+            self.due_at = now + self.period_s
+        self._items.append((seq, record, frames))
+        self._from.add(record.rank)
+        if self._from >= self._live:
+            self.due_at = now
+
+    def leave(self, rank: int) -> None:
+        """`rank` left: the queue no longer waits for it."""
+        self._live.discard(rank)
+        if self._items and self._from >= self._live:
+            self.due_at = 0.0  # due at once
+
+    def take(self) -> HostReports | list[Any] | None:
+        """What is held: several records as one HostReports; a lone one as the frames it came in
+        (nothing to merge it with: verbatim, it is smaller and costs no signature); None when nothing is."""
+        items, self._items, self._from, self.due_at = self._items, [], set(), math.inf
+        if len(items) <= 1:
+            return items[0][2] if items else None
+        return HostReports.merge([(seq, record) for seq, record, _ in items])

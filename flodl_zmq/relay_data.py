@@ -1,0 +1,366 @@
+"""The relay's data thread: ranks' deposits into the host fold, host frames up, the consensus down.
+
+`relay.Relay` owns the thread and its sockets (the local data ROUTER, the
+up data DEALER, the SUB and the inproc PAIR from the control thread) and
+hands every message to a `DataPlane`; `Plane` is what both of the relay's
+threads do alike. The rules the data thread keeps are stated in relay.py's
+module docstring (one fold, deposits verified before they join it, nothing
+lost in a reset stalls a round, consensus by reference to same-host ranks).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from flodl_zmq import int8
+from flodl_zmq.errors import AttributionError, FoldError, PoisonedDeposit, ShmError, WireError
+from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
+from flodl_zmq.links import (
+    FROM_REDUCER,
+    TAG_BCAST,
+    TAG_DATA,
+    rank_identity,
+    rank_of,
+    rank_sender,
+    send,
+)
+from flodl_zmq.relay_config import RelayConfig
+from flodl_zmq.relay_core import ConsensusWatch, HelloRetry
+from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
+from flodl_zmq.wire.records import (
+    RESUME_ROUND,
+    Consensus,
+    ConsensusGone,
+    ConsensusRequest,
+    FrameRequest,
+    HostFrame,
+    Probe,
+    RankExit,
+    RelayDeclareDead,
+    RelayHelloAck,
+    RoundFrame,
+    SubscriberReady,
+)
+from flodl_zmq.wire.shm import (
+    Segment,
+    SegmentMap,
+    by_reference,
+    host_owner,
+    is_by_reference,
+    rank_owner,
+    run_dir,
+    unlink_owner,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Plane:
+    """What both of a relay's threads do alike: send within a time bound, and verify a rank's record."""
+
+    def __init__(self, cfg: RelayConfig, stop: threading.Event, count: collections.Counter[str], codec: Codec):
+        self.cfg, self.stop, self.count, self.codec = cfg, stop, count, codec
+
+    def verify(self, frames: list[Any], channel: Channel, rank: int, where: str, mapped: SegmentMap | None = None,
+               replay: bool = True) -> Envelope | None:
+        """Decode a rank's record; None (counted) unless it is authentic, from `rank` itself, and (with `replay`) fresh.
+
+        With `mapped`, a by-reference message is read from that rank's own segment.
+        """
+        sender = Attribution.signed_by(rank_sender(rank), f"rank {rank}'s connection", rank=rank)
+        try:
+            if mapped is not None:
+                env = mapped.decode(self.codec, frames, rank_owner(rank), channel, sender=sender)
+            else:
+                env = self.codec.decode_from(frames, channel, sender, replay=replay)
+        except AttributionError as exc:
+            self.count[f"forged_route.{where}"] += 1
+            log.warning("relay %s: dropped: %s", self.cfg.host, exc)
+            return None
+        except WireError as exc:
+            self.count[f"rejected.{where}"] += 1
+            log.warning("relay %s: rejected a %s record routed as rank %d: %s", self.cfg.host, channel.value,
+                        rank, exc)
+            return None
+        return env
+
+    def send(self, sock: zmq.Socket, frames: Sequence[Any], where: str, copy: bool = True) -> bool:
+        """Send, bounded in time; a message a peer did not take in time is dropped and counted.
+
+        Upstream waits up to `send_timeout_s`; a local rank at most half its
+        silence deadline, so one wedged rank never starves the others' liveness.
+        """
+        cfg = self.cfg
+        limit = min(cfg.send_timeout_s, cfg.heartbeat_deadline_s / 2) if where.startswith("local") else cfg.send_timeout_s
+        if send(sock, frames, self.stop, copy=copy, timeout_s=limit):
+            return True
+        if not self.stop.is_set():
+            self.count[f"send_timeout.{where}"] += 1
+            log.warning("relay %s: a send on %s timed out after %g s: the peer is not reading", cfg.host, where, limit)
+        return False
+
+
+class DataPlane(Plane):
+    """The data thread's handlers: deposits into the fold station, consensus out under the watch."""
+
+    def __init__(self, cfg: RelayConfig, stop: threading.Event, count: collections.Counter[str], codec: Codec,
+                 local: zmq.Socket, up: zmq.Socket, fold: FoldStation, watch: ConsensusWatch,
+                 fail: Callable[[BaseException], None]):
+        super().__init__(cfg, stop, count, codec)
+        self.local, self.up = local, up
+        self.fold, self.watch, self.fail = fold, watch, fail
+        self.mapped = SegmentMap(self.cfg.run_id, run_dir(self.cfg.key, self.cfg.run_id))  # the ranks' deposits, read-only
+        self.segment: Segment | None = None  # where consensus goes by reference (None: framed to everyone)
+        try:
+            self.segment = Segment(self.cfg.key, self.cfg.run_id, host_owner(self.cfg.host))
+        except ShmError as exc:
+            self.shm_unusable(exc)
+        self.by_reference: set[int] = set()  # ranks that deposit by reference
+        self.hello = HelloRetry(self.cfg.hello_retry_s)
+        # Kept for a resend after a reset: the host frame awaiting its consensus, and the last
+        # consensus delivered (framed, and by reference while the host segment still holds it).
+        self.shipped: HostFold | None = None
+        self.delivered: tuple[int, list[Any], list[Any] | None] | None = None
+        # int8 deposits are widened into the f32 fold; the host frame goes up in int8 again, with this
+        # relay's own error feedback (what its quantization loses goes into its next frame).
+        self.widener = int8.Widener(f"relay {self.cfg.host}")
+        self.uplink = int8.PayloadEncoder()
+
+    def shm_unusable(self, exc: ShmError) -> None:
+        # A squatted or foreign shared-memory path must not stop the host: consensus goes framed.
+        log.error("relay %s: consensus goes framed, not by reference: %s", self.cfg.host, exc)
+        self.count["shm_unusable"] += 1
+        if self.segment is not None:
+            self.segment.close()
+        self.segment = None
+
+    def send_up(self, rec: Any, payload: Sequence[Any] = ()) -> None:
+        self.send(self.up, self.codec.encode(rec, payload, channel=Channel.DATA), "upstream_data", copy=False)
+
+    def live_ranks(self) -> list[int]:
+        return [r for r in self.cfg.ranks if r not in self.fold.dead]
+
+    # ranks -> relay
+
+    def deposit(self, msg: list[zmq.Frame]) -> None:
+        rank = rank_of(msg[0].bytes) if msg else None
+        if rank is None or rank not in self.cfg.ranks:
+            self.count["unknown_rank.local_data"] += 1
+            return
+        frames = msg[1:]
+        env = self.verify(frames, Channel.DATA, rank, "local_data", self.mapped)
+        if env is None:
+            return
+        if is_by_reference(frames):
+            self.by_reference.add(rank)
+        if isinstance(env.record, ConsensusRequest):
+            self.rank_asks(rank, env.record.round)
+            return
+        if not isinstance(env.record, RoundFrame):
+            self.count["unexpected.local_data"] += 1
+            return
+        rec = env.record
+        try:
+            payload = self.widener.widen(f"rank {rank}", env.payload)
+        except ValueError as exc:
+            self.violation(FoldError(str(exc)))
+            return
+        try:
+            outcome = self.fold.deposit(rank, rec.round, rec.mass, payload)
+        except PoisonedDeposit as exc:
+            # Refused before it touched the round: this rank leaves, the others' round goes on.
+            log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, exc)
+            self.count["poisoned.local_data"] += 1
+            self.local_death(rank)
+            return
+        except FoldError as exc:
+            self.violation(exc)
+            return
+        self.ship(outcome)
+        self.refused()
+
+    def rank_asks(self, rank: int, round_id: int) -> None:
+        """A rank waited too long for the consensus of `round_id`: resend it, or ask for its lost deposit.
+
+        The request follows the rank's deposit on one connection, so a deposit the
+        fold still awaits was lost. A round shipped and not yet delivered needs
+        nothing here: this relay's own watch asks the reducer.
+        """
+        if self.delivered is not None and self.delivered[0] == round_id:
+            _, framed, shared = self.delivered
+            out = shared if shared is not None and rank in self.by_reference else framed
+            self.count["consensus_resent.local_data"] += 1
+            self.to_rank(rank, out)
+        elif round_id == RESUME_ROUND and self.delivered is None:
+            # The starting model of a resumed world: the reducer holds it, and this relay delivers
+            # it to every live rank like a round it shipped (a rank that missed it asks again).
+            # Once a later round is delivered it is superseded: nobody here can still need it.
+            # Asked upstream once for all the host's ranks; the watch repeats it, backing off (10.3).
+            if round_id not in self.watch.pending:
+                self.watch.shipped(round_id, time.monotonic())
+                self.request(round_id)
+        elif self.fold.awaits(rank, round_id):
+            self.count["frame_requests.local_data"] += 1
+            self.to_rank(rank, self.codec.encode(FrameRequest(round_id), channel=Channel.DATA))
+
+    def to_rank(self, rank: int, frames: Sequence[Any]) -> None:
+        try:
+            self.send(self.local, [rank_identity(rank), *frames], "local_data", copy=False)
+        except zmq.ZMQError:  # EHOSTUNREACH: this rank's socket is gone
+            self.count["undeliverable.local_data"] += 1
+
+    def refused(self) -> None:
+        """Ranks the fold refused while summing (a poisoned deposit): they leave, as after a bad deposit."""
+        while self.fold.refused:
+            rank, why = self.fold.refused.pop(0)
+            log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, why)
+            self.count["poisoned.local_data"] += 1
+            self.local_death(rank)
+
+    def violation(self, exc: FoldError) -> None:
+        # The stream is desynced: the fold holds nothing that may ship, so the
+        # relay stops and the controller sees this host go (never a wrong mean).
+        log.error("relay %s: protocol violation, tearing the data channel down: %s", self.cfg.host, exc)
+        self.fail(exc)
+
+    def ship(self, outcome: HostFold | NothingToShip | None) -> None:
+        if isinstance(outcome, HostFold):
+            rec = HostFrame(outcome.round_id, self.cfg.host, list(outcome.ranks), outcome.mass)
+            self.send_up(rec, self.uplink.encode(outcome.tensors) if self.widener.packed else outcome.tensors)
+            self.watch.shipped(outcome.round_id, time.monotonic())
+            self.shipped = outcome
+        elif isinstance(outcome, NothingToShip):
+            log.info("relay %s: %s", self.cfg.host, outcome.reason)
+
+    def local_death(self, rank: int | None) -> None:
+        if rank is None:
+            return
+        self.leave(rank)
+        self.send_up(RankExit(rank))
+
+    def leave(self, rank: int) -> None:
+        # A rank that is gone never unlinks its own segment; the fold keeps its
+        # mapping for as long as it holds a deposit from it.
+        if self.shipped is not None and self.shipped.verbatim and rank in self.shipped.ranks:
+            self.shipped = None  # its tensors lie in that rank's deposit; its host has nobody left to wait
+        self.mapped.forget(rank_owner(rank))
+        unlink_owner(self.cfg.run_id, rank_owner(rank), self.mapped.directory)
+        try:
+            self.ship(self.fold.mark_dead(rank))
+        except FoldError as exc:
+            self.violation(exc)
+        self.refused()
+
+    # reducer -> relay
+
+    def from_reducer(self, msg: list[zmq.Frame]) -> None:
+        tag = msg[0].bytes if msg else b""
+        if tag == TAG_BCAST:
+            self.consensus(msg[1:], "upstream_data")
+            return
+        if tag != TAG_DATA:
+            self.count["rejected.upstream_data"] += 1
+            return
+        try:
+            env = self.codec.decode_from(msg[1:], Channel.DATA, FROM_REDUCER)
+        except AttributionError:
+            self.count["forged_route.upstream_data"] += 1
+            return
+        except WireError as exc:
+            self.count["rejected.upstream_data"] += 1
+            log.warning("relay %s: rejected a record from the reducer: %s", self.cfg.host, exc)
+            return
+        rec = env.record
+        if isinstance(rec, RelayDeclareDead):
+            if rec.rank in self.fold.dead:  # the reducer restates its deaths (10.7 item 8): a repeat is a no-op
+                self.count["restated_death.upstream_data"] += 1
+            elif rec.rank in self.cfg.ranks:
+                log.warning("relay %s: the controller declared rank %d dead", self.cfg.host, rec.rank)
+                self.leave(rec.rank)
+            else:
+                self.count["unknown_rank.upstream_data"] += 1
+        elif isinstance(rec, ConsensusGone):
+            # Unrecoverable for this host's ranks: say so loudly; the coordinator's
+            # stall detection owns what happens next.
+            log.error("relay %s: the reducer no longer holds round %d (latest %d); this host missed it",
+                      self.cfg.host, rec.round, rec.latest)
+            self.count["consensus_gone"] += 1
+        elif isinstance(rec, RelayHelloAck):
+            self.hello.acked()
+        elif isinstance(rec, FrameRequest):
+            self.resend_host_frame(rec.round)
+        else:
+            self.count["unexpected.upstream_data"] += 1
+
+    def resend_host_frame(self, round_id: int) -> None:
+        """The reducer never got this host's frame of `round_id` (lost in a reset): send it again.
+
+        Re-signed with a fresh sequence number (a byte-identical copy would be a
+        replay); the reducer counts the round once per host whatever arrives.
+        """
+        held = self.shipped
+        if held is None or held.round_id != round_id or round_id not in self.watch.pending:
+            self.count["stale_frame_request.upstream_data"] += 1
+            return
+        log.warning("relay %s: the reducer lost this host's frame of round %d; sending it again",
+                    self.cfg.host, round_id)
+        self.count["frames_resent.upstream_data"] += 1
+        self.send_up(HostFrame(held.round_id, self.cfg.host, list(held.ranks), held.mass), held.tensors)
+
+    def consensus(self, frames: list[zmq.Frame], where: str) -> None:
+        """A broadcast-channel record from PUB or resent point to point: verify, then deliver."""
+        try:
+            # No sequence check: a resend is byte-identical to the broadcast and
+            # may come after later rounds; the round id is the replay guard.
+            env = self.codec.decode_from(frames, Channel.BROADCAST, FROM_REDUCER, replay=False)
+        except AttributionError:
+            self.count[f"forged_route.{where}"] += 1
+            return
+        except WireError as exc:
+            self.count[f"rejected.{where}"] += 1
+            log.warning("relay %s: rejected a broadcast record: %s", self.cfg.host, exc)
+            return
+        rec = env.record
+        if isinstance(rec, Probe):
+            self.send_up(SubscriberReady(self.cfg.host, rec.nonce))
+            return
+        if not isinstance(rec, Consensus):
+            self.count[f"unexpected.{where}"] += 1
+            return
+        now = time.monotonic()
+        deliver, gaps = self.watch.accept(rec.round, now)
+        if not deliver:
+            self.count[f"stale_consensus.{where}"] += 1
+            return
+        for r in gaps:
+            self.request(r)
+        live = self.live_ranks()
+        if self.shipped is not None and self.shipped.round_id <= rec.round:
+            self.shipped = None
+        shared = None
+        if self.segment is not None and self.by_reference.intersection(live):
+            # Verified above and written once for every same-host rank, under this relay's signature.
+            try:
+                self.segment.place(env.frames[1:-1])
+                shared = by_reference(self.codec, rec, env.payload, self.segment, channel=Channel.BROADCAST)
+            except ShmError as exc:
+                self.shm_unusable(exc)
+        self.delivered = (rec.round, list(frames), shared)
+        for rank in live:
+            self.to_rank(rank, shared if shared is not None and rank in self.by_reference else frames)
+
+    def request(self, round_id: int) -> None:
+        log.info("relay %s: consensus of round %d not here; asking the reducer", self.cfg.host, round_id)
+        self.count["consensus_requests"] += 1
+        self.send_up(ConsensusRequest(round_id))
+
+    def recover(self, now: float) -> None:
+        for r in self.watch.due(now):
+            self.request(r)
