@@ -23,14 +23,14 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
         "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "coordinator.feedback",
-        "coordinator.resume", "coordinator.outputs", "formation",
+        "coordinator.resume", "coordinator.outputs", "formation", "step_report",
     ),
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
         "io_threads", "result", "runlog", "report", "runreport", "loader", "training", "checkpoints",
-        "warm",
+        "warm", "param_buffers",
     ),
-    "services": ("relay", "reducer_service", "membership", "status_server", "controller_service", "rank"),
+    "services": ("relay", "reducer_service", "membership", "status_server", "controller_service", "rank_link", "rank"),
     "roles": ("api", "controller", "agent", "launch", "demo", "cli", "__init__"),
 }
 RANK = {module: i for i, layer in enumerate(LAYERS.values()) for module in layer}
@@ -101,7 +101,7 @@ def test_no_import_loop():
     assert not loops, f"import loops: {loops}"
 
 
-PURE = sorted((PACKAGE / "coordinator").glob("*.py")) + [PACKAGE / "formation.py"]
+PURE = sorted((PACKAGE / "coordinator").glob("*.py")) + [PACKAGE / "formation.py", PACKAGE / "step_report.py"]
 
 
 @pytest.mark.parametrize("path", PURE, ids=lambda p: p.name)
