@@ -211,7 +211,7 @@ def _cuda_buffers(rank: int, host: str, n: int, dtype: str, segment: Any) -> Any
     """The rank runtime's snapshot/load buffers over one n-element parameter on this rank's GPU."""
     import torch
 
-    from flodl_zmq.rank import ParamBuffers
+    from flodl_zmq.param_buffers import ParamBuffers
 
     device = torch.device("cuda", HOSTS[host].index(rank) % torch.cuda.device_count())
     holder = torch.nn.Module()

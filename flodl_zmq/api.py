@@ -43,7 +43,8 @@ from flodl_zmq import bundle, checkpoints
 from flodl_zmq.environment import ProcessEnv, watch_lifeline
 from flodl_zmq.job import Job
 from flodl_zmq.loader import BatchPipeline
-from flodl_zmq.rank import RankConfig, RankRuntime
+from flodl_zmq.rank import RankRuntime
+from flodl_zmq.rank_link import RankConfig
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult
 from flodl_zmq.runlog import run_dir_for

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from flodl_zmq.launch import Cluster
+from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.payload import flatten, payload_tensors
-from flodl_zmq.rank import ParamBuffers, pick_device
+from flodl_zmq.rank import pick_device
 from flodl_zmq.tensors import bf16_from_f32
 
 pytestmark = pytest.mark.skipif(

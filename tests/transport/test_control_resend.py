@@ -23,7 +23,8 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.job import Job
 from flodl_zmq.launch import free_port_base
-from flodl_zmq.rank import RankConfig, RankRuntime
+from flodl_zmq.rank import RankRuntime
+from flodl_zmq.rank_link import RankConfig
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.settings import Settings

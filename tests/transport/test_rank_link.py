@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import zmq
 
-from flodl_zmq import rank as rank_module
+from flodl_zmq import rank_link
 from flodl_zmq.links import COORDINATOR_SENDER, REDUCER_SENDER, coordinator_sender, rank_identity
-from flodl_zmq.rank import RankConfig, _Link
+from flodl_zmq.rank_link import RankConfig, RankLink
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 def link(tmp_path, monkeypatch):
     # No coordinator here acknowledges the rank's records: its bounded wait for that at exit
     # would only run out (4 s a test).
-    monkeypatch.setattr(rank_module, "ACK_WAIT_AT_EXIT_S", 0.0)
+    monkeypatch.setattr(rank_link, "ACK_WAIT_AT_EXIT_S", 0.0)
     ctx = zmq.Context()
     key, run_id = new_key(), uuid.uuid4().bytes
     control, data = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
@@ -35,7 +35,7 @@ def link(tmp_path, monkeypatch):
     cfg = RankConfig(rank=0, local_rank=0, world_size=1, host="a", key=key, run_id=run_id,
                      control_endpoint=f"ipc://{tmp_path}/c", data_endpoint=f"ipc://{tmp_path}/d",
                      heartbeat_s=30.0)
-    lk = _Link(cfg, ctx, lambda: 0)
+    lk = RankLink(cfg, ctx, lambda: 0)
     lk.start()
     # The first heartbeat tells us the link is up (and gives the ROUTER the rank's route).
     assert control.poll(int(WAIT_S * 1000))

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import zmq
 
-from flodl_zmq import rank as rank_module
+from flodl_zmq import rank_link as rank_module
 from flodl_zmq.links import rank_identity
-from flodl_zmq.rank import RankConfig, _Link
+from flodl_zmq.rank_link import RankConfig
+from flodl_zmq.rank_link import RankLink as _Link
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from flodl_zmq import int8
 from flodl_zmq.errors import FoldError
 from flodl_zmq.fold import FoldStation
+from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.payload import flatten
-from flodl_zmq.rank import ParamBuffers
 from flodl_zmq.wire import Channel, Codec
 
 

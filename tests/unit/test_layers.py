@@ -23,16 +23,16 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
         "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "coordinator.feedback",
-        "coordinator.resume", "coordinator.outputs", "formation", "relay_core",
+        "coordinator.resume", "coordinator.outputs", "formation", "relay_core", "step_report",
     ),
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
         "io_threads", "result", "runlog", "report", "runreport", "loader", "training", "checkpoints",
-        "warm", "relay_config",
+        "warm", "relay_config", "param_buffers",
     ),
     "services": (
-        "relay", "relay_data", "reducer_service", "membership", "status_server", "controller_service", "rank",
-        "agent_rules",
+        "relay", "relay_data", "reducer_service", "membership", "status_server", "controller_service", "rank_link",
+        "rank", "agent_rules",
     ),
     "roles": ("api", "controller", "agent", "launch", "demo", "cli", "__init__"),
 }
@@ -104,7 +104,9 @@ def test_no_import_loop():
     assert not loops, f"import loops: {loops}"
 
 
-PURE = sorted((PACKAGE / "coordinator").glob("*.py")) + [PACKAGE / "formation.py", PACKAGE / "relay_core.py"]
+PURE = sorted((PACKAGE / "coordinator").glob("*.py")) + [
+    PACKAGE / name for name in ("formation.py", "relay_core.py", "step_report.py")
+]
 
 
 @pytest.mark.parametrize("path", PURE, ids=lambda p: p.name)

@@ -1,4 +1,4 @@
-"""The rank's snapshot / consensus-load machinery and control handling (flodl_zmq.rank), on CPU."""
+"""The rank's snapshot / consensus-load machinery (flodl_zmq.param_buffers) and control handling (flodl_zmq.rank), on CPU."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from torch.utils.data import TensorDataset
 from flodl_zmq.errors import ConfigError, TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.mailbox import Mailbox
+from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.payload import flatten, load_flat, model_signature, payload_tensors
-from flodl_zmq.rank import ParamBuffers, RankConfig, RankRuntime
+from flodl_zmq.rank import RankRuntime
+from flodl_zmq.rank_link import RankConfig
 from flodl_zmq.tensors import bf16_from_f32
 from flodl_zmq.wire import records as rec
 

@@ -19,7 +19,8 @@ import flodl_zmq as fz
 from flodl_zmq.api import train_alone
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.job import Job
-from flodl_zmq.rank import RankConfig, RankRuntime
+from flodl_zmq.rank import RankRuntime
+from flodl_zmq.rank_link import RankConfig
 from flodl_zmq.training import ScalarLog, Stepper, recording, split_batch
 from flodl_zmq.wire import records as rec
 

@@ -1,0 +1,366 @@
+"""The rank's link: the I/O thread that owns its two DEALERs to its host's relay.
+
+A rank holds a control and a data DEALER to its relay (routing identity = its
+global rank as ASCII digits). The link encodes every outgoing record, decodes
+and attributes every inbound one, beats, and hands what it received to the
+training thread (flodl_zmq/rank.py) through a mailbox.
+
+Rules this module keeps:
+
+- One socket, one thread. The I/O thread owns both sockets, encodes every
+  outgoing record (so each channel's sequence numbers go out in order),
+  sends heartbeats on its own clock (a rank busy in a long batch still
+  beats) and hands decoded inbound records to the training thread through a
+  mailbox (flodl_zmq/mailbox.py), as the training thread hands it outgoing
+  ones. The training thread never touches a socket.
+- Pending step timings always go out ahead of any other record of the rank
+  (flodl_zmq/step_report.py).
+- The control streams to and from the coordinator (PROTOCOL.md 10.7): what
+  this rank sent is kept until acknowledged and resent byte-identical, what
+  it receives is handed on in order; a closing rank waits (bounded) for the
+  acknowledgement of its last records, its goodbye among them.
+- A deposit is kept until its round's consensus arrives: a rank that waited
+  `consensus_wait_s` asks its relay (ConsensusRequest), which resends the
+  consensus or asks for the deposit again (FrameRequest), so a record lost
+  on the local link never stalls the round (PROTOCOL.md 10.6).
+- When the relay is on this machine the deposit goes by reference through the
+  rank's segment, and the consensus comes back by reference into the relay's,
+  verified here end to end against the reducer's MAC (flodl_zmq/wire/shm.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from flodl_zmq.errors import ReplayError, WireError
+from flodl_zmq.links import (
+    CONTROL_MAX_FRAME_BYTES,
+    CONTROL_MAX_FRAMES,
+    DATA_MAX_FRAME_BYTES,
+    DATA_MAX_FRAMES,
+    FROM_REDUCER,
+    coordinator_sender,
+    limit_receive,
+    rank_identity,
+    rank_sender,
+    recv_bounded,
+    relay_sender,
+)
+from flodl_zmq.mailbox import Mailbox
+from flodl_zmq.param_buffers import ParamBuffers
+from flodl_zmq.settings import Settings
+from flodl_zmq.step_report import StepReport
+from flodl_zmq.wire import Attribution, Channel, Codec
+from flodl_zmq.wire import records as rec
+from flodl_zmq.wire.shm import SegmentMap, by_reference, host_owner, is_by_reference, run_dir
+from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outage, Outstream
+
+log = logging.getLogger(__name__)
+
+DEFAULTS = Settings()  # the timings below default to the settings table
+# How long a closing rank waits for the coordinator to acknowledge its last records (its
+# goodbye among them): two resends, and under close()'s join timeout.
+ACK_WAIT_AT_EXIT_S = 2 * RESEND_AFTER_S
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """Where this rank is and how it talks (built from the FLODL_* environment by the API)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    key: bytes
+    run_id: bytes
+    control_endpoint: str
+    data_endpoint: str
+    slowdown: float = 1.0
+    heartbeat_s: float = DEFAULTS.rank_heartbeat_period_s
+    coordinator_timeout_s: float = DEFAULTS.coordinator_silence_at_rank_s
+    # The world forms only once every rank has started: the first word may take long.
+    first_contact_timeout_s: float = DEFAULTS.coordinator_first_contact_at_rank_s
+    consensus_wait_s: float = DEFAULTS.consensus_wait_at_relay_s  # then the rank asks its relay for it
+    # A resumed or re-formed world: the rank loads the reducer's starting consensus (round
+    # rec.RESUME_ROUND) before its first step; it never reads a checkpoint (PROTOCOL.md 13).
+    resumed: bool = False
+
+
+class RankLink:
+    """The I/O thread: owns the control and data DEALERs, encodes, decodes, beats.
+
+    Inbound items on `inbox`: ("control", record), ("consensus", Envelope) or
+    ("lost", reason). Outbound: `step(...)` and `send(record, payload,
+    tracked_by)` from the training thread; pending step timings always go
+    out ahead of any other record (`flush_steps`).
+    """
+
+    def __init__(self, cfg: RankConfig, ctx: zmq.Context, report_period_s: float) -> None:
+        self.cfg = cfg
+        self.steps = StepReport(cfg.rank, report_period_s)
+        self.codec = Codec(cfg.key, cfg.run_id, rank_sender(cfg.rank))
+        self.mapped = SegmentMap(cfg.run_id, run_dir(cfg.key, cfg.run_id))  # the relay's consensus segment, by reference
+        self._from_relay = Attribution.signed_by(relay_sender(cfg.host), "this host's relay")
+        self._from_coordinator = Attribution.signed_by(coordinator_sender(cfg.rank), "the coordinator's link")
+        # The control streams to and from the coordinator (PROTOCOL.md 10.7): what this rank
+        # sent is kept until acknowledged, what it receives is handed on in order.
+        self._up = Outstream(self.codec)
+        self._outage = Outage()  # resends logged once per outage of the link, with a summary after
+        self._down = InOrder()
+        self.resent_control = 0
+        self.duplicates = 0
+        self.inbox: Mailbox[tuple[str, Any]] = Mailbox()
+        # None is a bare wake-up (close): the I/O thread then sees _stop.
+        self._outbox: Mailbox[tuple[Any, list[Any], ParamBuffers | None] | None] = Mailbox()
+        self._ctx = ctx
+        self._stop = threading.Event()
+        self.rejected = 0
+        self.resent = 0  # deposits sent again because the relay asked (lost on the local link)
+        # The round's deposit, kept until its consensus passes; the round whose consensus is awaited
+        # (the deposit's, or a resumed world's start, asked for at once) and when to ask the relay for it.
+        self._deposit: tuple[Any, list[Any], ParamBuffers | None] | None = None
+        self._awaited: int | None = rec.RESUME_ROUND if cfg.resumed else None
+        self._ask_at = 0.0 if cfg.resumed else math.inf
+        self._thread = threading.Thread(target=self._run, name=f"flodl-rank{cfg.rank}-io", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def step(self, batch_ms: float, data_ms: float, loss: float, step_count: int) -> None:
+        """Note one finished step; its report goes out when due (training thread only)."""
+        report = self.steps.add(batch_ms, data_ms, loss, step_count, time.monotonic())
+        if report is not None:
+            self._outbox.put((report, [], None))
+
+    def flush_steps(self) -> None:
+        """Send the pending step timings now: the rank is about to stop stepping."""
+        report = self.steps.take()
+        if report is not None:
+            self._outbox.put((report, [], None))
+
+    def send(self, record: Any, payload: Sequence[Any] = (), tracked_by: ParamBuffers | None = None) -> None:
+        """Queue `record` for the I/O thread, after the pending step timings (training thread only)."""
+        self.flush_steps()
+        self._outbox.put((record, list(payload), tracked_by))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush queued records (the goodbye among them), stop the thread, close the sockets."""
+        self._stop.set()
+        self._outbox.put(None)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():  # a mailbox is closed only once its receiver has stopped
+            self._outbox.close()
+            self.inbox.close()
+
+    def _socket(self, endpoint: str, max_frame_bytes: int) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, rank_identity(self.cfg.rank))
+        sock.setsockopt(zmq.LINGER, 2000)
+        limit_receive(sock, max_frame_bytes)
+        sock.connect(endpoint)
+        return sock
+
+    def _run(self) -> None:
+        control = self._socket(self.cfg.control_endpoint, CONTROL_MAX_FRAME_BYTES)
+        data = self._socket(self.cfg.data_endpoint, DATA_MAX_FRAME_BYTES)
+        poller = zmq.Poller()
+        for s in (control, data, self._outbox):
+            poller.register(s, zmq.POLLIN)
+        next_beat = started = time.monotonic()
+        last_heard: float | None = None
+        lost = False
+        try:
+            while True:
+                self._flush(control, data)
+                if self._stop.is_set():
+                    break
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._beat(control)
+                    next_beat = now + self.cfg.heartbeat_s
+                self._resend(control, now)
+                if now >= self._ask_at and self._awaited is not None:
+                    self._encode_send(data, rec.ConsensusRequest(round=self._awaited), Channel.DATA)
+                    self._ask_at = now + self.cfg.consensus_wait_s
+                if not lost and (reason := self._silence(now, last_heard, started)) is not None:
+                    lost = True
+                    self.inbox.put(("lost", reason))
+                wake = min(next_beat, self._ask_at, self._up.due_at())
+                events = dict(poller.poll(max(1, int((wake - time.monotonic()) * 1000))))
+                if control in events and self._receive_control(control):
+                    last_heard = time.monotonic()
+                if data in events:
+                    self._receive_data(data)
+            # A coordinator gone silent, or never heard (its records all refused: another key),
+            # acknowledges nothing: the agent or launcher reports this exit instead.
+            if not lost and last_heard is not None:
+                self._await_acks(control)
+        finally:
+            self._flush(control, data)
+            control.close()
+            data.close()
+
+    def _beat(self, control: zmq.Socket) -> None:
+        # The steps already reported: a count ahead of the timings would let the
+        # gate close a window whose last steps ElChe has not seen yet.
+        self._encode_send(control, rec.Heartbeat(rank=self.cfg.rank, step_count=self.steps.reported,
+                                                 ack=self._down.acked))
+
+    def _silence(self, now: float, last_heard: float | None, started: float) -> str | None:
+        """Why the coordinator counts as lost (silent past its limit), or None while it is not."""
+        limit = self.cfg.first_contact_timeout_s if last_heard is None else self.cfg.coordinator_timeout_s
+        if now - (last_heard or started) > limit:
+            return f"no word from the coordinator for {limit:.0f} s"
+        return None
+
+    def _receive_control(self, control: zmq.Socket) -> bool:
+        """Take every queued control record; True when one was authentic and fresh (the coordinator spoke)."""
+        heard = False
+        while control.poll(0):
+            frames = recv_bounded(control, CONTROL_MAX_FRAMES, copy=False)
+            env = None if frames is None else self._decode_control(frames)
+            if env is not None:
+                heard = True
+                self._on_control(env)
+        return heard
+
+    def _receive_data(self, data: zmq.Socket) -> None:
+        """Take every queued data record: consensus broadcasts, and the relay's own requests."""
+        while data.poll(0):
+            # The relay fans the reducer's broadcast out verbatim; a resend
+            # is byte-identical and may follow later rounds, so the round id
+            # (checked by the training thread), not the sequence, guards replays.
+            frames = recv_bounded(data, DATA_MAX_FRAMES, copy=False)
+            if frames is not None and len(frames) == 2:  # no payload: the relay's own record
+                self._from_relay_data(frames, data)
+                continue
+            env = None if frames is None else self._decode_data(frames)
+            if env is not None and isinstance(env.record, rec.Consensus):
+                if env.record.round == self._awaited:
+                    self._deposit, self._awaited, self._ask_at = None, None, math.inf
+                self.inbox.put(("consensus", env))
+
+    def _decode_control(self, frames: list[Any]) -> Any:
+        try:
+            # The relay forwards the coordinator's records verbatim: nobody else signs them.
+            return self.codec.decode_from(frames, Channel.CONTROL, self._from_coordinator)
+        except ReplayError:  # a resend whose first copy arrived (its ack was lost): normal after a reset
+            self.duplicates += 1
+            return None
+        except WireError as exc:
+            # A rejected record never reaches the training thread; counted and logged.
+            self.rejected += 1
+            log.warning("rank %d: rejected a control message: %s", self.cfg.rank, exc)
+            return None
+
+    def _on_control(self, env: Any) -> None:
+        """An authentic, fresh record of the coordinator's stream: acknowledgements at once, the rest in order."""
+        if isinstance(env.record, rec.CoordHeartbeat):
+            self._acked(env.record.ack)
+        for record in self._down.accept(env.seq, env.record):
+            self.inbox.put(("control", record))
+
+    def _acked(self, n: int) -> None:
+        if self._up.ack(n):
+            summary = self._outage.settled(self.cfg.rank, time.monotonic())
+            if summary is not None:
+                log.info("rank %d: the coordinator acknowledges again: %d control records resent over %.1f s",
+                         self.cfg.rank, *summary)
+
+    def _resend(self, control: zmq.Socket, now: float) -> None:
+        """Send again what the coordinator has not acknowledged (lost in a reset), byte-identical."""
+        due = self._up.due(now)
+        if due and self._outage.resent_on(self.cfg.rank, len(due), now):
+            log.warning("rank %d: the coordinator has not acknowledged %d control records; sending them again "
+                        "every %g s until it does", self.cfg.rank, len(due), RESEND_AFTER_S)
+        for frames in due:
+            self.resent_control += 1
+            control.send_multipart(frames)
+
+    def _await_acks(self, control: zmq.Socket) -> None:
+        """Before closing, wait (bounded) until the coordinator has every record: the goodbye must not be lost."""
+        deadline = time.monotonic() + ACK_WAIT_AT_EXIT_S
+        while len(self._up) and time.monotonic() < deadline:
+            self._resend(control, time.monotonic())
+            if control.poll(int(min(RESEND_AFTER_S, max(0.0, deadline - time.monotonic())) * 1000)):
+                frames = recv_bounded(control, CONTROL_MAX_FRAMES, copy=False)
+                env = None if frames is None else self._decode_control(frames)
+                if env is not None and isinstance(env.record, rec.CoordHeartbeat):
+                    self._acked(env.record.ack)
+        if len(self._up):
+            log.warning("rank %d: the coordinator did not acknowledge %d control records before exit",
+                        self.cfg.rank, len(self._up))
+
+    def _decode_data(self, msg: list[Any]) -> Any:
+        # Framed, a consensus is the reducer's message fanned out verbatim; by reference,
+        # the relay signs the header and locator of the copy it placed in its segment.
+        sender = self._from_relay if is_by_reference(msg) else FROM_REDUCER
+        try:
+            return self.mapped.decode(self.codec, msg, host_owner(self.cfg.host), Channel.BROADCAST,
+                                      sender=sender, replay=False)
+        except WireError as exc:
+            self.rejected += 1
+            log.warning("rank %d: rejected a consensus: %s", self.cfg.rank, exc)
+            return None
+
+    def _from_relay_data(self, frames: list[Any], data: zmq.Socket) -> None:
+        """A record of the relay's own on the data link: a FrameRequest for a deposit it never got."""
+        try:
+            env = self.codec.decode_from(frames, Channel.DATA, self._from_relay)
+        except WireError as exc:
+            self.rejected += 1
+            log.warning("rank %d: rejected a data record from the relay: %s", self.cfg.rank, exc)
+            return
+        held = self._deposit
+        if isinstance(env.record, rec.FrameRequest) and held is not None and held[0].round == env.record.round:
+            log.warning("rank %d: the relay lost this rank's deposit of round %d; sending it again",
+                        self.cfg.rank, env.record.round)
+            self.resent += 1
+            self._send_deposit(data, *held, again=True)
+
+    def _flush(self, control: zmq.Socket, data: zmq.Socket) -> None:
+        for item in self._outbox.drain():
+            if item is None:
+                continue
+            record, payload, tracked_by = item
+            if payload:
+                self._send_deposit(data, record, payload, tracked_by)
+                self._deposit, self._awaited = item, record.round
+                self._ask_at = time.monotonic() + self.cfg.consensus_wait_s
+            else:
+                self._encode_send(control, record)
+
+    def _send_deposit(self, data: zmq.Socket, record: Any, payload: list[Any], tracked_by: ParamBuffers | None,
+                      again: bool = False) -> None:
+        """Send a deposit; `again` re-signs a kept one (a fresh sequence number: a copy would be a replay)."""
+        if tracked_by is not None and tracked_by.segment is not None:
+            # The payload stays in the segment; the round protocol keeps it unwritten
+            # until the relay is done with it (the next snapshot follows this consensus).
+            data.send_multipart(by_reference(self.codec, record, payload, tracked_by.segment, channel=Channel.DATA))
+            if not again:
+                tracked_by.hold_until_sent(None)
+            return
+        frames = self.codec.encode(record, payload, channel=Channel.DATA)
+        if again:
+            data.send_multipart(frames)  # copied: the first send's tracker still guards the snapshot
+            return
+        tracker = data.send_multipart(frames, copy=False, track=True)
+        if tracked_by is not None:
+            tracked_by.hold_until_sent(tracker)
+
+    def _encode_send(self, sock: zmq.Socket, record: Any, channel: Channel = Channel.CONTROL) -> None:
+        if channel is Channel.CONTROL:  # one encoder for the control stream: it has no gap
+            sock.send_multipart(self._up.send(record, time.monotonic()))
+        else:
+            sock.send_multipart(self.codec.encode(record, channel=channel))
+
+
+__all__ = ["RankConfig", "RankLink"]
