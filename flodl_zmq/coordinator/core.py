@@ -102,20 +102,17 @@ import enum
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from flodl_zmq.coordinator.chunk_pool import Span
 from flodl_zmq.coordinator.config import CoordinatorConfig
-from flodl_zmq.coordinator.convergence import DivergenceSample
 from flodl_zmq.coordinator.elche import ElChe
 from flodl_zmq.coordinator.feedback import WindowFeedback
 from flodl_zmq.coordinator.liveness import Liveness, ShutdownReason, unrecoverable
-from flodl_zmq.coordinator.metrics import aggregate_epoch
+from flodl_zmq.coordinator.metrics import EpochReports
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
-    EpochProgress,
     MassBound,
     Out,
     RoundOpened,
@@ -126,6 +123,7 @@ from flodl_zmq.coordinator.outputs import (
 )
 from flodl_zmq.coordinator.resume import ResumeState
 from flodl_zmq.coordinator.roles import CallbackRoles, EpochCallbacks
+from flodl_zmq.coordinator.rounds import Consensus, Cycle, StepCounters, gate_open
 from flodl_zmq.coordinator.strategy import ChunkStream, DispatchStrategy, Send, SyncPartitions
 from flodl_zmq.errors import CoordinatorError
 from flodl_zmq.wire import records as rec
@@ -141,21 +139,6 @@ class RunPhase(enum.Enum):
     TRAINING = "training"
     FINAL_EVAL_DISPATCHED = "final_eval_dispatched"
     SHUTDOWN_INITIATED = "shutdown_initiated"
-
-
-@dataclass
-class _Cycle:
-    """The averaging cycle in flight (Pending)."""
-
-    round: int
-    started_at: float
-    ranks: tuple[int, ...]
-    snapshot: list[int]  # each rank's step counter at the trigger
-    coverage: dict[int, list[Span]]  # done spans at the trigger (covered is a subset of the consensus)
-    last_aggregated: int
-    done_through: int  # every sample of epochs <= this was reported trained at the trigger
-    reduced: bool = False
-    acks: dict[int, DivergenceSample | None] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -191,10 +174,9 @@ class Coordinator:
         self.round = 0  # rounds triggered
         self.avg_count = 0  # rounds finished
         self.global_step = 0
-        self.cycle: _Cycle | None = None
+        self.cycle: Cycle | None = None
         self._abandoned = 0
-        self._step_count = [0] * world_size  # monotonic per-rank counter
-        self._step_base = [0] * world_size  # counter value at the last finished reduce
+        self._steps = StepCounters(world_size)
         self._throttled: set[int] = set()
         self._started = False
         self._final_reduced = False
@@ -205,18 +187,14 @@ class Coordinator:
 
         # Epochs: the lowest epoch not yet aggregated is `last_aggregated + 1`.
         self.last_aggregated = -1
-        self._metrics: dict[int, list[rec.EpochMetrics]] = {}
-        self._progress: dict[int, int] = {}  # epoch -> EpochProgress slices emitted
-        # What the last finished consensus contains (for state_dict).
-        self._consensus_coverage: dict[int, list[Span]] = {}
-        self._consensus_aggregated = -1
-        self._consensus_complete = -1  # every sample of epochs <= this is in the last consensus
+        self._reports = EpochReports(world_size, config.reports_per_epoch, config.batches_per_epoch)
+        self._consensus = Consensus(coverage={}, aggregated=-1)
         coverage: dict[int, list[Span]] = {}
         if point is not None:
             self.global_step = point.global_step
             self.avg_count = self.round = point.round
-            self.last_aggregated = self._consensus_aggregated = point.epoch - 1
-            self._consensus_complete = point.epoch - 1
+            self.last_aggregated = self._consensus.aggregated = point.epoch - 1
+            self._consensus.complete = point.epoch - 1
             coverage = point.coverage
         self.dispatch: DispatchStrategy
         if self.mode.progressive:
@@ -224,7 +202,7 @@ class Coordinator:
                 config, self.liveness, self.elche, self._announce_epoch_role,
                 self.mode.barrier_paced, coverage,
             )
-            self._consensus_coverage = coverage
+            self._consensus.coverage = coverage
         else:
             self.dispatch = SyncPartitions(config, self.liveness, self._announce_epoch_role)
 
@@ -405,19 +383,19 @@ class Coordinator:
     @property
     def window_steps(self) -> list[int]:
         """Each rank's steps since the last finished reduce."""
-        return [c - b for c, b in zip(self._step_count, self._step_base, strict=True)]
+        return self._steps.window()
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs, as of the last finished consensus (JSON-able; see resume.py)."""
         return ResumeState(
-            epoch=self._consensus_aggregated + 1, global_step=self.global_step,
-            round=self.avg_count, elche=self.feedback.state(), coverage=self._consensus_coverage,
+            epoch=self._consensus.aggregated + 1, global_step=self.global_step,
+            round=self.avg_count, elche=self.feedback.state(), coverage=self._consensus.coverage,
         ).to_dict(self.config, self.world_size)
 
     # ================================================================ record handlers
 
     def _on_batch(self, rank: int, m: rec.Batch, now: float) -> None:
-        self._count_steps(rank, m.step_count)
+        self._steps.saw(rank, m.step_count)
         # One report covers every step since the last: the ledger sees each step as if
         # it had come alone, so ElChe's window (fill, marginal rate) is unchanged.
         for batch_ms, data_ms, loss in zip(m.batch_ms, m.data_ms, m.batch_loss, strict=True):
@@ -425,23 +403,12 @@ class Coordinator:
         self._check_throttle()
 
     def _on_heartbeat(self, rank: int, m: rec.Heartbeat, now: float) -> None:
-        self._count_steps(rank, m.step_count)
+        self._steps.saw(rank, m.step_count)
 
     def _on_sync_ack(self, rank: int, m: rec.SyncAck, now: float) -> None:
-        # The ack's step_count is deliberately ignored: CPU acks carry none
-        # that means anything, and folding one in once wedged the gate upstream.
-        cyc = self.cycle
-        if cyc is None or m.round != cyc.round or rank not in cyc.ranks:
-            self.ignored["stale_round"] += 1
-            return
-        if rank in cyc.acks:
-            self.ignored["duplicate_ack"] += 1
-            return
-        cyc.reduced = True  # an ack proves the consensus was published
-        sample = None
-        if m.divergence is not None and math.isfinite(m.divergence):
-            sample = DivergenceSample(m.divergence, m.post_norm, m.pre_norm)
-        cyc.acks[rank] = sample
+        cause = "stale_round" if self.cycle is None else self.cycle.ack(rank, m)
+        if cause is not None:
+            self.ignored[cause] += 1
 
     def _on_snapshot_ready(self, rank: int, m: rec.SnapshotReady, now: float) -> None:
         # Nothing to learn from it (the round's clock is the controller's); a stale one is counted.
@@ -471,24 +438,14 @@ class Coordinator:
             self._shutdown()
 
     def _on_metrics(self, rank: int, m: rec.EpochMetrics, now: float) -> None:
-        if not self.dispatch.on_metrics(rank, m, self._step_count[rank]):
+        if not self.dispatch.on_metrics(rank, m, self._steps.count[rank]):
             self.ignored["late_completion"] += 1
             return
-        self._metrics.setdefault(m.epoch, []).append(m)
-        self._report_progress(m.epoch)
+        # `reports_per_epoch`: one `EpochProgress` per n-th of the epoch's batches crossed.
+        progress = self._reports.add(m, self.last_aggregated)
+        if progress is not None:
+            self._emit(CONTROLLER, progress)
         self._send_plan(rank)
-
-    def _report_progress(self, epoch: int) -> None:
-        """`reports_per_epoch`: one `EpochProgress` per n-th of the epoch's batches crossed."""
-        n = self.config.reports_per_epoch
-        if n < 2 or epoch <= self.last_aggregated:
-            return
-        done = sum(x.batches_processed for x in self._metrics[epoch])
-        k = min(done * n // max(self.config.batches_per_epoch, 1), n - 1)  # the n-th is the epoch record
-        if k > self._progress.get(epoch, 0):
-            self._progress[epoch] = k
-            agg = aggregate_epoch(epoch, self._metrics[epoch], self.world_size)
-            self._emit(CONTROLLER, EpochProgress(epoch, k / n, agg))
 
     _HANDLERS: dict[type, Callable[[Coordinator, int, Any, float], None]] = {
         rec.Batch: _on_batch,
@@ -509,42 +466,23 @@ class Coordinator:
         """Everything that follows from the current state, in upstream tick order."""
         if self._over:
             return
-        cyc = self.cycle
-        if cyc is not None and cyc.reduced and all(
-            r in cyc.acks for r in cyc.ranks if self.liveness.is_live(r)
-        ):
+        if self.cycle is not None and self.cycle.settled(self.liveness.is_live):
             self._finish(now)
         if self.cycle is None:
             self._release_held()
-            if self._should_average():
+            if self.phase is RunPhase.TRAINING and gate_open(
+                self.liveness.live, self._steps, self.dispatch, self._throttled, self.last_aggregated
+            ):
                 self._trigger(now)
         self._aggregate(now)
         if self.cycle is None and self.phase is RunPhase.TRAINING and self._epoch_awaits_average():
             self._trigger(now)
         if self.cycle is None:
-            if not any(self._step_count[r] != self._step_base[r] for r in self.liveness.live):
+            if not self._steps.stepped(self.liveness.live):
                 # Nothing stepped since the last consensus: it holds all reported work.
-                done = self.dispatch.done_through(self.last_aggregated)
-                self._consensus_complete = max(self._consensus_complete, done)
+                self._consensus.holds_through(self.dispatch.done_through(self.last_aggregated))
             self._flush_callbacks()
         self._maybe_end(now)
-
-    def _should_average(self) -> bool:
-        """The count-based gate: every live rank full, throttled or quiesced, and one stepped."""
-        if self.phase is not RunPhase.TRAINING or not self.liveness.live:
-            return False
-        any_mover = False
-        for r in self.liveness.live:  # per record: stops at the first rank not done
-            steps = self._step_count[r] - self._step_base[r]
-            any_mover |= steps > 0
-            # A rank we throttled is parked at the barrier on our orders.
-            if not (
-                self.dispatch.window_full(r, steps)
-                or r in self._throttled
-                or self.dispatch.quiesced(r, self.last_aggregated)
-            ):
-                return False
-        return any_mover
 
     def _epoch_awaits_average(self) -> bool:
         """Async: an eval or checkpoint waits only for a consensus of its trained epoch, and a rank
@@ -556,17 +494,17 @@ class Coordinator:
             first is not None
             and not self.mode.barrier_paced
             and first - 1 <= self.dispatch.done_through(self.last_aggregated)
-            and any(self._step_count[r] != self._step_base[r] for r in self.liveness.live)
+            and self._steps.stepped(self.liveness.live)
         )
 
     def _trigger(self, now: float, final: bool = False) -> None:
         live = tuple(self.liveness.live)
         self.round += 1
-        self.cycle = _Cycle(
+        self.cycle = Cycle(
             round=self.round,
             started_at=now,
             ranks=live,
-            snapshot=list(self._step_count),
+            snapshot=list(self._steps.count),
             coverage=self.dispatch.coverage(),
             last_aggregated=self.last_aggregated,
             done_through=self.dispatch.done_through(self.last_aggregated),
@@ -590,7 +528,7 @@ class Coordinator:
         assert cyc is not None
         live = self.liveness.live_mask
         # -- head: what the window teaches the next one (feedback.py)
-        moved = [cyc.snapshot[r] - self._step_base[r] for r in range(self.world_size)]
+        moved = self._steps.credit(cyc.snapshot, cyc.ranks)
         self.feedback.close(
             live,
             [cyc.acks.get(r) for r in range(self.world_size)],
@@ -601,21 +539,18 @@ class Coordinator:
             self.roles.on_calibrated(self.feedback.smoothed_ms(), live)
         # -- counters: only the snapshotted steps are in this consensus
         self.global_step += sum(moved[r] for r in cyc.ranks)
-        for r in cyc.ranks:
-            self._step_base[r] = cyc.snapshot[r]
         self.avg_count += 1
         self._abandoned = 0
-        self._consensus_coverage = cyc.coverage
-        self._consensus_aggregated = cyc.last_aggregated
+        self._consensus.coverage = cyc.coverage
+        self._consensus.aggregated = cyc.last_aggregated
         # Behind the hard barrier ranks sit throttled from their deposit to their
         # Update, with any new data held back (`_held`), so this consensus holds
         # everything they reported up to now; elsewhere ranks may train on, so
         # only what was done at the trigger counts.
         if self.mode.hard_barrier:
-            done = self.dispatch.done_through(self.last_aggregated)
+            self._consensus.holds_through(self.dispatch.done_through(self.last_aggregated))
         else:
-            done = cyc.done_through
-        self._consensus_complete = max(self._consensus_complete, done)
+            self._consensus.holds_through(cyc.done_through)
         self._throttled.clear()
         self.cycle = None
         # Before the Updates: the eval rank then scores exactly the consensus it
@@ -664,7 +599,7 @@ class Coordinator:
             self._send_plan(r)
 
     def _open_epoch(self, epoch: int) -> None:
-        self._send_data(self.dispatch.open_epoch(epoch, self._step_count))
+        self._send_data(self.dispatch.open_epoch(epoch, self._steps.count))
         self._wake_idle()
 
     def _send_data(self, sends: list[Send]) -> None:
@@ -691,9 +626,7 @@ class Coordinator:
             epoch = self.last_aggregated + 1
             if not self.dispatch.epoch_done(epoch):
                 return
-            wall = self.dispatch.close_epoch(epoch, now)
-            agg = aggregate_epoch(epoch, self._metrics.pop(epoch, []), self.world_size, wall)
-            self._progress.pop(epoch, None)
+            agg = self._reports.close(epoch, self.dispatch.close_epoch(epoch, now))
             self.last_aggregated = epoch
             self._to_live(agg)
             self._emit(CONTROLLER, agg)
@@ -708,7 +641,7 @@ class Coordinator:
 
     def _flush_callbacks(self) -> None:
         """Eval and checkpoint calls whose epoch the last consensus holds whole (roles.py)."""
-        for target, record in self.callbacks.release(self._consensus_complete, self.roles):
+        for target, record in self.callbacks.release(self._consensus.complete, self.roles):
             if self.liveness.is_live(target):
                 self._emit(target, record)
 
@@ -764,7 +697,7 @@ class Coordinator:
         # The reducer must not wait for a deposit that will never come.
         self._emit(REDUCER, rec.DeclareDead(rank=rank))
         # What it did not train goes to the survivors (Sync) or back to the pool.
-        self._send_data(self.dispatch.on_death(rank, self._step_count[rank]))
+        self._send_data(self.dispatch.on_death(rank, self._steps.count[rank]))
         reason = unrecoverable(self.liveness, self.config.max_failure)
         if reason is not None and self.phase is not RunPhase.SHUTDOWN_INITIATED:
             self._shutdown_with_save(reason)
@@ -786,11 +719,6 @@ class Coordinator:
     @property
     def _over(self) -> bool:
         return self.save_reason is not None or self.phase is RunPhase.SHUTDOWN_INITIATED
-
-    def _count_steps(self, rank: int, step_count: int) -> None:
-        # Monotonic: a reordered heartbeat must not roll the counter back.
-        if step_count > self._step_count[rank]:
-            self._step_count[rank] = step_count
 
     def _check_throttle(self) -> None:
         """Explicit lead cap (`max_batch_diff`), only while the whole world is alive."""
@@ -815,7 +743,7 @@ class Coordinator:
         out, self._out = self._out, []
         return out
 
-    def _noticed_cycle(self, round: int, what: str, now: float) -> _Cycle | None:
+    def _noticed_cycle(self, round: int, what: str, now: float) -> Cycle | None:
         """The cycle a reducer notice about `round` concerns; None (counted) if it is stale."""
         self._require_started(f"round {round} {what}")
         self._now = now
