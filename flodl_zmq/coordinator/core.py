@@ -115,10 +115,10 @@ from flodl_zmq.coordinator.outputs import (
     REDUCER,
     MassBound,
     Out,
+    Outbox,
     RoundOpened,
     RunEnded,
     SaveState,
-    Target,
     mass_bound,
 )
 from flodl_zmq.coordinator.resume import ResumeState
@@ -181,8 +181,7 @@ class Coordinator:
         self._started = False
         self._final_reduced = False
         self._final_eval_rank = -1
-        self._held: list[Out] = []  # data for ranks held at the barrier while a cycle is in flight
-        self._out: list[Out] = []
+        self._outbox = Outbox(self.liveness)
         self._now = now
 
         # Epochs: the lowest epoch not yet aggregated is `last_aggregated + 1`.
@@ -227,16 +226,16 @@ class Coordinator:
             self.liveness.check_rank(rank)
             if self.liveness.fail(rank):
                 self.roles.on_death(rank, self.feedback.smoothed_ms(), self.liveness.live_mask)
-                self._emit(REDUCER, rec.DeclareDead(rank=rank))  # the reducer must not wait for it
+                self._outbox.emit(REDUCER, rec.DeclareDead(rank=rank))  # the reducer must not wait for it
         if self.global_step:
             # A resumed run continues its learning-rate schedule where it stopped, from the first step.
-            self._to_live(rec.SetGlobalStep(global_step=self.global_step))
+            self._outbox.to_live(rec.SetGlobalStep(global_step=self.global_step))
         self.dispatch.start(self.last_aggregated, now)
         first = self.last_aggregated + 1
         if first < self.config.num_epochs:
             self._open_epoch(first)
         self._advance(now)
-        return self._flush()
+        return self._outbox.flush()
 
     def on_record(self, rank: int, record: Any, now: float) -> list[Out]:
         """A record from `rank` (the sender identity the relay vouched for)."""
@@ -258,35 +257,35 @@ class Coordinator:
             if isinstance(record, rec.Exiting):
                 self.liveness.exit(rank)
             self.ignored["after_end"] += 1
-            return self._flush()
+            return self._outbox.flush()
         if not self.liveness.is_live(rank):
             self.ignored["from_departed"] += 1
-            return self._flush()
+            return self._outbox.flush()
         self.liveness.saw(rank, now)
         handler(self, rank, record, now)
         self._advance(now)
-        return self._flush()
+        return self._outbox.flush()
 
     def on_tick(self, now: float) -> list[Out]:
         """Time passes: beacons, heartbeat staleness, the reduce-stall ceiling."""
         if not self._started or self._over:
-            return self._flush()
+            return self._outbox.flush()
         self._now = now
         if self.liveness.beacon_due(now):
-            self._to_live(rec.CoordHeartbeat())
+            self._outbox.to_live(rec.CoordHeartbeat())
         for r in self.liveness.stale(now):
             self._lose_rank(r, failure=True, now=now)
             if self._over:
-                return self._flush()
+                return self._outbox.flush()
         cyc = self.cycle
         if cyc is not None and now - cyc.started_at > self.config.reduce_stall_s:
             # A round that neither completes nor fails while its ranks stay
             # alive is a wedge; saving beats hanging forever.
             self.cycle = None
             self._shutdown_with_save(ShutdownReason.REDUCE_STALL)
-            return self._flush()
+            return self._outbox.flush()
         self._advance(now)
-        return self._flush()
+        return self._outbox.flush()
 
     def next_due(self) -> float | None:
         """When `on_tick` next has work (a beacon, a rank turning stale, the stall ceiling); None: never.
@@ -314,7 +313,7 @@ class Coordinator:
         else:
             self._lose_rank(rank, failure=True, now=now)
             self._advance(now)
-        return self._flush()
+        return self._outbox.flush()
 
     def on_send_failed(self, rank: int, record: Any, now: float) -> list[Out]:
         """The service could not deliver `record`, one of our outputs, to `rank`.
@@ -336,16 +335,16 @@ class Coordinator:
             self.lost_sends[type(record).__name__] += 1
             self._lose_rank(rank, failure=True, now=now)
             self._advance(now)
-        return self._flush()
+        return self._outbox.flush()
 
     def on_round_complete(self, round: int, now: float) -> list[Out]:
         """The reducer published the consensus of `round`."""
         cyc = self._noticed_cycle(round, "complete", now)
         if cyc is None:
-            return self._flush()
+            return self._outbox.flush()
         cyc.reduced = True
         self._advance(now)
-        return self._flush()
+        return self._outbox.flush()
 
     def on_round_abandoned(self, round: int, now: float) -> list[Out]:
         """The reducer tore `round` down (bad deposit): no consensus; ranks keep local state.
@@ -354,14 +353,14 @@ class Coordinator:
         and the work lands in the next round; repeated failures end the run.
         """
         if self._noticed_cycle(round, "abandoned", now) is None:
-            return self._flush()
+            return self._outbox.flush()
         self.cycle = None
         self._abandoned += 1
         if self._abandoned >= MAX_ABANDONED_ROUNDS:
             self._shutdown_with_save(ShutdownReason.REDUCE_STALL)
         else:
             self._advance(now)
-        return self._flush()
+        return self._outbox.flush()
 
     # ================================================================ queries
 
@@ -427,13 +426,13 @@ class Coordinator:
         self.feedback.ledger.absorb_callback_cost(rank, m.elapsed_ms)
         retry = self.roles.on_result(rank, m, self.liveness.live_mask)
         if retry is not None:
-            self._emit(retry.target_rank, retry)
+            self._outbox.emit(retry.target_rank, retry)
 
     def _on_eval_result(self, rank: int, m: rec.EvalResult, now: float) -> None:
         self._on_callback_done(rank, m, now)
         if m.error is None:
-            self._to_live(rec.EvalBroadcast(epoch=m.epoch, metric=m.metric))
-        self._emit(CONTROLLER, m)
+            self._outbox.to_live(rec.EvalBroadcast(epoch=m.epoch, metric=m.metric))
+        self._outbox.emit(CONTROLLER, m)
         if m.schedule_id == FINAL_EVAL_ID and self.phase is RunPhase.FINAL_EVAL_DISPATCHED:
             self._shutdown()
 
@@ -444,7 +443,7 @@ class Coordinator:
         # `reports_per_epoch`: one `EpochProgress` per n-th of the epoch's batches crossed.
         progress = self._reports.add(m, self.last_aggregated)
         if progress is not None:
-            self._emit(CONTROLLER, progress)
+            self._outbox.emit(CONTROLLER, progress)
         self._send_plan(rank)
 
     _HANDLERS: dict[type, Callable[[Coordinator, int, Any, float], None]] = {
@@ -469,7 +468,7 @@ class Coordinator:
         if self.cycle is not None and self.cycle.settled(self.liveness.is_live):
             self._finish(now)
         if self.cycle is None:
-            self._release_held()
+            self._outbox.release_held()
             if self.phase is RunPhase.TRAINING and gate_open(
                 self.liveness.live, self._steps, self.dispatch, self._throttled, self.last_aggregated
             ):
@@ -510,9 +509,9 @@ class Coordinator:
             done_through=self.dispatch.done_through(self.last_aggregated),
         )
         self._final_reduced = final
-        self._emit(CONTROLLER, RoundOpened(self.round, live))
+        self._outbox.emit(CONTROLLER, RoundOpened(self.round, live))
         window = self.window_steps
-        self._emit(REDUCER, MassBound(self.round, tuple((r, mass_bound(window[r])) for r in live)))
+        self._outbox.emit(REDUCER, MassBound(self.round, tuple((r, mass_bound(window[r])) for r in live)))
         for r in live:
             if self.mode.hard_barrier and r not in self._throttled:
                 # Without it the fast rank laps the others during the round
@@ -520,8 +519,8 @@ class Coordinator:
                 # rank that handled the request alone would train a step on
                 # the replica it deposited, which the consensus erases.
                 self._throttled.add(r)
-                self._emit(r, rec.Throttle())
-            self._emit(r, rec.RequestParams(round=self.round))
+                self._outbox.emit(r, rec.Throttle())
+            self._outbox.emit(r, rec.RequestParams(round=self.round))
 
     def _finish(self, now: float) -> None:
         cyc = self.cycle
@@ -560,8 +559,8 @@ class Coordinator:
         self.dispatch.replan()
         for r in cyc.ranks:
             if live[r]:
-                self._emit(r, rec.Update(round=cyc.round, next_plan=self._next_plan(r)))
-        self._to_live(rec.SetGlobalStep(global_step=self.global_step))
+                self._outbox.emit(r, rec.Update(round=cyc.round, next_plan=self._next_plan(r)))
+        self._outbox.to_live(rec.SetGlobalStep(global_step=self.global_step))
         self._wake_idle()
 
     # ================================================================ dispatch
@@ -591,7 +590,7 @@ class Coordinator:
     def _send_plan(self, rank: int) -> None:
         plan = self._next_plan(rank)
         if plan is not None:
-            self._emit(rank, rec.StartEpoch(plan=plan))
+            self._outbox.emit(rank, rec.StartEpoch(plan=plan))
 
     def _wake_idle(self) -> None:
         """Dispatch to every live rank with nothing in flight (after reduces, deaths, epoch edges)."""
@@ -606,17 +605,9 @@ class Coordinator:
         """Send data the strategy produced unasked, or hold it until after the Updates."""
         for rank, record in sends:
             if self._held_at_barrier:
-                self._held.append(Out(rank, record))
+                self._outbox.hold(rank, record)
             else:
-                self._emit(rank, record)
-
-    def _release_held(self) -> None:
-        # A rank that died meanwhile is skipped: its held data is already part
-        # of the remainder its death handed on.
-        for out in self._held:
-            if self.liveness.is_live(out.dest):
-                self._out.append(out)
-        self._held.clear()
+                self._outbox.emit(rank, record)
 
     # ================================================================ epochs
 
@@ -628,8 +619,8 @@ class Coordinator:
                 return
             agg = self._reports.close(epoch, self.dispatch.close_epoch(epoch, now))
             self.last_aggregated = epoch
-            self._to_live(agg)
-            self._emit(CONTROLLER, agg)
+            self._outbox.to_live(agg)
+            self._outbox.emit(CONTROLLER, agg)
             self._epoch_boundary(epoch + 1)
 
     def _epoch_boundary(self, epoch: int) -> None:
@@ -643,12 +634,12 @@ class Coordinator:
         """Eval and checkpoint calls whose epoch the last consensus holds whole (roles.py)."""
         for target, record in self.callbacks.release(self._consensus.complete, self.roles):
             if self.liveness.is_live(target):
-                self._emit(target, record)
+                self._outbox.emit(target, record)
 
     def _announce_epoch_role(self) -> None:
         if self.roles.epoch_dirty:
             self.roles.epoch_dirty = False
-            self._to_live(rec.SetEpochCallbackRole(rank=self.roles.epoch))
+            self._outbox.to_live(rec.SetEpochCallbackRole(rank=self.roles.epoch))
 
     def _maybe_end(self, now: float) -> None:
         if self.phase is RunPhase.FINAL_EVAL_DISPATCHED and not self.liveness.is_live(
@@ -670,7 +661,7 @@ class Coordinator:
         if self.config.final_eval and self.liveness.is_live(eval_rank):
             self.phase = RunPhase.FINAL_EVAL_DISPATCHED
             self._final_eval_rank = eval_rank
-            self._emit(eval_rank, rec.ExecuteEval(
+            self._outbox.emit(eval_rank, rec.ExecuteEval(
                 schedule_id=FINAL_EVAL_ID, epoch=self.config.num_epochs, target_rank=eval_rank,
                 adopt_consensus=True))
             return
@@ -678,8 +669,8 @@ class Coordinator:
 
     def _shutdown(self) -> None:
         self.phase = RunPhase.SHUTDOWN_INITIATED
-        self._to_live(rec.Shutdown())
-        self._emit(CONTROLLER, RunEnded(None))
+        self._outbox.to_live(rec.Shutdown())
+        self._outbox.emit(CONTROLLER, RunEnded(None))
 
     # ================================================================ deaths
 
@@ -695,7 +686,7 @@ class Coordinator:
         self._throttled.discard(rank)
         self.roles.on_death(rank, self.feedback.smoothed_ms(), self.liveness.live_mask)
         # The reducer must not wait for a deposit that will never come.
-        self._emit(REDUCER, rec.DeclareDead(rank=rank))
+        self._outbox.emit(REDUCER, rec.DeclareDead(rank=rank))
         # What it did not train goes to the survivors (Sync) or back to the pool.
         self._send_data(self.dispatch.on_death(rank, self._steps.count[rank]))
         reason = unrecoverable(self.liveness, self.config.max_failure)
@@ -710,9 +701,9 @@ class Coordinator:
         if self.save_reason is not None:
             return
         self.save_reason = reason
-        self._emit(CONTROLLER, SaveState(reason, self.state_dict()))
-        self._to_live(rec.ShutdownWithSave(reason=reason.value))
-        self._emit(CONTROLLER, RunEnded(reason))
+        self._outbox.emit(CONTROLLER, SaveState(reason, self.state_dict()))
+        self._outbox.to_live(rec.ShutdownWithSave(reason=reason.value))
+        self._outbox.emit(CONTROLLER, RunEnded(reason))
 
     # ================================================================ helpers
 
@@ -730,18 +721,7 @@ class Coordinator:
         for r, s in enumerate(steps):
             if s > floor + diff and r not in self._throttled:
                 self._throttled.add(r)
-                self._emit(r, rec.Throttle())
-
-    def _emit(self, dest: int | Target, record: Any) -> None:
-        self._out.append(Out(dest, record))
-
-    def _to_live(self, record: Any) -> None:
-        for r in self.liveness.live:
-            self._out.append(Out(r, record))
-
-    def _flush(self) -> list[Out]:
-        out, self._out = self._out, []
-        return out
+                self._outbox.emit(r, rec.Throttle())
 
     def _noticed_cycle(self, round: int, what: str, now: float) -> Cycle | None:
         """The cycle a reducer notice about `round` concerns; None (counted) if it is stale."""

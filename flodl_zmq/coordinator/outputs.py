@@ -6,6 +6,12 @@ directive for the in-process reducer: `DeclareDead`, `MassBound`) or `CONTROLLER
 effect on the controller itself: the records defined here, and
 `EpochAggregated` / `EvalResult` for the run report). These types are the
 whole contract a service, or the simulator, needs to act on the core.
+
+`Outbox` collects them in the order the core produces them: each rank must
+receive its records in that order (a Sync rank trains its spans in arrival
+order, and the coordinator computes a dead rank's remainder in production
+order). Broadcasts expand to one `Out` per live rank, so the service never
+needs to know who is live.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from flodl_zmq.coordinator.liveness import ShutdownReason
+from flodl_zmq.coordinator.liveness import Liveness, ShutdownReason
 from flodl_zmq.wire.records import EpochAggregated
 
 
@@ -35,6 +41,38 @@ class Out:
 
     dest: int | Target
     record: Any
+
+
+class Outbox:
+    """The core's outputs since the last `flush`, with data held for ranks waiting at the barrier."""
+
+    def __init__(self, liveness: Liveness) -> None:
+        self._liveness = liveness
+        self._out: list[Out] = []
+        self._held: list[Out] = []  # data for ranks held at the barrier while a cycle is in flight
+
+    def emit(self, dest: int | Target, record: Any) -> None:
+        self._out.append(Out(dest, record))
+
+    def to_live(self, record: Any) -> None:
+        for r in self._liveness.live:
+            self._out.append(Out(r, record))
+
+    def hold(self, rank: int, record: Any) -> None:
+        """Keep `record` for `rank` until `release_held` (after the cycle's Updates)."""
+        self._held.append(Out(rank, record))
+
+    def release_held(self) -> None:
+        # A rank that died meanwhile is skipped: its held data is already part
+        # of the remainder its death handed on.
+        for out in self._held:
+            if self._liveness.is_live(out.dest):
+                self._out.append(out)
+        self._held.clear()
+
+    def flush(self) -> list[Out]:
+        out, self._out = self._out, []
+        return out
 
 
 @dataclass(frozen=True)
