@@ -123,8 +123,8 @@ from flodl_zmq.coordinator.outputs import (
 )
 from flodl_zmq.coordinator.resume import ResumeState
 from flodl_zmq.coordinator.roles import CallbackRoles, EpochCallbacks
-from flodl_zmq.coordinator.rounds import Consensus, Cycle, StepCounters, gate_open
-from flodl_zmq.coordinator.strategy import ChunkStream, DispatchStrategy, Send, SyncPartitions
+from flodl_zmq.coordinator.rounds import Consensus, Cycle, StepCounters, gate_open, over_lead_cap
+from flodl_zmq.coordinator.strategy import Send, strategy_for
 from flodl_zmq.errors import CoordinatorError
 from flodl_zmq.wire import records as rec
 
@@ -187,23 +187,19 @@ class Coordinator:
         # Epochs: the lowest epoch not yet aggregated is `last_aggregated + 1`.
         self.last_aggregated = -1
         self._reports = EpochReports(world_size, config.reports_per_epoch, config.batches_per_epoch)
-        self._consensus = Consensus(coverage={}, aggregated=-1)
         coverage: dict[int, list[Span]] = {}
         if point is not None:
             self.global_step = point.global_step
             self.avg_count = self.round = point.round
-            self.last_aggregated = self._consensus.aggregated = point.epoch - 1
-            self._consensus.complete = point.epoch - 1
+            self.last_aggregated = point.epoch - 1
             coverage = point.coverage
-        self.dispatch: DispatchStrategy
-        if self.mode.progressive:
-            self.dispatch = ChunkStream(
-                config, self.liveness, self.elche, self._announce_epoch_role,
-                self.mode.barrier_paced, coverage,
-            )
-            self._consensus.coverage = coverage
-        else:
-            self.dispatch = SyncPartitions(config, self.liveness, self._announce_epoch_role)
+        # A resumed consensus holds every epoch before the resumed one.
+        self._consensus = Consensus(
+            coverage if self.mode.progressive else {}, self.last_aggregated, self.last_aggregated
+        )
+        self.dispatch = strategy_for(
+            config, self.liveness, self.elche, self._announce_epoch_role, coverage
+        )
 
     # ================================================================ inputs
 
@@ -499,27 +495,18 @@ class Coordinator:
     def _trigger(self, now: float, final: bool = False) -> None:
         live = tuple(self.liveness.live)
         self.round += 1
-        self.cycle = Cycle(
-            round=self.round,
-            started_at=now,
-            ranks=live,
-            snapshot=list(self._steps.count),
-            coverage=self.dispatch.coverage(),
-            last_aggregated=self.last_aggregated,
-            done_through=self.dispatch.done_through(self.last_aggregated),
-        )
+        self.cycle = Cycle.open(self.round, now, live, self._steps, self.dispatch, self.last_aggregated)
         self._final_reduced = final
         self._outbox.emit(CONTROLLER, RoundOpened(self.round, live))
         window = self.window_steps
         self._outbox.emit(REDUCER, MassBound(self.round, tuple((r, mass_bound(window[r])) for r in live)))
         for r in live:
-            if self.mode.hard_barrier and r not in self._throttled:
+            if self.mode.hard_barrier:
                 # Without it the fast rank laps the others during the round
                 # trip and Sync loses its convergence parity. Sent first: a
                 # rank that handled the request alone would train a step on
                 # the replica it deposited, which the consensus erases.
-                self._throttled.add(r)
-                self._outbox.emit(r, rec.Throttle())
+                self._throttle(r)
             self._outbox.emit(r, rec.RequestParams(round=self.round))
 
     def _finish(self, now: float) -> None:
@@ -540,16 +527,14 @@ class Coordinator:
         self.global_step += sum(moved[r] for r in cyc.ranks)
         self.avg_count += 1
         self._abandoned = 0
-        self._consensus.coverage = cyc.coverage
-        self._consensus.aggregated = cyc.last_aggregated
         # Behind the hard barrier ranks sit throttled from their deposit to their
-        # Update, with any new data held back (`_held`), so this consensus holds
+        # Update, with any new data held back (`Outbox.hold`), so this consensus holds
         # everything they reported up to now; elsewhere ranks may train on, so
         # only what was done at the trigger counts.
         if self.mode.hard_barrier:
-            self._consensus.holds_through(self.dispatch.done_through(self.last_aggregated))
+            self._consensus.adopt(cyc, self.dispatch.done_through(self.last_aggregated))
         else:
-            self._consensus.holds_through(cyc.done_through)
+            self._consensus.adopt(cyc, cyc.done_through)
         self._throttled.clear()
         self.cycle = None
         # Before the Updates: the eval rank then scores exactly the consensus it
@@ -714,14 +699,15 @@ class Coordinator:
     def _check_throttle(self) -> None:
         """Explicit lead cap (`max_batch_diff`), only while the whole world is alive."""
         diff = self.config.max_batch_diff
-        if diff is None or len(self.liveness.live) != self.world_size:
-            return
-        steps = self.window_steps
-        floor = min(steps)
-        for r, s in enumerate(steps):
-            if s > floor + diff and r not in self._throttled:
-                self._throttled.add(r)
-                self._outbox.emit(r, rec.Throttle())
+        if diff is not None and len(self.liveness.live) == self.world_size:
+            for r in over_lead_cap(self.window_steps, diff):
+                self._throttle(r)
+
+    def _throttle(self, rank: int) -> None:
+        """Park `rank` at the barrier until its Update (once per cycle)."""
+        if rank not in self._throttled:
+            self._throttled.add(rank)
+            self._outbox.emit(rank, rec.Throttle())
 
     def _noticed_cycle(self, round: int, what: str, now: float) -> Cycle | None:
         """The cycle a reducer notice about `round` concerns; None (counted) if it is stale."""

@@ -73,6 +73,27 @@ class Cycle:
     reduced: bool = False
     acks: dict[int, DivergenceSample | None] = field(default_factory=dict)
 
+    @classmethod
+    def open(
+        cls,
+        round: int,
+        now: float,
+        ranks: tuple[int, ...],
+        steps: StepCounters,
+        dispatch: DispatchStrategy,
+        last_aggregated: int,
+    ) -> Cycle:
+        """Round `round`, triggered at `now` for `ranks`: every counter and the coverage as of now."""
+        return cls(
+            round=round,
+            started_at=now,
+            ranks=ranks,
+            snapshot=list(steps.count),
+            coverage=dispatch.coverage(),
+            last_aggregated=last_aggregated,
+            done_through=dispatch.done_through(last_aggregated),
+        )
+
     def ack(self, rank: int, m: rec.SyncAck) -> str | None:
         """Take `rank`'s ack; the cause to count it under if it is ignored."""
         # The ack's step_count is deliberately ignored: CPU acks carry none
@@ -101,6 +122,12 @@ class Consensus:
     aggregated: int  # the last epoch aggregated when it was triggered
     complete: int = -1  # every sample of epochs <= this is in it
 
+    def adopt(self, cycle: Cycle, done: int) -> None:
+        """`cycle` finished: its consensus holds what was covered at its trigger, and epochs <= `done`."""
+        self.coverage = cycle.coverage
+        self.aggregated = cycle.last_aggregated
+        self.holds_through(done)
+
     def holds_through(self, done: int) -> None:
         self.complete = max(self.complete, done)
 
@@ -125,3 +152,9 @@ def gate_open(
         ):
             return False
     return any_mover
+
+
+def over_lead_cap(window: list[int], diff: int) -> list[int]:
+    """The ranks more than `diff` steps ahead of the slowest in this window (`max_batch_diff`)."""
+    floor = min(window)
+    return [r for r, s in enumerate(window) if s > floor + diff]
