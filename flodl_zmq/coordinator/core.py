@@ -17,16 +17,14 @@ fires an *averaging cycle* when its gate opens:
          [Sync: Throttle]                     SetGlobalStep
          controller: RoundOpened(round, ranks)
 
-The gate counts steps, never wall time (a time-based gate deadlocked
-upstream: its target depended on samples that only land when it fires).
-Sync fires once every live rank did one step; Cadence and Async once every
-live rank did its ElChe batch count (or has no work left: *quiesced*). The
-per-rank step counters are snapshotted at the trigger; steps taken while the
-cycle is in flight stay credited to the next window. At the finish the
-window's measurements set the next window's schedule (`WindowFeedback`,
-feedback.py: ElChe, the convergence guard, the LR meta-controller,
-overshoot), and each rank's next chunk rides in its `Update` (no extra round
-trip). Epoch-boundary callbacks (eval, checkpoint: `EpochCallbacks`,
+The gate counts steps, never wall time (rounds.py keeps the counts). Sync
+fires once every live rank did one step; Cadence and Async once every live
+rank did its ElChe batch count (or has no work left: *quiesced*). Steps
+taken while the cycle is in flight stay credited to the next window. At the
+finish the window's measurements set the next window's schedule
+(`WindowFeedback`, feedback.py: ElChe, the convergence guard, the LR
+meta-controller, overshoot), and each rank's next chunk rides in its
+`Update` (no extra round trip). Epoch-boundary callbacks (eval, checkpoint: `EpochCallbacks`,
 roles.py) go out at the first finish whose consensus contains every sample
 of the epoch that ended, just before the Updates.
 
@@ -49,15 +47,9 @@ ShutdownInitiated; a shutdown-with-save latches orthogonally.
 Contract with the service
 -------------------------
 
-- `Out.dest` is a rank id (send the record to that rank), `REDUCER` (a
-  directive for the in-process reducer: `DeclareDead` to drop a rank from
-  every barrier; the reducer learns each round from its first deposit) or
-  `CONTROLLER` (local effects: `RoundOpened` to start the round's clock,
-  `SaveState` to write the checkpoint meta, `EpochAggregated` for
-  `metrics_fn`, `EpochProgress` for `reports_per_epoch`, `EvalResult` for
-  `eval_result_fn`, `RunEnded`); the types
-  are in outputs.py. Broadcasts are expanded to one `Out` per live rank, so
-  the service never needs to know who is live.
+- `Out.dest` is a rank id, `REDUCER` or `CONTROLLER`: what each asks of the
+  service is in outputs.py. Broadcasts are expanded to one `Out` per live
+  rank, so the service never needs to know who is live.
 - Call `start` once when the world has formed, `on_record` for every record
   from a rank, `on_tick` by `next_due()` at the latest (ask again after
   every input),
@@ -77,8 +69,7 @@ Contract with the service
   they were produced (a Sync rank trains its spans in arrival order, and the
   coordinator computes a dead rank's remainder in production order).
 - A rank's `step_count` (in `Batch` and `Heartbeat`) counts the steps that
-  process has taken since it started; the coordinator derives window steps
-  from it, so a lost `Batch` record cannot wedge the gate.
+  process has taken since it started (rounds.py).
 
 Error policy: inputs that a correct peer can never send (a record whose rank
 field disagrees with the sender, a chunk completion of the wrong size, a
@@ -636,9 +627,7 @@ class Coordinator:
             return
         if self.last_aggregated + 1 < self.config.num_epochs:
             return
-        live = self.liveness.live
-        steps = self.window_steps
-        if not self._final_reduced and any(steps[r] > 0 for r in live):
+        if not self._final_reduced and self._steps.stepped(self.liveness.live):
             # The edge of the last epoch can leave steps no average has seen.
             self._trigger(now, final=True)
             return

@@ -2,10 +2,13 @@
 
 `Coordinator` (core.py) answers every input with a list of `Out(dest,
 record)`. `dest` is a rank id (send `record` to that rank), `REDUCER` (a
-directive for the in-process reducer: `DeclareDead`, `MassBound`) or `CONTROLLER` (an
-effect on the controller itself: the records defined here, and
-`EpochAggregated` / `EvalResult` for the run report). These types are the
-whole contract a service, or the simulator, needs to act on the core.
+directive for the in-process reducer: `DeclareDead` to drop a rank from
+every barrier, `MassBound`; the reducer learns each round from its first
+deposit) or `CONTROLLER` (an effect on the controller itself: `RoundOpened`
+to start the round's clock, `SaveState` to write the checkpoint meta,
+`EpochAggregated` for `metrics_fn`, `EpochProgress` for `reports_per_epoch`,
+`EvalResult` for `eval_result_fn`, `RunEnded`). These types are the whole
+contract a service, or the simulator, needs to act on the core.
 
 `Outbox` collects them in the order the core produces them: each rank must
 receive its records in that order (a Sync rank trains its spans in arrival
