@@ -52,10 +52,9 @@ Contract with the service
   rank, so the service never needs to know who is live.
 - Call `start` once when the world has formed, `on_record` for every record
   from a rank, `on_tick` by `next_due()` at the latest (ask again after
-  every input),
-  `on_rank_death` when an agent or relay reports a rank's exit, and
-  `on_round_complete` / `on_round_abandoned` when the reducer has published
-  or torn down a round.
+  every input), `on_rank_death` when an agent or relay reports a rank's
+  exit, and `on_round_complete` / `on_round_abandoned` when the reducer has
+  published or torn down a round.
 - Call `on_send_failed` when a record for a rank is lost for good (the
   simulator's send-failure model; the controller service never does: its
   control streams keep a live rank's records until acknowledged, PROTOCOL.md
@@ -66,8 +65,7 @@ Contract with the service
   heartbeat timeout instead would wedge the gate whenever the link comes
   back and the rank keeps heartbeating. Send what it returns *after* the
   rest of the batch being sent: each rank must receive records in the order
-  they were produced (a Sync rank trains its spans in arrival order, and the
-  coordinator computes a dead rank's remainder in production order).
+  they were produced (outputs.py).
 - A rank's `step_count` (in `Batch` and `Heartbeat`) counts the steps that
   process has taken since it started (rounds.py).
 
@@ -76,21 +74,21 @@ field disagrees with the sender, a chunk completion of the wrong size, a
 record kind the coordinator does not consume, any input before `start`)
 raise `CoordinatorError` naming the state and the record, before any state
 changes; the service then declares that rank dead (`on_rank_death`), as
-every service does with a peer that breaks the protocol. Inputs a real network produces routinely are ignored and counted in
-`ignored` by cause: records from a rank already declared dead or exited
-(`from_departed`), `SyncAck` / `SnapshotReady` for a finished round
-(`stale_round`), duplicate acks (`duplicate_ack`), completions of a chunk that
-was forfeited (`late_completion`), reducer notices for an old round
-(`stale_reducer_notice`), duplicate death reports (`duplicate_death`), failed
-sends to a rank already gone (`send_to_departed`), and anything after the run
-ended (`after_end`). Failed sends to live ranks are counted in `lost_sends` by
-record kind.
+every service does with a peer that breaks the protocol. Inputs a real
+network produces routinely are ignored and counted in `ignored` by cause:
+records from a rank already declared dead or exited (`from_departed`),
+`SyncAck` / `SnapshotReady` for a finished round (`stale_round`), duplicate
+acks (`duplicate_ack`), completions of a chunk that was forfeited
+(`late_completion`), reducer notices for an old round
+(`stale_reducer_notice`), duplicate death reports (`duplicate_death`),
+failed sends to a rank already gone (`send_to_departed`), and anything after
+the run ended (`after_end`). Failed sends to live ranks are counted in
+`lost_sends` by record kind.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -110,17 +108,13 @@ from flodl_zmq.coordinator.outputs import (
     RoundOpened,
     RunEnded,
     SaveState,
-    mass_bound,
 )
 from flodl_zmq.coordinator.resume import ResumeState
-from flodl_zmq.coordinator.roles import CallbackRoles, EpochCallbacks
+from flodl_zmq.coordinator.roles import FINAL_EVAL_ID, CallbackRoles, EpochCallbacks, final_eval
 from flodl_zmq.coordinator.rounds import Consensus, Cycle, StepCounters, gate_open, over_lead_cap
 from flodl_zmq.coordinator.strategy import Send, strategy_for
 from flodl_zmq.errors import CoordinatorError
 from flodl_zmq.wire import records as rec
-
-FINAL_EVAL_ID = 2**64 - 1
-"""`ExecuteEval.schedule_id` of the one canonical eval of the final consensus."""
 
 MAX_ABANDONED_ROUNDS = 3
 """Consecutive rounds the reducer may tear down before the run ends (ReduceStall)."""
@@ -162,9 +156,9 @@ class Coordinator:
         point = None if resume is None else ResumeState.from_dict(resume, config, world_size)
         self.feedback = WindowFeedback(config, world_size, None if point is None else point.elche)
 
-        self.round = 0  # rounds triggered
-        self.avg_count = 0  # rounds finished
-        self.global_step = 0
+        self.round = 0 if point is None else point.round  # rounds triggered
+        self.avg_count = self.round  # rounds finished
+        self.global_step = 0 if point is None else point.global_step
         self.cycle: Cycle | None = None
         self._abandoned = 0
         self._steps = StepCounters(world_size)
@@ -176,14 +170,9 @@ class Coordinator:
         self._now = now
 
         # Epochs: the lowest epoch not yet aggregated is `last_aggregated + 1`.
-        self.last_aggregated = -1
+        self.last_aggregated = -1 if point is None else point.epoch - 1
         self._reports = EpochReports(world_size, config.reports_per_epoch, config.batches_per_epoch)
-        coverage: dict[int, list[Span]] = {}
-        if point is not None:
-            self.global_step = point.global_step
-            self.avg_count = self.round = point.round
-            self.last_aggregated = point.epoch - 1
-            coverage = point.coverage
+        coverage: dict[int, list[Span]] = {} if point is None else point.coverage
         # A resumed consensus holds every epoch before the resumed one.
         self._consensus = Consensus(
             coverage if self.mode.progressive else {}, self.last_aggregated, self.last_aggregated
@@ -244,13 +233,12 @@ class Coordinator:
             if isinstance(record, rec.Exiting):
                 self.liveness.exit(rank)
             self.ignored["after_end"] += 1
-            return self._outbox.flush()
-        if not self.liveness.is_live(rank):
+        elif not self.liveness.is_live(rank):
             self.ignored["from_departed"] += 1
-            return self._outbox.flush()
-        self.liveness.saw(rank, now)
-        handler(self, rank, record, now)
-        self._advance(now)
+        else:
+            self.liveness.saw(rank, now)
+            handler(self, rank, record, now)
+            self._advance(now)
         return self._outbox.flush()
 
     def on_tick(self, now: float) -> list[Out]:
@@ -264,8 +252,7 @@ class Coordinator:
             self._lose_rank(r, failure=True, now=now)
             if self._over:
                 return self._outbox.flush()
-        cyc = self.cycle
-        if cyc is not None and now - cyc.started_at > self.config.reduce_stall_s:
+        if self.cycle is not None and self.cycle.stalled(now, self.config.reduce_stall_s):
             # A round that neither completes nor fails while its ranks stay
             # alive is a wedge; saving beats hanging forever.
             self.cycle = None
@@ -284,7 +271,7 @@ class Coordinator:
             return None
         due = self.liveness.next_due()
         if self.cycle is not None:
-            due = min(due, math.nextafter(self.cycle.started_at + self.config.reduce_stall_s, math.inf))
+            due = min(due, self.cycle.stall_due(self.config.reduce_stall_s))
         return due
 
     def on_rank_death(self, rank: int, reason: str, now: float) -> list[Out]:
@@ -327,10 +314,9 @@ class Coordinator:
     def on_round_complete(self, round: int, now: float) -> list[Out]:
         """The reducer published the consensus of `round`."""
         cyc = self._noticed_cycle(round, "complete", now)
-        if cyc is None:
-            return self._outbox.flush()
-        cyc.reduced = True
-        self._advance(now)
+        if cyc is not None:
+            cyc.reduced = True
+            self._advance(now)
         return self._outbox.flush()
 
     def on_round_abandoned(self, round: int, now: float) -> list[Out]:
@@ -339,14 +325,13 @@ class Coordinator:
         The window's steps stay uncredited, so the gate fires again at once
         and the work lands in the next round; repeated failures end the run.
         """
-        if self._noticed_cycle(round, "abandoned", now) is None:
-            return self._outbox.flush()
-        self.cycle = None
-        self._abandoned += 1
-        if self._abandoned >= MAX_ABANDONED_ROUNDS:
-            self._shutdown_with_save(ShutdownReason.REDUCE_STALL)
-        else:
-            self._advance(now)
+        if self._noticed_cycle(round, "abandoned", now) is not None:
+            self.cycle = None
+            self._abandoned += 1
+            if self._abandoned >= MAX_ABANDONED_ROUNDS:
+                self._shutdown_with_save(ShutdownReason.REDUCE_STALL)
+            else:
+                self._advance(now)
         return self._outbox.flush()
 
     # ================================================================ queries
@@ -489,8 +474,7 @@ class Coordinator:
         self.cycle = Cycle.open(self.round, now, live, self._steps, self.dispatch, self.last_aggregated)
         self._final_reduced = final
         self._outbox.emit(CONTROLLER, RoundOpened(self.round, live))
-        window = self.window_steps
-        self._outbox.emit(REDUCER, MassBound(self.round, tuple((r, mass_bound(window[r])) for r in live)))
+        self._outbox.emit(REDUCER, MassBound.for_window(self.round, self.window_steps, live))
         for r in live:
             if self.mode.hard_barrier:
                 # Without it the fast rank laps the others during the round
@@ -635,9 +619,7 @@ class Coordinator:
         if self.config.final_eval and self.liveness.is_live(eval_rank):
             self.phase = RunPhase.FINAL_EVAL_DISPATCHED
             self._final_eval_rank = eval_rank
-            self._outbox.emit(eval_rank, rec.ExecuteEval(
-                schedule_id=FINAL_EVAL_ID, epoch=self.config.num_epochs, target_rank=eval_rank,
-                adopt_consensus=True))
+            self._outbox.emit(eval_rank, final_eval(eval_rank, self.config.num_epochs))
             return
         self._shutdown()
 

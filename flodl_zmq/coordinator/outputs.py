@@ -20,6 +20,7 @@ needs to know who is live.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,11 @@ class MassBound:
 
     round: int
     bounds: tuple[tuple[int, float], ...]  # (rank, bound) for each rank in the round
+
+    @classmethod
+    def for_window(cls, round: int, window_steps: Sequence[int], ranks: Iterable[int]) -> MassBound:
+        """The bounds of `ranks`, from each one's steps counted at the trigger."""
+        return cls(round, tuple((r, mass_bound(window_steps[r])) for r in ranks))
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,14 @@ class Cycle:
         self.acks[rank] = sample
         return None
 
+    def stalled(self, now: float, limit_s: float) -> bool:
+        """In flight longer than `limit_s` (`reduce_stall_s`): a wedge, if its ranks stay alive."""
+        return now - self.started_at > limit_s
+
+    def stall_due(self, limit_s: float) -> float:
+        """The first time at which `stalled` holds, for a service that sleeps until then."""
+        return math.nextafter(self.started_at + limit_s, math.inf)
+
     def settled(self, is_live: Callable[[int], bool]) -> bool:
         """The consensus is published and every live rank of the round has acked it."""
         return self.reduced and all(r in self.acks for r in self.ranks if is_live(r))
