@@ -24,9 +24,10 @@ taken while the cycle is in flight stay credited to the next window. At the
 finish the window's measurements set the next window's schedule
 (`WindowFeedback`, feedback.py: ElChe, the convergence guard, the LR
 meta-controller, overshoot), and each rank's next chunk rides in its
-`Update` (no extra round trip). Epoch-boundary callbacks (eval, checkpoint: `EpochCallbacks`,
-roles.py) go out at the first finish whose consensus contains every sample
-of the epoch that ended, just before the Updates.
+`Update` (no extra round trip). Epoch-boundary callbacks (eval,
+checkpoint: `EpochCallbacks`, roles.py) go out at the first finish whose
+consensus contains every sample of the epoch that ended, just before the
+Updates.
 
 Data dispatch is one `DispatchStrategy` (strategy.py: Sync partitions,
 Cadence and Async chunk streams), so the cycle reads the same in every mode.
