@@ -164,11 +164,7 @@ def train_alone(job: Job) -> TrainResult:
     torch.set_num_threads(job.torch_threads)
     torch.manual_seed(job.seed)
     model = job.model()
-    start_epoch = 0
-    if job.resume_from:
-        state, meta = bundle.load(job.resume_from)
-        model.load_state_dict(state)
-        start_epoch = int(meta.get("epoch", 0))
+    start_epoch = _resume_alone(job, model)
     optimizer = job.optimizer(model.parameters())
     device = torch.device("cpu")
     stepper = Stepper(job, model, optimizer, device)
@@ -188,28 +184,9 @@ def train_alone(job: Job) -> TrainResult:
             for epoch in range(start_epoch, job.epochs):
                 if job.epoch_fn is not None:
                     job.epoch_fn(epoch, model)
-                t0 = time.perf_counter()
-                perm = epoch_permutation(job.seed, epoch, job.total_samples)
-                loss_sum, batches, parts = 0.0, 0, 0
-                pipeline.extend(perm[start : start + job.batch_size] for start in range(0, len(perm), job.batch_size))
-                while len(pipeline):
-                    # The global step of a single process: every step before this one, resumed ones too.
-                    stepper.follow(epoch * steps_per_epoch + batches)
-                    loss_sum += stepper.step(pipeline.next())
-                    batches += 1
-                    report.step()
-                    if job.reports_per_epoch > 1 and len(pipeline):
-                        # The cluster's rule (coordinator/core.py): one partial row per n-th of the epoch.
-                        k = batches * job.reports_per_epoch // steps_per_epoch
-                        if k > parts:
-                            parts = k
-                            report.progress({**epoch_row(epoch, loss_sum, batches, min(batches * job.batch_size, len(perm)), t0, scalars),
-                                             "fraction": k / job.reports_per_epoch})
-                row = epoch_row(epoch, loss_sum, batches, min(batches * job.batch_size, len(perm)), t0, scalars)
+                row = _train_epoch_alone(job, epoch, stepper, pipeline, report, scalars, steps_per_epoch)
                 scalars.take()
-                if job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
-                    (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
-                ):
+                if _eval_due(job, epoch):
                     model.eval()
                     with torch.no_grad():
                         report.evaluated(epoch, float(job.eval_fn(model, job.eval_dataset)), row=row)
@@ -225,3 +202,42 @@ def train_alone(job: Job) -> TrainResult:
     report.finish(wall_s)
     result.batch_share = [1.0]
     return result
+
+
+def _resume_alone(job: Job, model: torch.nn.Module) -> int:
+    """Load `job.resume_from` into `model`; the epoch to start at (0 without one)."""
+    if not job.resume_from:
+        return 0
+    state, meta = bundle.load(job.resume_from)
+    model.load_state_dict(state)
+    return int(meta.get("epoch", 0))
+
+
+def _train_epoch_alone(job: Job, epoch: int, stepper: Stepper, pipeline: BatchPipeline, report: RunReport,
+                       scalars: ScalarLog, steps_per_epoch: int) -> dict[str, Any]:
+    """Every step of `epoch` in the cluster's data order; the epoch's row (scalars not yet taken)."""
+    t0 = time.perf_counter()
+    perm = epoch_permutation(job.seed, epoch, job.total_samples)
+    loss_sum, batches, parts = 0.0, 0, 0
+    pipeline.extend(perm[start : start + job.batch_size] for start in range(0, len(perm), job.batch_size))
+    while len(pipeline):
+        # The global step of a single process: every step before this one, resumed ones too.
+        stepper.follow(epoch * steps_per_epoch + batches)
+        loss_sum += stepper.step(pipeline.next())
+        batches += 1
+        report.step()
+        if job.reports_per_epoch > 1 and len(pipeline):
+            # The cluster's rule (coordinator/metrics.py): one partial row per n-th of the epoch.
+            k = batches * job.reports_per_epoch // steps_per_epoch
+            if k > parts:
+                parts = k
+                report.progress({**epoch_row(epoch, loss_sum, batches, min(batches * job.batch_size, len(perm)), t0, scalars),
+                                 "fraction": k / job.reports_per_epoch})
+    return epoch_row(epoch, loss_sum, batches, min(batches * job.batch_size, len(perm)), t0, scalars)
+
+
+def _eval_due(job: Job, epoch: int) -> bool:
+    """An eval after `epoch`: every `eval_every` epochs and after the last one."""
+    return bool(job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
+        (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
+    ))

@@ -226,51 +226,83 @@ def chart(
                 f"no data in this run</text></svg></figure>")
     xs = [p[0] for p in points] + [m[0] for m in marks]
     ys = [p[1] for p in points]
-    xlo, xhi = _span(min(xs), max(xs))
-    ylo, yhi = _span(min(ys), max(ys))
-    pw, ph = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    plot = _Plot(*_span(min(xs), max(xs)), *_span(min(ys), max(ys)))
+    parts = [svg, *_axes(plot, xlabel, ylabel)]
+    for x, kind, label in marks:
+        parts.append(f'<line class="mark mark-{kind}" x1="{plot.px(x):.1f}" x2="{plot.px(x):.1f}" y1="{TOP}" '
+                     f'y2="{TOP + plot.ph}" stroke="{MARKERS[kind]}"><title>{html.escape(label)} at {x:.1f} s</title></line>')
+    for s in series:
+        parts += _series(plot, s)
+    parts += _legend(series, marks, legend_extra)
+    parts.append("</svg>")
+    return head + "".join(parts) + "</figure>"
 
-    def px(x: float) -> float:
-        return LEFT + (x - xlo) / (xhi - xlo) * pw
 
-    def py(y: float) -> float:
-        return TOP + ph - (y - ylo) / (yhi - ylo) * ph
+@dataclass(frozen=True)
+class _Plot:
+    """A chart's data ranges and the plot area they map onto (SVG y grows downwards)."""
 
-    parts = [svg, f'<rect class="plot" x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}"/>']
-    for t in _ticks(xlo, xhi):
+    xlo: float
+    xhi: float
+    ylo: float
+    yhi: float
+    pw: float = WIDTH - LEFT - RIGHT
+    ph: float = HEIGHT - TOP - BOTTOM
+
+    def px(self, x: float) -> float:
+        return LEFT + (x - self.xlo) / (self.xhi - self.xlo) * self.pw
+
+    def py(self, y: float) -> float:
+        return TOP + self.ph - (y - self.ylo) / (self.yhi - self.ylo) * self.ph
+
+
+def _axes(plot: _Plot, xlabel: str, ylabel: str) -> list[str]:
+    """The plot frame, a grid line and label per tick, and the axis labels."""
+    pw, ph, px, py = plot.pw, plot.ph, plot.px, plot.py
+    parts = [f'<rect class="plot" x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}"/>']
+    for t in _ticks(plot.xlo, plot.xhi):
         parts.append(f'<line class="grid" x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{TOP}" y2="{TOP + ph}"/>'
                      f'<text class="tick" x="{px(t):.1f}" y="{TOP + ph + 14}" text-anchor="middle">{_fmt(t)}</text>')
-    for t in _ticks(ylo, yhi):
+    for t in _ticks(plot.ylo, plot.yhi):
         parts.append(f'<line class="grid" x1="{LEFT}" x2="{LEFT + pw}" y1="{py(t):.1f}" y2="{py(t):.1f}"/>'
                      f'<text class="tick" x="{LEFT - 4}" y="{py(t) + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
     parts.append(f'<text class="label" x="{LEFT + pw / 2}" y="{HEIGHT - 6}" text-anchor="middle">{html.escape(xlabel)}</text>'
                  f'<text class="label" transform="translate(14 {TOP + ph / 2}) rotate(-90)" text-anchor="middle">'
                  f"{html.escape(ylabel)}</text>")
-    for x, kind, label in marks:
-        parts.append(f'<line class="mark mark-{kind}" x1="{px(x):.1f}" x2="{px(x):.1f}" y1="{TOP}" y2="{TOP + ph}" '
-                     f'stroke="{MARKERS[kind]}"><title>{html.escape(label)} at {x:.1f} s</title></line>')
-    for s in series:
-        for run in _runs(s.xs, s.ys):
-            if len(run) > 1:
-                d = "M" + " L".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run)
-                parts.append(f'<path class="series" d="{d}" stroke="{s.color}"/>')
-        if s.dots or len(s.xs) == 1:
-            for i, (x, y) in enumerate(zip(s.xs, s.ys, strict=True)):
-                if y is None or not _finite(x, y):
-                    continue
-                color = s.dot_colors[i] if s.dot_colors else s.color
-                tip = s.tips[i] if s.tips else f"{s.label}: {_fmt(y)} at {_fmt(x)}"
-                parts.append(f'<circle class="dot" cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{color}">'
-                             f"<title>{html.escape(tip)}</title></circle>")
-    legend = [(s.label, s.color) for s in series if len(series) > 1] + list(legend_extra)
+    return parts
+
+
+def _series(plot: _Plot, s: Series) -> list[str]:
+    """One series: a path per run of finite points, and its dots (always for a single point)."""
+    parts = []
+    for run in _runs(s.xs, s.ys):
+        if len(run) > 1:
+            d = "M" + " L".join(f"{plot.px(x):.1f},{plot.py(y):.1f}" for x, y in run)
+            parts.append(f'<path class="series" d="{d}" stroke="{s.color}"/>')
+    if s.dots or len(s.xs) == 1:
+        for i, (x, y) in enumerate(zip(s.xs, s.ys, strict=True)):
+            if y is None or not _finite(x, y):
+                continue
+            color = s.dot_colors[i] if s.dot_colors else s.color
+            tip = s.tips[i] if s.tips else f"{s.label}: {_fmt(y)} at {_fmt(x)}"
+            parts.append(f'<circle class="dot" cx="{plot.px(x):.1f}" cy="{plot.py(y):.1f}" r="2.5" fill="{color}">'
+                         f"<title>{html.escape(tip)}</title></circle>")
+    return parts
+
+
+def _legend(
+    series: list[Series], marks: Sequence[tuple[float, str, str]], extra: Sequence[tuple[str, str]]
+) -> list[str]:
+    """A swatch per series (when there are several), per extra entry and per kind of mark shown."""
+    legend = [(s.label, s.color) for s in series if len(series) > 1] + list(extra)
     legend += sorted({(kind, MARKERS[kind]) for _, kind, _ in marks})
+    parts = []
     x = LEFT
     for label, color in legend:
         parts.append(f'<rect x="{x}" y="10" width="10" height="10" fill="{color}"/>'
                      f'<text class="legend" x="{x + 13}" y="19">{html.escape(label)}</text>')
         x += 20 + 7 * len(label)
-    parts.append("</svg>")
-    return head + "".join(parts) + "</figure>"
+    return parts
 
 
 def _finite(*values: float) -> bool:

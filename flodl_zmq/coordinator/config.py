@@ -37,6 +37,14 @@ TREND_THRESHOLD_EASGD = 0.3  # EASGD keeps a standing spread of about 0.1
 REDUCE_STALL_FLOOR_S = 300.0
 REDUCE_STALL_HEARTBEATS = 10
 
+# (setting, minimum): the integer settings, checked in this order.
+_INTEGERS = (
+    ("total_samples", 1), ("batch_size", 1), ("num_epochs", 1), ("seed", 0), ("eval_every", 0),
+    ("checkpoint_every", 0), ("max_anchor", 1), ("min_chunk_batches", 1), ("reports_per_epoch", 0),
+)
+# The same for settings where None means "not set" (a default or a policy).
+_OPTIONAL_INTEGERS = (("callback_rank", 0), ("anchor", 1), ("max_overshoot", 0))
+
 
 class Mode(str, enum.Enum):
     """When to average (floDl's ApplyPolicy; the backend is always CPU averaging here).
@@ -117,15 +125,27 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum(Mode, self.mode, "mode"))
         object.__setattr__(self, "guard", _enum(GuardKind, self.guard, "guard"))
-        _int(self.total_samples, "total_samples", 1)
-        _int(self.batch_size, "batch_size", 1)
-        _int(self.num_epochs, "num_epochs", 1)
-        _int(self.seed, "seed", 0)
-        _int(self.eval_every, "eval_every", 0)
-        _int(self.checkpoint_every, "checkpoint_every", 0)
-        _int(self.max_anchor, "max_anchor", 1)
-        _int(self.min_chunk_batches, "min_chunk_batches", 1)
-        _int(self.reports_per_epoch, "reports_per_epoch", 0)
+        self._check_counts()
+        if not (isinstance(self.heartbeat_timeout_s, (int, float)) and self.heartbeat_timeout_s > 0
+                and math.isfinite(self.heartbeat_timeout_s)):
+            raise ConfigError(
+                f"heartbeat_timeout_s = {self.heartbeat_timeout_s!r}: must be a finite number > 0"
+            )
+        for name, minimum in _OPTIONAL_INTEGERS:
+            if getattr(self, name) is not None:
+                _int(getattr(self, name), name, minimum)
+        self._check_easgd()
+        self._check_guard()
+        self._check_partition_ratios()
+        # Built here so every ElChe knob error surfaces at configuration time.
+        self.elche_config(1)
+
+    # ------------------------------------------------------------ validation
+
+    def _check_counts(self) -> None:
+        """The integer settings, and an epoch that holds whole batches to report."""
+        for name, minimum in _INTEGERS:
+            _int(getattr(self, name), name, minimum)
         if self.reports_per_epoch > 1 and self.mode is Mode.SYNC:
             raise ConfigError(
                 f"reports_per_epoch = {self.reports_per_epoch}: sync ranks report once per epoch (their "
@@ -136,17 +156,8 @@ class CoordinatorConfig:
                 f"total_samples = {self.total_samples} is smaller than batch_size = "
                 f"{self.batch_size}: an epoch would hold no whole batch; use a smaller batch"
             )
-        if not (isinstance(self.heartbeat_timeout_s, (int, float)) and self.heartbeat_timeout_s > 0
-                and math.isfinite(self.heartbeat_timeout_s)):
-            raise ConfigError(
-                f"heartbeat_timeout_s = {self.heartbeat_timeout_s!r}: must be a finite number > 0"
-            )
-        if self.callback_rank is not None:
-            _int(self.callback_rank, "callback_rank", 0)
-        if self.anchor is not None:
-            _int(self.anchor, "anchor", 1)
-        if self.max_overshoot is not None:
-            _int(self.max_overshoot, "max_overshoot", 0)
+
+    def _check_easgd(self) -> None:
         if self.easgd_alpha is not None:
             a = self.easgd_alpha
             if not (isinstance(a, (int, float)) and 0 < a <= 1):
@@ -156,6 +167,9 @@ class CoordinatorConfig:
                     f"easgd_alpha is set but mode is {self.mode.value}: the EASGD blend is only "
                     f"safe under async (use mode='async' or drop easgd_alpha)"
                 )
+
+    def _check_guard(self) -> None:
+        """Each guard's thresholds, given only with that guard; msf's are normalized to floats."""
         if self.divergence_threshold is not None and not (
             isinstance(self.divergence_threshold, (int, float))
             and math.isfinite(self.divergence_threshold) and self.divergence_threshold >= 0
@@ -181,6 +195,8 @@ class CoordinatorConfig:
                     f"growth rates with 0 < suppress <= nudge (a nudge implies a suppress); default (1e-3, 1e-2)"
                 )
             object.__setattr__(self, "msf_thresholds", (float(m[0]), float(m[1])))
+
+    def _check_partition_ratios(self) -> None:
         if self.partition_ratios is not None:
             if not isinstance(self.partition_ratios, (tuple, list)) or not all(
                 _finite(x) and x > 0 for x in self.partition_ratios
@@ -194,8 +210,6 @@ class CoordinatorConfig:
                     f"progressive modes size chunks from measured speed)"
                 )
             object.__setattr__(self, "partition_ratios", tuple(self.partition_ratios))
-        # Built here so every ElChe knob error surfaces at configuration time.
-        self.elche_config(1)
 
     # ------------------------------------------------------------ derived
 

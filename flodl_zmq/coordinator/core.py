@@ -17,18 +17,17 @@ fires an *averaging cycle* when its gate opens:
          [Sync: Throttle]                     SetGlobalStep
          controller: RoundOpened(round, ranks)
 
-The gate counts steps, never wall time (a time-based gate deadlocked
-upstream: its target depended on samples that only land when it fires).
-Sync fires once every live rank did one step; Cadence and Async once every
-live rank did its ElChe batch count (or has no work left: *quiesced*). The
-per-rank step counters are snapshotted at the trigger; steps taken while the
-cycle is in flight stay credited to the next window. At the finish the
-window's measurements set the next window's schedule (`WindowFeedback`,
-feedback.py: ElChe, the convergence guard, the LR meta-controller,
-overshoot), and each rank's next chunk rides in its `Update` (no extra round
-trip). Epoch-boundary callbacks (eval, checkpoint: `EpochCallbacks`,
-roles.py) go out at the first finish whose consensus contains every sample
-of the epoch that ended, just before the Updates.
+The gate counts steps, never wall time (rounds.py keeps the counts). Sync
+fires once every live rank did one step; Cadence and Async once every live
+rank did its ElChe batch count (or has no work left: *quiesced*). Steps
+taken while the cycle is in flight stay credited to the next window. At the
+finish the window's measurements set the next window's schedule
+(`WindowFeedback`, feedback.py: ElChe, the convergence guard, the LR
+meta-controller, overshoot), and each rank's next chunk rides in its
+`Update` (no extra round trip). Epoch-boundary callbacks (eval,
+checkpoint: `EpochCallbacks`, roles.py) go out at the first finish whose
+consensus contains every sample of the epoch that ended, just before the
+Updates.
 
 Data dispatch is one `DispatchStrategy` (strategy.py: Sync partitions,
 Cadence and Async chunk streams), so the cycle reads the same in every mode.
@@ -49,21 +48,14 @@ ShutdownInitiated; a shutdown-with-save latches orthogonally.
 Contract with the service
 -------------------------
 
-- `Out.dest` is a rank id (send the record to that rank), `REDUCER` (a
-  directive for the in-process reducer: `DeclareDead` to drop a rank from
-  every barrier; the reducer learns each round from its first deposit) or
-  `CONTROLLER` (local effects: `RoundOpened` to start the round's clock,
-  `SaveState` to write the checkpoint meta, `EpochAggregated` for
-  `metrics_fn`, `EpochProgress` for `reports_per_epoch`, `EvalResult` for
-  `eval_result_fn`, `RunEnded`); the types
-  are in outputs.py. Broadcasts are expanded to one `Out` per live rank, so
-  the service never needs to know who is live.
+- `Out.dest` is a rank id, `REDUCER` or `CONTROLLER`: what each asks of the
+  service is in outputs.py. Broadcasts are expanded to one `Out` per live
+  rank, so the service never needs to know who is live.
 - Call `start` once when the world has formed, `on_record` for every record
   from a rank, `on_tick` by `next_due()` at the latest (ask again after
-  every input),
-  `on_rank_death` when an agent or relay reports a rank's exit, and
-  `on_round_complete` / `on_round_abandoned` when the reducer has published
-  or torn down a round.
+  every input), `on_rank_death` when an agent or relay reports a rank's
+  exit, and `on_round_complete` / `on_round_abandoned` when the reducer has
+  published or torn down a round.
 - Call `on_send_failed` when a record for a rank is lost for good (the
   simulator's send-failure model; the controller service never does: its
   control streams keep a live rank's records until acknowledged, PROTOCOL.md
@@ -74,64 +66,56 @@ Contract with the service
   heartbeat timeout instead would wedge the gate whenever the link comes
   back and the rank keeps heartbeating. Send what it returns *after* the
   rest of the batch being sent: each rank must receive records in the order
-  they were produced (a Sync rank trains its spans in arrival order, and the
-  coordinator computes a dead rank's remainder in production order).
+  they were produced (outputs.py).
 - A rank's `step_count` (in `Batch` and `Heartbeat`) counts the steps that
-  process has taken since it started; the coordinator derives window steps
-  from it, so a lost `Batch` record cannot wedge the gate.
+  process has taken since it started (rounds.py).
 
 Error policy: inputs that a correct peer can never send (a record whose rank
 field disagrees with the sender, a chunk completion of the wrong size, a
 record kind the coordinator does not consume, any input before `start`)
 raise `CoordinatorError` naming the state and the record, before any state
 changes; the service then declares that rank dead (`on_rank_death`), as
-every service does with a peer that breaks the protocol. Inputs a real network produces routinely are ignored and counted in
-`ignored` by cause: records from a rank already declared dead or exited
-(`from_departed`), `SyncAck` / `SnapshotReady` for a finished round
-(`stale_round`), duplicate acks (`duplicate_ack`), completions of a chunk that
-was forfeited (`late_completion`), reducer notices for an old round
-(`stale_reducer_notice`), duplicate death reports (`duplicate_death`), failed
-sends to a rank already gone (`send_to_departed`), and anything after the run
-ended (`after_end`). Failed sends to live ranks are counted in `lost_sends` by
-record kind.
+every service does with a peer that breaks the protocol. Inputs a real
+network produces routinely are ignored and counted in `ignored` by cause:
+records from a rank already declared dead or exited (`from_departed`),
+`SyncAck` / `SnapshotReady` for a finished round (`stale_round`), duplicate
+acks (`duplicate_ack`), completions of a chunk that was forfeited
+(`late_completion`), reducer notices for an old round
+(`stale_reducer_notice`), duplicate death reports (`duplicate_death`),
+failed sends to a rank already gone (`send_to_departed`), and anything after
+the run ended (`after_end`). Failed sends to live ranks are counted in
+`lost_sends` by record kind.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from flodl_zmq.coordinator.chunk_pool import Span
 from flodl_zmq.coordinator.config import CoordinatorConfig
-from flodl_zmq.coordinator.convergence import DivergenceSample
 from flodl_zmq.coordinator.elche import ElChe
 from flodl_zmq.coordinator.feedback import WindowFeedback
 from flodl_zmq.coordinator.liveness import Liveness, ShutdownReason, unrecoverable
-from flodl_zmq.coordinator.metrics import aggregate_epoch
+from flodl_zmq.coordinator.metrics import EpochReports
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
-    EpochProgress,
     MassBound,
     Out,
+    Outbox,
     RoundOpened,
     RunEnded,
     SaveState,
-    Target,
-    mass_bound,
 )
 from flodl_zmq.coordinator.resume import ResumeState
-from flodl_zmq.coordinator.roles import CallbackRoles, EpochCallbacks
-from flodl_zmq.coordinator.strategy import ChunkStream, DispatchStrategy, Send, SyncPartitions
+from flodl_zmq.coordinator.roles import FINAL_EVAL_ID, CallbackRoles, EpochCallbacks, final_eval
+from flodl_zmq.coordinator.rounds import Consensus, Cycle, StepCounters, gate_open, over_lead_cap
+from flodl_zmq.coordinator.strategy import Send, strategy_for
 from flodl_zmq.errors import CoordinatorError
 from flodl_zmq.wire import records as rec
-
-FINAL_EVAL_ID = 2**64 - 1
-"""`ExecuteEval.schedule_id` of the one canonical eval of the final consensus."""
 
 MAX_ABANDONED_ROUNDS = 3
 """Consecutive rounds the reducer may tear down before the run ends (ReduceStall)."""
@@ -141,21 +125,6 @@ class RunPhase(enum.Enum):
     TRAINING = "training"
     FINAL_EVAL_DISPATCHED = "final_eval_dispatched"
     SHUTDOWN_INITIATED = "shutdown_initiated"
-
-
-@dataclass
-class _Cycle:
-    """The averaging cycle in flight (Pending)."""
-
-    round: int
-    started_at: float
-    ranks: tuple[int, ...]
-    snapshot: list[int]  # each rank's step counter at the trigger
-    coverage: dict[int, list[Span]]  # done spans at the trigger (covered is a subset of the consensus)
-    last_aggregated: int
-    done_through: int  # every sample of epochs <= this was reported trained at the trigger
-    reduced: bool = False
-    acks: dict[int, DivergenceSample | None] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -188,45 +157,30 @@ class Coordinator:
         point = None if resume is None else ResumeState.from_dict(resume, config, world_size)
         self.feedback = WindowFeedback(config, world_size, None if point is None else point.elche)
 
-        self.round = 0  # rounds triggered
-        self.avg_count = 0  # rounds finished
-        self.global_step = 0
-        self.cycle: _Cycle | None = None
+        self.round = 0 if point is None else point.round  # rounds triggered
+        self.avg_count = self.round  # rounds finished
+        self.global_step = 0 if point is None else point.global_step
+        self.cycle: Cycle | None = None
         self._abandoned = 0
-        self._step_count = [0] * world_size  # monotonic per-rank counter
-        self._step_base = [0] * world_size  # counter value at the last finished reduce
+        self._steps = StepCounters(world_size)
         self._throttled: set[int] = set()
         self._started = False
         self._final_reduced = False
         self._final_eval_rank = -1
-        self._held: list[Out] = []  # data for ranks held at the barrier while a cycle is in flight
-        self._out: list[Out] = []
+        self._outbox = Outbox(self.liveness)
         self._now = now
 
         # Epochs: the lowest epoch not yet aggregated is `last_aggregated + 1`.
-        self.last_aggregated = -1
-        self._metrics: dict[int, list[rec.EpochMetrics]] = {}
-        self._progress: dict[int, int] = {}  # epoch -> EpochProgress slices emitted
-        # What the last finished consensus contains (for state_dict).
-        self._consensus_coverage: dict[int, list[Span]] = {}
-        self._consensus_aggregated = -1
-        self._consensus_complete = -1  # every sample of epochs <= this is in the last consensus
-        coverage: dict[int, list[Span]] = {}
-        if point is not None:
-            self.global_step = point.global_step
-            self.avg_count = self.round = point.round
-            self.last_aggregated = self._consensus_aggregated = point.epoch - 1
-            self._consensus_complete = point.epoch - 1
-            coverage = point.coverage
-        self.dispatch: DispatchStrategy
-        if self.mode.progressive:
-            self.dispatch = ChunkStream(
-                config, self.liveness, self.elche, self._announce_epoch_role,
-                self.mode.barrier_paced, coverage,
-            )
-            self._consensus_coverage = coverage
-        else:
-            self.dispatch = SyncPartitions(config, self.liveness, self._announce_epoch_role)
+        self.last_aggregated = -1 if point is None else point.epoch - 1
+        self._reports = EpochReports(world_size, config.reports_per_epoch, config.batches_per_epoch)
+        coverage: dict[int, list[Span]] = {} if point is None else point.coverage
+        # A resumed consensus holds every epoch before the resumed one.
+        self._consensus = Consensus(
+            coverage if self.mode.progressive else {}, self.last_aggregated, self.last_aggregated
+        )
+        self.dispatch = strategy_for(
+            config, self.liveness, self.elche, self._announce_epoch_role, coverage
+        )
 
     # ================================================================ inputs
 
@@ -249,16 +203,16 @@ class Coordinator:
             self.liveness.check_rank(rank)
             if self.liveness.fail(rank):
                 self.roles.on_death(rank, self.feedback.smoothed_ms(), self.liveness.live_mask)
-                self._emit(REDUCER, rec.DeclareDead(rank=rank))  # the reducer must not wait for it
+                self._outbox.emit(REDUCER, rec.DeclareDead(rank=rank))  # the reducer must not wait for it
         if self.global_step:
             # A resumed run continues its learning-rate schedule where it stopped, from the first step.
-            self._to_live(rec.SetGlobalStep(global_step=self.global_step))
+            self._outbox.to_live(rec.SetGlobalStep(global_step=self.global_step))
         self.dispatch.start(self.last_aggregated, now)
         first = self.last_aggregated + 1
         if first < self.config.num_epochs:
             self._open_epoch(first)
         self._advance(now)
-        return self._flush()
+        return self._outbox.flush()
 
     def on_record(self, rank: int, record: Any, now: float) -> list[Out]:
         """A record from `rank` (the sender identity the relay vouched for)."""
@@ -280,35 +234,33 @@ class Coordinator:
             if isinstance(record, rec.Exiting):
                 self.liveness.exit(rank)
             self.ignored["after_end"] += 1
-            return self._flush()
-        if not self.liveness.is_live(rank):
+        elif not self.liveness.is_live(rank):
             self.ignored["from_departed"] += 1
-            return self._flush()
-        self.liveness.saw(rank, now)
-        handler(self, rank, record, now)
-        self._advance(now)
-        return self._flush()
+        else:
+            self.liveness.saw(rank, now)
+            handler(self, rank, record, now)
+            self._advance(now)
+        return self._outbox.flush()
 
     def on_tick(self, now: float) -> list[Out]:
         """Time passes: beacons, heartbeat staleness, the reduce-stall ceiling."""
         if not self._started or self._over:
-            return self._flush()
+            return self._outbox.flush()
         self._now = now
         if self.liveness.beacon_due(now):
-            self._to_live(rec.CoordHeartbeat())
+            self._outbox.to_live(rec.CoordHeartbeat())
         for r in self.liveness.stale(now):
             self._lose_rank(r, failure=True, now=now)
             if self._over:
-                return self._flush()
-        cyc = self.cycle
-        if cyc is not None and now - cyc.started_at > self.config.reduce_stall_s:
+                return self._outbox.flush()
+        if self.cycle is not None and self.cycle.stalled(now, self.config.reduce_stall_s):
             # A round that neither completes nor fails while its ranks stay
             # alive is a wedge; saving beats hanging forever.
             self.cycle = None
             self._shutdown_with_save(ShutdownReason.REDUCE_STALL)
-            return self._flush()
+            return self._outbox.flush()
         self._advance(now)
-        return self._flush()
+        return self._outbox.flush()
 
     def next_due(self) -> float | None:
         """When `on_tick` next has work (a beacon, a rank turning stale, the stall ceiling); None: never.
@@ -320,7 +272,7 @@ class Coordinator:
             return None
         due = self.liveness.next_due()
         if self.cycle is not None:
-            due = min(due, math.nextafter(self.cycle.started_at + self.config.reduce_stall_s, math.inf))
+            due = min(due, self.cycle.stall_due(self.config.reduce_stall_s))
         return due
 
     def on_rank_death(self, rank: int, reason: str, now: float) -> list[Out]:
@@ -336,7 +288,7 @@ class Coordinator:
         else:
             self._lose_rank(rank, failure=True, now=now)
             self._advance(now)
-        return self._flush()
+        return self._outbox.flush()
 
     def on_send_failed(self, rank: int, record: Any, now: float) -> list[Out]:
         """The service could not deliver `record`, one of our outputs, to `rank`.
@@ -358,16 +310,15 @@ class Coordinator:
             self.lost_sends[type(record).__name__] += 1
             self._lose_rank(rank, failure=True, now=now)
             self._advance(now)
-        return self._flush()
+        return self._outbox.flush()
 
     def on_round_complete(self, round: int, now: float) -> list[Out]:
         """The reducer published the consensus of `round`."""
         cyc = self._noticed_cycle(round, "complete", now)
-        if cyc is None:
-            return self._flush()
-        cyc.reduced = True
-        self._advance(now)
-        return self._flush()
+        if cyc is not None:
+            cyc.reduced = True
+            self._advance(now)
+        return self._outbox.flush()
 
     def on_round_abandoned(self, round: int, now: float) -> list[Out]:
         """The reducer tore `round` down (bad deposit): no consensus; ranks keep local state.
@@ -375,15 +326,14 @@ class Coordinator:
         The window's steps stay uncredited, so the gate fires again at once
         and the work lands in the next round; repeated failures end the run.
         """
-        if self._noticed_cycle(round, "abandoned", now) is None:
-            return self._flush()
-        self.cycle = None
-        self._abandoned += 1
-        if self._abandoned >= MAX_ABANDONED_ROUNDS:
-            self._shutdown_with_save(ShutdownReason.REDUCE_STALL)
-        else:
-            self._advance(now)
-        return self._flush()
+        if self._noticed_cycle(round, "abandoned", now) is not None:
+            self.cycle = None
+            self._abandoned += 1
+            if self._abandoned >= MAX_ABANDONED_ROUNDS:
+                self._shutdown_with_save(ShutdownReason.REDUCE_STALL)
+            else:
+                self._advance(now)
+        return self._outbox.flush()
 
     # ================================================================ queries
 
@@ -405,19 +355,19 @@ class Coordinator:
     @property
     def window_steps(self) -> list[int]:
         """Each rank's steps since the last finished reduce."""
-        return [c - b for c, b in zip(self._step_count, self._step_base, strict=True)]
+        return self._steps.window()
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs, as of the last finished consensus (JSON-able; see resume.py)."""
         return ResumeState(
-            epoch=self._consensus_aggregated + 1, global_step=self.global_step,
-            round=self.avg_count, elche=self.feedback.state(), coverage=self._consensus_coverage,
+            epoch=self._consensus.aggregated + 1, global_step=self.global_step,
+            round=self.avg_count, elche=self.feedback.state(), coverage=self._consensus.coverage,
         ).to_dict(self.config, self.world_size)
 
     # ================================================================ record handlers
 
     def _on_batch(self, rank: int, m: rec.Batch, now: float) -> None:
-        self._count_steps(rank, m.step_count)
+        self._steps.saw(rank, m.step_count)
         # One report covers every step since the last: the ledger sees each step as if
         # it had come alone, so ElChe's window (fill, marginal rate) is unchanged.
         for batch_ms, data_ms, loss in zip(m.batch_ms, m.data_ms, m.batch_loss, strict=True):
@@ -425,23 +375,12 @@ class Coordinator:
         self._check_throttle()
 
     def _on_heartbeat(self, rank: int, m: rec.Heartbeat, now: float) -> None:
-        self._count_steps(rank, m.step_count)
+        self._steps.saw(rank, m.step_count)
 
     def _on_sync_ack(self, rank: int, m: rec.SyncAck, now: float) -> None:
-        # The ack's step_count is deliberately ignored: CPU acks carry none
-        # that means anything, and folding one in once wedged the gate upstream.
-        cyc = self.cycle
-        if cyc is None or m.round != cyc.round or rank not in cyc.ranks:
-            self.ignored["stale_round"] += 1
-            return
-        if rank in cyc.acks:
-            self.ignored["duplicate_ack"] += 1
-            return
-        cyc.reduced = True  # an ack proves the consensus was published
-        sample = None
-        if m.divergence is not None and math.isfinite(m.divergence):
-            sample = DivergenceSample(m.divergence, m.post_norm, m.pre_norm)
-        cyc.acks[rank] = sample
+        cause = "stale_round" if self.cycle is None else self.cycle.ack(rank, m)
+        if cause is not None:
+            self.ignored[cause] += 1
 
     def _on_snapshot_ready(self, rank: int, m: rec.SnapshotReady, now: float) -> None:
         # Nothing to learn from it (the round's clock is the controller's); a stale one is counted.
@@ -460,35 +399,25 @@ class Coordinator:
         self.feedback.ledger.absorb_callback_cost(rank, m.elapsed_ms)
         retry = self.roles.on_result(rank, m, self.liveness.live_mask)
         if retry is not None:
-            self._emit(retry.target_rank, retry)
+            self._outbox.emit(retry.target_rank, retry)
 
     def _on_eval_result(self, rank: int, m: rec.EvalResult, now: float) -> None:
         self._on_callback_done(rank, m, now)
         if m.error is None:
-            self._to_live(rec.EvalBroadcast(epoch=m.epoch, metric=m.metric))
-        self._emit(CONTROLLER, m)
+            self._outbox.to_live(rec.EvalBroadcast(epoch=m.epoch, metric=m.metric))
+        self._outbox.emit(CONTROLLER, m)
         if m.schedule_id == FINAL_EVAL_ID and self.phase is RunPhase.FINAL_EVAL_DISPATCHED:
             self._shutdown()
 
     def _on_metrics(self, rank: int, m: rec.EpochMetrics, now: float) -> None:
-        if not self.dispatch.on_metrics(rank, m, self._step_count[rank]):
+        if not self.dispatch.on_metrics(rank, m, self._steps.count[rank]):
             self.ignored["late_completion"] += 1
             return
-        self._metrics.setdefault(m.epoch, []).append(m)
-        self._report_progress(m.epoch)
+        # `reports_per_epoch`: one `EpochProgress` per n-th of the epoch's batches crossed.
+        progress = self._reports.add(m, self.last_aggregated)
+        if progress is not None:
+            self._outbox.emit(CONTROLLER, progress)
         self._send_plan(rank)
-
-    def _report_progress(self, epoch: int) -> None:
-        """`reports_per_epoch`: one `EpochProgress` per n-th of the epoch's batches crossed."""
-        n = self.config.reports_per_epoch
-        if n < 2 or epoch <= self.last_aggregated:
-            return
-        done = sum(x.batches_processed for x in self._metrics[epoch])
-        k = min(done * n // max(self.config.batches_per_epoch, 1), n - 1)  # the n-th is the epoch record
-        if k > self._progress.get(epoch, 0):
-            self._progress[epoch] = k
-            agg = aggregate_epoch(epoch, self._metrics[epoch], self.world_size)
-            self._emit(CONTROLLER, EpochProgress(epoch, k / n, agg))
 
     _HANDLERS: dict[type, Callable[[Coordinator, int, Any, float], None]] = {
         rec.Batch: _on_batch,
@@ -509,42 +438,23 @@ class Coordinator:
         """Everything that follows from the current state, in upstream tick order."""
         if self._over:
             return
-        cyc = self.cycle
-        if cyc is not None and cyc.reduced and all(
-            r in cyc.acks for r in cyc.ranks if self.liveness.is_live(r)
-        ):
+        if self.cycle is not None and self.cycle.settled(self.liveness.is_live):
             self._finish(now)
         if self.cycle is None:
-            self._release_held()
-            if self._should_average():
+            self._outbox.release_held()
+            if self.phase is RunPhase.TRAINING and gate_open(
+                self.liveness.live, self._steps, self.dispatch, self._throttled, self.last_aggregated
+            ):
                 self._trigger(now)
         self._aggregate(now)
         if self.cycle is None and self.phase is RunPhase.TRAINING and self._epoch_awaits_average():
             self._trigger(now)
         if self.cycle is None:
-            if not any(self._step_count[r] != self._step_base[r] for r in self.liveness.live):
+            if not self._steps.stepped(self.liveness.live):
                 # Nothing stepped since the last consensus: it holds all reported work.
-                done = self.dispatch.done_through(self.last_aggregated)
-                self._consensus_complete = max(self._consensus_complete, done)
+                self._consensus.holds_through(self.dispatch.done_through(self.last_aggregated))
             self._flush_callbacks()
         self._maybe_end(now)
-
-    def _should_average(self) -> bool:
-        """The count-based gate: every live rank full, throttled or quiesced, and one stepped."""
-        if self.phase is not RunPhase.TRAINING or not self.liveness.live:
-            return False
-        any_mover = False
-        for r in self.liveness.live:  # per record: stops at the first rank not done
-            steps = self._step_count[r] - self._step_base[r]
-            any_mover |= steps > 0
-            # A rank we throttled is parked at the barrier on our orders.
-            if not (
-                self.dispatch.window_full(r, steps)
-                or r in self._throttled
-                or self.dispatch.quiesced(r, self.last_aggregated)
-            ):
-                return False
-        return any_mover
 
     def _epoch_awaits_average(self) -> bool:
         """Async: an eval or checkpoint waits only for a consensus of its trained epoch, and a rank
@@ -556,41 +466,31 @@ class Coordinator:
             first is not None
             and not self.mode.barrier_paced
             and first - 1 <= self.dispatch.done_through(self.last_aggregated)
-            and any(self._step_count[r] != self._step_base[r] for r in self.liveness.live)
+            and self._steps.stepped(self.liveness.live)
         )
 
     def _trigger(self, now: float, final: bool = False) -> None:
         live = tuple(self.liveness.live)
         self.round += 1
-        self.cycle = _Cycle(
-            round=self.round,
-            started_at=now,
-            ranks=live,
-            snapshot=list(self._step_count),
-            coverage=self.dispatch.coverage(),
-            last_aggregated=self.last_aggregated,
-            done_through=self.dispatch.done_through(self.last_aggregated),
-        )
+        self.cycle = Cycle.open(self.round, now, live, self._steps, self.dispatch, self.last_aggregated)
         self._final_reduced = final
-        self._emit(CONTROLLER, RoundOpened(self.round, live))
-        window = self.window_steps
-        self._emit(REDUCER, MassBound(self.round, tuple((r, mass_bound(window[r])) for r in live)))
+        self._outbox.emit(CONTROLLER, RoundOpened(self.round, live))
+        self._outbox.emit(REDUCER, MassBound.for_window(self.round, self.window_steps, live))
         for r in live:
-            if self.mode.hard_barrier and r not in self._throttled:
+            if self.mode.hard_barrier:
                 # Without it the fast rank laps the others during the round
                 # trip and Sync loses its convergence parity. Sent first: a
                 # rank that handled the request alone would train a step on
                 # the replica it deposited, which the consensus erases.
-                self._throttled.add(r)
-                self._emit(r, rec.Throttle())
-            self._emit(r, rec.RequestParams(round=self.round))
+                self._throttle(r)
+            self._outbox.emit(r, rec.RequestParams(round=self.round))
 
     def _finish(self, now: float) -> None:
         cyc = self.cycle
         assert cyc is not None
         live = self.liveness.live_mask
         # -- head: what the window teaches the next one (feedback.py)
-        moved = [cyc.snapshot[r] - self._step_base[r] for r in range(self.world_size)]
+        moved = self._steps.credit(cyc.snapshot, cyc.ranks)
         self.feedback.close(
             live,
             [cyc.acks.get(r) for r in range(self.world_size)],
@@ -601,21 +501,16 @@ class Coordinator:
             self.roles.on_calibrated(self.feedback.smoothed_ms(), live)
         # -- counters: only the snapshotted steps are in this consensus
         self.global_step += sum(moved[r] for r in cyc.ranks)
-        for r in cyc.ranks:
-            self._step_base[r] = cyc.snapshot[r]
         self.avg_count += 1
         self._abandoned = 0
-        self._consensus_coverage = cyc.coverage
-        self._consensus_aggregated = cyc.last_aggregated
         # Behind the hard barrier ranks sit throttled from their deposit to their
-        # Update, with any new data held back (`_held`), so this consensus holds
+        # Update, with any new data held back (`Outbox.hold`), so this consensus holds
         # everything they reported up to now; elsewhere ranks may train on, so
         # only what was done at the trigger counts.
         if self.mode.hard_barrier:
-            done = self.dispatch.done_through(self.last_aggregated)
+            self._consensus.adopt(cyc, self.dispatch.done_through(self.last_aggregated))
         else:
-            done = cyc.done_through
-        self._consensus_complete = max(self._consensus_complete, done)
+            self._consensus.adopt(cyc, cyc.done_through)
         self._throttled.clear()
         self.cycle = None
         # Before the Updates: the eval rank then scores exactly the consensus it
@@ -625,8 +520,8 @@ class Coordinator:
         self.dispatch.replan()
         for r in cyc.ranks:
             if live[r]:
-                self._emit(r, rec.Update(round=cyc.round, next_plan=self._next_plan(r)))
-        self._to_live(rec.SetGlobalStep(global_step=self.global_step))
+                self._outbox.emit(r, rec.Update(round=cyc.round, next_plan=self._next_plan(r)))
+        self._outbox.to_live(rec.SetGlobalStep(global_step=self.global_step))
         self._wake_idle()
 
     # ================================================================ dispatch
@@ -656,7 +551,7 @@ class Coordinator:
     def _send_plan(self, rank: int) -> None:
         plan = self._next_plan(rank)
         if plan is not None:
-            self._emit(rank, rec.StartEpoch(plan=plan))
+            self._outbox.emit(rank, rec.StartEpoch(plan=plan))
 
     def _wake_idle(self) -> None:
         """Dispatch to every live rank with nothing in flight (after reduces, deaths, epoch edges)."""
@@ -664,24 +559,16 @@ class Coordinator:
             self._send_plan(r)
 
     def _open_epoch(self, epoch: int) -> None:
-        self._send_data(self.dispatch.open_epoch(epoch, self._step_count))
+        self._send_data(self.dispatch.open_epoch(epoch, self._steps.count))
         self._wake_idle()
 
     def _send_data(self, sends: list[Send]) -> None:
         """Send data the strategy produced unasked, or hold it until after the Updates."""
         for rank, record in sends:
             if self._held_at_barrier:
-                self._held.append(Out(rank, record))
+                self._outbox.hold(rank, record)
             else:
-                self._emit(rank, record)
-
-    def _release_held(self) -> None:
-        # A rank that died meanwhile is skipped: its held data is already part
-        # of the remainder its death handed on.
-        for out in self._held:
-            if self.liveness.is_live(out.dest):
-                self._out.append(out)
-        self._held.clear()
+                self._outbox.emit(rank, record)
 
     # ================================================================ epochs
 
@@ -691,12 +578,10 @@ class Coordinator:
             epoch = self.last_aggregated + 1
             if not self.dispatch.epoch_done(epoch):
                 return
-            wall = self.dispatch.close_epoch(epoch, now)
-            agg = aggregate_epoch(epoch, self._metrics.pop(epoch, []), self.world_size, wall)
-            self._progress.pop(epoch, None)
+            agg = self._reports.close(epoch, self.dispatch.close_epoch(epoch, now))
             self.last_aggregated = epoch
-            self._to_live(agg)
-            self._emit(CONTROLLER, agg)
+            self._outbox.to_live(agg)
+            self._outbox.emit(CONTROLLER, agg)
             self._epoch_boundary(epoch + 1)
 
     def _epoch_boundary(self, epoch: int) -> None:
@@ -708,14 +593,14 @@ class Coordinator:
 
     def _flush_callbacks(self) -> None:
         """Eval and checkpoint calls whose epoch the last consensus holds whole (roles.py)."""
-        for target, record in self.callbacks.release(self._consensus_complete, self.roles):
+        for target, record in self.callbacks.release(self._consensus.complete, self.roles):
             if self.liveness.is_live(target):
-                self._emit(target, record)
+                self._outbox.emit(target, record)
 
     def _announce_epoch_role(self) -> None:
         if self.roles.epoch_dirty:
             self.roles.epoch_dirty = False
-            self._to_live(rec.SetEpochCallbackRole(rank=self.roles.epoch))
+            self._outbox.to_live(rec.SetEpochCallbackRole(rank=self.roles.epoch))
 
     def _maybe_end(self, now: float) -> None:
         if self.phase is RunPhase.FINAL_EVAL_DISPATCHED and not self.liveness.is_live(
@@ -727,9 +612,7 @@ class Coordinator:
             return
         if self.last_aggregated + 1 < self.config.num_epochs:
             return
-        live = self.liveness.live
-        steps = self.window_steps
-        if not self._final_reduced and any(steps[r] > 0 for r in live):
+        if not self._final_reduced and self._steps.stepped(self.liveness.live):
             # The edge of the last epoch can leave steps no average has seen.
             self._trigger(now, final=True)
             return
@@ -737,16 +620,14 @@ class Coordinator:
         if self.config.final_eval and self.liveness.is_live(eval_rank):
             self.phase = RunPhase.FINAL_EVAL_DISPATCHED
             self._final_eval_rank = eval_rank
-            self._emit(eval_rank, rec.ExecuteEval(
-                schedule_id=FINAL_EVAL_ID, epoch=self.config.num_epochs, target_rank=eval_rank,
-                adopt_consensus=True))
+            self._outbox.emit(eval_rank, final_eval(eval_rank, self.config.num_epochs))
             return
         self._shutdown()
 
     def _shutdown(self) -> None:
         self.phase = RunPhase.SHUTDOWN_INITIATED
-        self._to_live(rec.Shutdown())
-        self._emit(CONTROLLER, RunEnded(None))
+        self._outbox.to_live(rec.Shutdown())
+        self._outbox.emit(CONTROLLER, RunEnded(None))
 
     # ================================================================ deaths
 
@@ -762,9 +643,9 @@ class Coordinator:
         self._throttled.discard(rank)
         self.roles.on_death(rank, self.feedback.smoothed_ms(), self.liveness.live_mask)
         # The reducer must not wait for a deposit that will never come.
-        self._emit(REDUCER, rec.DeclareDead(rank=rank))
+        self._outbox.emit(REDUCER, rec.DeclareDead(rank=rank))
         # What it did not train goes to the survivors (Sync) or back to the pool.
-        self._send_data(self.dispatch.on_death(rank, self._step_count[rank]))
+        self._send_data(self.dispatch.on_death(rank, self._steps.count[rank]))
         reason = unrecoverable(self.liveness, self.config.max_failure)
         if reason is not None and self.phase is not RunPhase.SHUTDOWN_INITIATED:
             self._shutdown_with_save(reason)
@@ -777,9 +658,9 @@ class Coordinator:
         if self.save_reason is not None:
             return
         self.save_reason = reason
-        self._emit(CONTROLLER, SaveState(reason, self.state_dict()))
-        self._to_live(rec.ShutdownWithSave(reason=reason.value))
-        self._emit(CONTROLLER, RunEnded(reason))
+        self._outbox.emit(CONTROLLER, SaveState(reason, self.state_dict()))
+        self._outbox.to_live(rec.ShutdownWithSave(reason=reason.value))
+        self._outbox.emit(CONTROLLER, RunEnded(reason))
 
     # ================================================================ helpers
 
@@ -787,35 +668,20 @@ class Coordinator:
     def _over(self) -> bool:
         return self.save_reason is not None or self.phase is RunPhase.SHUTDOWN_INITIATED
 
-    def _count_steps(self, rank: int, step_count: int) -> None:
-        # Monotonic: a reordered heartbeat must not roll the counter back.
-        if step_count > self._step_count[rank]:
-            self._step_count[rank] = step_count
-
     def _check_throttle(self) -> None:
         """Explicit lead cap (`max_batch_diff`), only while the whole world is alive."""
         diff = self.config.max_batch_diff
-        if diff is None or len(self.liveness.live) != self.world_size:
-            return
-        steps = self.window_steps
-        floor = min(steps)
-        for r, s in enumerate(steps):
-            if s > floor + diff and r not in self._throttled:
-                self._throttled.add(r)
-                self._emit(r, rec.Throttle())
+        if diff is not None and len(self.liveness.live) == self.world_size:
+            for r in over_lead_cap(self.window_steps, diff):
+                self._throttle(r)
 
-    def _emit(self, dest: int | Target, record: Any) -> None:
-        self._out.append(Out(dest, record))
+    def _throttle(self, rank: int) -> None:
+        """Park `rank` at the barrier until its Update (once per cycle)."""
+        if rank not in self._throttled:
+            self._throttled.add(rank)
+            self._outbox.emit(rank, rec.Throttle())
 
-    def _to_live(self, record: Any) -> None:
-        for r in self.liveness.live:
-            self._out.append(Out(r, record))
-
-    def _flush(self) -> list[Out]:
-        out, self._out = self._out, []
-        return out
-
-    def _noticed_cycle(self, round: int, what: str, now: float) -> _Cycle | None:
+    def _noticed_cycle(self, round: int, what: str, now: float) -> Cycle | None:
         """The cycle a reducer notice about `round` concerns; None (counted) if it is stale."""
         self._require_started(f"round {round} {what}")
         self._now = now

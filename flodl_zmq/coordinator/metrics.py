@@ -20,6 +20,9 @@ Rules this module keeps:
   pool's wall clock (progressive modes) and passes it.
 - **Scalars**: per rank mean = sum / count; cohort value = batch-weighted mean
   of the rank means.
+- **Progress slices only grow** (`reports_per_epoch`): an epoch's n-th slice
+  is reported once, when its batches cross it; the last is the epoch's own
+  record, never a slice.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from flodl_zmq.coordinator.outputs import EpochProgress
 from flodl_zmq.wire.records import EpochAggregated, EpochMetrics
 
 
@@ -93,3 +97,34 @@ def _cohort_scalars(
         if den > 0:
             out[name] = num / den
     return out
+
+
+class EpochReports:
+    """Each open epoch's `EpochMetrics` until it is aggregated, and the progress slices reported."""
+
+    def __init__(self, world_size: int, reports_per_epoch: int, batches_per_epoch: int) -> None:
+        self.world_size = world_size
+        self.reports_per_epoch = reports_per_epoch
+        self.batches_per_epoch = batches_per_epoch
+        self._reports: dict[int, list[EpochMetrics]] = {}
+        self._progress: dict[int, int] = {}  # epoch -> EpochProgress slices emitted
+
+    def add(self, m: EpochMetrics, last_aggregated: int) -> EpochProgress | None:
+        """Keep `m`; the `EpochProgress` it completes, if it crosses one n-th of the epoch's batches."""
+        reports = self._reports.setdefault(m.epoch, [])
+        reports.append(m)
+        n = self.reports_per_epoch
+        if n < 2 or m.epoch <= last_aggregated:
+            return None
+        done = sum(x.batches_processed for x in reports)
+        k = min(done * n // max(self.batches_per_epoch, 1), n - 1)  # the n-th is the epoch record
+        if k <= self._progress.get(m.epoch, 0):
+            return None
+        self._progress[m.epoch] = k
+        return EpochProgress(m.epoch, k / n, aggregate_epoch(m.epoch, reports, self.world_size))
+
+    def close(self, epoch: int, wall_ms: float | None) -> EpochAggregated:
+        """The epoch's record, from every report it received; the epoch is forgotten."""
+        self._progress.pop(epoch, None)
+        return aggregate_epoch(epoch, self._reports.pop(epoch, []), self.world_size, wall_ms)
+

@@ -2,19 +2,29 @@
 
 `Coordinator` (core.py) answers every input with a list of `Out(dest,
 record)`. `dest` is a rank id (send `record` to that rank), `REDUCER` (a
-directive for the in-process reducer: `DeclareDead`, `MassBound`) or `CONTROLLER` (an
-effect on the controller itself: the records defined here, and
-`EpochAggregated` / `EvalResult` for the run report). These types are the
-whole contract a service, or the simulator, needs to act on the core.
+directive for the in-process reducer: `DeclareDead` to drop a rank from
+every barrier, `MassBound`; the reducer learns each round from its first
+deposit) or `CONTROLLER` (an effect on the controller itself: `RoundOpened`
+to start the round's clock, `SaveState` to write the checkpoint meta,
+`EpochAggregated` for `metrics_fn`, `EpochProgress` for `reports_per_epoch`,
+`EvalResult` for `eval_result_fn`, `RunEnded`). These types are the whole
+contract a service, or the simulator, needs to act on the core.
+
+`Outbox` collects them in the order the core produces them: each rank must
+receive its records in that order (a Sync rank trains its spans in arrival
+order, and the coordinator computes a dead rank's remainder in production
+order). Broadcasts expand to one `Out` per live rank, so the service never
+needs to know who is live.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flodl_zmq.coordinator.liveness import ShutdownReason
+from flodl_zmq.coordinator.liveness import Liveness, ShutdownReason
 from flodl_zmq.wire.records import EpochAggregated
 
 
@@ -35,6 +45,38 @@ class Out:
 
     dest: int | Target
     record: Any
+
+
+class Outbox:
+    """The core's outputs since the last `flush`, with data held for ranks waiting at the barrier."""
+
+    def __init__(self, liveness: Liveness) -> None:
+        self._liveness = liveness
+        self._out: list[Out] = []
+        self._held: list[Out] = []  # data for ranks held at the barrier while a cycle is in flight
+
+    def emit(self, dest: int | Target, record: Any) -> None:
+        self._out.append(Out(dest, record))
+
+    def to_live(self, record: Any) -> None:
+        for r in self._liveness.live:
+            self._out.append(Out(r, record))
+
+    def hold(self, rank: int, record: Any) -> None:
+        """Keep `record` for `rank` until `release_held` (after the cycle's Updates)."""
+        self._held.append(Out(rank, record))
+
+    def release_held(self) -> None:
+        # A rank that died meanwhile is skipped: its held data is already part
+        # of the remainder its death handed on.
+        for out in self._held:
+            if self._liveness.is_live(out.dest):
+                self._out.append(out)
+        self._held.clear()
+
+    def flush(self) -> list[Out]:
+        out, self._out = self._out, []
+        return out
 
 
 @dataclass(frozen=True)
@@ -72,6 +114,11 @@ class MassBound:
 
     round: int
     bounds: tuple[tuple[int, float], ...]  # (rank, bound) for each rank in the round
+
+    @classmethod
+    def for_window(cls, round: int, window_steps: Sequence[int], ranks: Iterable[int]) -> MassBound:
+        """The bounds of `ranks`, from each one's steps counted at the trigger."""
+        return cls(round, tuple((r, mass_bound(window_steps[r])) for r in ranks))
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,20 @@ from flodl_zmq.wire import records as rec
 
 EWMA_ALPHA = 0.3
 
+FINAL_EVAL_ID = 2**64 - 1
+"""`ExecuteEval.schedule_id` of the one canonical eval of the final consensus."""
+
 
 def is_due(epoch: int, every: int) -> bool:
     """Whether a callback with cadence `every` (0 = off) fires on entering `epoch`."""
     return every > 0 and epoch > 0 and epoch % every == 0
+
+
+def final_eval(rank: int, num_epochs: int) -> rec.ExecuteEval:
+    """The one canonical eval of the final consensus, on `rank` (epoch evals are scheduled by epoch)."""
+    return rec.ExecuteEval(
+        schedule_id=FINAL_EVAL_ID, epoch=num_epochs, target_rank=rank, adopt_consensus=True
+    )
 
 
 def fastest_live(smoothed_ms: Sequence[float | None], live: Sequence[bool]) -> int | None:

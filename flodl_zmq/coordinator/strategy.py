@@ -425,3 +425,16 @@ class ChunkStream:
     def _live_counts(self) -> list[int]:
         live = self._liveness.live_mask
         return [c if live[r] else 0 for r, c in enumerate(self._elche.batch_counts)]
+
+
+def strategy_for(
+    config: CoordinatorConfig,
+    liveness: Liveness,
+    elche: ElChe,
+    epoch_opened: Callable[[], None],
+    resumed: Mapping[int, list[Span]],
+) -> DispatchStrategy:
+    """The mode's strategy: a chunk stream (Cadence, Async) or partitions (Sync)."""
+    if config.mode.progressive:
+        return ChunkStream(config, liveness, elche, epoch_opened, config.mode.barrier_paced, resumed)
+    return SyncPartitions(config, liveness, epoch_opened)

@@ -23,7 +23,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
         "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "coordinator.feedback",
-        "coordinator.resume", "coordinator.outputs", "formation", "relay_core", "step_report",
+        "coordinator.resume", "coordinator.outputs", "coordinator.rounds", "formation", "relay_core",
+        "step_report",
     ),
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",

@@ -1,0 +1,168 @@
+"""The averaging round's bookkeeping: step counters, the cycle in flight, the gate, the consensus.
+
+`Coordinator` (core.py) decides when a round opens and what goes out; this
+module keeps the counts it decides on.
+
+Rules this module keeps:
+
+- **Steps are counted from the rank's own counter.** A rank's `step_count`
+  (in `Batch` and `Heartbeat`) is monotonic since the process started, so a
+  window is the counter minus its value at the last finished reduce, and a
+  lost or reordered record can neither wedge the gate nor roll it back.
+- **Only snapshotted steps are credited.** A cycle snapshots every counter at
+  its trigger; at the finish the base moves to the snapshot, so steps taken
+  while the round was in flight count towards the next window.
+- **The gate counts steps, never wall time** (a time-based gate deadlocked
+  upstream: its target depended on samples that only land when it fires).
+- **The consensus record only grows.** What the last finished consensus holds
+  (coverage, aggregated epochs, complete epochs) is the resume point and the
+  bar an epoch's eval or checkpoint waits for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from flodl_zmq.coordinator.chunk_pool import Span
+from flodl_zmq.coordinator.convergence import DivergenceSample
+from flodl_zmq.coordinator.strategy import DispatchStrategy
+from flodl_zmq.wire import records as rec
+
+
+class StepCounters:
+    """Each rank's monotonic step counter, and its value at the last finished reduce."""
+
+    def __init__(self, world_size: int) -> None:
+        self.count = [0] * world_size
+        self.base = [0] * world_size
+
+    def saw(self, rank: int, step_count: int) -> None:
+        # Monotonic: a reordered heartbeat must not roll the counter back.
+        if step_count > self.count[rank]:
+            self.count[rank] = step_count
+
+    def window(self) -> list[int]:
+        """Each rank's steps since the last finished reduce."""
+        return [c - b for c, b in zip(self.count, self.base, strict=True)]
+
+    def stepped(self, ranks: Iterable[int]) -> bool:
+        """Whether any of `ranks` stepped since the last finished reduce."""
+        return any(self.count[r] != self.base[r] for r in ranks)
+
+    def credit(self, snapshot: list[int], ranks: Iterable[int]) -> list[int]:
+        """Move `ranks`' bases to `snapshot`; each rank's snapshotted steps, as they were before."""
+        moved = [s - b for s, b in zip(snapshot, self.base, strict=True)]
+        for r in ranks:
+            self.base[r] = snapshot[r]
+        return moved
+
+
+@dataclass
+class Cycle:
+    """The averaging cycle in flight (Pending)."""
+
+    round: int
+    started_at: float
+    ranks: tuple[int, ...]
+    snapshot: list[int]  # each rank's step counter at the trigger
+    coverage: dict[int, list[Span]]  # done spans at the trigger (covered is a subset of the consensus)
+    last_aggregated: int
+    done_through: int  # every sample of epochs <= this was reported trained at the trigger
+    reduced: bool = False
+    acks: dict[int, DivergenceSample | None] = field(default_factory=dict)
+
+    @classmethod
+    def open(
+        cls,
+        round: int,
+        now: float,
+        ranks: tuple[int, ...],
+        steps: StepCounters,
+        dispatch: DispatchStrategy,
+        last_aggregated: int,
+    ) -> Cycle:
+        """Round `round`, triggered at `now` for `ranks`: every counter and the coverage as of now."""
+        return cls(
+            round=round,
+            started_at=now,
+            ranks=ranks,
+            snapshot=list(steps.count),
+            coverage=dispatch.coverage(),
+            last_aggregated=last_aggregated,
+            done_through=dispatch.done_through(last_aggregated),
+        )
+
+    def ack(self, rank: int, m: rec.SyncAck) -> str | None:
+        """Take `rank`'s ack; the cause to count it under if it is ignored."""
+        # The ack's step_count is deliberately ignored: CPU acks carry none
+        # that means anything, and folding one in once wedged the gate upstream.
+        if m.round != self.round or rank not in self.ranks:
+            return "stale_round"
+        if rank in self.acks:
+            return "duplicate_ack"
+        self.reduced = True  # an ack proves the consensus was published
+        sample = None
+        if m.divergence is not None and math.isfinite(m.divergence):
+            sample = DivergenceSample(m.divergence, m.post_norm, m.pre_norm)
+        self.acks[rank] = sample
+        return None
+
+    def stalled(self, now: float, limit_s: float) -> bool:
+        """In flight longer than `limit_s` (`reduce_stall_s`): a wedge, if its ranks stay alive."""
+        return now - self.started_at > limit_s
+
+    def stall_due(self, limit_s: float) -> float:
+        """The first time at which `stalled` holds, for a service that sleeps until then."""
+        return math.nextafter(self.started_at + limit_s, math.inf)
+
+    def settled(self, is_live: Callable[[int], bool]) -> bool:
+        """The consensus is published and every live rank of the round has acked it."""
+        return self.reduced and all(r in self.acks for r in self.ranks if is_live(r))
+
+
+@dataclass
+class Consensus:
+    """What the last finished consensus contains (for `state_dict` and the epoch callbacks)."""
+
+    coverage: dict[int, list[Span]]
+    aggregated: int  # the last epoch aggregated when it was triggered
+    complete: int = -1  # every sample of epochs <= this is in it
+
+    def adopt(self, cycle: Cycle, done: int) -> None:
+        """`cycle` finished: its consensus holds what was covered at its trigger, and epochs <= `done`."""
+        self.coverage = cycle.coverage
+        self.aggregated = cycle.last_aggregated
+        self.holds_through(done)
+
+    def holds_through(self, done: int) -> None:
+        self.complete = max(self.complete, done)
+
+
+def gate_open(
+    live: Iterable[int],
+    steps: StepCounters,
+    dispatch: DispatchStrategy,
+    throttled: set[int],
+    last_aggregated: int,
+) -> bool:
+    """The count-based gate: every live rank full, throttled or quiesced, and one stepped."""
+    any_mover = False
+    for r in live:  # per record: stops at the first rank not done
+        moved = steps.count[r] - steps.base[r]
+        any_mover |= moved > 0
+        # A rank we throttled is parked at the barrier on our orders.
+        if not (
+            dispatch.window_full(r, moved)
+            or r in throttled
+            or dispatch.quiesced(r, last_aggregated)
+        ):
+            return False
+    return any_mover
+
+
+def over_lead_cap(window: list[int], diff: int) -> list[int]:
+    """The ranks more than `diff` steps ahead of the slowest in this window (`max_batch_diff`)."""
+    floor = min(window)
+    return [r for r, s in enumerate(window) if s > floor + diff]
