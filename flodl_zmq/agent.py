@@ -90,6 +90,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import RELAY_ARGV, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.formation import rank_space
+from flodl_zmq.join import CHALLENGE_NONCE_BYTES, DUPLICATE_JOIN, MAX_DEVICES_PER_HOST
 from flodl_zmq.launch import signal_group, warm_interpreter
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
@@ -99,14 +100,7 @@ from flodl_zmq.links import (
     recv_bounded,
     remove_host_sockets,
 )
-from flodl_zmq.membership import (
-    CHALLENGE_NONCE_BYTES,
-    DUPLICATE_JOIN,
-    JOIN_RUN_ID,
-    MAX_DEVICES_PER_HOST,
-    OPEN_JOIN_KEY,
-    SpawnSpec,
-)
+from flodl_zmq.membership import JOIN_RUN_ID, OPEN_JOIN_KEY, SpawnSpec
 from flodl_zmq.security import (
     PUBLIC_ENV,
     SECRET_ENV,

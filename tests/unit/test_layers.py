@@ -23,7 +23,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
         "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "coordinator.feedback",
-        "coordinator.resume", "coordinator.outputs", "formation",
+        "coordinator.resume", "coordinator.outputs", "formation", "join",
     ),
     "run": (
         "job", "payload", "links", "datasets", "bundle", "environment", "security",
