@@ -97,6 +97,7 @@ from flodl_zmq.agent_rules import (
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import RELAY_ARGV, ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
+from flodl_zmq.join import CHALLENGE_NONCE_BYTES
 from flodl_zmq.launch import signal_group, warm_interpreter
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
@@ -106,11 +107,7 @@ from flodl_zmq.links import (
     recv_bounded,
     remove_host_sockets,
 )
-from flodl_zmq.membership import (
-    CHALLENGE_NONCE_BYTES,
-    JOIN_RUN_ID,
-    OPEN_JOIN_KEY,
-)
+from flodl_zmq.membership import JOIN_RUN_ID, OPEN_JOIN_KEY
 from flodl_zmq.security import (
     PUBLIC_ENV,
     SECRET_ENV,

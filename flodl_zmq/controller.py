@@ -57,15 +57,12 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
 from flodl_zmq.io_threads import controller_context
+from flodl_zmq.join import CHALLENGE_NONCE_BYTES, JoinConfig, JoinWindow, Phase
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, limit_receive, recv_bounded
 from flodl_zmq.membership import (
-    CHALLENGE_NONCE_BYTES,
     JOIN_RUN_ID,
     OPEN_JOIN_KEY,
-    JoinConfig,
-    JoinWindow,
     MembershipService,
-    Phase,
     SpawnSpec,
     check_open_admission_curve,
     endpoint_ip,

@@ -115,6 +115,7 @@ from flodl_zmq.errors import (
 from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job
+from flodl_zmq.join import HostLost, RankExitReported
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
@@ -133,7 +134,7 @@ from flodl_zmq.links import (
     take_over_routes,
 )
 from flodl_zmq.mailbox import poll_ms
-from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
+from flodl_zmq.membership import MembershipService
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload

@@ -15,20 +15,14 @@ from typing import Any
 import pytest
 import zmq
 
+from flodl_zmq import join as join_mod
 from flodl_zmq import membership as membership_mod
 from flodl_zmq.controller import query_status
 from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.join import JoinConfig, JoinWindow
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import DISCARD_TICK_FRAMES, TAG_DATA, rank_identity, recv_bounded, relay_sender
-from flodl_zmq.membership import (
-    JOIN_RUN_ID,
-    OPEN_JOIN_KEY,
-    JoinConfig,
-    JoinWindow,
-    MembershipService,
-    SpawnSpec,
-    TrustMode,
-)
+from flodl_zmq.membership import JOIN_RUN_ID, OPEN_JOIN_KEY, MembershipService, SpawnSpec, TrustMode
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, new_key
@@ -167,7 +161,7 @@ def test_a_million_empty_frames_do_not_stall_the_join_heartbeat(ctx, join, peak_
 
 def test_challenges_from_ever_new_identities_do_not_grow_the_join_ledger(ctx, monkeypatch):
     monkeypatch.setattr(membership_mod, "JOIN_LEDGER_CAP", 64)
-    monkeypatch.setattr(membership_mod, "JOIN_CHALLENGE_CAP", 64)
+    monkeypatch.setattr(join_mod, "JOIN_CHALLENGE_CAP", 64)
     j = Join(ctx, TrustMode.OPEN)
     try:
         hello = j.challenge_frames(j.join_codec("phantom"))

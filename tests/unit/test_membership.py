@@ -10,15 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flodl_zmq.errors import ConfigError, MembershipError
+from flodl_zmq.join import Accepted, HostLinks, JoinConfig, JoinWindow, Member, Phase, Rejected
 from flodl_zmq.membership import (
     OPEN_JOIN_KEY,
-    Accepted,
-    HostLinks,
-    JoinConfig,
-    JoinWindow,
-    Member,
-    Phase,
-    Rejected,
     SpawnSpec,
     TrustMode,
     check_open_admission_bind,

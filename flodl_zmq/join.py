@@ -1,0 +1,608 @@
+"""The join rules: who may join the run, which global ranks they get, when the world forms, which hosts still live.
+
+A pure core (no sockets, threads or clocks: every `now` is an argument on
+one monotonic clock the caller owns); `membership.MembershipService` is the
+ZeroMQ shell that feeds it decoded records. `JoinWindow` admits or refuses
+each `JoinHello`, hands out global ranks and gives the formation verdict;
+`HostLinks` keeps the admitted hosts' liveness; `Challenges` keeps the
+nonces that make each pre-admission exchange fresh.
+
+Rules the core keeps:
+
+- **A bad joiner condemns only its own attempt.** A refused hello changes no
+  state and burns no rank ids; the window stays open for honest hosts. Every
+  refusal reason names the fix, because it is read in the log of a machine
+  the operator may not be looking at.
+- **Ranks are contiguous, in admission order.** Host `a` with 1 device gets
+  [0], then `b` with 2 gets [1, 2]. Only the most recent admission can be
+  rolled back (`retract_last`, used when the accept could not be sent), so
+  the rank space never has holes.
+- **First member seeds.** The dataset and model signatures are compared with
+  the controller's when it has one, else with the first admitted member's:
+  a cohort training on different data would average nonsense silently.
+- **Verdicts, in order.** Target ranks reached: form now. Before the window
+  elapses: stay open, even with quorum (more capacity is never refused while
+  the clock runs). After it, with quorum: form. Before the hard cap: stay
+  open (the first moment quorum is met, it forms). At the cap: fail, naming
+  how many ranks came. A verdict other than open is final.
+- **After formation a host may still join** (PROTOCOL.md 13.1): the same
+  checks, plus `max_ranks`, admit it as *pending*; it enters the world when
+  the controller re-forms it at the next epoch boundary (`reform`). Rank
+  numbers are never reused: a joiner's ranks follow the highest ever given,
+  and a host that left (`depart`) and comes back gets fresh ones. A host
+  whose ranks have all exited is no duplicate either: its agent tore them
+  down (it lost the controller for a while) and comes back the same way.
+- **A challenge is used once** (PROTOCOL.md 10.4): a nonce is issued to one
+  connection, good for one hello or status request within `CHALLENGE_TTL_S`,
+  and at most `JOIN_CHALLENGE_CAP` are outstanding (the oldest forgotten
+  first), so a recorded hello replayed later finds its nonce unknown.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from flodl_zmq.errors import ConfigError, MembershipError
+from flodl_zmq.formation import rank_space
+from flodl_zmq.wire import PROTOCOL_VERSION
+from flodl_zmq.wire.records import Challenge, ChallengeRequest, JoinHello
+
+# Challenge nonces (PROTOCOL.md 10.4): 16 random bytes, good for one hello or status request
+# from the connection they were issued to, within CHALLENGE_TTL_S. At most JOIN_CHALLENGE_CAP
+# are outstanding (one per connection; the oldest is forgotten first), so strangers asking
+# from fresh routing ids cannot grow the controller's memory.
+CHALLENGE_NONCE_BYTES = 16
+CHALLENGE_TTL_S = 30.0
+JOIN_CHALLENGE_CAP = 4096
+# A hello offering more devices than any real machine has is an attack or a bug;
+# refusing it keeps one joiner from claiming the whole rank space.
+MAX_DEVICES_PER_HOST = 256
+MAX_HOST_CHARS = 255
+# How a refusal of a host that is already a member begins: an agent re-dialling after its link
+# was cut retries it until the controller declares its old link lost (agent.py).
+DUPLICATE_JOIN = "duplicate join"
+
+
+# --------------------------------------------------------------------------- challenges
+
+
+class Challenges:
+    """The challenge nonces issued before admission: one per connection, used once, short-lived.
+
+    `issue(ident, now)` hands a connection a fresh nonce (replacing any it
+    held); `take(ident, nonce, now)` consumes it and says whether it was the
+    one issued to that connection and still fresh ("ok"), issued but expired
+    ("expired"), or anything else ("unknown": never issued there, already
+    used, forgotten). Bounded by `cap` outstanding nonces; the oldest go first.
+    """
+
+    def __init__(self, ttl_s: float = CHALLENGE_TTL_S, cap: int | None = None):
+        self.ttl_s = ttl_s
+        self.cap = JOIN_CHALLENGE_CAP if cap is None else cap
+        self._issued: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._issued)
+
+    def issue(self, ident: bytes, now: float) -> bytes:
+        nonce = os.urandom(CHALLENGE_NONCE_BYTES)
+        self._issued.pop(ident, None)
+        self._issued[ident] = (nonce, now + self.ttl_s)  # insertion order is expiry order
+        while self._issued:
+            _, (_, expires) = next(iter(self._issued.items()))
+            if len(self._issued) <= self.cap and expires > now:
+                break
+            self._issued.popitem(last=False)
+        return nonce
+
+    def answer(self, ident: bytes, request: ChallengeRequest, now: float) -> Challenge | None:
+        """The `join.challenge` for `request` (a fresh nonce issued to `ident`); None for a malformed one,
+        which is dropped unanswered. Shared by the membership and the status server (one exchange)."""
+        if len(request.nonce) != CHALLENGE_NONCE_BYTES:
+            return None
+        return Challenge(request.nonce, self.issue(ident, now), self.ttl_s)
+
+    def take(self, ident: bytes, nonce: bytes, now: float) -> str:
+        issued = self._issued.get(ident)
+        if issued is None or len(nonce) != CHALLENGE_NONCE_BYTES or not _same(issued[0], nonce):
+            return "unknown"
+        del self._issued[ident]
+        return "ok" if now < issued[1] else "expired"
+
+
+def _same(a: bytes, b: bytes) -> bool:
+    return hmac.compare_digest(a, b)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    """When the world forms.
+
+    `min_ranks`: quorum, the fewest ranks the run may start with.
+    `target_ranks`: form as soon as this many have joined (None: wait for the window).
+    `window_s`: how long the window stays open once quorum is met early.
+    `cap_s`: the hard limit; without quorum by then, the run aborts. After
+    formation it is also how long a pending joiner may wait for the next
+    epoch boundary (its `formation_wait_s`).
+    `max_ranks`: the most ranks the world may grow to (None: no cap).
+    """
+
+    min_ranks: int = 2
+    target_ranks: int | None = None
+    window_s: float = 300.0
+    cap_s: float = 600.0
+    max_ranks: int | None = None
+
+    def __post_init__(self) -> None:
+        # A one-rank world has nothing to average: it is a single-device run.
+        if self.min_ranks < 2:
+            raise ConfigError(
+                f"min ranks must be >= 2 (got {self.min_ranks}): a one-rank world has nothing to "
+                "average; train on one device without a cluster instead"
+            )
+        if self.target_ranks is not None and self.target_ranks < self.min_ranks:
+            raise ConfigError(
+                f"target ranks ({self.target_ranks}) must be >= min ranks ({self.min_ranks})"
+            )
+        if not self.window_s >= 0:
+            raise ConfigError(f"join window must be >= 0 seconds (got {self.window_s})")
+        if not self.cap_s >= self.window_s:
+            raise ConfigError(
+                f"join cap ({self.cap_s} s) must be >= the join window ({self.window_s} s): "
+                "the cap is the hard limit that bounds the window"
+            )
+
+
+# --------------------------------------------------------------------------- the window
+
+
+@dataclass(frozen=True)
+class Member:
+    host: str
+    ranks: tuple[int, ...]
+    devices: tuple[str, ...]
+    joined_at: float
+
+
+@dataclass(frozen=True)
+class Accepted:
+    ranks: tuple[int, ...]
+    formation_wait_s: float  # the hard-cap budget left: how long the joiner may wait for WorldFormed
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: str
+
+
+class Phase(str, enum.Enum):
+    OPEN = "open"
+    FORMED = "formed"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    phase: Phase
+    reason: str
+    members: tuple[Member, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        """The rank space (a restarted run's world may hold vacancies, `environment.parse_world`)."""
+        return rank_space({m.host: m.ranks for m in self.members})
+
+
+def _prefix(sig: bytes) -> str:
+    return sig[:4].hex() + "…"
+
+
+def _malformed(hello: JoinHello, protocol: int) -> str | None:
+    """What is wrong with `hello` itself (its version, host name or devices), or None."""
+    host, devices = hello.host, hello.devices
+    if hello.protocol != protocol:
+        return (
+            f"protocol version skew: worker {host!r} speaks {hello.protocol}, the controller "
+            f"speaks {protocol}; install the same flodl-zmq version on every host"
+        )
+    if not host.strip() or len(host) > MAX_HOST_CHARS or not host.isprintable():
+        return (
+            f"invalid host name {host!r}: give each worker a non-blank printable name of at "
+            f"most {MAX_HOST_CHARS} characters (--host)"
+        )
+    if not devices:
+        return f"worker {host!r} offers no devices: give it GPUs or CPU slots (--cpu-slots)"
+    if len(devices) > MAX_DEVICES_PER_HOST:
+        return (
+            f"worker {host!r} offers {len(devices)} devices, more than the {MAX_DEVICES_PER_HOST} "
+            "one host may run; list its devices explicitly (--devices)"
+        )
+    if len(set(devices)) != len(devices) or not all(d.strip() for d in devices):
+        return (
+            f"worker {host!r} offers a blank or repeated device in {devices[:8]}: each rank "
+            "needs its own device; fix --devices"
+        )
+    return None
+
+
+class JoinWindow:
+    """The controller's join ledger: admission, rank assignment and the formation verdict.
+
+    `opened_at` and every `now` are seconds on one monotonic clock the caller
+    owns. The controller's `dataset_sig` / `model_sig` (None: the first
+    member's seeds the expectation) and `protocol` are what joiners must match.
+    `resumed`: the world of the checkpoint a restarted controller continues
+    (PROTOCOL.md 13): only its hosts are admitted, each with as many devices
+    as it had ranks, and each gets its old ranks back (the coordinator's
+    state is per rank); the caller sets the quorum to the whole world.
+    """
+
+    def __init__(
+        self,
+        config: JoinConfig,
+        opened_at: float,
+        *,
+        protocol: int = PROTOCOL_VERSION,
+        dataset_sig: bytes | None = None,
+        model_sig: bytes | None = None,
+        resumed: Mapping[str, tuple[int, ...]] | None = None,
+    ):
+        self.config = config
+        self.resumed = None if resumed is None else {h: tuple(rs) for h, rs in resumed.items()}
+        self.opened_at = opened_at
+        self.protocol = protocol
+        self.dataset_sig = dataset_sig
+        self.model_sig = model_sig
+        self._members: list[Member] = []
+        self._pending: list[Member] = []  # admitted after formation: in the world from the next re-form
+        self._departed: list[Member] = []  # left after formation (lost); their ranks are never given again
+        self._ended: str | None = None  # why no host may join any more (the run is over)
+        self._next_rank = 0 if resumed is None else 1 + max((r for rs in resumed.values() for r in rs), default=-1)
+        self._verdict = Verdict(Phase.OPEN, "waiting for workers")
+
+    @property
+    def members(self) -> tuple[Member, ...]:
+        return tuple(self._members)
+
+    @property
+    def pending(self) -> tuple[Member, ...]:
+        """Hosts admitted after formation, waiting for the next re-form."""
+        return tuple(self._pending)
+
+    @property
+    def departed(self) -> tuple[Member, ...]:
+        return tuple(self._departed)
+
+    @property
+    def joined_ranks(self) -> int:
+        return sum(len(m.ranks) for m in self._members)
+
+    @property
+    def world(self) -> dict[str, tuple[int, ...]]:
+        return {m.host: m.ranks for m in self._members}
+
+    @property
+    def phase(self) -> Phase:
+        return self._verdict.phase
+
+    def admit(self, hello: JoinHello, now: float, *, finished: bool = False) -> Accepted | Rejected:
+        """Admit `hello` and assign its ranks, or refuse it with a reason that names the fix.
+
+        `finished`: every rank of the host's current membership has exited (its join
+        link says done). After formation such a host is no duplicate: it comes back
+        as a host whose link was lost does, with fresh ranks (its old ones stay dead).
+        """
+        taken_back = finished and self.phase is Phase.FORMED
+        reason = self._refusal(hello, taken_back)
+        if reason is not None:
+            return Rejected(reason)
+        if taken_back:
+            self.depart(hello.host)
+        if self.dataset_sig is None:
+            self.dataset_sig = hello.dataset_sig
+        if self.model_sig is None and hello.model_sig is not None:
+            self.model_sig = hello.model_sig
+        if self.resumed is not None and self.phase is Phase.OPEN:
+            ranks = self.resumed[hello.host]
+        else:
+            ranks = tuple(range(self._next_rank, self._next_rank + len(hello.devices)))
+            self._next_rank += len(hello.devices)
+        member = Member(hello.host, ranks, tuple(hello.devices), now)
+        if self.phase is Phase.FORMED:
+            # Into the world at the next epoch boundary; it may wait that long (bounded by the cap).
+            self._pending.append(member)
+            return Accepted(ranks, self.config.cap_s)
+        self._members.append(member)
+        elapsed = now - self.opened_at
+        return Accepted(ranks, max(0.0, self.config.cap_s - elapsed))
+
+    @property
+    def last_admitted(self) -> Member:
+        """The member (or pending joiner) the last `admit` accepted."""
+        return self._pending[-1] if self.phase is Phase.FORMED else self._members[-1]
+
+    def depart(self, host: str) -> None:
+        """`host` left after formation (its link was lost): it may join again, with fresh ranks."""
+        for group in (self._members, self._pending):
+            for m in [m for m in group if m.host == host]:
+                group.remove(m)
+                if group is self._members:
+                    self._departed.append(m)
+
+    def end(self, reason: str) -> tuple[Member, ...]:
+        """No host may join any more (the run ended); the pending joiners, now turned away."""
+        self._ended = reason
+        turned_away, self._pending = tuple(self._pending), []
+        return turned_away
+
+    def reform(self) -> dict[str, tuple[int, ...]]:
+        """Take the pending joiners into the world (at an epoch boundary); the new world."""
+        if self.phase is not Phase.FORMED:
+            raise MembershipError(f"cannot re-form: the window is {self.phase.value}, not formed")
+        self._members.extend(self._pending)
+        self._pending.clear()
+        return self.world
+
+    def _refusal(self, hello: JoinHello, taken_back: bool) -> str | None:
+        """The first reason to refuse `hello`, or None: a closed window, a malformed hello, then the run's terms."""
+        return (
+            self._closed_refusal()
+            or _malformed(hello, self.protocol)
+            or self._resume_refusal(hello)
+            or (None if taken_back else self._duplicate_refusal(hello))
+            or self._signature_refusal(hello)
+            or self._capacity_refusal(hello)
+        )
+
+    def _closed_refusal(self) -> str | None:
+        if self.phase is Phase.FAILED:
+            return f"join window closed: the run was aborted ({self._verdict.reason})"
+        if self._ended is not None:
+            return f"join window closed: {self._ended}"
+        return None
+
+    def _resume_refusal(self, hello: JoinHello) -> str | None:
+        """A restarted run takes back only its own hosts, each with as many devices as it had ranks."""
+        if self.resumed is None or self.phase is not Phase.OPEN:
+            return None
+        host, devices = hello.host, hello.devices
+        if host not in self.resumed:
+            return (
+                f"host {host!r} is not part of the run this controller resumes (its checkpoint's hosts are "
+                f"{sorted(self.resumed)}); a restarted run takes back only its own hosts"
+            )
+        if len(devices) != len(self.resumed[host]):
+            return (
+                f"host {host!r} rejoins with {len(devices)} device(s) but ran ranks {list(self.resumed[host])} "
+                "before the restart; give it the same devices (--devices) so it gets its ranks back"
+            )
+        return None
+
+    def _duplicate_refusal(self, hello: JoinHello) -> str | None:
+        host = hello.host
+        if any(m.host == host for m in (*self._members, *self._pending)):
+            return (
+                f"{DUPLICATE_JOIN}: host {host!r} is already a member (a stale worker still running, "
+                "or two machines sharing one name); stop the old agent or give this one --host"
+            )
+        return None
+
+    def _signature_refusal(self, hello: JoinHello) -> str | None:
+        """A cohort training on different data or models would average nonsense silently."""
+        host = hello.host
+        if self.dataset_sig is not None and hello.dataset_sig != self.dataset_sig:
+            return (
+                f"dataset signature mismatch: worker {host!r} has {_prefix(hello.dataset_sig)}, the "
+                f"run expects {_prefix(self.dataset_sig)}; point every host at the same dataset "
+                "(same files, same preprocessing)"
+            )
+        if (
+            self.model_sig is not None
+            and hello.model_sig is not None
+            and hello.model_sig != self.model_sig
+        ):
+            return (
+                f"model signature mismatch: worker {host!r} builds {_prefix(hello.model_sig)}, the "
+                f"run trains {_prefix(self.model_sig)}; run the same script and version everywhere"
+            )
+        return None
+
+    def _capacity_refusal(self, hello: JoinHello) -> str | None:
+        cap, host, devices = self.config.max_ranks, hello.host, hello.devices
+        if cap is not None and self._world_ranks() + len(devices) > cap:
+            return (
+                f"world full: worker {host!r} offers {len(devices)} rank(s) but the world already has "
+                f"{self._world_ranks()} of at most {cap} (--max-ranks); raise --max-ranks or offer fewer devices"
+            )
+        return None
+
+    def _world_ranks(self) -> int:
+        """Ranks in the world once the pending joiners are in (departed hosts' ranks are dead, not counted)."""
+        return self.joined_ranks + sum(len(m.ranks) for m in self._pending)
+
+    def retract_last(self, host: str) -> None:
+        """Roll back the most recent admission (its accept could not be delivered)."""
+        if self.phase is Phase.FAILED:
+            raise MembershipError(f"cannot retract {host!r}: the window is {self.phase.value}")
+        group = self._pending if self.phase is Phase.FORMED else self._members
+        if not group or group[-1].host != host:
+            raise MembershipError(
+                f"only the most recent member can be retracted; {host!r} is not it "
+                "(retracting another would leave a hole in the rank space)"
+            )
+        gone = group.pop()
+        if self.phase is Phase.FORMED or self.resumed is None:  # its ranks were the newest given
+            self._next_rank -= len(gone.ranks)
+
+    def poll(self, now: float) -> Verdict:
+        """The verdict at `now`; once formed or failed, the same verdict forever."""
+        if self.phase is not Phase.OPEN:
+            return self._verdict
+        cfg, joined, elapsed = self.config, self.joined_ranks, now - self.opened_at
+        if cfg.target_ranks is not None and joined >= cfg.target_ranks:
+            return self._close(Phase.FORMED, "target ranks reached")
+        if elapsed < cfg.window_s:
+            return self._verdict
+        if joined >= cfg.min_ranks:
+            return self._close(Phase.FORMED, "join window closed with quorum")
+        if elapsed < cfg.cap_s:
+            return self._verdict
+        return self._close(
+            Phase.FAILED,
+            f"quorum not met: {joined}/{cfg.min_ranks} ranks joined within the hard cap of "
+            f"{cfg.cap_s:g} s; start more workers, or lower the minimum ranks",
+        )
+
+    def next_due(self, now: float) -> float | None:
+        """When `poll` next may change its verdict without a new admission; None once it is final."""
+        if self.phase is not Phase.OPEN:
+            return None
+        window_ends = self.opened_at + self.config.window_s
+        # After the window, only an admission (quorum) or the cap closes it.
+        return window_ends if now < window_ends else self.opened_at + self.config.cap_s
+
+    def abort(self, reason: str) -> Verdict:
+        """Fail the window now (the controller is giving up); no effect once closed."""
+        if self.phase is Phase.OPEN:
+            return self._close(Phase.FAILED, reason)
+        return self._verdict
+
+    def _close(self, phase: Phase, reason: str) -> Verdict:
+        self._verdict = Verdict(phase, reason, self.members)
+        return self._verdict
+
+
+# --------------------------------------------------------------------------- host links
+
+
+class HostLinks:
+    """Liveness of admitted hosts' join links.
+
+    The join link is the controller's first-hand view of a host: a rank exit
+    arrives here at once (the fast path to declaring a rank dead), and a host
+    whose agent falls silent for `timeout_s` is lost with every rank it had
+    not reported. A host is done once every one of its ranks has exited; a
+    done host is never reported lost. At a re-form (`reform`) a host's ranks
+    of the incarnation before are *retiring*: their exits are expected (the
+    agent stops them) and belong to no rank of the new world, which may
+    reuse the same numbers on that host; the agent reports them before it
+    starts the new ones, so an exit is a retiring rank's while any remains.
+    """
+
+    def __init__(self, timeout_s: float):
+        if not timeout_s > 0:
+            raise ConfigError(f"host silence timeout must be > 0 seconds (got {timeout_s})")
+        self.timeout_s = timeout_s
+        self._heard: dict[str, float] = {}
+        self._live_ranks: dict[str, set[int]] = {}
+        self._retiring: dict[str, set[int]] = {}
+        self._closed: set[str] = set()
+
+    def add(self, member: Member, now: float) -> None:
+        """Watch `member`'s link from `now` (a host that was lost and came back starts over)."""
+        self._heard[member.host] = now
+        self._live_ranks[member.host] = set(member.ranks)
+        self._retiring.pop(member.host, None)
+        self._closed.discard(member.host)
+
+    def reform(self, member: Member) -> None:
+        """`member`'s host runs the ranks of `member` from now on; its live ones retire first."""
+        self._retiring[member.host] = self._live_ranks.get(member.host, set())
+        self._live_ranks[member.host] = set(member.ranks)
+
+    def retire(self, host: str, rank: int) -> bool:
+        """True when `rank`'s exit is that of a rank retiring at a re-form (and records it)."""
+        old = self._retiring.get(host)
+        if not old or rank not in old:
+            return False
+        old.discard(rank)
+        return True
+
+    def forget(self, host: str) -> None:
+        """`host` is no longer watched (a joiner turned away before it ran anything)."""
+        for ledger in (self._heard, self._live_ranks, self._retiring):
+            ledger.pop(host, None)
+
+    def retiring(self) -> list[str]:
+        """Hosts still stopping their ranks of the incarnation before a re-form."""
+        closed = set(self._closed)  # copies: the join thread changes both while the controller's asks
+        return [h for h, old in list(self._retiring.items()) if old and h not in closed]
+
+    def heard(self, host: str, now: float) -> None:
+        if host in self._heard:
+            self._heard[host] = max(self._heard[host], now)
+
+    def rank_exited(self, host: str, rank: int, now: float) -> bool:
+        """Record a reported exit; True when it was the host's last live rank."""
+        self.heard(host, now)
+        live = self._live_ranks.get(host)
+        if live is None or rank not in live:
+            return False
+        live.discard(rank)
+        if not live:
+            self._closed.add(host)
+            return True
+        return False
+
+    def live_ranks(self, host: str) -> tuple[int, ...]:
+        return tuple(sorted(self._live_ranks.get(host, ())))
+
+    def state(self, host: str) -> str:
+        """`live`, `done` (every rank exited) or `lost` (fell silent with ranks live)."""
+        if host not in self._closed:
+            return "live"
+        return "lost" if self._live_ranks.get(host) else "done"
+
+    def running(self) -> list[str]:
+        """Hosts neither done nor lost (safe from another thread: reads copies)."""
+        return [h for h in self._heard.copy() if h not in self._closed]
+
+    def next_due(self) -> float | None:
+        """When the quietest open host turns lost if it stays silent; None with no open host."""
+        heard = [t for h, t in self._heard.items() if h not in self._closed]
+        # `lost` is strict (silent for longer than the timeout): due just after.
+        return math.nextafter(min(heard) + self.timeout_s, math.inf) if heard else None
+
+    def lost(self, now: float) -> list[str]:
+        """Hosts that fell silent since the last call (each reported once)."""
+        out = [
+            h for h, t in self._heard.items() if h not in self._closed and now - t > self.timeout_s
+        ]
+        self._closed.update(out)
+        return out
+
+
+# --------------------------------------------------------------------------- events
+
+# What the membership service reports to the controller service about the admitted hosts.
+
+
+@dataclass(frozen=True)
+class RankExitReported:
+    host: str
+    rank: int
+    code: int  # negative: killed by that signal
+
+
+@dataclass(frozen=True)
+class HostLost:
+    host: str
+    ranks: tuple[int, ...]  # the ranks it had not reported as exited
+
+
+@dataclass(frozen=True)
+class HostDone:
+    host: str
+
+
+MembershipEvent = RankExitReported | HostLost | HostDone
+
