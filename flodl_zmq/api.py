@@ -41,7 +41,7 @@ import torch
 
 from flodl_zmq import bundle, checkpoints
 from flodl_zmq.environment import ProcessEnv, watch_lifeline
-from flodl_zmq.job import Job
+from flodl_zmq.job import Job, coordinator_config
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.rank import RankConfig, RankRuntime
 from flodl_zmq.report import RunReport
@@ -92,8 +92,6 @@ class Trainer:
     """
 
     def __init__(self, *args: Any, **keywords: Any) -> None:
-        from flodl_zmq.controller_service import coordinator_config
-
         self.job = Job.from_keywords(*args, **keywords)
         coordinator_config(self.job)  # every scheduling setting is checked now, in every process
 

@@ -88,7 +88,6 @@ import zmq
 
 from flodl_zmq import bundle, checkpoints, int8
 from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, Snapshot
-from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
 from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.coordinator.outputs import (
@@ -114,7 +113,7 @@ from flodl_zmq.errors import (
 )
 from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
-from flodl_zmq.job import Job
+from flodl_zmq.job import Job, coordinator_config
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
@@ -151,39 +150,6 @@ log = logging.getLogger(__name__)
 
 END_DRAIN_S = 1.0  # the longest the end waits for goodbyes (`_every_rank_left`)
 STATUS_EVERY_S = 0.25
-
-MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
-
-
-def coordinator_config(job: Job) -> CoordinatorConfig:
-    """The coordinator's configuration for `job`; its checks name the setting (`Trainer()` runs them)."""
-    has_eval = job.eval_fn is not None
-    optional = {
-        name: getattr(job, name)
-        for name in ("anchor", "max_anchor", "overhead_target", "guard", "msf_thresholds")
-        if getattr(job, name) is not None
-    }
-    return CoordinatorConfig(
-        total_samples=job.total_samples,
-        batch_size=job.batch_size,
-        num_epochs=job.epochs,
-        mode=MODES[job.mode],
-        seed=job.seed,
-        eval_every=job.eval_every if has_eval else 0,
-        checkpoint_every=job.checkpoint_every if job.checkpoint_fn is not None else 0,
-        final_eval=has_eval,
-        easgd_alpha=job.easgd_alpha,
-        heartbeat_timeout_s=job.heartbeat_timeout_s,
-        max_failure=job.max_failure(),
-        callback_rank=None if job.callback_rank == "fastest" else job.callback_rank,
-        max_batch_diff=job.max_batch_diff,
-        relax_up=job.relax_up,
-        reports_per_epoch=job.reports_per_epoch,
-        partition_ratios=job.partition_ratios,
-        divergence_threshold=job.divergence_threshold,
-        **optional,
-    )
-
 
 @dataclass
 class WorldChange:
