@@ -1,4 +1,5 @@
-"""Periodic consensus checkpoints: when one is due, the writer that keeps the last K, the newest one.
+"""Consensus checkpoints: when one is due, the writer that keeps the last K, the newest one; what a
+controller resumes from one, and the re-formed world that continues from one.
 
 A checkpoint is a bundle (flodl_zmq/bundle.py) named after the round whose
 consensus it holds, `DIR/ckpt-r000000042.pt` + `.meta.json`; its meta is
@@ -20,6 +21,9 @@ Rules this module keeps:
 - A failed write (a full disk, an unwritable path) is logged with the path
   and the error, and kept for `status`; the run goes on, the partial files
   are removed, and the previous checkpoint stays the newest.
+- A resumed controller is the next incarnation of the one that saved the
+  bundle; a re-formed world is not a restart: it continues the run's result
+  and incarnation (`WorldChange`), resumed from the re-form checkpoint.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +42,11 @@ import numpy as np
 import torch
 
 from flodl_zmq import bundle
+from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.job import Job
+from flodl_zmq.result import TrainResult
+from flodl_zmq.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +137,56 @@ class Snapshot:
     meta: dict[str, Any]
     outer_momentum: np.ndarray | None = None
 
+    @classmethod
+    def of(cls, round: int, consensus: np.ndarray, meta: dict[str, Any],
+           outer: tuple[np.ndarray, np.ndarray] | None) -> Snapshot:
+        """A copy of the consensus of `round`; with an outer step, `outer`: the reducer's f32 global
+        model and momentum of one round (not the broadcast copy, which the wire may have rounded)."""
+        if outer is None:
+            return cls(round, consensus.copy(), meta)
+        return cls(round, outer[0], meta, outer[1])
+
+
+def bundle_meta(reason: str, state: dict[str, Any], penv: ProcessEnv, *, incarnation: int, consensus_round: int,
+                outer: str | None) -> dict[str, Any]:
+    """A bundle's meta: the coordinator's state, and the run and world a restart re-admits."""
+    return {
+        "epoch": state.get("epoch", 0),
+        "global_step": state.get("global_step", 0),
+        "reason": reason,
+        "world_size": penv.world_size,
+        "world": {host: list(ranks) for host, ranks in penv.world.items()},
+        "run_id": penv.run_id.hex(),
+        "incarnation": incarnation,
+        "consensus_round": consensus_round,
+        "coordinator": state,
+        "outer": outer,
+    }
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a controller continues from the bundle `resume_from` names (nothing for a fresh run).
+
+    `coordinator`: the coordinator's state (resume.py); `epoch`: the first
+    epoch to train; `incarnation`: this controller's place in the run's line
+    of restarts (status, bundles), one after the bundle's.
+    """
+
+    model_state: dict[str, torch.Tensor] | None = None
+    meta: dict[str, Any] | None = None
+    coordinator: dict[str, Any] | None = None
+    epoch: int = 0
+    incarnation: int = 1
+
+    @classmethod
+    def load(cls, stem: str | None) -> Resumed:
+        if not stem:
+            return cls()
+        state, meta = bundle.load(stem)
+        return cls(state, meta, meta.get("coordinator"), int(meta.get("epoch", 0)),
+                   int(meta.get("incarnation", 0)) + 1)
+
 
 @dataclass
 class WriterStatus:
@@ -157,6 +215,32 @@ def write(stem: Path, snapshot: Snapshot, to_state_dict: Callable[[torch.Tensor]
             with contextlib.suppress(OSError):
                 p.unlink()
         raise
+
+
+@dataclass
+class Periodic:
+    """A controller's periodic checkpoints (`checkpoint_dir`, settings.py): the policy says when, the writer writes."""
+
+    writer: CheckpointWriter
+    policy: CheckpointPolicy
+
+    @classmethod
+    def start(cls, settings: Settings, to_state_dict: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+              now: float, rounds_done: int) -> Periodic | None:
+        """The periodic checkpoints `settings` ask for, from `rounds_done` on; None when `checkpoint_dir` is unset."""
+        if settings.checkpoint_dir is None:
+            return None
+        writer = CheckpointWriter(Path(settings.checkpoint_dir), settings.checkpoint_keep, to_state_dict)
+        policy = CheckpointPolicy(settings.checkpoint_every_s, settings.checkpoint_every_rounds, started_at=now,
+                                  last_rounds=rounds_done)
+        return cls(writer, policy)
+
+    def offer(self, now: float, rounds_done: int, snapshot: Callable[[], Snapshot]) -> None:
+        """Hand the writer `snapshot()` when a checkpoint is due; never waits on the disk."""
+        if not self.policy.due(now, rounds_done):
+            return
+        self.policy.taken(now, rounds_done)
+        self.writer.submit(snapshot())
 
 
 @dataclass
@@ -228,3 +312,58 @@ class CheckpointWriter:
             for p in (*reversed(bundle.paths(old)), bundle.outer_path(old)):
                 with contextlib.suppress(OSError):
                     p.unlink()
+
+
+def reform_directory(checkpoint_dir: str | None, run_dir: Path) -> Path:
+    """Where a re-form checkpoint goes: next to the periodic ones, else under the run's directory."""
+    return (Path(checkpoint_dir) if checkpoint_dir else run_dir / "reform").resolve()
+
+
+@dataclass
+class WorldChange:
+    """A re-formed world (elastic join): the run's result so far, and the world before and after.
+
+    Handed to the next `ControllerService`, which continues `result` and
+    marks its first epoch line with `describe()`.
+    """
+
+    result: TrainResult
+    before: dict[str, tuple[int, ...]]
+    after: dict[str, tuple[int, ...]]
+    checkpoint: str
+    marked: bool = False
+
+    @property
+    def joined(self) -> list[str]:
+        """Hosts with new ranks: new hosts, and hosts that left and came back."""
+        return [h for h in self.after if self.after[h] != self.before.get(h)]
+
+    @property
+    def left(self) -> list[str]:
+        return [h for h in self.before if h not in self.after]
+
+    def describe(self) -> str:
+        """E.g. `4 -> 6 ranks (+w3)`: the ranks hosts hold before and after; + joined, - left."""
+        before, after = (sum(map(len, w.values())) for w in (self.before, self.after))
+        moved = [f"+{h}" for h in self.joined] + [f"-{h}" for h in self.left]
+        return f"{before} -> {after} ranks ({' '.join(moved)})"
+
+    def summary(self, epoch: int) -> dict[str, Any]:
+        """`TrainResult.world_changes` entry (JSON-able)."""
+        return {
+            "epoch": epoch, "checkpoint": self.checkpoint,
+            "before": {h: list(rs) for h, rs in self.before.items()},
+            "after": {h: list(rs) for h, rs in self.after.items()},
+        }
+
+    def join_event(self, epoch: int) -> dict[str, Any]:
+        """The run log's `join` event for a re-form at the end of `epoch`."""
+        return {"epoch": epoch, "world": self.after, "joined": self.joined, "left": self.left,
+                "host": " ".join(self.joined), "reason": f"world re-formed at epoch {epoch + 1}: {self.describe()}"}
+
+    def resumed(self, job: Job, penv: ProcessEnv, run_dir: str) -> tuple[Job, ProcessEnv]:
+        """The job and process environment of the new world: resumed from the re-form checkpoint, in the
+        same run directory, every host told that checkpoint."""
+        job = replace(job, resume_from=self.checkpoint, run_dir=run_dir)
+        penv = replace(penv, world=self.after, settings=replace(penv.settings, resume=self.checkpoint))
+        return job, penv

@@ -30,7 +30,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "io_threads", "result", "runlog", "report", "runreport", "loader", "training", "checkpoints",
         "warm",
     ),
-    "services": ("relay", "reducer_service", "membership", "status_server", "controller_service", "rank"),
+    "services": (
+        "relay", "reducer_service", "membership", "status_server", "control_router", "controller_service", "rank",
+    ),
     "roles": ("api", "controller", "agent", "launch", "demo", "cli", "__init__"),
 }
 RANK = {module: i for i, layer in enumerate(LAYERS.values()) for module in layer}
