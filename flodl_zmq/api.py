@@ -52,7 +52,7 @@ from flodl_zmq.settings import Settings
 from flodl_zmq.training import ScalarLog, Stepper, recording
 
 if TYPE_CHECKING:
-    from flodl_zmq.controller_service import MembershipLink
+    from flodl_zmq.membership_link import MembershipLink
 
 log = logging.getLogger(__name__)
 

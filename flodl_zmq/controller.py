@@ -186,7 +186,7 @@ def serve(opts: ControllerOptions) -> int:
             role="controller", controller=opts.address, key=key, run_id=run_id, world=world, settings=settings,
         )
         from flodl_zmq.api import hosted
-        from flodl_zmq.controller_service import MembershipLink
+        from flodl_zmq.membership_link import MembershipLink
 
         with hosted(penv, MembershipLink(membership, curve)):  # what the script's Trainer.run() plays
             code = run_script(opts.argv)

@@ -44,16 +44,8 @@ Theory of operation:
    consensus with positive mass seen on the broadcast (the controller
    subscribes to its own PUB, exactly like a relay).
 
-Under `flodl-zmq controller` (flodl_zmq/controller.py) the controller role
-runs in the same process as the membership service, linked through a
-`MembershipLink` (handed over with the role by `api.hosted`): a rank exit
-an agent reports (non-zero code) and a host whose agent fell silent are
-deaths declared at once, seconds before rank heartbeats would tell; the
-coordinator's view is reported to the membership for `flodl-zmq status`
-(started any other way, `flodl-zmq launch` or compose, the controller
-answers status itself: flodl_zmq/status_server.py);
-and the controller's sockets are CURVE servers when
-the link carries keys.
+Under `flodl-zmq controller` the role runs next to the membership service,
+linked through a `MembershipLink` (flodl_zmq/membership_link.py).
 
 Rules this module keeps: one socket, one thread (the reducer's sockets are
 the reducer thread's); a record that fails authentication or schema is
@@ -77,7 +69,6 @@ import logging
 import math
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,14 +114,15 @@ from flodl_zmq.links import (
     take_over_routes,
 )
 from flodl_zmq.mailbox import poll_ms
-from flodl_zmq.membership import HostLost, MembershipService, RankExitReported
+from flodl_zmq.membership import MembershipService
+from flodl_zmq.membership_link import MembershipLink
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult
 from flodl_zmq.runlog import run_dir_for
-from flodl_zmq.security import CurveKeys, apply_server
+from flodl_zmq.security import apply_server
 from flodl_zmq.status_server import StatusServer
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Channel, Codec
@@ -140,20 +132,6 @@ log = logging.getLogger(__name__)
 
 END_DRAIN_S = 1.0  # the longest the end waits for goodbyes (`_every_rank_left`)
 STATUS_EVERY_S = 0.25
-
-@dataclass(frozen=True)
-class MembershipLink:
-    """What `flodl-zmq controller` hands the controller role it runs in its own process.
-
-    `membership`: the running service whose events (rank exits the agents
-    report, hosts lost) the coordinator acts on, and which serves the status
-    the coordinator reports. `curve`: the controller's CURVE server keys
-    (None: cleartext).
-    """
-
-    membership: MembershipService
-    curve: CurveKeys | None = None
-
 
 class ControllerService:
     """Runs one training job's controller until the run ends; `run()` returns the TrainResult."""
@@ -613,12 +591,8 @@ class ControllerService:
     def _on_membership(self) -> None:
         """Act on what the agents reported: the fast path to declaring ranks dead."""
         assert self.link is not None
-        for event in self.link.membership.events.drain():
-            if isinstance(event, RankExitReported) and event.code != 0:
-                self.declare_dead(event.rank, f"its agent on {event.host} reported exit code {event.code}")
-            elif isinstance(event, HostLost):
-                for rank in event.ranks:
-                    self.declare_dead(rank, f"host {event.host} lost: its agent fell silent")
+        for rank, reason in self.link.deaths():
+            self.declare_dead(rank, reason)
 
     def _on_exit(self, report: ChildExit) -> None:
         """The launcher saw a relay or rank of this run exit: what an agent reports, at once."""
@@ -791,7 +765,7 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
     result = service.run()
     while service.reform_stem is not None:
         assert link is not None  # only a membership has joiners
-        change = reform(link.membership, penv.world, str(service.reform_stem), result)
+        change = link.reform(penv.world, str(service.reform_stem), result)
         service.report.events.write("join", **change.join_event(bundle.load_meta(service.reform_stem)["epoch"]))
         service.report.events.close()
         job, penv = change.resumed(job, penv, str(service.report.events.run_dir))
@@ -804,20 +778,4 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
     return result
 
 
-REFORM_STOP_S = 15.0  # how long the hosts get to stop their ranks of the world before a re-form
 
-
-def reform(membership: MembershipService, before: dict[str, tuple[int, ...]], stem: str,
-           result: TrainResult) -> WorldChange:
-    """Send every host the re-formed world and wait (bounded) until each stopped its old ranks.
-
-    The old incarnation's events are dropped first: a rank exit reported for
-    the world before must not kill a rank of the new one with the same number.
-    """
-    membership.events.drain()
-    after = membership.reform({"FLODL_RESUME": stem})
-    late = membership.wait_reformed(REFORM_STOP_S)
-    if late:
-        log.warning("controller: host(s) %s did not stop their ranks within %g s of the re-form; the new world "
-                    "starts anyway (ranks that do not say hello in time are left out)", late, REFORM_STOP_S)
-    return WorldChange(result, dict(before), after, stem)

@@ -31,7 +31,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "warm",
     ),
     "services": (
-        "relay", "reducer_service", "membership", "status_server", "control_router", "controller_service", "rank",
+        "relay", "reducer_service", "membership", "membership_link", "status_server", "control_router",
+        "controller_service", "rank",
     ),
     "roles": ("api", "controller", "agent", "launch", "demo", "cli", "__init__"),
 }
