@@ -1,5 +1,6 @@
-"""Consensus checkpoints: when one is due, the writer that keeps the last K, the newest one; what a
-controller resumes from one, and the re-formed world that continues from one.
+"""Consensus checkpoints: the consensus a controller keeps, when a checkpoint is due, the writer that
+keeps the last K, the newest one; what a controller resumes from one, and the re-formed world that
+continues from one.
 
 A checkpoint is a bundle (flodl_zmq/bundle.py) named after the round whose
 consensus it holds, `DIR/ckpt-r000000042.pt` + `.meta.json`; its meta is
@@ -8,6 +9,11 @@ plus the run id and the world, so a restarted controller can re-admit the
 same hosts with their old ranks.
 
 Rules this module keeps:
+
+- The kept consensus (`Keeper`) is the newest of positive mass on the
+  reducer's broadcast, f32 whatever the wire carries; a checkpoint holds it
+  only when it is the round the coordinator last counted finished: the
+  coordinator's state then describes exactly that consensus (resume.py).
 
 - A checkpoint never stalls a round. The controller hands a copy of the
   consensus and the coordinator's state to one writer thread and goes on; a
@@ -41,12 +47,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from flodl_zmq import bundle
+from flodl_zmq import bundle, int8
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.job import Job
+from flodl_zmq.outer import OuterOptimizer
+from flodl_zmq.payload import load_flat
 from flodl_zmq.result import TrainResult
 from flodl_zmq.settings import Settings
+from flodl_zmq.tensors import DTYPES, f32_from_bf16
+from flodl_zmq.wire import records as rec
 
 log = logging.getLogger(__name__)
 
@@ -179,13 +189,29 @@ class Resumed:
     epoch: int = 0
     incarnation: int = 1
 
+    stem: str | None = None
+
     @classmethod
     def load(cls, stem: str | None) -> Resumed:
         if not stem:
             return cls()
         state, meta = bundle.load(stem)
         return cls(state, meta, meta.get("coordinator"), int(meta.get("epoch", 0)),
-                   int(meta.get("incarnation", 0)) + 1)
+                   int(meta.get("incarnation", 0)) + 1, stem)
+
+    def outer_optimizer(self, job: Job, consensus: np.ndarray) -> OuterOptimizer | None:
+        """The outer optimizer from the initial (or resumed) model, its momentum resumed when saved by the same step."""
+        config = job.outer_config()
+        if config is None:
+            return None
+        momentum = None
+        if self.meta is not None and self.meta.get("outer") == config.kind:
+            saved = bundle.load_outer(self.stem)
+            momentum = None if saved is None else saved.numpy()
+        if self.meta is not None and not job.quiet:  # a resume's outcome is the user's to see
+            print(f"outer {config.kind} momentum " + ("starts at zero (the bundle has none for this step)"
+                  if momentum is None else f"resumes from {self.stem}"), flush=True)
+        return OuterOptimizer(config, consensus, momentum)
 
 
 @dataclass
@@ -314,9 +340,100 @@ class CheckpointWriter:
                     p.unlink()
 
 
-def reform_directory(checkpoint_dir: str | None, run_dir: Path) -> Path:
-    """Where a re-form checkpoint goes: next to the periodic ones, else under the run's directory."""
-    return (Path(checkpoint_dir) if checkpoint_dir else run_dir / "reform").resolve()
+class Keeper:
+    """The consensus a controller keeps, and the checkpoints and bundles it writes of it.
+
+    `consensus`: the newest positive-mass consensus (the initial or resumed
+    model until the first), of round `round`; `completed_round`: the last
+    round the coordinator counted finished.
+    """
+
+    def __init__(self, job: Job, penv: ProcessEnv, incarnation: int, consensus: np.ndarray) -> None:
+        self.job, self.penv, self.incarnation = job, penv, incarnation
+        self.consensus = consensus
+        self.round = -1
+        self.completed_round = -1
+        self.periodic: Periodic | None = None
+        self._outer_state: Callable[[], tuple[np.ndarray, np.ndarray] | None] = lambda: None
+
+    @property
+    def consistent(self) -> bool:
+        """The kept consensus is the round the coordinator last counted finished (its state describes it)."""
+        return self.round == self.completed_round
+
+    def start(self, now: float, rounds_done: int,
+              outer_state: Callable[[], tuple[np.ndarray, np.ndarray] | None] | None) -> None:
+        """Start the periodic checkpoints (if set); `outer_state`: the outer step's f32 model and momentum."""
+        if outer_state is not None:
+            self._outer_state = outer_state
+        self.periodic = Periodic.start(self.penv.settings, self.state_dict_of, now, rounds_done)
+
+    def keep(self, record: rec.Consensus, payload: list[np.ndarray]) -> None:
+        """A consensus from the broadcast: kept when of positive mass and newer than the kept one."""
+        if not (record.mass > 0.0 and record.round > self.round and payload):
+            return
+        flat = payload[0].reshape(-1)
+        if flat.size != self.consensus.size:
+            return
+        # The kept consensus (the result and the saved model) is f32 whatever the wire
+        # carries: a bf16 round is widened once, here, exactly (int8: values times scales).
+        if int8.is_int8(payload) and len(payload) == 2:
+            int8.widen(payload, [self.consensus])
+        elif flat.dtype == DTYPES["bf16"]:
+            f32_from_bf16(flat, self.consensus)
+        elif flat.dtype == DTYPES["f32"]:
+            np.copyto(self.consensus, flat)
+        else:
+            return
+        self.round = record.round
+
+    def epoch_ended(self) -> None:
+        if self.periodic is not None:
+            self.periodic.policy.epoch_ended = True
+
+    def maybe_checkpoint(self, now: float, rounds_done: int, state: Callable[[], dict[str, Any]]) -> None:
+        """Hand the writer a copy of the kept consensus when a checkpoint is due; never waits on it."""
+        if self.periodic is None or not self.consistent:
+            return
+        self.periodic.offer(now, rounds_done, lambda: self.snapshot("checkpoint", state()))
+
+    def snapshot(self, reason: str, state: dict[str, Any]) -> Snapshot:
+        """A copy of the kept consensus with its meta, for a bundle (with an outer step, the reducer's)."""
+        meta = bundle_meta(reason, state, self.penv, incarnation=self.incarnation, consensus_round=self.round,
+                           outer=self.job.outer)
+        return Snapshot.of(self.round, self.consensus, meta, self._outer_state())
+
+    def state_dict_of(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The job's model's state_dict holding the flat parameters `flat`."""
+        model = self.job.model()
+        load_flat(model, flat)
+        return model.state_dict()
+
+    def write_reform(self, state: dict[str, Any], run_dir: Path) -> Path | None:
+        """Write the re-form checkpoint of the kept consensus, synchronously: the run cannot go on without it.
+
+        Next to the periodic ones, else under the run's directory. None when it
+        could not be written: the run goes on as it is.
+        """
+        if self.periodic is not None:
+            self.periodic.writer.close()  # its last write may be this very round: one writer per file
+        directory = Path(self.penv.settings.checkpoint_dir) if self.penv.settings.checkpoint_dir else run_dir / "reform"
+        stem = stem_for(directory.resolve(), self.round)
+        try:
+            write(stem, self.snapshot("reform", state), self.state_dict_of)
+        except OSError as exc:
+            log.error("controller: could not write the re-form checkpoint %s (%s); hosts waiting to join wait "
+                      "for the next epoch boundary", stem, exc)
+            return None
+        return stem
+
+    def status(self) -> dict[str, Any] | None:
+        """What `status` shows of the periodic checkpoints (None: off)."""
+        return None if self.periodic is None else self.periodic.writer.status.to_dict()
+
+    def close(self) -> None:
+        if self.periodic is not None:
+            self.periodic.writer.close()
 
 
 @dataclass

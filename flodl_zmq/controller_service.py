@@ -7,11 +7,12 @@ Sockets (ControllerAddress rule, flodl_zmq/endpoints.py):
     bcast    PUB     (bind)  -> every relay's SUB                owned by ReducerService
     bcast    SUB  (connect)  <- the reducer's own PUB, inproc    owned by this loop (consensus copy)
 
-The control ROUTER's framing, the attribution of its records and the
-control streams with each rank are flodl_zmq/control_router.py's
-(`ControlRouter`); it hands this service each rank's records in order.
-Checkpoints (when one is due, the writer, a bundle's meta, a resume, the
-re-formed world) are flodl_zmq/checkpoints.py's.
+The control ROUTER's framing, attribution and streams with each rank are
+`ControlRouter`'s (flodl_zmq/control_router.py), which hands this service
+each rank's records in order; the kept consensus, its checkpoints, a resume
+and a re-formed world are flodl_zmq/checkpoints.py's (`Keeper`, `Resumed`,
+`WorldChange`); under `flodl-zmq controller` the role runs next to the
+membership service, linked by a `MembershipLink` (flodl_zmq/membership_link.py).
 
 Theory of operation:
 
@@ -44,13 +45,9 @@ Theory of operation:
    consensus with positive mass seen on the broadcast (the controller
    subscribes to its own PUB, exactly like a relay).
 
-Under `flodl-zmq controller` the role runs next to the membership service,
-linked through a `MembershipLink` (flodl_zmq/membership_link.py).
-
 Rules this module keeps: one socket, one thread (the reducer's sockets are
-the reducer thread's); a record that fails authentication or schema is
-counted and logged, never fatal; the core sees only authenticated records
-whose signer is the rank their route names.
+the reducer thread's); the core sees only the records `ControlRouter`
+authenticated and attributed to the rank their route names.
 
 Peer violations: one policy with the reducer's. A rank whose authenticated
 record the coordinator refuses (a record it can never legally send: another
@@ -72,12 +69,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
-from flodl_zmq import bundle, checkpoints, int8
-from flodl_zmq.checkpoints import Periodic, Resumed, Snapshot, WorldChange
+from flodl_zmq import bundle
+from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
 from flodl_zmq.control_router import ControlRouter
 from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.liveness import RankState
@@ -116,7 +112,6 @@ from flodl_zmq.links import (
 from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.membership_link import MembershipLink
-from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
 from flodl_zmq.report import RunReport
@@ -124,7 +119,6 @@ from flodl_zmq.result import TrainResult
 from flodl_zmq.runlog import run_dir_for
 from flodl_zmq.security import apply_server
 from flodl_zmq.status_server import StatusServer
-from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
 
@@ -132,6 +126,7 @@ log = logging.getLogger(__name__)
 
 END_DRAIN_S = 1.0  # the longest the end waits for goodbyes (`_every_rank_left`)
 STATUS_EVERY_S = 0.25
+
 
 class ControllerService:
     """Runs one training job's controller until the run ends; `run()` returns the TrainResult."""
@@ -162,10 +157,8 @@ class ControllerService:
             self.model.load_state_dict(resumed.model_state)
         # A re-formed world is not a restart: it keeps the run's incarnation.
         self.incarnation = resumed.incarnation if carried is None else carried.result.incarnation
-        self.consensus = flatten(self.model).numpy()  # latest positive-mass consensus
-        self.outer = self._outer(resumed.meta)
-        self.consensus_round = -1
-        self._completed_round = -1  # the last round the coordinator counted finished
+        self.kept = Keeper(job, penv, self.incarnation, flatten(self.model).numpy())
+        self.outer = resumed.outer_optimizer(job, self.kept.consensus)
         self.config = coordinator_config(job)
         self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resumed.coordinator)
         self.model_sig = model_signature(self.model)
@@ -181,7 +174,6 @@ class ControllerService:
         self.ended: RunEnded | None = None
         self.stop_error: FlodlError | None = None
         self._round_started: dict[int, float] = {}
-        self.checkpoints: Periodic | None = None
         # Elastic join (PROTOCOL.md 13.1): the epoch after which hosts wait to join, and the
         # checkpoint this service ended on to re-form the world with them.
         self._reform_after: int | None = None
@@ -233,13 +225,13 @@ class ControllerService:
             reducer.start()
             sub.connect(reducer.local_bcast)  # in process: no TCP copy, no CURVE
             self.reducer = reducer
-            # The periodic checkpoints of `checkpoint_dir` (settings.py), if set.
-            self.checkpoints = Periodic.start(self.penv.settings, self._state_dict_of, time.monotonic(),
-                                              self.core.avg_count)
+            outer_state = reducer.outer_state if self.outer is not None else None
+            self.kept.start(time.monotonic(), self.core.avg_count, outer_state)
             self._loop(control, sub, reducer)
         finally:
             self._close(reducer, control, sub, status_server)
-        return self._finish(time.perf_counter() - t0 + (0.0 if self._carried is None else self._carried.result.wall_s))
+        before = 0.0 if self._carried is None else self._carried.result.wall_s  # the world before a re-form
+        return self._finish(time.perf_counter() - t0 + before)
 
     def _reducer(self, ctx: zmq.Context) -> ReducerService:
         settings = self.penv.settings
@@ -252,7 +244,7 @@ class ControllerService:
             ctx,
             self.outer,
             # A resumed world's ranks load the checkpoint's consensus from the reducer (PROTOCOL.md 13).
-            None if not self.job.resume_from else (rec.RESUME_ROUND, resume_payload(self.consensus, self.job.wire_dtype)),
+            None if not self.job.resume_from else (rec.RESUME_ROUND, resume_payload(self.kept.consensus, self.job.wire_dtype)),
         )
 
     def _control_socket(self, ctx: zmq.Context) -> zmq.Socket:
@@ -275,8 +267,7 @@ class ControllerService:
     def _close(self, reducer: ReducerService, control: zmq.Socket, sub: zmq.Socket,
                status_server: StatusServer | None) -> None:
         self.report.close()
-        if self.checkpoints is not None:
-            self.checkpoints.writer.close()
+        self.kept.close()
         reducer.stop()
         # What the reducer refused or dropped (a late host's frames among them), for the log.
         log.info("controller: reducer counters: %s", {k: v for k, v in reducer.counters().items() if v})
@@ -298,7 +289,7 @@ class ControllerService:
             self.result.reason = f"failed: {self.stop_error}"
             self.report.finish(wall_s)
             raise self.stop_error
-        load_flat(self.model, torch.from_numpy(self.consensus))
+        load_flat(self.model, torch.from_numpy(self.kept.consensus))
         reason = self.ended.reason if self.ended is not None else None
         self.result.reason = "completed" if reason is None else reason.value
         if self.job.save_path and reason is None:
@@ -378,7 +369,7 @@ class ControllerService:
                 if started is not None and outcome.published_at is not None:
                     self.result.round_ms.append((outcome.published_at - started) * 1000.0)
                     self._last_round_at = time.time()
-                self._completed_round = outcome.round_id
+                self.kept.completed_round = outcome.round_id
                 self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
                 self._log_round(outcome.round_id, started)
             else:
@@ -403,7 +394,7 @@ class ControllerService:
     def _tick(self) -> bool:
         """The coordinator's timers, then a due checkpoint or re-form; True when this service ends on a re-form."""
         self._perform(self.core.on_tick(time.monotonic()))
-        self._maybe_checkpoint()
+        self.kept.maybe_checkpoint(time.monotonic(), self.core.avg_count, self.core.state_dict)
         return self._maybe_reform()
 
     def _every_rank_left(self) -> bool:
@@ -436,56 +427,22 @@ class ControllerService:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _maybe_checkpoint(self) -> None:
-        """Hand the writer a copy of the newest consensus when a checkpoint is due; never waits on it.
-
-        Only when the kept consensus is the round the coordinator last counted finished:
-        the coordinator's state then describes exactly that consensus (resume.py).
-        """
-        if self.checkpoints is None or self.consensus_round != self._completed_round:
-            return
-        self.checkpoints.offer(time.monotonic(), self.core.avg_count,
-                               lambda: self._snapshot("checkpoint", self.core.state_dict()))
-
-    def _snapshot(self, reason: str, state: dict[str, Any]) -> Snapshot:
-        """A copy of the latest consensus with its meta, for a bundle (with an outer step, the reducer's)."""
-        meta = checkpoints.bundle_meta(reason, state, self.penv, incarnation=self.incarnation,
-                                       consensus_round=self.consensus_round, outer=self.job.outer)
-        outer = self.reducer.outer_state() if self.outer is not None else None
-        return Snapshot.of(self.consensus_round, self.consensus, meta, outer)
-
-    def _state_dict_of(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The job's model's state_dict holding the flat parameters `flat`."""
-        model = self.job.model()
-        load_flat(model, flat)
-        return model.state_dict()
-
     def _maybe_reform(self) -> bool:
         """End this service on a checkpoint once hosts wait to join and their epoch boundary is reached.
 
         The boundary is the first finished round whose consensus holds every
         sample of the epoch they waited for: the checkpoint then describes it
         (resume.py), and the re-formed world goes on from its coverage, so
-        nothing is trained twice or lost. Written here, synchronously: the
-        run cannot go on without it.
+        nothing is trained twice or lost.
         """
         after = self._reform_after
-        if after is None or self.consensus_round != self._completed_round or self.ended is not None:
+        if after is None or not self.kept.consistent or self.ended is not None:
             return False
         state = self.core.state_dict()
         if state["epoch"] <= after:
             return False
-        settings = self.penv.settings
-        if self.checkpoints is not None:
-            self.checkpoints.writer.close()  # its last write may be this very round: one writer per file
-        directory = checkpoints.reform_directory(settings.checkpoint_dir, self.report.events.run_dir)
-        stem = checkpoints.stem_for(directory, self.consensus_round)
-        try:
-            checkpoints.write(stem, self._snapshot("reform", state), self._state_dict_of)
-        except OSError as exc:
-            # Without it the joiners cannot come in; the run goes on as it is and tries at the next epoch end.
-            log.error("controller: could not write the re-form checkpoint %s (%s); hosts waiting to join wait "
-                      "for the next epoch boundary", stem, exc)
+        stem = self.kept.write_reform(state, self.report.events.run_dir)
+        if stem is None:  # the joiners cannot come in; the run tries again at the next epoch end
             self._reform_after = None
             return False
         self.reform_stem = stem
@@ -514,22 +471,8 @@ class ControllerService:
             self.counts["rejected.bcast"] += 1
             log.warning("controller: rejected a broadcast record: %s", exc)
             return
-        r = env.record
-        if isinstance(r, rec.Consensus) and r.mass > 0.0 and r.round > self.consensus_round and env.payload:
-            flat = env.payload[0].reshape(-1)
-            if flat.size != self.consensus.size:
-                return
-            # The kept consensus (the result and the saved model) is f32 whatever the wire
-            # carries: a bf16 round is widened once, here, exactly (int8: values times scales).
-            if int8.is_int8(env.payload) and len(env.payload) == 2:
-                int8.widen(env.payload, [self.consensus])
-            elif flat.dtype == DTYPES["bf16"]:
-                f32_from_bf16(flat, self.consensus)
-            elif flat.dtype == DTYPES["f32"]:
-                np.copyto(self.consensus, flat)
-            else:
-                return
-            self.consensus_round = r.round
+        if isinstance(env.record, rec.Consensus):
+            self.kept.keep(env.record, env.payload)
 
     def on_rank_record(self, rank: int, record: Any) -> None:
         """A rank's control record, in the order it sent them."""
@@ -617,10 +560,14 @@ class ControllerService:
                 log.warning("rank %d left before the world formed (%s); forming without it", rank, reason)
             return
         if self.core.liveness.is_live(rank):
-            self.deaths[rank] = (time.time(), reason)
-            self.report.events.write("death", rank=rank, reason=reason)
-            log.warning("rank %d declared dead: %s", rank, reason)
+            self._record_death(rank, reason)
         self._perform(self.core.on_rank_death(rank, reason, time.monotonic()))
+
+    def _record_death(self, rank: int, reason: str) -> None:
+        """A rank failed: kept for `status`, written to the run log, logged."""
+        self.deaths[rank] = (time.time(), reason)
+        self.report.events.write("death", rank=rank, reason=reason)
+        log.warning("rank %d declared dead: %s", rank, reason)
 
     def _report_status(self) -> None:
         """Hand the coordinator's view to whoever serves `flodl-zmq status` (`status_sink`)."""
@@ -641,7 +588,7 @@ class ControllerService:
             "last_round_ms": self.result.round_ms[-1] if self.result.round_ms else None,
             "last_round_at": self._last_round_at,
             "incarnation": self.incarnation,
-            "checkpoint": None if self.checkpoints is None else self.checkpoints.writer.status.to_dict(),
+            "checkpoint": self.kept.status(),
             # Per rank, for `status --watch`: ElChe's window, and the last epoch's share and samples/s.
             "window": list(self.core.elche.batch_counts),
             "share": list(self.result.epochs[-1].get("batch_share") or []) if self.result.epochs else [],
@@ -674,10 +621,7 @@ class ControllerService:
                 if isinstance(out.record, rec.DeclareDead):
                     rank = out.record.rank
                     if rank not in self.deaths and self.core.liveness.state(rank) is RankState.DEAD:
-                        why = "silent past the coordinator's heartbeat timeout, or unreachable"
-                        self.deaths[rank] = (time.time(), why)
-                        log.warning("rank %d declared dead: %s", rank, why)
-                        self.report.events.write("death", rank=rank, reason=why)
+                        self._record_death(rank, "silent past the coordinator's heartbeat timeout, or unreachable")
                     if rank in self.router.host_of:  # a vacancy was never the reducer's (no host serves it)
                         self.reducer.declare_dead(rank)
                 elif isinstance(out.record, MassBound):
@@ -696,12 +640,11 @@ class ControllerService:
 
     def _on_effect(self, r: Any) -> None:
         if isinstance(r, rec.EpochAggregated):
-            if self.checkpoints is not None:
-                self.checkpoints.policy.epoch_ended = True
+            self.kept.epoch_ended()
             if (self.link is not None and self._reform_after is None and r.epoch + 1 < self.job.epochs
                     and self.link.membership.pending()):
                 self._reform_after = r.epoch  # re-form once this epoch is whole in a consensus
-            row = {**epoch_row(r), "reconnects": self.router.reconnects_this_epoch, "round": self.consensus_round}
+            row = {**epoch_row(r), "reconnects": self.router.reconnects_this_epoch, "round": self.kept.round}
             if self._carried is not None and not self._carried.marked:
                 self._carried.marked = True
                 row["world_change"] = self._carried.describe()  # the first epoch line of the new world
@@ -720,24 +663,10 @@ class ControllerService:
         elif isinstance(r, RunEnded):
             self.ended = r
 
-    def _outer(self, meta: dict[str, Any] | None) -> OuterOptimizer | None:
-        """The outer optimizer from the initial (or resumed) model, its momentum resumed when saved by the same step."""
-        config = self.job.outer_config()
-        if config is None:
-            return None
-        momentum = None
-        if meta is not None and meta.get("outer") == config.kind:
-            saved = bundle.load_outer(self.job.resume_from)
-            momentum = None if saved is None else saved.numpy()
-        if meta is not None and not self.job.quiet:  # a resume's outcome is the user's to see
-            print(f"outer {config.kind} momentum " + ("starts at zero (the bundle has none for this step)"
-                  if momentum is None else f"resumes from {self.job.resume_from}"), flush=True)
-        return OuterOptimizer(config, self.consensus, momentum)
-
     def _save(self, reason: str, state: dict[str, Any]) -> str:
-        """Save the latest consensus with the coordinator's state (what `resume_from` continues)."""
-        snap = self._snapshot(reason, state)
-        return self.report.save(self._state_dict_of(torch.from_numpy(snap.consensus)), snap.meta,
+        """Save the kept consensus with the coordinator's state (what `resume_from` continues)."""
+        snap = self.kept.snapshot(reason, state)
+        return self.report.save(self.kept.state_dict_of(torch.from_numpy(snap.consensus)), snap.meta,
                                 None if snap.outer_momentum is None else torch.from_numpy(snap.outer_momentum))
 
 def epoch_row(r: rec.EpochAggregated) -> dict[str, Any]:
