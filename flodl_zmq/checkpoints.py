@@ -473,6 +473,14 @@ class WorldChange:
             "after": {h: list(rs) for h, rs in self.after.items()},
         }
 
+    def carry_on(self, model: torch.nn.Module, start_epoch: int, quiet: bool) -> TrainResult:
+        """The run's result, continued by the new world's `model` from `start_epoch`: not a restart."""
+        self.result.model = model
+        self.result.world_changes.append(self.summary(start_epoch))
+        if not quiet:
+            print(f"world re-formed at epoch {start_epoch + 1}: {self.describe()}", flush=True)
+        return self.result
+
     def join_event(self, epoch: int) -> dict[str, Any]:
         """The run log's `join` event for a re-form at the end of `epoch`."""
         return {"epoch": epoch, "world": self.after, "joined": self.joined, "left": self.left,

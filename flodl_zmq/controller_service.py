@@ -124,7 +124,7 @@ from flodl_zmq.wire import records as rec
 
 log = logging.getLogger(__name__)
 
-END_DRAIN_S = 1.0  # the longest the end waits for goodbyes (`_every_rank_left`)
+END_DRAIN_S = 1.0  # the longest the end waits for goodbyes (until every rank left, `_loop`)
 STATUS_EVERY_S = 0.25
 
 
@@ -181,17 +181,12 @@ class ControllerService:
 
     def _result(self, start_epoch: int) -> TrainResult:
         """The run's result: a fresh one, or the one a re-formed world continues (not a restart)."""
-        job, carried = self.job, self._carried
-        if carried is not None:
-            carried.result.model = self.model
-            carried.result.world_changes.append(carried.summary(start_epoch))
-            if not job.quiet:
-                print(f"world re-formed at epoch {start_epoch + 1}: {carried.describe()}", flush=True)
-            return carried.result
-        if job.resume_from and not job.quiet:
-            print(f"resumed from {job.resume_from}: epoch {start_epoch + 1}, round {self.core.avg_count}, "
+        if self._carried is not None:
+            return self._carried.carry_on(self.model, start_epoch, self.job.quiet)
+        if self.job.resume_from and not self.job.quiet:
+            print(f"resumed from {self.job.resume_from}: epoch {start_epoch + 1}, round {self.core.avg_count}, "
                   f"controller incarnation {self.incarnation}", flush=True)
-        return TrainResult(model=self.model, resumed_from=job.resume_from, incarnation=self.incarnation)
+        return TrainResult(model=self.model, resumed_from=self.job.resume_from, incarnation=self.incarnation)
 
     def _formation(self) -> Formation:
         """The start-up's checks, due within FLODL_STARTUP_TIMEOUT from now."""
@@ -313,7 +308,8 @@ class ControllerService:
         drain_until: float | None = None
         while True:
             now = time.monotonic()
-            if drain_until is not None and (now >= drain_until or self._every_rank_left()):
+            # After the end: every rank said goodbye (acknowledged at once) or is dead: nothing left to drain.
+            if drain_until is not None and (now >= drain_until or (self.started and not self.core.liveness.live)):
                 return
             if not self.started and self.stop_error is None:
                 verdict = self.formation.poll(now)
@@ -339,7 +335,10 @@ class ControllerService:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
             if membership is not None and membership.fileno() in events:
                 self._on_membership()
-            self._status_when_due()
+            now = time.monotonic()
+            if self.status_sink is not None and now >= self._next_status:
+                self._next_status = now + STATUS_EVERY_S
+                self._report_status()
             if self.started and self._tick():
                 return
             if drain_until is None and (self.ended is not None or self.stop_error is not None):
@@ -385,22 +384,11 @@ class ControllerService:
             return None
         return exits
 
-    def _status_when_due(self) -> None:
-        now = time.monotonic()
-        if self.status_sink is not None and now >= self._next_status:
-            self._next_status = now + STATUS_EVERY_S
-            self._report_status()
-
     def _tick(self) -> bool:
         """The coordinator's timers, then a due checkpoint or re-form; True when this service ends on a re-form."""
         self._perform(self.core.on_tick(time.monotonic()))
         self.kept.maybe_checkpoint(time.monotonic(), self.core.avg_count, self.core.state_dict)
         return self._maybe_reform()
-
-    def _every_rank_left(self) -> bool:
-        """After the end: every rank said goodbye (acknowledged at once) or is dead, so the drain
-        has nothing left to carry."""
-        return self.started and not self.core.liveness.live
 
     def _log_round(self, round_id: int, started: float | None) -> None:
         """The round summary in the run log: its time, ElChe's windows, the guard's verdict."""
