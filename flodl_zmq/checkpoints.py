@@ -54,7 +54,6 @@ from flodl_zmq.job import Job
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import load_flat
 from flodl_zmq.result import TrainResult
-from flodl_zmq.settings import Settings
 from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import records as rec
 
@@ -244,32 +243,6 @@ def write(stem: Path, snapshot: Snapshot, to_state_dict: Callable[[torch.Tensor]
 
 
 @dataclass
-class Periodic:
-    """A controller's periodic checkpoints (`checkpoint_dir`, settings.py): the policy says when, the writer writes."""
-
-    writer: CheckpointWriter
-    policy: CheckpointPolicy
-
-    @classmethod
-    def start(cls, settings: Settings, to_state_dict: Callable[[torch.Tensor], dict[str, torch.Tensor]],
-              now: float, rounds_done: int) -> Periodic | None:
-        """The periodic checkpoints `settings` ask for, from `rounds_done` on; None when `checkpoint_dir` is unset."""
-        if settings.checkpoint_dir is None:
-            return None
-        writer = CheckpointWriter(Path(settings.checkpoint_dir), settings.checkpoint_keep, to_state_dict)
-        policy = CheckpointPolicy(settings.checkpoint_every_s, settings.checkpoint_every_rounds, started_at=now,
-                                  last_rounds=rounds_done)
-        return cls(writer, policy)
-
-    def offer(self, now: float, rounds_done: int, snapshot: Callable[[], Snapshot]) -> None:
-        """Hand the writer `snapshot()` when a checkpoint is due; never waits on the disk."""
-        if not self.policy.due(now, rounds_done):
-            return
-        self.policy.taken(now, rounds_done)
-        self.writer.submit(snapshot())
-
-
-@dataclass
 class CheckpointWriter:
     """Writes snapshots on its own thread into `directory`, keeping the newest `keep`.
 
@@ -353,7 +326,9 @@ class Keeper:
         self.consensus = consensus
         self.round = -1
         self.completed_round = -1
-        self.periodic: Periodic | None = None
+        # The periodic checkpoints (`checkpoint_dir`, settings.py): the policy says when, the writer writes.
+        self.writer: CheckpointWriter | None = None
+        self.policy: CheckpointPolicy | None = None
         self._outer_state: Callable[[], tuple[np.ndarray, np.ndarray] | None] = lambda: None
 
     @property
@@ -366,7 +341,12 @@ class Keeper:
         """Start the periodic checkpoints (if set); `outer_state`: the outer step's f32 model and momentum."""
         if outer_state is not None:
             self._outer_state = outer_state
-        self.periodic = Periodic.start(self.penv.settings, self.state_dict_of, now, rounds_done)
+        settings = self.penv.settings
+        if settings.checkpoint_dir is None:
+            return
+        self.writer = CheckpointWriter(Path(settings.checkpoint_dir), settings.checkpoint_keep, self.state_dict_of)
+        self.policy = CheckpointPolicy(settings.checkpoint_every_s, settings.checkpoint_every_rounds, started_at=now,
+                                       last_rounds=rounds_done)
 
     def keep(self, record: rec.Consensus, payload: list[np.ndarray]) -> None:
         """A consensus from the broadcast: kept when of positive mass and newer than the kept one."""
@@ -388,14 +368,16 @@ class Keeper:
         self.round = record.round
 
     def epoch_ended(self) -> None:
-        if self.periodic is not None:
-            self.periodic.policy.epoch_ended = True
+        if self.policy is not None:
+            self.policy.epoch_ended = True
 
     def maybe_checkpoint(self, now: float, rounds_done: int, state: Callable[[], dict[str, Any]]) -> None:
         """Hand the writer a copy of the kept consensus when a checkpoint is due; never waits on it."""
-        if self.periodic is None or not self.consistent:
+        if self.writer is None or self.policy is None or not self.consistent:
             return
-        self.periodic.offer(now, rounds_done, lambda: self.snapshot("checkpoint", state()))
+        if self.policy.due(now, rounds_done):
+            self.policy.taken(now, rounds_done)
+            self.writer.submit(self.snapshot("checkpoint", state()))
 
     def snapshot(self, reason: str, state: dict[str, Any]) -> Snapshot:
         """A copy of the kept consensus with its meta, for a bundle (with an outer step, the reducer's)."""
@@ -415,8 +397,8 @@ class Keeper:
         Next to the periodic ones, else under the run's directory. None when it
         could not be written: the run goes on as it is.
         """
-        if self.periodic is not None:
-            self.periodic.writer.close()  # its last write may be this very round: one writer per file
+        if self.writer is not None:
+            self.writer.close()  # its last write may be this very round: one writer per file
         directory = Path(self.penv.settings.checkpoint_dir) if self.penv.settings.checkpoint_dir else run_dir / "reform"
         stem = stem_for(directory.resolve(), self.round)
         try:
@@ -429,11 +411,11 @@ class Keeper:
 
     def status(self) -> dict[str, Any] | None:
         """What `status` shows of the periodic checkpoints (None: off)."""
-        return None if self.periodic is None else self.periodic.writer.status.to_dict()
+        return None if self.writer is None else self.writer.status.to_dict()
 
     def close(self) -> None:
-        if self.periodic is not None:
-            self.periodic.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 @dataclass
