@@ -41,7 +41,7 @@ import torch
 
 from flodl_zmq import bundle, checkpoints
 from flodl_zmq.environment import ProcessEnv, watch_lifeline
-from flodl_zmq.job import Job
+from flodl_zmq.job import Job, coordinator_config
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.rank import RankRuntime
 from flodl_zmq.rank_link import RankConfig
@@ -53,7 +53,7 @@ from flodl_zmq.settings import Settings
 from flodl_zmq.training import ScalarLog, Stepper, recording
 
 if TYPE_CHECKING:
-    from flodl_zmq.controller_service import MembershipLink
+    from flodl_zmq.membership_link import MembershipLink
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,6 @@ class Trainer:
     """
 
     def __init__(self, *args: Any, **keywords: Any) -> None:
-        from flodl_zmq.controller_service import coordinator_config
-
         self.job = Job.from_keywords(*args, **keywords)
         coordinator_config(self.job)  # every scheduling setting is checked now, in every process
 

@@ -1,4 +1,6 @@
-"""Periodic consensus checkpoints: when one is due, the writer that keeps the last K, the newest one.
+"""Consensus checkpoints: the consensus a controller keeps, when a checkpoint is due, the writer that
+keeps the last K, the newest one; what a controller resumes from one, and the re-formed world that
+continues from one.
 
 A checkpoint is a bundle (flodl_zmq/bundle.py) named after the round whose
 consensus it holds, `DIR/ckpt-r000000042.pt` + `.meta.json`; its meta is
@@ -7,6 +9,11 @@ plus the run id and the world, so a restarted controller can re-admit the
 same hosts with their old ranks.
 
 Rules this module keeps:
+
+- The kept consensus (`Keeper`) is the newest of positive mass on the
+  reducer's broadcast, f32 whatever the wire carries; a checkpoint holds it
+  only when it is the round the coordinator last counted finished: the
+  coordinator's state then describes exactly that consensus (resume.py).
 
 - A checkpoint never stalls a round. The controller hands a copy of the
   consensus and the coordinator's state to one writer thread and goes on; a
@@ -20,6 +27,9 @@ Rules this module keeps:
 - A failed write (a full disk, an unwritable path) is logged with the path
   and the error, and kept for `status`; the run goes on, the partial files
   are removed, and the previous checkpoint stays the newest.
+- A resumed controller is the next incarnation of the one that saved the
+  bundle; a re-formed world is not a restart: it continues the run's result
+  and incarnation (`WorldChange`), resumed from the re-form checkpoint.
 """
 
 from __future__ import annotations
@@ -30,15 +40,22 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from flodl_zmq import bundle
+from flodl_zmq import bundle, int8
+from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.job import Job
+from flodl_zmq.outer import OuterOptimizer
+from flodl_zmq.payload import load_flat
+from flodl_zmq.result import TrainResult
+from flodl_zmq.tensors import DTYPES, f32_from_bf16
+from flodl_zmq.wire import records as rec
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +145,72 @@ class Snapshot:
     consensus: np.ndarray
     meta: dict[str, Any]
     outer_momentum: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, round: int, consensus: np.ndarray, meta: dict[str, Any],
+           outer: tuple[np.ndarray, np.ndarray] | None) -> Snapshot:
+        """A copy of the consensus of `round`; with an outer step, `outer`: the reducer's f32 global
+        model and momentum of one round (not the broadcast copy, which the wire may have rounded)."""
+        if outer is None:
+            return cls(round, consensus.copy(), meta)
+        return cls(round, outer[0], meta, outer[1])
+
+
+def bundle_meta(reason: str, state: dict[str, Any], penv: ProcessEnv, *, incarnation: int, consensus_round: int,
+                outer: str | None) -> dict[str, Any]:
+    """A bundle's meta: the coordinator's state, and the run and world a restart re-admits."""
+    return {
+        "epoch": state.get("epoch", 0),
+        "global_step": state.get("global_step", 0),
+        "reason": reason,
+        "world_size": penv.world_size,
+        "world": {host: list(ranks) for host, ranks in penv.world.items()},
+        "run_id": penv.run_id.hex(),
+        "incarnation": incarnation,
+        "consensus_round": consensus_round,
+        "coordinator": state,
+        "outer": outer,
+    }
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a controller continues from the bundle `resume_from` names (nothing for a fresh run).
+
+    `coordinator`: the coordinator's state (resume.py); `epoch`: the first
+    epoch to train; `incarnation`: this controller's place in the run's line
+    of restarts (status, bundles), one after the bundle's.
+    """
+
+    model_state: dict[str, torch.Tensor] | None = None
+    meta: dict[str, Any] | None = None
+    coordinator: dict[str, Any] | None = None
+    epoch: int = 0
+    incarnation: int = 1
+
+    stem: str | None = None
+
+    @classmethod
+    def load(cls, stem: str | None) -> Resumed:
+        if not stem:
+            return cls()
+        state, meta = bundle.load(stem)
+        return cls(state, meta, meta.get("coordinator"), int(meta.get("epoch", 0)),
+                   int(meta.get("incarnation", 0)) + 1, stem)
+
+    def outer_optimizer(self, job: Job, consensus: np.ndarray) -> OuterOptimizer | None:
+        """The outer optimizer from the initial (or resumed) model, its momentum resumed when saved by the same step."""
+        config = job.outer_config()
+        if config is None:
+            return None
+        momentum = None
+        if self.meta is not None and self.meta.get("outer") == config.kind:
+            saved = bundle.load_outer(self.stem)
+            momentum = None if saved is None else saved.numpy()
+        if self.meta is not None and not job.quiet:  # a resume's outcome is the user's to see
+            print(f"outer {config.kind} momentum " + ("starts at zero (the bundle has none for this step)"
+                  if momentum is None else f"resumes from {self.stem}"), flush=True)
+        return OuterOptimizer(config, consensus, momentum)
 
 
 @dataclass
@@ -228,3 +311,166 @@ class CheckpointWriter:
             for p in (*reversed(bundle.paths(old)), bundle.outer_path(old)):
                 with contextlib.suppress(OSError):
                     p.unlink()
+
+
+class Keeper:
+    """The consensus a controller keeps, and the checkpoints and bundles it writes of it.
+
+    `consensus`: the newest positive-mass consensus (the initial or resumed
+    model until the first), of round `round`; `completed_round`: the last
+    round the coordinator counted finished.
+    """
+
+    def __init__(self, job: Job, penv: ProcessEnv, incarnation: int, consensus: np.ndarray) -> None:
+        self.job, self.penv, self.incarnation = job, penv, incarnation
+        self.consensus = consensus
+        self.round = -1
+        self.completed_round = -1
+        # The periodic checkpoints (`checkpoint_dir`, settings.py): the policy says when, the writer writes.
+        self.writer: CheckpointWriter | None = None
+        self.policy: CheckpointPolicy | None = None
+        self._outer_state: Callable[[], tuple[np.ndarray, np.ndarray] | None] = lambda: None
+
+    @property
+    def consistent(self) -> bool:
+        """The kept consensus is the round the coordinator last counted finished (its state describes it)."""
+        return self.round == self.completed_round
+
+    def start(self, now: float, rounds_done: int,
+              outer_state: Callable[[], tuple[np.ndarray, np.ndarray] | None] | None) -> None:
+        """Start the periodic checkpoints (if set); `outer_state`: the outer step's f32 model and momentum."""
+        if outer_state is not None:
+            self._outer_state = outer_state
+        settings = self.penv.settings
+        if settings.checkpoint_dir is None:
+            return
+        self.writer = CheckpointWriter(Path(settings.checkpoint_dir), settings.checkpoint_keep, self.state_dict_of)
+        self.policy = CheckpointPolicy(settings.checkpoint_every_s, settings.checkpoint_every_rounds, started_at=now,
+                                       last_rounds=rounds_done)
+
+    def keep(self, record: rec.Consensus, payload: list[np.ndarray]) -> None:
+        """A consensus from the broadcast: kept when of positive mass and newer than the kept one."""
+        if not (record.mass > 0.0 and record.round > self.round and payload):
+            return
+        flat = payload[0].reshape(-1)
+        if flat.size != self.consensus.size:
+            return
+        # The kept consensus (the result and the saved model) is f32 whatever the wire
+        # carries: a bf16 round is widened once, here, exactly (int8: values times scales).
+        if int8.is_int8(payload) and len(payload) == 2:
+            int8.widen(payload, [self.consensus])
+        elif flat.dtype == DTYPES["bf16"]:
+            f32_from_bf16(flat, self.consensus)
+        elif flat.dtype == DTYPES["f32"]:
+            np.copyto(self.consensus, flat)
+        else:
+            return
+        self.round = record.round
+
+    def epoch_ended(self) -> None:
+        if self.policy is not None:
+            self.policy.epoch_ended = True
+
+    def maybe_checkpoint(self, now: float, rounds_done: int, state: Callable[[], dict[str, Any]]) -> None:
+        """Hand the writer a copy of the kept consensus when a checkpoint is due; never waits on it."""
+        if self.writer is None or self.policy is None or not self.consistent:
+            return
+        if self.policy.due(now, rounds_done):
+            self.policy.taken(now, rounds_done)
+            self.writer.submit(self.snapshot("checkpoint", state()))
+
+    def snapshot(self, reason: str, state: dict[str, Any]) -> Snapshot:
+        """A copy of the kept consensus with its meta, for a bundle (with an outer step, the reducer's)."""
+        meta = bundle_meta(reason, state, self.penv, incarnation=self.incarnation, consensus_round=self.round,
+                           outer=self.job.outer)
+        return Snapshot.of(self.round, self.consensus, meta, self._outer_state())
+
+    def state_dict_of(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The job's model's state_dict holding the flat parameters `flat`."""
+        model = self.job.model()
+        load_flat(model, flat)
+        return model.state_dict()
+
+    def write_reform(self, state: dict[str, Any], run_dir: Path) -> Path | None:
+        """Write the re-form checkpoint of the kept consensus, synchronously: the run cannot go on without it.
+
+        Next to the periodic ones, else under the run's directory. None when it
+        could not be written: the run goes on as it is.
+        """
+        if self.writer is not None:
+            self.writer.close()  # its last write may be this very round: one writer per file
+        directory = Path(self.penv.settings.checkpoint_dir) if self.penv.settings.checkpoint_dir else run_dir / "reform"
+        stem = stem_for(directory.resolve(), self.round)
+        try:
+            write(stem, self.snapshot("reform", state), self.state_dict_of)
+        except OSError as exc:
+            log.error("controller: could not write the re-form checkpoint %s (%s); hosts waiting to join wait "
+                      "for the next epoch boundary", stem, exc)
+            return None
+        return stem
+
+    def status(self) -> dict[str, Any] | None:
+        """What `status` shows of the periodic checkpoints (None: off)."""
+        return None if self.writer is None else self.writer.status.to_dict()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+@dataclass
+class WorldChange:
+    """A re-formed world (elastic join): the run's result so far, and the world before and after.
+
+    Handed to the next `ControllerService`, which continues `result` and
+    marks its first epoch line with `describe()`.
+    """
+
+    result: TrainResult
+    before: dict[str, tuple[int, ...]]
+    after: dict[str, tuple[int, ...]]
+    checkpoint: str
+    marked: bool = False
+
+    @property
+    def joined(self) -> list[str]:
+        """Hosts with new ranks: new hosts, and hosts that left and came back."""
+        return [h for h in self.after if self.after[h] != self.before.get(h)]
+
+    @property
+    def left(self) -> list[str]:
+        return [h for h in self.before if h not in self.after]
+
+    def describe(self) -> str:
+        """E.g. `4 -> 6 ranks (+w3)`: the ranks hosts hold before and after; + joined, - left."""
+        before, after = (sum(map(len, w.values())) for w in (self.before, self.after))
+        moved = [f"+{h}" for h in self.joined] + [f"-{h}" for h in self.left]
+        return f"{before} -> {after} ranks ({' '.join(moved)})"
+
+    def summary(self, epoch: int) -> dict[str, Any]:
+        """`TrainResult.world_changes` entry (JSON-able)."""
+        return {
+            "epoch": epoch, "checkpoint": self.checkpoint,
+            "before": {h: list(rs) for h, rs in self.before.items()},
+            "after": {h: list(rs) for h, rs in self.after.items()},
+        }
+
+    def carry_on(self, model: torch.nn.Module, start_epoch: int, quiet: bool) -> TrainResult:
+        """The run's result, continued by the new world's `model` from `start_epoch`: not a restart."""
+        self.result.model = model
+        self.result.world_changes.append(self.summary(start_epoch))
+        if not quiet:
+            print(f"world re-formed at epoch {start_epoch + 1}: {self.describe()}", flush=True)
+        return self.result
+
+    def join_event(self, epoch: int) -> dict[str, Any]:
+        """The run log's `join` event for a re-form at the end of `epoch`."""
+        return {"epoch": epoch, "world": self.after, "joined": self.joined, "left": self.left,
+                "host": " ".join(self.joined), "reason": f"world re-formed at epoch {epoch + 1}: {self.describe()}"}
+
+    def resumed(self, job: Job, penv: ProcessEnv, run_dir: str) -> tuple[Job, ProcessEnv]:
+        """The job and process environment of the new world: resumed from the re-form checkpoint, in the
+        same run directory, every host told that checkpoint."""
+        job = replace(job, resume_from=self.checkpoint, run_dir=run_dir)
+        penv = replace(penv, world=self.after, settings=replace(penv.settings, resume=self.checkpoint))
+        return job, penv

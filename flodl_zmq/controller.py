@@ -64,11 +64,12 @@ from flodl_zmq.membership import (
     OPEN_JOIN_KEY,
     MembershipService,
     SpawnSpec,
+    TrustMode,
     check_open_admission_curve,
     endpoint_ip,
     resolve_trust,
 )
-from flodl_zmq.security import SERVER_ENV, CurveKeys, apply_client, start_gate
+from flodl_zmq.security import SERVER_ENV, CurveGate, CurveKeys, apply_client, start_gate
 from flodl_zmq.settings import Settings, add_arguments
 from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, key_from_hex, new_key
 from flodl_zmq.wire.records import Challenge, ChallengeRequest, StatusReply, StatusRequest
@@ -124,28 +125,9 @@ class ControllerOptions:
 
 def serve(opts: ControllerOptions) -> int:
     """Run the join window, then the controller role; the exit status (see the module docstring)."""
-    join_endpoint = opts.address.endpoint(Channel.JOIN)
-    trust = resolve_trust(opts.open_admission, endpoint_ip(join_endpoint))
+    trust = resolve_trust(opts.open_admission, endpoint_ip(opts.address.endpoint(Channel.JOIN)))
     key = opts.key if opts.key is not None else new_key()
-    run_id, resumed, settings, cfg = os.urandom(RUN_ID_BYTES), None, opts.settings, opts.join
-    # Imported here: every `flodl-zmq` command builds this module's parser, and the agent's and
-    # status's must start without torch (bundle and checkpoints import it).
-    from flodl_zmq import bundle, checkpoints
-
-    stem = checkpoints.resolve(settings.resume, settings.checkpoint_dir)
-    if stem is not None:
-        # A restart (PROTOCOL.md 13): the checkpoint's run id and world, the same hosts with
-        # their old ranks, all of them; every host is told the one checkpoint chosen here.
-        if opts.open_admission:
-            raise ConfigError("--resume needs the run's pre-shared FLODL_KEY: under --open-admission the session "
-                              "key the agents hold died with the old controller")
-        meta = bundle.load_meta(stem)
-        run_id = bytes.fromhex(meta["run_id"])
-        resumed = {host: tuple(ranks) for host, ranks in meta["world"].items()}
-        size = sum(map(len, resumed.values()))
-        cfg = replace(cfg, min_ranks=size, target_ranks=size)
-        log.info("resuming run %s from %s: waiting for hosts %s to rejoin", run_id.hex()[:8], stem, sorted(resumed))
-    settings = replace(settings, resume=None if stem is None else str(stem))
+    run_id, resumed, settings, cfg = _run_to_start(opts)
     ctx = controller_context()
     curve, auth, gate = opts.curve, None, None
     if curve is not None:
@@ -154,46 +136,15 @@ def serve(opts: ControllerOptions) -> int:
         gate, auth = start_gate(ctx, curve)
         log.info("CURVE on; this controller's public key (give it to every agent): %s=%s",
                  SERVER_ENV, curve.public.decode())
-    window = JoinWindow(cfg, opened_at=time.monotonic(), dataset_sig=opts.dataset_sig, resumed=resumed)
-    membership = MembershipService(
-        window, endpoint=join_endpoint, trust=trust, session_key=key, run_id=run_id,
-        # Every host's relay and ranks read the run's timings from the controller's settings.
-        spawn=SpawnSpec(opts.argv, env=settings.to_environ(("run",))),
-        heartbeat_s=settings.join_heartbeat_period_s, silence_s=settings.host_silence_at_controller_s,
-        context=ctx, curve=curve, gate=gate,
-    )
-    log.info(
-        "join window open on %s (%s%s): forming at %s ranks, at least %d, window %g s, hard cap %g s",
-        membership.endpoint, trust.value, ", CURVE" if curve is not None else "",
-        cfg.target_ranks or "-", cfg.min_ranks, cfg.window_s, cfg.cap_s,
-    )
-    membership.start()
+    membership = _open_join_window(opts, ctx, trust, key, run_id, resumed, settings, cfg, gate)
     formed = False
     try:
-        verdict = None
-        while verdict is None:
-            verdict = membership.wait_closed(0.5)
-        if verdict.phase is not Phase.FORMED:
-            time.sleep(ABORT_FLUSH_S)  # the aborts are queued (the verdict is set after): let them leave
-            raise MembershipError(f"the world did not form: {verdict.reason}")
+        world = _wait_formed(membership)
         formed = True
-        world = {m.host: m.ranks for m in verdict.members}
-        log.info("world formed: %s; running %s", world, " ".join(opts.argv))
         penv = ProcessEnv(
             role="controller", controller=opts.address, key=key, run_id=run_id, world=world, settings=settings,
         )
-        from flodl_zmq.api import hosted
-        from flodl_zmq.controller_service import MembershipLink
-
-        with hosted(penv, MembershipLink(membership, curve)):  # what the script's Trainer.run() plays
-            code = run_script(opts.argv)
-        if code != 0:
-            _abort(membership, f"the controller's program exited with status {code}")
-            return code
-        if membership.end_joins("the run is over (a host joins at an epoch boundary; there is no next one)"):
-            time.sleep(ABORT_FLUSH_S)
-        _see_agents_out(membership)
-        return 0
+        return _run_role(opts, membership, penv)
     except KeyboardInterrupt:
         _abort(membership, "the controller was interrupted (SIGINT/SIGTERM)")
         return 130
@@ -212,6 +163,81 @@ def serve(opts: ControllerOptions) -> int:
         membership.close()
         if auth is not None:
             auth.stop()
+
+
+def _run_to_start(opts: ControllerOptions) -> tuple[bytes, dict[str, tuple[int, ...]] | None, Settings, JoinConfig]:
+    """The run id, the world to re-admit (a restart), the settings and the join window's config.
+
+    A restart (PROTOCOL.md 13): the checkpoint's run id and world, the same hosts with
+    their old ranks, all of them; every host is told the one checkpoint chosen here.
+    """
+    # Imported here: every `flodl-zmq` command builds this module's parser, and the agent's and
+    # status's must start without torch (bundle and checkpoints import it).
+    from flodl_zmq import bundle, checkpoints
+
+    run_id, resumed, settings, cfg = os.urandom(RUN_ID_BYTES), None, opts.settings, opts.join
+    stem = checkpoints.resolve(settings.resume, settings.checkpoint_dir)
+    if stem is not None:
+        if opts.open_admission:
+            raise ConfigError("--resume needs the run's pre-shared FLODL_KEY: under --open-admission the session "
+                              "key the agents hold died with the old controller")
+        meta = bundle.load_meta(stem)
+        run_id = bytes.fromhex(meta["run_id"])
+        resumed = {host: tuple(ranks) for host, ranks in meta["world"].items()}
+        size = sum(map(len, resumed.values()))
+        cfg = replace(cfg, min_ranks=size, target_ranks=size)
+        log.info("resuming run %s from %s: waiting for hosts %s to rejoin", run_id.hex()[:8], stem, sorted(resumed))
+    return run_id, resumed, replace(settings, resume=None if stem is None else str(stem)), cfg
+
+
+def _open_join_window(
+    opts: ControllerOptions, ctx: zmq.Context, trust: TrustMode, key: bytes, run_id: bytes,
+    resumed: dict[str, tuple[int, ...]] | None, settings: Settings, cfg: JoinConfig, gate: CurveGate | None,
+) -> MembershipService:
+    """Start the membership service: the join window on the join endpoint."""
+    window = JoinWindow(cfg, opened_at=time.monotonic(), dataset_sig=opts.dataset_sig, resumed=resumed)
+    membership = MembershipService(
+        window, endpoint=opts.address.endpoint(Channel.JOIN), trust=trust, session_key=key, run_id=run_id,
+        # Every host's relay and ranks read the run's timings from the controller's settings.
+        spawn=SpawnSpec(opts.argv, env=settings.to_environ(("run",))),
+        heartbeat_s=settings.join_heartbeat_period_s, silence_s=settings.host_silence_at_controller_s,
+        context=ctx, curve=opts.curve, gate=gate,
+    )
+    log.info(
+        "join window open on %s (%s%s): forming at %s ranks, at least %d, window %g s, hard cap %g s",
+        membership.endpoint, trust.value, ", CURVE" if opts.curve is not None else "",
+        cfg.target_ranks or "-", cfg.min_ranks, cfg.window_s, cfg.cap_s,
+    )
+    membership.start()
+    return membership
+
+
+def _wait_formed(membership: MembershipService) -> dict[str, tuple[int, ...]]:
+    """The formed world (host -> ranks); MembershipError when it did not form."""
+    verdict = None
+    while verdict is None:
+        verdict = membership.wait_closed(0.5)
+    if verdict.phase is not Phase.FORMED:
+        time.sleep(ABORT_FLUSH_S)  # the aborts are queued (the verdict is set after): let them leave
+        raise MembershipError(f"the world did not form: {verdict.reason}")
+    return {m.host: m.ranks for m in verdict.members}
+
+
+def _run_role(opts: ControllerOptions, membership: MembershipService, penv: ProcessEnv) -> int:
+    """Run the program as the controller of the formed world, then see the agents out; its exit status."""
+    log.info("world formed: %s; running %s", penv.world, " ".join(opts.argv))
+    from flodl_zmq.api import hosted
+    from flodl_zmq.membership_link import MembershipLink
+
+    with hosted(penv, MembershipLink(membership, opts.curve)):  # what the script's Trainer.run() plays
+        code = run_script(opts.argv)
+    if code != 0:
+        _abort(membership, f"the controller's program exited with status {code}")
+        return code
+    if membership.end_joins("the run is over (a host joins at an epoch boundary; there is no next one)"):
+        time.sleep(ABORT_FLUSH_S)
+    _see_agents_out(membership)
+    return 0
 
 
 def _abort(membership: MembershipService, reason: str) -> None:

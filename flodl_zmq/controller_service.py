@@ -2,16 +2,17 @@
 
 Sockets (ControllerAddress rule, flodl_zmq/endpoints.py):
 
-    control  ROUTER  (bind)  <- every relay's control DEALER     owned by this loop
+    control  ROUTER  (bind)  <- every relay's control DEALER     owned by this loop, through ControlRouter
     data     ROUTER  (bind)  <- every relay's data DEALER        owned by ReducerService
     bcast    PUB     (bind)  -> every relay's SUB                owned by ReducerService
     bcast    SUB  (connect)  <- the reducer's own PUB, inproc    owned by this loop (consensus copy)
 
-Framing on the control ROUTER (see flodl_zmq/relay.py): a relay's message is
-`[relay id, route, header, payload..., mac]`; `route` is the rank identity of
-the rank a record is from (records cross the relay verbatim, signed by the
-rank) or `b""` for the relay's own records (RelayHello, RankExit). Records to
-a rank go out as `[relay id of its host, rank identity, frames...]`.
+The control ROUTER's framing, attribution and streams with each rank are
+`ControlRouter`'s (flodl_zmq/control_router.py), which hands this service
+each rank's records in order; the kept consensus, its checkpoints, a resume
+and a re-formed world are flodl_zmq/checkpoints.py's (`Keeper`, `Resumed`,
+`WorldChange`); under `flodl-zmq controller` the role runs next to the
+membership service, linked by a `MembershipLink` (flodl_zmq/membership_link.py).
 
 Theory of operation:
 
@@ -44,21 +45,9 @@ Theory of operation:
    consensus with positive mass seen on the broadcast (the controller
    subscribes to its own PUB, exactly like a relay).
 
-Under `flodl-zmq controller` (flodl_zmq/controller.py) the controller role
-runs in the same process as the membership service, linked through a
-`MembershipLink` (handed over with the role by `api.hosted`): a rank exit
-an agent reports (non-zero code) and a host whose agent fell silent are
-deaths declared at once, seconds before rank heartbeats would tell; the
-coordinator's view is reported to the membership for `flodl-zmq status`
-(started any other way, `flodl-zmq launch` or compose, the controller
-answers status itself: flodl_zmq/status_server.py);
-and the controller's sockets are CURVE servers when
-the link carries keys.
-
 Rules this module keeps: one socket, one thread (the reducer's sockets are
-the reducer thread's); a record that fails authentication or schema is
-counted and logged, never fatal; the core sees only authenticated records
-whose signer is the rank their route names.
+the reducer thread's); the core sees only the records `ControlRouter`
+authenticated and attributed to the rank their route names.
 
 Peer violations: one policy with the reducer's. A rank whose authenticated
 record the coordinator refuses (a record it can never legally send: another
@@ -73,22 +62,19 @@ A peer must never be able to end the service; only the service's own bugs
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import math
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
-from flodl_zmq import bundle, checkpoints, int8
-from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, Snapshot
-from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
+from flodl_zmq import bundle
+from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
+from flodl_zmq.control_router import ControlRouter
 from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.coordinator.outputs import (
@@ -104,138 +90,42 @@ from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
 from flodl_zmq.errors import (
     AttributionError,
-    AuthError,
     CoordinatorError,
     FlodlError,
     ProtocolError,
-    ReplayError,
     TrainingError,
     WireError,
 )
 from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
-from flodl_zmq.job import Job
-from flodl_zmq.join import HostLost, RankExitReported
+from flodl_zmq.job import Job, coordinator_config
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
     COORDINATOR_SENDER,
     FROM_REDUCER,
-    RELAY_ROUTE,
-    Connections,
-    coordinator_sender,
     drain,
     keep_alive,
     limit_receive,
-    rank_identity,
-    rank_of,
-    rank_sender,
-    relay_sender,
     take_over_routes,
 )
 from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import MembershipService
-from flodl_zmq.outer import OuterOptimizer
+from flodl_zmq.membership_link import MembershipLink
 from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult
 from flodl_zmq.runlog import run_dir_for
-from flodl_zmq.security import CurveKeys, apply_server
+from flodl_zmq.security import apply_server
 from flodl_zmq.status_server import StatusServer
-from flodl_zmq.tensors import DTYPES, f32_from_bf16
-from flodl_zmq.wire import Attribution, Channel, Codec
+from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
-from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outage, Outstream
 
 log = logging.getLogger(__name__)
 
-END_DRAIN_S = 1.0  # the longest the end waits for goodbyes (`_every_rank_left`)
+END_DRAIN_S = 1.0  # the longest the end waits for goodbyes (until every rank left, `_loop`)
 STATUS_EVERY_S = 0.25
-
-MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
-
-
-def coordinator_config(job: Job) -> CoordinatorConfig:
-    """The coordinator's configuration for `job`; its checks name the setting (`Trainer()` runs them)."""
-    has_eval = job.eval_fn is not None
-    optional = {
-        name: getattr(job, name)
-        for name in ("anchor", "max_anchor", "overhead_target", "guard", "msf_thresholds")
-        if getattr(job, name) is not None
-    }
-    return CoordinatorConfig(
-        total_samples=job.total_samples,
-        batch_size=job.batch_size,
-        num_epochs=job.epochs,
-        mode=MODES[job.mode],
-        seed=job.seed,
-        eval_every=job.eval_every if has_eval else 0,
-        checkpoint_every=job.checkpoint_every if job.checkpoint_fn is not None else 0,
-        final_eval=has_eval,
-        easgd_alpha=job.easgd_alpha,
-        heartbeat_timeout_s=job.heartbeat_timeout_s,
-        max_failure=job.max_failure(),
-        callback_rank=None if job.callback_rank == "fastest" else job.callback_rank,
-        max_batch_diff=job.max_batch_diff,
-        relax_up=job.relax_up,
-        reports_per_epoch=job.reports_per_epoch,
-        partition_ratios=job.partition_ratios,
-        divergence_threshold=job.divergence_threshold,
-        **optional,
-    )
-
-
-@dataclass
-class WorldChange:
-    """A re-formed world (elastic join): the run's result so far, and the world before and after.
-
-    Handed to the next `ControllerService`, which continues `result` and
-    marks its first epoch line with `describe()`.
-    """
-
-    result: TrainResult
-    before: dict[str, tuple[int, ...]]
-    after: dict[str, tuple[int, ...]]
-    checkpoint: str
-    marked: bool = False
-
-    @property
-    def joined(self) -> list[str]:
-        """Hosts with new ranks: new hosts, and hosts that left and came back."""
-        return [h for h in self.after if self.after[h] != self.before.get(h)]
-
-    @property
-    def left(self) -> list[str]:
-        return [h for h in self.before if h not in self.after]
-
-    def describe(self) -> str:
-        """E.g. `4 -> 6 ranks (+w3)`: the ranks hosts hold before and after; + joined, - left."""
-        before, after = (sum(map(len, w.values())) for w in (self.before, self.after))
-        moved = [f"+{h}" for h in self.joined] + [f"-{h}" for h in self.left]
-        return f"{before} -> {after} ranks ({' '.join(moved)})"
-
-    def summary(self, epoch: int) -> dict[str, Any]:
-        """`TrainResult.world_changes` entry (JSON-able)."""
-        return {
-            "epoch": epoch, "checkpoint": self.checkpoint,
-            "before": {h: list(rs) for h, rs in self.before.items()},
-            "after": {h: list(rs) for h, rs in self.after.items()},
-        }
-
-
-@dataclass(frozen=True)
-class MembershipLink:
-    """What `flodl-zmq controller` hands the controller role it runs in its own process.
-
-    `membership`: the running service whose events (rank exits the agents
-    report, hosts lost) the coordinator acts on, and which serves the status
-    the coordinator reports. `curve`: the controller's CURVE server keys
-    (None: cleartext).
-    """
-
-    membership: MembershipService
-    curve: CurveKeys | None = None
 
 
 class ControllerService:
@@ -256,110 +146,68 @@ class ControllerService:
         self._next_status = 0.0
         self.world = penv.world
         self.world_size = penv.world_size
-        self.host_of = {r: h for h, rs in penv.world.items() for r in rs}
-        self.codec = Codec(penv.key, penv.run_id, COORDINATOR_SENDER)
+        self.codec = Codec(penv.key, penv.run_id, COORDINATOR_SENDER)  # the broadcast copy's
         self.counts: collections.Counter[str] = collections.Counter()
-        self.relay_route: dict[str, bytes] = {}
-        # What `status` shows per host: records rejected by cause, when one was last accepted,
-        # and resends (counted by the resend path, issue 13 part 2). Reconnects: self.connections.
-        self.rejected: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self.last_seen: dict[str, float] = {}
-        self.resends: collections.Counter[str] = collections.Counter()
-        self._outages: dict[str, Outage] = collections.defaultdict(Outage)  # host -> its resends, logged per outage
-        self._reconnects_this_epoch = 0
-        # The control streams with each rank (PROTOCOL.md 10.7): records to it kept until it
-        # acknowledges them and sent again if a reset lost them; its records handed on in order.
-        # A record is never failed while its rank lives, so a chunk is reassigned only after a
-        # death, and a dead rank's records are never sent again: nothing is trained twice.
-        self._to_rank = {r: Outstream(Codec(penv.key, penv.run_id, coordinator_sender(r)))
-                         for r in range(self.world_size)}
-        self._from_rank = {r: InOrder() for r in range(self.world_size)}
+        self.resends: collections.Counter[str] = collections.Counter()  # per host, for `status`
+        self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.run_id, self.counts, self.resends)
         torch.manual_seed(job.seed)  # the same initial replica as every rank
         self.model = job.model()
-        start_epoch = 0
-        resume = None
-        self.incarnation = 1  # this controller's place in the run's line of restarts (status, bundles)
-        meta: dict[str, Any] | None = None
-        if job.resume_from:
-            state, meta = bundle.load(job.resume_from)
-            self.model.load_state_dict(state)
-            resume = meta.get("coordinator")
-            start_epoch = int(meta.get("epoch", 0))
-            self.incarnation = int(meta.get("incarnation", 0)) + 1
-        self.consensus = flatten(self.model).numpy()  # latest positive-mass consensus
-        self.outer = self._outer(meta)
-        self.consensus_round = -1
-        self._completed_round = -1  # the last round the coordinator counted finished
+        resumed = Resumed.load(job.resume_from)
+        if resumed.model_state is not None:
+            self.model.load_state_dict(resumed.model_state)
+        # A re-formed world is not a restart: it keeps the run's incarnation.
+        self.incarnation = resumed.incarnation if carried is None else carried.result.incarnation
+        self.kept = Keeper(job, penv, self.incarnation, flatten(self.model).numpy())
+        self.outer = resumed.outer_optimizer(job, self.kept.consensus)
         self.config = coordinator_config(job)
-        self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resume)
+        self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resumed.coordinator)
         self.model_sig = model_signature(self.model)
         self.dataset_sig = dataset_signature(job.dataset)
-        self.result = TrainResult(model=self.model, resumed_from=job.resume_from, incarnation=self.incarnation)
         self._carried = carried
-        if carried is not None:  # a re-form continues this run's result: not a restart
-            self.incarnation = self.result.incarnation = carried.result.incarnation
-            self.result = carried.result
-            self.result.model = self.model
-            self.result.world_changes.append(carried.summary(start_epoch))
-            if not job.quiet:
-                print(f"world re-formed at epoch {start_epoch + 1}: {carried.describe()}", flush=True)
-        elif job.resume_from and not job.quiet:
-            print(f"resumed from {job.resume_from}: epoch {start_epoch + 1}, round {self.core.avg_count}, "
-                  f"controller incarnation {self.incarnation}", flush=True)
+        self.result = self._result(resumed.epoch)
         self.report = RunReport(
             job, self.result, self.config.batches_per_epoch, run_dir_for(job.run_dir, penv.settings.run_dir),
-            start_epoch, on_callback_error=self._callback_failed,
+            resumed.epoch, on_callback_error=self._callback_failed,
         )
-        self.formation = Formation(
-            self.world, self.model_sig, self.dataset_sig,
-            deadline=time.monotonic() + penv.startup_timeout_s, timeout_s=penv.startup_timeout_s,
-            # Under `flodl-zmq controller` the join window's quorum (--min-ranks); a local
-            # launch trains on with any rank that survives start-up.
-            minimum=penv.settings.min_ranks if link is not None else 1,
-        )
+        self.formation = self._formation()
         self.started = False
         self.ended: RunEnded | None = None
         self.stop_error: FlodlError | None = None
         self._round_started: dict[int, float] = {}
-        self.checkpoints: CheckpointWriter | None = None
-        self._checkpoint_policy: CheckpointPolicy | None = None
         # Elastic join (PROTOCOL.md 13.1): the epoch after which hosts wait to join, and the
         # checkpoint this service ended on to re-form the world with them.
         self._reform_after: int | None = None
         self.reform_stem: Path | None = None
 
+    def _result(self, start_epoch: int) -> TrainResult:
+        """The run's result: a fresh one, or the one a re-formed world continues (not a restart)."""
+        if self._carried is not None:
+            return self._carried.carry_on(self.model, start_epoch, self.job.quiet)
+        if self.job.resume_from and not self.job.quiet:
+            print(f"resumed from {self.job.resume_from}: epoch {start_epoch + 1}, round {self.core.avg_count}, "
+                  f"controller incarnation {self.incarnation}", flush=True)
+        return TrainResult(model=self.model, resumed_from=self.job.resume_from, incarnation=self.incarnation)
+
+    def _formation(self) -> Formation:
+        """The start-up's checks, due within FLODL_STARTUP_TIMEOUT from now."""
+        timeout_s = self.penv.startup_timeout_s
+        return Formation(
+            self.world, self.model_sig, self.dataset_sig, deadline=time.monotonic() + timeout_s, timeout_s=timeout_s,
+            # Under `flodl-zmq controller` the join window's quorum (--min-ranks); a local
+            # launch trains on with any rank that survives start-up.
+            minimum=self.penv.settings.min_ranks if self.link is not None else 1,
+        )
+
     # ------------------------------------------------------------------ run
 
     def run(self) -> TrainResult:
+        """Serve the run until it ends or re-forms; its result, or its error raised."""
         ctx = controller_context()
-        reducer = ReducerService(
-            ReducerConfig.for_controller(
-                self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve,
-                link_heartbeat_s=self.penv.settings.link_heartbeat_period_s,
-                link_silence_s=self.penv.settings.link_silence_s,
-                send_timeout_s=self.penv.settings.peer_send_timeout_s,
-            ),
-            ctx,
-            self.outer,
-            # A resumed world's ranks load the checkpoint's consensus from the reducer (PROTOCOL.md 13).
-            None if not self.job.resume_from else (rec.RESUME_ROUND, resume_payload(self.consensus, self.job.wire_dtype)),
-        )
-        control = ctx.socket(zmq.ROUTER)
-        keep_off_the_data_plane(control)
-        control.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        control.setsockopt(zmq.LINGER, 1000)
-        limit_receive(control, CONTROL_MAX_FRAME_BYTES)
-        # Relays' control DEALERs keep their identity across reconnects (links.relay_identity):
-        # the returning connection takes the route over from a half-open one at once.
-        take_over_routes(control)
-        self.connections = Connections(control)
-        keep_alive(control, self.penv.controller.endpoint(Channel.CONTROL),
-                   self.penv.settings.link_heartbeat_period_s, self.penv.settings.link_silence_s)
+        reducer = self._reducer(ctx)
+        control = self._control_socket(ctx)
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            apply_server(control, self.curve)
         t0 = time.perf_counter()
         status_server = None
         try:
@@ -371,23 +219,62 @@ class ControllerService:
             control.bind(self.penv.controller.endpoint(Channel.CONTROL))
             reducer.start()
             sub.connect(reducer.local_bcast)  # in process: no TCP copy, no CURVE
-            self.control, self.reducer = control, reducer
-            self._start_checkpoints()
+            self.reducer = reducer
+            outer_state = reducer.outer_state if self.outer is not None else None
+            self.kept.start(time.monotonic(), self.core.avg_count, outer_state)
             self._loop(control, sub, reducer)
         finally:
-            self.report.close()
-            if self.checkpoints is not None:
-                self.checkpoints.close()
-            reducer.stop()
-            # What the reducer refused or dropped (a late host's frames among them), for the log.
-            log.info("controller: reducer counters: %s", {k: v for k, v in reducer.counters().items() if v})
-            self.connections.close()
-            control.close()
-            sub.close()
-            self._report_status()
-            if status_server is not None:
-                status_server.close()
-        wall_s = time.perf_counter() - t0 + (0.0 if self._carried is None else self._carried.result.wall_s)
+            self._close(reducer, control, sub, status_server)
+        before = 0.0 if self._carried is None else self._carried.result.wall_s  # the world before a re-form
+        return self._finish(time.perf_counter() - t0 + before)
+
+    def _reducer(self, ctx: zmq.Context) -> ReducerService:
+        settings = self.penv.settings
+        return ReducerService(
+            ReducerConfig.for_controller(
+                self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve,
+                link_heartbeat_s=settings.link_heartbeat_period_s, link_silence_s=settings.link_silence_s,
+                send_timeout_s=settings.peer_send_timeout_s,
+            ),
+            ctx,
+            self.outer,
+            # A resumed world's ranks load the checkpoint's consensus from the reducer (PROTOCOL.md 13).
+            None if not self.job.resume_from else (rec.RESUME_ROUND, resume_payload(self.kept.consensus, self.job.wire_dtype)),
+        )
+
+    def _control_socket(self, ctx: zmq.Context) -> zmq.Socket:
+        """The control ROUTER, not yet bound, handed to the router with this service upstream."""
+        control = ctx.socket(zmq.ROUTER)
+        keep_off_the_data_plane(control)
+        control.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        control.setsockopt(zmq.LINGER, 1000)
+        limit_receive(control, CONTROL_MAX_FRAME_BYTES)
+        # Relays' control DEALERs keep their identity across reconnects (links.relay_identity):
+        # the returning connection takes the route over from a half-open one at once.
+        take_over_routes(control)
+        self.router.attach(control, self)
+        keep_alive(control, self.penv.controller.endpoint(Channel.CONTROL),
+                   self.penv.settings.link_heartbeat_period_s, self.penv.settings.link_silence_s)
+        if self.curve is not None:
+            apply_server(control, self.curve)
+        return control
+
+    def _close(self, reducer: ReducerService, control: zmq.Socket, sub: zmq.Socket,
+               status_server: StatusServer | None) -> None:
+        self.report.close()
+        self.kept.close()
+        reducer.stop()
+        # What the reducer refused or dropped (a late host's frames among them), for the log.
+        log.info("controller: reducer counters: %s", {k: v for k, v in reducer.counters().items() if v})
+        self.router.connections.close()
+        control.close()
+        sub.close()
+        self._report_status()
+        if status_server is not None:
+            status_server.close()
+
+    def _finish(self, wall_s: float) -> TrainResult:
+        """The run's result once the loop ended: handed on to a re-formed world, raised, or saved and returned."""
         if self.reform_stem is not None and self.stop_error is None:
             self.result.wall_s = wall_s  # the run goes on in the re-formed world's service
             self.report.close()
@@ -397,7 +284,7 @@ class ControllerService:
             self.result.reason = f"failed: {self.stop_error}"
             self.report.finish(wall_s)
             raise self.stop_error
-        load_flat(self.model, torch.from_numpy(self.consensus))
+        load_flat(self.model, torch.from_numpy(self.kept.consensus))
         reason = self.ended.reason if self.ended is not None else None
         self.result.reason = "completed" if reason is None else reason.value
         if self.job.save_path and reason is None:
@@ -415,22 +302,14 @@ class ControllerService:
         # The reducer's outcomes and the membership's events are Mailboxes polled next to
         # the sockets: each wakes this loop the moment it arrives, so the loop needs no
         # polling interval and sleeps until its next timer (_wake_at) otherwise.
-        poller = zmq.Poller()
-        poller.register(control, zmq.POLLIN)
-        poller.register(self.connections.monitor, zmq.POLLIN)
-        poller.register(sub, zmq.POLLIN)
-        poller.register(reducer.completed, zmq.POLLIN)
-        outcomes = reducer.completed.fileno()
+        poller, exits = self._poller(control, sub, reducer)
+        outcomes, monitor = reducer.completed.fileno(), self.router.connections.monitor
         membership = self.link.membership.events if self.link is not None else None
-        if membership is not None:
-            poller.register(membership, zmq.POLLIN)
-        exits = ExitReports(self.penv.exit_fd) if self.penv.exit_fd is not None else None
-        if exits is not None:
-            poller.register(exits.fd, zmq.POLLIN)
         drain_until: float | None = None
         while True:
             now = time.monotonic()
-            if drain_until is not None and (now >= drain_until or self._every_rank_left()):
+            # After the end: every rank said goodbye (acknowledged at once) or is dead: nothing left to drain.
+            if drain_until is not None and (now >= drain_until or (self.started and not self.core.liveness.live)):
                 return
             if not self.started and self.stop_error is None:
                 verdict = self.formation.poll(now)
@@ -443,33 +322,15 @@ class ControllerService:
             # Before the ranks' records: a finished round's Updates (the next plans) are what
             # idle ranks wait for, and a burst of reports must not hold them back.
             if outcomes in events:
-                for outcome in reducer.completed.drain():
-                    # No round opens before the world forms: an outcome then names none.
-                    if outcome.round_id is None or not self.started:
-                        continue
-                    started = self._round_started.pop(outcome.round_id, None)
-                    if outcome.abandoned is None:
-                        if started is not None and outcome.published_at is not None:
-                            self.result.round_ms.append((outcome.published_at - started) * 1000.0)
-                            self._last_round_at = time.time()
-                        self._completed_round = outcome.round_id
-                        self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
-                        self._log_round(outcome.round_id, started)
-                    else:
-                        self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
-            if control in events or self.connections.monitor in events:
-                self.connections.read_events()  # first: a reconnected peer's records follow its accept
+                self._on_outcomes(reducer)
+            if control in events or monitor in events:
+                self.router.connections.read_events()  # first: a reconnected peer's records follow its accept
             if control in events:
-                oversized = drain(control, self._on_control, copy=False, max_frames=CONTROL_MAX_FRAMES)
+                oversized = drain(control, self.router.on_control, copy=False, max_frames=CONTROL_MAX_FRAMES)
                 self.counts["rejected.control"] += oversized  # apart: the handler counts rejections too
             if exits is not None and exits.fd in events:
-                reports = exits.read()
-                if reports is None:  # the launcher is gone: nothing more will come
-                    poller.unregister(exits.fd)
-                    exits = None
-                for report in reports or ():
-                    self._on_exit(report)
-            self._resend(time.monotonic())
+                exits = self._on_exits(poller, exits)
+            self.router.resend(time.monotonic())
             if reducer.error is not None:
                 raise FlodlError(f"the reducer failed: {reducer.error}") from reducer.error
             if membership is not None and membership.fileno() in events:
@@ -478,18 +339,56 @@ class ControllerService:
             if self.status_sink is not None and now >= self._next_status:
                 self._next_status = now + STATUS_EVERY_S
                 self._report_status()
-            if self.started:
-                self._perform(self.core.on_tick(time.monotonic()))
-                self._maybe_checkpoint()
-                if self._maybe_reform():
-                    return
+            if self.started and self._tick():
+                return
             if drain_until is None and (self.ended is not None or self.stop_error is not None):
                 drain_until = time.monotonic() + END_DRAIN_S
 
-    def _every_rank_left(self) -> bool:
-        """After the end: every rank said goodbye (acknowledged at once) or is dead, so the drain
-        has nothing left to carry."""
-        return self.started and not self.core.liveness.live
+    def _poller(self, control: zmq.Socket, sub: zmq.Socket,
+                reducer: ReducerService) -> tuple[zmq.Poller, ExitReports | None]:
+        """What wakes the loop: the sockets, the reducer's outcomes, the membership's events, the launcher's exit reports."""
+        poller = zmq.Poller()
+        for source in (control, self.router.connections.monitor, sub, reducer.completed):
+            poller.register(source, zmq.POLLIN)
+        if self.link is not None:
+            poller.register(self.link.membership.events, zmq.POLLIN)
+        exits = ExitReports(self.penv.exit_fd) if self.penv.exit_fd is not None else None
+        if exits is not None:
+            poller.register(exits.fd, zmq.POLLIN)
+        return poller, exits
+
+    def _on_outcomes(self, reducer: ReducerService) -> None:
+        """The reducer's finished and abandoned rounds, to the coordinator."""
+        for outcome in reducer.completed.drain():
+            # No round opens before the world forms: an outcome then names none.
+            if outcome.round_id is None or not self.started:
+                continue
+            started = self._round_started.pop(outcome.round_id, None)
+            if outcome.abandoned is None:
+                if started is not None and outcome.published_at is not None:
+                    self.result.round_ms.append((outcome.published_at - started) * 1000.0)
+                    self._last_round_at = time.time()
+                self.kept.completed_round = outcome.round_id
+                self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
+                self._log_round(outcome.round_id, started)
+            else:
+                self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
+
+    def _on_exits(self, poller: zmq.Poller, exits: ExitReports) -> ExitReports | None:
+        """The launcher's exit reports; None once the launcher is gone (nothing more will come)."""
+        reports = exits.read()
+        for report in reports or ():
+            self._on_exit(report)
+        if reports is None:
+            poller.unregister(exits.fd)
+            return None
+        return exits
+
+    def _tick(self) -> bool:
+        """The coordinator's timers, then a due checkpoint or re-form; True when this service ends on a re-form."""
+        self._perform(self.core.on_tick(time.monotonic()))
+        self.kept.maybe_checkpoint(time.monotonic(), self.core.avg_count, self.core.state_dict)
+        return self._maybe_reform()
 
     def _log_round(self, round_id: int, started: float | None) -> None:
         """The round summary in the run log: its time, ElChe's windows, the guard's verdict."""
@@ -504,7 +403,7 @@ class ControllerService:
 
     def _wake_at(self, drain_until: float | None) -> float:
         """The next moment this loop has something to do unprompted (monotonic seconds)."""
-        due = [drain_until if drain_until is not None else math.inf]
+        due = [drain_until if drain_until is not None else math.inf, self.router.due_at()]
         if not self.started:
             due.append(self.formation.deadline)
         else:
@@ -512,55 +411,9 @@ class ControllerService:
             due.append(math.inf if tick is None else tick)
         if self.status_sink is not None:
             due.append(self._next_status)
-        due.extend(s.due_at() for s in self._to_rank.values())
         return min(due)
 
     # ------------------------------------------------------------------ checkpoints
-
-    def _start_checkpoints(self) -> None:
-        """The periodic checkpoints of `checkpoint_dir` (settings.py), if set."""
-        settings = self.penv.settings
-        if settings.checkpoint_dir is None:
-            return
-        self.checkpoints = CheckpointWriter(Path(settings.checkpoint_dir), settings.checkpoint_keep,
-                                            self._state_dict_of)
-        self._checkpoint_policy = CheckpointPolicy(
-            settings.checkpoint_every_s, settings.checkpoint_every_rounds, started_at=time.monotonic(),
-            last_rounds=self.core.avg_count,
-        )
-
-    def _maybe_checkpoint(self) -> None:
-        """Hand the writer a copy of the newest consensus when a checkpoint is due; never waits on it.
-
-        Only when the kept consensus is the round the coordinator last counted finished:
-        the coordinator's state then describes exactly that consensus (resume.py).
-        """
-        policy = self._checkpoint_policy
-        if policy is None or self.checkpoints is None or self.consensus_round != self._completed_round:
-            return
-        now, rounds = time.monotonic(), self.core.avg_count
-        if not policy.due(now, rounds):
-            return
-        policy.taken(now, rounds)
-        self.checkpoints.submit(self._snapshot("checkpoint", self.core.state_dict()))
-
-    def _snapshot(self, reason: str, state: dict[str, Any]) -> Snapshot:
-        """A copy of the latest consensus with its meta, for a bundle.
-
-        With an outer step, the reducer's f32 global model and momentum of one
-        round (not the broadcast copy, which the wire may have rounded).
-        """
-        meta = self._bundle_meta(reason, state)
-        outer = self.reducer.outer_state() if self.outer is not None else None
-        if outer is None:
-            return Snapshot(self.consensus_round, self.consensus.copy(), meta)
-        return Snapshot(self.consensus_round, outer[0], meta, outer[1])
-
-    def _state_dict_of(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The job's model's state_dict holding the flat parameters `flat`."""
-        model = self.job.model()
-        load_flat(model, flat)
-        return model.state_dict()
 
     def _maybe_reform(self) -> bool:
         """End this service on a checkpoint once hosts wait to join and their epoch boundary is reached.
@@ -568,33 +421,32 @@ class ControllerService:
         The boundary is the first finished round whose consensus holds every
         sample of the epoch they waited for: the checkpoint then describes it
         (resume.py), and the re-formed world goes on from its coverage, so
-        nothing is trained twice or lost. Written here, synchronously: the
-        run cannot go on without it.
+        nothing is trained twice or lost.
         """
         after = self._reform_after
-        if after is None or self.consensus_round != self._completed_round or self.ended is not None:
+        if after is None or not self.kept.consistent or self.ended is not None:
             return False
         state = self.core.state_dict()
         if state["epoch"] <= after:
             return False
-        settings = self.penv.settings
-        if self.checkpoints is not None:
-            self.checkpoints.close()  # its last write may be this very round: one writer per file
-        directory = Path(settings.checkpoint_dir) if settings.checkpoint_dir else self.report.events.run_dir / "reform"
-        stem = checkpoints.stem_for(directory.resolve(), self.consensus_round)
-        try:
-            checkpoints.write(stem, self._snapshot("reform", state), self._state_dict_of)
-        except OSError as exc:
-            # Without it the joiners cannot come in; the run goes on as it is and tries at the next epoch end.
-            log.error("controller: could not write the re-form checkpoint %s (%s); hosts waiting to join wait "
-                      "for the next epoch boundary", stem, exc)
+        stem = self.kept.write_reform(state, self.report.events.run_dir)
+        if stem is None:  # the joiners cannot come in; the run tries again at the next epoch end
             self._reform_after = None
             return False
         self.reform_stem = stem
         log.info("controller: epoch boundary with hosts waiting to join; re-forming from %s", stem)
         return True
 
-    # ------------------------------------------------------------------ inbound
+    # ------------------------------------------------------------------ inbound (Upstream of self.router)
+
+    def auth_failed(self, error: str) -> None:
+        self.formation.auth_failed(error)
+
+    def has_exited(self, rank: int) -> bool:
+        return self.started and self.core.liveness.state(rank) is RankState.EXITED
+
+    def is_gone(self, rank: int) -> bool:
+        return self.started and not self.core.liveness.is_live(rank)
 
     def _on_broadcast(self, frames: list[Any]) -> None:
         try:
@@ -607,72 +459,14 @@ class ControllerService:
             self.counts["rejected.bcast"] += 1
             log.warning("controller: rejected a broadcast record: %s", exc)
             return
-        r = env.record
-        if isinstance(r, rec.Consensus) and r.mass > 0.0 and r.round > self.consensus_round and env.payload:
-            flat = env.payload[0].reshape(-1)
-            if flat.size != self.consensus.size:
-                return
-            # The kept consensus (the result and the saved model) is f32 whatever the wire
-            # carries: a bf16 round is widened once, here, exactly (int8: values times scales).
-            if int8.is_int8(env.payload) and len(env.payload) == 2:
-                int8.widen(env.payload, [self.consensus])
-            elif flat.dtype == DTYPES["bf16"]:
-                f32_from_bf16(flat, self.consensus)
-            elif flat.dtype == DTYPES["f32"]:
-                np.copyto(self.consensus, flat)
-            else:
-                return
-            self.consensus_round = r.round
+        if isinstance(env.record, rec.Consensus):
+            self.kept.keep(env.record, env.payload)
 
-    def _on_control(self, msg: list[Any]) -> None:
-        if len(msg) < 4:
-            self.counts["rejected.control"] += 1
-            return
-        relay_id, route = msg[0].bytes, msg[1].bytes
-        try:
-            env = self.codec.decode_from(msg[2:], Channel.CONTROL, lambda r: self._signer_of(relay_id, route, r))
-        except AttributionError as exc:
-            hello = exc.kind == rec.RelayHello.KIND
-            self.counts["bad_hello.control" if hello else "forged_route.control"] += 1
-            self.rejected[self._host_of_relay(relay_id)]["bad_hello" if hello else "forged_route"] += 1
-            log.log(logging.ERROR if hello else logging.WARNING, "controller: dropped: %s", exc)
-            return
-        except ReplayError:
-            rank = rank_of(route)  # attributed before the window: a rank of this world, or a relay
-            self.counts["duplicate.control"] += 1  # a resend whose first copy arrived: its ack was lost
-            if rank is not None and self.started and self.core.liveness.state(rank) is RankState.EXITED:
-                self._send_rank(rank, rec.CoordHeartbeat())  # an exited rank gets no beacon to carry it
-            return
-        except WireError as exc:
-            self.counts["rejected.control"] += 1
-            self.rejected[self._host_of_relay(relay_id)][type(exc).__name__] += 1
-            if isinstance(exc, AuthError):
-                self.formation.auth_failed(str(exc))
-            log.warning("controller: rejected a control record: %s", exc)
-            return
-        host = self._host_of_relay(relay_id)
-        if host != "unknown":  # else a first RelayHello: its host is known once it is acknowledged
-            self.last_seen[host] = time.time()
-            if self.connections.arrived(host, msg[-1]):
-                self._reconnects_this_epoch += 1
-                log.info("controller: host %s reconnected (%d so far)", host, self.connections.reconnects[host])
-        if route == RELAY_ROUTE:
-            self._on_relay(relay_id, env)
-            return
-        self._from_stream(rank_of(route), env.seq, env.record)  # attributed: a rank of this world
-
-    def _from_stream(self, rank: int, seq: int, record: Any) -> None:
-        """Record `seq` of `rank`'s stream, alone or merged by its relay: acknowledgements at once, the rest in order."""
-        if isinstance(record, rec.Heartbeat) and self._to_rank[rank].ack(record.ack):
-            self._settled(rank)
-        for r in self._from_rank[rank].accept(seq, record):
-            self._on_rank_record(rank, r)
-
-    def _on_rank_record(self, rank: int, record: Any) -> None:
+    def on_rank_record(self, rank: int, record: Any) -> None:
         """A rank's control record, in the order it sent them."""
         if isinstance(record, rec.Exiting):
             # Acknowledged at once: after its goodbye a rank gets no beacons, and it waits for this.
-            self._send_rank(rank, rec.CoordHeartbeat())
+            self.router.send_rank(rank, rec.CoordHeartbeat())
         if isinstance(record, rec.RankHello):
             self._on_hello(rank, record)
             return
@@ -688,8 +482,8 @@ class ControllerService:
             # A record a correct rank never sends; the core refused it before any change.
             # That rank is out, as if it had died: a peer must not end the run (the reducer's policy too).
             self.counts["violation.control"] += 1
-            self._send_rank(rank, rec.Shutdown())  # declared dead, it must not train on alone
-            self._declare_dead(rank, f"protocol violation: {record.KIND}: {exc}")
+            self.router.send_rank(rank, rec.Shutdown())  # declared dead, it must not train on alone
+            self.declare_dead(rank, f"protocol violation: {record.KIND}: {exc}")
             return
         except Exception:  # a core bug must not be mistaken for a peer's fault
             log.error("controller: coordinator failed on %s from rank %d:\n%s", record.KIND, rank,
@@ -697,69 +491,12 @@ class ControllerService:
             raise
         self._perform(outs)
 
-    def _host_of_relay(self, relay_id: bytes) -> str:
-        """The host whose relay holds `relay_id`, or "unknown" (counted apart)."""
-        return next((h for h, rid in self.relay_route.items() if rid == relay_id), "unknown")
-
-    def _signer_of(self, relay_id: bytes, route: bytes, record: Any) -> Attribution:
-        """Who may sign a control record that came through `relay_id` with `route`.
-
-        A rank's record must come through its own host's relay; a relay's own
-        record is signed by that relay (a hello names the host it claims).
-        """
-        if route == RELAY_ROUTE:
-            where = f"relay connection {relay_id!r}"
-            if isinstance(record, rec.RelayHello):
-                return Attribution.signed_by(relay_sender(record.host), where)
-            host = next((h for h, rid in self.relay_route.items() if rid == relay_id), None)
-            return Attribution.nobody(where) if host is None else Attribution.signed_by(relay_sender(host), where)
-        rank = rank_of(route)
-        where = f"route {route!r} through relay {relay_id!r}"
-        if rank is None or rank not in self.host_of or self.relay_route.get(self.host_of[rank]) != relay_id:
-            return Attribution.nobody(where)
-        return Attribution.signed_by(rank_sender(rank), where)
-
-    def _on_relay(self, relay_id: bytes, env: Any) -> None:
-        r = env.record
-        if isinstance(r, rec.RelayHello):
-            want = self.world.get(r.host)
-            if want is None or sorted(r.ranks) != sorted(want):
-                self.counts["bad_hello.control"] += 1
-                log.error("controller: refused relay hello from %r for %r with ranks %s", env.sender, r.host, r.ranks)
-                return
-            old = self.relay_route.get(r.host)
-            if old is not None and old != relay_id and not self._route_gone(old):
-                # A reconnect keeps its identity (links.relay_identity); a different one for a
-                # host whose relay is still connected would take its ranks' route: refused.
-                self.counts["bad_hello.control"] += 1
-                log.error("controller: refused relay hello for %r from %r: relay %r is still connected",
-                          r.host, relay_id, old)
-                return
-            self.relay_route[r.host] = relay_id  # the same identity again (a re-hello): acknowledged again
-            self._send_relay(relay_id, rec.RelayHelloAck())
-        elif isinstance(r, rec.RankExit):
-            host = self._host_of_relay(relay_id)  # attributed: known
-            if r.rank not in self.world[host]:
-                self.counts["forged_route.control"] += 1
-                return
-            self._declare_dead(r.rank, f"the relay on {host} saw it leave")
-        elif isinstance(r, rec.HostReports):
-            host = self._host_of_relay(relay_id)  # attributed: known
-            merged = r.unmerge()
-            if any(record.rank not in self.world[host] for _, record in merged):  # it speaks for its own ranks only
-                self.counts["forged_route.control"] += 1
-                return
-            for seq, record in merged:
-                self._from_stream(record.rank, seq, record)
-        else:
-            self.counts["unexpected.control"] += 1
-
     def _on_hello(self, rank: int, hello: rec.RankHello) -> None:
         outcome = self.formation.hello(rank, hello)
         if isinstance(outcome, Ignored):
             self.counts[outcome.why] += 1
             if outcome.why == "departed_hello" or (self.started and not self.core.liveness.is_live(rank)):
-                self._send_rank(rank, rec.Shutdown())  # counted out: it must not wait for plans
+                self.router.send_rank(rank, rec.Shutdown())  # counted out: it must not wait for plans
         elif isinstance(outcome, Failed):
             self._formation_failed(outcome)
         elif isinstance(outcome, Formed):
@@ -785,24 +522,20 @@ class ControllerService:
     def _on_membership(self) -> None:
         """Act on what the agents reported: the fast path to declaring ranks dead."""
         assert self.link is not None
-        for event in self.link.membership.events.drain():
-            if isinstance(event, RankExitReported) and event.code != 0:
-                self._declare_dead(event.rank, f"its agent on {event.host} reported exit code {event.code}")
-            elif isinstance(event, HostLost):
-                for rank in event.ranks:
-                    self._declare_dead(rank, f"host {event.host} lost: its agent fell silent")
+        for rank, reason in self.link.deaths():
+            self.declare_dead(rank, reason)
 
     def _on_exit(self, report: ChildExit) -> None:
         """The launcher saw a relay or rank of this run exit: what an agent reports, at once."""
         if report.code == 0:
             return  # a clean end: the rank said goodbye itself
         if report.rank is not None:
-            self._declare_dead(report.rank, f"it exited with code {report.code}")
+            self.declare_dead(report.rank, f"it exited with code {report.code}")
             return
         for rank in self.world[report.host]:  # its ranks lost their only path to us
-            self._declare_dead(rank, f"the relay of {report.host} exited with code {report.code}")
+            self.declare_dead(rank, f"the relay of {report.host} exited with code {report.code}")
 
-    def _declare_dead(self, rank: int, reason: str) -> None:
+    def declare_dead(self, rank: int, reason: str) -> None:
         if not self.started:
             outcome = self.formation.rank_left(rank, reason)
             if isinstance(outcome, Failed):
@@ -815,10 +548,14 @@ class ControllerService:
                 log.warning("rank %d left before the world formed (%s); forming without it", rank, reason)
             return
         if self.core.liveness.is_live(rank):
-            self.deaths[rank] = (time.time(), reason)
-            self.report.events.write("death", rank=rank, reason=reason)
-            log.warning("rank %d declared dead: %s", rank, reason)
+            self._record_death(rank, reason)
         self._perform(self.core.on_rank_death(rank, reason, time.monotonic()))
+
+    def _record_death(self, rank: int, reason: str) -> None:
+        """A rank failed: kept for `status`, written to the run log, logged."""
+        self.deaths[rank] = (time.time(), reason)
+        self.report.events.write("death", rank=rank, reason=reason)
+        log.warning("rank %d declared dead: %s", rank, reason)
 
     def _report_status(self) -> None:
         """Hand the coordinator's view to whoever serves `flodl-zmq status` (`status_sink`)."""
@@ -839,22 +576,14 @@ class ControllerService:
             "last_round_ms": self.result.round_ms[-1] if self.result.round_ms else None,
             "last_round_at": self._last_round_at,
             "incarnation": self.incarnation,
-            "checkpoint": None if self.checkpoints is None else self.checkpoints.status.to_dict(),
+            "checkpoint": self.kept.status(),
             # Per rank, for `status --watch`: ElChe's window, and the last epoch's share and samples/s.
             "window": list(self.core.elche.batch_counts),
             "share": list(self.result.epochs[-1].get("batch_share") or []) if self.result.epochs else [],
             "throughput": [x * 1000.0 for x in self.result.epochs[-1].get("throughput") or []]
             if self.result.epochs else [],
             "ended": None if self.ended is None else (self.ended.reason.value if self.ended.reason else "completed"),
-            "links": {
-                host: {
-                    "reconnects": self.connections.reconnects.get(host, 0),
-                    "resends": self.resends[host],
-                    "rejected": dict(self.rejected.get(host, {})),
-                    "last_seen": self.last_seen.get(host),
-                }
-                for host in [*self.world, *(["unknown"] if "unknown" in self.rejected else [])]
-            },
+            "links": self.router.links_status(),
         })
 
     def _formation_failed(self, failed: Failed) -> None:
@@ -863,14 +592,14 @@ class ControllerService:
             return
         self.stop_error = failed.error()
         for r in self.formation.hellos:
-            self._send_rank(r, rec.Shutdown())
+            self.router.send_rank(r, rec.Shutdown())
 
     def _callback_failed(self, error: str) -> None:
         print(f"callback error: {error}", flush=True)
         if self.job.on_callback_error == "stop" and self.stop_error is None:
             self.stop_error = TrainingError(f"a user callback failed and on_callback_error='stop': {error}")
             for r in self.core.liveness.live:
-                self._send_rank(r, rec.Shutdown())
+                self.router.send_rank(r, rec.Shutdown())
 
     # ------------------------------------------------------------------ outbound
 
@@ -880,11 +609,8 @@ class ControllerService:
                 if isinstance(out.record, rec.DeclareDead):
                     rank = out.record.rank
                     if rank not in self.deaths and self.core.liveness.state(rank) is RankState.DEAD:
-                        why = "silent past the coordinator's heartbeat timeout, or unreachable"
-                        self.deaths[rank] = (time.time(), why)
-                        log.warning("rank %d declared dead: %s", rank, why)
-                        self.report.events.write("death", rank=rank, reason=why)
-                    if rank in self.host_of:  # a vacancy was never the reducer's (no host serves it)
+                        self._record_death(rank, "silent past the coordinator's heartbeat timeout, or unreachable")
+                    if rank in self.router.host_of:  # a vacancy was never the reducer's (no host serves it)
                         self.reducer.declare_dead(rank)
                 elif isinstance(out.record, MassBound):
                     self.reducer.bound_round(out.record.round, dict(out.record.bounds))
@@ -896,90 +622,23 @@ class ControllerService:
             elif out.dest is CONTROLLER:
                 self._on_effect(out.record)
             else:
-                self._send_rank(out.dest, out.record)
-
-    def _send_rank(self, rank: int, record: Any) -> None:
-        """Send `record` on the control stream to `rank`, through its relay; kept until acknowledged.
-
-        Never blocks: a relay whose queue is full stopped reading, and the one loop of the
-        coordinator must not wait on it. Whatever does not go now (no relay yet, its
-        connection down in a reset, its queue full) goes again with the resends.
-        """
-        if isinstance(record, rec.CoordHeartbeat):  # the beacon carries this rank's acknowledgement
-            record = rec.CoordHeartbeat(ack=self._from_rank[rank].acked)
-        self._to_relay_of(rank, self._to_rank[rank].send(record, time.monotonic()))
-
-    def _to_relay_of(self, rank: int, frames: list[Any]) -> None:
-        relay_id = self.relay_route.get(self.host_of.get(rank, ""))  # a vacancy has no host
-        if relay_id is None:
-            self.counts["undeliverable.control"] += 1
-            return
-        try:
-            self.control.send_multipart([relay_id, rank_identity(rank), *frames], zmq.NOBLOCK)
-        except zmq.ZMQError:  # full (not reading), or EHOSTUNREACH (re-dialling): resent later
-            self.counts["undeliverable.control"] += 1
-
-    def _resend(self, now: float) -> None:
-        """Send again what a live rank has not acknowledged; a dead or exited rank's records never go again."""
-        for rank, stream in self._to_rank.items():
-            if not len(stream):
-                continue
-            if self.started and not self.core.liveness.is_live(rank):
-                stream.forget()
-                self._settled(rank)
-                continue
-            due = stream.due(now)
-            host = self.host_of.get(rank, "")  # a vacancy has no host
-            if due and self._outages[host].resent_on(rank, len(due), now):
-                log.warning("controller: host %s has not acknowledged %d control records; sending them again "
-                            "every %g s until it does", host, len(due), RESEND_AFTER_S)
-            for frames in due:
-                self.resends[host] += 1
-                self._to_relay_of(rank, frames)
-
-    def _settled(self, rank: int) -> None:
-        """Rank `rank`'s stream was acknowledged (or forgotten): the end of its host's outage, if the last."""
-        host = self.host_of[rank]
-        summary = self._outages[host].settled(rank, time.monotonic())
-        if summary is not None:
-            log.info("controller: host %s acknowledges again: %d control records resent over %.1f s",
-                     host, *summary)
-
-    def _send_relay(self, relay_id: bytes, record: Any) -> None:
-        """Send a record of the coordinator's own to a relay; never blocks, never kept (a relay repeats its hello)."""
-        try:
-            self.control.send_multipart([relay_id, RELAY_ROUTE, *self.codec.encode(record, channel=Channel.CONTROL)],
-                                        zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self.counts["undeliverable.control"] += 1
-
-    def _route_gone(self, relay_id: bytes) -> bool:
-        """True when ZeroMQ holds no connection for `relay_id` (ROUTER_MANDATORY refuses a send to it)."""
-        try:
-            self.control.send_multipart([relay_id, RELAY_ROUTE,
-                                         *self.codec.encode(rec.RelayHelloAck(), channel=Channel.CONTROL)], zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError:
-            return True
-        return False
+                self.router.send_rank(out.dest, out.record)
 
     # ------------------------------------------------------------------ controller effects
 
     def _on_effect(self, r: Any) -> None:
         if isinstance(r, rec.EpochAggregated):
-            if self._checkpoint_policy is not None:
-                self._checkpoint_policy.epoch_ended = True
+            self.kept.epoch_ended()
             if (self.link is not None and self._reform_after is None and r.epoch + 1 < self.job.epochs
                     and self.link.membership.pending()):
                 self._reform_after = r.epoch  # re-form once this epoch is whole in a consensus
-            row = {**epoch_row(r), "reconnects": self._reconnects_this_epoch, "round": self.consensus_round}
+            row = {**epoch_row(r), "reconnects": self.router.reconnects_this_epoch, "round": self.kept.round}
             if self._carried is not None and not self._carried.marked:
                 self._carried.marked = True
                 row["world_change"] = self._carried.describe()  # the first epoch line of the new world
             # `round`: the latest consensus when the epoch closed (rounds per epoch).
             self.report.epoch(row)
-            self._reconnects_this_epoch = 0
+            self.router.reconnects_this_epoch = 0
         elif isinstance(r, EpochProgress):
             self.report.progress({**epoch_row(r.metrics), "fraction": r.fraction})
         elif isinstance(r, rec.EvalResult):
@@ -992,41 +651,11 @@ class ControllerService:
         elif isinstance(r, RunEnded):
             self.ended = r
 
-    def _outer(self, meta: dict[str, Any] | None) -> OuterOptimizer | None:
-        """The outer optimizer from the initial (or resumed) model, its momentum resumed when saved by the same step."""
-        config = self.job.outer_config()
-        if config is None:
-            return None
-        momentum = None
-        if meta is not None and meta.get("outer") == config.kind:
-            saved = bundle.load_outer(self.job.resume_from)
-            momentum = None if saved is None else saved.numpy()
-        if meta is not None and not self.job.quiet:  # a resume's outcome is the user's to see
-            print(f"outer {config.kind} momentum " + ("starts at zero (the bundle has none for this step)"
-                  if momentum is None else f"resumes from {self.job.resume_from}"), flush=True)
-        return OuterOptimizer(config, self.consensus, momentum)
-
     def _save(self, reason: str, state: dict[str, Any]) -> str:
-        """Save the latest consensus with the coordinator's state (what `resume_from` continues)."""
-        snap = self._snapshot(reason, state)
-        return self.report.save(self._state_dict_of(torch.from_numpy(snap.consensus)), snap.meta,
+        """Save the kept consensus with the coordinator's state (what `resume_from` continues)."""
+        snap = self.kept.snapshot(reason, state)
+        return self.report.save(self.kept.state_dict_of(torch.from_numpy(snap.consensus)), snap.meta,
                                 None if snap.outer_momentum is None else torch.from_numpy(snap.outer_momentum))
-
-    def _bundle_meta(self, reason: str, state: dict[str, Any]) -> dict[str, Any]:
-        """A bundle's meta: the coordinator's state, and the run and world a restart re-admits."""
-        return {
-            "epoch": state.get("epoch", 0),
-            "global_step": state.get("global_step", 0),
-            "reason": reason,
-            "world_size": self.world_size,
-            "world": {host: list(ranks) for host, ranks in self.world.items()},
-            "run_id": self.penv.run_id.hex(),
-            "incarnation": self.incarnation,
-            "consensus_round": self.consensus_round,
-            "coordinator": state,
-            "outer": self.job.outer,
-        }
-
 
 def epoch_row(r: rec.EpochAggregated) -> dict[str, Any]:
     """The row of `TrainResult.epochs` (and `metrics_fn`) for an aggregated epoch."""
@@ -1053,16 +682,10 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
     result = service.run()
     while service.reform_stem is not None:
         assert link is not None  # only a membership has joiners
-        job = dataclasses.replace(job, resume_from=str(service.reform_stem),
-                                  run_dir=str(service.report.events.run_dir))
-        change = reform(link.membership, penv.world, str(service.reform_stem), result)
-        epoch = bundle.load_meta(service.reform_stem)["epoch"]
-        service.report.events.write("join", epoch=epoch, world=change.after, joined=change.joined, left=change.left,
-                                    host=" ".join(change.joined),
-                                    reason=f"world re-formed at epoch {epoch + 1}: {change.describe()}")
+        change = link.reform(penv.world, str(service.reform_stem), result)
+        service.report.events.write("join", **change.join_event(bundle.load_meta(service.reform_stem)["epoch"]))
         service.report.events.close()
-        penv = dataclasses.replace(penv, world=change.after,
-                                   settings=dataclasses.replace(penv.settings, resume=change.checkpoint))
+        job, penv = change.resumed(job, penv, str(service.report.events.run_dir))
         service = ControllerService(job, penv, link, carried=change)
         result = service.run()
     if result.final_eval is None and result.epochs and result.epochs[-1].get("eval") is not None:
@@ -1072,20 +695,4 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
     return result
 
 
-REFORM_STOP_S = 15.0  # how long the hosts get to stop their ranks of the world before a re-form
 
-
-def reform(membership: MembershipService, before: dict[str, tuple[int, ...]], stem: str,
-           result: TrainResult) -> WorldChange:
-    """Send every host the re-formed world and wait (bounded) until each stopped its old ranks.
-
-    The old incarnation's events are dropped first: a rank exit reported for
-    the world before must not kill a rank of the new one with the same number.
-    """
-    membership.events.drain()
-    after = membership.reform({"FLODL_RESUME": stem})
-    late = membership.wait_reformed(REFORM_STOP_S)
-    if late:
-        log.warning("controller: host(s) %s did not stop their ranks within %g s of the re-form; the new world "
-                    "starts anyway (ranks that do not say hello in time are left out)", late, REFORM_STOP_S)
-    return WorldChange(result, dict(before), after, stem)

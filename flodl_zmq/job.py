@@ -7,6 +7,9 @@ Rules this module keeps:
   message naming the setting and its allowed range.
 - Callables are factories or plain functions; nothing here starts a thread or
   touches a device.
+- The coordinator's configuration is built from a `Job` in one place,
+  `coordinator_config`: `Trainer()` builds it in every process to run its
+  checks, the controller to schedule.
 - The keywords are defined once, here: `Trainer(**keywords)` builds a `Job`
   with `Job.from_keywords`, and an unknown keyword is refused with the
   closest real ones named (a typo must not silently train with a default).
@@ -24,11 +27,12 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.outer import OuterConfig
 from flodl_zmq.settings import MaxFailure, easgd_blend
 
-MODES = ("cpu-sync", "cpu-cadence", "cpu-async")
+MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
 CALLBACK_ERRORS = ("report", "stop")
 WIRE_DTYPES = ("f32", "bf16", "int8")
 AUTOCAST_DTYPES = (None, torch.bfloat16, torch.float16)
@@ -273,6 +277,36 @@ class Job:
                 f"such as '25%' (0% to 100%), got {m!r}"
             )
         return MaxFailure.percent(float(match.group(1)) / 100.0)
+
+
+def coordinator_config(job: Job) -> CoordinatorConfig:
+    """The coordinator's configuration for `job`; its checks name the setting (`Trainer()` runs them)."""
+    has_eval = job.eval_fn is not None
+    optional = {
+        name: getattr(job, name)
+        for name in ("anchor", "max_anchor", "overhead_target", "guard", "msf_thresholds")
+        if getattr(job, name) is not None
+    }
+    return CoordinatorConfig(
+        total_samples=job.total_samples,
+        batch_size=job.batch_size,
+        num_epochs=job.epochs,
+        mode=MODES[job.mode],
+        seed=job.seed,
+        eval_every=job.eval_every if has_eval else 0,
+        checkpoint_every=job.checkpoint_every if job.checkpoint_fn is not None else 0,
+        final_eval=has_eval,
+        easgd_alpha=job.easgd_alpha,
+        heartbeat_timeout_s=job.heartbeat_timeout_s,
+        max_failure=job.max_failure(),
+        callback_rank=None if job.callback_rank == "fastest" else job.callback_rank,
+        max_batch_diff=job.max_batch_diff,
+        relax_up=job.relax_up,
+        reports_per_epoch=job.reports_per_epoch,
+        partition_ratios=job.partition_ratios,
+        divergence_threshold=job.divergence_threshold,
+        **optional,
+    )
 
 
 def _int(x: object) -> bool:

@@ -1,4 +1,4 @@
-"""Periodic checkpoints (flodl_zmq/checkpoints.py): when one is due, keep-last-K, and failed writes.
+"""Checkpoints (flodl_zmq/checkpoints.py): when one is due, keep-last-K, failed writes, the kept consensus, a re-form.
 
 The writer is tested against real filesystems: a path that cannot be a
 directory, and (as root) a tmpfs too small for a second checkpoint.
@@ -13,10 +13,18 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from flodl_zmq import bundle, checkpoints
 from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, Snapshot
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.job import Job
+from flodl_zmq.result import TrainResult
+from flodl_zmq.settings import Settings
+from flodl_zmq.tensors import bf16_from_f32
+from flodl_zmq.wire import records as rec
 
 
 def writer(directory, keep=2) -> CheckpointWriter:
@@ -129,3 +137,51 @@ def test_resume_names_a_stem_a_directory_s_newest_or_auto_s_newest_if_any(tmp_pa
     assert checkpoints.resolve("auto", str(tmp_path)) == newest
     assert checkpoints.resolve(str(tmp_path), None) == newest
     assert checkpoints.resolve(str(tmp_path / "ckpt-r000000004"), None) == tmp_path / "ckpt-r000000004"
+
+
+def keeper(n: int = 4, **settings) -> checkpoints.Keeper:
+    """A controller's keeper of an `n`-parameter model, for a world of ranks 0 and 1 on host a."""
+    job = Job(model=lambda: torch.nn.Linear(n - 1, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+              train_step=lambda m, b: m(b[0]).sum(), dataset=TensorDataset(torch.zeros(8, n - 1)), batch_size=2,
+              epochs=1)
+    penv = ProcessEnv(role="controller", controller=ControllerAddress.parse("127.0.0.1:7300"), key=b"k" * 32,
+                      run_id=b"r" * 16, world={"a": (0, 1)}, settings=Settings(**settings))
+    return checkpoints.Keeper(job, penv, incarnation=2, consensus=np.zeros(n, dtype=np.float32))
+
+
+def test_the_keeper_keeps_the_newest_positive_mass_consensus_in_f32_whatever_the_wire_carries():
+    k = keeper()
+    k.keep(rec.Consensus(round=3, mass=1.0), [np.full(4, 2.0, dtype=np.float32)])
+    assert k.round == 3 and k.consensus.tolist() == [2.0] * 4
+    k.keep(rec.Consensus(round=2, mass=1.0), [np.full(4, 9.0, dtype=np.float32)])  # older: not kept
+    k.keep(rec.Consensus(round=4, mass=0.0), [np.full(4, 9.0, dtype=np.float32)])  # nothing realized
+    k.keep(rec.Consensus(round=5, mass=1.0), [np.full(3, 9.0, dtype=np.float32)])  # not this model's size
+    assert k.round == 3 and k.consensus.tolist() == [2.0] * 4
+    k.keep(rec.Consensus(round=6, mass=1.0), [bf16_from_f32(np.full(4, 1.5, dtype=np.float32),
+                                                            np.empty(4, dtype=np.uint16))])
+    assert k.round == 6 and k.consensus.dtype == np.float32 and k.consensus.tolist() == [1.5] * 4
+
+
+def test_the_keeper_checkpoints_only_the_round_the_coordinator_counted_finished(tmp_path):
+    k = keeper(checkpoint_dir=str(tmp_path), checkpoint_every_rounds=1)
+    k.start(0.0, 0, None)
+    k.keep(rec.Consensus(round=1, mass=1.0), [np.ones(4, dtype=np.float32)])
+    k.maybe_checkpoint(1.0, 1, lambda: {"epoch": 0})  # the coordinator has not counted round 1 yet
+    assert k.status()["written"] == 0
+    k.completed_round = 1
+    k.maybe_checkpoint(1.0, 1, lambda: {"epoch": 0, "global_step": 5})
+    k.close()
+    _, meta = bundle.load(checkpoints.newest(tmp_path))
+    assert checkpoints.newest(tmp_path).name == "ckpt-r000000001"
+    assert meta["incarnation"] == 2 and meta["consensus_round"] == 1 and meta["world"] == {"a": [0, 1]}
+    assert k.status()["written"] == 1
+
+
+def test_a_world_change_resumes_the_new_world_from_its_checkpoint_in_the_same_run():
+    k = keeper()
+    change = checkpoints.WorldChange(TrainResult(model=None), {"a": (0, 1)}, {"a": (0, 1), "b": (2, 3)}, "/c/ckpt")
+    job, penv = change.resumed(k.job, k.penv, "/runs/x")
+    assert job.resume_from == "/c/ckpt" and job.run_dir == "/runs/x"
+    assert penv.world == {"a": (0, 1), "b": (2, 3)} and penv.settings.resume == "/c/ckpt"
+    assert change.describe() == "2 -> 4 ranks (+b)"
+    assert change.join_event(1)["reason"] == "world re-formed at epoch 2: 2 -> 4 ranks (+b)"

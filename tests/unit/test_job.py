@@ -7,10 +7,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from flodl_zmq.api import Trainer
-from flodl_zmq.controller_service import coordinator_config
 from flodl_zmq.coordinator.config import MaxFailure
 from flodl_zmq.errors import ConfigError
-from flodl_zmq.job import Job
+from flodl_zmq.job import Job, coordinator_config
 
 DATA = TensorDataset(torch.zeros(64, 4), torch.zeros(64, dtype=torch.long))
 

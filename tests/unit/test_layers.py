@@ -32,8 +32,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "warm", "relay_config", "param_buffers",
     ),
     "services": (
-        "relay", "relay_data", "reducer_service", "membership", "status_server", "controller_service", "rank_link",
-        "rank", "agent_rules",
+        "relay", "relay_data", "reducer_service", "membership", "membership_link", "status_server", "control_router",
+        "controller_service", "rank_link", "rank", "agent_rules",
     ),
     "roles": ("api", "controller", "agent", "launch", "demo", "cli", "__init__"),
 }

@@ -1,0 +1,71 @@
+"""The controller role's link to the membership service it runs next to, under `flodl-zmq controller`.
+
+Under `flodl-zmq controller` (flodl_zmq/controller.py) the controller role
+runs in the same process as the membership service, linked through a
+`MembershipLink` (handed over with the role by `api.hosted`): a rank exit
+an agent reports (non-zero code) and a host whose agent fell silent are
+deaths declared at once, seconds before rank heartbeats would tell; the
+coordinator's view is reported to the membership for `flodl-zmq status`
+(started any other way, `flodl-zmq launch` or compose, the controller
+answers status itself: flodl_zmq/status_server.py);
+and the controller's sockets are CURVE servers when
+the link carries keys.
+
+Rules this module keeps: a death the agents report is named with its cause;
+a re-form drops the old world's events before the new world starts (a rank
+exit of the world before must not kill a rank of the new one with the same
+number); the wait for the hosts to stop their old ranks is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from flodl_zmq.checkpoints import WorldChange
+from flodl_zmq.join import HostLost, RankExitReported
+from flodl_zmq.membership import MembershipService
+from flodl_zmq.result import TrainResult
+from flodl_zmq.security import CurveKeys
+
+log = logging.getLogger("flodl_zmq.controller_service")  # the controller's log: one name for its records
+
+REFORM_STOP_S = 15.0  # how long the hosts get to stop their ranks of the world before a re-form
+
+
+@dataclass(frozen=True)
+class MembershipLink:
+    """What `flodl-zmq controller` hands the controller role it runs in its own process.
+
+    `membership`: the running service whose events (rank exits the agents
+    report, hosts lost) the coordinator acts on, and which serves the status
+    the coordinator reports. `curve`: the controller's CURVE server keys
+    (None: cleartext).
+    """
+
+    membership: MembershipService
+    curve: CurveKeys | None = None
+
+    def deaths(self) -> list[tuple[int, str]]:
+        """The ranks the agents reported gone since the last call, with why: the fast path to declaring them dead."""
+        dead: list[tuple[int, str]] = []
+        for event in self.membership.events.drain():
+            if isinstance(event, RankExitReported) and event.code != 0:
+                dead.append((event.rank, f"its agent on {event.host} reported exit code {event.code}"))
+            elif isinstance(event, HostLost):
+                dead.extend((rank, f"host {event.host} lost: its agent fell silent") for rank in event.ranks)
+        return dead
+
+    def reform(self, before: dict[str, tuple[int, ...]], stem: str, result: TrainResult) -> WorldChange:
+        """Send every host the re-formed world and wait (bounded) until each stopped its old ranks.
+
+        The old incarnation's events are dropped first: a rank exit reported for
+        the world before must not kill a rank of the new one with the same number.
+        """
+        self.membership.events.drain()
+        after = self.membership.reform({"FLODL_RESUME": stem})
+        late = self.membership.wait_reformed(REFORM_STOP_S)
+        if late:
+            log.warning("controller: host(s) %s did not stop their ranks within %g s of the re-form; the new world "
+                        "starts anyway (ranks that do not say hello in time are left out)", late, REFORM_STOP_S)
+        return WorldChange(result, dict(before), after, stem)
