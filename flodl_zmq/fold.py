@@ -55,7 +55,6 @@ deposit needs this round's consensus first).
 from __future__ import annotations
 
 import math
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -186,16 +185,6 @@ PIECE = 1 << 20
 # add reads the block while still in cache.
 BLOCK = 1 << 18
 
-_local = threading.local()
-
-
-def _scratch() -> np.ndarray:
-    """This thread's reused block of bf16 widening work (allocated, and first touched, once)."""
-    scratch = getattr(_local, "scratch", None)
-    if scratch is None:
-        scratch = _local.scratch = np.empty(BLOCK, np.float32)
-    return scratch
-
 
 def _widened(x: np.ndarray, scratch: np.ndarray) -> Iterable[tuple[int, int, np.ndarray]]:
     """(start, stop, x[start:stop] as f32 in ``scratch``) block by block: bf16 read while still in cache."""
@@ -238,7 +227,7 @@ def _fill(dt: str, acc: np.ndarray, x: np.ndarray) -> bool:
 def _fill_sum(dt: str, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
     bad = False
     if dt == "bf16":
-        for i, j, w in _widened(b, _scratch()):
+        for i, j, w in _widened(b, threads.scratch(BLOCK)):
             f32_from_bf16(a[i:j], acc[i:j])
             np.add(acc[i:j], w, out=acc[i:j])
             bad = _bad(acc[i:j]) or bad
@@ -252,7 +241,7 @@ def _fill_sum(dt: str, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
 
 def _add(dt: str, acc: np.ndarray, x: np.ndarray) -> None:
     if dt == "bf16":
-        for i, j, w in _widened(x, _scratch()):
+        for i, j, w in _widened(x, threads.scratch(BLOCK)):
             np.add(acc[i:j], w, out=acc[i:j])
     else:
         np.add(acc, x, out=acc)
