@@ -118,7 +118,7 @@ from flodl_zmq.security import (
 )
 from flodl_zmq.settings import Settings, add_arguments
 from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
-from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, Envelope, key_from_hex
+from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, Envelope, session_key
 from flodl_zmq.wire.mac import check_key
 from flodl_zmq.wire.records import (
     Abort,
@@ -666,7 +666,6 @@ def _agent_command(args: Any) -> int:
         raise ConfigError("the agent needs the controller's address: --controller HOST:PORT (or FLODL_CONTROLLER)")
     host = settings.agent_host or socket.gethostname()
     logging.basicConfig(level=logging.INFO, format=f"[{host}:agent] %(levelname)s %(message)s")
-    key_hex = os.environ.get("FLODL_KEY", "").strip()
     try:
         sig = bytes.fromhex(settings.dataset_sig) if settings.dataset_sig else bytes(32)
     except ValueError:
@@ -677,7 +676,7 @@ def _agent_command(args: Any) -> int:
         controller=ControllerAddress.parse(settings.controller),
         host=host,
         devices=resolve_devices(explicit, settings.cpu_slots, os.environ, None if explicit else run_nvidia_smi()),
-        key=key_from_hex(key_hex) if key_hex else None,
+        key=session_key(os.environ),
         dataset_sig=sig,
         reply_timeout_s=settings.join_reply_timeout_s,
         heartbeat_s=settings.join_heartbeat_period_s,

@@ -71,7 +71,7 @@ from flodl_zmq.membership import (
 )
 from flodl_zmq.security import SERVER_ENV, CurveGate, CurveKeys, apply_client, start_gate
 from flodl_zmq.settings import Settings, add_arguments
-from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, key_from_hex, new_key
+from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, new_key, session_key
 from flodl_zmq.wire.records import Challenge, ChallengeRequest, StatusReply, StatusRequest
 
 log = logging.getLogger("flodl_zmq.controller")
@@ -492,11 +492,6 @@ def add_commands(sub: Any) -> None:
     s.set_defaults(func=_status_command)
 
 
-def _session_key(environ: Mapping[str, str]) -> bytes | None:
-    text = environ.get("FLODL_KEY", "").strip()
-    return key_from_hex(text) if text else None
-
-
 def _restart_with_service_tunables() -> None:
     """Start this process over, once, with the controller's glibc tunables (environment.py).
 
@@ -531,7 +526,7 @@ def _controller_command(args: argparse.Namespace) -> int:
             cap_s=settings.effective_join_cap_s, max_ranks=settings.max_ranks,
         ),
         open_admission=settings.open_admission,
-        key=_session_key(os.environ),
+        key=session_key(os.environ),
         dataset_sig=sig,
         curve=CurveKeys.for_server(os.environ, settings.curve_secret_file, settings.curve_clients_dir),
         settings=settings,
@@ -557,7 +552,7 @@ def _status_command(args: argparse.Namespace) -> int:
     if not settings.controller:
         raise ConfigError("status needs the controller's address: --controller HOST:PORT (or FLODL_CONTROLLER)")
     address = ControllerAddress.parse(settings.controller)
-    key, curve = _session_key(os.environ), CurveKeys.for_client(os.environ, server_file=settings.curve_server_file)
+    key, curve = session_key(os.environ), CurveKeys.for_client(os.environ, server_file=settings.curve_server_file)
     if args.watch:
         if args.json or not args.interval > 0:
             raise ConfigError("--watch draws a table every --interval seconds (> 0); it does not take --json")

@@ -46,7 +46,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.settings import Settings
-from flodl_zmq.wire import RUN_ID_BYTES, key_from_hex
+from flodl_zmq.wire import KEY_ENV, RUN_ID_BYTES, key_from_hex
 
 ROLES = ("controller", "relay", "rank")
 # The interpreter's arguments that start a host's relay (flodl_zmq/relay.py, `main`). A user
@@ -175,7 +175,7 @@ class ProcessEnv:
         return cls(
             role=role,
             controller=ControllerAddress.parse(need("FLODL_CONTROLLER")),
-            key=key_from_hex(need("FLODL_KEY")),
+            key=key_from_hex(need(KEY_ENV)),
             run_id=run_id,
             world=world,
             host=host,
@@ -196,7 +196,7 @@ class ProcessEnv:
         out = {
             "FLODL_ROLE": self.role,
             "FLODL_CONTROLLER": str(self.controller),
-            "FLODL_KEY": self.key.hex(),
+            KEY_ENV: self.key.hex(),
             "FLODL_RUN_ID": self.run_id.hex(),
             "FLODL_WORLD": format_world(self.world),
             **self.settings.to_environ(CHILD_SCOPES),

@@ -63,7 +63,7 @@ from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import remove_local_dir
 from flodl_zmq.settings import Settings
 from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
-from flodl_zmq.wire import RUN_ID_BYTES, key_from_hex, new_key
+from flodl_zmq.wire import RUN_ID_BYTES, new_key, session_key
 from flodl_zmq.wire.shm import unlink_run
 
 AFTER_CONTROLLER_GRACE_S = 10.0
@@ -182,15 +182,15 @@ class Cluster:
         stem = checkpoints.resolve(settings.resume, settings.checkpoint_dir)
         self._settings = replace(settings, resume=None if stem is None else str(stem))
         # FLODL_KEY, when set, is the run's key, so that `flodl-zmq status` can sign with it.
-        key_hex = os.environ.get("FLODL_KEY", "").strip()
-        key = self.key = key_from_hex(key_hex) if key_hex else new_key()
+        given = session_key(os.environ)
+        key = self.key = given or new_key()
         self._base = dict(controller=address, key=key, run_id=self.run_id, world=self.world)
         if runnable(self.argv):
             self._warm = self.warm or warm_interpreter()
         self._spawn_cohort(self._settings)
         # The key guards a loopback-only run and sits in every child's environment already;
         # a generated one is shown so that the status command can be pasted as it is.
-        shown = "" if key_hex else f"FLODL_KEY={key.hex()} "
+        shown = "" if given else f"FLODL_KEY={key.hex()} "
         self._emit(f"[launch] controller at {address}; watch it with: {shown}flodl-zmq status "
                    f"--controller {address} --watch")
 

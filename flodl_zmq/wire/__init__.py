@@ -11,7 +11,15 @@ from flodl_zmq.wire.codec import (
     Limits,
     tensor_view,
 )
-from flodl_zmq.wire.mac import KEY_BYTES, compute_mac, key_from_hex, new_key, verify_mac
+from flodl_zmq.wire.mac import (
+    KEY_BYTES,
+    KEY_ENV,
+    compute_mac,
+    key_from_hex,
+    new_key,
+    session_key,
+    verify_mac,
+)
 from flodl_zmq.wire.records import REGISTRY, Channel, EpochPlan
 
 __all__ = [
@@ -29,6 +37,8 @@ __all__ = [
     "Limits",
     "compute_mac",
     "key_from_hex",
+    "KEY_ENV",
+    "session_key",
     "new_key",
     "tensor_view",
     "verify_mac",

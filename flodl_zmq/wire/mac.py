@@ -31,7 +31,7 @@ import hashlib
 import hmac
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -74,6 +74,19 @@ def key_from_hex(text: str) -> bytes:
     except ValueError as exc:
         raise ConfigError(f"session key is not valid hex ({exc}); expected 64 hex characters") from exc
     return check_key(key)
+
+
+KEY_ENV = "FLODL_KEY"
+
+
+def session_key(environ: Mapping[str, str]) -> bytes | None:
+    """The pre-shared session key in ``environ`` (FLODL_KEY), or None where it is unset or blank.
+
+    The one reader of the variable: the controller, the launcher and every spawned
+    process parse it alike, so a key one accepts no other refuses.
+    """
+    text = environ.get(KEY_ENV, "").strip()
+    return key_from_hex(text) if text else None
 
 
 def label(use: str, version: int | None = None) -> bytes:
