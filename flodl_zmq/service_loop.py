@@ -131,6 +131,11 @@ class ServiceLoop:
                     handler()
             self._fire(time.monotonic())
 
+    def dispatch_queued(self) -> None:
+        """Handle what is in the mailbox now, from inside a handler that must not act before it (a command
+        put before the record being handled was sent); a `Stop` among it ends the loop after this turn."""
+        self._dispatch(self.mailbox.drain())
+
     def close(self) -> None:
         """Release the mailbox (after `run` returned); later puts are dropped."""
         self.mailbox.close()

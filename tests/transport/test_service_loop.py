@@ -171,3 +171,37 @@ def test_a_stall_of_the_loops_own_thread_is_reported_with_its_length():
     running.thread.join(WAIT_S)
     assert running.error is None
     assert len(gaps) == 1 and STALL_S + 0.2 < gaps[0] < STALL_S + 1.0
+
+
+def test_a_handler_may_take_the_messages_queued_before_it_acts():
+    ctx = zmq.Context.instance()
+    socks = [ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)]
+    first, push_first, second, push_second = socks
+    try:
+        for n, (pull, push) in enumerate(((first, push_first), (second, push_second))):
+            pull.bind(f"inproc://service-loop-test-queued-{n}")
+            push.connect(f"inproc://service-loop-test-queued-{n}")
+        loop = ServiceLoop("t")
+        order: list[object] = []
+
+        def read_first() -> None:
+            first.recv()
+            loop.put(Ping(1))  # queued during the turn, after the mailbox was drained
+
+        def read_second() -> None:
+            loop.dispatch_queued()  # the Ping is seen before the frame is used
+            order.append(second.recv())
+            loop.stop()
+
+        loop.on_socket(first, read_first)
+        loop.on_socket(second, read_second)
+        loop.on_message(Ping, order.append)
+        push_first.send(b"a")
+        push_second.send(b"b")
+        time.sleep(0.05)  # both readable in one poll
+        loop.run()
+        loop.close()
+        assert order == [Ping(1), b"b"]
+    finally:
+        for s in socks:
+            s.close(0)
