@@ -121,7 +121,7 @@ class ReducerConfig:
     bcast_bind: str
     probe_interval_s: float = 0.1
     hwm_records: int = 8
-    poll_s: float = 0.02  # how long a send waits before it retries (SNDTIMEO); the loop itself never polls on a timer
+    send_retry_s: float = 0.02  # how long a send waits before it retries (SNDTIMEO); the loop itself never polls on a timer
     curve: CurveKeys | None = None  # CURVE server keys for both sockets (None: cleartext)
     # Largest frame the data socket accepts (ZMQ_MAXMSGSIZE): the model's largest tensor
     # where the caller knows it, else the codec's payload bound (PROTOCOL.md 6).
@@ -133,8 +133,8 @@ class ReducerConfig:
     def __post_init__(self) -> None:
         if not self.world:
             raise ConfigError("reducer world must name at least one host")
-        if not (self.probe_interval_s > 0 and self.poll_s > 0 and self.send_timeout_s > 0):
-            raise ConfigError("reducer probe_interval_s, poll_s and send_timeout_s must be > 0")
+        if not (self.probe_interval_s > 0 and self.send_retry_s > 0 and self.send_timeout_s > 0):
+            raise ConfigError("reducer probe_interval_s, send_retry_s and send_timeout_s must be > 0")
         if not 0 < self.link_heartbeat_s < self.link_silence_s:
             raise ConfigError("reducer link_heartbeat_s must be > 0 and below link_silence_s")
         if self.hwm_records < 1:
@@ -335,7 +335,7 @@ class ReducerService:
         self._pub = pub = self._ctx.socket(zmq.PUB)
         try:
             for s in (data, pub):
-                tune(s, cfg.hwm_records, cfg.poll_s)
+                tune(s, cfg.hwm_records, cfg.send_retry_s)
             data.setsockopt(zmq.ROUTER_MANDATORY, 1)
             limit_receive(data, cfg.max_frame_bytes)
             take_over_routes(data)  # a relay's data DEALER keeps its identity across reconnects
