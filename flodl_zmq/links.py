@@ -216,12 +216,13 @@ def remove_host_sockets(key: bytes, run_id: bytes, host: str, base: str | None =
         remove_ipc(endpoint)
 
 
-def tune(sock: zmq.Socket, hwm: int, poll_s: float) -> None:
-    """Bounded queues (in records), no linger on close, sends that give up after one poll tick."""
+def tune(sock: zmq.Socket, hwm: int, send_retry_s: float) -> None:
+    """Bounded queues (in records), no linger on close, and a blocked send that returns after
+    `send_retry_s` (SNDTIMEO), so `send` can look at its stop flag and deadline before it retries."""
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDTIMEO, max(1, int(poll_s * 1000)))
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_retry_s * 1000)))
 
 
 def keep_alive(sock: zmq.Socket, endpoint: str, heartbeat_s: float, silence_s: float) -> None:

@@ -69,7 +69,7 @@ from flodl_zmq.job import Job
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.payload import load_flat, model_signature
-from flodl_zmq.rank_link import RankConfig, RankLink
+from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig, RankLink
 from flodl_zmq.sampling import epoch_permutation, plan_indices
 from flodl_zmq.training import ScalarLog, Stepper, recording
 from flodl_zmq.wire import records as rec
@@ -207,18 +207,18 @@ class RankRuntime:
                     "data ports and that the controller resumed the same run"
                 )
             try:
-                kind, item = self.link.inbox.get(min(left, 0.5))
+                item = self.link.inbox.get(min(left, 0.5))
             except queue.Empty:
                 continue
-            if kind == "control":
-                held.append(item)
-            elif kind == "consensus" and item.record.round == rec.RESUME_ROUND:
-                self._adopt(item.payload, None)  # the start replaces the initial replica, whatever the blend
+            if isinstance(item, FromCoordinator):
+                held.append(item.record)
+            elif isinstance(item, ConsensusIn) and item.env.record.round == rec.RESUME_ROUND:
+                self._adopt(item.env.payload, None)  # the start replaces the initial replica, whatever the blend
                 break
-            elif kind == "consensus":
+            elif isinstance(item, ConsensusIn):
                 self.stale_consensus += 1
             else:
-                self._stop_reason = f"lost: {item}"
+                self._stop_reason = f"lost: {item.reason}"
                 return
         for record in held:
             self._on_control(record)
@@ -230,16 +230,16 @@ class RankRuntime:
         timeout = 0.5 if block else 0.0
         while True:
             try:
-                kind, item = self.link.inbox.get(timeout)
+                item = self.link.inbox.get(timeout)
             except queue.Empty:
                 return
             timeout = 0.0
-            if kind == "control":
-                self._on_control(item)
-            elif kind == "consensus":
-                self._on_consensus(item)
+            if isinstance(item, FromCoordinator):
+                self._on_control(item.record)
+            elif isinstance(item, ConsensusIn):
+                self._on_consensus(item.env)
             else:
-                self._stop_reason = f"lost: {item}"
+                self._stop_reason = f"lost: {item.reason}"
             if self._stop_reason is not None:
                 return
 

@@ -11,8 +11,10 @@ Rules this module keeps:
   outgoing record (so each channel's sequence numbers go out in order),
   sends heartbeats on its own clock (a rank busy in a long batch still
   beats) and hands decoded inbound records to the training thread through a
-  mailbox (flodl_zmq/mailbox.py), as the training thread hands it outgoing
-  ones. The training thread never touches a socket.
+  mailbox (flodl_zmq/mailbox.py) as typed items (`FromCoordinator`,
+  `ConsensusIn`, `CoordinatorLost`); the training thread hands it outgoing
+  ones through its ServiceLoop's mailbox (flodl_zmq/service_loop.py). The
+  training thread never touches a socket.
 - Pending step timings always go out ahead of any other record of the rank
   (flodl_zmq/step_report.py).
 - The control streams to and from the coordinator (PROTOCOL.md 10.7): what
@@ -56,9 +58,10 @@ from flodl_zmq.links import (
 )
 from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.param_buffers import ParamBuffers
+from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.settings import Settings
 from flodl_zmq.step_report import StepReport
-from flodl_zmq.wire import Attribution, Channel, Codec
+from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.shm import SegmentMap, by_reference, host_owner, is_by_reference, run_dir
 from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outage, Outstream
@@ -94,11 +97,44 @@ class RankConfig:
     resumed: bool = False
 
 
+@dataclass(frozen=True)
+class FromCoordinator:
+    """A record of the coordinator's control stream, handed on in its order."""
+
+    record: Any
+
+
+@dataclass(frozen=True)
+class ConsensusIn:
+    """A verified consensus (framed or by reference); the training thread judges its round."""
+
+    env: Envelope
+
+
+@dataclass(frozen=True)
+class CoordinatorLost:
+    """The coordinator stayed silent past its limit: the rank stops for `reason`."""
+
+    reason: str
+
+
+Inbound = FromCoordinator | ConsensusIn | CoordinatorLost
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    """A record the training thread sends; with a payload it is the round's deposit."""
+
+    record: Any
+    payload: list[Any]
+    tracked_by: ParamBuffers | None
+
+
 class RankLink:
     """The I/O thread: owns the control and data DEALERs, encodes, decodes, beats.
 
-    Inbound items on `inbox`: ("control", record), ("consensus", Envelope) or
-    ("lost", reason). Outbound: `step(...)` and `send(record, payload,
+    Inbound items on `inbox`: `Inbound` (FromCoordinator, ConsensusIn,
+    CoordinatorLost). Outbound: `step(...)` and `send(record, payload,
     tracked_by)` from the training thread; pending step timings always go
     out ahead of any other record (`flush_steps`).
     """
@@ -117,18 +153,20 @@ class RankLink:
         self._down = InOrder()
         self.resent_control = 0
         self.duplicates = 0
-        self.inbox: Mailbox[tuple[str, Any]] = Mailbox()
-        # None is a bare wake-up (close): the I/O thread then sees _stop.
-        self._outbox: Mailbox[tuple[Any, list[Any], ParamBuffers | None] | None] = Mailbox()
+        self.inbox: Mailbox[Inbound] = Mailbox()
+        self._loop = ServiceLoop(f"rank{cfg.rank}-io")  # its mailbox carries the training thread's records
         self._ctx = ctx
-        self._stop = threading.Event()
         self.rejected = 0
         self.resent = 0  # deposits sent again because the relay asked (lost on the local link)
         # The round's deposit, kept until its consensus passes; the round whose consensus is awaited
         # (the deposit's, or a resumed world's start, asked for at once) and when to ask the relay for it.
-        self._deposit: tuple[Any, list[Any], ParamBuffers | None] | None = None
+        self._deposit: _Outgoing | None = None
         self._awaited: int | None = rec.RESUME_ROUND if cfg.resumed else None
         self._ask_at = 0.0 if cfg.resumed else math.inf
+        # The I/O thread's clocks: the next heartbeat, and the coordinator's silence (None: never heard).
+        self._started = self._next_beat = 0.0
+        self._last_heard: float | None = None
+        self._lost = False
         self._thread = threading.Thread(target=self._run, name=f"flodl-rank{cfg.rank}-io", daemon=True)
 
     def start(self) -> None:
@@ -138,26 +176,24 @@ class RankLink:
         """Note one finished step; its report goes out when due (training thread only)."""
         report = self.steps.add(batch_ms, data_ms, loss, step_count, time.monotonic())
         if report is not None:
-            self._outbox.put((report, [], None))
+            self._loop.put(_Outgoing(report, [], None))
 
     def flush_steps(self) -> None:
         """Send the pending step timings now: the rank is about to stop stepping."""
         report = self.steps.take()
         if report is not None:
-            self._outbox.put((report, [], None))
+            self._loop.put(_Outgoing(report, [], None))
 
     def send(self, record: Any, payload: Sequence[Any] = (), tracked_by: ParamBuffers | None = None) -> None:
         """Queue `record` for the I/O thread, after the pending step timings (training thread only)."""
         self.flush_steps()
-        self._outbox.put((record, list(payload), tracked_by))
+        self._loop.put(_Outgoing(record, list(payload), tracked_by))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Flush queued records (the goodbye among them), stop the thread, close the sockets."""
-        self._stop.set()
-        self._outbox.put(None)
+        self._loop.stop()  # after what is queued: the goodbye goes first
         self._thread.join(timeout_s)
         if not self._thread.is_alive():  # a mailbox is closed only once its receiver has stopped
-            self._outbox.close()
             self.inbox.close()
 
     def _socket(self, endpoint: str, max_frame_bytes: int) -> zmq.Socket:
@@ -171,66 +207,62 @@ class RankLink:
     def _run(self) -> None:
         control = self._socket(self.cfg.control_endpoint, CONTROL_MAX_FRAME_BYTES)
         data = self._socket(self.cfg.data_endpoint, DATA_MAX_FRAME_BYTES)
-        poller = zmq.Poller()
-        for s in (control, data, self._outbox):
-            poller.register(s, zmq.POLLIN)
-        next_beat = started = time.monotonic()
-        last_heard: float | None = None
-        lost = False
+        loop = self._loop
+        self._started = self._next_beat = time.monotonic()
         try:
-            while True:
-                self._flush(control, data)
-                if self._stop.is_set():
-                    break
-                now = time.monotonic()
-                if now >= next_beat:
-                    self._beat(control)
-                    next_beat = now + self.cfg.heartbeat_s
-                self._resend(control, now)
-                if now >= self._ask_at and self._awaited is not None:
-                    self._encode_send(data, rec.ConsensusRequest(round=self._awaited), Channel.DATA)
-                    self._ask_at = now + self.cfg.consensus_wait_s
-                if not lost and (reason := self._silence(now, last_heard, started)) is not None:
-                    lost = True
-                    self.inbox.put(("lost", reason))
-                wake = min(next_beat, self._ask_at, self._up.due_at())
-                events = dict(poller.poll(max(1, int((wake - time.monotonic()) * 1000))))
-                if control in events and self._receive_control(control):
-                    last_heard = time.monotonic()
-                if data in events:
-                    self._receive_data(data)
+            loop.on_message(_Outgoing, lambda out: self._send_out(control, data, out))
+            loop.on_socket(control, lambda: self._receive_control(control))
+            loop.on_socket(data, lambda: self._receive_data(data))
+            loop.timer(lambda: self._next_beat, lambda now: self._beat(control, now))
+            loop.timer(self._up.due_at, lambda now: self._resend(control, now))
+            loop.timer(lambda: self._ask_at, lambda now: self._ask(data, now))
+            loop.timer(self._silent_at, self._silence)
+            loop.run()
             # A coordinator gone silent, or never heard (its records all refused: another key),
             # acknowledges nothing: the agent or launcher reports this exit instead.
-            if not lost and last_heard is not None:
+            if not self._lost and self._last_heard is not None:
                 self._await_acks(control)
         finally:
-            self._flush(control, data)
+            loop.close()
             control.close()
             data.close()
 
-    def _beat(self, control: zmq.Socket) -> None:
+    def _beat(self, control: zmq.Socket, now: float) -> None:
         # The steps already reported: a count ahead of the timings would let the
         # gate close a window whose last steps ElChe has not seen yet.
         self._encode_send(control, rec.Heartbeat(rank=self.cfg.rank, step_count=self.steps.reported,
                                                  ack=self._down.acked))
+        self._next_beat = now + self.cfg.heartbeat_s
 
-    def _silence(self, now: float, last_heard: float | None, started: float) -> str | None:
-        """Why the coordinator counts as lost (silent past its limit), or None while it is not."""
-        limit = self.cfg.first_contact_timeout_s if last_heard is None else self.cfg.coordinator_timeout_s
-        if now - (last_heard or started) > limit:
-            return f"no word from the coordinator for {limit:.0f} s"
-        return None
+    def _ask(self, data: zmq.Socket, now: float) -> None:
+        """The awaited consensus is late: ask the relay for it, again every `consensus_wait_s`."""
+        if self._awaited is None:
+            self._ask_at = math.inf
+            return
+        self._encode_send(data, rec.ConsensusRequest(round=self._awaited), Channel.DATA)
+        self._ask_at = now + self.cfg.consensus_wait_s
 
-    def _receive_control(self, control: zmq.Socket) -> bool:
-        """Take every queued control record; True when one was authentic and fresh (the coordinator spoke)."""
-        heard = False
+    def _limit(self) -> float:
+        return self.cfg.first_contact_timeout_s if self._last_heard is None else self.cfg.coordinator_timeout_s
+
+    def _silent_at(self) -> float:
+        """When the coordinator counts as lost if it stays silent (math.inf once it is)."""
+        return math.inf if self._lost else (self._last_heard or self._started) + self._limit()
+
+    def _silence(self, now: float) -> None:
+        limit = self._limit()
+        if not self._lost and now - (self._last_heard or self._started) > limit:
+            self._lost = True
+            self.inbox.put(CoordinatorLost(f"no word from the coordinator for {limit:.0f} s"))
+
+    def _receive_control(self, control: zmq.Socket) -> None:
+        """Take every queued control record; one authentic and fresh means the coordinator spoke."""
         while control.poll(0):
             frames = recv_bounded(control, CONTROL_MAX_FRAMES, copy=False)
             env = None if frames is None else self._decode_control(frames)
             if env is not None:
-                heard = True
+                self._last_heard = time.monotonic()
                 self._on_control(env)
-        return heard
 
     def _receive_data(self, data: zmq.Socket) -> None:
         """Take every queued data record: consensus broadcasts, and the relay's own requests."""
@@ -246,7 +278,7 @@ class RankLink:
             if env is not None and isinstance(env.record, rec.Consensus):
                 if env.record.round == self._awaited:
                     self._deposit, self._awaited, self._ask_at = None, None, math.inf
-                self.inbox.put(("consensus", env))
+                self.inbox.put(ConsensusIn(env))
 
     def _decode_control(self, frames: list[Any]) -> Any:
         try:
@@ -266,7 +298,7 @@ class RankLink:
         if isinstance(env.record, rec.CoordHeartbeat):
             self._acked(env.record.ack)
         for record in self._down.accept(env.seq, env.record):
-            self.inbox.put(("control", record))
+            self.inbox.put(FromCoordinator(record))
 
     def _acked(self, n: int) -> None:
         if self._up.ack(n):
@@ -320,27 +352,23 @@ class RankLink:
             log.warning("rank %d: rejected a data record from the relay: %s", self.cfg.rank, exc)
             return
         held = self._deposit
-        if isinstance(env.record, rec.FrameRequest) and held is not None and held[0].round == env.record.round:
+        if isinstance(env.record, rec.FrameRequest) and held is not None and held.record.round == env.record.round:
             log.warning("rank %d: the relay lost this rank's deposit of round %d; sending it again",
                         self.cfg.rank, env.record.round)
             self.resent += 1
-            self._send_deposit(data, *held, again=True)
+            self._send_deposit(data, held, again=True)
 
-    def _flush(self, control: zmq.Socket, data: zmq.Socket) -> None:
-        for item in self._outbox.drain():
-            if item is None:
-                continue
-            record, payload, tracked_by = item
-            if payload:
-                self._send_deposit(data, record, payload, tracked_by)
-                self._deposit, self._awaited = item, record.round
-                self._ask_at = time.monotonic() + self.cfg.consensus_wait_s
-            else:
-                self._encode_send(control, record)
+    def _send_out(self, control: zmq.Socket, data: zmq.Socket, out: _Outgoing) -> None:
+        if out.payload:
+            self._send_deposit(data, out)
+            self._deposit, self._awaited = out, out.record.round
+            self._ask_at = time.monotonic() + self.cfg.consensus_wait_s
+        else:
+            self._encode_send(control, out.record)
 
-    def _send_deposit(self, data: zmq.Socket, record: Any, payload: list[Any], tracked_by: ParamBuffers | None,
-                      again: bool = False) -> None:
+    def _send_deposit(self, data: zmq.Socket, out: _Outgoing, again: bool = False) -> None:
         """Send a deposit; `again` re-signs a kept one (a fresh sequence number: a copy would be a replay)."""
+        record, payload, tracked_by = out.record, out.payload, out.tracked_by
         if tracked_by is not None and tracked_by.segment is not None:
             # The payload stays in the segment; the round protocol keeps it unwritten
             # until the relay is done with it (the next snapshot follows this consensus).
@@ -363,4 +391,4 @@ class RankLink:
             sock.send_multipart(self.codec.encode(record, channel=channel))
 
 
-__all__ = ["RankConfig", "RankLink"]
+__all__ = ["ConsensusIn", "CoordinatorLost", "FromCoordinator", "Inbound", "RankConfig", "RankLink"]

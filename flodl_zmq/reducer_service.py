@@ -36,10 +36,12 @@ Rules this module keeps:
   run, and the ledger never sums its polluted frame.
 - Other threads talk to the service through thread-safe methods
   (`declare_dead`, `drop_broadcast`) and read outcomes from `completed`.
-  Both directions are Mailboxes (flodl_zmq.mailbox): commands wake this
-  loop at once, and `completed` wakes a loop that polls it next to its
-  sockets. The loop sleeps in poll until a message, a command or the next
-  probe, with no polling interval.
+  Both directions are Mailboxes (flodl_zmq.mailbox): commands (typed:
+  `DeclareDead`, `BoundRound`, `DropBroadcast`) wake this thread's
+  ServiceLoop (flodl_zmq.service_loop) at once, and `completed` wakes a loop
+  that polls it next to its sockets. The loop sleeps in poll until a
+  message, a command or its next timer (a probe, a restatement), with no
+  polling interval.
 """
 
 from __future__ import annotations
@@ -83,10 +85,11 @@ from flodl_zmq.links import (
     tune,
     tune_loopback,
 )
-from flodl_zmq.mailbox import Mailbox, poll_ms
+from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.security import CurveKeys, apply_server
+from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.tensors import DTYPES, bf16_from_f32
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
@@ -118,7 +121,7 @@ class ReducerConfig:
     bcast_bind: str
     probe_interval_s: float = 0.1
     hwm_records: int = 8
-    poll_s: float = 0.02  # how long a send waits before it retries (SNDTIMEO); the loop itself never polls on a timer
+    send_retry_s: float = 0.02  # how long a send waits before it retries (SNDTIMEO); the loop itself never polls on a timer
     curve: CurveKeys | None = None  # CURVE server keys for both sockets (None: cleartext)
     # Largest frame the data socket accepts (ZMQ_MAXMSGSIZE): the model's largest tensor
     # where the caller knows it, else the codec's payload bound (PROTOCOL.md 6).
@@ -130,8 +133,8 @@ class ReducerConfig:
     def __post_init__(self) -> None:
         if not self.world:
             raise ConfigError("reducer world must name at least one host")
-        if not (self.probe_interval_s > 0 and self.poll_s > 0 and self.send_timeout_s > 0):
-            raise ConfigError("reducer probe_interval_s, poll_s and send_timeout_s must be > 0")
+        if not (self.probe_interval_s > 0 and self.send_retry_s > 0 and self.send_timeout_s > 0):
+            raise ConfigError("reducer probe_interval_s, send_retry_s and send_timeout_s must be > 0")
         if not 0 < self.link_heartbeat_s < self.link_silence_s:
             raise ConfigError("reducer link_heartbeat_s must be > 0 and below link_silence_s")
         if self.hwm_records < 1:
@@ -179,6 +182,28 @@ def resume_payload(consensus: np.ndarray, wire_dtype: str) -> list[np.ndarray]:
     return [flat]
 
 
+@dataclass(frozen=True)
+class DeclareDead:
+    """The coordinator declared `rank` dead (ReducerService.declare_dead)."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class BoundRound:
+    """The coordinator's mass bound per rank for `round_id` (ReducerService.bound_round)."""
+
+    round_id: int
+    bounds: dict[int, float]
+
+
+@dataclass(frozen=True)
+class DropBroadcast:
+    """Test hook: the consensus of `round_id` is not sent (ReducerService.drop_broadcast)."""
+
+    round_id: int
+
+
 class ReducerService:
     """The controller's data plane: collect HostFrames, reduce, publish, recover, forward deaths.
 
@@ -211,8 +236,8 @@ class ReducerService:
         self.completed: Mailbox[RoundOutcome] = Mailbox()
         self.error: BaseException | None = None
         self._ctx = context or controller_context()
-        self._commands: Mailbox[tuple[str, Any]] = Mailbox()
-        self._stop = threading.Event()
+        self._service = ServiceLoop("reducer")  # its mailbox carries the commands
+        self._stop = threading.Event()  # ends a send waiting on a full queue
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._count: collections.Counter[str] = collections.Counter()
@@ -226,6 +251,7 @@ class ReducerService:
         self._bounded = -1  # the latest round bound_round named
         self._nonce = itertools.count(1)
         self._last_nonce = 0
+        self._next_probe = 0.0
         self._latest_frames: tuple[int, list[Any]] | None = None
         self.local_bcast = f"inproc://flodl-bcast-{id(self):x}"
 
@@ -242,17 +268,17 @@ class ReducerService:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the service thread and close its sockets (idempotent)."""
         self._stop.set()
-        self._commands.put(("stop", 0))  # wakes the loop out of its poll
+        self._service.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         if self._thread is None or not self._thread.is_alive():
             # Only once the loop is gone: a descriptor closed under its poll could be reused.
-            self._commands.close()
+            self._service.close()
             self.completed.close()
 
     def declare_dead(self, rank: int) -> None:
         """The coordinator declared `rank` dead: out of every barrier, forwarded to its relay (and restated)."""
-        self._commands.put(("dead", int(rank)))
+        self._service.put(DeclareDead(int(rank)))
 
     def bound_round(self, round_id: int, bounds: Mapping[int, float]) -> None:
         """The coordinator's mass bound per rank for `round_id` (RoundLedger.bound_round).
@@ -260,11 +286,11 @@ class ReducerService:
         Call it before the round's RequestParams go out: commands are handled
         before the frames that arrive with them, so the bound is in place first.
         """
-        self._commands.put(("bound", (int(round_id), dict(bounds))))
+        self._service.put(BoundRound(int(round_id), dict(bounds)))
 
     def drop_broadcast(self, round_id: int) -> None:
         """Test hook: do not send the consensus of `round_id` (neither on PUB nor point to point)."""
-        self._commands.put(("drop", int(round_id)))
+        self._service.put(DropBroadcast(int(round_id)))
 
     def counters(self) -> dict[str, int]:
         """Every rejection, drop and recovery so far, keyed by cause, plus the ledger's counters."""
@@ -309,7 +335,7 @@ class ReducerService:
         self._pub = pub = self._ctx.socket(zmq.PUB)
         try:
             for s in (data, pub):
-                tune(s, cfg.hwm_records, cfg.poll_s)
+                tune(s, cfg.hwm_records, cfg.send_retry_s)
             data.setsockopt(zmq.ROUTER_MANDATORY, 1)
             limit_receive(data, cfg.max_frame_bytes)
             take_over_routes(data)  # a relay's data DEALER keeps its identity across reconnects
@@ -326,27 +352,15 @@ class ReducerService:
             pub.bind(cfg.bcast_bind)
             pub.bind(self.local_bcast)
             self._ready.set()
-            poller = zmq.Poller()
-            poller.register(data, zmq.POLLIN)
-            poller.register(self._commands, zmq.POLLIN)
-            commands = self._commands.fileno()
-            next_probe = 0.0
-            while not self._stop.is_set():
-                # Asleep until a message or a command; the probe and the restatement are the only timers.
-                wake_at = min(next_probe if self._unsubscribed() else math.inf, self._restate_at)
-                wait_s = max(0.0, wake_at - time.monotonic())
-                events = dict(poller.poll(poll_ms(wait_s)))
-                if commands in events:
-                    self._run_commands()
-                if data in events:
-                    self._count["oversized"] += drain(data, self._on_message, copy=False, budget=64)
-                now = time.monotonic()
-                if now >= next_probe and self._unsubscribed():
-                    self._last_nonce = next(self._nonce)
-                    pub.send_multipart(self._codec.encode(Probe(self._last_nonce), channel=Channel.BROADCAST))
-                    next_probe = now + cfg.probe_interval_s
-                if now >= self._restate_at:
-                    self._restate_deaths(now)
+            # Commands first in a turn (the loop's rule): a bound is in place before the frames it bounds.
+            loop = self._service
+            loop.on_message(DeclareDead, lambda cmd: self._death(cmd.rank, reported_by=None))
+            loop.on_message(BoundRound, self._bound)
+            loop.on_message(DropBroadcast, lambda cmd: self._drop.add(cmd.round_id))
+            loop.on_socket(data, lambda: self._drained(data))
+            loop.timer(lambda: self._next_probe if self._unsubscribed() else math.inf, self._probe)
+            loop.timer(lambda: self._restate_at, self._restate_deaths)
+            loop.run()
         finally:
             data.close(0)
             pub.close(0)
@@ -355,16 +369,18 @@ class ReducerService:
         expected = self.ledger.expected_hosts()
         return [h for h in self._route if h in expected and h not in self._subscribed]
 
-    def _run_commands(self) -> None:
-        for what, arg in self._commands.drain():
-            if what == "dead":
-                self._death(arg, reported_by=None)
-            elif what == "bound":
-                self._bounded = arg[0]
-                self.ledger.bound_round(*arg)
-            elif what == "drop":
-                self._drop.add(arg)
-            # "stop" only woke us: the loop checks _stop
+    def _drained(self, data: zmq.Socket) -> None:
+        self._count["oversized"] += drain(data, self._on_message, copy=False, budget=64)
+
+    def _bound(self, cmd: BoundRound) -> None:
+        self._bounded = cmd.round_id
+        self.ledger.bound_round(cmd.round_id, cmd.bounds)
+
+    def _probe(self, now: float) -> None:
+        """Publish a probe while a relay has not proved it receives the broadcast (SubscriberReady)."""
+        self._last_nonce = next(self._nonce)
+        self._pub.send_multipart(self._codec.encode(Probe(self._last_nonce), channel=Channel.BROADCAST))
+        self._next_probe = now + self.config.probe_interval_s
 
     def _to_relay(self, route: bytes, tag: bytes, frames: list[Any]) -> None:
         try:
@@ -405,7 +421,7 @@ class ReducerService:
             return
         if isinstance(rec, HostFrame):
             if rec.round > self._bounded:
-                self._run_commands()  # a bound put before this round's requests went out is in place first
+                self._service.dispatch_queued()  # a bound put before this round's requests went out is in place first
             if rec.host != host or not set(rec.ranks) <= set(self.config.world[host]):
                 self._count["forged_sender"] += 1
                 return

@@ -34,9 +34,12 @@ Rules the relay keeps:
 
 - One socket is owned by one thread. The control thread owns the two control
   sockets and the local liveness clock; the data thread owns the data sockets,
-  the SUB and the fold station. The control thread tells the data thread of a
-  local death over an inproc PAIR, so a model frame never delays a heartbeat
-  and a heartbeat never races the fold.
+  the SUB and the fold station. Each thread runs on a ServiceLoop
+  (service_loop.py): it sleeps until a socket, its mailbox or its next timer
+  (a hello, a liveness deadline, a merged report, a restated exit, a consensus
+  re-ask) needs it. The control thread tells the data thread of a local death
+  through the data thread's mailbox (`RankGone`), so a model frame never delays
+  a heartbeat and a heartbeat never races the fold.
 - Every record is authenticated before it is used, and a record whose
   authenticated sender is not the rank its routing identity names is dropped
   and counted: a rank cannot speak (or deposit) for another. Rejections never
@@ -78,16 +81,15 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from flodl_zmq import mailbox
 from flodl_zmq.environment import ProcessEnv, watch_lifeline
 from flodl_zmq.errors import AttributionError, FlodlError, WireError
 from flodl_zmq.fold import FoldStation
@@ -102,12 +104,10 @@ from flodl_zmq.links import (
     drain,
     keep_alive,
     limit_receive,
-    rank_identity,
     rank_of,
     relay_identity,
     relay_sender,
     remove_ipc,
-    send,
     tune,
     tune_loopback,
 )
@@ -120,8 +120,9 @@ from flodl_zmq.relay_core import (
     RankLiveness,
     ReportQueue,
 )
-from flodl_zmq.relay_data import DataPlane, Plane
+from flodl_zmq.relay_data import DataPlane, Plane, RankGone
 from flodl_zmq.security import CurveKeys, apply_client
+from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     MERGEABLE,
@@ -152,7 +153,9 @@ class Relay:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._ready = threading.Barrier(3)
-        self._pipe = f"inproc://flodl-relay-{config.host}-{id(self):x}"
+        # Built here, so each thread can reach the other's mailbox from its first turn.
+        self._control_thread = ServiceLoop(f"relay-{config.host}-control")
+        self._data_thread = ServiceLoop(f"relay-{config.host}-data")
         self._counts: dict[str, collections.Counter[str]] = {"control": collections.Counter(), "data": collections.Counter()}
         self.error: BaseException | None = None
         self.fold = FoldStation(config.ranks)
@@ -178,7 +181,7 @@ class Relay:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop both threads and close their sockets (idempotent)."""
-        self._stop.set()
+        self._halt()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout)
@@ -210,7 +213,13 @@ class Relay:
     def _fail(self, exc: BaseException) -> None:
         """Stop the relay for `exc`; the first cause is the one kept."""
         self.error = self.error or exc
+        self._halt()
+
+    def _halt(self) -> None:
+        # The event ends a send waiting on a full queue; the Stops end the loops.
         self._stop.set()
+        self._control_thread.stop()
+        self._data_thread.stop()
 
     # ------------------------------------------------------------------ control thread
 
@@ -221,12 +230,10 @@ class Relay:
         cfg, ctx = self.config, self._ctx
         local = ctx.socket(zmq.ROUTER)
         up = ctx.socket(zmq.DEALER)
-        pipe = ctx.socket(zmq.PAIR)
         bound = ""  # the local endpoint this thread bound: its socket file is unlinked at exit
         try:
-            for s in (local, up, pipe):
-                tune(s, cfg.hwm_records, cfg.poll_s)
             for s in (local, up):
+                tune(s, cfg.hwm_records, cfg.send_retry_s)
                 limit_receive(s, CONTROL_MAX_FRAME_BYTES)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
             bind_local(local, cfg.local_control)
@@ -236,11 +243,12 @@ class Relay:
             up.setsockopt(zmq.ROUTING_ID, self.identity)
             keep_alive(up, cfg.control_upstream, cfg.link_heartbeat_s, cfg.link_silence_s)
             up.connect(cfg.control_upstream)
-            pipe.connect(self._pipe)
             self._ready.wait()
-            _ControlPlane(cfg, self._stop, self._counts["control"], local, up, pipe).run()
+            plane = _ControlPlane(cfg, self._stop, self._counts["control"], local, up, self._data_thread)
+            plane.serve(self._control_thread)
         finally:
-            for s in (local, up, pipe):
+            self._control_thread.close()
+            for s in (local, up):
                 s.close(0)
             remove_ipc(bound)
 
@@ -255,19 +263,15 @@ class Relay:
         local = ctx.socket(zmq.ROUTER)
         up = ctx.socket(zmq.DEALER)
         sub = ctx.socket(zmq.SUB)
-        pipe = ctx.socket(zmq.PAIR)
         d: DataPlane | None = None
         bound = ""
         try:
             for s in (local, up, sub):
-                tune(s, cfg.data_hwm_records, cfg.poll_s)
-            tune(pipe, cfg.hwm_records, cfg.poll_s)
-            for s in (local, up, sub):
+                tune(s, cfg.data_hwm_records, cfg.send_retry_s)
                 limit_receive(s, DATA_MAX_FRAME_BYTES)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
             bind_local(local, cfg.local_data)
             bound = cfg.local_data
-            pipe.bind(self._pipe)
             if cfg.curve is not None:
                 apply_client(up, cfg.curve)
                 apply_client(sub, cfg.curve)
@@ -280,25 +284,10 @@ class Relay:
             sub.connect(cfg.bcast_upstream)
             self._ready.wait()
             d = DataPlane(cfg, self._stop, self._counts["data"], codec, local, up, self.fold, self.watch, self._fail)
-            poller = zmq.Poller()
-            for s in (local, up, sub, pipe):
-                poller.register(s, zmq.POLLIN)
-            poll_ms = int(cfg.poll_s * 1000)
-            while not self._stop.is_set():
-                events = dict(poller.poll(poll_ms))
-                if d.hello.due(time.monotonic()):
-                    d.send_up(RelayHello(cfg.host, list(cfg.ranks), []))
-                if pipe in events:
-                    drain(pipe, lambda m: d.local_death(rank_of(m[0])))
-                if up in events:
-                    d.count["oversized"] += drain(up, d.from_reducer, copy=False, budget=16)
-                if sub in events:
-                    d.count["oversized"] += drain(sub, lambda m: d.consensus(m, "bcast"), copy=False, budget=16)
-                if local in events:
-                    d.count["oversized"] += drain(local, d.deposit, copy=False, budget=16)
-                d.recover(time.monotonic())
+            d.serve(self._data_thread, sub)
         finally:
-            for s in (local, up, sub, pipe):
+            self._data_thread.close()
+            for s in (local, up, sub):
                 s.close(0)
             remove_ipc(bound)
             if d is not None and d.segment is not None:
@@ -309,9 +298,9 @@ class _ControlPlane(Plane):
     """The control thread's handlers: ranks' records up, the coordinator's down, the local liveness clock."""
 
     def __init__(self, cfg: RelayConfig, stop: threading.Event, count: collections.Counter[str], local: zmq.Socket,
-                 up: zmq.Socket, pipe: zmq.Socket):
+                 up: zmq.Socket, data_thread: ServiceLoop):
         super().__init__(cfg, stop, count, Codec(cfg.key, cfg.run_id, relay_sender(cfg.host)))
-        self.local, self.up, self.pipe = local, up, pipe
+        self.local, self.up, self.data_thread = local, up, data_thread
         self.coordinator_to = {r: Attribution.signed_by(coordinator_sender(r), "the coordinator's link")
                                for r in cfg.ranks}
         self.hello = HelloRetry(cfg.hello_retry_s)
@@ -319,26 +308,28 @@ class _ControlPlane(Plane):
         self.departed = Departures()
         self.reports = ReportQueue(cfg.ranks, MERGE_PERIOD_S)
 
-    def run(self) -> None:
-        """Until the relay stops: hello, ranks' records, due reports, the coordinator's records, restated exits."""
-        poller = zmq.Poller()
-        poller.register(self.local, zmq.POLLIN)
-        poller.register(self.up, zmq.POLLIN)
-        poll_ms = int(self.cfg.poll_s * 1000)
-        while not self.stop.is_set():
-            if self.hello.due(time.monotonic()):
-                self.send_own(RelayHello(self.cfg.host, list(self.cfg.ranks), []))
-            wait_ms = min(poll_ms, mailbox.poll_ms(self.reports.due_at - time.monotonic()))
-            events = dict(poller.poll(wait_ms))
-            for rank in self.live.turn(time.monotonic(), wait_ms / 1000):
-                self.death(rank, "heartbeat deadline passed")
-            if self.local in events:
-                self.count["oversized"] += drain(self.local, self.from_rank, max_frames=CONTROL_MAX_FRAMES)
-            if time.monotonic() >= self.reports.due_at:
-                self.report_up()
-            if self.up in events:
-                self.count["oversized"] += drain(self.up, self.to_rank, max_frames=CONTROL_MAX_FRAMES)
-            self.restate(time.monotonic())
+    def serve(self, loop: ServiceLoop) -> None:
+        """Until the relay stops: ranks' records, the coordinator's records, and the timers (hello,
+        due reports, liveness deadlines, restated exits); this process's own stall is no rank's silence."""
+        loop.on_socket(self.local, lambda: self.drained(self.local, self.from_rank))
+        loop.on_socket(self.up, lambda: self.drained(self.up, self.to_rank))
+        loop.on_stall(self.live.stalled)
+        loop.timer(self.hello.next_due, self.say_hello)
+        loop.timer(self.live.next_due, self.expire)
+        loop.timer(lambda: self.reports.due_at, lambda now: self.report_up())
+        loop.timer(lambda: self.departed.due_at, self.restate)
+        loop.run()
+
+    def drained(self, sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
+        self.count["oversized"] += drain(sock, handle, max_frames=CONTROL_MAX_FRAMES)
+
+    def say_hello(self, now: float) -> None:
+        if self.hello.due(now):
+            self.send_own(RelayHello(self.cfg.host, list(self.cfg.ranks), []))
+
+    def expire(self, now: float) -> None:
+        for rank in self.live.expired(now):
+            self.death(rank, "heartbeat deadline passed")
 
     def send_own(self, rec: Any) -> None:
         """Send one of this relay's own records up (route RELAY_ROUTE), signed by the relay."""
@@ -359,8 +350,7 @@ class _ControlPlane(Plane):
         self.reports.leave(rank)
         self.send_own(RankExit(rank))
         self.departed.add(rank, time.monotonic())
-        # In-process: the data thread reads it.
-        send(self.pipe, [rank_identity(rank)], self.stop, timeout_s=math.inf)
+        self.data_thread.put(RankGone(rank))
 
     def restate(self, now: float) -> None:
         """Every rank gone so far, reported again when due (one RankExit lost in a reset must not stall)."""

@@ -39,7 +39,7 @@ class RelayConfig:
     consensus_deadline_s: float = DEFAULTS.consensus_wait_at_relay_s
     hwm_records: int = 64
     data_hwm_records: int = 4  # data records are model-sized: a few in flight is plenty
-    poll_s: float = 0.05
+    send_retry_s: float = 0.05  # a send held by a full queue looks this often whether the relay stopped (SNDTIMEO)
     curve: CurveKeys | None = None  # CURVE client keys for the three upstream sockets (None: cleartext)
     link_heartbeat_s: float = DEFAULTS.link_heartbeat_period_s  # ZeroMQ heartbeats on the tcp:// upstream links
     link_silence_s: float = DEFAULTS.link_silence_s  # an upstream link silent this long is re-dialled
@@ -51,12 +51,10 @@ class RelayConfig:
             raise ConfigError("relay host name must not be empty")
         if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
             raise ConfigError(f"relay ranks {self.ranks} must be distinct non-negative global ranks, at least one")
-        for name in ("heartbeat_deadline_s", "first_contact_deadline_s", "consensus_deadline_s", "poll_s",
+        for name in ("heartbeat_deadline_s", "first_contact_deadline_s", "consensus_deadline_s", "send_retry_s",
                      "link_heartbeat_s", "link_silence_s", "send_timeout_s", "hello_retry_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"relay {name} must be > 0, got {getattr(self, name)}")
-        if self.poll_s >= self.heartbeat_deadline_s:
-            raise ConfigError("relay poll_s must be below heartbeat_deadline_s or deaths are detected late")
         if self.hwm_records < 1 or self.data_hwm_records < 1:
             raise ConfigError("relay high-water marks must be at least 1 record")
 

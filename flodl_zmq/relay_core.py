@@ -33,9 +33,6 @@ from flodl_zmq.wire.stream import RESEND_AFTER_S
 # How long the relay holds its ranks' mergeable records to send them up as one: a rank's own report
 # period (PROTOCOL.md 9.3, timing.batch), so a host's ranks make one record per period.
 MERGE_PERIOD_S = 0.05
-# A control-loop turn this much longer than its poll is this process stalled (RankLiveness.turn):
-# a turn's own work takes milliseconds, and a rank's deadline is seconds.
-OWN_STALL_S = 0.5
 
 
 class RankLiveness:
@@ -46,8 +43,9 @@ class RankLiveness:
     `first_contact_deadline` after `start` if it never spoke (process start-up
     is slower than a heartbeat). Death is permanent: membership only shrinks.
     A stall of this process (a SIGSTOP, the GIL held by torch's import at a
-    run's first bf16 fold) is not its ranks' silence: `stalled` takes it off
-    every clock, since what they sent meanwhile is still on its way in.
+    run's first bf16 fold; the service loop measures it) is not its ranks'
+    silence: `stalled` takes it off every clock, since what they sent
+    meanwhile is still on its way in.
     """
 
     def __init__(self, roster: Iterable[int], start: float, heartbeat_deadline: float, first_contact_deadline: float):
@@ -55,7 +53,6 @@ class RankLiveness:
         self.heartbeat_deadline = heartbeat_deadline
         self.first_contact_deadline = first_contact_deadline
         self._start = start
-        self._turned = start  # when the caller's loop last came round: a much later turn is our own stall
         self._last: dict[int, float] = {}
         self.dead: set[int] = set()
 
@@ -80,24 +77,20 @@ class RankLiveness:
         """Ranks whose deadline passed at `now`; they are marked dead."""
         out = []
         for rank in sorted(self.roster - self.dead):
-            last = self._last.get(rank)
-            limit = self.first_contact_deadline if last is None else self.heartbeat_deadline
-            if now - (self._start if last is None else last) > limit:
+            if now - self._heard(rank) > self._limit(rank):
                 self.dead.add(rank)
                 out.append(rank)
         return out
 
-    def turn(self, now: float, waited: float) -> list[int]:
-        """The caller's loop came round at `now` after a poll of `waited` seconds: `expired`, once a turn
-        longer than the poll by OWN_STALL_S is taken off as this process's stall.
+    def next_due(self) -> float:
+        """When the next live rank's deadline passes if it stays silent (math.inf: none left)."""
+        return min((self._heard(r) + self._limit(r) for r in self.roster - self.dead), default=math.inf)
 
-        Judged right after the stall is taken off: judged later in the turn, it would still be on.
-        """
-        gap = now - self._turned - waited
-        if gap > OWN_STALL_S:
-            self.stalled(gap)
-        self._turned = now
-        return self.expired(now)
+    def _heard(self, rank: int) -> float:
+        return self._last.get(rank, self._start)
+
+    def _limit(self, rank: int) -> float:
+        return self.heartbeat_deadline if rank in self._last else self.first_contact_deadline
 
 
 class Departures:
@@ -110,18 +103,18 @@ class Departures:
 
     def __init__(self) -> None:
         self.ranks: list[int] = []
-        self._due_at = math.inf
+        self.due_at = math.inf  # when the next restatement is due
 
     def add(self, rank: int, now: float) -> None:
         """`rank` was reported gone at `now`."""
         self.ranks.append(rank)
-        self._due_at = min(self._due_at, now + RESEND_AFTER_S)
+        self.due_at = min(self.due_at, now + RESEND_AFTER_S)
 
     def due(self, now: float) -> list[int]:
         """Every rank gone so far when a restatement is due at `now` (the next one is then armed), else none."""
-        if now < self._due_at:
+        if now < self.due_at:
             return []
-        self._due_at = now + RESEND_AFTER_S
+        self.due_at = now + RESEND_AFTER_S
         return list(self.ranks)
 
 
@@ -165,6 +158,10 @@ class ConsensusWatch:
             self._asked(r, now)
         return True, gaps
 
+    def next_due(self) -> float:
+        """When the first pending round's wait runs out (math.inf: none pending)."""
+        return min((t + wait for t, wait in self._pending.values()), default=math.inf)
+
     def due(self, now: float) -> list[int]:
         out = [r for r, (t, wait) in sorted(self._pending.items()) if now - t > wait]
         for r in out:
@@ -193,6 +190,10 @@ class HelloRetry:
             return False
         self._next = now + self.retry_s
         return True
+
+    def next_due(self) -> float:
+        """When the hello is next due (math.inf: acknowledged)."""
+        return math.inf if self._next is None else self._next
 
     def acked(self) -> None:
         self._next = None

@@ -1,8 +1,8 @@
 """The relay's data thread: ranks' deposits into the host fold, host frames up, the consensus down.
 
 `relay.Relay` owns the thread and its sockets (the local data ROUTER, the
-up data DEALER, the SUB and the inproc PAIR from the control thread) and
-hands every message to a `DataPlane`; `Plane` is what both of the relay's
+up data DEALER, the SUB) and its ServiceLoop, whose mailbox carries the
+control thread's `RankGone`; a `DataPlane` serves them all. `Plane` is what both of the relay's
 threads do alike. The rules the data thread keeps are stated in relay.py's
 module docstring (one fold, deposits verified before they join it, nothing
 lost in a reset stalls a round, consensus by reference to same-host ranks).
@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -26,6 +27,7 @@ from flodl_zmq.links import (
     FROM_REDUCER,
     TAG_BCAST,
     TAG_DATA,
+    drain,
     rank_identity,
     rank_of,
     rank_sender,
@@ -33,6 +35,7 @@ from flodl_zmq.links import (
 )
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.relay_core import ConsensusWatch, HelloRetry
+from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
     RESUME_ROUND,
@@ -44,6 +47,7 @@ from flodl_zmq.wire.records import (
     Probe,
     RankExit,
     RelayDeclareDead,
+    RelayHello,
     RelayHelloAck,
     RoundFrame,
     SubscriberReady,
@@ -60,6 +64,13 @@ from flodl_zmq.wire.shm import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankGone:
+    """The control thread's word to the data thread: local rank `rank` left (its fold stops waiting)."""
+
+    rank: int
 
 
 class Plane:
@@ -132,6 +143,24 @@ class DataPlane(Plane):
         # relay's own error feedback (what its quantization loses goes into its next frame).
         self.widener = int8.Widener(f"relay {self.cfg.host}")
         self.uplink = int8.PayloadEncoder()
+
+    def serve(self, loop: ServiceLoop, sub: zmq.Socket) -> None:
+        """Until the relay stops: the control thread's word of a death, the reducer's records, the
+        broadcast, the ranks' deposits, and the timers (hello, consensus re-asks)."""
+        loop.on_socket(self.up, lambda: self.drained(self.up, self.from_reducer))
+        loop.on_socket(sub, lambda: self.drained(sub, lambda m: self.consensus(m, "bcast")))
+        loop.on_socket(self.local, lambda: self.drained(self.local, self.deposit))
+        loop.on_message(RankGone, lambda gone: self.local_death(gone.rank))
+        loop.timer(self.hello.next_due, self.say_hello)
+        loop.timer(self.watch.next_due, self.recover)
+        loop.run()
+
+    def drained(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
+        self.count["oversized"] += drain(sock, handle, copy=False, budget=16)
+
+    def say_hello(self, now: float) -> None:
+        if self.hello.due(now):
+            self.send_up(RelayHello(self.cfg.host, list(self.cfg.ranks), []))
 
     def shm_unusable(self, exc: ShmError) -> None:
         # A squatted or foreign shared-memory path must not stop the host: consensus goes framed.

@@ -12,7 +12,8 @@ view the controller reports (`report_training`, as to the membership).
 Rules it keeps: it answers only requests signed with the session key
 (anything else is dropped unanswered, as the membership does); a nonce is
 good once; every receive is bounded (frames, bytes, messages per wake-up) and
-every send is non-blocking; one socket, owned by its thread.
+every send is non-blocking; one socket, owned by its thread, which runs on a
+ServiceLoop (flodl_zmq/service_loop.py): asleep until a request or `close`.
 """
 
 from __future__ import annotations
@@ -31,12 +32,11 @@ from flodl_zmq.io_threads import keep_off_the_data_plane
 from flodl_zmq.join import Challenges
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, limit_receive
 from flodl_zmq.membership import JOIN_LEDGER_CAP, JOIN_RECV_BUDGET, JOIN_RUN_ID, SENDER
+from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import ChallengeRequest, StatusReply, StatusRequest
 
 log = logging.getLogger(__name__)
-
-POLL_MS = 200  # how soon close() is noticed
 
 
 class StatusServer:
@@ -51,7 +51,7 @@ class StatusServer:
         # Replaced whole by the controller's thread, read whole by ours: a reference swap needs no lock.
         self._training: dict[str, Any] | None = None
         self.dropped = 0
-        self._stop = threading.Event()
+        self._loop = ServiceLoop("status")
         self._sock = context.socket(zmq.ROUTER)
         keep_off_the_data_plane(self._sock)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -80,20 +80,23 @@ class StatusServer:
         return out
 
     def close(self, timeout: float = 2.0) -> None:
-        self._stop.set()
+        self._loop.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive():
             self._sock.close(0)
+            self._loop.close()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._sock.poll(POLL_MS):
-                oversized = drain(
-                    self._sock, lambda frames: self._on_message(bytes(frames[0].bytes), frames[1:]),
-                    copy=False, budget=JOIN_RECV_BUDGET, max_frames=JOIN_MAX_FRAMES,
-                )
-                self.dropped += oversized  # not `+= drain(...)`: the handler counts drops too
+        self._loop.on_socket(self._sock, self._drained)
+        self._loop.run()
+
+    def _drained(self) -> None:
+        oversized = drain(
+            self._sock, lambda frames: self._on_message(bytes(frames[0].bytes), frames[1:]),
+            copy=False, budget=JOIN_RECV_BUDGET, max_frames=JOIN_MAX_FRAMES,
+        )
+        self.dropped += oversized  # not `+= drain(...)`: the handler counts drops too
 
     def _on_message(self, ident: bytes, frames: list[Any]) -> None:
         try:

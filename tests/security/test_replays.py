@@ -34,6 +34,7 @@ from transport.test_rank_link import link  # noqa: F401  (the fixture: a rank's 
 
 from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.links import coordinator_sender, rank_identity
+from flodl_zmq.rank_link import FromCoordinator
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
@@ -176,8 +177,7 @@ def test_a_recorded_coordinator_record_replayed_to_a_rank_never_reaches_its_trai
     recorded = Codec(key, run_id, coordinator_sender(0)).encode(rec.SetGlobalStep(global_step=7))
     for _ in range(3):  # once genuine, then twice replayed by someone on the relay's path
         control.send_multipart([rank_identity(0), *recorded])
-    kind, record = lk.inbox.get(timeout=WAIT_S)
-    assert (kind, record) == ("control", rec.SetGlobalStep(global_step=7))
+    assert lk.inbox.get(timeout=WAIT_S) == FromCoordinator(rec.SetGlobalStep(global_step=7))
     with pytest.raises(queue.Empty):
         lk.inbox.get(timeout=0.3)
     assert lk.duplicates == 2 and lk.rejected == 0  # refused by the window (a resend looks the same)

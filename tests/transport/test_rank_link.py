@@ -12,7 +12,7 @@ import zmq
 
 from flodl_zmq import rank_link
 from flodl_zmq.links import COORDINATOR_SENDER, REDUCER_SENDER, coordinator_sender, rank_identity
-from flodl_zmq.rank_link import RankConfig, RankLink
+from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig, RankLink
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
 
@@ -68,8 +68,8 @@ def test_only_the_coordinators_control_records_reach_the_training_thread(link):
     # Right key, wrong signer: the reducer (or any holder of the key) may not speak as the coordinator.
     control.send_multipart([rank_identity(0), *Codec(key, run_id, REDUCER_SENDER).encode(rec.Shutdown())])
     control.send_multipart([rank_identity(0), *Codec(key, run_id, coordinator_sender(0)).encode(rec.CoordHeartbeat())])
-    kind, record = lk.inbox.get(WAIT_S)
-    assert kind == "control" and isinstance(record, rec.CoordHeartbeat)
+    got = lk.inbox.get(WAIT_S)
+    assert isinstance(got, FromCoordinator) and isinstance(got.record, rec.CoordHeartbeat)
     assert lk.rejected == 1
     with pytest.raises(queue.Empty):
         lk.inbox.get(0.2)
@@ -82,8 +82,8 @@ def test_a_consensus_framed_by_anyone_but_the_reducer_is_rejected(link):
     genuine = Codec(key, run_id, REDUCER_SENDER).encode(rec.Consensus(1, 1.0), t, channel=Channel.BROADCAST)
     send_when_routable(data, [rank_identity(0), *forged])
     data.send_multipart([rank_identity(0), *genuine])
-    kind, env = lk.inbox.get(WAIT_S)
-    assert kind == "consensus" and env.sender == REDUCER_SENDER
+    got = lk.inbox.get(WAIT_S)
+    assert isinstance(got, ConsensusIn) and got.env.sender == REDUCER_SENDER
     assert lk.rejected == 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ import zmq
 from flodl_zmq.links import RELAY_ROUTE, rank_identity
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
-from flodl_zmq.relay_core import ConsensusWatch, Departures, RankLiveness
+from flodl_zmq.relay_core import ConsensusWatch, Departures, HelloRetry, RankLiveness
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import (
     RESUME_ROUND,
@@ -127,37 +128,53 @@ def test_liveness_does_not_count_the_relays_own_stall_as_its_ranks_silence():
     assert live.expired(13.1) == [1]  # its first contact's 10 s, stall excluded
 
 
-def test_liveness_takes_a_turn_far_longer_than_its_poll_off_as_the_relays_own_stall():
-    live = RankLiveness([0], start=0.0, heartbeat_deadline=1.5, first_contact_deadline=10.0)
-    live.seen(0, 0.1)
-    assert live.turn(0.15, waited=0.05) == []
-    assert live.turn(3.0, waited=0.05) == []  # 2.8 s beyond its poll: this process stalled, not the rank
-    assert live.turn(3.5, waited=0.5) == []  # turns within their poll: the silence counts from 2.9
-    assert live.turn(4.0, waited=0.5) == []
-    assert live.turn(4.5, waited=0.5) == [0]
+def test_liveness_is_next_due_at_the_first_silent_ranks_deadline_stall_excluded():
+    live = RankLiveness([0, 1], start=0.0, heartbeat_deadline=1.5, first_contact_deadline=10.0)
+    assert live.next_due() == 10.0  # nobody spoke yet: first contact
+    live.seen(0, 0.5)
+    assert live.next_due() == 2.0
+    live.stalled(3.0)  # the service loop saw this process stall (tests/transport/test_service_loop.py)
+    assert live.next_due() == 5.0
+    assert live.expired(5.0) == []
+    assert live.expired(5.1) == [0]
+    assert live.next_due() == 13.0
 
 
 def test_departures_are_restated_together_every_resend_period_for_the_rest_of_the_run():
     gone = Departures()
     assert gone.due(100.0) == []
+    assert gone.due_at == math.inf
     gone.add(3, 0.0)
     gone.add(1, 1.0)
+    assert gone.due_at == 2.0  # the service loop wakes then
     assert gone.due(1.9) == []
     assert gone.due(2.0) == [3, 1]
+    assert gone.due_at == 4.0
     assert gone.due(3.9) == []
     assert gone.due(4.0) == [3, 1]
 
 
 def test_consensus_watch_asks_for_overtaken_and_silent_rounds_and_refuses_replays():
     w = ConsensusWatch(deadline=1.0)
+    assert w.next_due() == math.inf
     w.shipped(1, 0.0)
     w.shipped(2, 0.5)
+    assert w.next_due() == 1.0  # the service loop wakes then
     assert w.accept(2, 0.6) == (True, [1])
+    assert w.next_due() == pytest.approx(2.6)
     assert w.due(1.7) == []  # the overtaken round was just asked for at 0.6: its next wait is 2 s
     assert w.due(2.7) == [1]
     assert w.accept(1, 2.8) == (True, [])
     assert w.accept(1, 2.9) == (False, [])  # a replay of a delivered round
     assert w.accept(2, 2.9) == (False, [])
+
+
+def test_a_hello_is_due_at_once_then_every_retry_until_acknowledged():
+    hello = HelloRetry(retry_s=1.0)
+    assert hello.next_due() == 0.0 and hello.due(5.0)
+    assert hello.next_due() == 6.0 and not hello.due(5.9)
+    hello.acked()
+    assert hello.next_due() == math.inf and not hello.due(100.0)
 
 
 def test_consensus_watch_backs_off_so_a_slow_link_is_not_filled_with_copies_of_one_consensus():
@@ -356,7 +373,7 @@ def test_a_rank_sending_a_coordinator_record_is_refused_and_reported_gone(rig):
 
 
 def test_a_silent_rank_is_out_within_the_deadline(tmp_path):
-    rig = Rig(tmp_path, heartbeat_deadline_s=0.4, poll_s=0.02)
+    rig = Rig(tmp_path, heartbeat_deadline_s=0.4)
     try:
         rig.ranks[0].heartbeat()
         rig.ranks[1].heartbeat()

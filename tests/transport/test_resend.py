@@ -18,7 +18,7 @@ import zmq
 
 from flodl_zmq import rank_link as rank_module
 from flodl_zmq.links import rank_identity
-from flodl_zmq.rank_link import RankConfig
+from flodl_zmq.rank_link import ConsensusIn, RankConfig
 from flodl_zmq.rank_link import RankLink as _Link
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
@@ -151,8 +151,9 @@ class Rig:
             assert env.record.round == round_id and env.record.mass == sum(MASS.values())
             assert rel_error([p.astype(np.float64) for p in env.payload], want) < 1e-6
         if self.link is not None:
-            kind, env = self.link.inbox.get(WAIT_S)
-            assert kind == "consensus" and env.record.round == round_id
+            got = self.link.inbox.get(WAIT_S)
+            assert isinstance(got, ConsensusIn) and got.env.record.round == round_id
+            env = got.env
             assert rel_error([env.payload[0].astype(np.float64)], want) < 1e-6
         out = self.reducer.completed.get(timeout=WAIT_S)
         assert (out.round_id, out.hosts, out.mass) == (round_id, ("a", "b"), sum(MASS.values()))

@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from flodl_zmq import int8
-from flodl_zmq.rank_link import RankConfig
+from flodl_zmq.rank_link import ConsensusIn, RankConfig
 from flodl_zmq.rank_link import RankLink as _Link
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
 from flodl_zmq.relay import Relay
@@ -71,8 +71,9 @@ def test_a_resumed_rank_asks_its_relay_and_loads_the_checkpoint_consensus_then_r
     other = FakeRank(ctx, 1, key, run_id, eps["a-control"], eps["a-data"])
     try:
         link.start()
-        kind, env = link.inbox.get(WAIT_S)
-        assert kind == "consensus" and env.record.round == RESUME_ROUND
+        got = link.inbox.get(WAIT_S)
+        assert isinstance(got, ConsensusIn) and got.env.record.round == RESUME_ROUND
+        env = got.env
         assert np.array_equal(widened(list(env.payload)), ckpt)  # the checkpoint, bit for bit
         assert reducer.counters()["consensus_requests"] >= 1
         # The next round is the checkpoint's + 1 and above: the reducer, which began at round 0, takes it.
@@ -83,7 +84,7 @@ def test_a_resumed_rank_asks_its_relay_and_loads_the_checkpoint_consensus_then_r
         other.deposit(5, 1.0, [wire], wire_dtype)
         assert reducer.completed.get(timeout=WAIT_S).round_id == 5
         while True:  # rank 1 may or may not have been connected when the relay delivered round 0
-            kind, env = link.inbox.get(WAIT_S)
+            env = link.inbox.get(WAIT_S).env
             if env.record.round == 5:
                 break
         assert np.array_equal(widened(list(env.payload)), np.ones(N, np.float32))

@@ -17,7 +17,7 @@ from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.payload import flatten, load_flat, model_signature, payload_tensors
 from flodl_zmq.rank import RankRuntime
-from flodl_zmq.rank_link import RankConfig
+from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig
 from flodl_zmq.tensors import bf16_from_f32
 from flodl_zmq.wire import records as rec
 
@@ -306,10 +306,10 @@ def test_a_resumed_rank_never_opens_a_file_and_starts_from_the_consensus_it_is_s
     start = np.arange(rt.buffers.numel, dtype=np.float32)
     rt.link = SimpleNamespace(inbox=Mailbox())
     # Control records that come before the starting model wait for it, in order.
-    rt.link.inbox.put(("control", rec.StartEpoch(plan=rec.EpochPlan(epoch=0, offset=0, size=16))))
-    rt.link.inbox.put(("consensus", SimpleNamespace(record=rec.Consensus(round=9, mass=1.0), payload=[start * 0])))
-    rt.link.inbox.put(("consensus", SimpleNamespace(record=rec.Consensus(round=rec.RESUME_ROUND, mass=1.0),
-                                                     payload=[start])))
+    rt.link.inbox.put(FromCoordinator(rec.StartEpoch(plan=rec.EpochPlan(epoch=0, offset=0, size=16))))
+    rt.link.inbox.put(ConsensusIn(SimpleNamespace(record=rec.Consensus(round=9, mass=1.0), payload=[start * 0])))
+    rt.link.inbox.put(ConsensusIn(SimpleNamespace(record=rec.Consensus(round=rec.RESUME_ROUND, mass=1.0),
+                                                  payload=[start])))
     rt._load_start()
     assert torch.equal(flatten(rt.model), torch.from_numpy(start))
     assert rt.stale_consensus == 1 and rt._can_train() and rt._pending_round is None

@@ -77,12 +77,12 @@ def test_the_link_sends_pending_step_timings_ahead_of_any_other_record():
         link.step(10.0, 0.0, 1.0, step_count=1)
         link.step(11.0, 0.0, 0.9, step_count=2)
         link.send(rec.SnapshotReady(rank=0, round=4))
-        queued = [item[0] for item in link._outbox.drain()]
+        queued = [item.record for item in link._loop.mailbox.drain()]
         assert queued == [rec.Batch(rank=0, step_count=2, batch_ms=[10.0, 11.0], data_ms=[0.0, 0.0],
                                     batch_loss=[1.0, 0.9]), rec.SnapshotReady(rank=0, round=4)]
         link.flush_steps()
-        assert link._outbox.drain() == []  # nothing pending: no empty report
+        assert link._loop.mailbox.drain() == []  # nothing pending: no empty report
     finally:
-        link._outbox.close()
+        link._loop.close()
         link.inbox.close()
         ctx.term()

@@ -1,0 +1,207 @@
+"""One thread's event loop (flodl_zmq.service_loop): timers on time and in order, typed dispatch, stop through the
+mailbox, a put that wakes it at once, and this process's own stall reported."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import zmq
+
+from flodl_zmq.mailbox import IDLE_S
+from flodl_zmq.service_loop import STALL_S, ServiceLoop
+
+WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Ping:
+    n: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    n: int
+
+
+class Running:
+    """A loop on its own thread; `error` holds what ended it, if anything did."""
+
+    def __init__(self, loop: ServiceLoop):
+        self.loop = loop
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        try:
+            self.loop.run()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.loop.close()
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive()
+
+
+def test_timers_fire_in_due_order_on_time_never_early():
+    loop = ServiceLoop("t")
+    start = time.monotonic()
+    fired: list[tuple[str, float]] = []
+    due = {"late": start + 0.3, "early": start + 0.1, "middle": start + 0.2}
+
+    def arm(name: str) -> None:
+        def fire(now: float) -> None:
+            fired.append((name, now))
+            due[name] = math.inf  # moved on: fired once
+            if all(at == math.inf for at in due.values()):
+                loop.stop()
+        loop.timer(lambda: due[name], fire)
+
+    for name in ("late", "early", "middle"):
+        arm(name)
+    loop.run()
+    loop.close()
+    assert [name for name, _ in fired] == ["early", "middle", "late"]
+    for name, now in fired:
+        at = {"early": 0.1, "middle": 0.2, "late": 0.3}[name]
+        assert at <= now - start < at + 0.1, (name, now - start)
+
+
+def test_a_due_time_moved_by_its_owner_is_read_on_the_next_turn():
+    loop = ServiceLoop("t")
+    state = {"due": math.inf, "fired": 0.0}
+
+    def fire(now: float) -> None:
+        state["fired"], state["due"] = now, math.inf
+        loop.stop()
+
+    loop.timer(lambda: state["due"], fire)
+    loop.on_message(Ping, lambda _: state.update(due=time.monotonic() + 0.05))
+    running = Running(loop)
+    put_at = time.monotonic()
+    loop.put(Ping(1))  # arms the timer from the loop's own thread
+    running.thread.join(WAIT_S)
+    assert running.error is None
+    assert 0.05 <= state["fired"] - put_at < 0.05 + IDLE_S / 2
+
+
+def test_messages_are_dispatched_by_type_in_order_and_a_stop_ends_the_loop():
+    loop = ServiceLoop("t")
+    got: list[object] = []
+    loop.on_message(Ping, got.append)
+    loop.on_message(Pong, got.append)
+    running = Running(loop)
+    for item in (Ping(1), Pong(2), Ping(3)):
+        loop.put(item)
+    running.stop()
+    assert running.error is None
+    assert got == [Ping(1), Pong(2), Ping(3)]
+    assert not loop.put(Ping(4))  # closed once stopped: nobody is left to read it
+
+
+def test_a_message_of_a_type_without_a_handler_ends_the_loop_naming_it():
+    loop = ServiceLoop("t")
+    running = Running(loop)
+    loop.put(Pong(1))
+    running.thread.join(WAIT_S)
+    assert isinstance(running.error, TypeError) and "Pong" in str(running.error)
+
+
+def test_a_type_registers_once():
+    loop = ServiceLoop("t")
+    loop.on_message(Ping, lambda _: None)
+    with pytest.raises(ValueError, match="Ping"):
+        loop.on_message(Ping, lambda _: None)
+    loop.close()
+
+
+def test_a_put_wakes_an_idle_loop_at_once():
+    loop = ServiceLoop("t")
+    woke = threading.Event()
+    loop.on_message(Ping, lambda _: woke.set())
+    running = Running(loop)
+    time.sleep(0.1)  # asleep in poll: no timer, so up to IDLE_S
+    put_at = time.monotonic()
+    loop.put(Ping(1))
+    assert woke.wait(WAIT_S)
+    assert time.monotonic() - put_at < IDLE_S / 4
+    running.stop()
+
+
+def test_a_readable_socket_calls_its_handler_which_reads_it():
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind("inproc://service-loop-test")
+        push.connect("inproc://service-loop-test")
+        loop = ServiceLoop("t")
+        got: list[bytes] = []
+
+        def read() -> None:
+            got.append(pull.recv())
+            loop.stop()
+
+        loop.on_socket(pull, read)
+        push.send(b"hi")
+        loop.run()
+        loop.close()
+        assert got == [b"hi"]
+    finally:
+        pull.close(0)
+        push.close(0)
+
+
+def test_a_stall_of_the_loops_own_thread_is_reported_with_its_length():
+    loop = ServiceLoop("t")
+    gaps: list[float] = []
+    loop.on_stall(gaps.append)
+    loop.on_message(Ping, lambda _: time.sleep(STALL_S + 0.3))  # a turn far longer than its poll
+    loop.on_message(Pong, lambda _: loop.stop())
+    running = Running(loop)
+    loop.put(Ping(1))
+    time.sleep(0.05)
+    loop.put(Pong(2))
+    running.thread.join(WAIT_S)
+    assert running.error is None
+    assert len(gaps) == 1 and STALL_S + 0.2 < gaps[0] < STALL_S + 1.0
+
+
+def test_a_handler_may_take_the_messages_queued_before_it_acts():
+    ctx = zmq.Context.instance()
+    socks = [ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)]
+    first, push_first, second, push_second = socks
+    try:
+        for n, (pull, push) in enumerate(((first, push_first), (second, push_second))):
+            pull.bind(f"inproc://service-loop-test-queued-{n}")
+            push.connect(f"inproc://service-loop-test-queued-{n}")
+        loop = ServiceLoop("t")
+        order: list[object] = []
+
+        def read_first() -> None:
+            first.recv()
+            loop.put(Ping(1))  # queued during the turn, after the mailbox was drained
+
+        def read_second() -> None:
+            loop.dispatch_queued()  # the Ping is seen before the frame is used
+            order.append(second.recv())
+            loop.stop()
+
+        loop.on_socket(first, read_first)
+        loop.on_socket(second, read_second)
+        loop.on_message(Ping, order.append)
+        push_first.send(b"a")
+        push_second.send(b"b")
+        time.sleep(0.05)  # both readable in one poll
+        loop.run()
+        loop.close()
+        assert order == [Ping(1), b"b"]
+    finally:
+        for s in socks:
+            s.close(0)
