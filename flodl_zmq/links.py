@@ -463,7 +463,7 @@ def decode_or_count(decode: Callable[[], Envelope], count: collections.Counter[s
     except WireError as exc:
         why = refusal(exc)
         count[why.counter] += 1
-        log.log(why.level, "%s: dropped a record: %s", who, exc)
+        log.log(why.level, "%s: rejected a record: %s", who, exc)
         return None
 
 
