@@ -46,7 +46,7 @@ from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.rank import RankRuntime
 from flodl_zmq.rank_link import RankConfig
 from flodl_zmq.report import RunReport
-from flodl_zmq.result import TrainResult
+from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
 from flodl_zmq.sampling import epoch_permutation
 from flodl_zmq.settings import Settings
@@ -146,15 +146,12 @@ def run_rank(job: Job, penv: ProcessEnv) -> int:
     return RankRuntime(job, cfg).run()
 
 
-def epoch_row(epoch: int, loss_sum: float, batches: int, samples: int, t0: float,
+def alone_row(epoch: int, loss_sum: float, batches: int, samples: int, t0: float,
               scalars: ScalarLog) -> dict[str, Any]:
     """The row of `TrainResult.epochs` for the batches (`samples`) of `epoch` trained alone so far."""
     epoch_ms = (time.perf_counter() - t0) * 1000.0
-    return {
-        "epoch": epoch, "avg_loss": loss_sum / max(batches, 1),
-        "epoch_ms": epoch_ms, "batch_share": [1.0], "throughput": [samples / max(epoch_ms, 1e-9)],
-        "scalars": {k: scalars.sums[k] / scalars.counts[k] for k in sorted(scalars.sums)},
-    }
+    return epoch_row(epoch, loss_sum / max(batches, 1), epoch_ms, [1.0], [samples / max(epoch_ms, 1e-9)],
+                     {k: scalars.sums[k] / scalars.counts[k] for k in sorted(scalars.sums)})
 
 
 def train_alone(job: Job) -> TrainResult:
@@ -229,9 +226,9 @@ def _train_epoch_alone(job: Job, epoch: int, stepper: Stepper, pipeline: BatchPi
             k = batches * job.reports_per_epoch // steps_per_epoch
             if k > parts:
                 parts = k
-                report.progress({**epoch_row(epoch, loss_sum, batches, min(batches * job.batch_size, len(perm)), t0, scalars),
+                report.progress({**alone_row(epoch, loss_sum, batches, min(batches * job.batch_size, len(perm)), t0, scalars),
                                  "fraction": k / job.reports_per_epoch})
-    return epoch_row(epoch, loss_sum, batches, min(batches * job.batch_size, len(perm)), t0, scalars)
+    return alone_row(epoch, loss_sum, batches, min(batches * job.batch_size, len(perm)), t0, scalars)
 
 
 def _eval_due(job: Job, epoch: int) -> bool:

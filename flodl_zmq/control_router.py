@@ -40,7 +40,9 @@ from flodl_zmq.links import (
     COORDINATOR_SENDER,
     RELAY_ROUTE,
     Connections,
+    Refusal,
     coordinator_sender,
+    decode_or_count,
     rank_identity,
     rank_of,
     rank_sender,
@@ -185,10 +187,10 @@ class ControlRouter:
             self.counts["rejected.control"] += 1
             return
         relay_id, route = msg[0].bytes, msg[1].bytes
-        try:
-            env = self.codec.decode_from(msg[2:], Channel.CONTROL, lambda r: self._signer_of(relay_id, route, r))
-        except WireError as exc:
-            self._refused(relay_id, route, exc)
+        env = decode_or_count(
+            lambda: self.codec.decode_from(msg[2:], Channel.CONTROL, lambda r: self._signer_of(relay_id, route, r)),
+            self.counts, lambda exc: self._refused(relay_id, route, exc), log, "controller")
+        if env is None:
             return
         host = self._host_of_relay(relay_id)
         if host != "unknown":  # else a first RelayHello: its host is known once it is acknowledged
@@ -201,24 +203,21 @@ class ControlRouter:
             return
         self._from_stream(rank_of(route), env.seq, env.record)  # attributed: a rank of this world
 
-    def _refused(self, relay_id: bytes, route: bytes, exc: WireError) -> None:
-        """A control record that did not decode: counted by cause, logged, never fatal."""
+    def _refused(self, relay_id: bytes, route: bytes, exc: WireError) -> Refusal:
+        """A control record that did not decode: counted by cause (also per host), never fatal."""
         if isinstance(exc, AttributionError):
             hello = exc.kind == rec.RelayHello.KIND
-            self.counts["bad_hello.control" if hello else "forged_route.control"] += 1
             self.rejected[self._host_of_relay(relay_id)]["bad_hello" if hello else "forged_route"] += 1
-            log.log(logging.ERROR if hello else logging.WARNING, "controller: dropped: %s", exc)
-        elif isinstance(exc, ReplayError):
+            return Refusal("bad_hello.control", logging.ERROR) if hello else Refusal("forged_route.control")
+        if isinstance(exc, ReplayError):
             rank = rank_of(route)  # attributed before the window: a rank of this world, or a relay
-            self.counts["duplicate.control"] += 1  # a resend whose first copy arrived: its ack was lost
             if rank is not None and self.upstream.has_exited(rank):
                 self.send_rank(rank, rec.CoordHeartbeat())  # an exited rank gets no beacon to carry it
-        else:
-            self.counts["rejected.control"] += 1
-            self.rejected[self._host_of_relay(relay_id)][type(exc).__name__] += 1
-            if isinstance(exc, AuthError):
-                self.upstream.auth_failed(str(exc))
-            log.warning("controller: rejected a control record: %s", exc)
+            return Refusal("duplicate.control", logging.DEBUG)  # a resend whose first copy arrived: its ack was lost
+        self.rejected[self._host_of_relay(relay_id)][type(exc).__name__] += 1
+        if isinstance(exc, AuthError):
+            self.upstream.auth_failed(str(exc))
+        return Refusal("rejected.control")
 
     def _from_stream(self, rank: int, seq: int, record: Any) -> None:
         """Record `seq` of `rank`'s stream, alone or merged by its relay: acknowledgements at once, the rest in order."""

@@ -57,7 +57,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, with_tunables
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
 from flodl_zmq.io_threads import controller_context
-from flodl_zmq.join import CHALLENGE_NONCE_BYTES, JoinConfig, JoinWindow, Phase
+from flodl_zmq.join import CHALLENGE_NONCE_BYTES, JoinConfig, JoinWindow, WindowPhase
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, limit_receive, recv_bounded
 from flodl_zmq.membership import (
     JOIN_RUN_ID,
@@ -217,7 +217,7 @@ def _wait_formed(membership: MembershipService) -> dict[str, tuple[int, ...]]:
     verdict = None
     while verdict is None:
         verdict = membership.wait_closed(0.5)
-    if verdict.phase is not Phase.FORMED:
+    if verdict.phase is not WindowPhase.FORMED:
         time.sleep(ABORT_FLUSH_S)  # the aborts are queued (the verdict is set after): let them leave
         raise MembershipError(f"the world did not form: {verdict.reason}")
     return {m.host: m.ranks for m in verdict.members}

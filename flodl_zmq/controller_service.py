@@ -115,7 +115,7 @@ from flodl_zmq.membership_link import MembershipLink
 from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
 from flodl_zmq.report import RunReport
-from flodl_zmq.result import TrainResult
+from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
 from flodl_zmq.security import apply_server
 from flodl_zmq.status_server import StatusServer
@@ -632,7 +632,7 @@ class ControllerService:
             if (self.link is not None and self._reform_after is None and r.epoch + 1 < self.job.epochs
                     and self.link.membership.pending()):
                 self._reform_after = r.epoch  # re-form once this epoch is whole in a consensus
-            row = {**epoch_row(r), "reconnects": self.router.reconnects_this_epoch, "round": self.kept.round}
+            row = {**aggregated_row(r), "reconnects": self.router.reconnects_this_epoch, "round": self.kept.round}
             if self._carried is not None and not self._carried.marked:
                 self._carried.marked = True
                 row["world_change"] = self._carried.describe()  # the first epoch line of the new world
@@ -640,7 +640,7 @@ class ControllerService:
             self.report.epoch(row)
             self.router.reconnects_this_epoch = 0
         elif isinstance(r, EpochProgress):
-            self.report.progress({**epoch_row(r.metrics), "fraction": r.fraction})
+            self.report.progress({**aggregated_row(r.metrics), "fraction": r.fraction})
         elif isinstance(r, rec.EvalResult):
             if r.error is None:
                 self.report.evaluated(r.epoch - 1, r.metric, by_rank=r.rank)
@@ -657,18 +657,10 @@ class ControllerService:
         return self.report.save(self.kept.state_dict_of(torch.from_numpy(snap.consensus)), snap.meta,
                                 None if snap.outer_momentum is None else torch.from_numpy(snap.outer_momentum))
 
-def epoch_row(r: rec.EpochAggregated) -> dict[str, Any]:
+def aggregated_row(r: rec.EpochAggregated) -> dict[str, Any]:
     """The row of `TrainResult.epochs` (and `metrics_fn`) for an aggregated epoch."""
-    return {
-        "epoch": r.epoch,
-        "avg_loss": r.avg_loss,
-        "epoch_ms": r.epoch_ms,
-        "batch_share": list(r.per_rank_batch_share),
-        "samples": int(sum(r.per_rank_samples)),
-        "per_rank_samples": list(r.per_rank_samples),
-        "throughput": list(r.per_rank_throughput),
-        "scalars": dict(r.scalars),
-    }
+    return epoch_row(r.epoch, r.avg_loss, r.epoch_ms, list(r.per_rank_batch_share), list(r.per_rank_throughput),
+                     dict(r.scalars), per_rank_samples=list(r.per_rank_samples))
 
 
 def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = None) -> TrainResult:

@@ -58,7 +58,10 @@ def vacancies(world: Mapping[str, Sequence[int]]) -> tuple[int, ...]:
     return tuple(r for r in range(rank_space(world)) if r not in held)
 
 
-class Phase(str, enum.Enum):
+class FormationPhase(str, enum.Enum):
+    """Where the ranks' hellos stand (every rank of the world checked in, or not); the join window has its own,
+    `join.WindowPhase`."""
+
     FORMING = "forming"
     FORMED = "formed"
     FAILED = "failed"
@@ -140,9 +143,9 @@ class Formation:
         self._verdict: Waiting | Formed | Failed = Waiting(tuple(sorted(self.host_of)))
 
     @property
-    def phase(self) -> Phase:
+    def phase(self) -> FormationPhase:
         v = self._verdict
-        return Phase.FORMED if isinstance(v, Formed) else Phase.FAILED if isinstance(v, Failed) else Phase.FORMING
+        return FormationPhase.FORMED if isinstance(v, Formed) else FormationPhase.FAILED if isinstance(v, Failed) else FormationPhase.FORMING
 
     @property
     def verdict(self) -> Waiting | Formed | Failed:
@@ -152,9 +155,9 @@ class Formation:
 
     def hello(self, rank: int, hello: RankHello) -> Outcome:
         """`rank` (the route its relay vouched for) said `hello`."""
-        if self.phase is Phase.FORMED:
+        if self.phase is FormationPhase.FORMED:
             return Ignored("late_hello")
-        if self.phase is Phase.FAILED:
+        if self.phase is FormationPhase.FAILED:
             return self._verdict
         if rank not in self.host_of:
             return Ignored("unknown_rank")
@@ -177,8 +180,8 @@ class Formation:
 
     def rank_left(self, rank: int, reason: str) -> Outcome:
         """`rank` is known to be gone (its launcher, agent or relay saw it exit): form without it, or fail."""
-        if self.phase is not Phase.FORMING:
-            return self._verdict if self.phase is Phase.FAILED else Ignored("late_exit")
+        if self.phase is not FormationPhase.FORMING:
+            return self._verdict if self.phase is FormationPhase.FAILED else Ignored("late_exit")
         if rank not in self.host_of:
             return Ignored("unknown_rank")
         if rank in self.left:
@@ -198,13 +201,13 @@ class Formation:
 
     def auth_failed(self, error: str) -> None:
         """A control record failed authentication while the world formed (counted for the time-out)."""
-        if self.phase is Phase.FORMING:
+        if self.phase is FormationPhase.FORMING:
             self.auth_failures += 1
             self.last_auth_error = error
 
     def poll(self, now: float) -> Waiting | Formed | Failed:
         """The verdict at `now`: fails once `deadline` passes without every hello."""
-        if self.phase is not Phase.FORMING or now <= self.deadline:
+        if self.phase is not FormationPhase.FORMING or now <= self.deadline:
             return self._verdict
         if self.auth_failures:
             return self._fail(

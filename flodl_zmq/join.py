@@ -184,15 +184,20 @@ class Rejected:
     reason: str
 
 
-class Phase(str, enum.Enum):
+class WindowPhase(str, enum.Enum):
+    """Where the join window stands (its value is what status shows); the later rank handshake has its own,
+    `formation.FormationPhase`."""
+
     OPEN = "open"
     FORMED = "formed"
     FAILED = "failed"
 
 
 @dataclass(frozen=True)
-class Verdict:
-    phase: Phase
+class JoinVerdict:
+    """The join window's outcome: its phase, why, and the members it admitted."""
+
+    phase: WindowPhase
     reason: str
     members: tuple[Member, ...] = ()
 
@@ -267,7 +272,7 @@ class JoinWindow:
         self._departed: list[Member] = []  # left after formation (lost); their ranks are never given again
         self._ended: str | None = None  # why no host may join any more (the run is over)
         self._next_rank = 0 if resumed is None else 1 + max((r for rs in resumed.values() for r in rs), default=-1)
-        self._verdict = Verdict(Phase.OPEN, "waiting for workers")
+        self._verdict = JoinVerdict(WindowPhase.OPEN, "waiting for workers")
 
     @property
     def members(self) -> tuple[Member, ...]:
@@ -291,7 +296,7 @@ class JoinWindow:
         return {m.host: m.ranks for m in self._members}
 
     @property
-    def phase(self) -> Phase:
+    def phase(self) -> WindowPhase:
         return self._verdict.phase
 
     def admit(self, hello: JoinHello, now: float, *, finished: bool = False) -> Accepted | Rejected:
@@ -301,7 +306,7 @@ class JoinWindow:
         link says done). After formation such a host is no duplicate: it comes back
         as a host whose link was lost does, with fresh ranks (its old ones stay dead).
         """
-        taken_back = finished and self.phase is Phase.FORMED
+        taken_back = finished and self.phase is WindowPhase.FORMED
         reason = self._refusal(hello, taken_back)
         if reason is not None:
             return Rejected(reason)
@@ -311,13 +316,13 @@ class JoinWindow:
             self.dataset_sig = hello.dataset_sig
         if self.model_sig is None and hello.model_sig is not None:
             self.model_sig = hello.model_sig
-        if self.resumed is not None and self.phase is Phase.OPEN:
+        if self.resumed is not None and self.phase is WindowPhase.OPEN:
             ranks = self.resumed[hello.host]
         else:
             ranks = tuple(range(self._next_rank, self._next_rank + len(hello.devices)))
             self._next_rank += len(hello.devices)
         member = Member(hello.host, ranks, tuple(hello.devices), now)
-        if self.phase is Phase.FORMED:
+        if self.phase is WindowPhase.FORMED:
             # Into the world at the next epoch boundary; it may wait that long (bounded by the cap).
             self._pending.append(member)
             return Accepted(ranks, self.config.cap_s)
@@ -328,7 +333,7 @@ class JoinWindow:
     @property
     def last_admitted(self) -> Member:
         """The member (or pending joiner) the last `admit` accepted."""
-        return self._pending[-1] if self.phase is Phase.FORMED else self._members[-1]
+        return self._pending[-1] if self.phase is WindowPhase.FORMED else self._members[-1]
 
     def depart(self, host: str) -> None:
         """`host` left after formation (its link was lost): it may join again, with fresh ranks."""
@@ -346,7 +351,7 @@ class JoinWindow:
 
     def reform(self) -> dict[str, tuple[int, ...]]:
         """Take the pending joiners into the world (at an epoch boundary); the new world."""
-        if self.phase is not Phase.FORMED:
+        if self.phase is not WindowPhase.FORMED:
             raise MembershipError(f"cannot re-form: the window is {self.phase.value}, not formed")
         self._members.extend(self._pending)
         self._pending.clear()
@@ -364,7 +369,7 @@ class JoinWindow:
         )
 
     def _closed_refusal(self) -> str | None:
-        if self.phase is Phase.FAILED:
+        if self.phase is WindowPhase.FAILED:
             return f"join window closed: the run was aborted ({self._verdict.reason})"
         if self._ended is not None:
             return f"join window closed: {self._ended}"
@@ -372,7 +377,7 @@ class JoinWindow:
 
     def _resume_refusal(self, hello: JoinHello) -> str | None:
         """A restarted run takes back only its own hosts, each with as many devices as it had ranks."""
-        if self.resumed is None or self.phase is not Phase.OPEN:
+        if self.resumed is None or self.phase is not WindowPhase.OPEN:
             return None
         host, devices = hello.host, hello.devices
         if host not in self.resumed:
@@ -431,53 +436,53 @@ class JoinWindow:
 
     def retract_last(self, host: str) -> None:
         """Roll back the most recent admission (its accept could not be delivered)."""
-        if self.phase is Phase.FAILED:
+        if self.phase is WindowPhase.FAILED:
             raise MembershipError(f"cannot retract {host!r}: the window is {self.phase.value}")
-        group = self._pending if self.phase is Phase.FORMED else self._members
+        group = self._pending if self.phase is WindowPhase.FORMED else self._members
         if not group or group[-1].host != host:
             raise MembershipError(
                 f"only the most recent member can be retracted; {host!r} is not it "
                 "(retracting another would leave a hole in the rank space)"
             )
         gone = group.pop()
-        if self.phase is Phase.FORMED or self.resumed is None:  # its ranks were the newest given
+        if self.phase is WindowPhase.FORMED or self.resumed is None:  # its ranks were the newest given
             self._next_rank -= len(gone.ranks)
 
-    def poll(self, now: float) -> Verdict:
+    def poll(self, now: float) -> JoinVerdict:
         """The verdict at `now`; once formed or failed, the same verdict forever."""
-        if self.phase is not Phase.OPEN:
+        if self.phase is not WindowPhase.OPEN:
             return self._verdict
         cfg, joined, elapsed = self.config, self.joined_ranks, now - self.opened_at
         if cfg.target_ranks is not None and joined >= cfg.target_ranks:
-            return self._close(Phase.FORMED, "target ranks reached")
+            return self._close(WindowPhase.FORMED, "target ranks reached")
         if elapsed < cfg.window_s:
             return self._verdict
         if joined >= cfg.min_ranks:
-            return self._close(Phase.FORMED, "join window closed with quorum")
+            return self._close(WindowPhase.FORMED, "join window closed with quorum")
         if elapsed < cfg.cap_s:
             return self._verdict
         return self._close(
-            Phase.FAILED,
+            WindowPhase.FAILED,
             f"quorum not met: {joined}/{cfg.min_ranks} ranks joined within the hard cap of "
             f"{cfg.cap_s:g} s; start more workers, or lower the minimum ranks",
         )
 
     def next_due(self, now: float) -> float | None:
         """When `poll` next may change its verdict without a new admission; None once it is final."""
-        if self.phase is not Phase.OPEN:
+        if self.phase is not WindowPhase.OPEN:
             return None
         window_ends = self.opened_at + self.config.window_s
         # After the window, only an admission (quorum) or the cap closes it.
         return window_ends if now < window_ends else self.opened_at + self.config.cap_s
 
-    def abort(self, reason: str) -> Verdict:
+    def abort(self, reason: str) -> JoinVerdict:
         """Fail the window now (the controller is giving up); no effect once closed."""
-        if self.phase is Phase.OPEN:
-            return self._close(Phase.FAILED, reason)
+        if self.phase is WindowPhase.OPEN:
+            return self._close(WindowPhase.FAILED, reason)
         return self._verdict
 
-    def _close(self, phase: Phase, reason: str) -> Verdict:
-        self._verdict = Verdict(phase, reason, self.members)
+    def _close(self, phase: WindowPhase, reason: str) -> JoinVerdict:
+        self._verdict = JoinVerdict(phase, reason, self.members)
         return self._verdict
 
 

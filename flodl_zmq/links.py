@@ -28,28 +28,32 @@ re-dialled instead of waited on, and TCP keepalive keeps middleboxes awake.
 
 Receiving. Every receiving socket refuses frames over its kind's size (`limit_receive`)
 and every receive loop reads through `recv_bounded`, which never keeps more
-frames of a message than its socket may legally carry (PROTOCOL.md 6.1).
+frames of a message than its socket may legally carry (PROTOCOL.md 6.1). A
+record the codec refuses is counted by cause, logged and dropped, never raised
+into a poll loop (`decode_or_count`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import stat
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from flodl_zmq.endpoints import is_loopback_endpoint
-from flodl_zmq.errors import PrivateDirError
-from flodl_zmq.wire import Attribution, Limits
+from flodl_zmq.errors import AttributionError, PrivateDirError, WireError
+from flodl_zmq.wire import Attribution, Envelope, Limits
 from flodl_zmq.wire.records import Channel
 from flodl_zmq.wire.shm import private_dir_name
 
@@ -436,3 +440,35 @@ def drain(
         else:
             handle(msg)
     return rejected
+
+
+class Refusal(NamedTuple):
+    """Why a record was refused, as a service's status counts it, and how loudly it is logged."""
+
+    counter: str
+    level: int = logging.WARNING
+
+
+def decode_or_count(decode: Callable[[], Envelope], count: collections.Counter[str],
+                    refusal: Callable[[WireError], Refusal], log: logging.Logger, who: str) -> Envelope | None:
+    """Decode one inbound message; a refused one is counted, logged and dropped (None).
+
+    The rule of every service's receive path: a record the codec refuses
+    (forged, replayed, malformed, over a limit) never raises out of a poll loop
+    and never reaches the service; `refusal` names the counter its cause is
+    counted under (the names the service's status reports) and the level it
+    is logged at, in the service's own `log`.
+    """
+    try:
+        return decode()
+    except WireError as exc:
+        why = refusal(exc)
+        count[why.counter] += 1
+        log.log(why.level, "%s: rejected a record: %s", who, exc)
+        return None
+
+
+def route_refusal(where: str) -> Callable[[WireError], Refusal]:
+    """A relay link's refusals: `forged_route.WHERE` when the sender is not the one the route names, else
+    `rejected.WHERE`."""
+    return lambda exc: Refusal(f"{'forged_route' if isinstance(exc, AttributionError) else 'rejected'}.{where}")

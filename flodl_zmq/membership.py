@@ -60,13 +60,13 @@ from flodl_zmq.join import (
     HostDone,
     HostLinks,
     HostLost,
+    JoinVerdict,
     JoinWindow,
     Member,
     MembershipEvent,
-    Phase,
     RankExitReported,
     Rejected,
-    Verdict,
+    WindowPhase,
 )
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, limit_receive
 from flodl_zmq.mailbox import Mailbox, poll_ms
@@ -292,7 +292,7 @@ class MembershipService:
         self._commands: Mailbox[Callable[[], None] | None] = Mailbox()  # run on the join thread
         self._closed = threading.Event()
         self._stop = threading.Event()
-        self._verdict: Verdict | None = None
+        self._verdict: JoinVerdict | None = None
         self._pending: tuple[Member, ...] = ()  # the window's pending joiners, swapped whole for other threads
         self.joins: list[dict[str, Any]] = []  # hosts that entered the world at a re-form (status)
         # Replaced whole by the controller's thread, read whole by ours: a reference swap needs no lock.
@@ -309,7 +309,7 @@ class MembershipService:
     def start(self) -> None:
         self._thread.start()
 
-    def wait_closed(self, timeout: float | None = None) -> Verdict | None:
+    def wait_closed(self, timeout: float | None = None) -> JoinVerdict | None:
         """The window's final verdict, or None if it is still open after `timeout` seconds."""
         self._closed.wait(timeout)
         return self._verdict
@@ -381,7 +381,7 @@ class MembershipService:
 
     def status(self) -> dict[str, Any]:
         """The cohort's state, as `join.status_reply` carries it (PROTOCOL.md)."""
-        verdict = self._verdict or Verdict(self.window.phase, "waiting for workers")
+        verdict = self._verdict or JoinVerdict(self.window.phase, "waiting for workers")
         out: dict[str, Any] = {
             "phase": verdict.phase.value,
             "reason": verdict.reason,
@@ -440,7 +440,7 @@ class MembershipService:
             for host in self.links.lost(now):
                 ranks = self.links.live_ranks(host)
                 pending = any(m.host == host for m in self.window.pending)
-                if self.window.phase is Phase.FORMED:
+                if self.window.phase is WindowPhase.FORMED:
                     self.window.depart(host)  # it may join again, with fresh ranks
                     self._pending = self.window.pending
                     self._drop_connections(host)
@@ -462,11 +462,11 @@ class MembershipService:
             for ident in self._hosts:
                 self._send(ident, self._session, JoinHeartbeat())
 
-    def _on_verdict(self, verdict: Verdict) -> None:
-        if self._verdict is not None or verdict.phase is Phase.OPEN:
+    def _on_verdict(self, verdict: JoinVerdict) -> None:
+        if self._verdict is not None or verdict.phase is WindowPhase.OPEN:
             return
         self._verdict = verdict
-        if verdict.phase is Phase.FORMED:
+        if verdict.phase is WindowPhase.FORMED:
             log.info("world formed with %d ranks (%s)", verdict.world_size, verdict.reason)
             world = {m.host: m.ranks for m in verdict.members}
             formed = WorldFormed(verdict.world_size, dataclasses.replace(self.spawn, world=world).to_json())
@@ -599,7 +599,7 @@ class MembershipService:
         peer = _peer_address(frames)
         if peer is not None:
             self._cleartext.warn_if_cleartext(peer, encrypted=self._curve is not None)
-        if self.window.phase is Phase.FORMED:
+        if self.window.phase is WindowPhase.FORMED:
             log.info("admitted %r as ranks %s, pending: it joins the world at the next epoch boundary",
                      host, list(ranks))
             return

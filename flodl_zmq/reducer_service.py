@@ -76,6 +76,8 @@ from flodl_zmq.links import (
     SEND_TIMEOUT_S,
     TAG_BCAST,
     TAG_DATA,
+    Refusal,
+    decode_or_count,
     drain,
     keep_alive,
     limit_receive,
@@ -404,15 +406,14 @@ class ReducerService:
             where = f"relay route {route!r}"
             return Attribution.nobody(where) if host is None else Attribution.signed_by(relay_sender(host), where)
 
-        try:
-            env = self._codec.decode_from(msg[1:], Channel.DATA, relay_of)
-        except AttributionError as exc:
-            self._count["unknown_peer" if exc.expected is None else "forged_sender"] += 1
-            log.warning("reducer: dropped: %s", exc)
-            return
-        except WireError as exc:
-            self._count["rejected"] += 1
-            log.warning("reducer: rejected a data record: %s", exc)
+        def refusal(exc: WireError) -> Refusal:
+            if isinstance(exc, AttributionError):
+                return Refusal("unknown_peer" if exc.expected is None else "forged_sender")
+            return Refusal("rejected")
+
+        env = decode_or_count(lambda: self._codec.decode_from(msg[1:], Channel.DATA, relay_of), self._count, refusal,
+                              log, "reducer")
+        if env is None:
             return
         rec = env.record
         host = rec.host if isinstance(rec, RelayHello) else self._host_of[route]

@@ -91,7 +91,7 @@ from typing import Any
 import zmq
 
 from flodl_zmq.environment import ProcessEnv, watch_lifeline
-from flodl_zmq.errors import AttributionError, FlodlError, WireError
+from flodl_zmq.errors import FlodlError
 from flodl_zmq.fold import FoldStation
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
@@ -101,6 +101,7 @@ from flodl_zmq.links import (
     RELAY_ROUTE,
     bind_local,
     coordinator_sender,
+    decode_or_count,
     drain,
     keep_alive,
     limit_receive,
@@ -108,6 +109,7 @@ from flodl_zmq.links import (
     relay_identity,
     relay_sender,
     remove_ipc,
+    route_refusal,
     tune,
     tune_loopback,
 )
@@ -400,17 +402,13 @@ class _ControlPlane(Plane):
         if route != RELAY_ROUTE and (rank is None or rank not in self.cfg.ranks):
             self.count["unknown_rank.upstream_control"] += 1
             return
-        try:
-            # To a rank: signed for that rank's stream, and forwarded without the sequence
-            # check (the rank's window is the duplicate filter; a resend must pass, 10.7).
-            env = self.codec.decode_from(msg[1:], Channel.CONTROL, FROM_COORDINATOR) if route == RELAY_ROUTE else \
-                self.codec.decode_from(msg[1:], Channel.CONTROL, self.coordinator_to[rank], replay=False)
-        except AttributionError:
-            self.count["forged_route.upstream_control"] += 1
-            return
-        except WireError as exc:
-            self.count["rejected.upstream_control"] += 1
-            log.warning("relay %s: rejected a record from the coordinator: %s", self.cfg.host, exc)
+        # To a rank: signed for that rank's stream, and forwarded without the sequence
+        # check (the rank's window is the duplicate filter; a resend must pass, 10.7).
+        env = decode_or_count(
+            lambda: self.codec.decode_from(msg[1:], Channel.CONTROL, FROM_COORDINATOR) if route == RELAY_ROUTE else
+            self.codec.decode_from(msg[1:], Channel.CONTROL, self.coordinator_to[rank], replay=False),
+            self.count, route_refusal("upstream_control"), log, f"relay {self.cfg.host} (upstream_control)")
+        if env is None:
             return
         if route == RELAY_ROUTE:
             if isinstance(env.record, RelayHelloAck):

@@ -21,16 +21,18 @@ from typing import Any
 import zmq
 
 from flodl_zmq import int8
-from flodl_zmq.errors import AttributionError, FoldError, PoisonedDeposit, ShmError, WireError
+from flodl_zmq.errors import FoldError, PoisonedDeposit, ShmError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.links import (
     FROM_REDUCER,
     TAG_BCAST,
     TAG_DATA,
+    decode_or_count,
     drain,
     rank_identity,
     rank_of,
     rank_sender,
+    route_refusal,
     send,
 )
 from flodl_zmq.relay_config import RelayConfig
@@ -86,21 +88,13 @@ class Plane:
         With `mapped`, a by-reference message is read from that rank's own segment.
         """
         sender = Attribution.signed_by(rank_sender(rank), f"rank {rank}'s connection", rank=rank)
-        try:
+
+        def decode() -> Envelope:
             if mapped is not None:
-                env = mapped.decode(self.codec, frames, rank_owner(rank), channel, sender=sender)
-            else:
-                env = self.codec.decode_from(frames, channel, sender, replay=replay)
-        except AttributionError as exc:
-            self.count[f"forged_route.{where}"] += 1
-            log.warning("relay %s: dropped: %s", self.cfg.host, exc)
-            return None
-        except WireError as exc:
-            self.count[f"rejected.{where}"] += 1
-            log.warning("relay %s: rejected a %s record routed as rank %d: %s", self.cfg.host, channel.value,
-                        rank, exc)
-            return None
-        return env
+                return mapped.decode(self.codec, frames, rank_owner(rank), channel, sender=sender)
+            return self.codec.decode_from(frames, channel, sender, replay=replay)
+
+        return decode_or_count(decode, self.count, route_refusal(where), log, f"relay {self.cfg.host} ({where})")
 
     def send(self, sock: zmq.Socket, frames: Sequence[Any], where: str, copy: bool = True) -> bool:
         """Send, bounded in time; a message a peer did not take in time is dropped and counted.
@@ -297,14 +291,9 @@ class DataPlane(Plane):
         if tag != TAG_DATA:
             self.count["rejected.upstream_data"] += 1
             return
-        try:
-            env = self.codec.decode_from(msg[1:], Channel.DATA, FROM_REDUCER)
-        except AttributionError:
-            self.count["forged_route.upstream_data"] += 1
-            return
-        except WireError as exc:
-            self.count["rejected.upstream_data"] += 1
-            log.warning("relay %s: rejected a record from the reducer: %s", self.cfg.host, exc)
+        env = decode_or_count(lambda: self.codec.decode_from(msg[1:], Channel.DATA, FROM_REDUCER), self.count,
+                              route_refusal("upstream_data"), log, f"relay {self.cfg.host} (upstream_data)")
+        if env is None:
             return
         rec = env.record
         if isinstance(rec, RelayDeclareDead):
@@ -345,16 +334,11 @@ class DataPlane(Plane):
 
     def consensus(self, frames: list[zmq.Frame], where: str) -> None:
         """A broadcast-channel record from PUB or resent point to point: verify, then deliver."""
-        try:
-            # No sequence check: a resend is byte-identical to the broadcast and
-            # may come after later rounds; the round id is the replay guard.
-            env = self.codec.decode_from(frames, Channel.BROADCAST, FROM_REDUCER, replay=False)
-        except AttributionError:
-            self.count[f"forged_route.{where}"] += 1
-            return
-        except WireError as exc:
-            self.count[f"rejected.{where}"] += 1
-            log.warning("relay %s: rejected a broadcast record: %s", self.cfg.host, exc)
+        # No sequence check: a resend is byte-identical to the broadcast and
+        # may come after later rounds; the round id is the replay guard.
+        env = decode_or_count(lambda: self.codec.decode_from(frames, Channel.BROADCAST, FROM_REDUCER, replay=False),
+                              self.count, route_refusal(where), log, f"relay {self.cfg.host} ({where})")
+        if env is None:
             return
         rec = env.record
         if isinstance(rec, Probe):

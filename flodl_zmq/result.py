@@ -27,6 +27,19 @@ class TrainResult:
     world_changes: list[dict[str, Any]] = field(default_factory=list)
 
 
+def epoch_row(epoch: int, avg_loss: float, epoch_ms: float, batch_share: list[float], throughput: list[float],
+              scalars: dict[str, float], per_rank_samples: list[int] | None = None) -> dict[str, Any]:
+    """One row of `TrainResult.epochs` (what `format_epoch`, `metrics_fn` and the run report read), alone or not.
+
+    `per_rank_samples` comes with the cluster's aggregate (its sum is what
+    `format_epoch` checks for a covered epoch); a lone run has no such split.
+    """
+    row: dict[str, Any] = {"epoch": epoch, "avg_loss": avg_loss, "epoch_ms": epoch_ms, "batch_share": batch_share}
+    if per_rank_samples is not None:
+        row |= {"samples": int(sum(per_rank_samples)), "per_rank_samples": per_rank_samples}
+    return row | {"throughput": throughput, "scalars": scalars}
+
+
 def format_epoch(row: dict[str, Any], epochs: int) -> str:
     """One line per epoch: loss, eval (when there is one), each rank's batch share, wall time, reconnects."""
     head = f"epoch {row['epoch'] + 1}/{epochs}"

@@ -5,7 +5,7 @@ consensus it receives (``divergence = ||pre - post|| / ||post||`` over the whole
 parameter list, see :func:`divergence_triple`) and ships the triple
 ``(divergence, post_norm, pre_norm)`` in its ``SyncAck``. The coordinator
 collects one triple per rank into a :class:`DivergenceReport` and asks its
-guard for a :class:`Verdict`:
+guard for a :class:`GuardVerdict`:
 
 * :class:`NoGuard` always answers Stable.
 * :class:`TrendGuard` keeps the last five worst-rank divergences; three strict
@@ -59,11 +59,11 @@ __all__ = [
     "LrEventMeta",
     "MsfGuard",
     "NoGuard",
-    "Phase",
+    "Calibration",
     "TrendGuard",
     "ConvergenceGuard",
-    "Verdict",
-    "VerdictKind",
+    "GuardVerdict",
+    "GuardVerdictKind",
     "divergence_triple",
 ]
 
@@ -72,8 +72,8 @@ __all__ = [
 POST_NORM_FLOOR = 1e-10
 
 
-class Phase(enum.IntEnum):
-    """ElChe's calibration phase (ordered: comparisons like ``phase >= Phase.STABLE`` hold).
+class Calibration(enum.IntEnum):
+    """ElChe's calibration phase (ordered: comparisons like ``phase >= Calibration.STABLE`` hold).
 
     Defined here because both ElChe and the LR meta-controller gate on it.
     """
@@ -84,40 +84,40 @@ class Phase(enum.IntEnum):
     MATURE = 3
 
 
-class VerdictKind(enum.Enum):
+class GuardVerdictKind(enum.Enum):
     STABLE = "stable"
     SUPPRESS_GROWTH = "suppress_growth"
     NUDGE_DOWN = "nudge_down"
 
 
 @dataclass(frozen=True)
-class Verdict:
+class GuardVerdict:
     """What a guard (or the meta-controller) asks ElChe to do with the window.
 
     Build with :meth:`stable`, :meth:`suppress_growth` or :meth:`nudge_down`.
     ``relax_up`` only means something on Stable, ``factor`` only on NudgeDown.
     """
 
-    kind: VerdictKind
+    kind: GuardVerdictKind
     factor: float = 1.0
     relax_up: bool = False
 
     @classmethod
-    def stable(cls, relax_up: bool = False) -> Verdict:
-        return cls(VerdictKind.STABLE, relax_up=relax_up)
+    def stable(cls, relax_up: bool = False) -> GuardVerdict:
+        return cls(GuardVerdictKind.STABLE, relax_up=relax_up)
 
     @classmethod
-    def suppress_growth(cls) -> Verdict:
-        return cls(VerdictKind.SUPPRESS_GROWTH)
+    def suppress_growth(cls) -> GuardVerdict:
+        return cls(GuardVerdictKind.SUPPRESS_GROWTH)
 
     @classmethod
-    def nudge_down(cls, factor: float) -> Verdict:
-        return cls(VerdictKind.NUDGE_DOWN, factor=factor)
+    def nudge_down(cls, factor: float) -> GuardVerdict:
+        return cls(GuardVerdictKind.NUDGE_DOWN, factor=factor)
 
     @property
     def is_pressure(self) -> bool:
         """True for SuppressGrowth and NudgeDown (the guard pushed back)."""
-        return self.kind is not VerdictKind.STABLE
+        return self.kind is not GuardVerdictKind.STABLE
 
 
 # --------------------------------------------------------------------------
@@ -234,7 +234,7 @@ class DivergenceReport:
 class ConvergenceGuard(Protocol):
     """A guard turns one reduce's divergence into a verdict for ElChe."""
 
-    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> Verdict:
+    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> GuardVerdict:
         """``k_used`` = total steps in the window, ``k_max`` = the largest per-rank count."""
         ...
 
@@ -244,8 +244,8 @@ class ConvergenceGuard(Protocol):
 class NoGuard:
     """Never objects: every reduce is Stable."""
 
-    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> Verdict:
-        return Verdict.stable()
+    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> GuardVerdict:
+        return GuardVerdict.stable()
 
     def reset(self) -> None:
         pass
@@ -285,13 +285,13 @@ class TrendGuard:
         """Snapshot of the ring, oldest first (what goes into ``trend_history``)."""
         return list(self._history)
 
-    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> Verdict:
+    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> GuardVerdict:
         self._history.append(report.max_relative_delta)
         if len(self._history) >= TREND_RISES:
             a, b, c = list(self._history)[-TREND_RISES:]
             if a < b < c and c > self.threshold:
-                return Verdict.suppress_growth()
-        return Verdict.stable()
+                return GuardVerdict.suppress_growth()
+        return GuardVerdict.stable()
 
     def reset(self) -> None:
         self._history.clear()
@@ -397,21 +397,21 @@ class MsfGuard:
         """The last reduce's raw sample (None when it produced none)."""
         return self.estimator.last_raw
 
-    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> Verdict:
+    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> GuardVerdict:
         if self.estimator.observe(report.max_relative_delta, k_max) is None:
             self._suppress_streak = self._nudge_streak = 0
-            return Verdict.stable()
+            return GuardVerdict.stable()
         lam = self.estimator.lambda_ema
         assert lam is not None  # a fresh raw sample always leaves an EMA
         self._suppress_streak = self._suppress_streak + 1 if lam > self.suppress_threshold else 0
         self._nudge_streak = self._nudge_streak + 1 if lam > self.nudge_threshold else 0
         if self._nudge_streak >= self.nudge_sustain:
             self._nudge_streak = 0
-            return Verdict.nudge_down(self.nudge_factor)
+            return GuardVerdict.nudge_down(self.nudge_factor)
         if self._suppress_streak >= self.suppress_sustain:
             self._suppress_streak = 0
-            return Verdict.suppress_growth()
-        return Verdict.stable()
+            return GuardVerdict.suppress_growth()
+        return GuardVerdict.stable()
 
     def reset(self) -> None:
         self.estimator.reset()
@@ -423,18 +423,18 @@ class MsfGuard:
 
 # Per-phase nudge base factor and sustain count: later phases trust the guard
 # more (fewer verdicts needed) and shrink less (the window is already tuned).
-_BASE_FACTOR = {Phase.WARMUP: 0.3, Phase.STABLE: 0.5, Phase.MATURE: 0.7}
-_SUSTAIN_K = {Phase.PROBE: 5, Phase.WARMUP: 5, Phase.STABLE: 3, Phase.MATURE: 2}
+_BASE_FACTOR = {Calibration.WARMUP: 0.3, Calibration.STABLE: 0.5, Calibration.MATURE: 0.7}
+_SUSTAIN_K = {Calibration.PROBE: 5, Calibration.WARMUP: 5, Calibration.STABLE: 3, Calibration.MATURE: 2}
 CLIFF_BASE_FACTOR = 0.5
 SETTLED_EPSILON = 0.10
 
 
-def base_factor(phase: Phase) -> float | None:
+def base_factor(phase: Calibration) -> float | None:
     """The phase's nudge base factor (None in Probe, where the meta stays silent)."""
     return _BASE_FACTOR.get(phase)
 
 
-def sustain_k(phase: Phase) -> int:
+def sustain_k(phase: Calibration) -> int:
     """Consecutive pressure verdicts needed to fire in this phase."""
     return _SUSTAIN_K[phase]
 
@@ -481,7 +481,7 @@ class LrEventMeta:
         self._anchors: deque[int] = deque(maxlen=anchor_window)
         # The window must hold the largest sustain count, or Probe/Warmup's K
         # could never be met.
-        self._verdicts: deque[Verdict] = deque(maxlen=max(verdict_window, max(_SUSTAIN_K.values())))
+        self._verdicts: deque[GuardVerdict] = deque(maxlen=max(verdict_window, max(_SUSTAIN_K.values())))
 
     def anchor_trend(self) -> float:
         """Relative distance of the newest anchor from the window mean (0 with < 2 samples)."""
@@ -499,8 +499,8 @@ class LrEventMeta:
         return self._clamp(base - (1.0 - base) * self.anchor_trend())
 
     def observe(
-        self, lr: float | None, anchor: int, verdict: Verdict, phase: Phase
-    ) -> Verdict | None:
+        self, lr: float | None, anchor: int, verdict: GuardVerdict, phase: Calibration
+    ) -> GuardVerdict | None:
         """Record one reduce; returns a NudgeDown verdict for ElChe, or None.
 
         ``lr`` is the first rank's latest reported learning rate; None (no
@@ -512,7 +512,7 @@ class LrEventMeta:
         self._lrs.append(lr)
         self._anchors.append(anchor)
         self._verdicts.append(verdict)
-        if phase is Phase.PROBE:
+        if phase is Calibration.PROBE:
             return None
         cliff = self._cliff()
         conv = self._sustained(phase)
@@ -529,7 +529,7 @@ class LrEventMeta:
             factors.append(self.effective_factor(base))
         if not factors:
             return None
-        return Verdict.nudge_down(self._clamp(math.prod(factors)))
+        return GuardVerdict.nudge_down(self._clamp(math.prod(factors)))
 
     def _cliff(self) -> bool:
         if len(self._lrs) < 2:
@@ -537,7 +537,7 @@ class LrEventMeta:
         prev, now = self._lrs[0], self._lrs[-1]
         return prev > 0.0 and now < prev and (prev - now) / prev > self.sharp_drop_threshold
 
-    def _sustained(self, phase: Phase) -> bool:
+    def _sustained(self, phase: Calibration) -> bool:
         k = sustain_k(phase)
         if len(self._verdicts) < k:
             return False

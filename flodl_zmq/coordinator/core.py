@@ -278,16 +278,11 @@ class Coordinator:
     def on_rank_death(self, rank: int, reason: str, now: float) -> list[Out]:
         """The agent or relay saw `rank` exit (`reason` is for logs): the fast death path."""
         self._require_started(f"death report of rank {rank} ({reason})")
-        self._now = now
-        self.liveness.check_rank(rank)
-        if self._over:
-            self.liveness.fail(rank)
-            self.ignored["after_end"] += 1
-        elif not self.liveness.is_live(rank):
-            self.ignored["duplicate_death"] += 1
-        else:
+        if self._failure_is_news(rank, "duplicate_death", now):
             self._lose_rank(rank, failure=True, now=now)
             self._advance(now)
+        elif self._over:
+            self.liveness.fail(rank)
         return self._outbox.flush()
 
     def on_send_failed(self, rank: int, record: Any, now: float) -> list[Out]:
@@ -300,17 +295,21 @@ class Coordinator:
         stolen last); an untrained Sync span is part of the dead rank's remainder.
         """
         self._require_started(f"failed send of {type(record).__name__} to rank {rank}")
-        self._now = now
-        self.liveness.check_rank(rank)
-        if self._over:
-            self.ignored["after_end"] += 1
-        elif not self.liveness.is_live(rank):
-            self.ignored["send_to_departed"] += 1
-        else:
+        if self._failure_is_news(rank, "send_to_departed", now):
             self.lost_sends[type(record).__name__] += 1
             self._lose_rank(rank, failure=True, now=now)
             self._advance(now)
         return self._outbox.flush()
+
+    def _failure_is_news(self, rank: int, departed: str, now: float) -> bool:
+        """Whether a failure of `rank` is acted on: not once the run is over (`ignored["after_end"]`), nor for a
+        rank already gone (`ignored[departed]`)."""
+        self._now = now
+        self.liveness.check_rank(rank)
+        ignored_as = "after_end" if self._over else None if self.liveness.is_live(rank) else departed
+        if ignored_as is not None:
+            self.ignored[ignored_as] += 1
+        return ignored_as is None
 
     def on_round_complete(self, round: int, now: float) -> list[Out]:
         """The reducer published the consensus of `round`."""

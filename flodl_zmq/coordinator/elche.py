@@ -53,11 +53,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flodl_zmq.coordinator.convergence import Phase, Verdict, VerdictKind
+from flodl_zmq.coordinator.convergence import Calibration, GuardVerdict, GuardVerdictKind
 from flodl_zmq.coordinator.timing import WindowReport
 from flodl_zmq.errors import ConfigError, CoordinatorError
 
-__all__ = ["ElChe", "ElCheConfig", "ElCheState", "Phase", "Verdict", "VerdictKind"]
+__all__ = ["ElChe", "ElCheConfig", "ElCheState", "Calibration", "GuardVerdict", "GuardVerdictKind"]
 
 TRUST_WINDOW_CAP = 5
 MISSED_REPORTS_TO_FORGET = 5
@@ -161,7 +161,7 @@ class ElCheState:
     anchor: int
     anchor_rank: int | None
     smoothed_ms_per_batch: tuple[float, ...]
-    phase: Phase
+    phase: Calibration
     calibration_count: int
     trend_history: tuple[float, ...] | None = None
 
@@ -215,7 +215,7 @@ class ElCheState:
         ):
             raise bad("smoothed_ms_per_batch", "must be a list of finite numbers >= 0")
         try:
-            phase = Phase[str(d["phase"]).upper()]
+            phase = Calibration[str(d["phase"]).upper()]
         except KeyError:
             raise bad(
                 "phase", f"= {d['phase']!r}, must be probe, warmup, stable or mature"
@@ -265,7 +265,7 @@ class ElChe:
         self._counts_history: deque[tuple[int, ...]] = deque(maxlen=BATCH_COUNTS_WINDOW_CAP)
         self._calibrated = False
         self._calibration_count = 0
-        self._phase = Phase.PROBE
+        self._phase = Calibration.PROBE
         self._epoch_cap: int | None = None
         self._cap_binding = False
         self._slack_ms = [0.0] * world_size
@@ -289,7 +289,7 @@ class ElChe:
         return self._anchor_rank
 
     @property
-    def phase(self) -> Phase:
+    def phase(self) -> Calibration:
         return self._phase
 
     @property
@@ -388,7 +388,7 @@ class ElChe:
                 if self._missed[r] >= MISSED_REPORTS_TO_FORGET:
                     self._trust[r].clear()
 
-        if self._anchor_rank is None or self._phase >= Phase.STABLE:
+        if self._anchor_rank is None or self._phase >= Calibration.STABLE:
             self._elect()
         if self._anchor_rank is None:
             return
@@ -404,7 +404,7 @@ class ElChe:
         if slow_ms <= 0:
             return
 
-        if self._phase >= Phase.WARMUP:
+        if self._phase >= Calibration.WARMUP:
             self._propose_growth(slow_ms, report.sync_ms, report.fill_ms[self._anchor_rank])
         self._recompute(slow_ms)
         self._counts_history.append(tuple(self._counts))
@@ -412,9 +412,9 @@ class ElChe:
         self._calibration_count += 1
         self._advance_phase()
 
-    def apply_verdict(self, verdict: Verdict) -> None:
+    def apply_verdict(self, verdict: GuardVerdict) -> None:
         """The single seam through which guards and the meta-controller steer the anchor."""
-        if verdict.kind is VerdictKind.STABLE:
+        if verdict.kind is GuardVerdictKind.STABLE:
             self._consecutive_stable += 1
             if self._consecutive_stable >= GROWTH_REARM_STABLE:
                 self._growth_enabled = True
@@ -430,7 +430,7 @@ class ElChe:
         self._proposal = None
         self._consecutive_stable = 0
         self._growth_enabled = False
-        if verdict.kind is VerdictKind.NUDGE_DOWN and math.isfinite(verdict.factor):
+        if verdict.kind is GuardVerdictKind.NUDGE_DOWN and math.isfinite(verdict.factor):
             lo, hi = NUDGE_FACTOR_RANGE
             f = min(hi, max(lo, verdict.factor))
             self._anchor = min(self._anchor, max(1, math.ceil(self._anchor * f)))
@@ -534,7 +534,7 @@ class ElChe:
         target = self.config.overhead_target
         # Warmup numbers are still noisy: only a clearly fixed-cost-bound
         # window may grow before Stable.
-        fire_at = target if self._phase >= Phase.STABLE else WARMUP_GROWTH_MARGIN * target
+        fire_at = target if self._phase >= Calibration.STABLE else WARMUP_GROWTH_MARGIN * target
         if overhead <= fire_at:
             return
         scale = min(overhead / target, GROWTH_STEP_CAP)
@@ -596,9 +596,9 @@ class ElChe:
 
     def _advance_phase(self) -> None:
         n = self._calibration_count
-        if self._phase is Phase.PROBE:
-            self._phase = Phase.WARMUP
-        elif self._phase is Phase.WARMUP and n >= STABLE_AT:
-            self._phase = Phase.STABLE
-        elif self._phase is Phase.STABLE and n >= MATURE_AT:
-            self._phase = Phase.MATURE
+        if self._phase is Calibration.PROBE:
+            self._phase = Calibration.WARMUP
+        elif self._phase is Calibration.WARMUP and n >= STABLE_AT:
+            self._phase = Calibration.STABLE
+        elif self._phase is Calibration.STABLE and n >= MATURE_AT:
+            self._phase = Calibration.MATURE

@@ -49,12 +49,12 @@ from flodl_zmq.coordinator.convergence import (
     ConvergenceGuard,
     DivergenceReport,
     DivergenceSample,
+    GuardVerdict,
+    GuardVerdictKind,
     LrEventMeta,
     MsfGuard,
     NoGuard,
     TrendGuard,
-    Verdict,
-    VerdictKind,
 )
 from flodl_zmq.coordinator.elche import ElChe, ElCheState
 from flodl_zmq.coordinator.timing import WindowLedger
@@ -102,7 +102,7 @@ class WindowFeedback:
         self._lr: list[float | None] = [None] * world_size
         self._round_trip_ms = 0.0  # the cycle that closed the previous window
         # The last close's verdict and worst divergence, for the run log (what the guard saw).
-        self.last_verdict: Verdict | None = None
+        self.last_verdict: GuardVerdict | None = None
         self.last_divergence: float | None = None
 
     def on_lr(self, rank: int, lr: float) -> None:
@@ -115,7 +115,7 @@ class WindowFeedback:
         divergence: Sequence[DivergenceSample | None],
         live_steps: Sequence[int],
         round_trip_ms: float,
-    ) -> Verdict:
+    ) -> GuardVerdict:
         """A consensus finished: calibrate, judge, reset the ledger; returns the applied verdict.
 
         `divergence` has one entry per rank (None: no finite sample),
@@ -132,13 +132,13 @@ class WindowFeedback:
             nudge = self.meta.observe(lr, self.elche.anchor, verdict, self.elche.phase)
             if nudge is not None:
                 self.elche.apply_verdict(nudge)  # discards any pending growth first
-        if verdict.kind is VerdictKind.STABLE and self._mode is Mode.ASYNC:
-            verdict = Verdict.stable(relax_up=self._relax_up)
+        if verdict.kind is GuardVerdictKind.STABLE and self._mode is Mode.ASYNC:
+            verdict = GuardVerdict.stable(relax_up=self._relax_up)
         self.elche.apply_verdict(verdict)
         if self._overshoot_auto:
-            if verdict.kind is VerdictKind.STABLE:
+            if verdict.kind is GuardVerdictKind.STABLE:
                 self.overshoot = min(self.overshoot + 1, self._overshoot_ceiling)
-            elif verdict.kind is VerdictKind.NUDGE_DOWN:
+            elif verdict.kind is GuardVerdictKind.NUDGE_DOWN:
                 self.overshoot = self._overshoot_initial
         self.ledger.reset_steps()
         self.ledger.reset_timing()

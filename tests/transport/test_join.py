@@ -24,7 +24,7 @@ from flodl_zmq.agent import Agent
 from flodl_zmq.agent_rules import AgentConfig
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import MembershipError
-from flodl_zmq.join import HostDone, JoinConfig, JoinWindow, Phase, RankExitReported
+from flodl_zmq.join import HostDone, JoinConfig, JoinWindow, RankExitReported, WindowPhase
 from flodl_zmq.membership import JOIN_RUN_ID, MembershipService, SpawnSpec, TrustMode
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.wire import Channel, Codec, compute_mac, new_key
@@ -162,7 +162,7 @@ def test_open_admission_hands_out_the_session_key_and_forms_on_target(cluster):
     assert (ja.ranks, jb.ranks) == ((0,), (1, 2))
     assert ja.world_size == 3 and ja.spawn.world == {"a": (0,), "b": (1, 2)}
     verdict = c.service.wait_closed(5)
-    assert verdict.phase is Phase.FORMED and verdict.reason == "target ranks reached"
+    assert verdict.phase is WindowPhase.FORMED and verdict.reason == "target ranks reached"
 
 
 def test_pre_shared_key_drops_a_wrong_key_unanswered_and_forms_without_it(cluster):
@@ -213,7 +213,7 @@ def test_quorum_not_met_by_the_cap_aborts_the_joined_agents(cluster):
     c = cluster(min_ranks=2, window_s=0.2, cap_s=0.6)
     with pytest.raises(MembershipError, match="aborted.*quorum not met: 1/2"):
         c.agent("lonely").join()
-    assert c.service.wait_closed(5).phase is Phase.FAILED
+    assert c.service.wait_closed(5).phase is WindowPhase.FAILED
 
 
 # --------------------------------------------------------------------------- supervision
@@ -248,7 +248,7 @@ def test_a_killed_rank_is_reported_with_the_negative_signal(cluster):
 def test_an_abort_after_formation_tears_the_hosts_down(cluster):
     c = cluster(target_ranks=2, rank_code="time.sleep(60)")
     a, b = in_thread(c.agent("a").run), in_thread(c.agent("b").run)
-    assert c.service.wait_closed(10).phase is Phase.FORMED
+    assert c.service.wait_closed(10).phase is WindowPhase.FORMED
     time.sleep(0.3)  # let the agents spawn
     c.service.abort("operator stopped the run")
     assert a() == 1 and b() == 1
@@ -259,7 +259,7 @@ def test_an_abort_after_formation_tears_the_hosts_down(cluster):
 def test_a_silent_controller_tears_the_host_down(cluster):
     c = cluster(target_ranks=2, rank_code="time.sleep(60)")
     a, b = in_thread(c.agent("a", grace_s=0).run), in_thread(c.agent("b", grace_s=0).run)
-    assert c.service.wait_closed(10).phase is Phase.FORMED
+    assert c.service.wait_closed(10).phase is WindowPhase.FORMED
     c.service.close()  # no more heartbeats, no goodbye: as if the link were cut
     assert a() == 1 and b() == 1
 
@@ -366,7 +366,7 @@ def test_a_join_link_stuck_silent_is_redialled_and_the_host_stays(cluster, tmp_p
         a = in_thread(c.agent("a", grace_s=0).run)
         b_out = io.StringIO()
         b = in_thread(c.agent("b", grace_s=0, out=b_out, controller=ControllerAddress("127.0.0.1", proxy.port - 3)).run)
-        assert c.service.wait_closed(10).phase is Phase.FORMED
+        assert c.service.wait_closed(10).phase is WindowPhase.FORMED
         assert proxy.connections.acquire(timeout=10)
         deadline = time.monotonic() + 20  # a hang guard: b's rank starts once b has the formed world
         while "up" not in b_out.getvalue() and time.monotonic() < deadline:
@@ -390,7 +390,7 @@ def test_a_join_link_stuck_silent_is_redialled_and_the_host_stays(cluster, tmp_p
 def test_a_controller_silent_past_the_grace_period_leaves_the_agents_with_the_reason(cluster):
     c = cluster(target_ranks=2, rank_code="time.sleep(60)")
     a, b = in_thread(c.agent("a", grace_s=1.5).run), in_thread(c.agent("b", grace_s=1.5).run)
-    assert c.service.wait_closed(10).phase is Phase.FORMED
+    assert c.service.wait_closed(10).phase is WindowPhase.FORMED
     c.service.close()
     for agent in (a, b):
         with pytest.raises(MembershipError, match=r"did not come back within the grace period of 1\.5 s"):
@@ -403,7 +403,7 @@ def test_abort_returns_once_the_service_thread_acted_on_it_and_not_after_close(c
     assert c.service.abort("operator gave up") is True  # the thread woke for it: no poll tick to wait out
     assert time.perf_counter() - t0 < 0.5
     verdict = c.service.wait_closed(0)
-    assert verdict is not None and verdict.phase is Phase.FAILED and verdict.reason == "operator gave up"
+    assert verdict is not None and verdict.phase is WindowPhase.FAILED and verdict.reason == "operator gave up"
     c.service.close()
     assert c.service.abort("again") is False  # nobody left to send it
 

@@ -10,24 +10,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl_zmq.coordinator.convergence import (
+    Calibration,
     DivergenceReport,
     DivergenceSample,
+    GuardVerdict,
+    GuardVerdictKind,
     LambdaEstimator,
     LrEventMeta,
     MsfGuard,
     NoGuard,
-    Phase,
     TrendGuard,
-    Verdict,
-    VerdictKind,
     base_factor,
     divergence_triple,
     sustain_k,
 )
 from flodl_zmq.errors import ConfigError
 
-STABLE = Verdict.stable()
-SUPPRESS = Verdict.suppress_growth()
+STABLE = GuardVerdict.stable()
+SUPPRESS = GuardVerdict.suppress_growth()
 
 
 def report(d: float) -> DivergenceReport:
@@ -187,7 +187,7 @@ def test_trend_rejects_a_negative_threshold():
 @given(st.lists(st.floats(0.0, 10.0), max_size=30))
 def test_trend_guard_never_nudges(ds):
     guard = TrendGuard(0.01)
-    assert all(guard.report(report(d), 5, 5).kind is not VerdictKind.NUDGE_DOWN for d in ds)
+    assert all(guard.report(report(d), 5, 5).kind is not GuardVerdictKind.NUDGE_DOWN for d in ds)
 
 
 # -- lambda estimator --------------------------------------------------------
@@ -245,7 +245,7 @@ def test_lambda_ema_smooths_over_constant_input():
 # -- MsfGuard ------------------------------------------------------------------
 
 
-def growing(guard: MsfGuard, rate: float, n: int, k_max: int = 10) -> list[Verdict]:
+def growing(guard: MsfGuard, rate: float, n: int, k_max: int = 10) -> list[GuardVerdict]:
     d, out = 1e-3, []
     for _ in range(n):
         out.append(guard.report(report(d), k_max * 2, k_max))
@@ -265,7 +265,7 @@ def test_msf_suppress_fires_after_sustain():
 
 def test_msf_nudge_fires_on_sustained_steeper_growth():
     verdicts = growing(MsfGuard(), rate=0.05, n=4)
-    assert verdicts[3] == Verdict.nudge_down(0.5)
+    assert verdicts[3] == GuardVerdict.nudge_down(0.5)
 
 
 def test_msf_decaying_lambda_does_not_fire():
@@ -314,181 +314,181 @@ def observe_many(meta: LrEventMeta, steps):
 
 
 def test_single_observation_emits_noop():
-    assert LrEventMeta().observe(0.1, 10, SUPPRESS, Phase.MATURE) is None
+    assert LrEventMeta().observe(0.1, 10, SUPPRESS, Calibration.MATURE) is None
 
 
 def test_no_lr_report_is_a_noop():
     meta = LrEventMeta()
-    assert meta.observe(None, 10, SUPPRESS, Phase.MATURE) is None
-    assert meta.observe(None, 10, SUPPRESS, Phase.MATURE) is None
-    assert meta.observe(0.1, 10, SUPPRESS, Phase.MATURE) is None  # nothing was recorded
+    assert meta.observe(None, 10, SUPPRESS, Calibration.MATURE) is None
+    assert meta.observe(None, 10, SUPPRESS, Calibration.MATURE) is None
+    assert meta.observe(0.1, 10, SUPPRESS, Calibration.MATURE) is None  # nothing was recorded
 
 
 def test_observe_records_into_windows_with_cap():
     meta = LrEventMeta()
-    meta.observe(0.1, 1000, STABLE, Phase.STABLE)
+    meta.observe(0.1, 1000, STABLE, Calibration.STABLE)
     for _ in range(5):
-        meta.observe(0.1, 10, STABLE, Phase.STABLE)
+        meta.observe(0.1, 10, STABLE, Calibration.STABLE)
     assert meta.anchor_trend() == 0.0  # the 1000 fell out of the five-slot window
 
 
 def test_probe_phase_silences_both_watchers():
     meta = LrEventMeta()
     out = observe_many(
-        meta, [(0.1, 10, SUPPRESS, Phase.PROBE)] * 5 + [(0.01, 10, SUPPRESS, Phase.PROBE)]
+        meta, [(0.1, 10, SUPPRESS, Calibration.PROBE)] * 5 + [(0.01, 10, SUPPRESS, Calibration.PROBE)]
     )
     assert out == [None] * 6
 
 
 def test_lr_cliff_fires_on_multistep_drop():
     meta = LrEventMeta()
-    meta.observe(0.1, 10, STABLE, Phase.STABLE)
-    assert meta.observe(0.01, 10, STABLE, Phase.STABLE) == Verdict.nudge_down(0.5)
+    meta.observe(0.1, 10, STABLE, Calibration.STABLE)
+    assert meta.observe(0.01, 10, STABLE, Calibration.STABLE) == GuardVerdict.nudge_down(0.5)
 
 
 def test_lr_cliff_fires_once_per_drop():
     meta = LrEventMeta()
-    meta.observe(0.1, 10, STABLE, Phase.STABLE)
-    assert meta.observe(0.01, 10, STABLE, Phase.STABLE) is not None
-    assert meta.observe(0.01, 10, STABLE, Phase.STABLE) is None
-    assert meta.observe(0.01, 10, STABLE, Phase.STABLE) is None
+    meta.observe(0.1, 10, STABLE, Calibration.STABLE)
+    assert meta.observe(0.01, 10, STABLE, Calibration.STABLE) is not None
+    assert meta.observe(0.01, 10, STABLE, Calibration.STABLE) is None
+    assert meta.observe(0.01, 10, STABLE, Calibration.STABLE) is None
 
 
 def test_lr_cliff_silent_on_smooth_decay():
     meta = LrEventMeta()
     lr, out = 0.1, []
     for _ in range(20):
-        out.append(meta.observe(lr, 10, STABLE, Phase.STABLE))
+        out.append(meta.observe(lr, 10, STABLE, Calibration.STABLE))
         lr *= 0.9
     assert out == [None] * 20
 
 
 def test_lr_cliff_silent_on_lr_rise():
     meta = LrEventMeta()
-    out = observe_many(meta, [(0.01, 10, STABLE, Phase.STABLE), (0.1, 10, STABLE, Phase.STABLE)])
+    out = observe_many(meta, [(0.01, 10, STABLE, Calibration.STABLE), (0.1, 10, STABLE, Calibration.STABLE)])
     assert out == [None, None]
 
 
 def test_lr_cliff_silent_with_too_short_window():
     meta = LrEventMeta()
-    assert meta.observe(0.0001, 10, STABLE, Phase.STABLE) is None
+    assert meta.observe(0.0001, 10, STABLE, Calibration.STABLE) is None
 
 
 @pytest.mark.parametrize(("drop", "fires"), [(0.25, False), (0.35, True)])
 def test_lr_cliff_threshold_at_boundary(drop, fires):
     meta = LrEventMeta()
-    meta.observe(1.0, 10, STABLE, Phase.STABLE)
-    assert (meta.observe(1.0 - drop, 10, STABLE, Phase.STABLE) is not None) is fires
+    meta.observe(1.0, 10, STABLE, Calibration.STABLE)
+    assert (meta.observe(1.0 - drop, 10, STABLE, Calibration.STABLE) is not None) is fires
 
 
 def test_convergence_fires_after_k_consecutive_at_stable():
     meta = LrEventMeta()
-    out = observe_many(meta, [(0.1, 10, SUPPRESS, Phase.STABLE)] * 3)
-    assert out == [None, None, Verdict.nudge_down(0.5)]
+    out = observe_many(meta, [(0.1, 10, SUPPRESS, Calibration.STABLE)] * 3)
+    assert out == [None, None, GuardVerdict.nudge_down(0.5)]
 
 
 def test_convergence_silent_on_isolated_nudge():
     meta = LrEventMeta()
-    steps = [(0.1, 10, STABLE, Phase.STABLE), (0.1, 10, Verdict.nudge_down(0.5), Phase.STABLE)]
-    assert observe_many(meta, steps + [(0.1, 10, STABLE, Phase.STABLE)]) == [None] * 3
+    steps = [(0.1, 10, STABLE, Calibration.STABLE), (0.1, 10, GuardVerdict.nudge_down(0.5), Calibration.STABLE)]
+    assert observe_many(meta, steps + [(0.1, 10, STABLE, Calibration.STABLE)]) == [None] * 3
 
 
 def test_convergence_silent_on_two_at_stable_needs_three():
     meta = LrEventMeta()
-    assert observe_many(meta, [(0.1, 10, SUPPRESS, Phase.STABLE)] * 2) == [None, None]
+    assert observe_many(meta, [(0.1, 10, SUPPRESS, Calibration.STABLE)] * 2) == [None, None]
 
 
 def test_convergence_at_mature_needs_only_two():
     meta = LrEventMeta()
-    out = observe_many(meta, [(0.1, 10, SUPPRESS, Phase.MATURE)] * 2)
-    assert out[1] == Verdict.nudge_down(pytest.approx(0.7))
+    out = observe_many(meta, [(0.1, 10, SUPPRESS, Calibration.MATURE)] * 2)
+    assert out[1] == GuardVerdict.nudge_down(pytest.approx(0.7))
 
 
 def test_convergence_mixed_sustained_kinds_fire():
     meta = LrEventMeta()
-    nudge = Verdict.nudge_down(0.5)
-    steps = [(0.1, 10, v, Phase.STABLE) for v in (SUPPRESS, nudge, SUPPRESS)]
+    nudge = GuardVerdict.nudge_down(0.5)
+    steps = [(0.1, 10, v, Calibration.STABLE) for v in (SUPPRESS, nudge, SUPPRESS)]
     assert observe_many(meta, steps)[2] is not None
 
 
 def test_convergence_evidence_is_consumed_by_firing():
     meta = LrEventMeta()
-    out = observe_many(meta, [(0.1, 10, SUPPRESS, Phase.MATURE)] * 4)
+    out = observe_many(meta, [(0.1, 10, SUPPRESS, Calibration.MATURE)] * 4)
     assert [o is not None for o in out] == [False, True, False, True]
 
 
 def test_anchor_trend_rising():
     meta = LrEventMeta()
-    observe_many(meta, [(0.1, a, STABLE, Phase.STABLE) for a in (10, 30)])
+    observe_many(meta, [(0.1, a, STABLE, Calibration.STABLE) for a in (10, 30)])
     assert meta.anchor_trend() == pytest.approx(0.5)
 
 
 def test_anchor_trend_falling():
     meta = LrEventMeta()
-    observe_many(meta, [(0.1, a, STABLE, Phase.STABLE) for a in (30, 10)])
+    observe_many(meta, [(0.1, a, STABLE, Calibration.STABLE) for a in (30, 10)])
     assert meta.anchor_trend() == pytest.approx(-0.5)
 
 
 def test_anchor_trend_stable_near_zero():
     meta = LrEventMeta()
-    observe_many(meta, [(0.1, a, STABLE, Phase.STABLE) for a in (100, 101, 100, 99, 100)])
+    observe_many(meta, [(0.1, a, STABLE, Calibration.STABLE) for a in (100, 101, 100, 99, 100)])
     assert abs(meta.anchor_trend()) < 0.01
     assert meta.is_settled()
 
 
 def test_anchor_trend_short_window_is_zero():
     meta = LrEventMeta()
-    meta.observe(0.1, 50, STABLE, Phase.STABLE)
+    meta.observe(0.1, 50, STABLE, Calibration.STABLE)
     assert meta.anchor_trend() == 0.0
 
 
 def test_is_settled_within_epsilon():
     meta = LrEventMeta()
-    observe_many(meta, [(0.1, a, STABLE, Phase.STABLE) for a in (100, 100, 100, 100, 140)])
+    observe_many(meta, [(0.1, a, STABLE, Calibration.STABLE) for a in (100, 100, 100, 100, 140)])
     assert meta.anchor_trend() == pytest.approx(32 / 108)
     assert not meta.is_settled()
 
 
 def test_effective_factor_symmetric_around_zero_trend():
     up, down = LrEventMeta(), LrEventMeta()
-    observe_many(up, [(0.1, a, STABLE, Phase.STABLE) for a in (10, 30)])
-    observe_many(down, [(0.1, a, STABLE, Phase.STABLE) for a in (30, 10)])
+    observe_many(up, [(0.1, a, STABLE, Calibration.STABLE) for a in (10, 30)])
+    observe_many(down, [(0.1, a, STABLE, Calibration.STABLE) for a in (30, 10)])
     assert up.effective_factor(0.5) == pytest.approx(0.25)
     assert down.effective_factor(0.5) == pytest.approx(0.75)
 
 
 def test_effective_factor_clamps_at_extremes():
     up, down = LrEventMeta(), LrEventMeta()
-    observe_many(up, [(0.1, a, STABLE, Phase.STABLE) for a in (1, 1000)])
-    observe_many(down, [(0.1, a, STABLE, Phase.STABLE) for a in (1000, 1)])
+    observe_many(up, [(0.1, a, STABLE, Calibration.STABLE) for a in (1, 1000)])
+    observe_many(down, [(0.1, a, STABLE, Calibration.STABLE) for a in (1000, 1)])
     assert up.effective_factor(0.5) == 0.1
     assert down.effective_factor(0.5) == 0.95
 
 
 def test_both_watchers_compound_factor_at_mature():
     meta = LrEventMeta()
-    meta.observe(0.1, 10, SUPPRESS, Phase.MATURE)
-    assert meta.observe(0.01, 10, SUPPRESS, Phase.MATURE) == Verdict.nudge_down(pytest.approx(0.35))
+    meta.observe(0.1, 10, SUPPRESS, Calibration.MATURE)
+    assert meta.observe(0.01, 10, SUPPRESS, Calibration.MATURE) == GuardVerdict.nudge_down(pytest.approx(0.35))
 
 
 def test_per_phase_base_factors_match_design():
-    assert [base_factor(p) for p in Phase] == [None, 0.3, 0.5, 0.7]
+    assert [base_factor(p) for p in Calibration] == [None, 0.3, 0.5, 0.7]
 
 
 def test_per_phase_sustain_k_match_design():
-    assert [sustain_k(p) for p in Phase] == [5, 5, 3, 2]
+    assert [sustain_k(p) for p in Calibration] == [5, 5, 3, 2]
 
 
 def test_trend_dampens_subsequent_nudge_after_cliff():
     meta = LrEventMeta()
-    observe_many(meta, [(0.1, 100, STABLE, Phase.STABLE)] * 4)
-    out = meta.observe(0.01, 50, STABLE, Phase.STABLE)
+    observe_many(meta, [(0.1, 100, STABLE, Calibration.STABLE)] * 4)
+    out = meta.observe(0.01, 50, STABLE, Calibration.STABLE)
     assert out is not None and out.factor == pytest.approx(0.5 + 0.5 * 40 / 90)
 
 
 def test_trend_amplifies_nudge_during_relax_up_climb():
     meta = LrEventMeta()
-    out = observe_many(meta, [(0.1, a, SUPPRESS, Phase.STABLE) for a in (10, 12, 14)])
+    out = observe_many(meta, [(0.1, a, SUPPRESS, Calibration.STABLE) for a in (10, 12, 14)])
     assert out[2] is not None and out[2].factor < 0.5
 
 

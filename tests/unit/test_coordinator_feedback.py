@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flodl_zmq.coordinator.config import CoordinatorConfig
-from flodl_zmq.coordinator.convergence import DivergenceSample, TrendGuard, Verdict
+from flodl_zmq.coordinator.convergence import DivergenceSample, GuardVerdict, TrendGuard
 from flodl_zmq.coordinator.feedback import WindowFeedback
 from flodl_zmq.coordinator.resume import ResumeState
 from flodl_zmq.coordinator.roles import CallbackRoles, EpochCallbacks
@@ -59,12 +59,12 @@ def test_the_round_trip_is_amortized_one_window_late():
 def test_async_overshoot_grows_on_stable_windows_and_resets_on_a_nudge():
     fb = WindowFeedback(cfg(mode="async"), 2)
     start = fb.overshoot
-    fb.guard = _Fixed(Verdict.stable())
+    fb.guard = _Fixed(GuardVerdict.stable())
     for _ in range(2):
         window(fb)
         fb.close([True, True], SAMPLES, [4, 4], 1.0)
     assert fb.overshoot == start + 2
-    fb.guard = _Fixed(Verdict.nudge_down(0.5))
+    fb.guard = _Fixed(GuardVerdict.nudge_down(0.5))
     window(fb)
     fb.close([True, True], SAMPLES, [4, 4], 1.0)
     assert fb.overshoot == start
@@ -72,7 +72,7 @@ def test_async_overshoot_grows_on_stable_windows_and_resets_on_a_nudge():
 
 def test_a_pinned_overshoot_never_moves():
     fb = WindowFeedback(cfg(mode="async", max_overshoot=7), 2)
-    fb.guard = _Fixed(Verdict.stable())
+    fb.guard = _Fixed(GuardVerdict.stable())
     window(fb)
     fb.close([True, True], SAMPLES, [4, 4], 1.0)
     assert fb.overshoot == 7

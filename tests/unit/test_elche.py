@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_zmq.coordinator.elche import ElChe, ElCheConfig, ElCheState, Phase, Verdict
+from flodl_zmq.coordinator.elche import Calibration, ElChe, ElCheConfig, ElCheState, GuardVerdict
 from flodl_zmq.coordinator.timing import WindowReport
 from flodl_zmq.errors import ConfigError, CoordinatorError
 
@@ -29,7 +29,7 @@ def compute_report(ms_per_batch, steps=10, sync_ms=0.0, fill_ms=None) -> WindowR
     )
 
 
-def feed(el: ElChe, ms_per_batch, n=1, sync_ms=0.0, verdict: Verdict | None = None) -> None:
+def feed(el: ElChe, ms_per_batch, n=1, sync_ms=0.0, verdict: GuardVerdict | None = None) -> None:
     for _ in range(n):
         el.report_window(compute_report(ms_per_batch, sync_ms=sync_ms))
         if verdict is not None:
@@ -206,7 +206,7 @@ def test_election_is_closed_during_warmup():
     feed(el, [100.0, 95.0])
     assert el.anchor_rank == 0
     feed(el, [100.0, 300.0], n=4)  # reports 2..5 are in Warmup
-    assert el.phase is Phase.STABLE
+    assert el.phase is Calibration.STABLE
     assert el.anchor_rank == 0
     feed(el, [100.0, 300.0])  # first Stable report: election open
     assert el.anchor_rank == 1
@@ -215,7 +215,7 @@ def test_election_is_closed_during_warmup():
 def test_incumbent_keeps_the_anchor_against_a_challenger_within_the_margin():
     el = elche()
     feed(el, [100.0, 95.0], n=5)
-    assert el.phase is Phase.STABLE and el.anchor_rank == 0
+    assert el.phase is Calibration.STABLE and el.anchor_rank == 0
     feed(el, [100.0, 108.0], n=5)  # 8 % slower: not enough
     assert el.anchor_rank == 0
     feed(el, [100.0, 112.0], n=5)  # 12 % slower: steals the anchor
@@ -253,14 +253,14 @@ def test_anchor_rank_pin_out_of_range_is_a_config_error():
 
 def test_phases_advance_at_one_five_and_twenty_calibrations():
     el = elche()
-    assert el.phase is Phase.PROBE
+    assert el.phase is Calibration.PROBE
     seen = {}
     for i in range(1, 21):
         feed(el, [100.0, 100.0])
         seen[i] = el.phase
-    assert seen[1] is Phase.WARMUP and seen[4] is Phase.WARMUP
-    assert seen[5] is Phase.STABLE and seen[19] is Phase.STABLE
-    assert seen[20] is Phase.MATURE
+    assert seen[1] is Calibration.WARMUP and seen[4] is Calibration.WARMUP
+    assert seen[5] is Calibration.STABLE and seen[19] is Calibration.STABLE
+    assert seen[20] is Calibration.MATURE
 
 
 def test_first_report_never_proposes_growth():
@@ -273,7 +273,7 @@ def test_warmup_proposes_growth_from_the_second_calibration():
     el = elche(anchor=10)
     feed(el, [100.0, 100.0], sync_ms=5000.0)
     feed(el, [100.0, 100.0], sync_ms=5000.0)  # overhead 0.83: x2 cap
-    assert el.phase is Phase.WARMUP
+    assert el.phase is Calibration.WARMUP
     assert el.proposed_anchor == 20
     assert el.anchor == 10  # only proposed
 
@@ -281,7 +281,7 @@ def test_warmup_proposes_growth_from_the_second_calibration():
 def test_verdict_stable_commits_pending_grow():
     el = elche(anchor=10)
     feed(el, [100.0, 100.0], n=2, sync_ms=5000.0)
-    el.apply_verdict(Verdict.stable())
+    el.apply_verdict(GuardVerdict.stable())
     assert el.anchor == 20
     assert el.batch_counts == (20, 20)
     assert el.proposed_anchor is None
@@ -295,7 +295,7 @@ def test_growth_respects_max_anchor():
 
 def test_growth_is_proportional_below_the_cap():
     el = elche(anchor=10, overhead_target=0.10)
-    feed(el, [100.0, 100.0], sync_ms=150.0, n=5, verdict=Verdict.stable())
+    feed(el, [100.0, 100.0], sync_ms=150.0, n=5, verdict=GuardVerdict.stable())
     # overhead 150/1150 = 0.13 > 0.10 at Stable: scale 1.30 -> ceil(13.04)
     feed(el, [100.0, 100.0], sync_ms=150.0)
     assert el.proposed_anchor == 14
@@ -306,7 +306,7 @@ def test_borderline_warmup_pressure_waits_for_stable():
     for _ in range(5):  # overhead 0.13: above target, below the 2x warmup margin
         feed(el, [100.0, 100.0], sync_ms=150.0)
         assert el.proposed_anchor is None
-        el.apply_verdict(Verdict.stable())
+        el.apply_verdict(GuardVerdict.stable())
     feed(el, [100.0, 100.0], sync_ms=150.0)
     assert el.proposed_anchor is not None
 
@@ -322,16 +322,16 @@ def test_fill_counts_as_fixed_overhead():
 
 def test_sync_policy_exempt_from_window_pressure_growth():
     el = elche(anchor=1, window_growth=False)
-    feed(el, [100.0, 100.0], n=25, sync_ms=5000.0, verdict=Verdict.stable())
+    feed(el, [100.0, 100.0], n=25, sync_ms=5000.0, verdict=GuardVerdict.stable())
     assert el.anchor == 1
-    assert el.phase is Phase.MATURE
+    assert el.phase is Calibration.MATURE
 
 
 def test_warmup_growth_still_dies_on_a_guard_veto():
     el = elche(anchor=10)
     feed(el, [100.0, 100.0], n=2, sync_ms=5000.0)
     assert el.proposed_anchor == 20
-    el.apply_verdict(Verdict.suppress_growth())
+    el.apply_verdict(GuardVerdict.suppress_growth())
     assert el.anchor == 10
     assert el.proposed_anchor is None
 
@@ -339,7 +339,7 @@ def test_warmup_growth_still_dies_on_a_guard_veto():
 def test_verdict_suppress_growth_drops_proposal_and_latches():
     el = elche(anchor=10)
     feed(el, [100.0, 100.0], n=2, sync_ms=5000.0)
-    el.apply_verdict(Verdict.suppress_growth())
+    el.apply_verdict(GuardVerdict.suppress_growth())
     assert not el.growth_enabled
     feed(el, [100.0, 100.0], sync_ms=5000.0)
     assert el.proposed_anchor is None
@@ -348,11 +348,11 @@ def test_verdict_suppress_growth_drops_proposal_and_latches():
 def test_growth_rearms_after_five_consecutive_stables():
     el = elche(anchor=10)
     feed(el, [100.0, 100.0])
-    el.apply_verdict(Verdict.suppress_growth())
+    el.apply_verdict(GuardVerdict.suppress_growth())
     for _ in range(4):
-        feed(el, [100.0, 100.0], sync_ms=5000.0, verdict=Verdict.stable())
+        feed(el, [100.0, 100.0], sync_ms=5000.0, verdict=GuardVerdict.stable())
     assert not el.growth_enabled and el.anchor == 10
-    el.apply_verdict(Verdict.stable())
+    el.apply_verdict(GuardVerdict.stable())
     assert el.growth_enabled
     feed(el, [100.0, 100.0], sync_ms=5000.0)
     assert el.proposed_anchor == 20
@@ -360,12 +360,12 @@ def test_growth_rearms_after_five_consecutive_stables():
 
 def test_pressure_verdict_resets_the_stable_streak():
     el = elche(anchor=10)
-    el.apply_verdict(Verdict.suppress_growth())
+    el.apply_verdict(GuardVerdict.suppress_growth())
     for _ in range(4):
-        el.apply_verdict(Verdict.stable())
-    el.apply_verdict(Verdict.suppress_growth())
+        el.apply_verdict(GuardVerdict.stable())
+    el.apply_verdict(GuardVerdict.suppress_growth())
     for _ in range(4):
-        el.apply_verdict(Verdict.stable())
+        el.apply_verdict(GuardVerdict.stable())
     assert not el.growth_enabled
 
 
@@ -376,7 +376,7 @@ def test_verdict_nudge_down_discards_and_nudges():
     el = elche(anchor=20)
     feed(el, [100.0, 100.0], n=2, sync_ms=5000.0)
     assert el.proposed_anchor == 40
-    el.apply_verdict(Verdict.nudge_down(0.5))
+    el.apply_verdict(GuardVerdict.nudge_down(0.5))
     assert el.anchor == 10
     assert el.proposed_anchor is None
     assert el.batch_counts == (10, 10)
@@ -388,31 +388,31 @@ def test_nudge_then_discard_survives_a_later_commit():
     # same cycle: the Stable must not resurrect the pre-nudge proposal.
     el = elche(anchor=20)
     feed(el, [100.0, 100.0], n=2, sync_ms=5000.0)
-    el.apply_verdict(Verdict.nudge_down(0.5))
-    el.apply_verdict(Verdict.stable())
+    el.apply_verdict(GuardVerdict.nudge_down(0.5))
+    el.apply_verdict(GuardVerdict.stable())
     assert el.anchor == 10
 
 
 def test_nudge_ignores_min_anchor_and_clamps_its_factor():
     el = elche(anchor=20, min_anchor=20)
-    el.apply_verdict(Verdict.nudge_down(0.5))
+    el.apply_verdict(GuardVerdict.nudge_down(0.5))
     assert el.anchor == 10
-    el.apply_verdict(Verdict.nudge_down(0.001))  # clamped to 0.1
+    el.apply_verdict(GuardVerdict.nudge_down(0.001))  # clamped to 0.1
     assert el.anchor == 1
-    el.apply_verdict(Verdict.nudge_down(0.001))
+    el.apply_verdict(GuardVerdict.nudge_down(0.001))
     assert el.anchor == 1  # never below one batch
 
 
 def test_nudge_never_grows_the_anchor():
     el = elche(anchor=20)
-    el.apply_verdict(Verdict.nudge_down(3.0))
+    el.apply_verdict(GuardVerdict.nudge_down(3.0))
     assert el.anchor == 20
 
 
 def test_non_finite_nudge_factor_leaves_the_anchor_but_still_vetoes_growth():
     el = elche(anchor=20)
     feed(el, [100.0, 100.0], n=2, sync_ms=5000.0)
-    el.apply_verdict(Verdict.nudge_down(math.nan))
+    el.apply_verdict(GuardVerdict.nudge_down(math.nan))
     assert el.anchor == 20
     assert el.proposed_anchor is None
     assert not el.growth_enabled
@@ -420,7 +420,7 @@ def test_non_finite_nudge_factor_leaves_the_anchor_but_still_vetoes_growth():
 
 def test_verdict_stable_relax_up_drifts_anchor():
     el = elche(anchor=10)
-    el.apply_verdict(Verdict.stable(relax_up=True))
+    el.apply_verdict(GuardVerdict.stable(relax_up=True))
     assert el.anchor == 11
     assert el.batch_counts == (11, 11)
 
@@ -471,9 +471,9 @@ def test_invalid_config_names_the_setting(knobs, setting):
 
 def test_state_round_trips_through_json():
     el = elche(world=3, anchor=10)
-    feed(el, [50.0, 100.0, 80.0], n=6, verdict=Verdict.stable())
+    feed(el, [50.0, 100.0, 80.0], n=6, verdict=GuardVerdict.stable())
     state = el.state()
-    assert state.phase is Phase.STABLE
+    assert state.phase is Calibration.STABLE
     data = json.loads(json.dumps(state.to_dict()))
     assert ElCheState.from_dict(data) == state
     resumed = ElChe.from_state(ElCheConfig(anchor=10), 3, state)
@@ -483,7 +483,7 @@ def test_state_round_trips_through_json():
 
 
 def test_resume_keeps_trend_history_in_the_dict():
-    state = ElCheState(14, 1, (50.0, 100.0), Phase.STABLE, 17, (0.01, 0.02))
+    state = ElCheState(14, 1, (50.0, 100.0), Calibration.STABLE, 17, (0.01, 0.02))
     assert ElCheState.from_dict(json.loads(json.dumps(state.to_dict()))) == state
 
 
@@ -494,11 +494,11 @@ def test_resume_with_another_world_size_is_refused():
 
 
 def test_resume_rebinds_knobs_and_clamps_the_anchor():
-    state = ElCheState(500, None, (0.0, 0.0), Phase.WARMUP, 3)
+    state = ElCheState(500, None, (0.0, 0.0), Calibration.WARMUP, 3)
     el = ElChe.from_state(ElCheConfig(anchor=10, max_anchor=100), 2, state)
     assert el.anchor == 100
     assert not el.is_calibrated
-    assert el.phase is Phase.WARMUP
+    assert el.phase is Calibration.WARMUP
 
 
 @pytest.mark.parametrize(
@@ -512,13 +512,13 @@ def test_resume_rebinds_knobs_and_clamps_the_anchor():
     ],
 )
 def test_corrupt_state_dict_names_the_field(patch, field):
-    data = ElCheState(10, 0, (1.0, 2.0), Phase.STABLE, 5).to_dict() | patch
+    data = ElCheState(10, 0, (1.0, 2.0), Calibration.STABLE, 5).to_dict() | patch
     with pytest.raises(ConfigError, match=repr(field)):
         ElCheState.from_dict(data)
 
 
 def test_state_dict_missing_field_is_named():
-    data = ElCheState(10, 0, (1.0, 2.0), Phase.STABLE, 5).to_dict()
+    data = ElCheState(10, 0, (1.0, 2.0), Calibration.STABLE, 5).to_dict()
     del data["phase"]
     with pytest.raises(ConfigError, match="'phase' is missing"):
         ElCheState.from_dict(data)
@@ -529,11 +529,11 @@ def test_state_dict_missing_field_is_named():
 rates = st.one_of(st.just(0.0), st.floats(0.01, 5000.0))
 verdicts = st.sampled_from(
     [
-        Verdict.stable(),
-        Verdict.stable(relax_up=True),
-        Verdict.suppress_growth(),
-        Verdict.nudge_down(0.5),
-        Verdict.nudge_down(0.05),
+        GuardVerdict.stable(),
+        GuardVerdict.stable(relax_up=True),
+        GuardVerdict.suppress_growth(),
+        GuardVerdict.nudge_down(0.5),
+        GuardVerdict.nudge_down(0.05),
     ]
 )
 
@@ -594,7 +594,7 @@ def test_state_round_trip_is_identity(run):
 
 
 def test_a_grown_world_keeps_the_measured_ranks_and_starts_the_new_ones_cold():
-    state = ElCheState(10, 0, (40.0, 20.0), Phase.STABLE, 6).grown(3)
+    state = ElCheState(10, 0, (40.0, 20.0), Calibration.STABLE, 6).grown(3)
     assert state.smoothed_ms_per_batch == (40.0, 20.0, 0.0)
     el = ElChe.from_state(ElCheConfig(anchor=10), 3, state)
     # The measured ranks keep their shares by speed; the cold rank probes with the anchor's count.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flodl_zmq.errors import AuthError, TrainingError
-from flodl_zmq.formation import Failed, Formation, Formed, Ignored, Phase, Waiting
+from flodl_zmq.formation import Failed, Formation, FormationPhase, Formed, Ignored, Waiting
 from flodl_zmq.wire.records import RankHello
 
 WORLD = {"a": (0, 1), "b": (2,)}
@@ -28,7 +28,7 @@ def test_the_world_forms_once_every_rank_agrees():
     assert f.hello(2, hello(2)) == Waiting((1,))
     v = f.hello(1, hello(1))
     assert isinstance(v, Formed) and sorted(v.hellos) == [0, 1, 2]
-    assert f.phase is Phase.FORMED
+    assert f.phase is FormationPhase.FORMED
     assert f.hello(1, hello(1)) == Ignored("late_hello")
     assert f.poll(DEADLINE + 1) == v  # a formed world never times out
 
@@ -62,7 +62,7 @@ def test_a_rank_known_to_have_left_fails_the_formation_at_once_naming_it_below_t
     assert isinstance(v, Failed) and v.ranks == (2,)
     assert "rank 2 (it exited with code -9)" in v.reason and "2 of 3 ranks remain" in v.reason
     assert "minimum of 3 (--min-ranks)" in v.reason
-    assert f.phase is Phase.FAILED
+    assert f.phase is FormationPhase.FAILED
     # Final: later hellos and the clock return the same verdict.
     assert f.hello(1, hello(1)) is v and f.hello(2, hello(2)) is v and f.poll(DEADLINE + 1) is v
 
@@ -106,7 +106,7 @@ def test_a_rank_leaving_after_formation_is_not_a_formation_matter():
     for r in (0, 1, 2):
         f.hello(r, hello(r))
     assert f.rank_left(0, "gone") == Ignored("late_exit")
-    assert f.phase is Phase.FORMED
+    assert f.phase is FormationPhase.FORMED
 
 
 def test_duplicate_and_unknown_hellos_change_nothing():
@@ -115,7 +115,7 @@ def test_duplicate_and_unknown_hellos_change_nothing():
     assert f.hello(0, hello(0, data=b"x" * 32)) == Ignored("duplicate_hello")
     assert f.hello(7, hello(7, host="a")) == Ignored("unknown_rank")
     assert f.rank_left(7, "?") == Ignored("unknown_rank")
-    assert f.hellos[0].dataset_sig == DATA and f.phase is Phase.FORMING
+    assert f.hellos[0].dataset_sig == DATA and f.phase is FormationPhase.FORMING
     f.hello(1, hello(1))
     assert isinstance(f.hello(2, hello(2)), Formed)  # the first hello of rank 0 stood
 

@@ -10,7 +10,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flodl_zmq.errors import ConfigError, MembershipError
-from flodl_zmq.join import Accepted, HostLinks, JoinConfig, JoinWindow, Member, Phase, Rejected
+from flodl_zmq.join import (
+    Accepted,
+    HostLinks,
+    JoinConfig,
+    JoinWindow,
+    Member,
+    Rejected,
+    WindowPhase,
+)
 from flodl_zmq.membership import (
     OPEN_JOIN_KEY,
     SpawnSpec,
@@ -75,10 +83,10 @@ def test_a_resumed_window_gives_each_host_its_old_ranks_whatever_the_order_and_f
     w = JoinWindow(JoinConfig(min_ranks=4, target_ranks=4, window_s=10.0, cap_s=30.0), opened_at=100.0,
                    resumed={"w1": (0, 1), "w2": (2, 3)})
     assert w.admit(hello("w2", 2), 100.0).ranks == (2, 3)
-    assert w.poll(101.0).phase is Phase.OPEN
+    assert w.poll(101.0).phase is WindowPhase.OPEN
     assert w.admit(hello("w1", 2), 102.0).ranks == (0, 1)
     verdict = w.poll(102.0)
-    assert verdict.phase is Phase.FORMED and {m.host: m.ranks for m in verdict.members} == {"w1": (0, 1), "w2": (2, 3)}
+    assert verdict.phase is WindowPhase.FORMED and {m.host: m.ranks for m in verdict.members} == {"w1": (0, 1), "w2": (2, 3)}
 
 
 def test_a_resumed_window_refuses_a_stranger_and_a_host_with_other_devices_by_name():
@@ -149,7 +157,7 @@ def test_protocol_version_skew_is_refused_by_name():
 def test_hostile_hellos_are_refused_and_leave_the_window_open(h, needle):
     w = window()
     assert needle in rejected(w.admit(h, 100.0))
-    assert w.members == () and w.phase is Phase.OPEN
+    assert w.members == () and w.phase is WindowPhase.OPEN
     assert w.admit(hello("honest"), 100.0).ranks == (0,)
 
 
@@ -166,12 +174,12 @@ def test_retract_last_returns_rank_ids_to_the_pool():
 def test_after_formation_a_joiner_is_pending_with_fresh_ranks_until_the_world_re_forms():
     w = window(target_ranks=2)
     w.admit(hello("a", 2), 100.0)
-    assert w.poll(100.0).phase is Phase.FORMED
+    assert w.poll(100.0).phase is WindowPhase.FORMED
     late = w.admit(hello("late", 2), 101.0)
     assert isinstance(late, Accepted) and late.ranks == (2, 3) and late.formation_wait_s == 30.0
     assert w.world == {"a": (0, 1)} and [m.host for m in w.pending] == ["late"]
     assert w.reform() == {"a": (0, 1), "late": (2, 3)} and w.pending == ()
-    assert w.poll(200.0).phase is Phase.FORMED  # the verdict stays final
+    assert w.poll(200.0).phase is WindowPhase.FORMED  # the verdict stays final
 
 
 def test_a_joiner_after_formation_passes_the_same_checks_and_the_rank_cap():
@@ -260,35 +268,35 @@ def test_config_cross_field_validation(cfg, needle):
 def test_verdict_target_closes_early():
     w = window(target_ranks=3)
     w.admit(hello("a", 2), 100.0)
-    assert w.poll(101.0).phase is Phase.OPEN
+    assert w.poll(101.0).phase is WindowPhase.OPEN
     w.admit(hello("b", 1), 101.0)
     v = w.poll(101.0)
-    assert v.phase is Phase.FORMED and v.reason == "target ranks reached"
+    assert v.phase is WindowPhase.FORMED and v.reason == "target ranks reached"
     assert v.world_size == 3 and [m.host for m in v.members] == ["a", "b"]
 
 
 def test_verdict_quorum_early_does_not_close_the_window():
     w = window(min_ranks=2, window_s=10.0)
     w.admit(hello("a", 2), 100.0)
-    assert w.poll(109.9).phase is Phase.OPEN
+    assert w.poll(109.9).phase is WindowPhase.OPEN
     v = w.poll(110.0)
-    assert v.phase is Phase.FORMED and "with quorum" in v.reason
+    assert v.phase is WindowPhase.FORMED and "with quorum" in v.reason
 
 
 def test_verdict_grace_range_waits_for_quorum_then_forms():
     w = window(min_ranks=2, window_s=10.0, cap_s=30.0)
     w.admit(hello("a", 1), 100.0)
-    assert w.poll(115.0).phase is Phase.OPEN
+    assert w.poll(115.0).phase is WindowPhase.OPEN
     w.admit(hello("b", 1), 120.0)
-    assert w.poll(120.0).phase is Phase.FORMED
+    assert w.poll(120.0).phase is WindowPhase.FORMED
 
 
 def test_verdict_cap_expiry_fails_loudly():
     w = window(min_ranks=2, window_s=10.0, cap_s=30.0)
     w.admit(hello("a", 1), 100.0)
-    assert w.poll(129.9).phase is Phase.OPEN
+    assert w.poll(129.9).phase is WindowPhase.OPEN
     v = w.poll(130.0)
-    assert v.phase is Phase.FAILED
+    assert v.phase is WindowPhase.FAILED
     assert "quorum not met" in v.reason and "1/2" in v.reason
 
 
@@ -304,16 +312,16 @@ def test_next_due_is_the_window_end_then_the_cap_then_none_once_final():
     w = window(min_ranks=2, window_s=10.0, cap_s=30.0)
     assert w.next_due(100.0) == 110.0
     w.admit(hello("a", 1), 101.0)
-    assert w.poll(110.0).phase is Phase.OPEN
+    assert w.poll(110.0).phase is WindowPhase.OPEN
     assert w.next_due(110.0) == 130.0  # after the window only the cap (or a quorum admission) closes it
-    assert w.poll(130.0).phase is Phase.FAILED
+    assert w.poll(130.0).phase is WindowPhase.FAILED
     assert w.next_due(130.0) is None
 
 
 def test_abort_fails_an_open_window_with_the_reason():
     w = window()
     v = w.abort("launcher aborted before the world formed")
-    assert v.phase is Phase.FAILED and "launcher aborted" in v.reason
+    assert v.phase is WindowPhase.FAILED and "launcher aborted" in v.reason
 
 
 # --------------------------------------------------------------------------- trust
