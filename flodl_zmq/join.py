@@ -65,7 +65,7 @@ JOIN_CHALLENGE_CAP = 4096
 MAX_DEVICES_PER_HOST = 256
 MAX_HOST_CHARS = 255
 # How a refusal of a host that is already a member begins: an agent re-dialling after its link
-# was cut retries it until the controller declares its old link lost (agent.py).
+# was cut retries it until the controller declares its old link lost (agent_rules.worth_redialling).
 DUPLICATE_JOIN = "duplicate join"
 
 

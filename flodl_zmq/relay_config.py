@@ -1,8 +1,8 @@
 """A relay's configuration: everything it needs, validated on construction.
 
 Apart from the service (``relay.Relay``) so that both of the relay's
-threads, in ``relay.py`` and ``relay_data.py``, can read it without either
-module importing the other's. Timings default to the settings table.
+threads can read it: ``relay.py`` imports ``relay_data.py``, which must not
+import it back. Timings default to the settings table.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import zmq
 from flodl_zmq import rank_link as rank_module
 from flodl_zmq.links import rank_identity
 from flodl_zmq.rank_link import ConsensusIn, RankConfig
-from flodl_zmq.rank_link import RankLink as _Link
+from flodl_zmq.rank_link import RankLink
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
@@ -122,13 +122,13 @@ class Rig:
             relay.start()
         self.ranks = {r: FakeRank(self.ctx, r, self.key, self.run_id, eps[f"{h}-control"], eps[f"{h}-data"])
                       for h, rs in HOSTS.items() for r in rs if not (shim == "rank" and r == 1)}
-        self.link: _Link | None = None
+        self.link: RankLink | None = None
         if shim == "rank":  # rank 1 is a real I/O thread, behind the shim
             self.shim = DropShim(self.ctx, shim_ep, eps["a-data"], rank_identity(1), drops)
             cfg = RankConfig(rank=1, local_rank=1, world_size=4, host="a", key=self.key, run_id=self.run_id,
                              control_endpoint=eps["a-control"], data_endpoint=shim_ep, heartbeat_s=30.0,
                              consensus_wait_s=0.3)
-            self.link = _Link(cfg, self.ctx, lambda: 0)
+            self.link = RankLink(cfg, self.ctx, 0.0)
             self.link.start()
 
     def round(self, round_id: int) -> dict[int, tuple[list[np.ndarray], float]]:

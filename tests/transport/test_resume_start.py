@@ -8,7 +8,7 @@ import zmq
 
 from flodl_zmq import int8
 from flodl_zmq.rank_link import ConsensusIn, RankConfig
-from flodl_zmq.rank_link import RankLink as _Link
+from flodl_zmq.rank_link import RankLink
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
@@ -67,7 +67,7 @@ def test_a_resumed_rank_asks_its_relay_and_loads_the_checkpoint_consensus_then_r
     cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="a", key=key, run_id=run_id,
                      control_endpoint=eps["a-control"], data_endpoint=eps["a-data"],
                      consensus_wait_s=0.5, first_contact_timeout_s=WAIT_S * 6, resumed=True)
-    link = _Link(cfg, ctx, 0.0)
+    link = RankLink(cfg, ctx, 0.0)
     other = FakeRank(ctx, 1, key, run_id, eps["a-control"], eps["a-data"])
     try:
         link.start()

@@ -67,12 +67,12 @@ def test_the_link_sends_pending_step_timings_ahead_of_any_other_record():
     import zmq
 
     from flodl_zmq.rank_link import RankConfig
-    from flodl_zmq.rank_link import RankLink as _Link
+    from flodl_zmq.rank_link import RankLink
 
     cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="h0", key=bytes(32), run_id=bytes(16),
                      control_endpoint="ipc:///nonexistent-c", data_endpoint="ipc:///nonexistent-d")
     ctx = zmq.Context()
-    link = _Link(cfg, ctx, report_period_s=60.0)  # never due by time: only the edge sends them
+    link = RankLink(cfg, ctx, report_period_s=60.0)  # never due by time: only the edge sends them
     try:
         link.step(10.0, 0.0, 1.0, step_count=1)
         link.step(11.0, 0.0, 0.9, step_count=2)
