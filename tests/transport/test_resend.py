@@ -18,8 +18,7 @@ import zmq
 
 from flodl_zmq import rank_link as rank_module
 from flodl_zmq.links import rank_identity
-from flodl_zmq.rank_link import ConsensusIn, RankConfig
-from flodl_zmq.rank_link import RankLink
+from flodl_zmq.rank_link import ConsensusIn, RankConfig, RankLink
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig

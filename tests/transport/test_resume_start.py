@@ -7,8 +7,7 @@ import pytest
 import zmq
 
 from flodl_zmq import int8
-from flodl_zmq.rank_link import ConsensusIn, RankConfig
-from flodl_zmq.rank_link import RankLink
+from flodl_zmq.rank_link import ConsensusIn, RankConfig, RankLink
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig

@@ -66,8 +66,7 @@ def test_the_coordinator_learns_the_same_from_one_report_as_from_one_record_per_
 def test_the_link_sends_pending_step_timings_ahead_of_any_other_record():
     import zmq
 
-    from flodl_zmq.rank_link import RankConfig
-    from flodl_zmq.rank_link import RankLink
+    from flodl_zmq.rank_link import RankConfig, RankLink
 
     cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="h0", key=bytes(32), run_id=bytes(16),
                      control_endpoint="ipc:///nonexistent-c", data_endpoint="ipc:///nonexistent-d")
