@@ -1,4 +1,4 @@
-"""The house's walls: every flodl_zmq import runs down the layers, none loops, the scheduler stays pure.
+"""The house's walls: every flodl_zmq import runs down the layers, none loops, the cores stay pure, no file grows fat.
 
 The layers are the picture in docs/architecture.md; a module not listed here
 fails the test, so a new module gets a place in the picture before it lands.
@@ -114,3 +114,25 @@ PURE = sorted(PACKAGE / (name.replace(".", "/") + ("/__init__.py" if name == "co
 def test_a_core_touches_no_socket_thread_or_clock(path):
     bad = sorted(i for i in imports(path) if i.split(".")[0] in IMPURE)
     assert not bad, f"{path.name} imports {bad}: it is a pure core (time comes in as an argument)"
+
+
+# A module or a function past these sizes mixes rules with plumbing again (issue 28's shells).
+MAX_MODULE_LINES = 700
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_module_or_function_outgrows_its_limit():
+    fat = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        where = path.relative_to(PACKAGE)
+        lines = text.count("\n")
+        if lines > MAX_MODULE_LINES:
+            fat.append(f"{where}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    fat.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+    assert not fat, (f"over {MAX_MODULE_LINES} lines a module, {MAX_FUNCTION_LINES} a function (move a rule "
+                     f"into a core, or a step into a named method): {fat}")
