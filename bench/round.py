@@ -212,11 +212,12 @@ def _cuda_buffers(rank: int, host: str, n: int, dtype: str, segment: Any) -> Any
     import torch
 
     from flodl_zmq.param_buffers import ParamBuffers
+    from flodl_zmq.wire_format import named
 
     device = torch.device("cuda", HOSTS[host].index(rank) % torch.cuda.device_count())
     holder = torch.nn.Module()
     holder.p = torch.nn.Parameter(torch.full((n,), float(rank + 1), device=device))
-    return ParamBuffers(holder, segment, dtype)
+    return ParamBuffers(holder, segment, named(dtype))
 
 
 def zmq_rounds(n: int, dtype: str, transport: str, rounds: int, warmup: int, device: str = "cpu") -> Rounds:

@@ -105,6 +105,7 @@ class Trainer:
         if penv.lifeline_fd is not None:
             watch_lifeline(penv.lifeline_fd)
         job = self.job
+        job.check_announced(penv.settings.wire)  # what the relays were told is this job's format
         # A relay's comings and goings (ranks joining, leaving) are what an operator reads
         # when a host misbehaves; ranks and the controller print progress, not chatter.
         level = logging.INFO if penv.role == "relay" else logging.WARNING
@@ -120,7 +121,7 @@ class Trainer:
         if penv.role == "relay":
             from flodl_zmq.relay import run_relay
 
-            raise SystemExit(run_relay(penv))
+            raise SystemExit(run_relay(penv, job.wire))  # a script run as the relay knows the format
         raise SystemExit(run_rank(job, penv))
 
 

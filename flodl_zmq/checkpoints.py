@@ -47,14 +47,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from flodl_zmq import bundle, int8
+from flodl_zmq import bundle
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.job import Job
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import load_flat
 from flodl_zmq.result import TrainResult
-from flodl_zmq.tensors import DTYPES, f32_from_bf16
 from flodl_zmq.wire import records as rec
 
 log = logging.getLogger(__name__)
@@ -352,19 +351,12 @@ class Keeper:
         """A consensus from the broadcast: kept when of positive mass and newer than the kept one."""
         if not (record.mass > 0.0 and record.round > self.round and payload):
             return
-        flat = payload[0].reshape(-1)
-        if flat.size != self.consensus.size:
+        wire = self.job.wire
+        if not wire.is_payload(payload) or wire.numel(payload) != self.consensus.size:
             return
         # The kept consensus (the result and the saved model) is f32 whatever the wire
         # carries: a bf16 round is widened once, here, exactly (int8: values times scales).
-        if int8.is_int8(payload) and len(payload) == 2:
-            int8.widen(payload, [self.consensus])
-        elif flat.dtype == DTYPES["bf16"]:
-            f32_from_bf16(flat, self.consensus)
-        elif flat.dtype == DTYPES["f32"]:
-            np.copyto(self.consensus, flat)
-        else:
-            return
+        wire.widen(payload, self.consensus)
         self.round = record.round
 
     def epoch_ended(self) -> None:

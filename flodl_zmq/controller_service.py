@@ -113,7 +113,7 @@ from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.membership_link import MembershipLink
 from flodl_zmq.payload import flatten, load_flat, model_signature
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
@@ -234,12 +234,12 @@ class ControllerService:
             ReducerConfig.for_controller(
                 self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve,
                 link_heartbeat_s=settings.link_heartbeat_period_s, link_silence_s=settings.link_silence_s,
-                send_timeout_s=settings.peer_send_timeout_s,
+                send_timeout_s=settings.peer_send_timeout_s, wire=self.job.wire,
             ),
             ctx,
             self.outer,
             # A resumed world's ranks load the checkpoint's consensus from the reducer (PROTOCOL.md 13).
-            None if not self.job.resume_from else (rec.RESUME_ROUND, resume_payload(self.kept.consensus, self.job.wire_dtype)),
+            None if not self.job.resume_from else (rec.RESUME_ROUND, self.job.wire.resume_payload(self.kept.consensus)),
         )
 
     def _control_socket(self, ctx: zmq.Context) -> zmq.Socket:

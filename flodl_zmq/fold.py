@@ -64,7 +64,7 @@ import numpy as np
 
 from flodl_zmq import threads
 from flodl_zmq.errors import ConfigError, FoldError, PoisonedDeposit, ProtocolError
-from flodl_zmq.tensors import DTYPES, bf16_from_f32, bf16_sum, dtype_name, f32_from_bf16
+from flodl_zmq.tensors import ELEMENTS, Element, bf16_sum, dtype_name, f32_from_bf16
 
 # (wire dtype name, shape) of each tensor of a round, in order.
 Schema = tuple[tuple[str, tuple[int, ...]], ...]
@@ -84,8 +84,9 @@ def schema_of(tensors: Sequence[np.ndarray], who: str, error: type[ProtocolError
             name = dtype_name(t)
         except TypeError as e:
             raise error(f"{who}: tensor[{i}]: {e}") from None
-        if name == "i8":  # a service widens int8 payloads before they are summed (flodl_zmq/int8.py)
-            raise error(f"{who}: tensor[{i}] is int8 outside (values, scales) pairs: not an int8 payload")
+        if name not in KERNELS:  # i8: a hop widens int8 payloads before they are summed (flodl_zmq/wire_format.py)
+            raise error(f"{who}: tensor[{i}] is {name}, which a fold does not sum: int8 values travel only in "
+                        "(values, scales) pairs, and such a payload is widened before it is summed")
         schema.append((name, t.shape))
     return tuple(schema)
 
@@ -132,21 +133,6 @@ def check_mass(mass: float, who: str, error: type[ProtocolError]) -> float:
     return m
 
 
-def _finite_piece(dt: str, x: np.ndarray) -> bool:
-    with np.errstate(all="ignore"):
-        return _finite(dt, x)
-
-
-def _finite(dt: str, x: np.ndarray) -> bool:
-    if dt == "bf16":  # uint16 bits: non-finite iff the exponent is all ones
-        return bool(np.max(np.bitwise_and(x, 0x7FFF)) < 0x7F80) if x.size else True
-    # One read, no allocation: NaN and inf propagate into x.x (BLAS, the fastest
-    # reduction numpy has). A result that overflows from finite elements (values
-    # above ~1e19) is settled by the exact check; f16 has no BLAS dot.
-    quick = np.dot(x, x) if dt == "f32" else np.add.reduce(x, dtype=np.float32)
-    return math.isfinite(float(quick)) or bool(np.isfinite(x).all())
-
-
 def check_finite(tensors: Sequence[np.ndarray], who: str) -> None:
     """Raise PoisonedDeposit unless every element of ``tensors`` is finite.
 
@@ -157,9 +143,9 @@ def check_finite(tensors: Sequence[np.ndarray], who: str) -> None:
     work = []
     for t in tensors:
         flat = t.reshape(-1)
-        dt = dtype_name(t)
-        work += [(dt, flat[i : i + PIECE]) for i in range(0, flat.size, PIECE)]
-    if not all(threads.each(lambda w: _finite_piece(*w), work)):
+        kernels = KERNELS[dtype_name(t)]
+        work += [(kernels, flat[i : i + PIECE]) for i in range(0, flat.size, PIECE)]
+    if not all(threads.each(lambda w: w[0].finite_quiet(w[1]), work)):
         raise PoisonedDeposit(
             f"{who} carries a NaN or infinite element; it would poison the consensus of every rank "
             "(a diverged or tampered model: check the learning rate, or who holds the session key)"
@@ -209,78 +195,123 @@ def _quiet(op: Callable[..., bool | None], args: tuple) -> bool | None:
 
 
 def _bad(sums: np.ndarray) -> bool:
-    return not _finite_piece("f32", sums)
+    return not _SUMS.finite_quiet(sums)
 
 
-def _fill(dt: str, acc: np.ndarray, x: np.ndarray) -> bool:
-    bad = False
-    for i in range(0, acc.size, BLOCK):
-        block = slice(i, i + BLOCK)
-        if dt == "bf16":
-            f32_from_bf16(x[block], acc[block])
-        else:
-            np.copyto(acc[block], x[block])
-        bad = _bad(acc[block]) or bad
-    return bad
+class Kernels:
+    """A fold's operations on flat pieces of one element dtype, its sums in f32 (``KERNELS``).
 
+    This class is what numpy's floats need (f16: numpy adds them in f32
+    directly); ``_F32`` and ``_BF16`` specialize it. ``fill``, ``fill_sum``
+    and ``encode_sum`` return True when a block of the sums they wrote is not
+    finite (the fused checks above); ``encode(acc, out, d)`` writes ``acc / d``
+    (or ``acc``) in this element into ``out``. ``sums_out``: a fold's output
+    in this element is its f32 sums themselves, with no buffer of its own.
+    """
 
-def _fill_sum(dt: str, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
-    bad = False
-    if dt == "bf16":
-        for i, j, w in _widened(b, threads.scratch(BLOCK)):
-            f32_from_bf16(a[i:j], acc[i:j])
-            np.add(acc[i:j], w, out=acc[i:j])
-            bad = _bad(acc[i:j]) or bad
-    else:
+    sums_out = False
+
+    def __init__(self, element: Element) -> None:
+        assert element.widen is not None and element.encode is not None, f"a fold cannot sum {element.name}"
+        self.element = element
+        self._widen, self._encode = element.widen, element.encode
+
+    def finite(self, x: np.ndarray) -> bool:
+        # One read, no allocation: NaN and inf propagate into the sum. A result that
+        # overflows from finite elements is settled by the exact check.
+        return math.isfinite(float(np.add.reduce(x, dtype=np.float32))) or bool(np.isfinite(x).all())
+
+    def finite_quiet(self, x: np.ndarray) -> bool:
+        with np.errstate(all="ignore"):
+            return self.finite(x)
+
+    def fill(self, acc: np.ndarray, x: np.ndarray) -> bool:
+        bad = False
+        for i in range(0, acc.size, BLOCK):
+            block = slice(i, i + BLOCK)
+            self._widen(x[block], acc[block])
+            bad = _bad(acc[block]) or bad
+        return bad
+
+    def fill_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
+        bad = False
         for i in range(0, acc.size, BLOCK):
             block = slice(i, i + BLOCK)
             np.add(a[block], b[block], out=acc[block], dtype=np.float32)  # f16 inputs add in f32, never in f16
             bad = _bad(acc[block]) or bad
-    return bad
+        return bad
 
-
-def _add(dt: str, acc: np.ndarray, x: np.ndarray) -> None:
-    if dt == "bf16":
-        for i, j, w in _widened(x, threads.scratch(BLOCK)):
-            np.add(acc[i:j], w, out=acc[i:j])
-    else:
+    def add(self, acc: np.ndarray, x: np.ndarray) -> None:
         np.add(acc, x, out=acc)
 
+    def encode(self, acc: np.ndarray, out: np.ndarray, d: np.float32 | None) -> None:
+        if d is not None:
+            np.divide(acc, d, out=acc)
+        self._encode(acc, out)
 
-def _encode(dt: str, acc: np.ndarray, out: np.ndarray, d: np.float32 | None) -> None:
-    if dt == "f32":
+    def encode_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray,
+                   d: np.float32 | None) -> bool:
+        """``fill_sum`` then ``encode``, block by block, so each block is encoded while still in cache."""
+        bad = False
+        sums = out if self.sums_out else acc  # f32 sums may be summed and divided in the output itself
+        for i in range(0, sums.size, BLOCK):
+            block = slice(i, i + BLOCK)
+            bad = self.fill_sum(sums[block], a[block], b[block]) or bad
+            self.encode(sums[block], out[block], d)
+        return bad
+
+
+class _F32(Kernels):
+    sums_out = True
+
+    def finite(self, x: np.ndarray) -> bool:
+        # x.x is BLAS, the fastest reduction numpy has (values above ~1e19 overflow it: the exact check).
+        return math.isfinite(float(np.dot(x, x))) or bool(np.isfinite(x).all())
+
+    def encode(self, acc: np.ndarray, out: np.ndarray, d: np.float32 | None) -> None:
         if d is not None:
             np.divide(acc, d, out=out)
         elif not np.may_share_memory(out, acc):  # the f32 output of a fold is its sums
             np.copyto(out, acc)
-    elif dt == "bf16":
-        if d is not None:
-            np.divide(acc, d, out=acc)
-        bf16_from_f32(acc, out)
-    else:
-        if d is not None:
-            np.divide(acc, d, out=acc)
-        # f16 overflow becomes +-inf by IEEE rules; numpy need not warn about it.
-        with np.errstate(over="ignore"):
-            np.copyto(out, acc, casting="same_kind")
 
 
-def _encode_sum(dt: str, acc: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray,
-                d: np.float32 | None) -> bool:
-    """``_fill_sum`` then ``_encode``, block by block, so each block is encoded while still in cache."""
-    bad = False
-    if dt == "bf16" and d is None:
+class _BF16(Kernels):
+    """bf16 is widened block by block through each worker's reused scratch, so the add reads it in cache."""
+
+    def finite(self, x: np.ndarray) -> bool:
+        # uint16 bits: non-finite iff the exponent is all ones.
+        return bool(np.max(np.bitwise_and(x, 0x7FFF)) < 0x7F80) if x.size else True
+
+    def fill_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
+        bad = False
+        for i, j, w in _widened(b, threads.scratch(BLOCK)):
+            f32_from_bf16(a[i:j], acc[i:j])
+            np.add(acc[i:j], w, out=acc[i:j])
+            bad = _bad(acc[i:j]) or bad
+        return bad
+
+    def add(self, acc: np.ndarray, x: np.ndarray) -> None:
+        for i, j, w in _widened(x, threads.scratch(BLOCK)):
+            np.add(acc[i:j], w, out=acc[i:j])
+
+    def encode_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray,
+                   d: np.float32 | None) -> bool:
+        if d is not None:
+            return super().encode_sum(acc, a, b, out, d)
+        bad = False
         for i in range(0, out.size, BLOCK):
             block = slice(i, i + BLOCK)
             bf16_sum(a[block], b[block], out[block])  # no f32 sums at all
-            bad = not _finite_piece("bf16", out[block]) or bad
+            bad = not self.finite_quiet(out[block]) or bad
         return bad
-    sums = out if dt == "f32" else acc  # f32 sums may be summed and divided in the output itself
-    for i in range(0, sums.size, BLOCK):
-        block = slice(i, i + BLOCK)
-        bad = _fill_sum(dt, sums[block], a[block], b[block]) or bad
-        _encode(dt, sums[block], out[block], d)
-    return bad
+
+
+_SUMS = _F32(ELEMENTS["f32"])
+# Schema dtype name -> its kernels: the one table a fold dispatches through. i8 is not here:
+# int8 values are widened with their scales before any fold sees them.
+KERNELS: dict[str, Kernels] = {
+    k.element.name: k for k in (_SUMS, _BF16(ELEMENTS["bf16"]), Kernels(ELEMENTS["f16"]))
+}
 
 
 class SumImage:
@@ -297,31 +328,33 @@ class SumImage:
         self.schema = schema
         self.flat, self.sums = carve([shape for _, shape in schema], np.dtype(np.float32))
 
-    def _pieces(self, op: Callable[..., bool | None], *tensor_lists: Sequence[np.ndarray],
+    def _pieces(self, op: Callable[[Kernels], Callable[..., bool | None]], *tensor_lists: Sequence[np.ndarray],
                 extra: tuple = ()) -> bool:
-        """``op(dtype, sums piece, piece of each tensor list..., *extra)`` over every tensor, piece by piece.
+        """``op(kernels)(sums piece, piece of each tensor list..., *extra)`` over every tensor, piece by
+        piece, with the kernels of its dtype.
 
         True when any piece reported non-finite sums (the checking operations).
         """
         work = []
         for k, ((dt, _), acc) in enumerate(zip(self.schema, self.sums, strict=True)):
+            run = op(KERNELS[dt])
             flats = [acc.reshape(-1)] + [ts[k].reshape(-1) for ts in tensor_lists]
             for i in range(0, flats[0].size, PIECE):
-                work.append((dt, *(f[i : i + PIECE] for f in flats), *extra))
-        return any(threads.each(lambda args: _quiet(op, args), work))
+                work.append((run, (*(f[i : i + PIECE] for f in flats), *extra)))
+        return any(threads.each(lambda w: _quiet(*w), work))
 
     def fill(self, tensors: Sequence[np.ndarray]) -> bool:
         """Overwrite the sums with ``tensors`` widened to f32; True if a sum is not finite."""
-        return self._pieces(_fill, tensors)
+        return self._pieces(lambda k: k.fill, tensors)
 
     def fill_sum(self, first: Sequence[np.ndarray], second: Sequence[np.ndarray]) -> bool:
         """Overwrite the sums with ``first + second`` (widened to f32), in one pass over each; True if a sum
         is not finite."""
-        return self._pieces(_fill_sum, first, second)
+        return self._pieces(lambda k: k.fill_sum, first, second)
 
     def add(self, tensors: Sequence[np.ndarray]) -> None:
         """Add ``tensors`` (widened to f32) into the sums, in place."""
-        self._pieces(_add, tensors)
+        self._pieces(lambda k: k.add, tensors)
 
     def encode_into(self, outputs: Sequence[np.ndarray], divisor: float | None = None) -> None:
         """Encode the sums, divided by ``divisor`` when given, in the schema's dtypes into ``outputs``.
@@ -329,7 +362,7 @@ class SumImage:
         The divide and the encode share one pass (block by block for bf16), so the
         sums are read once. Without a divisor, an output that IS its sum is skipped.
         """
-        self._pieces(_encode, outputs, extra=(None if divisor is None else np.float32(divisor),))
+        self._pieces(lambda k: k.encode, outputs, extra=(None if divisor is None else np.float32(divisor),))
 
     def encode_sum_into(self, first: Sequence[np.ndarray], second: Sequence[np.ndarray],
                         outputs: Sequence[np.ndarray], divisor: float | None = None) -> bool:
@@ -340,7 +373,7 @@ class SumImage:
         and rounded in one operation; otherwise each block of sums is divided
         and encoded while still in cache (f32 in the output itself).
         """
-        return self._pieces(_encode_sum, first, second, outputs,
+        return self._pieces(lambda k: k.encode_sum, first, second, outputs,
                             extra=(None if divisor is None else np.float32(divisor),))
 
 
@@ -426,13 +459,13 @@ class ImageCache:
 
 def _fold_outputs(schema: Schema) -> tuple[SumImage, list[np.ndarray]]:
     image = SumImage(schema)
-    # bf16 and f16 results need their own 2-byte buffer; f32 ships from the sums.
-    _, halves = carve([shape for dt, shape in schema if dt != "f32"], DTYPES["bf16"])
+    # f32 ships from the sums; bf16 and f16 results need buffers of their own: one 2-byte allocation.
+    kernels = [KERNELS[dt] for dt, _ in schema]
+    _, halves = carve([shape for k, (_, shape) in zip(kernels, schema, strict=True) if not k.sums_out],
+                      np.dtype("<u2"))
     rest = iter(halves)
-    outputs = [
-        acc if dt == "f32" else next(rest).view(DTYPES[dt])
-        for (dt, _), acc in zip(schema, image.sums, strict=True)
-    ]
+    outputs = [acc if k.sums_out else next(rest).view(k.element.dtype)
+               for k, acc in zip(kernels, image.sums, strict=True)]
     return image, outputs
 
 

@@ -3,7 +3,9 @@
 An f32 tensor of n values travels as two payload tensors: its values as
 ``i8`` (n,) and one ``f32`` scale per block of BLOCK values (the last block may
 be short). A value is ``q * scale`` of its block. A payload is int8 when its
-tensors come in such pairs (``is_int8``).
+tensors come in such pairs (``is_int8``). Whether a run uses it, and what a
+receiver does with it (widen per sender, hold the run to one format), is
+flodl_zmq/wire_format.py's (``INT8``, ``Hop``).
 
 Rules this module keeps:
 
@@ -137,31 +139,3 @@ class PayloadEncoder:
             f.encode(t.reshape(-1), q, scales)
             out += [q, scales]
         return out
-
-
-class Widener:
-    """A receiver's int8 side: widens int8 payloads into reused f32 buffers per sender, and holds the
-    run to one kind of payload (the first one seen), since every process runs with one wire_dtype."""
-
-    def __init__(self, who: str) -> None:
-        self.who = who
-        self.packed: bool | None = None
-        self._buffers: dict[object, list[np.ndarray]] = {}
-
-    def widen(self, sender: object, payload: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
-        """``payload`` itself, or its f32 tensors when it is int8 (sender's buffers, valid until its next);
-        ValueError when its kind differs from the run's."""
-        packed = is_int8(payload)
-        if self.packed is None:
-            self.packed = packed
-        elif packed != self.packed:
-            kind = {True: "int8", False: "f32/bf16"}
-            raise ValueError(f"{self.who}: {sender} sent an {kind[packed]} payload, the run's first was "
-                             f"{kind[not packed]} (processes disagree on wire_dtype; use one for the whole run)")
-        if not packed:
-            return payload
-        bufs = self._buffers.get(sender)
-        if bufs is None or [b.size for b in bufs] != [v.size for v in payload[::2]]:
-            bufs = self._buffers[sender] = [np.empty(v.size, F32) for v in payload[::2]]
-        return widen(payload, bufs)
-

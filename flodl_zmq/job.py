@@ -31,10 +31,10 @@ from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.outer import OuterConfig
 from flodl_zmq.settings import MaxFailure, easgd_blend
+from flodl_zmq.wire_format import WireFormat, named
 
 MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
 CALLBACK_ERRORS = ("report", "stop")
-WIRE_DTYPES = ("f32", "bf16", "int8")
 AUTOCAST_DTYPES = (None, torch.bfloat16, torch.float16)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
@@ -68,7 +68,9 @@ class Job:
         FLODL_RUN_DIR, else a fresh `runs/<time>-<id>`.
     wire_dtype: what a round carries, "f32", "bf16" (half the bytes) or "int8"
         (a quarter, with per-block scales and error feedback); ranks keep f32
-        weights and the saved model is f32.
+        weights and the saved model is f32. Validated into `Job.wire`, the
+        object every process hands downstream; a relay (which runs none of
+        the script) is told it by FLODL_WIRE_DTYPE when the run sets it.
     max_failures: rank failures that end the run (with a save): a count, or a
         percent of the world such as "25%"; None (default) trains on while any rank lives.
     heartbeat_timeout_s: rank silence at the coordinator: a rank silent this long
@@ -185,8 +187,7 @@ class Job:
                     f"easgd_alpha only applies to mode='cpu-async' (mode is {self.mode!r}, where ranks "
                     f"overwrite with the consensus): drop easgd_alpha or switch the mode"
                 )
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ConfigError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        named(self.wire_dtype)  # raises on anything but a wire format's name
         if not (_real(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 1.0):
             # Ranks beat every 0.5 s: a timeout near that would declare busy-but-alive ranks dead.
             raise ConfigError(f"heartbeat_timeout_s must be a finite number of seconds > 1, got {self.heartbeat_timeout_s!r}")
@@ -254,6 +255,22 @@ class Job:
         """None: a rank overwrites its replica with each consensus; under cpu-async, the EASGD alpha
         scaling the correction it adds (it trained on while the round was in flight)."""
         return easgd_blend(self.mode == "cpu-async", self.easgd_alpha)
+
+    @property
+    def wire(self) -> WireFormat:
+        """The run's wire format, `wire_dtype` as the object every process hands downstream
+        (flodl_zmq/wire_format.py): the rank's buffers, the kept consensus, the reducer."""
+        return named(self.wire_dtype)
+
+    def check_announced(self, announced: WireFormat | None) -> None:
+        """Refuse a run whose environment announces another wire format to its relays
+        (FLODL_WIRE_DTYPE, `Settings.wire`) than this job's `wire_dtype`."""
+        if announced is not None and announced is not self.wire:
+            raise ConfigError(
+                f"Trainer(wire_dtype={self.wire_dtype!r}) but the run's environment announces "
+                f"FLODL_WIRE_DTYPE={announced.name} to its relays: every process of a run uses one wire_dtype; "
+                f"set both to the same value (or unset FLODL_WIRE_DTYPE)"
+            )
 
     @property
     def total_samples(self) -> int:

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flodl_zmq import int8
 from flodl_zmq.errors import ConfigError, ProtocolError
-from flodl_zmq.tensors import bf16_from_f32, dtype_name, f32_from_bf16
+from flodl_zmq.tensors import element_of
+from flodl_zmq.wire_format import INT8
 
 OUTERS = ("none", "nesterov", "momentum")
 # DiLoCo's (Douillard et al. 2023) outer Nesterov; SlowMo's (Wang et al. 2020) slow
@@ -112,31 +112,25 @@ class OuterOptimizer:
             offset += n
             d = self._scratch[part]
             flat = t.reshape(-1)
-            if dtype_name(t) not in ("f32", "bf16"):
-                raise ProtocolError(f"outer step: a {dtype_name(t)} consensus cannot be stepped (f32 and bf16 only)")
+            element = element_of(t)
+            if element.widen is None or element.encode is None:
+                raise ProtocolError(f"outer step: a {element.name} consensus cannot be stepped (an int8 "
+                                    "payload is widened to f32 first)")
             base = self.base[part]
-            if dtype_name(t) == "f32":
-                np.subtract(base, flat, out=d)
-            else:
-                f32_from_bf16(flat, d)
-                np.subtract(base, d, out=d)
+            element.widen(flat, d)
+            np.subtract(base, d, out=d)
             self._apply(d, self.global_model[part], self.momentum[part], part)
-            if dtype_name(t) == "f32":
-                np.copyto(flat, self.global_model[part])
-                np.copyto(base, flat)
-            else:
-                bf16_from_f32(self.global_model[part], flat)
-                f32_from_bf16(flat, base)
+            # The ranks load the consensus in its element: measure the next pseudo-gradient from that.
+            element.encode(self.global_model[part], flat)
+            element.widen(flat, base)
 
     def published(self, payload: Sequence[np.ndarray]) -> None:
         """The stepped consensus as the int8 wire re-encoded it (values, scales per tensor): the ranks
         load it widened, so the next pseudo-gradient is measured from that."""
-        sizes = [v.size for v in payload[::2]]
-        if not int8.is_int8(payload) or sum(sizes) != self.base.size:
+        if not INT8.is_payload(payload) or INT8.numel(payload) != self.base.size:
             raise ProtocolError(f"outer step: the published consensus is not an int8 payload of the model's "
                                 f"{self.base.size} values")
-        offsets = np.cumsum([0, *sizes])
-        int8.widen(payload, [self.base[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)])
+        INT8.widen(payload, self.base)
 
     def _apply(self, d: np.ndarray, g: np.ndarray, buf: np.ndarray, part: slice) -> None:
         """``g -= lr * update`` for pseudo-gradient ``d`` (overwritten), momentum ``buf`` updated."""

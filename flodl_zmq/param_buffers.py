@@ -10,6 +10,8 @@ Rules this module keeps:
   written into it, and goes by reference (flodl_zmq/wire/shm.py).
 - A consensus that does not fit this model (size, dtype, the int8 pair) is
   refused whole: every rank must build the same model and the same wire_dtype.
+- What the deposit and the consensus are in each wire format is the format's
+  (flodl_zmq/wire_format.py); only the torch dtype of its buffer is said here.
 """
 
 from __future__ import annotations
@@ -21,15 +23,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from flodl_zmq import int8
-from flodl_zmq.errors import ConfigError, TrainingError
+from flodl_zmq.errors import TrainingError
 from flodl_zmq.payload import flat_views, payload_tensors
-from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32, torch_view
+from flodl_zmq.tensors import as_numpy, torch_view
 from flodl_zmq.wire.shm import Segment
+from flodl_zmq.wire_format import BF16, F32, INT8, WireFormat
 
-# Wire dtype name -> the torch dtype of the deposit buffer, and the numpy dtype a received consensus has.
-WIRE_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
-WIRE_NUMPY = {name: DTYPES["i8" if name == "int8" else name] for name in WIRE_TORCH}
+# Wire format -> the torch dtype of the deposit's values buffer (int8's scales are float32).
+WIRE_TORCH: dict[WireFormat, torch.dtype] = {F32: torch.float32, BF16: torch.bfloat16, INT8: torch.int8}
 SEND_RELEASE_TIMEOUT_S = 60.0
 
 
@@ -46,35 +47,34 @@ class ParamBuffers:
     batched copy, or under a blend adds `blend * (consensus - snapshot)` to
     the live parameters (the overlapped round's correction: the steps taken
     since the snapshot are kept), and returns the divergence triple against
-    the last snapshot.
+    the last snapshot. `wire` is the run's format (`Job.wire`).
     """
 
-    def __init__(self, model: torch.nn.Module, segment: Segment | None = None, wire_dtype: str = "f32") -> None:
+    def __init__(self, model: torch.nn.Module, segment: Segment | None = None, wire: WireFormat = F32) -> None:
         self.tensors = payload_tensors(model)
         self.device = self.tensors[0].device
         self.cuda = self.device.type == "cuda"
         self.numel = sum(t.numel() for t in self.tensors)
         self.segment = segment
-        if wire_dtype not in WIRE_TORCH:
-            raise ConfigError(f"wire_dtype must be one of {tuple(WIRE_TORCH)}, got {wire_dtype!r}")
-        self.wire_dtype = wire_dtype
-        dtype = WIRE_TORCH[wire_dtype]
+        self.wire_format = wire
+        dtype = WIRE_TORCH[wire]
         # Under int8 the deposit is two tensors: the values, then one f32 scale per block.
-        nscales = int8.blocks(self.numel) if wire_dtype == "int8" else 0
+        layout = wire.layout(self.numel)
+        nscales = layout[1][1] if wire.packed else 0
         if segment is None:
-            self.wire = torch.empty(self.numel, dtype=dtype, pin_memory=self.cuda and wire_dtype == "f32")
+            self.wire = torch.empty(self.numel, dtype=dtype, pin_memory=self.cuda and not wire.widens)
             self.scales = torch.empty(nscales, dtype=torch.float32)
         else:
-            views = segment.layout([self.numel * dtype.itemsize] + ([nscales * 4] if nscales else []))
+            views = segment.layout([n * dt.itemsize for dt, n in layout])
             self.wire = torch.frombuffer(views[0], dtype=dtype)
-            self.scales = torch.frombuffer(views[1], dtype=torch.float32) if nscales else torch.empty(0)
-        self._feedback = int8.ErrorFeedback(self.numel) if wire_dtype == "int8" else None
-        # The f32 snapshot is the deposit itself under f32; under bf16 it is kept for the
-        # divergence against the consensus, and the deposit is its encoding (bf16_from_f32).
-        self.snap = self.wire if wire_dtype == "f32" else torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
+            self.scales = torch.frombuffer(views[1], dtype=torch.float32) if wire.packed else torch.empty(0)
+        self._feedback = wire.feedback(self.numel)
+        # The f32 snapshot is the deposit itself under f32; otherwise it is kept for the
+        # divergence against the consensus, and the deposit is its encoding.
+        self.snap = self.wire if not wire.widens else torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
         self._snap_views = flat_views(self.snap, self.tensors)
         self._scratch = torch.empty(self.numel, dtype=torch.float32)
-        self._widened = torch.empty(self.numel, dtype=torch.float32) if wire_dtype != "f32" else None
+        self._widened = torch.empty(self.numel, dtype=torch.float32) if wire.widens else None
         self.consensus: torch.Tensor | None = None  # the last loaded consensus, f32 (valid until the next load)
         self._recv: torch.Tensor | None = None
         self._recv_views: list[torch.Tensor] = []
@@ -119,33 +119,35 @@ class ParamBuffers:
                 self._scratch.copy_(self.snap)  # the deposit is zeros: a correction needs the snapshot itself
             if mass != 1.0:
                 self.snap.mul_(mass)
-            if self._feedback is not None:
-                self._feedback.encode(as_numpy(self.snap), as_numpy(self.wire), as_numpy(self.scales))
-            elif self.wire is not self.snap:
-                bf16_from_f32(as_numpy(self.snap), as_numpy(self.wire))
+            if self.wire is not self.snap:
+                self.wire_format.encode_into(as_numpy(self.snap), self._payload_np(), self._feedback)
         self.mass = float(mass)
-        return [self.wire, self.scales] if self._feedback is not None else [self.wire]
+        return self._payload()
+
+    def _payload(self) -> list[torch.Tensor]:
+        return [self.wire, self.scales][: self.wire_format.frames_per_tensor]
+
+    def _payload_np(self) -> list[np.ndarray]:
+        return [as_numpy(t) for t in self._payload()]
 
     def load(self, payload: Sequence[np.ndarray], blend: float | None = None) -> tuple[float | None, float, float | None]:
         """Adopt a consensus payload in the wire dtype: overwrite (`blend` None), or add
         `blend * (consensus - snapshot)` (cpu-async: the rank trained on while the round was in
         flight, and keeps those steps); returns (divergence ||pre - consensus|| / ||consensus||,
         post norm, pre norm)."""
+        wire = self.wire_format
         flat = payload[0].reshape(-1) if payload else np.empty(0, np.float32)
-        expected = WIRE_NUMPY[self.wire_dtype]
-        pairs = self._feedback is None or int8.is_int8(payload)
-        if flat.dtype != expected or flat.size != self.numel or len(payload) != (2 if self._feedback else 1) or not pairs:
+        if len(payload) != wire.frames_per_tensor or not wire.is_payload(payload) or flat.size != self.numel:
             raise TrainingError(
                 f"consensus of {flat.size} {flat.dtype} elements does not fit this model's "
-                f"{self.numel} {self.wire_dtype} elements: every rank must build the same model "
+                f"{self.numel} {wire.name} elements: every rank must build the same model "
                 f"and run with the same wire_dtype"
             )
-        cons = torch_view(flat)  # the received frame is read-only; it is only ever read here
-        if self._feedback is not None:
-            assert self._widened is not None
-            cons = torch.from_numpy(int8.widen(payload, [as_numpy(self._widened)])[0])
-        elif self._widened is not None:
-            cons = self._widened.copy_(cons)  # exact: bf16 is the top half of f32
+        if self._widened is None:
+            cons = torch_view(flat)  # the received frame is read-only; it is only ever read here
+        else:
+            cons = self._widened
+            wire.widen(payload, as_numpy(cons))  # exact from bf16 (the top half of f32); int8: values times scales
         self.consensus = cons
         with torch.no_grad():
             post = float(torch.linalg.vector_norm(cons))

@@ -124,11 +124,11 @@ class RankRuntime:
         same_host = cfg.data_endpoint.startswith("ipc://")
         try:
             self.buffers = ParamBuffers(
-                self.model, Segment(cfg.key, cfg.run_id, rank_owner(cfg.rank)) if same_host else None, job.wire_dtype
+                self.model, Segment(cfg.key, cfg.run_id, rank_owner(cfg.rank)) if same_host else None, job.wire
             )
         except ShmError as exc:  # a squatted or foreign shared-memory path: deposit framed instead
             log.error("rank %d: deposits go framed, not by reference: %s", cfg.rank, exc)
-            self.buffers = ParamBuffers(self.model, None, job.wire_dtype)
+            self.buffers = ParamBuffers(self.model, None, job.wire)
         self.blend = job.blend
         self.steps = 0  # cumulative optimizer steps
         self.steps_since_avg = 0

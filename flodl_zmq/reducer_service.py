@@ -21,8 +21,12 @@ Rules this module keeps:
   the ledger cannot serve is answered ConsensusGone, never ignored; one for
   an open round whose host frame never came is answered FrameRequest (the
   frame was lost in a reset; PROTOCOL.md 10.6).
+- The reducer is told the run's wire format (`ReducerConfig.wire`, the
+  Job's): a host frame of another is refused as a protocol violation at the
+  first one, naming the setting (flodl_zmq/wire_format.py, `Hop`).
 - A service that starts from a checkpoint (`resumed`) holds the checkpoint's
-  consensus as its latest, encoded in the run's wire dtype like a broadcast:
+  consensus as its latest, encoded in the run's wire format like a broadcast
+  (`WireFormat.resume_payload`):
   the ranks of a resumed or re-formed world ask for that round and get their
   starting model over the wire, never from a file (PROTOCOL.md 13).
 - Each death reaches the owning relay as DeclareDead at once (or when the
@@ -59,7 +63,6 @@ from typing import Any
 import numpy as np
 import zmq
 
-from flodl_zmq import int8
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import (
     AttributionError,
@@ -92,7 +95,6 @@ from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.service_loop import ServiceLoop
-from flodl_zmq.tensors import DTYPES, bf16_from_f32
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     Consensus,
@@ -108,6 +110,7 @@ from flodl_zmq.wire.records import (
     SubscriberReady,
 )
 from flodl_zmq.wire.stream import RESEND_AFTER_S
+from flodl_zmq.wire_format import F32, Hop, WireFormat
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,7 @@ class ReducerConfig:
     link_heartbeat_s: float = 1.0  # ZeroMQ heartbeats on tcp:// (Settings.link_heartbeat_period_s)
     link_silence_s: float = 8.0  # a relay's connection silent this long is dropped (Settings.link_silence_s)
     send_timeout_s: float = SEND_TIMEOUT_S  # a send to a relay that stopped reading fails after this
+    wire: WireFormat = F32  # the run's wire format (Job.wire): a host frame of another is refused at the first
 
     def __post_init__(self) -> None:
         if not self.world:
@@ -166,22 +170,6 @@ class RoundOutcome:
     hosts: tuple[str, ...]
     abandoned: str | None = None
     published_at: float | None = None  # time.perf_counter() once the consensus was sent to every host
-
-
-def resume_payload(consensus: np.ndarray, wire_dtype: str) -> list[np.ndarray]:
-    """A resumed world's starting consensus (flat f32) as its broadcast carries it, in the run's wire dtype.
-
-    f32 is the checkpoint itself. bf16 is exact too: the checkpoint is the
-    widened bf16 broadcast, or under an outer step its f32 global model, whose
-    broadcast is this same rounding. int8 is quantized afresh, without the
-    error feedback of the run before (it is not saved).
-    """
-    flat = np.array(consensus, dtype=np.float32).reshape(-1)  # a copy: the caller's consensus moves on
-    if wire_dtype == "int8":
-        return int8.PayloadEncoder().encode([flat])
-    if wire_dtype == "bf16":
-        return [bf16_from_f32(flat, np.empty(flat.size, DTYPES["bf16"]))]
-    return [flat]
 
 
 @dataclass(frozen=True)
@@ -225,16 +213,17 @@ class ReducerService:
                  outer: OuterOptimizer | None = None, resumed: tuple[int, list[np.ndarray]] | None = None):
         self.config = config
         self.ledger = RoundLedger(config.world, outer)
-        self._resumed = resumed  # (round, payload in the wire dtype): the starting consensus, see resume_payload
+        if resumed is not None and not config.wire.is_payload(resumed[1]):
+            raise ConfigError(f"the resumed consensus is not a {config.wire.name} payload (WireFormat.resume_payload)")
+        self._resumed = resumed  # (round, payload in the wire format): the starting consensus, see WireFormat.resume_payload
         if resumed is not None:
             self.ledger.start_at(*resumed)
         # Held while the ledger may step the outer state, and by `outer_state`: a save must not
         # copy a global model and a momentum from two different rounds.
         self._outer_lock = threading.Lock()
-        # int8 host frames are widened into the f32 reduce; the consensus goes out in int8 again,
-        # with the reducer's own error feedback.
-        self._widener = int8.Widener("reducer")
-        self._downlink = int8.PayloadEncoder()
+        # Host frames are held to the run's wire format; int8 ones are widened into the f32 reduce,
+        # and the consensus goes out in int8 again, with the reducer's own error feedback.
+        self._hop = Hop("reducer", config.wire, ProtocolError)
         self.completed: Mailbox[RoundOutcome] = Mailbox()
         self.error: BaseException | None = None
         self._ctx = context or controller_context()
@@ -427,9 +416,9 @@ class ReducerService:
                 self._count["forged_sender"] += 1
                 return
             try:
-                payload = self._widener.widen(f"host {host!r}", env.payload)
-            except ValueError as exc:
-                self._violation(host, ProtocolError(str(exc)))
+                payload = self._hop.take(f"host {host!r}", env.payload)
+            except ProtocolError as exc:
+                self._violation(host, exc)
                 return
             try:
                 with self._outer_lock:
@@ -545,8 +534,8 @@ class ReducerService:
             self.completed.put(RoundOutcome(outcome.round_id, 0.0, (), outcome.reason))
 
     def _publish(self, red: Reduced) -> None:
-        tensors = self._downlink.encode(red.tensors) if self._widener.packed else red.tensors
-        if self._widener.packed and self.ledger.outer is not None and red.mass > 0.0:
+        tensors = self._hop.send_on(red.tensors)
+        if self.config.wire.packed and self.ledger.outer is not None and red.mass > 0.0:
             self.ledger.outer.published(tensors)  # the next pseudo-gradient starts where the ranks do
         frames = self._codec.encode(Consensus(red.round_id, red.mass), tensors, channel=Channel.BROADCAST)
         self._latest_frames = (red.round_id, frames)

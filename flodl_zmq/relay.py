@@ -135,6 +135,7 @@ from flodl_zmq.wire.records import (
     RelayHello,
     RelayHelloAck,
 )
+from flodl_zmq.wire_format import WireFormat
 
 log = logging.getLogger(__name__)
 
@@ -422,8 +423,12 @@ class _ControlPlane(Plane):
             self.count["undeliverable.local_control"] += 1
 
 
-def run_relay(penv: ProcessEnv) -> int:
-    """The relay role: broker this host's ranks until every one of them has left (or SIGTERM)."""
+def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
+    """The relay role: broker this host's ranks until every one of them has left (or SIGTERM).
+
+    `wire`: the run's wire format when the caller knows it (a user's script run as the relay);
+    else the one its environment announces (FLODL_WIRE_DTYPE), if any (wire_format.py).
+    """
     assert penv.host is not None
     # CURVE keys come from the agent, which puts its own into our environment (FLODL_CURVE_*).
     s = penv.settings
@@ -432,7 +437,7 @@ def run_relay(penv: ProcessEnv) -> int:
         curve=CurveKeys.for_client(os.environ), heartbeat_deadline_s=s.rank_silence_at_relay_s,
         first_contact_deadline_s=s.rank_first_record_at_relay_s, consensus_deadline_s=s.consensus_wait_at_relay_s,
         link_heartbeat_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
-        send_timeout_s=s.peer_send_timeout_s,
+        send_timeout_s=s.peer_send_timeout_s, wire=s.wire if wire is None else wire,
     )
     relay = Relay(cfg)
     relay.start()

@@ -17,6 +17,7 @@ from flodl_zmq.links import local_endpoints
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Channel
+from flodl_zmq.wire_format import F32, WireFormat
 
 DEFAULTS = Settings()  # RelayConfig's timings default to the settings table
 
@@ -45,6 +46,9 @@ class RelayConfig:
     link_silence_s: float = DEFAULTS.link_silence_s  # an upstream link silent this long is re-dialled
     send_timeout_s: float = DEFAULTS.peer_send_timeout_s  # a send to a peer that stopped reading fails after this
     hello_retry_s: float = 1.0  # a RelayHello not acknowledged by then is sent again (one lost in a reset)
+    # The run's wire format: a deposit of another is refused at the first frame. None: not announced
+    # (spawned without FLODL_WIRE_DTYPE): the format of the ranks' first deposit holds for the run.
+    wire: WireFormat | None = F32
 
     def __post_init__(self) -> None:
         if not self.host:

@@ -20,7 +20,6 @@ from typing import Any
 
 import zmq
 
-from flodl_zmq import int8
 from flodl_zmq.errors import FoldError, PoisonedDeposit, ShmError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.links import (
@@ -64,6 +63,7 @@ from flodl_zmq.wire.shm import (
     run_dir,
     unlink_owner,
 )
+from flodl_zmq.wire_format import Hop
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +133,10 @@ class DataPlane(Plane):
         # consensus delivered (framed, and by reference while the host segment still holds it).
         self.shipped: HostFold | None = None
         self.delivered: tuple[int, list[Any], list[Any] | None] | None = None
-        # int8 deposits are widened into the f32 fold; the host frame goes up in int8 again, with this
-        # relay's own error feedback (what its quantization loses goes into its next frame).
-        self.widener = int8.Widener(f"relay {self.cfg.host}")
-        self.uplink = int8.PayloadEncoder()
+        # Deposits are held to the run's wire format; int8 ones are widened into the f32 fold, and the
+        # host frame goes up in int8 again, with this relay's own error feedback (what its
+        # quantization loses goes into its next frame).
+        self.hop = Hop(f"relay {self.cfg.host}", self.cfg.wire, FoldError)
 
     def serve(self, loop: ServiceLoop, sub: zmq.Socket) -> None:
         """Until the relay stops: the control thread's word of a death, the reducer's records, the
@@ -191,9 +191,9 @@ class DataPlane(Plane):
             return
         rec = env.record
         try:
-            payload = self.widener.widen(f"rank {rank}", env.payload)
-        except ValueError as exc:
-            self.violation(FoldError(str(exc)))
+            payload = self.hop.take(f"rank {rank}", env.payload)
+        except FoldError as exc:
+            self.violation(exc)
             return
         try:
             outcome = self.fold.deposit(rank, rec.round, rec.mass, payload)
@@ -256,7 +256,7 @@ class DataPlane(Plane):
     def ship(self, outcome: HostFold | NothingToShip | None) -> None:
         if isinstance(outcome, HostFold):
             rec = HostFrame(outcome.round_id, self.cfg.host, list(outcome.ranks), outcome.mass)
-            self.send_up(rec, self.uplink.encode(outcome.tensors) if self.widener.packed else outcome.tensors)
+            self.send_up(rec, self.hop.send_on(outcome.tensors))
             self.watch.shipped(outcome.round_id, time.monotonic())
             self.shipped = outcome
         elif isinstance(outcome, NothingToShip):

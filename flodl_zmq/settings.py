@@ -48,6 +48,9 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.wire_format import NAMES as WIRE_FORMATS
+from flodl_zmq.wire_format import WireFormat
+from flodl_zmq.wire_format import named as wire_format_named
 
 DEFAULT_EASGD_ALPHA = 0.5
 
@@ -213,6 +216,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("peer_send_timeout_s", 10.0, "how long the controller's reducer or a relay waits on a peer that "
             "stops reading before that send fails (the controller's own control sends never wait)",
             env=("FLODL_PEER_SEND_TIMEOUT",), scope="run", minimum=0.0, strict=True),
+    # ---- the run's wire format, announced to the relays (they run none of the script that names it)
+    Setting("wire_dtype", None, "the run's wire format, announced to every relay; the Trainer's wire_dtype "
+            "must be the same, or the controller and the ranks refuse to start (none: each relay holds the run "
+            "to the format of its ranks' first deposit, and the reducer refuses a host frame of another)",
+            kind=str, metavar="|".join(WIRE_FORMATS), env=("FLODL_WIRE_DTYPE",), scope="run"),
     # ---- the controller's consensus checkpoints (read by the controller role; PROTOCOL.md 13)
     Setting("checkpoint_dir", None, "where the controller writes its periodic consensus checkpoints, keeping "
             "the last checkpoint_keep (none: no checkpoints)", kind=str, metavar="DIR", flags=("--checkpoint-dir",),
@@ -324,6 +332,7 @@ class Settings:
     link_heartbeat_period_s: float = BY_FIELD["link_heartbeat_period_s"].default
     link_silence_s: float = BY_FIELD["link_silence_s"].default
     peer_send_timeout_s: float = BY_FIELD["peer_send_timeout_s"].default
+    wire_dtype: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every_s: float = BY_FIELD["checkpoint_every_s"].default
     checkpoint_every_rounds: int = BY_FIELD["checkpoint_every_rounds"].default
@@ -357,6 +366,8 @@ class Settings:
     def __post_init__(self) -> None:
         for s in SETTINGS:
             s.check(getattr(self, s.field))
+        if self.wire_dtype is not None:
+            wire_format_named(self.wire_dtype, BY_FIELD["wire_dtype"].describe())
         # A silence limit at or below the beat that proves life would declare live peers dead.
         for silence, period in (
             ("rank_silence_at_relay_s", "rank_heartbeat_period_s"),
@@ -381,6 +392,11 @@ class Settings:
                 f"max_ranks ({self.max_ranks}, --max-ranks) must be >= min_ranks and target_ranks: the world "
                 "could never form"
             )
+
+    @property
+    def wire(self) -> WireFormat | None:
+        """The run's wire format as its environment announces it (FLODL_WIRE_DTYPE), None when it does not."""
+        return None if self.wire_dtype is None else wire_format_named(self.wire_dtype)
 
     @property
     def effective_join_cap_s(self) -> float:

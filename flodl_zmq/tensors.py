@@ -5,7 +5,10 @@ Rules this module keeps:
 - Three float wire dtypes: ``f32``, ``bf16`` and ``f16``, and ``i8``, which only
   travels as the values of an int8 payload (flodl_zmq/int8.py). numpy has no bfloat16, so a
   bf16 tensor lives in a ``uint16`` array holding the top half of the f32 bit
-  pattern; on the data plane a ``uint16`` array always means bf16.
+  pattern; on the data plane a ``uint16`` array always means bf16. ``ELEMENTS``
+  is the one table of them: a name, a numpy dtype, an exact widening to f32 and
+  the encoding back; code that treats tensors by element dtype looks it up
+  there, never compares names.
 - f32 -> bf16 rounds to nearest, ties to even; a NaN stays a NaN (its top half
   with the quiet bit set, so rounding can never carry it into an infinity) and
   an infinity stays an infinity. bf16 -> f32 is exact (a 16-bit shift).
@@ -21,29 +24,36 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-# Wire dtype name -> numpy dtype of the array that holds its elements.
-DTYPES: dict[str, np.dtype] = {
-    "f32": np.dtype("<f4"),
-    "bf16": np.dtype("<u2"),
-    "f16": np.dtype("<f2"),
-    "i8": np.dtype("i1"),
-}
-_NAMES: dict[np.dtype, str] = {dt: name for name, dt in DTYPES.items()}
+
+@dataclass(frozen=True, eq=False)
+class Element:
+    """One element dtype of the data plane: its wire name, the numpy dtype holding it, its f32 conversions.
+
+    ``widen(src, out_f32)`` is exact and ``encode(src_f32, out)`` rounds the
+    protocol's way (PROTOCOL.md 3.4), each into a preallocated array it returns.
+    ``i8`` has neither: its values mean nothing without their block scales, so
+    only a whole int8 payload widens (flodl_zmq/wire_format.py).
+    """
+
+    name: str
+    dtype: np.dtype
+    widen: Callable[[np.ndarray, np.ndarray], np.ndarray] | None
+    encode: Callable[[np.ndarray, np.ndarray], np.ndarray] | None
 
 
-def dtype_name(array: np.ndarray) -> str:
-    """The wire dtype name of a numpy array (``uint16`` is bf16)."""
-    name = _NAMES.get(array.dtype)
-    if name is None:
-        raise TypeError(
-            f"unsupported tensor dtype {array.dtype}: the data plane carries float32, "
-            "bfloat16 (as uint16) and float16; convert the tensor before depositing it"
-        )
-    return name
+def _copy(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+    np.copyto(out, src, casting="same_kind")
+    return out
+
+
+def _f16_from_f32(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # f16 overflow becomes +-inf by IEEE rules; numpy need not warn about it
+        return _copy(src, out)
 
 
 def _flat(array: np.ndarray, dtype: np.dtype, role: str) -> np.ndarray:
@@ -168,3 +178,34 @@ def as_numpy(tensor: Any) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
+
+
+# Wire dtype name -> the element: the one table of what each element dtype is.
+ELEMENTS: dict[str, Element] = {
+    e.name: e
+    for e in (
+        Element("f32", np.dtype("<f4"), _copy, _copy),
+        Element("bf16", np.dtype("<u2"), f32_from_bf16, bf16_from_f32),
+        Element("f16", np.dtype("<f2"), _copy, _f16_from_f32),
+        Element("i8", np.dtype("i1"), None, None),
+    )
+}
+# Wire dtype name -> numpy dtype of the array that holds its elements.
+DTYPES: dict[str, np.dtype] = {name: e.dtype for name, e in ELEMENTS.items()}
+_BY_DTYPE: dict[np.dtype, Element] = {e.dtype: e for e in ELEMENTS.values()}
+
+
+def element_of(array: np.ndarray) -> Element:
+    """The element dtype of a numpy array (``uint16`` is bf16); TypeError for any other dtype."""
+    element = _BY_DTYPE.get(array.dtype)
+    if element is None:
+        raise TypeError(
+            f"unsupported tensor dtype {array.dtype}: the data plane carries float32, "
+            "bfloat16 (as uint16) and float16; convert the tensor before depositing it"
+        )
+    return element
+
+
+def dtype_name(array: np.ndarray) -> str:
+    """The wire dtype name of a numpy array (``uint16`` is bf16)."""
+    return element_of(array).name

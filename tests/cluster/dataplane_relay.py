@@ -18,6 +18,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import key_from_hex
+from flodl_zmq.wire_format import named
 
 
 def main() -> int:
@@ -28,11 +29,13 @@ def main() -> int:
     p.add_argument("--run-id", required=True, help="32 hex characters")
     p.add_argument("--local-control", required=True)
     p.add_argument("--local-data", required=True)
+    p.add_argument("--wire-dtype", default="f32", help="the run's wire format (FLODL_WIRE_DTYPE in the product)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"[{args.host}:relay] %(levelname)s %(message)s")
     cfg = RelayConfig.for_controller(
         args.host, [int(r) for r in args.ranks.split(",")], key_from_hex(os.environ["FLODL_KEY"]),
         bytes.fromhex(args.run_id), ControllerAddress.parse(args.controller), (args.local_control, args.local_data),
+        wire=named(args.wire_dtype),
     )
     relay = Relay(cfg)
     relay.start()

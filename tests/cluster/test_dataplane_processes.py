@@ -24,6 +24,7 @@ from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Channel, new_key
 from flodl_zmq.wire.shm import rank_owner, run_dir, segment_prefix, unlink_run
+from flodl_zmq.wire_format import named
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
 from dataplane_helpers import model, reference, tiered_bf16_reference  # noqa: E402
@@ -76,7 +77,8 @@ class World:
         self._coord = threading.Thread(target=self._drain_control, args=(addr.endpoint(Channel.CONTROL),),
                                        daemon=True)
         self._coord.start()
-        self.reducer = ReducerService(ReducerConfig.for_controller(HOSTS, self.key, self.run_id, addr), self.ctx)
+        self.reducer = ReducerService(ReducerConfig.for_controller(HOSTS, self.key, self.run_id, addr,
+                                                                   wire=named(dtype)), self.ctx)
         self.reducer.start()
         env = {role: with_tunables(dict(os.environ, FLODL_KEY=self.key.hex()), role) for role in ("relay", "rank")}
         self.procs: dict[str, Proc] = {}
@@ -85,7 +87,8 @@ class World:
             self.procs[host] = Proc(
                 [sys.executable, str(HERE / "dataplane_relay.py"), "--host", host, "--ranks", ",".join(map(str, ranks)),
                  "--controller", str(addr), "--run-id", self.run_id.hex(),
-                 "--local-control", local["control"], "--local-data", local["data"]], env["relay"])
+                 "--local-control", local["control"], "--local-data", local["data"], "--wire-dtype", dtype],
+                env["relay"])
             for r in ranks:
                 self.procs[f"r{r}"] = Proc(
                     [sys.executable, str(HERE / "dataplane_rank.py"), "--rank", str(r), "--run-id",

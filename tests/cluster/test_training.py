@@ -254,7 +254,11 @@ def reaches_95_and_ends_above_92(result: dict, out: str) -> None:
     assert max(evals) >= 0.95 and result["accuracy"] >= 0.92, out
 
 
-def test_an_int8_wire_with_error_feedback_trains_digits_to_95_percent_and_saves_an_f32_model(tmp_path, run):
+def test_an_int8_wire_with_error_feedback_trains_digits_to_95_percent_and_saves_an_f32_model(tmp_path, run,
+                                                                                           monkeypatch):
+    # The launcher announces the format to its relays (FLODL_WIRE_DTYPE); the bf16 run above does
+    # not, so its relays hold the run to their ranks' first deposits.
+    monkeypatch.setenv("FLODL_WIRE_DTYPE", "int8")
     stem = str(tmp_path / "int8")
     code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16", "--wire-dtype", "int8", "--save", stem)
     assert code == 0, out

@@ -23,6 +23,7 @@ from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.payload import flatten, payload_tensors
 from flodl_zmq.rank import pick_device
 from flodl_zmq.tensors import bf16_from_f32
+from flodl_zmq.wire_format import named
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU and a CUDA build of torch (torch.cuda.is_available() is False)"
@@ -43,9 +44,9 @@ def test_a_rank_picks_its_local_gpu():
 @pytest.mark.parametrize("wire_dtype", ["f32", "bf16"])
 def test_snapshot_buffers_are_pinned_and_hold_the_device_payload_times_the_mass(wire_dtype):
     model = net()
-    buf = ParamBuffers(model, wire_dtype=wire_dtype)
+    buf = ParamBuffers(model, wire=named(wire_dtype))
     assert buf.cuda and buf.snap.is_pinned() and buf._recv is not None and buf._recv.is_pinned()
-    deposit = buf.snapshot(3.0)
+    deposit = buf.snapshot(3.0)[0]
     expected = flatten(model).cpu() * 3.0
     assert torch.equal(buf.snap, expected)  # the non-blocking copies were fenced before the multiply
     if wire_dtype == "bf16":

@@ -28,6 +28,7 @@ from flodl_zmq.wire.records import (
     SubscriberReady,
 )
 from flodl_zmq.wire.stream import RESEND_AFTER_S
+from flodl_zmq.wire_format import BF16, F32, INT8
 
 from .dataplane_helpers import WAIT_S, endpoints
 
@@ -86,13 +87,13 @@ class FakeRelay:
 
 
 class Rig:
-    def __init__(self, tmp_path, kind="inproc", outer=None):
+    def __init__(self, tmp_path, kind="inproc", outer=None, wire=F32):
         self.ctx = zmq.Context()
         self.key, self.run_id = new_key(), bytes(range(16))
         self.eps = eps = endpoints(kind, tmp_path)
         self.svc = ReducerService(
-            ReducerConfig(WORLD, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05), self.ctx,
-            outer,
+            ReducerConfig(WORLD, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05, wire=wire),
+            self.ctx, outer,
         )
         self.svc.start()
         self.relays = {h: FakeRelay(self.ctx, h, self.key, self.run_id, eps) for h in WORLD}
@@ -265,6 +266,23 @@ def test_a_desynced_relay_is_declared_dead_and_the_round_completes_without_it(ri
     assert counters["protocol_violations"] == 1 and counters["duplicate_frames"] == 1
 
 
+def test_a_reducer_told_the_wire_format_refuses_a_host_frame_of_another_by_name_at_the_first(tmp_path, caplog):
+    rig = Rig(tmp_path, wire=BF16)
+    try:
+        rig.ready()
+        a, b = rig.relays["a"], rig.relays["b"]
+        a.send(*frame("a", 1, 1.0, 2.0))  # f32: the run's wire_dtype is bf16
+        assert a.record().record == RelayDeclareDead(0)
+        assert a.record().record == RelayDeclareDead(1)
+        assert rig.svc.counters()["protocol_violations"] == 1
+        assert "host 'a' is f32, but the run's wire_dtype is bf16" in caplog.text
+        b.send(HostFrame(1, "b", list(WORLD["b"]), 2.0), [np.full(8, 0x4080, np.uint16)])  # 4.0 in bf16
+        out = rig.svc.completed.get(timeout=WAIT_S)
+        assert out.hosts == ("b",) and out.mass == 2.0
+    finally:
+        rig.close()
+
+
 def test_a_host_frame_never_received_is_asked_for_when_its_relay_asks_for_the_consensus(rig):
     rig.ready()
     a, b = rig.relays["a"], rig.relays["b"]
@@ -292,7 +310,7 @@ def test_an_int8_consensus_after_an_outer_step_is_where_the_next_pseudo_gradient
     # exactly that, not from its own unrounded global model.
     n = int8.BLOCK + 5
     outer = OuterOptimizer(OuterConfig("nesterov", 0.7, 0.9), np.zeros(n, np.float32))
-    rig = Rig(tmp_path, outer=outer)
+    rig = Rig(tmp_path, outer=outer, wire=INT8)
     try:
         rig.ready()
         encoders = {h: int8.PayloadEncoder() for h in WORLD}

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
+from flodl_zmq.errors import FoldError
 from flodl_zmq.links import RELAY_ROUTE, rank_identity
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
@@ -30,6 +31,7 @@ from flodl_zmq.wire.records import (
     RoundFrame,
     SubscriberReady,
 )
+from flodl_zmq.wire_format import BF16, INT8
 
 from .dataplane_helpers import WAIT_S, FakeController, FakeRank, endpoints
 
@@ -332,6 +334,35 @@ def test_a_second_deposit_in_one_round_is_counted_once_and_the_relay_goes_on(rig
     assert isinstance(env.record, HostFrame) and env.record.mass == 3.0
     assert env.payload[0].tolist() == [3.0] * 4
     assert rig.relay.running and rig.relay.fold.counters.duplicate_drops == 1
+
+
+@pytest.mark.parametrize("told", [BF16, INT8])
+def test_a_relay_told_the_wire_format_refuses_a_deposit_of_another_by_name_at_the_first(tmp_path, told):
+    rig = Rig(tmp_path, wire=told)
+    try:
+        rig.ranks[0].deposit(1, 1.0, [np.ones(4, np.float32)])  # f32: not the run's format
+        assert rig.relay.wait(WAIT_S), "the relay must stop on the first deposit of another format"
+        assert isinstance(rig.relay.error, FoldError)
+        assert f"rank 0 is f32, but the run's wire_dtype is {told.name}" in str(rig.relay.error)
+        assert rig.relay.fold.counters.deposits == 0  # refused before the fold saw it
+    finally:
+        rig.close()
+
+
+def test_a_relay_not_told_the_wire_format_holds_the_run_to_its_first_deposits(tmp_path):
+    rig = Rig(tmp_path, wire=None)
+    try:
+        rig.ranks[0].deposit(1, 1.0, [np.full(4, 0x3F80, np.uint16)], "bf16")  # 1.0: the run is bf16
+        rig.ranks[1].deposit(1, 2.0, [np.full(4, 0x3F80, np.uint16)], "bf16")
+        env = rig.ctl.data_record()
+        assert isinstance(env.record, HostFrame) and env.payload[0].tolist() == [0x4000] * 4  # 2.0
+        int8 = INT8.resume_payload(np.ones(4, np.float32))
+        rig.ranks[0].data.send_multipart(rig.ranks[0].codec.encode(RoundFrame(2, 0, 1.0), int8))
+        assert rig.relay.wait(WAIT_S) and isinstance(rig.relay.error, FoldError)
+        assert "rank 0 is int8, but the run's first payload was bf16" in str(rig.relay.error)
+        assert "not told the run's wire_dtype" in str(rig.relay.error)
+    finally:
+        rig.close()
 
 
 def test_goodbye_leaves_the_barrier_and_is_reported_on_both_upstream_legs(rig):

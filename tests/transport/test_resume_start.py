@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import zmq
 
-from flodl_zmq import int8
 from flodl_zmq.rank_link import ConsensusIn, RankConfig, RankLink
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService, resume_payload
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
-from flodl_zmq.tensors import DTYPES, bf16_from_f32, f32_from_bf16
+from flodl_zmq.tensors import DTYPES, bf16_from_f32
 from flodl_zmq.wire import new_key
 from flodl_zmq.wire.records import RESUME_ROUND, RoundFrame
+from flodl_zmq.wire_format import named, of_payload
 
 from .dataplane_helpers import WAIT_S, FakeRank, endpoints
 
@@ -23,11 +23,13 @@ N = 5000  # values of the model: more than one int8 block
 
 
 def widened(payload: list[np.ndarray]) -> np.ndarray:
-    """The f32 model a rank loads from a consensus payload in any wire dtype."""
-    if int8.is_int8(payload):
-        return int8.widen(payload, [np.empty(payload[0].size, np.float32)])[0]
-    flat = payload[0].reshape(-1)
-    return f32_from_bf16(flat, np.empty(flat.size, np.float32)) if flat.dtype == DTYPES["bf16"] else flat.copy()
+    """The f32 model a rank loads from a consensus payload in any wire format."""
+    wire = of_payload(payload)
+    return wire.widen(payload, np.empty(wire.numel(payload), np.float32))
+
+
+def resume_payload(consensus: np.ndarray, wire_dtype: str) -> list[np.ndarray]:
+    return named(wire_dtype).resume_payload(consensus)
 
 
 def checkpoint_consensus(wire_dtype: str) -> np.ndarray:
@@ -56,12 +58,13 @@ def test_a_resumed_rank_asks_its_relay_and_loads_the_checkpoint_consensus_then_r
     key, run_id = new_key(), bytes(range(16))
     eps = endpoints("ipc", tmp_path)
     ckpt = checkpoint_consensus(wire_dtype)
+    wire_format = named(wire_dtype)
     reducer = ReducerService(ReducerConfig({"a": (0, 1)}, key, run_id, eps["data"], eps["bcast"],
-                                           probe_interval_s=0.05), ctx,
-                             resumed=(RESUME_ROUND, resume_payload(ckpt, wire_dtype)))
+                                           probe_interval_s=0.05, wire=wire_format), ctx,
+                             resumed=(RESUME_ROUND, wire_format.resume_payload(ckpt)))
     reducer.start()
     relay = Relay(RelayConfig("a", (0, 1), key, run_id, eps["control"], eps["data"], eps["bcast"],
-                              eps["a-control"], eps["a-data"], consensus_deadline_s=0.5), ctx)
+                              eps["a-control"], eps["a-data"], consensus_deadline_s=0.5, wire=wire_format), ctx)
     relay.start()
     cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="a", key=key, run_id=run_id,
                      control_endpoint=eps["a-control"], data_endpoint=eps["a-data"],

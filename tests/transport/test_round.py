@@ -14,6 +14,7 @@ from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import new_key
+from flodl_zmq.wire_format import F32, WireFormat, named
 
 from .dataplane_helpers import (
     WAIT_S,
@@ -35,19 +36,21 @@ MASS = {0: 1.0, 1: 3.0, 2: 0.5, 3: 2.0}
 
 class Cluster:
     def __init__(self, kind: str, tmp_path, heartbeat_deadline_s: float = 30.0, consensus_deadline_s: float = 0.3,
-                 io_threads: int = 1):
+                 io_threads: int = 1, wire: WireFormat = F32):
         self.ctx = zmq.Context(io_threads=io_threads)
         self.key, self.run_id = new_key(), bytes(range(16))
         eps = endpoints(kind, tmp_path)
         self.reducer = ReducerService(
-            ReducerConfig(HOSTS, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05), self.ctx
+            ReducerConfig(HOSTS, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05, wire=wire),
+            self.ctx,
         )
         self.reducer.start()
         self.relays = {}
         for host, ranks in HOSTS.items():
             cfg = RelayConfig(host, ranks, self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
                               eps[f"{host}-control"], eps[f"{host}-data"],
-                              heartbeat_deadline_s=heartbeat_deadline_s, consensus_deadline_s=consensus_deadline_s)
+                              heartbeat_deadline_s=heartbeat_deadline_s, consensus_deadline_s=consensus_deadline_s,
+                              wire=wire)
             self.relays[host] = Relay(cfg, self.ctx)
             self.relays[host].start()
         self.ranks = {r: FakeRank(self.ctx, r, self.key, self.run_id, eps[f"{h}-control"], eps[f"{h}-data"])
@@ -78,7 +81,9 @@ class Cluster:
 def cluster(request, tmp_path):
     # With the controller's I/O threads the reducer pins its data ROUTER and PUB to threads of their own.
     kind, _, threads = request.param.partition("-")
-    c = Cluster(kind, tmp_path, io_threads=int(threads.split("-")[0]) if threads else 1)
+    # A test parametrized by `dtype` runs a world told that wire format.
+    dtype = request.node.callspec.params.get("dtype", "f32") if hasattr(request.node, "callspec") else "f32"
+    c = Cluster(kind, tmp_path, io_threads=int(threads.split("-")[0]) if threads else 1, wire=named(dtype))
     yield c
     c.close()
 

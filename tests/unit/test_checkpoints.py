@@ -25,6 +25,7 @@ from flodl_zmq.result import TrainResult
 from flodl_zmq.settings import Settings
 from flodl_zmq.tensors import bf16_from_f32
 from flodl_zmq.wire import records as rec
+from flodl_zmq.wire_format import INT8
 
 
 def writer(directory, keep=2) -> CheckpointWriter:
@@ -139,17 +140,17 @@ def test_resume_names_a_stem_a_directory_s_newest_or_auto_s_newest_if_any(tmp_pa
     assert checkpoints.resolve(str(tmp_path / "ckpt-r000000004"), None) == tmp_path / "ckpt-r000000004"
 
 
-def keeper(n: int = 4, **settings) -> checkpoints.Keeper:
+def keeper(n: int = 4, wire_dtype: str = "f32", **settings) -> checkpoints.Keeper:
     """A controller's keeper of an `n`-parameter model, for a world of ranks 0 and 1 on host a."""
     job = Job(model=lambda: torch.nn.Linear(n - 1, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
               train_step=lambda m, b: m(b[0]).sum(), dataset=TensorDataset(torch.zeros(8, n - 1)), batch_size=2,
-              epochs=1)
+              epochs=1, wire_dtype=wire_dtype)
     penv = ProcessEnv(role="controller", controller=ControllerAddress.parse("127.0.0.1:7300"), key=b"k" * 32,
                       run_id=b"r" * 16, world={"a": (0, 1)}, settings=Settings(**settings))
     return checkpoints.Keeper(job, penv, incarnation=2, consensus=np.zeros(n, dtype=np.float32))
 
 
-def test_the_keeper_keeps_the_newest_positive_mass_consensus_in_f32_whatever_the_wire_carries():
+def test_the_keeper_keeps_the_newest_positive_mass_consensus_of_the_runs_wire_format_in_f32():
     k = keeper()
     k.keep(rec.Consensus(round=3, mass=1.0), [np.full(4, 2.0, dtype=np.float32)])
     assert k.round == 3 and k.consensus.tolist() == [2.0] * 4
@@ -157,9 +158,15 @@ def test_the_keeper_keeps_the_newest_positive_mass_consensus_in_f32_whatever_the
     k.keep(rec.Consensus(round=4, mass=0.0), [np.full(4, 9.0, dtype=np.float32)])  # nothing realized
     k.keep(rec.Consensus(round=5, mass=1.0), [np.full(3, 9.0, dtype=np.float32)])  # not this model's size
     assert k.round == 3 and k.consensus.tolist() == [2.0] * 4
-    k.keep(rec.Consensus(round=6, mass=1.0), [bf16_from_f32(np.full(4, 1.5, dtype=np.float32),
-                                                            np.empty(4, dtype=np.uint16))])
+    bf16 = [bf16_from_f32(np.full(4, 1.5, dtype=np.float32), np.empty(4, dtype=np.uint16))]
+    k.keep(rec.Consensus(round=6, mass=1.0), bf16)  # not this run's wire format
+    assert k.round == 3 and k.consensus.tolist() == [2.0] * 4
+    k = keeper(wire_dtype="bf16")
+    k.keep(rec.Consensus(round=6, mass=1.0), bf16)
     assert k.round == 6 and k.consensus.dtype == np.float32 and k.consensus.tolist() == [1.5] * 4
+    k = keeper(wire_dtype="int8")
+    k.keep(rec.Consensus(round=7, mass=1.0), INT8.resume_payload(np.full(4, 1.5, dtype=np.float32)))
+    assert k.round == 7 and k.consensus.dtype == np.float32 and k.consensus.tolist() == [1.5] * 4
 
 
 def test_the_keeper_checkpoints_only_the_round_the_coordinator_counted_finished(tmp_path):

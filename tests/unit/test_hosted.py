@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 from flodl_zmq import api, controller_service
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.errors import ConfigError
+from flodl_zmq.settings import Settings
 
 
 def trainer() -> api.Trainer:
@@ -36,3 +40,14 @@ def test_a_hosted_role_and_link_reach_trainer_run_without_touching_the_environme
     assert seen == [(penv, link)]
     # Outside the block the environment decides again: no FLODL_ROLE, so the process trains alone.
     assert trainer().run().epochs[0]["epoch"] == 0
+
+
+def test_a_controller_whose_environment_announces_another_wire_format_refuses_to_start(monkeypatch):
+    # The relays were told FLODL_WIRE_DTYPE; a Trainer that says otherwise must not start the run.
+    penv = ProcessEnv(role="controller", controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32),
+                      run_id=bytes(16), world={"a": (0,), "b": (1,)}, settings=Settings(wire_dtype="bf16"))
+    monkeypatch.setattr(controller_service, "run_controller", lambda job, p, lk: "result")
+    with api.hosted(penv), pytest.raises(ConfigError, match="FLODL_WIRE_DTYPE=bf16"):
+        trainer().run()
+    with api.hosted(replace(penv, settings=Settings(wire_dtype="f32"))):
+        assert trainer().run() == "result"

@@ -1,5 +1,5 @@
 """The int8 wire (flodl_zmq/int8.py): round-trip error bounds, error feedback's unbiasedness, the
-receivers' widening, and a rank's deposit."""
+fold's refusal of loose int8 values, and a rank's deposit (the receivers' side: test_wire_format.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from flodl_zmq.fold import FoldStation
 from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.payload import flatten
 from flodl_zmq.wire import Channel, Codec
+from flodl_zmq.wire_format import INT8
 
 
 def roundtrip(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -87,14 +88,6 @@ def test_the_payload_layout_is_values_then_scales_per_tensor():
     np.testing.assert_array_equal(int8.widen(payload, [np.empty(5000, np.float32), np.empty(3, np.float32)])[1], b)
 
 
-def test_a_receiver_widens_int8_and_refuses_a_payload_of_the_other_kind():
-    w = int8.Widener("relay h")
-    payload = int8.PayloadEncoder().encode([np.arange(10, dtype=np.float32)])
-    np.testing.assert_allclose(w.widen("rank 0", payload)[0], np.arange(10), atol=9 / 254 + 1e-6)
-    with pytest.raises(ValueError, match="disagree on wire_dtype"):
-        w.widen("rank 1", [np.zeros(10, np.float32)])
-
-
 def test_the_fold_refuses_int8_values_outside_a_pair():
     station = FoldStation([0, 1])
     with pytest.raises(FoldError, match="int8"):
@@ -104,7 +97,7 @@ def test_the_fold_refuses_int8_values_outside_a_pair():
 def test_an_int8_rank_deposits_values_and_scales_and_loads_an_int8_consensus():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.Linear(100, 10))
-    buf = ParamBuffers(m, wire_dtype="int8")
+    buf = ParamBuffers(m, wire=INT8)
     q, s = buf.snapshot(2.0)
     assert q.dtype == torch.int8 and q.numel() == buf.numel and s.numel() == int8.blocks(buf.numel)
     sent = int8.widen([q.numpy(), s.numpy()], [np.empty(buf.numel, np.float32)])[0]

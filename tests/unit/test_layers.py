@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "flodl_zmq"
 
 # Bottom to top. A module may import its own layer or any below it, never above.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("errors", "tensors", "int8", "threads", "mailbox", "service_loop", "settings"),
+    "base": ("errors", "tensors", "int8", "wire_format", "threads", "mailbox", "service_loop", "settings"),
     "wire": ("wire", "wire.records", "wire.mac", "wire.codec", "wire.shm", "wire.stream", "endpoints"),
     "cores": (
         "fold", "outer", "reducer", "sampling",
