@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.join import DUPLICATE_JOIN, MAX_DEVICES_PER_HOST
-from flodl_zmq.membership import SpawnSpec
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.settings import Settings, env_names
 from flodl_zmq.wire import RUN_ID_BYTES

@@ -54,7 +54,7 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ProcessEnv, with_tunables
+from flodl_zmq.environment import ProcessEnv, SpawnSpec, with_tunables
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
 from flodl_zmq.io_threads import controller_context
 from flodl_zmq.join import CHALLENGE_NONCE_BYTES, JoinConfig, JoinWindow, WindowPhase
@@ -63,7 +63,6 @@ from flodl_zmq.membership import (
     JOIN_RUN_ID,
     OPEN_JOIN_KEY,
     MembershipService,
-    SpawnSpec,
     TrustMode,
     check_open_admission_curve,
     endpoint_ip,

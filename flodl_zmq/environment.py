@@ -25,6 +25,9 @@ and the settings of flodl_zmq/settings.py that a child reads (FLODL_SLOWDOWN,
 FLODL_STARTUP_TIMEOUT, the relay's and the rank's timings), written and read
 by `Settings.to_environ` / `Settings.from_environ`.
 
+What an agent starts on its host (the program, the run's settings, the
+world) comes from the controller as a `SpawnSpec` in `join.world_formed`.
+
 An agent also hands its relay its CURVE keys (FLODL_CURVE_SERVER, _SECRET,
 _PUBLIC; flodl_zmq/security.py) when the run's links are encrypted.
 
@@ -43,7 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.errors import ConfigError
+from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import KEY_ENV, RUN_ID_BYTES, key_from_hex
@@ -107,6 +110,56 @@ def parse_world(text: str) -> dict[str, tuple[int, ...]]:
 
 def format_world(world: Mapping[str, tuple[int, ...]]) -> str:
     return ";".join(f"{h}={','.join(map(str, rs))}" for h, rs in world.items())
+
+
+@dataclass(frozen=True)
+class SpawnSpec:
+    """What every admitted host runs, shipped as `WorldFormed.spawn_json`.
+
+    `argv` follows the Python interpreter (`["train.py", "--lr", "0.1"]`,
+    `["-m", "flodl_zmq", "demo"]`): the host's relay and ranks all run it,
+    their role in the environment (this module's contract). Every host runs
+    the controller's program and arguments, not whatever it was started with,
+    so a cohort cannot train different scripts. `env` is added to every
+    child's environment (the run's timings, `Settings.to_environ(("run",))`;
+    it never overrides a child's identity). `world` maps each host to its global ranks;
+    the controller fills it in when the world forms.
+    """
+
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    world: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        obj = {"argv": list(self.argv), "env": self.env, "world": format_world(self.world)}
+        return json.dumps(obj, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpawnSpec:
+        try:
+            obj = json.loads(text)
+        except ValueError as exc:
+            raise MembershipError(f"spawn artifacts are not valid JSON ({exc}): controller bug") from None
+        ok = (
+            isinstance(obj, dict)
+            and set(obj) == {"argv", "env", "world"}
+            and isinstance(obj["argv"], list)
+            and bool(obj["argv"])
+            and all(isinstance(a, str) for a in obj["argv"])
+            and isinstance(obj["env"], dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in obj["env"].items())
+            and isinstance(obj["world"], str)
+        )
+        if not ok:
+            raise MembershipError(
+                'spawn artifacts must be {"argv": [str, ...] (non-empty), "env": {str: str}, '
+                '"world": "HOST=RANK,...;..."}; the controller runs another flodl-zmq version'
+            )
+        try:
+            world = parse_world(obj["world"])
+        except ConfigError as exc:
+            raise MembershipError(f"spawn artifacts: {exc}") from None
+        return cls(tuple(obj["argv"]), dict(obj["env"]), world)
 
 
 @dataclass(frozen=True)

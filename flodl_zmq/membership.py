@@ -41,17 +41,19 @@ import enum
 import ipaddress
 import json
 import logging
+import math
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from flodl_zmq.endpoints import is_private_address, tcp_host
-from flodl_zmq.environment import format_world, parse_world
+from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.io_threads import keep_off_the_data_plane
@@ -69,8 +71,9 @@ from flodl_zmq.join import (
     WindowPhase,
 )
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, limit_receive
-from flodl_zmq.mailbox import Mailbox, poll_ms
+from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.security import JOIN_ZAP_DOMAIN, CleartextWarner, CurveGate, CurveKeys, apply_server
+from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import KEY_BYTES, RUN_ID_BYTES, Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
@@ -157,63 +160,31 @@ def resolve_trust(open_admission: bool, bind_address: str) -> TrustMode:
     return TrustMode.OPEN
 
 
-# --------------------------------------------------------------------------- spawn artifacts
-
-
-@dataclass(frozen=True)
-class SpawnSpec:
-    """What every admitted host runs, shipped as `WorldFormed.spawn_json`.
-
-    `argv` follows the Python interpreter (`["train.py", "--lr", "0.1"]`,
-    `["-m", "flodl_zmq", "demo"]`): the host's relay and ranks all run it,
-    their role in the environment (flodl_zmq/environment.py). Every host runs
-    the controller's program and arguments, not whatever it was started with,
-    so a cohort cannot train different scripts. `env` is added to every
-    child's environment (the run's timings, `Settings.to_environ(("run",))`;
-    it never overrides a child's identity). `world` maps each host to its global ranks;
-    the controller fills it in when the world forms.
-    """
-
-    argv: tuple[str, ...]
-    env: dict[str, str] = field(default_factory=dict)
-    world: dict[str, tuple[int, ...]] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        obj = {"argv": list(self.argv), "env": self.env, "world": format_world(self.world)}
-        return json.dumps(obj, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> SpawnSpec:
-        try:
-            obj = json.loads(text)
-        except ValueError as exc:
-            raise MembershipError(f"spawn artifacts are not valid JSON ({exc}): controller bug") from None
-        ok = (
-            isinstance(obj, dict)
-            and set(obj) == {"argv", "env", "world"}
-            and isinstance(obj["argv"], list)
-            and bool(obj["argv"])
-            and all(isinstance(a, str) for a in obj["argv"])
-            and isinstance(obj["env"], dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in obj["env"].items())
-            and isinstance(obj["world"], str)
-        )
-        if not ok:
-            raise MembershipError(
-                'spawn artifacts must be {"argv": [str, ...] (non-empty), "env": {str: str}, '
-                '"world": "HOST=RANK,...;..."}; the controller runs another flodl-zmq version'
-            )
-        try:
-            world = parse_world(obj["world"])
-        except ConfigError as exc:
-            raise MembershipError(f"spawn artifacts: {exc}") from None
-        return cls(tuple(obj["argv"]), dict(obj["env"]), world)
-
-
 # --------------------------------------------------------------------------- service (ZeroMQ)
 
 
 SENDER = "membership"
+
+
+# The join thread's commands (its mailbox), each with the reply its caller waits on.
+
+
+@dataclass(frozen=True)
+class _Abort:
+    reason: str
+    reply: Future[None] = field(default_factory=Future)  # set once the aborts are handed to ZeroMQ
+
+
+@dataclass(frozen=True)
+class _Reform:
+    env: Mapping[str, str]
+    reply: Future[dict[str, tuple[int, ...]]] = field(default_factory=Future)  # the new world
+
+
+@dataclass(frozen=True)
+class _EndJoins:
+    reason: str
+    reply: Future[bool] = field(default_factory=Future)  # whether any pending joiner was sent its abort
 
 
 class MembershipService:
@@ -243,9 +214,10 @@ class MembershipService:
     `report_training(snapshot)` adds the coordinator's view to status
     replies; `abort(reason)` tells every agent to tear down and returns once
     the aborts are handed to ZeroMQ; `close()` stops the thread. One thread
-    owns the socket; the public methods are safe from any thread. The thread
-    sleeps in poll until a frame, a command or its next timer (heartbeat,
-    window, silent host); it has no polling interval. With `curve` the join socket is
+    owns the socket; the public methods are safe from any thread, which reach
+    it as typed commands through its ServiceLoop (flodl_zmq/service_loop.py):
+    it sleeps until a frame, a command or its next timer (heartbeat, window,
+    silent host). With `curve` the join socket is
     a CURVE server; without it, an agent connecting from outside loopback and
     private networks is warned about once in the log.
     """
@@ -288,10 +260,8 @@ class MembershipService:
         self._pre_admission: dict[type, Callable[[bytes, Envelope, list[Any], float], None]] = {
             ChallengeRequest: self._on_challenge_request, JoinHello: self._on_hello, StatusRequest: self._on_status_request,
         }
-        # Aborts, each with the event set once its frames are handed to ZeroMQ; None wakes us to stop.
-        self._commands: Mailbox[Callable[[], None] | None] = Mailbox()  # run on the join thread
+        self._loop = ServiceLoop("membership", clock)  # its mailbox carries the commands
         self._closed = threading.Event()
-        self._stop = threading.Event()
         self._verdict: JoinVerdict | None = None
         self._pending: tuple[Member, ...] = ()  # the window's pending joiners, swapped whole for other threads
         self.joins: list[dict[str, Any]] = []  # hosts that entered the world at a re-form (status)
@@ -320,10 +290,7 @@ class MembershipService:
         Returns once the service thread has handed the aborts to ZeroMQ (True),
         or after `timeout` seconds, or at once if the thread is not running (False).
         """
-        sent = threading.Event()
-        if not self._commands.put(lambda: self._on_abort(reason, sent)) or not self._thread.is_alive():
-            return False
-        return sent.wait(timeout)
+        return self._ask(_Abort(reason), timeout)
 
     def pending(self) -> tuple[Member, ...]:
         """Hosts admitted after formation, waiting for the next epoch boundary (safe from any thread)."""
@@ -337,32 +304,25 @@ class MembershipService:
         world once the records are handed to ZeroMQ; `wait_reformed` then says
         when every host stopped its ranks of the incarnation before.
         """
-        done: list[dict[str, tuple[int, ...]]] = []
-        sent = threading.Event()
-
-        def run() -> None:
-            done.append(self._on_reform(env))
-            sent.set()
-
-        if not self._commands.put(run) or not self._thread.is_alive() or not sent.wait(timeout):
+        command = _Reform(env)
+        if not self._ask(command, timeout):
             raise MembershipError("the membership service did not re-form the world: its thread is gone or stuck")
-        return done[0]
+        return command.reply.result()
 
     def end_joins(self, reason: str, timeout: float = 5.0) -> bool:
         """Admit nobody any more and abort the pending joiners (the run is over); True once any abort is sent."""
-        sent, aborted = threading.Event(), []
+        command = _EndJoins(reason)
+        return self._ask(command, timeout) and command.reply.result()
 
-        def run() -> None:
-            away = {m.host for m in self.window.end(reason)}
-            for ident, host in list(self._hosts.items()):
-                if host in away:
-                    aborted.append(self._send(ident, self._session, Abort(reason)))
-                    self.links.forget(host)
-                    del self._hosts[ident]
-            self._pending = ()
-            sent.set()
-
-        return self._commands.put(run) and self._thread.is_alive() and sent.wait(timeout) and any(aborted)
+    def _ask(self, command: _Abort | _Reform | _EndJoins, timeout: float) -> bool:
+        """Hand `command` to the join thread; True once it is done, False if the thread is gone or stuck."""
+        if not self._loop.put(command) or not self._thread.is_alive():
+            return False
+        try:
+            command.reply.result(timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def wait_reformed(self, timeout: float) -> list[str]:
         """Wait until every host stopped its ranks of the incarnation before; the hosts still stopping."""
@@ -403,52 +363,51 @@ class MembershipService:
         return out
 
     def close(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._commands.put(None)  # wakes the thread out of its poll
+        self._loop.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive():
             # Only once the thread is gone: it polls these descriptors and owns the socket.
             self._sock.close(0)
-            self._commands.close()
+            self._loop.close()
             self.events.close()
 
     # ------------------------------------------------------------------ loop
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._commands, zmq.POLLIN)
-        commands = self._commands.fileno()
+        loop = self._loop
+        loop.on_message(_Abort, self._on_abort)
+        loop.on_message(_Reform, lambda command: command.reply.set_result(self._on_reform(command.env)))
+        loop.on_message(_EndJoins, lambda command: command.reply.set_result(self._on_end_joins(command.reason)))
+        loop.on_socket(self._sock, self._drained)
         self._next_beat = self.clock()
-        while not self._stop.is_set():
-            due = [self._next_beat, self.window.next_due(self.clock()), self.links.next_due()]
-            events = dict(poller.poll(poll_ms(min(d for d in due if d is not None) - self.clock())))
-            if self._sock in events:
-                # Bounded in frames per message and in messages per wake-up, heartbeats sent
-                # even mid-discard: a flood must not stall the beat the agents time out on.
-                oversized = drain(self._sock, lambda frames: self._on_message(bytes(frames[0].bytes), frames[1:]),
-                                  copy=False, budget=JOIN_RECV_BUDGET, max_frames=JOIN_MAX_FRAMES, tick=self._beat)
-                self.dropped += oversized  # not `+= drain(...)`: the handler counts drops too
-            now = self.clock()
-            if commands in events:
-                for command in self._commands.drain():
-                    if command is not None:
-                        command()
-            self._on_verdict(self.window.poll(now))
-            self._beat()
-            for host in self.links.lost(now):
-                ranks = self.links.live_ranks(host)
-                pending = any(m.host == host for m in self.window.pending)
-                if self.window.phase is WindowPhase.FORMED:
-                    self.window.depart(host)  # it may join again, with fresh ranks
-                    self._pending = self.window.pending
-                    self._drop_connections(host)
-                if pending:  # not in the world yet: nobody schedules its ranks
-                    log.warning("host %r lost while waiting to join: its agent is silent", host)
-                    continue
-                log.warning("host %r lost: its agent is silent; ranks %s are gone", host, list(ranks))
-                self.events.put(HostLost(host, ranks))
+        loop.timer(lambda: self._next_beat, lambda now: self._beat())
+        loop.timer(lambda: _due(self.window.next_due(self.clock())), lambda now: self._on_verdict(self.window.poll(now)))
+        loop.timer(lambda: _due(self.links.next_due()), self._expire)
+        loop.run()
+
+    def _drained(self) -> None:
+        # Bounded in frames per message and in messages per wake-up, heartbeats sent
+        # even mid-discard: a flood must not stall the beat the agents time out on.
+        oversized = drain(self._sock, lambda frames: self._on_message(bytes(frames[0].bytes), frames[1:]),
+                          copy=False, budget=JOIN_RECV_BUDGET, max_frames=JOIN_MAX_FRAMES, tick=self._beat)
+        self.dropped += oversized  # not `+= drain(...)`: the handler counts drops too
+        self._on_verdict(self.window.poll(self.clock()))  # an admission may have formed the world
+
+    def _expire(self, now: float) -> None:
+        """Report the hosts whose agents fell silent (a pending joiner leaves quietly)."""
+        for host in self.links.lost(now):
+            ranks = self.links.live_ranks(host)
+            pending = any(m.host == host for m in self.window.pending)
+            if self.window.phase is WindowPhase.FORMED:
+                self.window.depart(host)  # it may join again, with fresh ranks
+                self._pending = self.window.pending
+                self._drop_connections(host)
+            if pending:  # not in the world yet: nobody schedules its ranks
+                log.warning("host %r lost while waiting to join: its agent is silent", host)
+                continue
+            log.warning("host %r lost: its agent is silent; ranks %s are gone", host, list(ranks))
+            self.events.put(HostLost(host, ranks))
 
     def _drop_connections(self, host: str) -> None:
         """Forget every join connection of `host` (it left, or came back on a new one)."""
@@ -498,15 +457,26 @@ class MembershipService:
         log.info("world re-formed: %s (joined: %s)", world, joined)
         return world
 
-    def _on_abort(self, reason: str, sent: threading.Event) -> None:
-        verdict = self.window.abort(reason)
+    def _on_abort(self, command: _Abort) -> None:
+        verdict = self.window.abort(command.reason)
         if self._verdict is None:
             self._verdict = verdict
             self._closed.set()
-        log.error("aborting the run on every host: %s", reason)
+        log.error("aborting the run on every host: %s", command.reason)
         for ident in self._hosts:
-            self._send(ident, self._session, Abort(reason))
-        sent.set()
+            self._send(ident, self._session, Abort(command.reason))
+        command.reply.set_result(None)
+
+    def _on_end_joins(self, reason: str) -> bool:
+        away = {m.host for m in self.window.end(reason)}
+        aborted = []
+        for ident, host in list(self._hosts.items()):
+            if host in away:
+                aborted.append(self._send(ident, self._session, Abort(reason)))
+                self.links.forget(host)
+                del self._hosts[ident]
+        self._pending = ()
+        return any(aborted)
 
     def _on_message(self, ident: bytes, frames: list[Any]) -> None:
         host = self._hosts.get(ident)
@@ -651,6 +621,11 @@ class MembershipService:
         except zmq.Again:
             log.warning("could not send %s to an agent (its queue is full); it will time out", rec.KIND)
             return False
+
+
+def _due(at: float | None) -> float:
+    """A core's next due time as a timer's (None: not armed)."""
+    return math.inf if at is None else at
 
 
 def _join_socket(ctx: zmq.Context, endpoint: str, curve: CurveKeys | None) -> zmq.Socket:

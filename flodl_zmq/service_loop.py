@@ -63,8 +63,9 @@ class Stop:
 class ServiceLoop:
     """One thread's poller, mailbox and timers; `run()` serves them until a `Stop` is drained."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, clock: Callable[[], float] = time.monotonic):
         self.name = name
+        self.clock = clock  # what the timers' due times are read against (a service's injectable clock)
         self.mailbox: Mailbox[Any] = Mailbox()
         self._poller = zmq.Poller()
         self._poller.register(self.mailbox, zmq.POLLIN)
@@ -110,12 +111,12 @@ class ServiceLoop:
     def run(self) -> None:
         """Serve sockets, messages and timers until a `Stop` is drained; a handler's exception ends it."""
         self._running = True
-        turned = time.monotonic()
+        turned = self.clock()
         while self._running:
-            polled = time.monotonic()
+            polled = self.clock()
             wait_ms = poll_ms(self._next_due() - polled)
             events = dict(self._poller.poll(wait_ms))
-            now = time.monotonic()
+            now = self.clock()
             # Out of poll (the last turn's work) plus any overrun of the poll's own timeout.
             gap = (polled - turned) + max(0.0, now - polled - wait_ms / 1000)
             turned = now
@@ -129,7 +130,7 @@ class ServiceLoop:
             for sock, handler in self._sockets:
                 if sock in events:
                     handler()
-            self._fire(time.monotonic())
+            self._fire(self.clock())
 
     def dispatch_queued(self) -> None:
         """Handle what is in the mailbox now, from inside a handler that must not act before it (a command

@@ -19,10 +19,11 @@ from flodl_zmq import join as join_mod
 from flodl_zmq import membership as membership_mod
 from flodl_zmq.controller import query_status
 from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.join import JoinConfig, JoinWindow
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import DISCARD_TICK_FRAMES, TAG_DATA, rank_identity, recv_bounded, relay_sender
-from flodl_zmq.membership import JOIN_RUN_ID, OPEN_JOIN_KEY, MembershipService, SpawnSpec, TrustMode
+from flodl_zmq.membership import JOIN_RUN_ID, OPEN_JOIN_KEY, MembershipService, TrustMode
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, new_key

@@ -74,6 +74,23 @@ def test_timers_fire_in_due_order_on_time_never_early():
         assert at <= now - start < at + 0.1, (name, now - start)
 
 
+def test_due_times_are_read_against_the_loops_clock():
+    offset = 1e6  # a clock far from time.monotonic: a due time read against the wrong one fires at once or never
+    loop = ServiceLoop("t", clock=lambda: time.monotonic() + offset)
+    start = loop.clock()
+    fired: list[float] = []
+
+    def fire(now: float) -> None:
+        fired.append(now)
+        loop.stop()
+
+    loop.timer(lambda: start + 0.1 if not fired else math.inf, fire)
+    running = Running(loop)
+    running.thread.join(WAIT_S)
+    assert running.error is None
+    assert len(fired) == 1 and 0.1 <= fired[0] - start < 0.2
+
+
 def test_a_due_time_moved_by_its_owner_is_read_on_the_next_turn():
     loop = ServiceLoop("t")
     state = {"due": math.inf, "fired": 0.0}

@@ -9,9 +9,10 @@ import zmq
 
 from flodl_zmq.controller import ControllerOptions, format_status, query_status, run_script
 from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.join import JoinConfig, JoinWindow
-from flodl_zmq.membership import MembershipService, SpawnSpec, TrustMode
+from flodl_zmq.membership import MembershipService, TrustMode
 from flodl_zmq.result import format_epoch
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.wire import new_key

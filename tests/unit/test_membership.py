@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.join import (
     Accepted,
@@ -21,7 +22,6 @@ from flodl_zmq.join import (
 )
 from flodl_zmq.membership import (
     OPEN_JOIN_KEY,
-    SpawnSpec,
     TrustMode,
     check_open_admission_bind,
     join_key,

@@ -135,8 +135,7 @@ def test_a_child_of_an_agent_runs_with_the_controllers_timings_and_its_hosts_slo
     from flodl_zmq.agent import Agent
     from flodl_zmq.agent_rules import AgentConfig, Joined
     from flodl_zmq.endpoints import ControllerAddress
-    from flodl_zmq.environment import ProcessEnv
-    from flodl_zmq.membership import SpawnSpec
+    from flodl_zmq.environment import ProcessEnv, SpawnSpec
     from flodl_zmq.wire import new_key
 
     monkeypatch.setenv("FLODL_SLOWDOWN", "2")  # this host's own
