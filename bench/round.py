@@ -114,7 +114,7 @@ def _relay(host: str, port: int, key: bytes, run_id: bytes, ipc_dir: str, stop: 
     from flodl_zmq.relay_config import RelayConfig
     # declaring a busy rank dead mid-benchmark.
     cfg = RelayConfig.for_controller(host, HOSTS[host], key, run_id, ControllerAddress("127.0.0.1", port),
-                                     local_endpoints(key, run_id, host, ipc_dir), heartbeat_deadline_s=10.0)
+                                     local_endpoints(key, run_id, host, ipc_dir), rank_silence_at_relay_s=10.0)
     relay = Relay(cfg)
     relay.start()
     stop.wait()

@@ -105,7 +105,7 @@ class Trainer:
         if penv.lifeline_fd is not None:
             watch_lifeline(penv.lifeline_fd)
         job = self.job
-        job.check_announced(penv.settings.wire)  # what the relays were told is this job's format
+        job.check_settings(penv.settings)  # the run's settings agree with the job (wire format, beats)
         # A relay's comings and goings (ranks joining, leaving) are what an operator reads
         # when a host misbehaves; ranks and the controller print progress, not chatter.
         level = logging.INFO if penv.role == "relay" else logging.WARNING
@@ -138,10 +138,10 @@ def run_rank(job: Job, penv: ProcessEnv) -> int:
         resumed=bool(job.resume_from) or s.resume is not None,
         rank=penv.rank, local_rank=penv.local_rank, world_size=penv.world_size, host=penv.host,
         key=penv.key, run_id=penv.run_id, control_endpoint=control, data_endpoint=data,
-        slowdown=s.slowdown, heartbeat_s=s.rank_heartbeat_period_s,
-        coordinator_timeout_s=s.coordinator_silence_at_rank_s,
-        first_contact_timeout_s=s.coordinator_first_contact_at_rank_s,
-        consensus_wait_s=s.consensus_wait_at_relay_s,
+        slowdown=s.slowdown, rank_heartbeat_period_s=s.rank_heartbeat_period_s,
+        coordinator_silence_at_rank_s=s.coordinator_silence_at_rank_s,
+        coordinator_first_contact_at_rank_s=s.coordinator_first_contact_at_rank_s,
+        consensus_wait_at_relay_s=s.consensus_wait_at_relay_s,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return RankRuntime(job, cfg).run()

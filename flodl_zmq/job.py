@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from flodl_zmq.coordinator.config import CoordinatorConfig, Mode
+from flodl_zmq.coordinator.config import RANK_SILENCE_AT_COORDINATOR_S, CoordinatorConfig, Mode
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.outer import OuterConfig
-from flodl_zmq.settings import MaxFailure, easgd_blend
+from flodl_zmq.settings import MaxFailure, Settings, easgd_blend
 from flodl_zmq.wire_format import WireFormat, named
 
 MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
@@ -73,9 +73,9 @@ class Job:
         the script) is told it by FLODL_WIRE_DTYPE when the run sets it.
     max_failures: rank failures that end the run (with a save): a count, or a
         percent of the world such as "25%"; None (default) trains on while any rank lives.
-    heartbeat_timeout_s: rank silence at the coordinator: a rank silent this long
-        (seconds, > 1) is declared dead. The other silences and periods are
-        process settings (flodl_zmq/settings.py).
+    rank_silence_at_coordinator_s: rank silence at the coordinator: a rank silent this long
+        (seconds, more than the ranks' heartbeat period) is declared dead. The other
+        silences and periods are process settings (flodl_zmq/settings.py).
     easgd_alpha: cpu-async only: how far a rank moves towards each consensus
         (0 < a <= 1; None = 0.5).
 
@@ -128,7 +128,7 @@ class Job:
     quiet: bool = False
     wire_dtype: str = "f32"
     max_failures: int | str | None = None
-    heartbeat_timeout_s: float = 30.0
+    rank_silence_at_coordinator_s: float = RANK_SILENCE_AT_COORDINATOR_S
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     max_grad_norm: float | None = None
     autocast: torch.dtype | None = None
@@ -188,9 +188,6 @@ class Job:
                     f"overwrite with the consensus): drop easgd_alpha or switch the mode"
                 )
         named(self.wire_dtype)  # raises on anything but a wire format's name
-        if not (_real(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 1.0):
-            # Ranks beat every 0.5 s: a timeout near that would declare busy-but-alive ranks dead.
-            raise ConfigError(f"heartbeat_timeout_s must be a finite number of seconds > 1, got {self.heartbeat_timeout_s!r}")
         self.max_failure()  # raises on a malformed max_failures
         self.outer_config()  # raises on an unknown outer step or a bad outer_lr / outer_momentum
         for name in ("anchor", "max_anchor"):
@@ -262,9 +259,17 @@ class Job:
         (flodl_zmq/wire_format.py): the rank's buffers, the kept consensus, the reducer."""
         return named(self.wire_dtype)
 
-    def check_announced(self, announced: WireFormat | None) -> None:
-        """Refuse a run whose environment announces another wire format to its relays
-        (FLODL_WIRE_DTYPE, `Settings.wire`) than this job's `wire_dtype`."""
+    def check_settings(self, settings: Settings) -> None:
+        """Refuse a job the run's settings contradict: another wire format announced to the relays
+        (FLODL_WIRE_DTYPE, `Settings.wire`), or a rank silence the ranks' own heartbeat would outlast."""
+        if not self.rank_silence_at_coordinator_s > settings.rank_heartbeat_period_s:
+            raise ConfigError(
+                f"rank_silence_at_coordinator_s ({self.rank_silence_at_coordinator_s:g} s) must exceed the ranks' "
+                f"heartbeat period ({settings.rank_heartbeat_period_s:g} s, FLODL_RANK_HEARTBEAT_PERIOD): a rank "
+                f"that beats on time would be declared dead; raise it (the default is "
+                f"{RANK_SILENCE_AT_COORDINATOR_S:g} s)"
+            )
+        announced = settings.wire
         if announced is not None and announced is not self.wire:
             raise ConfigError(
                 f"Trainer(wire_dtype={self.wire_dtype!r}) but the run's environment announces "
@@ -314,7 +319,7 @@ def coordinator_config(job: Job) -> CoordinatorConfig:
         checkpoint_every=job.checkpoint_every if job.checkpoint_fn is not None else 0,
         final_eval=has_eval,
         easgd_alpha=job.easgd_alpha,
-        heartbeat_timeout_s=job.heartbeat_timeout_s,
+        rank_silence_at_coordinator_s=job.rank_silence_at_coordinator_s,
         max_failure=job.max_failure(),
         callback_rank=None if job.callback_rank == "fastest" else job.callback_rank,
         max_batch_diff=job.max_batch_diff,

@@ -331,12 +331,8 @@ def tune_loopback(sock: zmq.Socket, endpoint: str) -> None:
         sock.setsockopt(zmq.SNDBUF, LOOPBACK_SNDBUF)
 
 
-# How long a send waits through a full queue by default before it fails (Settings.peer_send_timeout_s).
-SEND_TIMEOUT_S = 10.0
-
-
-def send(sock: zmq.Socket, frames: Sequence[Any], stop: threading.Event, copy: bool = True,
-         timeout_s: float = SEND_TIMEOUT_S) -> bool:
+def send(sock: zmq.Socket, frames: Sequence[Any], stop: threading.Event, timeout_s: float,
+         copy: bool = True) -> bool:
     """Send one message, waiting through full queues until `stop` is set or `timeout_s` passed; False if it never went.
 
     A full queue (HWM) is back-pressure, not an error: the caller's thread waits,

@@ -7,7 +7,7 @@ the protocol like this (PROTOCOL.md, Rank):
 1. Sends `RankHello` (rank, world size, host, model and dataset signatures).
    A rank of a resumed or re-formed world then asks its relay for the
    starting consensus (`ConsensusRequest(RESUME_ROUND)`, again every
-   `consensus_wait_s`) and loads it before anything else: its model comes
+   `consensus_wait_at_relay_s`) and loads it before anything else: its model comes
    over the wire from the controller's checkpoint, never from a file.
 2. Trains the spans of the epoch permutation it is given (`StartEpoch`,
    `Update.next_plan`, `ExtendPartition`), reporting its steps' timings in
@@ -37,7 +37,7 @@ Rules this module keeps:
 - The next plan of an `Update` is held until that round's consensus is
   loaded: training it on the pre-consensus replica would throw its steps away.
 - A deposit is kept until its round's consensus arrives (the link asks the
-  relay again after `consensus_wait_s`, PROTOCOL.md 10.6). The snapshot is
+  relay again after `consensus_wait_at_relay_s`, PROTOCOL.md 10.6). The snapshot is
   not overwritten before that consensus, so a resend is the same deposit.
 - A span's batches are queued in the loader pipeline (flodl_zmq/loader.py)
   as soon as the span arrives: its indices are known, so worker processes
@@ -194,7 +194,7 @@ class RankRuntime:
         Control records that arrive meanwhile wait in order: a RequestParams served
         on the initial replica would deposit a model the run never had.
         """
-        limit = self.cfg.first_contact_timeout_s
+        limit = self.cfg.coordinator_first_contact_at_rank_s
         deadline = time.monotonic() + limit
         held: list[Any] = []
         while True:

@@ -22,7 +22,7 @@ Rules this module keeps:
   it receives is handed on in order; a closing rank waits (bounded) for the
   acknowledgement of its last records, its goodbye among them.
 - A deposit is kept until its round's consensus arrives: a rank that waited
-  `consensus_wait_s` asks its relay (ConsensusRequest), which resends the
+  `consensus_wait_at_relay_s` asks its relay (ConsensusRequest), which resends the
   consensus or asks for the deposit again (FrameRequest), so a record lost
   on the local link never stalls the round (PROTOCOL.md 10.6).
 - When the relay is on this machine the deposit goes by reference through the
@@ -87,11 +87,11 @@ class RankConfig:
     control_endpoint: str
     data_endpoint: str
     slowdown: float = 1.0
-    heartbeat_s: float = DEFAULTS.rank_heartbeat_period_s
-    coordinator_timeout_s: float = DEFAULTS.coordinator_silence_at_rank_s
+    rank_heartbeat_period_s: float = DEFAULTS.rank_heartbeat_period_s
+    coordinator_silence_at_rank_s: float = DEFAULTS.coordinator_silence_at_rank_s
     # The world forms only once every rank has started: the first word may take long.
-    first_contact_timeout_s: float = DEFAULTS.coordinator_first_contact_at_rank_s
-    consensus_wait_s: float = DEFAULTS.consensus_wait_at_relay_s  # then the rank asks its relay for it
+    coordinator_first_contact_at_rank_s: float = DEFAULTS.coordinator_first_contact_at_rank_s
+    consensus_wait_at_relay_s: float = DEFAULTS.consensus_wait_at_relay_s  # then the rank asks its relay for it
     # A resumed or re-formed world: the rank loads the reducer's starting consensus (round
     # rec.RESUME_ROUND) before its first step; it never reads a checkpoint (PROTOCOL.md 13).
     resumed: bool = False
@@ -232,18 +232,18 @@ class RankLink:
         # gate close a window whose last steps ElChe has not seen yet.
         self._encode_send(control, rec.Heartbeat(rank=self.cfg.rank, step_count=self.steps.reported,
                                                  ack=self._down.acked))
-        self._next_beat = now + self.cfg.heartbeat_s
+        self._next_beat = now + self.cfg.rank_heartbeat_period_s
 
     def _ask(self, data: zmq.Socket, now: float) -> None:
-        """The awaited consensus is late: ask the relay for it, again every `consensus_wait_s`."""
+        """The awaited consensus is late: ask the relay for it, again every `consensus_wait_at_relay_s`."""
         if self._awaited is None:
             self._ask_at = math.inf
             return
         self._encode_send(data, rec.ConsensusRequest(round=self._awaited), Channel.DATA)
-        self._ask_at = now + self.cfg.consensus_wait_s
+        self._ask_at = now + self.cfg.consensus_wait_at_relay_s
 
     def _limit(self) -> float:
-        return self.cfg.first_contact_timeout_s if self._last_heard is None else self.cfg.coordinator_timeout_s
+        return self.cfg.coordinator_first_contact_at_rank_s if self._last_heard is None else self.cfg.coordinator_silence_at_rank_s
 
     def _silent_at(self) -> float:
         """When the coordinator counts as lost if it stays silent (math.inf once it is)."""
@@ -362,7 +362,7 @@ class RankLink:
         if out.payload:
             self._send_deposit(data, out)
             self._deposit, self._awaited = out, out.record.round
-            self._ask_at = time.monotonic() + self.cfg.consensus_wait_s
+            self._ask_at = time.monotonic() + self.cfg.consensus_wait_at_relay_s
         else:
             self._encode_send(control, out.record)
 

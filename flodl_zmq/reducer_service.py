@@ -76,7 +76,6 @@ from flodl_zmq.io_threads import controller_context, io_affinity
 from flodl_zmq.links import (
     DATA_MAX_FRAME_BYTES,
     REDUCER_SENDER,
-    SEND_TIMEOUT_S,
     TAG_BCAST,
     TAG_DATA,
     Refusal,
@@ -95,6 +94,7 @@ from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.service_loop import ServiceLoop
+from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     Consensus,
@@ -114,6 +114,8 @@ from flodl_zmq.wire_format import F32, Hop, WireFormat
 
 log = logging.getLogger(__name__)
 
+DEFAULTS = Settings()  # ReducerConfig's link timings default to the settings table
+
 
 @dataclass(frozen=True)
 class ReducerConfig:
@@ -131,18 +133,18 @@ class ReducerConfig:
     # Largest frame the data socket accepts (ZMQ_MAXMSGSIZE): the model's largest tensor
     # where the caller knows it, else the codec's payload bound (PROTOCOL.md 6).
     max_frame_bytes: int = DATA_MAX_FRAME_BYTES
-    link_heartbeat_s: float = 1.0  # ZeroMQ heartbeats on tcp:// (Settings.link_heartbeat_period_s)
-    link_silence_s: float = 8.0  # a relay's connection silent this long is dropped (Settings.link_silence_s)
-    send_timeout_s: float = SEND_TIMEOUT_S  # a send to a relay that stopped reading fails after this
+    link_heartbeat_period_s: float = DEFAULTS.link_heartbeat_period_s  # ZeroMQ heartbeats on tcp://
+    link_silence_s: float = DEFAULTS.link_silence_s  # a relay's connection silent this long is dropped
+    peer_send_timeout_s: float = DEFAULTS.peer_send_timeout_s  # a send to a relay that stopped reading fails after this
     wire: WireFormat = F32  # the run's wire format (Job.wire): a host frame of another is refused at the first
 
     def __post_init__(self) -> None:
         if not self.world:
             raise ConfigError("reducer world must name at least one host")
-        if not (self.probe_interval_s > 0 and self.send_retry_s > 0 and self.send_timeout_s > 0):
-            raise ConfigError("reducer probe_interval_s, send_retry_s and send_timeout_s must be > 0")
-        if not 0 < self.link_heartbeat_s < self.link_silence_s:
-            raise ConfigError("reducer link_heartbeat_s must be > 0 and below link_silence_s")
+        if not (self.probe_interval_s > 0 and self.send_retry_s > 0 and self.peer_send_timeout_s > 0):
+            raise ConfigError("reducer probe_interval_s, send_retry_s and peer_send_timeout_s must be > 0")
+        if not 0 < self.link_heartbeat_period_s < self.link_silence_s:
+            raise ConfigError("reducer link_heartbeat_period_s must be > 0 and below link_silence_s")
         if self.hwm_records < 1:
             raise ConfigError("reducer hwm_records must be at least 1 record")
 
@@ -330,8 +332,8 @@ class ReducerService:
             data.setsockopt(zmq.ROUTER_MANDATORY, 1)
             limit_receive(data, cfg.max_frame_bytes)
             take_over_routes(data)  # a relay's data DEALER keeps its identity across reconnects
-            keep_alive(data, cfg.data_bind, cfg.link_heartbeat_s, cfg.link_silence_s)
-            keep_alive(pub, cfg.bcast_bind, cfg.link_heartbeat_s, cfg.link_silence_s)
+            keep_alive(data, cfg.data_bind, cfg.link_heartbeat_period_s, cfg.link_silence_s)
+            keep_alive(pub, cfg.bcast_bind, cfg.link_heartbeat_period_s, cfg.link_silence_s)
             affinity = io_affinity(self._ctx)
             data.setsockopt(zmq.AFFINITY, affinity.data)
             pub.setsockopt(zmq.AFFINITY, affinity.pub)
@@ -376,10 +378,10 @@ class ReducerService:
     def _to_relay(self, route: bytes, tag: bytes, frames: list[Any]) -> None:
         try:
             if not send(self._data, [route, tag, *frames], self._stop, copy=False,
-                        timeout_s=self.config.send_timeout_s) and not self._stop.is_set():
+                        timeout_s=self.config.peer_send_timeout_s) and not self._stop.is_set():
                 # A relay that stopped reading: the record is lost, never the reducer's loop.
                 self._count["send_timeout"] += 1
-                log.warning("reducer: a send to %r timed out after %g s", route, self.config.send_timeout_s)
+                log.warning("reducer: a send to %r timed out after %g s", route, self.config.peer_send_timeout_s)
         except zmq.ZMQError:  # EHOSTUNREACH: the relay's connection is gone
             self._count["undeliverable"] += 1
 
@@ -543,7 +545,7 @@ class ReducerService:
             self._drop.discard(red.round_id)
             self._count["broadcasts_dropped_on_purpose"] += 1
             return
-        send(self._pub, frames, self._stop, copy=False)
+        send(self._pub, frames, self._stop, self.config.peer_send_timeout_s, copy=False)
         # PUB loses messages for peers not yet proven subscribed: they get it directly.
         for host in self._unsubscribed():
             self._to_relay(self._route[host], TAG_BCAST, frames)

@@ -49,14 +49,14 @@ Rules the relay keeps:
   (RankExit upstream) and the round completes without it.
 - Liveness (the wheels have no ROUTER_NOTIFY): a rank is dead when it says
   goodbye (timing.exiting), when no control record arrived from it within
-  `heartbeat_deadline_s` (or `first_contact_deadline_s` before its first
+  `rank_silence_at_relay_s` (or `rank_first_record_at_relay_s` before its first
   one), or when the controller sends DeclareDead. Death is permanent, leaves
   the fold barrier at once and is reported upstream as RankExit, restated
   every RESEND_AFTER_S for the rest of the run (one lost in a reset must not
   leave the controller waiting for a timeout; a repeat changes nothing).
 - A consensus is delivered to every live local rank once. A round that was
   shipped and whose consensus did not come (a later round came first, or
-  silence past `consensus_deadline_s`) is requested point to point: PUB
+  silence past `consensus_wait_at_relay_s`) is requested point to point: PUB
   drops messages and a lost consensus is a correctness bug for Local SGD.
 - Nothing lost in a reset stalls a round (PROTOCOL.md 10.6): the last host
   frame shipped is kept until its consensus comes and sent again when the
@@ -162,7 +162,7 @@ class Relay:
         self._counts: dict[str, collections.Counter[str]] = {"control": collections.Counter(), "data": collections.Counter()}
         self.error: BaseException | None = None
         self.fold = FoldStation(config.ranks)
-        self.watch = ConsensusWatch(config.consensus_deadline_s)
+        self.watch = ConsensusWatch(config.consensus_wait_at_relay_s)
         # Both upstream DEALERs carry it: stable for this process, so a reconnect keeps the route.
         self.identity = relay_identity(config.host, os.urandom(8))
 
@@ -244,7 +244,7 @@ class Relay:
             if cfg.curve is not None:
                 apply_client(up, cfg.curve)
             up.setsockopt(zmq.ROUTING_ID, self.identity)
-            keep_alive(up, cfg.control_upstream, cfg.link_heartbeat_s, cfg.link_silence_s)
+            keep_alive(up, cfg.control_upstream, cfg.link_heartbeat_period_s, cfg.link_silence_s)
             up.connect(cfg.control_upstream)
             self._ready.wait()
             plane = _ControlPlane(cfg, self._stop, self._counts["control"], local, up, self._data_thread)
@@ -280,8 +280,8 @@ class Relay:
                 apply_client(sub, cfg.curve)
             tune_loopback(up, cfg.data_upstream)
             up.setsockopt(zmq.ROUTING_ID, self.identity)
-            keep_alive(up, cfg.data_upstream, cfg.link_heartbeat_s, cfg.link_silence_s)
-            keep_alive(sub, cfg.bcast_upstream, cfg.link_heartbeat_s, cfg.link_silence_s)
+            keep_alive(up, cfg.data_upstream, cfg.link_heartbeat_period_s, cfg.link_silence_s)
+            keep_alive(sub, cfg.bcast_upstream, cfg.link_heartbeat_period_s, cfg.link_silence_s)
             up.connect(cfg.data_upstream)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(cfg.bcast_upstream)
@@ -307,7 +307,7 @@ class _ControlPlane(Plane):
         self.coordinator_to = {r: Attribution.signed_by(coordinator_sender(r), "the coordinator's link")
                                for r in cfg.ranks}
         self.hello = HelloRetry(cfg.hello_retry_s)
-        self.live = RankLiveness(cfg.ranks, time.monotonic(), cfg.heartbeat_deadline_s, cfg.first_contact_deadline_s)
+        self.live = RankLiveness(cfg.ranks, time.monotonic(), cfg.rank_silence_at_relay_s, cfg.rank_first_record_at_relay_s)
         self.departed = Departures()
         self.reports = ReportQueue(cfg.ranks, MERGE_PERIOD_S)
 
@@ -434,10 +434,10 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
     s = penv.settings
     cfg = RelayConfig.for_controller(
         penv.host, penv.world[penv.host], penv.key, penv.run_id, penv.controller,
-        curve=CurveKeys.for_client(os.environ), heartbeat_deadline_s=s.rank_silence_at_relay_s,
-        first_contact_deadline_s=s.rank_first_record_at_relay_s, consensus_deadline_s=s.consensus_wait_at_relay_s,
-        link_heartbeat_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
-        send_timeout_s=s.peer_send_timeout_s, wire=s.wire if wire is None else wire,
+        curve=CurveKeys.for_client(os.environ), rank_silence_at_relay_s=s.rank_silence_at_relay_s,
+        rank_first_record_at_relay_s=s.rank_first_record_at_relay_s, consensus_wait_at_relay_s=s.consensus_wait_at_relay_s,
+        link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
+        peer_send_timeout_s=s.peer_send_timeout_s, wire=s.wire if wire is None else wire,
     )
     relay = Relay(cfg)
     relay.start()

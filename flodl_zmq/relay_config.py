@@ -35,16 +35,16 @@ class RelayConfig:
     bcast_upstream: str
     local_control: str
     local_data: str
-    heartbeat_deadline_s: float = DEFAULTS.rank_silence_at_relay_s
-    first_contact_deadline_s: float = DEFAULTS.rank_first_record_at_relay_s
-    consensus_deadline_s: float = DEFAULTS.consensus_wait_at_relay_s
+    rank_silence_at_relay_s: float = DEFAULTS.rank_silence_at_relay_s
+    rank_first_record_at_relay_s: float = DEFAULTS.rank_first_record_at_relay_s
+    consensus_wait_at_relay_s: float = DEFAULTS.consensus_wait_at_relay_s
     hwm_records: int = 64
     data_hwm_records: int = 4  # data records are model-sized: a few in flight is plenty
     send_retry_s: float = 0.05  # a send held by a full queue looks this often whether the relay stopped (SNDTIMEO)
     curve: CurveKeys | None = None  # CURVE client keys for the three upstream sockets (None: cleartext)
-    link_heartbeat_s: float = DEFAULTS.link_heartbeat_period_s  # ZeroMQ heartbeats on the tcp:// upstream links
+    link_heartbeat_period_s: float = DEFAULTS.link_heartbeat_period_s  # ZeroMQ heartbeats on the tcp:// upstream links
     link_silence_s: float = DEFAULTS.link_silence_s  # an upstream link silent this long is re-dialled
-    send_timeout_s: float = DEFAULTS.peer_send_timeout_s  # a send to a peer that stopped reading fails after this
+    peer_send_timeout_s: float = DEFAULTS.peer_send_timeout_s  # a send to a peer that stopped reading fails after this
     hello_retry_s: float = 1.0  # a RelayHello not acknowledged by then is sent again (one lost in a reset)
     # The run's wire format: a deposit of another is refused at the first frame. None: not announced
     # (spawned without FLODL_WIRE_DTYPE): the format of the ranks' first deposit holds for the run.
@@ -55,8 +55,8 @@ class RelayConfig:
             raise ConfigError("relay host name must not be empty")
         if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
             raise ConfigError(f"relay ranks {self.ranks} must be distinct non-negative global ranks, at least one")
-        for name in ("heartbeat_deadline_s", "first_contact_deadline_s", "consensus_deadline_s", "send_retry_s",
-                     "link_heartbeat_s", "link_silence_s", "send_timeout_s", "hello_retry_s"):
+        for name in ("rank_silence_at_relay_s", "rank_first_record_at_relay_s", "consensus_wait_at_relay_s", "send_retry_s",
+                     "link_heartbeat_period_s", "link_silence_s", "peer_send_timeout_s", "hello_retry_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"relay {name} must be > 0, got {getattr(self, name)}")
         if self.hwm_records < 1 or self.data_hwm_records < 1:

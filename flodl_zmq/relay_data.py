@@ -99,11 +99,11 @@ class Plane:
     def send(self, sock: zmq.Socket, frames: Sequence[Any], where: str, copy: bool = True) -> bool:
         """Send, bounded in time; a message a peer did not take in time is dropped and counted.
 
-        Upstream waits up to `send_timeout_s`; a local rank at most half its
+        Upstream waits up to `peer_send_timeout_s`; a local rank at most half its
         silence deadline, so one wedged rank never starves the others' liveness.
         """
         cfg = self.cfg
-        limit = min(cfg.send_timeout_s, cfg.heartbeat_deadline_s / 2) if where.startswith("local") else cfg.send_timeout_s
+        limit = min(cfg.peer_send_timeout_s, cfg.rank_silence_at_relay_s / 2) if where.startswith("local") else cfg.peer_send_timeout_s
         if send(sock, frames, self.stop, copy=copy, timeout_s=limit):
             return True
         if not self.stop.is_set():

@@ -18,7 +18,7 @@ checks that they agree).
 Each timing is named by what it bounds, because "heartbeat timeout" used to
 mean four things:
 
-    rank silence at the coordinator   Trainer(heartbeat_timeout_s=...), a Job keyword (see job.py)
+    rank silence at the coordinator   Trainer(rank_silence_at_coordinator_s=...), a Job keyword (see job.py)
     host silence at the controller    host_silence_at_controller_s (--heartbeat-timeout of the controller)
     controller silence at an agent    controller_silence_at_agent_s (--heartbeat-timeout of the agent)
     rank silence at a relay           rank_silence_at_relay_s

@@ -33,6 +33,8 @@ __all__ = ["DEFAULT_EASGD_ALPHA", "MaxFailure", "CoordinatorConfig", "Mode", "Gu
 OVERSHOOT_AUTO_INITIAL = 3
 OVERSHOOT_AUTO_CEILING = 15
 TREND_THRESHOLD = 0.05
+# A rank silent this long is dead to the coordinator: the default of the Job keyword too.
+RANK_SILENCE_AT_COORDINATOR_S = 30.0
 TREND_THRESHOLD_EASGD = 0.3  # EASGD keeps a standing spread of about 0.1
 REDUCE_STALL_FLOOR_S = 300.0
 REDUCE_STALL_HEARTBEATS = 10
@@ -100,7 +102,7 @@ class CoordinatorConfig:
     num_epochs: int
     mode: Mode = Mode.CADENCE
     seed: int = SHUFFLE_BASE_SEED
-    heartbeat_timeout_s: float = 30.0
+    rank_silence_at_coordinator_s: float = RANK_SILENCE_AT_COORDINATOR_S
     max_failure: MaxFailure | None = None
     eval_every: int = 0
     checkpoint_every: int = 0
@@ -126,11 +128,10 @@ class CoordinatorConfig:
         object.__setattr__(self, "mode", _enum(Mode, self.mode, "mode"))
         object.__setattr__(self, "guard", _enum(GuardKind, self.guard, "guard"))
         self._check_counts()
-        if not (isinstance(self.heartbeat_timeout_s, (int, float)) and self.heartbeat_timeout_s > 0
-                and math.isfinite(self.heartbeat_timeout_s)):
-            raise ConfigError(
-                f"heartbeat_timeout_s = {self.heartbeat_timeout_s!r}: must be a finite number > 0"
-            )
+        silence = self.rank_silence_at_coordinator_s
+        if not (isinstance(silence, (int, float)) and not isinstance(silence, bool) and silence > 0
+                and math.isfinite(silence)):
+            raise ConfigError(f"rank_silence_at_coordinator_s = {silence!r}: must be a finite number of seconds > 0")
         for name, minimum in _OPTIONAL_INTEGERS:
             if getattr(self, name) is not None:
                 _int(getattr(self, name), name, minimum)
@@ -239,7 +240,7 @@ class CoordinatorConfig:
     @property
     def reduce_stall_s(self) -> float:
         """A pending cycle older than this, with ranks alive, ends the run (ReduceStall)."""
-        return max(REDUCE_STALL_HEARTBEATS * self.heartbeat_timeout_s, REDUCE_STALL_FLOOR_S)
+        return max(REDUCE_STALL_HEARTBEATS * self.rank_silence_at_coordinator_s, REDUCE_STALL_FLOOR_S)
 
     @property
     def batches_per_epoch(self) -> int:

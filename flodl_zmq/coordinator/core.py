@@ -151,7 +151,7 @@ class Coordinator:
         self.save_reason: ShutdownReason | None = None
         self.ignored: Counter[str] = Counter()
         self.lost_sends: Counter[str] = Counter()
-        self.liveness = Liveness(world_size, config.heartbeat_timeout_s, now)
+        self.liveness = Liveness(world_size, config.rank_silence_at_coordinator_s, now)
         self.roles = CallbackRoles(world_size, config.callback_rank)
         self.callbacks = EpochCallbacks(config.checkpoint_every, config.eval_every)
         point = None if resume is None else ResumeState.from_dict(resume, config, world_size)

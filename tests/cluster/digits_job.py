@@ -131,7 +131,7 @@ def main() -> None:
         model=mlp, optimizer=sgd, train_step=step, dataset=train, batch_size=args.batch_size,
         epochs=args.epochs, mode=args.mode, eval_dataset=test, eval_fn=evaluate,
         on_callback_error=args.callback_errors, save_path=args.save, resume_from=args.resume,
-        wire_dtype=args.wire_dtype, heartbeat_timeout_s=args.heartbeat_timeout,
+        wire_dtype=args.wire_dtype, rank_silence_at_coordinator_s=args.heartbeat_timeout,
         scheduler=cosine if args.cosine else None, max_grad_norm=args.max_grad_norm, num_workers=args.workers,
         outer=args.outer, anchor=args.anchor,
     ).run()

@@ -50,7 +50,7 @@ class World:
         self.relays = {}
         for host in real:
             cfg = RelayConfig(host, hosts[host], self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
-                              eps[f"{host}-control"], eps[f"{host}-data"], heartbeat_deadline_s=30.0)
+                              eps[f"{host}-control"], eps[f"{host}-data"], rank_silence_at_relay_s=30.0)
             self.relays[host] = Relay(cfg, self.ctx)
             self.relays[host].start()
         self.ranks = {r: FakeRank(self.ctx, r, self.key, self.run_id, eps[f"{h}-control"], eps[f"{h}-data"])

@@ -109,7 +109,7 @@ def test_a_recorded_consensus_replayed_rounds_later_is_refused_and_the_ranks_tra
     reducer.start()
     path = OnPath(ctx, eps["bcast"], tapped)
     relay = Relay(RelayConfig("a", (0, 1), key, run_id, eps["control"], eps["data"], tapped, eps["a-control"],
-                              eps["a-data"], heartbeat_deadline_s=30.0), ctx)
+                              eps["a-data"], rank_silence_at_relay_s=30.0), ctx)
     relay.start()
     ranks = {r: FakeRank(ctx, r, key, run_id, eps["a-control"], eps["a-data"]) for r in (0, 1)}
 

@@ -34,7 +34,7 @@ def link(tmp_path, monkeypatch):
         s.bind(f"ipc://{tmp_path}/{name}")
     cfg = RankConfig(rank=0, local_rank=0, world_size=1, host="a", key=key, run_id=run_id,
                      control_endpoint=f"ipc://{tmp_path}/c", data_endpoint=f"ipc://{tmp_path}/d",
-                     heartbeat_s=30.0)
+                     rank_heartbeat_period_s=30.0)
     lk = RankLink(cfg, ctx, lambda: 0)
     lk.start()
     # The first heartbeat tells us the link is up (and gives the ROUTER the rank's route).

@@ -44,8 +44,8 @@ class Rig:
         self.key, self.run_id = new_key(), bytes(16)
         eps = endpoints(kind, tmp_path)
         self.ctl = FakeController(self.ctx, self.key, self.run_id, eps)
-        timing.setdefault("heartbeat_deadline_s", 30.0)
-        timing.setdefault("consensus_deadline_s", 30.0)
+        timing.setdefault("rank_silence_at_relay_s", 30.0)
+        timing.setdefault("consensus_wait_at_relay_s", 30.0)
         self.cfg = RelayConfig("a", (0, 1), self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
                                eps["a-control"], eps["a-data"], **timing)
         self.relay = Relay(self.cfg, self.ctx)
@@ -404,7 +404,7 @@ def test_a_rank_sending_a_coordinator_record_is_refused_and_reported_gone(rig):
 
 
 def test_a_silent_rank_is_out_within_the_deadline(tmp_path):
-    rig = Rig(tmp_path, heartbeat_deadline_s=0.4)
+    rig = Rig(tmp_path, rank_silence_at_relay_s=0.4)
     try:
         rig.ranks[0].heartbeat()
         rig.ranks[1].heartbeat()
@@ -471,7 +471,7 @@ def _consensus(round_id):
 
 
 def test_silence_after_shipping_asks_for_the_consensus_and_the_resend_is_delivered(tmp_path):
-    rig = Rig(tmp_path, consensus_deadline_s=0.2)
+    rig = Rig(tmp_path, consensus_wait_at_relay_s=0.2)
     try:
         t = [np.ones(3, np.float32)]
         for r in rig.ranks:

@@ -113,8 +113,8 @@ class Rig:
         for host, ranks in HOSTS.items():
             upstream = shim_ep if shim == "host" and host == "a" else eps["data"]
             cfg = RelayConfig(host, ranks, self.key, self.run_id, eps["control"], upstream, eps["bcast"],
-                              eps[f"{host}-control"], eps[f"{host}-data"], heartbeat_deadline_s=30.0,
-                              consensus_deadline_s=0.3)
+                              eps[f"{host}-control"], eps[f"{host}-data"], rank_silence_at_relay_s=30.0,
+                              consensus_wait_at_relay_s=0.3)
             relay = self.relays[host] = Relay(cfg, self.ctx)
             if upstream == shim_ep:
                 self.shim = DropShim(self.ctx, shim_ep, eps["data"], relay.identity, drops)
@@ -125,8 +125,8 @@ class Rig:
         if shim == "rank":  # rank 1 is a real I/O thread, behind the shim
             self.shim = DropShim(self.ctx, shim_ep, eps["a-data"], rank_identity(1), drops)
             cfg = RankConfig(rank=1, local_rank=1, world_size=4, host="a", key=self.key, run_id=self.run_id,
-                             control_endpoint=eps["a-control"], data_endpoint=shim_ep, heartbeat_s=30.0,
-                             consensus_wait_s=0.3)
+                             control_endpoint=eps["a-control"], data_endpoint=shim_ep, rank_heartbeat_period_s=30.0,
+                             consensus_wait_at_relay_s=0.3)
             self.link = RankLink(cfg, self.ctx, 0.0)
             self.link.start()
 

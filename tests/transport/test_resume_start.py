@@ -64,11 +64,11 @@ def test_a_resumed_rank_asks_its_relay_and_loads_the_checkpoint_consensus_then_r
                              resumed=(RESUME_ROUND, wire_format.resume_payload(ckpt)))
     reducer.start()
     relay = Relay(RelayConfig("a", (0, 1), key, run_id, eps["control"], eps["data"], eps["bcast"],
-                              eps["a-control"], eps["a-data"], consensus_deadline_s=0.5, wire=wire_format), ctx)
+                              eps["a-control"], eps["a-data"], consensus_wait_at_relay_s=0.5, wire=wire_format), ctx)
     relay.start()
     cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="a", key=key, run_id=run_id,
                      control_endpoint=eps["a-control"], data_endpoint=eps["a-data"],
-                     consensus_wait_s=0.5, first_contact_timeout_s=WAIT_S * 6, resumed=True)
+                     consensus_wait_at_relay_s=0.5, coordinator_first_contact_at_rank_s=WAIT_S * 6, resumed=True)
     link = RankLink(cfg, ctx, 0.0)
     other = FakeRank(ctx, 1, key, run_id, eps["a-control"], eps["a-data"])
     try:

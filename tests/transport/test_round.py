@@ -35,7 +35,7 @@ MASS = {0: 1.0, 1: 3.0, 2: 0.5, 3: 2.0}
 
 
 class Cluster:
-    def __init__(self, kind: str, tmp_path, heartbeat_deadline_s: float = 30.0, consensus_deadline_s: float = 0.3,
+    def __init__(self, kind: str, tmp_path, rank_silence_at_relay_s: float = 30.0, consensus_wait_at_relay_s: float = 0.3,
                  io_threads: int = 1, wire: WireFormat = F32):
         self.ctx = zmq.Context(io_threads=io_threads)
         self.key, self.run_id = new_key(), bytes(range(16))
@@ -49,7 +49,7 @@ class Cluster:
         for host, ranks in HOSTS.items():
             cfg = RelayConfig(host, ranks, self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
                               eps[f"{host}-control"], eps[f"{host}-data"],
-                              heartbeat_deadline_s=heartbeat_deadline_s, consensus_deadline_s=consensus_deadline_s,
+                              rank_silence_at_relay_s=rank_silence_at_relay_s, consensus_wait_at_relay_s=consensus_wait_at_relay_s,
                               wire=wire)
             self.relays[host] = Relay(cfg, self.ctx)
             self.relays[host].start()
@@ -160,7 +160,7 @@ def test_declare_dead_unblocks_a_relay_fold(cluster):
 
 
 def test_a_rank_that_stops_heartbeating_leaves_the_barrier(tmp_path):
-    c = Cluster("inproc", tmp_path, heartbeat_deadline_s=0.5)
+    c = Cluster("inproc", tmp_path, rank_silence_at_relay_s=0.5)
     try:
         for rank in c.ranks.values():
             rank.heartbeat()

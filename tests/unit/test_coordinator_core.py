@@ -197,7 +197,7 @@ def test_repeated_abandoned_rounds_end_the_run_with_reduce_stall():
 
 
 def test_heartbeat_stale_declares_rank_dead_and_unblocks_the_gate():
-    c, outs = make(heartbeat_timeout_s=1.0)
+    c, outs = make(rank_silence_at_coordinator_s=1.0)
     plans = [p.plan for p in of(outs, rec.StartEpoch)]
     train(c, 0, plans[0], 0, t=0.9)
     outs = c.on_tick(1.5)  # rank 1 never spoke: stale after 1 s
@@ -208,7 +208,7 @@ def test_heartbeat_stale_declares_rank_dead_and_unblocks_the_gate():
 
 
 def test_clean_exit_is_not_a_failure_and_never_goes_stale():
-    c, _ = make(world=3, heartbeat_timeout_s=1.0, max_failure=MaxFailure.absolute(1))
+    c, _ = make(world=3, rank_silence_at_coordinator_s=1.0, max_failure=MaxFailure.absolute(1))
     outs = c.on_record(2, rec.Exiting(rank=2), 0.5)
     assert [o.record for o in outs if o.dest is REDUCER] == [rec.DeclareDead(2)]
     for r in (0, 1):
@@ -290,7 +290,7 @@ def test_all_ranks_lost_shuts_down_with_save():
 
 
 def test_reduce_stall_past_ceiling_escalates():
-    c, _ = make(mode="sync", total=20, heartbeat_timeout_s=10.0)
+    c, _ = make(mode="sync", total=20, rank_silence_at_coordinator_s=10.0)
     batch(c, 0, 1)
     batch(c, 1, 1)
     outs = []
@@ -304,7 +304,7 @@ def test_reduce_stall_past_ceiling_escalates():
 
 
 def test_coordinator_beacons_every_second():
-    c, _ = make(heartbeat_timeout_s=100.0)
+    c, _ = make(rank_silence_at_coordinator_s=100.0)
     outs = []
     for i in range(1, 26):
         outs += c.on_tick(i / 10)
@@ -312,7 +312,7 @@ def test_coordinator_beacons_every_second():
 
 
 def test_next_due_names_the_next_beacon_and_the_moment_the_quietest_rank_turns_stale():
-    c, _ = make(heartbeat_timeout_s=3.0)
+    c, _ = make(rank_silence_at_coordinator_s=3.0)
     assert c.next_due() <= 0.1  # no beacon sent yet: one is owed now
     c.on_tick(0.1)
     assert c.next_due() == 1.1  # the next beacon
@@ -327,7 +327,7 @@ def test_next_due_names_the_next_beacon_and_the_moment_the_quietest_rank_turns_s
 
 
 def test_next_due_includes_the_reduce_stall_ceiling_and_is_none_once_the_run_is_over():
-    c, _ = make(mode="sync", total=20, heartbeat_timeout_s=10.0)
+    c, _ = make(mode="sync", total=20, rank_silence_at_coordinator_s=10.0)
     batch(c, 0, 1)
     batch(c, 1, 1)  # the round opens at 0.1
     stall = 0.1 + c.config.reduce_stall_s

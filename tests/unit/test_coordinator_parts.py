@@ -24,7 +24,7 @@ def cfg(**kw):
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("batch_size", 0), ("num_epochs", 0), ("mode", "fast"), ("heartbeat_timeout_s", 0),
+    [("batch_size", 0), ("num_epochs", 0), ("mode", "fast"), ("rank_silence_at_coordinator_s", 0),
      ("anchor", 0), ("eval_every", -1), ("max_overshoot", -1), ("guard", "tight")],
 )
 def test_bad_settings_are_refused_by_name(setting, value):
@@ -53,7 +53,7 @@ def test_defaults_follow_the_mode():
     assert cfg(mode="async").guard_threshold == 0.3
     assert cfg(mode="async").overshoot_bounds == (3, 15, True)
     assert cfg(mode="async", max_overshoot=7).overshoot_bounds == (7, 7, False)
-    assert cfg().reduce_stall_s == 300.0 and cfg(heartbeat_timeout_s=60).reduce_stall_s == 600.0
+    assert cfg().reduce_stall_s == 300.0 and cfg(rank_silence_at_coordinator_s=60).reduce_stall_s == 600.0
     assert Mode("async").barrier_paced is False
 
 

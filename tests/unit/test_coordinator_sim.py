@@ -63,7 +63,7 @@ def test_a_rank_dying_mid_epoch_leaves_every_sample_trained_exactly_once(mode):
 def test_a_silent_rank_is_declared_dead_after_the_timeout_and_the_run_completes():
     ranks = [RankSpec(12.0), RankSpec(3.0, hang_at=1.0), RankSpec(1.0)]
     sim = SimConfig(tick_s=0.05)
-    res = Simulation(config(heartbeat_timeout_s=3.0), ranks, sim).run()
+    res = Simulation(config(rank_silence_at_coordinator_s=3.0), ranks, sim).run()
     (when, rank), = res.deaths_seen
     assert rank == 1
     last_seen = res.coordinator.liveness.last_seen(1)
@@ -91,7 +91,7 @@ def test_max_failure_ends_the_run_at_the_first_failure_beyond_the_limit():
 
 def test_lost_heartbeats_within_the_timeout_kill_nobody():
     sim = SimConfig(loss={rec.Heartbeat: 0.5, rec.CoordHeartbeat: 0.5})
-    res = Simulation(config(heartbeat_timeout_s=3.0), SPEEDS, sim).run()
+    res = Simulation(config(rank_silence_at_coordinator_s=3.0), SPEEDS, sim).run()
     assert res.deaths_seen == [] and res.ended.reason is None
 
 

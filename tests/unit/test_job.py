@@ -10,6 +10,7 @@ from flodl_zmq.api import Trainer
 from flodl_zmq.coordinator.config import MaxFailure
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.job import Job, coordinator_config
+from flodl_zmq.settings import Settings
 
 DATA = TensorDataset(torch.zeros(64, 4), torch.zeros(64, dtype=torch.long))
 
@@ -39,14 +40,21 @@ def test_max_failures_reaches_the_coordinator_as_a_count_or_a_fraction(value, ex
     assert coordinator_config(job(max_failures=value)).max_failure == expected
 
 
-@pytest.mark.parametrize("value", [1.0, 0.5, 0, -3, float("inf"), float("nan"), "30", True])
-def test_heartbeat_timeout_of_a_second_or_less_or_not_a_number_is_refused(value):
-    with pytest.raises(ConfigError, match="heartbeat_timeout_s"):
-        job(heartbeat_timeout_s=value)
+@pytest.mark.parametrize("value", [0, -3, float("inf"), float("nan"), "30", True])
+def test_a_rank_silence_that_is_not_a_positive_number_is_refused(value):
+    with pytest.raises(ConfigError, match="rank_silence_at_coordinator_s"):
+        coordinator_config(job(rank_silence_at_coordinator_s=value))
+
+
+@pytest.mark.parametrize("value", [0.5, 0.25])
+def test_a_rank_silence_the_ranks_heartbeat_outlasts_is_refused_naming_both(value):
+    with pytest.raises(ConfigError, match=r"rank_silence_at_coordinator_s .* FLODL_RANK_HEARTBEAT_PERIOD"):
+        job(rank_silence_at_coordinator_s=value).check_settings(Settings(rank_heartbeat_period_s=0.5))
+    job(rank_silence_at_coordinator_s=value).check_settings(Settings(rank_heartbeat_period_s=value / 2))
 
 
 def test_heartbeat_timeout_reaches_the_coordinator():
-    assert coordinator_config(job(heartbeat_timeout_s=7.5)).heartbeat_timeout_s == 7.5
+    assert coordinator_config(job(rank_silence_at_coordinator_s=7.5)).rank_silence_at_coordinator_s == 7.5
 
 
 @pytest.mark.parametrize("value", [0.0, -0.1, 1.01, float("nan"), "0.5"])
@@ -71,9 +79,9 @@ def test_ranks_blend_by_easgd_alpha_under_async_and_overwrite_otherwise():
 def test_trainer_passes_the_knobs_to_the_job():
     t = Trainer(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                 train_step=lambda m, b: m(b[0]).sum(), dataset=DATA, batch_size=8, epochs=1, mode="cpu-async",
-                wire_dtype="bf16", max_failures="50%", heartbeat_timeout_s=5.0, easgd_alpha=0.25)
+                wire_dtype="bf16", max_failures="50%", rank_silence_at_coordinator_s=5.0, easgd_alpha=0.25)
     j = t.job
-    assert (j.wire_dtype, j.max_failures, j.heartbeat_timeout_s, j.easgd_alpha) == ("bf16", "50%", 5.0, 0.25)
+    assert (j.wire_dtype, j.max_failures, j.rank_silence_at_coordinator_s, j.easgd_alpha) == ("bf16", "50%", 5.0, 0.25)
 
 
 # --------------------------------------------------------------------------- hooks, data and scheduling

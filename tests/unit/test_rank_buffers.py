@@ -312,7 +312,7 @@ def test_a_resumed_rank_never_opens_a_file_and_starts_from_the_consensus_it_is_s
 
 
 def test_a_resumed_rank_whose_starting_model_never_comes_fails_by_name():
-    rt = _resumed_runtime(first_contact_timeout_s=0.3)
+    rt = _resumed_runtime(coordinator_first_contact_at_rank_s=0.3)
     rt.link = SimpleNamespace(inbox=Mailbox())
     with pytest.raises(TrainingError, match=r"starting model .* did not come from the controller's reducer"):
         rt._load_start()

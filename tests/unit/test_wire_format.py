@@ -54,10 +54,10 @@ def job(**kw) -> Job:
 def test_the_job_validates_its_wire_dtype_into_the_object_and_refuses_an_environment_that_announces_another():
     assert job().wire is F32 and job(wire_dtype="int8").wire is INT8
     j = job(wire_dtype="bf16")
-    j.check_announced(None)
-    j.check_announced(BF16)
+    j.check_settings(Settings())
+    j.check_settings(Settings(wire_dtype="bf16"))
     with pytest.raises(ConfigError, match=r"Trainer\(wire_dtype='bf16'\).*FLODL_WIRE_DTYPE=int8"):
-        j.check_announced(INT8)
+        j.check_settings(Settings(wire_dtype="int8"))
 
 
 def test_the_run_setting_announces_the_format_and_a_bad_one_is_refused_by_its_variable():
