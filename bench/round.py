@@ -27,7 +27,7 @@ on the same bytes.
 
 `--device cuda`: each rank's parameters live on its GPU (`cuda:LOCAL_RANK`,
 modulo the GPUs there are) and every round goes through the rank runtime's
-own CUDA path (`rank.ParamBuffers`: the snapshot copied device to host into
+own CUDA path (`param_buffers.ParamBuffers`: the snapshot copied device to host into
 pinned or shared memory, the consensus loaded back host to device); gloo
 all-reduces a tensor on the same device. Default `cpu`: numpy ranks, the
 data plane alone.

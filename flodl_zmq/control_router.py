@@ -52,7 +52,7 @@ from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outage, Outstream
 
-log = logging.getLogger("flodl_zmq.controller_service")  # the controller's log: one name for its records
+log = logging.getLogger(__name__)
 
 
 class Upstream(Protocol):
@@ -78,8 +78,8 @@ class ControlRouter:
     """The control ROUTER of one controller, between the relays and its `Upstream`."""
 
     def __init__(self, world: dict[str, tuple[int, ...]], world_size: int, key: bytes, run_id: bytes,
-                 counts: collections.Counter[str], resends: collections.Counter[str]) -> None:
-        """`counts`, `resends`: the controller's counters, which this router adds to."""
+                 counts: collections.Counter[str]) -> None:
+        """`counts`: the controller's counters, which this router adds to."""
         self.world = world
         self.host_of = {r: h for h, rs in world.items() for r in rs}
         self.codec = Codec(key, run_id, COORDINATOR_SENDER)
@@ -89,7 +89,7 @@ class ControlRouter:
         # and resends (counted by the resend path, issue 13 part 2). Reconnects: self.connections.
         self.rejected: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.last_seen: dict[str, float] = {}
-        self.resends = resends
+        self.resends: collections.Counter[str] = collections.Counter()  # per host, for `status`
         self.reconnects_this_epoch = 0
         self._outages: dict[str, Outage] = collections.defaultdict(Outage)  # host -> its resends, logged per outage
         self._to_rank = {r: Outstream(Codec(key, run_id, coordinator_sender(r))) for r in range(world_size)}

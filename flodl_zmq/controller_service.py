@@ -148,8 +148,7 @@ class ControllerService:
         self.world_size = penv.world_size
         self.codec = Codec(penv.key, penv.run_id, COORDINATOR_SENDER)  # the broadcast copy's
         self.counts: collections.Counter[str] = collections.Counter()
-        self.resends: collections.Counter[str] = collections.Counter()  # per host, for `status`
-        self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.run_id, self.counts, self.resends)
+        self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.run_id, self.counts)
         torch.manual_seed(job.seed)  # the same initial replica as every rank
         self.model = job.model()
         resumed = Resumed.load(job.resume_from)
@@ -656,6 +655,7 @@ class ControllerService:
         snap = self.kept.snapshot(reason, state)
         return self.report.save(self.kept.state_dict_of(torch.from_numpy(snap.consensus)), snap.meta,
                                 None if snap.outer_momentum is None else torch.from_numpy(snap.outer_momentum))
+
 
 def aggregated_row(r: rec.EpochAggregated) -> dict[str, Any]:
     """The row of `TrainResult.epochs` (and `metrics_fn`) for an aggregated epoch."""

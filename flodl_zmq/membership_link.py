@@ -28,7 +28,7 @@ from flodl_zmq.membership import MembershipService
 from flodl_zmq.result import TrainResult
 from flodl_zmq.security import CurveKeys
 
-log = logging.getLogger("flodl_zmq.controller_service")  # the controller's log: one name for its records
+log = logging.getLogger(__name__)
 
 REFORM_STOP_S = 15.0  # how long the hosts get to stop their ranks of the world before a re-form
 

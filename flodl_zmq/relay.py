@@ -140,6 +140,8 @@ from flodl_zmq.wire_format import WireFormat
 log = logging.getLogger(__name__)
 
 GOODBYE = "said goodbye"
+
+
 class Relay:
     """One host's relay: control byte router, data fold station, consensus fan-out.
 

@@ -109,16 +109,16 @@ def test_a_control_record_lost_either_way_is_resent_and_every_sample_is_trained_
     assert [e["samples"] for e in outcome["result"].epochs] == [SAMPLES] * EPOCHS
     assert service.deaths == {}, "a lost record cost a rank its place"
     # Recovered by the resend, not by luck: each side sent again at least what it lost.
-    assert service.resends["h"] >= sum(n for (_, up), n in drops.items() if not up)
+    assert service.router.resends["h"] >= sum(n for (_, up), n in drops.items() if not up)
     assert sum(rt.link.resent_control for rt in ranks) >= sum(n for (_, up), n in drops.items() if up)
 
 
 def test_resends_through_an_outage_are_logged_once_and_summed_up_when_it_ends(tmp_path, caplog):
     # The update and its next two resends lost: three resend passes to rank(s) of host h, one warning.
-    caplog.set_level(logging.INFO, logger="flodl_zmq.controller_service")
+    caplog.set_level(logging.INFO, logger="flodl_zmq.control_router")
     outcome, service, _ = run_with_drops(tmp_path, {("control.update", False): 3})
     assert "error" not in outcome, outcome.get("error")
-    assert outcome["dropped"] == 3 and service.resends["h"] >= 3
+    assert outcome["dropped"] == 3 and service.router.resends["h"] >= 3
     # This run's controller loop only: a service another test left behind may still be logging.
     said = [r.getMessage() for r in caplog.records if r.thread == outcome["thread"]]
     assert len([m for m in said if "has not acknowledged" in m]) == 1, said
