@@ -4,8 +4,9 @@ A setting reaches a process three ways, all through this module: a flag of a
 command (`flodl-zmq controller`, `agent`, `status`), a `FLODL_*` environment
 variable, or, for a spawned relay or rank, the environment its launcher or
 agent writes from the controller's `Settings` (`SpawnSpec.env`,
-`ProcessEnv.to_environ`). `SETTINGS` is the table (field, flags, variables,
-default, what it bounds); from it
+`ProcessEnv.to_environ`). The `Settings` dataclass is the table: each field
+carries its row (flags, variables, default, what it bounds; `SETTINGS` lists
+the rows); from it
 
 - `add_arguments(parser, command)` gives a command its flags,
 - `Settings.from_environ(environ)` reads the environment,
@@ -44,7 +45,7 @@ import argparse
 import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from flodl_zmq.errors import ConfigError
@@ -187,181 +188,148 @@ class Setting:
             )
 
 
-# The table. Flags and variables that existed before it keep their names and defaults.
-SETTINGS: tuple[Setting, ...] = (
-    # ---- timings that every host of a run shares (the controller's values are shipped)
-    Setting("rank_heartbeat_period_s", 0.5, "how often a rank sends a heartbeat to its relay and the coordinator",
-            env=("FLODL_RANK_HEARTBEAT_PERIOD",), scope="run", minimum=0.0, strict=True),
-    Setting("rank_silence_at_relay_s", 1.5, "rank silence after which its relay declares it dead",
-            env=("FLODL_RANK_SILENCE_AT_RELAY",), scope="run", minimum=0.0, strict=True),
-    Setting("rank_first_record_at_relay_s", 60.0, "how long a relay waits for a rank's first record before "
-            "declaring it dead", env=("FLODL_RANK_FIRST_RECORD_AT_RELAY",), scope="run", minimum=0.0, strict=True),
-    Setting("consensus_wait_at_relay_s", 2.0, "how long a relay (or a rank) waits for a round's consensus "
-            "before asking the reducer (or its relay) for it", env=("FLODL_CONSENSUS_WAIT_AT_RELAY",), scope="run", minimum=0.0,
-            strict=True),
-    Setting("coordinator_silence_at_rank_s", 30.0, "coordinator silence after which a rank exits",
-            env=("FLODL_COORDINATOR_SILENCE_AT_RANK",), scope="run", minimum=0.0, strict=True),
-    Setting("coordinator_first_contact_at_rank_s", 120.0, "how long a rank waits for the coordinator's first "
-            "word before it exits", env=("FLODL_COORDINATOR_FIRST_CONTACT_AT_RANK",), scope="run", minimum=0.0,
-            strict=True),
-    Setting("startup_timeout_s", 120.0, "how long the controller waits for every rank's hello before failing "
-            "the run", flags=("--startup-timeout",), env=("FLODL_STARTUP_TIMEOUT",), commands=("controller",),
-            scope="run", minimum=0.0, strict=True),
-    Setting("link_heartbeat_period_s", 1.0, "how often the two ends of every tcp:// link between the controller "
-            "and a relay ping each other (ZeroMQ heartbeats; also the TCP keepalive interval)",
-            env=("FLODL_LINK_HEARTBEAT_PERIOD",), scope="run", minimum=0.0, strict=True),
-    Setting("link_silence_s", 8.0, "silence after which a tcp:// link between the controller and a relay is "
-            "dropped and re-dialled (a flap shorter than this costs only time)", env=("FLODL_LINK_SILENCE",),
-            scope="run", minimum=0.0, strict=True),
-    Setting("peer_send_timeout_s", 10.0, "how long the controller's reducer or a relay waits on a peer that "
-            "stops reading before that send fails (the controller's own control sends never wait)",
-            env=("FLODL_PEER_SEND_TIMEOUT",), scope="run", minimum=0.0, strict=True),
-    # ---- the run's wire format, announced to the relays (they run none of the script that names it)
-    Setting("wire_dtype", None, "the run's wire format, announced to every relay; the Trainer's wire_dtype "
-            "must be the same, or the controller and the ranks refuse to start (none: each relay holds the run "
-            "to the format of its ranks' first deposit, and the reducer refuses a host frame of another)",
-            kind=str, metavar="|".join(WIRE_FORMATS), env=("FLODL_WIRE_DTYPE",), scope="run"),
-    # ---- the controller's consensus checkpoints (read by the controller role; PROTOCOL.md 13)
-    Setting("checkpoint_dir", None, "where the controller writes its periodic consensus checkpoints, keeping "
-            "the last checkpoint_keep (none: no checkpoints)", kind=str, metavar="DIR", flags=("--checkpoint-dir",),
-            env=("FLODL_CHECKPOINT_DIR",), commands=("controller",), scope="run"),
-    Setting("checkpoint_every_s", 300.0, "seconds between two checkpoints (one is also written at every epoch "
-            "end); 0: only at epoch ends and every checkpoint_every_rounds", flags=("--checkpoint-every",),
-            env=("FLODL_CHECKPOINT_EVERY",), commands=("controller",), scope="run", minimum=0.0),
-    Setting("checkpoint_every_rounds", 0, "a checkpoint every this many averaging rounds as well (0: off)",
-            kind=int, flags=("--checkpoint-every-rounds",), env=("FLODL_CHECKPOINT_EVERY_ROUNDS",),
-            commands=("controller",), scope="run", minimum=0),
-    Setting("resume", None, "restart a killed run: a checkpoint directory (its newest checkpoint), a bundle stem, "
-            "or auto (the newest checkpoint of checkpoint_dir, if any; else a fresh run); only the controller reads "
-            "it: the ranks load its consensus from the controller's reducer", kind=str, metavar="DIR|STEM|auto", flags=("--resume",),
-            env=("FLODL_RESUME",), commands=("controller",), scope="run"),
-    Setting("checkpoint_keep", 3, "how many of the newest checkpoints to keep", kind=int,
-            flags=("--checkpoint-keep",), env=("FLODL_CHECKPOINT_KEEP",), commands=("controller",), scope="run",
-            minimum=1),
-    # ---- each process's own
-    Setting("slowdown", 1.0, "a rank emulates slower hardware by this factor (per-batch delay); set in an "
-            "agent's environment it applies to every rank of that host", env=("FLODL_SLOWDOWN",),
-            scope="process", minimum=1.0),
-    Setting("run_dir", None, "the run directory: events.jsonl (and report.html, `flodl-zmq report`); "
-            "Trainer(run_dir=...) wins over it", kind=str, metavar="DIR", flags=("--run-dir",),
-            env=("FLODL_RUN_DIR",), commands=("controller",), scope="process",
-            default_text="runs/TIME-ID"),
-    # ---- the join link between agents and the controller
-    Setting("join_heartbeat_period_s", 1.0, "how often the controller and each agent send a heartbeat on the "
-            "join link", env=("FLODL_JOIN_HEARTBEAT_PERIOD",), minimum=0.0, strict=True),
-    Setting("host_silence_at_controller_s", 10.0, "agent silence after which the controller declares every rank "
-            "of its host dead", flags=("--host-silence", "--heartbeat-timeout"),
-            env=("FLODL_HOST_SILENCE", "FLODL_HEARTBEAT_TIMEOUT"), commands=("controller",), minimum=0.0,
-            strict=True),
-    Setting("controller_silence_at_agent_s", 10.0, "controller silence after which an agent stops its host's relay "
-            "and ranks (and re-dials for controller_grace_s)",
-            flags=("--controller-silence", "--heartbeat-timeout"), env=("FLODL_CONTROLLER_SILENCE",),
-            commands=("agent",), minimum=0.0, strict=True),
-    Setting("controller_grace_s", 600.0, "how long an agent whose controller fell silent keeps re-dialling it "
-            "(its ranks stopped) for a restarted controller to take it back; 0: exit at once",
-            flags=("--controller-grace",), env=("FLODL_CONTROLLER_GRACE",), commands=("agent",), minimum=0.0),
-    Setting("join_reply_timeout_s", 30.0, "how long an agent waits for the controller's answer to its hello",
-            flags=("--join-timeout",), env=("FLODL_JOIN_TIMEOUT",), commands=("agent",), minimum=0.0, strict=True),
-    Setting("status_reply_timeout_s", 5.0, "how long `status` waits for the controller's reply",
-            flags=("--timeout",), env=("FLODL_STATUS_TIMEOUT",), commands=("status",), minimum=0.0, strict=True),
-    # ---- the controller's join window
-    Setting("bind", None, "the address the controller listens on; it uses PORT..PORT+3", kind=str, metavar="HOST:PORT",
-            flags=("--bind",), env=("FLODL_BIND",), commands=("controller",), default_text="required"),
-    Setting("open_admission", False, "admit any agent that reaches the address and hand it the session key; "
-            "needs CURVE (the agents pin the controller's key), refused unless the address is loopback or "
-            "private, and refused together with FLODL_KEY", kind=bool,
-            flags=("--open-admission",), env=("FLODL_OPEN_ADMISSION",), commands=("controller",)),
-    Setting("min_ranks", 2, "the fewest ranks the run may start with (at least 2: a one-rank world has nothing to "
-            "average)", kind=int,
-            flags=("--min-ranks",), env=("FLODL_MIN_RANKS",), commands=("controller",), minimum=2),
-    Setting("target_ranks", None, "form the world as soon as this many ranks joined (none: wait for the "
-            "window to close)", kind=int, flags=("--target-ranks",), env=("FLODL_TARGET_RANKS",),
-            commands=("controller",), minimum=2),
-    Setting("max_ranks", None, "the most ranks the world may grow to, hosts joining mid-run included (none: no "
-            "cap); a host that would pass it is refused by name", kind=int, flags=("--max-ranks",),
-            env=("FLODL_MAX_RANKS",), commands=("controller",), minimum=2),
-    Setting("join_window_s", 300.0, "how long the join window stays open, from the controller's start",
-            flags=("--join-window",), env=("FLODL_JOIN_WINDOW",), commands=("controller",), minimum=0.0),
-    Setting("join_cap_s", None, "hard limit of the join window: without the minimum ranks by then, the run "
-            "aborts", flags=("--join-cap",), env=("FLODL_JOIN_CAP",), commands=("controller",), minimum=0.0,
-            optional=True, default_text="2 x join_window_s"),
-    Setting("dataset_sig", None, "the dataset signature (64 hex characters) agents announce at join; the "
-            "controller's default is the first agent's", kind=str, metavar="HEX", flags=("--dataset-sig",),
-            env=("FLODL_DATASET_SIG",), commands=("controller", "agent")),
-    # ---- where the agents and `status` find the controller, and who the agent is
-    Setting("controller", None, "the controller's address HOST:PORT (the one given to --bind)", kind=str, metavar="HOST:PORT",
-            flags=("--controller",), env=("FLODL_CONTROLLER",), commands=("agent", "status"),
-            default_text="required"),
-    Setting("agent_host", None, "this host's name, unique in the run", kind=str, metavar="NAME", flags=("--host",),
-            env=("FLODL_AGENT_HOST",), commands=("agent",), default_text="hostname"),
-    Setting("devices", None, "devices to offer, cuda:ID or cpu:N, comma-separated", kind=str, metavar="LIST",
-            flags=("--devices",), env=("FLODL_DEVICES",), commands=("agent",),
-            default_text="every visible GPU, else CPU slots"),
-    Setting("cpu_slots", 1, "ranks to run when the host has no GPU", kind=int, flags=("--cpu-slots",),
-            env=("FLODL_CPU_SLOTS",), commands=("agent",), minimum=0),
-    Setting("script", None, "the program this host agrees to run, SCRIPT or -m MODULE (ARGS after it pin "
-            "those too); the controller's program must start with exactly these words, or the agent refuses "
-            "the run", kind=str, metavar="PROGRAM", flags=("--script",), env=("FLODL_SCRIPT",),
-            commands=("agent",), default_text="required"),
-    # ---- CURVE certificates (the keys themselves go in FLODL_CURVE_*, see security.py)
-    Setting("curve_secret_file", None, "this process's secret CURVE certificate; on the controller it turns "
-            "CURVE on for every socket", kind=str, metavar="FILE", flags=("--curve-secret",), env=("FLODL_CURVE_SECRET_FILE",),
-            commands=("controller", "agent")),
-    Setting("curve_clients_dir", None, "admit only the CURVE public keys of the `*.key` files in this directory "
-            "(the join socket included); without it any key may ask to join, and only admitted agents' keys "
-            "reach the other sockets", kind=str, metavar="DIR", flags=("--curve-clients",),
-            env=("FLODL_CURVE_CLIENTS",), commands=("controller",), default_text="admitted agents' keys"),
-    Setting("curve_server_file", None, "the controller's public CURVE certificate; turns CURVE on for every "
-            "link of this host", kind=str, metavar="FILE", flags=("--curve-server",), env=("FLODL_CURVE_SERVER_FILE",),
-            commands=("agent", "status")),
-)
-BY_FIELD = {s.field: s for s in SETTINGS}
+ROW = "setting"  # the key of a Settings field's metadata that holds its row
+
+
+def setting(default: Any, bounds: str, **row: Any) -> Any:
+    """A field of `Settings` that carries its row of the table (`Setting`: flags, variables, checks)."""
+    return field(default=default, metadata={ROW: Setting("", default, bounds, **row)})
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Every setting of `SETTINGS`, validated. `Settings()` is the defaults."""
+    """Every process-level setting, validated; `Settings()` is the defaults.
 
-    rank_heartbeat_period_s: float = BY_FIELD["rank_heartbeat_period_s"].default
-    rank_silence_at_relay_s: float = BY_FIELD["rank_silence_at_relay_s"].default
-    rank_first_record_at_relay_s: float = BY_FIELD["rank_first_record_at_relay_s"].default
-    consensus_wait_at_relay_s: float = BY_FIELD["consensus_wait_at_relay_s"].default
-    coordinator_silence_at_rank_s: float = BY_FIELD["coordinator_silence_at_rank_s"].default
-    coordinator_first_contact_at_rank_s: float = BY_FIELD["coordinator_first_contact_at_rank_s"].default
-    startup_timeout_s: float = BY_FIELD["startup_timeout_s"].default
-    link_heartbeat_period_s: float = BY_FIELD["link_heartbeat_period_s"].default
-    link_silence_s: float = BY_FIELD["link_silence_s"].default
-    peer_send_timeout_s: float = BY_FIELD["peer_send_timeout_s"].default
-    wire_dtype: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every_s: float = BY_FIELD["checkpoint_every_s"].default
-    checkpoint_every_rounds: int = BY_FIELD["checkpoint_every_rounds"].default
-    resume: str | None = None
-    checkpoint_keep: int = BY_FIELD["checkpoint_keep"].default
-    slowdown: float = BY_FIELD["slowdown"].default
-    run_dir: str | None = None
-    join_heartbeat_period_s: float = BY_FIELD["join_heartbeat_period_s"].default
-    host_silence_at_controller_s: float = BY_FIELD["host_silence_at_controller_s"].default
-    controller_silence_at_agent_s: float = BY_FIELD["controller_silence_at_agent_s"].default
-    controller_grace_s: float = BY_FIELD["controller_grace_s"].default
-    join_reply_timeout_s: float = BY_FIELD["join_reply_timeout_s"].default
-    status_reply_timeout_s: float = BY_FIELD["status_reply_timeout_s"].default
-    bind: str | None = None
-    open_admission: bool = False
-    min_ranks: int = BY_FIELD["min_ranks"].default
-    target_ranks: int | None = None
-    max_ranks: int | None = None
-    join_window_s: float = BY_FIELD["join_window_s"].default
-    join_cap_s: float | None = None
-    dataset_sig: str | None = None
-    controller: str | None = None
-    agent_host: str | None = None
-    devices: str | None = None
-    cpu_slots: int = BY_FIELD["cpu_slots"].default
-    script: str | None = None
-    curve_secret_file: str | None = None
-    curve_clients_dir: str | None = None
-    curve_server_file: str | None = None
+    The class is the table: each field is one setting, with its row (`setting(...)`:
+    default, what it bounds, flags, variables, scope, checks). Flags and variables
+    that existed before the table keep their names and defaults.
+    """
+
+    # ---- timings that every host of a run shares (the controller's values are shipped)
+    rank_heartbeat_period_s: float = setting(0.5, "how often a rank sends a heartbeat to its relay and the coordinator",
+            env=("FLODL_RANK_HEARTBEAT_PERIOD",), scope="run", minimum=0.0, strict=True)
+    rank_silence_at_relay_s: float = setting(1.5, "rank silence after which its relay declares it dead",
+            env=("FLODL_RANK_SILENCE_AT_RELAY",), scope="run", minimum=0.0, strict=True)
+    rank_first_record_at_relay_s: float = setting(60.0, "how long a relay waits for a rank's first record before "
+            "declaring it dead", env=("FLODL_RANK_FIRST_RECORD_AT_RELAY",), scope="run", minimum=0.0, strict=True)
+    consensus_wait_at_relay_s: float = setting(2.0, "how long a relay (or a rank) waits for a round's consensus "
+            "before asking the reducer (or its relay) for it", env=("FLODL_CONSENSUS_WAIT_AT_RELAY",), scope="run", minimum=0.0,
+            strict=True)
+    coordinator_silence_at_rank_s: float = setting(30.0, "coordinator silence after which a rank exits",
+            env=("FLODL_COORDINATOR_SILENCE_AT_RANK",), scope="run", minimum=0.0, strict=True)
+    coordinator_first_contact_at_rank_s: float = setting(120.0, "how long a rank waits for the coordinator's first "
+            "word before it exits", env=("FLODL_COORDINATOR_FIRST_CONTACT_AT_RANK",), scope="run", minimum=0.0,
+            strict=True)
+    startup_timeout_s: float = setting(120.0, "how long the controller waits for every rank's hello before failing "
+            "the run", flags=("--startup-timeout",), env=("FLODL_STARTUP_TIMEOUT",), commands=("controller",),
+            scope="run", minimum=0.0, strict=True)
+    link_heartbeat_period_s: float = setting(1.0, "how often the two ends of every tcp:// link between the controller "
+            "and a relay ping each other (ZeroMQ heartbeats; also the TCP keepalive interval)",
+            env=("FLODL_LINK_HEARTBEAT_PERIOD",), scope="run", minimum=0.0, strict=True)
+    link_silence_s: float = setting(8.0, "silence after which a tcp:// link between the controller and a relay is "
+            "dropped and re-dialled (a flap shorter than this costs only time)", env=("FLODL_LINK_SILENCE",),
+            scope="run", minimum=0.0, strict=True)
+    peer_send_timeout_s: float = setting(10.0, "how long the controller's reducer or a relay waits on a peer that "
+            "stops reading before that send fails (the controller's own control sends never wait)",
+            env=("FLODL_PEER_SEND_TIMEOUT",), scope="run", minimum=0.0, strict=True)
+    # ---- the run's wire format, announced to the relays (they run none of the script that names it)
+    wire_dtype: str | None = setting(None, "the run's wire format, announced to every relay; the Trainer's wire_dtype "
+            "must be the same, or the controller and the ranks refuse to start (none: each relay holds the run "
+            "to the format of its ranks' first deposit, and the reducer refuses a host frame of another)",
+            kind=str, metavar="|".join(WIRE_FORMATS), env=("FLODL_WIRE_DTYPE",), scope="run")
+    # ---- the controller's consensus checkpoints (read by the controller role; PROTOCOL.md 13)
+    checkpoint_dir: str | None = setting(None, "where the controller writes its periodic consensus checkpoints, keeping "
+            "the last checkpoint_keep (none: no checkpoints)", kind=str, metavar="DIR", flags=("--checkpoint-dir",),
+            env=("FLODL_CHECKPOINT_DIR",), commands=("controller",), scope="run")
+    checkpoint_every_s: float = setting(300.0, "seconds between two checkpoints (one is also written at every epoch "
+            "end); 0: only at epoch ends and every checkpoint_every_rounds", flags=("--checkpoint-every",),
+            env=("FLODL_CHECKPOINT_EVERY",), commands=("controller",), scope="run", minimum=0.0)
+    checkpoint_every_rounds: int = setting(0, "a checkpoint every this many averaging rounds as well (0: off)",
+            kind=int, flags=("--checkpoint-every-rounds",), env=("FLODL_CHECKPOINT_EVERY_ROUNDS",),
+            commands=("controller",), scope="run", minimum=0)
+    resume: str | None = setting(None, "restart a killed run: a checkpoint directory (its newest checkpoint), a bundle stem, "
+            "or auto (the newest checkpoint of checkpoint_dir, if any; else a fresh run); only the controller reads "
+            "it: the ranks load its consensus from the controller's reducer", kind=str, metavar="DIR|STEM|auto", flags=("--resume",),
+            env=("FLODL_RESUME",), commands=("controller",), scope="run")
+    checkpoint_keep: int = setting(3, "how many of the newest checkpoints to keep", kind=int,
+            flags=("--checkpoint-keep",), env=("FLODL_CHECKPOINT_KEEP",), commands=("controller",), scope="run",
+            minimum=1)
+    # ---- each process's own
+    slowdown: float = setting(1.0, "a rank emulates slower hardware by this factor (per-batch delay); set in an "
+            "agent's environment it applies to every rank of that host", env=("FLODL_SLOWDOWN",),
+            scope="process", minimum=1.0)
+    run_dir: str | None = setting(None, "the run directory: events.jsonl (and report.html, `flodl-zmq report`); "
+            "Trainer(run_dir=...) wins over it", kind=str, metavar="DIR", flags=("--run-dir",),
+            env=("FLODL_RUN_DIR",), commands=("controller",), scope="process",
+            default_text="runs/TIME-ID")
+    # ---- the join link between agents and the controller
+    join_heartbeat_period_s: float = setting(1.0, "how often the controller and each agent send a heartbeat on the "
+            "join link", env=("FLODL_JOIN_HEARTBEAT_PERIOD",), minimum=0.0, strict=True)
+    host_silence_at_controller_s: float = setting(10.0, "agent silence after which the controller declares every rank "
+            "of its host dead", flags=("--host-silence", "--heartbeat-timeout"),
+            env=("FLODL_HOST_SILENCE", "FLODL_HEARTBEAT_TIMEOUT"), commands=("controller",), minimum=0.0,
+            strict=True)
+    controller_silence_at_agent_s: float = setting(10.0, "controller silence after which an agent stops its host's relay "
+            "and ranks (and re-dials for controller_grace_s)",
+            flags=("--controller-silence", "--heartbeat-timeout"), env=("FLODL_CONTROLLER_SILENCE",),
+            commands=("agent",), minimum=0.0, strict=True)
+    controller_grace_s: float = setting(600.0, "how long an agent whose controller fell silent keeps re-dialling it "
+            "(its ranks stopped) for a restarted controller to take it back; 0: exit at once",
+            flags=("--controller-grace",), env=("FLODL_CONTROLLER_GRACE",), commands=("agent",), minimum=0.0)
+    join_reply_timeout_s: float = setting(30.0, "how long an agent waits for the controller's answer to its hello",
+            flags=("--join-timeout",), env=("FLODL_JOIN_TIMEOUT",), commands=("agent",), minimum=0.0, strict=True)
+    status_reply_timeout_s: float = setting(5.0, "how long `status` waits for the controller's reply",
+            flags=("--timeout",), env=("FLODL_STATUS_TIMEOUT",), commands=("status",), minimum=0.0, strict=True)
+    # ---- the controller's join window
+    bind: str | None = setting(None, "the address the controller listens on; it uses PORT..PORT+3", kind=str, metavar="HOST:PORT",
+            flags=("--bind",), env=("FLODL_BIND",), commands=("controller",), default_text="required")
+    open_admission: bool = setting(False, "admit any agent that reaches the address and hand it the session key; "
+            "needs CURVE (the agents pin the controller's key), refused unless the address is loopback or "
+            "private, and refused together with FLODL_KEY", kind=bool,
+            flags=("--open-admission",), env=("FLODL_OPEN_ADMISSION",), commands=("controller",))
+    min_ranks: int = setting(2, "the fewest ranks the run may start with (at least 2: a one-rank world has nothing to "
+            "average)", kind=int,
+            flags=("--min-ranks",), env=("FLODL_MIN_RANKS",), commands=("controller",), minimum=2)
+    target_ranks: int | None = setting(None, "form the world as soon as this many ranks joined (none: wait for the "
+            "window to close)", kind=int, flags=("--target-ranks",), env=("FLODL_TARGET_RANKS",),
+            commands=("controller",), minimum=2)
+    max_ranks: int | None = setting(None, "the most ranks the world may grow to, hosts joining mid-run included (none: no "
+            "cap); a host that would pass it is refused by name", kind=int, flags=("--max-ranks",),
+            env=("FLODL_MAX_RANKS",), commands=("controller",), minimum=2)
+    join_window_s: float = setting(300.0, "how long the join window stays open, from the controller's start",
+            flags=("--join-window",), env=("FLODL_JOIN_WINDOW",), commands=("controller",), minimum=0.0)
+    join_cap_s: float | None = setting(None, "hard limit of the join window: without the minimum ranks by then, the run "
+            "aborts", flags=("--join-cap",), env=("FLODL_JOIN_CAP",), commands=("controller",), minimum=0.0,
+            optional=True, default_text="2 x join_window_s")
+    dataset_sig: str | None = setting(None, "the dataset signature (64 hex characters) agents announce at join; the "
+            "controller's default is the first agent's", kind=str, metavar="HEX", flags=("--dataset-sig",),
+            env=("FLODL_DATASET_SIG",), commands=("controller", "agent"))
+    # ---- where the agents and `status` find the controller, and who the agent is
+    controller: str | None = setting(None, "the controller's address HOST:PORT (the one given to --bind)", kind=str, metavar="HOST:PORT",
+            flags=("--controller",), env=("FLODL_CONTROLLER",), commands=("agent", "status"),
+            default_text="required")
+    agent_host: str | None = setting(None, "this host's name, unique in the run", kind=str, metavar="NAME", flags=("--host",),
+            env=("FLODL_AGENT_HOST",), commands=("agent",), default_text="hostname")
+    devices: str | None = setting(None, "devices to offer, cuda:ID or cpu:N, comma-separated", kind=str, metavar="LIST",
+            flags=("--devices",), env=("FLODL_DEVICES",), commands=("agent",),
+            default_text="every visible GPU, else CPU slots")
+    cpu_slots: int = setting(1, "ranks to run when the host has no GPU", kind=int, flags=("--cpu-slots",),
+            env=("FLODL_CPU_SLOTS",), commands=("agent",), minimum=0)
+    script: str | None = setting(None, "the program this host agrees to run, SCRIPT or -m MODULE (ARGS after it pin "
+            "those too); the controller's program must start with exactly these words, or the agent refuses "
+            "the run", kind=str, metavar="PROGRAM", flags=("--script",), env=("FLODL_SCRIPT",),
+            commands=("agent",), default_text="required")
+    # ---- CURVE certificates (the keys themselves go in FLODL_CURVE_*, see security.py)
+    curve_secret_file: str | None = setting(None, "this process's secret CURVE certificate; on the controller it turns "
+            "CURVE on for every socket", kind=str, metavar="FILE", flags=("--curve-secret",), env=("FLODL_CURVE_SECRET_FILE",),
+            commands=("controller", "agent"))
+    curve_clients_dir: str | None = setting(None, "admit only the CURVE public keys of the `*.key` files in this directory "
+            "(the join socket included); without it any key may ask to join, and only admitted agents' keys "
+            "reach the other sockets", kind=str, metavar="DIR", flags=("--curve-clients",),
+            env=("FLODL_CURVE_CLIENTS",), commands=("controller",), default_text="admitted agents' keys")
+    curve_server_file: str | None = setting(None, "the controller's public CURVE certificate; turns CURVE on for every "
+            "link of this host", kind=str, metavar="FILE", flags=("--curve-server",), env=("FLODL_CURVE_SERVER_FILE",),
+            commands=("agent", "status"))
 
     def __post_init__(self) -> None:
         for s in SETTINGS:
@@ -441,6 +409,11 @@ class Settings:
         return out
 
 
+# The rows, in the order of the fields; `Setting.field` is the field's name.
+SETTINGS: tuple[Setting, ...] = tuple(replace(f.metadata[ROW], field=f.name) for f in fields(Settings))
+BY_FIELD = {s.field: s for s in SETTINGS}
+
+
 def env_names(scopes: Iterable[str]) -> tuple[str, ...]:
     """Every variable (old names too) of the settings of `scopes`."""
     scopes = tuple(scopes)
@@ -489,7 +462,3 @@ def _metavar(s: Setting) -> str:
     if s.kind is float:
         return "S" if s.field.endswith("_s") else "X"
     return "N" if s.kind is int else s.field.split("_")[-1].upper()
-
-
-def field_names() -> tuple[str, ...]:
-    return tuple(f.name for f in fields(Settings))

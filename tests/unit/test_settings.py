@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 from flodl_zmq.api import Trainer
 from flodl_zmq.errors import ConfigError
-from flodl_zmq.settings import SETTINGS, Settings, add_arguments, field_names
+from flodl_zmq.settings import SETTINGS, Settings, add_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ROOT / "docs" / "operations.md"
@@ -40,8 +41,8 @@ def names(cell: str) -> tuple[str, ...]:
     return tuple(re.findall(r"`([^`]+)`", cell))
 
 
-def test_the_table_names_every_field_of_the_object_once():
-    assert [s.field for s in SETTINGS] == list(field_names())
+def test_every_field_of_the_object_is_a_row_whose_default_it_holds():
+    assert len({s.field for s in SETTINGS}) == len(SETTINGS) == len(dataclasses.fields(Settings))
     for s in SETTINGS:
         assert getattr(Settings(), s.field) == s.default, s.field
 
