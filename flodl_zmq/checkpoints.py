@@ -54,6 +54,7 @@ from flodl_zmq.job import Job
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import load_flat
 from flodl_zmq.result import TrainResult
+from flodl_zmq.settings import Settings
 from flodl_zmq.wire import records as rec
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,17 @@ def resolve(resume: str | None, checkpoint_dir: str | None) -> Path | None:
                               "name the directory the controller wrote them to (--checkpoint-dir)")
         return stem
     return Path(resume)
+
+
+def pin_resume(settings: Settings) -> Settings:
+    """`settings` with `resume` resolved to the one checkpoint stem the run continues (None: a fresh run).
+
+    Done once, by what starts the run (the controller command, the launcher),
+    and shipped as it is: `auto` read again later, or by another process,
+    could name a newer checkpoint than the one every process continues.
+    """
+    stem = resolve(settings.resume, settings.checkpoint_dir)
+    return replace(settings, resume=None if stem is None else str(stem))
 
 
 @dataclass

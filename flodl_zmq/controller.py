@@ -174,8 +174,8 @@ def _run_to_start(opts: ControllerOptions) -> tuple[bytes, dict[str, tuple[int, 
     # status's must start without torch (bundle and checkpoints import it).
     from flodl_zmq import bundle, checkpoints
 
-    run_id, resumed, settings, cfg = os.urandom(RUN_ID_BYTES), None, opts.settings, opts.join
-    stem = checkpoints.resolve(settings.resume, settings.checkpoint_dir)
+    run_id, resumed, settings, cfg = os.urandom(RUN_ID_BYTES), None, checkpoints.pin_resume(opts.settings), opts.join
+    stem = settings.resume
     if stem is not None:
         if opts.open_admission:
             raise ConfigError("--resume needs the run's pre-shared FLODL_KEY: under --open-admission the session "
@@ -186,7 +186,7 @@ def _run_to_start(opts: ControllerOptions) -> tuple[bytes, dict[str, tuple[int, 
         size = sum(map(len, resumed.values()))
         cfg = replace(cfg, min_ranks=size, target_ranks=size)
         log.info("resuming run %s from %s: waiting for hosts %s to rejoin", run_id.hex()[:8], stem, sorted(resumed))
-    return run_id, resumed, replace(settings, resume=None if stem is None else str(stem)), cfg
+    return run_id, resumed, settings, cfg
 
 
 def _open_join_window(

@@ -179,8 +179,7 @@ class Cluster:
         from flodl_zmq import checkpoints
 
         # `auto` is chosen once, here: every process must continue the same checkpoint.
-        stem = checkpoints.resolve(settings.resume, settings.checkpoint_dir)
-        self._settings = replace(settings, resume=None if stem is None else str(stem))
+        self._settings = checkpoints.pin_resume(settings)
         # FLODL_KEY, when set, is the run's key, so that `flodl-zmq status` can sign with it.
         given = session_key(os.environ)
         key = self.key = given or new_key()

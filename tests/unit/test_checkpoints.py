@@ -138,6 +138,10 @@ def test_resume_names_a_stem_a_directory_s_newest_or_auto_s_newest_if_any(tmp_pa
     assert checkpoints.resolve("auto", str(tmp_path)) == newest
     assert checkpoints.resolve(str(tmp_path), None) == newest
     assert checkpoints.resolve(str(tmp_path / "ckpt-r000000004"), None) == tmp_path / "ckpt-r000000004"
+    # Pinned once by what starts the run: every process then continues that stem, whatever comes later.
+    pinned = checkpoints.pin_resume(Settings(resume="auto", checkpoint_dir=str(tmp_path)))
+    assert pinned.resume == str(newest) and checkpoints.pin_resume(pinned) == pinned
+    assert checkpoints.pin_resume(Settings(checkpoint_dir=str(tmp_path))).resume is None
 
 
 def keeper(n: int = 4, wire_dtype: str = "f32", **settings) -> checkpoints.Keeper:
