@@ -14,16 +14,16 @@ Rules this module keeps:
   `nvidia-smi -L`, never from torch: the agent never trains, and a CUDA
   context in the parent would hold memory on every GPU for the whole run.
   Without GPUs it offers a configured number of CPU slots.
-- **Every wait is bounded.** The reply to the hello by `reply_timeout_s`;
+- **Every wait is bounded.** The reply to the hello by `join_reply_timeout_s`;
   world formation by the budget the controller announced plus a margin; the
-  controller's liveness by its heartbeats (`silence_s`), because ZeroMQ does
-  not report a vanished peer.
-- **A silent controller may come back.** When it falls silent (`silence_s`)
-  the agent stops its relay and ranks, then re-dials it with backoff for
-  `grace_s`: a controller restarted with `--resume` takes this host back
-  with its old ranks in the same run (the accept's run id and ranks must be
-  the old ones, PROTOCOL.md 13), and the host runs again from the
-  checkpoint. Past the grace period it exits, saying so.
+  controller's liveness by its heartbeats (`controller_silence_at_agent_s`),
+  because ZeroMQ does not report a vanished peer.
+- **A silent controller may come back.** When it falls silent
+  (`controller_silence_at_agent_s`) the agent stops its relay and ranks, then
+  re-dials it with backoff for `controller_grace_s`: a controller restarted
+  with `--resume` takes this host back with its old ranks in the same run
+  (the accept's run id and ranks must be the old ones, PROTOCOL.md 13), and
+  the host runs again from the checkpoint. Past the grace period it exits, saying so.
 - **A world may re-form mid-run** (hosts joining, PROTOCOL.md 13.1): a
   `join.world_formed` on the admitted link is the new world. The agent stops
   its relay and ranks, reports their exits, and spawns them again for the
@@ -197,7 +197,7 @@ class Agent:
         # this link after a network blip (its ROUTER hands the id over).
         sock.setsockopt(zmq.ROUTING_ID, routing_id or b"A" + os.urandom(15))
         sock.setsockopt(zmq.LINGER, 1000)
-        dial_afresh(sock, self.config.heartbeat_s)
+        dial_afresh(sock, self.config.join_heartbeat_period_s)
         limit_receive(sock, CONTROL_MAX_FRAME_BYTES)
         return sock
 
@@ -211,20 +211,21 @@ class Agent:
 
     # ------------------------------------------------------------------ join
 
-    def join(self, reply_timeout_s: float | None = None) -> Joined:
+    def join(self, join_reply_timeout_s: float | None = None) -> Joined:
         """Dial, send the hello, and wait for admission and then the formed world (NoReply: no answer)."""
         cfg = self.config
-        reply_timeout_s = cfg.reply_timeout_s if reply_timeout_s is None else reply_timeout_s
+        if join_reply_timeout_s is None:
+            join_reply_timeout_s = cfg.join_reply_timeout_s
         CleartextWarner(log).warn_if_cleartext(cfg.controller.host, encrypted=cfg.curve is not None)
         self._dial()
         log.info(
             "host %r dialing %s with %d device(s) %s (admission: %s)", cfg.host, cfg.controller.endpoint(Channel.JOIN),
             len(cfg.devices), list(cfg.devices), "pre-shared key" if cfg.key else "open",
         )
-        reply = self._hello(reply_timeout_s)
+        reply = self._hello(join_reply_timeout_s)
         if reply is None:
             raise NoReply(
-                f"no reply from the controller at {cfg.controller} within {reply_timeout_s:g} s: it is "
+                f"no reply from the controller at {cfg.controller} within {join_reply_timeout_s:g} s: it is "
                 "not running or not reachable, or it dropped our hello because its key differs from ours "
                 "(FLODL_KEY must be the same on every host; an open-admission controller takes no key)"
             )
@@ -238,7 +239,7 @@ class Agent:
         spawn = check_world(formed, cfg, reply.ranks, "formed")  # before anything of it is used
         return Joined(tuple(reply.ranks), key, reply.run_id, formed.world_size, spawn)
 
-    def _hello(self, reply_timeout_s: float) -> Any:
+    def _hello(self, join_reply_timeout_s: float) -> Any:
         """Ask for a challenge, then send the hello it makes fresh: the controller's answer (None: none in time).
 
         The challenge (PROTOCOL.md 10.4): our fresh nonce comes back in it, its nonce goes
@@ -249,7 +250,7 @@ class Agent:
         ours = os.urandom(CHALLENGE_NONCE_BYTES)
         self._send(ChallengeRequest(ours))
         challenge = self._receive(
-            time.monotonic() + reply_timeout_s,
+            time.monotonic() + join_reply_timeout_s,
             before_admission=True,
             fresh=lambda r: isinstance(r, Challenge) and r.client_nonce == ours,
         )
@@ -260,7 +261,7 @@ class Agent:
         self._send(JoinHello(cfg.host, list(cfg.devices), cfg.dataset_sig, PROTOCOL_VERSION, cfg.model_sig,
                              challenge.nonce))
         return self._receive(
-            time.monotonic() + reply_timeout_s,
+            time.monotonic() + join_reply_timeout_s,
             before_admission=True,
             fresh=lambda r: not isinstance(r, (JoinAccept, JoinReject)) or r.nonce == challenge.nonce,
         )
@@ -295,7 +296,7 @@ class Agent:
             if now >= deadline or self._stop_reason is not None:
                 return None
             if not before_admission:
-                if now - self._last_heard > self.config.silence_s:
+                if now - self._last_heard > self.config.controller_silence_at_agent_s:
                     log.error("controller silent for %.0f s while the world forms", now - self._last_heard)
                     return None
                 self._redial_if_silent(now)
@@ -313,7 +314,7 @@ class Agent:
 
     def _beat(self, now: float) -> None:
         if now >= self._next_beat:
-            self._next_beat = now + self.config.heartbeat_s
+            self._next_beat = now + self.config.join_heartbeat_period_s
             self._send(JoinHeartbeat())
 
     def _send(self, rec: Any) -> None:
@@ -346,7 +347,8 @@ class Agent:
                 if self._reformed is not None and self._stop_reason is None:
                     joined = self._reform(joined, self._reformed)
                     continue
-                if not self._lost_controller or not self.config.grace_s or self._stop_reason is not None:
+                if (not self._lost_controller or not self.config.controller_grace_s
+                        or self._stop_reason is not None):
                     return code
                 joined = self._rejoin(joined)
         finally:
@@ -370,18 +372,22 @@ class Agent:
         return Joined(before.ranks, before.session_key, before.run_id, formed.world_size, spawn)
 
     def _rejoin(self, before: Joined) -> Joined:
-        """Re-dial a silent controller with backoff until a restart of our run takes us back (grace_s)."""
+        """Re-dial a silent controller with backoff until a restart of our run takes us back.
+
+        Gives up after `controller_grace_s`.
+        """
         cfg = self.config
-        deadline = time.monotonic() + cfg.grace_s
+        deadline = time.monotonic() + cfg.controller_grace_s
         wait = REJOIN_BACKOFF_S[0]
         log.warning("host %r: re-dialling the controller at %s for up to %g s (--controller-grace) for a restart "
-                    "of run %s", cfg.host, cfg.controller, cfg.grace_s, before.run_id.hex()[:8])
+                    "of run %s", cfg.host, cfg.controller, cfg.controller_grace_s, before.run_id.hex()[:8])
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or self._stop_reason is not None:
                 raise MembershipError(
                     f"the controller at {cfg.controller} did not come back within the grace period of "
-                    f"{cfg.grace_s:g} s (--controller-grace): host {cfg.host!r} leaves run {before.run_id.hex()[:8]}; "
+                    f"{cfg.controller_grace_s:g} s (--controller-grace): host {cfg.host!r} leaves run "
+                    f"{before.run_id.hex()[:8]}; "
                     "restart the controller with --resume auto and start this agent again"
                     if self._stop_reason is None else f"stopped while waiting for the controller: {self._stop_reason}"
                 )
@@ -391,7 +397,7 @@ class Agent:
             self._sock = self._new_link()
             self._codec = Codec(cfg.key or OPEN_JOIN_KEY, JOIN_RUN_ID, cfg.host)
             try:
-                joined = self.join(reply_timeout_s=min(cfg.reply_timeout_s, max(left, 0.1)))
+                joined = self.join(join_reply_timeout_s=min(cfg.join_reply_timeout_s, max(left, 0.1)))
             except (NoReply, Refused) as exc:
                 if not worth_redialling(exc):
                     raise
@@ -445,7 +451,8 @@ class Agent:
             plan.append((label, rank, joined.spawn.argv, self.child_environ(joined, "rank", rank, local)))
         warm = self._warm_for(joined.spawn.argv)
         # Heartbeats go on while it imports (seconds): a host silent that long is declared lost.
-        while warm is not None and not warm.wait_ready(self.config.heartbeat_s / 2) and self._stop_reason is None:
+        beat = self.config.join_heartbeat_period_s
+        while warm is not None and not warm.wait_ready(beat / 2) and self._stop_reason is None:
             self._beat(time.monotonic())
         children: list[_Child] = []
         # The children's lifeline (environment.watch_lifeline): only this process's death closes
@@ -506,7 +513,8 @@ class Agent:
             ranks_live = any(c.rank is not None for c in live)
             why = self._stop_reason or self._poll_controller(now)
             if why is not None and teardown is None:
-                self._lost_controller = ranks_live and self._stop_reason is None and now - self._last_heard > cfg.silence_s
+                self._lost_controller = (ranks_live and self._stop_reason is None
+                                         and now - self._last_heard > cfg.controller_silence_at_agent_s)
                 teardown, kill_at = why, now + cfg.kill_grace_s
                 # The controller vanishing after every rank exited is just the end of the run.
                 fault = fault or ranks_live or self._stop_reason is not None
@@ -571,7 +579,7 @@ class Agent:
             if isinstance(env.record, WorldFormed):
                 self._reformed = env.record
                 return "the world re-forms with hosts that joined"
-        if now - self._last_heard > self.config.silence_s:
+        if now - self._last_heard > self.config.controller_silence_at_agent_s:
             return f"controller silent for {now - self._last_heard:.0f} s (gone, or the link is cut)"
         self._redial_if_silent(now)
         return None
@@ -583,7 +591,7 @@ class Agent:
         for longer than the limit, though every cut was shorter; a new connection gets through.
         The old one is still read until either speaks: its next retransmission may be due any
         moment (after a 2 s cut, about 3 s after the first loss), before the new one is through."""
-        if now - max(self._last_heard, self._dialled_at) <= self.config.silence_s / 2:
+        if now - max(self._last_heard, self._dialled_at) <= self.config.controller_silence_at_agent_s / 2:
             return
         log.info("host %r: the controller silent for %.1f s; dialling it again", self.config.host,
                  now - self._last_heard)
@@ -678,10 +686,10 @@ def _agent_command(args: Any) -> int:
         devices=resolve_devices(explicit, settings.cpu_slots, os.environ, None if explicit else run_nvidia_smi()),
         key=session_key(os.environ),
         dataset_sig=sig,
-        reply_timeout_s=settings.join_reply_timeout_s,
-        heartbeat_s=settings.join_heartbeat_period_s,
-        silence_s=settings.controller_silence_at_agent_s,
-        grace_s=settings.controller_grace_s,
+        join_reply_timeout_s=settings.join_reply_timeout_s,
+        join_heartbeat_period_s=settings.join_heartbeat_period_s,
+        controller_silence_at_agent_s=settings.controller_silence_at_agent_s,
+        controller_grace_s=settings.controller_grace_s,
         curve=CurveKeys.for_client(os.environ, settings.curve_secret_file, settings.curve_server_file),
         script=parse_script(settings.script) if settings.script else None,
     )

@@ -132,11 +132,11 @@ class AgentConfig:
     key: bytes | None = None
     dataset_sig: bytes = bytes(32)
     model_sig: bytes | None = None
-    reply_timeout_s: float = DEFAULTS.join_reply_timeout_s
+    join_reply_timeout_s: float = DEFAULTS.join_reply_timeout_s
     formation_margin_s: float = 10.0
-    heartbeat_s: float = DEFAULTS.join_heartbeat_period_s
-    silence_s: float = DEFAULTS.controller_silence_at_agent_s
-    grace_s: float = DEFAULTS.controller_grace_s
+    join_heartbeat_period_s: float = DEFAULTS.join_heartbeat_period_s
+    controller_silence_at_agent_s: float = DEFAULTS.controller_silence_at_agent_s
+    controller_grace_s: float = DEFAULTS.controller_grace_s
     kill_grace_s: float = 5.0
     curve: CurveKeys | None = None
     script: tuple[str, ...] | None = None
@@ -157,11 +157,14 @@ class AgentConfig:
             raise ConfigError("the agent needs a host name (--host, default: this machine's hostname)")
         if len(self.dataset_sig) != 32:
             raise ConfigError("dataset signature must be 32 bytes (64 hex characters)")
-        for name in ("reply_timeout_s", "heartbeat_s", "silence_s"):
+        for name in ("join_reply_timeout_s", "join_heartbeat_period_s", "controller_silence_at_agent_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 (got {getattr(self, name)})")
-        if self.silence_s <= self.heartbeat_s:
-            raise ConfigError(f"silence_s ({self.silence_s}) must exceed heartbeat_s ({self.heartbeat_s})")
+        if self.controller_silence_at_agent_s <= self.join_heartbeat_period_s:
+            raise ConfigError(
+                f"controller_silence_at_agent_s ({self.controller_silence_at_agent_s}) must exceed "
+                f"join_heartbeat_period_s ({self.join_heartbeat_period_s})"
+            )
 
 
 class NoReply(MembershipError):

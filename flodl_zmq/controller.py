@@ -82,6 +82,7 @@ END_GRACE_S = 15.0  # after a completed run: how long agents may take to see the
 ABORT_FLUSH_S = 0.5
 STATUS_SENDER = "status"
 WATCH_FIRST_CONTACT_S = 60.0  # how long `status --watch` asks a controller that is not answering yet
+DEFAULTS = Settings()  # query_status's timeout defaults to the settings table
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,8 @@ def _open_join_window(
         window, endpoint=opts.address.endpoint(Channel.JOIN), trust=trust, session_key=key, run_id=run_id,
         # Every host's relay and ranks read the run's timings from the controller's settings.
         spawn=SpawnSpec(opts.argv, env=settings.to_environ(("run",))),
-        heartbeat_s=settings.join_heartbeat_period_s, silence_s=settings.host_silence_at_controller_s,
+        join_heartbeat_period_s=settings.join_heartbeat_period_s,
+        host_silence_at_controller_s=settings.host_silence_at_controller_s,
         context=ctx, curve=opts.curve, gate=gate,
     )
     log.info(
@@ -292,7 +294,7 @@ def query_status(
     address: ControllerAddress,
     key: bytes | None,
     curve: CurveKeys | None = None,
-    timeout_s: float = 5.0,
+    status_reply_timeout_s: float = DEFAULTS.status_reply_timeout_s,
     context: zmq.Context | None = None,
 ) -> dict[str, Any]:
     """Ask the controller at `address` for the cohort's state (the `join.status_reply` object).
@@ -308,29 +310,31 @@ def query_status(
             apply_client(sock, curve)
         sock.connect(address.endpoint(Channel.JOIN))
         codec = Codec(key or OPEN_JOIN_KEY, JOIN_RUN_ID, STATUS_SENDER)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + status_reply_timeout_s
         # A challenge first (PROTOCOL.md 10.4): a status request is good once, on this connection.
         ours = os.urandom(CHALLENGE_NONCE_BYTES)
         sock.send_multipart(codec.encode(ChallengeRequest(ours), channel=Channel.JOIN))
-        challenge = _status_answer(sock, codec, address, deadline, timeout_s, Challenge, ours)
+        challenge = _status_answer(sock, codec, address, deadline, status_reply_timeout_s, Challenge, ours)
         sock.send_multipart(codec.encode(StatusRequest(challenge.nonce), channel=Channel.JOIN))
-        reply = _status_answer(sock, codec, address, deadline, timeout_s, StatusReply, challenge.nonce)
+        reply = _status_answer(sock, codec, address, deadline, status_reply_timeout_s, StatusReply,
+                                challenge.nonce)
         return json.loads(reply.json)
     finally:
         sock.close(0)
 
 
 def _status_answer(
-    sock: zmq.Socket, codec: Codec, address: ControllerAddress, deadline: float, timeout_s: float, kind: type, nonce: bytes
+    sock: zmq.Socket, codec: Codec, address: ControllerAddress, deadline: float, status_reply_timeout_s: float,
+    kind: type, nonce: bytes,
 ) -> Any:
     """The controller's next `kind` record answering `nonce` (a replayed answer is skipped)."""
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not sock.poll(max(1, int(left * 1000))):
             raise MembershipError(
-                f"no status reply from the controller at {address} within {timeout_s:g} s: it is not running or "
-                "not reachable, or it dropped the request because the key differs (FLODL_KEY must be the "
-                "controller's; unset under open admission)"
+                f"no status reply from the controller at {address} within {status_reply_timeout_s:g} s: it is not "
+                "running or not reachable, or it dropped the request because the key differs (FLODL_KEY must "
+                "be the controller's; unset under open admission)"
             )
         frames = recv_bounded(sock, JOIN_MAX_FRAMES)
         if frames is None:
@@ -413,8 +417,8 @@ def _at(values: Sequence[Any], i: int, fmt: str) -> str:
 
 
 def watch_status(
-    address: ControllerAddress, key: bytes | None, curve: CurveKeys | None, timeout_s: float, interval_s: float,
-    out: Any = None,
+    address: ControllerAddress, key: bytes | None, curve: CurveKeys | None, status_reply_timeout_s: float,
+    interval_s: float, out: Any = None,
 ) -> int:
     """Redraw `format_watch` every `interval_s` until the run ends (0), or the controller goes quiet.
 
@@ -429,7 +433,7 @@ def watch_status(
     give_up = time.monotonic() + WATCH_FIRST_CONTACT_S
     while True:
         try:
-            status = query_status(address, key, curve, timeout_s=timeout_s)
+            status = query_status(address, key, curve, status_reply_timeout_s=status_reply_timeout_s)
         except MembershipError as exc:
             if not seen and time.monotonic() < give_up:
                 print(f"{clear}controller {address}: no reply yet, still asking", file=out, flush=True)
@@ -559,6 +563,6 @@ def _status_command(args: argparse.Namespace) -> int:
             return watch_status(address, key, curve, settings.status_reply_timeout_s, args.interval)
         except KeyboardInterrupt:
             return 0
-    status = query_status(address, key, curve, timeout_s=settings.status_reply_timeout_s)
+    status = query_status(address, key, curve, status_reply_timeout_s=settings.status_reply_timeout_s)
     print(json.dumps(status, indent=2, sort_keys=True) if args.json else format_status(address, status))
     return 0

@@ -231,8 +231,8 @@ class MembershipService:
         session_key: bytes,
         run_id: bytes,
         spawn: SpawnSpec,
-        heartbeat_s: float = DEFAULTS.join_heartbeat_period_s,
-        silence_s: float = DEFAULTS.host_silence_at_controller_s,
+        join_heartbeat_period_s: float = DEFAULTS.join_heartbeat_period_s,
+        host_silence_at_controller_s: float = DEFAULTS.host_silence_at_controller_s,
         clock: Callable[[], float] = time.monotonic,
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
@@ -245,9 +245,9 @@ class MembershipService:
         self.trust = trust
         self.run_id = run_id
         self.spawn = spawn
-        self.heartbeat_s = heartbeat_s
+        self.join_heartbeat_period_s = join_heartbeat_period_s
         self.clock = clock
-        self.links = HostLinks(silence_s)
+        self.links = HostLinks(host_silence_at_controller_s)
         self.events: Mailbox[MembershipEvent] = Mailbox()
         self.dropped = 0  # pre-admission frames dropped unanswered (bad MAC, junk)
         self._next_beat = 0.0  # when the join thread next sends the admitted agents a heartbeat
@@ -417,7 +417,7 @@ class MembershipService:
         """Send every admitted agent its heartbeat if one is due."""
         now = self.clock()
         if now >= self._next_beat:
-            self._next_beat = now + self.heartbeat_s
+            self._next_beat = now + self.join_heartbeat_period_s
             for ident in self._hosts:
                 self._send(ident, self._session, JoinHeartbeat())
 

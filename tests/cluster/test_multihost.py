@@ -40,7 +40,7 @@ WAIT_S = 60.0
 EPOCHS = 9
 HELD_JOB = ["--epochs", str(EPOCHS), "--batch-size", "16"]
 HOST_SILENCE_S = 3.0
-AGENT_HEARTBEAT_S = 1.0  # AgentConfig.heartbeat_s
+AGENT_HEARTBEAT_S = 1.0  # AgentConfig.join_heartbeat_period_s
 FAST_PATH_S = 2.0
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linux", reason="network namespaces")]

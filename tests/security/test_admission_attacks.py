@@ -40,7 +40,9 @@ from flodl_zmq.wire.records import Challenge, JoinAccept, JoinHeartbeat, WorldFo
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_ID = bytes(range(16))
-FAST = {"heartbeat_s": 0.1, "silence_s": 2.0}
+BEAT_S, SILENCE_S = 0.1, 2.0  # the join link's timings, the same two numbers on both sides
+CONTROLLER_FAST = {"join_heartbeat_period_s": BEAT_S, "host_silence_at_controller_s": SILENCE_S}
+AGENT_FAST = {"join_heartbeat_period_s": BEAT_S, "controller_silence_at_agent_s": SILENCE_S}
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,8 +114,8 @@ def hostile_code(marker: Path) -> str:
 
 
 def victim(ctx: zmq.Context, address: ControllerAddress, **cfg) -> Agent:
-    config = AgentConfig(address, "victim", ("cpu:0",), reply_timeout_s=cfg.pop("reply_timeout_s", 10.0),
-                         kill_grace_s=1.0, **FAST, **cfg)
+    config = AgentConfig(address, "victim", ("cpu:0",), join_reply_timeout_s=cfg.pop("join_reply_timeout_s", 10.0),
+                         kill_grace_s=1.0, **AGENT_FAST, **cfg)
     return Agent(config, context=ctx, out=io.StringIO())
 
 
@@ -150,7 +152,7 @@ def test_a_fake_controller_without_the_pinned_curve_key_gets_no_answer_through(c
     real_public, _ = zmq.curve_keypair()
     fake = FakeController(ctx, ("-c", hostile_code(marker)), {}, curve=impostor)
     agent = victim(ctx, fake.address, curve=CurveKeys.for_client({"FLODL_CURVE_SERVER": real_public.decode()}),
-                   script=("train.py",), reply_timeout_s=1.5)
+                   script=("train.py",), join_reply_timeout_s=1.5)
     try:
         with pytest.raises(MembershipError, match="no reply"):
             run_agent(agent)
@@ -243,7 +245,7 @@ def test_only_admitted_agents_keys_can_subscribe_to_the_controllers_pub(ctx):
     window = JoinWindow(JoinConfig(min_ranks=2, target_ranks=2, window_s=30, cap_s=30), opened_at=time.monotonic())
     service = MembershipService(
         window, endpoint="tcp://127.0.0.1:*", trust=TrustMode.OPEN, session_key=new_key(), run_id=RUN_ID,
-        spawn=SpawnSpec(("train.py",)), context=ctx, curve=server, gate=gate, **FAST,
+        spawn=SpawnSpec(("train.py",)), context=ctx, curve=server, gate=gate, **CONTROLLER_FAST,
     )
     service.start()
     pub = ctx.socket(zmq.PUB)
@@ -256,7 +258,7 @@ def test_only_admitted_agents_keys_can_subscribe_to_the_controllers_pub(ctx):
     address = ControllerAddress("127.0.0.1", port - 3)
     pinned = {"FLODL_CURVE_SERVER": server.public.decode()}
     agent = Agent(AgentConfig(address, "a", ("cpu:0",), curve=CurveKeys.for_client(pinned), script=("train.py",),
-                              reply_timeout_s=10.0, **FAST), context=ctx, out=io.StringIO())
+                              join_reply_timeout_s=10.0, **AGENT_FAST), context=ctx, out=io.StringIO())
     stranger_keys = CurveKeys.for_client(pinned)  # knows the public key, as everyone may
     subs: list[zmq.Socket] = []
     joining: threading.Thread | None = None
@@ -275,7 +277,7 @@ def test_only_admitted_agents_keys_can_subscribe_to_the_controllers_pub(ctx):
             time.sleep(0.02)
         assert gate.admitted == {agent.config.curve.public}
         # A stranger may still knock on the join socket (a host must be able to ask) ...
-        assert query_status(address, None, curve=stranger_keys, context=ctx, timeout_s=5)["joined_ranks"] == 1
+        assert query_status(address, None, curve=stranger_keys, context=ctx, status_reply_timeout_s=5)["joined_ranks"] == 1
         # ... but not subscribe to the model.
         for keys in (agent.config.curve, stranger_keys):
             sub = ctx.socket(zmq.SUB)

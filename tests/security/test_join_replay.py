@@ -53,7 +53,7 @@ class Run:
         self.svc = MembershipService(
             window, endpoint="tcp://127.0.0.1:*", trust=TrustMode.PRE_SHARED, session_key=key,
             run_id=new_key()[:16], spawn=SpawnSpec(("-c", "pass"), {}), context=ctx,
-            heartbeat_s=0.1, silence_s=60.0,
+            join_heartbeat_period_s=0.1, host_silence_at_controller_s=60.0,
         )
         self.svc.start()
         self.ctx, self.key, self.endpoint = ctx, key, self.svc.endpoint
@@ -96,8 +96,8 @@ def silent(sock: zmq.Socket) -> bool:
 
 def real_agent_joins(run: Run, host: str) -> bool:
     """A real agent with the run's key dials and is admitted (then aborted)."""
-    config = AgentConfig(run.address, host, ("cpu:0",), key=run.key, reply_timeout_s=5.0,
-                         heartbeat_s=0.1, silence_s=5.0, kill_grace_s=1.0)
+    config = AgentConfig(run.address, host, ("cpu:0",), key=run.key, join_reply_timeout_s=5.0,
+                         join_heartbeat_period_s=0.1, controller_silence_at_agent_s=5.0, kill_grace_s=1.0)
     agent = Agent(config, context=run.ctx, out=io.StringIO())
 
     def join() -> None:

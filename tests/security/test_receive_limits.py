@@ -59,7 +59,7 @@ class Join:
         window = JoinWindow(JoinConfig(min_ranks=64, window_s=60.0, cap_s=60.0), opened_at=time.monotonic())
         self.svc = MembershipService(
             window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=self.key, run_id=RUN_ID,
-            spawn=SpawnSpec(("-c", "pass"), {}), context=ctx, heartbeat_s=0.1, silence_s=60.0,
+            spawn=SpawnSpec(("-c", "pass"), {}), context=ctx, join_heartbeat_period_s=0.1, host_silence_at_controller_s=60.0,
             curve=self.curve,
         )
         self.svc.start()
@@ -73,7 +73,7 @@ class Join:
         if self.curve is not None:
             public, secret = zmq.curve_keypair()
             curve = CurveKeys(public=public, secret=secret, server=self.curve.public)
-        return query_status(self.address, key, curve, timeout_s=timeout_s, context=ctx)
+        return query_status(self.address, key, curve, status_reply_timeout_s=timeout_s, context=ctx)
 
     def join_codec(self, host: str) -> Codec:
         return Codec(OPEN_JOIN_KEY if self.trust is TrustMode.OPEN else self.key, JOIN_RUN_ID, host)

@@ -53,8 +53,8 @@ from flodl_zmq.agent_rules import AgentConfig
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import MembershipError
 config = AgentConfig(ControllerAddress("127.0.0.1", int(sys.argv[2])), "future", ("cpu:0",),
-                     key=bytes.fromhex(sys.argv[3]), reply_timeout_s=float(sys.argv[4]),
-                     heartbeat_s=0.1, silence_s=5.0, kill_grace_s=1.0)
+                     key=bytes.fromhex(sys.argv[3]), join_reply_timeout_s=float(sys.argv[4]),
+                     join_heartbeat_period_s=0.1, controller_silence_at_agent_s=5.0, kill_grace_s=1.0)
 try:
     Agent(config, context=zmq.Context(), out=io.StringIO()).join()
 except MembershipError as exc:
@@ -74,7 +74,7 @@ def test_an_agent_of_another_version_and_the_controller_both_name_the_skew(ctx, 
     window = JoinWindow(JoinConfig(min_ranks=2, window_s=30.0, cap_s=30.0), opened_at=time.monotonic())
     svc = MembershipService(
         window, endpoint="tcp://127.0.0.1:*", trust=TrustMode.PRE_SHARED, session_key=key,
-        run_id=os.urandom(16), spawn=SpawnSpec(("-c", "pass"), {}), context=ctx, heartbeat_s=0.1, silence_s=60.0,
+        run_id=os.urandom(16), spawn=SpawnSpec(("-c", "pass"), {}), context=ctx, join_heartbeat_period_s=0.1, host_silence_at_controller_s=60.0,
     )
     svc.start()
     try:
@@ -105,7 +105,7 @@ def test_an_agent_told_by_a_controller_of_another_version_names_both(ctx):
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1") - 3
     config = AgentConfig(ControllerAddress("127.0.0.1", port), "worker", ("cpu:0",), key=key,
-                         reply_timeout_s=REPLY_TIMEOUT_S, heartbeat_s=0.1, silence_s=5.0, kill_grace_s=1.0)
+                         join_reply_timeout_s=REPLY_TIMEOUT_S, join_heartbeat_period_s=0.1, controller_silence_at_agent_s=5.0, kill_grace_s=1.0)
     agent = Agent(config, context=ctx, out=io.StringIO())
     result: list[BaseException] = []
     t = threading.Thread(target=lambda: _join(agent, result), daemon=True)

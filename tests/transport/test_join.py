@@ -33,7 +33,17 @@ from flodl_zmq.wire.records import JoinHello, JoinReject
 
 SIG = bytes([7]) * 32
 RUN_ID = bytes(range(16))
-FAST = {"heartbeat_s": 0.1, "silence_s": 2.0}
+
+
+def join_timings(beat: float, silence: float) -> tuple[dict[str, float], dict[str, float]]:
+    """The join link's timings, the same two numbers on both sides: (the controller's, an agent's)."""
+    return (
+        {"join_heartbeat_period_s": beat, "host_silence_at_controller_s": silence},
+        {"join_heartbeat_period_s": beat, "controller_silence_at_agent_s": silence},
+    )
+
+
+FAST = join_timings(0.1, 2.0)
 
 # The ranks' stand-in program, the one the agents agree to run (`script`): the
 # relay (no FLODL_RANK) waits to be stopped; a rank runs the snippet the
@@ -58,7 +68,7 @@ class Cluster:
 
     def __init__(self, ctx, trust=TrustMode.PRE_SHARED, rank_code="pass", timings=FAST, program=None, **cfg):
         self.ctx = ctx
-        self.timings = timings
+        controller_timings, self.agent_timings = timings
         self.key = new_key()
         config = {"min_ranks": 2, "window_s": 30.0, "cap_s": 30.0, **cfg}
         self.window = JoinWindow(JoinConfig(**config), opened_at=time.monotonic())
@@ -68,7 +78,7 @@ class Cluster:
         self.curve = CurveKeys(public=public, secret=secret) if trust is TrustMode.OPEN else None
         self.service = MembershipService(
             self.window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=self.key,
-            run_id=RUN_ID, spawn=spawn, context=ctx, curve=self.curve, **timings,
+            run_id=RUN_ID, spawn=spawn, context=ctx, curve=self.curve, **controller_timings,
         )
         port = int(self.service.endpoint.rsplit(":", 1)[1])
         self.address = ControllerAddress("127.0.0.1", port - 3)  # the join endpoint is port+3
@@ -82,7 +92,8 @@ class Cluster:
         cfg.setdefault("script", ("-c", CHILD))
         config = AgentConfig(
             cfg.pop("controller", self.address), host, tuple(f"cpu:{i}" for i in range(n)), key=key, dataset_sig=cfg.pop("sig", SIG),
-            reply_timeout_s=cfg.pop("reply_timeout_s", 10.0), kill_grace_s=2.0, **self.timings, **cfg,
+            join_reply_timeout_s=cfg.pop("join_reply_timeout_s", 10.0), kill_grace_s=2.0, **self.agent_timings,
+            **cfg,
         )
         a = Agent(config, context=self.ctx, out=out or io.StringIO())
         self.agents.append(a)
@@ -168,7 +179,7 @@ def test_open_admission_hands_out_the_session_key_and_forms_on_target(cluster):
 
 def test_pre_shared_key_drops_a_wrong_key_unanswered_and_forms_without_it(cluster):
     c = cluster(trust=TrustMode.PRE_SHARED, target_ranks=2)
-    stranger = in_thread(c.agent("stranger", 1, key=new_key(), reply_timeout_s=1.5).join)
+    stranger = in_thread(c.agent("stranger", 1, key=new_key(), join_reply_timeout_s=1.5).join)
     with pytest.raises(MembershipError, match="no reply"):
         stranger()
     assert c.service.dropped == 1
@@ -259,7 +270,7 @@ def test_an_abort_after_formation_tears_the_hosts_down(cluster):
 
 def test_a_silent_controller_tears_the_host_down(cluster):
     c = cluster(target_ranks=2, rank_code="time.sleep(60)")
-    a, b = in_thread(c.agent("a", grace_s=0).run), in_thread(c.agent("b", grace_s=0).run)
+    a, b = in_thread(c.agent("a", controller_grace_s=0).run), in_thread(c.agent("b", controller_grace_s=0).run)
     assert c.service.wait_closed(10).phase is WindowPhase.FORMED
     c.service.close()  # no more heartbeats, no goodbye: as if the link were cut
     assert a() == 1 and b() == 1
@@ -358,15 +369,15 @@ def test_a_join_link_stuck_silent_is_redialled_and_the_host_stays(cluster, tmp_p
     gate = tmp_path / "gate"
     # Longer than FAST's, the same on both sides: the re-dial at half the limit beats the
     # controller's own silence limit with a margin a loaded machine keeps.
-    timings = {"heartbeat_s": 0.2, "silence_s": 3.0}
+    timings = join_timings(0.2, 3.0)
     c = cluster(target_ranks=2, timings=timings,
                 rank_code=f"print('up', flush=True)\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)")
     proxy = HoldingProxy(c.address.port + 3)  # the join port
     old_speaks = heard_on == "the replaced one"
     try:
-        a = in_thread(c.agent("a", grace_s=0).run)
+        a = in_thread(c.agent("a", controller_grace_s=0).run)
         b_out = io.StringIO()
-        b = in_thread(c.agent("b", grace_s=0, out=b_out, controller=ControllerAddress("127.0.0.1", proxy.port - 3)).run)
+        b = in_thread(c.agent("b", controller_grace_s=0, out=b_out, controller=ControllerAddress("127.0.0.1", proxy.port - 3)).run)
         assert c.service.wait_closed(10).phase is WindowPhase.FORMED
         assert proxy.connections.acquire(timeout=10)
         deadline = time.monotonic() + 20  # a hang guard: b's rank starts once b has the formed world
@@ -379,7 +390,7 @@ def test_a_join_link_stuck_silent_is_redialled_and_the_host_stays(cluster, tmp_p
             proxy.release(0)
         # Past the agent's silence limit since the hold: had it heard nothing, it would have torn
         # its host down by now.
-        time.sleep(max(0.0, held_at + timings["silence_s"] + 0.5 - time.monotonic()))
+        time.sleep(max(0.0, held_at + timings[1]["controller_silence_at_agent_s"] + 0.5 - time.monotonic()))
         if old_speaks:
             proxy.release()
         gate.touch()
@@ -390,7 +401,7 @@ def test_a_join_link_stuck_silent_is_redialled_and_the_host_stays(cluster, tmp_p
 
 def test_a_controller_silent_past_the_grace_period_leaves_the_agents_with_the_reason(cluster):
     c = cluster(target_ranks=2, rank_code="time.sleep(60)")
-    a, b = in_thread(c.agent("a", grace_s=1.5).run), in_thread(c.agent("b", grace_s=1.5).run)
+    a, b = in_thread(c.agent("a", controller_grace_s=1.5).run), in_thread(c.agent("b", controller_grace_s=1.5).run)
     assert c.service.wait_closed(10).phase is WindowPhase.FORMED
     c.service.close()
     for agent in (a, b):

@@ -55,7 +55,7 @@ def test_a_status_request_with_the_wrong_key_gets_no_answer(ctx):
     service, _, address = serve(ctx)
     try:
         with pytest.raises(MembershipError, match="no status reply.*FLODL_KEY"):
-            query_status(address, new_key(), timeout_s=0.5, context=ctx)
+            query_status(address, new_key(), status_reply_timeout_s=0.5, context=ctx)
         assert service.dropped == 1
     finally:
         service.close()

@@ -39,18 +39,18 @@ def served():
 
 def test_a_launched_controller_answers_status_with_its_fixed_world_and_training_view(served):
     address, key, server, ctx = served
-    status = query_status(address, key, context=ctx, timeout_s=5.0)
+    status = query_status(address, key, context=ctx, status_reply_timeout_s=5.0)
     assert status["phase"] == "formed" and status["joined_ranks"] == 4
     assert status["hosts"] == {"h0": {"ranks": [0, 1], "state": "live"}, "h1": {"ranks": [2, 3], "state": "live"}}
     assert "training" not in status
     server.report_training(TRAINING)
-    assert query_status(address, key, context=ctx, timeout_s=5.0)["training"] == TRAINING
+    assert query_status(address, key, context=ctx, status_reply_timeout_s=5.0)["training"] == TRAINING
 
 
 def test_a_status_request_with_the_wrong_key_gets_no_answer(served):
     address, _key, server, ctx = served
     with pytest.raises(MembershipError, match="no status reply"):
-        query_status(address, new_key(), context=ctx, timeout_s=0.5)
+        query_status(address, new_key(), context=ctx, status_reply_timeout_s=0.5)
     assert server.dropped >= 1
 
 
@@ -58,7 +58,7 @@ def test_watch_draws_a_row_per_rank_and_ends_with_the_run(served):
     address, key, server, ctx = served
     server.report_training({**TRAINING, "ended": "completed"})
     out = io.StringIO()
-    assert watch_status(address, key, None, timeout_s=5.0, interval_s=0.1, out=out) == 0
+    assert watch_status(address, key, None, status_reply_timeout_s=5.0, interval_s=0.1, out=out) == 0
     lines = out.getvalue().splitlines()
     assert "epoch 3/5" in lines[0] and "round 9" in lines[0] and "ended: completed" in lines[0]
     rows = {int(line.split()[0]): line.split() for line in lines[2:]}
@@ -83,7 +83,7 @@ def test_watch_says_when_the_controller_goes_away():
 
     out = Closing()
     try:
-        assert watch_status(address, key, None, timeout_s=0.5, interval_s=0.05, out=out) == 1
+        assert watch_status(address, key, None, status_reply_timeout_s=0.5, interval_s=0.05, out=out) == 1
         assert "stopped answering" in out.getvalue()
     finally:
         server.close()
