@@ -207,7 +207,7 @@ def _open_join_window(
     log.info(
         "join window open on %s (%s%s): forming at %s ranks, at least %d, window %g s, hard cap %g s",
         membership.endpoint, trust.value, ", CURVE" if opts.curve is not None else "",
-        cfg.target_ranks or "-", cfg.min_ranks, cfg.window_s, cfg.cap_s,
+        cfg.target_ranks or "-", cfg.min_ranks, cfg.join_window_s, cfg.join_cap_s,
     )
     membership.start()
     return membership
@@ -525,8 +525,8 @@ def _controller_command(args: argparse.Namespace) -> int:
         address=ControllerAddress.parse(settings.bind),
         argv=tuple(argv),
         join=JoinConfig(
-            min_ranks=settings.min_ranks, target_ranks=settings.target_ranks, window_s=settings.join_window_s,
-            cap_s=settings.effective_join_cap_s, max_ranks=settings.max_ranks,
+            min_ranks=settings.min_ranks, target_ranks=settings.target_ranks, join_window_s=settings.join_window_s,
+            join_cap_s=settings.effective_join_cap_s, max_ranks=settings.max_ranks,
         ),
         open_admission=settings.open_admission,
         key=session_key(os.environ),

@@ -50,8 +50,11 @@ from dataclasses import dataclass
 
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
+from flodl_zmq.settings import Settings
 from flodl_zmq.wire import PROTOCOL_VERSION
 from flodl_zmq.wire.records import Challenge, ChallengeRequest, JoinHello
+
+DEFAULTS = Settings()  # JoinConfig's window defaults to the settings table
 
 # Challenge nonces (PROTOCOL.md 10.4): 16 random bytes, good for one hello or status request
 # from the connection they were issued to, within CHALLENGE_TTL_S. At most JOIN_CHALLENGE_CAP
@@ -129,8 +132,8 @@ class JoinConfig:
 
     `min_ranks`: quorum, the fewest ranks the run may start with.
     `target_ranks`: form as soon as this many have joined (None: wait for the window).
-    `window_s`: how long the window stays open once quorum is met early.
-    `cap_s`: the hard limit; without quorum by then, the run aborts. After
+    `join_window_s`: how long the window stays open once quorum is met early.
+    `join_cap_s`: the hard limit; without quorum by then, the run aborts. After
     formation it is also how long a pending joiner may wait for the next
     epoch boundary (its `formation_wait_s`).
     `max_ranks`: the most ranks the world may grow to (None: no cap).
@@ -138,8 +141,8 @@ class JoinConfig:
 
     min_ranks: int = 2
     target_ranks: int | None = None
-    window_s: float = 300.0
-    cap_s: float = 600.0
+    join_window_s: float = DEFAULTS.join_window_s
+    join_cap_s: float = DEFAULTS.effective_join_cap_s
     max_ranks: int | None = None
 
     def __post_init__(self) -> None:
@@ -153,11 +156,11 @@ class JoinConfig:
             raise ConfigError(
                 f"target ranks ({self.target_ranks}) must be >= min ranks ({self.min_ranks})"
             )
-        if not self.window_s >= 0:
-            raise ConfigError(f"join window must be >= 0 seconds (got {self.window_s})")
-        if not self.cap_s >= self.window_s:
+        if not self.join_window_s >= 0:
+            raise ConfigError(f"join window must be >= 0 seconds (got {self.join_window_s})")
+        if not self.join_cap_s >= self.join_window_s:
             raise ConfigError(
-                f"join cap ({self.cap_s} s) must be >= the join window ({self.window_s} s): "
+                f"join cap ({self.join_cap_s} s) must be >= the join window ({self.join_window_s} s): "
                 "the cap is the hard limit that bounds the window"
             )
 
@@ -325,10 +328,10 @@ class JoinWindow:
         if self.phase is WindowPhase.FORMED:
             # Into the world at the next epoch boundary; it may wait that long (bounded by the cap).
             self._pending.append(member)
-            return Accepted(ranks, self.config.cap_s)
+            return Accepted(ranks, self.config.join_cap_s)
         self._members.append(member)
         elapsed = now - self.opened_at
-        return Accepted(ranks, max(0.0, self.config.cap_s - elapsed))
+        return Accepted(ranks, max(0.0, self.config.join_cap_s - elapsed))
 
     @property
     def last_admitted(self) -> Member:
@@ -455,25 +458,25 @@ class JoinWindow:
         cfg, joined, elapsed = self.config, self.joined_ranks, now - self.opened_at
         if cfg.target_ranks is not None and joined >= cfg.target_ranks:
             return self._close(WindowPhase.FORMED, "target ranks reached")
-        if elapsed < cfg.window_s:
+        if elapsed < cfg.join_window_s:
             return self._verdict
         if joined >= cfg.min_ranks:
             return self._close(WindowPhase.FORMED, "join window closed with quorum")
-        if elapsed < cfg.cap_s:
+        if elapsed < cfg.join_cap_s:
             return self._verdict
         return self._close(
             WindowPhase.FAILED,
             f"quorum not met: {joined}/{cfg.min_ranks} ranks joined within the hard cap of "
-            f"{cfg.cap_s:g} s; start more workers, or lower the minimum ranks",
+            f"{cfg.join_cap_s:g} s; start more workers, or lower the minimum ranks",
         )
 
     def next_due(self, now: float) -> float | None:
         """When `poll` next may change its verdict without a new admission; None once it is final."""
         if self.phase is not WindowPhase.OPEN:
             return None
-        window_ends = self.opened_at + self.config.window_s
+        window_ends = self.opened_at + self.config.join_window_s
         # After the window, only an admission (quorum) or the cap closes it.
-        return window_ends if now < window_ends else self.opened_at + self.config.cap_s
+        return window_ends if now < window_ends else self.opened_at + self.config.join_cap_s
 
     def abort(self, reason: str) -> JoinVerdict:
         """Fail the window now (the controller is giving up); no effect once closed."""

@@ -242,7 +242,7 @@ def received(sock: zmq.Socket, within_s: float) -> bytes | None:
 def test_only_admitted_agents_keys_can_subscribe_to_the_controllers_pub(ctx):
     server = CurveKeys(*zmq.curve_keypair())
     gate, auth = start_gate(ctx, server)  # what `flodl-zmq controller` runs whenever CURVE is on
-    window = JoinWindow(JoinConfig(min_ranks=2, target_ranks=2, window_s=30, cap_s=30), opened_at=time.monotonic())
+    window = JoinWindow(JoinConfig(min_ranks=2, target_ranks=2, join_window_s=30, join_cap_s=30), opened_at=time.monotonic())
     service = MembershipService(
         window, endpoint="tcp://127.0.0.1:*", trust=TrustMode.OPEN, session_key=new_key(), run_id=RUN_ID,
         spawn=SpawnSpec(("train.py",)), context=ctx, curve=server, gate=gate, **CONTROLLER_FAST,

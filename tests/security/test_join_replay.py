@@ -48,8 +48,8 @@ SILENT_MS = 1500  # how long a replay or a stranger is given to draw an answer
 class Run:
     """One run's membership service under the pre-shared `key` (a fresh run id each time)."""
 
-    def __init__(self, ctx: zmq.Context, key: bytes, cap_s: float = 30.0):
-        window = JoinWindow(JoinConfig(min_ranks=2, window_s=cap_s, cap_s=cap_s), opened_at=time.monotonic())
+    def __init__(self, ctx: zmq.Context, key: bytes, join_cap_s: float = 30.0):
+        window = JoinWindow(JoinConfig(min_ranks=2, join_window_s=join_cap_s, join_cap_s=join_cap_s), opened_at=time.monotonic())
         self.svc = MembershipService(
             window, endpoint="tcp://127.0.0.1:*", trust=TrustMode.PRE_SHARED, session_key=key,
             run_id=new_key()[:16], spawn=SpawnSpec(("-c", "pass"), {}), context=ctx,

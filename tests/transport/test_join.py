@@ -70,7 +70,7 @@ class Cluster:
         self.ctx = ctx
         controller_timings, self.agent_timings = timings
         self.key = new_key()
-        config = {"min_ranks": 2, "window_s": 30.0, "cap_s": 30.0, **cfg}
+        config = {"min_ranks": 2, "join_window_s": 30.0, "join_cap_s": 30.0, **cfg}
         self.window = JoinWindow(JoinConfig(**config), opened_at=time.monotonic())
         spawn = SpawnSpec(program or ("-c", CHILD, rank_code))
         # Open admission needs CURVE: the agents pin this service's public key.
@@ -222,7 +222,7 @@ def test_a_hello_from_another_wire_version_gets_a_reject_naming_the_skew(cluster
 
 
 def test_quorum_not_met_by_the_cap_aborts_the_joined_agents(cluster):
-    c = cluster(min_ranks=2, window_s=0.2, cap_s=0.6)
+    c = cluster(min_ranks=2, join_window_s=0.2, join_cap_s=0.6)
     with pytest.raises(MembershipError, match="aborted.*quorum not met: 1/2"):
         c.agent("lonely").join()
     assert c.service.wait_closed(5).phase is WindowPhase.FAILED

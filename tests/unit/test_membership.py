@@ -48,7 +48,7 @@ def hello(
 
 
 def window(**cfg) -> JoinWindow:
-    defaults = {"min_ranks": 2, "window_s": 10.0, "cap_s": 30.0}
+    defaults = {"min_ranks": 2, "join_window_s": 10.0, "join_cap_s": 30.0}
     defaults.update(cfg)
     return JoinWindow(JoinConfig(**defaults), opened_at=100.0)
 
@@ -80,7 +80,7 @@ def test_ranks_cover_zero_to_n_exactly_once_whatever_the_host_sizes(sizes):
 
 
 def test_a_resumed_window_gives_each_host_its_old_ranks_whatever_the_order_and_forms_when_all_are_back():
-    w = JoinWindow(JoinConfig(min_ranks=4, target_ranks=4, window_s=10.0, cap_s=30.0), opened_at=100.0,
+    w = JoinWindow(JoinConfig(min_ranks=4, target_ranks=4, join_window_s=10.0, join_cap_s=30.0), opened_at=100.0,
                    resumed={"w1": (0, 1), "w2": (2, 3)})
     assert w.admit(hello("w2", 2), 100.0).ranks == (2, 3)
     assert w.poll(101.0).phase is WindowPhase.OPEN
@@ -97,7 +97,7 @@ def test_a_resumed_window_refuses_a_stranger_and_a_host_with_other_devices_by_na
 
 
 def test_accept_tells_the_remaining_hard_cap_budget():
-    w = window(cap_s=30.0)
+    w = window(join_cap_s=30.0)
     outcome = w.admit(hello("a"), 112.0)
     assert isinstance(outcome, Accepted)
     assert outcome.formation_wait_s == pytest.approx(18.0)
@@ -252,9 +252,9 @@ def test_a_failed_window_refuses_late_joiners_by_name():
         ({"min_ranks": 0}, ">= 2"),
         ({"min_ranks": 1}, ">= 2"),
         ({"min_ranks": 3, "target_ranks": 2}, "target ranks"),
-        ({"window_s": 60.0, "cap_s": 30.0}, "join cap"),
-        ({"window_s": -1.0}, "join window"),
-        ({"window_s": float("nan")}, "join window"),
+        ({"join_window_s": 60.0, "join_cap_s": 30.0}, "join cap"),
+        ({"join_window_s": -1.0}, "join window"),
+        ({"join_window_s": float("nan")}, "join window"),
     ],
 )
 def test_config_cross_field_validation(cfg, needle):
@@ -276,7 +276,7 @@ def test_verdict_target_closes_early():
 
 
 def test_verdict_quorum_early_does_not_close_the_window():
-    w = window(min_ranks=2, window_s=10.0)
+    w = window(min_ranks=2, join_window_s=10.0)
     w.admit(hello("a", 2), 100.0)
     assert w.poll(109.9).phase is WindowPhase.OPEN
     v = w.poll(110.0)
@@ -284,7 +284,7 @@ def test_verdict_quorum_early_does_not_close_the_window():
 
 
 def test_verdict_grace_range_waits_for_quorum_then_forms():
-    w = window(min_ranks=2, window_s=10.0, cap_s=30.0)
+    w = window(min_ranks=2, join_window_s=10.0, join_cap_s=30.0)
     w.admit(hello("a", 1), 100.0)
     assert w.poll(115.0).phase is WindowPhase.OPEN
     w.admit(hello("b", 1), 120.0)
@@ -292,7 +292,7 @@ def test_verdict_grace_range_waits_for_quorum_then_forms():
 
 
 def test_verdict_cap_expiry_fails_loudly():
-    w = window(min_ranks=2, window_s=10.0, cap_s=30.0)
+    w = window(min_ranks=2, join_window_s=10.0, join_cap_s=30.0)
     w.admit(hello("a", 1), 100.0)
     assert w.poll(129.9).phase is WindowPhase.OPEN
     v = w.poll(130.0)
@@ -309,7 +309,7 @@ def test_verdicts_are_final():
 
 
 def test_next_due_is_the_window_end_then_the_cap_then_none_once_final():
-    w = window(min_ranks=2, window_s=10.0, cap_s=30.0)
+    w = window(min_ranks=2, join_window_s=10.0, join_cap_s=30.0)
     assert w.next_due(100.0) == 110.0
     w.admit(hello("a", 1), 101.0)
     assert w.poll(110.0).phase is WindowPhase.OPEN
