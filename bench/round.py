@@ -77,7 +77,7 @@ def start(proc: Any, role: str) -> None:
 # ---------------------------------------------------------------------- zmq data plane processes
 
 
-def _controller(port: int, key: bytes, run_id: bytes, stop: Any) -> None:
+def _controller(port: int, key: bytes, run_id: bytes, dtype: str, stop: Any) -> None:
     import logging
     logging.basicConfig(level=logging.WARNING)
     import zmq
@@ -86,9 +86,10 @@ def _controller(port: int, key: bytes, run_id: bytes, stop: Any) -> None:
     from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
     from flodl_zmq.reducer_service import ReducerConfig, ReducerService
     from flodl_zmq.wire import Channel
+    from flodl_zmq.wire_format import named
 
     address = ControllerAddress("127.0.0.1", port)
-    svc = ReducerService(ReducerConfig.for_controller(HOSTS, key, run_id, address))
+    svc = ReducerService(ReducerConfig.for_controller(HOSTS, key, run_id, address, wire=named(dtype)))
     svc.start()
     # No coordinator here, but the relays' control links need a listener: a client that
     # keeps reconnecting to a local port nobody listens on can end up connected to
@@ -103,7 +104,7 @@ def _controller(port: int, key: bytes, run_id: bytes, stop: Any) -> None:
     svc.stop()
 
 
-def _relay(host: str, port: int, key: bytes, run_id: bytes, ipc_dir: str, stop: Any) -> None:
+def _relay(host: str, port: int, key: bytes, run_id: bytes, dtype: str, ipc_dir: str, stop: Any) -> None:
     import logging
     logging.basicConfig(level=logging.WARNING)
     from flodl_zmq.endpoints import ControllerAddress
@@ -112,9 +113,13 @@ def _relay(host: str, port: int, key: bytes, run_id: bytes, ipc_dir: str, stop: 
     )
     from flodl_zmq.relay import Relay
     from flodl_zmq.relay_config import RelayConfig
+    from flodl_zmq.wire_format import named
+
+    # The ranks here beat only between rounds: a long silence limit keeps the relay from
     # declaring a busy rank dead mid-benchmark.
     cfg = RelayConfig.for_controller(host, HOSTS[host], key, run_id, ControllerAddress("127.0.0.1", port),
-                                     local_endpoints(key, run_id, host, ipc_dir), rank_silence_at_relay_s=10.0)
+                                     local_endpoints(key, run_id, host, ipc_dir), rank_silence_at_relay_s=10.0,
+                                     wire=named(dtype))
     relay = Relay(cfg)
     relay.start()
     stop.wait()
@@ -233,8 +238,9 @@ def zmq_rounds(n: int, dtype: str, transport: str, rounds: int, warmup: int, dev
     port = free_port_base()
     stop, barrier, out = ctx.Event(), ctx.Barrier(WORLD), ctx.Queue()
     ipc_dir = tempfile.mkdtemp(prefix="flodl-bench-")
-    procs = {ctx.Process(target=_controller, args=(port, key, run_id, stop)): "controller"}
-    procs.update({ctx.Process(target=_relay, args=(h, port, key, run_id, ipc_dir, stop)): "relay" for h in HOSTS})
+    procs = {ctx.Process(target=_controller, args=(port, key, run_id, dtype, stop)): "controller"}
+    procs.update({ctx.Process(target=_relay, args=(h, port, key, run_id, dtype, ipc_dir, stop)): "relay"
+                  for h in HOSTS})
     procs.update({ctx.Process(target=_rank, args=(r, h, n, dtype, transport, rounds, key, run_id, ipc_dir, barrier,
                                                   out, stop, device)): "rank" for h, rs in HOSTS.items() for r in rs})
     for p, role in procs.items():

@@ -39,6 +39,9 @@ AUTOCAST_DTYPES = (None, torch.bfloat16, torch.float16)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
 
+# Keywords that took a new name (issue 28: one name per setting): a script using the old one is told the new.
+RENAMED = {"heartbeat_timeout_s": "rank_silence_at_coordinator_s"}
+
 @dataclass(frozen=True)
 class Job:
     """The run as every process sees it: the keywords of `flodl_zmq.Trainer`.
@@ -239,7 +242,7 @@ class Job:
         if unknown:
             hints = []
             for name in unknown:
-                close = difflib.get_close_matches(name, known, n=3)
+                close = [RENAMED[name]] if name in RENAMED else difflib.get_close_matches(name, known, n=3)
                 hints.append(f"{name!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""))
             raise TypeError(
                 f"Trainer() got unknown keyword(s) {', '.join(hints)}; the keywords are {', '.join(known)} "

@@ -47,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -320,7 +321,7 @@ class MembershipService:
             return False
         try:
             command.reply.result(timeout)
-        except TimeoutError:
+        except FutureTimeout:  # concurrent.futures' own before Python 3.11
             return False
         return True
 

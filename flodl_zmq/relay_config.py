@@ -46,8 +46,8 @@ class RelayConfig:
     link_silence_s: float = DEFAULTS.link_silence_s  # an upstream link silent this long is re-dialled
     peer_send_timeout_s: float = DEFAULTS.peer_send_timeout_s  # a send to a peer that stopped reading fails after this
     hello_retry_s: float = 1.0  # a RelayHello not acknowledged by then is sent again (one lost in a reset)
-    # The run's wire format: a deposit of another is refused at the first frame. None: not announced
-    # (spawned without FLODL_WIRE_DTYPE): the format of the ranks' first deposit holds for the run.
+    # The run's wire format: a deposit of another is refused at the first frame. `run_relay` gives None
+    # where the run announces none (no FLODL_WIRE_DTYPE): the ranks' first deposit's format then holds.
     wire: WireFormat | None = F32
 
     def __post_init__(self) -> None:

@@ -27,13 +27,17 @@ Rules this module keeps:
 - **One turn, one order:** poll; the stall check; the mailbox (what another
   thread decided, a rank's death, applies before the records read this turn);
   readable sockets in the order they were registered; due timers, earliest
-  first. A turn that drains a `Stop` reads no socket and fires no timer.
+  first. A turn whose mailbox drain meets a `Stop` reads no socket and fires
+  no timer; items queued after the `Stop` are dropped (nobody serves them). A
+  `Stop` met by `dispatch_queued` ends the loop after that turn.
 - **This process's own stall is nobody's silence.** A turn that outlasts its
   poll by `STALL_S` (the time out of poll, plus any overrun of the poll's
   timeout: a SIGSTOP, the GIL held by a long import) is reported to
   the `on_stall` handlers right after the poll, before any handler reads what
   arrived meanwhile: a loop that judges its peers' silence takes the gap off
-  their clocks, since what they sent is still on its way in.
+  their clocks, since what they sent is still on its way in. So is a turn
+  whose own handlers held the thread that long (a send through a full
+  queue), before its timers fire.
 """
 
 from __future__ import annotations
@@ -121,8 +125,7 @@ class ServiceLoop:
             gap = (polled - turned) + max(0.0, now - polled - wait_ms / 1000)
             turned = now
             if gap > STALL_S:
-                for stalled in self._stall_handlers:
-                    stalled(gap)
+                self._stalled(gap)
             if self.mailbox.fileno() in events:
                 self._dispatch(self.mailbox.drain())
                 if not self._running:
@@ -130,7 +133,13 @@ class ServiceLoop:
             for sock, handler in self._sockets:
                 if sock in events:
                     handler()
-            self._fire(self.clock())
+            handled = self.clock()
+            if handled - now > STALL_S:
+                # This turn's own work held the thread (a send through a full queue): a stall too, taken
+                # off before the timers judge anyone's silence, and not counted again next turn.
+                self._stalled(handled - now)
+                turned = handled
+            self._fire(handled)
 
     def dispatch_queued(self) -> None:
         """Handle what is in the mailbox now, from inside a handler that must not act before it (a command
@@ -151,6 +160,10 @@ class ServiceLoop:
                 raise TypeError(f"loop {self.name}: no handler for a {type(item).__name__}; register one "
                                 "with on_message before putting it")
             handler(item)
+
+    def _stalled(self, gap: float) -> None:
+        for stalled in self._stall_handlers:
+            stalled(gap)
 
     def _next_due(self) -> float:
         return min((due() for due, _ in self._timers), default=math.inf)

@@ -190,6 +190,32 @@ def test_a_stall_of_the_loops_own_thread_is_reported_with_its_length():
     assert len(gaps) == 1 and STALL_S + 0.2 < gaps[0] < STALL_S + 1.0
 
 
+def test_a_turn_whose_own_handler_held_the_thread_reports_the_stall_before_its_timers_judge():
+    # A relay's send blocked on a full queue: what its ranks sent meanwhile is still unread, so the
+    # silence timers must see the stall first (else the relay declares live ranks dead).
+    loop = ServiceLoop("t")
+    seen: list[str] = []
+    due = [math.inf]
+
+    def fire(now: float) -> None:
+        seen.append("timer")
+        due[0] = math.inf
+        loop.stop()
+
+    def block(_: Ping) -> None:
+        due[0] = time.monotonic() + 0.1  # due while this handler still holds the thread
+        time.sleep(STALL_S + 0.3)
+
+    loop.on_stall(lambda gap: seen.append("stall"))
+    loop.timer(lambda: due[0], fire)
+    loop.on_message(Ping, block)
+    running = Running(loop)
+    loop.put(Ping(1))
+    running.thread.join(WAIT_S)
+    assert running.error is None
+    assert seen == ["stall", "timer"]
+
+
 def test_a_handler_may_take_the_messages_queued_before_it_acts():
     ctx = zmq.Context.instance()
     socks = [ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)]

@@ -175,3 +175,10 @@ def test_reports_per_epoch_hands_metrics_fn_partial_rows_alone():
     rows = []
     train_alone(job(reports_per_epoch=4, quiet=True, metrics_fn=rows.append))
     assert [(r["epoch"], r.get("fraction")) for r in rows] == [(0, 0.25), (0, 0.5), (0, 0.75), (0, None)]
+
+
+def test_a_renamed_keyword_is_refused_with_its_new_name():
+    with pytest.raises(TypeError, match=r"'heartbeat_timeout_s' \(did you mean 'rank_silence_at_coordinator_s'\?\)"):
+        Job.from_keywords(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                          train_step=lambda m, b: m(b[0]).sum(), dataset=DATA, batch_size=8, epochs=1,
+                          heartbeat_timeout_s=10.0)
