@@ -94,7 +94,8 @@ class Plane:
                 return mapped.decode(self.codec, frames, rank_owner(rank), channel, sender=sender)
             return self.codec.decode_from(frames, channel, sender, replay=replay)
 
-        return decode_or_count(decode, self.count, route_refusal(where), log, f"relay {self.cfg.host} ({where})")
+        return decode_or_count(decode, self.count, route_refusal(where), log,
+                               f"relay {self.cfg.host} ({where}, routed as rank {rank})")
 
     def send(self, sock: zmq.Socket, frames: Sequence[Any], where: str, copy: bool = True) -> bool:
         """Send, bounded in time; a message a peer did not take in time is dropped and counted.
