@@ -42,6 +42,7 @@ _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 # Keywords that took a new name (issue 28: one name per setting): a script using the old one is told the new.
 RENAMED = {"heartbeat_timeout_s": "rank_silence_at_coordinator_s"}
 
+
 @dataclass(frozen=True)
 class Job:
     """The run as every process sees it: the keywords of `flodl_zmq.Trainer`.
