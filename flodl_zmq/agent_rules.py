@@ -43,13 +43,12 @@ from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.join import DUPLICATE_JOIN, MAX_DEVICES_PER_HOST
 from flodl_zmq.security import CurveKeys
-from flodl_zmq.settings import Settings, env_names
+from flodl_zmq.settings import DEFAULTS, Settings, env_names
 from flodl_zmq.wire import RUN_ID_BYTES
 from flodl_zmq.wire.mac import check_key
 from flodl_zmq.wire.records import JoinAccept, JoinReject, WorldFormed
 
 REJOIN_BACKOFF_S = (0.5, 5.0)  # first and longest wait between two re-dials of a silent controller
-DEFAULTS = Settings()  # AgentConfig's timings default to the settings table
 # Variables of the contract that are settings, not identity: the controller's
 # SpawnSpec.env sets the run's for every child, and ours (FLODL_SLOWDOWN) pass through.
 TUNABLES = env_names(("run", "process"))

@@ -69,7 +69,7 @@ from flodl_zmq.membership import (
     resolve_trust,
 )
 from flodl_zmq.security import SERVER_ENV, CurveGate, CurveKeys, apply_client, start_gate
-from flodl_zmq.settings import Settings, add_arguments
+from flodl_zmq.settings import DEFAULTS, Settings, add_arguments
 from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, new_key, session_key
 from flodl_zmq.wire.records import Challenge, ChallengeRequest, StatusReply, StatusRequest
 
@@ -82,7 +82,6 @@ END_GRACE_S = 15.0  # after a completed run: how long agents may take to see the
 ABORT_FLUSH_S = 0.5
 STATUS_SENDER = "status"
 WATCH_FIRST_CONTACT_S = 60.0  # how long `status --watch` asks a controller that is not answering yet
-DEFAULTS = Settings()  # query_status's timeout defaults to the settings table
 
 
 @dataclass(frozen=True)

@@ -50,11 +50,9 @@ from dataclasses import dataclass
 
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
-from flodl_zmq.settings import Settings
+from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.wire import PROTOCOL_VERSION
 from flodl_zmq.wire.records import Challenge, ChallengeRequest, JoinHello
-
-DEFAULTS = Settings()  # JoinConfig's window defaults to the settings table
 
 # Challenge nonces (PROTOCOL.md 10.4): 16 random bytes, good for one hello or status request
 # from the connection they were issued to, within CHALLENGE_TTL_S. At most JOIN_CHALLENGE_CAP

@@ -75,7 +75,7 @@ from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, lim
 from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.security import JOIN_ZAP_DOMAIN, CleartextWarner, CurveGate, CurveKeys, apply_server
 from flodl_zmq.service_loop import ServiceLoop
-from flodl_zmq.settings import Settings
+from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.wire import KEY_BYTES, RUN_ID_BYTES, Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
     Abort,
@@ -90,7 +90,6 @@ from flodl_zmq.wire.records import (
     WorldFormed,
 )
 
-DEFAULTS = Settings()  # the service's timings default to the settings table
 log = logging.getLogger(__name__)
 
 JOIN_RUN_ID = bytes(RUN_ID_BYTES)

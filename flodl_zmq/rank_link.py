@@ -59,7 +59,7 @@ from flodl_zmq.links import (
 from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.service_loop import ServiceLoop
-from flodl_zmq.settings import Settings
+from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.step_report import StepReport
 from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire import records as rec
@@ -68,7 +68,6 @@ from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outage, Outstream
 
 log = logging.getLogger(__name__)
 
-DEFAULTS = Settings()  # the timings below default to the settings table
 # How long a closing rank waits for the coordinator to acknowledge its last records (its
 # goodbye among them): two resends, and under close()'s join timeout.
 ACK_WAIT_AT_EXIT_S = 2 * RESEND_AFTER_S

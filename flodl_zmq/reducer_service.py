@@ -94,7 +94,7 @@ from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.service_loop import ServiceLoop
-from flodl_zmq.settings import Settings
+from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     Consensus,
@@ -113,8 +113,6 @@ from flodl_zmq.wire.stream import RESEND_AFTER_S
 from flodl_zmq.wire_format import F32, Hop, WireFormat
 
 log = logging.getLogger(__name__)
-
-DEFAULTS = Settings()  # ReducerConfig's link timings default to the settings table
 
 
 @dataclass(frozen=True)

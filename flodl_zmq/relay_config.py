@@ -15,11 +15,9 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import local_endpoints
 from flodl_zmq.security import CurveKeys
-from flodl_zmq.settings import Settings
+from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.wire import Channel
 from flodl_zmq.wire_format import F32, WireFormat
-
-DEFAULTS = Settings()  # RelayConfig's timings default to the settings table
 
 
 @dataclass(frozen=True)

@@ -412,6 +412,8 @@ class Settings:
 # The rows, in the order of the fields; `Setting.field` is the field's name.
 SETTINGS: tuple[Setting, ...] = tuple(replace(f.metadata[ROW], field=f.name) for f in fields(Settings))
 BY_FIELD = {s.field: s for s in SETTINGS}
+# Every setting at its default: what a config object of a service defaults its timings to.
+DEFAULTS = Settings()
 
 
 def env_names(scopes: Iterable[str]) -> tuple[str, ...]:
