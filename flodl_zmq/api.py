@@ -114,9 +114,9 @@ class Trainer:
             from flodl_zmq.controller_service import run_controller
 
             # A restart or re-form: only the controller reads the checkpoint (PROTOCOL.md 13).
-            stem = checkpoints.pin_resume(penv.settings).resume
+            stem = checkpoints.resolve(penv.settings.resume, penv.settings.checkpoint_dir)
             if stem is not None:
-                job = dataclasses.replace(job, resume_from=stem)
+                job = dataclasses.replace(job, resume_from=str(stem))
             return run_controller(job, penv, host.link if host is not None else None)
         if penv.role == "relay":
             from flodl_zmq.relay import run_relay

@@ -236,8 +236,10 @@ class ControlRouter:
             where = f"relay connection {relay_id!r}"
             if isinstance(record, rec.RelayHello):
                 return Attribution.signed_by(relay_sender(record.host), where)
-            host = next((h for h, rid in self.relay_route.items() if rid == relay_id), None)
-            return Attribution.nobody(where) if host is None else Attribution.signed_by(relay_sender(host), where)
+            host = self._host_of_relay(relay_id)
+            if self.relay_route.get(host) != relay_id:  # "unknown": no host's relay holds this connection
+                return Attribution.nobody(where)
+            return Attribution.signed_by(relay_sender(host), where)
         rank = rank_of(route)
         where = f"route {route!r} through relay {relay_id!r}"
         if rank is None or rank not in self.host_of or self.relay_route.get(self.host_of[rank]) != relay_id:

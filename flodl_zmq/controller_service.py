@@ -102,7 +102,6 @@ from flodl_zmq.job import Job, coordinator_config
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
-    COORDINATOR_SENDER,
     FROM_REDUCER,
     drain,
     keep_alive,
@@ -119,7 +118,7 @@ from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
 from flodl_zmq.security import apply_server
 from flodl_zmq.status_server import StatusServer
-from flodl_zmq.wire import Channel, Codec
+from flodl_zmq.wire import Channel
 from flodl_zmq.wire import records as rec
 
 log = logging.getLogger(__name__)
@@ -146,7 +145,6 @@ class ControllerService:
         self._next_status = 0.0
         self.world = penv.world
         self.world_size = penv.world_size
-        self.codec = Codec(penv.key, penv.run_id, COORDINATOR_SENDER)  # the broadcast copy's
         self.counts: collections.Counter[str] = collections.Counter()
         self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.run_id, self.counts)
         torch.manual_seed(job.seed)  # the same initial replica as every rank
@@ -449,7 +447,7 @@ class ControllerService:
 
     def _on_broadcast(self, frames: list[Any]) -> None:
         try:
-            env = self.codec.decode_from(frames, Channel.BROADCAST, FROM_REDUCER, replay=False)
+            env = self.router.codec.decode_from(frames, Channel.BROADCAST, FROM_REDUCER, replay=False)
         except AttributionError as exc:
             self.counts["forged_route.bcast"] += 1
             log.warning("controller: dropped: %s", exc)
@@ -494,7 +492,7 @@ class ControllerService:
         outcome = self.formation.hello(rank, hello)
         if isinstance(outcome, Ignored):
             self.counts[outcome.why] += 1
-            if outcome.why == "departed_hello" or (self.started and not self.core.liveness.is_live(rank)):
+            if outcome.why == "departed_hello" or self.is_gone(rank):
                 self.router.send_rank(rank, rec.Shutdown())  # counted out: it must not wait for plans
         elif isinstance(outcome, Failed):
             self._formation_failed(outcome)
