@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import SpawnSpec
+from flodl_zmq.environment import CHILD_SCOPES, SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.join import DUPLICATE_JOIN, MAX_DEVICES_PER_HOST
@@ -51,7 +51,7 @@ from flodl_zmq.wire.records import JoinAccept, JoinReject, WorldFormed
 REJOIN_BACKOFF_S = (0.5, 5.0)  # first and longest wait between two re-dials of a silent controller
 # Variables of the contract that are settings, not identity: the controller's
 # SpawnSpec.env sets the run's for every child, and ours (FLODL_SLOWDOWN) pass through.
-TUNABLES = env_names(("run", "process"))
+TUNABLES = env_names(CHILD_SCOPES)
 
 
 # --------------------------------------------------------------------------- devices
@@ -236,7 +236,7 @@ def check_spawn(spawn: SpawnSpec, script: tuple[str, ...] | None) -> None:
             f"flodl-zmq (allowed: {', '.join(TUNABLES)}); a controller of another version, or a hostile one"
         )
     try:
-        Settings.from_environ(spawn.env, scopes=("run", "process"))
+        Settings.from_environ(spawn.env, scopes=CHILD_SCOPES)
     except ConfigError as exc:
         raise MembershipError(f"run refused: the controller's spawn environment is invalid: {exc}") from None
 

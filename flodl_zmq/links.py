@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -464,6 +465,7 @@ def decode_or_count(decode: Callable[[], Envelope], count: collections.Counter[s
         return None
 
 
+@functools.cache  # one per link name, not one per received record
 def route_refusal(where: str) -> Callable[[WireError], Refusal]:
     """A relay link's refusals: `forged_route.WHERE` when the sender is not the one the route names, else
     `rejected.WHERE`."""

@@ -418,8 +418,7 @@ class MembershipService:
         now = self.clock()
         if now >= self._next_beat:
             self._next_beat = now + self.join_heartbeat_period_s
-            for ident in self._hosts:
-                self._send(ident, self._session, JoinHeartbeat())
+            self._to_all(JoinHeartbeat())
 
     def _on_verdict(self, verdict: JoinVerdict) -> None:
         if self._verdict is not None or verdict.phase is WindowPhase.OPEN:
@@ -429,12 +428,10 @@ class MembershipService:
             log.info("world formed with %d ranks (%s)", verdict.world_size, verdict.reason)
             world = {m.host: m.ranks for m in verdict.members}
             formed = WorldFormed(verdict.world_size, dataclasses.replace(self.spawn, world=world).to_json())
-            for ident in self._hosts:
-                self._send(ident, self._session, formed)
+            self._to_all(formed)
         else:
             log.error("join window failed: %s", verdict.reason)
-            for ident in self._hosts:
-                self._send(ident, self._session, Abort(verdict.reason))
+            self._to_all(Abort(verdict.reason))
         self._closed.set()
 
     def _on_reform(self, env: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
@@ -463,8 +460,7 @@ class MembershipService:
             self._verdict = verdict
             self._closed.set()
         log.error("aborting the run on every host: %s", command.reason)
-        for ident in self._hosts:
-            self._send(ident, self._session, Abort(command.reason))
+        self._to_all(Abort(command.reason))
         command.reply.set_result(None)
 
     def _on_end_joins(self, reason: str) -> bool:
@@ -613,6 +609,11 @@ class MembershipService:
                 self.events.put(HostDone(host))
         elif not isinstance(rec, JoinHeartbeat):
             log.warning("host %r sent %s on its join link; ignored", host, env.kind)
+
+    def _to_all(self, record: object) -> None:
+        """Send `record` to every admitted host."""
+        for ident in self._hosts:
+            self._send(ident, self._session, record)
 
     def _send(self, ident: bytes, codec: Codec, rec: Any) -> bool:
         try:

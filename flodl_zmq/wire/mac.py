@@ -82,8 +82,9 @@ KEY_ENV = "FLODL_KEY"
 def session_key(environ: Mapping[str, str]) -> bytes | None:
     """The pre-shared session key in ``environ`` (FLODL_KEY), or None where it is unset or blank.
 
-    The one reader of the variable: the controller, the launcher and every spawned
-    process parse it alike, so a key one accepts no other refuses.
+    How the controller, the launcher and the agent read the variable, so a key one
+    accepts none of them refuses (a spawned process, which must have one, reads it
+    as a required variable of its role: environment.ProcessEnv).
     """
     text = environ.get(KEY_ENV, "").strip()
     return key_from_hex(text) if text else None
