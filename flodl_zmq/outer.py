@@ -41,8 +41,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from flodl_zmq.errors import ConfigError, ProtocolError
-from flodl_zmq.tensors import element_of
+from flodl_zmq.tensors import ELEMENTS, element_of
 from flodl_zmq.wire_format import INT8
+
+F32_ELEMENT = ELEMENTS["f32"]
 
 OUTERS = ("none", "nesterov", "momentum")
 # DiLoCo's (Douillard et al. 2023) outer Nesterov; SlowMo's (Wang et al. 2020) slow
@@ -117,8 +119,8 @@ class OuterOptimizer:
                 raise ProtocolError(f"outer step: a {element.name} consensus cannot be stepped (an int8 "
                                     "payload is widened to f32 first)")
             base = self.base[part]
-            element.widen(flat, d)
-            np.subtract(base, d, out=d)
+            # An f32 consensus is read as it is: widening it would be one more pass over the model.
+            np.subtract(base, flat if element is F32_ELEMENT else element.widen(flat, d), out=d)
             self._apply(d, self.global_model[part], self.momentum[part], part)
             # The ranks load the consensus in its element: measure the next pseudo-gradient from that.
             element.encode(self.global_model[part], flat)
