@@ -263,9 +263,7 @@ class DataPlane(Plane):
         elif isinstance(outcome, NothingToShip):
             log.info("relay %s: %s", self.cfg.host, outcome.reason)
 
-    def local_death(self, rank: int | None) -> None:
-        if rank is None:
-            return
+    def local_death(self, rank: int) -> None:
         self.leave(rank)
         self.send_up(RankExit(rank))
 
