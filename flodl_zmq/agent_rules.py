@@ -187,6 +187,7 @@ class Joined:
     run_id: bytes
     world_size: int
     spawn: SpawnSpec
+    host_token: bytes  # join.accept's: the relay's hello proves the host with it (FLODL_HOST_TOKEN)
 
 
 # --------------------------------------------------------------------------- what may run
@@ -260,9 +261,10 @@ def check_accept(reply: Any, config: AgentConfig) -> bytes:
             "the controller admitted us without a session key: controller and worker disagree on the "
             "trust mode (give both the same FLODL_KEY, or neither)"
         )
-    if len(reply.run_id) != RUN_ID_BYTES or len(reply.ranks) != len(config.devices):
+    if len(reply.run_id) != RUN_ID_BYTES or len(reply.ranks) != len(config.devices) or len(reply.host_token) != 32:
         raise MembershipError(
-            f"malformed accept ({len(reply.ranks)} ranks for {len(config.devices)} devices): protocol violation"
+            f"malformed accept ({len(reply.ranks)} ranks for {len(config.devices)} devices, a "
+            f"{len(reply.host_token)}-byte host token): protocol violation"
         )
     return key
 

@@ -146,7 +146,8 @@ class ControllerService:
         self.world = penv.world
         self.world_size = penv.world_size
         self.counts: collections.Counter[str] = collections.Counter()
-        self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.run_id, self.counts)
+        self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.run_id, penv.need_route_secret(),
+                                    self.counts)
         torch.manual_seed(job.seed)  # the same initial replica as every rank
         self.model = job.model()
         resumed = Resumed.load(job.resume_from)
@@ -232,6 +233,7 @@ class ControllerService:
                 self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve,
                 link_heartbeat_period_s=settings.link_heartbeat_period_s, link_silence_s=settings.link_silence_s,
                 peer_send_timeout_s=settings.peer_send_timeout_s, wire=self.job.wire,
+                route_secret=self.penv.need_route_secret(),
             ),
             ctx,
             self.outer,

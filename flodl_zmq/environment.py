@@ -15,6 +15,10 @@ and sets:
     FLODL_HOST        relay and rank: the host this process belongs to
     FLODL_RANK        rank: its global rank
     FLODL_LOCAL_RANK  rank: its index on the host (picks cuda:LOCAL_RANK when CUDA is present)
+    FLODL_ROUTE_SECRET controller: 32 random bytes, 64 hex characters, drawn by whoever starts
+                      the controller; every host's token derives from it (links.host_token)
+    FLODL_HOST_TOKEN  relay: its host's token, 64 hex characters, which its `relay.hello`
+                      carries: only the controller and this host know it (PROTOCOL.md 10.5)
     FLODL_EXIT_FD     controller under `flodl-zmq launch`: the pipe on which the launcher
                       reports every relay and rank exit (`ExitReports`), as an agent does
     FLODL_LIFELINE_FD every role under `flodl-zmq launch`, and an agent's relay and ranks: the
@@ -42,7 +46,7 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from flodl_zmq.endpoints import ControllerAddress
@@ -177,6 +181,15 @@ class ProcessEnv:
     settings: Settings = field(default_factory=Settings)
     exit_fd: int | None = None
     lifeline_fd: int | None = None
+    route_secret: bytes | None = None  # controller: what each host's token derives from
+    host_token: bytes | None = None  # relay: its host's token, which its hello proves
+
+    def need_route_secret(self) -> bytes:
+        """The controller's route secret; a ConfigError naming FLODL_ROUTE_SECRET when it has none."""
+        if self.route_secret is None:
+            raise ConfigError("the controller needs FLODL_ROUTE_SECRET (64 hex characters, drawn at random by "
+                              "whoever starts it: launch, `flodl-zmq controller`); it proves each relay's hello")
+        return self.route_secret
 
     @property
     def slowdown(self) -> float:
@@ -237,6 +250,8 @@ class ProcessEnv:
             settings=Settings.from_environ(env, CHILD_SCOPES),
             exit_fd=exit_fd,
             lifeline_fd=_fd(env, "FLODL_LIFELINE_FD"),
+            route_secret=_secret(need, "FLODL_ROUTE_SECRET") if role == "controller" else None,
+            host_token=_secret(need, "FLODL_HOST_TOKEN") if role == "relay" else None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -263,7 +278,22 @@ class ProcessEnv:
             out["FLODL_EXIT_FD"] = str(self.exit_fd)
         if self.lifeline_fd is not None:
             out["FLODL_LIFELINE_FD"] = str(self.lifeline_fd)
+        if self.route_secret is not None:
+            out["FLODL_ROUTE_SECRET"] = self.route_secret.hex()
+        if self.host_token is not None:
+            out["FLODL_HOST_TOKEN"] = self.host_token.hex()
         return out
+
+
+def _secret(need: Callable[[str], str], name: str) -> bytes:
+    """The 32 bytes of variable `name` (64 hex characters)."""
+    try:
+        value = bytes.fromhex(need(name))
+    except ValueError:
+        raise ConfigError(f"{name} must be hex") from None
+    if len(value) != 32:
+        raise ConfigError(f"{name} must be 64 hex characters (32 bytes), got {len(value) * 2}")
+    return value
 
 
 def _fd(env: Mapping[str, str], name: str) -> int | None:

@@ -8,6 +8,11 @@ links (`HostLinks`) and reports rank exits, lost and done hosts to the
 controller service. This module keeps the socket, the thread, the clock and
 the trust modes.
 
+Each admitted host gets a token (`join.accept.host_token`, derived from
+`route_secret`) that its relay's hello must carry: the session key says "a
+member", the token "this host". Under CURVE a host name stays the key's that
+first joined it.
+
 Trust modes (`TrustMode`):
 
 - **Pre-shared key.** Every join frame is keyed with the run's session key
@@ -42,6 +47,7 @@ import ipaddress
 import json
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -71,9 +77,23 @@ from flodl_zmq.join import (
     Rejected,
     WindowPhase,
 )
-from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, limit_receive
+from flodl_zmq.links import (
+    CONTROL_MAX_FRAME_BYTES,
+    JOIN_MAX_FRAMES,
+    ROUTE_SECRET_BYTES,
+    drain,
+    host_token,
+    limit_receive,
+)
 from flodl_zmq.mailbox import Mailbox
-from flodl_zmq.security import JOIN_ZAP_DOMAIN, CleartextWarner, CurveGate, CurveKeys, apply_server
+from flodl_zmq.security import (
+    JOIN_ZAP_DOMAIN,
+    CleartextWarner,
+    CurveGate,
+    CurveKeys,
+    apply_server,
+    client_key,
+)
 from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.wire import KEY_BYTES, RUN_ID_BYTES, Attribution, Channel, Codec, Envelope
@@ -252,6 +272,9 @@ class MembershipService:
         self.dropped = 0  # pre-admission frames dropped unanswered (bad MAC, junk)
         self._next_beat = 0.0  # when the join thread next sends the admitted agents a heartbeat
         self._session_key = session_key
+        # Each host's token derives from it (links.host_token), for the controller role to check its relay's
+        # hellos. Once per controller process: a re-formed world keeps it, and with it the hosts' tokens.
+        self.route_secret = os.urandom(ROUTE_SECRET_BYTES)
         self._join = Codec(join_key(trust, session_key), JOIN_RUN_ID, SENDER, max_ledger=JOIN_LEDGER_CAP)
         self._session = Codec(session_key, run_id, SENDER)
         self._hosts: dict[bytes, str] = {}  # ROUTER identity -> admitted host
@@ -542,13 +565,16 @@ class MembershipService:
         hello: JoinHello = env.record
         if not self._fresh(ident, env, now):
             return
-        outcome = self.window.admit(hello, now, finished=self.links.state(hello.host) == "done")
+        taken = "" if self._gate is None else self._gate.name_taken(hello.host, client_key(frames))
+        done = self.links.state(hello.host) == "done"
+        outcome = Rejected(taken) if taken else self.window.admit(hello, now, finished=done)
         if isinstance(outcome, Rejected):
             log.warning("join refused for %r: %s", hello.host, outcome.reason)
             self._send(ident, self._join, JoinReject(outcome.reason, hello.nonce))
             return
         key = self._session_key if self.trust is TrustMode.OPEN else None
-        accept = JoinAccept(list(outcome.ranks), key, outcome.formation_wait_s, self.run_id, hello.nonce)
+        accept = JoinAccept(list(outcome.ranks), key, outcome.formation_wait_s, self.run_id, hello.nonce,
+                            host_token(self.route_secret, hello.host))
         if not self._send(ident, self._join, accept):
             self.window.retract_last(hello.host)
             return
@@ -576,14 +602,11 @@ class MembershipService:
     def _admit_curve_key(self, host: str, frames: list[Any]) -> None:
         """Let the key that carried `host`'s admitted hello through the data sockets (the gate)."""
         assert self._gate is not None
-        try:
-            key = frames[0].get("User-Id")  # the client key the ZAP handler approved, Z85
-        except (zmq.ZMQError, AttributeError, IndexError):
-            key = None
-        if not key:
+        key = client_key(frames)
+        if key is None:
             log.warning("host %r admitted but its CURVE key is unknown: its relay will be refused", host)
             return
-        self._gate.admit(key)
+        self._gate.admit(key, host)
 
     def _on_member_frame(self, ident: bytes, host: str, frames: list[Any]) -> None:
         try:
