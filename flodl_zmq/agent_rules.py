@@ -42,6 +42,7 @@ from flodl_zmq.environment import CHILD_SCOPES, SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.join import DUPLICATE_JOIN, MAX_DEVICES_PER_HOST
+from flodl_zmq.links import HOST_TOKEN_BYTES
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.settings import DEFAULTS, Settings, env_names
 from flodl_zmq.wire import RUN_ID_BYTES
@@ -261,7 +262,8 @@ def check_accept(reply: Any, config: AgentConfig) -> bytes:
             "the controller admitted us without a session key: controller and worker disagree on the "
             "trust mode (give both the same FLODL_KEY, or neither)"
         )
-    if len(reply.run_id) != RUN_ID_BYTES or len(reply.ranks) != len(config.devices) or len(reply.host_token) != 32:
+    sizes = (len(reply.run_id), len(reply.host_token), len(reply.ranks))
+    if sizes != (RUN_ID_BYTES, HOST_TOKEN_BYTES, len(config.devices)):
         raise MembershipError(
             f"malformed accept ({len(reply.ranks)} ranks for {len(config.devices)} devices, a "
             f"{len(reply.host_token)}-byte host token): protocol violation"

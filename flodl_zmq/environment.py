@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
+from flodl_zmq.links import HOST_TOKEN_BYTES, ROUTE_SECRET_BYTES
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import KEY_ENV, RUN_ID_BYTES, key_from_hex
 
@@ -250,8 +251,8 @@ class ProcessEnv:
             settings=Settings.from_environ(env, CHILD_SCOPES),
             exit_fd=exit_fd,
             lifeline_fd=_fd(env, "FLODL_LIFELINE_FD"),
-            route_secret=_secret(need, "FLODL_ROUTE_SECRET") if role == "controller" else None,
-            host_token=_secret(need, "FLODL_HOST_TOKEN") if role == "relay" else None,
+            route_secret=_secret(need, "FLODL_ROUTE_SECRET", ROUTE_SECRET_BYTES) if role == "controller" else None,
+            host_token=_secret(need, "FLODL_HOST_TOKEN", HOST_TOKEN_BYTES) if role == "relay" else None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -285,14 +286,14 @@ class ProcessEnv:
         return out
 
 
-def _secret(need: Callable[[str], str], name: str) -> bytes:
-    """The 32 bytes of variable `name` (64 hex characters)."""
+def _secret(need: Callable[[str], str], name: str, size: int) -> bytes:
+    """The `size` bytes of variable `name`, given in hex."""
     try:
         value = bytes.fromhex(need(name))
     except ValueError:
         raise ConfigError(f"{name} must be hex") from None
-    if len(value) != 32:
-        raise ConfigError(f"{name} must be 64 hex characters (32 bytes), got {len(value) * 2}")
+    if len(value) != size:
+        raise ConfigError(f"{name} must be {size * 2} hex characters ({size} bytes), got {len(value) * 2}")
     return value
 
 

@@ -104,6 +104,7 @@ def relay_sender(host: str) -> str:
 
 HOST_TOKEN_LABEL = b"flodl-zmq/host-token\x00"
 ROUTE_SECRET_BYTES = 32
+HOST_TOKEN_BYTES = 32  # an HMAC-SHA256
 
 
 def host_token(route_secret: bytes, host: str) -> bytes:

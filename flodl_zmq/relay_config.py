@@ -13,7 +13,7 @@ from typing import Any
 
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError
-from flodl_zmq.links import local_endpoints
+from flodl_zmq.links import HOST_TOKEN_BYTES, local_endpoints
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.wire import Channel
@@ -54,8 +54,8 @@ class RelayConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise ConfigError("relay host name must not be empty")
-        if len(self.host_token) != 32:
-            raise ConfigError(f"relay host_token must be 32 bytes (FLODL_HOST_TOKEN, given by the agent or the "
+        if len(self.host_token) != HOST_TOKEN_BYTES:
+            raise ConfigError(f"relay host_token must be {HOST_TOKEN_BYTES} bytes (FLODL_HOST_TOKEN, given by the agent or the "
                               f"launcher), got {len(self.host_token)}")
         if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
             raise ConfigError(f"relay ranks {self.ranks} must be distinct non-negative global ranks, at least one")
