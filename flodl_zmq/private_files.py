@@ -46,12 +46,14 @@ def own_dir(path: str | os.PathLike[str], what: str) -> Path:
     p = Path(path)
     make_dirs(p)
     st = os.stat(p)  # the directory the path leads to: a symlink to a directory of ours is the user's choice
+    if not stat.S_ISDIR(st.st_mode):
+        raise PrivateDirError(f"{what} {p} is not a directory: name a directory of your own")
     foreign = st.st_uid != os.geteuid()
-    if not stat.S_ISDIR(st.st_mode) or foreign or st.st_mode & 0o022:
+    if foreign or st.st_mode & 0o022:
         raise PrivateDirError(
-            f"{what} {p} is {'not a directory' if not stat.S_ISDIR(st.st_mode) else 'not private'}: owner uid "
-            f"{st.st_uid} (this process runs as uid {os.geteuid()}), mode {stat.S_IMODE(st.st_mode):04o}; another "
-            "user who may write in it could delete or plant checkpoints and files the controller then follows: "
+            f"{what} {p} is not private: owner uid {st.st_uid} (this process runs as uid {os.geteuid()}), mode "
+            f"{stat.S_IMODE(st.st_mode):04o}; another user who may write in it could delete or plant checkpoints "
+            "and files the controller then follows: "
             + ("use a directory of your own" if foreign else f"chmod 700 {p}, or use a directory of your own")
         )
     return p
