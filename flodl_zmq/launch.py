@@ -168,7 +168,7 @@ class Cluster:
     def start(self) -> None:
         """Spawn the controller, the relays, then the ranks."""
         address = ControllerAddress("127.0.0.1", self.port or free_port_base())
-        self.run_id, self.key = os.urandom(RUN_ID_BYTES), new_key()
+        self.run_id = os.urandom(RUN_ID_BYTES)
         # The run's settings come from our environment, like the controller's; slowdowns from --slow.
         settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
         if self.startup_timeout_s is not None:
@@ -187,11 +187,12 @@ class Cluster:
         if runnable(self.argv):
             self._warm = self.warm or warm_interpreter()
         self._spawn_cohort(self._settings)
-        # The key guards a loopback-only run and sits in every child's environment already;
-        # a generated one is shown so that the status command can be pasted as it is.
-        shown = "" if given else f"FLODL_KEY={key.hex()} "
-        self._emit(f"[launch] controller at {address}; watch it with: {shown}flodl-zmq status "
-                   f"--controller {address} --watch")
+        # Never the key itself: output and logs are read (and kept) by more than the run's owner.
+        watch = f"flodl-zmq status --controller {address} --watch"
+        self._emit(f"[launch] controller at {address}; " + (
+            f"watch it with: {watch}" if given else
+            f"to watch a run with `{watch}`, export FLODL_KEY (`flodl-zmq keygen`) before launch: "
+            "a generated key is never printed"))
 
     def _spawn_cohort(self, settings: Settings) -> None:
         exits, exits_w = os.pipe()
