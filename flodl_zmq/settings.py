@@ -229,8 +229,8 @@ class Settings:
     link_silence_s: float = setting(8.0, "silence after which a tcp:// link between the controller and a relay is "
             "dropped and re-dialled (a flap shorter than this costs only time)", env=("FLODL_LINK_SILENCE",),
             scope="run", minimum=0.0, strict=True)
-    peer_send_timeout_s: float = setting(10.0, "how long the controller's reducer or a relay waits on a peer that "
-            "stops reading before that send fails (the controller's own control sends never wait)",
+    peer_send_timeout_s: float = setting(10.0, "how long a relay waits on a peer that stops reading before that "
+            "send fails (the controller's sends, its reducer's included, never wait)",
             env=("FLODL_PEER_SEND_TIMEOUT",), scope="run", minimum=0.0, strict=True)
     # ---- the run's wire format, announced to the relays (they run none of the script that names it)
     wire_dtype: str | None = setting(None, "the run's wire format, announced to every relay; the Trainer's wire_dtype "
