@@ -296,6 +296,10 @@ class Settings:
     max_ranks: int | None = setting(None, "the most ranks the world may grow to, hosts joining mid-run included (none: no "
             "cap); a host that would pass it is refused by name", kind=int, flags=("--max-ranks",),
             env=("FLODL_MAX_RANKS",), commands=("controller",), minimum=2)
+    max_pending_hosts: int = setting(8, "the most hosts that may wait at once to enter a formed world (admitted "
+            "mid-run, until the next epoch boundary); one more is refused by name: a stranger's hellos must not grow "
+            "the controller without bound", kind=int, flags=("--max-pending-hosts",), env=("FLODL_MAX_PENDING_HOSTS",),
+            commands=("controller",), minimum=1)
     join_window_s: float = setting(300.0, "how long the join window stays open, from the controller's start",
             flags=("--join-window",), env=("FLODL_JOIN_WINDOW",), commands=("controller",), minimum=0.0)
     join_cap_s: float | None = setting(None, "hard limit of the join window: without the minimum ranks by then, the run "
