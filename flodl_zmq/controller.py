@@ -526,6 +526,7 @@ def _controller_command(args: argparse.Namespace) -> int:
         join=JoinConfig(
             min_ranks=settings.min_ranks, target_ranks=settings.target_ranks, join_window_s=settings.join_window_s,
             join_cap_s=settings.effective_join_cap_s, max_ranks=settings.max_ranks,
+            max_pending_hosts=settings.max_pending_hosts,
         ),
         open_admission=settings.open_admission,
         key=session_key(os.environ),

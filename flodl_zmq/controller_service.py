@@ -103,6 +103,7 @@ from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
     FROM_REDUCER,
+    data_max_frame_bytes,
     drain,
     keep_alive,
     limit_receive,
@@ -231,7 +232,9 @@ class ControllerService:
             ReducerConfig.for_controller(
                 self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve,
                 link_heartbeat_period_s=settings.link_heartbeat_period_s, link_silence_s=settings.link_silence_s,
-                peer_send_timeout_s=settings.peer_send_timeout_s, wire=self.job.wire,
+                wire=self.job.wire,
+                # The relays send this model's frames and nothing longer (PROTOCOL.md 6.1).
+                max_frame_bytes=data_max_frame_bytes(self.job.wire.largest_frame_bytes(self.kept.consensus.size)),
             ),
             ctx,
             self.outer,

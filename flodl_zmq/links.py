@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import functools
 import hashlib
@@ -371,6 +373,38 @@ DATA_MAX_FRAMES = 2 + 2 + _LIMITS.max_payload_frames  # identity or tag, route, 
 # While discarding an oversized message, call the caller's `tick` this often (in frames)
 # so its timers (heartbeats) keep running: a long discard must not read as our silence.
 DISCARD_TICK_FRAMES = 1 << 14
+# A discarded message at least this long (in frames) hands its memory back to the kernel
+# (`release_freed_memory`); shorter ones are not worth the heap walk.
+RELEASE_AFTER_FRAMES = DISCARD_TICK_FRAMES
+
+
+def data_max_frame_bytes(largest_payload_frame: int) -> int:
+    """The frame bound of a data or broadcast socket whose receiver knows the model: its largest
+    payload frame (`WireFormat.largest_frame_bytes`), or the header when that is larger."""
+    return max(CONTROL_MAX_FRAME_BYTES, int(largest_payload_frame))
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the kernel (glibc `malloc_trim(0)`, every thread's arena).
+
+    ZeroMQ holds a message's frames (64 bytes each) until it is read; once a
+    flood of millions of empty frames is discarded, glibc keeps the freed
+    pages in its arenas, so without this the process stays that much larger
+    for good (PROTOCOL.md 6.1). Elsewhere than glibc nothing is done.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def limit_receive(sock: zmq.Socket, max_frame_bytes: int) -> None:
@@ -393,7 +427,9 @@ def recv_bounded(
     An oversized message is read to its end (the socket stays usable) but nothing
     past the limit is kept, so a flood of empty frames costs no memory here and
     never reaches a decoder; `tick` runs every DISCARD_TICK_FRAMES frames of it.
-    Raises zmq.Again like `recv` when `flags` has NOBLOCK and nothing is queued.
+    A discarded message of RELEASE_AFTER_FRAMES or more hands its memory back
+    (`release_freed_memory`). Raises zmq.Again like `recv` when `flags` has
+    NOBLOCK and nothing is queued.
     """
     recv, more = sock.recv, sock.getsockopt  # bound once: this loop may run millions of times
     frames = [recv(flags, copy=copy)]
@@ -407,6 +443,8 @@ def recv_bounded(
             recv(copy=True)  # frames already queued: ZeroMQ delivers a message whole
             n += 1
             if not more(zmq.RCVMORE):
+                if n >= RELEASE_AFTER_FRAMES:
+                    release_freed_memory()
                 return None
             if tick is not None and n % DISCARD_TICK_FRAMES == 0:
                 tick()

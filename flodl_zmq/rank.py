@@ -66,6 +66,7 @@ import zmq
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.errors import ShmError, TrainingError
 from flodl_zmq.job import Job
+from flodl_zmq.links import data_max_frame_bytes
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.payload import load_flat, model_signature
@@ -151,7 +152,8 @@ class RankRuntime:
     def run(self) -> int:
         ctx = zmq.Context.instance()
         # Sync averages after every step: each step is a window edge and is reported at once.
-        link = RankLink(self.cfg, ctx, 0.0 if self.job.mode == "cpu-sync" else REPORT_PERIOD_S)
+        link = RankLink(self.cfg, ctx, 0.0 if self.job.mode == "cpu-sync" else REPORT_PERIOD_S,
+                        data_max_frame_bytes(self.job.wire.largest_frame_bytes(self.buffers.numel)))
         self.link = link
         link.start()
         link.send(

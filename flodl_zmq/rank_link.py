@@ -138,8 +138,10 @@ class RankLink:
     out ahead of any other record (`flush_steps`).
     """
 
-    def __init__(self, cfg: RankConfig, ctx: zmq.Context, report_period_s: float) -> None:
+    def __init__(self, cfg: RankConfig, ctx: zmq.Context, report_period_s: float,
+                 data_max_frame_bytes: int = DATA_MAX_FRAME_BYTES) -> None:
         self.cfg = cfg
+        self.data_max_frame_bytes = data_max_frame_bytes  # the model's largest frame, where the rank knows it
         self.steps = StepReport(cfg.rank, report_period_s)
         self.codec = Codec(cfg.key, cfg.run_id, rank_sender(cfg.rank))
         self.mapped = SegmentMap(cfg.run_id, run_dir(cfg.key, cfg.run_id))  # the relay's consensus segment, by reference
@@ -205,7 +207,7 @@ class RankLink:
 
     def _run(self) -> None:
         control = self._socket(self.cfg.control_endpoint, CONTROL_MAX_FRAME_BYTES)
-        data = self._socket(self.cfg.data_endpoint, DATA_MAX_FRAME_BYTES)
+        data = self._socket(self.cfg.data_endpoint, self.data_max_frame_bytes)
         loop = self._loop
         self._started = self._next_beat = time.monotonic()
         try:
