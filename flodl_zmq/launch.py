@@ -63,7 +63,7 @@ from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import remove_local_dir
 from flodl_zmq.settings import Settings
 from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
-from flodl_zmq.wire import RUN_ID_BYTES, new_key, session_key
+from flodl_zmq.wire import RUN_ID_BYTES, new_incarnation, new_key, session_key
 from flodl_zmq.wire.shm import unlink_run
 
 AFTER_CONTROLLER_GRACE_S = 10.0
@@ -154,6 +154,7 @@ class Cluster:
         self._lock = threading.Lock()
         self._sink_lock = threading.Lock()
         self.run_id: bytes | None = None
+        self.incarnation: bytes | None = None  # the running cohort's (PROTOCOL.md 4.1): new at each restart
         self._exits: int | None = None  # write end of the controller's FLODL_EXIT_FD pipe
         self._lifeline: int | None = None  # write end of the children's FLODL_LIFELINE_FD pipe
         self.restarts: list[tuple[str, float]] = []  # (checkpoint, seconds from the kill to the respawn)
@@ -197,7 +198,9 @@ class Cluster:
         exits, exits_w = os.pipe()
         os.set_blocking(exits_w, False)  # a controller that stops reading never blocks the launcher
         lifeline, self._lifeline = os.pipe()  # never written: only this process's death closes it
-        base = dict(self._base, lifeline_fd=lifeline)
+        # Every cohort is an incarnation of its own: nothing the one before signed reaches this one.
+        self.incarnation = new_incarnation()
+        base = dict(self._base, incarnation=self.incarnation, lifeline_fd=lifeline)
         with self._lock:
             self._exits = exits_w
         try:
@@ -343,9 +346,9 @@ class Cluster:
         if self._lifeline is not None:
             os.close(self._lifeline)
             self._lifeline = None
-        if self.run_id is not None and self.key is not None:
-            unlink_run(self.key, self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
-            remove_local_dir(self.key, self.run_id)  # nor its ipc socket files
+        if self.incarnation is not None and self.key is not None:
+            unlink_run(self.key, self.incarnation)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
+            remove_local_dir(self.key, self.incarnation)  # nor its ipc socket files
 
 
 def warm_interpreter(python: str = sys.executable) -> WarmServer:
