@@ -21,8 +21,9 @@ Rules this module keeps:
   mismatched controller either way.
 - **The controller's answers are checked before they are used.** An accept
   carries a session key (ours under a pre-shared key, its own under open
-  admission), a run id of the right size and one rank per device offered; a
-  formed or re-formed world gives this host exactly the ranks it holds.
+  admission), a run id and an incarnation id of the right size and one rank
+  per device offered; a formed or re-formed world gives this host exactly the
+  ranks it holds, under an incarnation id of the right size.
 - **A restarted controller takes us back only into our own run.** Another
   run id is a controller started fresh: the host leaves. A refusal as a
   duplicate join is worth re-dialling (the controller has not yet declared

@@ -28,8 +28,9 @@ Rules this module keeps:
 - A controller killed by a signal other than SIGTERM/SIGINT (which stop a
   run) comes back when the run writes checkpoints (FLODL_CHECKPOINT_DIR):
   the relays and ranks are stopped, and the whole cohort starts again with
-  the same run id, key and world, resuming the newest checkpoint
-  (FLODL_RESUME). A checkpoint already restarted from is not tried twice:
+  the same run id, key and world and a fresh incarnation id (nothing of the
+  cohort before is accepted by it, PROTOCOL.md 4.1), resuming the newest
+  checkpoint (FLODL_RESUME). A checkpoint already restarted from is not tried twice:
   a controller that keeps dying before the next checkpoint is not a loop.
 """
 
