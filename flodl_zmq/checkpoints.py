@@ -438,13 +438,15 @@ class WorldChange:
     """A re-formed world (elastic join): the run's result so far, and the world before and after.
 
     Handed to the next `ControllerService`, which continues `result` and
-    marks its first epoch line with `describe()`.
+    marks its first epoch line with `describe()`. `incarnation`: the new
+    world's id (PROTOCOL.md 4.1), which its services sign and check with.
     """
 
     result: TrainResult
     before: dict[str, tuple[int, ...]]
     after: dict[str, tuple[int, ...]]
     checkpoint: str
+    incarnation: bytes
     marked: bool = False
 
     @property
@@ -485,7 +487,8 @@ class WorldChange:
 
     def resumed(self, job: Job, penv: ProcessEnv, run_dir: str) -> tuple[Job, ProcessEnv]:
         """The job and process environment of the new world: resumed from the re-form checkpoint, in the
-        same run directory, every host told that checkpoint."""
+        same run directory, every host told that checkpoint, under the new world's incarnation."""
         job = replace(job, resume_from=self.checkpoint, run_dir=run_dir)
-        penv = replace(penv, world=self.after, settings=replace(penv.settings, resume=self.checkpoint))
+        penv = replace(penv, world=self.after, incarnation=self.incarnation,
+                       settings=replace(penv.settings, resume=self.checkpoint))
         return job, penv

@@ -147,13 +147,13 @@ class ControllerService:
         self.world = penv.world
         self.world_size = penv.world_size
         self.counts: collections.Counter[str] = collections.Counter()
-        self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.run_id, self.counts)
+        self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.incarnation, self.counts)
         torch.manual_seed(job.seed)  # the same initial replica as every rank
         self.model = job.model()
         resumed = Resumed.load(job.resume_from)
         if resumed.model_state is not None:
             self.model.load_state_dict(resumed.model_state)
-        # A re-formed world is not a restart: it keeps the run's incarnation.
+        # A re-formed world is not a restart: it keeps the restart count (its incarnation id is new: PROTOCOL.md 4.1).
         self.incarnation = resumed.incarnation if carried is None else carried.result.incarnation
         self.kept = Keeper(job, penv, self.incarnation, flatten(self.model).numpy())
         self.outer = resumed.outer_optimizer(job, self.kept.consensus)
@@ -230,7 +230,7 @@ class ControllerService:
         settings = self.penv.settings
         return ReducerService(
             ReducerConfig.for_controller(
-                self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve,
+                self.world, self.penv.key, self.penv.incarnation, self.penv.controller, curve=self.curve,
                 link_heartbeat_period_s=settings.link_heartbeat_period_s, link_silence_s=settings.link_silence_s,
                 wire=self.job.wire,
                 # The relays send this model's frames and nothing longer (PROTOCOL.md 6.1).

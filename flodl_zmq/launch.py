@@ -28,8 +28,9 @@ Rules this module keeps:
 - A controller killed by a signal other than SIGTERM/SIGINT (which stop a
   run) comes back when the run writes checkpoints (FLODL_CHECKPOINT_DIR):
   the relays and ranks are stopped, and the whole cohort starts again with
-  the same run id, key and world, resuming the newest checkpoint
-  (FLODL_RESUME). A checkpoint already restarted from is not tried twice:
+  the same run id, key and world and a fresh incarnation id (nothing of the
+  cohort before is accepted by it, PROTOCOL.md 4.1), resuming the newest
+  checkpoint (FLODL_RESUME). A checkpoint already restarted from is not tried twice:
   a controller that keeps dying before the next checkpoint is not a loop.
 """
 
@@ -63,7 +64,7 @@ from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import remove_local_dir
 from flodl_zmq.settings import Settings
 from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
-from flodl_zmq.wire import RUN_ID_BYTES, new_key, session_key
+from flodl_zmq.wire import RUN_ID_BYTES, new_incarnation, new_key, session_key
 from flodl_zmq.wire.shm import unlink_run
 
 AFTER_CONTROLLER_GRACE_S = 10.0
@@ -154,6 +155,7 @@ class Cluster:
         self._lock = threading.Lock()
         self._sink_lock = threading.Lock()
         self.run_id: bytes | None = None
+        self.incarnation: bytes | None = None  # the running cohort's (PROTOCOL.md 4.1): new at each restart
         self._exits: int | None = None  # write end of the controller's FLODL_EXIT_FD pipe
         self._lifeline: int | None = None  # write end of the children's FLODL_LIFELINE_FD pipe
         self.restarts: list[tuple[str, float]] = []  # (checkpoint, seconds from the kill to the respawn)
@@ -198,7 +200,9 @@ class Cluster:
         exits, exits_w = os.pipe()
         os.set_blocking(exits_w, False)  # a controller that stops reading never blocks the launcher
         lifeline, self._lifeline = os.pipe()  # never written: only this process's death closes it
-        base = dict(self._base, lifeline_fd=lifeline)
+        # Every cohort is an incarnation of its own: nothing the one before signed reaches this one.
+        self.incarnation = new_incarnation()
+        base = dict(self._base, incarnation=self.incarnation, lifeline_fd=lifeline)
         with self._lock:
             self._exits = exits_w
         try:
@@ -344,9 +348,9 @@ class Cluster:
         if self._lifeline is not None:
             os.close(self._lifeline)
             self._lifeline = None
-        if self.run_id is not None and self.key is not None:
-            unlink_run(self.key, self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
-            remove_local_dir(self.key, self.run_id)  # nor its ipc socket files
+        if self.incarnation is not None and self.key is not None:
+            unlink_run(self.key, self.incarnation)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
+            remove_local_dir(self.key, self.incarnation)  # nor its ipc socket files
 
 
 def warm_interpreter(python: str = sys.executable) -> WarmServer:

@@ -114,18 +114,18 @@ def relay_identity(host: str, incarnation: bytes) -> bytes:
     return f"relay:{host[:200]}:{incarnation.hex()}".encode()
 
 
-def _local_dir_path(key: bytes, run_id: bytes, base: str | None) -> str:
+def _local_dir_path(key: bytes, incarnation: bytes, base: str | None) -> str:
     base = base or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return os.path.join(base, private_dir_name(key, run_id, "ipc"))
+    return os.path.join(base, private_dir_name(key, incarnation, "ipc"))
 
 
-def remove_local_dir(key: bytes, run_id: bytes, base: str | None = None) -> None:
+def remove_local_dir(key: bytes, incarnation: bytes, base: str | None = None) -> None:
     """Remove the run's `local_dir` and what is left in it (a SIGKILLed relay's sockets); never raises.
 
     Whoever started the run's processes calls it once they are gone; a path
     that is not our own private directory is left alone.
     """
-    path = _local_dir_path(key, run_id, base)
+    path = _local_dir_path(key, incarnation, base)
     try:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
@@ -138,17 +138,17 @@ def remove_local_dir(key: bytes, run_id: bytes, base: str | None = None) -> None
         pass
 
 
-def local_dir(key: bytes, run_id: bytes, base: str | None = None) -> str:
+def local_dir(key: bytes, incarnation: bytes, base: str | None = None) -> str:
     """The run's private directory for ipc:// socket files: created 0700, or checked to be ours.
 
     Under $XDG_RUNTIME_DIR (per user) when set, else the temp dir. Its name is an
-    HMAC of the run id under the session key (`private_dir_name`): a
+    HMAC of the incarnation id under the session key (`private_dir_name`): a
     world-listable /tmp shows nothing of the run, and nobody without the key
     can create it first to block the relay. A path that is not a directory of
     this user with mode 0700 raises PrivateDirError: another user could
     otherwise bind a relay's socket first.
     """
-    return _private_dir(_local_dir_path(key, run_id, base))
+    return _private_dir(_local_dir_path(key, incarnation, base))
 
 
 def _private_dir(path: str) -> str:
@@ -172,9 +172,9 @@ def _private_dir(path: str) -> str:
     return path
 
 
-def local_endpoints(key: bytes, run_id: bytes, host: str, directory: str | None = None) -> tuple[str, str]:
+def local_endpoints(key: bytes, incarnation: bytes, host: str, directory: str | None = None) -> tuple[str, str]:
     """Default ipc:// endpoints (control, data) of a host's relay, in the run's private `local_dir`."""
-    d = directory or local_dir(key, run_id)
+    d = directory or local_dir(key, incarnation)
     name = hashlib.sha256(host.encode()).hexdigest()[:12]
     return f"ipc://{os.path.join(d, name)}-control", f"ipc://{os.path.join(d, name)}-data"
 
@@ -213,13 +213,13 @@ def bind_local(sock: zmq.Socket, endpoint: str) -> None:
             _private_dir(directory)
 
 
-def remove_host_sockets(key: bytes, run_id: bytes, host: str, base: str | None = None) -> None:
+def remove_host_sockets(key: bytes, incarnation: bytes, host: str, base: str | None = None) -> None:
     """Remove `host`'s relay socket files (a SIGKILLed relay leaves them), and the run's `local_dir` once empty.
 
     An agent removes only its own host's: another host's relay on the same
     machine may be bound there still. Never raises.
     """
-    for endpoint in local_endpoints(key, run_id, host, _local_dir_path(key, run_id, base)):
+    for endpoint in local_endpoints(key, incarnation, host, _local_dir_path(key, incarnation, base)):
         remove_ipc(endpoint)
 
 

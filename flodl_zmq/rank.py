@@ -125,7 +125,7 @@ class RankRuntime:
         same_host = cfg.data_endpoint.startswith("ipc://")
         try:
             self.buffers = ParamBuffers(
-                self.model, Segment(cfg.key, cfg.run_id, rank_owner(cfg.rank)) if same_host else None, job.wire
+                self.model, Segment(cfg.key, cfg.incarnation, rank_owner(cfg.rank)) if same_host else None, job.wire
             )
         except ShmError as exc:  # a squatted or foreign shared-memory path: deposit framed instead
             log.error("rank %d: deposits go framed, not by reference: %s", cfg.rank, exc)

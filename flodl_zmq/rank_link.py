@@ -82,7 +82,7 @@ class RankConfig:
     world_size: int
     host: str
     key: bytes
-    run_id: bytes
+    incarnation: bytes
     control_endpoint: str
     data_endpoint: str
     slowdown: float = 1.0
@@ -143,8 +143,8 @@ class RankLink:
         self.cfg = cfg
         self.data_max_frame_bytes = data_max_frame_bytes  # the model's largest frame, where the rank knows it
         self.steps = StepReport(cfg.rank, report_period_s)
-        self.codec = Codec(cfg.key, cfg.run_id, rank_sender(cfg.rank))
-        self.mapped = SegmentMap(cfg.run_id, run_dir(cfg.key, cfg.run_id))  # the relay's consensus segment, by reference
+        self.codec = Codec(cfg.key, cfg.incarnation, rank_sender(cfg.rank))
+        self.mapped = SegmentMap(cfg.incarnation, run_dir(cfg.key, cfg.incarnation))  # the relay's consensus segment, by reference
         self._from_relay = Attribution.signed_by(relay_sender(cfg.host), "this host's relay")
         self._from_coordinator = Attribution.signed_by(coordinator_sender(cfg.rank), "the coordinator's link")
         # The control streams to and from the coordinator (PROTOCOL.md 10.7): what this rank

@@ -125,7 +125,7 @@ class ReducerConfig:
 
     world: Mapping[str, tuple[int, ...]]
     key: bytes
-    run_id: bytes
+    incarnation: bytes
     data_bind: str
     bcast_bind: str
     probe_interval_s: float = 0.1
@@ -150,13 +150,13 @@ class ReducerConfig:
 
     @classmethod
     def for_controller(
-        cls, world: Mapping[str, Iterable[int]], key: bytes, run_id: bytes, controller: ControllerAddress, **kw: Any
+        cls, world: Mapping[str, Iterable[int]], key: bytes, incarnation: bytes, controller: ControllerAddress, **kw: Any
     ) -> ReducerConfig:
         """Bind the controller's data and broadcast endpoints (ControllerAddress rule)."""
         return cls(
             world={h: tuple(sorted(rs)) for h, rs in world.items()},
             key=key,
-            run_id=run_id,
+            incarnation=incarnation,
             data_bind=controller.endpoint(Channel.DATA),
             bcast_bind=controller.endpoint(Channel.BROADCAST),
             **kw,
@@ -316,7 +316,7 @@ class ReducerService:
 
     def _loop(self) -> None:
         cfg = self.config
-        self._codec = Codec(cfg.key, cfg.run_id, REDUCER_SENDER)
+        self._codec = Codec(cfg.key, cfg.incarnation, REDUCER_SENDER)
         if self._resumed is not None:  # served on request only (ConsensusRequest), as a resend is
             round_id, payload = self._resumed
             self._latest_frames = (round_id, self._codec.encode(Consensus(round_id, 1.0), payload,
