@@ -53,12 +53,12 @@ def test_an_oversized_frame_to_the_controllers_data_port_is_refused_at_the_model
         relay = ctx.socket(zmq.DEALER)
         relay.setsockopt(zmq.LINGER, 0)
         relay.connect(data_ep)
-        relay.send_multipart(Codec(service.penv.key, service.penv.run_id, relay_sender("h")).encode(
+        relay.send_multipart(Codec(service.penv.key, service.penv.incarnation, relay_sender("h")).encode(
             RelayHello("h", [0, 1], []), channel=Channel.DATA))
         assert relay.poll(30_000), "the reducer no longer answers its relay"
         tag, *frames = relay.recv_multipart()
         assert tag == TAG_DATA
-        assert Codec(service.penv.key, service.penv.run_id, "t").decode(frames, Channel.DATA).record == RelayHelloAck()
+        assert Codec(service.penv.key, service.penv.incarnation, "t").decode(frames, Channel.DATA).record == RelayHelloAck()
         relay.close(0)
     finally:
         next(gen, None)
