@@ -90,13 +90,13 @@ def light_rank() -> int:
     penv = ProcessEnv.from_environ()
     assert penv is not None and penv.rank is not None and penv.host is not None
     rank, host = penv.rank, penv.host
-    codec = Codec(penv.key, penv.run_id, rank_sender(rank))
-    mapped = SegmentMap(penv.run_id, run_dir(penv.key, penv.run_id))
+    codec = Codec(penv.key, penv.incarnation, rank_sender(rank))
+    mapped = SegmentMap(penv.incarnation, run_dir(penv.key, penv.incarnation))
     from_relay = Attribution.signed_by(relay_sender(host), "this host's relay")
     from_coordinator = Attribution.signed_by(coordinator_sender(rank), "the coordinator's link")
     up, down = Outstream(codec), InOrder()  # the control streams of PROTOCOL.md 10.7, as a real rank keeps them
     ctx = zmq.Context()
-    control_ep, data_ep = local_endpoints(penv.key, penv.run_id, host)
+    control_ep, data_ep = local_endpoints(penv.key, penv.incarnation, host)
     socks = []
     for ep in (control_ep, data_ep):
         s = ctx.socket(zmq.DEALER)

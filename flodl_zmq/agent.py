@@ -234,10 +234,10 @@ class Agent:
             "joined as rank(s) %s; waiting for the world to form (up to %.0f s)",
             reply.ranks, reply.formation_wait_s,
         )
-        self._codec = Codec(check_key(key), reply.run_id, cfg.host)
+        self._codec = Codec(check_key(key), reply.incarnation, cfg.host)  # this controller's (PROTOCOL.md 4.4)
         formed = self._await_world(reply)
         spawn = check_world(formed, cfg, reply.ranks, "formed")  # before anything of it is used
-        return Joined(tuple(reply.ranks), key, reply.run_id, formed.world_size, spawn, reply.host_token)
+        return Joined(tuple(reply.ranks), key, reply.run_id, formed.incarnation, formed.world_size, spawn, reply.host_token)
 
     def _hello(self, join_reply_timeout_s: float) -> Any:
         """Ask for a challenge, then send the hello it makes fresh: the controller's answer (None: none in time).
@@ -342,8 +342,8 @@ class Agent:
                 finally:
                     # A SIGKILLed relay or rank cannot unlink its shared-memory segments, nor its
                     # ipc socket files. Only this host's: another agent's may share the machine.
-                    unlink_host(joined.session_key, joined.run_id, self.config.host, joined.ranks)
-                    remove_host_sockets(joined.session_key, joined.run_id, self.config.host)
+                    unlink_host(joined.session_key, joined.incarnation, self.config.host, joined.ranks)
+                    remove_host_sockets(joined.session_key, joined.incarnation, self.config.host)
                 if self._reformed is not None and self._stop_reason is None:
                     joined = self._reform(joined, self._reformed)
                     continue
@@ -369,7 +369,7 @@ class Agent:
         spawn = check_world(formed, self.config, before.ranks, "re-formed")  # before anything of it is used
         log.info("host %r: the world re-formed (%d ranks); starting ranks %s again from the checkpoint",
                  self.config.host, formed.world_size, list(before.ranks))
-        return Joined(before.ranks, before.session_key, before.run_id, formed.world_size, spawn, before.host_token)
+        return Joined(before.ranks, before.session_key, before.run_id, formed.incarnation, formed.world_size, spawn, before.host_token)
 
     def _rejoin(self, before: Joined) -> Joined:
         """Re-dial a silent controller with backoff until a restart of our run takes us back.
@@ -421,7 +421,7 @@ class Agent:
             role=role,
             controller=self.config.controller,  # the address our own join provably reached
             key=joined.session_key,
-            run_id=joined.run_id,
+            run_id=joined.run_id, incarnation=joined.incarnation,
             world=joined.spawn.world,
             host=self.config.host,
             rank=rank, local_rank=local_rank,

@@ -21,8 +21,9 @@ Rules this module keeps:
   mismatched controller either way.
 - **The controller's answers are checked before they are used.** An accept
   carries a session key (ours under a pre-shared key, its own under open
-  admission), a run id of the right size and one rank per device offered; a
-  formed or re-formed world gives this host exactly the ranks it holds.
+  admission), a run id and an incarnation id of the right size and one rank
+  per device offered; a formed or re-formed world gives this host exactly the
+  ranks it holds, under an incarnation id of the right size.
 - **A restarted controller takes us back only into our own run.** Another
   run id is a controller started fresh: the host leaves. A refusal as a
   duplicate join is worth re-dialling (the controller has not yet declared
@@ -186,6 +187,7 @@ class Joined:
     ranks: tuple[int, ...]
     session_key: bytes
     run_id: bytes
+    incarnation: bytes  # the formed world's: its relay and ranks sign and check it (PROTOCOL.md 4.1)
     world_size: int
     spawn: SpawnSpec
     host_token: bytes  # join.accept's: the relay's hello proves the host with it (FLODL_HOST_TOKEN)
@@ -262,11 +264,12 @@ def check_accept(reply: Any, config: AgentConfig) -> bytes:
             "the controller admitted us without a session key: controller and worker disagree on the "
             "trust mode (give both the same FLODL_KEY, or neither)"
         )
-    sizes = (len(reply.run_id), len(reply.host_token), len(reply.ranks))
-    if sizes != (RUN_ID_BYTES, HOST_TOKEN_BYTES, len(config.devices)):
+    sizes = (len(reply.run_id), len(reply.incarnation), len(reply.host_token), len(reply.ranks))
+    if sizes != (RUN_ID_BYTES, RUN_ID_BYTES, HOST_TOKEN_BYTES, len(config.devices)):
         raise MembershipError(
-            f"malformed accept ({len(reply.ranks)} ranks for {len(config.devices)} devices, a "
-            f"{len(reply.host_token)}-byte host token): protocol violation"
+            f"malformed accept ({len(reply.ranks)} ranks for {len(config.devices)} devices, a {len(reply.run_id)}-byte "
+            f"run id, a {len(reply.incarnation)}-byte incarnation id, a {len(reply.host_token)}-byte host token): "
+            "protocol violation"
         )
     return key
 
@@ -281,6 +284,8 @@ def check_world(formed: WorldFormed, config: AgentConfig, ranks: Sequence[int], 
     spawn = SpawnSpec.from_json(formed.spawn_json)
     check_spawn(spawn, config.script)
     given = tuple(spawn.world.get(config.host, ()))
+    if len(formed.incarnation) != RUN_ID_BYTES:
+        raise MembershipError(f"{what} world with a {len(formed.incarnation)}-byte incarnation id: protocol violation")
     if given != tuple(ranks) or formed.world_size != rank_space(spawn.world):
         raise MembershipError(
             f"{what} world {spawn.world} of size {formed.world_size} gives host {config.host!r} "

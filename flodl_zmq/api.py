@@ -130,14 +130,14 @@ def run_rank(job: Job, penv: ProcessEnv) -> int:
     from flodl_zmq.links import local_endpoints
 
     assert penv.host is not None and penv.rank is not None and penv.local_rank is not None
-    control, data = local_endpoints(penv.key, penv.run_id, penv.host)
+    control, data = local_endpoints(penv.key, penv.incarnation, penv.host)
     s = penv.settings
     cfg = RankConfig(
         # Resumed (the job's resume_from, or the checkpoint the controller ships, FLODL_RESUME): the rank
         # loads the starting consensus from the reducer before its first step and opens no file.
         resumed=bool(job.resume_from) or s.resume is not None,
         rank=penv.rank, local_rank=penv.local_rank, world_size=penv.world_size, host=penv.host,
-        key=penv.key, run_id=penv.run_id, control_endpoint=control, data_endpoint=data,
+        key=penv.key, incarnation=penv.incarnation, control_endpoint=control, data_endpoint=data,
         slowdown=s.slowdown, rank_heartbeat_period_s=s.rank_heartbeat_period_s,
         coordinator_silence_at_rank_s=s.coordinator_silence_at_rank_s,
         coordinator_first_contact_at_rank_s=s.coordinator_first_contact_at_rank_s,

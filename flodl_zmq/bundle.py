@@ -10,27 +10,27 @@ and, for a run with an outer optimizer, a third file written before the meta:
 
     runs/digits.outer.pt   {"momentum": flat f32 tensor} (the meta's "outer" names the step)
 
-Rules this module keeps: a write is a fresh private temp file (mkstemp, mode
-0600, fsynced) + atomic rename, model first, meta last, so a meta on disk
-always names a complete model and no other local user can read it or steer the
-write through a planted symlink; a bundle is read
-back with a loud error naming the missing file or the format it does not know.
+Rules this module keeps: each file is written atomically and private
+(`private_files.write_atomic`: a fresh 0600 temp file, fsynced, renamed), model
+first, meta last, so a meta on disk always names a complete model and no other
+local user can read it or steer the write through a planted symlink; a
+directory it creates is 0700. A bundle is read only from files of this user,
+never through a symlink (`private_files.read_own`), with a loud error naming
+the missing file, the refused one or the format it does not know.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.private_files import make_dirs, read_own, write_atomic
 
 FORMAT = 1
 
@@ -41,37 +41,12 @@ def paths(stem: str | os.PathLike[str]) -> tuple[Path, Path]:
     return Path(s + ".pt"), Path(s + ".meta.json")
 
 
-def _write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write `path` atomically: a fresh 0600 temp file in its directory, fsynced, renamed over it.
-
-    mkstemp never follows or reuses an existing name (a fixed temp name would
-    follow a planted symlink), and 0600 keeps the model from other local users.
-    """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # the rename itself durable (not every filesystem allows it)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
 def _write_torch(path: Path, obj: Any) -> None:
     # Serialized in memory first: torch reports a failed write (a full disk) as an opaque
     # RuntimeError, a plain write names the cause (ENOSPC, EROFS, ...).
     data = io.BytesIO()
     torch.save(obj, data)
-    _write(path, lambda f: f.write(data.getbuffer()))
+    write_atomic(path, lambda f: f.write(data.getbuffer()))
 
 
 def outer_path(stem: str | os.PathLike[str]) -> Path:
@@ -83,19 +58,19 @@ def save(stem: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], meta
          outer_momentum: torch.Tensor | None = None) -> Path:
     """Write the bundle atomically (files mode 0600), the outer momentum if given; returns the meta path."""
     model_path, meta_path = paths(stem)
-    model_path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(model_path.parent)
     _write_torch(model_path, state_dict)
     if outer_momentum is not None:
         _write_torch(outer_path(stem), {"momentum": outer_momentum})
     text = json.dumps({"format": FORMAT, **meta}, indent=2, sort_keys=True)
-    _write(meta_path, lambda f: f.write(text.encode()))
+    write_atomic(meta_path, lambda f: f.write(text.encode()))
     return meta_path
 
 
 def load(stem: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state_dict, meta) of bundle `stem`."""
     meta = load_meta(stem)
-    return torch.load(paths(stem)[0], map_location="cpu", weights_only=True), meta
+    return _load_torch(paths(stem)[0]), meta
 
 
 def load_meta(stem: str | os.PathLike[str]) -> dict[str, Any]:
@@ -104,7 +79,8 @@ def load_meta(stem: str | os.PathLike[str]) -> dict[str, Any]:
     for p in (model_path, meta_path):
         if not p.exists():
             raise ConfigError(f"resume_from={str(stem)!r}: {p} does not exist (a bundle is {model_path.name} + {meta_path.name})")
-    meta = json.loads(meta_path.read_text())
+    with _reading(meta_path) as f:
+        meta = json.loads(f.read())
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{meta_path}: bundle format {meta.get('format')!r} is not {FORMAT}; written by another version")
     return meta
@@ -113,6 +89,20 @@ def load_meta(stem: str | os.PathLike[str]) -> dict[str, Any]:
 def load_outer(stem: str | os.PathLike[str]) -> torch.Tensor | None:
     """The outer momentum saved with bundle `stem`, or None when the run that wrote it had no outer step."""
     path = outer_path(stem)
-    if not path.exists():
+    if not os.path.lexists(path):  # a symlink planted at the name is refused below, not taken for none
         return None
-    return torch.load(path, map_location="cpu", weights_only=True)["momentum"]
+    return _load_torch(path)["momentum"]
+
+
+def _reading(path: Path) -> IO[bytes]:
+    """`path` open for reading (a file of ours, not a symlink), or ConfigError naming it and why."""
+    try:
+        return read_own(path)
+    except OSError as exc:
+        raise ConfigError(f"bundle file {path}: cannot read it ({exc.strerror or exc}); a bundle is read only from "
+                          "files of this user, never through a symlink") from None
+
+
+def _load_torch(path: Path) -> Any:
+    with _reading(path) as f:
+        return torch.load(f, map_location="cpu", weights_only=True)

@@ -27,6 +27,9 @@ Rules this module keeps:
 - A failed write (a full disk, an unwritable path) is logged with the path
   and the error, and kept for `status`; the run goes on, the partial files
   are removed, and the previous checkpoint stays the newest.
+- The checkpoint directory is this user's alone (`private_files.own_dir`):
+  another user's, or one others may write in, is refused at start and never
+  resumed from; files are written 0600 and read never through a symlink.
 - A resumed controller is the next incarnation of the one that saved the
   bundle; a re-formed world is not a restart: it continues the run's result
   and incarnation (`WorldChange`), resumed from the re-form checkpoint.
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import threading
 import time
@@ -53,6 +57,7 @@ from flodl_zmq.errors import ConfigError
 from flodl_zmq.job import Job
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import load_flat
+from flodl_zmq.private_files import own_dir
 from flodl_zmq.result import TrainResult
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import records as rec
@@ -60,6 +65,7 @@ from flodl_zmq.wire import records as rec
 log = logging.getLogger(__name__)
 
 _STEM = re.compile(r"^ckpt-r(\d{9})\.meta\.json$")
+CHECKPOINT_DIR = "checkpoint directory (--checkpoint-dir)"
 CLOSE_TIMEOUT_S = 60.0  # how long the run's end waits for a checkpoint being written
 
 
@@ -89,7 +95,8 @@ def resolve(resume: str | None, checkpoint_dir: str | None) -> Path | None:
 
     `auto`: the newest checkpoint of `checkpoint_dir`, None when it holds none
     (the first start of a run that may later restart); a directory: its newest
-    checkpoint, which must exist; anything else: a bundle stem.
+    checkpoint, which must exist; anything else: a bundle stem. A directory
+    must be this user's, writable by nobody else (`private_files.own_dir`).
     """
     if resume is None:
         return None
@@ -97,9 +104,10 @@ def resolve(resume: str | None, checkpoint_dir: str | None) -> Path | None:
         if checkpoint_dir is None:
             raise ConfigError("--resume auto continues the newest checkpoint of --checkpoint-dir, which is not set: "
                               "set --checkpoint-dir (FLODL_CHECKPOINT_DIR), or name a checkpoint directory")
-        return newest(checkpoint_dir)
+        # Another user's directory could hold a checkpoint they planted: never continued.
+        return newest(own_dir(checkpoint_dir, CHECKPOINT_DIR)) if os.path.exists(checkpoint_dir) else None
     if Path(resume).is_dir():
-        stem = newest(resume)
+        stem = newest(own_dir(resume, f"--resume {resume}: the checkpoint directory"))
         if stem is None:
             raise ConfigError(f"--resume {resume}: the directory holds no complete checkpoint (ckpt-r*.meta.json); "
                               "name the directory the controller wrote them to (--checkpoint-dir)")
@@ -355,7 +363,10 @@ class Keeper:
         settings = self.penv.settings
         if settings.checkpoint_dir is None:
             return
-        self.writer = CheckpointWriter(Path(settings.checkpoint_dir), settings.checkpoint_keep, self.state_dict_of)
+        directory = Path(settings.checkpoint_dir)
+        with contextlib.suppress(OSError):  # one it cannot create: every write reports it, the run goes on
+            own_dir(directory, CHECKPOINT_DIR)  # another user's: PrivateDirError, the run does not start
+        self.writer = CheckpointWriter(directory, settings.checkpoint_keep, self.state_dict_of)
         self.policy = CheckpointPolicy(settings.checkpoint_every_s, settings.checkpoint_every_rounds, started_at=now,
                                        last_rounds=rounds_done)
 
@@ -427,13 +438,15 @@ class WorldChange:
     """A re-formed world (elastic join): the run's result so far, and the world before and after.
 
     Handed to the next `ControllerService`, which continues `result` and
-    marks its first epoch line with `describe()`.
+    marks its first epoch line with `describe()`. `incarnation`: the new
+    world's id (PROTOCOL.md 4.1), which its services sign and check with.
     """
 
     result: TrainResult
     before: dict[str, tuple[int, ...]]
     after: dict[str, tuple[int, ...]]
     checkpoint: str
+    incarnation: bytes
     marked: bool = False
 
     @property
@@ -474,7 +487,8 @@ class WorldChange:
 
     def resumed(self, job: Job, penv: ProcessEnv, run_dir: str) -> tuple[Job, ProcessEnv]:
         """The job and process environment of the new world: resumed from the re-form checkpoint, in the
-        same run directory, every host told that checkpoint."""
+        same run directory, every host told that checkpoint, under the new world's incarnation."""
         job = replace(job, resume_from=self.checkpoint, run_dir=run_dir)
-        penv = replace(penv, world=self.after, settings=replace(penv.settings, resume=self.checkpoint))
+        penv = replace(penv, world=self.after, incarnation=self.incarnation,
+                       settings=replace(penv.settings, resume=self.checkpoint))
         return job, penv

@@ -81,13 +81,13 @@ class Upstream(Protocol):
 class ControlRouter:
     """The control ROUTER of one controller, between the relays and its `Upstream`."""
 
-    def __init__(self, world: dict[str, tuple[int, ...]], world_size: int, key: bytes, run_id: bytes,
+    def __init__(self, world: dict[str, tuple[int, ...]], world_size: int, key: bytes, incarnation: bytes,
                  route_secret: bytes, counts: collections.Counter[str]) -> None:
         """`route_secret`: what each host's token derives from (`links.host_token`); `counts`: the controller's."""
         self.world = world
         self.route_secret = route_secret
         self.host_of = {r: h for h, rs in world.items() for r in rs}
-        self.codec = Codec(key, run_id, COORDINATOR_SENDER)
+        self.codec = Codec(key, incarnation, COORDINATOR_SENDER)
         self.counts = counts
         self.relay_route: dict[str, bytes] = {}
         # What `status` shows per host: records rejected by cause, when one was last accepted,
@@ -97,7 +97,7 @@ class ControlRouter:
         self.resends: collections.Counter[str] = collections.Counter()  # per host, for `status`
         self.reconnects_this_epoch = 0
         self._outages: dict[str, Outage] = collections.defaultdict(Outage)  # host -> its resends, logged per outage
-        self._to_rank = {r: Outstream(Codec(key, run_id, coordinator_sender(r))) for r in range(world_size)}
+        self._to_rank = {r: Outstream(Codec(key, incarnation, coordinator_sender(r))) for r in range(world_size)}
         self._from_rank = {r: InOrder() for r in range(world_size)}
 
     def attach(self, control: zmq.Socket, upstream: Upstream) -> None:

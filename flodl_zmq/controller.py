@@ -70,7 +70,7 @@ from flodl_zmq.membership import (
 )
 from flodl_zmq.security import SERVER_ENV, CurveGate, CurveKeys, apply_client, start_gate
 from flodl_zmq.settings import DEFAULTS, Settings, add_arguments
-from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, new_key, session_key
+from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, new_incarnation, new_key, session_key
 from flodl_zmq.wire.records import Challenge, ChallengeRequest, StatusReply, StatusRequest
 
 log = logging.getLogger("flodl_zmq.controller")
@@ -127,6 +127,9 @@ def serve(opts: ControllerOptions) -> int:
     trust = resolve_trust(opts.open_admission, endpoint_ip(opts.address.endpoint(Channel.JOIN)))
     key = opts.key if opts.key is not None else new_key()
     run_id, resumed, settings, cfg = _run_to_start(opts)
+    # This start's incarnation (PROTOCOL.md 4.1): it keys the join links and the first world; nothing
+    # signed for the controller before it (killed and restarted with --resume) is accepted by this one.
+    incarnation = new_incarnation()
     ctx = controller_context()
     curve, auth, gate = opts.curve, None, None
     if curve is not None:
@@ -135,14 +138,14 @@ def serve(opts: ControllerOptions) -> int:
         gate, auth = start_gate(ctx, curve)
         log.info("CURVE on; this controller's public key (give it to every agent): %s=%s",
                  SERVER_ENV, curve.public.decode())
-    membership = _open_join_window(opts, ctx, trust, key, run_id, resumed, settings, cfg, gate)
+    membership = _open_join_window(opts, ctx, trust, key, (run_id, incarnation), resumed, settings, cfg, gate)
     formed = False
     try:
         world = _wait_formed(membership)
         formed = True
         penv = ProcessEnv(
-            role="controller", controller=opts.address, key=key, run_id=run_id, world=world, settings=settings,
-            route_secret=membership.route_secret,
+            role="controller", controller=opts.address, key=key, run_id=run_id, incarnation=incarnation, world=world,
+            settings=settings, route_secret=membership.route_secret,
         )
         return _run_role(opts, membership, penv)
     except KeyboardInterrupt:
@@ -191,13 +194,14 @@ def _run_to_start(opts: ControllerOptions) -> tuple[bytes, dict[str, tuple[int, 
 
 
 def _open_join_window(
-    opts: ControllerOptions, ctx: zmq.Context, trust: TrustMode, key: bytes, run_id: bytes,
+    opts: ControllerOptions, ctx: zmq.Context, trust: TrustMode, key: bytes, ids: tuple[bytes, bytes],
     resumed: dict[str, tuple[int, ...]] | None, settings: Settings, cfg: JoinConfig, gate: CurveGate | None,
 ) -> MembershipService:
-    """Start the membership service: the join window on the join endpoint."""
+    """Start the membership service: the join window on the join endpoint (`ids`: run id, incarnation)."""
     window = JoinWindow(cfg, opened_at=time.monotonic(), dataset_sig=opts.dataset_sig, resumed=resumed)
     membership = MembershipService(
-        window, endpoint=opts.address.endpoint(Channel.JOIN), trust=trust, session_key=key, run_id=run_id,
+        window, endpoint=opts.address.endpoint(Channel.JOIN), trust=trust, session_key=key,
+        run_id=ids[0], incarnation=ids[1],
         # Every host's relay and ranks read the run's timings from the controller's settings.
         spawn=SpawnSpec(opts.argv, env=settings.to_environ(("run",))),
         join_heartbeat_period_s=settings.join_heartbeat_period_s,
@@ -527,6 +531,7 @@ def _controller_command(args: argparse.Namespace) -> int:
         join=JoinConfig(
             min_ranks=settings.min_ranks, target_ranks=settings.target_ranks, join_window_s=settings.join_window_s,
             join_cap_s=settings.effective_join_cap_s, max_ranks=settings.max_ranks,
+            max_pending_hosts=settings.max_pending_hosts,
         ),
         open_admission=settings.open_admission,
         key=session_key(os.environ),

@@ -103,6 +103,7 @@ from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
     FROM_REDUCER,
+    data_max_frame_bytes,
     drain,
     keep_alive,
     limit_receive,
@@ -146,14 +147,14 @@ class ControllerService:
         self.world = penv.world
         self.world_size = penv.world_size
         self.counts: collections.Counter[str] = collections.Counter()
-        self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.run_id, penv.need_route_secret(),
+        self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.incarnation, penv.need_route_secret(),
                                     self.counts)
         torch.manual_seed(job.seed)  # the same initial replica as every rank
         self.model = job.model()
         resumed = Resumed.load(job.resume_from)
         if resumed.model_state is not None:
             self.model.load_state_dict(resumed.model_state)
-        # A re-formed world is not a restart: it keeps the run's incarnation.
+        # A re-formed world is not a restart: it keeps the restart count (its incarnation id is new: PROTOCOL.md 4.1).
         self.incarnation = resumed.incarnation if carried is None else carried.result.incarnation
         self.kept = Keeper(job, penv, self.incarnation, flatten(self.model).numpy())
         self.outer = resumed.outer_optimizer(job, self.kept.consensus)
@@ -230,9 +231,11 @@ class ControllerService:
         settings = self.penv.settings
         return ReducerService(
             ReducerConfig.for_controller(
-                self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve,
+                self.world, self.penv.key, self.penv.incarnation, self.penv.controller, curve=self.curve,
                 link_heartbeat_period_s=settings.link_heartbeat_period_s, link_silence_s=settings.link_silence_s,
-                peer_send_timeout_s=settings.peer_send_timeout_s, wire=self.job.wire,
+                wire=self.job.wire,
+                # The relays send this model's frames and nothing longer (PROTOCOL.md 6.1).
+                max_frame_bytes=data_max_frame_bytes(self.job.wire.largest_frame_bytes(self.kept.consensus.size)),
                 route_secret=self.penv.need_route_secret(),
             ),
             ctx,

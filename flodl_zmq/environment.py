@@ -8,9 +8,12 @@ and sets:
     FLODL_ROLE        controller | relay | rank (unset: train in this process alone)
     FLODL_CONTROLLER  the controller address HOST:PORT (it binds PORT..PORT+3)
     FLODL_KEY         the 32-byte session key, 64 hex characters (`flodl-zmq keygen`)
-    FLODL_RUN_ID      the run id, 32 hex characters (binds every record to this run);
-                      drawn at random by launch / the controller for each run and
-                      handed down, never chosen or reused by hand (PROTOCOL.md 4.1)
+    FLODL_RUN_ID      the run id, 32 hex characters: names the run (checkpoints, an agent's
+                      comeback); drawn at random by launch / the controller for each run
+    FLODL_INCARNATION the incarnation id, 32 hex characters: binds every record, shared-memory
+                      segment and local socket to this incarnation of the run; drawn at random
+                      by launch for each cohort it starts and by the controller at each start
+                      and re-form, never chosen or reused by hand (PROTOCOL.md 4.1)
     FLODL_WORLD       the world: HOST=RANK,RANK;HOST=RANK,... (e.g. h0=0,1;h1=2,3)
     FLODL_HOST        relay and rank: the host this process belongs to
     FLODL_RANK        rank: its global rank
@@ -175,6 +178,7 @@ class ProcessEnv:
     controller: ControllerAddress
     key: bytes
     run_id: bytes
+    incarnation: bytes
     world: dict[str, tuple[int, ...]]
     host: str | None = None
     rank: int | None = None
@@ -220,12 +224,7 @@ class ProcessEnv:
                 raise ConfigError(f"FLODL_ROLE={role} needs {name} (see flodl_zmq/environment.py)")
             return value
 
-        try:
-            run_id = bytes.fromhex(need("FLODL_RUN_ID"))
-        except ValueError:
-            raise ConfigError("FLODL_RUN_ID must be hex") from None
-        if len(run_id) != RUN_ID_BYTES:
-            raise ConfigError(f"FLODL_RUN_ID must be {RUN_ID_BYTES * 2} hex characters")
+        run_id, incarnation = (_id(need(name), name) for name in ("FLODL_RUN_ID", "FLODL_INCARNATION"))
         world = parse_world(need("FLODL_WORLD"))
         host = need("FLODL_HOST") if role in ("relay", "rank") else None
         if host is not None and host not in world:
@@ -244,6 +243,7 @@ class ProcessEnv:
             controller=ControllerAddress.parse(need("FLODL_CONTROLLER")),
             key=key_from_hex(need(KEY_ENV)),
             run_id=run_id,
+            incarnation=incarnation,
             world=world,
             host=host,
             rank=rank,
@@ -267,6 +267,7 @@ class ProcessEnv:
             "FLODL_CONTROLLER": str(self.controller),
             KEY_ENV: self.key.hex(),
             "FLODL_RUN_ID": self.run_id.hex(),
+            "FLODL_INCARNATION": self.incarnation.hex(),
             "FLODL_WORLD": format_world(self.world),
             **self.settings.to_environ(CHILD_SCOPES),
         }
@@ -284,6 +285,17 @@ class ProcessEnv:
         if self.host_token is not None:
             out["FLODL_HOST_TOKEN"] = self.host_token.hex()
         return out
+
+
+def _id(value: str, name: str) -> bytes:
+    """The 16-byte id given as hex in the variable `name` (FLODL_RUN_ID, FLODL_INCARNATION)."""
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError:
+        raw = b""
+    if len(raw) != RUN_ID_BYTES:
+        raise ConfigError(f"{name} must be {RUN_ID_BYTES * 2} hex characters")
+    return raw
 
 
 def _secret(need: Callable[[str], str], name: str, size: int) -> bytes:

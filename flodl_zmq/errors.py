@@ -23,6 +23,12 @@ class AuthError(WireError):
     """The MAC did not verify: wrong session key, tampering, or a frame from another run."""
 
 
+class IncarnationError(AuthError):
+    """An authentic frame of another incarnation: of another run, or of this run before a controller
+    restart or a re-form (PROTOCOL.md 4.1). A replay of a recorded frame, or a process that outlived its
+    incarnation; refused like a frame of another run, never answered."""
+
+
 class VersionError(WireError):
     """The peer speaks another protocol version."""
 

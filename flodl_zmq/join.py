@@ -26,8 +26,10 @@ Rules the core keeps:
   open (the first moment quorum is met, it forms). At the cap: fail, naming
   how many ranks came. A verdict other than open is final.
 - **After formation a host may still join** (PROTOCOL.md 13.1): the same
-  checks, plus `max_ranks`, admit it as *pending*; it enters the world when
-  the controller re-forms it at the next epoch boundary (`reform`). Rank
+  checks, plus `max_ranks` and `max_pending_hosts` (at most that many wait
+  at once, so strangers' hellos cannot pile up), admit it as *pending*; it
+  enters the world when the controller re-forms it at the next epoch
+  boundary (`reform`). Rank
   numbers are never reused: a joiner's ranks follow the highest ever given,
   and a host that left (`depart`) and comes back gets fresh ones. A host
   whose ranks have all exited is no duplicate either: its agent tore them
@@ -135,6 +137,8 @@ class JoinConfig:
     formation it is also how long a pending joiner may wait for the next
     epoch boundary (its `formation_wait_s`).
     `max_ranks`: the most ranks the world may grow to (None: no cap).
+    `max_pending_hosts`: the most hosts admitted after formation that may wait
+    for the next re-form at once.
     """
 
     min_ranks: int = 2
@@ -142,6 +146,7 @@ class JoinConfig:
     join_window_s: float = DEFAULTS.join_window_s
     join_cap_s: float = DEFAULTS.effective_join_cap_s
     max_ranks: int | None = None
+    max_pending_hosts: int = DEFAULTS.max_pending_hosts
 
     def __post_init__(self) -> None:
         # A one-rank world has nothing to average: it is a single-device run.
@@ -424,6 +429,14 @@ class JoinWindow:
 
     def _capacity_refusal(self, hello: JoinHello) -> str | None:
         cap, host, devices = self.config.max_ranks, hello.host, hello.devices
+        waiting = len(self._pending)
+        if self.phase is WindowPhase.FORMED and waiting >= self.config.max_pending_hosts:
+            # Each pending host is kept until the next epoch boundary: strangers' hellos must not pile up.
+            return (
+                f"too many hosts waiting: {waiting} host(s) already wait to enter the world at the next epoch "
+                f"boundary, at most {self.config.max_pending_hosts} may (--max-pending-hosts); worker {host!r} "
+                "may join after the next re-form, or raise --max-pending-hosts"
+            )
         if cap is not None and self._world_ranks() + len(devices) > cap:
             return (
                 f"world full: worker {host!r} offers {len(devices)} rank(s) but the world already has "

@@ -28,8 +28,9 @@ Rules this module keeps:
 - A controller killed by a signal other than SIGTERM/SIGINT (which stop a
   run) comes back when the run writes checkpoints (FLODL_CHECKPOINT_DIR):
   the relays and ranks are stopped, and the whole cohort starts again with
-  the same run id, key and world, resuming the newest checkpoint
-  (FLODL_RESUME). A checkpoint already restarted from is not tried twice:
+  the same run id, key and world and a fresh incarnation id (nothing of the
+  cohort before is accepted by it, PROTOCOL.md 4.1), resuming the newest
+  checkpoint (FLODL_RESUME). A checkpoint already restarted from is not tried twice:
   a controller that keeps dying before the next checkpoint is not a loop.
 """
 
@@ -63,7 +64,7 @@ from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import ROUTE_SECRET_BYTES, host_token, remove_local_dir
 from flodl_zmq.settings import Settings
 from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
-from flodl_zmq.wire import RUN_ID_BYTES, new_key, session_key
+from flodl_zmq.wire import RUN_ID_BYTES, new_incarnation, new_key, session_key
 from flodl_zmq.wire.shm import unlink_run
 
 AFTER_CONTROLLER_GRACE_S = 10.0
@@ -154,6 +155,7 @@ class Cluster:
         self._lock = threading.Lock()
         self._sink_lock = threading.Lock()
         self.run_id: bytes | None = None
+        self.incarnation: bytes | None = None  # the running cohort's (PROTOCOL.md 4.1): new at each restart
         self._exits: int | None = None  # write end of the controller's FLODL_EXIT_FD pipe
         self._lifeline: int | None = None  # write end of the children's FLODL_LIFELINE_FD pipe
         self.restarts: list[tuple[str, float]] = []  # (checkpoint, seconds from the kill to the respawn)
@@ -168,7 +170,7 @@ class Cluster:
     def start(self) -> None:
         """Spawn the controller, the relays, then the ranks."""
         address = ControllerAddress("127.0.0.1", self.port or free_port_base())
-        self.run_id, self.key = os.urandom(RUN_ID_BYTES), new_key()
+        self.run_id = os.urandom(RUN_ID_BYTES)
         self._route_secret = os.urandom(ROUTE_SECRET_BYTES)  # each relay gets its host's token of it, no other's
         # The run's settings come from our environment, like the controller's; slowdowns from --slow.
         settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
@@ -188,17 +190,20 @@ class Cluster:
         if runnable(self.argv):
             self._warm = self.warm or warm_interpreter()
         self._spawn_cohort(self._settings)
-        # The key guards a loopback-only run and sits in every child's environment already;
-        # a generated one is shown so that the status command can be pasted as it is.
-        shown = "" if given else f"FLODL_KEY={key.hex()} "
-        self._emit(f"[launch] controller at {address}; watch it with: {shown}flodl-zmq status "
-                   f"--controller {address} --watch")
+        # Never the key itself: output and logs are read (and kept) by more than the run's owner.
+        watch = f"flodl-zmq status --controller {address} --watch"
+        self._emit(f"[launch] controller at {address}; " + (
+            f"watch it with: {watch}" if given else
+            f"to watch a run with `{watch}`, export FLODL_KEY (`flodl-zmq keygen`) before launch: "
+            "a generated key is never printed"))
 
     def _spawn_cohort(self, settings: Settings) -> None:
         exits, exits_w = os.pipe()
         os.set_blocking(exits_w, False)  # a controller that stops reading never blocks the launcher
         lifeline, self._lifeline = os.pipe()  # never written: only this process's death closes it
-        base = dict(self._base, lifeline_fd=lifeline)
+        # Every cohort is an incarnation of its own: nothing the one before signed reaches this one.
+        self.incarnation = new_incarnation()
+        base = dict(self._base, incarnation=self.incarnation, lifeline_fd=lifeline)
         with self._lock:
             self._exits = exits_w
         try:
@@ -347,9 +352,9 @@ class Cluster:
         if self._lifeline is not None:
             os.close(self._lifeline)
             self._lifeline = None
-        if self.run_id is not None and self.key is not None:
-            unlink_run(self.key, self.run_id)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
-            remove_local_dir(self.key, self.run_id)  # nor its ipc socket files
+        if self.incarnation is not None and self.key is not None:
+            unlink_run(self.key, self.incarnation)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
+            remove_local_dir(self.key, self.incarnation)  # nor its ipc socket files
 
 
 def warm_interpreter(python: str = sys.executable) -> WarmServer:

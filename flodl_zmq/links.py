@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import functools
 import hashlib
@@ -142,18 +144,18 @@ def relay_identity(host: str, incarnation: bytes) -> bytes:
     return f"relay:{host[:200]}:{incarnation.hex()}".encode()
 
 
-def _local_dir_path(key: bytes, run_id: bytes, base: str | None) -> str:
+def _local_dir_path(key: bytes, incarnation: bytes, base: str | None) -> str:
     base = base or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return os.path.join(base, private_dir_name(key, run_id, "ipc"))
+    return os.path.join(base, private_dir_name(key, incarnation, "ipc"))
 
 
-def remove_local_dir(key: bytes, run_id: bytes, base: str | None = None) -> None:
+def remove_local_dir(key: bytes, incarnation: bytes, base: str | None = None) -> None:
     """Remove the run's `local_dir` and what is left in it (a SIGKILLed relay's sockets); never raises.
 
     Whoever started the run's processes calls it once they are gone; a path
     that is not our own private directory is left alone.
     """
-    path = _local_dir_path(key, run_id, base)
+    path = _local_dir_path(key, incarnation, base)
     try:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
@@ -166,17 +168,17 @@ def remove_local_dir(key: bytes, run_id: bytes, base: str | None = None) -> None
         pass
 
 
-def local_dir(key: bytes, run_id: bytes, base: str | None = None) -> str:
+def local_dir(key: bytes, incarnation: bytes, base: str | None = None) -> str:
     """The run's private directory for ipc:// socket files: created 0700, or checked to be ours.
 
     Under $XDG_RUNTIME_DIR (per user) when set, else the temp dir. Its name is an
-    HMAC of the run id under the session key (`private_dir_name`): a
+    HMAC of the incarnation id under the session key (`private_dir_name`): a
     world-listable /tmp shows nothing of the run, and nobody without the key
     can create it first to block the relay. A path that is not a directory of
     this user with mode 0700 raises PrivateDirError: another user could
     otherwise bind a relay's socket first.
     """
-    return _private_dir(_local_dir_path(key, run_id, base))
+    return _private_dir(_local_dir_path(key, incarnation, base))
 
 
 def _private_dir(path: str) -> str:
@@ -200,9 +202,9 @@ def _private_dir(path: str) -> str:
     return path
 
 
-def local_endpoints(key: bytes, run_id: bytes, host: str, directory: str | None = None) -> tuple[str, str]:
+def local_endpoints(key: bytes, incarnation: bytes, host: str, directory: str | None = None) -> tuple[str, str]:
     """Default ipc:// endpoints (control, data) of a host's relay, in the run's private `local_dir`."""
-    d = directory or local_dir(key, run_id)
+    d = directory or local_dir(key, incarnation)
     name = hashlib.sha256(host.encode()).hexdigest()[:12]
     return f"ipc://{os.path.join(d, name)}-control", f"ipc://{os.path.join(d, name)}-data"
 
@@ -241,13 +243,13 @@ def bind_local(sock: zmq.Socket, endpoint: str) -> None:
             _private_dir(directory)
 
 
-def remove_host_sockets(key: bytes, run_id: bytes, host: str, base: str | None = None) -> None:
+def remove_host_sockets(key: bytes, incarnation: bytes, host: str, base: str | None = None) -> None:
     """Remove `host`'s relay socket files (a SIGKILLed relay leaves them), and the run's `local_dir` once empty.
 
     An agent removes only its own host's: another host's relay on the same
     machine may be bound there still. Never raises.
     """
-    for endpoint in local_endpoints(key, run_id, host, _local_dir_path(key, run_id, base)):
+    for endpoint in local_endpoints(key, incarnation, host, _local_dir_path(key, incarnation, base)):
         remove_ipc(endpoint)
 
 
@@ -401,6 +403,38 @@ DATA_MAX_FRAMES = 2 + 2 + _LIMITS.max_payload_frames  # identity or tag, route, 
 # While discarding an oversized message, call the caller's `tick` this often (in frames)
 # so its timers (heartbeats) keep running: a long discard must not read as our silence.
 DISCARD_TICK_FRAMES = 1 << 14
+# A discarded message at least this long (in frames) hands its memory back to the kernel
+# (`release_freed_memory`); shorter ones are not worth the heap walk.
+RELEASE_AFTER_FRAMES = DISCARD_TICK_FRAMES
+
+
+def data_max_frame_bytes(largest_payload_frame: int) -> int:
+    """The frame bound of a data or broadcast socket whose receiver knows the model: its largest
+    payload frame (`WireFormat.largest_frame_bytes`), or the header when that is larger."""
+    return max(CONTROL_MAX_FRAME_BYTES, int(largest_payload_frame))
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the kernel (glibc `malloc_trim(0)`, every thread's arena).
+
+    ZeroMQ holds a message's frames (64 bytes each) until it is read; once a
+    flood of millions of empty frames is discarded, glibc keeps the freed
+    pages in its arenas, so without this the process stays that much larger
+    for good (PROTOCOL.md 6.1). Elsewhere than glibc nothing is done.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def limit_receive(sock: zmq.Socket, max_frame_bytes: int) -> None:
@@ -423,7 +457,9 @@ def recv_bounded(
     An oversized message is read to its end (the socket stays usable) but nothing
     past the limit is kept, so a flood of empty frames costs no memory here and
     never reaches a decoder; `tick` runs every DISCARD_TICK_FRAMES frames of it.
-    Raises zmq.Again like `recv` when `flags` has NOBLOCK and nothing is queued.
+    A discarded message of RELEASE_AFTER_FRAMES or more hands its memory back
+    (`release_freed_memory`). Raises zmq.Again like `recv` when `flags` has
+    NOBLOCK and nothing is queued.
     """
     recv, more = sock.recv, sock.getsockopt  # bound once: this loop may run millions of times
     frames = [recv(flags, copy=copy)]
@@ -437,6 +473,8 @@ def recv_bounded(
             recv(copy=True)  # frames already queued: ZeroMQ delivers a message whole
             n += 1
             if not more(zmq.RCVMORE):
+                if n >= RELEASE_AFTER_FRAMES:
+                    release_freed_memory()
                 return None
             if tick is not None and n % DISCARD_TICK_FRAMES == 0:
                 tick()

@@ -8,11 +8,6 @@ links (`HostLinks`) and reports rank exits, lost and done hosts to the
 controller service. This module keeps the socket, the thread, the clock and
 the trust modes.
 
-Each admitted host gets a token (`join.accept.host_token`, derived from
-`route_secret`) that its relay's hello must carry: the session key says "a
-member", the token "this host". Under CURVE a host name stays the key's that
-first joined it.
-
 Trust modes (`TrustMode`):
 
 - **Pre-shared key.** Every join frame is keyed with the run's session key
@@ -33,10 +28,14 @@ not know the run yet. So each exchange is made fresh by a challenge
 `join.challenge_request`, gets a nonce (`Challenges`, join.py) and signs it
 into its hello or status request; a replayed one is dropped without a reply.
 Nothing is answered before a message's MAC verifies, not even a version
-skew. The accept names the run id, and every later frame on the link (world
-formed, rank exits, heartbeats, abort) carries it with the session key, so a
-frame recorded in an earlier run that used the same pre-shared key cannot
-tear down a host of this one.
+skew. The accept names the run id, this controller's incarnation id and the
+host's token (from `route_secret`), which its relay's hello must carry: the
+session key says "a member", the token "this host". Every later frame on the
+link carries the incarnation with the session key, so a frame recorded in an
+earlier run under the same pre-shared key, or before the controller restarted,
+cannot tear down a host of this one nor report a rank of it gone (PROTOCOL.md
+4.1). Each formed and re-formed world gets its own incarnation id, which its
+relays and ranks sign with. Under CURVE a host name stays its first key's.
 """
 
 from __future__ import annotations
@@ -198,6 +197,7 @@ class _Abort:
 @dataclass(frozen=True)
 class _Reform:
     env: Mapping[str, str]
+    incarnation: bytes
     reply: Future[dict[str, tuple[int, ...]]] = field(default_factory=Future)  # the new world
 
 
@@ -213,9 +213,9 @@ class MembershipService:
     Protocol, per agent (one DEALER each):
 
         agent  -> join.hello        keyed by the join key (see TrustMode)
-        agent <-  join.accept       ranks, formation budget, run id (+ session key if open)
+        agent <-  join.accept       ranks, formation budget, run id, incarnation (+ session key if open)
                |  join.reject       the reason; the agent exits
-        agent <-  join.world_formed world size + SpawnSpec JSON, when the window forms
+        agent <-  join.world_formed world size + SpawnSpec JSON + the world's incarnation, when it forms
                |  join.abort        the reason, when it fails or the controller gives up
         agent <-> join.heartbeat    both ways from admission on
         agent  -> join.rank_exited  at once, for every rank process that ends
@@ -250,6 +250,7 @@ class MembershipService:
         trust: TrustMode,
         session_key: bytes,
         run_id: bytes,
+        incarnation: bytes,
         spawn: SpawnSpec,
         join_heartbeat_period_s: float = DEFAULTS.join_heartbeat_period_s,
         host_silence_at_controller_s: float = DEFAULTS.host_silence_at_controller_s,
@@ -264,19 +265,20 @@ class MembershipService:
         self.window = window
         self.trust = trust
         self.run_id = run_id
+        self.incarnation = incarnation  # the join links', and the formed world's until a re-form draws its own
         self.spawn = spawn
         self.join_heartbeat_period_s = join_heartbeat_period_s
         self.clock = clock
         self.links = HostLinks(host_silence_at_controller_s)
         self.events: Mailbox[MembershipEvent] = Mailbox()
-        self.dropped = 0  # pre-admission frames dropped unanswered (bad MAC, junk)
+        self.dropped = 0  # join frames dropped unanswered (bad MAC, junk, replays, another incarnation)
         self._next_beat = 0.0  # when the join thread next sends the admitted agents a heartbeat
         self._session_key = session_key
         # Each host's token derives from it (links.host_token), for the controller role to check its relay's
         # hellos. Once per controller process: a re-formed world keeps it, and with it the hosts' tokens.
         self.route_secret = os.urandom(ROUTE_SECRET_BYTES)
         self._join = Codec(join_key(trust, session_key), JOIN_RUN_ID, SENDER, max_ledger=JOIN_LEDGER_CAP)
-        self._session = Codec(session_key, run_id, SENDER)
+        self._session = Codec(session_key, incarnation, SENDER)
         self._hosts: dict[bytes, str] = {}  # ROUTER identity -> admitted host
         self._challenges = Challenges()  # the nonce each connection must sign into its hello
         # What a connection may send before admission, one handler per record kind.
@@ -319,15 +321,16 @@ class MembershipService:
         """Hosts admitted after formation, waiting for the next epoch boundary (safe from any thread)."""
         return self._pending
 
-    def reform(self, env: Mapping[str, str], timeout: float = 5.0) -> dict[str, tuple[int, ...]]:
+    def reform(self, env: Mapping[str, str], incarnation: bytes, timeout: float = 5.0) -> dict[str, tuple[int, ...]]:
         """Re-form the world with the pending joiners: send every running host and joiner the new world.
 
-        `env` is added to the spawn spec (the checkpoint to resume, FLODL_RESUME).
+        `env` is added to the spawn spec (the checkpoint to resume, FLODL_RESUME);
+        `incarnation` is the new world's (PROTOCOL.md 4.1).
         Hosts no longer running (done or lost) leave the world. Returns the new
         world once the records are handed to ZeroMQ; `wait_reformed` then says
         when every host stopped its ranks of the incarnation before.
         """
-        command = _Reform(env)
+        command = _Reform(env, incarnation)
         if not self._ask(command, timeout):
             raise MembershipError("the membership service did not re-form the world: its thread is gone or stuck")
         return command.reply.result()
@@ -400,7 +403,7 @@ class MembershipService:
     def _run(self) -> None:
         loop = self._loop
         loop.on_message(_Abort, self._on_abort)
-        loop.on_message(_Reform, lambda command: command.reply.set_result(self._on_reform(command.env)))
+        loop.on_message(_Reform, lambda command: command.reply.set_result(self._on_reform(command)))
         loop.on_message(_EndJoins, lambda command: command.reply.set_result(self._on_end_joins(command.reason)))
         loop.on_socket(self._sock, self._drained)
         self._next_beat = self.clock()
@@ -450,14 +453,15 @@ class MembershipService:
         if verdict.phase is WindowPhase.FORMED:
             log.info("world formed with %d ranks (%s)", verdict.world_size, verdict.reason)
             world = {m.host: m.ranks for m in verdict.members}
-            formed = WorldFormed(verdict.world_size, dataclasses.replace(self.spawn, world=world).to_json())
+            formed = WorldFormed(verdict.world_size, dataclasses.replace(self.spawn, world=world).to_json(),
+                                 self.incarnation)
             self._to_all(formed)
         else:
             log.error("join window failed: %s", verdict.reason)
             self._to_all(Abort(verdict.reason))
         self._closed.set()
 
-    def _on_reform(self, env: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
+    def _on_reform(self, command: _Reform) -> dict[str, tuple[int, ...]]:
         running = set(self.links.running())
         for m in self.window.members:
             if m.host not in running:
@@ -465,8 +469,8 @@ class MembershipService:
         joined = [m.host for m in self.window.pending]
         world = self.window.reform()
         self._pending = ()
-        self.spawn = dataclasses.replace(self.spawn, env={**self.spawn.env, **env}, world=world)
-        formed = WorldFormed(rank_space(world), self.spawn.to_json())
+        self.spawn = dataclasses.replace(self.spawn, env={**self.spawn.env, **command.env}, world=world)
+        formed = WorldFormed(rank_space(world), self.spawn.to_json(), command.incarnation)
         for m in self.window.members:
             if m.host not in joined:  # a joiner has nothing to stop
                 self.links.reform(m)
@@ -573,8 +577,8 @@ class MembershipService:
             self._send(ident, self._join, JoinReject(outcome.reason, hello.nonce))
             return
         key = self._session_key if self.trust is TrustMode.OPEN else None
-        accept = JoinAccept(list(outcome.ranks), key, outcome.formation_wait_s, self.run_id, hello.nonce,
-                            host_token(self.route_secret, hello.host))
+        accept = JoinAccept(list(outcome.ranks), key, outcome.formation_wait_s, self.run_id, self.incarnation,
+                            hello.nonce, host_token(self.route_secret, hello.host))
         if not self._send(ident, self._join, accept):
             self.window.retract_last(hello.host)
             return
@@ -614,6 +618,7 @@ class MembershipService:
             sender = Attribution.signed_by(host, f"host {host!r}'s join link", scope=ident.hex())
             env = self._session.decode_from(frames, Channel.JOIN, sender)
         except WireError as exc:
+            self.dropped += 1
             log.warning("frame from host %r dropped: %s", host, exc)
             return
         now = self.clock()

@@ -27,6 +27,7 @@ from flodl_zmq.join import HostLost, RankExitReported
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.result import TrainResult
 from flodl_zmq.security import CurveKeys
+from flodl_zmq.wire import new_incarnation
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,14 @@ class MembershipLink:
 
         The old incarnation's events are dropped first: a rank exit reported for
         the world before must not kill a rank of the new one with the same number.
+        The new world is a new incarnation (PROTOCOL.md 4.1, 13.1): a fresh id, so
+        nothing its relays and ranks signed before (or a recording of it) reaches it.
         """
         self.membership.events.drain()
-        after = self.membership.reform({"FLODL_RESUME": stem})
+        incarnation = new_incarnation()
+        after = self.membership.reform({"FLODL_RESUME": stem}, incarnation)
         late = self.membership.wait_reformed(REFORM_STOP_S)
         if late:
             log.warning("controller: host(s) %s did not stop their ranks within %g s of the re-form; the new world "
                         "starts anyway (ranks that do not say hello in time are left out)", late, REFORM_STOP_S)
-        return WorldChange(result, dict(before), after, stem)
+        return WorldChange(result, dict(before), after, stem, incarnation)

@@ -66,6 +66,7 @@ import zmq
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.errors import ShmError, TrainingError
 from flodl_zmq.job import Job
+from flodl_zmq.links import data_max_frame_bytes
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.payload import load_flat, model_signature
@@ -124,7 +125,7 @@ class RankRuntime:
         same_host = cfg.data_endpoint.startswith("ipc://")
         try:
             self.buffers = ParamBuffers(
-                self.model, Segment(cfg.key, cfg.run_id, rank_owner(cfg.rank)) if same_host else None, job.wire
+                self.model, Segment(cfg.key, cfg.incarnation, rank_owner(cfg.rank)) if same_host else None, job.wire
             )
         except ShmError as exc:  # a squatted or foreign shared-memory path: deposit framed instead
             log.error("rank %d: deposits go framed, not by reference: %s", cfg.rank, exc)
@@ -151,7 +152,8 @@ class RankRuntime:
     def run(self) -> int:
         ctx = zmq.Context.instance()
         # Sync averages after every step: each step is a window edge and is reported at once.
-        link = RankLink(self.cfg, ctx, 0.0 if self.job.mode == "cpu-sync" else REPORT_PERIOD_S)
+        link = RankLink(self.cfg, ctx, 0.0 if self.job.mode == "cpu-sync" else REPORT_PERIOD_S,
+                        data_max_frame_bytes(self.job.wire.largest_frame_bytes(self.buffers.numel)))
         self.link = link
         link.start()
         link.send(

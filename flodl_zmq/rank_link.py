@@ -82,7 +82,7 @@ class RankConfig:
     world_size: int
     host: str
     key: bytes
-    run_id: bytes
+    incarnation: bytes
     control_endpoint: str
     data_endpoint: str
     slowdown: float = 1.0
@@ -138,11 +138,13 @@ class RankLink:
     out ahead of any other record (`flush_steps`).
     """
 
-    def __init__(self, cfg: RankConfig, ctx: zmq.Context, report_period_s: float) -> None:
+    def __init__(self, cfg: RankConfig, ctx: zmq.Context, report_period_s: float,
+                 data_max_frame_bytes: int = DATA_MAX_FRAME_BYTES) -> None:
         self.cfg = cfg
+        self.data_max_frame_bytes = data_max_frame_bytes  # the model's largest frame, where the rank knows it
         self.steps = StepReport(cfg.rank, report_period_s)
-        self.codec = Codec(cfg.key, cfg.run_id, rank_sender(cfg.rank))
-        self.mapped = SegmentMap(cfg.run_id, run_dir(cfg.key, cfg.run_id))  # the relay's consensus segment, by reference
+        self.codec = Codec(cfg.key, cfg.incarnation, rank_sender(cfg.rank))
+        self.mapped = SegmentMap(cfg.incarnation, run_dir(cfg.key, cfg.incarnation))  # the relay's consensus segment, by reference
         self._from_relay = Attribution.signed_by(relay_sender(cfg.host), "this host's relay")
         self._from_coordinator = Attribution.signed_by(coordinator_sender(cfg.rank), "the coordinator's link")
         # The control streams to and from the coordinator (PROTOCOL.md 10.7): what this rank
@@ -205,7 +207,7 @@ class RankLink:
 
     def _run(self) -> None:
         control = self._socket(self.cfg.control_endpoint, CONTROL_MAX_FRAME_BYTES)
-        data = self._socket(self.cfg.data_endpoint, DATA_MAX_FRAME_BYTES)
+        data = self._socket(self.cfg.data_endpoint, self.data_max_frame_bytes)
         loop = self._loop
         self._started = self._next_beat = time.monotonic()
         try:

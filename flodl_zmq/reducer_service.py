@@ -40,6 +40,11 @@ Rules this module keeps:
   non-finite element, more mass than the coordinator's bound) has
   every one of its ranks declared dead: a desynced host must not wedge the
   run, and the ledger never sums its polluted frame.
+- No send waits on a relay: a relay that stops reading has what would
+  overflow its queue dropped (counted `peer_full`) and asks for it again
+  (ConsensusRequest), so it never delays another host's round. The data
+  socket refuses a frame longer than the model's (`max_frame_bytes`,
+  PROTOCOL.md 6.1).
 - Other threads talk to the service through thread-safe methods
   (`declare_dead`, `drop_broadcast`) and read outcomes from `completed`.
   Both directions are Mailboxes (flodl_zmq.mailbox): commands (typed:
@@ -88,7 +93,6 @@ from flodl_zmq.links import (
     keep_alive,
     limit_receive,
     relay_sender,
-    send,
     take_over_routes,
     tune,
     tune_loopback,
@@ -125,19 +129,17 @@ class ReducerConfig:
 
     world: Mapping[str, tuple[int, ...]]
     key: bytes
-    run_id: bytes
+    incarnation: bytes
     data_bind: str
     bcast_bind: str
     probe_interval_s: float = 0.1
     hwm_records: int = 8
-    send_retry_s: float = 0.02  # how long a send waits before it retries (SNDTIMEO); the loop itself never polls on a timer
     curve: CurveKeys | None = None  # CURVE server keys for both sockets (None: cleartext)
-    # Largest frame the data socket accepts (ZMQ_MAXMSGSIZE): the model's largest tensor
-    # where the caller knows it, else the codec's payload bound (PROTOCOL.md 6).
+    # Largest frame the data socket accepts (ZMQ_MAXMSGSIZE): the controller passes its
+    # model's (links.data_max_frame_bytes); the codec's payload bound by default (PROTOCOL.md 6.1).
     max_frame_bytes: int = DATA_MAX_FRAME_BYTES
     link_heartbeat_period_s: float = DEFAULTS.link_heartbeat_period_s  # ZeroMQ heartbeats on tcp://
     link_silence_s: float = DEFAULTS.link_silence_s  # a relay's connection silent this long is dropped
-    peer_send_timeout_s: float = DEFAULTS.peer_send_timeout_s  # a send to a relay that stopped reading fails after this
     wire: WireFormat = F32  # the run's wire format (Job.wire): a host frame of another is refused at the first
     # What each host's token derives from (links.host_token): a hello without its host's is refused.
     # Required: a reducer without it could not tell a host's relay from any other member.
@@ -149,8 +151,8 @@ class ReducerConfig:
         if len(self.route_secret) != ROUTE_SECRET_BYTES:
             raise ConfigError(f"reducer route_secret must be {ROUTE_SECRET_BYTES} bytes (the controller's, "
                               f"FLODL_ROUTE_SECRET), got {len(self.route_secret)}")
-        if not (self.probe_interval_s > 0 and self.send_retry_s > 0 and self.peer_send_timeout_s > 0):
-            raise ConfigError("reducer probe_interval_s, send_retry_s and peer_send_timeout_s must be > 0")
+        if not self.probe_interval_s > 0:
+            raise ConfigError("reducer probe_interval_s must be > 0")
         if not 0 < self.link_heartbeat_period_s < self.link_silence_s:
             raise ConfigError("reducer link_heartbeat_period_s must be > 0 and below link_silence_s")
         if self.hwm_records < 1:
@@ -158,13 +160,13 @@ class ReducerConfig:
 
     @classmethod
     def for_controller(
-        cls, world: Mapping[str, Iterable[int]], key: bytes, run_id: bytes, controller: ControllerAddress, **kw: Any
+        cls, world: Mapping[str, Iterable[int]], key: bytes, incarnation: bytes, controller: ControllerAddress, **kw: Any
     ) -> ReducerConfig:
         """Bind the controller's data and broadcast endpoints (ControllerAddress rule)."""
         return cls(
             world={h: tuple(sorted(rs)) for h, rs in world.items()},
             key=key,
-            run_id=run_id,
+            incarnation=incarnation,
             data_bind=controller.endpoint(Channel.DATA),
             bcast_bind=controller.endpoint(Channel.BROADCAST),
             **kw,
@@ -238,7 +240,6 @@ class ReducerService:
         self.error: BaseException | None = None
         self._ctx = context or controller_context()
         self._service = ServiceLoop("reducer")  # its mailbox carries the commands
-        self._stop = threading.Event()  # ends a send waiting on a full queue
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._count: collections.Counter[str] = collections.Counter()
@@ -268,7 +269,6 @@ class ReducerService:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the service thread and close its sockets (idempotent)."""
-        self._stop.set()
         self._service.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -321,13 +321,12 @@ class ReducerService:
         except BaseException as exc:  # the data plane must not die silently
             log.exception("reducer: service thread failed")
             self.error = exc
-            self._stop.set()
             self._ready.set()
             self.completed.put(RoundOutcome(None, 0.0, (), f"the reducer failed: {exc}"))
 
     def _loop(self) -> None:
         cfg = self.config
-        self._codec = Codec(cfg.key, cfg.run_id, REDUCER_SENDER)
+        self._codec = Codec(cfg.key, cfg.incarnation, REDUCER_SENDER)
         if self._resumed is not None:  # served on request only (ConsensusRequest), as a resend is
             round_id, payload = self._resumed
             self._latest_frames = (round_id, self._codec.encode(Consensus(round_id, 1.0), payload,
@@ -336,7 +335,7 @@ class ReducerService:
         self._pub = pub = self._ctx.socket(zmq.PUB)
         try:
             for s in (data, pub):
-                tune(s, cfg.hwm_records, cfg.send_retry_s)
+                tune(s, cfg.hwm_records, send_retry_s=0.0)  # no send here waits (`_to_relay`; PUB drops)
             data.setsockopt(zmq.ROUTER_MANDATORY, 1)
             limit_receive(data, cfg.max_frame_bytes)
             take_over_routes(data)  # a relay's data DEALER keeps its identity across reconnects
@@ -384,12 +383,16 @@ class ReducerService:
         self._next_probe = now + self.config.probe_interval_s
 
     def _to_relay(self, route: bytes, tag: bytes, frames: list[Any]) -> None:
+        """Send to one relay, never waiting: one relay that stops reading must not delay the others' rounds.
+
+        A full queue drops the record (counted `peer_full`); what it carried is
+        asked for again (PROTOCOL.md 10.5 item 6).
+        """
         try:
-            if not send(self._data, [route, tag, *frames], self._stop, copy=False,
-                        timeout_s=self.config.peer_send_timeout_s) and not self._stop.is_set():
-                # A relay that stopped reading: the record is lost, never the reducer's loop.
-                self._count["send_timeout"] += 1
-                log.warning("reducer: a send to %r timed out after %g s", route, self.config.peer_send_timeout_s)
+            self._data.send_multipart([route, tag, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._count["peer_full"] += 1
+            log.warning("reducer: relay route %r stopped reading (its queue is full); a record to it was dropped", route)
         except zmq.ZMQError:  # EHOSTUNREACH: the relay's connection is gone
             self._count["undeliverable"] += 1
 
@@ -558,7 +561,7 @@ class ReducerService:
             self._drop.discard(red.round_id)
             self._count["broadcasts_dropped_on_purpose"] += 1
             return
-        send(self._pub, frames, self._stop, self.config.peer_send_timeout_s, copy=False)
+        self._pub.send_multipart(frames, copy=False)  # never waits: PUB drops for a subscriber that stopped reading
         # PUB loses messages for peers not yet proven subscribed: they get it directly.
         for host in self._unsubscribed():
             self._to_relay(self._route[host], TAG_BCAST, frames)

@@ -264,7 +264,7 @@ class Relay:
 
     def _data_loop(self) -> None:
         cfg, ctx = self.config, self._ctx
-        codec = Codec(cfg.key, cfg.run_id, relay_sender(cfg.host))
+        codec = Codec(cfg.key, cfg.incarnation, relay_sender(cfg.host))
         local = ctx.socket(zmq.ROUTER)
         up = ctx.socket(zmq.DEALER)
         sub = ctx.socket(zmq.SUB)
@@ -304,7 +304,7 @@ class _ControlPlane(Plane):
 
     def __init__(self, cfg: RelayConfig, stop: threading.Event, count: collections.Counter[str], local: zmq.Socket,
                  up: zmq.Socket, data_thread: ServiceLoop):
-        super().__init__(cfg, stop, count, Codec(cfg.key, cfg.run_id, relay_sender(cfg.host)))
+        super().__init__(cfg, stop, count, Codec(cfg.key, cfg.incarnation, relay_sender(cfg.host)))
         self.local, self.up, self.data_thread = local, up, data_thread
         self.coordinator_to = {r: Attribution.signed_by(coordinator_sender(r), "the coordinator's link")
                                for r in cfg.ranks}
@@ -435,7 +435,7 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
     # CURVE keys come from the agent, which puts its own into our environment (FLODL_CURVE_*).
     s = penv.settings
     cfg = RelayConfig.for_controller(
-        penv.host, penv.world[penv.host], penv.key, penv.run_id, penv.controller,
+        penv.host, penv.world[penv.host], penv.key, penv.incarnation, penv.controller,
         curve=CurveKeys.for_client(os.environ), rank_silence_at_relay_s=s.rank_silence_at_relay_s,
         rank_first_record_at_relay_s=s.rank_first_record_at_relay_s, consensus_wait_at_relay_s=s.consensus_wait_at_relay_s,
         link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,

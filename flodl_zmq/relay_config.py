@@ -27,7 +27,7 @@ class RelayConfig:
     host: str
     ranks: tuple[int, ...]
     key: bytes
-    run_id: bytes
+    incarnation: bytes
     control_upstream: str
     data_upstream: str
     bcast_upstream: str
@@ -72,18 +72,18 @@ class RelayConfig:
         host: str,
         ranks: Iterable[int],
         key: bytes,
-        run_id: bytes,
+        incarnation: bytes,
         controller: ControllerAddress,
         local: tuple[str, str] | None = None,
         **timing: Any,
     ) -> RelayConfig:
         """A relay of `controller`; local endpoints default to per-run ipc:// paths."""
-        control, data = local or local_endpoints(key, run_id, host)
+        control, data = local or local_endpoints(key, incarnation, host)
         return cls(
             host=host,
             ranks=tuple(sorted(int(r) for r in ranks)),
             key=key,
-            run_id=run_id,
+            incarnation=incarnation,
             control_upstream=controller.endpoint(Channel.CONTROL),
             data_upstream=controller.endpoint(Channel.DATA),
             bcast_upstream=controller.endpoint(Channel.BROADCAST),

@@ -122,10 +122,10 @@ class DataPlane(Plane):
         super().__init__(cfg, stop, count, codec)
         self.local, self.up = local, up
         self.fold, self.watch, self.fail = fold, watch, fail
-        self.mapped = SegmentMap(self.cfg.run_id, run_dir(self.cfg.key, self.cfg.run_id))  # the ranks' deposits, read-only
+        self.mapped = SegmentMap(self.cfg.incarnation, run_dir(self.cfg.key, self.cfg.incarnation))  # the ranks' deposits, read-only
         self.segment: Segment | None = None  # where consensus goes by reference (None: framed to everyone)
         try:
-            self.segment = Segment(self.cfg.key, self.cfg.run_id, host_owner(self.cfg.host))
+            self.segment = Segment(self.cfg.key, self.cfg.incarnation, host_owner(self.cfg.host))
         except ShmError as exc:
             self.shm_unusable(exc)
         self.by_reference: set[int] = set()  # ranks that deposit by reference
@@ -273,7 +273,7 @@ class DataPlane(Plane):
         if self.shipped is not None and self.shipped.verbatim and rank in self.shipped.ranks:
             self.shipped = None  # its tensors lie in that rank's deposit; its host has nobody left to wait
         self.mapped.forget(rank_owner(rank))
-        unlink_owner(self.cfg.run_id, rank_owner(rank), self.mapped.directory)
+        unlink_owner(self.cfg.incarnation, rank_owner(rank), self.mapped.directory)
         try:
             self.ship(self.fold.mark_dead(rank))
         except FoldError as exc:

@@ -23,6 +23,10 @@ Rules it keeps:
   the line being written); a directory that cannot be made or a write that
   fails (read-only, disk full) is reported once, with the path and the
   error, and the run goes on without its log.
+- The directory is this user's alone (`private_files.own_dir`): made 0700,
+  or refused (`PrivateDirError`, the run does not start) when another user
+  owns it or others may write in it; the log is appended 0600 and never
+  through a symlink planted at its name.
 - Where: `Trainer(run_dir=...)`, else `--run-dir` / FLODL_RUN_DIR of the
   command that started the controller, else a fresh `runs/<time>-<id>` in
   the working directory (`run_dir_for`, the one rule).
@@ -38,9 +42,12 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from flodl_zmq.private_files import open_own, own_dir
+
 log = logging.getLogger(__name__)
 
 EVENTS_FILE = "events.jsonl"
+RUN_DIR = "run directory (--run-dir, Trainer(run_dir=...))"
 DEFAULT_PARENT = "runs"
 
 
@@ -56,13 +63,21 @@ def run_dir_for(job_run_dir: str | os.PathLike[str] | None, settings_run_dir: st
 
 
 class RunLog:
-    """Appends events to `run_dir/events.jsonl` (module docstring: the kinds and the rules)."""
+    """Appends events to `run_dir/events.jsonl` (module docstring: the kinds and the rules).
+
+    The directory is made or checked here, before the run starts: another
+    user's is refused (PrivateDirError), one that cannot be made disables the log.
+    """
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / EVENTS_FILE
         self._file: IO[str] | None = None
         self._broken = False
+        try:
+            own_dir(self.run_dir, RUN_DIR)
+        except OSError as exc:
+            self._disable(exc)
 
     def write(self, kind: str, **fields: Any) -> None:
         """Write one line `{"t": now, "kind": kind, **fields}`; a failure is logged once, never raised."""
@@ -72,14 +87,17 @@ class RunLog:
                           allow_nan=False)
         try:
             if self._file is None:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held for the run
+                fd = open_own(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+                self._file = os.fdopen(fd, "a", encoding="utf-8")  # held for the run
             self._file.write(line + "\n")
             self._file.flush()
         except OSError as exc:
-            self._broken = True
-            log.warning("run log %s disabled, the run goes on without it: %s", self.path, exc)
-            self.close()
+            self._disable(exc)
+
+    def _disable(self, exc: OSError) -> None:
+        self._broken = True
+        log.warning("run log %s disabled, the run goes on without it: %s", self.path, exc)
+        self.close()
 
     def close(self) -> None:
         if self._file is not None:

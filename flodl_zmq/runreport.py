@@ -11,7 +11,8 @@ deaths, joins, restarts and checkpoints on every time axis.
 Rules it keeps: reading is forgiving (a run that crashed leaves a torn last
 line; it is skipped and counted, never fatal), writing is plain (no
 template engine, no plotting library: the project's dependencies stay as
-they are).
+they are); files are this user's (flodl_zmq/private_files.py): the log is read
+and the page written never through a symlink, the page atomically, 0600.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.private_files import read_own, write_atomic
 from flodl_zmq.runlog import EVENTS_FILE
 
 REPORT_FILE = "report.html"
@@ -71,7 +73,8 @@ def read_events(run_dir: Path) -> Events:
     """The events of `run_dir/events.jsonl`; ConfigError naming the path when there is none."""
     path = run_dir / EVENTS_FILE
     try:
-        text = path.read_text(encoding="utf-8")
+        with read_own(path) as f:
+            text = f.read().decode("utf-8")
     except OSError as exc:
         raise ConfigError(
             f"cannot read {path}: {exc.strerror or exc}; give the run directory of a run (it holds {EVENTS_FILE})"
@@ -99,7 +102,7 @@ def write_report(run_dir: str | Path) -> Path:
     page = render(read_events(run_dir), title=str(run_dir))
     out = run_dir / REPORT_FILE
     try:
-        out.write_text(page, encoding="utf-8")
+        write_atomic(out, lambda f: f.write(page.encode("utf-8")))
     except OSError as exc:
         raise ConfigError(f"cannot write {out}: {exc.strerror or exc}; check the directory's permissions and space") from None
     return out

@@ -229,8 +229,8 @@ class Settings:
     link_silence_s: float = setting(8.0, "silence after which a tcp:// link between the controller and a relay is "
             "dropped and re-dialled (a flap shorter than this costs only time)", env=("FLODL_LINK_SILENCE",),
             scope="run", minimum=0.0, strict=True)
-    peer_send_timeout_s: float = setting(10.0, "how long the controller's reducer or a relay waits on a peer that "
-            "stops reading before that send fails (the controller's own control sends never wait)",
+    peer_send_timeout_s: float = setting(10.0, "how long a relay waits on a peer that stops reading before that "
+            "send fails (the controller's sends, its reducer's included, never wait)",
             env=("FLODL_PEER_SEND_TIMEOUT",), scope="run", minimum=0.0, strict=True)
     # ---- the run's wire format, announced to the relays (they run none of the script that names it)
     wire_dtype: str | None = setting(None, "the run's wire format, announced to every relay; the Trainer's wire_dtype "
@@ -296,6 +296,10 @@ class Settings:
     max_ranks: int | None = setting(None, "the most ranks the world may grow to, hosts joining mid-run included (none: no "
             "cap); a host that would pass it is refused by name", kind=int, flags=("--max-ranks",),
             env=("FLODL_MAX_RANKS",), commands=("controller",), minimum=2)
+    max_pending_hosts: int = setting(8, "the most hosts that may wait at once to enter a formed world (admitted "
+            "mid-run, until the next epoch boundary); one more is refused by name: a stranger's hellos must not grow "
+            "the controller without bound", kind=int, flags=("--max-pending-hosts",), env=("FLODL_MAX_PENDING_HOSTS",),
+            commands=("controller",), minimum=1)
     join_window_s: float = setting(300.0, "how long the join window stays open, from the controller's start",
             flags=("--join-window",), env=("FLODL_JOIN_WINDOW",), commands=("controller",), minimum=0.0)
     join_cap_s: float | None = setting(None, "hard limit of the join window: without the minimum ranks by then, the run "

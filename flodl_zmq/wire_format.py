@@ -71,6 +71,11 @@ class WireFormat:
         """(numpy dtype, element count) of each frame of the payload of a flat n-value tensor."""
         return [(self.element.dtype, n)] + ([(F32_DTYPE, int8.blocks(n))] if self.packed else [])
 
+    def largest_frame_bytes(self, n: int) -> int:
+        """The longest payload frame a round of a flat n-value model carries: what a data socket
+        that knows the model accepts at most (links.data_max_frame_bytes; PROTOCOL.md 6.1)."""
+        return max(np.dtype(dt).itemsize * count for dt, count in self.layout(n))
+
     def feedback(self, n: int) -> int8.ErrorFeedback | None:
         """A sender's error feedback for a flat n-value tensor (int8), else None."""
         return int8.ErrorFeedback(n) if self.packed else None

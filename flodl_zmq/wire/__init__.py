@@ -9,6 +9,7 @@ from flodl_zmq.wire.codec import (
     Codec,
     Envelope,
     Limits,
+    new_incarnation,
     tensor_view,
 )
 from flodl_zmq.wire.mac import (
@@ -40,6 +41,7 @@ __all__ = [
     "KEY_ENV",
     "session_key",
     "new_key",
+    "new_incarnation",
     "tensor_view",
     "verify_mac",
 ]

@@ -11,7 +11,7 @@ Rules this module keeps (normative text: protocol/PROTOCOL.md):
   header schema, payload descriptors against the frames (count, length,
   shape), limits, then
     1. the MAC (AuthError),
-    2. run id, channel, record kind and fields,
+    2. incarnation (the header's `run`), channel, record kind and fields,
     3. attribution: the authenticated signer is the one the frame's route
        names (AttributionError; `decode_from` only),
     4. the sequence (ReplayError).
@@ -44,8 +44,8 @@ import numpy as np
 
 from flodl_zmq.errors import (
     AttributionError,
-    AuthError,
     FramingError,
+    IncarnationError,
     LimitError,
     ReplayError,
     SchemaError,
@@ -55,11 +55,22 @@ from flodl_zmq.tensors import DTYPES, as_numpy, dtype_name
 from flodl_zmq.wire import mac as _mac
 from flodl_zmq.wire.records import REGISTRY, Channel, from_fields, spec_of, to_fields
 
-PROTOCOL_VERSION = 5
-RUN_ID_BYTES = 16
+PROTOCOL_VERSION = 6
+RUN_ID_BYTES = 16  # the run id, and every incarnation id (the header's `run`, PROTOCOL.md 4.1)
 SALT_BYTES = 16
 MAX_SEQ = 2**63 - 1
 REPLAY_WINDOW = 4096  # sequence numbers below a sender's highest that may still arrive (PROTOCOL.md 5.1)
+
+
+
+def new_incarnation() -> bytes:
+    """A fresh incarnation id (PROTOCOL.md 4.1), drawn by whatever starts an incarnation of a run.
+
+    From the OS CSPRNG, never a counter kept in a checkpoint: a resume from an
+    older checkpoint would draw a value an earlier incarnation already signed with.
+    """
+    return os.urandom(RUN_ID_BYTES)
+
 
 HEADER_KEYS = ("v", "k", "run", "ch", "from", "salt", "seq", "f", "p")
 _HEADER_KEYSET = frozenset(HEADER_KEYS)
@@ -99,7 +110,7 @@ class Envelope:
     channel: Channel
     sender: str
     seq: int
-    run_id: bytes
+    incarnation: bytes  # the header's `run`
     payload: list[np.ndarray]  # read-only views over the received frames
     dtypes: list[str]
     # As received, for verbatim forwarding; empty for a by-reference message, which cannot leave its host.
@@ -264,7 +275,7 @@ class Codec:
     def __init__(
         self,
         key: bytes,
-        run_id: bytes,
+        incarnation: bytes,
         sender: str,
         limits: Limits | None = None,
         max_ledger: int | None = None,
@@ -276,8 +287,12 @@ class Codec:
         `salt` is this incarnation's header salt (PROTOCOL.md 3.2, 4.2): 16 bytes
         drawn from the OS CSPRNG for each Codec unless given (test vectors only).
         It keeps the payload MAC's one-time keys unique even when a restarted
-        process reuses a sender name, run id and session key: two incarnations
-        never sign the same header, so never share a (GCM key, nonce) pair.
+        process reuses a sender name, incarnation id and session key: two
+        encoders never sign the same header, so never share a (GCM key, nonce) pair.
+
+        `incarnation` is the header's `run` (PROTOCOL.md 4.1): the id of the run's
+        incarnation this process belongs to, fresh at every controller start and
+        re-form, so nothing signed in an earlier one is accepted here.
 
         A codec whose ledger names come from strangers (the join socket before
         admission, scoped per connection) needs it: else every new routing id
@@ -285,9 +300,9 @@ class Codec:
         pre-admission replay window.
         """
         self.key = _mac.check_key(key)
-        if len(run_id) != RUN_ID_BYTES:
-            raise SchemaError(f"run id must be {RUN_ID_BYTES} bytes, got {len(run_id)}")
-        self.run_id = bytes(run_id)
+        if len(incarnation) != RUN_ID_BYTES:
+            raise SchemaError(f"incarnation id must be {RUN_ID_BYTES} bytes, got {len(incarnation)}")
+        self.incarnation = bytes(incarnation)
         if salt is None:
             salt = os.urandom(SALT_BYTES)
         if not isinstance(salt, bytes | bytearray) or len(salt) != SALT_BYTES:
@@ -356,7 +371,7 @@ class Codec:
             {
                 "v": PROTOCOL_VERSION,
                 "k": spec.kind,
-                "run": self.run_id,
+                "run": self.incarnation,
                 "ch": ch.value,
                 "from": self.sender,
                 "salt": self.salt,
@@ -381,7 +396,7 @@ class Codec:
     def decode_from(self, frames: Sequence[Any], channel: Channel, sender: Sender, *, replay: bool = True) -> Envelope:
         """Authenticate, attribute and decode one message that must come from `sender`.
 
-        The order is fixed: MAC (AuthError), then run, channel, kind and fields,
+        The order is fixed: MAC (AuthError), then incarnation, channel, kind and fields,
         then the signer against `sender` (AttributionError), then the sequence
         window (ReplayError). A rejected message never moves the sequence ledger, so
         the genuine sender's next message is still accepted. `sender` is an
@@ -463,15 +478,16 @@ class Codec:
         replay: bool,
         frames: Sequence[Any],
     ) -> Envelope:
-        """The checks after the MAC, in order: run, channel, kind, fields, attribution, sequence.
+        """The checks after the MAC, in order: incarnation, channel, kind, fields, attribution, sequence.
 
         Attribution precedes the sequence so a frame signed by the wrong peer
         never moves the ledger of the signer it names.
         """
-        if head["run"] != self.run_id:
-            raise AuthError(
-                f"frame belongs to run {head['run'].hex()}, this is run {self.run_id.hex()}: "
-                "a process from another run is talking to this one; stop it or use a fresh key"
+        if head["run"] != self.incarnation:
+            raise IncarnationError(
+                f"frame belongs to incarnation {head['run'].hex()}, this is incarnation {self.incarnation.hex()}: "
+                "a record of another run, or of this run before a controller restart or re-form (a replay, or a "
+                "process that outlived its incarnation); stop that process, or use a fresh key for another run"
             )
         if head["ch"] != channel.value:
             raise SchemaError(f"a {head['ch']!r} message arrived on the {channel.value} channel")
@@ -499,7 +515,7 @@ class Codec:
             channel=channel,
             sender=head["from"],
             seq=head["seq"],
-            run_id=head["run"],
+            incarnation=head["run"],
             payload=payload,
             dtypes=[name for name, _ in descs],
             frames=list(frames),

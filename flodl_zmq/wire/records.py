@@ -488,8 +488,11 @@ class JoinHello:
 
 @record("join.accept", J)
 class JoinAccept:
-    """Admitted: `run_id` keys every later frame of this link to the run (with the session key).
+    """Admitted: `incarnation` keys every later frame of this link (with the session key).
 
+    `run_id` names the run (an agent taken back by a restarted controller
+    checks it is its own); `incarnation` is the controller's, fresh at each of
+    its starts, so a frame recorded on a link to an earlier one is refused.
     `session_key` travels only under open admission; a pre-shared key is never resent.
     """
 
@@ -497,6 +500,7 @@ class JoinAccept:
     session_key: bytes | None
     formation_wait_s: float
     run_id: bytes
+    incarnation: bytes
     nonce: bytes  # the hello's challenge nonce: the accept answers that hello and no other
     host_token: bytes  # this host's secret, which its relay's hello proves (PROTOCOL.md 10.5); no other member has it
 
@@ -511,8 +515,12 @@ class JoinReject:
 
 @record("join.world_formed", J)
 class WorldFormed:
+    """`incarnation`: the formed (or re-formed) world's, which its relay and ranks sign and check in every
+    control, data and broadcast record (FLODL_INCARNATION); fresh at each re-form."""
+
     world_size: int
     spawn_json: str
+    incarnation: bytes
 
 
 @record("join.rank_exited", J)

@@ -26,7 +26,7 @@ Rules this module keeps:
   its relay's for a consensus), in the shared-memory directory, with every
   frame inside the segment. A receiver never opens any other file.
 - Segments live in the run's private directory, ``<shm>/flodl-<24 hex>``
-  (``run_dir``), its name an HMAC of the run id under the session key
+  (``run_dir``), its name an HMAC of the incarnation id under the session key
   (``private_dir_name``): every process of the run finds it without being
   told, and no one without the key can predict it. It is created 0700 by the
   run's first process on the host (mkdir: exclusive), and used by the others
@@ -34,7 +34,7 @@ Rules this module keeps:
   group or other user may enter. Segment names are predictable and /dev/shm
   is world-writable, so without it a local user could squat a name ahead of
   the owner (its exclusive create would fail) or plant files for cleanup to
-  trip on; with a name derived from the run id alone (world-readable in
+  trip on; with a name derived from the incarnation id alone (world-readable in
   every header) a user could squat the directory itself. A directory that
   fails the check raises ShmError naming the cause and fix; the relay and the
   ranks then send payloads framed instead (slower, never stopped).
@@ -88,20 +88,20 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def private_dir_name(key: bytes, run_id: bytes, use: str) -> str:
+def private_dir_name(key: bytes, incarnation: bytes, use: str) -> str:
     """The name of one of the run's private directories on a host: `flodl-` and 24 hex digits.
 
-    An HMAC of the run id under the session key: the run's processes agree on it
+    An HMAC of the incarnation id (PROTOCOL.md 4.1) under the session key: the run's processes agree on it
     without being told, and a local user without the key cannot predict it, so
     cannot create it first (squat) to block or redirect the run.
     """
-    mac = hmac.new(key, b"flodl-zmq/private-dir\x00" + use.encode() + b"\x00" + run_id, hashlib.sha256)
+    mac = hmac.new(key, b"flodl-zmq/private-dir\x00" + use.encode() + b"\x00" + incarnation, hashlib.sha256)
     return "flodl-" + mac.hexdigest()[:24]
 
 
-def run_dir(key: bytes, run_id: bytes, base: str | None = None) -> str:
+def run_dir(key: bytes, incarnation: bytes, base: str | None = None) -> str:
     """The path of the run's private segment directory (not created; see ``ensure_run_dir``)."""
-    return os.path.join(base or shm_dir(), private_dir_name(key, run_id, "shm"))
+    return os.path.join(base or shm_dir(), private_dir_name(key, incarnation, "shm"))
 
 
 def _check_private(path: str) -> None:
@@ -117,13 +117,13 @@ def _check_private(path: str) -> None:
             f"shared-memory directory {path} is {what} owned by uid {st.st_uid} with mode "
             f"{stat.S_IMODE(st.st_mode):04o}; a run's segments need a directory of its own user (uid "
             f"{os.geteuid()}) with mode 0700. Another user may have created it ahead of this run: remove it, "
-            "or start the run with another run id; payloads go framed until then"
+            "or start the run afresh; payloads go framed until then"
         )
 
 
-def ensure_run_dir(key: bytes, run_id: bytes, base: str | None = None) -> str:
+def ensure_run_dir(key: bytes, incarnation: bytes, base: str | None = None) -> str:
     """The run's private segment directory, created 0700 if absent; ShmError if it is not private to us."""
-    path = run_dir(key, run_id, base)
+    path = run_dir(key, incarnation, base)
     try:
         os.mkdir(path, 0o700)
         os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
@@ -146,9 +146,9 @@ def host_owner(host: str) -> str:
     return "h" + hashlib.sha256(host.encode()).hexdigest()[:16]
 
 
-def segment_prefix(run_id: bytes, owner: str) -> str:
+def segment_prefix(incarnation: bytes, owner: str) -> str:
     """Every segment name of `owner` in this run starts with this."""
-    return f"flodl-{run_id.hex()}-{owner}-"
+    return f"flodl-{incarnation.hex()}-{owner}-"
 
 
 def is_by_reference(msg: Sequence[Any]) -> bool:
@@ -156,30 +156,30 @@ def is_by_reference(msg: Sequence[Any]) -> bool:
     return len(msg) == 4 and byte_view(msg[0]) == SHM_TAG
 
 
-def unlink_owner(run_id: bytes, owner: str, directory: str) -> int:
+def unlink_owner(incarnation: bytes, owner: str, directory: str) -> int:
     """Unlink every segment of `owner` in this run (a dead rank's leftovers) in `directory`; returns how many."""
-    return _unlink(segment_prefix(run_id, owner), directory)
+    return _unlink(segment_prefix(incarnation, owner), directory)
 
 
-def unlink_run(key: bytes, run_id: bytes, directory: str | None = None) -> int:
+def unlink_run(key: bytes, incarnation: bytes, directory: str | None = None) -> int:
     """Unlink every segment of this run and its directory: whoever started its processes does it
     once they are gone. Never raises; returns how many segments it removed."""
-    path = directory or run_dir(key, run_id)
-    removed = _unlink(f"flodl-{run_id.hex()}-", path)
+    path = directory or run_dir(key, incarnation)
+    removed = _unlink(f"flodl-{incarnation.hex()}-", path)
     if directory is None:
         _rmdir(path)
     return removed
 
 
-def unlink_host(key: bytes, run_id: bytes, host: str, ranks: Sequence[int], base: str | None = None) -> int:
+def unlink_host(key: bytes, incarnation: bytes, host: str, ranks: Sequence[int], base: str | None = None) -> int:
     """Unlink the segments of one host's relay and ranks, and the run's directory once empty.
 
     An agent cleans up after its own host only: other hosts' relays and ranks
     may share this machine's shared memory (several agents on one machine), and
     their live segments are not its to remove. Never raises; returns how many.
     """
-    path = run_dir(key, run_id, base)
-    removed = sum(_unlink(segment_prefix(run_id, owner), path) for owner in (host_owner(host), *map(rank_owner, ranks)))
+    path = run_dir(key, incarnation, base)
+    removed = sum(_unlink(segment_prefix(incarnation, owner), path) for owner in (host_owner(host), *map(rank_owner, ranks)))
     _rmdir(path)
     return removed
 
@@ -217,12 +217,12 @@ class Segment:
     names where the current layout lies; ``close()`` unlinks it.
     """
 
-    def __init__(self, key: bytes, run_id: bytes, owner: str, directory: str | None = None) -> None:
+    def __init__(self, key: bytes, incarnation: bytes, owner: str, directory: str | None = None) -> None:
         """``directory`` defaults to the run's private directory (created here; ShmError if unusable)."""
-        self._key, self._run_id = key, run_id
+        self._key, self._incarnation = key, incarnation
         self._private = directory is None  # the run directory: re-checked at each create, removed when empty
-        self.directory = ensure_run_dir(key, run_id) if directory is None else directory
-        self.prefix = segment_prefix(run_id, owner)
+        self.directory = ensure_run_dir(key, incarnation) if directory is None else directory
+        self.prefix = segment_prefix(incarnation, owner)
         self._gen = itertools.count(1)
         self.name: str | None = None
         self._map: mmap.mmap | None = None
@@ -277,7 +277,7 @@ class Segment:
         path = os.path.join(self.directory, name)
         for attempt in (1, 2):
             if self._private:
-                ensure_run_dir(self._key, self._run_id)  # another process of the run removes it when it empties
+                ensure_run_dir(self._key, self._incarnation)  # another process of the run removes it when it empties
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 break
@@ -287,7 +287,7 @@ class Segment:
                                    "twice; check who removes it") from None
             except OSError as exc:
                 raise ShmError(f"cannot create shared-memory segment {path}: {exc.strerror}; another process "
-                               "with this run id holds that name (two runs with one run id?), or the "
+                               "with this incarnation id holds that name (two runs with one id?), or the "
                                "directory is not writable") from None
         try:
             os.ftruncate(fd, size)
@@ -324,9 +324,9 @@ class SegmentMap:
     One mapping is kept per owner; a new generation replaces it.
     """
 
-    def __init__(self, run_id: bytes, directory: str) -> None:
+    def __init__(self, incarnation: bytes, directory: str) -> None:
         """``directory``: where the owners' segments lie (``run_dir`` of the run)."""
-        self.run_id = run_id
+        self.incarnation = incarnation
         self.directory = directory
         self._maps: dict[str, tuple[str, mmap.mmap]] = {}
 
@@ -355,7 +355,7 @@ class SegmentMap:
         if not (isinstance(loc, list) and len(loc) == 2 and isinstance(loc[0], str) and isinstance(loc[1], list)):
             raise SchemaError("shared-memory locator must be [name, [[offset, nbytes], ...]]")
         name, frames = loc
-        if not name.startswith(segment_prefix(self.run_id, owner)) or not _NAME.match(name):
+        if not name.startswith(segment_prefix(self.incarnation, owner)) or not _NAME.match(name):
             raise FramingError(
                 f"shared-memory locator names segment {name!r}, which is not one of {owner}'s in this run"
             )
@@ -389,7 +389,7 @@ class SegmentMap:
                 raise AuthError(
                     f"shared-memory segment {name} is not private to this user (owner uid {st.st_uid}, "
                     f"mode {stat.S_IMODE(st.st_mode):04o}); a run's segments are created 0600 by its own "
-                    "processes: remove this file and check who else runs with this run id"
+                    "processes: remove this file and check who else runs with this incarnation id"
                 )
             size = st.st_size
             if size == 0:

@@ -7,7 +7,7 @@ window) and `int8.json` (the int8 payload, PROTOCOL.md 3.6).
 
 Rules this script keeps:
 
-- Deterministic: a fixed key, run id, sender and salt, and per-channel sequence
+- Deterministic: a fixed key, incarnation id, sender and salt, and per-channel sequence
   numbers that count up through `records.json` in file order, so two runs
   write identical files and the positive vectors, replayed in order, are also
   one valid stream.
@@ -52,8 +52,10 @@ from flodl_zmq.wire.shm import ALIGN, SHM_TAG, host_owner, rank_owner
 HERE = pathlib.Path(__file__).resolve().parent
 KEY = bytes(range(32))
 OTHER_KEY = bytes(range(32, 64))
-RUN_ID = bytes.fromhex("f10d17c0ffee4a11b0a7d00dfeedf00d")
-OTHER_RUN_ID = bytes.fromhex("0123456789abcdef0123456789abcdef")
+INCARNATION = bytes.fromhex("f10d17c0ffee4a11b0a7d00dfeedf00d")  # the header's `run` in every vector
+OTHER_INCARNATION = bytes.fromhex("0123456789abcdef0123456789abcdef")  # another run's
+EARLIER_INCARNATION = bytes.fromhex("e5c0ffee0badf00de5c0ffee0badf00d")  # this run's before a restart or re-form
+RUN_ID = bytes.fromhex("a11ce5a11ce5a11ce5a11ce5a11ce5a1")  # the run's stable id: a join.accept field only
 SENDER = "host-a/rank-2"
 SALT = bytes.fromhex("5a17c0de0123456789abcdef5a17c0de")  # the sender incarnation's salt (random in use)
 OTHER_SALT = bytes.fromhex("0badc0de0badc0de0badc0de0badc0de")
@@ -117,6 +119,7 @@ FIELD_VALUES: dict[str, Any] = {
     "session_key": None,
     "formation_wait_s": 287.5,
     "run_id": RUN_ID,
+    "incarnation": INCARNATION,
     "spawn_json": '{"hosts": {"host-a": [2, 3]}}',
     "code": -9,
     "next_plan": PLAN,
@@ -228,7 +231,7 @@ def _hex_frames(frames: list[Any]) -> list[str]:
 
 
 def positive_vectors() -> list[dict[str, Any]]:
-    codec = Codec(KEY, RUN_ID, SENDER, salt=SALT)
+    codec = Codec(KEY, INCARNATION, SENDER, salt=SALT)
     out = []
     for kind, spec in REGISTRY.items():
         for i, channel in enumerate(spec.channels):
@@ -244,7 +247,7 @@ def positive_vectors() -> list[dict[str, Any]]:
                     "kind": kind,
                     "channel": channel.value,
                     "key": KEY.hex(),
-                    "run_id": RUN_ID.hex(),
+                    "incarnation": INCARNATION.hex(),
                     "sender": SENDER,
                     "salt": SALT.hex(),
                     "seq": seq,
@@ -262,7 +265,7 @@ def positive_vectors() -> list[dict[str, Any]]:
                 "kind": kind,
                 "channel": channel.value,
                 "key": KEY.hex(),
-                "run_id": RUN_ID.hex(),
+                "incarnation": INCARNATION.hex(),
                 "sender": SENDER,
                 "salt": SALT.hex(),
                 "seq": msgpack.unpackb(frames[0])["seq"],
@@ -324,7 +327,7 @@ def _pk(value: Any) -> bytes:
 def _header_pairs(fields: bytes, sender: bytes | None = None) -> list[tuple[bytes, bytes]]:
     """The encoded (key, value) pairs of a timing.heartbeat header whose `f` (and sender) are raw msgpack."""
     return [
-        (_pk("v"), _pk(PROTOCOL_VERSION)), (_pk("k"), _pk("timing.heartbeat")), (_pk("run"), _pk(RUN_ID)),
+        (_pk("v"), _pk(PROTOCOL_VERSION)), (_pk("k"), _pk("timing.heartbeat")), (_pk("run"), _pk(INCARNATION)),
         (_pk("ch"), _pk("control")), (_pk("from"), _pk(SENDER) if sender is None else sender),
         (_pk("salt"), _pk(SALT)), (_pk("seq"), _pk(1)), (_pk("f"), fields), (_pk("p"), _pk([])),
     ]
@@ -344,7 +347,7 @@ def noncanonical_vector() -> dict[str, Any]:
     head = _map([
         (_str("v", 8), _uint(PROTOCOL_VERSION, 64)),
         (_str("k", 16), _str("data.round_frame", 32)),
-        (_str("run", 8), _bin(RUN_ID, 32)),
+        (_str("run", 8), _bin(INCARNATION, 32)),
         (_str("ch", 32), _str("data", 16)),
         (_str("from", 8), _str(NONCANONICAL_SENDER, 16)),
         (_str("salt", 8), _bin(SALT, 16)),
@@ -363,7 +366,7 @@ def noncanonical_vector() -> dict[str, Any]:
         "channel": "data",
         "canonical": False,
         "key": KEY.hex(),
-        "run_id": RUN_ID.hex(),
+        "incarnation": INCARNATION.hex(),
         "sender": NONCANONICAL_SENDER,
         "salt": SALT.hex(),
         "seq": 1,
@@ -382,7 +385,7 @@ def header(
     fields: Any = None,
     p: Any = None,
     seq: Any = 1,
-    run: Any = RUN_ID,
+    run: Any = INCARNATION,
     v: Any = PROTOCOL_VERSION,
     sender: Any = SENDER,
     salt: Any = SALT,
@@ -489,9 +492,18 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
         (
             "wrong_run_id",
             "a validly signed message of another run",
-            "AuthError",
-            "belongs to run",
-            {"frames": signed(header(run=OTHER_RUN_ID))},
+            "IncarnationError",
+            "belongs to incarnation",
+            {"frames": signed(header(run=OTHER_INCARNATION))},
+        ),
+        (
+            "earlier_incarnation",
+            "a validly signed message of this run's earlier incarnation (before a controller restart or a "
+            "re-form), replayed under the same session key after the sender's first message of this one: its "
+            "sequence number is fresh to the receiver's ledger, so only the header's `run` refuses it (4.1)",
+            "IncarnationError",
+            "belongs to incarnation",
+            {"frames": signed(header(run=EARLIER_INCARNATION, seq=2)), "accept_first": [signed(header())]},
         ),
         (
             "wrong_version",
@@ -902,10 +914,10 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
         ),
         (
             "max_items_counts_map_pairs",
-            "a header map of 9 pairs (18 objects) with max_items 9 passes the parser; refused later, by its run id",
-            "AuthError",
-            "belongs to run",
-            {"frames": signed(header(run=OTHER_RUN_ID)), "limits": {"max_items": 9}},
+            "a header map of 9 pairs (18 objects) with max_items 9 passes the parser; refused later, by its `run`",
+            "IncarnationError",
+            "belongs to incarnation",
+            {"frames": signed(header(run=OTHER_INCARNATION)), "limits": {"max_items": 9}},
         ),
         (
             "shape_product_wraps_u64",
@@ -915,11 +927,11 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             {"frames": round_frame(p=[["f32", [1 << 32, 1 << 32, 4], 0]], payloads=[b""]), "channel": "data"},
         ),
         (
-            "run_id_short",
-            "a 15-byte run id (a prefix of the receiver's)",
-            "AuthError",
-            "belongs to run",
-            {"frames": signed(header(run=RUN_ID[:15]))},
+            "incarnation_short",
+            "a 15-byte `run` (a prefix of the receiver's incarnation id)",
+            "IncarnationError",
+            "belongs to incarnation",
+            {"frames": signed(header(run=INCARNATION[:15]))},
         ),
         (
             "version_is_float",
@@ -982,7 +994,7 @@ def window_vectors() -> list[dict[str, Any]]:
             {
                 "name": name,
                 "key": KEY.hex(),
-                "run_id": RUN_ID.hex(),
+                "incarnation": INCARNATION.hex(),
                 "channel": "control",
                 "sender": SENDER,
                 "window": REPLAY_WINDOW,
@@ -1000,7 +1012,7 @@ HOST = "host-a"
 
 
 def by_reference(codec: Codec, rec: Any, payload: list[tuple[str, np.ndarray]], owner: str, channel: Channel,
-                 *, run_id: bytes = RUN_ID, frames_at: list[list[int]] | None = None) -> tuple[list[bytes], dict[str, str]]:
+                 *, incarnation: bytes = INCARNATION, frames_at: list[list[int]] | None = None) -> tuple[list[bytes], dict[str, str]]:
     """`[b"shm", locator, header, mac]` and the segment file (name, hex) holding the payload frames.
 
     Frames lie ALIGN-aligned in order, as a Segment lays them out; `frames_at` overrides the
@@ -1012,7 +1024,7 @@ def by_reference(codec: Codec, rec: Any, payload: list[tuple[str, np.ndarray]], 
     segment = bytearray(max(at, 1))
     for (off, n), (_, arr) in zip(pairs, payload, strict=True):
         segment[off:off + n] = arr.tobytes()
-    name = f"flodl-{run_id.hex()}-{owner}-1"
+    name = f"flodl-{incarnation.hex()}-{owner}-1"
     locator = _pk([name, frames_at if frames_at is not None else pairs])
     header, mac = codec.encode_reference(rec, [a for _, a in payload], locator, channel=channel,
                                          dtypes=[d for d, _ in payload])
@@ -1023,13 +1035,13 @@ def by_reference_vectors() -> list[dict[str, Any]]:
     out = []
     for kind, channel, owner in (("data.round_frame", Channel.DATA, rank_owner(2)),
                                  ("data.consensus", Channel.BROADCAST, host_owner(HOST))):
-        codec = Codec(KEY, RUN_ID, SENDER, salt=SALT)
+        codec = Codec(KEY, INCARNATION, SENDER, salt=SALT)
         rec = sample_record(REGISTRY[kind].cls)
         payload = _payloads(kind, channel)
         frames, segment = by_reference(codec, rec, payload, owner, channel)
         out.append({
             "name": f"{kind}@by-reference", "kind": kind, "channel": channel.value, "key": KEY.hex(),
-            "run_id": RUN_ID.hex(), "sender": SENDER, "salt": SALT.hex(), "seq": 1, "owner": owner,
+            "incarnation": INCARNATION.hex(), "sender": SENDER, "salt": SALT.hex(), "seq": 1, "owner": owner,
             "segment": segment, "record": to_json(to_fields(rec)),
             "payload": [_payload_json(d, a) for d, a in payload], "frames": _hex_frames(frames),
         })
@@ -1042,7 +1054,7 @@ def by_reference_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
     payload = [("f32", np.frombuffer(F32x4, "<f4"))]
 
     def ref(**kw: Any) -> tuple[list[bytes], dict[str, str]]:
-        return by_reference(Codec(KEY, RUN_ID, SENDER, salt=SALT), rec, payload, kw.pop("owner", rank_owner(2)),
+        return by_reference(Codec(KEY, INCARNATION, SENDER, salt=SALT), rec, payload, kw.pop("owner", rank_owner(2)),
                             Channel.DATA, **kw)
 
     good, segment = ref()
@@ -1056,7 +1068,7 @@ def by_reference_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
         ("ref_other_owner", "a validly signed locator naming rank 3's segment, on rank 2's socket", "FramingError",
          "not one of r2's", {**extra, "frames": ref(owner=rank_owner(3))[0]}),
         ("ref_other_run", "a validly signed locator naming a segment of another run", "FramingError",
-         "not one of r2's", {**extra, "frames": ref(run_id=OTHER_RUN_ID)[0]}),
+         "not one of r2's", {**extra, "frames": ref(incarnation=OTHER_INCARNATION)[0]}),
         ("ref_frame_outside", "a validly signed locator whose frame ends past the segment's end", "FramingError",
          "does not lie inside", {**extra, "frames": ref(frames_at=[[60, 16]])[0]}),
         ("ref_locator_not_pair", "a validly signed locator of three items", "SchemaError", "must be [name",
@@ -1077,8 +1089,8 @@ def _resigned(frames: list[bytes], locator: bytes) -> list[bytes]:
 
 # ---------------------------------------------------------------- envelopes (PROTOCOL.md 3.1)
 
-INCARNATION = bytes.fromhex("0123456789abcdef")
-RELAY_ID = relay_identity(HOST, INCARNATION)
+RELAY_PROCESS = bytes.fromhex("0123456789abcdef")  # the relay process's random part of its routing identity
+RELAY_ID = relay_identity(HOST, RELAY_PROCESS)
 
 
 def envelope_vectors() -> list[dict[str, Any]]:
@@ -1111,11 +1123,11 @@ def envelope_vectors() -> list[dict[str, Any]]:
     ]
     out = []
     for name, leg, envelope, signer, rec, channel, payload in legs:
-        frames = Codec(KEY, RUN_ID, signer, salt=SALT).encode(
+        frames = Codec(KEY, INCARNATION, signer, salt=SALT).encode(
             rec, [a for _, a in payload], channel=channel, dtypes=[d for d, _ in payload])
         out.append({
             "name": name, "leg": leg, "kind": rec.KIND, "channel": channel.value, "key": KEY.hex(),
-            "run_id": RUN_ID.hex(), "signer": signer, "salt": SALT.hex(), "seq": 1,
+            "incarnation": INCARNATION.hex(), "signer": signer, "salt": SALT.hex(), "seq": 1,
             "record": to_json(to_fields(rec)), "payload": [_payload_json(d, a) for d, a in payload],
             "envelope": _hex_frames(envelope), "frames": _hex_frames(frames),
         })
@@ -1133,7 +1145,7 @@ def negative_vectors() -> list[dict[str, Any]]:
                 "error": error,
                 "message_contains": fragment,
                 "key": KEY.hex(),
-                "run_id": RUN_ID.hex(),
+                "incarnation": INCARNATION.hex(),
                 "channel": extra.get("channel", "control"),
                 "expected_sender": SENDER,
                 "limits": extra.get("limits", {}),
@@ -1167,14 +1179,14 @@ def int8_vectors() -> list[dict[str, Any]]:
                        q_sha256=hashlib.sha256(q.tobytes()).hexdigest(), q_head=q[:8].tolist(),
                        q_tail=q[-8:].tolist())
         out.append(vec)
-    codec = Codec(KEY, RUN_ID, SENDER, salt=SALT)
+    codec = Codec(KEY, INCARNATION, SENDER, salt=SALT)
     x = cases["ties_to_even"]
     q, s = np.empty(x.size, int8.I8), np.empty(int8.blocks(x.size), int8.F32)
     int8.quantize(x, q, s)
     rec = REGISTRY["data.round_frame"].cls(round=7, rank=2, mass=1.0)
     frames = codec.encode(rec, [q, s], channel=Channel.DATA, dtypes=["i8", "f32"])
     out.append({"name": "round_frame", "kind": "data.round_frame", "channel": "data", "key": KEY.hex(),
-                "run_id": RUN_ID.hex(), "sender": SENDER, "salt": SALT.hex(), "record": to_json(to_fields(rec)),
+                "incarnation": INCARNATION.hex(), "sender": SENDER, "salt": SALT.hex(), "record": to_json(to_fields(rec)),
                 "payload_of": "ties_to_even", "frames": _hex_frames(frames)})
     return out
 
@@ -1190,7 +1202,7 @@ def main() -> None:
             "envelopes": envelope_vectors(),
         },
         "rejections.json": {
-            "about": "One refused message per rejection cause: a receiver with `key`, `run_id` and `limits` "
+            "about": "One refused message per rejection cause: a receiver with `key`, `incarnation` and `limits` "
             "(overrides of the defaults) whose route names `expected_sender`, and that has accepted "
             "`accept_first` on `channel`, rejects `frames` with `error`. See protocol/PROTOCOL.md, Test vectors.",
             "vectors": negative_vectors(),

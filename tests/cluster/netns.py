@@ -85,7 +85,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _run_files_of(pid: int) -> tuple | None:
-    """(key, run id, host, *rank) naming the files a relay or rank process owns, from its environment."""
+    """(key, incarnation id, host, *rank) naming the files a relay or rank process owns, from its environment."""
     try:
         env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
     except OSError:
@@ -96,7 +96,7 @@ def _run_files_of(pid: int) -> tuple | None:
     # A relay names its host's ranks too: a rank forked from an agent's warm interpreter shows
     # that interpreter's environment here, not its own.
     ranks = (int(env[b"FLODL_RANK"]),) if role == b"rank" else parse_world(env[b"FLODL_WORLD"].decode()).get(host, ())
-    return (bytes.fromhex(env[b"FLODL_KEY"].decode()), bytes.fromhex(env[b"FLODL_RUN_ID"].decode()), host, *ranks)
+    return (bytes.fromhex(env[b"FLODL_KEY"].decode()), bytes.fromhex(env[b"FLODL_INCARNATION"].decode()), host, *ranks)
 
 
 def clean_stale() -> list[str]:

@@ -71,7 +71,8 @@ def test_periodic_checkpoints_keep_the_last_k_and_name_the_run_and_world(tmp_pat
 def test_a_full_checkpoint_disk_is_reported_with_the_path_and_the_run_completes(tmp_path, warm):
     small = tmp_path / "small"
     small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(small)]).returncode != 0:
+    # mode=0700: a tmpfs root is 1777 by default, a checkpoint directory others may write in (refused).
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,mode=0700", "tmpfs", str(small)]).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     try:
         c = cluster(["--epochs", "3", "--batch-size", "16"], {

@@ -149,7 +149,7 @@ def test_every_child_exits_when_the_launcher_dies_without_tearing_down(how):
     children = children_of(launcher.pid)
     assert sorted(children.values()) == ["controller", "rank", "rank", "relay", "relay", "warm"], children
     env = environ_of(next(p for p, role in children.items() if role == "relay"))
-    key, run_id = key_from_hex(env["FLODL_KEY"]), bytes.fromhex(env["FLODL_RUN_ID"])
+    key, run_id = key_from_hex(env["FLODL_KEY"]), bytes.fromhex(env["FLODL_INCARNATION"])
     try:
         launcher.send_signal(signal.SIGTERM if how == "sigterm-parent" else signal.SIGKILL)
         launcher.wait(10)
@@ -186,7 +186,7 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
             time.sleep(0.2)
         assert sorted(children.values()) == ["rank", "relay", "warm"], f"agent h0 started {children} within 90 s"
         wait_for_an_epoch(controller)
-        run_id = bytes.fromhex(environ_of(next(p for p, role in children.items() if role == "relay"))["FLODL_RUN_ID"])
+        run_id = bytes.fromhex(environ_of(next(p for p, role in children.items() if role == "relay"))["FLODL_INCARNATION"])
         agents[0].kill()
         agents[0].wait(10)
         left = left_after_deadline(children)

@@ -94,10 +94,10 @@ class FakeController:
                 elif ident is None:
                     ident = frames[0]  # the hello's content does not matter: answering is all the attack takes
                     accept = JoinAccept([0], self.session_key if self.join.key == OPEN_JOIN_KEY else None,
-                                        5.0, RUN_ID, self._echo(frames, "nonce"), bytes(32))
+                                        5.0, RUN_ID, RUN_ID, self._echo(frames, "nonce"), bytes(32))
                     self.sock.send_multipart([ident, *self.join.encode(accept, channel=Channel.JOIN)])
                     spawn = SpawnSpec(self.argv, self.env, world={"victim": (0,)})
-                    formed = WorldFormed(1, spawn.to_json())
+                    formed = WorldFormed(1, spawn.to_json(), RUN_ID)
                     self.sock.send_multipart([ident, *self.session.encode(formed, channel=Channel.JOIN)])
                     self.answered.set()
             if ident is not None:
@@ -214,7 +214,7 @@ def test_open_admission_without_curve_is_refused_by_name_on_the_controller(ctx):
     window = JoinWindow(JoinConfig(), opened_at=time.monotonic())
     with pytest.raises(ConfigError, match="open admission without CURVE refused"):
         MembershipService(window, endpoint="tcp://127.0.0.1:*", trust=TrustMode.OPEN, session_key=new_key(),
-                          run_id=RUN_ID, spawn=SpawnSpec(("train.py",)), context=ctx)
+                          run_id=RUN_ID, incarnation=RUN_ID, spawn=SpawnSpec(("train.py",)), context=ctx)
 
 
 def test_open_admission_without_curve_is_refused_by_the_controller_command():
@@ -244,7 +244,7 @@ def test_only_admitted_agents_keys_can_subscribe_to_the_controllers_pub(ctx):
     gate, auth = start_gate(ctx, server)  # what `flodl-zmq controller` runs whenever CURVE is on
     window = JoinWindow(JoinConfig(min_ranks=2, target_ranks=2, join_window_s=30, join_cap_s=30), opened_at=time.monotonic())
     service = MembershipService(
-        window, endpoint="tcp://127.0.0.1:*", trust=TrustMode.OPEN, session_key=new_key(), run_id=RUN_ID,
+        window, endpoint="tcp://127.0.0.1:*", trust=TrustMode.OPEN, session_key=new_key(), run_id=RUN_ID, incarnation=RUN_ID,
         spawn=SpawnSpec(("train.py",)), context=ctx, curve=server, gate=gate, **CONTROLLER_FAST,
     )
     service.start()

@@ -1,9 +1,16 @@
-"""Finding 10 (issue 15): bundles and ipc socket files are private and cannot be steered.
+"""Finding 10 (issue 15), issue 27 item 6: the files a run owns are private and cannot be steered.
 
 Attacks: a symlink planted at the bundle's temp name (a fixed name would be
 followed and the victim file overwritten); bundle files readable by other
 users; ipc socket files in a shared /tmp, named after the run id, left behind
-after the run; a run's socket directory created ahead of it by another user.
+after the run; a run's socket directory created ahead of it by another user;
+a `--run-dir` or `--checkpoint-dir` made by another user, or open to others
+(they could delete checkpoints, or plant one that `--resume auto` follows);
+symlinks planted in a run or checkpoint directory (the controller appended to
+or overwrote the file they name).
+
+"Another user" is uid 65534 (nobody): the directory is chowned to it, which
+needs root; those tests are skipped otherwise.
 """
 
 from __future__ import annotations
@@ -18,8 +25,8 @@ import torch
 import zmq
 from transport.dataplane_helpers import FakeController, endpoints
 
-from flodl_zmq import bundle
-from flodl_zmq.errors import PrivateDirError
+from flodl_zmq import bundle, checkpoints
+from flodl_zmq.errors import ConfigError, PrivateDirError
 from flodl_zmq.links import (
     bind_local,
     local_dir,
@@ -29,6 +36,9 @@ from flodl_zmq.links import (
 )
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
+from flodl_zmq.runlog import EVENTS_FILE, RunLog
+from flodl_zmq.runreport import REPORT_FILE, write_report
+from flodl_zmq.settings import Settings
 from flodl_zmq.wire import new_key
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,3 +127,132 @@ def test_a_socket_directory_created_ahead_of_the_run_is_refused_with_a_named_err
     remove_local_dir(key, run_id)
     assert os.path.exists(path), "cleanup must leave a directory that is not private alone"
     os.rmdir(path)
+
+
+# ---------------------------------------------------------------------------- issue 27: run and checkpoint dirs
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user's (chown) needs root")
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def checkpoint_in(directory, round: int = 7) -> str:
+    """A complete checkpoint of round `round` in `directory`; its stem."""
+    stem = checkpoints.stem_for(directory, round)
+    bundle.save(stem, {"w": torch.full((4,), float(round))}, {"epoch": 1, "world": {"a": [0]}})
+    return str(stem)
+
+
+@needs_root
+def test_a_run_directory_owned_by_another_user_is_refused_naming_its_owner_and_the_fix(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    os.chown(run_dir, NOBODY, NOBODY)
+    with pytest.raises(PrivateDirError, match=rf"run directory .*{run_dir}.*owner uid {NOBODY}.*use a directory of your own"):
+        RunLog(run_dir)
+    assert os.listdir(run_dir) == []
+
+
+def test_a_run_directory_others_may_write_in_is_refused_with_chmod_700_as_the_fix(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.chmod(run_dir, 0o777)
+    with pytest.raises(PrivateDirError, match=rf"mode 0777.*chmod 700 {run_dir}"):
+        RunLog(run_dir)
+
+
+def test_symlinks_planted_in_a_run_directory_are_never_followed(tmp_path, caplog):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    os.symlink(victim, run_dir / EVENTS_FILE)  # the log would append to the victim
+    os.symlink(victim, run_dir / REPORT_FILE)  # `flodl-zmq report` would overwrite it
+    log = RunLog(run_dir)
+    log.write("start", mode="alone")
+    log.close()
+    assert victim.read_bytes() == b"precious", "the run log followed a planted symlink"
+    assert "disabled" in caplog.text and EVENTS_FILE in caplog.text  # said once; the run goes on without it
+    with pytest.raises(ConfigError, match=f"cannot read {run_dir / EVENTS_FILE}"):
+        write_report(run_dir)  # the planted log is not read either
+    (run_dir / EVENTS_FILE).unlink()
+    RunLog(run_dir).write("start", mode="alone")
+    write_report(run_dir)
+    assert victim.read_bytes() == b"precious", "the report followed a planted symlink"
+    assert not (run_dir / REPORT_FILE).is_symlink() and mode(run_dir / REPORT_FILE) == 0o600
+
+
+def test_directories_the_run_creates_are_0700_and_its_files_0600(tmp_path):
+    umask = os.umask(0o022)  # the usual one: it would leave 0755 directories and 0644 files
+    try:
+        run_dir = tmp_path / "runs" / "today"
+        RunLog(run_dir).write("start", mode="alone")
+        ckpt = tmp_path / "ckpt" / "run-1"
+        checkpoint_in(ckpt)
+    finally:
+        os.umask(umask)
+    for d in (run_dir.parent, run_dir, ckpt.parent, ckpt):
+        assert mode(d) == 0o700, f"{d} is {mode(d):04o}"
+    for f in (run_dir / EVENTS_FILE, *ckpt.iterdir()):
+        assert mode(f) == 0o600, f"{f} is {mode(f):04o}"
+
+
+@needs_root
+def test_resume_auto_never_continues_a_checkpoint_in_another_users_directory(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    checkpoint_in(ckpt)  # planted by the directory's owner
+    os.chown(ckpt, NOBODY, NOBODY)
+    with pytest.raises(PrivateDirError, match=rf"checkpoint directory .*owner uid {NOBODY}"):
+        checkpoints.resolve("auto", str(ckpt))
+    with pytest.raises(PrivateDirError, match=f"owner uid {NOBODY}"):
+        checkpoints.resolve(str(ckpt), None)
+
+
+def test_resume_auto_refuses_a_checkpoint_directory_others_may_write_in(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    checkpoint_in(ckpt)
+    os.chmod(ckpt, 0o775)
+    with pytest.raises(PrivateDirError, match=rf"mode 0775.*chmod 700 {ckpt}"):
+        checkpoints.pin_resume(Settings(resume="auto", checkpoint_dir=str(ckpt)))
+
+
+@needs_root
+def test_the_controller_does_not_start_checkpointing_into_another_users_directory(tmp_path):
+    from unit.test_checkpoints import keeper
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    os.chown(ckpt, NOBODY, NOBODY)
+    k = keeper(checkpoint_dir=str(ckpt))
+    with pytest.raises(PrivateDirError, match=r"checkpoint directory \(--checkpoint-dir\)"):
+        k.start(0.0, 0, None)
+    assert k.writer is None
+
+
+def test_a_checkpoint_planted_as_symlinks_is_refused_not_resumed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    planted = checkpoint_in(elsewhere, 99)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    checkpoint_in(ckpt, 7)
+    for suffix in (".pt", ".meta.json"):  # a newer "checkpoint" that is only symlinks to another file
+        os.symlink(planted + suffix, str(checkpoints.stem_for(ckpt, 99)) + suffix)
+    stem = checkpoints.resolve("auto", str(ckpt))
+    with pytest.raises(ConfigError, match="never through a symlink"):
+        checkpoints.Resumed.load(str(stem))
+
+
+@needs_root
+def test_a_checkpoint_file_of_another_user_is_not_read(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    stem = checkpoint_in(ckpt)
+    os.chown(stem + ".pt", NOBODY, NOBODY)
+    with pytest.raises(ConfigError, match=rf"{stem}\.pt: cannot read it .*owner uid {NOBODY}"):
+        bundle.load(stem)

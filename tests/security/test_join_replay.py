@@ -52,7 +52,7 @@ class Run:
         window = JoinWindow(JoinConfig(min_ranks=2, join_window_s=join_cap_s, join_cap_s=join_cap_s), opened_at=time.monotonic())
         self.svc = MembershipService(
             window, endpoint="tcp://127.0.0.1:*", trust=TrustMode.PRE_SHARED, session_key=key,
-            run_id=new_key()[:16], spawn=SpawnSpec(("-c", "pass"), {}), context=ctx,
+            run_id=new_key()[:16], incarnation=new_key()[:16], spawn=SpawnSpec(("-c", "pass"), {}), context=ctx,
             join_heartbeat_period_s=0.1, host_silence_at_controller_s=60.0,
         )
         self.svc.start()

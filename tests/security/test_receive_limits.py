@@ -67,7 +67,7 @@ class Join:
         self.curve = CurveKeys(public=public, secret=secret) if trust is TrustMode.OPEN else None
         window = JoinWindow(JoinConfig(min_ranks=64, join_window_s=60.0, join_cap_s=60.0), opened_at=time.monotonic())
         self.svc = MembershipService(
-            window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=self.key, run_id=RUN_ID,
+            window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=self.key, run_id=RUN_ID, incarnation=RUN_ID,
             spawn=SpawnSpec(("-c", "pass"), {}), context=ctx, join_heartbeat_period_s=0.1, host_silence_at_controller_s=60.0,
             curve=self.curve,
         )

@@ -120,8 +120,8 @@ def control():
     ctx = zmq.Context()
     key, run_id = new_key(), bytes(range(16))
     address = ControllerAddress("127.0.0.1", free_port_base())
-    penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, world=CONTROL_WORLD,
-                      settings=Settings(startup_timeout_s=WAIT_S), route_secret=ROUTE_SECRET)
+    penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, incarnation=run_id,
+                      world=CONTROL_WORLD, settings=Settings(startup_timeout_s=WAIT_S), route_secret=ROUTE_SECRET)
     service = ControllerService(job(), penv)
     outcome: dict = {}
 
@@ -222,7 +222,7 @@ def test_under_curve_another_key_cannot_take_a_departed_hosts_name():
                         opened_at=time.monotonic())
     service = MembershipService(
         window, endpoint="tcp://127.0.0.1:*", trust=TrustMode.OPEN, session_key=new_key(), run_id=bytes(16),
-        spawn=SpawnSpec(("train.py",)), context=ctx, curve=server, gate=gate,
+        incarnation=bytes(16), spawn=SpawnSpec(("train.py",)), context=ctx, curve=server, gate=gate,
         join_heartbeat_period_s=0.1, host_silence_at_controller_s=1.0,
     )
     service.start()

@@ -74,7 +74,7 @@ def test_an_agent_of_another_version_and_the_controller_both_name_the_skew(ctx, 
     window = JoinWindow(JoinConfig(min_ranks=2, join_window_s=30.0, join_cap_s=30.0), opened_at=time.monotonic())
     svc = MembershipService(
         window, endpoint="tcp://127.0.0.1:*", trust=TrustMode.PRE_SHARED, session_key=key,
-        run_id=os.urandom(16), spawn=SpawnSpec(("-c", "pass"), {}), context=ctx, join_heartbeat_period_s=0.1, host_silence_at_controller_s=60.0,
+        run_id=os.urandom(16), incarnation=os.urandom(16), spawn=SpawnSpec(("-c", "pass"), {}), context=ctx, join_heartbeat_period_s=0.1, host_silence_at_controller_s=60.0,
     )
     svc.start()
     try:

@@ -142,7 +142,7 @@ class FakeRank:
 
     def consensus(self, timeout: float = WAIT_S, heartbeat: bool = False) -> Envelope:
         """The next consensus delivered to this rank (heartbeating while it waits if asked)."""
-        decoder = Codec(self.codec.key, self.codec.run_id, "test")
+        decoder = Codec(self.codec.key, self.codec.incarnation, "test")
         waited = 0.0
         while waited < timeout:
             if heartbeat:

@@ -55,7 +55,7 @@ def run_with_drops(tmp_path, drops: dict[tuple[str, bool], int]) -> tuple[dict, 
     """One run of WORLD with `drops` applied on the relay's control link (the shim's count in outcome)."""
     key, run_id = new_key(), uuid.uuid4().bytes
     address = ControllerAddress("127.0.0.1", free_port_base())
-    penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, world=WORLD,
+    penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, incarnation=run_id, world=WORLD,
                       settings=Settings(startup_timeout_s=30.0), route_secret=ROUTE_SECRET)
     service = ControllerService(job(), penv)
     outcome: dict = {}
@@ -78,7 +78,7 @@ def run_with_drops(tmp_path, drops: dict[tuple[str, bool], int]) -> tuple[dict, 
     threads = [threading.Thread(target=run_controller, daemon=True)]
     ranks = []
     for r in WORLD["h"]:
-        rcfg = RankConfig(rank=r, local_rank=r, world_size=2, host="h", key=key, run_id=run_id,
+        rcfg = RankConfig(rank=r, local_rank=r, world_size=2, host="h", key=key, incarnation=run_id,
                           control_endpoint=local[0], data_endpoint=local[1])
         rt = RankRuntime(job(), rcfg, torch.device("cpu"))
         ranks.append(rt)

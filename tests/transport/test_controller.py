@@ -85,7 +85,7 @@ def rig():
     ctx = zmq.Context()
     key, run_id = new_key(), bytes(range(16))
     address = ControllerAddress("127.0.0.1", free_port_base())
-    penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, world=WORLD,
+    penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, incarnation=run_id, world=WORLD,
                       settings=Settings(startup_timeout_s=WAIT_S), route_secret=ROUTE_SECRET)
     j = job()
     service = ControllerService(j, penv)

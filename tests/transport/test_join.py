@@ -78,7 +78,7 @@ class Cluster:
         self.curve = CurveKeys(public=public, secret=secret) if trust is TrustMode.OPEN else None
         self.service = MembershipService(
             self.window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=self.key,
-            run_id=RUN_ID, spawn=spawn, context=ctx, curve=self.curve, **controller_timings,
+            run_id=RUN_ID, incarnation=RUN_ID, spawn=spawn, context=ctx, curve=self.curve, **controller_timings,
         )
         port = int(self.service.endpoint.rsplit(":", 1)[1])
         self.address = ControllerAddress("127.0.0.1", port - 3)  # the join endpoint is port+3

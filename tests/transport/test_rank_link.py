@@ -32,7 +32,7 @@ def link(tmp_path, monkeypatch):
     for s, name in ((control, "c"), (data, "d")):
         s.setsockopt(zmq.LINGER, 0)
         s.bind(f"ipc://{tmp_path}/{name}")
-    cfg = RankConfig(rank=0, local_rank=0, world_size=1, host="a", key=key, run_id=run_id,
+    cfg = RankConfig(rank=0, local_rank=0, world_size=1, host="a", key=key, incarnation=run_id,
                      control_endpoint=f"ipc://{tmp_path}/c", data_endpoint=f"ipc://{tmp_path}/d",
                      rank_heartbeat_period_s=30.0)
     lk = RankLink(cfg, ctx, lambda: 0)

@@ -135,7 +135,7 @@ class Rig:
         self.link: RankLink | None = None
         if shim == "rank":  # rank 1 is a real I/O thread, behind the shim
             self.shim = DropShim(self.ctx, shim_ep, eps["a-data"], rank_identity(1), drops)
-            cfg = RankConfig(rank=1, local_rank=1, world_size=4, host="a", key=self.key, run_id=self.run_id,
+            cfg = RankConfig(rank=1, local_rank=1, world_size=4, host="a", key=self.key, incarnation=self.run_id,
                              control_endpoint=eps["a-control"], data_endpoint=shim_ep, rank_heartbeat_period_s=30.0,
                              consensus_wait_at_relay_s=0.3)
             self.link = RankLink(cfg, self.ctx, 0.0)

@@ -67,7 +67,7 @@ def test_a_resumed_rank_asks_its_relay_and_loads_the_checkpoint_consensus_then_r
                               eps["a-control"], eps["a-data"], consensus_wait_at_relay_s=0.5, wire=wire_format,
                               host_token=token("a")), ctx)
     relay.start()
-    cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="a", key=key, run_id=run_id,
+    cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="a", key=key, incarnation=run_id,
                      control_endpoint=eps["a-control"], data_endpoint=eps["a-data"],
                      consensus_wait_at_relay_s=0.5, coordinator_first_contact_at_rank_s=WAIT_S * 6, resumed=True)
     link = RankLink(cfg, ctx, 0.0)

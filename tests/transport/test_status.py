@@ -31,7 +31,7 @@ def serve(ctx, trust=TrustMode.PRE_SHARED, curve=None):
     key = new_key()
     window = JoinWindow(JoinConfig(min_ranks=2, join_window_s=30.0, join_cap_s=30.0), opened_at=time.monotonic())
     service = MembershipService(
-        window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=key, run_id=RUN_ID,
+        window, endpoint="tcp://127.0.0.1:*", trust=trust, session_key=key, run_id=RUN_ID, incarnation=RUN_ID,
         spawn=SpawnSpec(("-m", "x")), context=ctx, curve=curve,
     )
     service.start()

@@ -150,7 +150,7 @@ def keeper(n: int = 4, wire_dtype: str = "f32", **settings) -> checkpoints.Keepe
               train_step=lambda m, b: m(b[0]).sum(), dataset=TensorDataset(torch.zeros(8, n - 1)), batch_size=2,
               epochs=1, wire_dtype=wire_dtype)
     penv = ProcessEnv(role="controller", controller=ControllerAddress.parse("127.0.0.1:7300"), key=b"k" * 32,
-                      run_id=b"r" * 16, world={"a": (0, 1)}, settings=Settings(**settings))
+                      run_id=b"r" * 16, incarnation=b"i" * 16, world={"a": (0, 1)}, settings=Settings(**settings))
     return checkpoints.Keeper(job, penv, incarnation=2, consensus=np.zeros(n, dtype=np.float32))
 
 
@@ -190,7 +190,8 @@ def test_the_keeper_checkpoints_only_the_round_the_coordinator_counted_finished(
 
 def test_a_world_change_resumes_the_new_world_from_its_checkpoint_in_the_same_run():
     k = keeper()
-    change = checkpoints.WorldChange(TrainResult(model=None), {"a": (0, 1)}, {"a": (0, 1), "b": (2, 3)}, "/c/ckpt")
+    change = checkpoints.WorldChange(TrainResult(model=None), {"a": (0, 1)}, {"a": (0, 1), "b": (2, 3)}, "/c/ckpt",
+                                         b"i" * 16)
     job, penv = change.resumed(k.job, k.penv, "/runs/x")
     assert job.resume_from == "/c/ckpt" and job.run_dir == "/runs/x"
     assert penv.world == {"a": (0, 1), "b": (2, 3)} and penv.settings.resume == "/c/ckpt"

@@ -25,7 +25,7 @@ from flodl_zmq.wire import new_key
 
 def rank_env() -> ProcessEnv:
     return ProcessEnv(
-        role="rank", controller=ControllerAddress("127.0.0.1", 7300), key=new_key(), run_id=os.urandom(16),
+        role="rank", controller=ControllerAddress("127.0.0.1", 7300), key=new_key(), run_id=os.urandom(16), incarnation=os.urandom(16),
         world={"h0": (0, 1), "h1": (2, 3)}, host="h1", rank=3, local_rank=1,
         settings=Settings(slowdown=3.0, rank_silence_at_relay_s=4.0),
     )
@@ -153,12 +153,14 @@ def test_exit_reports_cross_a_pipe_line_by_line_and_end_when_the_launcher_closes
 
 def test_the_controllers_exit_fd_round_trips_through_the_environment():
     penv = ProcessEnv(role="controller", controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32),
-                      run_id=bytes(16), world={"h0": (0, 1)}, exit_fd=7, route_secret=bytes(range(32)))
+                      run_id=bytes(16), incarnation=bytes(16), world={"h0": (0, 1)}, exit_fd=7,
+                      route_secret=bytes(range(32)))
     assert ProcessEnv.from_environ(penv.to_environ()) == penv
 
 
 def test_the_route_secret_and_the_host_token_round_trip_and_a_missing_one_is_named():
-    where = dict(controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32), run_id=bytes(16), world={"h0": (0,)})
+    where = dict(controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32), run_id=bytes(16),
+                 incarnation=bytes(range(16)), world={"h0": (0,)})
     controller = ProcessEnv(role="controller", route_secret=bytes(range(32)), **where)
     relay = ProcessEnv(role="relay", host="h0", host_token=bytes(range(1, 33)), **where)
     for penv, name in ((controller, "FLODL_ROUTE_SECRET"), (relay, "FLODL_HOST_TOKEN")):

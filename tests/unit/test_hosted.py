@@ -29,7 +29,7 @@ def test_a_hosted_role_and_link_reach_trainer_run_without_touching_the_environme
         if name.startswith("FLODL_"):
             monkeypatch.delenv(name)
     penv = ProcessEnv(role="controller", controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32),
-                      run_id=bytes(16), world={"a": (0,), "b": (1,)})
+                      run_id=bytes(16), incarnation=bytes(16), world={"a": (0,), "b": (1,)})
     link = object()
     seen = []
     monkeypatch.setattr(controller_service, "run_controller", lambda job, p, lk: seen.append((p, lk)) or "result")
@@ -45,7 +45,7 @@ def test_a_hosted_role_and_link_reach_trainer_run_without_touching_the_environme
 def test_a_controller_whose_environment_announces_another_wire_format_refuses_to_start(monkeypatch):
     # The relays were told FLODL_WIRE_DTYPE; a Trainer that says otherwise must not start the run.
     penv = ProcessEnv(role="controller", controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32),
-                      run_id=bytes(16), world={"a": (0,), "b": (1,)}, settings=Settings(wire_dtype="bf16"))
+                      run_id=bytes(16), incarnation=bytes(16), world={"a": (0,), "b": (1,)}, settings=Settings(wire_dtype="bf16"))
     monkeypatch.setattr(controller_service, "run_controller", lambda job, p, lk: "result")
     with api.hosted(penv), pytest.raises(ConfigError, match="FLODL_WIRE_DTYPE=bf16"):
         trainer().run()

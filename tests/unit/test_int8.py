@@ -129,7 +129,7 @@ def test_the_int8_vectors_encode_as_written(vector):
 def test_the_int8_round_frame_vector_decodes_to_values_and_scales():
     vector = next(v for v in VECTORS if v["name"] == "round_frame")
     source = next(v for v in VECTORS if v["name"] == vector["payload_of"])
-    codec = Codec(bytes.fromhex(vector["key"]), bytes.fromhex(vector["run_id"]), "receiver")
+    codec = Codec(bytes.fromhex(vector["key"]), bytes.fromhex(vector["incarnation"]), "receiver")
     env = codec.decode([bytes.fromhex(f) for f in vector["frames"]], Channel(vector["channel"]))
     assert env.record.round == vector["record"]["round"] and int8.is_int8(env.payload)
     assert env.payload[0].tolist() == source["q"] and env.payload[1].tolist() == source["scales"]

@@ -249,7 +249,7 @@ def _runtime(**job: Any) -> RankRuntime:
     data = TensorDataset(torch.randn(64, 4), torch.zeros(64, dtype=torch.long))
     job = Job(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
               train_step=lambda m, b: m(b[0]).sum(), dataset=data, batch_size=8, epochs=1, **job)
-    cfg = RankConfig(rank=0, local_rank=0, world_size=1, host="h", key=b"k" * 32, run_id=b"r" * 16,
+    cfg = RankConfig(rank=0, local_rank=0, world_size=1, host="h", key=b"k" * 32, incarnation=b"r" * 16,
                      control_endpoint="tcp://127.0.0.1:1", data_endpoint="tcp://127.0.0.1:2")
     return RankRuntime(job, cfg, device=torch.device("cpu"))
 
@@ -281,7 +281,7 @@ def _resumed_runtime(**cfg: Any) -> RankRuntime:
     job = Job(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
               train_step=lambda m, b: m(b[0]).sum(), dataset=data, batch_size=8, epochs=1,
               resume_from="/nonexistent/on/this/host/ckpt-r000000007")
-    rc = RankConfig(rank=0, local_rank=0, world_size=1, host="h", key=b"k" * 32, run_id=b"r" * 16,
+    rc = RankConfig(rank=0, local_rank=0, world_size=1, host="h", key=b"k" * 32, incarnation=b"r" * 16,
                     control_endpoint="tcp://127.0.0.1:1", data_endpoint="tcp://127.0.0.1:2", resumed=True, **cfg)
     return RankRuntime(job, rc, device=torch.device("cpu"))
 

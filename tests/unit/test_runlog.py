@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,13 +55,23 @@ def test_an_unwritable_run_directory_is_reported_once_and_the_run_goes_on(tmp_pa
     assert len(warnings) == 1 and str(blocker / "run" / EVENTS_FILE) in warnings[0], warnings
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to fill a disk for real")
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="mounts a tmpfs: needs root")
 def test_a_full_disk_is_reported_once_with_the_path_and_the_run_goes_on(tmp_path, caplog):
     run_dir = tmp_path / "full"
     run_dir.mkdir()
-    (run_dir / EVENTS_FILE).symlink_to("/dev/full")  # every write there fails with ENOSPC
-    with caplog.at_level(logging.WARNING, logger="flodl_zmq.runlog"):
-        result = demo.trainer(2, quiet=True, run_dir=str(run_dir)).run()
-    assert len(result.epochs) == 2
-    warnings = [r.getMessage() for r in caplog.records if r.name == "flodl_zmq.runlog"]
-    assert len(warnings) == 1 and "No space left" in warnings[0] and str(run_dir) in warnings[0], warnings
+    # One page of tmpfs, filled: every write there fails with ENOSPC (a symlink to /dev/full is refused).
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k,mode=0700", "tmpfs", str(run_dir)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        fd = os.open(run_dir / "filler", os.O_WRONLY | os.O_CREAT)
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"x" * 4096):
+                pass
+        os.close(fd)
+        with caplog.at_level(logging.WARNING, logger="flodl_zmq.runlog"):
+            result = demo.trainer(2, quiet=True, run_dir=str(run_dir)).run()
+        assert len(result.epochs) == 2
+        warnings = [r.getMessage() for r in caplog.records if r.name == "flodl_zmq.runlog"]
+        assert len(warnings) == 1 and "No space left" in warnings[0] and str(run_dir) in warnings[0], warnings
+    finally:
+        subprocess.run(["umount", str(run_dir)], check=True)

@@ -68,7 +68,7 @@ def test_the_link_sends_pending_step_timings_ahead_of_any_other_record():
 
     from flodl_zmq.rank_link import RankConfig, RankLink
 
-    cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="h0", key=bytes(32), run_id=bytes(16),
+    cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="h0", key=bytes(32), incarnation=bytes(16),
                      control_endpoint="ipc:///nonexistent-c", data_endpoint="ipc:///nonexistent-d")
     ctx = zmq.Context()
     link = RankLink(cfg, ctx, report_period_s=60.0)  # never due by time: only the edge sends them

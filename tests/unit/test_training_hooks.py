@@ -168,7 +168,7 @@ class Sent(list):
 
 
 def rank(r: int, j: Job) -> RankRuntime:
-    cfg = RankConfig(rank=r, local_rank=r, world_size=2, host="h", key=b"k" * 32, run_id=b"r" * 16,
+    cfg = RankConfig(rank=r, local_rank=r, world_size=2, host="h", key=b"k" * 32, incarnation=b"r" * 16,
                      control_endpoint="tcp://127.0.0.1:1", data_endpoint="tcp://127.0.0.1:2")
     rt = RankRuntime(j, cfg, torch.device("cpu"))
     rt.link = Sent()

@@ -24,6 +24,7 @@ from flodl_zmq.errors import (
     AuthError,
     ConfigError,
     FramingError,
+    IncarnationError,
     LimitError,
     ReplayError,
     SchemaError,
@@ -110,7 +111,7 @@ def test_every_record_kind_round_trips_on_each_of_its_channels(
     tx, rx = pair()
     env = rx.decode(tx.encode(rec, channel=channel), channel)
     assert env.record == rec
-    assert (env.kind, env.channel, env.sender, env.seq, env.run_id) == (kind, channel, "tx", 1, RUN)
+    assert (env.kind, env.channel, env.sender, env.seq, env.incarnation) == (kind, channel, "tx", 1, RUN)
     assert env.payload == [] and env.dtypes == []
 
 
@@ -324,8 +325,8 @@ REJECTIONS: list[tuple[str, Any, Channel, Limits | None, type[WireError], str]] 
         lambda: forge(header(run=bytes(16))),
         Channel.CONTROL,
         None,
-        AuthError,
-        "belongs to run",
+        IncarnationError,
+        "belongs to incarnation",
     ),
     (
         "version",
@@ -770,7 +771,7 @@ def test_encoder_refuses_what_the_wire_cannot_carry() -> None:
 def test_codec_refuses_bad_keys_and_run_ids() -> None:
     with pytest.raises(ConfigError, match="exactly 32 bytes"):
         Codec(bytes(16), RUN, "tx")
-    with pytest.raises(SchemaError, match="run id must be 16 bytes"):
+    with pytest.raises(SchemaError, match="incarnation id must be 16 bytes"):
         Codec(KEY, bytes(8), "tx")
     with pytest.raises(ConfigError, match="not valid hex"):
         key_from_hex("zz" * 32)

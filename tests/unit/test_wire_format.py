@@ -177,3 +177,11 @@ def test_the_base_layer_format_never_imports_torch():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not any(i.split(".")[0] == "torch" for i in imported)
+
+
+@pytest.mark.parametrize("wire", [F32, BF16, INT8], ids=lambda w: w.name)
+def test_the_largest_frame_of_a_format_is_the_longest_frame_its_payload_carries(wire):
+    # A data socket that knows the model refuses anything longer (PROTOCOL.md 6.1): it must never be shorter.
+    for n in (3, N, 10 * int8.BLOCK):
+        assert wire.largest_frame_bytes(n) == max(t.nbytes for t in payload_of(wire, np.ones(n, np.float32)))
+    assert INT8.largest_frame_bytes(1) == 4  # one value, one f32 scale: the scales frame is the longer

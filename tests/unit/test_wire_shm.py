@@ -55,7 +55,7 @@ def deposit(seg: Segment, tensors: list[np.ndarray]) -> list:
 
 def reference_mac_from_the_spec(key: bytes, header: bytes, locator: bytes) -> bytes:
     """PROTOCOL.md 3.5, written out with the standard library only."""
-    label = b"flodl-zmq/5/by-reference\x00"
+    label = b"flodl-zmq/6/by-reference\x00"
     return hmac.new(key, label + struct.pack("<Q", len(header)) + header + struct.pack("<Q", len(locator)) + locator,
                     hashlib.sha256).digest()
 
@@ -230,7 +230,7 @@ def test_the_round_frame_vector_sent_by_reference_decodes_to_the_vectors_record(
     vec = next(v for v in (vectors if isinstance(vectors, list) else vectors["vectors"])
                if v["kind"] == "data.round_frame")
     frames = [bytes.fromhex(f) for f in vec["frames"]]
-    run, key = bytes.fromhex(vec["run_id"]), bytes.fromhex(vec["key"])
+    run, key = bytes.fromhex(vec["incarnation"]), bytes.fromhex(vec["key"])
     owner = rank_owner(vec["record"]["rank"])
     seg = Segment(key, run, owner, str(tmp_path))
     try:

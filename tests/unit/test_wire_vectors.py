@@ -105,7 +105,7 @@ def codec_for(
     vector: dict[str, Any], sender: str = "receiver", limits: Limits | None = None
 ) -> Codec:
     salt = bytes.fromhex(vector["salt"]) if "salt" in vector else None
-    return Codec(bytes.fromhex(vector["key"]), bytes.fromhex(vector["run_id"]), sender, limits, salt=salt)
+    return Codec(bytes.fromhex(vector["key"]), bytes.fromhex(vector["incarnation"]), sender, limits, salt=salt)
 
 
 @pytest.mark.parametrize("vector", POSITIVE, ids=[v["name"] for v in POSITIVE])
@@ -114,10 +114,10 @@ def test_vector_decodes_to_its_record_and_payload(vector: dict[str, Any]) -> Non
     env = codec_for(vector).decode(frames_of(vector["frames"]), Channel(vector["channel"]))
     assert env.kind == vector["kind"]
     assert env.record == record_from_json(spec.cls, vector["record"])
-    assert (env.sender, env.seq, env.run_id.hex()) == (
+    assert (env.sender, env.seq, env.incarnation.hex()) == (
         vector["sender"],
         vector["seq"],
-        vector["run_id"],
+        vector["incarnation"],
     )
     arrays, dtypes = payload_arrays(vector)
     assert env.dtypes == dtypes
@@ -169,7 +169,7 @@ def test_two_incarnations_never_share_a_one_time_key_or_payload_tags() -> None:
     channel = Channel(vector["channel"])
     rec = record_from_json(REGISTRY[vector["kind"]].cls, vector["record"])
     arrays, dtypes = payload_arrays(vector)
-    key, run = bytes.fromhex(vector["key"]), bytes.fromhex(vector["run_id"])
+    key, run = bytes.fromhex(vector["key"]), bytes.fromhex(vector["incarnation"])
     sent = []
     for salt in (bytes(16), b"\xff" * 16):
         codec = Codec(key, run, vector["sender"], salt=salt)
@@ -193,7 +193,7 @@ def test_codec_draws_a_fresh_salt_per_instance() -> None:
     a, b = codec_for(unsalted), codec_for(unsalted)
     assert len(a.salt) == SALT_BYTES and len(b.salt) == SALT_BYTES and a.salt != b.salt
     with pytest.raises(errors.SchemaError, match="salt must be 16 bytes"):
-        Codec(bytes.fromhex(unsalted["key"]), bytes.fromhex(unsalted["run_id"]), "x", salt=bytes(15))
+        Codec(bytes.fromhex(unsalted["key"]), bytes.fromhex(unsalted["incarnation"]), "x", salt=bytes(15))
 
 
 def test_multi_block_payload_mac_is_the_construction_the_spec_describes() -> None:
@@ -249,7 +249,7 @@ def segment_map(vector: dict[str, Any], directory: pathlib.Path) -> SegmentMap:
     path.write_bytes(bytes.fromhex(vector["segment"]["hex"]))
     path.chmod(0o600)
     directory.chmod(0o700)
-    return SegmentMap(bytes.fromhex(vector["run_id"]), str(directory))
+    return SegmentMap(bytes.fromhex(vector["incarnation"]), str(directory))
 
 
 @pytest.mark.parametrize("vector", NEGATIVE, ids=[v["name"] for v in NEGATIVE])
@@ -294,7 +294,7 @@ def test_a_genuine_message_of_another_version_is_authentic_and_a_forgery_is_not(
     receiver = codec_for(vector)
     assert receiver.authentic(frames)
     assert not receiver.authentic([frames[0], bytes(32)])
-    assert not Codec(bytes(32), bytes.fromhex(vector["run_id"]), "x").authentic(frames)
+    assert not Codec(bytes(32), bytes.fromhex(vector["incarnation"]), "x").authentic(frames)
     version = msgpack.unpackb(frames[0])["v"]
     assert spec_mac(receiver.key, frames[0], [], version) == frames[-1]
 
@@ -333,7 +333,7 @@ def test_by_reference_record_encodes_to_the_vector_frames(vector: dict[str, Any]
         rec, arrays, frames[1], channel=Channel(vector["channel"]), dtypes=dtypes)
     assert [SHM_TAG, frames[1], header, mac] == frames
     owner = vector["owner"]
-    assert name == f"flodl-{vector['run_id']}-{owner}-1"
+    assert name == f"flodl-{vector['incarnation']}-{owner}-1"
     assert owner in (rank_owner(2), host_owner("host-a"))
     assert all(off % ALIGN == 0 for off, _ in pairs)
 
@@ -356,7 +356,7 @@ def test_envelope_vector_is_what_the_legs_send_and_its_message_decodes(vector: d
     rec = record_from_json(REGISTRY[vector["kind"]].cls, vector["record"])
     frames = frames_of(vector["frames"])
     arrays, dtypes = payload_arrays(vector)
-    encoder = Codec(bytes.fromhex(vector["key"]), bytes.fromhex(vector["run_id"]), vector["signer"],
+    encoder = Codec(bytes.fromhex(vector["key"]), bytes.fromhex(vector["incarnation"]), vector["signer"],
                     salt=bytes.fromhex(vector["salt"]))
     assert [bytes(f) for f in encoder.encode(rec, arrays, channel=channel, dtypes=dtypes)] == frames
     env = codec_for(vector).decode_from(frames, channel, Attribution.signed_by(vector["signer"], vector["name"]))
