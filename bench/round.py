@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 HOSTS = {"a": (0, 1), "b": (2, 3)}
+ROUTE_SECRET = bytes(range(32))  # the controller's: each relay's hello proves its host with a token of it
 WORLD = 4
 MASS = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "25M": 25_000_000}
@@ -89,7 +90,8 @@ def _controller(port: int, key: bytes, run_id: bytes, dtype: str, stop: Any) -> 
     from flodl_zmq.wire_format import named
 
     address = ControllerAddress("127.0.0.1", port)
-    svc = ReducerService(ReducerConfig.for_controller(HOSTS, key, run_id, address, wire=named(dtype)))
+    svc = ReducerService(ReducerConfig.for_controller(HOSTS, key, run_id, address, wire=named(dtype),
+                                                      route_secret=ROUTE_SECRET))
     svc.start()
     # No coordinator here, but the relays' control links need a listener: a client that
     # keeps reconnecting to a local port nobody listens on can end up connected to
@@ -108,9 +110,7 @@ def _relay(host: str, port: int, key: bytes, run_id: bytes, dtype: str, ipc_dir:
     import logging
     logging.basicConfig(level=logging.WARNING)
     from flodl_zmq.endpoints import ControllerAddress
-    from flodl_zmq.links import (
-        local_endpoints,
-    )
+    from flodl_zmq.links import host_token, local_endpoints
     from flodl_zmq.relay import Relay
     from flodl_zmq.relay_config import RelayConfig
     from flodl_zmq.wire_format import named
@@ -119,7 +119,7 @@ def _relay(host: str, port: int, key: bytes, run_id: bytes, dtype: str, ipc_dir:
     # declaring a busy rank dead mid-benchmark.
     cfg = RelayConfig.for_controller(host, HOSTS[host], key, run_id, ControllerAddress("127.0.0.1", port),
                                      local_endpoints(key, run_id, host, ipc_dir), rank_silence_at_relay_s=10.0,
-                                     wire=named(dtype))
+                                     wire=named(dtype), host_token=host_token(ROUTE_SECRET, host))
     relay = Relay(cfg)
     relay.start()
     stop.wait()

@@ -43,6 +43,7 @@ from flodl_zmq.environment import CHILD_SCOPES, SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.join import DUPLICATE_JOIN, MAX_DEVICES_PER_HOST
+from flodl_zmq.links import HOST_TOKEN_BYTES
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.settings import DEFAULTS, Settings, env_names
 from flodl_zmq.wire import RUN_ID_BYTES
@@ -189,6 +190,7 @@ class Joined:
     incarnation: bytes  # the formed world's: its relay and ranks sign and check it (PROTOCOL.md 4.1)
     world_size: int
     spawn: SpawnSpec
+    host_token: bytes  # join.accept's: the relay's hello proves the host with it (FLODL_HOST_TOKEN)
 
 
 # --------------------------------------------------------------------------- what may run
@@ -262,10 +264,12 @@ def check_accept(reply: Any, config: AgentConfig) -> bytes:
             "the controller admitted us without a session key: controller and worker disagree on the "
             "trust mode (give both the same FLODL_KEY, or neither)"
         )
-    if RUN_ID_BYTES != len(reply.run_id) or RUN_ID_BYTES != len(reply.incarnation) or len(reply.ranks) != len(config.devices):
+    sizes = (len(reply.run_id), len(reply.incarnation), len(reply.host_token), len(reply.ranks))
+    if sizes != (RUN_ID_BYTES, RUN_ID_BYTES, HOST_TOKEN_BYTES, len(config.devices)):
         raise MembershipError(
             f"malformed accept ({len(reply.ranks)} ranks for {len(config.devices)} devices, a {len(reply.run_id)}-byte "
-            f"run id, a {len(reply.incarnation)}-byte incarnation id): protocol violation"
+            f"run id, a {len(reply.incarnation)}-byte incarnation id, a {len(reply.host_token)}-byte host token): "
+            "protocol violation"
         )
     return key
 

@@ -14,8 +14,11 @@ Rules this module keeps:
   claims). A record that fails authentication or schema is counted per host
   and logged, never fatal; the `Upstream` (the controller) sees only
   authenticated records whose signer is the rank their route names.
-- One relay per host. A hello for a host whose relay is still connected
-  under another identity is refused (a reconnect keeps its identity).
+- One relay per host, proved by its token. A hello counts only with the
+  token its host was given at admission (`links.hello_signer`), checked before
+  its sequence number is recorded: another member naming the host moves no
+  route and burns no sequence number. A hello for a host whose relay is still
+  connected under another identity is refused (a reconnect keeps its identity).
 - The control streams with each rank (PROTOCOL.md 10.7): records to it kept
   until it acknowledges them and sent again if a reset lost them; its records
   handed on in order. A record is never failed while its rank lives, so a
@@ -43,6 +46,7 @@ from flodl_zmq.links import (
     Refusal,
     coordinator_sender,
     decode_or_count,
+    hello_signer,
     rank_identity,
     rank_of,
     rank_sender,
@@ -78,9 +82,10 @@ class ControlRouter:
     """The control ROUTER of one controller, between the relays and its `Upstream`."""
 
     def __init__(self, world: dict[str, tuple[int, ...]], world_size: int, key: bytes, incarnation: bytes,
-                 counts: collections.Counter[str]) -> None:
-        """`counts`: the controller's counters, which this router adds to."""
+                 route_secret: bytes, counts: collections.Counter[str]) -> None:
+        """`route_secret`: what each host's token derives from (`links.host_token`); `counts`: the controller's."""
         self.world = world
+        self.route_secret = route_secret
         self.host_of = {r: h for h, rs in world.items() for r in rs}
         self.codec = Codec(key, incarnation, COORDINATOR_SENDER)
         self.counts = counts
@@ -235,7 +240,7 @@ class ControlRouter:
         if route == RELAY_ROUTE:
             where = f"relay connection {relay_id!r}"
             if isinstance(record, rec.RelayHello):
-                return Attribution.signed_by(relay_sender(record.host), where)
+                return hello_signer(self.route_secret, record, where)
             host = self._host_of_relay(relay_id)
             if self.relay_route.get(host) != relay_id:  # "unknown": no host's relay holds this connection
                 return Attribution.nobody(where)

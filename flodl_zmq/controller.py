@@ -145,7 +145,7 @@ def serve(opts: ControllerOptions) -> int:
         formed = True
         penv = ProcessEnv(
             role="controller", controller=opts.address, key=key, run_id=run_id, incarnation=incarnation, world=world,
-            settings=settings,
+            settings=settings, route_secret=membership.route_secret,
         )
         return _run_role(opts, membership, penv)
     except KeyboardInterrupt:

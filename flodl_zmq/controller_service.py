@@ -147,7 +147,8 @@ class ControllerService:
         self.world = penv.world
         self.world_size = penv.world_size
         self.counts: collections.Counter[str] = collections.Counter()
-        self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.incarnation, self.counts)
+        self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.incarnation, penv.need_route_secret(),
+                                    self.counts)
         torch.manual_seed(job.seed)  # the same initial replica as every rank
         self.model = job.model()
         resumed = Resumed.load(job.resume_from)
@@ -235,6 +236,7 @@ class ControllerService:
                 wire=self.job.wire,
                 # The relays send this model's frames and nothing longer (PROTOCOL.md 6.1).
                 max_frame_bytes=data_max_frame_bytes(self.job.wire.largest_frame_bytes(self.kept.consensus.size)),
+                route_secret=self.penv.need_route_secret(),
             ),
             ctx,
             self.outer,

@@ -18,6 +18,10 @@ and sets:
     FLODL_HOST        relay and rank: the host this process belongs to
     FLODL_RANK        rank: its global rank
     FLODL_LOCAL_RANK  rank: its index on the host (picks cuda:LOCAL_RANK when CUDA is present)
+    FLODL_ROUTE_SECRET controller: 32 random bytes, 64 hex characters, drawn by whoever starts
+                      the controller; every host's token derives from it (links.host_token)
+    FLODL_HOST_TOKEN  relay: its host's token, 64 hex characters, which its `relay.hello`
+                      carries: only the controller and this host know it (PROTOCOL.md 10.5)
     FLODL_EXIT_FD     controller under `flodl-zmq launch`: the pipe on which the launcher
                       reports every relay and rank exit (`ExitReports`), as an agent does
     FLODL_LIFELINE_FD every role under `flodl-zmq launch`, and an agent's relay and ranks: the
@@ -45,12 +49,13 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
+from flodl_zmq.links import HOST_TOKEN_BYTES, ROUTE_SECRET_BYTES
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import KEY_ENV, RUN_ID_BYTES, key_from_hex
 
@@ -181,6 +186,15 @@ class ProcessEnv:
     settings: Settings = field(default_factory=Settings)
     exit_fd: int | None = None
     lifeline_fd: int | None = None
+    route_secret: bytes | None = None  # controller: what each host's token derives from
+    host_token: bytes | None = None  # relay: its host's token, which its hello proves
+
+    def need_route_secret(self) -> bytes:
+        """The controller's route secret; a ConfigError naming FLODL_ROUTE_SECRET when it has none."""
+        if self.route_secret is None:
+            raise ConfigError("the controller needs FLODL_ROUTE_SECRET (64 hex characters, drawn at random by "
+                              "whoever starts it: launch, `flodl-zmq controller`); it proves each relay's hello")
+        return self.route_secret
 
     @property
     def slowdown(self) -> float:
@@ -237,6 +251,8 @@ class ProcessEnv:
             settings=Settings.from_environ(env, CHILD_SCOPES),
             exit_fd=exit_fd,
             lifeline_fd=_fd(env, "FLODL_LIFELINE_FD"),
+            route_secret=_secret(need, "FLODL_ROUTE_SECRET", ROUTE_SECRET_BYTES) if role == "controller" else None,
+            host_token=_secret(need, "FLODL_HOST_TOKEN", HOST_TOKEN_BYTES) if role == "relay" else None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -264,6 +280,10 @@ class ProcessEnv:
             out["FLODL_EXIT_FD"] = str(self.exit_fd)
         if self.lifeline_fd is not None:
             out["FLODL_LIFELINE_FD"] = str(self.lifeline_fd)
+        if self.route_secret is not None:
+            out["FLODL_ROUTE_SECRET"] = self.route_secret.hex()
+        if self.host_token is not None:
+            out["FLODL_HOST_TOKEN"] = self.host_token.hex()
         return out
 
 
@@ -276,6 +296,17 @@ def _id(value: str, name: str) -> bytes:
     if len(raw) != RUN_ID_BYTES:
         raise ConfigError(f"{name} must be {RUN_ID_BYTES * 2} hex characters")
     return raw
+
+
+def _secret(need: Callable[[str], str], name: str, size: int) -> bytes:
+    """The `size` bytes of variable `name`, given in hex."""
+    try:
+        value = bytes.fromhex(need(name))
+    except ValueError:
+        raise ConfigError(f"{name} must be hex") from None
+    if len(value) != size:
+        raise ConfigError(f"{name} must be {size * 2} hex characters ({size} bytes), got {len(value) * 2}")
+    return value
 
 
 def _fd(env: Mapping[str, str], name: str) -> int | None:

@@ -61,7 +61,7 @@ from flodl_zmq.environment import (
     with_tunables,
 )
 from flodl_zmq.errors import ConfigError
-from flodl_zmq.links import remove_local_dir
+from flodl_zmq.links import ROUTE_SECRET_BYTES, host_token, remove_local_dir
 from flodl_zmq.settings import Settings
 from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
 from flodl_zmq.wire import RUN_ID_BYTES, new_incarnation, new_key, session_key
@@ -171,6 +171,7 @@ class Cluster:
         """Spawn the controller, the relays, then the ranks."""
         address = ControllerAddress("127.0.0.1", self.port or free_port_base())
         self.run_id = os.urandom(RUN_ID_BYTES)
+        self._route_secret = os.urandom(ROUTE_SECRET_BYTES)  # each relay gets its host's token of it, no other's
         # The run's settings come from our environment, like the controller's; slowdowns from --slow.
         settings = replace(Settings.from_environ(scopes=CHILD_SCOPES), slowdown=1.0)
         if self.startup_timeout_s is not None:
@@ -208,9 +209,12 @@ class Cluster:
         try:
             # The relays first: the controller and the ranks wait for the warm interpreter's imports.
             for host in self.world:
-                self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, **base),
+                token = host_token(self._route_secret, host)
+                self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, host_token=token,
+                                                        **base),
                             pass_fds=(lifeline,), argv=RELAY_ARGV)
-            self._spawn("controller", ProcessEnv(role="controller", settings=settings, exit_fd=exits, **base),
+            self._spawn("controller", ProcessEnv(role="controller", settings=settings, exit_fd=exits,
+                                                 route_secret=self._route_secret, **base),
                         pass_fds=(exits, lifeline))
             for host, ranks in self.world.items():
                 for local, rank in enumerate(ranks):

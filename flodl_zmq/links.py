@@ -42,6 +42,7 @@ import ctypes.util
 import errno
 import functools
 import hashlib
+import hmac
 import logging
 import os
 import stat
@@ -101,6 +102,35 @@ def rank_sender(rank: int) -> str:
 def relay_sender(host: str) -> str:
     """The codec sender name a host's relay signs with."""
     return f"relay:{host}"
+
+
+HOST_TOKEN_LABEL = b"flodl-zmq/host-token\x00"
+ROUTE_SECRET_BYTES = 32
+HOST_TOKEN_BYTES = 32  # an HMAC-SHA256
+
+
+def host_token(route_secret: bytes, host: str) -> bytes:
+    """The secret `host`'s relay proves its `relay.hello` with (PROTOCOL.md 10.5).
+
+    Why: every member holds the session key, so a hello's MAC says "a member", not
+    "this host"; the token is handed to the host alone at admission. It is derived
+    from the controller's route secret, so the controller, the launcher and a
+    re-formed world compute the same token without keeping a table.
+    """
+    return hmac.new(route_secret, HOST_TOKEN_LABEL + host.encode(), hashlib.sha256).digest()
+
+
+def hello_signer(route_secret: bytes, hello: Any, where: str) -> Attribution:
+    """Who may sign `hello` on `where`: its host's relay, when it carries that host's token; else nobody.
+
+    Checked as the attribution (PROTOCOL.md 7, step 21), so a hello with a wrong
+    token is refused before its sequence number is recorded: a member naming
+    another host neither moves that host's route nor burns its sequence numbers.
+    """
+    if not hmac.compare_digest(hello.token, host_token(route_secret, hello.host)):
+        return Attribution.nobody(where, f"its token is not host {hello.host!r}'s: another member speaking for "
+                                         "that host, or a relay of another run or controller incarnation")
+    return Attribution.signed_by(relay_sender(hello.host), where)
 
 
 def relay_identity(host: str, incarnation: bytes) -> bytes:

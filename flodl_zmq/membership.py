@@ -28,13 +28,14 @@ not know the run yet. So each exchange is made fresh by a challenge
 `join.challenge_request`, gets a nonce (`Challenges`, join.py) and signs it
 into its hello or status request; a replayed one is dropped without a reply.
 Nothing is answered before a message's MAC verifies, not even a version
-skew. The accept names the run id and this controller's incarnation id, and
-every later frame on the link (world formed, rank exits, heartbeats, abort)
-carries the incarnation with the session key, so a frame recorded in an
-earlier run that used the same pre-shared key, or on a link to this run's
-controller before it was restarted, cannot tear down a host of this one nor
-report a rank of it gone (PROTOCOL.md 4.1). Each formed and re-formed world
-gets its own incarnation id, which its relays and ranks sign with.
+skew. The accept names the run id, this controller's incarnation id and the
+host's token (from `route_secret`), which its relay's hello must carry: the
+session key says "a member", the token "this host". Every later frame on the
+link carries the incarnation with the session key, so a frame recorded in an
+earlier run under the same pre-shared key, or before the controller restarted,
+cannot tear down a host of this one nor report a rank of it gone (PROTOCOL.md
+4.1). Each formed and re-formed world gets its own incarnation id, which its
+relays and ranks sign with. Under CURVE a host name stays its first key's.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import ipaddress
 import json
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -74,9 +76,23 @@ from flodl_zmq.join import (
     Rejected,
     WindowPhase,
 )
-from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, limit_receive
+from flodl_zmq.links import (
+    CONTROL_MAX_FRAME_BYTES,
+    JOIN_MAX_FRAMES,
+    ROUTE_SECRET_BYTES,
+    drain,
+    host_token,
+    limit_receive,
+)
 from flodl_zmq.mailbox import Mailbox
-from flodl_zmq.security import JOIN_ZAP_DOMAIN, CleartextWarner, CurveGate, CurveKeys, apply_server
+from flodl_zmq.security import (
+    JOIN_ZAP_DOMAIN,
+    CleartextWarner,
+    CurveGate,
+    CurveKeys,
+    apply_server,
+    client_key,
+)
 from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.wire import KEY_BYTES, RUN_ID_BYTES, Attribution, Channel, Codec, Envelope
@@ -258,6 +274,9 @@ class MembershipService:
         self.dropped = 0  # join frames dropped unanswered (bad MAC, junk, replays, another incarnation)
         self._next_beat = 0.0  # when the join thread next sends the admitted agents a heartbeat
         self._session_key = session_key
+        # Each host's token derives from it (links.host_token), for the controller role to check its relay's
+        # hellos. Once per controller process: a re-formed world keeps it, and with it the hosts' tokens.
+        self.route_secret = os.urandom(ROUTE_SECRET_BYTES)
         self._join = Codec(join_key(trust, session_key), JOIN_RUN_ID, SENDER, max_ledger=JOIN_LEDGER_CAP)
         self._session = Codec(session_key, incarnation, SENDER)
         self._hosts: dict[bytes, str] = {}  # ROUTER identity -> admitted host
@@ -550,14 +569,16 @@ class MembershipService:
         hello: JoinHello = env.record
         if not self._fresh(ident, env, now):
             return
-        outcome = self.window.admit(hello, now, finished=self.links.state(hello.host) == "done")
+        taken = "" if self._gate is None else self._gate.name_taken(hello.host, client_key(frames))
+        done = self.links.state(hello.host) == "done"
+        outcome = Rejected(taken) if taken else self.window.admit(hello, now, finished=done)
         if isinstance(outcome, Rejected):
             log.warning("join refused for %r: %s", hello.host, outcome.reason)
             self._send(ident, self._join, JoinReject(outcome.reason, hello.nonce))
             return
         key = self._session_key if self.trust is TrustMode.OPEN else None
         accept = JoinAccept(list(outcome.ranks), key, outcome.formation_wait_s, self.run_id, self.incarnation,
-                            hello.nonce)
+                            hello.nonce, host_token(self.route_secret, hello.host))
         if not self._send(ident, self._join, accept):
             self.window.retract_last(hello.host)
             return
@@ -585,14 +606,11 @@ class MembershipService:
     def _admit_curve_key(self, host: str, frames: list[Any]) -> None:
         """Let the key that carried `host`'s admitted hello through the data sockets (the gate)."""
         assert self._gate is not None
-        try:
-            key = frames[0].get("User-Id")  # the client key the ZAP handler approved, Z85
-        except (zmq.ZMQError, AttributeError, IndexError):
-            key = None
-        if not key:
+        key = client_key(frames)
+        if key is None:
             log.warning("host %r admitted but its CURVE key is unknown: its relay will be refused", host)
             return
-        self._gate.admit(key)
+        self._gate.admit(key, host)
 
     def _on_member_frame(self, ident: bytes, host: str, frames: list[Any]) -> None:
         try:

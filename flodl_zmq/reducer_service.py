@@ -10,8 +10,10 @@ to the broadcast.
 Rules this module keeps:
 
 - Every record is authenticated before use; a relay is known only after an
-  authenticated RelayHello that matches the world it was built with, and
-  later records must be signed by that relay. Rejections are logged and
+  authenticated RelayHello that carries its host's token (checked before the
+  hello's sequence number is recorded, so another member cannot take or lock
+  out a host) and matches the world it was built with, and later records
+  must be signed by that relay. Rejections are logged and
   counted, never fatal.
 - A relay is counted as a subscriber only after it answered a Probe seen on
   PUB (PUB silently drops messages for peers that are not yet subscribed).
@@ -81,11 +83,13 @@ from flodl_zmq.io_threads import controller_context, io_affinity
 from flodl_zmq.links import (
     DATA_MAX_FRAME_BYTES,
     REDUCER_SENDER,
+    ROUTE_SECRET_BYTES,
     TAG_BCAST,
     TAG_DATA,
     Refusal,
     decode_or_count,
     drain,
+    hello_signer,
     keep_alive,
     limit_receive,
     relay_sender,
@@ -137,10 +141,16 @@ class ReducerConfig:
     link_heartbeat_period_s: float = DEFAULTS.link_heartbeat_period_s  # ZeroMQ heartbeats on tcp://
     link_silence_s: float = DEFAULTS.link_silence_s  # a relay's connection silent this long is dropped
     wire: WireFormat = F32  # the run's wire format (Job.wire): a host frame of another is refused at the first
+    # What each host's token derives from (links.host_token): a hello without its host's is refused.
+    # Required: a reducer without it could not tell a host's relay from any other member.
+    route_secret: bytes = b""
 
     def __post_init__(self) -> None:
         if not self.world:
             raise ConfigError("reducer world must name at least one host")
+        if len(self.route_secret) != ROUTE_SECRET_BYTES:
+            raise ConfigError(f"reducer route_secret must be {ROUTE_SECRET_BYTES} bytes (the controller's, "
+                              f"FLODL_ROUTE_SECRET), got {len(self.route_secret)}")
         if not self.probe_interval_s > 0:
             raise ConfigError("reducer probe_interval_s must be > 0")
         if not 0 < self.link_heartbeat_period_s < self.link_silence_s:
@@ -393,13 +403,18 @@ class ReducerService:
         route = msg[0].bytes
 
         def relay_of(rec: Any) -> Attribution:
-            # The relay this route belongs to; a hello names its own (and _hello binds the route to it).
-            host = rec.host if isinstance(rec, RelayHello) else self._host_of.get(route)
+            # The relay this route belongs to; a hello names its own, proved by its host's token
+            # (and _hello binds the route to it).
             where = f"relay route {route!r}"
+            if isinstance(rec, RelayHello):
+                return hello_signer(self.config.route_secret, rec, where)
+            host = self._host_of.get(route)
             return Attribution.nobody(where) if host is None else Attribution.signed_by(relay_sender(host), where)
 
         def refusal(exc: WireError) -> Refusal:
             if isinstance(exc, AttributionError):
+                if exc.kind == RelayHello.KIND:
+                    return Refusal("bad_hello", logging.ERROR)
                 return Refusal("unknown_peer" if exc.expected is None else "forged_sender")
             return Refusal("rejected")
 

@@ -330,7 +330,7 @@ class _ControlPlane(Plane):
 
     def say_hello(self, now: float) -> None:
         if self.hello.due(now):
-            self.send_own(RelayHello(self.cfg.host, list(self.cfg.ranks), []))
+            self.send_own(RelayHello(self.cfg.host, list(self.cfg.ranks), [], self.cfg.host_token))
 
     def expire(self, now: float) -> None:
         for rank in self.live.expired(now):
@@ -440,6 +440,7 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
         rank_first_record_at_relay_s=s.rank_first_record_at_relay_s, consensus_wait_at_relay_s=s.consensus_wait_at_relay_s,
         link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
         peer_send_timeout_s=s.peer_send_timeout_s, wire=s.wire if wire is None else wire,
+        host_token=penv.host_token or b"",
     )
     relay = Relay(cfg)
     relay.start()

@@ -13,7 +13,7 @@ from typing import Any
 
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError
-from flodl_zmq.links import local_endpoints
+from flodl_zmq.links import HOST_TOKEN_BYTES, local_endpoints
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.wire import Channel
@@ -47,10 +47,16 @@ class RelayConfig:
     # The run's wire format: a deposit of another is refused at the first frame. `run_relay` gives None
     # where the run announces none (no FLODL_WIRE_DTYPE): the ranks' first deposit's format then holds.
     wire: WireFormat | None = F32
+    # The host's token from its admission (links.host_token), which every RelayHello carries: the
+    # controller takes a hello for this host from no one without it. Required (FLODL_HOST_TOKEN).
+    host_token: bytes = b""
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ConfigError("relay host name must not be empty")
+        if len(self.host_token) != HOST_TOKEN_BYTES:
+            raise ConfigError(f"relay host_token must be {HOST_TOKEN_BYTES} bytes (FLODL_HOST_TOKEN, given by the agent or the "
+                              f"launcher), got {len(self.host_token)}")
         if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
             raise ConfigError(f"relay ranks {self.ranks} must be distinct non-negative global ranks, at least one")
         for name in ("rank_silence_at_relay_s", "rank_first_record_at_relay_s", "consensus_wait_at_relay_s", "send_retry_s",

@@ -155,7 +155,7 @@ class DataPlane(Plane):
 
     def say_hello(self, now: float) -> None:
         if self.hello.due(now):
-            self.send_up(RelayHello(self.cfg.host, list(self.cfg.ranks), []))
+            self.send_up(RelayHello(self.cfg.host, list(self.cfg.ranks), [], self.cfg.host_token))
 
     def shm_unusable(self, exc: ShmError) -> None:
         # A squatted or foreign shared-memory path must not stop the host: consensus goes framed.

@@ -242,6 +242,15 @@ def start_allow_list(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator |
     return auth
 
 
+def client_key(frames: list[Any]) -> bytes | None:
+    """The CURVE client key (Z85) the ZAP handler approved for this message's connection, or None."""
+    try:
+        key = frames[0].get("User-Id")
+    except (zmq.ZMQError, AttributeError, IndexError):
+        return None
+    return key.encode() if key else None  # pyzmq gives message properties as str
+
+
 JOIN_ZAP_DOMAIN = b"join"  # the join socket's ZAP domain: the one door a not-yet-admitted key may use
 
 
@@ -269,15 +278,30 @@ class CurveGate:
         self.own = own
         self.clients = clients
         self._admitted: frozenset[bytes] = frozenset()
+        self._key_of: dict[str, bytes] = {}  # host -> the key that first joined it (membership thread only)
 
     @property
     def admitted(self) -> frozenset[bytes]:
         return self._admitted
 
-    def admit(self, key: bytes | str) -> None:
-        """Let `key` (Z85) through every socket from now on."""
+    def admit(self, key: bytes | str, host: str) -> None:
+        """Let `key` (Z85) through every socket from now on; `host`'s name is this key's for the run."""
         raw = key.encode() if isinstance(key, str) else bytes(key)
         self._admitted = self._admitted | {raw}
+        self._key_of.setdefault(host, raw)
+
+    def name_taken(self, host: str, key: bytes | None) -> str:
+        """Why `key` may not join as `host` ("" when it may).
+
+        A host name belongs, for the rest of the run, to the key that first
+        joined it: another admitted key must not take a departed (or any) host's
+        name, and with it that host's token and route.
+        """
+        bound = self._key_of.get(host)
+        if bound is None or key == bound:
+            return ""
+        return (f"host name {host!r} belongs to another CURVE key in this run: pick another --host, or join "
+                "with the keys that joined it first")
 
     def callback(self, domain: str | bytes, key: bytes) -> bool:
         if (domain.encode() if isinstance(domain, str) else domain) == JOIN_ZAP_DOMAIN:

@@ -170,6 +170,7 @@ class Attribution:
     rank: int | None = None  # a record with a `rank` field must name this rank: a rank speaks for itself only
     any_signer: bool = False  # a join link before admission: the hello introduces its sender
     scope: str = ""  # the sequence ledger is kept per (scope, signer), so one connection cannot burn another's
+    why: str = ""  # why the route names nobody, when the receiver knows more than "no hello registered it"
 
     @classmethod
     def signed_by(cls, signer: str, route: str, *, rank: int | None = None, scope: str = "") -> Attribution:
@@ -177,9 +178,9 @@ class Attribution:
         return cls(route, signer, rank, False, scope)
 
     @classmethod
-    def nobody(cls, route: str) -> Attribution:
-        """`route` names no signer (no hello registered it): every frame on it is refused."""
-        return cls(route, None)
+    def nobody(cls, route: str, why: str = "") -> Attribution:
+        """`route` names no signer (no hello registered it, or `why`): every frame on it is refused."""
+        return cls(route, None, why=why)
 
     @classmethod
     def anyone(cls, route: str, *, scope: str) -> Attribution:
@@ -190,6 +191,9 @@ class Attribution:
         """Raise AttributionError unless `signer` (and the record's rank) is what this route names."""
         if self.any_signer:
             return
+        if self.signer is None and self.why:
+            raise AttributionError(f"{kind} signed by {signer!r} arrived on {self.route}: {self.why}",
+                                   kind=kind, signer=signer, expected=None)
         if self.signer is None:
             raise AttributionError(
                 f"{kind} signed by {signer!r} arrived on {self.route}, which no peer registered: a peer that "

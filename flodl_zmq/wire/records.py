@@ -307,11 +307,16 @@ class EpochMetrics:
 
 @record("relay.hello", C, D)
 class RelayHello:
-    """A relay's first record on each upstream socket: the host and its global ranks."""
+    """A relay's first record on each upstream socket: the host and its global ranks.
+
+    `token` is the host's secret from its admission (PROTOCOL.md 10.5): another
+    member holds the session key too, so only the token says the hello is the host's.
+    """
 
     host: str
     ranks: list[int]
     model_sigs: list[bytes]
+    token: bytes
 
 
 @record("relay.hello_ack", C, D)
@@ -497,6 +502,7 @@ class JoinAccept:
     run_id: bytes
     incarnation: bytes
     nonce: bytes  # the hello's challenge nonce: the accept answers that hello and no other
+    host_token: bytes  # this host's secret, which its relay's hello proves (PROTOCOL.md 10.5); no other member has it
 
 
 @record("join.reject", J)

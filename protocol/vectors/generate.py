@@ -124,6 +124,8 @@ FIELD_VALUES: dict[str, Any] = {
     "code": -9,
     "next_plan": PLAN,
     "plan": PLAN,
+    "token": _sig("host-token"),  # relay.hello: the host's token (32 bytes, PROTOCOL.md 10.5)
+    "host_token": _sig("host-token"),  # join.accept: the same token, as the membership gives it
     "seqs": [7, 12, 8, 9],  # relay.reports: one per merged record (a heartbeat, a batch, a snapshot notice, an ack)
 }
 

@@ -35,7 +35,7 @@ def main() -> int:
     cfg = RelayConfig.for_controller(
         args.host, [int(r) for r in args.ranks.split(",")], key_from_hex(os.environ["FLODL_KEY"]),
         bytes.fromhex(args.run_id), ControllerAddress.parse(args.controller), (args.local_control, args.local_data),
-        wire=named(args.wire_dtype),
+        wire=named(args.wire_dtype), host_token=bytes.fromhex(os.environ["FLODL_HOST_TOKEN"]),
     )
     relay = Relay(cfg)
     relay.start()

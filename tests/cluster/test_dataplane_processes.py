@@ -20,6 +20,7 @@ import zmq
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import with_tunables
 from flodl_zmq.launch import free_port_base
+from flodl_zmq.links import host_token
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Channel, new_key
@@ -77,8 +78,9 @@ class World:
         self._coord = threading.Thread(target=self._drain_control, args=(addr.endpoint(Channel.CONTROL),),
                                        daemon=True)
         self._coord.start()
+        secret = os.urandom(32)  # the controller's route secret: each relay gets its host's token of it
         self.reducer = ReducerService(ReducerConfig.for_controller(HOSTS, self.key, self.run_id, addr,
-                                                                   wire=named(dtype)), self.ctx)
+                                                                   wire=named(dtype), route_secret=secret), self.ctx)
         self.reducer.start()
         env = {role: with_tunables(dict(os.environ, FLODL_KEY=self.key.hex()), role) for role in ("relay", "rank")}
         self.procs: dict[str, Proc] = {}
@@ -88,7 +90,7 @@ class World:
                 [sys.executable, str(HERE / "dataplane_relay.py"), "--host", host, "--ranks", ",".join(map(str, ranks)),
                  "--controller", str(addr), "--run-id", self.run_id.hex(),
                  "--local-control", local["control"], "--local-data", local["data"], "--wire-dtype", dtype],
-                env["relay"])
+                dict(env["relay"], FLODL_HOST_TOKEN=host_token(secret, host).hex()))
             for r in ranks:
                 self.procs[f"r{r}"] = Proc(
                     [sys.executable, str(HERE / "dataplane_rank.py"), "--rank", str(r), "--run-id",

@@ -94,7 +94,7 @@ class FakeController:
                 elif ident is None:
                     ident = frames[0]  # the hello's content does not matter: answering is all the attack takes
                     accept = JoinAccept([0], self.session_key if self.join.key == OPEN_JOIN_KEY else None,
-                                        5.0, RUN_ID, RUN_ID, self._echo(frames, "nonce"))
+                                        5.0, RUN_ID, RUN_ID, self._echo(frames, "nonce"), bytes(32))
                     self.sock.send_multipart([ident, *self.join.encode(accept, channel=Channel.JOIN)])
                     spawn = SpawnSpec(self.argv, self.env, world={"victim": (0,)})
                     formed = WorldFormed(1, spawn.to_json(), RUN_ID)

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 import zmq
+from transport.dataplane_helpers import ROUTE_SECRET, token
 
 from flodl_zmq.join import JoinConfig, JoinWindow, Rejected, WindowPhase
 from flodl_zmq.links import TAG_BCAST, TAG_DATA, relay_sender
@@ -54,7 +55,7 @@ def test_an_oversized_frame_to_the_controllers_data_port_is_refused_at_the_model
         relay.setsockopt(zmq.LINGER, 0)
         relay.connect(data_ep)
         relay.send_multipart(Codec(service.penv.key, service.penv.incarnation, relay_sender("h")).encode(
-            RelayHello("h", [0, 1], []), channel=Channel.DATA))
+            RelayHello("h", [0, 1], [], token("h")), channel=Channel.DATA))
         assert relay.poll(30_000), "the reducer no longer answers its relay"
         tag, *frames = relay.recv_multipart()
         assert tag == TAG_DATA
@@ -109,7 +110,8 @@ def test_a_relay_that_stops_reading_does_not_stall_the_other_hosts_rounds(ctx):
     world = {"a": (0,), "b": (1,)}
     key = new_key()
     data_ep, bcast_ep = f"inproc://slow-data-{key.hex()[:8]}", f"inproc://slow-bcast-{key.hex()[:8]}"
-    svc = ReducerService(ReducerConfig(world, key, RUN_ID, data_ep, bcast_ep, probe_interval_s=0.05), ctx)
+    svc = ReducerService(ReducerConfig(world, key, RUN_ID, data_ep, bcast_ep, probe_interval_s=0.05,
+                                       route_secret=ROUTE_SECRET), ctx)
     svc.start()
     relays = {}
     try:
@@ -121,7 +123,7 @@ def test_a_relay_that_stops_reading_does_not_stall_the_other_hosts_rounds(ctx):
             relays[host] = (sock, Codec(key, RUN_ID, relay_sender(host)))
         reader = Codec(key, RUN_ID, "test")
         for host, (sock, codec) in relays.items():
-            sock.send_multipart(codec.encode(RelayHello(host, list(world[host]), []), channel=Channel.DATA))
+            sock.send_multipart(codec.encode(RelayHello(host, list(world[host]), [], token(host)), channel=Channel.DATA))
         # `a` reads everything; `b` never reads again and never subscribes, so every consensus
         # goes to it point to point and its queue fills within a few rounds.
         a, _ = relays["a"]

@@ -86,7 +86,7 @@ def test_ipc_sockets_live_in_a_private_directory_named_without_the_run_id_and_ar
     eps = endpoints("ipc", tmp_path)
     ctl = FakeController(ctx, key, run_id, eps)
     relay = Relay(RelayConfig("host-a", (0,), key, run_id, eps["control"], eps["data"], eps["bcast"], control, data,
-                              rank_silence_at_relay_s=30.0), ctx)
+                              rank_silence_at_relay_s=30.0, host_token=bytes(32)), ctx)
     try:
         relay.start()
         ctl.data_record()

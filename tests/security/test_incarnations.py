@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from transport.dataplane_helpers import WAIT_S, endpoints
+from transport.dataplane_helpers import ROUTE_SECRET, WAIT_S, endpoints, token
 from transport.test_controller import WORLD, ScriptedRelay, job
 from transport.test_reducer import WORLD as REDUCER_WORLD
 from transport.test_reducer import FakeRelay, frame
@@ -62,7 +62,8 @@ def recorded_hellos(key: bytes, incarnation: bytes) -> list[list[bytes]]:
     torch.manual_seed(j.seed)  # the replica every process of the run starts from
     sigs = {"model_sig": model_signature(j.model()), "dataset_sig": dataset_signature(j.dataset)}
     relay = Codec(key, incarnation, relay_sender("h"))
-    out = [[RELAY_ROUTE, *relay.encode(rec.RelayHello(host="h", ranks=[0, 1], model_sigs=[]), channel=Channel.CONTROL)]]
+    out = [[RELAY_ROUTE, *relay.encode(rec.RelayHello(host="h", ranks=[0, 1], model_sigs=[], token=token("h")),
+                                       channel=Channel.CONTROL)]]
     for r in WORLD["h"]:
         hello = rec.RankHello(rank=r, world_size=2, host="h", **sigs)
         out.append([rank_identity(r), *Codec(key, incarnation, rank_sender(r)).encode(hello, channel=Channel.CONTROL)])
@@ -76,7 +77,7 @@ def test_hellos_of_the_incarnation_before_take_no_route_and_form_no_world():
     address = ControllerAddress("127.0.0.1", free_port_base())
     # The controller of the next incarnation: the same run id and key, a fresh incarnation id.
     penv = ProcessEnv(role="controller", controller=address, key=key, run_id=RUN_ID, incarnation=now, world=WORLD,
-                      settings=Settings(startup_timeout_s=WAIT_S))
+                      settings=Settings(startup_timeout_s=WAIT_S), route_secret=ROUTE_SECRET)
     j = job()
     service = ControllerService(j, penv)
     thread = threading.Thread(target=lambda: _quietly(service.run), daemon=True)
@@ -92,7 +93,7 @@ def test_hellos_of_the_incarnation_before_take_no_route_and_form_no_world():
               f"the replays refused by their incarnation ({dict(service.router.rejected)})")
         assert service.counts["rejected.control"] == 3 and not service.started
         # The genuine relay of this incarnation still takes its host and forms the world.
-        relay.relay_send(rec.RelayHello(host="h", ranks=[0, 1], model_sigs=[]))
+        relay.relay_send(rec.RelayHello(host="h", ranks=[0, 1], model_sigs=[], token=token("h")))
         relay.wait_for(RELAY_ROUTE, "RelayHelloAck")
         relay.hello(0)
         relay.hello(1)
@@ -122,9 +123,10 @@ def test_a_host_frame_of_the_incarnation_before_is_never_reduced(tmp_path):
     ctx = zmq.Context()
     # What host a's relay of the incarnation before sent the reducer: its hello, then its frame of round 1.
     old = Codec(key, before, relay_sender("a"))
-    recorded = [old.encode(rec.RelayHello("a", list(REDUCER_WORLD["a"]), []), channel=Channel.DATA),
+    recorded = [old.encode(rec.RelayHello("a", list(REDUCER_WORLD["a"]), [], token("a")), channel=Channel.DATA),
                 old.encode(*frame("a", 1, 1.0, 99.0), channel=Channel.DATA)]
-    svc = ReducerService(ReducerConfig(REDUCER_WORLD, key, now, eps["data"], eps["bcast"], probe_interval_s=0.05), ctx)
+    svc = ReducerService(ReducerConfig(REDUCER_WORLD, key, now, eps["data"], eps["bcast"], probe_interval_s=0.05,
+                                       route_secret=ROUTE_SECRET), ctx)
     svc.start()
     attacker = ctx.socket(zmq.DEALER)
     attacker.setsockopt(zmq.LINGER, 0)

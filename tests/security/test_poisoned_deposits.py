@@ -25,12 +25,14 @@ from transport.dataplane_helpers import (
 
 from flodl_zmq.errors import PoisonedDeposit
 from flodl_zmq.fold import PIECE, FoldStation, check_finite
-from flodl_zmq.links import relay_sender
+from flodl_zmq.links import host_token, relay_sender
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import HostFrame, RelayHello
+
+ROUTE_SECRET = bytes(range(32))  # the controller's: each host's token derives from it (PROTOCOL.md 10.5)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,12 +47,14 @@ class World:
         self.key, self.run_id = new_key(), bytes(range(16))
         self.eps = eps = endpoints("ipc", tmp_path)
         self.reducer = ReducerService(
-            ReducerConfig(hosts, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05), self.ctx)
+            ReducerConfig(hosts, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05,
+                          route_secret=ROUTE_SECRET), self.ctx)
         self.reducer.start()
         self.relays = {}
         for host in real:
             cfg = RelayConfig(host, hosts[host], self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
-                              eps[f"{host}-control"], eps[f"{host}-data"], rank_silence_at_relay_s=30.0)
+                              eps[f"{host}-control"], eps[f"{host}-data"], rank_silence_at_relay_s=30.0,
+                              host_token=host_token(ROUTE_SECRET, host))
             self.relays[host] = Relay(cfg, self.ctx)
             self.relays[host].start()
         self.ranks = {r: FakeRank(self.ctx, r, self.key, self.run_id, eps[f"{h}-control"], eps[f"{h}-data"])
@@ -135,7 +139,7 @@ def test_a_host_frame_with_a_nan_or_too_much_mass_is_refused_and_the_round_compl
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(w.eps["data"])
             codec = Codec(w.key, w.run_id, relay_sender(host))
-            sock.send_multipart(codec.encode(RelayHello(host, list(hosts[host]), []), channel=Channel.DATA))
+            sock.send_multipart(codec.encode(RelayHello(host, list(hosts[host]), [], host_token(ROUTE_SECRET, host)), channel=Channel.DATA))
             fakes[host] = (sock, codec)
         w.reducer.bound_round(1, {r: 84.0 for r in range(4)})
         for sock, _ in fakes.values():

@@ -22,7 +22,14 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.join import JoinConfig, JoinWindow
 from flodl_zmq.launch import free_port_base
-from flodl_zmq.links import DISCARD_TICK_FRAMES, TAG_DATA, rank_identity, recv_bounded, relay_sender
+from flodl_zmq.links import (
+    DISCARD_TICK_FRAMES,
+    TAG_DATA,
+    host_token,
+    rank_identity,
+    recv_bounded,
+    relay_sender,
+)
 from flodl_zmq.membership import JOIN_RUN_ID, OPEN_JOIN_KEY, MembershipService, TrustMode
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.security import CurveKeys
@@ -37,6 +44,8 @@ from flodl_zmq.wire.records import (
 )
 
 from .zmtp import RawPeer
+
+ROUTE_SECRET = bytes(range(32))  # the controller's: each host's token derives from it (PROTOCOL.md 10.5)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -194,7 +203,7 @@ def test_an_oversized_frame_to_the_reducer_data_socket_is_refused_before_it_is_a
     key = new_key()
     data_ep = f"tcp://127.0.0.1:{free_port_base()}"
     cfg = ReducerConfig({"a": (0,)}, key, RUN_ID, data_ep, f"tcp://127.0.0.1:{free_port_base()}",
-                        max_frame_bytes=8 * MiB)
+                        max_frame_bytes=8 * MiB, route_secret=ROUTE_SECRET)
     svc = ReducerService(cfg, ctx)
     svc.start()
     try:
@@ -209,7 +218,7 @@ def test_an_oversized_frame_to_the_reducer_data_socket_is_refused_before_it_is_a
         relay.setsockopt(zmq.LINGER, 0)
         relay.connect(data_ep)
         codec = Codec(key, RUN_ID, relay_sender("a"))
-        relay.send_multipart(codec.encode(RelayHello("a", [0], []), channel=Channel.DATA))
+        relay.send_multipart(codec.encode(RelayHello("a", [0], [], host_token(ROUTE_SECRET, "a")), channel=Channel.DATA))
         assert relay.poll(5000), "the reducer no longer answers a relay"
         tag, *frames = relay.recv_multipart()
         assert tag == TAG_DATA

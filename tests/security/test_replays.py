@@ -33,7 +33,7 @@ from transport.test_controller import rig  # noqa: F401  (the fixture: a real co
 from transport.test_rank_link import link  # noqa: F401  (the fixture: a rank's real link, its relay's sockets)
 
 from flodl_zmq.coordinator.liveness import RankState
-from flodl_zmq.links import coordinator_sender, rank_identity
+from flodl_zmq.links import coordinator_sender, host_token, rank_identity
 from flodl_zmq.rank_link import FromCoordinator
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
@@ -41,6 +41,8 @@ from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.records import Consensus
+
+ROUTE_SECRET = bytes(range(32))  # the controller's: each host's token derives from it (PROTOCOL.md 10.5)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,11 +107,12 @@ def test_a_recorded_consensus_replayed_rounds_later_is_refused_and_the_ranks_tra
     eps = endpoints("ipc", tmp_path)
     tapped = f"ipc://{tmp_path}/tapped-bcast"
     reducer = ReducerService(ReducerConfig({"a": (0, 1)}, key, run_id, eps["data"], eps["bcast"],
-                                           probe_interval_s=0.05), ctx)
+                                           probe_interval_s=0.05, route_secret=ROUTE_SECRET), ctx)
     reducer.start()
     path = OnPath(ctx, eps["bcast"], tapped)
     relay = Relay(RelayConfig("a", (0, 1), key, run_id, eps["control"], eps["data"], tapped, eps["a-control"],
-                              eps["a-data"], rank_silence_at_relay_s=30.0), ctx)
+                              eps["a-data"], rank_silence_at_relay_s=30.0,
+                              host_token=host_token(ROUTE_SECRET, "a")), ctx)
     relay.start()
     ranks = {r: FakeRank(ctx, r, key, run_id, eps["a-control"], eps["a-data"]) for r in (0, 1)}
 

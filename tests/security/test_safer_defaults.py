@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 import zmq
+from transport.dataplane_helpers import ROUTE_SECRET
 from zmq.utils.monitor import recv_monitor_message
 
 from flodl_zmq.cli import build_parser
@@ -127,10 +128,10 @@ def test_a_pub_under_curve_serves_an_admitted_key_and_refuses_a_strangers_in_the
     address = ControllerAddress("127.0.0.1", free_port_base())
     # The reducer's own PUB, as the controller binds it.
     reducer = ReducerService(ReducerConfig.for_controller({"a": (0,)}, new_key(), bytes(range(16)), address,
-                                                          curve=server), ctx)
+                                                          curve=server, route_secret=ROUTE_SECRET), ctx)
     pinned = {SERVER_ENV: server.public.decode()}
     member, stranger = CurveKeys.for_client(pinned), CurveKeys.for_client(pinned)  # both know the public key
-    gate.admit(member.public)  # what the membership does with an admitted agent's handshake key
+    gate.admit(member.public, "a")  # what the membership does with an admitted agent's handshake key
     subs: list[zmq.Socket] = []
     try:
         reducer.start()

@@ -71,7 +71,8 @@ def run_one_round(tmp_path, key: bytes, run_id: bytes) -> tuple[bool, bool]:
     eps = endpoints("ipc", tmp_path)
     ctl = FakeController(ctx, key, run_id, eps)
     relay = Relay(RelayConfig("a", (0,), key, run_id, eps["control"], eps["data"], eps["bcast"], eps["a-control"],
-                              eps["a-data"], rank_silence_at_relay_s=30.0, consensus_wait_at_relay_s=30.0), ctx)
+                              eps["a-data"], rank_silence_at_relay_s=30.0, consensus_wait_at_relay_s=30.0,
+                              host_token=bytes(32)), ctx)
     rank = FakeRank(ctx, 0, key, run_id, eps["a-control"], eps["a-data"])
     segment, shared = None, False
     try:

@@ -19,12 +19,21 @@ from flodl_zmq.links import (
     TAG_BCAST,
     TAG_DATA,
     coordinator_sender,
+    host_token,
     rank_identity,
     rank_sender,
 )
 from flodl_zmq.tensors import bf16_from_f32, f32_from_bf16
 from flodl_zmq.wire import Channel, Codec, Envelope
 from flodl_zmq.wire.records import Consensus, Exiting, Heartbeat, RoundFrame
+
+ROUTE_SECRET = bytes(range(32))  # the controller's, in these tests: what each host's token derives from
+
+
+def token(host: str) -> bytes:
+    """`host`'s token under ROUTE_SECRET, as its relay's hello carries it (PROTOCOL.md 10.5)."""
+    return host_token(ROUTE_SECRET, host)
+
 
 WAIT_S = 30.0  # every wait in these tests is bounded by this: a hang guard, far above any loaded machine's delay
 

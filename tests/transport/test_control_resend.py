@@ -30,6 +30,7 @@ from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Channel, new_key
 
+from .dataplane_helpers import ROUTE_SECRET, token
 from .test_resend import DropShim
 
 pytestmark = pytest.mark.timeout(90)
@@ -55,7 +56,7 @@ def run_with_drops(tmp_path, drops: dict[tuple[str, bool], int]) -> tuple[dict, 
     key, run_id = new_key(), uuid.uuid4().bytes
     address = ControllerAddress("127.0.0.1", free_port_base())
     penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, incarnation=run_id, world=WORLD,
-                      settings=Settings(startup_timeout_s=30.0))
+                      settings=Settings(startup_timeout_s=30.0), route_secret=ROUTE_SECRET)
     service = ControllerService(job(), penv)
     outcome: dict = {}
 
@@ -71,7 +72,7 @@ def run_with_drops(tmp_path, drops: dict[tuple[str, bool], int]) -> tuple[dict, 
     local = (f"ipc://{tmp_path}/c-{tag}", f"ipc://{tmp_path}/d-{tag}")
     shim_ep = f"ipc://{tmp_path}/shim-{tag}"
     cfg = RelayConfig("h", WORLD["h"], key, run_id, shim_ep, address.endpoint(Channel.DATA),
-                      address.endpoint(Channel.BROADCAST), *local)
+                      address.endpoint(Channel.BROADCAST), *local, host_token=token("h"))
     relay = Relay(cfg, ctx)
     shim = DropShim(ctx, shim_ep, address.endpoint(Channel.CONTROL), relay.identity, drops)
     threads = [threading.Thread(target=run_controller, daemon=True)]

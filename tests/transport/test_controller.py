@@ -24,7 +24,7 @@ from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
 
-from .dataplane_helpers import WAIT_S
+from .dataplane_helpers import ROUTE_SECRET, WAIT_S, token
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -86,7 +86,7 @@ def rig():
     key, run_id = new_key(), bytes(range(16))
     address = ControllerAddress("127.0.0.1", free_port_base())
     penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, incarnation=run_id, world=WORLD,
-                      settings=Settings(startup_timeout_s=WAIT_S))
+                      settings=Settings(startup_timeout_s=WAIT_S), route_secret=ROUTE_SECRET)
     j = job()
     service = ControllerService(j, penv)
     outcome: dict = {}
@@ -100,7 +100,7 @@ def rig():
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     relay = ScriptedRelay(ctx, address.endpoint(Channel.CONTROL), key, run_id, j)
-    relay.relay_send(rec.RelayHello(host="h", ranks=[0, 1], model_sigs=[]))
+    relay.relay_send(rec.RelayHello(host="h", ranks=[0, 1], model_sigs=[], token=token("h")))
     relay.wait_for(RELAY_ROUTE, "RelayHelloAck")
     yield service, relay, thread, outcome
     for rank in (0, 1):  # the relay reports its ranks gone: the run ends, the service returns

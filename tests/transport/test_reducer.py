@@ -30,7 +30,7 @@ from flodl_zmq.wire.records import (
 from flodl_zmq.wire.stream import RESEND_AFTER_S
 from flodl_zmq.wire_format import BF16, F32, INT8
 
-from .dataplane_helpers import WAIT_S, endpoints
+from .dataplane_helpers import ROUTE_SECRET, WAIT_S, endpoints, token
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,7 +55,7 @@ class FakeRelay:
         return frames
 
     def hello(self):
-        self.send(RelayHello(self.host, list(WORLD[self.host]), []))
+        self.send(RelayHello(self.host, list(WORLD[self.host]), [], token(self.host)))
         assert self.record().record == RelayHelloAck()
 
     def record(self, timeout=WAIT_S) -> Envelope:
@@ -92,7 +92,8 @@ class Rig:
         self.key, self.run_id = new_key(), bytes(range(16))
         self.eps = eps = endpoints(kind, tmp_path)
         self.svc = ReducerService(
-            ReducerConfig(WORLD, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05, wire=wire),
+            ReducerConfig(WORLD, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05, wire=wire,
+                          route_secret=ROUTE_SECRET),
             self.ctx, outer,
         )
         self.svc.start()
@@ -141,13 +142,13 @@ def test_a_hello_for_a_live_host_from_another_connection_is_refused_and_a_repeat
     for _ in range(10):  # past a's sequence numbers: the refusal must be the route rule, not the replay check
         intruder.codec.encode(RelayHelloAck(), channel=Channel.DATA)
     try:
-        intruder.send(RelayHello("a", list(WORLD["a"]), []))
+        intruder.send(RelayHello("a", list(WORLD["a"]), [], token("a")))
         assert not intruder.data.poll(300), "a second connection took a live host's route"
         assert _settle(lambda: rig.svc.counters().get("bad_hello") == 1), rig.svc.counters()
         # Once the registered relay is gone, a new incarnation may take the host.
         a.close()
         for _ in range(50):
-            intruder.send(RelayHello("a", list(WORLD["a"]), []))
+            intruder.send(RelayHello("a", list(WORLD["a"]), [], token("a")))
             if intruder.data.poll(100):
                 break
         assert intruder.record().record == RelayHelloAck()
@@ -173,7 +174,7 @@ def test_each_death_is_forwarded_to_its_relay_once_at_once(rig):
     rig.svc.declare_dead(3)  # before b registered: forwarded on registration
     a, b = rig.relays["a"], rig.relays["b"]
     a.hello()
-    b.send(RelayHello("b", [2, 3], []))
+    b.send(RelayHello("b", [2, 3], [], token("b")))
     assert b.record().record == RelayHelloAck()
     assert b.record().record == RelayDeclareDead(3)
     rig.svc.declare_dead(0)
@@ -300,7 +301,7 @@ def test_a_host_frame_never_received_is_asked_for_when_its_relay_asks_for_the_co
 
 def test_a_hello_that_disagrees_with_the_world_is_refused(rig):
     a = rig.relays["a"]
-    a.send(RelayHello("a", [0, 1, 2], []))
+    a.send(RelayHello("a", [0, 1, 2], [], token("a")))
     assert not a.data.poll(200)
     assert rig.svc.counters()["bad_hello"] == 1
 

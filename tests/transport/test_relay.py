@@ -33,7 +33,7 @@ from flodl_zmq.wire.records import (
 )
 from flodl_zmq.wire_format import BF16, INT8
 
-from .dataplane_helpers import WAIT_S, FakeController, FakeRank, endpoints
+from .dataplane_helpers import WAIT_S, FakeController, FakeRank, endpoints, token
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,7 +47,7 @@ class Rig:
         timing.setdefault("rank_silence_at_relay_s", 30.0)
         timing.setdefault("consensus_wait_at_relay_s", 30.0)
         self.cfg = RelayConfig("a", (0, 1), self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
-                               eps["a-control"], eps["a-data"], **timing)
+                               eps["a-control"], eps["a-data"], host_token=token("a"), **timing)
         self.relay = Relay(self.cfg, self.ctx)
         self.relay.start()
         self.ranks = [FakeRank(self.ctx, r, self.key, self.run_id, eps["a-control"], eps["a-data"]) for r in (0, 1)]

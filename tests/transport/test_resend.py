@@ -25,7 +25,17 @@ from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import new_key
 from flodl_zmq.wire import records as rec
 
-from .dataplane_helpers import WAIT_S, FakeRank, endpoints, model, reference, rel_error, to_wire
+from .dataplane_helpers import (
+    ROUTE_SECRET,
+    WAIT_S,
+    FakeRank,
+    endpoints,
+    model,
+    reference,
+    rel_error,
+    to_wire,
+    token,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,7 +115,8 @@ class Rig:
         eps = endpoints("ipc", tmp_path)
         shim_ep = f"ipc://{tmp_path}/shim-{uuid.uuid4().hex[:8]}"
         self.reducer = ReducerService(
-            ReducerConfig(HOSTS, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05), self.ctx
+            ReducerConfig(HOSTS, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05,
+                          route_secret=ROUTE_SECRET), self.ctx
         )
         self.reducer.start()
         self.relays: dict[str, Relay] = {}
@@ -114,7 +125,7 @@ class Rig:
             upstream = shim_ep if shim == "host" and host == "a" else eps["data"]
             cfg = RelayConfig(host, ranks, self.key, self.run_id, eps["control"], upstream, eps["bcast"],
                               eps[f"{host}-control"], eps[f"{host}-data"], rank_silence_at_relay_s=30.0,
-                              consensus_wait_at_relay_s=0.3)
+                              consensus_wait_at_relay_s=0.3, host_token=token(host))
             relay = self.relays[host] = Relay(cfg, self.ctx)
             if upstream == shim_ep:
                 self.shim = DropShim(self.ctx, shim_ep, eps["data"], relay.identity, drops)

@@ -15,7 +15,7 @@ from flodl_zmq.wire import new_key
 from flodl_zmq.wire.records import RESUME_ROUND, RoundFrame
 from flodl_zmq.wire_format import named, of_payload
 
-from .dataplane_helpers import WAIT_S, FakeRank, endpoints
+from .dataplane_helpers import ROUTE_SECRET, WAIT_S, FakeRank, endpoints, token
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,11 +60,12 @@ def test_a_resumed_rank_asks_its_relay_and_loads_the_checkpoint_consensus_then_r
     ckpt = checkpoint_consensus(wire_dtype)
     wire_format = named(wire_dtype)
     reducer = ReducerService(ReducerConfig({"a": (0, 1)}, key, run_id, eps["data"], eps["bcast"],
-                                           probe_interval_s=0.05, wire=wire_format), ctx,
+                                           probe_interval_s=0.05, wire=wire_format, route_secret=ROUTE_SECRET), ctx,
                              resumed=(RESUME_ROUND, wire_format.resume_payload(ckpt)))
     reducer.start()
     relay = Relay(RelayConfig("a", (0, 1), key, run_id, eps["control"], eps["data"], eps["bcast"],
-                              eps["a-control"], eps["a-data"], consensus_wait_at_relay_s=0.5, wire=wire_format), ctx)
+                              eps["a-control"], eps["a-data"], consensus_wait_at_relay_s=0.5, wire=wire_format,
+                              host_token=token("a")), ctx)
     relay.start()
     cfg = RankConfig(rank=0, local_rank=0, world_size=2, host="a", key=key, incarnation=run_id,
                      control_endpoint=eps["a-control"], data_endpoint=eps["a-data"],

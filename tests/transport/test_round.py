@@ -17,6 +17,7 @@ from flodl_zmq.wire import new_key
 from flodl_zmq.wire_format import F32, WireFormat, named
 
 from .dataplane_helpers import (
+    ROUTE_SECRET,
     WAIT_S,
     FakeRank,
     endpoints,
@@ -26,6 +27,7 @@ from .dataplane_helpers import (
     rel_error,
     tiered_bf16_reference,
     to_wire,
+    token,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,7 +43,8 @@ class Cluster:
         self.key, self.run_id = new_key(), bytes(range(16))
         eps = endpoints(kind, tmp_path)
         self.reducer = ReducerService(
-            ReducerConfig(HOSTS, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05, wire=wire),
+            ReducerConfig(HOSTS, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05, wire=wire,
+                          route_secret=ROUTE_SECRET),
             self.ctx,
         )
         self.reducer.start()
@@ -50,7 +53,7 @@ class Cluster:
             cfg = RelayConfig(host, ranks, self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
                               eps[f"{host}-control"], eps[f"{host}-data"],
                               rank_silence_at_relay_s=rank_silence_at_relay_s, consensus_wait_at_relay_s=consensus_wait_at_relay_s,
-                              wire=wire)
+                              wire=wire, host_token=token(host))
             self.relays[host] = Relay(cfg, self.ctx)
             self.relays[host].start()
         self.ranks = {r: FakeRank(self.ctx, r, self.key, self.run_id, eps[f"{h}-control"], eps[f"{h}-data"])

@@ -153,8 +153,23 @@ def test_exit_reports_cross_a_pipe_line_by_line_and_end_when_the_launcher_closes
 
 def test_the_controllers_exit_fd_round_trips_through_the_environment():
     penv = ProcessEnv(role="controller", controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32),
-                      run_id=bytes(16), incarnation=bytes(16), world={"h0": (0, 1)}, exit_fd=7)
+                      run_id=bytes(16), incarnation=bytes(16), world={"h0": (0, 1)}, exit_fd=7,
+                      route_secret=bytes(range(32)))
     assert ProcessEnv.from_environ(penv.to_environ()) == penv
+
+
+def test_the_route_secret_and_the_host_token_round_trip_and_a_missing_one_is_named():
+    where = dict(controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32), run_id=bytes(16),
+                 incarnation=bytes(range(16)), world={"h0": (0,)})
+    controller = ProcessEnv(role="controller", route_secret=bytes(range(32)), **where)
+    relay = ProcessEnv(role="relay", host="h0", host_token=bytes(range(1, 33)), **where)
+    for penv, name in ((controller, "FLODL_ROUTE_SECRET"), (relay, "FLODL_HOST_TOKEN")):
+        environ = penv.to_environ()
+        assert ProcessEnv.from_environ(environ) == penv
+        with pytest.raises(ConfigError, match=name):
+            ProcessEnv.from_environ({k: v for k, v in environ.items() if k != name})
+        with pytest.raises(ConfigError, match=name):
+            ProcessEnv.from_environ({**environ, name: "ab" * 16})
 
 
 def test_the_lifeline_fd_round_trips_and_a_bad_one_is_named():

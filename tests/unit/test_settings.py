@@ -145,10 +145,14 @@ def test_a_child_of_an_agent_runs_with_the_controllers_timings_and_its_hosts_slo
     spawn = SpawnSpec(("train.py",), env=controller.to_environ(("run",)), world={"h0": (0, 1)})
     agent = Agent(AgentConfig(ControllerAddress("127.0.0.1", 7300), "h0", ("cpu:0", "cpu:1"), key=new_key()))
     try:
-        joined = Joined(ranks=(0, 1), session_key=new_key(), run_id=os.urandom(16), incarnation=os.urandom(16), world_size=2, spawn=spawn)
+        joined = Joined(ranks=(0, 1), session_key=new_key(), run_id=os.urandom(16), incarnation=os.urandom(16),
+                        world_size=2, spawn=spawn, host_token=os.urandom(32))
         penv = ProcessEnv.from_environ(agent.child_environ(joined, "rank", 1, 1))
+        relay = ProcessEnv.from_environ(agent.child_environ(joined, "relay", None, None))
     finally:
         agent.close()
     assert penv is not None and penv.rank == 1
     assert penv.settings.rank_silence_at_relay_s == 3.0 and penv.settings.rank_heartbeat_period_s == 0.25
     assert penv.slowdown == 2.0
+    # The host's token goes to its relay alone: a rank never needs it (PROTOCOL.md 10.5 item 3).
+    assert relay is not None and relay.host_token == joined.host_token and penv.host_token is None

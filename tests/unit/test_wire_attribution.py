@@ -80,7 +80,7 @@ def test_a_rule_attributes_by_the_decoded_record() -> None:
         seen.append(rec)
         return Attribution.signed_by(f"relay:{rec.host}", "a new relay's route")
 
-    hello = RelayHello("a", [0, 1], [])
+    hello = RelayHello("a", [0, 1], [], bytes(32))
     assert rx.decode_from(Codec(KEY, RUN, "relay:a").encode(hello, channel=Channel.DATA), Channel.DATA, rule).record == hello
     with pytest.raises(AttributionError):
         rx.decode_from(Codec(KEY, RUN, "relay:b").encode(hello, channel=Channel.DATA), Channel.DATA, rule)
