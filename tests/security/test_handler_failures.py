@@ -6,6 +6,8 @@ ranges did not foresee) and checks the one boundary each service keeps
 (`links.act_for_peer`): that peer is dropped as for any death, counted
 `handler_error.*`, and the service goes on serving the others. Before,
 the exception ended the service's thread: one member ended a host or the run.
+A rank's link has one peer, the coordinator: a record it fails on stops the
+rank with the reason, as a lost coordinator does.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ import time
 import numpy as np
 import pytest
 from transport.dataplane_helpers import WAIT_S
+from transport.test_rank_link import link  # noqa: F401  (the fixture: a rank's real link, its relay's sockets)
 from transport.test_reducer import Rig as ReducerRig
 from transport.test_reducer import frame
 from transport.test_relay import Rig as RelayRig
 from transport.test_relay import settle
 
 from flodl_zmq.join import HostLost
-from flodl_zmq.links import RELAY_ROUTE, rank_identity
+from flodl_zmq.links import RELAY_ROUTE, coordinator_sender, rank_identity
 from flodl_zmq.membership import JOIN_RUN_ID
+from flodl_zmq.rank_link import CoordinatorLost
 from flodl_zmq.relay_core import ReportQueue
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import (
@@ -33,6 +37,7 @@ from flodl_zmq.wire.records import (
     RankExit,
     RankExited,
     RelayDeclareDead,
+    Shutdown,
 )
 
 from .test_join_replay import Run, exchange, hello
@@ -116,3 +121,12 @@ def test_an_agent_record_the_membership_fails_on_loses_that_host_and_others_stil
         assert isinstance(accept2, JoinAccept)
     finally:
         run.close()
+
+
+def test_a_coordinator_record_the_ranks_link_fails_on_stops_the_rank_with_the_reason(link, monkeypatch):  # noqa: F811
+    lk, control, _data, key, run_id = link
+    monkeypatch.setattr(lk._down, "accept", injected)
+    control.send_multipart([rank_identity(0), *Codec(key, run_id, coordinator_sender(0)).encode(Shutdown())])
+    got = lk.inbox.get(timeout=WAIT_S)  # not an I/O thread gone and a training thread waiting on it
+    assert isinstance(got, CoordinatorLost) and "injected" in got.reason
+    assert lk.counts["handler_error.upstream"] == 1
