@@ -14,6 +14,10 @@ Rules this module keeps:
   claims). A record that fails authentication or schema is counted per host
   and logged, never fatal; the `Upstream` (the controller) sees only
   authenticated records whose signer is the rank their route names.
+- The signer answers for its record. Whatever acting on an accepted record
+  raises, in this router, the coordinator or the replies it causes, is a
+  violation of its signer (`links.act_for_peer`): that rank, or every rank of
+  the relay's host, is declared dead; the controller serves on.
 - One relay per host, proved by its token. A hello counts only with the
   token its host was given at admission (`links.hello_signer`), checked before
   its sequence number is recorded: another member naming the host moves no
@@ -44,6 +48,7 @@ from flodl_zmq.links import (
     RELAY_ROUTE,
     Connections,
     Refusal,
+    act_for_peer,
     coordinator_sender,
     decode_or_count,
     hello_signer,
@@ -76,6 +81,9 @@ class Upstream(Protocol):
 
     def is_gone(self, rank: int) -> bool:
         """`rank` is dead or exited: its records are never sent again."""
+
+    def violation(self, ranks: tuple[int, ...], reason: str) -> None:
+        """Acting on a record signed for `ranks` raised (`links.act_for_peer`): they are out, the run goes on."""
 
 
 class ControlRouter:
@@ -203,10 +211,13 @@ class ControlRouter:
             if self.connections.arrived(host, msg[-1]):
                 self.reconnects_this_epoch += 1
                 log.info("controller: host %s reconnected (%d so far)", host, self.connections.reconnects[host])
-        if route == RELAY_ROUTE:
-            self._on_relay(relay_id, env)
-            return
-        self._from_stream(rank_of(route), env.seq, env.record)  # attributed: a rank of this world
+        rank = rank_of(route)  # attributed: a rank of this world, or None on the relay's own route
+        # The signer answers for what its record makes us do: the rank, or the relay for its host's ranks.
+        peer, ranks = (f"the relay of {host}", self.world.get(host, ())) if rank is None else (f"rank {rank}", (rank,))
+        act_for_peer(peer, lambda: self._on_relay(relay_id, env) if rank is None else
+                     self._from_stream(rank, env.seq, env.record),
+                     lambda reason: self.upstream.violation(tuple(ranks), f"{env.kind}: {reason}"),
+                     self.counts, "control", log, "controller")
 
     def _refused(self, relay_id: bytes, route: bytes, exc: WireError) -> Refusal:
         """A control record that did not decode: counted by cause (also per host), never fatal."""

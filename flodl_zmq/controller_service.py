@@ -52,11 +52,14 @@ authenticated and attributed to the rank their route names.
 Peer violations: one policy with the reducer's. A rank whose authenticated
 record the coordinator refuses (a record it can never legally send: another
 rank's id, a kind a rank does not send, a completion of the wrong size; the
-core raises CoordinatorError/ProtocolError before any change) is declared
-dead with the reason, exactly like a rank that exited, and the run trains
-on without it; before the world formed, that fails the formation naming it.
-A peer must never be able to end the service; only the service's own bugs
-(any other exception from the core) still end the run, loudly.
+core raises CoordinatorError/ProtocolError before any change), or whose
+record makes anything here raise (the core, a reply's encode, the report),
+is declared dead with the reason, exactly like a rank that exited, and the
+run trains on without it (`violation`, called from the router's one handler
+boundary, `links.act_for_peer`); before the world formed, that fails the
+formation naming it or forms without it. A peer must never be able to end
+the service; an exception that is our bug is logged with its traceback and
+counted (`handler_error.control`) on the way.
 """
 
 from __future__ import annotations
@@ -65,7 +68,6 @@ import collections
 import logging
 import math
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +92,7 @@ from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
 from flodl_zmq.errors import (
     AttributionError,
-    CoordinatorError,
     FlodlError,
-    ProtocolError,
     TrainingError,
     WireError,
 )
@@ -478,20 +478,15 @@ class ControllerService:
             self.report.step()
         if isinstance(record, (rec.EvalResult, rec.CheckpointResult)) and record.error is not None:
             self._callback_failed(record.error)
-        try:
-            outs = self.core.on_record(rank, record, time.monotonic())
-        except (CoordinatorError, ProtocolError) as exc:
-            # A record a correct rank never sends; the core refused it before any change.
-            # That rank is out, as if it had died: a peer must not end the run (the reducer's policy too).
-            self.counts["violation.control"] += 1
+        # A record the core refuses (CoordinatorError, before any change) raises to the router's boundary,
+        # which makes it this rank's violation (`violation`).
+        self._perform(self.core.on_record(rank, record, time.monotonic()))
+
+    def violation(self, ranks: tuple[int, ...], reason: str) -> None:
+        """Acting on their record raised: they are out, as if they had died; a peer must not end the run."""
+        for rank in ranks:
             self.router.send_rank(rank, rec.Shutdown())  # declared dead, it must not train on alone
-            self.declare_dead(rank, f"protocol violation: {record.KIND}: {exc}")
-            return
-        except Exception:  # a core bug must not be mistaken for a peer's fault
-            log.error("controller: coordinator failed on %s from rank %d:\n%s", record.KIND, rank,
-                      traceback.format_exc())
-            raise
-        self._perform(outs)
+            self.declare_dead(rank, reason)
 
     def _on_hello(self, rank: int, hello: rec.RankHello) -> None:
         outcome = self.formation.hello(rank, hello)

@@ -591,6 +591,13 @@ class HostLinks:
         # `lost` is strict (silent for longer than the timeout): due just after.
         return math.nextafter(min(heard) + self.timeout_s, math.inf) if heard else None
 
+    def cut(self, host: str) -> bool:
+        """`host` broke the protocol: lost now, as if silent (False when it is not watched or already lost)."""
+        if host not in self._heard or host in self._closed:
+            return False
+        self._closed.add(host)
+        return True
+
     def lost(self, now: float) -> list[str]:
         """Hosts that fell silent since the last call (each reported once)."""
         out = [
@@ -616,6 +623,7 @@ class RankExitReported:
 class HostLost:
     host: str
     ranks: tuple[int, ...]  # the ranks it had not reported as exited
+    why: str = "its agent fell silent"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ Receiving. Every receiving socket refuses frames over its kind's size (`limit_re
 and every receive loop reads through `recv_bounded`, which never keeps more
 frames of a message than its socket may legally carry (PROTOCOL.md 6.1). A
 record the codec refuses is counted by cause, logged and dropped, never raised
-into a poll loop (`decode_or_count`).
+into a poll loop (`decode_or_count`). What a service then does with a record
+it accepted runs inside `act_for_peer`: anything that raises is the signer's
+violation, which drops that peer only, never the service.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import stat
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -56,7 +59,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from flodl_zmq.endpoints import is_loopback_endpoint
-from flodl_zmq.errors import AttributionError, PrivateDirError, WireError
+from flodl_zmq.errors import AttributionError, FlodlError, PrivateDirError, WireError
 from flodl_zmq.wire import Attribution, Envelope, Limits
 from flodl_zmq.wire.records import Channel
 from flodl_zmq.wire.shm import private_dir_name
@@ -538,3 +541,31 @@ def route_refusal(where: str) -> Callable[[WireError], Refusal]:
     """A relay link's refusals: `forged_route.WHERE` when the sender is not the one the route names, else
     `rejected.WHERE`."""
     return lambda exc: Refusal(f"{'forged_route' if isinstance(exc, AttributionError) else 'rejected'}.{where}")
+
+
+def act_for_peer(peer: str, act: Callable[[], None], drop: Callable[[str], None], count: collections.Counter[str],
+                 where: str, log: logging.Logger, who: str) -> bool:
+    """Act on one accepted record of `peer` (the handler, the core's reaction, the replies it causes); False when
+    that raised and `peer` was dropped.
+
+    The rule of every service's handler boundary (PROTOCOL.md 8.2): a record a peer signed may break a rule
+    only the service's state can see (a FlodlError: counted `violation.WHERE`), or make the service's own
+    code fail (any other Exception: counted `handler_error.WHERE`, logged with its traceback, since it may be
+    our bug and must stay visible). Either way `drop(reason)` removes that peer, as for any death, and the
+    service goes on serving the others: no record a member can sign ends a service. KeyboardInterrupt and
+    SystemExit are not caught; an exception from `drop` itself is the service's own failure and is raised.
+    """
+    try:
+        act()
+        return True
+    except FlodlError as exc:
+        count[f"violation.{where}"] += 1
+        log.error("%s: %s broke the protocol, dropping it: %s", who, peer, exc)
+        reason = f"protocol violation: {exc}"
+    except Exception as exc:  # noqa: BLE001 - attributed to the peer whose record caused it, and logged whole
+        count[f"handler_error.{where}"] += 1
+        log.error("%s: acting on a record of %s failed, dropping it (a bug here if it is not the peer's doing):\n%s",
+                  who, peer, traceback.format_exc())
+        reason = f"{who} failed acting on its record: {type(exc).__name__}: {exc}"
+    drop(reason)
+    return False

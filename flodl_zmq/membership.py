@@ -40,6 +40,7 @@ relays and ranks sign with. Under CURVE a host name stays its first key's.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import ipaddress
@@ -80,6 +81,7 @@ from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     JOIN_MAX_FRAMES,
     ROUTE_SECRET_BYTES,
+    act_for_peer,
     drain,
     host_token,
     limit_receive,
@@ -272,6 +274,7 @@ class MembershipService:
         self.links = HostLinks(host_silence_at_controller_s)
         self.events: Mailbox[MembershipEvent] = Mailbox()
         self.dropped = 0  # join frames dropped unanswered (bad MAC, junk, replays, another incarnation)
+        self.counts: collections.Counter[str] = collections.Counter()  # violations, by `links.act_for_peer`
         self._next_beat = 0.0  # when the join thread next sends the admitted agents a heartbeat
         self._session_key = session_key
         # Each host's token derives from it (links.host_token), for the controller role to check its relay's
@@ -384,6 +387,8 @@ class MembershipService:
             out["departed"] = [{"host": m.host, "ranks": list(m.ranks)} for m in self.window.departed]
         if self.joins:
             out["joins"] = list(self.joins)
+        if self.counts:
+            out["violations"] = dict(self.counts)
         if self._training is not None:
             out["training"] = self._training
         return out
@@ -423,17 +428,26 @@ class MembershipService:
     def _expire(self, now: float) -> None:
         """Report the hosts whose agents fell silent (a pending joiner leaves quietly)."""
         for host in self.links.lost(now):
-            ranks = self.links.live_ranks(host)
-            pending = any(m.host == host for m in self.window.pending)
-            if self.window.phase is WindowPhase.FORMED:
-                self.window.depart(host)  # it may join again, with fresh ranks
-                self._pending = self.window.pending
-                self._drop_connections(host)
-            if pending:  # not in the world yet: nobody schedules its ranks
-                log.warning("host %r lost while waiting to join: its agent is silent", host)
-                continue
-            log.warning("host %r lost: its agent is silent; ranks %s are gone", host, list(ranks))
-            self.events.put(HostLost(host, ranks))
+            self._lose(host, "its agent fell silent")
+
+    def _lose(self, host: str, why: str) -> None:
+        """`host` is gone (`why`): its ranks are reported lost; a pending joiner just leaves."""
+        ranks = self.links.live_ranks(host)
+        pending = any(m.host == host for m in self.window.pending)
+        if self.window.phase is WindowPhase.FORMED:
+            self.window.depart(host)  # it may join again, with fresh ranks
+            self._pending = self.window.pending
+            self._drop_connections(host)
+        if pending:  # not in the world yet: nobody schedules its ranks
+            log.warning("host %r lost while waiting to join: %s", host, why)
+            return
+        log.warning("host %r lost: %s; ranks %s are gone", host, why, list(ranks))
+        self.events.put(HostLost(host, ranks, why))
+
+    def _violation(self, host: str | None, why: str) -> None:
+        """Acting on a record of `host` (None: a connection not admitted, nothing to drop) raised."""
+        if host is not None and self.links.cut(host):
+            self._lose(host, why)
 
     def _drop_connections(self, host: str) -> None:
         """Forget every join connection of `host` (it left, or came back on a new one)."""
@@ -502,7 +516,13 @@ class MembershipService:
         return any(aborted)
 
     def _on_message(self, ident: bytes, frames: list[Any]) -> None:
+        # Whatever acting on a record raises is its sender's violation: that host is lost, the window serves on.
         host = self._hosts.get(ident)
+        act_for_peer(f"host {host!r}" if host is not None else f"join connection {ident.hex()}",
+                     lambda: self._on_frames(ident, host, frames), lambda why: self._violation(host, why),
+                     self.counts, "join", log, "membership")
+
+    def _on_frames(self, ident: bytes, host: str | None, frames: list[Any]) -> None:
         if host is not None:
             self._on_member_frame(ident, host, frames)
             return

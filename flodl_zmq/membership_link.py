@@ -54,7 +54,7 @@ class MembershipLink:
             if isinstance(event, RankExitReported) and event.code != 0:
                 dead.append((event.rank, f"its agent on {event.host} reported exit code {event.code}"))
             elif isinstance(event, HostLost):
-                dead.extend((rank, f"host {event.host} lost: its agent fell silent") for rank in event.ranks)
+                dead.extend((rank, f"host {event.host} lost: {event.why}") for rank in event.ranks)
         return dead
 
     def reform(self, before: dict[str, tuple[int, ...]], stem: str, result: TrainResult) -> WorldChange:

@@ -32,11 +32,12 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ from flodl_zmq.links import (
     DATA_MAX_FRAME_BYTES,
     DATA_MAX_FRAMES,
     FROM_REDUCER,
+    act_for_peer,
     coordinator_sender,
     limit_receive,
     rank_identity,
@@ -158,6 +160,7 @@ class RankLink:
         self._loop = ServiceLoop(f"rank{cfg.rank}-io")  # its mailbox carries the training thread's records
         self._ctx = ctx
         self.rejected = 0
+        self.counts: collections.Counter[str] = collections.Counter()  # violations, by `links.act_for_peer`
         self.resent = 0  # deposits sent again because the relay asked (lost on the local link)
         # The round's deposit, kept until its consensus passes; the round whose consensus is awaited
         # (the deposit's, or a resumed world's start, asked for at once) and when to ask the relay for it.
@@ -212,8 +215,8 @@ class RankLink:
         self._started = self._next_beat = time.monotonic()
         try:
             loop.on_message(_Outgoing, lambda out: self._send_out(control, data, out))
-            loop.on_socket(control, lambda: self._receive_control(control))
-            loop.on_socket(data, lambda: self._receive_data(data))
+            loop.on_socket(control, lambda: self._from_upstream(lambda: self._receive_control(control)))
+            loop.on_socket(data, lambda: self._from_upstream(lambda: self._receive_data(data)))
             loop.timer(lambda: self._next_beat, lambda now: self._beat(control, now))
             loop.timer(self._up.due_at, lambda now: self._resend(control, now))
             loop.timer(lambda: self._ask_at, lambda now: self._ask(data, now))
@@ -252,9 +255,20 @@ class RankLink:
 
     def _silence(self, now: float) -> None:
         limit = self._limit()
-        if not self._lost and now - (self._last_heard or self._started) > limit:
+        if now - (self._last_heard or self._started) > limit:
+            self._lose(f"no word from the coordinator for {limit:.0f} s")
+
+    def _lose(self, reason: str) -> None:
+        """The coordinator is lost to this rank: the training thread stops with `reason` (once)."""
+        if not self._lost:
             self._lost = True
-            self.inbox.put(CoordinatorLost(f"no word from the coordinator for {limit:.0f} s"))
+            self.inbox.put(CoordinatorLost(reason))
+
+    def _from_upstream(self, receive: Callable[[], None]) -> None:
+        """Take what came from the coordinator or the relay; whatever acting on it raises leaves this rank
+        unable to follow the protocol, so the coordinator counts as lost: the rank stops with the reason,
+        instead of an I/O thread gone and a training thread waiting for it."""
+        act_for_peer("the coordinator", receive, self._lose, self.counts, "upstream", log, f"rank {self.cfg.rank}")
 
     def _receive_control(self, control: zmq.Socket) -> None:
         """Take every queued control record; one authentic and fresh means the coordinator spoke."""

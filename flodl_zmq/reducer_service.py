@@ -39,7 +39,9 @@ Rules this module keeps:
 - A relay that breaks the round protocol (a round ahead, schema drift, a
   non-finite element, more mass than the coordinator's bound) has
   every one of its ranks declared dead: a desynced host must not wedge the
-  run, and the ledger never sums its polluted frame.
+  run, and the ledger never sums its polluted frame. So does one whose
+  record makes anything here raise (`links.act_for_peer`, the one boundary
+  in `_on_message`): no record a relay can sign ends the reducer.
 - No send waits on a relay: a relay that stops reading has what would
   overflow its queue dropped (counted `peer_full`) and asks for it again
   (ConsensusRequest), so it never delays another host's round. The data
@@ -87,6 +89,7 @@ from flodl_zmq.links import (
     TAG_BCAST,
     TAG_DATA,
     Refusal,
+    act_for_peer,
     decode_or_count,
     drain,
     hello_signer,
@@ -103,7 +106,7 @@ from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
 from flodl_zmq.security import CurveKeys, apply_server
 from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.settings import DEFAULTS
-from flodl_zmq.wire import Attribution, Channel, Codec
+from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
     Consensus,
     ConsensusGone,
@@ -422,11 +425,17 @@ class ReducerService:
                               log, "reducer")
         if env is None:
             return
-        rec = env.record
-        host = rec.host if isinstance(rec, RelayHello) else self._host_of[route]
-        if isinstance(rec, RelayHello):
-            self._hello(route, rec)
+        if isinstance(env.record, RelayHello):
+            act_for_peer(f"relay connection {route!r}", lambda: self._hello(route, env.record), lambda reason: None,
+                         self._count, "data", log, "reducer")  # not registered: nobody to drop
             return
+        host = self._host_of[route]
+        act_for_peer(f"the relay of {host}", lambda: self._on_record(host, env), lambda reason: self._drop_host(host),
+                     self._count, "data", log, "reducer")
+
+    def _on_record(self, host: str, env: Envelope) -> None:
+        """An attributed record of `host`'s relay (its hello aside)."""
+        rec = env.record
         if isinstance(rec, HostFrame):
             if rec.round > self._bounded:
                 self._service.dispatch_queued()  # a bound put before this round's requests went out is in place first
@@ -537,6 +546,10 @@ class ReducerService:
     def _violation(self, host: str, exc: ProtocolError) -> None:
         log.error("reducer: relay %s broke the round protocol; declaring its ranks dead: %s", host, exc)
         self._count["poisoned_frames" if isinstance(exc, PoisonedDeposit) else "protocol_violations"] += 1
+        self._drop_host(host)
+
+    def _drop_host(self, host: str) -> None:
+        """`host`'s relay broke the protocol (logged by the caller): its ranks are out of every round."""
         for rank in self.config.world[host]:
             self._death(rank, reported_by=None)
 

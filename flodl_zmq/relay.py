@@ -46,7 +46,9 @@ Rules the relay keeps:
   stop the relay; only a fold protocol violation does (the stream is
   desynced and the polluted round must never ship). A deposit with a NaN or
   infinite element is refused before it joins the fold: that rank leaves
-  (RankExit upstream) and the round completes without it.
+  (RankExit upstream) and the round completes without it. So does a rank
+  whose record makes anything else here raise (`links.act_for_peer`, around
+  each thread's handling of a rank's record).
 - Liveness (the wheels have no ROUTER_NOTIFY): a rank is dead when it says
   goodbye (timing.exiting), when no control record arrived from it within
   `rank_silence_at_relay_s` (or `rank_first_record_at_relay_s` before its first
@@ -99,6 +101,7 @@ from flodl_zmq.links import (
     DATA_MAX_FRAME_BYTES,
     FROM_COORDINATOR,
     RELAY_ROUTE,
+    act_for_peer,
     bind_local,
     coordinator_sender,
     decode_or_count,
@@ -376,13 +379,21 @@ class _ControlPlane(Plane):
         # No sequence check: the coordinator's window is the duplicate filter, and a rank's
         # resend whose first copy passed here but was lost upstream must pass again (10.7).
         env = self.verify(msg[1:], Channel.CONTROL, rank, "local_control", replay=False)
-        if env is None:
-            return
+        if env is not None:  # whatever acting on it raises is this rank's violation, never the relay's end
+            act_for_peer(f"rank {rank}", lambda: self.act_on(rank, env, msg), lambda why: self.violation(rank, why),
+                         self.count, "local_control", log, f"relay {self.cfg.host}")
+
+    def violation(self, rank: int, reason: str) -> None:
+        """`rank` broke the protocol: it is out, as for any departure."""
+        if self.live.leave(rank):
+            self.death(rank, reason)
+
+    def act_on(self, rank: int, env: Any, msg: list[bytes]) -> None:
+        """A record of `rank`, authentic and its own: merged or sent up."""
         if type(env.record) not in RANK_CONTROL_RECORDS:
             # A kind only the coordinator or a relay sends: the rank is out, as for any violation.
             self.count["illegal_kind.local_control"] += 1
-            if self.live.leave(rank):
-                self.death(rank, f"protocol violation: it sent {env.kind}, which a rank never sends")
+            self.violation(rank, f"protocol violation: it sent {env.kind}, which a rank never sends")
             return
         now = time.monotonic()
         self.live.seen(rank, now)

@@ -26,6 +26,7 @@ from flodl_zmq.links import (
     FROM_REDUCER,
     TAG_BCAST,
     TAG_DATA,
+    act_for_peer,
     decode_or_count,
     drain,
     rank_identity,
@@ -180,8 +181,12 @@ class DataPlane(Plane):
             return
         frames = msg[1:]
         env = self.verify(frames, Channel.DATA, rank, "local_data", self.mapped)
-        if env is None:
-            return
+        if env is not None:  # whatever acting on it raises is this rank's violation: it leaves, the host goes on
+            act_for_peer(f"rank {rank}", lambda: self.act_on(rank, env, frames), lambda why: self.local_death(rank),
+                         self.count, "local_data", log, f"relay {self.cfg.host}")
+
+    def act_on(self, rank: int, env: Envelope, frames: list[zmq.Frame]) -> None:
+        """A record of `rank`, authentic and its own: a deposit into the fold, or a request."""
         if is_by_reference(frames):
             self.by_reference.add(rank)
         if isinstance(env.record, ConsensusRequest):

@@ -21,6 +21,7 @@ import argparse
 import html
 import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,10 +254,25 @@ class _Plot:
     ph: float = HEIGHT - TOP - BOTTOM
 
     def px(self, x: float) -> float:
-        return LEFT + (x - self.xlo) / (self.xhi - self.xlo) * self.pw
+        return LEFT + _part(x, self.xlo, self.xhi) * self.pw
 
     def py(self, y: float) -> float:
-        return TOP + self.ph - (y - self.ylo) / (self.yhi - self.ylo) * self.ph
+        return TOP + self.ph - _part(y, self.ylo, self.yhi) * self.ph
+
+
+# Axis arithmetic works on halves: any two finite floats are at most 2 * FLOAT_MAX apart, so their
+# difference may overflow, but half of it never does. A rank reports any finite loss or metric it likes
+# (1e308 and -1e308 in one chart are legal); the page must still render, never raise OverflowError.
+FLOAT_MAX = sys.float_info.max
+
+
+def _half_width(lo: float, hi: float) -> float:
+    return hi / 2 - lo / 2  # halving is exact: the same as (hi - lo) / 2 wherever that does not overflow
+
+
+def _part(v: float, lo: float, hi: float) -> float:
+    """Where `v` lies between `lo` (0) and `hi` (1)."""
+    return _half_width(lo, v) / _half_width(lo, hi)
 
 
 def _axes(plot: _Plot, xlabel: str, ylabel: str) -> list[str]:
@@ -324,25 +340,23 @@ def _runs(xs: Sequence[float], ys: Sequence[float | None]) -> list[list[tuple[fl
 
 
 def _span(lo: float, hi: float) -> tuple[float, float]:
-    """An axis range around [lo, hi] with a little air (a flat line gets a visible band)."""
-    if hi - lo < 1e-12:
-        pad = abs(lo) * 0.1 or 1.0
-        return lo - pad, hi + pad
-    pad = (hi - lo) * 0.05
-    return lo - pad, hi + pad
+    """An axis range around [lo, hi] with a little air (a flat line gets a visible band), within the floats."""
+    half = _half_width(lo, hi)
+    pad = (abs(lo) * 0.1 or 1.0) if half < 5e-13 else half * 0.1
+    return max(lo - pad, -FLOAT_MAX), min(hi + pad, FLOAT_MAX)
 
 
 def _ticks(lo: float, hi: float, target: int = 5) -> list[float]:
     """Round tick values (1, 2 or 5 times a power of ten apart) inside [lo, hi]."""
-    raw = (hi - lo) / target
-    power = 10 ** math.floor(math.log10(raw))
+    raw = _half_width(lo, hi) / target * 2
+    power = 10.0 ** math.floor(math.log10(raw))
     step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
     first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step) + 1)]
+    return [2 * (first / 2 + i * (step / 2)) for i in range(int(hi / step - first / step) + 1)]  # in halves too
 
 
 def _fmt(v: float) -> str:
-    return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return f"{v:.0f}" if 1e4 <= abs(v) < 1e15 else f"{v:.3g}"
 
 
 # The page. The script only counts what rendered and records errors in the DOM, so a

@@ -153,6 +153,12 @@ class SyncPartitions:
     def on_metrics(self, rank: int, m: rec.EpochMetrics, step_count: int) -> bool:
         if m.epoch != self._epoch:
             return False
+        if self._reported[rank] + m.samples_processed > self._assigned[rank]:
+            # A rank trains only what it was given: reports past it would only inflate the epoch's
+            # per-rank sample counts, up to a sum no record can carry (PROTOCOL.md 3.3).
+            raise CoordinatorError(
+                f"rank {rank} reported {m.samples_processed} more samples of epoch {m.epoch} after "
+                f"{self._reported[rank]}, beyond the {self._assigned[rank]} of its partition")
         self._reported[rank] += m.samples_processed
         self._steps_at_report[rank] = step_count
         return True

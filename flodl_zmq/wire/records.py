@@ -10,6 +10,12 @@ Rules this module keeps:
   string-keyed maps, and the nested `EpochPlan`. Decoding checks every field's
   type against the annotation and refuses missing or unknown fields: loose
   dicts never travel past the codec.
+- Every number a peer supplies has a range, in its field's type (`Count`,
+  `Rank`, `Seq`, `Signed`, `Duration`; PROTOCOL.md 3.3), checked at decode
+  and nowhere else: a value the codec accepted can neither overflow a later
+  encode (msgpack holds -2^63..2^64-1) nor an arithmetic the services do with
+  it (a sum of counters, an int() of a time), so a member holding the key
+  cannot kill a service with one signed number.
 - Records that carry tensors (`carries_payload`) receive them as separate raw
   frames; tensor bytes never go inside msgpack.
 
@@ -25,7 +31,7 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 from flodl_zmq.errors import SchemaError
 
@@ -67,6 +73,36 @@ def record(kind: str, *channels: Channel, payload: bool = False):
     return wrap
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The values a numeric field may take, inclusive (PROTOCOL.md 3.3); a float within them is also finite."""
+
+    name: str
+    lo: int | float
+    hi: int | float
+
+    def refusal(self, value: int | float) -> str | None:
+        """Why `value` is out of range, or None."""
+        if self.lo <= value <= self.hi:  # False for NaN
+            return None
+        return f"{value!r} is outside {self.name} {self.lo}..{self.hi}"
+
+
+MAX_COUNT = 2**53 - 1  # exact in a float64; a sum of 1,024 of them still fits msgpack's int64
+MAX_RANK = 2**31 - 1
+MAX_SEQ = 2**63 - 1  # the header's `seq` range (PROTOCOL.md 5.1)
+
+# The field types with a range (PROTOCOL.md 3.3, normative). Plain `int` is left only to the coordinator's
+# sums (`global_step`, `per_rank_samples`), which no peer supplies. Plain `float` is a value of the user's
+# model or function (a loss, a metric, a norm, a learning rate, a mass): any float64, NaN and infinities
+# included, since an honest run can produce them; its users must cope with any.
+Count = Annotated[int, Bounds("Count", 0, MAX_COUNT)]  # steps, samples, batches, epochs, rounds, ids, versions
+Rank = Annotated[int, Bounds("Rank", 0, MAX_RANK)]  # a global rank
+Seq = Annotated[int, Bounds("Seq", 0, MAX_SEQ)]  # a sequence number or an acknowledgement of one; a nonce
+Signed = Annotated[int, Bounds("Signed", -MAX_COUNT, MAX_COUNT)]  # an exit status; -1 for "none"
+Duration = Annotated[float, Bounds("Duration", 0.0, float(MAX_COUNT))]  # a measured time (ms, or s by name)
+
+
 def spec_of(rec: object) -> RecordSpec:
     try:
         return _BY_CLASS[type(rec)]
@@ -81,9 +117,9 @@ def spec_of(rec: object) -> RecordSpec:
 class EpochPlan:
     """A contiguous span [offset, offset + size) of epoch `epoch`'s global permutation."""
 
-    epoch: int
-    offset: int
-    size: int
+    epoch: Count
+    offset: Count
+    size: Count
 
 
 # --------------------------------------------------------------------------- control: coordinator -> rank
@@ -95,14 +131,14 @@ C, D, B, J = Channel.CONTROL, Channel.DATA, Channel.BROADCAST, Channel.JOIN
 class RequestParams:
     """Snapshot your parameters and deposit a RoundFrame for `round` on the data channel."""
 
-    round: int
+    round: Count
 
 
 @record("control.update", C)
 class Update:
     """The consensus of `round` is coming on the broadcast channel; `next_plan` is your next chunk."""
 
-    round: int
+    round: Count
     next_plan: EpochPlan | None
 
 
@@ -115,14 +151,14 @@ class StartEpoch:
 class ExtendPartition:
     """Append the span [offset, offset + size) of `epoch` to the partition in flight (Sync redistribution)."""
 
-    epoch: int
-    offset: int
-    size: int
+    epoch: Count
+    offset: Count
+    size: Count
 
 
 @record("control.declare_dead", C)
 class DeclareDead:
-    rank: int
+    rank: Rank
 
 
 @record("control.throttle", C)
@@ -137,21 +173,21 @@ class SetGlobalStep:
 
 @record("control.checkpoint", C)
 class Checkpoint:
-    version: int
-    target_rank: int
+    version: Count
+    target_rank: Rank
 
 
 @record("control.execute_eval", C)
 class ExecuteEval:
-    schedule_id: int
-    epoch: int
-    target_rank: int
+    schedule_id: Count
+    epoch: Count
+    target_rank: Rank
     adopt_consensus: bool
 
 
 @record("control.set_epoch_role", C)
 class SetEpochCallbackRole:
-    rank: int
+    rank: Rank
 
 
 @record("control.shutdown", C)
@@ -166,7 +202,7 @@ class ShutdownWithSave:
 
 @record("control.epoch_aggregated", C)
 class EpochAggregated:
-    epoch: int
+    epoch: Count
     avg_loss: float
     epoch_ms: float
     per_rank_throughput: list[float]
@@ -178,13 +214,13 @@ class EpochAggregated:
 
 @record("control.eval_broadcast", C)
 class EvalBroadcast:
-    epoch: int
+    epoch: Count
     metric: float
 
 
 @record("control.coord_heartbeat", C)
 class CoordHeartbeat:
-    ack: int = 0  # the rank's control records accepted without a gap (PROTOCOL.md 10.7)
+    ack: Seq = 0  # the rank's control records accepted without a gap (PROTOCOL.md 10.7)
 
 
 # --------------------------------------------------------------------------- timing: rank -> coordinator
@@ -194,8 +230,8 @@ class CoordHeartbeat:
 class RankHello:
     """A rank's first record: who it is and what it trains, so mismatches stop the run by name."""
 
-    rank: int
-    world_size: int
+    rank: Rank
+    world_size: Count
     host: str
     model_sig: bytes
     dataset_sig: bytes
@@ -209,10 +245,10 @@ class Batch:
     a small model's step; the lists keep every step's numbers for ElChe.
     """
 
-    rank: int
-    step_count: int
-    batch_ms: list[float]
-    data_ms: list[float]
+    rank: Rank
+    step_count: Count
+    batch_ms: list[Duration]
+    data_ms: list[Duration]
     batch_loss: list[float]
 
     def __post_init__(self) -> None:
@@ -226,9 +262,9 @@ class Batch:
 
 @record("timing.sync_ack", C)
 class SyncAck:
-    rank: int
-    round: int
-    step_count: int
+    rank: Rank
+    round: Count
+    step_count: Count
     divergence: float | None
     post_norm: float | None
     pre_norm: float | None
@@ -238,51 +274,51 @@ class SyncAck:
 class Exiting:
     """Clean-exit latch: this rank is leaving on purpose; do not count it as a failure."""
 
-    rank: int
+    rank: Rank
 
 
 @record("timing.lr_update", C)
 class LrUpdate:
-    rank: int
+    rank: Rank
     lr: float
 
 
 @record("timing.heartbeat", C)
 class Heartbeat:
-    rank: int
-    step_count: int
-    ack: int = 0  # the coordinator's control records to this rank accepted without a gap (PROTOCOL.md 10.7)
+    rank: Rank
+    step_count: Count
+    ack: Seq = 0  # the coordinator's control records to this rank accepted without a gap (PROTOCOL.md 10.7)
 
 
 @record("timing.snapshot_ready", C)
 class SnapshotReady:
-    rank: int
-    round: int
+    rank: Rank
+    round: Count
 
 
 @record("timing.eval_result", C)
 class EvalResult:
-    rank: int
-    schedule_id: int
-    epoch: int
+    rank: Rank
+    schedule_id: Count
+    epoch: Count
     metric: float
-    elapsed_ms: float
+    elapsed_ms: Duration
     error: str | None
 
 
 @record("timing.checkpoint_result", C)
 class CheckpointResult:
-    rank: int
-    version: int
-    elapsed_ms: float
+    rank: Rank
+    version: Count
+    elapsed_ms: Duration
     error: str | None
 
 
 @record("timing.epoch_fn_elapsed", C)
 class EpochFnElapsed:
-    rank: int
-    epoch: int
-    elapsed_ms: float
+    rank: Rank
+    epoch: Count
+    elapsed_ms: Duration
 
 
 # --------------------------------------------------------------------------- metrics: rank -> coordinator
@@ -290,16 +326,16 @@ class EpochFnElapsed:
 
 @record("metrics.epoch", C)
 class EpochMetrics:
-    rank: int
-    epoch: int
+    rank: Rank
+    epoch: Count
     avg_loss: float
-    batches_processed: int
-    samples_processed: int
-    epoch_ms: float
-    compute_only_ms: float
-    data_starve_ms: float
+    batches_processed: Count
+    samples_processed: Count
+    epoch_ms: Duration
+    compute_only_ms: Duration
+    data_starve_ms: Duration
     scalar_sums: dict[str, float]
-    scalar_counts: dict[str, int]
+    scalar_counts: dict[str, Count]
 
 
 # --------------------------------------------------------------------------- relay control
@@ -314,7 +350,7 @@ class RelayHello:
     """
 
     host: str
-    ranks: list[int]
+    ranks: list[Rank]
     model_sigs: list[bytes]
     token: bytes
 
@@ -328,7 +364,7 @@ class RelayHelloAck:
 class RankExit:
     """A local rank said goodbye or stopped heartbeating (the relay's first-hand view)."""
 
-    rank: int
+    rank: Rank
 
 
 @record("relay.reports", C)
@@ -343,7 +379,7 @@ class HostReports:
     acknowledges it as if it had come alone (10.7 item 9).
     """
 
-    seqs: list[int]
+    seqs: list[Seq]
     heartbeats: list[Heartbeat]
     batches: list[Batch]
     snapshots: list[SnapshotReady]
@@ -378,7 +414,7 @@ MERGEABLE: tuple[type, ...] = (Heartbeat, Batch, SnapshotReady, SyncAck)
 class RelayDeclareDead:
     """The controller declared `rank` dead: drop it from the fold barrier."""
 
-    rank: int
+    rank: Rank
 
 
 # --------------------------------------------------------------------------- data plane
@@ -388,8 +424,8 @@ class RelayDeclareDead:
 class RoundFrame:
     """A rank's deposit: tensors pre-multiplied by `mass`, the rank's realized work this round."""
 
-    round: int
-    rank: int
+    round: Count
+    rank: Rank
     mass: float
 
 
@@ -397,9 +433,9 @@ class RoundFrame:
 class HostFrame:
     """A host's fold: the plain sum of its ranks' deposits and of their masses (never divided)."""
 
-    round: int
+    round: Count
     host: str
-    ranks: list[int]
+    ranks: list[Rank]
     mass: float
 
 
@@ -407,7 +443,7 @@ class HostFrame:
 class Consensus:
     """The averaged parameters of `round`; mass 0 means nothing was realized: keep local state."""
 
-    round: int
+    round: Count
     mass: float
 
 
@@ -420,35 +456,35 @@ RESUME_ROUND = 0
 class ConsensusRequest:
     """A relay (or a rank, of its relay) missed the consensus of `round` and asks for it point-to-point."""
 
-    round: int
+    round: Count
 
 
 @record("data.consensus_gone", D)
 class ConsensusGone:
     """The reducer no longer holds `round`; `latest` is the newest round it can resend."""
 
-    round: int
-    latest: int
+    round: Count
+    latest: Signed
 
 
 @record("data.frame_request", D)
 class FrameRequest:
     """The frame its receiver sent for `round` never arrived (lost in a reset): send it again."""
 
-    round: int
+    round: Count
 
 
 @record("bcast.probe", B)
 class Probe:
     """Readiness probe on PUB; a subscriber answers with SubscriberReady to be counted."""
 
-    nonce: int
+    nonce: Seq
 
 
 @record("data.subscriber_ready", D)
 class SubscriberReady:
     host: str
-    nonce: int
+    nonce: Seq
 
 
 # --------------------------------------------------------------------------- join (agents <-> membership)
@@ -471,7 +507,7 @@ class Challenge:
 
     client_nonce: bytes
     nonce: bytes
-    ttl_s: float
+    ttl_s: Duration
 
 
 @record("join.hello", J)
@@ -481,7 +517,7 @@ class JoinHello:
     host: str
     devices: list[str]
     dataset_sig: bytes
-    protocol: int
+    protocol: Count
     model_sig: bytes | None
     nonce: bytes
 
@@ -496,9 +532,9 @@ class JoinAccept:
     `session_key` travels only under open admission; a pre-shared key is never resent.
     """
 
-    ranks: list[int]
+    ranks: list[Rank]
     session_key: bytes | None
-    formation_wait_s: float
+    formation_wait_s: Duration
     run_id: bytes
     incarnation: bytes
     nonce: bytes  # the hello's challenge nonce: the accept answers that hello and no other
@@ -518,7 +554,7 @@ class WorldFormed:
     """`incarnation`: the formed (or re-formed) world's, which its relay and ranks sign and check in every
     control, data and broadcast record (FLODL_INCARNATION); fresh at each re-form."""
 
-    world_size: int
+    world_size: Count
     spawn_json: str
     incarnation: bytes
 
@@ -527,8 +563,8 @@ class WorldFormed:
 class RankExited:
     """A rank process ended; `code` is its exit status, negative for the signal that killed it."""
 
-    rank: int
-    code: int
+    rank: Rank
+    code: Signed
 
 
 @record("join.abort", J)
@@ -566,6 +602,13 @@ _PLAIN = {int: int, float: (int, float), str: str, bytes: bytes, bool: bool}
 
 def _check(value: Any, tp: Any, where: str) -> Any:
     """Validate (and normalise) one decoded value against its annotation."""
+    if typing.get_origin(tp) is Annotated:  # a ranged type: its base type, then its bounds
+        base, bounds = typing.get_args(tp)
+        value = _check(value, base, where)
+        refusal = bounds.refusal(value)
+        if refusal is not None:
+            raise SchemaError(f"{where}: {refusal}")
+        return value
     want = _PLAIN.get(tp)
     if want is not None:
         # bool is an int subclass in Python; refuse it where an int or float is meant and vice versa.
@@ -605,7 +648,7 @@ _FIELDS: dict[type, tuple[tuple[tuple[str, Any], ...], frozenset[str]]] = {}
 def _fields(cls: type) -> tuple[tuple[tuple[str, Any], ...], frozenset[str]]:
     """(name, annotation) pairs and the name set of `cls`, computed once per class."""
     if cls not in _FIELDS:
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)  # keep the ranges
         pairs = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
         _FIELDS[cls] = (pairs, frozenset(name for name, _ in pairs))
     return _FIELDS[cls]

@@ -723,6 +723,57 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
             {"frames": signed(header(fields={"rank": True, "step_count": 1, "ack": 0}))},
         ),
         (
+            "count_over_range",
+            "step_count 2^64-1: a count above 2^53-1 (the encode of a sum of it would overflow)",
+            "SchemaError",
+            "outside Count 0..9007199254740991",
+            {"frames": signed(header(fields={"rank": 2, "step_count": 2**64 - 1, "ack": 0}))},
+        ),
+        (
+            "count_negative",
+            "step_count -1",
+            "SchemaError",
+            "outside Count",
+            {"frames": signed(header(fields={"rank": 2, "step_count": -1, "ack": 0}))},
+        ),
+        (
+            "rank_over_range",
+            "rank 2^31",
+            "SchemaError",
+            "outside Rank 0..2147483647",
+            {"frames": signed(header(fields={"rank": 2**31, "step_count": 1, "ack": 0}))},
+        ),
+        (
+            "seq_negative",
+            "a heartbeat's ack -1",
+            "SchemaError",
+            "outside Seq",
+            {"frames": signed(header(fields={"rank": 2, "step_count": 1, "ack": -1}))},
+        ),
+        (
+            "duration_not_finite",
+            "timing.batch with an infinite batch_ms",
+            "SchemaError",
+            "outside Duration",
+            {"frames": signed(header("timing.batch", fields={
+                "rank": 2, "step_count": 1, "batch_ms": [float("inf")], "data_ms": [0.0], "batch_loss": [0.5]}))},
+        ),
+        (
+            "duration_nan",
+            "timing.epoch_fn_elapsed with elapsed_ms NaN",
+            "SchemaError",
+            "outside Duration",
+            {"frames": signed(header("timing.epoch_fn_elapsed", fields={"rank": 2, "epoch": 1, "elapsed_ms": float("nan")}))},
+        ),
+        (
+            "duration_negative",
+            "timing.checkpoint_result with elapsed_ms -1",
+            "SchemaError",
+            "outside Duration",
+            {"frames": signed(header("timing.checkpoint_result", fields={
+                "rank": 2, "version": 1, "elapsed_ms": -1.0, "error": None}))},
+        ),
+        (
             "batch_lists_unequal",
             "timing.batch listing two steps' batch_ms but one data_ms",
             "SchemaError",

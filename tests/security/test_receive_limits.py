@@ -248,7 +248,7 @@ def test_recv_bounded_discards_an_over_long_message_and_the_socket_stays_usable(
 def test_an_oversized_frame_to_the_controller_control_socket_is_refused_before_it_is_allocated(peak_rss):
     from transport.test_controller import rig as make_rig  # the controller with a scripted relay
 
-    gen = make_rig.__wrapped__()
+    gen = make_rig.__wrapped__(None)  # no fixture request: the default mode
     service, relay, thread, outcome = next(gen)
     try:
         peak_rss.reset()

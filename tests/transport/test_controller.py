@@ -35,12 +35,12 @@ def model() -> torch.nn.Module:
     return torch.nn.Linear(2, 1)
 
 
-def job() -> Job:
+def job(mode: str = "cpu-cadence") -> Job:
     data = TensorDataset(torch.arange(128.0).reshape(64, 2), torch.zeros(64, 1))
     return Job(
         model=model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
         train_step=lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), dataset=data,
-        batch_size=8, epochs=1, quiet=True,
+        batch_size=8, epochs=1, quiet=True, mode=mode,
     )
 
 
@@ -81,13 +81,14 @@ class ScriptedRelay:
 
 
 @pytest.fixture
-def rig():
+def rig(request):
+    """A controller of `job(mode)` (mode: the test's indirect parameter, else Cadence) and its scripted relay."""
     ctx = zmq.Context()
     key, run_id = new_key(), bytes(range(16))
     address = ControllerAddress("127.0.0.1", free_port_base())
     penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, incarnation=run_id, world=WORLD,
                       settings=Settings(startup_timeout_s=WAIT_S), route_secret=ROUTE_SECRET)
-    j = job()
+    j = job(getattr(request, "param", "cpu-cadence"))
     service = ControllerService(j, penv)
     outcome: dict = {}
 

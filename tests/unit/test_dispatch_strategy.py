@@ -58,6 +58,15 @@ def test_sync_reports_of_another_epoch_are_late():
     assert not s.on_metrics(0, metrics(0, 0, 10), step_count=10)
 
 
+def test_sync_reports_beyond_the_partition_raise_and_change_nothing():
+    s, _, _ = sync()
+    s.open_epoch(0, [0, 0, 0])
+    assert s.on_metrics(0, metrics(0, 0, 6), step_count=6)
+    with pytest.raises(CoordinatorError, match="beyond the 10 of its partition"):
+        s.on_metrics(0, metrics(0, 0, 2**53 - 1), step_count=7)  # repeated, its sums would outgrow any record
+    assert s.on_metrics(0, metrics(0, 0, 4), step_count=10) and s.quiesced(0, last_aggregated=-1)
+
+
 def test_a_chunk_completion_of_the_wrong_size_raises_and_changes_nothing():
     s, _ = stream("cadence")
     plan = s.next_plan(0, window_steps=0, overshoot=0, last_aggregated=-1, now=0.0)

@@ -33,7 +33,7 @@ SPEC_VERSION_CLAIMS = {
     "7, check 7": r"`v` is the msgpack int (\d+)\b",
     "7, check 7's float example": r"a float such as (\d+)\.0\b",
     "4.2 and 3.5, the MAC labels": r'for V = "(\d+)"',
-    "9.6, `join.hello`'s `protocol` field": r"^\| `protocol` \| int \| the agent's protocol version \((\d+)\)",
+    "9.6, `join.hello`'s `protocol` field": r"^\| `protocol` \| Count \| the agent's protocol version \((\d+)\)",
     "12, the header's `v`": r"The header's `v` is (\d+)\b",
     "13, a restart": r"within version (\d+)\.",
     "13.1, a re-form": r"the version stays (\d+)\b",

@@ -62,6 +62,11 @@ _TEXT = st.text(
 
 def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
     origin = typing.get_origin(tp)
+    if origin is typing.Annotated:  # a ranged field type: any value within its bounds
+        base, bounds = typing.get_args(tp)
+        if base is int:
+            return st.integers(bounds.lo, bounds.hi)
+        return st.floats(bounds.lo, bounds.hi)
     if origin in (Union, types.UnionType):
         return st.one_of(
             *(st.none() if a is type(None) else strategy_for(a) for a in typing.get_args(tp))
@@ -82,16 +87,17 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
 
 
 def record_strategy(cls: type) -> st.SearchStrategy[Any]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     if cls is Batch:  # its three lists list the same steps: equal lengths
-        floats = strategy_for(float)
         return st.integers(0, 4).flatmap(lambda n: st.builds(
-            cls, rank=strategy_for(int), step_count=strategy_for(int),
-            **{name: st.lists(floats, min_size=n, max_size=n) for name in ("batch_ms", "data_ms", "batch_loss")}))
+            cls, rank=strategy_for(hints["rank"]), step_count=strategy_for(hints["step_count"]),
+            **{name: st.lists(strategy_for(typing.get_args(hints[name])[0]), min_size=n, max_size=n)
+               for name in ("batch_ms", "data_ms", "batch_loss")}))
     if cls is HostReports:  # the records it merges, each with one sequence number
         parts = [st.lists(record_strategy(k), max_size=2) for k in MERGEABLE]
+        seq = strategy_for(typing.get_args(hints["seqs"])[0])
         return st.tuples(*parts).flatmap(lambda lists: st.builds(
-            cls, st.lists(strategy_for(int), min_size=sum(map(len, lists)), max_size=sum(map(len, lists))),
+            cls, st.lists(seq, min_size=sum(map(len, lists)), max_size=sum(map(len, lists))),
             *(st.just(x) for x in lists)))
     return st.builds(cls, **{f.name: strategy_for(hints[f.name]) for f in dataclasses.fields(cls)})
 
