@@ -107,7 +107,6 @@ from flodl_zmq.links import (
     recv_bounded,
     remove_host_sockets,
 )
-from flodl_zmq.membership import JOIN_RUN_ID, OPEN_JOIN_KEY
 from flodl_zmq.security import (
     PUBLIC_ENV,
     SECRET_ENV,
@@ -117,6 +116,7 @@ from flodl_zmq.security import (
     apply_client,
 )
 from flodl_zmq.settings import Settings, add_arguments
+from flodl_zmq.trust import JOIN_RUN_ID, OPEN_JOIN_KEY
 from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, Envelope, session_key
 from flodl_zmq.wire.mac import check_key

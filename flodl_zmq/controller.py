@@ -59,17 +59,17 @@ from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
 from flodl_zmq.io_threads import controller_context
 from flodl_zmq.join import CHALLENGE_NONCE_BYTES, JoinConfig, JoinWindow, WindowPhase
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, limit_receive, recv_bounded
-from flodl_zmq.membership import (
+from flodl_zmq.membership import MembershipService
+from flodl_zmq.security import SERVER_ENV, CurveGate, CurveKeys, apply_client, start_gate
+from flodl_zmq.settings import DEFAULTS, Settings, add_arguments
+from flodl_zmq.trust import (
     JOIN_RUN_ID,
     OPEN_JOIN_KEY,
-    MembershipService,
     TrustMode,
     check_open_admission_curve,
     endpoint_ip,
     resolve_trust,
 )
-from flodl_zmq.security import SERVER_ENV, CurveGate, CurveKeys, apply_client, start_gate
-from flodl_zmq.settings import DEFAULTS, Settings, add_arguments
 from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, new_incarnation, new_key, session_key
 from flodl_zmq.wire.records import Challenge, ChallengeRequest, StatusReply, StatusRequest
 

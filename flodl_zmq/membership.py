@@ -8,19 +8,7 @@ links (`HostLinks`) and reports rank exits, lost and done hosts to the
 controller service. This module keeps the socket, the thread, the clock and
 the trust modes.
 
-Trust modes (`TrustMode`):
-
-- **Pre-shared key.** Every join frame is keyed with the run's session key
-  from the first byte. A hello that fails its MAC is dropped without a reply,
-  so a stranger learns nothing, not even that a controller listens.
-- **Open admission.** Pre-admission frames (hello, accept, reject) are keyed
-  with the well-known all-zero key, so the MAC proves nothing; the accept
-  delivers the session key, which keys everything after it. It therefore
-  needs CURVE (refused without it): the agents pin the controller's public
-  key, so only the controller can answer a hello, and the accept with its
-  session key travels encrypted. Anyone who can reach the port can join, so
-  open admission is refused unless the join endpoint is bound to a loopback
-  or private address, and it always logs a warning.
+Trust modes (pre-shared key, open admission): flodl_zmq/trust.py.
 
 Pre-admission frames carry the all-zero run id (`JOIN_RUN_ID`): a joiner does
 not know the run yet. So each exchange is made fresh by a challenge
@@ -42,13 +30,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
-import ipaddress
 import json
 import logging
 import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -59,9 +44,8 @@ from typing import Any
 
 import zmq
 
-from flodl_zmq.endpoints import is_private_address, tcp_host
 from flodl_zmq.environment import SpawnSpec
-from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
+from flodl_zmq.errors import MembershipError, VersionError, WireError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.io_threads import keep_off_the_data_plane
 from flodl_zmq.join import (
@@ -97,7 +81,15 @@ from flodl_zmq.security import (
 )
 from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.settings import DEFAULTS
-from flodl_zmq.wire import KEY_BYTES, RUN_ID_BYTES, Attribution, Channel, Codec, Envelope
+from flodl_zmq.trust import (
+    JOIN_RUN_ID,
+    TrustMode,
+    check_open_admission_bind,
+    check_open_admission_curve,
+    endpoint_ip,
+    join_key,
+)
+from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
     Abort,
     ChallengeRequest,
@@ -113,72 +105,12 @@ from flodl_zmq.wire.records import (
 
 log = logging.getLogger(__name__)
 
-JOIN_RUN_ID = bytes(RUN_ID_BYTES)
 # Replay-ledger entries the join codec keeps before admission (one per connection seen):
 # under open admission anyone may hello from fresh routing ids, and without a cap each
 # one would grow the controller's memory for the rest of the run (~1 kB apiece).
 JOIN_LEDGER_CAP = 4096
 # Messages the join thread reads per wake-up before it runs its timers again.
 JOIN_RECV_BUDGET = 256
-OPEN_JOIN_KEY = bytes(KEY_BYTES)
-
-
-# --------------------------------------------------------------------------- trust
-
-
-class TrustMode(str, enum.Enum):
-    PRE_SHARED = "pre-shared"
-    OPEN = "open"
-
-
-def join_key(mode: TrustMode, session_key: bytes) -> bytes:
-    """The key of pre-admission frames: the session key, or all zeros under open admission."""
-    return OPEN_JOIN_KEY if mode is TrustMode.OPEN else session_key
-
-
-def check_open_admission_bind(address: str) -> None:
-    """Raise ConfigError unless `address` (an IP literal) is a loopback or private address.
-
-    A wildcard bind (0.0.0.0, ::) is refused too: it listens on every
-    interface, public ones included.
-    """
-    if not is_private_address(address):
-        raise ConfigError(
-            f"open admission refused on {address}: anyone who reaches that address could join the "
-            "run and poison training; bind the controller to a loopback or private address, or "
-            "give every host the same pre-shared key (FLODL_KEY, `flodl-zmq keygen`)"
-        )
-
-
-def check_open_admission_curve(curve: CurveKeys | None) -> None:
-    """Raise ConfigError when open admission would run without CURVE.
-
-    Before admission the MAC key is all zeros: without CURVE nothing tells an
-    agent the real controller from anyone who answers its hello (and would
-    then choose what it runs), and the session key would cross the network in
-    the clear.
-    """
-    if curve is None:
-        raise ConfigError(
-            "open admission without CURVE refused: the agents could not tell this controller from an "
-            "impostor, and the session key would travel in the clear; give the controller a CURVE secret "
-            "(`flodl-zmq curve-keygen DIR`, then --curve-secret DIR/controller.key_secret or "
-            "FLODL_CURVE_SECRET) and every agent its public key (FLODL_CURVE_SERVER), or use a pre-shared "
-            "FLODL_KEY instead of --open-admission"
-        )
-
-
-def resolve_trust(open_admission: bool, bind_address: str) -> TrustMode:
-    """The trust mode for a controller bound to `bind_address` (an IP literal)."""
-    if not open_admission:
-        return TrustMode.PRE_SHARED
-    check_open_admission_bind(bind_address)
-    log.warning(
-        "open admission on %s: any host that can reach this address may join and receives the "
-        "session key; use a pre-shared key (FLODL_KEY) on shared networks",
-        bind_address,
-    )
-    return TrustMode.OPEN
 
 
 # --------------------------------------------------------------------------- service (ZeroMQ)
@@ -699,21 +631,3 @@ def _peer_address(frames: list[Any]) -> str | None:
         return frames[0].get("Peer-Address")
     except (zmq.ZMQError, AttributeError, IndexError):
         return None
-
-
-def endpoint_ip(endpoint: str) -> str:
-    """The IP address a `tcp://host:port` endpoint binds (hostnames resolved)."""
-    host = tcp_host(endpoint)
-    if host is None:
-        raise ConfigError(f"open admission needs a tcp:// join endpoint, got {endpoint!r}")
-    if host in ("*", ""):
-        return "0.0.0.0"
-    try:
-        ipaddress.ip_address(host)
-        return host
-    except ValueError:
-        pass
-    try:
-        return socket.getaddrinfo(host, None)[0][4][0]
-    except OSError as exc:
-        raise ConfigError(f"cannot resolve the join endpoint host {host!r}: {exc}") from None

@@ -31,8 +31,9 @@ from flodl_zmq.errors import WireError
 from flodl_zmq.io_threads import keep_off_the_data_plane
 from flodl_zmq.join import Challenges
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, limit_receive
-from flodl_zmq.membership import JOIN_LEDGER_CAP, JOIN_RECV_BUDGET, JOIN_RUN_ID, SENDER
+from flodl_zmq.membership import JOIN_LEDGER_CAP, JOIN_RECV_BUDGET, SENDER
 from flodl_zmq.service_loop import ServiceLoop
+from flodl_zmq.trust import JOIN_RUN_ID
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import ChallengeRequest, StatusReply, StatusRequest
 

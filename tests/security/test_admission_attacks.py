@@ -33,8 +33,9 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError, WireError
 from flodl_zmq.join import JoinConfig, JoinWindow
-from flodl_zmq.membership import JOIN_RUN_ID, OPEN_JOIN_KEY, MembershipService, TrustMode
+from flodl_zmq.membership import MembershipService
 from flodl_zmq.security import CurveKeys, apply_client, apply_server, start_gate
+from flodl_zmq.trust import JOIN_RUN_ID, OPEN_JOIN_KEY, TrustMode
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import Challenge, JoinAccept, JoinHeartbeat, WorldFormed
 

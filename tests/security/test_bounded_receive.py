@@ -39,7 +39,7 @@ RUN_ID = bytes(range(16))
 def test_an_oversized_frame_to_the_controllers_data_port_is_refused_at_the_models_size(ctx, peak_rss):
     from transport.test_controller import rig as make_rig  # the controller (Linear(2, 1): 3 floats)
 
-    gen = make_rig.__wrapped__()
+    gen = make_rig.__wrapped__(None)  # no fixture request: the default mode
     service, _relay, _thread, _outcome = next(gen)
     try:
         data_ep = service.penv.controller.endpoint(Channel.DATA)

@@ -30,9 +30,10 @@ from flodl_zmq.links import (
     recv_bounded,
     relay_sender,
 )
-from flodl_zmq.membership import JOIN_RUN_ID, OPEN_JOIN_KEY, MembershipService, TrustMode
+from flodl_zmq.membership import MembershipService
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.security import CurveKeys
+from flodl_zmq.trust import JOIN_RUN_ID, OPEN_JOIN_KEY, TrustMode
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, new_key
 from flodl_zmq.wire.records import (
     ChallengeRequest,

@@ -32,9 +32,10 @@ from flodl_zmq.errors import WireError
 from flodl_zmq.join import JoinConfig, JoinWindow
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import RELAY_ROUTE, rank_identity
-from flodl_zmq.membership import JOIN_RUN_ID, OPEN_JOIN_KEY, MembershipService, TrustMode
+from flodl_zmq.membership import MembershipService
 from flodl_zmq.security import CurveKeys, apply_client, start_gate
 from flodl_zmq.settings import Settings
+from flodl_zmq.trust import JOIN_RUN_ID, OPEN_JOIN_KEY, TrustMode
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
 

@@ -29,7 +29,8 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import MembershipError
 from flodl_zmq.join import JoinConfig, JoinWindow
-from flodl_zmq.membership import MembershipService, TrustMode
+from flodl_zmq.membership import MembershipService
+from flodl_zmq.trust import TrustMode
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, new_key
 from flodl_zmq.wire import mac as mac_module
 from flodl_zmq.wire.mac import compute_mac

@@ -26,8 +26,9 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import MembershipError
 from flodl_zmq.join import HostDone, JoinConfig, JoinWindow, RankExitReported, WindowPhase
-from flodl_zmq.membership import JOIN_RUN_ID, MembershipService, TrustMode
+from flodl_zmq.membership import MembershipService
 from flodl_zmq.security import CurveKeys
+from flodl_zmq.trust import JOIN_RUN_ID, TrustMode
 from flodl_zmq.wire import Channel, Codec, compute_mac, new_key
 from flodl_zmq.wire.records import JoinHello, JoinReject
 

@@ -12,9 +12,10 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.join import JoinConfig, JoinWindow
-from flodl_zmq.membership import MembershipService, TrustMode
+from flodl_zmq.membership import MembershipService
 from flodl_zmq.result import format_epoch
 from flodl_zmq.security import CurveKeys
+from flodl_zmq.trust import TrustMode
 from flodl_zmq.wire import new_key
 
 RUN_ID = bytes(range(16))

@@ -27,7 +27,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "step_report",
     ),
     "run": (
-        "job", "payload", "links", "private_files", "datasets", "bundle", "environment", "security",
+        "job", "payload", "links", "private_files", "trust", "datasets", "bundle", "environment", "security",
         "io_threads", "result", "runlog", "report", "runreport", "loader", "training", "checkpoints",
         "warm", "relay_config", "param_buffers", "agent_rules",
     ),

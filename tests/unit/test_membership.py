@@ -20,7 +20,7 @@ from flodl_zmq.join import (
     Rejected,
     WindowPhase,
 )
-from flodl_zmq.membership import (
+from flodl_zmq.trust import (
     OPEN_JOIN_KEY,
     TrustMode,
     check_open_admission_bind,
