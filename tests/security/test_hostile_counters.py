@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from transport.dataplane_helpers import WAIT_S
+from transport.dataplane_helpers import WAIT_S, token
 from transport.test_controller import rig  # noqa: F401  (the fixture: a real controller, a scripted relay)
 
 from flodl_zmq.coordinator.liveness import RankState
@@ -62,7 +62,7 @@ def test_a_heartbeat_of_2_to_the_64_steps_is_refused_at_decode_and_the_round_aft
     data = ctx.socket(zmq.DEALER)
     data.setsockopt(zmq.LINGER, 0)
     data.connect(service.penv.controller.endpoint(Channel.DATA))
-    data.send_multipart(relay.codec.encode(rec.RelayHello("h", [0, 1], []), channel=Channel.DATA))
+    data.send_multipart(relay.codec.encode(rec.RelayHello("h", [0, 1], [], token("h")), channel=Channel.DATA))
     assert data.poll(int(WAIT_S * 1000)), "the reducer did not acknowledge the relay"
     payload = [np.zeros((1, 2), np.float32), np.zeros(1, np.float32)]  # the model: Linear(2, 1)
     data.send_multipart(relay.codec.encode(rec.HostFrame(1, "h", [0, 1], 2.0), payload, channel=Channel.DATA))
