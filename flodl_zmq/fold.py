@@ -62,7 +62,7 @@ from typing import Protocol
 
 import numpy as np
 
-from flodl_zmq import threads
+from flodl_zmq import robust, threads
 from flodl_zmq.errors import ConfigError, FoldError, PoisonedDeposit, ProtocolError
 from flodl_zmq.tensors import ELEMENTS, Element, bf16_sum, dtype_name, f32_from_bf16
 
@@ -111,26 +111,6 @@ def check_schema(
             raise error(
                 f"{who} tensor[{i}] has shape {got[1]}, the round's is {shape} (different models?)"
             )
-
-
-# A positive mass must be a normal f32 magnitude: tensors are premultiplied by it
-# in f32, so a smaller mass flushes its contribution to zero while still
-# counting in the divisor, and the reducer's f32 divide would turn it into NaN.
-_F32 = np.finfo(np.float32)
-MASS_RANGE = (float(_F32.tiny), float(_F32.max))
-
-
-def check_mass(mass: float, who: str, error: type[ProtocolError]) -> float:
-    """The mass as a float; anything but 0 or a normal f32 magnitude raises ``error``."""
-    m = float(mass)
-    if not math.isfinite(m) or m < 0.0:
-        raise error(f"{who} carries mass {mass!r}; a realized-work mass must be finite and >= 0")
-    if m != 0.0 and not MASS_RANGE[0] <= m <= MASS_RANGE[1]:
-        raise error(
-            f"{who} carries mass {mass!r}; a positive mass must lie in [{MASS_RANGE[0]:g}, "
-            f"{MASS_RANGE[1]:g}] because tensors are premultiplied by it in f32"
-        )
-    return m
 
 
 def check_finite(tensors: Sequence[np.ndarray], who: str) -> None:
@@ -524,11 +504,15 @@ class OpenRound:
         (values ~1e38): all of them are refused.
         """
         bad = [i for i, h in enumerate(self.held) if not _all_finite(h)] or list(range(len(self.held)))
-        for i in reversed(bad):
-            member = self.members.pop(i)
-            del self.masses[i], self.held[i]
-            self.refused.append((member, "its deposit carries a NaN or infinite element (or values so large "
-                                         "the f32 sum overflows); it would poison every rank's consensus"))
+        self.refuse(bad, lambda _: "its deposit carries a NaN or infinite element (or values so large "
+                                   "the f32 sum overflows); it would poison every rank's consensus")
+
+    def refuse(self, held: Sequence[int], why: Callable[[float], str]) -> None:
+        """Take the held contributions at indices ``held`` out of the round, each with ``why(its mass)``."""
+        for i in sorted(held, reverse=True):
+            member, mass = self.members.pop(i), self.masses.pop(i)
+            del self.held[i]
+            self.refused.append((member, why(mass)))
         self.mass = sum(self.masses)  # in arrival order, as it was added up
 
 
@@ -549,18 +533,21 @@ def contribute(
     images: ImageCache,
     who: str,
     error: type[ProtocolError],
+    limit: float,
 ) -> OpenRound:
     """Add one contribution to ``rnd``, or open round ``round_id`` with its schema; returns the round.
 
-    The mass, the schema and the values (all finite) are checked before anything
-    is added, so a refused contribution leaves the round as it was.
+    The mass, the schema and the values (all finite, none over ``limit`` per unit
+    of mass: flodl_zmq/robust.py) are checked before anything is added, so a
+    refused contribution leaves the round as it was.
     """
-    m = check_mass(mass, who, error)
+    m = robust.check_mass(mass, who, error)
     schema = schema_of(tensors, who, error) if rnd is None else None
     if rnd is not None:
         check_schema(rnd.schema, tensors, who, error)
         if rnd.image is not None or len(rnd.held) == 2:
             check_finite(tensors, who)  # it goes into the image: checked before it touches it
+    robust.check_magnitude(tensors, m, limit, who)
     if rnd is None:
         rnd = OpenRound(round_id, schema)
     rnd.add(member, m, tensors, images)
@@ -586,6 +573,7 @@ class FoldStation:
         self.poisoned: str | None = None
         self.last_round: int | None = None
         self._round: OpenRound | None = None
+        self.limit = robust.magnitude_limit(None)  # largest value per unit of mass a deposit may carry (robust.py)
         # Images and 2-byte output buffers by schema (f32 tensors ship straight from the sums).
         self._images = ImageCache(_fold_outputs)
 
@@ -593,6 +581,10 @@ class FoldStation:
     def round_id(self) -> int | None:
         """The round being folded, or None between rounds."""
         return self._round.round_id if self._round else None
+
+    def consensus_seen(self, tensors: Sequence[np.ndarray]) -> None:
+        """Bound later deposits by the consensus the ranks now hold: a poisoner's values stand out against it."""
+        self.limit = robust.magnitude_limit(robust.magnitude(tensors))
 
     def deposit(
         self, rank: int, round_id: int, mass: float, tensors: Sequence[np.ndarray]
@@ -623,7 +615,12 @@ class FoldStation:
         rnd = self._round
         if not round_gate(round_id, self.last_round, rnd, rank, self.counters, who, FoldError):
             return None
-        self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError)
+        if rnd is not None and (rnd.image is not None or len(rnd.held) == 2) and \
+                robust.mass_outliers([*rnd.masses, float(mass)])[-1:] == [len(rnd.masses)]:
+            raise PoisonedDeposit(f"{who}: {robust.mass_refusal(float(mass))}")  # it would go into the sums
+        self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError, self.limit)
+        if self._round.image is None:  # the held pair is judged together: either may be the liar
+            self._round.refuse(robust.mass_outliers(self._round.masses), robust.mass_refusal)
         self.counters.deposits += 1
         self.counters.bytes_folded += sum(t.nbytes for t in tensors)
         self._note_refused(self._round)

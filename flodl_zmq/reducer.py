@@ -32,7 +32,8 @@ Rules the ledger keeps:
   the open round (a resend that crossed the original) is dropped and
   counted, never summed twice. A host whose frame of the open round is
   missing is asked for it again (`awaits`, PROTOCOL.md 10.6).
-- A frame with a NaN or infinite element, or with more mass than the round's
+- A frame with a NaN or infinite element, with a value over the magnitude bound
+  (``robust.check_magnitude``: far above the last consensus's), or with more mass than the round's
   bound for its host (the sum of its ranks' bounds, given by the coordinator
   with `bound_round` before the round's first frame can arrive), raises
   PoisonedDeposit and changes nothing: one host must not NaN or dominate the
@@ -67,6 +68,7 @@ from flodl_zmq.fold import (
     round_gate,
 )
 from flodl_zmq.outer import OuterOptimizer
+from flodl_zmq.robust import magnitude, magnitude_limit
 from flodl_zmq.tensors import DTYPES
 
 _AGAIN = object()  # _settle_once refused a frame: settle the round again without it
@@ -168,6 +170,7 @@ class RoundLedger:
         self._all_dead_reported = False
         self._round: OpenRound | None = None
         self._bounds: dict[int, dict[int, float]] = {}  # round -> rank -> most mass it may carry
+        self.limit = magnitude_limit(None)  # largest value per unit of mass a frame may carry (robust.py)
         # Sum images and consensus buffers by schema, most recently used last; the buffers are
         # separate from the sums, so the latest consensus survives while the next round accumulates.
         self._images = ImageCache(_consensus_outputs)
@@ -180,6 +183,7 @@ class RoundLedger:
         """
         self.last_round = int(round_id)
         self.latest = Reduced(int(round_id), 1.0, (), tuple(tensors))
+        self.limit = magnitude_limit(magnitude(tensors))
 
     @property
     def round_id(self) -> int | None:
@@ -219,7 +223,8 @@ class RoundLedger:
             # Checked before the frame is summed: the outer step must never mix two models.
             raise ProtocolError(f"{who}: the frame has {sum(t.size for t in tensors)} values, the model "
                                 f"{self.outer.global_model.size} (a host built another model)")
-        self._round = contribute(rnd, round_id, host, mass, tensors, self._images, who, ProtocolError)
+        self._round = contribute(rnd, round_id, host, mass, tensors, self._images, who, ProtocolError,
+                                 self.limit)
         self.counters.frames += 1
         self.counters.bytes_reduced += sum(t.nbytes for t in tensors)
         self._note_refused(self._round)
@@ -340,5 +345,7 @@ class RoundLedger:
         if self.outer is not None and divisor is not None:
             self.outer.step(outputs)
         self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(rnd.members)), tuple(outputs))
+        if divisor is not None:  # a zero-mass round leaves every model as it was
+            self.limit = magnitude_limit(magnitude(outputs))
         self.counters.rounds_reduced += 1
         return self.latest

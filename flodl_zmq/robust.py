@@ -1,0 +1,152 @@
+"""Rules against finite poison, and the robust aggregations (PROTOCOL.md 9.5).
+
+A core: no sockets, no clocks. The fold (flodl_zmq/fold.py) and the reducer
+(flodl_zmq/reducer.py) apply the deposit rules to every contribution before
+it touches a round; ``aggregate`` is the coordinate-wise rule over a stack of
+per-rank deposits.
+
+Rules this module keeps:
+
+- Mass: finite, >= 0, and a positive mass is a normal f32 magnitude (``check_mass``).
+- Magnitude: a contribution's largest value, per unit of its mass, may be at
+  most MAGNITUDE_RATIO times the largest value of the consensus the tier last
+  saw (and at least MAGNITUDE_RATIO itself, so a first round or a model of
+  tiny values is not refused). An honest round moves a model by a step of
+  its optimizer, never by six orders of magnitude; a finite 1e18 or 1e30
+  would replace every rank's model. int8 is checked widened, so a scale
+  whose values would pass that bound is refused the same way.
+- Mass among peers: a mass more than MASS_RATIO times the median of the
+  other masses of the round (at least 1) is refused: a rank claiming work
+  its host-mates are nowhere near would take the host's weight, and the
+  reducer's cap (per host) cannot tell which rank lied.
+- Non-finite values are not this module's: the finite checks own them, with
+  their own message, so a NaN is never reported as a magnitude.
+- The checks are one vectorised read of the contribution (max and min per
+  block, in cache), spread over the worker threads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from flodl_zmq import int8, threads
+from flodl_zmq.errors import PoisonedDeposit, ProtocolError
+from flodl_zmq.tensors import dtype_name
+
+# A positive mass must be a normal f32 magnitude: tensors are premultiplied by it
+# in f32, so a smaller mass flushes its contribution to zero while still
+# counting in the divisor, and the reducer's f32 divide would turn it into NaN.
+_F32 = np.finfo(np.float32)
+MASS_RANGE = (float(_F32.tiny), float(_F32.max))
+MAGNITUDE_RATIO = 1e6
+MASS_RATIO = 1024.0
+# Elements per block of a magnitude read: 1 MiB of f32, so min reads what max left in cache.
+_BLOCK = 1 << 18
+
+AGGREGATIONS = ("mean", "trimmed_mean", "median")
+# trimmed_mean drops this fraction of the rows at each end of every coordinate (at least one
+# row each side when there are three or more), so one rank in four is trimmed away.
+TRIM = 0.25
+
+
+def check_mass(mass: float, who: str, error: type[ProtocolError]) -> float:
+    """The mass as a float; anything but 0 or a normal f32 magnitude raises ``error``."""
+    m = float(mass)
+    if not math.isfinite(m) or m < 0.0:
+        raise error(f"{who} carries mass {mass!r}; a realized-work mass must be finite and >= 0")
+    if m != 0.0 and not MASS_RANGE[0] <= m <= MASS_RANGE[1]:
+        raise error(
+            f"{who} carries mass {mass!r}; a positive mass must lie in [{MASS_RANGE[0]:g}, "
+            f"{MASS_RANGE[1]:g}] because tensors are premultiplied by it in f32"
+        )
+    return m
+
+
+def _block_magnitude(x: np.ndarray) -> float:
+    if not x.size:
+        return 0.0
+    if x.dtype == np.uint16:  # bf16 bits: the sign bit off, the largest bits are the largest magnitude
+        top = np.uint32(np.max(np.bitwise_and(x, 0x7FFF))) << np.uint32(16)
+        return float(np.array(top, np.uint32).view(np.float32))
+    with np.errstate(invalid="ignore"):
+        return float(max(np.max(x), -np.min(x)))
+
+
+def magnitude(tensors: Sequence[np.ndarray]) -> float:
+    """The largest absolute value in ``tensors`` (f32, f16, bf16 bits, or int8 pairs); NaN if one is NaN."""
+    if tensors and int8.is_int8(tensors):  # values never exceed QMAX steps of their block's scale
+        return int8.QMAX * magnitude(tensors[1::2])
+    work = []
+    for t in tensors:
+        dtype_name(t)  # refuses a dtype no wire format carries
+        flat = t.reshape(-1)
+        work += [flat[i : i + _BLOCK] for i in range(0, flat.size, _BLOCK)]
+    found = threads.each(_block_magnitude, work)
+    return max(found, key=lambda v: math.inf if math.isnan(v) else v, default=0.0)
+
+
+def magnitude_limit(reference: float | None) -> float:
+    """The largest value per unit of mass a contribution may carry, given the last consensus's ``magnitude``."""
+    ref = reference if reference is not None and math.isfinite(reference) else 0.0
+    return MAGNITUDE_RATIO * max(1.0, ref)
+
+
+def check_magnitude(tensors: Sequence[np.ndarray], mass: float, limit: float, who: str) -> None:
+    """Raise PoisonedDeposit if ``tensors`` hold a finite value above ``limit`` per unit of ``mass``.
+
+    Tensors are premultiplied by the mass, so the bound scales with it (a mass
+    below 1 counts as 1: an int8 sender's error feedback ships a residual even
+    at mass 0). Non-finite values are left to the finite checks.
+    """
+    top = magnitude(tensors)
+    if math.isfinite(top) and top > limit * max(1.0, mass):
+        raise PoisonedDeposit(
+            f"{who} carries a value of magnitude {top:.3g} at mass {mass:g}, over {limit:.3g} per unit of mass "
+            f"({MAGNITUDE_RATIO:g} times the last consensus's largest value): a diverged or tampered model would "
+            "replace every rank's (check the learning rate, or who holds the session key)"
+        )
+
+
+def mass_outliers(masses: Sequence[float]) -> list[int]:
+    """Indices of the masses over MASS_RATIO times the median of the others (at least 1)."""
+    out = []
+    for i, m in enumerate(masses):
+        others = [o for j, o in enumerate(masses) if j != i]
+        if others and m > MASS_RATIO * max(1.0, float(np.median(others))):
+            out.append(i)
+    return out
+
+
+def mass_refusal(mass: float) -> str:
+    """Why a mass found by ``mass_outliers`` is refused."""
+    return (f"its mass {mass:g} is over {MASS_RATIO:g} times the median of its host-mates' in the round "
+            "(claimed work no peer is near: a tampered or desynced rank)")
+
+
+def trimmed(n: int) -> int:
+    """Rows trimmed at each end of a coordinate under ``trimmed_mean`` from ``n`` rows."""
+    return max(1, int(n * TRIM)) if n >= 3 else 0
+
+
+def aggregate(rows: np.ndarray, rule: str, out: np.ndarray | None = None) -> np.ndarray:
+    """The coordinate-wise ``rule`` over ``rows`` (n, d) f32: one row per rank, each its own model.
+
+    ``mean`` is today's average (for rows already divided by their mass);
+    ``trimmed_mean`` sorts each coordinate, drops ``trimmed(n)`` rows at each
+    end and averages the rest; ``median`` is the coordinate-wise median. A
+    minority of arbitrary rows moves neither outside the honest rows' range.
+    """
+    if rows.ndim != 2 or not rows.shape[0]:
+        raise ValueError(f"aggregate needs a non-empty (ranks, values) stack, got shape {rows.shape}")
+    if rule == "mean":
+        return np.mean(rows, axis=0, dtype=np.float32, out=out)
+    if rule == "median":
+        return np.median(rows, axis=0, out=out)
+    if rule == "trimmed_mean":
+        k = trimmed(rows.shape[0])
+        kept = np.sort(rows, axis=0)[k : rows.shape[0] - k]
+        return np.mean(kept, axis=0, dtype=np.float32, out=out)
+    raise ValueError(f"aggregation {rule!r} is not one of {AGGREGATIONS}")
