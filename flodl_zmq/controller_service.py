@@ -231,7 +231,7 @@ class ControllerService:
             ReducerConfig.for_controller(
                 self.world, self.penv.key, self.penv.run_id, self.penv.controller, curve=self.curve,
                 link_heartbeat_period_s=settings.link_heartbeat_period_s, link_silence_s=settings.link_silence_s,
-                peer_send_timeout_s=settings.peer_send_timeout_s, wire=self.job.wire,
+                peer_send_timeout_s=settings.peer_send_timeout_s, wire=self.job.wire, aggregation=settings.aggregation,
             ),
             ctx,
             self.outer,

@@ -135,6 +135,7 @@ class ReducerConfig:
     link_silence_s: float = DEFAULTS.link_silence_s  # a relay's connection silent this long is dropped
     peer_send_timeout_s: float = DEFAULTS.peer_send_timeout_s  # a send to a relay that stopped reading fails after this
     wire: WireFormat = F32  # the run's wire format (Job.wire): a host frame of another is refused at the first
+    aggregation: str = "mean"  # how the ledger combines the deposits (robust.py; relays ship unfolded under others)
 
     def __post_init__(self) -> None:
         if not self.world:
@@ -212,7 +213,7 @@ class ReducerService:
     def __init__(self, config: ReducerConfig, context: zmq.Context | None = None,
                  outer: OuterOptimizer | None = None, resumed: tuple[int, list[np.ndarray]] | None = None):
         self.config = config
-        self.ledger = RoundLedger(config.world, outer)
+        self.ledger = RoundLedger(config.world, outer, config.aggregation)
         if resumed is not None and not config.wire.is_payload(resumed[1]):
             raise ConfigError(f"the resumed consensus is not a {config.wire.name} payload (WireFormat.resume_payload)")
         self._resumed = resumed  # (round, payload in the wire format): the starting consensus, see WireFormat.resume_payload
@@ -422,7 +423,7 @@ class ReducerService:
                 return
             try:
                 with self._outer_lock:
-                    outcome = self.ledger.deposit(host, rec.round, rec.mass, payload)
+                    outcome = self.ledger.deposit(host, rec.round, rec.mass, payload, rec.ranks)
             except ProtocolError as exc:
                 self._violation(host, exc)
                 return

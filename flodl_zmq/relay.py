@@ -163,7 +163,7 @@ class Relay:
         self._data_thread = ServiceLoop(f"relay-{config.host}-data")
         self._counts: dict[str, collections.Counter[str]] = {"control": collections.Counter(), "data": collections.Counter()}
         self.error: BaseException | None = None
-        self.fold = FoldStation(config.ranks)
+        self.fold = FoldStation(config.ranks, unfolded=config.aggregation != "mean")
         self.watch = ConsensusWatch(config.consensus_wait_at_relay_s)
         # Both upstream DEALERs carry it: stable for this process, so a reconnect keeps the route.
         self.identity = relay_identity(config.host, os.urandom(8))
@@ -439,7 +439,7 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
         curve=CurveKeys.for_client(os.environ), rank_silence_at_relay_s=s.rank_silence_at_relay_s,
         rank_first_record_at_relay_s=s.rank_first_record_at_relay_s, consensus_wait_at_relay_s=s.consensus_wait_at_relay_s,
         link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
-        peer_send_timeout_s=s.peer_send_timeout_s, wire=s.wire if wire is None else wire,
+        peer_send_timeout_s=s.peer_send_timeout_s, wire=s.wire if wire is None else wire, aggregation=s.aggregation,
     )
     relay = Relay(cfg)
     relay.start()

@@ -47,6 +47,8 @@ class RelayConfig:
     # The run's wire format: a deposit of another is refused at the first frame. `run_relay` gives None
     # where the run announces none (no FLODL_WIRE_DTYPE): the ranks' first deposit's format then holds.
     wire: WireFormat | None = F32
+    # The run's aggregation (settings.py): under any but mean each rank's deposit ships unfolded (PROTOCOL.md 9.5).
+    aggregation: str = "mean"
 
     def __post_init__(self) -> None:
         if not self.host:

@@ -34,7 +34,8 @@ import numpy as np
 
 from flodl_zmq import int8, threads
 from flodl_zmq.errors import PoisonedDeposit, ProtocolError
-from flodl_zmq.tensors import dtype_name
+from flodl_zmq.settings import AGGREGATIONS
+from flodl_zmq.tensors import dtype_name, element_of
 
 # A positive mass must be a normal f32 magnitude: tensors are premultiplied by it
 # in f32, so a smaller mass flushes its contribution to zero while still
@@ -46,7 +47,6 @@ MASS_RATIO = 1024.0
 # Elements per block of a magnitude read: 1 MiB of f32, so min reads what max left in cache.
 _BLOCK = 1 << 18
 
-AGGREGATIONS = ("mean", "trimmed_mean", "median")
 # trimmed_mean drops this fraction of the rows at each end of every coordinate (at least one
 # row each side when there are three or more), so one rank in four is trimmed away.
 TRIM = 0.25
@@ -131,7 +131,7 @@ def trimmed(n: int) -> int:
     return max(1, int(n * TRIM)) if n >= 3 else 0
 
 
-def aggregate(rows: np.ndarray, rule: str, out: np.ndarray | None = None) -> np.ndarray:
+def aggregate(rows: np.ndarray, rule: str) -> np.ndarray:
     """The coordinate-wise ``rule`` over ``rows`` (n, d) f32: one row per rank, each its own model.
 
     ``mean`` is today's average (for rows already divided by their mass);
@@ -141,12 +141,38 @@ def aggregate(rows: np.ndarray, rule: str, out: np.ndarray | None = None) -> np.
     """
     if rows.ndim != 2 or not rows.shape[0]:
         raise ValueError(f"aggregate needs a non-empty (ranks, values) stack, got shape {rows.shape}")
-    if rule == "mean":
-        return np.mean(rows, axis=0, dtype=np.float32, out=out)
     if rule == "median":
-        return np.median(rows, axis=0, out=out)
-    if rule == "trimmed_mean":
-        k = trimmed(rows.shape[0])
-        kept = np.sort(rows, axis=0)[k : rows.shape[0] - k]
-        return np.mean(kept, axis=0, dtype=np.float32, out=out)
-    raise ValueError(f"aggregation {rule!r} is not one of {AGGREGATIONS}")
+        return np.median(rows, axis=0).astype(np.float32, copy=False)
+    if rule not in ("mean", "trimmed_mean"):
+        raise ValueError(f"aggregation {rule!r} is not one of {AGGREGATIONS}")
+    k = trimmed(rows.shape[0]) if rule == "trimmed_mean" else 0
+    kept = np.sort(rows, axis=0)[k : rows.shape[0] - k] if k else rows
+    # Summed in f64: the f32 result then never leaves the range of the values averaged.
+    return np.mean(kept, axis=0, dtype=np.float64).astype(np.float32)
+
+
+def combine(deposits: Sequence[Sequence[np.ndarray]], masses: Sequence[float], rule: str,
+            outputs: Sequence[np.ndarray]) -> None:
+    """``rule`` over the ranks' models, written into ``outputs`` (the consensus, in their elements).
+
+    Each deposit is premultiplied by its mass, so its model is the deposit
+    divided by it; a deposit of mass 0 did no work and holds no model (all of
+    them: the consensus is zeros, which a mass-0 round's receivers ignore).
+    The models are widened into one (ranks, values) f32 stack: a robust rule
+    needs every rank's value of each coordinate at once.
+    """
+    worked = [(d, m) for d, m in zip(deposits, masses, strict=True) if m > 0.0]
+    total = sum(o.size for o in outputs)
+    rows = np.empty((len(worked), total), np.float32)
+    for row, (tensors, m) in zip(rows, worked, strict=True):
+        at = 0
+        for t in tensors:
+            part = row[at : at + t.size]
+            element_of(t).widen(t.reshape(-1), part)
+            np.divide(part, np.float32(m), out=part)
+            at += t.size
+    consensus = aggregate(rows, rule) if worked else np.zeros(total, np.float32)
+    at = 0
+    for o in outputs:
+        element_of(o).encode(consensus[at : at + o.size], o.reshape(-1))
+        at += o.size

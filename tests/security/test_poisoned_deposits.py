@@ -42,17 +42,19 @@ MASS = {0: 1.0, 1: 3.0, 2: 0.5, 3: 2.0}
 class World:
     """A reducer and real relays for `real` hosts; `fake` hosts are left for a hand-made relay."""
 
-    def __init__(self, tmp_path, hosts: dict[str, tuple[int, ...]], real: tuple[str, ...]):
+    def __init__(self, tmp_path, hosts: dict[str, tuple[int, ...]], real: tuple[str, ...], aggregation: str = "mean"):
         self.ctx = zmq.Context()
         self.key, self.run_id = new_key(), bytes(range(16))
         self.eps = eps = endpoints("ipc", tmp_path)
         self.reducer = ReducerService(
-            ReducerConfig(hosts, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05), self.ctx)
+            ReducerConfig(hosts, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05,
+                          aggregation=aggregation), self.ctx)
         self.reducer.start()
         self.relays = {}
         for host in real:
             cfg = RelayConfig(host, hosts[host], self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
-                              eps[f"{host}-control"], eps[f"{host}-data"], rank_silence_at_relay_s=30.0)
+                              eps[f"{host}-control"], eps[f"{host}-data"], rank_silence_at_relay_s=30.0,
+                              aggregation=aggregation)
             self.relays[host] = Relay(cfg, self.ctx)
             self.relays[host].start()
         self.ranks = {r: FakeRank(self.ctx, r, self.key, self.run_id, eps[f"{h}-control"], eps[f"{h}-data"])
@@ -243,3 +245,28 @@ def test_an_int8_deposit_whose_scale_is_1e30_is_refused_and_its_host_mate_ships_
     out = station.mark_dead(1)
     assert out is not None and out.ranks == (0,) and out.mass == 1.0
     assert float(np.abs(out.tensors[0]).max()) < 1.0
+
+
+@pytest.mark.parametrize("aggregation", ["median", "trimmed_mean"])
+@pytest.mark.parametrize("attack", ["scaled", "garbage"])
+def test_with_a_robust_aggregation_one_poisoning_rank_of_four_stays_inside_the_honest_range(tmp_path, aggregation,
+                                                                                            attack):
+    w = World(tmp_path, {"a": (0, 1), "b": (2, 3)}, real=("a", "b"), aggregation=aggregation)
+    try:
+        honest = {r: model(r, 1) for r in (0, 2, 3)}
+        if attack == "scaled":  # -10x its own model: finite, and small enough to pass the magnitude bound
+            poison = [-10.0 * p for p in model(1, 1)]
+        else:  # large finite garbage just under the magnitude bound
+            poison = [np.full(p.shape, 9e5) for p in model(1, 1)]
+        w.deposit(1, 1, to_wire(poison, MASS[1], "f32"))
+        for r in (0, 2, 3):
+            w.deposit(r, 1)
+        out = w.reducer.completed.get(timeout=WAIT_S)
+        assert (out.round_id, out.hosts) == (1, ("a", "b"))
+        for r in range(4):
+            got = w.ranks[r].consensus().payload
+            for i, g in enumerate(got):
+                stack = np.stack([honest[h][i] for h in honest]).astype(np.float32)
+                assert (stack.min(axis=0) <= g).all() and (g <= stack.max(axis=0)).all(), (r, i)
+    finally:
+        w.close()
