@@ -41,7 +41,9 @@ root. This module is the middle move and keeps these rules:
   a deposit: the sum of the first two (the blocks of sums checked while in
   cache), or a check of its own just before a later one is added in place
   (which then raises PoisonedDeposit, the round untouched). A round's single
-  deposit is shipped unread, so unchecked: the reducer checks every HostFrame.
+  deposit is not summed, so not checked here: the reducer checks every HostFrame.
+  Every deposit far above the last consensus, or above its host-mates' mass, is
+  refused alike (robust.py). ``unfolded``: deposits are held and shipped as they came.
 - A deposit from a rank already dead is a late frame: dropped and counted.
 
 Deposits reach this core already authenticated (the wire verifies the MAC

@@ -40,6 +40,11 @@ Rules the ledger keeps:
   consensus. A round with no bound given is not capped.
 - A frame for a finished round, or from a host whose ranks are all dead, is
   dropped and counted.
+- Under a robust aggregation (``aggregation`` median or trimmed_mean) the
+  relays ship each rank's deposit as its own frame, so a round's members are
+  ranks: it waits for every live rank, keeps every frame whole (each checked
+  on arrival), and publishes ``robust.combine`` of the ranks' models; the
+  divide-once sum is the mean's alone. The mass checks stay per frame.
 - A round is never dropped silently: if no host is expected any more, the
   ledger reports the open round as Abandoned with the reason.
 - With an outer optimizer (flodl_zmq/outer.py), the divided average is
