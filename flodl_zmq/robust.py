@@ -68,9 +68,12 @@ def check_mass(mass: float, who: str, error: type[ProtocolError]) -> float:
 def _block_magnitude(x: np.ndarray) -> float:
     if not x.size:
         return 0.0
-    if x.dtype == np.uint16:  # bf16 bits: the sign bit off, the largest bits are the largest magnitude
-        top = np.uint32(np.max(np.bitwise_and(x, 0x7FFF))) << np.uint32(16)
-        return float(np.array(top, np.uint32).view(np.float32))
+    if x.dtype == np.uint16:  # bf16 bits, read without a temporary: the magnitude's bits are the low 15
+        # As int16 the largest is the largest positive's bits; as uint16 the largest is 0x8000 + the
+        # largest negative magnitude's bits (when there is a negative).
+        pos, neg = int(np.max(x.view(np.int16))), int(np.max(x))
+        top = max(pos, neg - 0x8000 if neg >= 0x8000 else 0)
+        return float(np.array(top << 16, np.uint32).view(np.float32))
     with np.errstate(invalid="ignore"):
         return float(max(np.max(x), -np.min(x)))
 
