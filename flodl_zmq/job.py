@@ -269,8 +269,9 @@ class Job:
         return named(self.wire_dtype)
 
     def check_settings(self, settings: Settings) -> None:
-        """Refuse a job the run's settings contradict: another wire format announced to the relays
-        (FLODL_WIRE_DTYPE, `Settings.wire`), or a rank silence the ranks' own heartbeat would outlast."""
+        """Refuse a job the run's settings contradict: another wire format or aggregation announced to the
+        relays (FLODL_WIRE_DTYPE, FLODL_AGGREGATION), int8 under a robust aggregation, or a rank silence the
+        ranks' own heartbeat would outlast."""
         if not self.rank_silence_at_coordinator_s > settings.rank_heartbeat_period_s:
             raise ConfigError(
                 f"rank_silence_at_coordinator_s ({self.rank_silence_at_coordinator_s:g} s) must exceed the ranks' "
