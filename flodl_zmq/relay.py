@@ -181,8 +181,8 @@ class Relay:
         except threading.BrokenBarrierError:
             self.stop()
             raise FlodlError(f"relay {self.config.host} failed to start: {self.error}") from self.error
-        log.info("relay %s up: ranks %s, local %s / %s", self.config.host, list(self.config.ranks),
-                 self.config.local_control, self.config.local_data)
+        log.info("relay %s up: ranks %s, local %s / %s, aggregation %s", self.config.host, list(self.config.ranks),
+                 self.config.local_control, self.config.local_data, self.config.aggregation)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop both threads and close their sockets (idempotent)."""

@@ -276,6 +276,7 @@ def test_median_aggregation_ships_each_rank_unfolded_and_trains_digits_to_95_per
     monkeypatch.setenv("FLODL_AGGREGATION", "median")
     code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16")
     assert code == 0, out
+    assert out.count(", aggregation median") == 2, out  # each relay was told (it says so when it comes up)
     assert result["accuracy"] >= 0.95, out
 
 
