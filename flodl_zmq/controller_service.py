@@ -233,7 +233,7 @@ class ControllerService:
             ReducerConfig.for_controller(
                 self.world, self.penv.key, self.penv.incarnation, self.penv.controller, curve=self.curve,
                 link_heartbeat_period_s=settings.link_heartbeat_period_s, link_silence_s=settings.link_silence_s,
-                wire=self.job.wire,
+                wire=self.job.wire, aggregation=settings.aggregation,
                 # The relays send this model's frames and nothing longer (PROTOCOL.md 6.1).
                 max_frame_bytes=data_max_frame_bytes(self.job.wire.largest_frame_bytes(self.kept.consensus.size)),
                 route_secret=self.penv.need_route_secret(),

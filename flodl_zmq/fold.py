@@ -41,7 +41,9 @@ root. This module is the middle move and keeps these rules:
   a deposit: the sum of the first two (the blocks of sums checked while in
   cache), or a check of its own just before a later one is added in place
   (which then raises PoisonedDeposit, the round untouched). A round's single
-  deposit is shipped unread, so unchecked: the reducer checks every HostFrame.
+  deposit is not summed, so not checked here: the reducer checks every HostFrame.
+  Every deposit far above the last consensus, or above its host-mates' mass, is
+  refused alike (robust.py). ``unfolded``: deposits are held and shipped as they came.
 - A deposit from a rank already dead is a late frame: dropped and counted.
 
 Deposits reach this core already authenticated (the wire verifies the MAC
@@ -62,7 +64,7 @@ from typing import Protocol
 
 import numpy as np
 
-from flodl_zmq import threads
+from flodl_zmq import robust, threads
 from flodl_zmq.errors import ConfigError, FoldError, PoisonedDeposit, ProtocolError
 from flodl_zmq.tensors import ELEMENTS, Element, bf16_sum, dtype_name, f32_from_bf16
 
@@ -91,46 +93,18 @@ def schema_of(tensors: Sequence[np.ndarray], who: str, error: type[ProtocolError
     return tuple(schema)
 
 
-def check_schema(
-    expected: Schema, tensors: Sequence[np.ndarray], who: str, error: type[ProtocolError]
-) -> None:
+def check_schema(expected: Schema, tensors: Sequence[np.ndarray], who: str, error: type[ProtocolError]) -> None:
     """Raise ``error`` unless ``tensors`` match ``expected`` in count, dtype and shape."""
     if len(tensors) != len(expected):
-        raise error(
-            f"{who} carries {len(tensors)} tensors; the round's first frame carried {len(expected)} "
-            "(desynced rounds, or ranks built with different models)"
-        )
+        raise error(f"{who} carries {len(tensors)} tensors; the round's first frame carried {len(expected)} "
+                    "(desynced rounds, or ranks built with different models)")
     for i, ((dt, shape), t) in enumerate(zip(expected, tensors, strict=True)):
         got = schema_of((t,), who, error)[0]
         if got[0] != dt:
-            raise error(
-                f"{who} tensor[{i}] is {got[0]}, the round's is {dt} "
-                "(ranks disagree on the wire dtype; use one bf16 setting for the whole run)"
-            )
+            raise error(f"{who} tensor[{i}] is {got[0]}, the round's is {dt} "
+                        "(ranks disagree on the wire dtype; use one bf16 setting for the whole run)")
         if got[1] != shape:
-            raise error(
-                f"{who} tensor[{i}] has shape {got[1]}, the round's is {shape} (different models?)"
-            )
-
-
-# A positive mass must be a normal f32 magnitude: tensors are premultiplied by it
-# in f32, so a smaller mass flushes its contribution to zero while still
-# counting in the divisor, and the reducer's f32 divide would turn it into NaN.
-_F32 = np.finfo(np.float32)
-MASS_RANGE = (float(_F32.tiny), float(_F32.max))
-
-
-def check_mass(mass: float, who: str, error: type[ProtocolError]) -> float:
-    """The mass as a float; anything but 0 or a normal f32 magnitude raises ``error``."""
-    m = float(mass)
-    if not math.isfinite(m) or m < 0.0:
-        raise error(f"{who} carries mass {mass!r}; a realized-work mass must be finite and >= 0")
-    if m != 0.0 and not MASS_RANGE[0] <= m <= MASS_RANGE[1]:
-        raise error(
-            f"{who} carries mass {mass!r}; a positive mass must lie in [{MASS_RANGE[0]:g}, "
-            f"{MASS_RANGE[1]:g}] because tensors are premultiplied by it in f32"
-        )
-    return m
+            raise error(f"{who} tensor[{i}] has shape {got[1]}, the round's is {shape} (different models?)")
 
 
 def check_finite(tensors: Sequence[np.ndarray], who: str) -> None:
@@ -152,9 +126,7 @@ def check_finite(tensors: Sequence[np.ndarray], who: str) -> None:
         )
 
 
-def carve(
-    shapes: Sequence[tuple[int, ...]], dtype: np.dtype
-) -> tuple[np.ndarray, list[np.ndarray]]:
+def carve(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> tuple[np.ndarray, list[np.ndarray]]:
     """One flat buffer of ``dtype`` holding every shape, and a shaped view of it per shape."""
     sizes = [math.prod(shape) for shape in shapes]
     flat = np.empty(sum(sizes), dtype)
@@ -390,6 +362,15 @@ class HostFold:
     ranks: tuple[int, ...]
     tensors: tuple[np.ndarray, ...]
     verbatim: bool
+    masses: tuple[float, ...] = ()  # unfolded: each rank's mass, its deposit its share of ``tensors`` in rank order
+
+    def frames(self) -> list[tuple[tuple[int, ...], float, tuple[np.ndarray, ...]]]:
+        """(ranks, mass, tensors) of each HostFrame to ship: the one sum, or each rank's deposit when unfolded."""
+        if not self.masses:
+            return [(self.ranks, self.mass, self.tensors)]
+        k = len(self.tensors) // len(self.ranks)
+        return [((r,), m, self.tensors[i * k : (i + 1) * k]) for i, (r, m) in enumerate(zip(self.ranks, self.masses,
+                                                                                             strict=True))]
 
 
 @dataclass(frozen=True)
@@ -485,9 +466,10 @@ class OpenRound:
     leave the round (``refused``) and the tier recomputes without them.
     """
 
-    def __init__(self, round_id: int, schema: Schema) -> None:
+    def __init__(self, round_id: int, schema: Schema, keep: bool = False) -> None:
         self.round_id = round_id
         self.schema = schema
+        self.keep = keep  # every contribution stays held, never summed (robust aggregation: robust.py)
         self.members: list = []
         self.masses: list[float] = []
         self.mass = 0.0
@@ -508,7 +490,7 @@ class OpenRound:
 
     def promote(self, images: ImageCache) -> None:
         """Sum two held contributions into the tier's image (no-op otherwise); a non-finite one is refused."""
-        if len(self.held) == 2:
+        if len(self.held) == 2 and not self.keep:
             image = images.get(self.schema)[0]
             if image.fill_sum(*self.held):
                 self.refuse_held()
@@ -524,11 +506,15 @@ class OpenRound:
         (values ~1e38): all of them are refused.
         """
         bad = [i for i, h in enumerate(self.held) if not _all_finite(h)] or list(range(len(self.held)))
-        for i in reversed(bad):
-            member = self.members.pop(i)
-            del self.masses[i], self.held[i]
-            self.refused.append((member, "its deposit carries a NaN or infinite element (or values so large "
-                                         "the f32 sum overflows); it would poison every rank's consensus"))
+        self.refuse(bad, lambda _: "its deposit carries a NaN or infinite element (or values so large "
+                                   "the f32 sum overflows); it would poison every rank's consensus")
+
+    def refuse(self, held: Sequence[int], why: Callable[[float], str]) -> None:
+        """Take the held contributions at indices ``held`` out of the round, each with ``why(its mass)``."""
+        for i in sorted(held, reverse=True):
+            member, mass = self.members.pop(i), self.masses.pop(i)
+            del self.held[i]
+            self.refused.append((member, why(mass)))
         self.mass = sum(self.masses)  # in arrival order, as it was added up
 
 
@@ -549,20 +535,24 @@ def contribute(
     images: ImageCache,
     who: str,
     error: type[ProtocolError],
+    limit: float,
+    keep: bool = False,
 ) -> OpenRound:
     """Add one contribution to ``rnd``, or open round ``round_id`` with its schema; returns the round.
 
-    The mass, the schema and the values (all finite) are checked before anything
-    is added, so a refused contribution leaves the round as it was.
+    The mass, the schema and the values (all finite, none over ``limit`` per unit
+    of mass: flodl_zmq/robust.py) are checked before anything is added, so a
+    refused contribution leaves the round as it was.
     """
-    m = check_mass(mass, who, error)
+    m = robust.check_mass(mass, who, error)
     schema = schema_of(tensors, who, error) if rnd is None else None
     if rnd is not None:
         check_schema(rnd.schema, tensors, who, error)
-        if rnd.image is not None or len(rnd.held) == 2:
-            check_finite(tensors, who)  # it goes into the image: checked before it touches it
+    if keep or (rnd is not None and (rnd.image is not None or len(rnd.held) == 2)):
+        check_finite(tensors, who)  # it goes into the image (or is kept whole): checked before it touches it
+    robust.check_magnitude(tensors, m, limit, who)
     if rnd is None:
-        rnd = OpenRound(round_id, schema)
+        rnd = OpenRound(round_id, schema, keep)
     rnd.add(member, m, tensors, images)
     return rnd
 
@@ -576,7 +566,8 @@ class FoldStation:
     round, NothingToShip once every rank is dead with nothing pending, else None.
     """
 
-    def __init__(self, roster: Iterable[int]) -> None:
+    def __init__(self, roster: Iterable[int], unfolded: bool = False) -> None:
+        self.unfolded = unfolded  # ship each rank's deposit as it came, at the barrier (a robust aggregation)
         self.roster = frozenset(int(r) for r in roster)
         if not self.roster:
             raise ConfigError("a fold station needs at least one local rank: give the relay a non-empty rank list")
@@ -586,6 +577,7 @@ class FoldStation:
         self.poisoned: str | None = None
         self.last_round: int | None = None
         self._round: OpenRound | None = None
+        self.limit = robust.magnitude_limit(None)  # largest value per unit of mass a deposit may carry (robust.py)
         # Images and 2-byte output buffers by schema (f32 tensors ship straight from the sums).
         self._images = ImageCache(_fold_outputs)
 
@@ -594,14 +586,15 @@ class FoldStation:
         """The round being folded, or None between rounds."""
         return self._round.round_id if self._round else None
 
-    def deposit(
-        self, rank: int, round_id: int, mass: float, tensors: Sequence[np.ndarray]
-    ) -> HostFold | NothingToShip | None:
+    def consensus_seen(self, tensors: Sequence[np.ndarray]) -> None:
+        """Bound later deposits by the consensus the ranks now hold: a poisoner's values stand out against it."""
+        self.limit = robust.magnitude_limit(robust.magnitude(tensors))
+
+    def deposit(self, rank: int, round_id: int, mass: float,
+                tensors: Sequence[np.ndarray]) -> HostFold | NothingToShip | None:
         """Fold one rank's authenticated, mass-premultiplied deposit for ``round_id``."""
         if self.poisoned is not None:
-            raise FoldError(
-                f"fold station is poisoned ({self.poisoned}); tear the data channel down"
-            )
+            raise FoldError(f"fold station is poisoned ({self.poisoned}); tear the data channel down")
         who = f"relay fold: rank {rank} (round {round_id})"
         try:
             return self._deposit(rank, round_id, mass, tensors, who)
@@ -611,9 +604,8 @@ class FoldStation:
             self._round = None
             raise
 
-    def _deposit(
-        self, rank: int, round_id: int, mass: float, tensors: Sequence[np.ndarray], who: str
-    ) -> HostFold | NothingToShip | None:
+    def _deposit(self, rank: int, round_id: int, mass: float, tensors: Sequence[np.ndarray],
+                 who: str) -> HostFold | NothingToShip | None:
         if rank not in self.roster:
             raise FoldError(f"{who}: rank is not on this host's roster {sorted(self.roster)}")
         if rank in self.dead:
@@ -623,7 +615,13 @@ class FoldStation:
         rnd = self._round
         if not round_gate(round_id, self.last_round, rnd, rank, self.counters, who, FoldError):
             return None
-        self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError)
+        if rnd is not None and (rnd.image is not None or len(rnd.held) == 2) and \
+                robust.mass_outliers([*rnd.masses, float(mass)])[-1:] == [len(rnd.masses)]:
+            raise PoisonedDeposit(f"{who}: {robust.mass_refusal(float(mass))}")  # it would go into the sums
+        self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError, self.limit,
+                                 self.unfolded)
+        if self._round.image is None:  # the held pair is judged together: either may be the liar
+            self._round.refuse(robust.mass_outliers(self._round.masses), robust.mass_refusal)
         self.counters.deposits += 1
         self.counters.bytes_folded += sum(t.nbytes for t in tensors)
         self._note_refused(self._round)
@@ -655,10 +653,8 @@ class FoldStation:
     def mark_dead(self, rank: int) -> HostFold | NothingToShip | None:
         """Take ``rank`` out of every later barrier (idempotent); its merged work stays counted."""
         if rank not in self.roster:
-            raise FoldError(
-                f"relay fold: DeclareDead for rank {rank}, which is not on this host's roster "
-                f"{sorted(self.roster)} (controller and relay disagree on the world)"
-            )
+            raise FoldError(f"relay fold: DeclareDead for rank {rank}, which is not on this host's roster "
+                            f"{sorted(self.roster)} (controller and relay disagree on the world)")
         if rank in self.dead:
             return None
         self.dead.add(rank)
@@ -671,12 +667,16 @@ class FoldStation:
             rnd = self._round
             if rnd is None:
                 if self.dead == self.roster:
-                    return NothingToShip(
-                        f"every local rank {sorted(self.roster)} is dead; no round is pending"
-                    )
+                    return NothingToShip(f"every local rank {sorted(self.roster)} is dead; no round is pending")
                 return None
             if any(r not in self.dead and r not in rnd.members for r in self.roster):
                 return None
+            if rnd.keep and rnd.members:
+                order = sorted(range(len(rnd.members)), key=rnd.members.__getitem__)
+                self._round, self.last_round = None, rnd.round_id
+                self.counters.rounds_shipped += 1
+                return HostFold(rnd.round_id, rnd.mass, tuple(rnd.members[i] for i in order),
+                                tuple(t for i in order for t in rnd.held[i]), True, tuple(rnd.masses[i] for i in order))
             image, outputs = self._images.get(rnd.schema) if len(rnd.held) != 1 else (None, [])
             if len(rnd.held) == 2 and image.encode_sum_into(*rnd.held, outputs):
                 rnd.refuse_held()

@@ -107,6 +107,10 @@ class Job:
         average is the new model), "nesterov" (DiLoCo) or "momentum" (SlowMo);
         outer_lr and outer_momentum default to 0.7 / 0.9 (nesterov) and 1.0 / 0.7
         (momentum). See docs/guide.md for when to pick one.
+    aggregation: how the reducer combines a round's deposits: "mean", "trimmed_mean"
+        or "median" (robust to a minority of poisoning ranks; docs/guide.md). The
+        relays read it from the run's setting (FLODL_AGGREGATION, --aggregation),
+        so a value here must equal that setting; None: the setting, whatever it is.
     """
 
     model: Callable[[], torch.nn.Module]
@@ -156,6 +160,7 @@ class Job:
     outer_lr: float | None = None
     outer_momentum: float | None = None
     run_dir: str | None = None
+    aggregation: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "train_step"):
@@ -264,14 +269,26 @@ class Job:
         return named(self.wire_dtype)
 
     def check_settings(self, settings: Settings) -> None:
-        """Refuse a job the run's settings contradict: another wire format announced to the relays
-        (FLODL_WIRE_DTYPE, `Settings.wire`), or a rank silence the ranks' own heartbeat would outlast."""
+        """Refuse a job the run's settings contradict: another wire format or aggregation announced to the
+        relays (FLODL_WIRE_DTYPE, FLODL_AGGREGATION), int8 under a robust aggregation, or a rank silence the
+        ranks' own heartbeat would outlast."""
         if not self.rank_silence_at_coordinator_s > settings.rank_heartbeat_period_s:
             raise ConfigError(
                 f"rank_silence_at_coordinator_s ({self.rank_silence_at_coordinator_s:g} s) must exceed the ranks' "
                 f"heartbeat period ({settings.rank_heartbeat_period_s:g} s, FLODL_RANK_HEARTBEAT_PERIOD): a rank "
                 f"that beats on time would be declared dead; raise it (the default is "
                 f"{RANK_SILENCE_AT_COORDINATOR_S:g} s)"
+            )
+        if self.aggregation is not None and self.aggregation != settings.aggregation:
+            raise ConfigError(
+                f"Trainer(aggregation={self.aggregation!r}) but the run's aggregation setting is "
+                f"{settings.aggregation!r}: the relays read the setting, so set FLODL_AGGREGATION (or the controller's "
+                f"--aggregation) to {self.aggregation!r} too, or drop the keyword"
+            )
+        if settings.aggregation != "mean" and self.wire.packed:
+            raise ConfigError(
+                f"aggregation={settings.aggregation!r} with wire_dtype={self.wire_dtype!r}: a robust aggregation needs "
+                f"each rank's deposit as sent, and int8 error feedback is kept per sender; use f32 or bf16"
             )
         announced = settings.wire
         if announced is not None and announced is not self.wire:

@@ -32,13 +32,19 @@ Rules the ledger keeps:
   the open round (a resend that crossed the original) is dropped and
   counted, never summed twice. A host whose frame of the open round is
   missing is asked for it again (`awaits`, PROTOCOL.md 10.6).
-- A frame with a NaN or infinite element, or with more mass than the round's
+- A frame with a NaN or infinite element, with a value over the magnitude bound
+  (``robust.check_magnitude``: far above the last consensus's), or with more mass than the round's
   bound for its host (the sum of its ranks' bounds, given by the coordinator
   with `bound_round` before the round's first frame can arrive), raises
   PoisonedDeposit and changes nothing: one host must not NaN or dominate the
   consensus. A round with no bound given is not capped.
 - A frame for a finished round, or from a host whose ranks are all dead, is
   dropped and counted.
+- Under a robust aggregation (``aggregation`` median or trimmed_mean) the
+  relays ship each rank's deposit as its own frame, so a round's members are
+  ranks: it waits for every live rank, keeps every frame whole (each checked
+  on arrival), and publishes ``robust.combine`` of the ranks' models; the
+  divide-once sum is the mean's alone. The mass checks stay per frame.
 - A round is never dropped silently: if no host is expected any more, the
   ledger reports the open round as Abandoned with the reason.
 - With an outer optimizer (flodl_zmq/outer.py), the divided average is
@@ -67,6 +73,8 @@ from flodl_zmq.fold import (
     round_gate,
 )
 from flodl_zmq.outer import OuterOptimizer
+from flodl_zmq.robust import combine, magnitude, magnitude_limit
+from flodl_zmq.settings import AGGREGATIONS
 from flodl_zmq.tensors import DTYPES
 
 _AGAIN = object()  # _settle_once refused a frame: settle the round again without it
@@ -136,8 +144,14 @@ class RoundLedger:
     or nothing yet.
     """
 
-    def __init__(self, hosts: Mapping[str, Iterable[int]], outer: OuterOptimizer | None = None) -> None:
+    def __init__(self, hosts: Mapping[str, Iterable[int]], outer: OuterOptimizer | None = None,
+                 aggregation: str = "mean") -> None:
+        if aggregation not in AGGREGATIONS:
+            raise ProtocolError(f"reducer: aggregation {aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
         self.outer = outer
+        # Under a robust aggregation a round's members are ranks (each frame one rank's deposit), else hosts.
+        self.per_rank = aggregation != "mean"
+        self.aggregation = aggregation
         self.hosts: dict[str, frozenset[int]] = {}
         self._owner: dict[int, str] = {}
         for host, ranks in hosts.items():
@@ -168,6 +182,7 @@ class RoundLedger:
         self._all_dead_reported = False
         self._round: OpenRound | None = None
         self._bounds: dict[int, dict[int, float]] = {}  # round -> rank -> most mass it may carry
+        self.limit = magnitude_limit(None)  # largest value per unit of mass a frame may carry (robust.py)
         # Sum images and consensus buffers by schema, most recently used last; the buffers are
         # separate from the sums, so the latest consensus survives while the next round accumulates.
         self._images = ImageCache(_consensus_outputs)
@@ -180,6 +195,7 @@ class RoundLedger:
         """
         self.last_round = int(round_id)
         self.latest = Reduced(int(round_id), 1.0, (), tuple(tensors))
+        self.limit = magnitude_limit(magnitude(tensors))
 
     @property
     def round_id(self) -> int | None:
@@ -190,20 +206,33 @@ class RoundLedger:
         """Hosts with at least one live rank: the ones a round waits for."""
         return frozenset(h for h, rs in self.hosts.items() if not rs <= self.dead and h not in self.refused_hosts)
 
-    def deposit(
-        self, host: str, round_id: int, mass: float, tensors: Sequence[np.ndarray]
-    ) -> Reduced | Abandoned | None:
-        """Sum one host's authenticated HostFrame for ``round_id`` into the round."""
+    def _members_of(self, host: str) -> frozenset:
+        """What a round waits for from expected ``host``: its frame, or under a robust aggregation each live rank's."""
+        return self.hosts[host] - self.dead if self.per_rank else frozenset((host,))
+
+    def _member(self, host: str, ranks: Sequence[int], who: str) -> tuple[object, frozenset[int]]:
+        """The round member a frame is from, and the ranks whose work it carries."""
+        if not self.per_rank:
+            return host, self.hosts[host]
+        if len(ranks) != 1 or ranks[0] not in self.hosts[host]:
+            raise ProtocolError(f"{who}: the frame names ranks {list(ranks)}; under aggregation={self.aggregation} a "
+                                "relay ships each of its ranks' deposits as its own frame (is FLODL_AGGREGATION set "
+                                "alike on every host?)")
+        return ranks[0], frozenset(ranks)
+
+    def deposit(self, host: str, round_id: int, mass: float, tensors: Sequence[np.ndarray],
+                ranks: Sequence[int] = ()) -> Reduced | Abandoned | None:
+        """Sum one host's authenticated HostFrame for ``round_id`` (naming ``ranks``) into the round."""
         who = f"reducer: host {host!r} (round {round_id})"
-        ranks = self.hosts.get(host)
-        if ranks is None:
+        if host not in self.hosts:
             raise ProtocolError(f"{who}: unknown host; known hosts are {sorted(self.hosts)}")
+        member, ranks = self._member(host, ranks, who)
         if ranks <= self.dead or host in self.refused_hosts:
             # A frame that raced its host's last death: nobody there will load the consensus.
             self.counters.dead_host_drops += 1
             return None
         rnd = self._round
-        if not round_gate(round_id, self.last_round, rnd, host, self.counters, who, ProtocolError):
+        if not round_gate(round_id, self.last_round, rnd, member, self.counters, who, ProtocolError):
             return None
         bounds = self._bounds.get(round_id)
         if bounds is not None:
@@ -219,7 +248,8 @@ class RoundLedger:
             # Checked before the frame is summed: the outer step must never mix two models.
             raise ProtocolError(f"{who}: the frame has {sum(t.size for t in tensors)} values, the model "
                                 f"{self.outer.global_model.size} (a host built another model)")
-        self._round = contribute(rnd, round_id, host, mass, tensors, self._images, who, ProtocolError)
+        self._round = contribute(rnd, round_id, member, mass, tensors, self._images, who, ProtocolError,
+                                 self.limit, self.per_rank)
         self.counters.frames += 1
         self.counters.bytes_reduced += sum(t.nbytes for t in tensors)
         self._note_refused(self._round)
@@ -276,7 +306,7 @@ class RoundLedger:
         if self.last_round is not None and round_id <= self.last_round:
             return False
         rnd = self._round
-        return rnd is None or (rnd.round_id == round_id and host not in rnd.members)
+        return rnd is None or (rnd.round_id == round_id and not self._members_of(host) <= set(rnd.members))
 
     def recover(self, round_id: int) -> Reduced | Gone:
         """The consensus of ``round_id`` if it is the latest one, else why it is not available."""
@@ -316,9 +346,12 @@ class RoundLedger:
                 self._abandoned = out
                 self.counters.rounds_abandoned += 1
             return out
-        if rnd is None or not expected <= set(rnd.members):
+        if rnd is None or not frozenset().union(*map(self._members_of, expected)) <= set(rnd.members):
             return None
         image, outputs = self._images.get(rnd.schema)
+        if rnd.keep:  # a robust aggregation: each rank's model, checked on arrival, combined coordinate-wise
+            combine(rnd.held, rnd.masses, self.aggregation, outputs)
+            return self._publish(rnd, outputs, rnd.mass if rnd.mass > 0.0 else None)
         # The one divide of the whole reduce: by the mass of exactly the frames summed.
         divisor = rnd.mass if rnd.mass > 0.0 else None
         # Held frames are checked by the pass that sums them (a non-finite sum refuses the culprit
@@ -331,14 +364,21 @@ class RoundLedger:
             rnd.refuse_held()
             self._note_refused(rnd)
             return _AGAIN
+        if len(rnd.held) != 2:
+            image.encode_into(outputs, divisor)
+        return self._publish(rnd, outputs, divisor)
+
+    def _publish(self, rnd: OpenRound, outputs: list[np.ndarray], divisor: float | None) -> Reduced:
+        """Close ``rnd`` with its average in ``outputs`` (None ``divisor``: nothing was realized)."""
         self._round = None
         self.last_round = rnd.round_id
         for r in [r for r in self._bounds if r <= rnd.round_id]:
             del self._bounds[r]
-        if len(rnd.held) != 2:
-            image.encode_into(outputs, divisor)
         if self.outer is not None and divisor is not None:
             self.outer.step(outputs)
-        self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(rnd.members)), tuple(outputs))
+        hosts = {self._owner[r] for r in rnd.members} if self.per_rank else rnd.members
+        self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(hosts)), tuple(outputs))
+        if divisor is not None:  # a zero-mass round leaves every model as it was
+            self.limit = magnitude_limit(magnitude(outputs))
         self.counters.rounds_reduced += 1
         return self.latest

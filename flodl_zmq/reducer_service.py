@@ -147,6 +147,7 @@ class ReducerConfig:
     # What each host's token derives from (links.host_token): a hello without its host's is refused.
     # Required: a reducer without it could not tell a host's relay from any other member.
     route_secret: bytes = b""
+    aggregation: str = "mean"  # how the ledger combines the deposits (robust.py; relays ship unfolded under others)
 
     def __post_init__(self) -> None:
         if not self.world:
@@ -227,7 +228,7 @@ class ReducerService:
     def __init__(self, config: ReducerConfig, context: zmq.Context | None = None,
                  outer: OuterOptimizer | None = None, resumed: tuple[int, list[np.ndarray]] | None = None):
         self.config = config
-        self.ledger = RoundLedger(config.world, outer)
+        self.ledger = RoundLedger(config.world, outer, config.aggregation)
         if resumed is not None and not config.wire.is_payload(resumed[1]):
             raise ConfigError(f"the resumed consensus is not a {config.wire.name} payload (WireFormat.resume_payload)")
         self._resumed = resumed  # (round, payload in the wire format): the starting consensus, see WireFormat.resume_payload
@@ -449,7 +450,7 @@ class ReducerService:
                 return
             try:
                 with self._outer_lock:
-                    outcome = self.ledger.deposit(host, rec.round, rec.mass, payload)
+                    outcome = self.ledger.deposit(host, rec.round, rec.mass, payload, rec.ranks)
             except ProtocolError as exc:
                 self._violation(host, exc)
                 return

@@ -166,7 +166,7 @@ class Relay:
         self._data_thread = ServiceLoop(f"relay-{config.host}-data")
         self._counts: dict[str, collections.Counter[str]] = {"control": collections.Counter(), "data": collections.Counter()}
         self.error: BaseException | None = None
-        self.fold = FoldStation(config.ranks)
+        self.fold = FoldStation(config.ranks, unfolded=config.aggregation != "mean")
         self.watch = ConsensusWatch(config.consensus_wait_at_relay_s)
         # Both upstream DEALERs carry it: stable for this process, so a reconnect keeps the route.
         self.identity = relay_identity(config.host, os.urandom(8))
@@ -184,8 +184,8 @@ class Relay:
         except threading.BrokenBarrierError:
             self.stop()
             raise FlodlError(f"relay {self.config.host} failed to start: {self.error}") from self.error
-        log.info("relay %s up: ranks %s, local %s / %s", self.config.host, list(self.config.ranks),
-                 self.config.local_control, self.config.local_data)
+        log.info("relay %s up: ranks %s, local %s / %s, aggregation %s", self.config.host, list(self.config.ranks),
+                 self.config.local_control, self.config.local_data, self.config.aggregation)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop both threads and close their sockets (idempotent)."""
@@ -450,7 +450,7 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
         curve=CurveKeys.for_client(os.environ), rank_silence_at_relay_s=s.rank_silence_at_relay_s,
         rank_first_record_at_relay_s=s.rank_first_record_at_relay_s, consensus_wait_at_relay_s=s.consensus_wait_at_relay_s,
         link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
-        peer_send_timeout_s=s.peer_send_timeout_s, wire=s.wire if wire is None else wire,
+        peer_send_timeout_s=s.peer_send_timeout_s, wire=s.wire if wire is None else wire, aggregation=s.aggregation,
         host_token=penv.host_token or b"",
     )
     relay = Relay(cfg)

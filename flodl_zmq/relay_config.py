@@ -50,6 +50,8 @@ class RelayConfig:
     # The host's token from its admission (links.host_token), which every RelayHello carries: the
     # controller takes a hello for this host from no one without it. Required (FLODL_HOST_TOKEN).
     host_token: bytes = b""
+    # The run's aggregation (settings.py): under any but mean each rank's deposit ships unfolded (PROTOCOL.md 9.5).
+    aggregation: str = "mean"
 
     def __post_init__(self) -> None:
         if not self.host:

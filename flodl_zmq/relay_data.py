@@ -261,8 +261,7 @@ class DataPlane(Plane):
 
     def ship(self, outcome: HostFold | NothingToShip | None) -> None:
         if isinstance(outcome, HostFold):
-            rec = HostFrame(outcome.round_id, self.cfg.host, list(outcome.ranks), outcome.mass)
-            self.send_up(rec, self.hop.send_on(outcome.tensors))
+            self.send_host_frames(outcome)
             self.watch.shipped(outcome.round_id, time.monotonic())
             self.shipped = outcome
         elif isinstance(outcome, NothingToShip):
@@ -334,7 +333,12 @@ class DataPlane(Plane):
         log.warning("relay %s: the reducer lost this host's frame of round %d; sending it again",
                     self.cfg.host, round_id)
         self.count["frames_resent.upstream_data"] += 1
-        self.send_up(HostFrame(held.round_id, self.cfg.host, list(held.ranks), held.mass), held.tensors)
+        self.send_host_frames(held)
+
+    def send_host_frames(self, fold: HostFold) -> None:
+        """The round's HostFrame: the host's sum, or under a robust aggregation one per rank (PROTOCOL.md 9.5)."""
+        for ranks, mass, tensors in fold.frames():
+            self.send_up(HostFrame(fold.round_id, self.cfg.host, list(ranks), mass), self.hop.send_on(tensors))
 
     def consensus(self, frames: list[zmq.Frame], where: str) -> None:
         """A broadcast-channel record from PUB or resent point to point: verify, then deliver."""
@@ -372,6 +376,8 @@ class DataPlane(Plane):
         self.delivered = (rec.round, list(frames), shared)
         for rank in live:
             self.to_rank(rank, shared if shared is not None and rank in self.by_reference else frames)
+        if rec.mass > 0.0:  # the model every rank now holds bounds the next deposits (robust.py)
+            self.fold.consensus_seen(env.payload)
 
     def request(self, round_id: int) -> None:
         log.info("relay %s: consensus of round %d not here; asking the reducer", self.cfg.host, round_id)

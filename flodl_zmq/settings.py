@@ -53,6 +53,8 @@ from flodl_zmq.wire_format import NAMES as WIRE_FORMATS
 from flodl_zmq.wire_format import WireFormat
 from flodl_zmq.wire_format import named as wire_format_named
 
+# How the reducer may combine a round's deposits (flodl_zmq/robust.py's `aggregate`).
+AGGREGATIONS = ("mean", "trimmed_mean", "median")
 DEFAULT_EASGD_ALPHA = 0.5
 
 
@@ -237,6 +239,13 @@ class Settings:
             "must be the same, or the controller and the ranks refuse to start (none: each relay holds the run "
             "to the format of its ranks' first deposit, and the reducer refuses a host frame of another)",
             kind=str, metavar="|".join(WIRE_FORMATS), env=("FLODL_WIRE_DTYPE",), scope="run")
+    # ---- how the reducer combines the deposits; the relays must know it too (PROTOCOL.md 9.5)
+    aggregation: str = setting("mean", "how the reducer combines a round's deposits: mean (the mass-weighted average), "
+            "or trimmed_mean or median, coordinate-wise over each rank's model, so that one poisoning rank in four "
+            "cannot move the consensus outside the honest ranks' range (relays then ship each rank's deposit "
+            "unfolded); the Trainer's aggregation, if given, must be the same", kind=str,
+            metavar="|".join(AGGREGATIONS), flags=("--aggregation",), env=("FLODL_AGGREGATION",),
+            commands=("controller",), scope="run")
     # ---- the controller's consensus checkpoints (read by the controller role; PROTOCOL.md 13)
     checkpoint_dir: str | None = setting(None, "where the controller writes its periodic consensus checkpoints, keeping "
             "the last checkpoint_keep (none: no checkpoints)", kind=str, metavar="DIR", flags=("--checkpoint-dir",),
@@ -340,6 +349,9 @@ class Settings:
             s.check(getattr(self, s.field))
         if self.wire_dtype is not None:
             wire_format_named(self.wire_dtype, BY_FIELD["wire_dtype"].describe())
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"aggregation {self.aggregation!r} ({BY_FIELD['aggregation'].describe()}) is not one of "
+                              f"{', '.join(AGGREGATIONS)}")
         # A silence limit at or below the beat that proves life would declare live peers dead.
         for silence, period in (
             ("rank_silence_at_relay_s", "rank_heartbeat_period_s"),

@@ -270,6 +270,16 @@ def test_an_int8_wire_with_error_feedback_trains_digits_to_95_percent_and_saves_
     assert all(t.dtype == torch.float32 for t in state.values())
 
 
+def test_median_aggregation_ships_each_rank_unfolded_and_trains_digits_to_95_percent(run, monkeypatch):
+    # The relays and the reducer read the run's setting (the launcher hands it on); 2 hosts x 2 ranks,
+    # so each relay ships its two ranks' deposits unfolded and the reducer takes the median of four.
+    monkeypatch.setenv("FLODL_AGGREGATION", "median")
+    code, result, out = run("--mode", "cpu-cadence", "--batch-size", "16")
+    assert code == 0, out
+    assert out.count(", aggregation median") == 2, out  # each relay was told (it says so when it comes up)
+    assert result["accuracy"] >= 0.95, out
+
+
 def test_an_outer_step_saves_its_momentum_and_a_resume_continues_it(tmp_path, run):
     stem = str(tmp_path / "outer")
     code, _, out = run("--epochs", "4", "--batch-size", "16", "--outer", "nesterov", "--save", stem)

@@ -23,14 +23,16 @@ from transport.dataplane_helpers import (
     to_wire,
 )
 
-from flodl_zmq.errors import PoisonedDeposit
+from flodl_zmq.errors import FoldError, PoisonedDeposit
 from flodl_zmq.fold import PIECE, FoldStation, check_finite
+from flodl_zmq.int8 import BLOCK
 from flodl_zmq.links import host_token, relay_sender
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import HostFrame, RelayHello
+from flodl_zmq.wire_format import INT8, Hop
 
 ROUTE_SECRET = bytes(range(32))  # the controller's: each host's token derives from it (PROTOCOL.md 10.5)
 
@@ -42,19 +44,19 @@ MASS = {0: 1.0, 1: 3.0, 2: 0.5, 3: 2.0}
 class World:
     """A reducer and real relays for `real` hosts; `fake` hosts are left for a hand-made relay."""
 
-    def __init__(self, tmp_path, hosts: dict[str, tuple[int, ...]], real: tuple[str, ...]):
+    def __init__(self, tmp_path, hosts: dict[str, tuple[int, ...]], real: tuple[str, ...], aggregation: str = "mean"):
         self.ctx = zmq.Context()
         self.key, self.run_id = new_key(), bytes(range(16))
         self.eps = eps = endpoints("ipc", tmp_path)
         self.reducer = ReducerService(
             ReducerConfig(hosts, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05,
-                          route_secret=ROUTE_SECRET), self.ctx)
+                          route_secret=ROUTE_SECRET, aggregation=aggregation), self.ctx)
         self.reducer.start()
         self.relays = {}
         for host in real:
             cfg = RelayConfig(host, hosts[host], self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
                               eps[f"{host}-control"], eps[f"{host}-data"], rank_silence_at_relay_s=30.0,
-                              host_token=host_token(ROUTE_SECRET, host))
+                              host_token=host_token(ROUTE_SECRET, host), aggregation=aggregation)
             self.relays[host] = Relay(cfg, self.ctx)
             self.relays[host].start()
         self.ranks = {r: FakeRank(self.ctx, r, self.key, self.run_id, eps[f"{h}-control"], eps[f"{h}-data"])
@@ -109,22 +111,59 @@ def test_a_rank_depositing_a_nan_leaves_and_the_round_completes_without_it(tmp_p
         w.close()
 
 
-def test_a_rank_claiming_mass_1e30_is_refused_at_the_reducer_and_its_host_declared_dead(tmp_path):
+def wait_dead(w: World, rank: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not w.reducer.ledger.is_dead(rank) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_a_rank_claiming_mass_1e30_leaves_alone_and_its_honest_host_mate_is_reduced(tmp_path):
     w = World(tmp_path, {"a": (0, 1), "b": (2, 3)}, real=("a", "b"))
     try:
         # The coordinator counted 10 steps for each rank at the trigger (MassBound: 2 * 10 + 64).
         w.reducer.bound_round(1, {r: 84.0 for r in range(4)})
         liar = 1e30
+        w.deposit(1, 1, to_wire(model(1, 1), liar, "f32"), mass=liar)  # finite, premultiplied, huge; first
         w.deposit(0, 1)
-        w.deposit(1, 1, to_wire(model(1, 1), liar, "f32"), mass=liar)  # finite, premultiplied, huge
         w.deposit(2, 1)
         w.deposit(3, 1)
         out = w.reducer.completed.get(timeout=WAIT_S)
-        assert (out.round_id, out.hosts, out.mass) == (1, ("b",), MASS[2] + MASS[3])
-        env = w.ranks[2].consensus()
-        assert rel_error([p.astype(np.float64) for p in env.payload], honest_mean(1, (2, 3))) < 1e-6
-        assert w.reducer.counters()["poisoned_frames"] == 1
-        assert all(w.reducer.ledger.is_dead(r) for r in (0, 1))
+        assert (out.round_id, out.hosts, out.mass) == (1, ("a", "b"), MASS[0] + MASS[2] + MASS[3])
+        env = w.ranks[0].consensus()
+        assert rel_error([p.astype(np.float64) for p in env.payload], honest_mean(1, (0, 2, 3))) < 1e-6
+        assert w.relays["a"].counters()["poisoned.local_data"] == 1
+        wait_dead(w, 1)
+        assert w.reducer.ledger.is_dead(1) and not w.reducer.ledger.is_dead(0)
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("value", [1e30, 1e18])
+def test_a_rank_depositing_finite_huge_parameters_leaves_named_and_its_host_mate_is_unaffected(tmp_path, caplog,
+                                                                                              value):
+    w = World(tmp_path, {"a": (0, 1), "b": (2, 3)}, real=("a", "b"))
+    try:
+        for r in range(4):  # a first round, so the tiers hold a consensus to measure against
+            w.deposit(r, 1)
+        assert w.reducer.completed.get(timeout=WAIT_S).round_id == 1
+        for r in range(4):
+            w.ranks[r].consensus()
+        poisoned = to_wire(model(1, 2), MASS[1], "f32")
+        poisoned[0][:] = value * MASS[1]  # finite: the NaN check lets it by
+        w.deposit(0, 2)
+        w.deposit(1, 2, poisoned)
+        w.deposit(2, 2)
+        w.deposit(3, 2)
+        out = w.reducer.completed.get(timeout=WAIT_S)
+        assert (out.round_id, out.hosts, out.mass) == (2, ("a", "b"), MASS[0] + MASS[2] + MASS[3])
+        env = w.ranks[0].consensus()
+        got = [p.astype(np.float64) for p in env.payload]
+        assert rel_error(got, honest_mean(2, (0, 2, 3))) < 1e-6, "the honest host-mate's deposit is reduced"
+        assert max(float(np.abs(p).max()) for p in got) < 1e3, "its next consensus is sane"
+        assert w.relays["a"].counters()["poisoned.local_data"] == 1
+        assert any("rank 1 leaves" in m and "magnitude" in m for m in caplog.messages), caplog.messages
+        wait_dead(w, 1)
+        assert w.reducer.ledger.is_dead(1) and not w.reducer.ledger.is_dead(0)
     finally:
         w.close()
 
@@ -192,3 +231,44 @@ def test_finite_f16_and_f32_deposits_whose_sum_overflows_are_not_refused():
     check_finite([np.full(1000, 60000, np.float16), np.full(1000, 3e38, np.float32)], "test")
     with pytest.raises(PoisonedDeposit):
         check_finite([np.full(1000, 60000, np.float16), np.array([np.inf], np.float16)], "test")
+
+
+def test_an_int8_deposit_whose_scale_is_1e30_is_refused_and_its_host_mate_ships_alone():
+    n = 2 * BLOCK
+    hop = Hop("relay a", INT8, FoldError)
+    ok = INT8.layout(n)
+    good = [np.empty(size, dtype) for dtype, size in ok]
+    INT8.encode_into(np.full(n, 0.5, np.float32), good, INT8.feedback(n))
+    bad = [np.full(n, 50, np.int8), np.array([1e-2, 1e30], np.float32)]  # 50 * 1e30 = 5e31 in the second block
+    station = FoldStation((0, 1))
+    assert station.deposit(0, 1, 1.0, hop.take(0, good)) is None
+    with pytest.raises(PoisonedDeposit, match="magnitude"):
+        station.deposit(1, 1, 1.0, hop.take(1, bad))
+    out = station.mark_dead(1)
+    assert out is not None and out.ranks == (0,) and out.mass == 1.0
+    assert float(np.abs(out.tensors[0]).max()) < 1.0
+
+
+@pytest.mark.parametrize("aggregation", ["median", "trimmed_mean"])
+@pytest.mark.parametrize("attack", ["scaled", "garbage"])
+def test_with_a_robust_aggregation_one_poisoning_rank_of_four_stays_inside_the_honest_range(tmp_path, aggregation,
+                                                                                            attack):
+    w = World(tmp_path, {"a": (0, 1), "b": (2, 3)}, real=("a", "b"), aggregation=aggregation)
+    try:
+        honest = {r: model(r, 1) for r in (0, 2, 3)}
+        if attack == "scaled":  # -10x its own model: finite, and small enough to pass the magnitude bound
+            poison = [-10.0 * p for p in model(1, 1)]
+        else:  # large finite garbage just under the magnitude bound
+            poison = [np.full(p.shape, 9e5) for p in model(1, 1)]
+        w.deposit(1, 1, to_wire(poison, MASS[1], "f32"))
+        for r in (0, 2, 3):
+            w.deposit(r, 1)
+        out = w.reducer.completed.get(timeout=WAIT_S)
+        assert (out.round_id, out.hosts) == (1, ("a", "b"))
+        for r in range(4):
+            got = w.ranks[r].consensus().payload
+            for i, g in enumerate(got):
+                stack = np.stack([honest[h][i] for h in honest]).astype(np.float32)
+                assert (stack.min(axis=0) <= g).all() and (g <= stack.max(axis=0)).all(), (r, i)
+    finally:
+        w.close()

@@ -182,3 +182,14 @@ def test_a_renamed_keyword_is_refused_with_its_new_name():
         Job.from_keywords(model=lambda: torch.nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                           train_step=lambda m, b: m(b[0]).sum(), dataset=DATA, batch_size=8, epochs=1,
                           heartbeat_timeout_s=10.0)
+
+
+def test_an_aggregation_the_relays_are_not_told_is_refused_and_int8_is_refused_with_a_robust_one():
+    job(aggregation="median").check_settings(Settings(aggregation="median"))
+    job().check_settings(Settings(aggregation="median"))  # None: the run's setting, whatever it is
+    with pytest.raises(ConfigError, match="FLODL_AGGREGATION"):
+        job(aggregation="median").check_settings(Settings())
+    with pytest.raises(ConfigError, match="int8"):
+        job(wire_dtype="int8").check_settings(Settings(aggregation="trimmed_mean"))
+    with pytest.raises(ConfigError, match="aggregation"):
+        Settings(aggregation="mode")
