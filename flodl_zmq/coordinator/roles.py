@@ -39,8 +39,9 @@ from flodl_zmq.wire import records as rec
 
 EWMA_ALPHA = 0.3
 
-FINAL_EVAL_ID = 2**64 - 1
-"""`ExecuteEval.schedule_id` of the one canonical eval of the final consensus."""
+FINAL_EVAL_ID = rec.MAX_COUNT
+"""`ExecuteEval.schedule_id` of the one canonical eval of the final consensus: the largest id a
+`Count` holds (PROTOCOL.md 3.3), never an epoch's."""
 
 
 def is_due(epoch: int, every: int) -> bool:

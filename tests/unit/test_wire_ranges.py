@@ -13,6 +13,8 @@ from typing import Any, Union
 
 import pytest
 
+from flodl_zmq.coordinator import roles
+from flodl_zmq.coordinator.roles import FINAL_EVAL_ID
 from flodl_zmq.errors import SchemaError
 from flodl_zmq.wire import REGISTRY, Channel, Codec, EpochPlan
 from flodl_zmq.wire.records import (
@@ -21,6 +23,7 @@ from flodl_zmq.wire.records import (
     Bounds,
     Count,
     Duration,
+    EvalResult,
     Heartbeat,
     HostReports,
     Rank,
@@ -122,6 +125,14 @@ def test_the_top_of_each_range_is_accepted() -> None:
     tx, rx = Codec(KEY, RUN, "tx"), Codec(KEY, RUN, "rx")
     top = Heartbeat(rank=2**31 - 1, step_count=MAX_COUNT, ack=2**63 - 1)
     assert rx.decode(tx.encode(top, channel=Channel.CONTROL), Channel.CONTROL).record == top
+
+
+def test_the_final_evals_request_and_its_result_are_within_their_ranges() -> None:
+    # The coordinator's own sentinel crosses the wire both ways: outside Count, every rank
+    # would refuse the final eval and the run would never end.
+    tx, rx = Codec(KEY, RUN, "tx"), Codec(KEY, RUN, "rx")
+    for record in (roles.final_eval(3, 0), EvalResult(0, FINAL_EVAL_ID, 3, 0.5, 12.0, None)):
+        assert rx.decode(tx.encode(record, channel=Channel.CONTROL), Channel.CONTROL).record == record
 
 
 def test_every_integer_a_peer_sends_has_a_range() -> None:
