@@ -45,8 +45,11 @@ Rules the relay keeps:
   and counted: a rank cannot speak (or deposit) for another. Rejections never
   stop the relay; only a fold protocol violation does (the stream is
   desynced and the polluted round must never ship). A deposit with a NaN or
-  infinite element is refused before it joins the fold: that rank leaves
-  (RankExit upstream) and the round completes without it. So does a rank
+  infinite element, or a finite value far over the last consensus's, is
+  refused before it joins the fold: that rank leaves and the round completes
+  without it. The data thread tells the control thread (RankRefused), which
+  reports it to the controller (RankExit) at once: the coordinator must not
+  keep scheduling a rank whose deposits no round takes. So does a rank
   whose record makes anything else here raise (`links.act_for_peer`, around
   each thread's handling of a rank's record).
 - Liveness (the wheels have no ROUTER_NOTIFY): a rank is dead when it says
@@ -125,7 +128,7 @@ from flodl_zmq.relay_core import (
     RankLiveness,
     ReportQueue,
 )
-from flodl_zmq.relay_data import DataPlane, Plane, RankGone
+from flodl_zmq.relay_data import DataPlane, Plane, RankGone, RankRefused
 from flodl_zmq.security import CurveKeys, apply_client
 from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.wire import Attribution, Channel, Codec
@@ -291,7 +294,8 @@ class Relay:
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(cfg.bcast_upstream)
             self._ready.wait()
-            d = DataPlane(cfg, self._stop, self._counts["data"], codec, local, up, self.fold, self.watch, self._fail)
+            d = DataPlane(cfg, self._stop, self._counts["data"], codec, local, up, self.fold, self.watch, self._fail,
+                          self._control_thread)
             d.serve(self._data_thread, sub)
         finally:
             self._data_thread.close()
@@ -322,6 +326,7 @@ class _ControlPlane(Plane):
         loop.on_socket(self.local, lambda: self.drained(self.local, self.from_rank))
         loop.on_socket(self.up, lambda: self.drained(self.up, self.to_rank))
         loop.on_stall(self.live.stalled)
+        loop.on_message(RankRefused, lambda refused: self.violation(refused.rank, refused.why))
         loop.timer(self.hello.next_due, self.say_hello)
         loop.timer(self.live.next_due, self.expire)
         loop.timer(lambda: self.reports.due_at, lambda now: self.report_up())

@@ -76,6 +76,18 @@ class RankGone:
     rank: int
 
 
+@dataclass(frozen=True)
+class RankRefused:
+    """The data thread's word to the control thread: `rank` is out for its deposit (`why`: poison, a violation).
+
+    The control thread reports it gone upstream, so the coordinator reassigns its
+    work at once instead of waiting on a rank whose deposits no round will take.
+    """
+
+    rank: int
+    why: str
+
+
 class Plane:
     """What both of a relay's threads do alike: send within a time bound, and verify a rank's record."""
 
@@ -119,10 +131,11 @@ class DataPlane(Plane):
 
     def __init__(self, cfg: RelayConfig, stop: threading.Event, count: collections.Counter[str], codec: Codec,
                  local: zmq.Socket, up: zmq.Socket, fold: FoldStation, watch: ConsensusWatch,
-                 fail: Callable[[BaseException], None]):
+                 fail: Callable[[BaseException], None], control_thread: ServiceLoop):
         super().__init__(cfg, stop, count, codec)
         self.local, self.up = local, up
         self.fold, self.watch, self.fail = fold, watch, fail
+        self.control_thread = control_thread  # told of each refused rank (RankRefused)
         self.mapped = SegmentMap(self.cfg.incarnation, run_dir(self.cfg.key, self.cfg.incarnation))  # the ranks' deposits, read-only
         self.segment: Segment | None = None  # where consensus goes by reference (None: framed to everyone)
         try:
@@ -182,7 +195,7 @@ class DataPlane(Plane):
         frames = msg[1:]
         env = self.verify(frames, Channel.DATA, rank, "local_data", self.mapped)
         if env is not None:  # whatever acting on it raises is this rank's violation: it leaves, the host goes on
-            act_for_peer(f"rank {rank}", lambda: self.act_on(rank, env, frames), lambda why: self.local_death(rank),
+            act_for_peer(f"rank {rank}", lambda: self.act_on(rank, env, frames), lambda why: self.out(rank, why),
                          self.count, "local_data", log, f"relay {self.cfg.host}")
 
     def act_on(self, rank: int, env: Envelope, frames: list[zmq.Frame]) -> None:
@@ -205,9 +218,7 @@ class DataPlane(Plane):
             outcome = self.fold.deposit(rank, rec.round, rec.mass, payload)
         except PoisonedDeposit as exc:
             # Refused before it touched the round: this rank leaves, the others' round goes on.
-            log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, exc)
-            self.count["poisoned.local_data"] += 1
-            self.local_death(rank)
+            self.refuse(rank, str(exc))
             return
         except FoldError as exc:
             self.violation(exc)
@@ -248,10 +259,18 @@ class DataPlane(Plane):
     def refused(self) -> None:
         """Ranks the fold refused while summing (a poisoned deposit): they leave, as after a bad deposit."""
         while self.fold.refused:
-            rank, why = self.fold.refused.pop(0)
-            log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, why)
-            self.count["poisoned.local_data"] += 1
-            self.local_death(rank)
+            self.refuse(*self.fold.refused.pop(0))
+
+    def refuse(self, rank: int, why: str) -> None:
+        """`rank` leaves for a poisoned deposit: on both channels, through the control thread (RankRefused),
+        which reports it upstream and hands it back here as RankGone (`local_death`)."""
+        log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, why)
+        self.count["poisoned.local_data"] += 1
+        self.out(rank, why)
+
+    def out(self, rank: int, why: str) -> None:
+        """`rank` leaves for what this thread found (`why`): the control thread reports it to the controller."""
+        self.control_thread.put(RankRefused(rank, why))
 
     def violation(self, exc: FoldError) -> None:
         # The stream is desynced: the fold holds nothing that may ship, so the

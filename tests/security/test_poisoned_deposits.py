@@ -31,7 +31,7 @@ from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
-from flodl_zmq.wire.records import HostFrame, RelayHello
+from flodl_zmq.wire.records import HostFrame, RankExit, RelayHello
 from flodl_zmq.wire_format import INT8, Hop
 
 ROUTE_SECRET = bytes(range(32))  # the controller's: each host's token derives from it (PROTOCOL.md 10.5)
@@ -165,6 +165,29 @@ def test_a_rank_depositing_finite_huge_parameters_leaves_named_and_its_host_mate
         wait_dead(w, 1)
         assert w.reducer.ledger.is_dead(1) and not w.reducer.ledger.is_dead(0)
     finally:
+        w.close()
+
+
+def test_a_refused_rank_is_reported_gone_to_the_controller_at_once(tmp_path):
+    # The coordinator must hear it on the control channel, or it keeps the rank live and
+    # waits on work whose deposits no round will take (a run stalled for seconds per round).
+    w = World(tmp_path, {"a": (0, 1), "b": (2, 3)}, real=("a", "b"))
+    controller = w.ctx.socket(zmq.ROUTER)
+    controller.bind(w.eps["control"])
+    try:
+        poisoned = to_wire(model(1, 1), MASS[1], "f32")
+        poisoned[0][:] = 1e30
+        w.deposit(1, 1, poisoned)
+        codec, deadline, gone = Codec(w.key, w.run_id, "controller"), time.monotonic() + WAIT_S, None
+        while gone is None and time.monotonic() < deadline:
+            if controller.poll(100):
+                frames = controller.recv_multipart()
+                env = codec.decode(frames[2:], Channel.CONTROL)
+                if isinstance(env.record, RankExit):
+                    gone = (env.sender, env.record.rank)
+        assert gone == (relay_sender("a"), 1), "the relay reports the refused rank upstream on the control channel"
+    finally:
+        controller.close(0)
         w.close()
 
 
