@@ -182,7 +182,10 @@ class RoundLedger:
         self._all_dead_reported = False
         self._round: OpenRound | None = None
         self._bounds: dict[int, dict[int, float]] = {}  # round -> rank -> most mass it may carry
-        self.limit = magnitude_limit(None)  # largest value per unit of mass a frame may carry (robust.py)
+        # The consensus the magnitude bound is measured on (robust.py), measured once when a frame
+        # first needs it: never between a round's last frame and its publication.
+        self._bound_by: Sequence[np.ndarray] | None = None
+        self._limit: float | None = magnitude_limit(None)
         # Sum images and consensus buffers by schema, most recently used last; the buffers are
         # separate from the sums, so the latest consensus survives while the next round accumulates.
         self._images = ImageCache(_consensus_outputs)
@@ -195,7 +198,14 @@ class RoundLedger:
         """
         self.last_round = int(round_id)
         self.latest = Reduced(int(round_id), 1.0, (), tuple(tensors))
-        self.limit = magnitude_limit(magnitude(tensors))
+        self._bound_by, self._limit = tuple(tensors), None
+
+    @property
+    def limit(self) -> float:
+        """The largest value per unit of mass a frame may carry: MAGNITUDE_RATIO times the last consensus's."""
+        if self._limit is None:
+            self._limit = magnitude_limit(magnitude(self._bound_by or ()))
+        return self._limit
 
     @property
     def round_id(self) -> int | None:
@@ -379,6 +389,6 @@ class RoundLedger:
         hosts = {self._owner[r] for r in rnd.members} if self.per_rank else rnd.members
         self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(hosts)), tuple(outputs))
         if divisor is not None:  # a zero-mass round leaves every model as it was
-            self.limit = magnitude_limit(magnitude(outputs))
+            self._bound_by, self._limit = self.latest.tensors, None
         self.counters.rounds_reduced += 1
         return self.latest
