@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zmq
 from transport.dataplane_helpers import (
+    ROUTE_SECRET,
     WAIT_S,
     FakeRank,
     endpoints,
@@ -33,8 +34,6 @@ from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import HostFrame, RankExit, RelayHello
 from flodl_zmq.wire_format import INT8, Hop
-
-ROUTE_SECRET = bytes(range(32))  # the controller's: each host's token derives from it (PROTOCOL.md 10.5)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import zmq
+from transport.dataplane_helpers import ROUTE_SECRET
 
 from flodl_zmq import join as join_mod
 from flodl_zmq import membership as membership_mod
@@ -45,8 +46,6 @@ from flodl_zmq.wire.records import (
 )
 
 from .zmtp import RawPeer
-
-ROUTE_SECRET = bytes(range(32))  # the controller's: each host's token derives from it (PROTOCOL.md 10.5)
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import zmq
 from transport.dataplane_helpers import (
+    ROUTE_SECRET,
     WAIT_S,
     FakeRank,
     endpoints,
@@ -41,8 +42,6 @@ from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.records import Consensus
-
-ROUTE_SECRET = bytes(range(32))  # the controller's: each host's token derives from it (PROTOCOL.md 10.5)
 
 pytestmark = pytest.mark.timeout(60)
 
