@@ -616,7 +616,7 @@ class FoldStation:
         if not round_gate(round_id, self.last_round, rnd, rank, self.counters, who, FoldError):
             return None
         if rnd is not None and (rnd.image is not None or len(rnd.held) == 2) and \
-                robust.mass_outliers([*rnd.masses, float(mass)])[-1:] == [len(rnd.masses)]:
+                robust.mass_outlier(float(mass), rnd.masses):
             raise PoisonedDeposit(f"{who}: {robust.mass_refusal(float(mass))}")  # it would go into the sums
         self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError, self.limit,
                                  self.unfolded)

@@ -28,6 +28,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 import numpy as np
@@ -113,14 +114,14 @@ def check_magnitude(tensors: Sequence[np.ndarray], mass: float, limit: float, wh
         )
 
 
+def mass_outlier(mass: float, others: Sequence[float]) -> bool:
+    """Whether ``mass`` is over MASS_RATIO times the median of ``others`` (at least 1)."""
+    return bool(others) and mass > MASS_RATIO * max(1.0, statistics.median(others))
+
+
 def mass_outliers(masses: Sequence[float]) -> list[int]:
-    """Indices of the masses over MASS_RATIO times the median of the others (at least 1)."""
-    out = []
-    for i, m in enumerate(masses):
-        others = [o for j, o in enumerate(masses) if j != i]
-        if others and m > MASS_RATIO * max(1.0, float(np.median(others))):
-            out.append(i)
-    return out
+    """Indices of the masses over MASS_RATIO times the median of the others."""
+    return [i for i, m in enumerate(masses) if mass_outlier(m, [*masses[:i], *masses[i + 1:]])]
 
 
 def mass_refusal(mass: float) -> str:
