@@ -255,16 +255,20 @@ def _run_command(args: argparse.Namespace) -> int:
             print(line, flush=True)
 
     fleet = Fleet(hosts, settings.ssh, str(opts.address), opts.argv, secrets, sink)
-    stop = raise_interrupt_on_sigterm()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    raise_interrupt_on_sigterm()
     try:
         sink(f"[run] controller at {opts.address}; starting an agent on {', '.join(h.name for h in hosts)}")
         fleet.start()
-        return serve(opts)
+        return serve(opts)  # Ctrl-C / SIGTERM: it aborts the agents with the reason, and returns 130
     except KeyboardInterrupt:  # before the join window opened: serve had nobody to tell
         return 130
     finally:
+        for s in previous:  # a second Ctrl-C must not cut the teardown short and leave SSH commands behind
+            signal.signal(s, signal.SIG_IGN)
         fleet.stop()
-        signal.signal(signal.SIGTERM, stop)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def add_command(sub: Any) -> None:

@@ -98,3 +98,16 @@ def test_the_key_reaches_each_host_on_stdin_never_in_an_argv_and_an_unreachable_
     assert any(line.startswith("[run] host 'down' unreachable") for line in lines), lines
     assert "[run] host 'up': its agent finished" in lines
     assert sys.executable in (tmp_path / "ssh.up.argv").read_text()
+
+
+def test_stop_ends_the_ssh_commands_that_outlive_the_run_and_reaps_them(tmp_path):
+    fake = tmp_path / "ssh"
+    fake.write_text("#!/bin/sh\nexec sleep 600\n")
+    fake.chmod(0o755)
+    lines: list[str] = []
+    fleet = Fleet([RemoteHost("a"), RemoteHost("b")], str(fake), "10.0.0.5:7300", ["x.py"], {"FLODL_KEY": "k"},
+                  lines.append)
+    fleet.start()
+    fleet.stop(grace_s=0.0)
+    assert {p.returncode for p in fleet.procs.values()} == {-15}  # SIGTERM, and reaped
+    assert any(line.startswith("[run] host 'b': its agent exited -15") for line in lines), lines
