@@ -22,10 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     from flodl_zmq.agent import add_command as add_agent_command
     from flodl_zmq.controller import add_commands as add_controller_commands
     from flodl_zmq.launch import add_commands as add_launch_commands
+    from flodl_zmq.remote import add_command as add_run_command
     from flodl_zmq.runreport import add_command as add_report_command
     from flodl_zmq.security import add_commands as add_security_commands
 
     add_launch_commands(sub)
+    add_run_command(sub)
     add_controller_commands(sub)
     add_agent_command(sub)
     add_security_commands(sub)

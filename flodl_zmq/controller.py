@@ -499,7 +499,7 @@ def add_commands(sub: Any) -> None:
     s.set_defaults(func=_status_command)
 
 
-def _restart_with_service_tunables() -> None:
+def restart_with_service_tunables() -> None:
     """Start this process over, once, with the controller's glibc tunables (environment.py).
 
     glibc reads them only at start-up, and a controller started from a shell
@@ -513,19 +513,31 @@ def _restart_with_service_tunables() -> None:
 
 
 def _controller_command(args: argparse.Namespace) -> int:
-    _restart_with_service_tunables()
+    restart_with_service_tunables()
     logging.basicConfig(level=logging.INFO, format="[controller] %(levelname)s %(name)s: %(message)s")
     settings = Settings.from_args(args)
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    curve = CurveKeys.for_server(os.environ, settings.curve_secret_file, settings.curve_clients_dir)
+    opts = controller_options(settings, argv, session_key(os.environ), curve)
+    stop = raise_interrupt_on_sigterm()
+    try:
+        return serve(opts)
+    finally:
+        signal.signal(signal.SIGTERM, stop)
+
+
+def controller_options(settings: Settings, argv: Sequence[str], key: bytes | None,
+                       curve: CurveKeys | None) -> ControllerOptions:
+    """The options of a controller run from its settings (`controller` and `run` both start one this way)."""
     if not settings.bind:
         raise ConfigError("the controller needs an address to listen on: --bind HOST:PORT (or FLODL_BIND)")
-    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     try:
         sig = bytes.fromhex(settings.dataset_sig) if settings.dataset_sig else None
     except ValueError:
         raise ConfigError("--dataset-sig must be 64 hex characters") from None
     if sig is not None and len(sig) != 32:
         raise ConfigError("--dataset-sig must be 64 hex characters (32 bytes)")
-    opts = ControllerOptions(
+    return ControllerOptions(
         address=ControllerAddress.parse(settings.bind),
         argv=tuple(argv),
         join=JoinConfig(
@@ -534,19 +546,14 @@ def _controller_command(args: argparse.Namespace) -> int:
             max_pending_hosts=settings.max_pending_hosts,
         ),
         open_admission=settings.open_admission,
-        key=session_key(os.environ),
+        key=key,
         dataset_sig=sig,
-        curve=CurveKeys.for_server(os.environ, settings.curve_secret_file, settings.curve_clients_dir),
+        curve=curve,
         settings=settings,
     )
-    stop = _raise_interrupt_on_sigterm()
-    try:
-        return serve(opts)
-    finally:
-        signal.signal(signal.SIGTERM, stop)
 
 
-def _raise_interrupt_on_sigterm() -> Any:
+def raise_interrupt_on_sigterm() -> Any:
     """SIGTERM takes the SIGINT path (abort the agents, then exit); returns the previous handler."""
 
     def on_term(_signum: int, _frame: object) -> None:

@@ -1,7 +1,7 @@
 """Every process-level setting: one table, one validated object, one parser.
 
 A setting reaches a process three ways, all through this module: a flag of a
-command (`flodl-zmq controller`, `agent`, `status`), a `FLODL_*` environment
+command (`flodl-zmq controller`, `agent`, `status`, `run`), a `FLODL_*` environment
 variable, or, for a spawned relay or rank, the environment its launcher or
 agent writes from the controller's `Settings` (`SpawnSpec.env`,
 `ProcessEnv.to_environ`). The `Settings` dataclass is the table: each field
@@ -65,7 +65,9 @@ def easgd_blend(is_async: bool, easgd_alpha: float | None) -> float | None:
         return None
     return DEFAULT_EASGD_ALPHA if easgd_alpha is None else easgd_alpha
 SCOPES = ("run", "process", "command")
-COMMANDS = ("controller", "agent", "status")
+COMMANDS = ("controller", "agent", "status", "run")
+# `flodl-zmq run` is a controller that also starts its agents: it takes every controller flag too.
+TAKES = {"run": ("controller", "run")}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -291,7 +293,8 @@ class Settings:
             flags=("--timeout",), env=("FLODL_STATUS_TIMEOUT",), commands=("status",), minimum=0.0, strict=True)
     # ---- the controller's join window
     bind: str | None = setting(None, "the address the controller listens on; it uses PORT..PORT+3", kind=str, metavar="HOST:PORT",
-            flags=("--bind",), env=("FLODL_BIND",), commands=("controller",), default_text="required")
+            flags=("--bind",), env=("FLODL_BIND",), commands=("controller",),
+            default_text="required; `run`: this machine's address toward the first host, a free port")
     open_admission: bool = setting(False, "admit any agent that reaches the address and hand it the session key; "
             "needs CURVE (the agents pin the controller's key), refused unless the address is loopback or "
             "private, and refused together with FLODL_KEY", kind=bool,
@@ -317,6 +320,16 @@ class Settings:
     dataset_sig: str | None = setting(None, "the dataset signature (64 hex characters) agents announce at join; the "
             "controller's default is the first agent's", kind=str, metavar="HEX", flags=("--dataset-sig",),
             env=("FLODL_DATASET_SIG",), commands=("controller", "agent"))
+    # ---- `flodl-zmq run`: the hosts it starts an agent on, and how it reaches them
+    hosts: str | None = setting(None, "the hosts `run` starts an agent on over SSH: a file (one `HOST [slots=N]` a "
+            "line) or a comma list (`HOST[:N],...`); N is the host's --cpu-slots", kind=str, metavar="FILE|LIST",
+            flags=("--hosts",), env=("FLODL_HOSTS",), commands=("run",), default_text="required")
+    ssh: str = setting("ssh -o BatchMode=yes", "the command `run` reaches a host with, as `SSH HOST COMMAND` (split "
+            "like a shell would)", kind=str, metavar="COMMAND", flags=("--ssh",), env=("FLODL_SSH",),
+            commands=("run",))
+    generate_curve: bool = setting(False, "`run` makes a fresh CURVE keypair for the controller and hands its public "
+            "key to every agent: every link of the run encrypted, nothing to distribute by hand", kind=bool,
+            flags=("--curve",), env=("FLODL_GENERATE_CURVE",), commands=("run",))
     # ---- where the agents and `status` find the controller, and who the agent is
     controller: str | None = setting(None, "the controller's address HOST:PORT (the one given to --bind)", kind=str, metavar="HOST:PORT",
             flags=("--controller",), env=("FLODL_CONTROLLER",), commands=("agent", "status"),
@@ -447,8 +460,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
+    takes = TAKES.get(command, (command,))
     for s in SETTINGS:
-        if command not in s.commands:
+        if not any(c in s.commands for c in takes):
             continue
         # Old flag names are kept working; the agent's and the controller's --heartbeat-timeout
         # are the same old spelling for two different limits, so each command takes only its own.

@@ -123,13 +123,13 @@ def test_the_controller_command_restarts_once_with_the_service_tunables(monkeypa
     calls = []
     monkeypatch.setattr(controller.os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
-    controller._restart_with_service_tunables()
+    controller.restart_with_service_tunables()
     assert len(calls) == 1
     path, argv, env = calls[0]
     assert path == sys.executable and argv == [sys.executable, *sys.orig_argv[1:]]
     assert env["GLIBC_TUNABLES"] == with_tunables({}, "controller")["GLIBC_TUNABLES"]
     monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])  # the restarted process: nothing more to do
-    controller._restart_with_service_tunables()
+    controller.restart_with_service_tunables()
     assert len(calls) == 1
 
 
