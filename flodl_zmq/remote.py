@@ -228,7 +228,11 @@ def read_hosts(value: str | None) -> tuple[RemoteHost, ...]:
     if not value:
         raise ConfigError("run needs the hosts to start agents on: --hosts FILE or --hosts a,b:2 (or FLODL_HOSTS)")
     path = Path(value)
-    return parse_hosts(path.read_text(), from_file=True) if path.is_file() else parse_hosts(value, from_file=False)
+    if path.is_file():
+        return parse_hosts(path.read_text(), from_file=True)
+    if "/" in value:  # no host name has one: a host file that is not there
+        raise ConfigError(f"--hosts {value}: no such host file (give an existing file, or a list `a,b:2`)")
+    return parse_hosts(value, from_file=False)
 
 
 def _run_command(args: argparse.Namespace) -> int:

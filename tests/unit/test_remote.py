@@ -15,6 +15,7 @@ from flodl_zmq.remote import (
     RemoteHost,
     agent_argv,
     parse_hosts,
+    read_hosts,
     remote_command,
     secrets_input,
     ssh_argv,
@@ -44,6 +45,14 @@ def test_a_host_file_and_a_comma_list_give_the_same_hosts_and_slots():
 def test_a_bad_host_list_is_refused_naming_the_line_and_the_fix(text, from_file, match):
     with pytest.raises(ConfigError, match=match):
         parse_hosts(text, from_file=from_file)
+
+
+def test_hosts_name_a_file_when_one_is_there_and_a_missing_path_is_not_taken_for_a_host(tmp_path):
+    (tmp_path / "hosts").write_text("desktop slots=2\n")
+    assert read_hosts(str(tmp_path / "hosts")) == (RemoteHost("desktop", 2),)
+    assert read_hosts("desktop:2") == (RemoteHost("desktop", 2),)
+    with pytest.raises(ConfigError, match="no such host file"):
+        read_hosts(str(tmp_path / "hots"))
 
 
 def test_the_remote_shell_gets_back_every_word_of_the_agent_and_the_secrets_from_stdin(tmp_path):
