@@ -61,7 +61,7 @@ class RunMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.rounds = Counter("flodl_rounds", "averaging rounds completed", registry=r)
-        self.round_seconds = Histogram("flodl_round_seconds", "a round's time, first deposit asked to consensus "
+        self.round_seconds = Histogram("flodl_round_seconds", "a round's time, from its trigger to its consensus "
                                        "published (seconds)", registry=r)
         self.epoch = Gauge("flodl_epoch", "epochs finished", registry=r)
         self.loss = Gauge("flodl_loss", "the last epoch's mean training loss", registry=r)
