@@ -5,11 +5,10 @@ from __future__ import annotations
 import struct
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from flodl_zmq import tfevents
 from flodl_zmq.runlog import RunLog
-
-event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
 
 def test_crc32c_matches_the_standard_check_value_and_known_vectors():
@@ -52,7 +51,7 @@ def test_the_run_logs_scalars_are_read_back_by_tensorboards_own_reader(tmp_path)
     log.close()
     files = list(tmp_path.glob(f"{tfevents.FILE_PREFIX}.*"))
     assert len(files) == 1
-    acc = event_accumulator.EventAccumulator(str(tmp_path))
+    acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert tags == {"round_ms", "loss", "eval", "share/rank0", "share/rank1", "throughput/rank0", "throughput/rank1"}
