@@ -112,6 +112,7 @@ from flodl_zmq.links import (
 from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.membership_link import MembershipLink
+from flodl_zmq.metrics import RunMetrics, served
 from flodl_zmq.payload import flatten, load_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.report import RunReport
@@ -131,10 +132,10 @@ STATUS_EVERY_S = 0.25
 class ControllerService:
     """Runs one training job's controller until the run ends; `run()` returns the TrainResult."""
 
-    def __init__(
-        self, job: Job, penv: ProcessEnv, link: MembershipLink | None = None, carried: WorldChange | None = None
-    ) -> None:
+    def __init__(self, job: Job, penv: ProcessEnv, link: MembershipLink | None = None,
+                 carried: WorldChange | None = None, metrics: RunMetrics | None = None) -> None:
         self.job = job
+        self.metrics = metrics  # fed the run log's events and the status snapshot (flodl_zmq/metrics.py)
         self.penv = penv
         self.link = link
         # Who serves `flodl-zmq status`: the membership under `flodl-zmq controller`, else
@@ -167,6 +168,7 @@ class ControllerService:
         self.report = RunReport(
             job, self.result, self.config.batches_per_epoch, run_dir_for(job.run_dir, penv.settings.run_dir),
             resumed.epoch, on_callback_error=self._callback_failed,
+            listener=None if metrics is None else metrics.event,
         )
         self.formation = self._formation()
         self.started = False
@@ -559,7 +561,7 @@ class ControllerService:
         if self.status_sink is None:
             return
         states = [self.core.liveness.state(r) for r in range(self.world_size)]
-        self.status_sink.report_training({
+        snapshot = {
             "started": self.started,
             "alive": [r for r, st in enumerate(states) if st is RankState.LIVE],
             "exited": [r for r, st in enumerate(states) if st is RankState.EXITED],
@@ -581,7 +583,10 @@ class ControllerService:
             if self.result.epochs else [],
             "ended": None if self.ended is None else (self.ended.reason.value if self.ended.reason else "completed"),
             "links": self.router.links_status(),
-        })
+        }
+        for sink in (self.status_sink, self.metrics):  # `flodl-zmq status`, and the metrics' scrape
+            if sink is not None:
+                sink.report_training(snapshot)
 
     def _formation_failed(self, failed: Failed) -> None:
         """The world will not form: tell every rank that spoke, and end the start-up with the reason."""
@@ -668,16 +673,18 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
     on a re-form checkpoint is followed by one for the larger world, resumed
     from it (PROTOCOL.md 13.1), until the run ends.
     """
-    service = ControllerService(job, penv, link)
-    result = service.run()
-    while service.reform_stem is not None:
-        assert link is not None  # only a membership has joiners
-        change = link.reform(penv.world, str(service.reform_stem), result)
-        service.report.events.write("join", **change.join_event(bundle.load_meta(service.reform_stem)["epoch"]))
-        service.report.events.close()
-        job, penv = change.resumed(job, penv, str(service.report.events.run_dir))
-        service = ControllerService(job, penv, link, carried=change)
+    # Served across re-forms: one port, and counters that keep counting.
+    with served(penv.settings.metrics_port, penv.controller.host) as metrics:
+        service = ControllerService(job, penv, link, metrics=metrics)
         result = service.run()
+        while service.reform_stem is not None:
+            assert link is not None  # only a membership has joiners
+            change = link.reform(penv.world, str(service.reform_stem), result)
+            service.report.events.write("join", **change.join_event(bundle.load_meta(service.reform_stem)["epoch"]))
+            service.report.events.close()
+            job, penv = change.resumed(job, penv, str(service.report.events.run_dir))
+            service = ControllerService(job, penv, link, carried=change, metrics=metrics)
+            result = service.run()
     if result.final_eval is None and result.epochs and result.epochs[-1].get("eval") is not None:
         result.final_eval = result.epochs[-1]["eval"]
     if not job.quiet and result.final_eval is not None and not math.isnan(result.final_eval):

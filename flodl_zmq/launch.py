@@ -140,6 +140,7 @@ class Cluster:
     sink: Callable[[str], None] | None = None
     startup_timeout_s: float | None = None
     run_dir: str | None = None  # the controller's run directory (--run-dir; None: its own default)
+    metrics_port: int | None = None  # the controller's Prometheus port (--metrics-port; None: the environment's)
     grace_s: float = AFTER_CONTROLLER_GRACE_S  # how long ranks and relays may outlive the controller
     warm: WarmServer | None = None
     children: dict[str, Child] = field(default_factory=dict)
@@ -178,6 +179,8 @@ class Cluster:
             settings = replace(settings, startup_timeout_s=self.startup_timeout_s)
         if self.run_dir is not None:
             settings = replace(settings, run_dir=self.run_dir)
+        if self.metrics_port is not None:
+            settings = replace(settings, metrics_port=self.metrics_port)
         # Imported here: the agent imports this module, and must never import torch (bundle does).
         from flodl_zmq import checkpoints
 
@@ -419,7 +422,7 @@ def _launch_command(args: argparse.Namespace) -> int:
         raise ConfigError("launch needs a script to run: flodl-zmq launch [options] script.py [args]")
     cluster = Cluster(
         argv=argv, hosts=args.hosts, ranks_per_host=args.ranks_per_host, port=args.port,
-        slow=parse_slow(args.slow), sink=default_sink, run_dir=args.run_dir,
+        slow=parse_slow(args.slow), sink=default_sink, run_dir=args.run_dir, metrics_port=args.metrics_port,
     )
     return run_cluster(cluster)
 
@@ -491,6 +494,9 @@ def add_commands(sub: Any) -> None:
     launch.add_argument("--run-dir", metavar="DIR",
                         help="the controller's run directory for events.jsonl (default: runs/TIME-ID; "
                              "Trainer(run_dir=...) wins)")
+    launch.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve the controller's Prometheus metrics at http://127.0.0.1:PORT/metrics "
+                             "(env FLODL_METRICS_PORT; default: none)")
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="script.py [args], or -- -m module [args]")
     launch.set_defaults(func=_launch_command)
     demo = sub.add_parser("demo", help="train an MLP on the packaged digits on 2 hosts x 2 ranks, one rank slowed")

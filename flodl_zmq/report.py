@@ -37,7 +37,8 @@ class RunReport:
     `batches_per_epoch`: the bar's length. `run_dir`: where `events.jsonl`
     goes (runlog.run_dir_for). `first_epoch`: the epoch the run starts at
     (not 0 after a resume). `on_callback_error(message)`: what to do when
-    `metrics_fn` raises (None: let it raise). Epochs, evals, saves and the
+    `metrics_fn` raises (None: let it raise). `listener`: handed every event
+    too (runlog.RunLog: the controller's Prometheus metrics). Epochs, evals, saves and the
     end are logged here; the controller adds rounds and world changes with
     `events.write`.
     """
@@ -50,6 +51,7 @@ class RunReport:
         run_dir: Path,
         first_epoch: int = 0,
         on_callback_error: Callable[[str], None] | None = None,
+        listener: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> None:
         self.job = job
         self.result = result
@@ -58,7 +60,7 @@ class RunReport:
         self._bar: Any = None
         self._bar_epoch = first_epoch
         self._t0 = time.perf_counter()
-        self.events = RunLog(run_dir)
+        self.events = RunLog(run_dir, listener)
 
     def started(self) -> None:
         """Training starts now: eval times (`eval_at_s`) count from here."""

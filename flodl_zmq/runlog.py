@@ -2,7 +2,12 @@
 
 Every run, in a cluster or alone, leaves one behind so that a finished (or
 crashed) run can be looked at afterwards: `flodl-zmq report RUN_DIR` draws it
-(flodl_zmq/runreport.py). Each line is `{"t": unix seconds, "kind": KIND, ...}`:
+(flodl_zmq/runreport.py), and next to it TensorBoard event files of the same
+events' scalars (`events.out.tfevents.<time>.<host>`: loss, eval, shares,
+throughput, round time; flodl_zmq/tfevents.py), for `tensorboard --logdir
+RUN_DIR`. A `listener` (the controller's Prometheus metrics,
+flodl_zmq/metrics.py) is handed every event too: the figures reach every
+place users look from this one stream. Each line is `{"t": unix seconds, "kind": KIND, ...}`:
 
     start       mode, epochs, world {host: [ranks]}, world_size
     epoch       epoch, avg_loss, epoch_ms, batch_share[r], throughput[r] (samples/s)
@@ -19,8 +24,8 @@ crashed) run can be looked at afterwards: `flodl-zmq report RUN_DIR` draws it
 Rules it keeps:
 
 - The log never stalls or ends a run. Lines are written by the controller
-  side only (never a rank), each flushed as written (a crash loses at most
-  the line being written); a directory that cannot be made or a write that
+  side only (never a rank), each flushed as written, and the event file's
+  records with them (a crash loses at most the line being written); a directory that cannot be made or a write that
   fails (read-only, disk full) is reported once, with the path and the
   error, and the run goes on without its log.
 - The directory is this user's alone (`private_files.own_dir`): made 0700,
@@ -38,10 +43,13 @@ import json
 import logging
 import math
 import os
+import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from flodl_zmq import tfevents
 from flodl_zmq.private_files import open_own, own_dir
 
 log = logging.getLogger(__name__)
@@ -69,10 +77,13 @@ class RunLog:
     user's is refused (PrivateDirError), one that cannot be made disables the log.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str],
+                 listener: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / EVENTS_FILE
+        self.listener = listener
         self._file: IO[str] | None = None
+        self._scalars: IO[bytes] | None = None  # the TensorBoard event file, opened at its first scalar
         self._broken = False
         try:
             own_dir(self.run_dir, RUN_DIR)
@@ -80,19 +91,36 @@ class RunLog:
             self._disable(exc)
 
     def write(self, kind: str, **fields: Any) -> None:
-        """Write one line `{"t": now, "kind": kind, **fields}`; a failure is logged once, never raised."""
+        """Write one line `{"t": now, "kind": kind, **fields}` and its scalars; a failure is logged once, never raised."""
+        plain = {k: _plain(v) for k, v in fields.items()}
+        if self.listener is not None:
+            self.listener(kind, plain)
         if self._broken:
             return
-        line = json.dumps({"t": time.time(), "kind": kind, **{k: _plain(v) for k, v in fields.items()}},
-                          allow_nan=False)
+        now = time.time()
+        line = json.dumps({"t": now, "kind": kind, **plain}, allow_nan=False)
         try:
             if self._file is None:
                 fd = open_own(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
                 self._file = os.fdopen(fd, "a", encoding="utf-8")  # held for the run
             self._file.write(line + "\n")
             self._file.flush()
+            self._write_scalars(kind, plain, now)
         except OSError as exc:
             self._disable(exc)
+
+    def _write_scalars(self, kind: str, fields: dict[str, Any], now: float) -> None:
+        """The event's TensorBoard scalars (`tfevents.series`), flushed as the line is."""
+        scalars = tfevents.series(kind, fields)
+        if scalars is None:
+            return
+        if self._scalars is None:
+            name = f"{tfevents.FILE_PREFIX}.{int(now)}.{socket.gethostname()}"
+            self._scalars = os.fdopen(open_own(self.run_dir / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
+            self._scalars.write(tfevents.first_record(now))
+        step, values = scalars
+        self._scalars.write(tfevents.record(tfevents.event(now, step, values)))
+        self._scalars.flush()
 
     def _disable(self, exc: OSError) -> None:
         self._broken = True
@@ -100,12 +128,13 @@ class RunLog:
         self.close()
 
     def close(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError:
-                pass  # the failed flush was reported by write()
-            self._file = None
+        for f in (self._file, self._scalars):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass  # the failed flush was reported by write()
+        self._file = self._scalars = None
 
 
 def _plain(value: Any) -> Any:

@@ -273,6 +273,9 @@ class Settings:
             "Trainer(run_dir=...) wins over it", kind=str, metavar="DIR", flags=("--run-dir",),
             env=("FLODL_RUN_DIR",), commands=("controller",), scope="process",
             default_text="runs/TIME-ID")
+    metrics_port: int | None = setting(None, "serve the controller's Prometheus metrics at http://HOST:PORT/metrics, "
+            "HOST the controller's bind host (none: no metrics)", kind=int, metavar="PORT", flags=("--metrics-port",),
+            env=("FLODL_METRICS_PORT",), commands=("controller",), scope="process", minimum=1)
     # ---- the join link between agents and the controller
     join_heartbeat_period_s: float = setting(1.0, "how often the controller and each agent send a heartbeat on the "
             "join link", env=("FLODL_JOIN_HEARTBEAT_PERIOD",), minimum=0.0, strict=True)

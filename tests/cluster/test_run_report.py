@@ -1,8 +1,10 @@
-"""A launched cluster run seen by its user: `flodl-zmq status --watch` live, then the run directory and its report.
+"""A launched cluster run seen by its user: `flodl-zmq status --watch` and Prometheus live, then the run directory.
 
-One run serves both (they start the same cluster): the watch follows it from
-the address the launcher prints, and the controller logs rounds, epochs and
-a killed rank into the run directory the report is drawn from.
+One run serves all (they start the same cluster): the watch follows it from
+the address the launcher prints, a scraper reads `--metrics-port`'s
+/metrics while it trains, and the controller logs rounds, epochs and a
+killed rank into the run directory the report and the TensorBoard event
+files are drawn from.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_training import Run
 
+from flodl_zmq.launch import free_port_base
 from flodl_zmq.runlog import EVENTS_FILE
 from flodl_zmq.runreport import write_report
 from flodl_zmq.wire import new_key
@@ -27,6 +33,22 @@ pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linu
 
 EPOCHS = 9
 ROW = re.compile(r"^\s*(\d+)\s+(h\d)\s+(alive|dead|exited)\s")
+SCRAPE_EVERY_S = 0.1
+
+
+def scrape_until(port: int, stop: threading.Event, seen: list[dict[str, float]]) -> None:
+    """Scrape http://127.0.0.1:port/metrics until `stop`, keeping each answer's unlabelled samples.
+
+    A refused or failed scrape (the controller not up yet, or gone) is skipped: `seen` is what a
+    Prometheus server polling the endpoint would have stored.
+    """
+    while not stop.wait(SCRAPE_EVERY_S):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                text = reply.read().decode()
+        except OSError:
+            continue
+        seen.append({s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels})
 
 
 def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report_mark_a_killed_rank(
@@ -39,6 +61,11 @@ def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report
     r = Run("--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "8",
             *held(gate, after_epochs=2, epochs=EPOCHS, ranks=4), warm=warm)
     r.cluster.run_dir = str(run_dir)  # what `flodl-zmq launch --run-dir` sets
+    r.cluster.metrics_port = metrics_port = free_port_base()  # what `flodl-zmq launch --metrics-port` sets
+    scrapes: list[dict[str, float]] = []
+    stop_scraping = threading.Event()
+    scraper = threading.Thread(target=scrape_until, args=(metrics_port, stop_scraping, scrapes), daemon=True)
+    scraper.start()
     r.start()
     r.wait_for("[launch] controller at")
     hint = next(line for line in r.cluster.output().splitlines() if line.startswith("[launch] controller at"))
@@ -59,10 +86,17 @@ def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report
         assert code == 0, out
         assert watcher.wait(30) in (0, 1)  # 0: it saw the end; 1: the controller was gone first (said)
     finally:
+        stop_scraping.set()
         if watcher.poll() is None:
             watcher.kill()
             watcher.wait()
     reader.join(5)
+    scraper.join(10)
+
+    # Prometheus, scraped while the run trained: the round counter rising, the killed rank counted.
+    rounds_seen = sorted({s["flodl_rounds_total"] for s in scrapes})
+    assert len(rounds_seen) >= 3, scrapes  # it rose twice
+    assert max(s["flodl_rank_deaths_total"] for s in scrapes) == 1, scrapes
 
     # The live view: redrawn while the run went on, a row per rank.
     headers = [line for line in lines if line.startswith(f"controller {address}  epoch ")]
@@ -85,5 +119,12 @@ def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report
     assert rounds and all(len(e["counts"]) == 4 and e["round_ms"] > 0 for e in rounds), rounds
     assert any(e["verdict"] in ("stable", "suppress_growth", "nudge_down") for e in rounds), rounds
     assert [e["epoch"] for e in events if e["kind"] == "epoch"] == [row["epoch"] for row in result["epochs"]]
+    # TensorBoard's own reader, on the event files beside events.jsonl: the same epochs and rounds.
+    board = EventAccumulator(str(run_dir))
+    board.Reload()
+    assert [e.step for e in board.Scalars("loss")] == [e["epoch"] + 1 for e in events if e["kind"] == "epoch"]
+    assert {f"share/rank{r}" for r in range(4)} <= set(board.Tags()["scalars"])
+    assert len(board.Scalars("round_ms")) == len(rounds)
+    assert max(rounds_seen) <= len(rounds)
     page = write_report(run_dir).read_text()
     assert "death rank 2" in page and 'class="mark mark-death"' in page

@@ -1,0 +1,72 @@
+"""The controller's Prometheus endpoint (flodl_zmq/metrics.py) scraped over HTTP: the run log's events, the status snapshot, a taken port."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from flodl_zmq.errors import ConfigError
+from flodl_zmq.metrics import PATH, RunMetrics, served
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of http://127.0.0.1:port/metrics: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{PATH}", timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_a_scrape_shows_the_run_logs_events_and_the_status_snapshot():
+    port = free_port()
+    with served(port, "127.0.0.1") as metrics:
+        assert metrics is not None
+        for r, ms in ((1, 100.0), (2, 300.0)):
+            metrics.event("round", {"round": r, "round_ms": ms})
+        metrics.event("epoch", {"epoch": 0, "avg_loss": 0.5, "batch_share": [0.7, 0.3], "throughput": [90.0, 40.0]})
+        metrics.event("eval", {"epoch": 0, "metric": 0.875})
+        metrics.event("death", {"rank": 1, "reason": "it exited with code -9"})
+        metrics.event("join", {"epoch": 1, "joined": ["h2"]})
+        metrics.report_training({
+            "alive": [0, 2], "checkpoint": {"last_at": 0.0},
+            "links": {"h0": {"resends": 3, "rejected": {"bad_mac": 2}}, "h1": {"resends": 0, "rejected": {}}},
+        })
+        got = scrape(port)
+    assert got[("flodl_rounds_total", ())] == 2
+    assert got[("flodl_round_seconds_count", ())] == 2 and got[("flodl_round_seconds_sum", ())] == pytest.approx(0.4)
+    assert got[("flodl_epoch", ())] == 1 and got[("flodl_loss", ())] == 0.5 and got[("flodl_eval", ())] == 0.875
+    assert got[("flodl_batch_share", (("rank", "1"),))] == pytest.approx(0.3)
+    assert got[("flodl_throughput_samples_per_second", (("rank", "0"),))] == 90.0
+    assert got[("flodl_rank_deaths_total", ())] == 1 and got[("flodl_world_joins_total", ())] == 1
+    assert got[("flodl_ranks_live", ())] == 2
+    assert got[("flodl_link_resends_total", (("host", "h0"),))] == 3
+    assert got[("flodl_link_rejected_total", (("cause", "bad_mac"), ("host", "h0")))] == 2
+    assert got[("flodl_checkpoint_age_seconds", ())] > 0  # written at unix time 0: long ago
+
+
+def test_no_port_serves_nothing_and_two_controllers_in_one_process_keep_their_own_counters():
+    with served(None, "127.0.0.1") as metrics:
+        assert metrics is None
+    one, two = RunMetrics(), RunMetrics()
+    one.event("round", {"round": 1, "round_ms": 5.0})
+    assert one.registry.get_sample_value("flodl_rounds_total") == 1
+    assert two.registry.get_sample_value("flodl_rounds_total") == 0
+
+
+def test_a_taken_port_is_a_config_error_naming_the_port_and_the_fix():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"metrics port {port} .*--metrics-port"):
+            with served(port, "127.0.0.1"):
+                pass
