@@ -240,8 +240,10 @@ class ControllerService:
             ),
             ctx,
             self.outer,
-            # A resumed world's ranks load the checkpoint's consensus from the reducer (PROTOCOL.md 13).
-            None if not self.job.resume_from else (rec.RESUME_ROUND, self.job.wire.resume_payload(self.kept.consensus)),
+            # A resumed world's ranks load the checkpoint's consensus from the reducer, a shipped
+            # start's the controller's model (PROTOCOL.md 13).
+            None if not (self.job.resume_from or self.job.ship_start)
+            else (rec.RESUME_ROUND, self.job.wire.resume_payload(self.kept.consensus)),
         )
 
     def _control_socket(self, ctx: zmq.Context) -> zmq.Socket:
