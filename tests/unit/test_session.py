@@ -171,29 +171,57 @@ class FakeLink:
         pass
 
 
-def test_a_sessions_rank_trains_from_the_controllers_model_not_the_one_it_built(monkeypatch):
-    links = []
+@pytest.fixture
+def rank_links(monkeypatch) -> list[FakeLink]:
+    """A Session's rank gets a FakeLink (no sockets) in place of its RankLink; the list holds it."""
+    links: list[FakeLink] = []
 
     def start(rt: rank.RankRuntime) -> None:
         rt.link = FakeLink()
         links.append(rt.link)
 
     monkeypatch.setattr(rank.RankRuntime, "start", start)
+    return links
+
+
+def start_rank(link: FakeLink, shipped: np.ndarray, samples: int) -> None:
+    """What the controller sends first: the epoch's span, and (by the relay) the shipped start."""
+    link.inbox.put(FromCoordinator(rec.StartEpoch(plan=rec.EpochPlan(epoch=0, offset=0, size=samples))))
+    link.inbox.put(ConsensusIn(SimpleNamespace(record=rec.Consensus(round=rec.RESUME_ROUND, mass=1.0),
+                                               payload=[shipped])))
+
+
+RANK_1 = {"host": "b", "rank": 1, "local_rank": 0}
+
+
+def test_a_sessions_rank_trains_from_the_controllers_model_not_the_one_it_built(rank_links):
     torch.manual_seed(2)
     model = net()  # not the controller's: another seed
     shipped = np.arange(flatten(model).numel(), dtype=np.float32)
-    optimizer = sgd(model.parameters())
     at_first_batch = []
-    with pytest.raises(SystemExit) as ended, session.hosted(penv("rank", host="b", rank=1, local_rank=0)):
-        with fz.Session(model, optimizer, data(), batch_size=8, quiet=True) as s:
-            (link,) = links
-            link.inbox.put(FromCoordinator(rec.StartEpoch(plan=rec.EpochPlan(epoch=0, offset=0, size=8))))
-            link.inbox.put(ConsensusIn(SimpleNamespace(record=rec.Consensus(round=rec.RESUME_ROUND, mass=1.0),
-                                                       payload=[shipped])))
+    with pytest.raises(SystemExit) as ended, session.hosted(penv("rank", **RANK_1)):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
+            start_rank(rank_links[0], shipped, 8)
             for batch in s.batches():
                 at_first_batch.append(flatten(model).clone())
                 s.step(loss_of(model, batch))
-                link.inbox.put(FromCoordinator(rec.Shutdown()))
+                rank_links[0].inbox.put(FromCoordinator(rec.Shutdown()))
     assert ended.value.code == 0
     assert torch.equal(at_first_batch[0], torch.from_numpy(shipped))
-    assert isinstance(links[0].sent[-1], rec.Exiting)  # the rank said goodbye on leaving the block
+    assert isinstance(rank_links[0].sent[-1], rec.Exiting)  # the rank said goodbye on leaving the block
+
+
+def test_a_rank_that_breaks_out_of_its_loop_says_goodbye_and_exits_cleanly(rank_links):
+    model = net()
+    after_the_block = []
+    with pytest.raises(SystemExit) as ended, session.hosted(penv("rank", **RANK_1)):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
+            start_rank(rank_links[0], flatten(model).numpy().copy(), N)
+            for batch in s.batches():
+                s.step(loss_of(model, batch))
+                break
+        after_the_block.append(True)
+    assert ended.value.code == 0 and not after_the_block  # only the controller and a lone process get past it
+    sent = rank_links[0].sent
+    assert isinstance(sent[-1], rec.Exiting)
+    assert not any(isinstance(r, rec.EpochMetrics) for r in sent)  # 1 of its 5 batches: its span is not done
