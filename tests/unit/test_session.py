@@ -56,7 +56,11 @@ def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return F.cross_entropy(model(batch[0] / N), batch[1])
 
 
-def test_a_session_alone_trains_trainers_batches_in_trainers_order_to_trainers_model():
+def halving(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+def test_a_session_alone_trains_trainers_batches_in_trainers_order_and_schedule_to_trainers_model():
     seen_by_trainer: list[list[int]] = []
 
     def step(model, batch):
@@ -64,12 +68,12 @@ def test_a_session_alone_trains_trainers_batches_in_trainers_order_to_trainers_m
         return loss_of(model, batch)
 
     expected = Trainer(model=net, optimizer=sgd, train_step=step, dataset=data(), batch_size=8, epochs=3,
-                       quiet=True).run()
+                       scheduler=halving, quiet=True).run()
     torch.manual_seed(42)  # Trainer's seed, so the two start from the same weights
     model = net()
     optimizer = sgd(model.parameters())
     seen, epochs = [], []
-    with fz.Session(model, optimizer, data(), batch_size=8, epochs=3, quiet=True) as s:
+    with fz.Session(model, optimizer, data(), batch_size=8, epochs=3, scheduler=halving, quiet=True) as s:
         for batch in s.batches():
             seen.append(batch[0].flatten().long().tolist())
             epochs.append(s.epoch)
@@ -82,6 +86,7 @@ def test_a_session_alone_trains_trainers_batches_in_trainers_order_to_trainers_m
     assert epochs == [e for e in range(3) for _ in range(N // 8)]
     for e in range(3):  # every sample of each epoch once
         assert sorted(i for b in seen[e * 5:(e + 1) * 5] for i in b) == list(range(N))
+    assert optimizer.param_groups[0]["lr"] == 0.01 * 0.5 ** (14 // 3)  # stepped to the 15th step, not by hand
     assert torch.equal(flatten(s.result.model), flatten(expected.model))
     assert [r["avg_loss"] for r in s.result.epochs] == pytest.approx([r["avg_loss"] for r in expected.epochs])
 
