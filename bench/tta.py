@@ -196,6 +196,7 @@ def time_phases() -> None:
     this rank's deposit awaits its consensus, else "idle" (no work given yet).
     """
     from flodl_zmq.rank import RankRuntime
+    from flodl_zmq.training import Stepper
 
     stack: list[list[float]] = []
 
@@ -218,7 +219,9 @@ def time_phases() -> None:
     def wait_phase(self: Any, block: bool) -> str | None:
         return None if not block else ("round" if self._pending_round is not None else "idle")
 
-    RankRuntime._train_one = wrap("train", RankRuntime._train_one)
+    RankRuntime._take_batch = wrap("train", RankRuntime._take_batch)
+    RankRuntime.step = wrap("train", RankRuntime.step)
+    Stepper.step = wrap("train", Stepper.step)
     RankRuntime._drain = wrap(wait_phase, RankRuntime._drain)
     RankRuntime._on_consensus = wrap("load", RankRuntime._on_consensus)
     RankRuntime._deposit = wrap("deposit", RankRuntime._deposit)

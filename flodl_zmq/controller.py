@@ -13,7 +13,7 @@
    or fails (no quorum by the hard cap; the agents are told why).
 3. The controller role. SCRIPT runs in this process (runpy) as the
    controller of the formed world, its role and the membership link handed
-   to its `Trainer.run()` by `api.hosted` (the process environment is left
+   to its `Trainer.run()` or `Session` by `session.hosted` (the process environment is left
    as it is); every agent runs the same SCRIPT and ARGS for its relay and
    ranks. The membership keeps the join links open meanwhile, and its events
    feed the coordinator: a rank exit an agent reports and a host whose agent
@@ -231,10 +231,10 @@ def _wait_formed(membership: MembershipService) -> dict[str, tuple[int, ...]]:
 def _run_role(opts: ControllerOptions, membership: MembershipService, penv: ProcessEnv) -> int:
     """Run the program as the controller of the formed world, then see the agents out; its exit status."""
     log.info("world formed: %s; running %s", penv.world, " ".join(opts.argv))
-    from flodl_zmq.api import hosted
     from flodl_zmq.membership_link import MembershipLink
+    from flodl_zmq.session import hosted
 
-    with hosted(penv, MembershipLink(membership, opts.curve)):  # what the script's Trainer.run() plays
+    with hosted(penv, MembershipLink(membership, opts.curve)):  # what the script's Trainer.run() or Session plays
         code = run_script(opts.argv)
     if code != 0:
         _abort(membership, f"the controller's program exited with status {code}")

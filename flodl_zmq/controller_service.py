@@ -38,7 +38,7 @@ Theory of operation:
    the reducer (out of every barrier); controller effects (epoch metrics,
    eval results, save-state, run end) drive the `RunReport`
    (flodl_zmq/report.py: progress, epoch lines, result, bundle), the same
-   one `train_alone` uses.
+   one `AloneLoop` uses.
 3. The end. After RunEnded the loop keeps serving until every rank has said
    goodbye or is dead (at most a short drain), so the Shutdown records and the
    goodbyes cross, then stops the reducer. The final model is the last
@@ -242,8 +242,10 @@ class ControllerService:
             ),
             ctx,
             self.outer,
-            # A resumed world's ranks load the checkpoint's consensus from the reducer (PROTOCOL.md 13).
-            None if not self.job.resume_from else (rec.RESUME_ROUND, self.job.wire.resume_payload(self.kept.consensus)),
+            # A resumed world's ranks load the checkpoint's consensus from the reducer, a shipped
+            # start's the controller's model (PROTOCOL.md 13).
+            None if not (self.job.resume_from or self.job.ship_start)
+            else (rec.RESUME_ROUND, self.job.wire.resume_payload(self.kept.consensus)),
         )
 
     def _control_socket(self, ctx: zmq.Context) -> zmq.Socket:

@@ -91,5 +91,9 @@ class MembershipError(FlodlError):
     """A join was refused or the world could not form."""
 
 
+class SessionError(FlodlError):
+    """A `Session` used out of its order: a batch not reported with `step`, `batches()` outside the with block."""
+
+
 class TrainingError(FlodlError):
     """The training run cannot continue (dataset mismatch, all ranks lost, user callback failure)."""

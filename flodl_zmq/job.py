@@ -111,6 +111,9 @@ class Job:
         or "median" (robust to a minority of poisoning ranks; docs/guide.md). The
         relays read it from the run's setting (FLODL_AGGREGATION, --aggregation),
         so a value here must equal that setting; None: the setting, whatever it is.
+    ship_start: every rank starts from the controller's model, shipped as round 0's
+        consensus before its first step (PROTOCOL.md 13), not from its own `model()`.
+        Set by `Session`, whose model each process's script builds itself (seeded or not).
     """
 
     model: Callable[[], torch.nn.Module]
@@ -161,6 +164,7 @@ class Job:
     outer_momentum: float | None = None
     run_dir: str | None = None
     aggregation: str | None = None
+    ship_start: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "train_step"):
@@ -251,7 +255,7 @@ class Job:
                 close = [RENAMED[name]] if name in RENAMED else difflib.get_close_matches(name, known, n=3)
                 hints.append(f"{name!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""))
             raise TypeError(
-                f"Trainer() got unknown keyword(s) {', '.join(hints)}; the keywords are {', '.join(known)} "
+                f"Trainer()/Session() got unknown keyword(s) {', '.join(hints)}; the keywords are {', '.join(known)} "
                 "(documented in flodl_zmq.job.Job)"
             )
         return cls(*args, **keywords)

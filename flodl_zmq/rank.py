@@ -55,7 +55,7 @@ import queue
 import time
 import traceback
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,15 +107,21 @@ class _Span:
 class RankRuntime:
     """Runs one rank of `job` until the coordinator says stop; `run()` returns the exit code."""
 
-    def __init__(self, job: Job, cfg: RankConfig, device: torch.device | None = None) -> None:
+    def __init__(self, job: Job, cfg: RankConfig, device: torch.device | None = None,
+                 replica: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None) -> None:
+        """A rank of `job`; `replica` is the user's own model (on `device`) and optimizer under Session,
+        None under Trainer: built here from the job's factories, seeded so every rank builds the same."""
         self.job = job
         self.cfg = cfg
         torch.set_num_threads(job.torch_threads)
-        torch.manual_seed(job.seed)  # same initial replica on every rank
         self.device = device or pick_device(cfg.local_rank)
-        # A resumed rank's start comes over the wire (_load_start), never from job.resume_from's files.
-        self.model = job.model().to(self.device)
-        self.optimizer = job.optimizer(self.model.parameters())
+        if replica is None:
+            torch.manual_seed(job.seed)  # same initial replica on every rank
+            # A resumed rank's start comes over the wire (_load_start), never from job.resume_from's files.
+            model = job.model().to(self.device)
+            replica = model, job.optimizer(model.parameters())
+        self.model, self.optimizer = replica
+        # The job's step under Trainer; under Session only its schedule (follow) is used.
         self.stepper = Stepper(job, self.model, self.optimizer, self.device)
         self.scalars = ScalarLog()
         # Built before any thread starts: its workers are forked (loader.py).
@@ -146,13 +152,27 @@ class RankRuntime:
         self._epoch_role = 0
         self._epoch_fn_done: set[int] = set()
         self._stop_reason: str | None = None
+        self._t_asked = self._t_got = 0.0  # when the last batch was asked for, and when it came
 
     # -- the loop --------------------------------------------------------
 
     def run(self) -> int:
-        ctx = zmq.Context.instance()
+        """Trainer's rank: the job's step on every batch the session machinery hands out."""
+        self.start()
+        failed = False
+        try:
+            with recording(self.scalars):
+                for batch in self.batches():
+                    self.step(self.stepper.step(batch))
+        except Exception:
+            log.exception("rank %d: training failed", self.cfg.rank)
+            failed = True
+        return self.close(failed)
+
+    def start(self) -> None:
+        """Start the link and say hello to the relay."""
         # Sync averages after every step: each step is a window edge and is reported at once.
-        link = RankLink(self.cfg, ctx, 0.0 if self.job.mode == "cpu-sync" else REPORT_PERIOD_S,
+        link = RankLink(self.cfg, zmq.Context.instance(), 0.0 if self.job.mode == "cpu-sync" else REPORT_PERIOD_S,
                         data_max_frame_bytes(self.job.wire.largest_frame_bytes(self.buffers.numel)))
         self.link = link
         link.start()
@@ -165,30 +185,38 @@ class RankRuntime:
                 dataset_sig=dataset_signature(self.job.dataset),
             )
         )
-        code = 0
+
+    def batches(self) -> Iterator[Any]:
+        """The batches dispatched to this rank, in order, until the coordinator says stop.
+
+        Between two batches the caller runs one optimizer step and reports it with `step`;
+        records are handled here, so a snapshot never falls inside a step. A resumed or
+        shipped-start world's starting model is loaded before the first.
+        """
+        if self.cfg.resumed:
+            self._load_start()
+        while True:
+            if not self._can_train():
+                self.link.flush_steps()  # a window edge: the coordinator must see every step before we wait
+            self._drain(block=not self._can_train())
+            if self._stop_reason is not None:
+                return
+            if self._can_train():
+                yield self._take_batch()
+
+    def close(self, failed: bool) -> int:
+        """Say goodbye (`Exiting`) and release everything; the rank's exit status."""
         try:
-            if self.cfg.resumed:
-                self._load_start()
-            with recording(self.scalars):
-                while self._stop_reason is None:
-                    if not self._can_train():
-                        link.flush_steps()  # a window edge: the coordinator must see every step before we wait
-                    self._drain(block=not self._can_train())
-                    if self._stop_reason is None and self._can_train():
-                        self._train_one()
-        except Exception:
-            log.exception("rank %d: training failed", self.cfg.rank)
-            code = 1
+            self.link.send(rec.Exiting(rank=self.cfg.rank))
+            self.link.close()
         finally:
-            link.send(rec.Exiting(rank=self.cfg.rank))
-            link.close()
             self.pipeline.close()
             if self.buffers.segment is not None:
                 self.buffers.segment.close()
         if self._stop_reason and self._stop_reason.startswith("lost"):
             log.error("rank %d: %s; exiting", self.cfg.rank, self._stop_reason)
-            code = code or 1
-        return code
+            return 1
+        return 1 if failed else 0
 
     def _load_start(self) -> None:
         """Load the resumed world's starting consensus, asked of the relay, before the first step (PROTOCOL.md 13).
@@ -347,28 +375,37 @@ class RankRuntime:
 
     # -- training -----------------------------------------------------------
 
-    def _train_one(self) -> None:
+    def _take_batch(self) -> Any:
+        """The next batch of the first span, with the schedule moved to this step (a rate change reported)."""
         span = self._spans[0]
         if span.pos == 0:
             span.started = time.perf_counter()
             self._maybe_epoch_fn(span.epoch)
-        idx = span.indices[span.pos : span.pos + self.job.batch_size]
-        t0 = time.perf_counter()
-        batch = self.pipeline.next()  # the batch of `idx`: the pipeline keeps the spans' order
-        t1 = time.perf_counter()
+        self._t_asked = time.perf_counter()
+        batch = self.pipeline.next()  # the batch of the span's next indices: the pipeline keeps the spans' order
+        self._t_got = time.perf_counter()
         lr = self.stepper.follow(self.global_step + self.steps_since_avg)
         if lr is not None:
             self.link.send(rec.LrUpdate(rank=self.cfg.rank, lr=lr))
-        loss_value = self.stepper.step(batch)
+        return batch
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the batch being trained (of the next one before the first)."""
+        return self._spans[0].epoch if self._spans else None
+
+    def step(self, loss_value: float) -> None:
+        """The optimizer step on the last batch is done: count it, report its timing and loss."""
         t2 = time.perf_counter()
         if self.cfg.slowdown > 1.0:
             # Emulated slower hardware: the delay is part of the step's compute time.
-            time.sleep((self.cfg.slowdown - 1.0) * (t2 - t0))
-        compute_ms = (time.perf_counter() - t1) * 1000.0
-        data_ms = (t1 - t0) * 1000.0
+            time.sleep((self.cfg.slowdown - 1.0) * (t2 - self._t_asked))
+        compute_ms = (time.perf_counter() - self._t_got) * 1000.0
+        data_ms = (self._t_got - self._t_asked) * 1000.0
+        span = self._spans[0]
         self.steps += 1
         self.steps_since_avg += 1
-        span.pos += len(idx)
+        span.pos += min(self.job.batch_size, len(span.indices) - span.pos)
         span.batches += 1
         span.loss_sum += loss_value
         span.compute_ms += compute_ms

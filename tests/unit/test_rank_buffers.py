@@ -325,13 +325,13 @@ def test_an_async_rank_trains_on_while_its_round_travels_and_the_consensus_loses
                               flush_steps=lambda: None)
     rt._on_control(rec.StartEpoch(plan=rec.EpochPlan(epoch=0, offset=0, size=64)))
     for _ in range(2):
-        rt._train_one()
+        train_one(rt)
     rt._on_control(rec.RequestParams(round=1))
     deposit = next(r for r in sent if isinstance(r, rec.RoundFrame))
     at_snapshot = flatten(rt.model)
     assert deposit.mass == 2.0 and rt._can_train()  # no stop for the round
     for _ in range(3):
-        rt._train_one()
+        train_one(rt)
     moved = flatten(rt.model) - at_snapshot
     assert float(moved.abs().sum()) > 0
     consensus = at_snapshot * 0.5 + 1.0
@@ -339,3 +339,8 @@ def test_an_async_rank_trains_on_while_its_round_travels_and_the_consensus_loses
     assert torch.allclose(flatten(rt.model), consensus + moved, atol=1e-6)
     assert rt.steps_since_avg == 3  # the steps in flight weigh in the next deposit
     assert isinstance(sent[-1], rec.SyncAck) and sent[-1].round == 1
+
+
+def train_one(rt: RankRuntime) -> None:
+    """One step as the rank's loop takes it: the next batch, the job's step, its report."""
+    rt.step(rt.stepper.step(rt._take_batch()))

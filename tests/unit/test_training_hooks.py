@@ -189,7 +189,7 @@ def train_round(rt: RankRuntime, round_id: int, offset: int, steps: int, global_
         if i == steps:
             rt._on_control(rec.RequestParams(round=round_id))
             rt._on_control(rec.SetGlobalStep(global_step=global_step_after))
-        rt._train_one()
+        train_one(rt)
         used.append(rt.optimizer.param_groups[0]["lr"])
     if not in_flight:
         rt._on_control(rec.RequestParams(round=round_id))
@@ -229,10 +229,15 @@ def test_a_rank_reports_record_scalar_with_its_chunk():
     try:
         with recording(rt.scalars):
             rt._on_control(rec.StartEpoch(rec.EpochPlan(0, 0, 8)))
-            rt._train_one()
-            rt._train_one()
+            train_one(rt)
+            train_one(rt)
     finally:
         rt.pipeline.close()
     (m,) = [x for x in rt.link if isinstance(x, rec.EpochMetrics)]
     assert m.scalar_counts == {"label_mean": 2}
     assert np.isfinite(m.scalar_sums["label_mean"])
+
+
+def train_one(rt: RankRuntime) -> None:
+    """One step as the rank's loop takes it: the next batch, the job's step, its report."""
+    rt.step(rt.stepper.step(rt._take_batch()))

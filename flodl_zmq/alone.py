@@ -1,0 +1,140 @@
+"""Training in this process alone: the batches of every epoch in the cluster's order, and their report.
+
+`AloneLoop` is the single-process side of the session machinery
+(flodl_zmq/session.py): `batches()` hands out every sample of each epoch
+once, in the seeded order the cluster's ranks share (sampling.py), and
+`step(loss)` counts a step the caller took on the last one. Trainer's step
+and a user's own loop (`Session`) both run through it, so the two print,
+evaluate and save identically (report.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from flodl_zmq import bundle
+from flodl_zmq.job import Job
+from flodl_zmq.loader import BatchPipeline
+from flodl_zmq.report import RunReport
+from flodl_zmq.result import TrainResult, epoch_row
+from flodl_zmq.runlog import run_dir_for
+from flodl_zmq.sampling import epoch_permutation
+from flodl_zmq.settings import Settings
+from flodl_zmq.training import ScalarLog, Stepper
+
+
+def alone_row(epoch: int, loss_sum: float, batches: int, samples: int, t0: float,
+              scalars: ScalarLog) -> dict[str, Any]:
+    """The row of `TrainResult.epochs` for the batches (`samples`) of `epoch` trained alone so far."""
+    epoch_ms = (time.perf_counter() - t0) * 1000.0
+    return epoch_row(epoch, loss_sum / max(batches, 1), epoch_ms, [1.0], [samples / max(epoch_ms, 1e-9)],
+                     {k: scalars.sums[k] / scalars.counts[k] for k in sorted(scalars.sums)})
+
+
+class AloneLoop:
+    """One process's run of `job` on `model` (on `device`) with `optimizer`: batches out, steps in."""
+
+    def __init__(self, job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device) -> None:
+        self.job = job
+        self.model = model
+        self.start_epoch = _resume_alone(job, model)
+        # The job's step under Trainer; under Session only its schedule (follow) is used.
+        self.stepper = Stepper(job, model, optimizer, device)
+        self.steps_per_epoch = math.ceil(job.total_samples / job.batch_size)
+        self.pipeline = BatchPipeline(job.dataset, device, job.num_workers, job.prefetch_factor, job.pin_memory,
+                                      job.collate_fn)
+        self.scalars = ScalarLog()
+        self.result = TrainResult(model=model)
+        self.report = RunReport(
+            job, self.result, self.steps_per_epoch,
+            run_dir_for(job.run_dir, Settings.from_environ(scopes=("process",)).run_dir), self.start_epoch,
+        )
+        self.epoch: int | None = None
+        self.epochs_done = self.start_epoch
+        self._t_run = self._t_epoch = 0.0
+        self._samples = 0
+        self._loss_sum, self._batches, self._parts = 0.0, 0, 0
+
+    def batches(self) -> Iterator[Any]:
+        """Every batch of every epoch left, in the cluster's data order; each epoch's row, eval and report."""
+        job = self.job
+        self.report.events.write("start", mode="alone", epochs=job.epochs, world={"local": [0]}, world_size=1)
+        self._t_run = time.perf_counter()
+        for epoch in range(self.start_epoch, job.epochs):
+            self.epoch = epoch
+            if job.epoch_fn is not None:
+                job.epoch_fn(epoch, self.model)
+            self._t_epoch = time.perf_counter()
+            perm = epoch_permutation(job.seed, epoch, job.total_samples)
+            self._samples = len(perm)
+            self._loss_sum, self._batches, self._parts = 0.0, 0, 0
+            self.pipeline.extend(perm[start : start + job.batch_size] for start in range(0, len(perm), job.batch_size))
+            while len(self.pipeline):
+                # The global step of a single process: every step before this one, resumed ones too.
+                self.stepper.follow(epoch * self.steps_per_epoch + self._batches)
+                yield self.pipeline.next()
+            row = self._row()
+            self.scalars.take()
+            if _eval_due(job, epoch):
+                self.model.eval()
+                with torch.no_grad():
+                    self.report.evaluated(epoch, float(job.eval_fn(self.model, job.eval_dataset)), row=row)
+            self.report.epoch(row)
+            self.epochs_done = epoch + 1
+
+    def step(self, loss_value: float) -> None:
+        """The caller's optimizer step on the last batch is done: count it, report its progress."""
+        self._loss_sum += loss_value
+        self._batches += 1
+        self.report.step()
+        if self.job.reports_per_epoch > 1 and len(self.pipeline):
+            # The cluster's rule (coordinator/metrics.py): one partial row per n-th of the epoch.
+            k = self._batches * self.job.reports_per_epoch // self.steps_per_epoch
+            if k > self._parts:
+                self._parts = k
+                self.report.progress({**self._row(), "fraction": k / self.job.reports_per_epoch})
+
+    def release(self) -> None:
+        """Stop the loader workers and the progress bar (also when the caller's loop raised)."""
+        self.pipeline.close()
+        self.report.close()
+
+    def finish(self) -> TrainResult:
+        """End the run (all epochs, or the caller stopped early): save the bundle, finish the report."""
+        self.release()
+        wall_s = time.perf_counter() - self._t_run
+        if self.job.save_path:
+            completed = self.epochs_done >= self.job.epochs
+            self.report.save(self.model.state_dict(), {
+                "epoch": self.epochs_done, "global_step": None, "reason": "completed" if completed else "stopped",
+                "world_size": 1, "coordinator": None,
+            })
+        self.report.finish(wall_s)
+        self.result.batch_share = [1.0]
+        return self.result
+
+    def _row(self) -> dict[str, Any]:
+        samples = min(self._batches * self.job.batch_size, self._samples)
+        return alone_row(self.epoch or 0, self._loss_sum, self._batches, samples, self._t_epoch, self.scalars)
+
+
+def _resume_alone(job: Job, model: torch.nn.Module) -> int:
+    """Load `job.resume_from` into `model`; the epoch to start at (0 without one)."""
+    if not job.resume_from:
+        return 0
+    state, meta = bundle.load(job.resume_from)
+    model.load_state_dict(state)
+    return int(meta.get("epoch", 0))
+
+
+def _eval_due(job: Job, epoch: int) -> bool:
+    """An eval after `epoch`: every `eval_every` epochs and after the last one."""
+    return bool(job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
+        (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
+    ))

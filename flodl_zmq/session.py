@@ -1,0 +1,291 @@
+"""Bring your own loop: `Session`, the role machinery a training loop the user keeps runs through.
+
+    import flodl_zmq as fz
+    model = Net()                                        # on its device already
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with fz.Session(model, optimizer, train_set, batch_size=32, epochs=10,
+                    eval_dataset=test_set, eval_fn=accuracy) as s:
+        for batch in s.batches():
+            loss = my_loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            s.step(loss)                                  # once per optimizer step
+    print(s.result.final_eval)                            # controller, or alone
+
+The keywords after `batch_size` are Trainer's (flodl_zmq.job.Job), less the
+ones the user's loop now owns (train_step, autocast, grad_accumulation,
+max_grad_norm); `epochs` defaults to 1. `Trainer` runs through the same
+machinery: its loop is `for batch in s.batches(): s.step(stepper.step(batch))`.
+
+Entering the block plays the process's role (FLODL_ROLE and the other
+FLODL_* variables, flodl_zmq/environment.py, or the role `hosted` hands over):
+
+- unset (alone): `batches()` yields every sample of each epoch once, in the
+  seeded order Trainer alone and the cluster use; evals, `metrics_fn`, the
+  progress and the bundle (`save_path`) as under Trainer; `s.result` is set
+  when the block ends.
+- controller: entering runs the whole coordination (coordinator, reducer,
+  evals, checkpoints, deaths and joins) and sets `s.result`; `batches()`
+  then yields nothing, so the loop body never runs there.
+- relay: entering serves the host's relay and ends the process
+  (`SystemExit` with its exit status); the block never runs.
+- rank: `batches()` yields the batches ElChe dispatches to this rank (the
+  chunk pool's exact coverage holds: every sample of an epoch once across
+  the world); averaging rounds are served between two batches, never inside
+  a step. Leaving the block says goodbye (`Exiting`) and ends the process
+  (`SystemExit`), as Trainer's rank does: the code after the block runs only
+  where a result exists.
+
+Rules this module keeps:
+
+- **One starting replica.** The user builds the model in every process, seeded
+  or not, so a Session's ranks do not start from their own: every rank loads
+  the controller's model, shipped as round 0's consensus before its first
+  batch (`Job.ship_start`, PROTOCOL.md 13), as a resumed world's ranks do.
+- **One step per batch.** `s.step(loss=None)` after each batch's optimizer
+  step: it counts the step (the averaging mass, ElChe's timings, the global
+  step) and reports the loss (a float or tensor; None reports no loss). A
+  batch not reported is a `SessionError` at the next one.
+- **The schedule.** `scheduler=` (a factory `optimizer -> scheduler`, as
+  Trainer's) is stepped to the global step before each batch; a scheduler
+  the loop steps itself follows this process's own steps only.
+- **Epochs.** `s.epoch` is the epoch of the batch in hand; `epoch_fn` runs
+  as under Trainer.
+- **Leaving early** (`break`, an exception) is a clean exit: a rank says
+  goodbye and leaves the run, which trains on without it; alone, the result
+  holds the epochs finished and the bundle is saved with reason "stopped".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import dataclasses
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import Dataset
+
+from flodl_zmq import checkpoints
+from flodl_zmq.alone import AloneLoop
+from flodl_zmq.environment import ProcessEnv, watch_lifeline
+from flodl_zmq.errors import SessionError
+from flodl_zmq.job import Job, coordinator_config
+from flodl_zmq.rank import RankRuntime, pick_device
+from flodl_zmq.rank_link import RankConfig
+from flodl_zmq.result import TrainResult
+from flodl_zmq.training import Stepper, recording
+
+if TYPE_CHECKING:
+    from flodl_zmq.membership_link import MembershipLink
+
+log = logging.getLogger(__name__)
+
+# Trainer keywords a Session refuses: the user's loop does these itself.
+LOOP_OWNED = ("train_step", "autocast", "grad_accumulation", "max_grad_norm")
+
+
+@dataclass(frozen=True)
+class Hosted:
+    """A role handed to the user's script by the process that runs it: the role, and the membership link."""
+
+    penv: ProcessEnv
+    link: MembershipLink | None = None
+
+
+# The one hand-off from a process that runs the user's script itself (runpy) to that
+# script's Trainer or Session: the script builds them, so no argument can carry the
+# role there, and putting it in os.environ would leak it to everything the script
+# starts and outlive the run. Set only through `hosted`.
+_HOSTED: contextvars.ContextVar[Hosted | None] = contextvars.ContextVar("flodl_hosted", default=None)
+
+
+@contextlib.contextmanager
+def hosted(penv: ProcessEnv, link: MembershipLink | None = None) -> Iterator[None]:
+    """Within the block, `Trainer.run()` and `Session` play `penv`'s role (with `link`), not the environment's."""
+    token = _HOSTED.set(Hosted(penv, link))
+    try:
+        yield
+    finally:
+        _HOSTED.reset(token)
+
+
+def _own_loop(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    raise SessionError("a Session's step is the user's loop: nothing calls train_step")
+
+
+class Session:
+    """A training loop the user keeps, run as this process's role (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset,
+                 batch_size: int, epochs: int = 1, **keywords: Any) -> None:
+        owned = sorted(set(keywords) & set(LOOP_OWNED))
+        if owned:
+            raise TypeError(f"Session() got {', '.join(owned)}: a Session's loop does that itself "
+                            "(use Trainer to have it done for you)")
+        job = Job.from_keywords(
+            # The controller's model is the run's start (ship_start), a copy taken as the run begins.
+            model=lambda: copy.deepcopy(model), optimizer=lambda params: optimizer, train_step=_own_loop,
+            dataset=dataset, batch_size=batch_size, epochs=epochs, ship_start=True, **keywords,
+        )
+        self._setup(job, (model, optimizer))
+
+    @classmethod
+    def of_job(cls, job: Job, alone: bool = False) -> Session:
+        """Trainer's session: the replica built from `job`'s factories where one trains; `alone` ignores the role."""
+        session = cls.__new__(cls)
+        session._setup(job, None, alone)
+        return session
+
+    def _setup(self, job: Job, replica: tuple[torch.nn.Module, torch.optim.Optimizer] | None,
+               alone: bool = False) -> None:
+        coordinator_config(job)  # every scheduling setting is checked now, in every process
+        self.job = job
+        self.result: TrainResult | None = None
+        self._replica = replica
+        self._alone = alone
+        self._loop: AloneLoop | RankRuntime | None = None
+        self._recording: contextlib.ExitStack | None = None
+        self._owed = False
+
+    # -- the role ----------------------------------------------------------
+
+    def __enter__(self) -> Session:
+        host = _HOSTED.get()
+        penv = None if self._alone else host.penv if host is not None else ProcessEnv.from_environ()
+        if penv is None:
+            self._loop = AloneLoop(self.job, *self._alone_replica())
+        else:
+            self._enter_role(penv, host.link if host is not None else None)
+        if self._loop is not None:  # record_scalar adds to this process's epoch reports
+            self._recording = contextlib.ExitStack()
+            self._recording.enter_context(recording(self._loop.scalars))
+        return self
+
+    def _enter_role(self, penv: ProcessEnv, link: MembershipLink | None) -> None:
+        if penv.lifeline_fd is not None:
+            watch_lifeline(penv.lifeline_fd)
+        job = self.job
+        job.check_settings(penv.settings)  # the run's settings agree with the job (wire format, beats)
+        # A relay's comings and goings (ranks joining, leaving) are what an operator reads
+        # when a host misbehaves; ranks and the controller print progress, not chatter.
+        level = logging.INFO if penv.role == "relay" else logging.WARNING
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+        if penv.role == "controller":
+            from flodl_zmq.controller_service import run_controller
+
+            # A restart or re-form: only the controller reads the checkpoint (PROTOCOL.md 13).
+            stem = checkpoints.resolve(penv.settings.resume, penv.settings.checkpoint_dir)
+            if stem is not None:
+                job = dataclasses.replace(job, resume_from=str(stem))
+            self.result = run_controller(job, penv, link)
+            return
+        if penv.role == "relay":
+            from flodl_zmq.relay import run_relay
+
+            raise SystemExit(run_relay(penv, job.wire))  # a script run as the relay knows the format
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        self._loop = self._rank(penv)
+        self._loop.start()
+
+    def _alone_replica(self) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.device]:
+        torch.set_num_threads(self.job.torch_threads)
+        if self._replica is None:
+            torch.manual_seed(self.job.seed)
+            model = self.job.model()
+            return model, self.job.optimizer(model.parameters()), torch.device("cpu")
+        model, optimizer = self._replica
+        return model, optimizer, _device_of(model)
+
+    def _rank(self, penv: ProcessEnv) -> RankRuntime:
+        """This process's rank: connected to its host's relay, trains what it is dispatched."""
+        from flodl_zmq.links import local_endpoints
+
+        assert penv.host is not None and penv.rank is not None and penv.local_rank is not None
+        control, data = local_endpoints(penv.key, penv.incarnation, penv.host)
+        s, job = penv.settings, self.job
+        cfg = RankConfig(
+            # Resumed (the job's resume_from, or the checkpoint the controller ships, FLODL_RESUME) or a
+            # shipped start: the rank loads the starting model from the reducer before its first step.
+            resumed=bool(job.resume_from) or s.resume is not None or job.ship_start,
+            rank=penv.rank, local_rank=penv.local_rank, world_size=penv.world_size, host=penv.host,
+            key=penv.key, incarnation=penv.incarnation, control_endpoint=control, data_endpoint=data,
+            slowdown=s.slowdown, rank_heartbeat_period_s=s.rank_heartbeat_period_s,
+            coordinator_silence_at_rank_s=s.coordinator_silence_at_rank_s,
+            coordinator_first_contact_at_rank_s=s.coordinator_first_contact_at_rank_s,
+            consensus_wait_at_relay_s=s.consensus_wait_at_relay_s,
+        )
+        if self._replica is None:
+            return RankRuntime(job, cfg, pick_device(penv.local_rank))
+        return RankRuntime(job, cfg, _device_of(self._replica[0]), self._replica)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._recording is not None:
+            self._recording.close()
+        loop = self._loop
+        if isinstance(loop, AloneLoop):
+            if kind is None:
+                self.result = loop.finish()
+            else:
+                loop.release()
+        elif isinstance(loop, RankRuntime):
+            if kind is not None and issubclass(kind, Exception):
+                log.error("rank %d: training failed", loop.cfg.rank, exc_info=(kind, exc, tb))  # type: ignore[arg-type]
+            code = loop.close(failed=kind is not None)
+            if kind is None or issubclass(kind, Exception):
+                raise SystemExit(code)
+        # The controller's result is set on entering; a relay never gets here.
+
+    # -- the loop ----------------------------------------------------------
+
+    def batches(self) -> Iterator[Any]:
+        """This process's batches, on the model's device; report each one's optimizer step with `step`."""
+        if self._loop is None:
+            if self.result is None:
+                raise SessionError("Session.batches() is for inside its with block: `with fz.Session(...) as s:`")
+            return  # the controller: the run is over, nothing to train here
+        for batch in self._loop.batches():
+            self._owed = True
+            yield batch
+            if self._owed:
+                raise SessionError(
+                    "a batch of Session.batches() was not reported: call s.step(loss) once after each "
+                    "batch's optimizer step, so its work counts in the averaging and the schedule"
+                )
+
+    def step(self, loss: float | torch.Tensor | None = None) -> None:
+        """The optimizer step on the last batch is done; `loss` (optional) goes into the epoch's reports."""
+        if self._loop is None or not self._owed:
+            raise SessionError("Session.step() without a batch: call it once after each batch of s.batches()")
+        self._owed = False
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan") if loss is None else float(loss)
+        self._loop.step(value)
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the batch in hand (None before the first and on the controller)."""
+        return None if self._loop is None else self._loop.epoch
+
+    @property
+    def stepper(self) -> Stepper:
+        """The job's step on this process's replica (Trainer's loop)."""
+        assert self._loop is not None, "the stepper exists where batches are trained"
+        return self._loop.stepper
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    """Where the user put the model: its batches go there."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+__all__ = ["Session", "hosted"]
