@@ -38,7 +38,7 @@ Theory of operation:
    the reducer (out of every barrier); controller effects (epoch metrics,
    eval results, save-state, run end) drive the `RunReport`
    (flodl_zmq/report.py: progress, epoch lines, result, bundle), the same
-   one `train_alone` uses.
+   one `AloneLoop` uses.
 3. The end. After RunEnded the loop keeps serving until every rank has said
    goodbye or is dead (at most a short drain), so the Shutdown records and the
    goodbyes cross, then stops the reducer. The final model is the last

@@ -255,7 +255,7 @@ class Job:
                 close = [RENAMED[name]] if name in RENAMED else difflib.get_close_matches(name, known, n=3)
                 hints.append(f"{name!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""))
             raise TypeError(
-                f"Trainer() got unknown keyword(s) {', '.join(hints)}; the keywords are {', '.join(known)} "
+                f"Trainer()/Session() got unknown keyword(s) {', '.join(hints)}; the keywords are {', '.join(known)} "
                 "(documented in flodl_zmq.job.Job)"
             )
         return cls(*args, **keywords)

@@ -3,7 +3,7 @@
 `RunReport` owns, for one run, the progress bar, the per-epoch lines
 (`format_epoch`), the result rows of `TrainResult`, the user's `metrics_fn`
 call, the bundle save and the run directory's event log (`events`, a
-`RunLog`: flodl_zmq/runlog.py). `train_alone` (flodl_zmq/api.py) and the
+`RunLog`: flodl_zmq/runlog.py). `AloneLoop` (flodl_zmq/alone.py) and the
 controller (flodl_zmq/controller_service.py) both feed it, so the two paths
 print and save identically from one place: only where the numbers come
 from differs (a local loop, or the coordinator's epoch aggregates).

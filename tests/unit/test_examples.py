@@ -32,6 +32,13 @@ def test_cnn_digits_trains_alone_and_reports_accuracy() -> None:
     assert 0.0 <= result["accuracy"] <= 1.0
 
 
+def test_own_loop_keeps_its_loop_under_a_session_and_stops_early_when_it_breaks() -> None:
+    result = run_example("own_loop.py", "--epochs", "3", "--stop-after", "60", "--log-every", "20", "--quiet")
+    # 45 steps an epoch (batch 32): the loop broke in the second epoch, so one epoch finished.
+    assert [e["epoch"] for e in result["epochs"]] == [0]
+    assert result["epochs"][0]["scalars"]["penalty"] > 0  # record_scalar from the user's loop
+
+
 def test_char_transformer_beats_uniform_guessing_on_held_out_files() -> None:
     result = run_example("char_transformer.py", "--epochs", "1", "--train-chars", "20000", "--val-chars", "4000",
                          "--quiet")

@@ -1,0 +1,232 @@
+"""`fz.Session`, the loop a user keeps: alone it is Trainer's loop (same order, same steps, same result),
+the guide's converted loop runs verbatim, misuse is named, and every rank starts from the controller's model."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import flodl_zmq as fz
+from flodl_zmq import bundle, controller_service, rank, session
+from flodl_zmq.api import Trainer
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.errors import SessionError
+from flodl_zmq.mailbox import Mailbox
+from flodl_zmq.payload import flatten
+from flodl_zmq.rank_link import ConsensusIn, FromCoordinator
+from flodl_zmq.wire import records as rec
+
+ROOT = Path(__file__).resolve().parents[2]
+N = 40  # samples: batch 8 -> 5 steps an epoch
+
+
+@pytest.fixture(autouse=True)
+def alone(monkeypatch, tmp_path):
+    """No FLODL_* role, and run directories under tmp_path."""
+    for name in list(os.environ):
+        if name.startswith("FLODL_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+
+
+def data() -> TensorDataset:
+    # Each sample's feature is its own index, so a batch says which samples it holds.
+    return TensorDataset(torch.arange(N, dtype=torch.float32).unsqueeze(1), torch.arange(N) % 2)
+
+
+def net() -> torch.nn.Module:
+    return torch.nn.Linear(1, 2)
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0] / N), batch[1])
+
+
+def halving(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+def test_a_session_alone_trains_trainers_batches_in_trainers_order_and_schedule_to_trainers_model():
+    seen_by_trainer: list[list[int]] = []
+
+    def step(model, batch):
+        seen_by_trainer.append(batch[0].flatten().long().tolist())
+        return loss_of(model, batch)
+
+    expected = Trainer(model=net, optimizer=sgd, train_step=step, dataset=data(), batch_size=8, epochs=3,
+                       scheduler=halving, quiet=True).run()
+    torch.manual_seed(42)  # Trainer's seed, so the two start from the same weights
+    model = net()
+    optimizer = sgd(model.parameters())
+    seen, epochs = [], []
+    with fz.Session(model, optimizer, data(), batch_size=8, epochs=3, scheduler=halving, quiet=True) as s:
+        for batch in s.batches():
+            seen.append(batch[0].flatten().long().tolist())
+            epochs.append(s.epoch)
+            optimizer.zero_grad()
+            loss = loss_of(model, batch)
+            loss.backward()
+            optimizer.step()
+            s.step(loss)
+    assert seen == seen_by_trainer
+    assert epochs == [e for e in range(3) for _ in range(N // 8)]
+    for e in range(3):  # every sample of each epoch once
+        assert sorted(i for b in seen[e * 5:(e + 1) * 5] for i in b) == list(range(N))
+    assert optimizer.param_groups[0]["lr"] == 0.01 * 0.5 ** (14 // 3)  # stepped to the 15th step, not by hand
+    assert torch.equal(flatten(s.result.model), flatten(expected.model))
+    assert [r["avg_loss"] for r in s.result.epochs] == pytest.approx([r["avg_loss"] for r in expected.epochs])
+
+
+def test_the_guides_converted_loop_runs_verbatim():
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    section = guide[guide.index("## Bring your own loop"):]
+    code = re.search(r"The same loop, converted.*?```python\n(.*?)```", section, re.S).group(1)
+    scope: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(code, "guide.md", "exec"), scope)
+    result = scope["s"].result
+    assert [r["epoch"] for r in result.epochs] == [0, 1, 2, 3, 4]
+    assert result.final_eval > 0.5  # three classes: well above chance
+
+
+def test_a_batch_not_reported_with_step_is_a_session_error_naming_the_fix():
+    model = net()
+    with pytest.raises(SessionError, match=r"call s.step\(loss\) once after each batch"):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
+            for _ in s.batches():
+                pass
+
+
+def test_a_session_refuses_the_keywords_its_loop_owns():
+    model = net()
+    with pytest.raises(TypeError, match="max_grad_norm, train_step: a Session's loop does that itself"):
+        fz.Session(model, sgd(model.parameters()), data(), batch_size=8, train_step=loss_of, max_grad_norm=1.0)
+
+
+def test_breaking_out_alone_keeps_the_finished_epochs_and_saves_the_model_as_stopped(tmp_path):
+    model = net()
+    optimizer = sgd(model.parameters())
+    steps = 0
+    with fz.Session(model, optimizer, data(), batch_size=8, epochs=4, quiet=True,
+                    save_path=str(tmp_path / "m")) as s:
+        for batch in s.batches():
+            optimizer.zero_grad()
+            loss_of(model, batch).backward()
+            optimizer.step()
+            s.step()  # no loss: the loop reports none
+            steps += 1
+            if steps == 7:  # in the second epoch
+                break
+    assert [r["epoch"] for r in s.result.epochs] == [0]
+    assert np.isnan(s.result.epochs[0]["avg_loss"])
+    state, meta = bundle.load(str(tmp_path / "m"))
+    assert meta["reason"] == "stopped" and meta["epoch"] == 1
+    assert torch.equal(state["weight"], model.state_dict()["weight"])
+
+
+def penv(role: str, **kw: Any) -> ProcessEnv:
+    return ProcessEnv(role=role, controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32), run_id=bytes(16),
+                      incarnation=bytes(16), world={"a": (0,), "b": (1,)}, **kw)
+
+
+def test_the_controller_of_a_session_ships_its_own_model_as_every_ranks_start(monkeypatch):
+    torch.manual_seed(1)
+    model = net()
+    jobs = []
+    monkeypatch.setattr(controller_service, "run_controller", lambda job, p, lk: jobs.append(job) or "result")
+    with session.hosted(penv("controller")):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
+            assert list(s.batches()) == []  # the run is over when the block's body starts: nothing to train here
+    assert s.result == "result"
+    (job,) = jobs
+    assert job.ship_start  # the reducer serves the controller's model as round 0 (PROTOCOL.md 13)
+    assert torch.equal(flatten(job.model()), flatten(model))
+
+
+class FakeLink:
+    """A rank's link with no sockets: an inbox the test fills, and the records the rank sent."""
+
+    def __init__(self) -> None:
+        self.inbox: Mailbox[Any] = Mailbox()
+        self.sent: list[Any] = []
+
+    def send(self, record: Any, *a: Any, **k: Any) -> None:
+        self.sent.append(record)
+
+    def step(self, *a: Any) -> None:
+        pass
+
+    def flush_steps(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def rank_links(monkeypatch) -> list[FakeLink]:
+    """A Session's rank gets a FakeLink (no sockets) in place of its RankLink; the list holds it."""
+    links: list[FakeLink] = []
+
+    def start(rt: rank.RankRuntime) -> None:
+        rt.link = FakeLink()
+        links.append(rt.link)
+
+    monkeypatch.setattr(rank.RankRuntime, "start", start)
+    return links
+
+
+def start_rank(link: FakeLink, shipped: np.ndarray, samples: int) -> None:
+    """What the controller sends first: the epoch's span, and (by the relay) the shipped start."""
+    link.inbox.put(FromCoordinator(rec.StartEpoch(plan=rec.EpochPlan(epoch=0, offset=0, size=samples))))
+    link.inbox.put(ConsensusIn(SimpleNamespace(record=rec.Consensus(round=rec.RESUME_ROUND, mass=1.0),
+                                               payload=[shipped])))
+
+
+RANK_1 = {"host": "b", "rank": 1, "local_rank": 0}
+
+
+def test_a_sessions_rank_trains_from_the_controllers_model_not_the_one_it_built(rank_links):
+    torch.manual_seed(2)
+    model = net()  # not the controller's: another seed
+    shipped = np.arange(flatten(model).numel(), dtype=np.float32)
+    at_first_batch = []
+    with pytest.raises(SystemExit) as ended, session.hosted(penv("rank", **RANK_1)):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
+            start_rank(rank_links[0], shipped, 8)
+            for batch in s.batches():
+                at_first_batch.append(flatten(model).clone())
+                s.step(loss_of(model, batch))
+                rank_links[0].inbox.put(FromCoordinator(rec.Shutdown()))
+    assert ended.value.code == 0
+    assert torch.equal(at_first_batch[0], torch.from_numpy(shipped))
+    assert isinstance(rank_links[0].sent[-1], rec.Exiting)  # the rank said goodbye on leaving the block
+
+
+def test_a_rank_that_breaks_out_of_its_loop_says_goodbye_and_exits_cleanly(rank_links):
+    model = net()
+    after_the_block = []
+    with pytest.raises(SystemExit) as ended, session.hosted(penv("rank", **RANK_1)):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
+            start_rank(rank_links[0], flatten(model).numpy().copy(), N)
+            for batch in s.batches():
+                s.step(loss_of(model, batch))
+                break
+        after_the_block.append(True)
+    assert ended.value.code == 0 and not after_the_block  # only the controller and a lone process get past it
+    sent = rank_links[0].sent
+    assert isinstance(sent[-1], rec.Exiting)
+    assert not any(isinstance(r, rec.EpochMetrics) for r in sent)  # 1 of its 5 batches: its span is not done
