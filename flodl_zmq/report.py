@@ -85,7 +85,7 @@ class RunReport:
         """Epoch `row["epoch"]` is done: keep its row, print its line, call `metrics_fn`."""
         self.result.epochs.append(row)
         self.events.write(
-            "epoch", epoch=row["epoch"], avg_loss=row["avg_loss"], epoch_ms=row["epoch_ms"],
+            "epoch", epoch=row["epoch"], avg_loss=row["avg_loss"], epoch_ms=row["epoch_ms"], samples=row.get("samples"),
             batch_share=row.get("batch_share") or [],
             throughput=[x * 1000.0 for x in row.get("throughput") or []],  # the row's samples/ms, as samples/s
         )

@@ -118,6 +118,15 @@ def hosted(penv: ProcessEnv, link: MembershipLink | None = None) -> Iterator[Non
         _HOSTED.reset(token)
 
 
+def played_role() -> Hosted | None:
+    """The role this process plays: the one `hosted` hands over, else the environment's; None alone."""
+    host = _HOSTED.get()
+    if host is not None:
+        return host
+    penv = ProcessEnv.from_environ()
+    return None if penv is None else Hosted(penv)
+
+
 def _own_loop(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     raise SessionError("a Session's step is the user's loop: nothing calls train_step")
 
@@ -159,12 +168,11 @@ class Session:
     # -- the role ----------------------------------------------------------
 
     def __enter__(self) -> Session:
-        host = _HOSTED.get()
-        penv = None if self._alone else host.penv if host is not None else ProcessEnv.from_environ()
-        if penv is None:
+        role = None if self._alone else played_role()
+        if role is None:
             self._loop = AloneLoop(self.job, *self._alone_replica())
         else:
-            self._enter_role(penv, host.link if host is not None else None)
+            self._enter_role(role.penv, role.link)
         if self._loop is not None:  # record_scalar adds to this process's epoch reports
             self._recording = contextlib.ExitStack()
             self._recording.enter_context(recording(self._loop.scalars))
@@ -288,4 +296,4 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-__all__ = ["Session", "hosted"]
+__all__ = ["Session", "hosted", "played_role"]

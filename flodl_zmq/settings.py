@@ -241,6 +241,11 @@ class Settings:
             "must be the same, or the controller and the ranks refuse to start (none: each relay holds the run "
             "to the format of its ranks' first deposit, and the reducer refuses a host frame of another)",
             kind=str, metavar="|".join(WIRE_FORMATS), env=("FLODL_WIRE_DTYPE",), scope="run")
+    # ---- the Accelerate path's epochs: the one-line change leaves no argument to say them (flodl_zmq/accelerate.py)
+    accelerate_epochs: int | None = setting(None, "the epochs of a loop run through flodl_zmq.accelerate's Accelerator "
+            "(its `for epoch in range(E)`): the run's epochs are fixed before the loop starts, so they must be said "
+            "outside the script (none: such a script refuses to start under a role)", kind=int, metavar="E",
+            env=("FLODL_ACCELERATE_EPOCHS",), scope="run", minimum=1)
     # ---- how the reducer combines the deposits; the relays must know it too (PROTOCOL.md 9.5)
     aggregation: str = setting("mean", "how the reducer combines a round's deposits: mean (the mass-weighted average), "
             "or trimmed_mean or median, coordinate-wise over each rank's model, so that one poisoning rank in four "

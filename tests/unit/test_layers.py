@@ -35,7 +35,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "relay", "relay_data", "reducer_service", "membership", "membership_link", "status_server", "metrics", "control_router",
         "controller_service", "rank_link", "rank",
     ),
-    "roles": ("session", "api", "controller", "agent", "launch", "remote", "demo", "cli", "__init__"),
+    "roles": ("session", "accelerate", "api", "controller", "agent", "launch", "remote", "demo", "cli", "__init__"),
 }
 RANK = {module: i for i, layer in enumerate(LAYERS.values()) for module in layer}
 
