@@ -168,19 +168,19 @@ def hosts(net, tmp_path, monkeypatch):
         yield c
 
 
-def start_run(c: Compose, ckpt: Path, key: str, grace_s: float, name: str = "controller") -> None:
-    """The controller (pre-shared key, checkpoints, --resume auto) as `name`, on host `controller`; its
-    ranks held from epoch 3 on until `kill_controller` (the run cannot end before the kill)."""
-    c.up(name, host="controller", service="controller", env={"FLODL_KEY": key}, argv=controller_argv(
+def start_run(c: Compose, ckpt: Path, key: str, grace_s: float) -> None:
+    """The controller (pre-shared key, checkpoints, --resume auto) on host `controller`, and two agents of one
+    CPU slot re-dialling it for `grace_s`; its ranks held from epoch 3 on until `kill_controller` (the run
+    cannot end before the kill)."""
+    c.up("controller", env={"FLODL_KEY": key}, argv=controller_argv(
         c, program=[JOB, *HOSTS_JOB, *held(gate_of(ckpt), after_epochs=3, epochs=EPOCHS, ranks=2)],
         extra=["--checkpoint-dir", str(ckpt), "--checkpoint-every-rounds", "4", "--checkpoint-keep", "100",
                "--resume", "auto", "--min-ranks", "2", "--target-ranks", "2"]))
-    if name == "controller":
-        env = {"FLODL_KEY": key, "FLODL_CONTROLLER_SILENCE": "3", "FLODL_CONTROLLER_GRACE": str(grace_s)}
-        # One CPU slot each: one rank per host shows what these tests check.
-        c.up("worker1", env=env, argv=without(ckpt, agent_argv(c, "worker1", JOB, cpu_slots=1)))
-        c.wait_for("controller", "admitted 'worker1'")
-        c.up("worker2", env=env, argv=without(ckpt, agent_argv(c, "worker2", JOB, cpu_slots=1)))
+    env = {"FLODL_KEY": key, "FLODL_CONTROLLER_SILENCE": "3"}
+    # One CPU slot each: one rank per host shows what these tests check.
+    c.up("worker1", env=env, argv=without(ckpt, agent_argv(c, "worker1", JOB, cpu_slots=1, grace_s=grace_s)))
+    c.wait_for("controller", "admitted 'worker1'")
+    c.up("worker2", env=env, argv=without(ckpt, agent_argv(c, "worker2", JOB, cpu_slots=1, grace_s=grace_s)))
 
 
 def gate_of(ckpt: Path) -> Path:

@@ -140,13 +140,15 @@ def controller_argv(compose: Compose, *, program: Sequence[str] | None = None, e
     return [*head, *extra, "--", *(program if program is not None else tail)]
 
 
-def agent_argv(compose: Compose, name: str, script: str, cpu_slots: int | None = None) -> list[str]:
+def agent_argv(compose: Compose, name: str, script: str, cpu_slots: int | None = None,
+               grace_s: float | None = None) -> list[str]:
     """The compose file's command of worker `name`, agreeing to run `script` (its --script swapped),
-    with `cpu_slots` for its --cpu-slots if given."""
+    with `cpu_slots` for its --cpu-slots and `grace_s` for its --controller-grace if given."""
     command = list(compose.services[name].command)
     command[command.index("--script") + 1] = script
-    if cpu_slots is not None:
-        command[command.index("--cpu-slots") + 1] = str(cpu_slots)
+    for flag, value in (("--cpu-slots", cpu_slots), ("--controller-grace", grace_s)):
+        if value is not None:
+            command[command.index(flag) + 1] = str(value)
     return command
 
 
