@@ -83,7 +83,7 @@ def test_a_full_checkpoint_disk_is_reported_with_the_path_and_the_run_completes(
         assert code == 0, out  # the model (69 KB) never fits: every write fails, the run does not
         assert f"could not write {small}/ckpt-r" in out and "No space left on device" in out, out
         assert result["accuracy"] is not None and len(result["epochs"]) == 3
-        assert os.listdir(small) == []
+        assert os.listdir(small) == [checkpoints.COMPLETED]  # no partial checkpoint; the run's completion marked
     finally:
         subprocess.run(["umount", str(small)], check=True)
 
