@@ -30,6 +30,11 @@ Rules this module keeps:
 - The checkpoint directory is this user's alone (`private_files.own_dir`):
   another user's, or one others may write in, is refused at start and never
   resumed from; files are written 0600 and read never through a symlink.
+- A completed run stays completed: its controller writes `completed.json`
+  into the checkpoint directory (atomically) before it exits, and `--resume
+  auto` on a directory holding it starts nothing (`RunComplete`, exit 0), so
+  an orchestrator that starts the same command again (a Job's pod, `docker
+  compose up`) never trains the run's tail twice.
 - A resumed controller is the next incarnation of the one that saved the
   bundle; a re-formed world is not a restart: it continues the run's result
   and incarnation (`WorldChange`), resumed from the re-form checkpoint.
@@ -38,6 +43,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -53,11 +59,11 @@ import torch
 
 from flodl_zmq import bundle
 from flodl_zmq.environment import ProcessEnv
-from flodl_zmq.errors import ConfigError
+from flodl_zmq.errors import ConfigError, RunComplete
 from flodl_zmq.job import Job
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import load_flat
-from flodl_zmq.private_files import own_dir
+from flodl_zmq.private_files import own_dir, read_own, write_atomic
 from flodl_zmq.result import TrainResult
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import records as rec
@@ -66,6 +72,7 @@ log = logging.getLogger(__name__)
 
 _STEM = re.compile(r"^ckpt-r(\d{9})\.meta\.json$")
 CHECKPOINT_DIR = "checkpoint directory (--checkpoint-dir)"
+COMPLETED = "completed.json"  # the completion marker of the run whose checkpoints a directory holds
 CLOSE_TIMEOUT_S = 60.0  # how long the run's end waits for a checkpoint being written
 
 
@@ -104,8 +111,17 @@ def resolve(resume: str | None, checkpoint_dir: str | None) -> Path | None:
         if checkpoint_dir is None:
             raise ConfigError("--resume auto continues the newest checkpoint of --checkpoint-dir, which is not set: "
                               "set --checkpoint-dir (FLODL_CHECKPOINT_DIR), or name a checkpoint directory")
+        if not os.path.exists(checkpoint_dir):
+            return None
         # Another user's directory could hold a checkpoint they planted: never continued.
-        return newest(own_dir(checkpoint_dir, CHECKPOINT_DIR)) if os.path.exists(checkpoint_dir) else None
+        directory = own_dir(checkpoint_dir, CHECKPOINT_DIR)
+        done = completion(directory)
+        if done is not None:
+            raise RunComplete(
+                f"run {str(done.get('run_id'))[:8]} is complete ({directory / COMPLETED}): --resume auto has nothing "
+                "to resume, so nothing was started; to train a new run, give it another --checkpoint-dir"
+            )
+        return newest(directory)
     if Path(resume).is_dir():
         stem = newest(own_dir(resume, f"--resume {resume}: the checkpoint directory"))
         if stem is None:
@@ -113,6 +129,19 @@ def resolve(resume: str | None, checkpoint_dir: str | None) -> Path | None:
                               "name the directory the controller wrote them to (--checkpoint-dir)")
         return stem
     return Path(resume)
+
+
+def completion(directory: str | Path) -> dict[str, Any] | None:
+    """The completion marker of the run in checkpoint directory `directory` (module docstring), or None."""
+    path = Path(directory) / COMPLETED
+    if not os.path.lexists(path):
+        return None
+    try:
+        with read_own(path) as f:
+            return json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} cannot be read ({type(exc).__name__}: {exc}): it marks the run complete; remove "
+                          "it to resume the run from its newest checkpoint") from None
 
 
 def pin_resume(settings: Settings) -> Settings:
@@ -423,6 +452,18 @@ class Keeper:
                       "for the next epoch boundary", stem, exc)
             return None
         return stem
+
+    def mark_completed(self, saved: str | None) -> None:
+        """Mark the checkpoint directory's run complete (module docstring); `saved`: its final bundle, if any."""
+        if self.penv.settings.checkpoint_dir is None:
+            return
+        path = Path(self.penv.settings.checkpoint_dir) / COMPLETED
+        marker = {"run_id": self.penv.run_id.hex(), "completed_at": time.time(), "saved": saved}
+        try:
+            write_atomic(path, lambda f: f.write(json.dumps(marker).encode()))
+        except OSError as exc:
+            log.error("checkpoint: could not write %s (%s: %s): a restart with --resume auto would resume this "
+                      "completed run from its newest checkpoint", path, type(exc).__name__, exc)
 
     def status(self) -> dict[str, Any] | None:
         """What `status` shows of the periodic checkpoints (None: off)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flodl_zmq.errors import FlodlError
+from flodl_zmq.errors import FlodlError, RunComplete
 from flodl_zmq.wire import new_key
 
 
@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         # A bad flag or FLODL_* variable is a ConfigError from flodl_zmq/settings.py: exit status 2.
         args = build_parser().parse_args(argv)
         return args.func(args)
+    except RunComplete as done:
+        # What an orchestrator restarts after the end (a Job's pod, `docker compose up` again) must
+        # find the run finished, not train it again: a success, said.
+        print(f"flodl-zmq: {done}", file=sys.stderr)
+        return 0
     except FlodlError as exc:
         print(f"flodl-zmq: error: {exc}", file=sys.stderr)
         return 2

@@ -293,8 +293,10 @@ class ControllerService:
         load_flat(self.model, torch.from_numpy(self.kept.consensus))
         reason = self.ended.reason if self.ended is not None else None
         self.result.reason = "completed" if reason is None else reason.value
-        if self.job.save_path and reason is None:
-            self._save("completed", self.core.state_dict())
+        if reason is None:
+            if self.job.save_path:
+                self._save("completed", self.core.state_dict())
+            self.kept.mark_completed(self.result.saved)
         self.report.finish(wall_s)  # after the save: the log ends with the run's end
         if reason is not None:
             raise TrainingError(

@@ -79,6 +79,10 @@ class ShmError(FlodlError):
     """Shared memory for by-reference payloads cannot be used safely (a squatted or foreign path)."""
 
 
+class RunComplete(FlodlError):
+    """`--resume auto` found the run already completed: nothing to resume, and nothing is started (exit 0)."""
+
+
 class PrivateDirError(FlodlError):
     """A run's private directory (ipc socket files) is missing its privacy: another user's, or open."""
 

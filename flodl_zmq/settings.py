@@ -264,7 +264,8 @@ class Settings:
             kind=int, flags=("--checkpoint-every-rounds",), env=("FLODL_CHECKPOINT_EVERY_ROUNDS",),
             commands=("controller",), scope="run", minimum=0)
     resume: str | None = setting(None, "restart a killed run: a checkpoint directory (its newest checkpoint), a bundle stem, "
-            "or auto (the newest checkpoint of checkpoint_dir, if any; else a fresh run); only the controller reads "
+            "or auto (the newest checkpoint of checkpoint_dir, if any; else a fresh run; nothing, exit 0, once the run "
+            "completed); only the controller reads "
             "it: the ranks load its consensus from the controller's reducer", kind=str, metavar="DIR|STEM|auto", flags=("--resume",),
             env=("FLODL_RESUME",), commands=("controller",), scope="run")
     checkpoint_keep: int = setting(3, "how many of the newest checkpoints to keep", kind=int,

@@ -119,8 +119,10 @@ def test_a_host_declared_dead_after_its_link_was_cut_rejoins_with_new_ranks(host
     # No step delay is needed to outlast the cut and the rejoin: the hold does (the join test's delay
     # is there for ElChe to tell a 3x slower host by its steps).
     program = [JOB, "--epochs", "8", "--batch-size", "16", *held(gate, after_epochs=2, epochs=8, ranks=2)]
+    # Every checkpoint kept: the compose command's checkpoint directory holds the re-form one, read below.
     hosts.up("controller", argv=controller_argv(hosts, program=program, extra=[
-        "--min-ranks", "2", "--target-ranks", "2", "--host-silence", str(SILENCE_S), "--run-dir", str(tmp_path / "run")]))
+        "--min-ranks", "2", "--target-ranks", "2", "--host-silence", str(SILENCE_S), "--run-dir", str(tmp_path / "run"),
+        "--checkpoint-keep", "100"]))
     agent(hosts, "worker1")
     hosts.wait_for("controller", "admitted 'worker1'")
     agent(hosts, "worker2", extra=("--controller-silence", str(SILENCE_S), "--controller-grace", "120"))

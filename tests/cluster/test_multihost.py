@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import yaml
 import zmq
 
 from flodl_zmq.wire import new_key
@@ -30,6 +31,7 @@ from tests.cluster.digits_job import held
 from tests.cluster.netns import Logged, Network, Service, network_or_skip, read_compose
 
 ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
 BIN = Path(sys.executable).parent
 JOB = str(Path(__file__).with_name("digits_job.py"))
 WAIT_S = 60.0
@@ -57,13 +59,22 @@ class Compose(Logged):
 
     def __init__(self, net: Network, logs: Path):
         super().__init__(net, logs)
-        self.services = {s.name: s for s in read_compose(ROOT / "docker-compose.yml")}
+        self.services = {s.name: s for s in read_compose(COMPOSE)}
+        # A named volume is a directory of the test's: its mount point's paths in a command lead there.
+        spec = yaml.safe_load(COMPOSE.read_text())["services"]
+        self.mounts = {name: {target: logs / "volumes" / volume for volume, target in
+                              (v.split(":")[:2] for v in spec[name].get("volumes", ()))} for name in spec}
+
+    def volume(self, service: str, target: str) -> Path:
+        """Where `service`'s volume mounted at `target` lies in this test."""
+        return self.mounts[service][target]
 
     @classmethod
     def with_curve_keys(cls, net: Network, logs: Path, monkeypatch: pytest.MonkeyPatch) -> Compose:
-        """The services with the compose file's CURVE keys (its `.env`) in the environment: the
-        controller's secret, the agents' pinned public key."""
+        """The services with the compose file's keys (its `.env`) in the environment: the session key,
+        the controller's CURVE secret, the agents' pinned public key."""
         public, secret = (k.decode() for k in zmq.curve_keypair())
+        monkeypatch.setenv("FLODL_KEY", new_key().hex())
         monkeypatch.setenv("FLODL_CURVE_SECRET", secret)
         monkeypatch.setenv("FLODL_CURVE_SERVER", public)
         return cls(net, logs)
@@ -84,7 +95,7 @@ class Compose(Logged):
            argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start `service` (default `name`) as `name` on `host` (default `name`), argv/env overridden."""
         svc: Service = self.services[service or name]
-        command = list(argv if argv is not None else svc.command)
+        command = [self._on_volumes(svc.name, a) for a in (argv if argv is not None else svc.command)]
         if command[0] == "flodl-zmq":  # the image's console script is this venv's
             command[0] = str(BIN / "flodl-zmq")
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **svc.environment, **(env or {})}
@@ -92,6 +103,13 @@ class Compose(Logged):
             if var not in svc.environment and var not in (env or {}):
                 environ.pop(var, None)
         return self.start(name, host or name, command, environ)
+
+    def _on_volumes(self, service: str, arg: str) -> str:
+        for target, directory in self.mounts[service].items():
+            if arg == target or arg.startswith(target + "/"):
+                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                return str(directory) + arg[len(target):]
+        return arg
 
     def status(self, host: str, env: dict[str, str] | None = None) -> dict:
         done = self.net.run(host, [str(BIN / "flodl-zmq"), "status", "--controller", "controller:7300", "--json"],
@@ -113,24 +131,24 @@ def compose(net, tmp_path, monkeypatch):
         yield c
 
 
-def controller_argv(compose: Compose, *, open_admission: bool = True, program: Sequence[str] | None = None,
-                    extra: Sequence[str] = ()) -> list[str]:
-    """The compose file's controller command with its program (after `--`) and admission swapped."""
+def controller_argv(compose: Compose, *, program: Sequence[str] | None = None, extra: Sequence[str] = ()) -> list[str]:
+    """The compose file's controller command with its program (after `--`) swapped, `extra` flags after its own
+    (a flag given twice: the later wins)."""
     command = list(compose.services["controller"].command)
     split = command.index("--")
     head, tail = command[:split], command[split + 1:]
-    if not open_admission:
-        head.remove("--open-admission")
     return [*head, *extra, "--", *(program if program is not None else tail)]
 
 
-def agent_argv(compose: Compose, name: str, script: str, cpu_slots: int | None = None) -> list[str]:
+def agent_argv(compose: Compose, name: str, script: str, cpu_slots: int | None = None,
+               grace_s: float | None = None) -> list[str]:
     """The compose file's command of worker `name`, agreeing to run `script` (its --script swapped),
-    with `cpu_slots` for its --cpu-slots if given."""
+    with `cpu_slots` for its --cpu-slots and `grace_s` for its --controller-grace if given."""
     command = list(compose.services[name].command)
     command[command.index("--script") + 1] = script
-    if cpu_slots is not None:
-        command[command.index("--cpu-slots") + 1] = str(cpu_slots)
+    for flag, value in (("--cpu-slots", cpu_slots), ("--controller-grace", grace_s)):
+        if value is not None:
+            command[command.index(flag) + 1] = str(value)
     return command
 
 
@@ -206,7 +224,7 @@ def test_with_curve_a_killed_rank_is_dead_within_2s_and_a_cut_host_after_the_sil
     gate = tmp_path / "gate"
     hold = held(gate, after_epochs=2, epochs=EPOCHS, ranks=4)
     compose.up("controller", env={"FLODL_KEY": key, "FLODL_CURVE_SECRET": secret}, argv=controller_argv(
-        compose, open_admission=False, program=[JOB, *HELD_JOB, *hold],
+        compose, program=[JOB, *HELD_JOB, *hold],
         extra=["--heartbeat-timeout", str(HOST_SILENCE_S)]))
     start_workers(compose, client_env)
     compose.wait_for("controller", "epoch 2/")

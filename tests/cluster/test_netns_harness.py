@@ -70,6 +70,7 @@ def test_zmq_crosses_the_veth_and_a_cut_link_stops_it(net):
 
 
 def test_the_compose_file_reads_as_a_controller_and_two_workers_with_authenticated_admission(monkeypatch):
+    monkeypatch.setenv("FLODL_KEY", "k" * 64)
     monkeypatch.delenv("FLODL_CURVE_SECRET", raising=False)
     with pytest.raises(ValueError, match="FLODL_CURVE_SECRET is required"):
         read_compose(ROOT / "docker-compose.yml")
@@ -78,12 +79,15 @@ def test_the_compose_file_reads_as_a_controller_and_two_workers_with_authenticat
     services = read_compose(ROOT / "docker-compose.yml")
     assert services[0].name == "controller"
     assert services[0].command[:2] == ("flodl-zmq", "controller")
-    assert services[0].environment["FLODL_CURVE_SECRET"] == "s" * 40  # open admission needs CURVE
+    # A pre-shared key (a restarted controller takes its agents back under it) and CURVE.
+    assert services[0].environment["FLODL_KEY"] == "k" * 64
+    assert services[0].environment["FLODL_CURVE_SECRET"] == "s" * 40
     workers = services[1:]
     assert len(workers) == 2
     for w in workers:
         assert w.command[:2] == ("flodl-zmq", "agent")
         assert "controller:7300" in w.command
         assert w.command[w.command.index("--script") + 1] == "-m flodl_zmq.demo"
-        assert w.environment == {"FLODL_CURVE_SERVER": "p" * 40}  # the pinned controller key, no secret
+        # The session key and the pinned controller key, never the controller's secret.
+        assert w.environment == {"FLODL_KEY": "k" * 64, "FLODL_CURVE_SERVER": "p" * 40}
         assert w.depends_on == ("controller",)

@@ -256,3 +256,21 @@ def test_a_checkpoint_file_of_another_user_is_not_read(tmp_path):
     os.chown(stem + ".pt", NOBODY, NOBODY)
     with pytest.raises(ConfigError, match=rf"{stem}\.pt: cannot read it .*owner uid {NOBODY}"):
         bundle.load(stem)
+
+
+def test_a_completion_marker_planted_as_a_symlink_is_not_followed_to_read_or_to_write(tmp_path):
+    from unit.test_checkpoints import keeper
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    checkpoint_in(ckpt)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b'{"run_id": "planted"}')
+    os.symlink(victim, ckpt / checkpoints.COMPLETED)
+    # Read: refused by name (a symlink could make --resume auto believe any run complete), never followed.
+    with pytest.raises(ConfigError, match=f"{checkpoints.COMPLETED} cannot be read"):
+        checkpoints.resolve("auto", str(ckpt))
+    # Written: the marker replaces the symlink, the file it pointed at is untouched.
+    keeper(checkpoint_dir=str(ckpt)).mark_completed(saved=None)
+    assert victim.read_bytes() == b'{"run_id": "planted"}'
+    assert not (ckpt / checkpoints.COMPLETED).is_symlink() and mode(ckpt / checkpoints.COMPLETED) == 0o600

@@ -19,7 +19,7 @@ from flodl_zmq import bundle, checkpoints
 from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, Snapshot
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
-from flodl_zmq.errors import ConfigError
+from flodl_zmq.errors import ConfigError, RunComplete
 from flodl_zmq.job import Job
 from flodl_zmq.result import TrainResult
 from flodl_zmq.settings import Settings
@@ -152,6 +152,19 @@ def keeper(n: int = 4, wire_dtype: str = "f32", **settings) -> checkpoints.Keepe
     penv = ProcessEnv(role="controller", controller=ControllerAddress.parse("127.0.0.1:7300"), key=b"k" * 32,
                       run_id=b"r" * 16, incarnation=b"i" * 16, world={"a": (0, 1)}, settings=Settings(**settings))
     return checkpoints.Keeper(job, penv, incarnation=2, consensus=np.zeros(n, dtype=np.float32))
+
+
+def test_resume_auto_after_the_run_completed_resumes_nothing_and_says_the_run_is_complete(tmp_path):
+    w = writer(tmp_path)
+    w.submit(snap(7))
+    w.close(10.0)
+    keeper(checkpoint_dir=str(tmp_path)).mark_completed(saved=None)
+    assert oct(os.stat(tmp_path / checkpoints.COMPLETED).st_mode & 0o777) == "0o600"
+    # RunComplete: `flodl-zmq` exits 0 with this message (the compose restart test runs the command).
+    with pytest.raises(RunComplete, match=f"run {(b'r' * 16).hex()[:8]} is complete .*nothing was started"):
+        checkpoints.resolve("auto", str(tmp_path))
+    # A checkpoint named outright is the user's explicit choice: still resumed.
+    assert checkpoints.resolve(str(tmp_path), None) == tmp_path / "ckpt-r000000007"
 
 
 def test_the_keeper_keeps_the_newest_positive_mass_consensus_of_the_runs_wire_format_in_f32():

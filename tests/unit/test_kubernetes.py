@@ -2,12 +2,15 @@
 
 The schemas come with `kubernetes-validate` (a test extra); without it the
 schema check is skipped with the reason. The commands in the manifests are
-parsed by flodl-zmq's own parser, so a renamed flag fails here, not in a pod.
+parsed by flodl-zmq's own parser, so a renamed flag fails here, not in a pod;
+the controller's is compared with docker-compose.yml's, which the cluster
+tests run (killed and started again in tests/cluster/test_controller_restart.py).
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,8 @@ import yaml
 
 from flodl_zmq.cli import build_parser
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy" / "kubernetes"
 PORTS = {"control": 7300, "data": 7301, "broadcast": 7302, "join": 7303}
 
 
@@ -55,13 +59,13 @@ def test_every_manifest_is_valid_against_the_kubernetes_schemas():
             pytest.fail(f"{kind}/{name}: {exc.message} at {'.'.join(map(str, exc.path))}")
 
 
-def test_the_controller_is_a_deployment_behind_a_service_on_its_four_ports():
+def test_the_controller_is_a_job_of_one_pod_behind_a_service_on_its_four_ports():
     docs = resources()
-    deployment, service = docs[("Deployment", "flodl-controller")], docs[("Service", "flodl-controller")]
-    assert deployment["spec"]["replicas"] == 1
+    job, service = docs[("Job", "flodl-controller")], docs[("Service", "flodl-controller")]
+    assert job["spec"]["completions"] == 1 and job["spec"]["parallelism"] == 1
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == PORTS
-    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
-    c = container(deployment)
+    assert service["spec"]["selector"] == job["spec"]["template"]["metadata"]["labels"]
+    c = container(job)
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == PORTS
     args = parsed(c)
     assert args.command == "controller" and args.bind == "0.0.0.0:7300" and args.argv[0] == "--"
@@ -69,10 +73,44 @@ def test_the_controller_is_a_deployment_behind_a_service_on_its_four_ports():
     assert secret_refs(c) == {"FLODL_KEY": "flodl-key", "FLODL_CURVE_SECRET": "flodl-curve-controller"}
 
 
+def test_a_restarted_controller_pod_resumes_from_checkpoints_on_a_claim_and_is_ready_once_it_listens():
+    docs = resources()
+    job = docs[("Job", "flodl-controller")]
+    pod = job["spec"]["template"]["spec"]
+    # A dead container is restarted (a pod replaced) a stated number of times; a completed one is not.
+    assert pod["restartPolicy"] == "OnFailure" and job["spec"]["backoffLimit"] >= 1
+    c = container(job)
+    args = parsed(c)
+    assert args.resume == "auto"
+    (mount,) = c["volumeMounts"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    claim = docs[("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    # What a restart reads (the checkpoints) and what the run leaves (events.jsonl) are on the claim.
+    for path in (args.checkpoint_dir, args.run_dir):
+        assert Path(path).is_relative_to(mount["mountPath"]), (path, mount)
+    # The Service sends the agents to the pod once its join window listens.
+    assert c["readinessProbe"]["tcpSocket"]["port"] == "join"
+    # The world cannot grow past what the agents' Job runs.
+    assert args.max_ranks == int(args.target_ranks)
+
+
+def test_the_kubernetes_controller_runs_the_compose_controller_s_restartable_command():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["controller"]
+    theirs = build_parser().parse_args(shlex.split(compose["command"])[1:])
+    ours = parsed(container(resources()[("Job", "flodl-controller")]))
+    for flag in ("checkpoint_dir", "resume", "run_dir", "argv"):
+        assert getattr(ours, flag) == getattr(theirs, flag), flag
+    assert theirs.max_ranks == int(theirs.target_ranks)  # each caps the world at what it runs
+    # Compose restarts a controller that failed (a completed one exits 0) onto the same volume.
+    assert compose["restart"].startswith("on-failure")
+    assert any(v.split(":")[1] == str(Path(theirs.checkpoint_dir).parent) for v in compose["volumes"])
+
+
 def test_the_agents_dial_the_service_with_the_same_image_key_and_a_gpu_each():
     docs = resources()
     job = docs[("Job", "flodl-agents")]
-    c, controller = container(job), container(docs[("Deployment", "flodl-controller")])
+    c, controller = container(job), container(docs[("Job", "flodl-controller")])
     assert c["image"] == controller["image"]
     args = parsed(c)
     assert args.command == "agent" and args.controller == "flodl-controller:7300"
@@ -81,3 +119,11 @@ def test_the_agents_dial_the_service_with_the_same_image_key_and_a_gpu_each():
     assert secret_refs(c) == {"FLODL_KEY": "flodl-key", "FLODL_CURVE_SERVER": "flodl-curve-public"}
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert job["spec"]["completions"] == int(parsed(controller).target_ranks)
+
+
+def test_the_agents_re_dial_a_restarted_controller_and_one_failed_host_leaves_the_others_running():
+    job = resources()[("Job", "flodl-agents")]
+    args = parsed(container(job))
+    # Long enough for a controller pod to be rescheduled, attach its claim and resume (docs/operations.md).
+    assert args.controller_grace_s >= 600
+    assert job["spec"]["backoffLimitPerIndex"] == 0 and "backoffLimit" not in job["spec"]
