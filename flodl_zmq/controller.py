@@ -31,7 +31,11 @@ answers the same request itself (flodl_zmq/status_server.py).
 Rules this module keeps: every flag is a setting of flodl_zmq/settings.py,
 with its environment fallback, and the help says which; every wait is bounded or interruptible (SIGINT/SIGTERM
 abort the agents with the reason); the agents are always told how the run
-ended, so none waits out a heartbeat timeout to learn it.
+ended, so none waits out a heartbeat timeout to learn it. One exception: a
+controller started with `--resume auto` is one an orchestrator restarts, and
+its SIGTERM is the orchestrator moving it (a pod evicted or rescheduled, a
+container restarted): it exits without aborting, and the agents re-dial the
+next controller within `--controller-grace` (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -148,8 +152,15 @@ def serve(opts: ControllerOptions) -> int:
             settings=settings, route_secret=membership.route_secret,
         )
         return _run_role(opts, membership, penv)
+    except Terminated:
+        if opts.settings.resume == "auto":
+            log.warning("SIGTERM under --resume auto: exiting without ending the run; the agents wait for the "
+                        "restarted controller (--controller-grace), which resumes from the newest checkpoint")
+            return TERMINATED_EXIT
+        _abort(membership, "the controller was interrupted (SIGTERM)")
+        return TERMINATED_EXIT
     except KeyboardInterrupt:
-        _abort(membership, "the controller was interrupted (SIGINT/SIGTERM)")
+        _abort(membership, "the controller was interrupted (SIGINT)")
         return 130
     except FlodlError as exc:
         if not formed:
@@ -475,7 +486,7 @@ def add_commands(sub: Any) -> None:
             "DIR/controller.key_secret or FLODL_CURVE_SECRET) and every agent its public key "
             "(FLODL_CURVE_SERVER, logged at start); only admitted agents' keys then reach the data sockets.",
             "Exit status: the program's (0 when the run completed), 1 when it failed or the agents were aborted, "
-            "2 when the world did not form or a setting is wrong, 130 when interrupted.",
+            "2 when the world did not form or a setting is wrong, 130 on SIGINT, 143 on SIGTERM.",
         )),
     )
     add_arguments(c, "controller")
@@ -553,11 +564,18 @@ def controller_options(settings: Settings, argv: Sequence[str], key: bytes | Non
     )
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is: the SIGINT path, but for `serve`'s rule under --resume auto."""
+
+
+TERMINATED_EXIT = 143  # a shell's status for SIGTERM: not 0, so `restart: on-failure` and OnFailure restart it
+
+
 def raise_interrupt_on_sigterm() -> Any:
-    """SIGTERM takes the SIGINT path (abort the agents, then exit); returns the previous handler."""
+    """SIGTERM takes the SIGINT path (`Terminated`, a KeyboardInterrupt); returns the previous handler."""
 
     def on_term(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
+        raise Terminated
 
     return signal.signal(signal.SIGTERM, on_term)
 

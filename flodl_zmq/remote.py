@@ -264,7 +264,7 @@ def _run_command(args: argparse.Namespace) -> int:
     try:
         sink(f"[run] controller at {opts.address}; starting an agent on {', '.join(h.name for h in hosts)}")
         fleet.start()
-        return serve(opts)  # Ctrl-C / SIGTERM: it aborts the agents with the reason, and returns 130
+        return serve(opts)  # Ctrl-C / SIGTERM: it aborts the agents with the reason (but see its --resume auto rule)
     except KeyboardInterrupt:  # before the join window opened: serve had nobody to tell
         return 130
     finally:

@@ -187,12 +187,13 @@ def gate_of(ckpt: Path) -> Path:
     return ckpt.with_name("gate")
 
 
-def kill_controller(c: Compose, ckpt: Path) -> float:
+def kill_controller(c: Compose, ckpt: Path, how: signal.Signals = signal.SIGKILL) -> int:
+    """Stop the controller with `how` once it trains; its exit status."""
     c.wait_for("controller", "epoch 2/")
-    os.killpg(c.procs["controller"].pid, signal.SIGKILL)
-    c.procs["controller"].wait(10)
+    os.killpg(c.procs["controller"].pid, how)
+    code = c.procs["controller"].wait(10)
     gate_of(ckpt).touch()
-    return time.monotonic()
+    return code
 
 
 # What Compose (restart: on-failure) and Kubernetes (a Job, restartPolicy OnFailure) do: the compose
@@ -249,10 +250,15 @@ def test_the_compose_controller_command_killed_and_started_again_resumes_complet
 
 
 @TWICE
-def test_agents_exit_with_the_reason_when_the_controller_stays_gone_past_the_grace_period(hosts, tmp_path):
+def test_a_controller_terminated_under_resume_auto_leaves_the_agents_waiting_until_the_grace_period_ends(
+    hosts, tmp_path
+):
+    # SIGTERM is how Kubernetes and Compose move a container: under --resume auto it is not the run's end,
+    # so the agents are not aborted (they would exit naming the abort) but wait for a restarted controller.
     ckpt = tmp_path / "ckpt"
     start_run(hosts, ckpt, new_key().hex(), grace_s=4)
-    kill_controller(hosts, ckpt)
+    assert kill_controller(hosts, ckpt, signal.SIGTERM) == 143, hosts.tails()
+    assert "exiting without ending the run" in hosts.log("controller"), hosts.tails()
     for worker in ("worker1", "worker2"):
         assert hosts.wait(worker, 60) != 0
         assert "did not come back within the grace period of 4 s" in hosts.log(worker), hosts.tails()
