@@ -18,12 +18,14 @@ file grows with the run's rounds and epochs and nothing else.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Mapping
 from typing import Any
 
 FILE_PREFIX = "events.out.tfevents"
 FILE_VERSION = "brain.Event:2"
+FLOAT32_MAX = 3.4028234663852886e38  # simple_value is a float32
 
 
 def _crc32c_table() -> tuple[int, ...]:
@@ -81,10 +83,16 @@ def event(wall_time: float, step: int, scalars: Mapping[str, float] | None = Non
     if file_version is not None:
         out += _field(3, file_version.encode())
     if scalars:
-        values = b"".join(_field(1, _field(1, tag.encode()) + b"\x15" + struct.pack("<f", value))
+        values = b"".join(_field(1, _field(1, tag.encode()) + b"\x15" + struct.pack("<f", _float32(value)))
                           for tag, value in scalars.items())
         out += _field(5, values)
     return out
+
+
+def _float32(value: float) -> float:
+    """`value` as TensorBoard's float32 holds it: a finite value past its range (a rank may report 1e308) is
+    its infinity, not an OverflowError in the run log's writer."""
+    return value if not math.isfinite(value) or abs(value) <= FLOAT32_MAX else math.copysign(math.inf, value)
 
 
 def first_record(wall_time: float) -> bytes:

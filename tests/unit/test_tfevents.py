@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 
 import pytest
@@ -39,6 +40,13 @@ def test_only_the_named_series_become_scalars():
     assert tfevents.series("round", {"round": 8, "round_ms": None}) is None
     assert tfevents.series("death", {"rank": 1, "reason": "gone"}) is None
     assert tfevents.series("eval", {"epoch": 0, "metric": None}) is None  # a NaN metric is logged as null
+
+
+def test_a_finite_value_past_float32_is_written_as_its_infinity_not_an_error():
+    # A rank may report any finite metric (1e308): TensorBoard's scalars are float32.
+    for value, want in ((1e308, math.inf), (-1e308, -math.inf), (3.0e38, 3.0e38)):
+        written = tfevents.event(0.0, 1, {"eval": value})
+        assert struct.unpack("<f", written[-4:])[0] == pytest.approx(want)
 
 
 def test_the_run_logs_scalars_are_read_back_by_tensorboards_own_reader(tmp_path):
