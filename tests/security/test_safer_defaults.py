@@ -84,8 +84,8 @@ def test_the_readme_multi_host_example_runs_with_curve_and_a_rank_cap():
 
 def test_the_kubernetes_controller_runs_with_curve_and_a_rank_cap():
     docs = [d for p in sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())]
-    (deployment,) = [d for d in docs if d and d["kind"] == "Deployment"]
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (job,) = [d for d in docs if d and d["kind"] == "Job" and d["metadata"]["name"] == "flodl-controller"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: "from a Secret" for e in container["env"]}
     assert_safe_controller(parsed(container["args"]), env, "deploy/kubernetes/controller.yaml")
 
