@@ -27,7 +27,9 @@ model's share is peak minus baseline. Figures (JSON keys):
   larger of the two ranks); peak_shm_mb_<role>: the largest shared-memory
   part of its resident memory sampled (RssShmem: the segments of the host
   leg, one copy in memory that the rank and its relay both count); base_rss_mb
-  (torch imported) and base_rss_mb_relay (a relay: no torch); rounds, round_s
+  (torch imported) and base_rss_mb_relay (a relay: no torch);
+  consensus_requests (the relays' requests for a consensus that was late:
+  each answered one is one more model-sized message); rounds, round_s
   (median, trigger -> consensus published), run_s (the command's wall time).
 This script is also the job the launcher runs (FLODL_ROLE set).
 """
