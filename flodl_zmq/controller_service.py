@@ -113,7 +113,7 @@ from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.membership_link import MembershipLink
 from flodl_zmq.metrics import RunMetrics, served
-from flodl_zmq.payload import flatten, load_flat, model_signature
+from flodl_zmq.payload import adopt_flat, model_signature
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult, epoch_row
@@ -157,7 +157,9 @@ class ControllerService:
             self.model.load_state_dict(resumed.model_state)
         # A re-formed world is not a restart: it keeps the restart count (its incarnation id is new: PROTOCOL.md 4.1).
         self.incarnation = resumed.incarnation if carried is None else carried.result.incarnation
-        self.kept = Keeper(job, penv, self.incarnation, flatten(self.model).numpy())
+        # The model's tensors view the kept consensus: it is current with every kept round, and the
+        # controller holds the model once (bench/large.py: one model copy less).
+        self.kept = Keeper(job, penv, self.incarnation, adopt_flat(self.model).numpy())
         self.outer = resumed.outer_optimizer(job, self.kept.consensus)
         self.config = coordinator_config(job)
         self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resumed.coordinator)
@@ -290,7 +292,6 @@ class ControllerService:
             self.result.reason = f"failed: {self.stop_error}"
             self.report.finish(wall_s)
             raise self.stop_error
-        load_flat(self.model, torch.from_numpy(self.kept.consensus))
         reason = self.ended.reason if self.ended is not None else None
         self.result.reason = "completed" if reason is None else reason.value
         if reason is None:

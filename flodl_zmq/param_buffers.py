@@ -8,6 +8,10 @@ Rules this module keeps:
   (sent zero-copy) before overwriting it.
 - Given a shared-memory segment (a relay on this machine), the deposit is
   written into it, and goes by reference (flodl_zmq/wire/shm.py).
+- Flat model-sized vectors are few (each is 0.5 GB at 124M parameters): the
+  snapshot (the deposit under f32), a bf16/int8 deposit's f32 snapshot, and
+  only under a blend (or after a zero-mass snapshot) a correction buffer. An
+  overwriting load computes the divergence in the spent snapshot's place.
 - A consensus that does not fit this model (size, dtype, the int8 pair) is
   refused whole: every rank must build the same model and the same wire_dtype.
 - What the deposit and the consensus are in each wire format is the format's
@@ -73,7 +77,9 @@ class ParamBuffers:
         # divergence against the consensus, and the deposit is its encoding.
         self.snap = self.wire if not wire.widens else torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
         self._snap_views = flat_views(self.snap, self.tensors)
-        self._scratch = torch.empty(self.numel, dtype=torch.float32)
+        # Only a blend (or a zero-mass snapshot) needs a third flat vector: allocated then, so an
+        # overwriting run holds none (a 124M-parameter model: 0.5 GB, docs/benchmarks.md bench/large.py).
+        self._scratch_buffer: torch.Tensor | None = None
         self._widened = torch.empty(self.numel, dtype=torch.float32) if wire.widens else None
         self.consensus: torch.Tensor | None = None  # the last loaded consensus, f32 (valid until the next load)
         self._recv: torch.Tensor | None = None
@@ -88,6 +94,12 @@ class ParamBuffers:
         if self.cuda:
             self._recv = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
             self._recv_views = flat_views(self._recv, self.tensors)
+
+    @property
+    def _scratch(self) -> torch.Tensor:
+        if self._scratch_buffer is None:
+            self._scratch_buffer = torch.empty(self.numel, dtype=torch.float32)
+        return self._scratch_buffer
 
     def mark_queued(self) -> None:
         """The snapshot was queued for sending: the next snapshot must wait for `hold_until_sent`."""
@@ -152,12 +164,18 @@ class ParamBuffers:
         with torch.no_grad():
             post = float(torch.linalg.vector_norm(cons))
             divergence = None
-            if self.mass > 0.0:
+            if self.mass > 0.0 and blend is None:
+                # The snapshot is spent once its round's consensus exists (the relay shipped it, nobody
+                # asks for it again, the next snapshot overwrites it): the difference goes in its place.
+                self._wait_sent()
+                self.snap.sub_(cons, alpha=self.mass)  # (snapshot - consensus) * mass
+                if post > 0.0:
+                    divergence = float(torch.linalg.vector_norm(self.snap)) / self.mass / post
+            elif self.mass > 0.0:
                 torch.mul(cons, self.mass, out=self._scratch).sub_(self.snap)  # (consensus - snapshot) * mass
                 if post > 0.0:
                     divergence = float(torch.linalg.vector_norm(self._scratch)) / self.mass / post
-                if blend is not None:
-                    self._scratch.div_(self.mass)
+                self._scratch.div_(self.mass)
             elif blend is not None:
                 torch.sub(cons, self._scratch, out=self._scratch)  # a zero-mass snapshot kept itself here
             source = cons if blend is None else self._scratch

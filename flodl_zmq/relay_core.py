@@ -127,28 +127,37 @@ class ConsensusWatch:
     that is itself lost is repeated. Each request for a round doubles its
     wait (up to `BACKOFF_CAP` deadlines): on a slow link a consensus may take
     longer than the deadline to arrive, and every early request would put one
-    more full copy of it on that link (PROTOCOL.md 10.3).
+    more full copy of it on that link (PROTOCOL.md 10.3). For the same reason
+    a round's first wait is at least twice the time the last delivered round
+    took from shipping to its consensus (capped like the backoff): a large
+    model's rounds take seconds longer than a small one's, and a deadline
+    sized for small models asked for every round's consensus again, each
+    answer one more model-sized message on the link and in the relay's memory
+    (124M parameters: 3 requests a round, docs/benchmarks.md bench/large.py).
     """
 
     BACKOFF_CAP = 8
 
     def __init__(self, deadline: float):
         self.deadline = deadline
-        self._pending: dict[int, tuple[float, float]] = {}  # round -> (armed or last asked at, wait)
+        # round -> (armed or last asked at, wait, shipped at)
+        self._pending: dict[int, tuple[float, float, float]] = {}
         self._high = 0  # highest round shipped or delivered
+        self._latency = 0.0  # shipping to consensus, of the last round delivered
 
     @property
     def pending(self) -> list[int]:
         return sorted(self._pending)
 
     def shipped(self, round_id: int, now: float) -> None:
-        self._pending[round_id] = (now, self.deadline)
+        wait = min(max(self.deadline, 2.0 * self._latency), self.BACKOFF_CAP * self.deadline)
+        self._pending[round_id] = (now, wait, now)
         self._high = max(self._high, round_id)
 
     def accept(self, round_id: int, now: float) -> tuple[bool, list[int]]:
         """(deliver, overtaken rounds to request) for a consensus of `round_id`."""
         if round_id in self._pending:
-            del self._pending[round_id]
+            self._latency = now - self._pending.pop(round_id)[2]
         elif round_id > self._high:
             self._high = round_id  # a round this host had nothing for; its live ranks still adopt it
         else:
@@ -160,17 +169,17 @@ class ConsensusWatch:
 
     def next_due(self) -> float:
         """When the first pending round's wait runs out (math.inf: none pending)."""
-        return min((t + wait for t, wait in self._pending.values()), default=math.inf)
+        return min((t + wait for t, wait, _ in self._pending.values()), default=math.inf)
 
     def due(self, now: float) -> list[int]:
-        out = [r for r, (t, wait) in sorted(self._pending.items()) if now - t > wait]
+        out = [r for r, (t, wait, _) in sorted(self._pending.items()) if now - t > wait]
         for r in out:
             self._asked(r, now)
         return out
 
     def _asked(self, round_id: int, now: float) -> None:
-        wait = self._pending[round_id][1]
-        self._pending[round_id] = (now, min(2 * wait, self.BACKOFF_CAP * self.deadline))
+        _, wait, shipped_at = self._pending[round_id]
+        self._pending[round_id] = (now, min(2 * wait, self.BACKOFF_CAP * self.deadline), shipped_at)
 
 
 class HelloRetry:

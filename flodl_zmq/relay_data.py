@@ -145,9 +145,11 @@ class DataPlane(Plane):
         self.by_reference: set[int] = set()  # ranks that deposit by reference
         self.hello = HelloRetry(self.cfg.hello_retry_s)
         # Kept for a resend after a reset: the host frame awaiting its consensus, and the last
-        # consensus delivered (framed, and by reference while the host segment still holds it).
+        # consensus delivered (by reference while the host segment still holds it, and framed
+        # unless every rank it went to takes it by reference: a model-sized message kept for
+        # nobody is one more copy of the model in this relay while the next one arrives).
         self.shipped: HostFold | None = None
-        self.delivered: tuple[int, list[Any], list[Any] | None] | None = None
+        self.delivered: tuple[int, list[Any] | None, list[Any] | None] | None = None
         # Deposits are held to the run's wire format; int8 ones are widened into the f32 fold, and the
         # host frame goes up in int8 again, with this relay's own error feedback (what its
         # quantization loses goes into its next frame).
@@ -236,6 +238,9 @@ class DataPlane(Plane):
         if self.delivered is not None and self.delivered[0] == round_id:
             _, framed, shared = self.delivered
             out = shared if shared is not None and rank in self.by_reference else framed
+            if out is None:  # not framed for anyone: this rank was not live when the round was delivered
+                self.count["unexpected.local_data"] += 1
+                return
             self.count["consensus_resent.local_data"] += 1
             self.to_rank(rank, out)
         elif round_id == RESUME_ROUND and self.delivered is None:
@@ -392,7 +397,8 @@ class DataPlane(Plane):
                 shared = by_reference(self.codec, rec, env.payload, self.segment, channel=Channel.BROADCAST)
             except ShmError as exc:
                 self.shm_unusable(exc)
-        self.delivered = (rec.round, list(frames), shared)
+        framed = None if shared is not None and self.by_reference.issuperset(live) else list(frames)
+        self.delivered = (rec.round, framed, shared)
         for rank in live:
             self.to_rank(rank, shared if shared is not None and rank in self.by_reference else frames)
         if rec.mass > 0.0:  # the model every rank now holds bounds the next deposits (robust.py)

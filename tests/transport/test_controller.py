@@ -160,3 +160,13 @@ def test_the_start_up_fails_at_once_naming_every_rank_gone_when_none_remain(rig)
     assert not thread.is_alive() and time.monotonic() - t0 < WAIT_S / 2  # not the start-up timeout
     assert "rank 0 (the relay on h saw it leave); rank 1 (the relay on h saw it leave)" in str(outcome["error"])
     assert "0 of 2 ranks remain" in str(outcome["error"])
+
+
+def test_the_controller_holds_the_model_once_its_tensors_view_the_kept_consensus(rig):
+    # At 124M parameters a second copy is 0.5 GB in the controller (docs/benchmarks.md, bench/large.py).
+    service, _, _, _ = rig
+    flat = torch.from_numpy(service.kept.consensus)
+    start, end = flat.data_ptr(), flat.data_ptr() + flat.nbytes
+    assert all(start <= p.data_ptr() < end for p in service.model.parameters())
+    service.kept.consensus[:] = 7.0  # what a kept round writes is the model, with no copy back
+    assert all(bool((p == 7.0).all()) for p in service.model.parameters())

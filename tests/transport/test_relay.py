@@ -189,6 +189,26 @@ def test_consensus_watch_backs_off_so_a_slow_link_is_not_filled_with_copies_of_o
     assert w.accept(1, 100.0) == (True, [])
 
 
+def test_consensus_watch_waits_twice_the_last_rounds_latency_before_asking_so_a_large_model_is_not_asked_again():
+    # A 124M-parameter consensus took ~7 s to arrive on a loaded machine: asked for at 2, 6 and 14 s, each
+    # answer one more 0.5 GB message on the link and in the relay (docs/benchmarks.md, bench/large.py).
+    w = ConsensusWatch(deadline=2.0)
+    w.shipped(1, 0.0)
+    assert w.due(2.1) == [1]  # the first round knows no better than the deadline
+    assert w.accept(1, 7.0) == (True, [])
+    w.shipped(2, 10.0)
+    assert w.due(23.9) == []  # 2 x 7 s
+    assert w.accept(2, 16.0) == (True, [])  # 6 s: no request went
+    w.shipped(3, 20.0)
+    assert w.next_due() == pytest.approx(32.0)
+    assert w.due(32.1) == [3]  # a consensus lost is still asked for, after 2 x 6 s
+    w2 = ConsensusWatch(deadline=2.0)
+    w2.shipped(1, 0.0)
+    w2.accept(1, 100.0)
+    w2.shipped(2, 100.0)
+    assert w2.next_due() == pytest.approx(116.0)  # capped like the backoff: 8 deadlines
+
+
 # ---------------------------------------------------------------------- control channel
 
 

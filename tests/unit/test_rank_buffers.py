@@ -133,6 +133,27 @@ def test_divergence_is_relative_distance_between_snapshot_and_consensus():
     assert divergence == pytest.approx(float((pre - cons).norm() / cons.norm()), rel=1e-4)
 
 
+def _flat_model_vectors(buf: ParamBuffers) -> set[int]:
+    """The distinct model-sized float32 host vectors the buffers allocated (by address; not the consensus loaded)."""
+    return {t.data_ptr() for t in vars(buf).values() if isinstance(t, torch.Tensor) and t is not buf.consensus
+            and t.dtype == torch.float32 and t.numel() == buf.numel}
+
+
+def test_an_overwriting_round_holds_one_flat_model_vector_and_keeps_the_divergence():
+    # A 124M-parameter model: every extra flat vector is 0.5 GB per rank (docs/benchmarks.md, bench/large.py).
+    m = net()
+    buf = ParamBuffers(m)
+    pre = flatten(m)
+    buf.snapshot(2.0)
+    cons = pre + 0.25
+    divergence, _, _ = buf.load([cons.numpy()])
+    assert divergence == pytest.approx(float((pre - cons).norm() / cons.norm()), rel=1e-4)
+    assert np.array_equal(flatten(m).numpy(), cons.numpy())
+    assert len(_flat_model_vectors(buf)) == 1  # the snapshot (the deposit), no scratch
+    buf.load([cons.numpy()], blend=1.0)  # a blend still gets its correction buffer
+    assert len(_flat_model_vectors(buf)) == 2
+
+
 def test_zero_mass_snapshot_reports_no_divergence():
     m = net()
     buf = ParamBuffers(m)
