@@ -22,9 +22,12 @@ Runs (interleaved, `--repeats` times each; every figure the median):
   `PeriodicModelAverager` over all four ranks every window steps; gloo, its
   TCPStore rendezvous on worker1 (rank 0); rank 0 evaluates its model every
   EVAL_STEPS steps, between averages too (more often than ours: the peer's edge).
-- torchft_diloco, hivemind: null, printed as "not installed" where the package
-  is absent (`pip install -e '.[peers]'`), and "installed, not run" where present:
-  their runners are not written yet (docs/benchmarks.md).
+- torchft_diloco: torchft's DiLoCo, one replica per rank, the outer step ours
+  (Nesterov, lr 0.7, momentum 0.5) every window steps; its lighthouse in
+  `controller`; every replica evaluates after each outer step.
+- hivemind: "installed, not run": its runner is not written yet.
+  A peer whose package is absent is null, printed as "not installed"
+  (`pip install -e '.[peers]'`).
 
 Time to target: from the first step (start-up, joins and rendezvous excluded)
 to the first eval at or past the target.
@@ -134,9 +137,6 @@ def postlocalsgd_worker(rank: int, master: str, task: str, epochs: int, cap_s: f
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
     from torch.distributed.optim import PostLocalSGDOptimizer
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import default_collate
-
-    from flodl_zmq.sampling import epoch_permutation
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{master}:29512", rank=rank, world_size=4)
@@ -146,69 +146,127 @@ def postlocalsgd_worker(rank: int, master: str, task: str, epochs: int, cap_s: f
     model = DistributedDataParallel(job["model"]())
     model.register_comm_hook(hook.PostLocalSGDState(None, host, start_localSGD_iter=1), hook.post_localSGD_hook)
     opt = PostLocalSGDOptimizer(spec.optimizer(model.parameters()), PeriodicModelAverager(spec.window, warmup_steps=1))
-    data, rows, steps, done = job["dataset"], [], 0, False
+    rows: list[dict[str, Any]] = []
     dist.barrier()
     t0 = time.perf_counter()
-    for epoch in range(epochs):
-        perm = epoch_permutation(42, epoch, len(data))
-        mine = perm[: len(perm) // (4 * spec.batch) * 4 * spec.batch][rank::4]
-        for i in range(0, len(mine) - spec.batch + 1, spec.batch):
-            opt.zero_grad()
-            job["train_step"](model, default_collate([data[int(j)] for j in mine[i : i + spec.batch]])).backward()
-            opt.step()
-            steps += 1
-            if steps % EVAL_STEPS == 0 and (done := _eval(rank, model.module, job, spec, rows, t0, cap_s)):
-                break
-        if done:
+    for step, batch in enumerate(_batches(job["dataset"], spec.batch, rank, epochs), start=1):
+        opt.zero_grad()
+        job["train_step"](model, batch).backward()
+        opt.step()
+        if step % EVAL_STEPS == 0 and _stop_together(rank, model.module, job, spec, rows, t0, cap_s):
             break
     if rank == 0:
         print(f"{wan.TAG} " + json.dumps({"rows": rows, "final": rows[-1]["eval"] if rows else None}), flush=True)
     dist.destroy_process_group()
 
 
-def _eval(rank: int, model: torch.nn.Module, job: dict[str, Any], spec: Task, rows: list, t0: float,
-          cap_s: float) -> bool:
-    """Rank 0 evaluates its model as the peer's user would; True (on every rank) at the target or past cap_s."""
+def _stop_together(rank: int, model: torch.nn.Module, job: dict[str, Any], spec: Task, rows: list, t0: float,
+                   cap_s: float) -> bool:
+    """Rank 0 scores its model as the peer's user would, and decides for every rank whether to stop."""
     import torch.distributed as dist
 
-    stop = torch.tensor([0])
-    if rank == 0:
-        model.eval()
-        with torch.no_grad():
-            metric = float(job["eval_fn"](model, job["eval_dataset"]))
-        model.train()
-        rows.append({"eval": metric, "at_s": time.perf_counter() - t0})
-        stop[0] = int(spec.reached(metric) or rows[-1]["at_s"] > cap_s)
-    dist.broadcast(stop, 0)  # every rank stops at the same step: rank 0 decides
+    stop = torch.tensor([int(rank == 0 and _scored(model, job, spec, rows, t0, cap_s))])
+    dist.broadcast(stop, 0)  # every rank stops at the same step
     return bool(stop.item())
+
+
+def torchft_worker(rank: int, lighthouse: str, address: str, task: str, epochs: int, cap_s: float) -> None:
+    """One torchft DiLoCo replica per rank: an outer Nesterov step (ours' lr and momentum) every window steps."""
+    import socket
+    from datetime import timedelta
+
+    # torchft's checkpoint transport advertises socket.gethostname(), one name for every namespace here
+    # (one UTS namespace): a replica healing from another would fetch from itself. Its address instead.
+    socket.gethostname = lambda: address
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    torch.set_num_threads(1)
+    spec, job = TASK[task], TASK[task].build()
+    torch.manual_seed(42)
+    model = job["model"]()
+    inner = spec.optimizer(model.parameters())
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=wan.OUTER_MOMENTUM, nesterov=True)
+    store = TCPStore(address, 29600 + rank, is_master=True, wait_for_workers=False)  # the replica's own store
+    wait = timedelta(seconds=wan.START_S)
+    manager = Manager(pg=ProcessGroupGloo(timeout=wait), min_replica_size=4, use_async_quorum=False,
+                      load_state_dict=lambda state: model.load_state_dict(state["model"]),
+                      state_dict=lambda: {"model": model.state_dict()}, replica_id=f"replica{rank}",
+                      store_addr=address, store_port=29600 + rank, rank=0, world_size=1, lighthouse_addr=lighthouse,
+                      hostname=address, port=29700 + rank, timeout=wait, quorum_timeout=wait, connect_timeout=wait)
+    rows: list[dict[str, Any]] = []
+    with DiLoCo(manager, [model], inner, outer, sync_every=spec.window, pin_memory=False):
+        t0 = time.perf_counter()
+        for step, batch in enumerate(_batches(job["dataset"], spec.batch, rank, epochs), start=1):
+            inner.zero_grad()
+            job["train_step"](model, batch).backward()
+            inner.step()
+            # After an outer step every replica holds the same model: each evaluates it, and all stop together.
+            if step % spec.window == 0 and _scored(model, job, spec, rows, t0, cap_s):
+                break
+    if rank == 0:
+        print(f"{wan.TAG} " + json.dumps({"rows": rows, "final": rows[-1]["eval"] if rows else None}), flush=True)
+    manager.shutdown(wait=False)
+    del store
+
+
+def _batches(data: Any, batch: int, rank: int, epochs: int) -> Any:
+    """Rank `rank`'s batches of each epoch's shared permutation (the tail dropped: equal steps everywhere)."""
+    from torch.utils.data import default_collate
+
+    from flodl_zmq.sampling import epoch_permutation
+
+    for epoch in range(epochs):
+        perm = epoch_permutation(42, epoch, len(data))
+        mine = perm[: len(perm) // (4 * batch) * 4 * batch][rank::4]
+        for i in range(0, len(mine) - batch + 1, batch):
+            yield default_collate([data[int(j)] for j in mine[i : i + batch]])
+
+
+def _scored(model: torch.nn.Module, job: dict[str, Any], spec: Task, rows: list, t0: float, cap_s: float) -> bool:
+    """Evaluate `model`, record the row; True at the target or past cap_s."""
+    model.eval()
+    with torch.no_grad():
+        metric = float(job["eval_fn"](model, job["eval_dataset"]))
+    model.train()
+    rows.append({"eval": metric, "at_s": time.perf_counter() - t0})
+    return spec.reached(metric) or rows[-1]["at_s"] > cap_s
 
 
 # ---------------------------------------------------------------------------- the harness
 
 
-def run_postlocalsgd(net: Any, task: str, epochs: int, cap_s: float, logs: Path) -> dict[str, Any] | None:
+def run_peer(net: Any, run: str, task: str, epochs: int, cap_s: float, logs: Path) -> dict[str, Any] | None:
+    """A peer's four ranks (and torchft's lighthouse in `controller`): rank 0's result line, or None."""
     env = wan.environ({"GLOO_SOCKET_IFNAME": "eth0"})
-    master = net.hosts["worker1"].address  # torch's TCPStore is served by rank 0, on worker1
     procs, files = [], []
+    if run == "torchft_diloco":
+        files.append(open(logs / f"{run}-{task}-lighthouse.log", "w"))  # noqa: SIM115
+        procs.append(net.popen("controller", [str(wan.BIN / "torchft_lighthouse"), "--min_replicas", "4",
+                                              "--bind", "[::]:29510"], env=env, stdout=files[-1], stderr=subprocess.STDOUT))
     for rank in range(4):
-        f = open(logs / f"postlocalsgd-{task}-rank{rank}.log", "w")  # noqa: SIM115
-        files.append(f)
-        procs.append(net.popen("worker1" if rank < 2 else "worker2",
-                               [sys.executable, str(Path(__file__).resolve()), "--plsgd-rank", str(rank),
-                                "--master", master, "--task", task, "--epochs", str(epochs), "--cap", str(cap_s)],
-                               env=env, stdout=f, stderr=subprocess.STDOUT))
+        host = "worker1" if rank < 2 else "worker2"
+        # PostLocalSGD's TCPStore is rank 0's, on worker1; a torchft replica serves its own on its host.
+        where = ["--master", net.hosts["worker1"].address] if run == "postlocalsgd" else [
+            "--master", net.hosts[host].address, "--lighthouse", f"http://{net.hosts['controller'].address}:29510"]
+        files.append(open(logs / f"{run}-{task}-rank{rank}.log", "w"))  # noqa: SIM115
+        procs.append(net.popen(host, [sys.executable, str(Path(__file__).resolve()), "--peer", run, "--rank", str(rank),
+                                      *where, "--task", task, "--epochs", str(epochs), "--cap", str(cap_s)],
+                               env=env, stdout=files[-1], stderr=subprocess.STDOUT))
+    rank0 = procs[-4]
     try:
-        procs[0].wait(cap_s + wan.START_S)
+        rank0.wait(cap_s + wan.START_S)
     except subprocess.TimeoutExpired:
-        print(f"  postlocalsgd {task}: rank 0 still running after {cap_s + wan.START_S:g} s", file=sys.stderr)
+        print(f"  {run} {task}: rank 0 still running after {cap_s + wan.START_S:g} s", file=sys.stderr)
     finally:
         wan.stop(net, procs)
         for f in files:
             f.close()
-    text = (logs / f"postlocalsgd-{task}-rank0.log").read_text(errors="replace")
+    text = (logs / f"{run}-{task}-rank0.log").read_text(errors="replace")
     got = wan.result_line(text)
     if got is None:
-        print(f"  postlocalsgd {task}: rank 0 printed no result:\n{text[-1500:]}", file=sys.stderr)
+        print(f"  {run} {task}: rank 0 printed no result:\n{text[-1500:]}", file=sys.stderr)
     return got
 
 
@@ -217,7 +275,7 @@ def run_once(net: Any, run: str, task: str, epochs: int, cap_s: float, logs: Pat
     if run in OURS:
         program = [str(Path(__file__).resolve()), "--job", run, "--task", task, "--epochs", str(epochs)]
         return wan.run_flodl(net, f"{run}-{task}", program, logs, timeout_s=cap_s * 2 + wan.START_S)
-    return run_postlocalsgd(net, task, epochs * 4, cap_s, logs)
+    return run_peer(net, run, task, epochs * 4, cap_s, logs)
 
 
 def missing(run: str) -> str | None:
@@ -227,7 +285,7 @@ def missing(run: str) -> str | None:
         return None
     if importlib.util.find_spec(package) is None:
         return "not installed"
-    return "installed, not run (no runner yet)"
+    return None if run == "torchft_diloco" else "installed, not run (no runner yet)"
 
 
 def time_to_target(got: dict[str, Any] | None, spec: Task) -> float | None:
@@ -273,14 +331,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--task", default="mlp", help=argparse.SUPPRESS)  # inside the namespaces
     p.add_argument("--job", help=argparse.SUPPRESS)
-    p.add_argument("--plsgd-rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--peer", help=argparse.SUPPRESS)  # inside the namespaces: a peer's rank
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--master", help=argparse.SUPPRESS)
+    p.add_argument("--lighthouse", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.job:
         flodl_job(args.job, args.task, args.epochs)
         return 0
-    if args.plsgd_rank is not None:
-        postlocalsgd_worker(args.plsgd_rank, args.master, args.task, args.epochs, args.cap)
+    if args.peer == "postlocalsgd":
+        postlocalsgd_worker(args.rank, args.master, args.task, args.epochs, args.cap)
+        return 0
+    if args.peer == "torchft_diloco":
+        torchft_worker(args.rank, args.lighthouse, args.master, args.task, args.epochs, args.cap)
         return 0
     tasks, runs = [t for t in args.tasks.split(",") if t], [r for r in args.runs.split(",") if r]
     unknown = sorted(set(tasks) - set(TASKS)) + sorted(set(runs) - set(RUNS))
