@@ -190,13 +190,11 @@ def result_line(text: str) -> dict[str, Any] | None:
     return None
 
 
-def run_flodl(net: Any, run: str, epochs: int, outer_momentum: float, logs: Path,
-              timeout_s: float) -> dict[str, Any] | None:
+def run_flodl(net: Any, run: str, program: list[str], logs: Path, timeout_s: float) -> dict[str, Any] | None:
+    """Our run of `program` (a script and its arguments; it prints the TAG line) across the namespaces."""
     from flodl_zmq.wire import new_key
 
     env = environ({"FLODL_KEY": new_key().hex(), "FLODL_STARTUP_TIMEOUT": "120"})
-    program = [str(Path(__file__).resolve()), "--job", run, "--epochs", str(epochs),
-               "--outer-momentum", str(outer_momentum)]
     out = {name: open(logs / f"{run}-{name}.log", "w") for name in ("controller", "worker1", "worker2")}  # noqa: SIM115
     procs = [net.popen("controller", [str(BIN / "flodl-zmq"), "controller", "--bind", "controller:7300",
                                       "--min-ranks", "4", "--target-ranks", "4", "--join-window", "60",
@@ -342,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                 for run in runs:
                     before = tx_bytes(net, "worker1")
                     if run.startswith("flodl"):
-                        got = run_flodl(net, run, args.epochs, args.outer_momentum, here, timeout_s=args.cap * 2 + START_S)
+                        program = [str(Path(__file__).resolve()), "--job", run, "--epochs", str(args.epochs),
+                                   "--outer-momentum", str(args.outer_momentum)]
+                        got = run_flodl(net, run, program, here, timeout_s=args.cap * 2 + START_S)
                     else:
                         got = run_ddp(net, run, args.epochs * 4, args.target, args.cap, here, args.ddp_hook)
                     each[run].append(figures(got, args.target, tx_bytes(net, "worker1") - before))
