@@ -102,7 +102,8 @@ def test_a_consensus_every_rank_takes_by_reference_is_not_kept_framed_and_a_rese
     r.ctl.publish(1, 2.0, [x])
     assert s0.consensus()[0] and s1.consensus()[0]  # both by reference: delivered, and kept as `delivered`
     gc.collect()
-    held = [f for f in gc.get_objects() if isinstance(f, zmq.Frame) and len(f) == x.nbytes]
+    # type(), not isinstance(): some of torch's module objects warn when their __class__ is read.
+    held = [f for f in gc.get_objects() if issubclass(type(f), zmq.Frame) and len(f) == x.nbytes]
     assert held == [], "the relay still holds the framed consensus"
     s0.fake.data.send_multipart(s0.fake.codec.encode(ConsensusRequest(1), channel=Channel.DATA))
     shared, env = s0.consensus()
