@@ -244,7 +244,7 @@ def _run_command(args: argparse.Namespace) -> int:
     hosts = read_hosts(settings.hosts)
     settings = replace(settings, bind=settings.bind or default_bind(hosts))
     key = session_key(os.environ) or new_key()
-    if settings.generate_curve:
+    if settings.curve:
         public, secret = zmq.curve_keypair()
         curve: CurveKeys | None = CurveKeys(public=public, secret=secret)
     else:

@@ -337,9 +337,9 @@ class Settings:
     ssh: str = setting("ssh -o BatchMode=yes", "the command `run` reaches a host with, as `SSH HOST COMMAND` (split "
             "like a shell would)", kind=str, metavar="COMMAND", flags=("--ssh",), env=("FLODL_SSH",),
             commands=("run",))
-    generate_curve: bool = setting(False, "`run` makes a fresh CURVE keypair for the controller and hands its public "
+    curve: bool = setting(False, "`run` makes a fresh CURVE keypair for the controller and hands its public "
             "key to every agent: every link of the run encrypted, nothing to distribute by hand", kind=bool,
-            flags=("--curve",), env=("FLODL_GENERATE_CURVE",), commands=("run",))
+            flags=("--curve",), env=("FLODL_CURVE",), commands=("run",))
     # ---- where the agents and `status` find the controller, and who the agent is
     controller: str | None = setting(None, "the controller's address HOST:PORT (the one given to --bind)", kind=str, metavar="HOST:PORT",
             flags=("--controller",), env=("FLODL_CONTROLLER",), commands=("agent", "status"),
