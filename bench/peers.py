@@ -27,11 +27,10 @@ Runs (interleaved, `--repeats` times each; every figure the median):
   `controller`; every replica evaluates after each outer step.
 - hivemind: `hivemind.Optimizer` with local updates, one peer per rank: each
   steps the task's optimizer on its own batches, and the swarm averages
-  parameters (in the background) each time the four have trained a window's
-  samples between them; a DHT per rank, rank 0's the others' initial peer.
-  Rank 0 evaluates its model every EVAL_STEPS steps, as PostLocalSGD's (its
-  peers never hold one model at a known step: the average lands in the
-  background, on top of the steps taken meanwhile).
+  parameters each time the four have trained a window's samples between
+  them; a DHT per rank, rank 0's the others' initial peer. Rank 0 evaluates
+  its model every EVAL_STEPS steps, as PostLocalSGD's (a round starts at a
+  sample count the swarm reaches, not at a step count).
 A peer whose package is absent is null, printed as "not installed"
 (`pip install -e '.[peers]'`).
 
