@@ -25,9 +25,14 @@ Runs (interleaved, `--repeats` times each; every figure the median):
 - torchft_diloco: torchft's DiLoCo, one replica per rank, the outer step ours
   (Nesterov, lr 0.7, momentum 0.5) every window steps; its lighthouse in
   `controller`; every replica evaluates after each outer step.
-- hivemind: "installed, not run": its runner is not written yet.
-  A peer whose package is absent is null, printed as "not installed"
-  (`pip install -e '.[peers]'`).
+- hivemind: `hivemind.Optimizer` with local updates, one peer per rank: each
+  steps the task's optimizer on its own batches, and the swarm averages
+  parameters each time the four have trained a window's samples between
+  them; a DHT per rank, rank 0's the others' initial peer. Rank 0 evaluates
+  its model every EVAL_STEPS steps, as PostLocalSGD's (a round starts at a
+  sample count the swarm reaches, not at a step count).
+A peer whose package is absent is null, printed as "not installed"
+(`pip install -e '.[peers]'`).
 
 Time to target: from the first step (start-up, joins and rendezvous excluded)
 to the first eval at or past the target.
@@ -69,6 +74,7 @@ RUNS = (*OURS, *PEERS)
 TASKS = ("mlp", "transformer")
 EVAL_STEPS = 11  # a peer's eval cadence in steps: a quarter of the mlp's round, under half the transformer's
 LINK = "100mbit"
+HIVEMIND_PEER = "HIVEMIND_PEER"  # hivemind's rank 0 prints its DHT address after this tag: the others' initial peer
 
 
 @dataclass(frozen=True)
@@ -211,6 +217,60 @@ def torchft_worker(rank: int, lighthouse: str, address: str, task: str, epochs: 
     del store
 
 
+def hivemind_worker(rank: int, address: str, initial_peer: str | None, task: str, epochs: int,
+                    cap_s: float) -> None:
+    """One hivemind peer per rank: local steps, parameters averaged once the world has trained a window."""
+    import hivemind
+
+    torch.set_num_threads(1)
+    spec, job = TASK[task], TASK[task].build()
+    torch.manual_seed(42)
+    model = job["model"]()
+    # p2pd listens on 127.0.0.1 unless told: each namespace's own address, or no other host reaches it.
+    dht = hivemind.DHT(initial_peers=[initial_peer] if initial_peer else None, host_maddrs=[f"/ip4/{address}/tcp/0"],
+                       start=True)
+    if initial_peer is None:
+        print(f"{HIVEMIND_PEER} {dht.get_visible_maddrs()[0]}", flush=True)
+    # Local updates: a step per batch, the parameters averaged every target_batch_size samples (our window across
+    # the world), as ours, PostLocalSGD and DiLoCo do. hivemind's default instead accumulates gradients to
+    # target_batch_size for one step: `window` times fewer steps, each at a learning rate tuned for one batch.
+    # Averaging in step (delay_state_averaging=False): in the background (the default) every local step waits for
+    # the round anyway, outside the tracker's pause, so the swarm's estimated samples run on while all wait and the
+    # next round starts after one step. A group closes once all four are in (target_group_size), else after
+    # matchmaking_time: 5 s, hivemind's upper value for small local runs, above its 3 s request_timeout as it asks.
+    opt = hivemind.Optimizer(dht=dht, run_id=f"flodl_peers_{task}", target_batch_size=4 * spec.window * spec.batch,
+                             batch_size_per_step=spec.batch, params=model.parameters(), optimizer=spec.optimizer,
+                             use_local_updates=True, delay_state_averaging=False, matchmaking_time=5.0,
+                             averaging_timeout=30.0, averager_opts={"target_group_size": 4})
+    _all_joined(dht, f"flodl_peers_{task}_joined", rank)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for step, batch in enumerate(_batches(job["dataset"], spec.batch, rank, epochs), start=1):
+        opt.zero_grad()
+        job["train_step"](model, batch).backward()
+        opt.step()
+        if rank == 0 and step % EVAL_STEPS == 0 and _scored(model, job, spec, rows, t0, cap_s):
+            break
+    if rank == 0:
+        print(f"{wan.TAG} " + json.dumps({"rows": rows, "final": rows[-1]["eval"] if rows else None}), flush=True)
+    opt.shutdown()
+    dht.shutdown()
+
+
+def _all_joined(dht: Any, key: str, rank: int) -> None:
+    """Wait (up to wan.START_S) until all four peers have their record under `key` in the DHT: the rendezvous,
+    so that no peer trains alone while the others start (start-up is not timed, as for every run)."""
+    from hivemind.utils import get_dht_time
+
+    dht.store(key, True, expiration_time=get_dht_time() + wan.START_S, subkey=rank)
+    deadline = time.monotonic() + wan.START_S
+    while (got := dht.get(key, latest=True)) is None or len(got.value) < 4:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"hivemind rank {rank}: {0 if got is None else len(got.value)} of 4 peers in the DHT "
+                               f"after {wan.START_S:g} s; see the other ranks' logs for why they did not join")
+        time.sleep(0.5)
+
+
 def _batches(data: Any, batch: int, rank: int, epochs: int) -> Any:
     """Rank `rank`'s batches of each epoch's shared permutation (the tail dropped: equal steps everywhere)."""
     from torch.utils.data import default_collate
@@ -245,18 +305,23 @@ def run_peer(net: Any, run: str, task: str, epochs: int, cap_s: float, logs: Pat
         files.append(open(logs / f"{run}-{task}-lighthouse.log", "w"))  # noqa: SIM115
         procs.append(net.popen("controller", [str(wan.BIN / "torchft_lighthouse"), "--min_replicas", "4",
                                               "--bind", "[::]:29510"], env=env, stdout=files[-1], stderr=subprocess.STDOUT))
-    for rank in range(4):
-        host = "worker1" if rank < 2 else "worker2"
-        # PostLocalSGD's TCPStore is rank 0's, on worker1; a torchft replica serves its own on its host.
-        where = ["--master", net.hosts["worker1"].address] if run == "postlocalsgd" else [
-            "--master", net.hosts[host].address, "--lighthouse", f"http://{net.hosts['controller'].address}:29510"]
-        files.append(open(logs / f"{run}-{task}-rank{rank}.log", "w"))  # noqa: SIM115
-        procs.append(net.popen(host, [sys.executable, str(Path(__file__).resolve()), "--peer", run, "--rank", str(rank),
-                                      *where, "--task", task, "--epochs", str(epochs), "--cap", str(cap_s)],
-                               env=env, stdout=files[-1], stderr=subprocess.STDOUT))
-    rank0 = procs[-4]
+    rank0, initial_peer = len(procs), None
     try:
-        rank0.wait(cap_s + wan.START_S)
+        for rank in range(4):
+            host = "worker1" if rank < 2 else "worker2"
+            files.append(open(logs / f"{run}-{task}-rank{rank}.log", "w"))  # noqa: SIM115
+            procs.append(net.popen(host, [sys.executable, str(Path(__file__).resolve()), "--peer", run, "--rank",
+                                          str(rank), *_where(net, run, host, initial_peer), "--task", task,
+                                          "--epochs", str(epochs), "--cap", str(cap_s)],
+                                   env=env, stdout=files[-1], stderr=subprocess.STDOUT))
+            # hivemind's others join through rank 0's DHT, whose address (its peer id in it) exists once it is up.
+            if run == "hivemind" and rank == 0:
+                initial_peer = _printed(logs / f"{run}-{task}-rank0.log", HIVEMIND_PEER, procs[rank0])
+                if initial_peer is None:
+                    print(f"  {run} {task}: rank 0 printed no DHT address within {wan.START_S:g} s", file=sys.stderr)
+                    break
+        else:  # every rank started
+            procs[rank0].wait(cap_s + wan.START_S)
     except subprocess.TimeoutExpired:
         print(f"  {run} {task}: rank 0 still running after {cap_s + wan.START_S:g} s", file=sys.stderr)
     finally:
@@ -270,6 +335,27 @@ def run_peer(net: Any, run: str, task: str, epochs: int, cap_s: float, logs: Pat
     return got
 
 
+def _where(net: Any, run: str, host: str, initial_peer: str | None) -> list[str]:
+    """A peer rank's addresses: PostLocalSGD's TCPStore is rank 0's, on worker1; a torchft replica serves its own
+    store on its host, the lighthouse in `controller`; a hivemind peer's DHT listens on its host's address."""
+    if run == "postlocalsgd":
+        return ["--master", net.hosts["worker1"].address]
+    if run == "torchft_diloco":
+        return ["--master", net.hosts[host].address, "--lighthouse", f"http://{net.hosts['controller'].address}:29510"]
+    return ["--master", net.hosts[host].address, *(["--initial-peer", initial_peer] if initial_peer else [])]
+
+
+def _printed(log: Path, tag: str, proc: subprocess.Popen) -> str | None:
+    """What `proc` printed after `tag` in its log, once it does (up to wan.START_S); None if it exits first."""
+    deadline = time.monotonic() + wan.START_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith(f"{tag} "):
+                return line.split(maxsplit=1)[1]
+        time.sleep(0.2)
+    return None
+
+
 def run_once(net: Any, run: str, task: str, epochs: int, cap_s: float, logs: Path) -> dict[str, Any] | None:
     """One run of `run` on `task`: its result line (rows of eval and time), or None."""
     if run in OURS:
@@ -279,13 +365,9 @@ def run_once(net: Any, run: str, task: str, epochs: int, cap_s: float, logs: Pat
 
 
 def missing(run: str) -> str | None:
-    """Why `run` cannot run here ("not installed", "installed, not run"), or None when it can."""
+    """Why `run` cannot run here ("not installed"), or None when it can."""
     package = PEERS.get(run)
-    if package is None:
-        return None
-    if importlib.util.find_spec(package) is None:
-        return "not installed"
-    return None if run == "torchft_diloco" else "installed, not run (no runner yet)"
+    return "not installed" if package is not None and importlib.util.find_spec(package) is None else None
 
 
 def time_to_target(got: dict[str, Any] | None, spec: Task) -> float | None:
@@ -335,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--master", help=argparse.SUPPRESS)
     p.add_argument("--lighthouse", help=argparse.SUPPRESS)
+    p.add_argument("--initial-peer", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.job:
         flodl_job(args.job, args.task, args.epochs)
@@ -344,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.peer == "torchft_diloco":
         torchft_worker(args.rank, args.lighthouse, args.master, args.task, args.epochs, args.cap)
+        return 0
+    if args.peer == "hivemind":
+        hivemind_worker(args.rank, args.master, args.initial_peer, args.task, args.epochs, args.cap)
         return 0
     tasks, runs = [t for t in args.tasks.split(",") if t], [r for r in args.runs.split(",") if r]
     unknown = sorted(set(tasks) - set(TASKS)) + sorted(set(runs) - set(RUNS))
