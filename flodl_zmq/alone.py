@@ -28,14 +28,6 @@ from flodl_zmq.settings import Settings
 from flodl_zmq.training import ScalarLog, Stepper
 
 
-def alone_row(epoch: int, loss_sum: float, batches: int, samples: int, t0: float,
-              scalars: ScalarLog) -> dict[str, Any]:
-    """The row of `TrainResult.epochs` for the batches (`samples`) of `epoch` trained alone so far."""
-    epoch_ms = (time.perf_counter() - t0) * 1000.0
-    return epoch_row(epoch, loss_sum / max(batches, 1), epoch_ms, [1.0], [samples / max(epoch_ms, 1e-9)],
-                     {k: scalars.sums[k] / scalars.counts[k] for k in sorted(scalars.sums)})
-
-
 class AloneLoop:
     """One process's run of `job` on `model` (on `device`) with `optimizer`: batches out, steps in."""
 
@@ -120,8 +112,12 @@ class AloneLoop:
         return self.result
 
     def _row(self) -> dict[str, Any]:
+        """The row of `TrainResult.epochs` for the batches of the epoch trained so far."""
         samples = min(self._batches * self.job.batch_size, self._samples)
-        return alone_row(self.epoch or 0, self._loss_sum, self._batches, samples, self._t_epoch, self.scalars)
+        epoch_ms = (time.perf_counter() - self._t_epoch) * 1000.0
+        scalars = self.scalars
+        return epoch_row(self.epoch or 0, self._loss_sum / max(self._batches, 1), epoch_ms, [1.0],
+                         [samples / max(epoch_ms, 1e-9)], {k: scalars.sums[k] / scalars.counts[k] for k in sorted(scalars.sums)})
 
 
 def _resume_alone(job: Job, model: torch.nn.Module) -> int:
