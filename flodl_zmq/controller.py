@@ -156,8 +156,8 @@ def serve(opts: ControllerOptions) -> int:
         if opts.settings.resume == "auto":
             log.warning("SIGTERM under --resume auto: exiting without ending the run; the agents wait for the "
                         "restarted controller (--controller-grace), which resumes from the newest checkpoint")
-            return TERMINATED_EXIT
-        _abort(membership, "the controller was interrupted (SIGTERM)")
+        else:
+            _abort(membership, "the controller was interrupted (SIGTERM)")
         return TERMINATED_EXIT
     except KeyboardInterrupt:
         _abort(membership, "the controller was interrupted (SIGINT)")
