@@ -332,19 +332,7 @@ class Cluster:
 
     def _stop_children(self) -> None:
         """SIGTERM every child's group, wait, SIGKILL stragglers, reap all (idempotent)."""
-        live = [c for c in self.children.values() if c.proc.poll() is None]
-        for c in live:
-            signal_group(c.proc, signal.SIGTERM)
-        deadline = time.monotonic() + TERM_GRACE_S
-        for c in live:
-            try:
-                c.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for c in self.children.values():
-            # Also the group of a child that already exited: it may have left grandchildren.
-            signal_group(c.proc, signal.SIGKILL)
-            c.proc.wait()
+        end_groups([c.proc for c in self.children.values()])
         for c in self.children.values():
             if c.reader is not None:
                 c.reader.join(2.0)
@@ -363,6 +351,23 @@ class Cluster:
 def warm_interpreter(python: str = sys.executable) -> WarmServer:
     """A warm interpreter for `Cluster`s and agents: started with the ranks' environment (their malloc tunables)."""
     return WarmServer(with_tunables(os.environ, "rank"), python)
+
+
+def end_groups(procs: Sequence[subprocess.Popen | WarmProcess]) -> None:
+    """SIGTERM the process group of each live one of `procs`, wait up to TERM_GRACE_S, then SIGKILL every
+    group (also of one that already exited: it may have left grandchildren) and reap all."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + TERM_GRACE_S
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        signal_group(p, signal.SIGKILL)
+        p.wait()
 
 
 def signal_group(proc: subprocess.Popen | WarmProcess, sig: int) -> None:

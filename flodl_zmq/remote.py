@@ -57,7 +57,7 @@ from flodl_zmq.controller import (
     serve,
 )
 from flodl_zmq.errors import ConfigError
-from flodl_zmq.launch import TERM_GRACE_S, free_port_base, signal_group
+from flodl_zmq.launch import end_groups, free_port_base
 from flodl_zmq.security import PUBLIC_ENV, SECRET_ENV, SERVER_ENV, CurveKeys
 from flodl_zmq.settings import Settings, add_arguments
 from flodl_zmq.wire import KEY_ENV, new_key, session_key
@@ -194,15 +194,13 @@ class Fleet:
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Wait up to `grace_s` for every SSH command to end, then SIGTERM, then SIGKILL; reap all (idempotent)."""
-        for sig, wait_s in ((None, grace_s), (signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, None)):
-            deadline = None if wait_s is None else time.monotonic() + wait_s
-            for proc in self.procs.values():
-                if sig is not None:
-                    signal_group(proc, sig)
-                try:
-                    proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        end_groups(list(self.procs.values()))
         for reader in self.readers:
             reader.join(2.0)
 
