@@ -34,6 +34,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import shlex
@@ -205,6 +206,36 @@ class Fleet:
             reader.join(2.0)
 
 
+class WholeLines(io.TextIOBase):
+    """A text stream that passes on whole lines only, one at a time: `print` writes a line and its newline in two
+    calls, so a line another thread forwards could otherwise land in the middle of it (a `RESULT {json}` line
+    split by a host's)."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self._lock = threading.Lock()
+        self._partial = threading.local()  # each thread's line so far
+
+    def write(self, text: str) -> int:
+        head, newline, tail = (getattr(self._partial, "text", "") + text).rpartition("\n")
+        self._partial.text = tail
+        if newline:
+            with self._lock:
+                self.out.write(head + newline)
+                self.out.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            self.out.flush()
+
+    def fileno(self) -> int:
+        return self.out.fileno()
+
+    def isatty(self) -> bool:
+        return self.out.isatty()
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -250,11 +281,11 @@ def _run_command(args: argparse.Namespace) -> int:
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     opts = controller_options(settings, argv, key, curve)
     secrets = {KEY_ENV: key.hex(), **({SERVER_ENV: curve.public.decode()} if curve is not None else {})}
-    lock = threading.Lock()
+    # The program prints on the main thread while the readers forward hosts' lines: whole lines only.
+    sys.stdout = WholeLines(sys.stdout)
 
     def sink(line: str) -> None:
-        with lock:
-            print(line, flush=True)
+        print(line, flush=True)
 
     fleet = Fleet(hosts, settings.ssh, str(opts.address), opts.argv, secrets, sink)
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

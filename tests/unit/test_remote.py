@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import shlex
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -13,6 +15,7 @@ from flodl_zmq.remote import (
     AGENT_ARGV0,
     Fleet,
     RemoteHost,
+    WholeLines,
     agent_argv,
     parse_hosts,
     read_hosts,
@@ -120,3 +123,15 @@ def test_stop_ends_the_ssh_commands_that_outlive_the_run_and_reaps_them(tmp_path
     fleet.stop(grace_s=0.0)
     assert {p.returncode for p in fleet.procs.values()} == {-15}  # SIGTERM, and reaped
     assert any(line.startswith("[run] host 'b': its agent exited -15") for line in lines), lines
+
+
+def test_a_line_forwarded_while_the_program_prints_lands_beside_its_line_not_inside_it():
+    # `print` writes a line, then its newline: a host's line forwarded between the two must not split it.
+    out = io.StringIO()
+    lines = WholeLines(out)
+    lines.write('RESULT {"accuracy": 0.9}')  # the program's line, its newline not yet written
+    forward = threading.Thread(target=print, args=("[worker1] a host's line",), kwargs={"file": lines})
+    forward.start()
+    forward.join(10)
+    lines.write("\n")
+    assert out.getvalue().splitlines() == ["[worker1] a host's line", 'RESULT {"accuracy": 0.9}']
