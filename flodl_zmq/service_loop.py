@@ -115,6 +115,9 @@ class ServiceLoop:
     def run(self) -> None:
         """Serve sockets, messages and timers until a `Stop` is drained; a handler's exception ends it."""
         self._running = True
+        # What is due at once goes before anything is served: a relay's hello must precede the
+        # host frame its first deposits make, or the reducer refuses that frame as a stranger's.
+        self._fire(self.clock())
         turned = self.clock()
         while self._running:
             polled = self.clock()

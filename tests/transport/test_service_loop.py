@@ -175,6 +175,37 @@ def test_a_readable_socket_calls_its_handler_which_reads_it():
         push.close(0)
 
 
+def test_a_timer_due_at_once_fires_before_a_socket_already_readable_is_served():
+    # A relay's hello is due at once; deposits waiting when its loop starts must not go up before it.
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind("inproc://service-loop-first")
+        push.connect("inproc://service-loop-first")
+        push.send(b"waiting")
+        assert pull.poll(int(WAIT_S * 1000))
+        loop = ServiceLoop("t")
+        order: list[str] = []
+        due = [0.0]
+
+        def hello(now: float) -> None:
+            order.append("hello")
+            due[0] = math.inf
+
+        def read() -> None:
+            order.append(pull.recv().decode())
+            loop.stop()
+
+        loop.on_socket(pull, read)
+        loop.timer(lambda: due[0], hello)
+        loop.run()
+        loop.close()
+        assert order == ["hello", "waiting"]
+    finally:
+        pull.close(0)
+        push.close(0)
+
+
 def test_a_stall_of_the_loops_own_thread_is_reported_with_its_length():
     loop = ServiceLoop("t")
     gaps: list[float] = []
