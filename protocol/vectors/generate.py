@@ -65,7 +65,7 @@ def _sig(label: str) -> bytes:
     return hashlib.sha256(label.encode()).digest()
 
 
-PLAN = EpochPlan(epoch=3, offset=1200, size=400)
+PLAN = EpochPlan(epoch=3, offset=1200, size=400, deposit=8)  # a plan whose end is round 8's deposit
 
 # Realistic values by field name; anything else falls back to its type.
 FIELD_VALUES: dict[str, Any] = {
