@@ -797,7 +797,7 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
                 "frames": signed(
                     header(
                         "control.update",
-                        fields={"round": 7, "next_plan": {"epoch": "3", "offset": 0, "size": 1}},
+                        fields={"round": 7, "next_plan": {"epoch": "3", "offset": 0, "size": 1, "deposit": None}},
                     )
                 )
             },
