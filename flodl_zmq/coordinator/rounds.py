@@ -147,7 +147,7 @@ class DepositsAhead:
         """`rank`'s next chunk after `window_steps` steps: if it is the rank's last of the window, it names
         `next_round` (and the rank's mass bound for it, for the reducer before the plan)."""
         steps = window_steps + -(-plan.size // self.batch_size)
-        if not dispatch.ends_window(rank, steps):
+        if not dispatch.ends_window(rank, plan, steps):
             return plan, None
         self.told[rank] = next_round
         return dataclasses.replace(plan, deposit=next_round), MassBound.ahead(next_round, rank, steps)

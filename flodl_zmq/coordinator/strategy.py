@@ -86,8 +86,8 @@ class DispatchStrategy(Protocol):
     def window_full(self, rank: int, window_steps: int) -> bool:
         """Whether `rank` has done its share of the window (the averaging gate)."""
 
-    def ends_window(self, rank: int, window_steps: int) -> bool:
-        """Whether `rank`, `window_steps` into its window once its chunk in flight is trained, can take no
+    def ends_window(self, rank: int, plan: rec.EpochPlan, window_steps: int) -> bool:
+        """Whether `rank`, `window_steps` into its window once `plan` (just taken) is trained, can take no
         more work in this window, whatever the others do (that chunk may then carry its deposit)."""
 
     def quiesced(self, rank: int, last_aggregated: int) -> bool:
@@ -190,7 +190,7 @@ class SyncPartitions:
         """Sync averages as soon as the rank did one step."""
         return window_steps >= 1
 
-    def ends_window(self, rank: int, window_steps: int) -> bool:
+    def ends_window(self, rank: int, plan: rec.EpochPlan, window_steps: int) -> bool:
         """A partition is not a window: Sync ranks deposit when asked, after every step."""
         return False
 
@@ -337,11 +337,16 @@ class ChunkStream:
         # this consensus, and a final-window crumb is not left behind.
         return not self._barrier_paced or self._in_flight[rank] is None
 
-    def ends_window(self, rank: int, window_steps: int) -> bool:
-        """Full, and no pinned final window may hand it more: one is pinned (its allocation bypasses the
-        window), or an epoch fits one window, so the next epoch's would be pinned as it opens."""
-        if self._final or self._config.batches_per_epoch <= sum(self._live_counts()):
-            return False
+    def ends_window(self, rank: int, plan: rec.EpochPlan, window_steps: int) -> bool:
+        """Full, or the rest of the rank's allocation in its epoch's pinned final window (which bypasses
+        the window, so a chunk short of it leaves the rank more to take: an epoch's tail crumb).
+
+        The next epoch never feeds this window: a barrier-paced stream opens it once this one is
+        aggregated, after the gate has triggered the round its last report completed.
+        """
+        final = self._final.get(plan.epoch)
+        if final is not None:
+            return self._final_taken[plan.epoch][rank] >= final.alloc[rank]
         return window_steps >= self._elche.batch_counts[rank]
 
     def quiesced(self, rank: int, last_aggregated: int) -> bool:

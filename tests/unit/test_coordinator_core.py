@@ -170,7 +170,7 @@ def test_quiesced_rank_does_not_block_the_reduce():
     for r in working:
         o, step[r] = train(c, r, nxt[r], step[r])
         out += o
-    assert len(of(out, rec.RequestParams)) == 2
+    assert of(out, RoundOpened) == [RoundOpened(2, (0, 1))]
     assert sum(p.size for p in nxt.values() if p is not None) == 5
 
 

@@ -322,9 +322,9 @@ def test_64_ranks_of_speeds_1_to_16_get_their_share_and_every_sample_once_throug
     assert worst <= 0.10, f"a rank's batch share is {worst:.1%} off its speed share"
 
 
-def test_cadence_ranks_deposit_unasked_except_in_an_epochs_pinned_final_window():
+def test_cadence_ranks_deposit_unasked_in_most_rounds_and_train_each_sample_once():
     res = Simulation(config(epochs=6), SPEEDS, SimConfig(seed=0)).run()
     assert res.ended.reason is None
     asked = {o.record.round for _, o in res.outputs if isinstance(o.record, rec.RequestParams)}
-    assert len(asked) <= 6 + 2 < res.coordinator.round / 3  # one final window an epoch (+ calibration, the end)
+    assert len(asked) <= 6 + 2 < res.coordinator.round / 3  # a crumb's round an epoch at most (+ the end)
     assert_each_sample_once(res, 6, TOTAL // BS * BS)
