@@ -18,8 +18,9 @@ Figures per world H x R (H hosts, R ranks per host):
   controller's own clock, `TrainResult.round_ms`), rounds of the first
   epoch left out;
 - barrier_ms: median of the round as the ranks see it, from the last rank's
-  window end (its deposit) to the last rank's first step of its next window
-  (the consensus loaded and the next plan in hand), same rounds;
+  window end (its last step before the round's deposit, asked or not) to the
+  last rank's first step of its next window (the consensus loaded and the
+  next plan in hand), same rounds;
 - controller_cpu_ms: the controller process's CPU (user + system, /proc,
   10 ms ticks) over the steady window (first to last epoch end) per round
   in it;
@@ -125,7 +126,8 @@ def light_rank() -> int:
     held: list = []
     throttled = False
     first_plan = None
-    deposits: list[tuple[float, int]] = []  # (window end, round)
+    deposits: list[tuple[float, int]] = []  # (window end: the last step before the deposit, round)
+    last_step = 0.0
     resumes: list[tuple[float, int]] = []  # (first step after the round's consensus, round)
     resume_for: int | None = None
     report: list[float] = []
@@ -151,8 +153,9 @@ def light_rank() -> int:
 
     def deposit(round_id: int) -> None:
         nonlocal at_snapshot, pending, last_deposit
+        # The window ended at the last step; asked, the rank waited for the request since.
         flush()
-        deposits.append((time.monotonic(), round_id))
+        deposits.append((last_step, round_id))
         at_snapshot, pending, last_deposit = since_avg, round_id, round_id
         send(rec.SnapshotReady(rank=rank, round=round_id))
         send(rec.RoundFrame(round=round_id, rank=rank, mass=float(at_snapshot)), [params * at_snapshot], Channel.DATA)
@@ -217,6 +220,7 @@ def light_rank() -> int:
                 resumes.append((time.monotonic(), resume_for))
                 resume_for = None
             time.sleep(STEP_S)
+            last_step = time.monotonic()
             steps += 1
             since_avg += 1
             span = spans[0]
@@ -347,7 +351,7 @@ def run_world(hosts: int, per_host: int, epochs: int, sigs: dict[str, str]) -> d
 
 def barrier_ms(ranks, t0: float) -> float:
     """Median over the rounds after `t0` of the last rank's first step after the round's consensus minus the
-    last rank's deposit in it (the round as the ranks wait for it)."""
+    last rank's window end before its deposit in it (the round as the ranks wait for it)."""
     ends: dict[int, float] = {}
     starts: dict[int, float] = {}
     for r in ranks:
