@@ -17,13 +17,17 @@ Figures per world H x R (H hosts, R ranks per host):
 - round_ms: median round time, trigger to consensus published (the
   controller's own clock, `TrainResult.round_ms`), rounds of the first
   epoch left out;
+- barrier_ms: median of the round as the ranks see it, from the last rank's
+  window end (its last step before the round's deposit, asked or not) to the
+  last rank's first step of its next window (the consensus loaded and the
+  next plan in hand), same rounds;
 - controller_cpu_ms: the controller process's CPU (user + system, /proc,
   10 ms ticks) over the steady window (first to last epoch end) per round
   in it;
 - uplink_bytes: bytes the controller's control and data sockets received
   per round in the same window (TCP's count, `bytes_received` of `ss -ti`).
 
-JSON keys: round_ms_h{H}_r{R}, controller_cpu_ms_h{H}_r{R},
+JSON keys: round_ms_h{H}_r{R}, barrier_ms_h{H}_r{R}, controller_cpu_ms_h{H}_r{R},
 uplink_bytes_h{H}_r{R}, formation_s_h{H}_r{R}, rounds_h{H}_r{R}.
 This script is also the job the launcher runs (FLODL_ROLE set).
 """
@@ -116,13 +120,16 @@ def light_rank() -> int:
     send(rec.RankHello(rank=rank, world_size=penv.world_size, host=host,
                        model_sig=bytes.fromhex(os.environ["BENCH_MODEL_SIG"]),
                        dataset_sig=bytes.fromhex(os.environ["BENCH_DATASET_SIG"])))
-    spans: list[list[int]] = []  # [epoch, steps left, steps total]
-    steps = since_avg = at_snapshot = 0
+    spans: list[list] = []  # [epoch, steps left, steps total, samples, round deposited at its end or None]
+    steps = since_avg = at_snapshot = last_deposit = 0
     pending: int | None = None
     held: list = []
     throttled = False
     first_plan = None
-    requests: list[tuple[float, int]] = []
+    deposits: list[tuple[float, int]] = []  # (window end: the last step before the deposit, round)
+    last_step = 0.0
+    resumes: list[tuple[float, int]] = []  # (first step after the round's consensus, round)
+    resume_for: int | None = None
     report: list[float] = []
     report_opened = 0.0
     next_beat = 0.0
@@ -135,7 +142,7 @@ def light_rank() -> int:
         first_plan = first_plan or time.monotonic()
         n = -(-plan.size // BATCH)
         if n:
-            spans.append([plan.epoch, n, n, plan.size])
+            spans.append([plan.epoch, n, n, plan.size, getattr(plan, "deposit", None)])
 
     def flush() -> None:
         nonlocal report
@@ -144,9 +151,18 @@ def light_rank() -> int:
                            batch_loss=[1.0] * len(report)))
             report = []
 
+    def deposit(round_id: int) -> None:
+        nonlocal at_snapshot, pending, last_deposit
+        # The window ended at the last step; asked, the rank waited for the request since.
+        flush()
+        deposits.append((last_step, round_id))
+        at_snapshot, pending, last_deposit = since_avg, round_id, round_id
+        send(rec.SnapshotReady(rank=rank, round=round_id))
+        send(rec.RoundFrame(round=round_id, rank=rank, mass=float(at_snapshot)), [params * at_snapshot], Channel.DATA)
+
     def handle(r) -> bool:
         """One coordinator record, in stream order; True to stop."""
-        nonlocal throttled, at_snapshot, pending
+        nonlocal throttled
         if isinstance(r, rec.StartEpoch):
             add(r.plan)
         elif isinstance(r, rec.Update):
@@ -155,13 +171,8 @@ def light_rank() -> int:
                 held.append(r.next_plan)  # trained only on this round's consensus
             elif r.next_plan is not None:
                 add(r.next_plan)
-        elif isinstance(r, rec.RequestParams):
-            flush()
-            requests.append((time.monotonic(), r.round))
-            at_snapshot, pending = since_avg, r.round
-            send(rec.SnapshotReady(rank=rank, round=r.round))
-            send(rec.RoundFrame(round=r.round, rank=rank, mass=float(at_snapshot)),
-                 [params * at_snapshot], Channel.DATA)
+        elif isinstance(r, rec.RequestParams) and r.round > last_deposit:  # else deposited at its span's end
+            deposit(r.round)
         elif isinstance(r, rec.Throttle):
             throttled = True
         return isinstance(r, (rec.Shutdown, rec.ShutdownWithSave))
@@ -197,7 +208,7 @@ def light_rank() -> int:
                 c = env.record
                 if isinstance(c, rec.Consensus) and c.round == pending:
                     since_avg -= at_snapshot
-                    pending = None
+                    pending, resume_for = None, c.round
                     flush()
                     send(rec.SyncAck(rank=rank, round=c.round, step_count=steps, divergence=0.0,
                                      post_norm=1.0, pre_norm=1.0))
@@ -205,7 +216,11 @@ def light_rank() -> int:
                         add(plan)
                     held = []
         if spans and not throttled and not stop:
+            if resume_for is not None:
+                resumes.append((time.monotonic(), resume_for))
+                resume_for = None
             time.sleep(STEP_S)
+            last_step = time.monotonic()
             steps += 1
             since_avg += 1
             span = spans[0]
@@ -218,13 +233,16 @@ def light_rank() -> int:
             if span[1] == 0:
                 spans.pop(0)
                 flush()
+                if span[4] is not None and span[4] > last_deposit:
+                    deposit(span[4])  # told ahead: the window ends here
                 send(rec.EpochMetrics(rank=rank, epoch=span[0], avg_loss=1.0, batches_processed=span[2],
                                       samples_processed=span[3], epoch_ms=span[2] * STEP_S * 1000.0,
                                       compute_only_ms=span[2] * STEP_S * 1000.0, data_starve_ms=0.0,
                                       scalar_sums={}, scalar_counts={}))
     flush()
     send(rec.Exiting(rank=rank))
-    print(TAG + " " + json.dumps({"rank": rank, "first_plan": first_plan, "requests": requests}), flush=True)
+    print(TAG + " " + json.dumps({"rank": rank, "first_plan": first_plan, "deposits": deposits, "resumes": resumes}),
+          flush=True)
     for s in socks:
         s.close(2000)
     ctx.term()
@@ -318,16 +336,30 @@ def run_world(hosts: int, per_host: int, epochs: int, sigs: dict[str, str]) -> d
     if code != 0 or ctl is None or len(ranks) != world:
         raise RuntimeError(f"world {hosts}x{per_host} failed (exit {code}):\n{cluster.output()[-6000:]}")
     t0, t1 = ctl["epoch_ends"][0], ctl["epoch_ends"][-1]
-    rounds = sum(1 for t, _ in ranks[0]["requests"] if t0 < t <= t1)
+    rounds = sum(1 for t, _ in ranks[0]["deposits"] if t0 < t <= t1)
     cpu_s, read = sampler.between(t0, t1)
     steady = ctl["round_ms"][len(ctl["round_ms"]) // epochs:]  # the first epoch's rounds left out
     return {
         "formation_s": max(r["first_plan"] for r in ranks.values()) - t_spawn,
         "round_ms": statistics.median(steady),
+        "barrier_ms": barrier_ms(ranks.values(), t0),
         "controller_cpu_ms": cpu_s * 1000.0 / max(rounds, 1),
         "uplink_bytes": read / max(rounds, 1),
         "rounds": len(ctl["round_ms"]),
     }
+
+
+def barrier_ms(ranks, t0: float) -> float:
+    """Median over the rounds after `t0` of the last rank's first step after the round's consensus minus the
+    last rank's window end before its deposit in it (the round as the ranks wait for it)."""
+    ends: dict[int, float] = {}
+    starts: dict[int, float] = {}
+    for r in ranks:
+        for t, rnd in r["deposits"]:
+            ends[rnd] = max(ends.get(rnd, t), t)
+        for t, rnd in r["resumes"]:
+            starts[rnd] = max(starts.get(rnd, t), t)
+    return statistics.median((starts[r] - ends[r]) * 1000.0 for r in ends if r in starts and ends[r] > t0)
 
 
 def signatures() -> dict[str, str]:
@@ -370,9 +402,11 @@ def main() -> int:
         return 0
     print(f"tiny model, cpu-cadence, {args.epochs} epochs of {SAMPLES} samples, batch {BATCH}, light ranks "
           f"({STEP_S * 1000:g} ms steps); load average {figures['load_average'][0]:.2f}")
-    print("world | ranks | formation s | median round ms | controller CPU ms / round | bytes in / round | rounds")
+    print("world | ranks | formation s | median round ms | median barrier ms | controller CPU ms / round | "
+          "bytes in / round | rounds")
     for h, r, f in rows:
-        print(f"{h}x{r} | {h * r} | {f['formation_s']:.1f} | {f['round_ms']:.1f} | {f['controller_cpu_ms']:.1f} | "
+        print(f"{h}x{r} | {h * r} | {f['formation_s']:.1f} | {f['round_ms']:.1f} | {f['barrier_ms']:.1f} | "
+              f"{f['controller_cpu_ms']:.1f} | "
               f"{f['uplink_bytes']:.0f} | {f['rounds']}")
     return 0
 

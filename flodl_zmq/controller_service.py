@@ -620,7 +620,7 @@ class ControllerService:
                     if rank in self.router.host_of:  # a vacancy was never the reducer's (no host serves it)
                         self.reducer.declare_dead(rank)
                 elif isinstance(out.record, MassBound):
-                    self.reducer.bound_round(out.record.round, dict(out.record.bounds))
+                    self.reducer.bound_round(out.record.round, dict(out.record.bounds), out.record.opens)
                 else:
                     self.counts["unexpected.reducer"] += 1
             elif isinstance(out.record, RoundOpened):

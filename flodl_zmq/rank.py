@@ -15,7 +15,10 @@ the protocol like this (PROTOCOL.md, Rank):
    completed span.
 3. On `RequestParams(round)` snapshots its parameters and float buffers into
    a reused host buffer, multiplies it by its realized-work mass (steps since
-   the last sync) and deposits one `RoundFrame` on the data socket.
+   the last sync) and deposits one `RoundFrame` on the data socket; a span
+   whose plan names a round (`EpochPlan.deposit`) is deposited so at its end,
+   unasked, before its `EpochMetrics`. A round is deposited in once: a
+   request for a round already deposited is ignored.
 4. On the round's `Consensus` loads it and answers `SyncAck` with the
    divergence triple; a zero-mass consensus keeps local state. It overwrites
    the replica, except under cpu-async, where the rank trained on while its
@@ -34,8 +37,12 @@ Rules this module keeps:
 - The snapshot is taken into buffers allocated once, pinned on CUDA, in the
   rank's shared-memory segment when the relay is on this machine (its data
   endpoint is ipc://): flodl_zmq/param_buffers.py.
-- The next plan of an `Update` is held until that round's consensus is
-  loaded: training it on the pre-consensus replica would throw its steps away.
+- An `Update` is held until that round's consensus is loaded, and every
+  control record after it with it (a shutdown aside), handled in order after
+  the load: it rides beside the consensus (PROTOCOL.md 10.1), and training
+  its plan, or data sent after it, on the pre-consensus replica would throw
+  those steps away. An eval or a checkpoint that arrives while a consensus is
+  pending waits for it the same way: it scores that consensus.
 - A deposit is kept until its round's consensus arrives (the link asks the
   relay again after `consensus_wait_at_relay_s`, PROTOCOL.md 10.6). The snapshot is
   not overwritten before that consensus, so a resend is the same deposit.
@@ -96,6 +103,7 @@ def pick_device(local_rank: int) -> torch.device:
 class _Span:
     epoch: int
     indices: np.ndarray
+    deposit: int | None = None  # the round deposited in at its end (EpochPlan.deposit)
     pos: int = 0
     started: float = 0.0
     loss_sum: float = 0.0
@@ -148,7 +156,8 @@ class RankRuntime:
         self._pending_round: int | None = None  # deposited, consensus not yet loaded
         self.stale_consensus = 0  # consensus records refused by round: duplicates, late joins, replays
         self._steps_at_snapshot = 0
-        self._held_plans: dict[int, rec.EpochPlan] = {}
+        self._deposited = 0  # the highest round deposited in
+        self._held: list[Any] = []  # control records waiting for the pending consensus (module docstring)
         self._epoch_role = 0
         self._epoch_fn_done: set[int] = set()
         self._stop_reason: str | None = None
@@ -276,21 +285,24 @@ class RankRuntime:
     # -- records ----------------------------------------------------------
 
     def _on_control(self, r: Any) -> None:
+        if (self._held or (self._pending_round is not None and isinstance(r, (rec.Update, rec.ExecuteEval,
+                                                                                   rec.Checkpoint)))) \
+                and not isinstance(r, (rec.Shutdown, rec.ShutdownWithSave)):
+            self._held.append(r)  # after the pending consensus's load (module docstring)
+            return
         # Only Update (and Shutdown) releases a Throttle: new data is no licence to run ahead
         # of the round in flight; the rank was throttled for being too far ahead, and still is.
         if isinstance(r, rec.StartEpoch):
-            self._add_span(r.plan.epoch, r.plan.offset, r.plan.size)
+            self._add_span(r.plan)
         elif isinstance(r, rec.Update):
             self._throttled = False
             if r.next_plan is not None:
-                if self._pending_round is not None and self._pending_round <= r.round:
-                    self._held_plans[r.round] = r.next_plan
-                else:
-                    self._add_span(r.next_plan.epoch, r.next_plan.offset, r.next_plan.size)
+                self._add_span(r.next_plan)
         elif isinstance(r, rec.ExtendPartition):
-            self._add_span(r.epoch, r.offset, r.size)
+            self._add_span(rec.EpochPlan(r.epoch, r.offset, r.size))
         elif isinstance(r, rec.RequestParams):
-            self._deposit(r.round)
+            if r.round > self._deposited:  # else deposited at its span's end, unasked
+                self._deposit(r.round)
         elif isinstance(r, rec.Throttle):
             self._throttled = True
         elif isinstance(r, rec.SetGlobalStep):
@@ -312,23 +324,24 @@ class RankRuntime:
             self._stop_reason = type(r).__name__
         # CoordHeartbeat, EpochAggregated, EvalBroadcast, DeclareDead: nothing to do on a CPU-reduce rank.
 
-    def _add_span(self, epoch: int, offset: int, size: int) -> None:
-        if size <= 0:
+    def _add_span(self, plan: rec.EpochPlan) -> None:
+        epoch = plan.epoch
+        if plan.size <= 0:
             return
         perm = self._perms.get(epoch)
         if perm is None:
             perm = epoch_permutation(self.job.seed, epoch, self.job.total_samples)
             self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
             self._perms[epoch] = perm
-        indices = plan_indices(perm, rec.EpochPlan(epoch, offset, size))
-        self._spans.append(_Span(epoch, indices))
+        indices = plan_indices(perm, plan)
+        self._spans.append(_Span(epoch, indices, plan.deposit))
         bs = self.job.batch_size
         self.pipeline.extend(indices[i : i + bs] for i in range(0, len(indices), bs))
 
     def _deposit(self, round_id: int) -> None:
         self._steps_at_snapshot = self.steps_since_avg
         payload = self.buffers.snapshot(float(self.steps_since_avg))
-        self._pending_round = round_id
+        self._pending_round = self._deposited = round_id
         self.buffers.mark_queued()
         self.link.send(rec.SnapshotReady(rank=self.cfg.rank, round=round_id))
         self.link.send(
@@ -360,9 +373,9 @@ class RankRuntime:
                 divergence=divergence, post_norm=post, pre_norm=pre,
             )
         )
-        for held in sorted(r for r in self._held_plans if r <= c.round):
-            plan = self._held_plans.pop(held)
-            self._add_span(plan.epoch, plan.offset, plan.size)
+        held, self._held = self._held, []
+        for r in held:
+            self._on_control(r)
 
     def _adopt(self, payload: Sequence[np.ndarray], blend: float | None) -> tuple[float | None, float, float | None]:
         """Load a consensus payload (ParamBuffers.load); a blending rank, whose replica is not the
@@ -413,6 +426,8 @@ class RankRuntime:
         self.link.step(compute_ms, data_ms, loss_value, self.steps)
         if span.pos >= len(span.indices):
             self._spans.popleft()
+            if span.deposit is not None and span.deposit > self._deposited:
+                self._deposit(span.deposit)  # its window ends here: no request crosses the relays
             sums, counts = self.scalars.take()
             self.link.send(
                 rec.EpochMetrics(

@@ -37,7 +37,13 @@ Rules the ledger keeps:
   bound for its host (the sum of its ranks' bounds, given by the coordinator
   with `bound_round` before the round's first frame can arrive), raises
   PoisonedDeposit and changes nothing: one host must not NaN or dominate the
-  consensus. A round with no bound given is not capped.
+  consensus. A round with no bound given is not capped. Bounds of one round
+  add up rank by rank (the larger wins): a deposit told ahead brings its
+  rank's bound with its plan, the trigger every rank's.
+- A round whose deposits were told ahead (PROTOCOL.md 10.1) is published only
+  once its trigger opened it (`bound_round(..., opens=True)`): its frames may
+  all arrive before the coordinator has seen the window end, and a consensus
+  published then would reach ranks whose round the coordinator does not know.
 - A frame for a finished round, or from a host whose ranks are all dead, is
   dropped and counted.
 - Under a robust aggregation (``aggregation`` median or trimmed_mean) the
@@ -182,6 +188,7 @@ class RoundLedger:
         self._all_dead_reported = False
         self._round: OpenRound | None = None
         self._bounds: dict[int, dict[int, float]] = {}  # round -> rank -> most mass it may carry
+        self._unopened: set[int] = set()  # rounds told ahead whose trigger has not opened them
         # The consensus the magnitude bound is measured on (robust.py), measured once when a frame
         # first needs it: never between a round's last frame and its publication.
         self._bound_by: Sequence[np.ndarray] | None = None
@@ -279,17 +286,27 @@ class RoundLedger:
         rnd.refused.clear()
         return got
 
-    def bound_round(self, round_id: int, bounds: Mapping[int, float]) -> None:
+    def bound_round(self, round_id: int, bounds: Mapping[int, float], opens: bool = True) -> Reduced | Abandoned | None:
         """Cap the mass of ``round_id``'s frames: a host may carry at most the sum of its ranks' bounds.
 
-        A rank without a bound (not in the round) contributes 0. Bounds of
-        finished rounds are dropped.
+        A rank without a bound (not in the round) contributes 0. `opens`
+        False: a deposit told ahead, so the round waits for its trigger
+        (`opens` True), which may complete it. Bounds of finished rounds are
+        dropped.
         """
+        round_id = int(round_id)
         if self.last_round is not None and round_id <= self.last_round:
-            return
-        self._bounds[int(round_id)] = {int(r): float(b) for r, b in bounds.items()}
+            return None
+        have = self._bounds.setdefault(round_id, {})
+        for r, b in bounds.items():
+            have[int(r)] = max(have.get(int(r), 0.0), float(b))
         for r in [r for r in self._bounds if self.last_round is not None and r <= self.last_round]:
             del self._bounds[r]  # abandoned rounds' bounds
+        if not opens:
+            self._unopened.add(round_id)
+            return None
+        self._unopened.discard(round_id)
+        return self._settle() if self.round_id == round_id else None
 
     def declare_dead(self, rank: int) -> Declared:
         """Record ``rank``'s death (idempotent, permanent) and settle the open round."""
@@ -356,7 +373,9 @@ class RoundLedger:
                 self._abandoned = out
                 self.counters.rounds_abandoned += 1
             return out
-        if rnd is None or not frozenset().union(*map(self._members_of, expected)) <= set(rnd.members):
+        if rnd is None or rnd.round_id in self._unopened:
+            return None
+        if not frozenset().union(*map(self._members_of, expected)) <= set(rnd.members):
             return None
         image, outputs = self._images.get(rnd.schema)
         if rnd.keep:  # a robust aggregation: each rank's model, checked on arrival, combined coordinate-wise
@@ -384,6 +403,7 @@ class RoundLedger:
         self.last_round = rnd.round_id
         for r in [r for r in self._bounds if r <= rnd.round_id]:
             del self._bounds[r]
+        self._unopened = {r for r in self._unopened if r > rnd.round_id}
         if self.outer is not None and divisor is not None:
             self.outer.step(outputs)
         hosts = {self._owner[r] for r in rnd.members} if self.per_rank else rnd.members

@@ -201,6 +201,7 @@ class BoundRound:
 
     round_id: int
     bounds: dict[int, float]
+    opens: bool  # the trigger's bound; False: one deposit told ahead (RoundLedger.bound_round)
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ class ReducerService:
         self._restate: list[tuple[str, int]] = []  # (host, rank) this service told, restated until the end
         self._restate_at = math.inf
         self._drop: set[int] = set()
-        self._bounded = -1  # the latest round bound_round named
+        self._bounded = -1  # the latest round bound_round opened
         self._nonce = itertools.count(1)
         self._last_nonce = 0
         self._next_probe = 0.0
@@ -285,13 +286,14 @@ class ReducerService:
         """The coordinator declared `rank` dead: out of every barrier, forwarded to its relay (and restated)."""
         self._service.put(DeclareDead(int(rank)))
 
-    def bound_round(self, round_id: int, bounds: Mapping[int, float]) -> None:
+    def bound_round(self, round_id: int, bounds: Mapping[int, float], opens: bool = True) -> None:
         """The coordinator's mass bound per rank for `round_id` (RoundLedger.bound_round).
 
-        Call it before the round's RequestParams go out: commands are handled
-        before the frames that arrive with them, so the bound is in place first.
+        Call it before the round's RequestParams (or the plan that tells a
+        deposit ahead) go out: commands are handled before the frames that
+        arrive with them, so the bound is in place first.
         """
-        self._service.put(BoundRound(int(round_id), dict(bounds)))
+        self._service.put(BoundRound(int(round_id), dict(bounds), opens))
 
     def drop_broadcast(self, round_id: int) -> None:
         """Test hook: do not send the consensus of `round_id` (neither on PUB nor point to point)."""
@@ -377,8 +379,10 @@ class ReducerService:
         self._count["oversized"] += drain(data, self._on_message, copy=False, budget=64)
 
     def _bound(self, cmd: BoundRound) -> None:
-        self._bounded = cmd.round_id
-        self.ledger.bound_round(cmd.round_id, cmd.bounds)
+        if cmd.opens:
+            self._bounded = cmd.round_id
+        with self._outer_lock:
+            self._settled(self.ledger.bound_round(cmd.round_id, cmd.bounds, cmd.opens))
 
     def _probe(self, now: float) -> None:
         """Publish a probe while a relay has not proved it receives the broadcast (SubscriberReady)."""

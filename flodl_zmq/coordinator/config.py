@@ -73,6 +73,11 @@ class Mode(str, enum.Enum):
         return self is not Mode.SYNC
 
     @property
+    def deposits_unasked(self) -> bool:
+        """Cadence: a chunk that fills the window names the next round, deposited at its end (PROTOCOL.md 10.1)."""
+        return self is Mode.CADENCE
+
+    @property
     def hard_barrier(self) -> bool:
         """Sync throttles every rank from its deposit to its Update: nothing trains meanwhile."""
         return self is Mode.SYNC

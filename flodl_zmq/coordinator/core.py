@@ -12,19 +12,23 @@ Every rank trains its own replica (Local SGD). Ranks report every step
 each second. The coordinator counts steps per rank since the last average and
 fires an *averaging cycle* when its gate opens:
 
-    Idle --gate--> Pending --reducer published + every live rank acked--> Idle
-         RequestParams(round)                 Update(round, next_plan)
-         [Sync: Throttle]                     SetGlobalStep
+    Idle --gate--> Pending --reducer published--> Closing --every live rank acked--> Idle
+         RequestParams(round)      Update(round, next_plan)      the guard's verdict
+         [Sync: Throttle]          SetGlobalStep
          controller: RoundOpened(round, ranks)
 
 The gate counts steps, never wall time (rounds.py keeps the counts). Sync
 fires once every live rank did one step; Cadence and Async once every live
 rank did its ElChe batch count (or has no work left: *quiesced*). Steps
 taken while the cycle is in flight stay credited to the next window. At the
-finish the window's measurements set the next window's schedule
-(`WindowFeedback`, feedback.py: ElChe, the convergence guard, the LR
-meta-controller, overshoot), and each rank's next chunk rides in its
-`Update` (no extra round trip). Epoch-boundary callbacks (eval,
+publication the window's timings set the next window's schedule
+(`WindowFeedback.calibrate`, feedback.py: ElChe) and each rank's next chunk
+rides in its `Update`, sent beside the consensus (no round trip through the
+acks); the acks then give the guard its divergence (`judge`: the convergence
+guard, the LR meta-controller, overshoot), before any next window opens.
+Under Cadence a chunk that fills its window also names the next round, which
+the rank deposits in at its end without being asked (`DepositsAhead`,
+rounds.py), and the round's trigger asks only the others. Epoch-boundary callbacks (eval,
 checkpoint: `EpochCallbacks`, roles.py) go out at the first finish whose
 consensus contains every sample of the epoch that ended, just before the
 Updates.
@@ -112,7 +116,14 @@ from flodl_zmq.coordinator.outputs import (
 )
 from flodl_zmq.coordinator.resume import ResumeState
 from flodl_zmq.coordinator.roles import FINAL_EVAL_ID, CallbackRoles, EpochCallbacks, final_eval
-from flodl_zmq.coordinator.rounds import Consensus, Cycle, StepCounters, gate_open, over_lead_cap
+from flodl_zmq.coordinator.rounds import (
+    Consensus,
+    Cycle,
+    DepositsAhead,
+    StepCounters,
+    gate_open,
+    over_lead_cap,
+)
 from flodl_zmq.coordinator.strategy import Send, strategy_for
 from flodl_zmq.errors import CoordinatorError
 from flodl_zmq.wire import records as rec
@@ -136,13 +147,8 @@ class Coordinator:
     only the samples not yet in the saved consensus are trained again.
     """
 
-    def __init__(
-        self,
-        config: CoordinatorConfig,
-        world_size: int,
-        now: float,
-        resume: Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, config: CoordinatorConfig, world_size: int, now: float,
+                 resume: Mapping[str, Any] | None = None) -> None:
         config.check_world(world_size)
         self.config = config
         self.world_size = world_size
@@ -161,6 +167,8 @@ class Coordinator:
         self.avg_count = self.round  # rounds finished
         self.global_step = 0 if point is None else point.global_step
         self.cycle: Cycle | None = None
+        self._closing: Cycle | None = None  # released, awaiting its acks for the guard
+        self._ahead = DepositsAhead(config.batch_size)
         self._abandoned = 0
         self._steps = StepCounters(world_size)
         self._throttled: set[int] = set()
@@ -253,10 +261,10 @@ class Coordinator:
             self._lose_rank(r, failure=True, now=now)
             if self._over:
                 return self._outbox.flush()
-        if self.cycle is not None and self.cycle.stalled(now, self.config.reduce_stall_s):
+        if self._in_flight is not None and self._in_flight.stalled(now, self.config.reduce_stall_s):
             # A round that neither completes nor fails while its ranks stay
             # alive is a wedge; saving beats hanging forever.
-            self.cycle = None
+            self.cycle = self._closing = None
             self._shutdown_with_save(ShutdownReason.REDUCE_STALL)
             return self._outbox.flush()
         self._advance(now)
@@ -264,15 +272,12 @@ class Coordinator:
 
     def next_due(self) -> float | None:
         """When `on_tick` next has work (a beacon, a rank turning stale, the stall ceiling); None: never.
-
-        A service sleeps until then instead of ticking on an interval; any
-        other input may move it, so ask again after each.
-        """
+        A service sleeps until then; any other input may move it, so ask again after each."""
         if not self._started or self._over:
             return None
         due = self.liveness.next_due()
-        if self.cycle is not None:
-            due = min(due, self.cycle.stall_due(self.config.reduce_stall_s))
+        if self._in_flight is not None:
+            due = min(due, self._in_flight.stall_due(self.config.reduce_stall_s))
         return due
 
     def on_rank_death(self, rank: int, reason: str, now: float) -> list[Out]:
@@ -286,14 +291,9 @@ class Coordinator:
         return self._outbox.flush()
 
     def on_send_failed(self, rank: int, record: Any, now: float) -> list[Out]:
-        """The service could not deliver `record`, one of our outputs, to `rank`.
-
-        The rank takes the failure path of `on_rank_death` (it counts towards
-        `max_failure`), which hands on what the record carried: a chunk is
-        forfeited to the reclaimed queue, where a survivor redoes it first (a
-        `ChunkPool.rollback` into the rank's own span would leave it to be
-        stolen last); an untrained Sync span is part of the dead rank's remainder.
-        """
+        """The service could not deliver `record`, one of our outputs, to `rank`: the failure path of
+        `on_rank_death`, which hands on what the record carried (a chunk to the reclaimed queue, redone
+        first: a `ChunkPool.rollback` would leave it to be stolen last; a Sync span to the remainder)."""
         self._require_started(f"failed send of {type(record).__name__} to rank {rank}")
         if self._failure_is_news(rank, "send_to_departed", now):
             self.lost_sends[type(record).__name__] += 1
@@ -347,11 +347,6 @@ class Coordinator:
         return self.feedback.elche
 
     @property
-    def overshoot(self) -> int:
-        """Async's lookahead past a rank's window, in steps (tuned by `feedback`)."""
-        return self.feedback.overshoot
-
-    @property
     def window_steps(self) -> list[int]:
         """Each rank's steps since the last finished reduce."""
         return self._steps.window()
@@ -377,13 +372,14 @@ class Coordinator:
         self._steps.saw(rank, m.step_count)
 
     def _on_sync_ack(self, rank: int, m: rec.SyncAck, now: float) -> None:
-        cause = "stale_round" if self.cycle is None else self.cycle.ack(rank, m)
+        cyc = self._closing if self._closing is not None and self._closing.round == m.round else self.cycle
+        cause = "stale_round" if cyc is None else cyc.ack(rank, m)
         if cause is not None:
             self.ignored[cause] += 1
 
     def _on_snapshot_ready(self, rank: int, m: rec.SnapshotReady, now: float) -> None:
         # Nothing to learn from it (the round's clock is the controller's); a stale one is counted.
-        if self.cycle is None or m.round != self.cycle.round:
+        if m.round != self.round + (self.cycle is None):  # a deposit told ahead precedes its trigger
             self.ignored["stale_round"] += 1
 
     def _on_exiting(self, rank: int, m: rec.Exiting, now: float) -> None:
@@ -412,6 +408,8 @@ class Coordinator:
         if not self.dispatch.on_metrics(rank, m, self._steps.count[rank]):
             self.ignored["late_completion"] += 1
             return
+        if self._ahead.chunk_done(rank, self.round + 1):
+            self._throttled.add(rank)  # parked: it deposited at its chunk's end, unasked
         # `reports_per_epoch`: one `EpochProgress` per n-th of the epoch's batches crossed.
         progress = self._reports.add(m, self.last_aggregated)
         if progress is not None:
@@ -437,16 +435,18 @@ class Coordinator:
         """Everything that follows from the current state, in upstream tick order."""
         if self._over:
             return
-        if self.cycle is not None and self.cycle.settled(self.liveness.is_live):
-            self._finish(now)
+        if self.cycle is not None and self.cycle.reduced:
+            self._release(now)
+        if self._closing is not None and self._closing.settled(self.liveness.is_live):
+            self._judge()
         if self.cycle is None:
             self._outbox.release_held()
-            if self.phase is RunPhase.TRAINING and gate_open(
-                self.liveness.live, self._steps, self.dispatch, self._throttled, self.last_aggregated
-            ):
-                self._trigger(now)
+        if self._in_flight is None and self.phase is RunPhase.TRAINING and gate_open(
+            self.liveness.live, self._steps, self.dispatch, self._throttled, self.last_aggregated
+        ):
+            self._trigger(now)
         self._aggregate(now)
-        if self.cycle is None and self.phase is RunPhase.TRAINING and self._epoch_awaits_average():
+        if self._in_flight is None and self.phase is RunPhase.TRAINING and self._epoch_awaits_average():
             self._trigger(now)
         if self.cycle is None:
             if not self._steps.stepped(self.liveness.live):
@@ -461,12 +461,8 @@ class Coordinator:
         full window would leave the call a window late. (Checked after the epochs are aggregated:
         an epoch's callbacks are queued there.)"""
         first = self.callbacks.first_epoch()
-        return (
-            first is not None
-            and not self.mode.barrier_paced
-            and first - 1 <= self.dispatch.done_through(self.last_aggregated)
-            and self._steps.stepped(self.liveness.live)
-        )
+        return (first is not None and not self.mode.barrier_paced
+                and first - 1 <= self.dispatch.done_through(self.last_aggregated) and self._steps.stepped(self.liveness.live))
 
     def _trigger(self, now: float, final: bool = False) -> None:
         live = tuple(self.liveness.live)
@@ -482,40 +478,30 @@ class Coordinator:
                 # rank that handled the request alone would train a step on
                 # the replica it deposited, which the consensus erases.
                 self._throttle(r)
-            self._outbox.emit(r, rec.RequestParams(round=self.round))
+            if r not in self._ahead.parked:
+                self._outbox.emit(r, rec.RequestParams(round=self.round))
+        self._ahead.clear()
 
-    def _finish(self, now: float) -> None:
+    def _release(self, now: float) -> None:
+        """The consensus is published: credit the window, calibrate, and send the next plans beside it."""
         cyc = self.cycle
         assert cyc is not None
         live = self.liveness.live_mask
-        # -- head: what the window teaches the next one (feedback.py)
-        moved = self._steps.credit(cyc.snapshot, cyc.ranks)
-        self.feedback.close(
-            live,
-            [cyc.acks.get(r) for r in range(self.world_size)],
-            [moved[r] for r in cyc.ranks if live[r]],
-            (now - cyc.started_at) * 1000.0,
-        )
+        moved = self._steps.credit(cyc.snapshot, cyc.ranks)  # only the snapshotted steps are in it
+        cyc.credited = [moved[r] for r in cyc.ranks if live[r]]
+        self.feedback.calibrate(live, (now - cyc.started_at) * 1000.0)
         if self.elche.is_calibrated:
             self.roles.on_calibrated(self.feedback.smoothed_ms(), live)
-        # -- counters: only the snapshotted steps are in this consensus
         self.global_step += sum(moved[r] for r in cyc.ranks)
         self.avg_count += 1
         self._abandoned = 0
-        # Behind the hard barrier ranks sit throttled from their deposit to their
-        # Update, with any new data held back (`Outbox.hold`), so this consensus holds
-        # everything they reported up to now; elsewhere ranks may train on, so
-        # only what was done at the trigger counts.
-        if self.mode.hard_barrier:
-            self._consensus.adopt(cyc, self.dispatch.done_through(self.last_aggregated))
-        else:
-            self._consensus.adopt(cyc, cyc.done_through)
+        self._consensus.adopt(cyc, self.dispatch.done_through(self.last_aggregated), self.mode.hard_barrier)
         self._throttled.clear()
-        self.cycle = None
-        # Before the Updates: the eval rank then scores exactly the consensus it
-        # just loaded (a Sync rank is throttled, a Cadence rank idle, until its Update).
+        self.cycle, self._closing = None, cyc
+        # Before the Updates: the eval rank then scores exactly the consensus it loads
+        # (a rank holds both until that load; a Sync rank is throttled, a Cadence rank idle, until then).
         self._flush_callbacks()
-        # -- tail: next plans ride in the Update (atomic dispatch)
+        # -- tail: next plans ride in the Update (atomic dispatch), beside the consensus
         self.dispatch.replan()
         for r in cyc.ranks:
             if live[r]:
@@ -523,29 +509,34 @@ class Coordinator:
         self._outbox.to_live(rec.SetGlobalStep(global_step=self.global_step))
         self._wake_idle()
 
+    def _judge(self) -> None:
+        """Every live rank acknowledged the released consensus: the guard judges its window."""
+        cyc = self._closing
+        assert cyc is not None
+        self._closing = None
+        self.feedback.judge([cyc.acks.get(r) for r in range(self.world_size)], cyc.credited)
+
     # ================================================================ dispatch
 
-    @property
-    def _held_at_barrier(self) -> bool:
-        """Ranks wait at the barrier for the cycle in flight (Sync, Cadence; never Async).
-
-        A rank that got data while its round was in flight would train it on
-        the replica it just deposited, and the consensus would then overwrite
-        those steps: under load (a long round trip) a whole epoch was lost so.
-        """
-        return self.mode.barrier_paced and self.cycle is not None
+    def _held_at_barrier(self, rank: int) -> bool:
+        """`rank` waits at the barrier for the cycle in flight, or parked by its deposit (Sync, Cadence; never
+        Async): a rank that got data while its round was in flight would train it on the replica it deposited,
+        and the consensus would overwrite those steps (under load a whole epoch was lost so)."""
+        return self.mode.barrier_paced and (self.cycle is not None or rank in self._ahead.parked)
 
     def _next_plan(self, rank: int) -> rec.EpochPlan | None:
-        """Take `rank`'s next chunk if it may have one now (live, training, not held)."""
-        if (
-            not self.liveness.is_live(rank)
-            or self.phase is not RunPhase.TRAINING
-            or self._held_at_barrier
-        ):
+        """Take `rank`'s next chunk if it may have one now (live, training, not held); under Cadence
+        one that fills the rank's window names the next round, its deposit at the chunk's end."""
+        if not self.liveness.is_live(rank) or self.phase is not RunPhase.TRAINING or self._held_at_barrier(rank):
             return None  # a held rank's next plan rides in this cycle's Update
-        return self.dispatch.next_plan(
-            rank, self.window_steps[rank], self.feedback.overshoot, self.last_aggregated, self._now
-        )
+        window = self.window_steps[rank]
+        plan = self.dispatch.next_plan(rank, window, self.feedback.overshoot, self.last_aggregated, self._now)
+        if plan is None or not self.mode.deposits_unasked:
+            return plan
+        plan, bound = self._ahead.plan(rank, plan, window, self.dispatch, self.round + 1)
+        if bound is not None:
+            self._outbox.emit(REDUCER, bound)  # before the plan that tells it
+        return plan
 
     def _send_plan(self, rank: int) -> None:
         plan = self._next_plan(rank)
@@ -564,7 +555,7 @@ class Coordinator:
     def _send_data(self, sends: list[Send]) -> None:
         """Send data the strategy produced unasked, or hold it until after the Updates."""
         for rank, record in sends:
-            if self._held_at_barrier:
+            if self._held_at_barrier(rank):
                 self._outbox.hold(rank, record)
             else:
                 self._outbox.emit(rank, record)
@@ -607,7 +598,7 @@ class Coordinator:
         ):
             self._shutdown()  # the eval rank died: there is no result to wait for
             return
-        if self.phase is not RunPhase.TRAINING or self.cycle is not None:
+        if self.phase is not RunPhase.TRAINING or self._in_flight is not None:
             return
         if self.last_aggregated + 1 < self.config.num_epochs:
             return
@@ -640,6 +631,7 @@ class Coordinator:
         if not left:
             return
         self._throttled.discard(rank)
+        self._ahead.forget(rank)
         self.roles.on_death(rank, self.feedback.smoothed_ms(), self.liveness.live_mask)
         # The reducer must not wait for a deposit that will never come.
         self._outbox.emit(REDUCER, rec.DeclareDead(rank=rank))
@@ -667,6 +659,11 @@ class Coordinator:
     def _over(self) -> bool:
         return self.save_reason is not None or self.phase is RunPhase.SHUTDOWN_INITIATED
 
+    @property
+    def _in_flight(self) -> Cycle | None:
+        """The cycle not yet over: pending its consensus, or released and awaiting its acks."""
+        return self.cycle if self.cycle is not None else self._closing
+
     def _check_throttle(self) -> None:
         """Explicit lead cap (`max_batch_diff`), only while the whole world is alive."""
         diff = self.config.max_batch_diff
@@ -686,7 +683,8 @@ class Coordinator:
         self._now = now
         cyc = self.cycle
         if self._over or cyc is None or cyc.round != round:
-            self.ignored["stale_reducer_notice"] += 1
+            if self._closing is None or self._closing.round != round:  # not released already, by an ack
+                self.ignored["stale_reducer_notice"] += 1
             return None
         return cyc
 

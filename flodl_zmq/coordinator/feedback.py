@@ -9,13 +9,17 @@ window growth, and Async's overshoot.
 
 Rules this module keeps:
 
-- **Pure, and one step per window.** `close` runs once per finished
-  consensus, with the live mask, the divergence samples and each live
-  rank's window steps passed in; no clocks, sockets or records. A window
-  torn down by the reducer teaches nothing: its measurements stay in the
-  ledger and count towards the next one.
+- **Pure, and one step per window, in two halves.** `calibrate` runs once
+  per published consensus (the timings: the next plans ride beside that
+  consensus, PROTOCOL.md 10.1), `judge` once its every live rank has
+  acknowledged it (the divergence samples and each live rank's window
+  steps); no clocks, sockets or records. The coordinator opens no window
+  between the two. A window torn down by the reducer teaches nothing: its
+  measurements stay in the ledger and count towards the next one.
 - **Calibrate before judging.** ElChe takes the window's timings first, then
-  the verdict: the guard judges the window that was just measured.
+  the verdict: the guard judges the window that was just measured. The
+  plans sent with the consensus are sized before the verdict, so a verdict
+  (growth adopted, a nudge down) steers the window after next.
 - **The LR meta-controller shrinks before the guard's verdict applies.** A
   NudgeDown it returns (an LR cliff, or sustained guard pressure) goes to
   ElChe first, which discards any pending growth proposal, so the guard's
@@ -78,8 +82,8 @@ class WindowFeedback:
 
     `resume` is the ElChe state of a checkpoint (`state()` of an earlier run);
     None starts a fresh calibration. The coordinator feeds `ledger` every
-    `Batch` and callback cost, `on_lr` every `LrUpdate`, and calls `close`
-    once per finished consensus.
+    `Batch` and callback cost, `on_lr` every `LrUpdate`, and calls `calibrate`
+    once per published consensus and `judge` once it is acknowledged.
     """
 
     def __init__(
@@ -109,22 +113,24 @@ class WindowFeedback:
         """`rank` reported its learning rate (the meta-controller reads the first rank's)."""
         self._lr[rank] = lr
 
-    def close(
-        self,
-        live: Sequence[bool],
-        divergence: Sequence[DivergenceSample | None],
-        live_steps: Sequence[int],
-        round_trip_ms: float,
-    ) -> GuardVerdict:
-        """A consensus finished: calibrate, judge, reset the ledger; returns the applied verdict.
+    def calibrate(self, live: Sequence[bool], round_trip_ms: float) -> None:
+        """A consensus was published: ElChe takes the window's timings, the ledger starts the next window.
 
-        `divergence` has one entry per rank (None: no finite sample),
-        `live_steps` each live rank's window steps (the guard's k_used and
-        k_max), `round_trip_ms` this cycle's duration, which the next window
-        amortizes.
+        `round_trip_ms` is this cycle's duration, which the next window amortizes.
         """
         report = self.ledger.report(live, self._mode is not Mode.SYNC, self._round_trip_ms)
         self.elche.report_window(report)
+        self.ledger.reset_steps()
+        self.ledger.reset_timing()
+        self._round_trip_ms = round_trip_ms
+
+    def judge(self, divergence: Sequence[DivergenceSample | None], live_steps: Sequence[int]) -> GuardVerdict:
+        """Every live rank acknowledged the consensus: the guard's verdict on the window; returns it as applied.
+
+        `divergence` has one entry per rank (None: no finite sample),
+        `live_steps` each live rank's window steps (the guard's k_used and
+        k_max).
+        """
         div = DivergenceReport.from_samples(divergence)
         verdict = self.guard.report(div, sum(live_steps), max(live_steps, default=0))
         if self.meta is not None:
@@ -140,9 +146,6 @@ class WindowFeedback:
                 self.overshoot = min(self.overshoot + 1, self._overshoot_ceiling)
             elif verdict.kind is GuardVerdictKind.NUDGE_DOWN:
                 self.overshoot = self._overshoot_initial
-        self.ledger.reset_steps()
-        self.ledger.reset_timing()
-        self._round_trip_ms = round_trip_ms
         self.last_verdict, self.last_divergence = verdict, div.max_relative_delta
         return verdict
 

@@ -108,12 +108,21 @@ def mass_bound(window_steps: int) -> float:
 class MassBound:
     """Reducer directive: the most mass each rank of round `round` may deposit (`mass_bound`).
 
-    Emitted with the round's trigger, before its RequestParams: the reducer
-    refuses a HostFrame with more mass than the sum of its ranks' bounds.
+    Emitted with the round's trigger (`opens`), before its RequestParams, and
+    for one rank with a plan that tells it to deposit ahead (`ahead`), before
+    that plan: the reducer refuses a HostFrame with more mass than the sum of
+    its ranks' bounds, and publishes a round told ahead only once its trigger
+    opened it (deposits told ahead may all arrive before the trigger).
     """
 
     round: int
     bounds: tuple[tuple[int, float], ...]  # (rank, bound) for each rank in the round
+    opens: bool = True
+
+    @classmethod
+    def ahead(cls, round: int, rank: int, window_steps: int) -> MassBound:
+        """The bound of `rank`, told to deposit in `round` after `window_steps` steps in all."""
+        return cls(round, ((rank, mass_bound(window_steps)),), opens=False)
 
     @classmethod
     def for_window(cls, round: int, window_steps: Sequence[int], ranks: Iterable[int]) -> MassBound:

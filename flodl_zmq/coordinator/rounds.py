@@ -14,6 +14,14 @@ Rules this module keeps:
   while the round was in flight count towards the next window.
 - **The gate counts steps, never wall time** (a time-based gate deadlocked
   upstream: its target depended on samples that only land when it fires).
+- **A deposit told ahead parks its rank.** Under Cadence a chunk that fills
+  its rank's window names the next round (`EpochPlan.deposit`), and the rank
+  deposits when it has trained it, unasked: no request crosses the relays
+  after the window. Once that chunk is reported done the rank has deposited:
+  it is parked at the barrier (it counts at the gate and gets no data) until
+  the round is released, and the trigger asks it for nothing; a rank told
+  but not parked at the trigger is asked, and the request supersedes what
+  it was told (`DepositsAhead`).
 - **The consensus record only grows.** What the last finished consensus holds
   (coverage, aggregated epochs, complete epochs) is the resume point and the
   bar an epoch's eval or checkpoint waits for.
@@ -21,12 +29,14 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from flodl_zmq.coordinator.chunk_pool import Span
 from flodl_zmq.coordinator.convergence import DivergenceSample
+from flodl_zmq.coordinator.outputs import MassBound
 from flodl_zmq.coordinator.strategy import DispatchStrategy
 from flodl_zmq.wire import records as rec
 
@@ -72,6 +82,7 @@ class Cycle:
     done_through: int  # every sample of epochs <= this was reported trained at the trigger
     reduced: bool = False
     acks: dict[int, DivergenceSample | None] = field(default_factory=dict)
+    credited: list[int] = field(default_factory=list)  # each live rank's steps in it, set at its release
 
     @classmethod
     def open(
@@ -122,6 +133,42 @@ class Cycle:
         return self.reduced and all(r in self.acks for r in self.ranks if is_live(r))
 
 
+class DepositsAhead:
+    """Ranks told to deposit in the next round at their chunk's end, and those that did (parked)."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.told: dict[int, int] = {}  # rank -> the round its chunk in flight names
+        self.parked: set[int] = set()  # ranks whose told chunk is done: they deposited unasked
+
+    def plan(
+        self, rank: int, plan: rec.EpochPlan, window_steps: int, dispatch: DispatchStrategy, next_round: int
+    ) -> tuple[rec.EpochPlan, MassBound | None]:
+        """`rank`'s next chunk after `window_steps` steps: if it is the rank's last of the window, it names
+        `next_round` (and the rank's mass bound for it, for the reducer before the plan)."""
+        steps = window_steps + -(-plan.size // self.batch_size)
+        if not dispatch.ends_window(rank, plan, steps):
+            return plan, None
+        self.told[rank] = next_round
+        return dataclasses.replace(plan, deposit=next_round), MassBound.ahead(next_round, rank, steps)
+
+    def chunk_done(self, rank: int, next_round: int) -> bool:
+        """`rank` reported its chunk trained; True if that chunk's end was its deposit in `next_round`."""
+        if self.told.pop(rank, None) != next_round:
+            return False
+        self.parked.add(rank)
+        return True
+
+    def forget(self, rank: int) -> None:
+        self.told.pop(rank, None)
+        self.parked.discard(rank)
+
+    def clear(self) -> None:
+        """The round is triggered: the parked are in it, and a request superseded what the others were told."""
+        self.told.clear()
+        self.parked.clear()
+
+
 @dataclass
 class Consensus:
     """What the last finished consensus contains (for `state_dict` and the epoch callbacks)."""
@@ -130,11 +177,17 @@ class Consensus:
     aggregated: int  # the last epoch aggregated when it was triggered
     complete: int = -1  # every sample of epochs <= this is in it
 
-    def adopt(self, cycle: Cycle, done: int) -> None:
-        """`cycle` finished: its consensus holds what was covered at its trigger, and epochs <= `done`."""
+    def adopt(self, cycle: Cycle, done_now: int, hard_barrier: bool) -> None:
+        """`cycle` was released: its consensus holds what was covered at its trigger, and the epochs done then.
+
+        Behind the hard barrier ranks sit throttled from their deposit to their
+        Update, with any new data held back (`Outbox.hold`), so the consensus
+        holds every epoch done now (`done_now`); elsewhere ranks may train on,
+        so only what was done at the trigger counts.
+        """
         self.coverage = cycle.coverage
         self.aggregated = cycle.last_aggregated
-        self.holds_through(done)
+        self.holds_through(done_now if hard_barrier else cycle.done_through)
 
     def holds_through(self, done: int) -> None:
         self.complete = max(self.complete, done)

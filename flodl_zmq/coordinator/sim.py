@@ -14,11 +14,14 @@ Rules this module keeps:
   expects it: one chunk in flight; a Sync partition is one flat list of
   samples batched across `ExtendPartition` seams, reported when it runs dry
   (only its last batch may be short); `RequestParams` is served at the next batch
-  boundary, or at once when idle or throttled; a `Throttle` holds the rank
-  until the next `Update`; `step_count` counts steps since the process
-  started.
+  boundary, or at once when idle or throttled, unless the rank already
+  deposited in that round; a chunk that names a round (`EpochPlan.deposit`)
+  is deposited at its end, before its report; an `Update` is applied once
+  its round's consensus is loaded; a `Throttle` holds the rank until the
+  next `Update`; `step_count` counts steps since the process started.
 - The simulated reducer knows what the real one knows: it learns a round
-  from its first deposit, waits for every rank not declared dead, drops
+  from its first deposit, waits for every rank not declared dead, publishes
+  a round told ahead only once the trigger's `MassBound` opened it, drops
   deposits from dead ranks and for rounds it has published, and ignores the
   coordinator's `RoundOpened` (a controller notice).
 - Per-link message order is preserved (constant latency), like a ZeroMQ
@@ -54,6 +57,7 @@ from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
+    MassBound,
     Out,
     RunEnded,
     SaveState,
@@ -132,7 +136,9 @@ class _Rank:
         self.throttled = False
         self.request: int | None = None
         self.deposited: int | None = None  # the round deposited, consensus not yet received
-        # Progressive: the current chunk (epoch, offset, size, done); Sync: a flat sample list.
+        self.last_deposit = 0  # the highest round deposited in
+        self.held: list[Any] = []  # an Update awaiting its round's consensus, and what came after it
+        # Progressive: the current chunk (epoch, offset, size, done, deposit round or 0); Sync: a flat sample list.
         self.chunk: list[int] | None = None
         self.queue: list[rec.EpochPlan] = []
         self.sync_epoch = -1
@@ -150,6 +156,9 @@ class _Rank:
     def receive(self, t: float, r: Any) -> None:
         if not self.alive:
             return
+        if self.held or (isinstance(r, rec.Update) and self.deposited is not None):
+            self.held.append(r)  # beside the consensus: it, and what follows it, once that is loaded
+            return
         if isinstance(r, (rec.StartEpoch, rec.ExtendPartition)) and self.deposited is not None:
             self.sim.data_mid_round[self.rank] += 1
         if isinstance(r, rec.StartEpoch):
@@ -157,7 +166,8 @@ class _Rank:
         elif isinstance(r, rec.ExtendPartition):
             self.sync_samples.extend((r.epoch, o) for o in range(r.offset, r.offset + r.size))
         elif isinstance(r, rec.RequestParams):
-            self.request = r.round
+            if r.round > self.last_deposit:  # not deposited ahead already
+                self.request = r.round
             self._account(t)
             self.requested_this_window = True
         elif isinstance(r, rec.Throttle):
@@ -192,6 +202,9 @@ class _Rank:
             self.sim.send(t, self.rank, rec.SyncAck(
                 rank=self.rank, round=round, step_count=0, divergence=0.01, post_norm=1.0,
                 pre_norm=1.0))
+            held, self.held = self.held, []
+            for r in held:
+                self.receive(t, r)
 
     # ---------------------------------------------------------------- training
 
@@ -205,7 +218,7 @@ class _Rank:
 
     def _snapshot(self, t: float) -> None:
         rnd, self.request = self.request, None
-        self.deposited = rnd
+        self.deposited = self.last_deposit = rnd
         self.sim.send(t, self.rank, rec.SnapshotReady(rank=self.rank, round=rnd))
         self.sim.at(t + self.sim.cfg.upload_s, lambda t2: self.sim.deposit(t2, self.rank, rnd))
 
@@ -219,7 +232,7 @@ class _Rank:
             return
         if self.chunk is None and self.queue:
             p = self.queue.pop(0)
-            self.chunk = [p.epoch, p.offset, p.size, 0]
+            self.chunk = [p.epoch, p.offset, p.size, 0, p.deposit or 0]
         has_work = self.chunk is not None or bool(self.sync_samples)
         if not has_work:
             self._go_idle(t)
@@ -242,9 +255,12 @@ class _Rank:
         if self.chunk is not None:
             self.sim.send(t, self.rank, batch)
             self.chunk[3] += bs
-            epoch, offset, size, done = self.chunk
+            epoch, offset, size, done, deposit = self.chunk
             if done >= size:
                 self.chunk = None
+                if deposit > self.last_deposit:  # told ahead: its window ends here
+                    self.request = deposit
+                    self._snapshot(t)
                 self.sim.send(t, self.rank, self._metrics(epoch, size // bs, size),
                               trained=[(epoch, offset, size)])
         else:
@@ -304,6 +320,7 @@ class Simulation:
         self._heap: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = 0
         self._rounds: dict[int, set[int]] = {}  # open round -> ranks that deposited
+        self._unopened: set[int] = set()  # rounds told ahead, not yet opened by their trigger
         self._published = 0  # the last round the reducer published
         self._reducer_dead: set[int] = set()
         self.events = 0
@@ -373,7 +390,13 @@ class Simulation:
     # ---------------------------------------------------------------- reducer
 
     def _reducer(self, t: float, r: Any) -> None:
-        if isinstance(r, rec.DeclareDead):
+        if isinstance(r, MassBound) and not r.opens:
+            self._unopened.add(r.round)
+        elif isinstance(r, MassBound) and r.round in self._unopened:
+            self._unopened.discard(r.round)
+            if r.round in self._rounds:
+                self._check_round(t, r.round)
+        elif isinstance(r, rec.DeclareDead):
             self._reducer_dead.add(r.rank)
             self.deaths_seen.append((t, r.rank))
             for rnd in list(self._rounds):
@@ -387,7 +410,7 @@ class Simulation:
 
     def _check_round(self, t: float, rnd: int) -> None:
         got = self._rounds[rnd]
-        if set(range(len(self.ranks))) - self._reducer_dead <= got:
+        if rnd not in self._unopened and set(range(len(self.ranks))) - self._reducer_dead <= got:
             del self._rounds[rnd]
             self._published = rnd
             members = sorted(got - self._reducer_dead)

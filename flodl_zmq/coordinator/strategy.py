@@ -86,6 +86,10 @@ class DispatchStrategy(Protocol):
     def window_full(self, rank: int, window_steps: int) -> bool:
         """Whether `rank` has done its share of the window (the averaging gate)."""
 
+    def ends_window(self, rank: int, plan: rec.EpochPlan, window_steps: int) -> bool:
+        """Whether `rank`, `window_steps` into its window once `plan` (just taken) is trained, can take no
+        more work in this window, whatever the others do (that chunk may then carry its deposit)."""
+
     def quiesced(self, rank: int, last_aggregated: int) -> bool:
         """`rank` cannot step before the next reduce: nothing in flight and no work for it."""
 
@@ -185,6 +189,10 @@ class SyncPartitions:
     def window_full(self, rank: int, window_steps: int) -> bool:
         """Sync averages as soon as the rank did one step."""
         return window_steps >= 1
+
+    def ends_window(self, rank: int, plan: rec.EpochPlan, window_steps: int) -> bool:
+        """A partition is not a window: Sync ranks deposit when asked, after every step."""
+        return False
 
     def quiesced(self, rank: int, last_aggregated: int) -> bool:
         return self._reported[rank] >= self._assigned[rank]
@@ -328,6 +336,18 @@ class ChunkStream:
         # Cadence: the chunk must be complete too: its coverage then lands in
         # this consensus, and a final-window crumb is not left behind.
         return not self._barrier_paced or self._in_flight[rank] is None
+
+    def ends_window(self, rank: int, plan: rec.EpochPlan, window_steps: int) -> bool:
+        """Full, or the rest of the rank's allocation in its epoch's pinned final window (which bypasses
+        the window, so a chunk short of it leaves the rank more to take: an epoch's tail crumb).
+
+        The next epoch never feeds this window: a barrier-paced stream opens it once this one is
+        aggregated, after the gate has triggered the round its last report completed.
+        """
+        final = self._final.get(plan.epoch)
+        if final is not None:
+            return self._final_taken[plan.epoch][rank] >= final.alloc[rank]
+        return window_steps >= self._elche.batch_counts[rank]
 
     def quiesced(self, rank: int, last_aggregated: int) -> bool:
         return (

@@ -115,11 +115,16 @@ def spec_of(rec: object) -> RecordSpec:
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """A contiguous span [offset, offset + size) of epoch `epoch`'s global permutation."""
+    """A contiguous span [offset, offset + size) of epoch `epoch`'s global permutation.
+
+    `deposit`: the round the rank deposits in, unasked, when it has trained the span (its window
+    ends there, PROTOCOL.md 10.1); None: it waits for `RequestParams`.
+    """
 
     epoch: Count
     offset: Count
     size: Count
+    deposit: Count | None = None
 
 
 # --------------------------------------------------------------------------- control: coordinator -> rank

@@ -65,7 +65,7 @@ def _sig(label: str) -> bytes:
     return hashlib.sha256(label.encode()).digest()
 
 
-PLAN = EpochPlan(epoch=3, offset=1200, size=400)
+PLAN = EpochPlan(epoch=3, offset=1200, size=400, deposit=8)  # a plan whose end is round 8's deposit
 
 # Realistic values by field name; anything else falls back to its type.
 FIELD_VALUES: dict[str, Any] = {
@@ -797,7 +797,7 @@ def negative_cases() -> list[tuple[str, str, str, str, dict[str, Any]]]:
                 "frames": signed(
                     header(
                         "control.update",
-                        fields={"round": 7, "next_plan": {"epoch": "3", "offset": 0, "size": 1}},
+                        fields={"round": 7, "next_plan": {"epoch": "3", "offset": 0, "size": 1, "deposit": None}},
                     )
                 )
             },

@@ -90,8 +90,8 @@ def test_cadence_gate_fires_on_batch_counts_even_with_pathological_slow_ms():
     assert [p.size for p in plans] == [10, 10]  # anchor 10 before calibration
     out0, _ = train(c, 0, plans[0], 0, ms=1e9)
     out1, _ = train(c, 1, plans[1], 0, ms=1e9)
-    assert of(out0, rec.RequestParams) == []
-    assert len(of(out1, rec.RequestParams)) == 2
+    assert of(out0, RoundOpened) == []
+    assert of(out1, RoundOpened) == [RoundOpened(1, (0, 1))]
 
 
 def test_cadence_gate_does_not_fire_below_batch_counts():
@@ -170,7 +170,7 @@ def test_quiesced_rank_does_not_block_the_reduce():
     for r in working:
         o, step[r] = train(c, r, nxt[r], step[r])
         out += o
-    assert len(of(out, rec.RequestParams)) == 2
+    assert of(out, RoundOpened) == [RoundOpened(2, (0, 1))]
     assert sum(p.size for p in nxt.values() if p is not None) == 5
 
 
@@ -203,7 +203,7 @@ def test_heartbeat_stale_declares_rank_dead_and_unblocks_the_gate():
     outs = c.on_tick(1.5)  # rank 1 never spoke: stale after 1 s
     assert [o.record for o in outs if o.dest in (REDUCER, CONTROLLER) and not isinstance(o.record, MassBound)] == [
         rec.DeclareDead(1), RoundOpened(1, (0,))]
-    assert [o.dest for o in outs if isinstance(o.record, rec.RequestParams)] == [0]
+    assert of(outs, rec.RequestParams) == []  # rank 0 deposited at its chunk's end, as its plan said
     assert c.liveness.failures == 1
 
 
@@ -268,7 +268,8 @@ def test_death_forfeits_the_in_flight_chunk_to_a_survivor():
     # Rank 1 sits at the reduce; the round runs with it alone, then it redoes rank 0's chunk first.
     assert of(outs, RoundOpened) == [RoundOpened(1, (1,))]
     outs = finish(c, 1, [1])
-    assert of(outs, rec.Update, 1)[0].next_plan == plans[0]
+    nxt = of(outs, rec.Update, 1)[0].next_plan
+    assert (nxt.epoch, nxt.offset, nxt.size) == (plans[0].epoch, plans[0].offset, plans[0].size)
 
 
 def test_max_failure_threshold_breach_dispatches_shutdown_with_save():
@@ -363,7 +364,7 @@ def test_the_survivor_trains_a_chunk_whose_send_failed():
     while plan is not None:
         outs, step = train(c, 0, plan, step)
         trained.append((plan.offset, plan.size))
-        if of(outs, rec.RequestParams):
+        if of(outs, RoundOpened):
             rnd += 1
             outs = finish(c, rnd, [0])
             plan = of(outs, rec.Update, 0)[0].next_plan
@@ -432,7 +433,7 @@ def test_shutdown_waits_for_the_in_flight_cycle():
     plans = [p.plan for p in of(outs, rec.StartEpoch)]
     train(c, 0, plans[0], 0)
     outs, _ = train(c, 1, plans[1], 0)
-    assert of(outs, rec.RequestParams) and of(outs, rec.EpochAggregated)
+    assert of(outs, RoundOpened) and of(outs, rec.EpochAggregated)
     assert of(outs, rec.Shutdown) == []
     outs = finish(c, 1, [0, 1])
     assert of(outs, rec.Update) and len(of(outs, rec.Shutdown)) == 2
@@ -575,3 +576,44 @@ def test_async_averages_as_soon_as_an_epoch_an_eval_waits_for_is_trained_whole(s
         assert not waiting or c.cycle is not None, f"epoch {waiting[0] - 1} is trained but no round is in flight"
         plans += [(o.dest, o.record.plan) for o in got if isinstance(o.record, rec.StartEpoch)]
         plans += [(o.dest, o.record.next_plan) for o in got if isinstance(o.record, rec.Update) and o.record.next_plan]
+
+
+# ------------------------------------------------------------------ the round's hops (PROTOCOL.md 10.1)
+
+
+def test_a_cadence_chunk_that_fills_the_window_names_the_next_round_and_its_rank_is_not_asked():
+    c, outs = make()
+    # Each chunk's mass bound reaches the reducer before the plan that tells the deposit.
+    assert [(o.dest, type(o.record)) for o in outs if isinstance(o.record, (MassBound, rec.StartEpoch))][:2] == [
+        (REDUCER, MassBound), (0, rec.StartEpoch)]
+    assert of(outs, MassBound)[0] == MassBound(1, ((0, 84.0),), opens=False)
+    plans = [p.plan for p in of(outs, rec.StartEpoch)]
+    assert [p.deposit for p in plans] == [1, 1]
+    train(c, 0, plans[0], 0)
+    outs, _ = train(c, 1, plans[1], 0)
+    assert of(outs, RoundOpened) == [RoundOpened(1, (0, 1))]
+    assert of(outs, MassBound) == [MassBound(1, ((0, 84.0), (1, 84.0)))]  # the trigger's: it opens the round
+    assert of(outs, rec.RequestParams) == []  # both deposited at their chunk's end
+
+
+def test_the_update_rides_beside_the_consensus_and_the_next_window_waits_for_the_acks():
+    c, outs = make()
+    plans = [p.plan for p in of(outs, rec.StartEpoch)]
+    train(c, 0, plans[0], 0)
+    train(c, 1, plans[1], 0)
+    outs = c.on_round_complete(1, 0.2)  # published: the plans go out now, not after the acks
+    nxt = {o.dest: o.record.next_plan for o in outs if isinstance(o.record, rec.Update)}
+    assert sorted(nxt) == [0, 1] and all(p is not None and p.deposit == 2 for p in nxt.values())
+    assert len(of(outs, rec.SetGlobalStep)) == 2
+    # The next windows are trained before the acks arrive: the guard has not judged round 1 yet.
+    train(c, 0, nxt[0], 10, t=0.3)
+    outs, _ = train(c, 1, nxt[1], 10, t=0.3)
+    assert of(outs, RoundOpened) == []
+    assert of(ack(c, 0, 1, t=0.4), RoundOpened) == []
+    assert of(ack(c, 1, 1, t=0.4), RoundOpened) == [RoundOpened(2, (0, 1))]
+
+
+def test_a_snapshot_notice_of_a_deposit_told_ahead_is_not_stale():
+    c, outs = make()
+    c.on_record(0, rec.SnapshotReady(rank=0, round=1), 0.1)  # round 1 is not triggered yet
+    assert c.ignored["stale_round"] == 0

@@ -37,10 +37,16 @@ class _Fixed:
 SAMPLES = [DivergenceSample(0.01, 1.0, 1.0)] * 2
 
 
+def close(fb, samples, trip):
+    """One window of two live ranks, 4 steps each: published (calibrate), then acknowledged (judge)."""
+    fb.calibrate([True, True], trip)
+    return fb.judge(samples, [4, 4])
+
+
 def test_a_closed_window_calibrates_elche_and_empties_the_ledger():
     fb = WindowFeedback(cfg(), 2)
     window(fb)
-    fb.close([True, True], SAMPLES, [4, 4], 5.0)
+    close(fb, SAMPLES, 5.0)
     assert fb.smoothed_ms()[0] < fb.smoothed_ms()[1]
     assert fb.ledger.window_steps == (0, 0)
 
@@ -52,7 +58,7 @@ def test_the_round_trip_is_amortized_one_window_late():
     fb.elche.report_window = lambda r: (seen.append(r.sync_ms), report_window(r))
     for trip in (7.0, 9.0, 11.0):
         window(fb)
-        fb.close([True, True], SAMPLES, [4, 4], trip)
+        close(fb, SAMPLES, trip)
     assert seen == [0.0, 7.0, 9.0]
 
 
@@ -62,11 +68,11 @@ def test_async_overshoot_grows_on_stable_windows_and_resets_on_a_nudge():
     fb.guard = _Fixed(GuardVerdict.stable())
     for _ in range(2):
         window(fb)
-        fb.close([True, True], SAMPLES, [4, 4], 1.0)
+        close(fb, SAMPLES, 1.0)
     assert fb.overshoot == start + 2
     fb.guard = _Fixed(GuardVerdict.nudge_down(0.5))
     window(fb)
-    fb.close([True, True], SAMPLES, [4, 4], 1.0)
+    close(fb, SAMPLES, 1.0)
     assert fb.overshoot == start
 
 
@@ -74,7 +80,7 @@ def test_a_pinned_overshoot_never_moves():
     fb = WindowFeedback(cfg(mode="async", max_overshoot=7), 2)
     fb.guard = _Fixed(GuardVerdict.stable())
     window(fb)
-    fb.close([True, True], SAMPLES, [4, 4], 1.0)
+    close(fb, SAMPLES, 1.0)
     assert fb.overshoot == 7
 
 
@@ -82,7 +88,7 @@ def test_the_trend_ring_survives_a_resume():
     fb = WindowFeedback(cfg(), 2)
     for d in (0.01, 0.02, 0.03):
         window(fb)
-        fb.close([True, True], [DivergenceSample(d, 1.0, 1.0)] * 2, [4, 4], 1.0)
+        close(fb, [DivergenceSample(d, 1.0, 1.0)] * 2, 1.0)
     state = fb.state()
     assert state.trend_history == (0.01, 0.02, 0.03)
     again = WindowFeedback(cfg(), 2, state)

@@ -112,9 +112,9 @@ def test_resume_trains_exactly_the_samples_missing_from_the_saved_consensus():
 
 def test_async_overshoot_auto_tunes_up_to_its_ceiling_and_a_pinned_value_stays():
     res = Simulation(config("async", epochs=10), SPEEDS).run()
-    assert res.coordinator.overshoot == 15
+    assert res.coordinator.feedback.overshoot == 15
     res = Simulation(config("async", epochs=3, max_overshoot=7), SPEEDS).run()
-    assert res.coordinator.overshoot == 7
+    assert res.coordinator.feedback.overshoot == 7
 
 
 def test_callbacks_go_to_the_pinned_rank_on_their_cadence():
@@ -320,3 +320,11 @@ def test_64_ranks_of_speeds_1_to_16_get_their_share_and_every_sample_once_throug
     assert len(ratios[0]) >= 2, "too few settled epochs to judge"
     worst = max(abs(statistics.mean(v) - 1.0) for v in ratios.values())
     assert worst <= 0.10, f"a rank's batch share is {worst:.1%} off its speed share"
+
+
+def test_cadence_ranks_deposit_unasked_in_most_rounds_and_train_each_sample_once():
+    res = Simulation(config(epochs=6), SPEEDS, SimConfig(seed=0)).run()
+    assert res.ended.reason is None
+    asked = {o.record.round for _, o in res.outputs if isinstance(o.record, rec.RequestParams)}
+    assert len(asked) <= 6 + 2 < res.coordinator.round / 3  # a crumb's round an epoch at most (+ the end)
+    assert_each_sample_once(res, 6, TOTAL // BS * BS)

@@ -94,3 +94,13 @@ def test_cadence_never_opens_an_epoch_before_its_predecessor_is_aggregated_async
         nxt = s.next_plan(0, window_steps=0, overshoot=3, last_aggregated=-1, now=0.0)
         assert (nxt is not None and nxt.epoch == 1) is ahead, mode
         assert s.quiesced(0, last_aggregated=-1) is not ahead
+
+
+def test_a_chunk_ends_its_window_when_full_or_when_it_takes_the_rest_of_a_pinned_final_window():
+    s, _ = stream("cadence", total=400, epochs=1)
+    plan = s.next_plan(0, 0, 0, -1, 0.0)  # opens the epoch: 400 batches, far more than a window of 10 + 10
+    assert s.ends_window(0, plan, 10) and not s.ends_window(0, plan, 9)
+    small, _ = stream("cadence", total=20, epochs=1)
+    plan = small.next_plan(0, 0, 0, -1, 0.0)  # the whole epoch fits one window: pinned, 10 + 10
+    # Its pinned allocation taken whole, the rank has nothing more to take, however short its window.
+    assert plan.size == 10 and small.ends_window(0, plan, 3)

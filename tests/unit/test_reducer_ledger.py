@@ -329,3 +329,12 @@ def test_buffers_are_reused_across_rounds_of_one_schema():
     np.testing.assert_array_equal(outs[1].tensors[0], [1, 1])
     c = ledger.counters
     assert (c.frames, c.rounds_reduced, c.bytes_reduced) == (4, 2, 32)
+
+
+def test_a_round_told_ahead_is_published_only_once_its_trigger_opened_it():
+    led = RoundLedger({"a": [0]})
+    led.bound_round(1, {0: 100.0}, opens=False)  # the plan that told rank 0 to deposit ahead
+    assert led.deposit("a", 1, 80.0, [f32(80.0)]) is None  # complete, but the coordinator has not seen it end
+    # The trigger's bound is lower than the plan's; the larger stands, so the honest mass is not refused.
+    out = led.bound_round(1, {0: 50.0}, opens=True)
+    assert isinstance(out, Reduced) and out.round_id == 1 and out.tensors[0][0] == 1.0

@@ -241,3 +241,36 @@ def test_a_rank_reports_record_scalar_with_its_chunk():
 def train_one(rt: RankRuntime) -> None:
     """One step as the rank's loop takes it: the next batch, the job's step, its report."""
     rt.step(rt.stepper.step(rt._take_batch()))
+
+
+def test_a_span_whose_plan_names_a_round_is_deposited_at_its_end_unasked_and_once():
+    rt = rank(0, job(batch_size=2))
+    try:
+        rt._on_control(rec.StartEpoch(rec.EpochPlan(0, 0, 4, deposit=1)))
+        train_one(rt)
+        assert not any(isinstance(x, rec.RoundFrame) for x in rt.link)
+        train_one(rt)  # the window ends here: the deposit goes before the chunk's report
+        kinds = [type(x) for x in rt.link if not isinstance(x, rec.LrUpdate)]
+        assert kinds[-3:] == [rec.SnapshotReady, rec.RoundFrame, rec.EpochMetrics]
+        assert [x.mass for x in rt.link if isinstance(x, rec.RoundFrame)] == [2.0]
+        rt._on_control(rec.RequestParams(round=1))  # a request crossing the deposit: nothing twice
+        assert sum(isinstance(x, rec.RoundFrame) for x in rt.link) == 1
+    finally:
+        rt.pipeline.close()
+
+
+def test_an_update_and_what_follows_it_wait_for_the_pending_consensus():
+    rt = rank(0, job(batch_size=2))
+    try:
+        rt._on_control(rec.StartEpoch(rec.EpochPlan(0, 0, 2)))
+        train_one(rt)
+        rt._on_control(rec.RequestParams(round=1))  # deposited in round 1; its consensus is still on its way
+        rt._on_control(rec.Update(round=1, next_plan=rec.EpochPlan(0, 2, 2)))
+        rt._on_control(rec.StartEpoch(rec.EpochPlan(0, 4, 2)))
+        # Training either before the load would throw its steps away with the pre-consensus replica.
+        assert not rt._can_train()
+        rt._on_consensus(SimpleNamespace(record=rec.Consensus(round=1, mass=0.0), payload=[]))
+        assert [len(s.indices) for s in rt._spans] == [2, 2] and rt._can_train()
+        assert [type(x) for x in rt.link][-1] is rec.SyncAck
+    finally:
+        rt.pipeline.close()
