@@ -25,7 +25,7 @@ A round: from the first process told to start it to the last one holding the
 result (CLOCK_MONOTONIC is one clock across namespaces); each figure is the
 median of `--rounds` rounds after `--warmup` (the first rounds connect, and a
 relay's consensus wait learns the round's latency from the round before).
-`reasks_<H>h_<M>_s1`: the reducer's count, warm-up included, of the relays'
+`reasks_<H>h_<M>_s1`: the reducer's count, over the measured rounds, of the relays'
 requests for a late consensus and its own requests for a host frame: each is one
 more model-sized message through the reducer's link.
 
@@ -132,12 +132,12 @@ def plan(hosts: list[int], sizes: list[str], available: float) -> list[Case]:
             why = (f"needs about {memory_needed(h, params) / 1e9:.1f} GB, over {MEMORY_SHARE:.0%} of the "
                    f"{available / 1e9:.1f} GB available" + (f": ran {fits} hosts instead" if fits >= 2 else ""))
             cases.append(Case(h, size, params, why))
-            if fits >= 2 and fits not in hosts:
+            if fits >= 2 and fits not in hosts and Case(fits, size, params) not in cases:
                 cases.append(Case(fits, size, params))
     return cases
 
 
-def round_spans(done: list[tuple[int, int]]) -> float:
+def round_span(done: list[tuple[int, int]]) -> float:
     """One round's seconds: the first process's start to the last one's end (monotonic ns)."""
     return (max(t1 for _, t1 in done) - min(t0 for t0, _ in done)) / 1e9
 
@@ -159,19 +159,31 @@ def secrets() -> tuple[bytes, bytes, bytes]:
     return key, run_id, route_secret
 
 
-def stdin_closed() -> threading.Event:
-    """Set once the harness closes this process's stdin: how it tells a service to stop."""
-    closed = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
-    return closed
+def stdin_lines() -> queue.Queue[str | None]:
+    """The harness's lines to this process, then None once it closes stdin: how it tells a service to stop."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            lines.put(line.strip())
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
 
 
 def reducer_role(hosts: int, address: str) -> None:
-    """`controller`: the reducer service; prints its counters once told to stop."""
+    """`controller`: the reducer service; prints its counters at each `counters` line, until told to stop."""
     import zmq
 
     from flodl_zmq.endpoints import ControllerAddress
     from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
+    from flodl_zmq.links import (
+        CONTROL_MAX_FRAME_BYTES,
+        CONTROL_MAX_FRAMES,
+        limit_receive,
+        recv_bounded,
+    )
     from flodl_zmq.reducer_service import ReducerConfig, ReducerService
     from flodl_zmq.wire import Channel
 
@@ -182,14 +194,21 @@ def reducer_role(hosts: int, address: str) -> None:
     # No coordinator here, but each relay dials the control link too: a listener keeps it connected.
     control = controller_context().socket(zmq.ROUTER)
     keep_off_the_data_plane(control)
+    limit_receive(control, CONTROL_MAX_FRAME_BYTES)
     control.bind(controller.endpoint(Channel.CONTROL))
-    closed = stdin_closed()
+    lines = stdin_lines()
     print("READY", flush=True)
-    while not closed.is_set():
+    while True:
         if control.poll(100):
-            control.recv_multipart()
+            recv_bounded(control, CONTROL_MAX_FRAMES)
+        try:
+            line = lines.get_nowait()
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        print("COUNTERS " + json.dumps(svc.counters()), flush=True)
     control.close(0)
-    print("COUNTERS " + json.dumps(svc.counters()), flush=True)
     svc.stop()
 
 
@@ -208,9 +227,10 @@ def relay_role(hosts: int, host: str, address: str, ipc_dir: str) -> None:
                                      host_token=host_token(route_secret, host))
     relay = Relay(cfg)
     relay.start()
-    closed = stdin_closed()
+    lines = stdin_lines()
     print("READY", flush=True)
-    closed.wait()
+    while lines.get() is not None:
+        pass
     relay.stop()
 
 
@@ -350,13 +370,13 @@ class Side:
             self.procs[name].stdin.write(text + "\n")
             self.procs[name].stdin.flush()
 
-    def rounds(self, names: list[str], count: int, deadline_s: float) -> list[float]:
-        """`count` rounds, each started by a `go` to every one of `names` once the last has ended."""
+    def rounds(self, names: list[str], ids: range, deadline_s: float) -> list[float]:
+        """Rounds `ids`, each started by a `go` to every one of `names` once the last has ended: their spans."""
         spans = []
-        for round_id in range(1, count + 1):
+        for round_id in ids:
             self.tell(names, f"go {round_id}")
             done = self.expect(names, "DONE", deadline_s)
-            spans.append(round_spans([(int(w[1]), int(w[2])) for w in done.values()]))
+            spans.append(round_span([(int(w[1]), int(w[2])) for w in done.values()]))
         return spans
 
     def stop(self, first: list[str]) -> None:
@@ -381,8 +401,16 @@ def round_deadline_s(case: Case, rate_bps: float) -> float:
     return 60.0 + 10 * case.hosts * bound_s(case.params, rate_bps)
 
 
-def run_ours(net: Any, case: Case, rate_bps: float, rounds: int, logs: Path) -> tuple[list[float], int]:
-    """One shard: the reducer in `controller`, a relay and a rank per host. Round times and re-asks."""
+def reasks(side: Side) -> int:
+    """The reducer's count so far of the relays' requests for a late consensus and its own for a host frame."""
+    side.tell(["reducer"], "counters")
+    counts = json.loads(" ".join(side.expect(["reducer"], "COUNTERS", 30)["reducer"]))
+    return counts.get("consensus_requests", 0) + counts.get("frame_requests", 0)
+
+
+def run_ours(net: Any, case: Case, rate_bps: float, rounds: int, warmup: int, logs: Path) -> tuple[float, int]:
+    """One shard: the reducer in `controller`, a relay and a rank per host. The median round and the
+    re-asks of the measured rounds."""
     import wan  # here, not at the top: it imports torch, which the processes of our side never need
 
     from flodl_zmq.environment import with_tunables
@@ -406,17 +434,18 @@ def run_ours(net: Any, case: Case, rate_bps: float, rounds: int, logs: Path) -> 
                                  str(case.params), "--ipc", ipc_dir, "--deadline", str(deadline)],
                        with_tunables(env, "rank"))
         side.expect(list(side.procs), "READY", START_S)
-        spans = side.rounds(ranks, rounds, deadline + 30)
+        side.rounds(ranks, range(1, warmup + 1), deadline + 30)
+        before = reasks(side)
+        spans = side.rounds(ranks, range(warmup + 1, warmup + rounds + 1), deadline + 30)
+        return statistics.median(spans), reasks(side) - before
     finally:
         side.stop(first=ranks)  # the ranks end first: a relay stopped under a waiting rank is not a failure here
         unlink_run(key, run_id)
         shutil.rmtree(ipc_dir, ignore_errors=True)
-    counts = json.loads(" ".join(side.expect(["reducer"], "COUNTERS", 30)["reducer"]))  # printed as it stopped
-    return spans, counts.get("consensus_requests", 0) + counts.get("frame_requests", 0)
 
 
-def run_gloo(net: Any, case: Case, rate_bps: float, rounds: int, logs: Path) -> list[float]:
-    """gloo's all_reduce, one process per host, its store on h1: round times."""
+def run_gloo(net: Any, case: Case, rate_bps: float, rounds: int, warmup: int, logs: Path) -> float:
+    """gloo's all_reduce, one process per host, its store on h1: the median round."""
     import wan
 
     from flodl_zmq.environment import with_tunables
@@ -430,7 +459,8 @@ def run_gloo(net: Any, case: Case, rate_bps: float, rounds: int, logs: Path) -> 
                                  str(case.params), "--address", net.hosts["h1"].address, "--deadline",
                                  str(deadline)], env)
         side.expect(names, "READY", START_S)
-        return side.rounds(names, rounds, deadline + 30)
+        side.rounds(names, range(1, warmup + 1), deadline + 30)
+        return statistics.median(side.rounds(names, range(warmup + 1, warmup + rounds + 1), deadline + 30))
     finally:
         side.stop(first=names)
 
@@ -438,10 +468,6 @@ def run_gloo(net: Any, case: Case, rate_bps: float, rounds: int, logs: Path) -> 
 def key(name: str, case: Case, shards: int | None = None) -> str:
     """`round_s_8h_25M_s1`: the figure, hosts, parameters and (for ours) shards."""
     return f"{name}_{case.hosts}h_{case.size}" + ("" if shards is None else f"_s{shards}")
-
-
-def median_of(spans: list[float], warmup: int) -> float:
-    return statistics.median(spans[warmup:])
 
 
 def measure(cases: list[Case], rate: str, rounds: int, warmup: int) -> dict[str, Any]:
@@ -454,29 +480,28 @@ def measure(cases: list[Case], rate: str, rounds: int, warmup: int) -> dict[str,
     out: dict[str, Any] = {}
     why: dict[str, str] = {}
     logs = Path(tempfile.mkdtemp(prefix="flodl-topo-logs-"))
-    most = max(c.hosts for c in cases if c.skipped is None) if any(c.skipped is None for c in cases) else 0
+    most = max((c.hosts for c in cases if c.skipped is None), default=0)
     with network_or_skip("controller", *host_names(most)) as net:
         for name in net.hosts:
             wan.shape(net, name, rate)
         for case in cases:
             ours, shards, gloo = key("round_s", case, 1), key("round_s", case, case.hosts), key("gloo_s", case)
-            reasks = key("reasks", case, 1)
+            asked = key("reasks", case, 1)
             out[key("bound_s", case)] = bound_s(case.params, rate_bps)
-            out.update({ours: None, shards: None, gloo: None, reasks: None})
+            out.update({ours: None, shards: None, gloo: None, asked: None})
             why[shards] = NO_SHARDS
             if case.skipped is not None:
-                why.update({ours: case.skipped, gloo: case.skipped, reasks: case.skipped})
+                why.update({ours: case.skipped, gloo: case.skipped, asked: case.skipped})
                 continue
             here = logs / f"{case.hosts}h_{case.size}"
             here.mkdir()
             try:
-                spans, out[reasks] = run_ours(net, case, rate_bps, rounds + warmup, here)
-                out[ours] = median_of(spans, warmup)
-            except (RuntimeError, TimeoutError, ValueError) as exc:
-                why[ours] = why[reasks] = f"failed ({exc.__class__.__name__}); logs in {here}"
+                out[ours], out[asked] = run_ours(net, case, rate_bps, rounds, warmup, here)
+            except (RuntimeError, TimeoutError) as exc:
+                why[ours] = why[asked] = f"failed ({exc.__class__.__name__}); logs in {here}"
                 print(f"{ours}: {exc}", file=sys.stderr)
             try:
-                out[gloo] = median_of(run_gloo(net, case, rate_bps, rounds + warmup, here), warmup)
+                out[gloo] = run_gloo(net, case, rate_bps, rounds, warmup, here)
             except (RuntimeError, TimeoutError) as exc:
                 why[gloo] = f"failed ({exc.__class__.__name__}); logs in {here}"
                 print(f"{gloo}: {exc}", file=sys.stderr)
@@ -505,10 +530,10 @@ def table(cases: list[Case], out: dict[str, Any], rate: str, rounds: int, warmup
             f"{'gloo s (x bound)':>17} {'re-asks':>7}"]
     for c in cases:
         b = out[key("bound_s", c)]
-        reasks = out[key("reasks", c, 1)]
+        asked = out[key("reasks", c, 1)]
         rows.append(f"{c.hosts:>5} {c.size:>6} {b:>8.2f} {cell(out[key('round_s', c, 1)], b):>20} "
                     f"{cell(out[key('round_s', c, c.hosts)]):>10} {cell(out[key('gloo_s', c)], b):>17} "
-                    f"{'-' if reasks is None else reasks:>7}")
+                    f"{'-' if asked is None else asked:>7}")
     rows += [f"{k}: null, {v}" for k, v in out["why_null"].items()]
     return "\n".join(rows)
 
