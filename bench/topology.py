@@ -29,9 +29,10 @@ relay's consensus wait learns the round's latency from the round before).
 requests for a late consensus and its own requests for a host frame: each is one
 more model-sized message through the reducer's link.
 
-Memory: ours holds about (H + 2) x M in the reducer (the host frames as received,
-the sum, the consensus) and 4 x M per host (bench/large.py's measured copies: the
-deposit and consensus segments, the consensus as received, a resend). A case
+Memory: ours holds about (H + 3) x M in the reducer (the host frames as received,
+the sum, the consensus, a resend) and 5 x M per host (the deposit and consensus
+segments, the consensus as received, resends): measured at 4 hosts x 100M, 2.8 GB
+in the reducer and 2.0 GB in each relay. A case
 needing more than three quarters of the memory available is not run (its keys
 null, the reason printed): the hosts are halved until the case fits, and that
 case is run instead.
@@ -103,7 +104,7 @@ def bound_s(params: int, rate_bps: float) -> float:
 def memory_needed(hosts: int, params: int) -> float:
     """Bytes a case holds at its peak: ours (the larger side) or gloo's processes."""
     model = params * 4
-    ours = (hosts + 2) * model + hosts * 4 * model + (2 * hosts + 1) * BASE_BYTES
+    ours = (hosts + 3) * model + hosts * 5 * model + (2 * hosts + 1) * BASE_BYTES
     gloo = hosts * (3 * model + TORCH_BYTES)
     return max(ours, gloo)
 
@@ -185,11 +186,15 @@ def reducer_role(hosts: int, address: str) -> None:
         recv_bounded,
     )
     from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+    from flodl_zmq.settings import Settings
     from flodl_zmq.wire import Channel
 
     key, run_id, route_secret = secrets()
     controller = ControllerAddress(address, PORT)
-    svc = ReducerService(ReducerConfig.for_controller(world(hosts), key, run_id, controller, route_secret=route_secret))
+    s = Settings.from_environ()  # the run's link settings, as a controller's reducer takes them
+    svc = ReducerService(ReducerConfig.for_controller(
+        world(hosts), key, run_id, controller, route_secret=route_secret,
+        link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s))
     svc.start()
     # No coordinator here, but each relay dials the control link too: a listener keeps it connected.
     control = controller_context().socket(zmq.ROUTER)
@@ -218,13 +223,18 @@ def relay_role(hosts: int, host: str, address: str, ipc_dir: str) -> None:
     from flodl_zmq.links import host_token, local_endpoints
     from flodl_zmq.relay import Relay
     from flodl_zmq.relay_config import RelayConfig
+    from flodl_zmq.settings import Settings
 
     key, run_id, route_secret = secrets()
+    s = Settings.from_environ()  # the run's settings, as run_relay takes them
     # The rank beats from its own thread while it waits for the harness: a long silence limit keeps a
     # rank that a loaded machine leaves unscheduled for a while from being declared dead mid-bench.
-    cfg = RelayConfig.for_controller(host, world(hosts)[host], key, run_id, ControllerAddress(address, PORT),
-                                     local_endpoints(key, run_id, host, ipc_dir), rank_silence_at_relay_s=10.0,
-                                     host_token=host_token(route_secret, host))
+    cfg = RelayConfig.for_controller(
+        host, world(hosts)[host], key, run_id, ControllerAddress(address, PORT),
+        local_endpoints(key, run_id, host, ipc_dir), rank_silence_at_relay_s=10.0,
+        consensus_wait_at_relay_s=s.consensus_wait_at_relay_s, link_heartbeat_period_s=s.link_heartbeat_period_s,
+        link_silence_s=s.link_silence_s, peer_send_timeout_s=s.peer_send_timeout_s,
+        host_token=host_token(route_secret, host))
     relay = Relay(cfg)
     relay.start()
     lines = stdin_lines()
@@ -418,7 +428,9 @@ def run_ours(net: Any, case: Case, rate_bps: float, rounds: int, warmup: int, lo
     from flodl_zmq.wire.shm import unlink_run
 
     key, run_id = new_key(), os.urandom(16)
-    env = wan.environ(dict(zip(SECRETS, (key.hex(), run_id.hex(), os.urandom(32).hex()), strict=True)))
+    run_settings = {k: v for k, v in os.environ.items() if k.startswith("FLODL_")}  # e.g. FLODL_LINK_SILENCE
+    env = wan.environ({**run_settings, **dict(zip(SECRETS, (key.hex(), run_id.hex(), os.urandom(32).hex()),
+                                                  strict=True))})
     ipc_dir = tempfile.mkdtemp(prefix="flodl-topo-")
     side, address = Side(net, logs), net.hosts["controller"].address
     deadline = round_deadline_s(case, rate_bps)
@@ -498,12 +510,12 @@ def measure(cases: list[Case], rate: str, rounds: int, warmup: int) -> dict[str,
             try:
                 out[ours], out[asked] = run_ours(net, case, rate_bps, rounds, warmup, here)
             except (RuntimeError, TimeoutError) as exc:
-                why[ours] = why[asked] = f"failed ({exc.__class__.__name__}); logs in {here}"
+                why[ours] = why[asked] = f"failed: {str(exc).splitlines()[0]}; logs in {here}"
                 print(f"{ours}: {exc}", file=sys.stderr)
             try:
                 out[gloo] = run_gloo(net, case, rate_bps, rounds, warmup, here)
             except (RuntimeError, TimeoutError) as exc:
-                why[gloo] = f"failed ({exc.__class__.__name__}); logs in {here}"
+                why[gloo] = f"failed: {str(exc).splitlines()[0]}; logs in {here}"
                 print(f"{gloo}: {exc}", file=sys.stderr)
             print(f"  {case.hosts}h {case.size}: ours {out[ours]} s, gloo {out[gloo]} s", file=sys.stderr, flush=True)
     out["why_null"] = why

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_a_case_this_machine_cannot_hold_is_skipped_with_the_reason_and_half_the_hosts_run_instead():
-    # 8 hosts at 100M need about 18.5 GB (the reducer's 10 copies, 4 per host); 4 hosts need 9.7 GB.
+    # 8 hosts at 100M need about 22.1 GB (the reducer's 11 copies, 5 per host); 4 hosts 11.7 GB.
     cases = topology.plan([2, 8], ["100M"], available=16e9)
     assert [(c.hosts, c.size, c.skipped is None) for c in cases] == [(2, "100M", True), (8, "100M", False),
                                                                       (4, "100M", True)]
