@@ -82,9 +82,9 @@ TORCH_BYTES = 300e6  # one with torch too (a gloo process)
 
 def parse_size(text: str) -> int:
     """`25M` -> 25_000_000 parameters (K, M or G; a plain number as is)."""
-    m = re.fullmatch(r"(\d+)([KMG]?)", text.strip())
+    m = re.fullmatch(r"([1-9]\d*)([KMG]?)", text.strip())
     if m is None:
-        raise ValueError(f"size {text!r}: write parameters as a number with K, M or G, e.g. 25M")
+        raise ValueError(f"size {text!r}: write parameters as a number above 0 with K, M or G, e.g. 25M")
     return int(m.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}[m.group(2)]
 
 
@@ -370,7 +370,8 @@ class Side:
             if name not in names:
                 continue
             if line is None:
-                raise RuntimeError(f"{name} exited before its {tag} line\n{self.tails()}")
+                said = (self.logs / f"{name}.log").read_text(errors="replace").strip().splitlines() or ["nothing"]
+                raise RuntimeError(f"{name} exited before its {tag} line, saying: {said[-1]}\n{self.tails()}")
             if line == tag or line.startswith(tag + " "):
                 got[name] = line.split()[1:]
         return got
