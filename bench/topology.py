@@ -10,7 +10,8 @@ ranks of a host (bench/scale.py measures those).
   reducer service in `controller`, the real relay on each host, and a light rank
   that deposits an M-parameter f32 vector into its shared-memory segment (as the
   rank runtime does) and waits for the verified consensus, as bench/round.py's.
-  Every host frame crosses the reducer's one link in, every consensus out: that
+  The relay and the reducer take the run's settings from the environment
+  (FLODL_LINK_SILENCE, ...), as a real run's do. Every host frame crosses the reducer's one link in, every consensus out: that
   link carries H x M bytes each way per round.
 - H shards (`round_s_<H>h_<M>_s<H>`): sharded reduction (issue 26, item 1) does
   not exist yet; null, with the reason in `why_null`.
@@ -32,10 +33,9 @@ more model-sized message through the reducer's link.
 Memory: ours holds about (H + 3) x M in the reducer (the host frames as received,
 the sum, the consensus, a resend) and 5 x M per host (the deposit and consensus
 segments, the consensus as received, resends): measured at 4 hosts x 100M, 2.8 GB
-in the reducer and 2.0 GB in each relay. A case
-needing more than three quarters of the memory available is not run (its keys
-null, the reason printed): the hosts are halved until the case fits, and that
-case is run instead.
+in the reducer and 2.0 GB in each relay. A case needing more than three quarters
+of the memory available is not run (its keys null, the reason printed): the hosts
+are halved until the case fits, and that case is run instead.
 
     sudo .venv/bin/python bench/topology.py                       # H = 2, 4, 8; M = 25M, 100M
     sudo .venv/bin/python bench/topology.py --hosts 8 --sizes 25M --json
@@ -244,61 +244,71 @@ def relay_role(hosts: int, host: str, address: str, ipc_dir: str) -> None:
     relay.stop()
 
 
+def heartbeats(ctx: Any, rank: int, endpoint: str, stop: threading.Event) -> None:
+    """A rank's beats to its relay every 0.5 s until `stop`, with a codec of their own (a codec's
+    sequence belongs to one thread): the relay declares a silent rank dead."""
+    import zmq
+
+    from flodl_zmq.links import rank_identity, rank_sender
+    from flodl_zmq.wire import Codec
+    from flodl_zmq.wire.records import Heartbeat
+
+    key, run_id, _ = secrets()
+    codec = Codec(key, run_id, rank_sender(rank))
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, rank_identity(rank))
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    while not stop.wait(0.5):
+        s.send_multipart(codec.encode(Heartbeat(rank, 0)))
+    s.close(0)
+
+
 def rank_role(hosts: int, host: str, params: int, ipc_dir: str, deadline_s: float) -> None:
     """A light rank: per `go` line, deposit by reference and wait for the verified consensus; print its span."""
     import numpy as np
     import zmq
 
-    from flodl_zmq.links import local_endpoints, rank_identity, rank_sender
-    from flodl_zmq.wire import Channel, Codec
-    from flodl_zmq.wire.records import Heartbeat, RoundFrame
-    from flodl_zmq.wire.shm import (
-        Segment,
-        SegmentMap,
-        by_reference,
-        host_owner,
-        rank_owner,
-        run_dir,
+    from flodl_zmq.links import (
+        DATA_MAX_FRAMES,
+        local_endpoints,
+        rank_identity,
+        rank_sender,
+        recv_bounded,
     )
+    from flodl_zmq.wire import Channel, Codec, shm
+    from flodl_zmq.wire.records import RoundFrame
 
     key, run_id, _ = secrets()
     rank = world(hosts)[host][0]
     control_ep, data_ep = local_endpoints(key, run_id, host, ipc_dir)
     ctx = zmq.Context()
     stop = threading.Event()
-
-    def heartbeats() -> None:  # its own codec: a codec's sequence belongs to one thread
-        codec = Codec(key, run_id, rank_sender(rank))
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, rank_identity(rank))
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(control_ep)
-        while not stop.wait(0.5):
-            s.send_multipart(codec.encode(Heartbeat(rank, 0)))
-        s.close(0)
-
-    beat = threading.Thread(target=heartbeats, daemon=True)
+    beat = threading.Thread(target=heartbeats, args=(ctx, rank, control_ep, stop), daemon=True)
     beat.start()
     data = ctx.socket(zmq.DEALER)
     data.setsockopt(zmq.IDENTITY, rank_identity(rank))
     data.setsockopt(zmq.LINGER, 0)
     data.connect(data_ep)
     codec, decoder = Codec(key, run_id, rank_sender(rank)), Codec(key, run_id, "bench")
-    segment = Segment(key, run_id, rank_owner(rank))
+    segment = shm.Segment(key, run_id, shm.rank_owner(rank))
     deposit = np.frombuffer(segment.layout([params * 4])[0], np.float32)
     deposit.fill(rank + 1.0)  # mass 1 each: the consensus is the mean of 1..H
     expect = (hosts + 1) / 2
-    mapped = SegmentMap(run_id, run_dir(key, run_id))
+    mapped = shm.SegmentMap(run_id, shm.run_dir(key, run_id))
     print("READY", flush=True)
     for line in sys.stdin:
         round_id = int(line.split()[1])
         t0 = time.monotonic_ns()
-        data.send_multipart(by_reference(codec, RoundFrame(round_id, rank, 1.0), [deposit], segment, dtypes=["f32"]))
+        data.send_multipart(shm.by_reference(codec, RoundFrame(round_id, rank, 1.0), [deposit], segment,
+                                             dtypes=["f32"]))
         if not data.poll(int(deadline_s * 1000)):
             raise TimeoutError(f"rank {rank}: no consensus of round {round_id} within {deadline_s:g} s; "
                                f"see the relay's and the reducer's logs")
-        env = mapped.decode(decoder, data.recv_multipart(copy=False), host_owner(host), Channel.BROADCAST,
-                            replay=False)
+        frames = recv_bounded(data, DATA_MAX_FRAMES, copy=False)
+        if frames is None:
+            raise RuntimeError(f"rank {rank}: the relay sent a message of over {DATA_MAX_FRAMES} frames")
+        env = mapped.decode(decoder, frames, shm.host_owner(host), Channel.BROADCAST, replay=False)
         t1 = time.monotonic_ns()
         got = float(env.payload[0][0])
         if env.record.round != round_id or abs(got - expect) > 1e-3 * expect:
