@@ -1,0 +1,612 @@
+"""A round over shaped host links against the bandwidth bound and gloo's ring: what one reducer costs.
+
+Topology: network namespaces on one bridge (tests/cluster/netns.py): `controller`
+and hosts `h1`..`hH`, every link shaped both ways with tbf at `--rate` (1 Gbit/s
+by default; bench/wan.py's `shape`), the controller's included, so no process
+has a free link. One rank per host: a round's cost is in the links, not in the
+ranks of a host (bench/scale.py measures those).
+
+- ours (`round_s_<H>h_<M>_s1`): today's layout, one reducer shard. The real
+  reducer service in `controller`, the real relay on each host, and a light rank
+  that deposits an M-parameter f32 vector into its shared-memory segment (as the
+  rank runtime does) and waits for the verified consensus, as bench/round.py's.
+  The relay and the reducer take the run's settings from the environment
+  (FLODL_LINK_SILENCE, ...), as a real run's do. Every host frame crosses the reducer's one link in, every consensus out: that
+  link carries H x M bytes each way per round.
+- H shards (`round_s_<H>h_<M>_s<H>`): sharded reduction (issue 26, item 1) does
+  not exist yet; null, with the reason in `why_null`.
+- gloo (`gloo_s_<H>h_<M>`): torch.distributed's all_reduce (gloo, one process
+  per host, its store on h1) of the same vector, and a divide, across the same
+  shaped links.
+- bound (`bound_s_<H>h_<M>`): 2M / rate, the time a bandwidth-optimal all-reduce
+  needs on each host's link (it sends and receives about 2M bytes per host
+  whatever H is; M in bytes, f32).
+
+A round: from the first process told to start it to the last one holding the
+result (CLOCK_MONOTONIC is one clock across namespaces); each figure is the
+median of `--rounds` rounds after `--warmup` (the first rounds connect, and a
+relay's consensus wait learns the round's latency from the round before).
+`reasks_<H>h_<M>_s1`: the reducer's count, over the measured rounds, of the relays'
+requests for a late consensus and its own requests for a host frame: each is one
+more model-sized message through the reducer's link.
+
+Memory: ours holds about (H + 3) x M in the reducer (the host frames as received,
+the sum, the consensus, a resend) and 5 x M per host (the deposit and consensus
+segments, the consensus as received, resends): measured at 4 hosts x 100M, 2.8 GB
+in the reducer and 2.0 GB in each relay. A case needing more than three quarters
+of the memory available is not run (its keys null, the reason printed): the hosts
+are halved until the case fits, and that case is run instead.
+
+    sudo .venv/bin/python bench/topology.py                       # H = 2, 4, 8; M = 25M, 100M
+    sudo .venv/bin/python bench/topology.py --hosts 8 --sizes 25M --json
+    sudo .venv/bin/python bench/topology.py --rate 100mbit --sizes 1M
+
+JSON: the keys above, `why_null` (key -> reason), rate, rounds, warmup,
+load_avg_1m. Needs root (namespaces, tc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+PORT = 7300  # the controller's base port in its own namespace (nothing else listens there)
+GLOO_PORT = 29511
+START_S = 180.0  # imports and connections on a loaded 2-core machine; not timed
+SECRETS = ("TOPO_KEY", "TOPO_RUN", "TOPO_ROUTE_SECRET")  # in the environment, never argv (ps shows argv)
+NO_SHARDS = "sharded reduction (issue 26, item 1) does not exist yet"
+MEMORY_SHARE = 0.75  # of MemAvailable a case may plan to use: the machine is shared
+BASE_BYTES = 100e6  # an interpreter with numpy, zmq and flodl_zmq (no torch)
+TORCH_BYTES = 300e6  # one with torch too (a gloo process)
+
+
+# ---------------------------------------------------------------------------- pure rules
+
+
+def parse_size(text: str) -> int:
+    """`25M` -> 25_000_000 parameters (K, M or G; a plain number as is)."""
+    m = re.fullmatch(r"([1-9]\d*)([KMG]?)", text.strip())
+    if m is None:
+        raise ValueError(f"size {text!r}: write parameters as a number above 0 with K, M or G, e.g. 25M")
+    return int(m.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}[m.group(2)]
+
+
+def parse_rate(text: str) -> float:
+    """A tc rate (`1gbit`, `100mbit`, `500kbit`: SI units, as tc reads them) in bits per second."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", text.strip())
+    if m is None:
+        raise ValueError(f"rate {text!r}: write it as tc does, e.g. 1gbit or 100mbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def bound_s(params: int, rate_bps: float) -> float:
+    """2M / rate: each host of a bandwidth-optimal all-reduce sends (and receives) about 2M bytes."""
+    return 2 * params * 4 * 8 / rate_bps
+
+
+def memory_needed(hosts: int, params: int) -> float:
+    """Bytes a case holds at its peak: ours (the larger side) or gloo's processes."""
+    model = params * 4
+    ours = (hosts + 3) * model + hosts * 5 * model + (2 * hosts + 1) * BASE_BYTES
+    gloo = hosts * (3 * model + TORCH_BYTES)
+    return max(ours, gloo)
+
+
+@dataclass(frozen=True)
+class Case:
+    hosts: int
+    size: str  # as given (`25M`): the keys carry it
+    params: int
+    skipped: str | None = None  # why it is not run
+
+
+def plan(hosts: list[int], sizes: list[str], available: float) -> list[Case]:
+    """The cases to run: each (H, M) asked, one that would not fit in memory skipped with the reason
+    and replaced by the largest H (halving) that fits, unless that one is asked anyway."""
+    cases: list[Case] = []
+    for size in sizes:
+        params = parse_size(size)
+        for h in hosts:
+            if memory_needed(h, params) <= MEMORY_SHARE * available:
+                cases.append(Case(h, size, params))
+                continue
+            fits = h // 2
+            while fits >= 2 and memory_needed(fits, params) > MEMORY_SHARE * available:
+                fits //= 2
+            why = (f"needs about {memory_needed(h, params) / 1e9:.1f} GB, over {MEMORY_SHARE:.0%} of the "
+                   f"{available / 1e9:.1f} GB available" + (f": ran {fits} hosts instead" if fits >= 2 else ""))
+            cases.append(Case(h, size, params, why))
+            if fits >= 2 and fits not in hosts and Case(fits, size, params) not in cases:
+                cases.append(Case(fits, size, params))
+    return cases
+
+
+def round_span(done: list[tuple[int, int]]) -> float:
+    """One round's seconds: the first process's start to the last one's end (monotonic ns)."""
+    return (max(t1 for _, t1 in done) - min(t0 for t0, _ in done)) / 1e9
+
+
+def host_names(hosts: int) -> list[str]:
+    return [f"h{i}" for i in range(1, hosts + 1)]
+
+
+def world(hosts: int) -> dict[str, tuple[int, ...]]:
+    """One rank per host: h1 holds rank 0, h2 rank 1, ..."""
+    return {name: (i,) for i, name in enumerate(host_names(hosts))}
+
+
+# ---------------------------------------------------------------------------- inside the namespaces
+
+
+def secrets() -> tuple[bytes, bytes, bytes]:
+    key, run_id, route_secret = (bytes.fromhex(os.environ[name]) for name in SECRETS)
+    return key, run_id, route_secret
+
+
+def stdin_lines() -> queue.Queue[str | None]:
+    """The harness's lines to this process, then None once it closes stdin: how it tells a service to stop."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            lines.put(line.strip())
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def reducer_role(hosts: int, address: str) -> None:
+    """`controller`: the reducer service; prints its counters at each `counters` line, until told to stop."""
+    import zmq
+
+    from flodl_zmq.endpoints import ControllerAddress
+    from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
+    from flodl_zmq.links import (
+        CONTROL_MAX_FRAME_BYTES,
+        CONTROL_MAX_FRAMES,
+        limit_receive,
+        recv_bounded,
+    )
+    from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+    from flodl_zmq.settings import Settings
+    from flodl_zmq.wire import Channel
+
+    key, run_id, route_secret = secrets()
+    controller = ControllerAddress(address, PORT)
+    s = Settings.from_environ()  # the run's link settings, as a controller's reducer takes them
+    svc = ReducerService(ReducerConfig.for_controller(
+        world(hosts), key, run_id, controller, route_secret=route_secret,
+        link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s))
+    svc.start()
+    # No coordinator here, but each relay dials the control link too: a listener keeps it connected.
+    control = controller_context().socket(zmq.ROUTER)
+    keep_off_the_data_plane(control)
+    limit_receive(control, CONTROL_MAX_FRAME_BYTES)
+    control.bind(controller.endpoint(Channel.CONTROL))
+    lines = stdin_lines()
+    print("READY", flush=True)
+    while True:
+        if control.poll(100):
+            recv_bounded(control, CONTROL_MAX_FRAMES)
+        try:
+            line = lines.get_nowait()
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        print("COUNTERS " + json.dumps(svc.counters()), flush=True)
+    control.close(0)
+    svc.stop()
+
+
+def relay_role(hosts: int, host: str, address: str, ipc_dir: str) -> None:
+    """A host's relay, the real one, until told to stop."""
+    from flodl_zmq.endpoints import ControllerAddress
+    from flodl_zmq.links import host_token, local_endpoints
+    from flodl_zmq.relay import Relay
+    from flodl_zmq.relay_config import RelayConfig
+    from flodl_zmq.settings import Settings
+
+    key, run_id, route_secret = secrets()
+    s = Settings.from_environ()  # the run's settings, as run_relay takes them
+    # The rank beats from its own thread while it waits for the harness: a long silence limit keeps a
+    # rank that a loaded machine leaves unscheduled for a while from being declared dead mid-bench.
+    cfg = RelayConfig.for_controller(
+        host, world(hosts)[host], key, run_id, ControllerAddress(address, PORT),
+        local_endpoints(key, run_id, host, ipc_dir), rank_silence_at_relay_s=10.0,
+        consensus_wait_at_relay_s=s.consensus_wait_at_relay_s, link_heartbeat_period_s=s.link_heartbeat_period_s,
+        link_silence_s=s.link_silence_s, peer_send_timeout_s=s.peer_send_timeout_s,
+        host_token=host_token(route_secret, host))
+    relay = Relay(cfg)
+    relay.start()
+    lines = stdin_lines()
+    print("READY", flush=True)
+    while lines.get() is not None:
+        pass
+    relay.stop()
+
+
+def heartbeats(ctx: Any, rank: int, endpoint: str, stop: threading.Event) -> None:
+    """A rank's beats to its relay every 0.5 s until `stop`, with a codec of their own (a codec's
+    sequence belongs to one thread): the relay declares a silent rank dead."""
+    import zmq
+
+    from flodl_zmq.links import rank_identity, rank_sender
+    from flodl_zmq.wire import Codec
+    from flodl_zmq.wire.records import Heartbeat
+
+    key, run_id, _ = secrets()
+    codec = Codec(key, run_id, rank_sender(rank))
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, rank_identity(rank))
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    while not stop.wait(0.5):
+        s.send_multipart(codec.encode(Heartbeat(rank, 0)))
+    s.close(0)
+
+
+def rank_role(hosts: int, host: str, params: int, ipc_dir: str, deadline_s: float) -> None:
+    """A light rank: per `go` line, deposit by reference and wait for the verified consensus; print its span."""
+    import numpy as np
+    import zmq
+
+    from flodl_zmq.links import (
+        DATA_MAX_FRAMES,
+        local_endpoints,
+        rank_identity,
+        rank_sender,
+        recv_bounded,
+    )
+    from flodl_zmq.wire import Channel, Codec, shm
+    from flodl_zmq.wire.records import RoundFrame
+
+    key, run_id, _ = secrets()
+    rank = world(hosts)[host][0]
+    control_ep, data_ep = local_endpoints(key, run_id, host, ipc_dir)
+    ctx = zmq.Context()
+    stop = threading.Event()
+    beat = threading.Thread(target=heartbeats, args=(ctx, rank, control_ep, stop), daemon=True)
+    beat.start()
+    data = ctx.socket(zmq.DEALER)
+    data.setsockopt(zmq.IDENTITY, rank_identity(rank))
+    data.setsockopt(zmq.LINGER, 0)
+    data.connect(data_ep)
+    codec, decoder = Codec(key, run_id, rank_sender(rank)), Codec(key, run_id, "bench")
+    segment = shm.Segment(key, run_id, shm.rank_owner(rank))
+    deposit = np.frombuffer(segment.layout([params * 4])[0], np.float32)
+    deposit.fill(rank + 1.0)  # mass 1 each: the consensus is the mean of 1..H
+    expect = (hosts + 1) / 2
+    mapped = shm.SegmentMap(run_id, shm.run_dir(key, run_id))
+    print("READY", flush=True)
+    for line in sys.stdin:
+        round_id = int(line.split()[1])
+        t0 = time.monotonic_ns()
+        data.send_multipart(shm.by_reference(codec, RoundFrame(round_id, rank, 1.0), [deposit], segment,
+                                             dtypes=["f32"]))
+        if not data.poll(int(deadline_s * 1000)):
+            raise TimeoutError(f"rank {rank}: no consensus of round {round_id} within {deadline_s:g} s; "
+                               f"see the relay's and the reducer's logs")
+        frames = recv_bounded(data, DATA_MAX_FRAMES, copy=False)
+        if frames is None:
+            raise RuntimeError(f"rank {rank}: the relay sent a message of over {DATA_MAX_FRAMES} frames")
+        env = mapped.decode(decoder, frames, shm.host_owner(host), Channel.BROADCAST, replay=False)
+        t1 = time.monotonic_ns()
+        got = float(env.payload[0][0])
+        if env.record.round != round_id or abs(got - expect) > 1e-3 * expect:
+            raise RuntimeError(f"rank {rank}: round {env.record.round} consensus {got}, expected round {round_id} "
+                               f"and {expect}")
+        print(f"DONE {round_id} {t0} {t1}", flush=True)
+    stop.set()
+    beat.join(5)
+    ctx.destroy(0)
+    segment.close()
+
+
+def gloo_role(hosts: int, host: str, params: int, master: str, deadline_s: float) -> None:
+    """One gloo process: per `go` line, all_reduce the vector and divide; print its span."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = world(hosts)[host][0]
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{GLOO_PORT}", rank=rank, world_size=hosts,
+                            timeout=timedelta(seconds=deadline_s))
+    t = torch.full((params,), rank + 1.0)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        round_id = int(line.split()[1])
+        t0 = time.monotonic_ns()
+        dist.all_reduce(t)
+        t.div_(hosts)
+        t1 = time.monotonic_ns()
+        print(f"DONE {round_id} {t0} {t1}", flush=True)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- the harness
+
+
+class Side:
+    """One side's processes in the namespaces: their tagged stdout lines on one queue, stderr in a log each."""
+
+    def __init__(self, net: Any, logs: Path) -> None:
+        self.net, self.logs = net, logs
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
+
+    def start(self, name: str, host: str, argv: list[str], env: dict[str, str]) -> None:
+        with open(self.logs / f"{name}.log", "w") as err:  # the child keeps its own descriptor
+            proc = self.net.popen(host, [sys.executable, str(Path(__file__).resolve()), *argv], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        self.procs[name] = proc
+        threading.Thread(target=self._read, args=(name, proc), daemon=True).start()
+
+    def _read(self, name: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.put((name, line.rstrip("\n")))
+        self.lines.put((name, None))  # its end: a process that exits early is named, not waited for
+
+    def expect(self, names: list[str], tag: str, deadline_s: float) -> dict[str, list[str]]:
+        """The words after `tag` on each of `names`' next such line, within `deadline_s`."""
+        got: dict[str, list[str]] = {}
+        end = time.monotonic() + deadline_s
+        while len(got) < len(names):
+            try:
+                name, line = self.lines.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(names) - set(got))
+                raise TimeoutError(f"{missing}: no {tag} within {deadline_s:g} s\n{self.tails()}") from None
+            if name not in names:
+                continue
+            if line is None:
+                said = (self.logs / f"{name}.log").read_text(errors="replace").strip().splitlines() or ["nothing"]
+                raise RuntimeError(f"{name} exited before its {tag} line, saying: {said[-1]}\n{self.tails()}")
+            if line == tag or line.startswith(tag + " "):
+                got[name] = line.split()[1:]
+        return got
+
+    def tell(self, names: list[str], text: str) -> None:
+        for name in names:
+            self.procs[name].stdin.write(text + "\n")
+            self.procs[name].stdin.flush()
+
+    def rounds(self, names: list[str], ids: range, deadline_s: float) -> list[float]:
+        """Rounds `ids`, each started by a `go` to every one of `names` once the last has ended: their spans."""
+        spans = []
+        for round_id in ids:
+            self.tell(names, f"go {round_id}")
+            done = self.expect(names, "DONE", deadline_s)
+            spans.append(round_span([(int(w[1]), int(w[2])) for w in done.values()]))
+        return spans
+
+    def stop(self, first: list[str]) -> None:
+        """Close `first`'s stdin (the ranks: they end), then every other's; whatever lingers is killed."""
+        rest = [n for n in self.procs if n not in first]
+        for name in [*first, *rest]:
+            self.procs[name].stdin.close()
+        for proc in self.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        self.net.stop(list(self.procs.values()))
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {n}\n{(self.logs / f'{n}.log').read_text(errors='replace')[-1500:]}"
+                         for n in self.procs)
+
+
+def round_deadline_s(case: Case, rate_bps: float) -> float:
+    """Ten times a one-shard round's link time (H x the bound), and a minute for a loaded machine."""
+    return 60.0 + 10 * case.hosts * bound_s(case.params, rate_bps)
+
+
+def reasks(side: Side) -> int:
+    """The reducer's count so far of the relays' requests for a late consensus and its own for a host frame."""
+    side.tell(["reducer"], "counters")
+    counts = json.loads(" ".join(side.expect(["reducer"], "COUNTERS", 30)["reducer"]))
+    return counts.get("consensus_requests", 0) + counts.get("frame_requests", 0)
+
+
+def run_ours(net: Any, case: Case, rate_bps: float, rounds: int, warmup: int, logs: Path) -> tuple[float, int]:
+    """One shard: the reducer in `controller`, a relay and a rank per host. The median round and the
+    re-asks of the measured rounds."""
+    import wan  # here, not at the top: it imports torch, which the processes of our side never need
+
+    from flodl_zmq.environment import with_tunables
+    from flodl_zmq.wire import new_key
+    from flodl_zmq.wire.shm import unlink_run
+
+    key, run_id = new_key(), os.urandom(16)
+    run_settings = {k: v for k, v in os.environ.items() if k.startswith("FLODL_")}  # e.g. FLODL_LINK_SILENCE
+    env = wan.environ({**run_settings, **dict(zip(SECRETS, (key.hex(), run_id.hex(), os.urandom(32).hex()),
+                                                  strict=True))})
+    ipc_dir = tempfile.mkdtemp(prefix="flodl-topo-")
+    side, address = Side(net, logs), net.hosts["controller"].address
+    deadline = round_deadline_s(case, rate_bps)
+    hosts, ranks = host_names(case.hosts), [f"rank-{h}" for h in host_names(case.hosts)]
+    try:
+        side.start("reducer", "controller", ["--role", "reducer", "--world", str(case.hosts), "--address", address],
+                   with_tunables(env, "controller"))
+        for h in hosts:
+            side.start(f"relay-{h}", h, ["--role", "relay", "--world", str(case.hosts), "--host", h, "--address",
+                                         address, "--ipc", ipc_dir], with_tunables(env, "relay"))
+        for h, name in zip(hosts, ranks, strict=True):
+            side.start(name, h, ["--role", "rank", "--world", str(case.hosts), "--host", h, "--params",
+                                 str(case.params), "--ipc", ipc_dir, "--deadline", str(deadline)],
+                       with_tunables(env, "rank"))
+        side.expect(list(side.procs), "READY", START_S)
+        side.rounds(ranks, range(1, warmup + 1), deadline + 30)
+        before = reasks(side)
+        spans = side.rounds(ranks, range(warmup + 1, warmup + rounds + 1), deadline + 30)
+        return statistics.median(spans), reasks(side) - before
+    finally:
+        side.stop(first=ranks)  # the ranks end first: a relay stopped under a waiting rank is not a failure here
+        unlink_run(key, run_id)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def run_gloo(net: Any, case: Case, rate_bps: float, rounds: int, warmup: int, logs: Path) -> float:
+    """gloo's all_reduce, one process per host, its store on h1: the median round."""
+    import wan
+
+    from flodl_zmq.environment import with_tunables
+
+    env = with_tunables(wan.environ({"GLOO_SOCKET_IFNAME": "eth0"}), "rank")
+    side, deadline = Side(net, logs), round_deadline_s(case, rate_bps)
+    names = [f"gloo-{h}" for h in host_names(case.hosts)]
+    try:
+        for h, name in zip(host_names(case.hosts), names, strict=True):
+            side.start(name, h, ["--role", "gloo", "--world", str(case.hosts), "--host", h, "--params",
+                                 str(case.params), "--address", net.hosts["h1"].address, "--deadline",
+                                 str(deadline)], env)
+        side.expect(names, "READY", START_S)
+        side.rounds(names, range(1, warmup + 1), deadline + 30)
+        return statistics.median(side.rounds(names, range(warmup + 1, warmup + rounds + 1), deadline + 30))
+    finally:
+        side.stop(first=names)
+
+
+def key(name: str, case: Case, shards: int | None = None) -> str:
+    """`round_s_8h_25M_s1`: the figure, hosts, parameters and (for ours) shards."""
+    return f"{name}_{case.hosts}h_{case.size}" + ("" if shards is None else f"_s{shards}")
+
+
+def measure(cases: list[Case], rate: str, rounds: int, warmup: int) -> dict[str, Any]:
+    """Every case over links shaped at `rate`: the JSON figures, `why_null` naming each null's reason."""
+    import wan
+
+    from tests.cluster.netns import network_or_skip
+
+    rate_bps = parse_rate(rate)
+    out: dict[str, Any] = {}
+    why: dict[str, str] = {}
+    logs = Path(tempfile.mkdtemp(prefix="flodl-topo-logs-"))
+    most = max((c.hosts for c in cases if c.skipped is None), default=0)
+    with network_or_skip("controller", *host_names(most)) as net:
+        for name in net.hosts:
+            wan.shape(net, name, rate)
+        for case in cases:
+            ours, shards, gloo = key("round_s", case, 1), key("round_s", case, case.hosts), key("gloo_s", case)
+            asked = key("reasks", case, 1)
+            out[key("bound_s", case)] = bound_s(case.params, rate_bps)
+            out.update({ours: None, shards: None, gloo: None, asked: None})
+            why[shards] = NO_SHARDS
+            if case.skipped is not None:
+                why.update({ours: case.skipped, gloo: case.skipped, asked: case.skipped})
+                continue
+            here = logs / f"{case.hosts}h_{case.size}"
+            here.mkdir()
+            try:
+                out[ours], out[asked] = run_ours(net, case, rate_bps, rounds, warmup, here)
+            except (RuntimeError, TimeoutError) as exc:
+                why[ours] = why[asked] = f"failed: {str(exc).splitlines()[0]}; logs in {here}"
+                print(f"{ours}: {exc}", file=sys.stderr)
+            try:
+                out[gloo] = run_gloo(net, case, rate_bps, rounds, warmup, here)
+            except (RuntimeError, TimeoutError) as exc:
+                why[gloo] = f"failed: {str(exc).splitlines()[0]}; logs in {here}"
+                print(f"{gloo}: {exc}", file=sys.stderr)
+            print(f"  {case.hosts}h {case.size}: ours {out[ours]} s, gloo {out[gloo]} s", file=sys.stderr, flush=True)
+    out["why_null"] = why
+    return out
+
+
+def available_bytes() -> float:
+    """MemAvailable (/proc/meminfo): what this machine can give a case now without swapping."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024.0
+    raise RuntimeError("/proc/meminfo has no MemAvailable: this bench needs Linux 3.14 or later")
+
+
+def table(cases: list[Case], out: dict[str, Any], rate: str, rounds: int, warmup: int) -> str:
+    def cell(v: float | None, of: float | None = None) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.2f}" + ("" if of is None else f" ({v / of:.1f}x)")
+
+    rows = [f"{rate} per host link (every link shaped, the controller's too); medians of {rounds} rounds after "
+            f"{warmup} warm-up",
+            f"{'hosts':>5} {'params':>6} {'bound s':>8} {'1 shard s (x bound)':>20} {'H shards s':>10} "
+            f"{'gloo s (x bound)':>17} {'re-asks':>7}"]
+    for c in cases:
+        b = out[key("bound_s", c)]
+        asked = out[key("reasks", c, 1)]
+        rows.append(f"{c.hosts:>5} {c.size:>6} {b:>8.2f} {cell(out[key('round_s', c, 1)], b):>20} "
+                    f"{cell(out[key('round_s', c, c.hosts)]):>10} {cell(out[key('gloo_s', c)], b):>17} "
+                    f"{'-' if asked is None else asked:>7}")
+    rows += [f"{k}: null, {v}" for k, v in out["why_null"].items()]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", default="2,4,8", help="comma list of host counts (at least 2)")
+    p.add_argument("--sizes", default="25M,100M", help="comma list of parameter counts: 25M, 100M, 1M, 500K, ...")
+    p.add_argument("--rate", default="1gbit", help="every link's rate both ways, as tc writes it (1gbit, 100mbit)")
+    p.add_argument("--rounds", type=int, default=3, help="measured rounds per case; the figure is their median")
+    p.add_argument("--warmup", type=int, default=1, help="rounds before them, not counted")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--role", choices=("reducer", "relay", "rank", "gloo"), help=argparse.SUPPRESS)  # in a namespace
+    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--host", help=argparse.SUPPRESS)
+    p.add_argument("--address", help=argparse.SUPPRESS)
+    p.add_argument("--params", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ipc", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.role == "reducer":
+        reducer_role(args.world, args.address)
+    elif args.role == "relay":
+        relay_role(args.world, args.host, args.address, args.ipc)
+    elif args.role == "rank":
+        rank_role(args.world, args.host, args.params, args.ipc, args.deadline)
+    elif args.role == "gloo":
+        gloo_role(args.world, args.host, args.params, args.address, args.deadline)
+    if args.role:
+        return 0
+    try:
+        hosts = [int(h) for h in args.hosts.split(",") if h]
+        sizes = [s for s in args.sizes.split(",") if s]
+        for s in sizes:
+            parse_size(s)
+        parse_rate(args.rate)
+    except ValueError as exc:
+        p.error(str(exc))
+    if not hosts or min(hosts) < 2 or args.rounds < 1 or args.warmup < 0:
+        p.error("--hosts needs counts of at least 2 (one reducer and one host is no all-reduce), --rounds at least 1")
+    cases = plan(hosts, sizes, available_bytes())
+    out = measure(cases, args.rate, args.rounds, args.warmup)
+    load = os.getloadavg()
+    out.update(rate=args.rate, rounds=args.rounds, warmup=args.warmup, load_avg_1m=load[0])
+    print(table(cases, out, args.rate, args.rounds, args.warmup))
+    print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} ({os.cpu_count()} cores)")
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
