@@ -103,6 +103,7 @@ from flodl_zmq.coordinator.metrics import EpochReports
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
+    Evaluated,
     MassBound,
     Out,
     Outbox,
@@ -111,7 +112,7 @@ from flodl_zmq.coordinator.outputs import (
     SaveState,
 )
 from flodl_zmq.coordinator.resume import ResumeState
-from flodl_zmq.coordinator.roles import FINAL_EVAL_ID, CallbackRoles, EpochCallbacks, final_eval
+from flodl_zmq.coordinator.roles import FINAL_EVAL_ID, CallbackRoles, EpochCallbacks, EvalLedger
 from flodl_zmq.coordinator.rounds import Consensus, Cycle, StepCounters, gate_open, over_lead_cap
 from flodl_zmq.coordinator.strategy import Send, strategy_for
 from flodl_zmq.errors import CoordinatorError
@@ -160,6 +161,7 @@ class Coordinator:
         self.round = 0 if point is None else point.round  # rounds triggered
         self.avg_count = self.round  # rounds finished
         self.global_step = 0 if point is None else point.global_step
+        self.evals = EvalLedger(config.eval_every_samples, config.batch_size, config.num_epochs, self.global_step)
         self.cycle: Cycle | None = None
         self._abandoned = 0
         self._steps = StepCounters(world_size)
@@ -402,9 +404,13 @@ class Coordinator:
 
     def _on_eval_result(self, rank: int, m: rec.EvalResult, now: float) -> None:
         self._on_callback_done(rank, m, now)
+        samples = self.evals.answered(m.schedule_id, rank)
+        if samples is None:  # a second answer, or one to a request never sent to it
+            self.ignored["unasked_eval"] += 1
+            return
         if m.error is None:
             self._outbox.to_live(rec.EvalBroadcast(epoch=m.epoch, metric=m.metric))
-        self._outbox.emit(CONTROLLER, m)
+        self._outbox.emit(CONTROLLER, Evaluated(m, samples, self.evals.within_epoch(m.schedule_id)))
         if m.schedule_id == FINAL_EVAL_ID and self.phase is RunPhase.FINAL_EVAL_DISPATCHED:
             self._shutdown()
 
@@ -515,6 +521,10 @@ class Coordinator:
         # Before the Updates: the eval rank then scores exactly the consensus it
         # just loaded (a Sync rank is throttled, a Cadence rank idle, until its Update).
         self._flush_callbacks()
+        whole = self._consensus.complete + 1  # epochs it holds; all of them: the final eval scores it
+        if whole < self.config.num_epochs and self.liveness.is_live(self.roles.eval):
+            for request in self.evals.at_finish(self.global_step, whole, self.roles.eval):
+                self._outbox.emit(request.target_rank, request)
         # -- tail: next plans ride in the Update (atomic dispatch)
         self.dispatch.replan()
         for r in cyc.ranks:
@@ -537,15 +547,10 @@ class Coordinator:
 
     def _next_plan(self, rank: int) -> rec.EpochPlan | None:
         """Take `rank`'s next chunk if it may have one now (live, training, not held)."""
-        if (
-            not self.liveness.is_live(rank)
-            or self.phase is not RunPhase.TRAINING
-            or self._held_at_barrier
-        ):
+        if not self.liveness.is_live(rank) or self.phase is not RunPhase.TRAINING or self._held_at_barrier:
             return None  # a held rank's next plan rides in this cycle's Update
-        return self.dispatch.next_plan(
-            rank, self.window_steps[rank], self.feedback.overshoot, self.last_aggregated, self._now
-        )
+        return self.dispatch.next_plan(rank, self.window_steps[rank], self.feedback.overshoot, self.last_aggregated,
+                                       self._now)
 
     def _send_plan(self, rank: int) -> None:
         plan = self._next_plan(rank)
@@ -564,10 +569,7 @@ class Coordinator:
     def _send_data(self, sends: list[Send]) -> None:
         """Send data the strategy produced unasked, or hold it until after the Updates."""
         for rank, record in sends:
-            if self._held_at_barrier:
-                self._outbox.hold(rank, record)
-            else:
-                self._outbox.emit(rank, record)
+            (self._outbox.hold if self._held_at_barrier else self._outbox.emit)(rank, record)
 
     # ================================================================ epochs
 
@@ -585,16 +587,16 @@ class Coordinator:
 
     def _epoch_boundary(self, epoch: int) -> None:
         """Entering `epoch`: its callbacks (held until the cycle is idle), then its data."""
-        if epoch >= self.config.num_epochs:
-            return
-        self.callbacks.entering(epoch)
-        self._open_epoch(epoch)
+        if epoch < self.config.num_epochs:
+            self.callbacks.entering(epoch)
+            self._open_epoch(epoch)
 
     def _flush_callbacks(self) -> None:
         """Eval and checkpoint calls whose epoch the last consensus holds whole (roles.py)."""
         for target, record in self.callbacks.release(self._consensus.complete, self.roles):
             if self.liveness.is_live(target):
-                self._outbox.emit(target, record)
+                self._outbox.emit(target, self.evals.sent(record, self.global_step)
+                                  if isinstance(record, rec.ExecuteEval) else record)
 
     def _announce_epoch_role(self) -> None:
         if self.roles.epoch_dirty:
@@ -607,9 +609,7 @@ class Coordinator:
         ):
             self._shutdown()  # the eval rank died: there is no result to wait for
             return
-        if self.phase is not RunPhase.TRAINING or self.cycle is not None:
-            return
-        if self.last_aggregated + 1 < self.config.num_epochs:
+        if self.phase is not RunPhase.TRAINING or self.cycle is not None or self.last_aggregated + 1 < self.config.num_epochs:
             return
         if not self._final_reduced and self._steps.stepped(self.liveness.live):
             # The edge of the last epoch can leave steps no average has seen.
@@ -619,7 +619,7 @@ class Coordinator:
         if self.config.final_eval and self.liveness.is_live(eval_rank):
             self.phase = RunPhase.FINAL_EVAL_DISPATCHED
             self._final_eval_rank = eval_rank
-            self._outbox.emit(eval_rank, final_eval(eval_rank, self.config.num_epochs))
+            self._outbox.emit(eval_rank, self.evals.final(eval_rank, self.global_step))
             return
         self._shutdown()
 
@@ -641,6 +641,7 @@ class Coordinator:
             return
         self._throttled.discard(rank)
         self.roles.on_death(rank, self.feedback.smoothed_ms(), self.liveness.live_mask)
+        self.evals.on_death(rank)
         # The reducer must not wait for a deposit that will never come.
         self._outbox.emit(REDUCER, rec.DeclareDead(rank=rank))
         # What it did not train goes to the survivors (Sync) or back to the pool.
