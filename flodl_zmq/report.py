@@ -129,8 +129,8 @@ class RunReport:
             if epoch + 1 >= self.job.epochs:
                 self.result.final_eval = metric
         if by_rank is not None and not self.job.quiet:
-            when = f"within epoch {epoch + 1}" if within_epoch else f"after epoch {epoch + 1}"
-            print(f"eval {when} ({samples} samples): {metric:.4f} (rank {by_rank})", flush=True)
+            when = f"within epoch {epoch + 1} ({samples} samples)" if within_epoch else f"after epoch {epoch + 1}"
+            print(f"eval {when}: {metric:.4f} (rank {by_rank})", flush=True)
 
     def row(self, epoch: int) -> dict[str, Any] | None:
         return next((row for row in self.result.epochs if row["epoch"] == epoch), None)

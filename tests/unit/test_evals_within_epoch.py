@@ -108,9 +108,11 @@ def test_an_eval_whose_rank_dies_unanswered_is_scored_once_by_the_heir_at_the_ne
     # Sent again, once, under its own id, to a live rank, scoring this (later) consensus.
     assert [(o.record.schedule_id, o.dest) for o in again] == [(first.schedule_id, c.roles.eval)]
     assert c.roles.eval in heirs
+    (other,) = [r for r in heirs if r != c.roles.eval]
+    assert _answer(c, other, again[0].record, 0.35) == [] and c.ignored["unasked_eval"] == 1  # not asked of it
     scored = [o.record for o in _answer(c, c.roles.eval, again[0].record, 0.4) if isinstance(o.record, Evaluated)]
     assert [(s.result.schedule_id, s.samples) for s in scored] == [(first.schedule_id, c.global_step)]
-    assert _answer(c, c.roles.eval, again[0].record, 0.45) == [] and c.ignored["unasked_eval"] == 1
+    assert _answer(c, c.roles.eval, again[0].record, 0.45) == [] and c.ignored["unasked_eval"] == 2  # once only
 
 
 N = 40  # samples: batch 8 -> 5 steps an epoch
