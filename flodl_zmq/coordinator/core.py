@@ -609,7 +609,8 @@ class Coordinator:
         ):
             self._shutdown()  # the eval rank died: there is no result to wait for
             return
-        if self.phase is not RunPhase.TRAINING or self.cycle is not None or self.last_aggregated + 1 < self.config.num_epochs:
+        if (self.phase is not RunPhase.TRAINING or self.cycle is not None
+                or self.last_aggregated + 1 < self.config.num_epochs):
             return
         if not self._final_reduced and self._steps.stepped(self.liveness.live):
             # The edge of the last epoch can leave steps no average has seen.
