@@ -1,13 +1,18 @@
 """Time to target on real jobs: flodl-zmq (defaults, and tuned) against torch DDP and the fastest member alone.
 
     python bench/tta.py [--jobs cnn,transformer,mlp] [--worlds 1x2,1x2slow,2x2slow] [--runs ours,best,ddp,alone]
-                        [--repeats 3] [--json]
+                        [--repeats 3] [--evals-per-epoch 4] [--json]
 
 The question a user asks before adding a machine: does the run reach the
 target sooner? Every run trains the same job from the same seed with one
 torch thread per process, each rank pinned to a core of its own where the
 machine has one (round robin otherwise), and records when each evaluation
-finished (CLOCK_MONOTONIC, shared by every process).
+finished (CLOCK_MONOTONIC, shared by every process) and how many samples the
+scored model had trained on. Every run is scored at the same cadence in
+samples, `--evals-per-epoch` K times an epoch (the Trainer's
+`eval_every_samples`, an epoch's samples / K; DDP's rank 0 at the same
+points), so time to target is not rounded up to an epoch and no run is
+favoured; K = 1 scores at epoch ends only.
 
 Jobs (the examples' and bench/train.py's models, per-rank batch 32):
 
@@ -37,12 +42,13 @@ the time to train all of them (`run_s`: floDl's own measure, the whole
 schedule's wall time with the final metric beside it) and the services'
 share of the run's CPU time (relays and controller).
 
-JSON keys: tta_speedup_vs_alone_<job>_<world> and tta_speedup_vs_ddp_<job>_<world>
+JSON keys: evals_per_epoch, tta_speedup_vs_alone_<job>_<world> and tta_speedup_vs_ddp_<job>_<world>
 (time from the first step; ours with defaults, `_best` appended for BEST),
 run_speedup_vs_alone_<job>_<world> (all epochs),
 final_delta_vs_alone_<job>_<world> (ours minus alone after equal epochs, in
 points of accuracy or nats; `_best` too), and per run
-ttt_s_/ttt_cmd_s_/samples_/budget_metric_/final_/service_cpu_share_<run>_<job>_<world>.
+ttt_s_/ttt_cmd_s_/samples_/budget_metric_/final_/run_s_/evals_/service_cpu_share_<run>_<job>_<world>
+(`evals_`: how many times the run was scored).
 This script is also the job the launcher runs (FLODL_ROLE set).
 """
 
@@ -156,7 +162,8 @@ JOBS: dict[str, Spec] = {
 # --------------------------------------------------------------------------- inside a run's processes
 
 _first_step: list[float] = []
-_evals: list[tuple[float, float]] = []  # (monotonic time the eval ended, metric)
+_evals: list[tuple[float, float]] = []  # (monotonic time the eval ended, metric), in the process that scores
+_scored: list[int] = []  # the samples each eval's model had trained on, in order, where the result is known
 
 
 def pin(slot: int) -> None:
@@ -183,7 +190,8 @@ def _timed(spec_kw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _report() -> None:
-    print(TAG + " " + json.dumps({"first_step": _first_step[:1], "evals": _evals, "timeline": _timeline}), flush=True)
+    print(TAG + " " + json.dumps({"first_step": _first_step[:1], "evals": _evals, "samples": _scored,
+                                  "timeline": _timeline}), flush=True)
 
 
 _timeline: dict[str, float] = {}  # phase -> seconds, on a rank (--timeline)
@@ -238,7 +246,12 @@ def keywords(best: dict[str, Any], world: str) -> dict[str, Any]:
     return extra
 
 
-def run_trainer(job: str, world: str, variant: str, best: dict[str, Any], timeline: bool) -> None:
+def eval_every(dataset_len: int, evals_per_epoch: int) -> int:
+    """The samples between two evals for `evals_per_epoch` a run (0: at epoch ends only)."""
+    return 0 if evals_per_epoch <= 1 else dataset_len // evals_per_epoch
+
+
+def run_trainer(job: str, world: str, variant: str, best: dict[str, Any], timeline: bool, evals_per_epoch: int) -> None:
     """ours / best / alone: the Trainer, in whatever role this process has."""
     from flodl_zmq.api import Trainer
 
@@ -252,11 +265,13 @@ def run_trainer(job: str, world: str, variant: str, best: dict[str, Any], timeli
     extra = keywords(best if variant == "best" else {}, world)
     total = spec.epochs * math.ceil(len(kw["dataset"]) / extra["batch_size"])
     atexit.register(_report)
-    Trainer(**kw, optimizer=lambda p: spec.optimizer(p, 1.0), epochs=spec.epochs, seed=SEED,
-            scheduler=spec.scheduler(total) if spec.scheduler else None, quiet=True, **extra).run()
+    result = Trainer(**kw, optimizer=lambda p: spec.optimizer(p, 1.0), epochs=spec.epochs, seed=SEED,
+                     eval_every_samples=eval_every(len(kw["dataset"]), evals_per_epoch),
+                     scheduler=spec.scheduler(total) if spec.scheduler else None, quiet=True, **extra).run()
+    _scored.extend(row["samples"] for row in result.evals)  # the controller, or alone (a rank does not return)
 
 
-def _ddp_worker(rank: int, world: int, job: str, slow: dict[int, float], init: str) -> None:
+def _ddp_worker(rank: int, world: int, job: str, slow: dict[int, float], init: str, evals_per_epoch: int) -> None:
     import torch.distributed as dist
 
     from flodl_zmq.sampling import epoch_permutation
@@ -272,10 +287,20 @@ def _ddp_worker(rank: int, world: int, job: str, slow: dict[int, float], init: s
     data, n = kw["dataset"], len(kw["dataset"])
     per_step = world * BATCH
     sched = spec.scheduler(spec.epochs * (n // per_step))(opt) if spec.scheduler else None
+    every, trained = eval_every(n, evals_per_epoch), 0
+
+    def score() -> None:  # rank 0, as the others wait at the next all-reduce
+        ddp.module.eval()
+        with torch.no_grad():
+            kw["eval_fn"](ddp.module, kw["eval_dataset"])
+        ddp.module.train()
+        _scored.append(trained)
+
     dist.barrier()
     for epoch in range(spec.epochs):
         perm = epoch_permutation(SEED, epoch, n)
-        for s in range(n // per_step):  # equal step counts: DDP moves in lockstep
+        steps = n // per_step
+        for s in range(steps):  # equal step counts: DDP moves in lockstep
             t = time.perf_counter()
             idx = perm[s * per_step + rank : (s + 1) * per_step : world]
             batch = torch.utils.data.default_collate([data[int(i)] for i in idx])
@@ -289,22 +314,20 @@ def _ddp_worker(rank: int, world: int, job: str, slow: dict[int, float], init: s
                 sched.step()
             if rank in slow:
                 time.sleep((slow[rank] - 1.0) * (time.perf_counter() - t))
-        if rank == 0:
-            ddp.module.eval()
-            with torch.no_grad():
-                kw["eval_fn"](ddp.module, kw["eval_dataset"])
-            ddp.module.train()
+            trained += per_step
+            if rank == 0 and (s + 1 == steps or (every and trained // every > (trained - per_step) // every)):
+                score()  # the Trainer's rule: one eval per due point, and at the epoch's end
     if rank == 0:
         _report()
     dist.destroy_process_group()
 
 
-def run_ddp(job: str, world_name: str) -> None:
+def run_ddp(job: str, world_name: str, evals_per_epoch: int) -> None:
     import torch.multiprocessing as mp
 
     hosts, per_host, slow = WORLDS[world_name]
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_ddp_worker, args=(hosts * per_host, job, slow, f"file://{d}/rendezvous"),
+        mp.spawn(_ddp_worker, args=(hosts * per_host, job, slow, f"file://{d}/rendezvous", evals_per_epoch),
                  nprocs=hosts * per_host, join=True)
 
 
@@ -341,6 +364,7 @@ class CpuTicks:
 def _parse(lines: list[str]) -> dict[str, Any]:
     first: list[float] = []
     evals: list[tuple[float, float]] = []
+    samples: list[int] = []
     timelines: dict[str, dict[str, float]] = {}
     for line in lines:
         label, _, text = line.partition("] ") if line.startswith("[") else ("", "", line)
@@ -348,18 +372,23 @@ def _parse(lines: list[str]) -> dict[str, Any]:
             data = json.loads(text[len(TAG) + 1:])
             first += data["first_step"]
             evals += [tuple(e) for e in data["evals"]]
+            samples += data["samples"]
             if data["timeline"]:
                 timelines[label.lstrip("[")] = data["timeline"]
     if not first or not evals:
         raise RuntimeError("the run reported no step or no evaluation:\n" + "\n".join(lines[-40:]))
-    return {"first_step": min(first), "evals": sorted(evals), "timelines": timelines}
+    if len(samples) != len(evals):
+        raise RuntimeError(f"{len(evals)} evaluations but {len(samples)} sample counts:\n" + "\n".join(lines[-40:]))
+    # One process scores at a time, in the order its result lists them: time order is that order.
+    return {"first_step": min(first), "evals": [(t, m, n) for (t, m), n in zip(sorted(evals), samples, strict=True)],
+            "timelines": timelines}
 
 
-def run_one(job: str, world: str, run: str, best: str, timeline: bool = False) -> dict[str, Any]:
+def run_one(job: str, world: str, run: str, best: str, timeline: bool = False, evals_per_epoch: int = 4) -> dict[str, Any]:
     """One run in fresh processes; its raw figures (times are CLOCK_MONOTONIC)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
     child = [sys.executable, __file__, "--child", run, "--jobs", job, "--worlds", world, "--best", best,
-             *(["--timeline"] if timeline else [])]
+             "--evals-per-epoch", str(evals_per_epoch), *(["--timeline"] if timeline else [])]
     t_cmd = time.monotonic()
     share = None
     if run in ("ours", "best"):
@@ -383,22 +412,27 @@ def run_one(job: str, world: str, run: str, best: str, timeline: bool = False) -
     return {**out, "t_cmd": t_cmd, "service_cpu_share": share}
 
 
-def figures(spec: Spec, raw: dict[str, Any], samples_per_epoch: int, budget_s: float | None) -> dict[str, Any]:
-    """What one run says: time and samples to target, the metric at the budget and after the epochs."""
-    evals = raw["evals"][: spec.epochs]  # one per epoch (a cluster adds one on the final consensus)
-    hit = next((i for i, (_, m) in enumerate(evals) if spec.reached(m)), None)
+def figures(spec: Spec, raw: dict[str, Any], budget_s: float | None) -> dict[str, Any]:
+    """What one run says: time and samples to target, the metric at the budget and after the epochs.
+
+    Each eval is (time, metric, samples); the last scores the model after every epoch (the cluster's
+    final eval, the lone run's and DDP's last epoch end), as a run that ended early raised in run_one.
+    """
+    evals = raw["evals"]
+    hit = next((i for i, (_, m, _) in enumerate(evals) if spec.reached(m)), None)
     t_hit = None if hit is None else evals[hit][0]
     at_budget = None
     if budget_s is not None:
-        within = [m for t, m in evals if t - raw["first_step"] <= budget_s]
+        within = [m for t, m, _ in evals if t - raw["first_step"] <= budget_s]
         at_budget = within[-1] if within else None
     return {
         "ttt_s": None if t_hit is None else t_hit - raw["first_step"],
         "ttt_cmd_s": None if t_hit is None else t_hit - raw["t_cmd"],
-        "samples": None if hit is None else (hit + 1) * samples_per_epoch,
+        "samples": None if hit is None else evals[hit][2],
         "budget_metric": at_budget,
-        "final": evals[-1][1] if len(evals) == spec.epochs else None,
-        "run_s": evals[-1][0] - raw["first_step"] if len(evals) == spec.epochs else None,
+        "final": evals[-1][1],
+        "run_s": evals[-1][0] - raw["first_step"],
+        "evals": len(evals),
         "service_cpu_share": raw["service_cpu_share"],
     }
 
@@ -416,6 +450,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="alternated runs of each; medians over them")
     p.add_argument("--best", help="the best run's Trainer keywords for every job, as JSON (default: BEST, per job)")
     p.add_argument("--timeline", action="store_true", help="account each rank's time to phases; print it per run")
+    p.add_argument("--evals-per-epoch", type=int, default=4,
+                   help="score every run this many times an epoch, at the same samples (1: at epoch ends only)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -426,31 +462,32 @@ def main() -> int:
             p.error(f"unknown {name} {bad}: choose from {sorted(known)}")
     if args.child:  # one run's process (the launcher's roles too: FLODL_ROLE)
         if args.child == "ddp":
-            run_ddp(jobs[0], worlds[0])
+            run_ddp(jobs[0], worlds[0], args.evals_per_epoch)
         else:
-            run_trainer(jobs[0], worlds[0], args.child, json.loads(args.best), args.timeline)
+            run_trainer(jobs[0], worlds[0], args.child, json.loads(args.best), args.timeline, args.evals_per_epoch)
         return 0
 
-    out: dict[str, Any] = {"load_average": os.getloadavg(), "repeats": args.repeats, "best": {}}
+    out: dict[str, Any] = {"load_average": os.getloadavg(), "repeats": args.repeats, "best": {},
+                           "evals_per_epoch": args.evals_per_epoch}
     table = []
     for job in jobs:
         spec = JOBS[job]
         best = args.best or json.dumps(BEST[job])
         out["best"][job] = json.loads(best)
-        n = len(spec.build()["dataset"])
-        samples = n // BATCH * BATCH
         raw: dict[tuple[str, str], list[dict]] = {}
         for _ in range(args.repeats):
             if "alone" in runs:
-                raw.setdefault(("alone", ""), []).append(run_one(job, worlds[0], "alone", best, args.timeline))
+                raw.setdefault(("alone", ""), []).append(
+                    run_one(job, worlds[0], "alone", best, args.timeline, args.evals_per_epoch))
             for world in worlds:
                 for run in (r for r in runs if r != "alone"):
-                    raw.setdefault((run, world), []).append(run_one(job, world, run, best, args.timeline))
-        alone_figs = [figures(spec, r, samples, None) for r in raw.get(("alone", ""), [])]
+                    raw.setdefault((run, world), []).append(
+                        run_one(job, world, run, best, args.timeline, args.evals_per_epoch))
+        alone_figs = [figures(spec, r, None) for r in raw.get(("alone", ""), [])]
         budget = _median([f["ttt_s"] for f in alone_figs])
         med: dict[tuple[str, str], dict] = {}
         for (run, world), rs in raw.items():
-            figs = [figures(spec, r, samples, budget) for r in rs]
+            figs = [figures(spec, r, budget) for r in rs]
             med[run, world] = {k: _median([f[k] for f in figs]) for k in figs[0]}
         for (run, world), m in med.items():
             tag = f"{run}_{job}" + (f"_{world}" if world else "")

@@ -6,6 +6,11 @@ once, in the seeded order the cluster's ranks share (sampling.py), and
 `step(loss)` counts a step the caller took on the last one. Trainer's step
 and a user's own loop (`Session`) both run through it, so the two print,
 evaluate and save identically (report.py).
+
+Evals: after every `eval_every` epochs and the last, and within epochs every
+`eval_every_samples` samples (the cluster's rule, roles.py `SampleCadence`:
+one eval per due point, an epoch's eval counting for it), after the step
+that reaches them, so a lone run is scored as often as a cluster's.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import torch
 
 from flodl_zmq import bundle
+from flodl_zmq.coordinator.roles import SampleCadence
 from flodl_zmq.job import Job
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.report import RunReport
@@ -52,6 +58,8 @@ class AloneLoop:
         self._t_run = self._t_epoch = 0.0
         self._samples = 0
         self._loss_sum, self._batches, self._parts = 0.0, 0, 0
+        self.cadence = SampleCadence(job.eval_every_samples if job.eval_fn is not None else 0,
+                                     self.start_epoch * job.total_samples)
 
     def batches(self) -> Iterator[Any]:
         """Every batch of every epoch left, in the cluster's data order; each epoch's row, eval and report."""
@@ -71,12 +79,12 @@ class AloneLoop:
                 # The global step of a single process: every step before this one, resumed ones too.
                 self.stepper.follow(epoch * self.steps_per_epoch + self._batches)
                 yield self.pipeline.next()
+                if len(self.pipeline) and self.cadence.due(self._trained()):
+                    self._evaluate(within_epoch=True)
             row = self._row()
             self.scalars.take()
-            if _eval_due(job, epoch):
-                self.model.eval()
-                with torch.no_grad():
-                    self.report.evaluated(epoch, float(job.eval_fn(self.model, job.eval_dataset)), row=row)
+            if _eval_due(job, epoch) or self.cadence.due(self._trained()):
+                self._evaluate(within_epoch=not _eval_due(job, epoch), row=row)
             self.report.epoch(row)
             self.epochs_done = epoch + 1
 
@@ -91,6 +99,22 @@ class AloneLoop:
             if k > self._parts:
                 self._parts = k
                 self.report.progress({**self._row(), "fraction": k / self.job.reports_per_epoch})
+
+    def _trained(self) -> int:
+        """Samples trained so far: every epoch before this one whole, and this one's steps."""
+        assert self.epoch is not None
+        return self.epoch * self.job.total_samples + min(self._batches * self.job.batch_size, self._samples)
+
+    def _evaluate(self, within_epoch: bool, row: dict[str, Any] | None = None) -> None:
+        """Score the model now (in eval mode, without gradients) and report it; a user's loop (Session)
+        gets its model back in the mode it was in."""
+        job, samples, training = self.job, self._trained(), self.model.training
+        self.cadence.scored(samples)
+        self.model.eval()
+        with torch.no_grad():
+            metric = float(job.eval_fn(self.model, job.eval_dataset))
+        self.model.train(training)
+        self.report.evaluated(self.epoch or 0, metric, samples, within_epoch, row=row)
 
     def release(self) -> None:
         """Stop the loader workers and the progress bar (also when the caller's loop raised)."""

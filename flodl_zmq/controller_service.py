@@ -83,6 +83,7 @@ from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
     EpochProgress,
+    Evaluated,
     MassBound,
     RoundOpened,
     RunEnded,
@@ -90,12 +91,7 @@ from flodl_zmq.coordinator.outputs import (
 )
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
-from flodl_zmq.errors import (
-    AttributionError,
-    FlodlError,
-    TrainingError,
-    WireError,
-)
+from flodl_zmq.errors import AttributionError, FlodlError, TrainingError, WireError
 from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job, coordinator_config
@@ -648,9 +644,11 @@ class ControllerService:
             self.router.reconnects_this_epoch = 0
         elif isinstance(r, EpochProgress):
             self.report.progress({**aggregated_row(r.metrics), "fraction": r.fraction})
-        elif isinstance(r, rec.EvalResult):
-            if r.error is None:
-                self.report.evaluated(r.epoch - 1, r.metric, by_rank=r.rank)
+        elif isinstance(r, Evaluated):
+            m = r.result
+            if m.error is None:  # `epoch` counts the epochs the consensus holds whole: one within is in the next
+                epoch = m.epoch if r.within_epoch else m.epoch - 1
+                self.report.evaluated(epoch, m.metric, r.samples, r.within_epoch, by_rank=m.rank)
         elif isinstance(r, SaveState):
             if self.job.save_path:
                 self._save(r.reason.value, r.state)

@@ -58,6 +58,11 @@ class Job:
     eval_dataset, eval_fn: `eval_fn(model, eval_dataset) -> float`, run on the
         elected (fastest) rank on the consensus every `eval_every` epochs and once
         at the end.
+    eval_every_samples: also score the model within epochs, each time it has trained
+        on that many more samples (0, the default: off): on a cluster the first
+        finished consensus that holds them, alone the model after the step that
+        reaches them. Each eval is a row of `TrainResult.evals` with its time and
+        samples, where time to target is read.
     checkpoint_fn, checkpoint_every: `checkpoint_fn(version, model)` on the elected rank.
     epoch_fn: `epoch_fn(epoch, model)` on the epoch-callback rank before each epoch.
     metrics_fn: `metrics_fn(epoch_metrics_dict)` on the controller after each epoch.
@@ -126,6 +131,7 @@ class Job:
     eval_dataset: Dataset | None = None
     eval_fn: Callable[[torch.nn.Module, Dataset], float] | None = None
     eval_every: int = 1
+    eval_every_samples: int = 0
     checkpoint_fn: Callable[[int, torch.nn.Module], None] | None = None
     checkpoint_every: int = 0
     epoch_fn: Callable[[int, torch.nn.Module], None] | None = None
@@ -188,8 +194,8 @@ class Job:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         if (self.eval_fn is None) != (self.eval_dataset is None):
             raise ConfigError("eval_fn and eval_dataset go together: give both or neither")
-        if self.eval_every < 0 or self.checkpoint_every < 0:
-            raise ConfigError("eval_every and checkpoint_every must be >= 0 (0 turns the callback off)")
+        if self.eval_every < 0 or self.checkpoint_every < 0 or self.eval_every_samples < 0:
+            raise ConfigError("eval_every, eval_every_samples and checkpoint_every must be >= 0 (0 turns the callback off)")
         if self.on_callback_error not in CALLBACK_ERRORS:
             raise ConfigError(f"on_callback_error must be one of {CALLBACK_ERRORS}, got {self.on_callback_error!r}")
         if self.easgd_alpha is not None:
@@ -341,6 +347,7 @@ def coordinator_config(job: Job) -> CoordinatorConfig:
         mode=MODES[job.mode],
         seed=job.seed,
         eval_every=job.eval_every if has_eval else 0,
+        eval_every_samples=job.eval_every_samples if has_eval else 0,
         checkpoint_every=job.checkpoint_every if job.checkpoint_fn is not None else 0,
         final_eval=has_eval,
         easgd_alpha=job.easgd_alpha,

@@ -472,12 +472,14 @@ class RankRuntime:
         if self.job.eval_fn is None or self.job.eval_dataset is None:
             error = f"rank {self.cfg.rank} was asked to evaluate but the job has no eval_fn/eval_dataset"
         else:
+            training = model.training  # a user's loop (Session) gets its model back in its mode, mid-epoch
             try:
                 model.eval()
                 with torch.no_grad():
                     metric = float(self.job.eval_fn(model, self.job.eval_dataset))
             except Exception:
                 error = self._callback_error(f"eval_fn(epoch={r.epoch})")
+            model.train(training)
         self.link.send(
             rec.EvalResult(
                 rank=self.cfg.rank, schedule_id=r.schedule_id, epoch=r.epoch, metric=metric,

@@ -108,21 +108,29 @@ class RunReport:
                     raise
                 self.on_callback_error(f"metrics_fn raised on the controller:\n{traceback.format_exc()}")
 
-    def evaluated(self, epoch: int, metric: float, row: dict[str, Any] | None = None, by_rank: int | None = None) -> None:
-        """The consensus after epoch index `epoch` scored `metric` (on rank `by_rank`, if any).
+    def evaluated(self, epoch: int, metric: float, samples: int, within_epoch: bool = False,
+                  row: dict[str, Any] | None = None, by_rank: int | None = None) -> None:
+        """The model (the consensus, on rank `by_rank` if any) scored `metric` after `samples` samples.
 
-        It goes into that epoch's row (`row`, or the kept one) with the time
-        since training started; after the last epoch it is the final eval.
+        Every eval is a row of `result.evals` with the time since training
+        started. One after epoch index `epoch` also goes into that epoch's
+        row (`row`, or the kept one); after the last epoch it is the final
+        eval. One `within_epoch` (`eval_every_samples`) was taken during
+        epoch index `epoch`.
         """
-        row = row if row is not None else self.row(epoch)
-        if row is not None:
-            row["eval"] = metric
-            row["eval_at_s"] = time.perf_counter() - self._t0
-        self.events.write("eval", epoch=epoch, metric=metric)
-        if epoch + 1 >= self.job.epochs:
-            self.result.final_eval = metric
+        at_s = time.perf_counter() - self._t0
+        self.result.evals.append(
+            {"epoch": epoch, "within_epoch": within_epoch, "samples": samples, "metric": metric, "eval_at_s": at_s})
+        self.events.write("eval", epoch=epoch, metric=metric, samples=samples)
+        if not within_epoch:
+            row = row if row is not None else self.row(epoch)
+            if row is not None:
+                row["eval"], row["eval_at_s"] = metric, at_s
+            if epoch + 1 >= self.job.epochs:
+                self.result.final_eval = metric
         if by_rank is not None and not self.job.quiet:
-            print(f"eval after epoch {epoch + 1}: {metric:.4f} (rank {by_rank})", flush=True)
+            when = f"within epoch {epoch + 1} ({samples} samples)" if within_epoch else f"after epoch {epoch + 1}"
+            print(f"eval {when}: {metric:.4f} (rank {by_rank})", flush=True)
 
     def row(self, epoch: int) -> dict[str, Any] | None:
         return next((row for row in self.result.epochs if row["epoch"] == epoch), None)

@@ -15,6 +15,9 @@ class TrainResult:
 
     model: torch.nn.Module
     epochs: list[dict[str, Any]] = field(default_factory=list)
+    # Every eval in the order scored: metric, eval_at_s (from training's start), samples the model had
+    # trained on, epoch (the one it ended, or the one in progress when within_epoch). Time to target is read here.
+    evals: list[dict[str, Any]] = field(default_factory=list)
     final_eval: float | None = None
     batch_share: list[float] = field(default_factory=list)
     saved: str | None = None

@@ -42,7 +42,7 @@ REDUCE_STALL_HEARTBEATS = 10
 # (setting, minimum): the integer settings, checked in this order.
 _INTEGERS = (
     ("total_samples", 1), ("batch_size", 1), ("num_epochs", 1), ("seed", 0), ("eval_every", 0),
-    ("checkpoint_every", 0), ("max_anchor", 1), ("min_chunk_batches", 1), ("reports_per_epoch", 0),
+    ("eval_every_samples", 0), ("checkpoint_every", 0), ("max_anchor", 1), ("min_chunk_batches", 1), ("reports_per_epoch", 0),
 )
 # The same for settings where None means "not set" (a default or a policy).
 _OPTIONAL_INTEGERS = (("callback_rank", 0), ("anchor", 1), ("max_overshoot", 0))
@@ -96,6 +96,8 @@ class CoordinatorConfig:
     `callback_rank` selects the callback-role policy: None = Fastest (the
     quickest live rank runs eval, checkpoint and epoch_fn), n = Rank(n).
     `eval_every` / `checkpoint_every` are epoch cadences (0 = off);
+    `eval_every_samples` scores the consensus within epochs too, each time
+    it holds that many more samples (0 = off; roles.py, `EvalLedger`);
     `final_eval` asks for one canonical eval of the final consensus before
     shutdown. `max_overshoot` pins Async's lookahead (None = auto 3 -> 15).
     `reports_per_epoch` n > 1 emits `EpochProgress` as each n-th of an
@@ -110,6 +112,7 @@ class CoordinatorConfig:
     rank_silence_at_coordinator_s: float = RANK_SILENCE_AT_COORDINATOR_S
     max_failure: MaxFailure | None = None
     eval_every: int = 0
+    eval_every_samples: int = 0
     checkpoint_every: int = 0
     final_eval: bool = False
     callback_rank: int | None = None

@@ -26,12 +26,11 @@ publication the window's timings set the next window's schedule
 rides in its `Update`, sent beside the consensus (no round trip through the
 acks); the acks then give the guard its divergence (`judge`: the convergence
 guard, the LR meta-controller, overshoot), before any next window opens.
-Under Cadence a chunk that fills its window also names the next round, which
-the rank deposits in at its end without being asked (`DepositsAhead`,
-rounds.py), and the round's trigger asks only the others. Epoch-boundary callbacks (eval,
-checkpoint: `EpochCallbacks`, roles.py) go out at the first finish whose
-consensus contains every sample of the epoch that ended, just before the
-Updates.
+Under Cadence a chunk that fills its window names the next round, deposited
+at its end unasked (`DepositsAhead`, rounds.py); the trigger asks only the
+others. Evals and checkpoints (`EpochCallbacks`, `EvalLedger`: roles.py) go
+out at the first finish whose consensus holds what they score, just before
+the Updates.
 
 Data dispatch is one `DispatchStrategy` (strategy.py: Sync partitions,
 Cadence and Async chunk streams), so the cycle reads the same in every mode.
@@ -61,34 +60,27 @@ Contract with the service
   exit, and `on_round_complete` / `on_round_abandoned` when the reducer has
   published or torn down a round.
 - Call `on_send_failed` when a record for a rank is lost for good (the
-  simulator's send-failure model; the controller service never does: its
-  control streams keep a live rank's records until acknowledged, PROTOCOL.md
-  10.7, so a record is only lost with a rank declared dead). The rank
-  fails at once and what the record carried goes back to the pool: a rank
-  that missed a record it needed (its partition, its chunk, the end of a
-  round) can no longer follow the protocol, and waiting for the
-  heartbeat timeout instead would wedge the gate whenever the link comes
-  back and the rank keeps heartbeating. Send what it returns *after* the
-  rest of the batch being sent: each rank must receive records in the order
+  simulator's model; the service's control streams keep a live rank's
+  records until acknowledged, PROTOCOL.md 10.7). The rank fails at once and
+  what the record carried goes back to the pool: a rank that missed a record
+  it needed cannot follow the protocol, and waiting for its heartbeat to
+  stop would wedge the gate while it keeps beating. Send what it returns
+  *after* the rest of the batch: each rank receives records in the order
   they were produced (outputs.py).
 - A rank's `step_count` (in `Batch` and `Heartbeat`) counts the steps that
   process has taken since it started (rounds.py).
 
-Error policy: inputs that a correct peer can never send (a record whose rank
-field disagrees with the sender, a chunk completion of the wrong size, a
-record kind the coordinator does not consume, any input before `start`)
-raise `CoordinatorError` naming the state and the record, before any state
-changes; the service then declares that rank dead (`on_rank_death`), as
-every service does with a peer that breaks the protocol. Inputs a real
-network produces routinely are ignored and counted in `ignored` by cause:
-records from a rank already declared dead or exited (`from_departed`),
-`SyncAck` / `SnapshotReady` for a finished round (`stale_round`), duplicate
-acks (`duplicate_ack`), completions of a chunk that was forfeited
-(`late_completion`), reducer notices for an old round
-(`stale_reducer_notice`), duplicate death reports (`duplicate_death`),
-failed sends to a rank already gone (`send_to_departed`), and anything after
-the run ended (`after_end`). Failed sends to live ranks are counted in
-`lost_sends` by record kind.
+Error policy: inputs a correct peer never sends (a rank field that disagrees
+with the sender, a completion of the wrong size, a kind the coordinator does
+not consume, any input before `start`) raise `CoordinatorError` naming the
+state and the record, before any state changes; the service then declares
+that rank dead (`on_rank_death`). What a real network produces routinely is
+ignored and counted in `ignored` by cause: `from_departed`, `stale_round`
+(a `SyncAck` / `SnapshotReady` of a finished round), `duplicate_ack`,
+`late_completion` (a forfeited chunk's), `stale_reducer_notice`,
+`duplicate_death`, `unasked_eval` (an eval answer nobody is owed),
+`send_to_departed` and `after_end`. Failed sends to live ranks are counted
+in `lost_sends` by record kind.
 """
 
 from __future__ import annotations
@@ -107,6 +99,7 @@ from flodl_zmq.coordinator.metrics import EpochReports
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
+    Evaluated,
     MassBound,
     Out,
     Outbox,
@@ -115,7 +108,7 @@ from flodl_zmq.coordinator.outputs import (
     SaveState,
 )
 from flodl_zmq.coordinator.resume import ResumeState
-from flodl_zmq.coordinator.roles import FINAL_EVAL_ID, CallbackRoles, EpochCallbacks, final_eval
+from flodl_zmq.coordinator.roles import FINAL_EVAL_ID, CallbackRoles, EpochCallbacks, EvalLedger
 from flodl_zmq.coordinator.rounds import (
     Consensus,
     Cycle,
@@ -166,6 +159,7 @@ class Coordinator:
         self.round = 0 if point is None else point.round  # rounds triggered
         self.avg_count = self.round  # rounds finished
         self.global_step = 0 if point is None else point.global_step
+        self.evals = EvalLedger(config.eval_every_samples, config.batch_size, config.num_epochs, self.global_step)
         self.cycle: Cycle | None = None
         self._closing: Cycle | None = None  # released, awaiting its acks for the guard
         self._ahead = DepositsAhead(config.batch_size)
@@ -398,9 +392,13 @@ class Coordinator:
 
     def _on_eval_result(self, rank: int, m: rec.EvalResult, now: float) -> None:
         self._on_callback_done(rank, m, now)
+        samples = self.evals.answered(m.schedule_id, rank)
+        if samples is None:  # a second answer, or one to a request never sent to it
+            self.ignored["unasked_eval"] += 1
+            return
         if m.error is None:
             self._outbox.to_live(rec.EvalBroadcast(epoch=m.epoch, metric=m.metric))
-        self._outbox.emit(CONTROLLER, m)
+        self._outbox.emit(CONTROLLER, Evaluated(m, samples, self.evals.within_epoch(m.schedule_id)))
         if m.schedule_id == FINAL_EVAL_ID and self.phase is RunPhase.FINAL_EVAL_DISPATCHED:
             self._shutdown()
 
@@ -501,6 +499,10 @@ class Coordinator:
         # Before the Updates: the eval rank then scores exactly the consensus it loads
         # (a rank holds both until that load; a Sync rank is throttled, a Cadence rank idle, until then).
         self._flush_callbacks()
+        whole = self._consensus.complete + 1  # epochs it holds; all of them: the final eval scores it
+        if whole < self.config.num_epochs and self.liveness.is_live(self.roles.eval):
+            for request in self.evals.at_finish(self.global_step, whole, self.roles.eval):
+                self._outbox.emit(request.target_rank, request)
         # -- tail: next plans ride in the Update (atomic dispatch), beside the consensus
         self.dispatch.replan()
         for r in cyc.ranks:
@@ -576,16 +578,16 @@ class Coordinator:
 
     def _epoch_boundary(self, epoch: int) -> None:
         """Entering `epoch`: its callbacks (held until the cycle is idle), then its data."""
-        if epoch >= self.config.num_epochs:
-            return
-        self.callbacks.entering(epoch)
-        self._open_epoch(epoch)
+        if epoch < self.config.num_epochs:
+            self.callbacks.entering(epoch)
+            self._open_epoch(epoch)
 
     def _flush_callbacks(self) -> None:
         """Eval and checkpoint calls whose epoch the last consensus holds whole (roles.py)."""
         for target, record in self.callbacks.release(self._consensus.complete, self.roles):
             if self.liveness.is_live(target):
-                self._outbox.emit(target, record)
+                self._outbox.emit(target, self.evals.sent(record, self.global_step)
+                                  if isinstance(record, rec.ExecuteEval) else record)
 
     def _announce_epoch_role(self) -> None:
         if self.roles.epoch_dirty:
@@ -598,9 +600,8 @@ class Coordinator:
         ):
             self._shutdown()  # the eval rank died: there is no result to wait for
             return
-        if self.phase is not RunPhase.TRAINING or self._in_flight is not None:
-            return
-        if self.last_aggregated + 1 < self.config.num_epochs:
+        if (self.phase is not RunPhase.TRAINING or self._in_flight is not None
+                or self.last_aggregated + 1 < self.config.num_epochs):
             return
         if not self._final_reduced and self._steps.stepped(self.liveness.live):
             # The edge of the last epoch can leave steps no average has seen.
@@ -610,7 +611,7 @@ class Coordinator:
         if self.config.final_eval and self.liveness.is_live(eval_rank):
             self.phase = RunPhase.FINAL_EVAL_DISPATCHED
             self._final_eval_rank = eval_rank
-            self._outbox.emit(eval_rank, final_eval(eval_rank, self.config.num_epochs))
+            self._outbox.emit(eval_rank, self.evals.final(eval_rank, self.global_step))
             return
         self._shutdown()
 
@@ -633,6 +634,7 @@ class Coordinator:
         self._throttled.discard(rank)
         self._ahead.forget(rank)
         self.roles.on_death(rank, self.feedback.smoothed_ms(), self.liveness.live_mask)
+        self.evals.on_death(rank)
         # The reducer must not wait for a deposit that will never come.
         self._outbox.emit(REDUCER, rec.DeclareDead(rank=rank))
         # What it did not train goes to the survivors (Sync) or back to the pool.

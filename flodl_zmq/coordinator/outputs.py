@@ -7,7 +7,7 @@ every barrier, `MassBound`; the reducer learns each round from its first
 deposit) or `CONTROLLER` (an effect on the controller itself: `RoundOpened`
 to start the round's clock, `SaveState` to write the checkpoint meta,
 `EpochAggregated` for `metrics_fn`, `EpochProgress` for `reports_per_epoch`,
-`EvalResult` for `eval_result_fn`, `RunEnded`). These types are the whole
+`Evaluated` for the report's eval rows, `RunEnded`). These types are the whole
 contract a service, or the simulator, needs to act on the core.
 
 `Outbox` collects them in the order the core produces them: each rank must
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flodl_zmq.coordinator.liveness import Liveness, ShutdownReason
-from flodl_zmq.wire.records import EpochAggregated
+from flodl_zmq.wire.records import EpochAggregated, EvalResult
 
 
 class Target(enum.Enum):
@@ -146,6 +146,16 @@ class EpochProgress:
     epoch: int
     fraction: float
     metrics: EpochAggregated
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """Controller notice: a rank answered an eval the coordinator asked for (each once); `samples`: what the
+    scored consensus held (steps times the batch); `within_epoch`: the sample cadence's, not an epoch's."""
+
+    result: EvalResult
+    samples: int
+    within_epoch: bool
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,29 @@ epoch e (e > 0) when e is a multiple of their cadence; version e means "the
 state after epoch e - 1". Each is held until a finished consensus contains
 every sample of epoch e - 1, so the rank scores or saves exactly that epoch's
 consensus; its target is resolved only then, after any failover.
+
+Evals within an epoch (`SampleCadence`, `EvalLedger`; `eval_every_samples`):
+the consensus is scored each time it holds another `every` samples, counted
+as its steps times the batch size. Rules:
+
+- **Only a finished consensus is scored**, at the round's finish before the
+  Updates, so the eval rank scores the consensus it just loaded (a blending
+  rank keeps a copy of it).
+- **One eval per due consensus**, however many multiples it crossed; an
+  epoch's eval of the same consensus counts for the cadence (never two of
+  one consensus).
+- **None lost, none doubled.** Every eval sent is open until its rank
+  answers; a rank that dies with one open hands it (same schedule id) to the
+  next finished consensus, scored by the heir. A second answer, or one to a
+  request never sent, is not a result.
+- **Schedule ids never collide:** an epoch's eval has the epoch's number, the
+  final eval `FINAL_EVAL_ID`, the cadence's the numbers after the last epoch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from flodl_zmq.wire import records as rec
 
@@ -166,6 +184,78 @@ class CallbackRoles:
 
 def _lowest(live: Sequence[bool]) -> int | None:
     return next((r for r, a in enumerate(live) if a), None)
+
+
+class SampleCadence:
+    """When the model is due a score by samples trained: every `every` samples (0 = off), one eval per
+    due point however many multiples it crossed. The cluster's coordinator and a lone run share it."""
+
+    def __init__(self, every: int, samples: int = 0) -> None:
+        self.every = every
+        self.next_at = 0
+        self.scored(samples)
+
+    def due(self, samples: int) -> bool:
+        return self.every > 0 and samples >= self.next_at
+
+    def scored(self, samples: int) -> None:
+        """A model holding `samples` samples was scored (by this cadence or an epoch's eval)."""
+        if self.every > 0:
+            self.next_at = (samples // self.every + 1) * self.every
+
+
+class EvalLedger:
+    """Every eval sent and not yet answered, with the samples its consensus holds (module docstring)."""
+
+    def __init__(self, every_samples: int, batch_size: int, num_epochs: int, global_step: int = 0) -> None:
+        self.batch_size = batch_size
+        self.num_epochs = num_epochs
+        self.cadence = SampleCadence(every_samples, global_step * batch_size)
+        self._first_id = self._next_id = num_epochs + 1  # the cadence's ids: after every epoch's
+        self._open: dict[int, tuple[rec.ExecuteEval, int]] = {}  # schedule id -> (request, samples)
+        self._orphans: list[rec.ExecuteEval] = []  # open when their rank died: sent again at the next finish
+
+    def sent(self, request: rec.ExecuteEval, global_step: int) -> rec.ExecuteEval:
+        """`request` goes out to score the consensus of `global_step` steps (each counts its batch's samples,
+        a short last batch whole)."""
+        samples = global_step * self.batch_size
+        self._open[request.schedule_id] = (request, samples)
+        self.cadence.scored(samples)
+        return request
+
+    def final(self, rank: int, global_step: int) -> rec.ExecuteEval:
+        """The final eval, on `rank`, of the final consensus (`global_step` steps)."""
+        return self.sent(final_eval(rank, self.num_epochs), global_step)
+
+    def at_finish(self, global_step: int, epochs_whole: int, target: int) -> list[rec.ExecuteEval]:
+        """A round finished, its consensus holding `global_step` steps and `epochs_whole` whole epochs: the
+        evals due on it, for `target` (an orphan's epoch stays its own)."""
+        due = [replace(r, target_rank=target) for r in self._orphans]
+        self._orphans = []
+        if not due and self.cadence.due(global_step * self.batch_size):
+            due.append(rec.ExecuteEval(
+                schedule_id=self._next_id, epoch=epochs_whole, target_rank=target, adopt_consensus=True))
+            self._next_id += 1
+        return [self.sent(r, global_step) for r in due]
+
+    def answered(self, schedule_id: int, rank: int) -> int | None:
+        """`rank` answered `schedule_id`: the samples its consensus held; None unless it was open on `rank`."""
+        request, samples = self._open.get(schedule_id, (None, 0))
+        if request is None or request.target_rank != rank:
+            return None
+        del self._open[schedule_id]
+        return samples
+
+    def on_death(self, rank: int) -> None:
+        """`rank` left: the evals it had not answered are due again at the next finished consensus."""
+        for sid, (request, _) in list(self._open.items()):
+            if request.target_rank == rank:
+                del self._open[sid]
+                self._orphans.append(request)
+
+    def within_epoch(self, schedule_id: int) -> bool:
+        """Whether `schedule_id` is the cadence's (not an epoch's, not the final eval)."""
+        return self._first_id <= schedule_id < FINAL_EVAL_ID
 
 
 class EpochCallbacks:

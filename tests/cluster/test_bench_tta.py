@@ -42,6 +42,10 @@ def test_tta_bench_prints_every_documented_figure_for_a_pair_and_alone():
         assert 0.0 <= figures[f"final_{tag}"] <= 1.0 and figures[f"run_s_{tag}"] > 0
     assert 0.0 < figures["service_cpu_share_ours_cnn_1x2"] < 1.0
     assert figures["service_cpu_share_alone_cnn"] is None  # no services alone
+    # Scored within epochs (`eval_every_samples`, a quarter epoch): the pair's consensus at rounds, alone at steps.
+    epochs = tta.JOBS["cnn"].epochs
+    assert figures["evals_per_epoch"] == 4 and figures["evals_alone_cnn"] > 3 * epochs
+    assert figures["evals_ours_cnn_1x2"] > epochs + 1, figures["evals_ours_cnn_1x2"]
     assert math.isfinite(figures["final_delta_vs_alone_cnn_1x2"])
     assert figures["run_speedup_vs_alone_cnn_1x2"] == pytest.approx(
         figures["run_s_alone_cnn"] / figures["run_s_ours_cnn_1x2"], rel=0.01)
