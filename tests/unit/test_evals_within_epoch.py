@@ -14,7 +14,7 @@ import flodl_zmq as fz
 from flodl_zmq.api import Trainer
 from flodl_zmq.coordinator.config import CoordinatorConfig
 from flodl_zmq.coordinator.core import Coordinator
-from flodl_zmq.coordinator.outputs import CONTROLLER, Evaluated
+from flodl_zmq.coordinator.outputs import CONTROLLER, Evaluated, RoundOpened
 from flodl_zmq.coordinator.sim import RankSpec, SimConfig, Simulation
 from flodl_zmq.wire import records as rec
 
@@ -55,8 +55,9 @@ def test_the_consensus_is_scored_every_n_samples_before_its_rounds_updates_each_
             continue
         # Out at a round's finish, before that round's Updates: the consensus exists, and the eval rank
         # has loaded it and not yet trained past it.
-        opened = max(r.record.round for r in outs[:i] if isinstance(r.record, rec.RequestParams))
-        nxt = next(r.record for r in outs[i:] if isinstance(r.record, (rec.Update, rec.RequestParams)))
+        # (A round opens at the controller's notice: under Cadence most ranks deposit unasked.)
+        opened = max(r.record.round for r in outs[:i] if isinstance(r.record, RoundOpened))
+        nxt = next(r.record for r in outs[i:] if isinstance(r.record, (rec.Update, RoundOpened)))
         assert isinstance(nxt, rec.Update) and nxt.round == opened, (i, o.record)
 
 
