@@ -15,7 +15,7 @@ Rules this module keeps:
   snapshot (the deposit under f32), a bf16/int8 deposit's f32 snapshot, and
   only under a blend (or after a zero-mass snapshot) a correction buffer. An
   overwriting load computes the divergence in the spent snapshot's place.
-- A consensus that does not fit this model (size, dtype, the int8 pair) is
+- A consensus that does not fit this model (size, dtype, chunks, int8 pairs) is
   refused whole: every rank must build the same model and the same wire_dtype.
 - What the deposit and the consensus are in each wire format is the format's
   (flodl_zmq/wire_format.py); only the torch dtype of its buffer is said here.
@@ -47,9 +47,9 @@ class ParamBuffers:
 
     `snapshot(mass)` fills one flat float32 host vector (pinned on CUDA) with
     the payload tensors times `mass` and returns the deposit in the wire dtype
-    (in `segment` when one is given, for deposits by reference): the f32
-    vector itself, its bf16 encoding in a second reused buffer, or its int8
-    encoding (values and scales, with this rank's error feedback).
+    (in `segment` when one is given, for deposits by reference), in chunks
+    (PROTOCOL.md 3.4): the f32 vector's own, or those of its bf16 encoding,
+    or of its int8 encoding (values and scales, with this rank's error feedback).
     `load(consensus)` takes a consensus payload in the wire dtype (bf16 and
     int8 are widened into a reused f32 buffer first), writes it back with one
     batched copy, or under a blend adds `blend * (consensus - snapshot)` to
