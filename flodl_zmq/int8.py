@@ -111,15 +111,21 @@ class ErrorFeedback:
         self.residual = np.zeros(n, F32)
         self._sent = np.empty(n, F32)
 
-    def encode(self, x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> None:
-        """Quantize ``x + residual`` into ``q`` and ``scales``; the residual becomes what that lost."""
-        if x.size != self.residual.size:
-            raise ValueError(f"error feedback for {self.residual.size} values got {x.size}")
+    def encode(self, x: np.ndarray, q: Sequence[np.ndarray], scales: Sequence[np.ndarray]) -> None:
+        """Quantize ``x + residual`` into the (``q``, ``scales``) pairs, consecutive pieces of it (a payload's
+        chunks, each starting on a block: the same bytes as one pair); the residual becomes what that lost."""
+        if x.size != self.residual.size or sum(v.size for v in q) != x.size:
+            raise ValueError(f"error feedback for {self.residual.size} values got {x.size} "
+                             f"into {sum(v.size for v in q)}")
         r = self.residual
         r += x.reshape(-1)
-        quantize(r, q, scales)
-        r -= dequantize(q, scales, self._sent)
-        if not np.isfinite(scales).all():
+        at = 0
+        for v, s in zip(q, scales, strict=True):
+            part = r[at : at + v.size]
+            quantize(part, v, s)
+            part -= dequantize(v, s, self._sent[at : at + v.size])
+            at += v.size
+        if not all(np.isfinite(s).all() for s in scales):
             r[...] = 0.0  # a non-finite tensor is refused downstream; it must not poison every later round
 
 
@@ -136,6 +142,6 @@ class PayloadEncoder:
         out: list[np.ndarray] = []
         for f, t in zip(self._feedback, tensors, strict=True):
             q, scales = np.empty(t.size, I8), np.empty(blocks(t.size), F32)
-            f.encode(t.reshape(-1), q, scales)
+            f.encode(t.reshape(-1), [q], [scales])
             out += [q, scales]
         return out

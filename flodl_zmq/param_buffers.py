@@ -8,11 +8,14 @@ Rules this module keeps:
   (sent zero-copy) before overwriting it.
 - Given a shared-memory segment (a relay on this machine), the deposit is
   written into it, and goes by reference (flodl_zmq/wire/shm.py).
+- The deposit is the flat vector's chunks (``WireFormat.cut``, PROTOCOL.md
+  3.4): views of one buffer, never copies; a consensus is loaded chunk by
+  chunk from the frames it arrived in, so no flat copy of it is made.
 - Flat model-sized vectors are few (each is 0.5 GB at 124M parameters): the
   snapshot (the deposit under f32), a bf16/int8 deposit's f32 snapshot, and
   only under a blend (or after a zero-mass snapshot) a correction buffer. An
   overwriting load computes the divergence in the spent snapshot's place.
-- A consensus that does not fit this model (size, dtype, the int8 pair) is
+- A consensus that does not fit this model (size, dtype, chunks, int8 pairs) is
   refused whole: every rank must build the same model and the same wire_dtype.
 - What the deposit and the consensus are in each wire format is the format's
   (flodl_zmq/wire_format.py); only the torch dtype of its buffer is said here.
@@ -27,11 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from flodl_zmq import int8
 from flodl_zmq.errors import TrainingError
-from flodl_zmq.payload import flat_views, payload_tensors
+from flodl_zmq.payload import aligned_views, flat_views, payload_tensors
 from flodl_zmq.tensors import as_numpy, torch_view
 from flodl_zmq.wire.shm import Segment
-from flodl_zmq.wire_format import BF16, F32, INT8, WireFormat
+from flodl_zmq.wire_format import BF16, F32, INT8, WireFormat, describe
 
 # Wire format -> the torch dtype of the deposit's values buffer (int8's scales are float32).
 WIRE_TORCH: dict[WireFormat, torch.dtype] = {F32: torch.float32, BF16: torch.bfloat16, INT8: torch.int8}
@@ -43,9 +47,9 @@ class ParamBuffers:
 
     `snapshot(mass)` fills one flat float32 host vector (pinned on CUDA) with
     the payload tensors times `mass` and returns the deposit in the wire dtype
-    (in `segment` when one is given, for deposits by reference): the f32
-    vector itself, its bf16 encoding in a second reused buffer, or its int8
-    encoding (values and scales, with this rank's error feedback).
+    (in `segment` when one is given, for deposits by reference), in chunks
+    (PROTOCOL.md 3.4): the f32 vector's own, or those of its bf16 encoding,
+    or of its int8 encoding (values and scales, with this rank's error feedback).
     `load(consensus)` takes a consensus payload in the wire dtype (bf16 and
     int8 are widened into a reused f32 buffer first), writes it back with one
     batched copy, or under a blend adds `blend * (consensus - snapshot)` to
@@ -61,27 +65,18 @@ class ParamBuffers:
         self.numel = sum(t.numel() for t in self.tensors)
         self.segment = segment
         self.wire_format = wire
-        dtype = WIRE_TORCH[wire]
-        # Under int8 the deposit is two tensors: the values, then one f32 scale per block.
-        layout = wire.layout(self.numel)
-        nscales = layout[1][1] if wire.packed else 0
-        if segment is None:
-            self.wire = torch.empty(self.numel, dtype=dtype, pin_memory=self.cuda and not wire.widens)
-            self.scales = torch.empty(nscales, dtype=torch.float32)
-        else:
-            views = segment.layout([n * dt.itemsize for dt, n in layout])
-            self.wire = torch.frombuffer(views[0], dtype=dtype)
-            self.scales = torch.frombuffer(views[1], dtype=torch.float32) if wire.packed else torch.empty(0)
+        self._frames, values = self._deposit_frames(segment)  # the deposit's frames, in the wire dtype
         self._feedback = wire.feedback(self.numel)
         # The f32 snapshot is the deposit itself under f32; otherwise it is kept for the
         # divergence against the consensus, and the deposit is its encoding.
-        self.snap = self.wire if not wire.widens else torch.empty(self.numel, dtype=torch.float32, pin_memory=self.cuda)
+        self.snap = values if values is not None else torch.empty(self.numel, dtype=torch.float32,
+                                                                  pin_memory=self.cuda)
         self._snap_views = flat_views(self.snap, self.tensors)
         # Only a blend (or a zero-mass snapshot) needs a third flat vector: allocated then, so an
         # overwriting run holds none (a 124M-parameter model: 0.5 GB, docs/benchmarks.md bench/large.py).
         self._scratch_buffer: torch.Tensor | None = None
         self._widened = torch.empty(self.numel, dtype=torch.float32) if wire.widens else None
-        self.consensus: torch.Tensor | None = None  # the last loaded consensus, f32 (valid until the next load)
+        self.consensus: list[torch.Tensor] = []  # the last loaded consensus, f32 chunks (valid until the next load)
         self._recv: torch.Tensor | None = None
         self._recv_views: list[torch.Tensor] = []
         self._recv_done: Any = None  # torch.cuda.Event of the last H2D copy out of _recv
@@ -94,6 +89,20 @@ class ParamBuffers:
         if self.cuda:
             self._recv = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
             self._recv_views = flat_views(self._recv, self.tensors)
+
+    def _deposit_frames(self, segment: Segment | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The deposit's frames (WireFormat.layout), views of reused memory; and under f32 the flat
+        vector they are the chunks of (the snapshot itself), else None."""
+        wire, dtype = self.wire_format, WIRE_TORCH[self.wire_format]
+        if segment is None:
+            values = torch.empty(self.numel, dtype=dtype, pin_memory=self.cuda and not wire.widens)
+            scales = torch.empty(int8.blocks(self.numel) if wire.packed else 0, dtype=torch.float32)
+            return wire.cut(values, scales), (None if wire.widens else values)
+        layout = wire.layout(self.numel)
+        views = segment.layout([n * dt.itemsize for dt, n in layout])
+        frames = [torch.frombuffer(v, dtype=torch.float32 if wire.packed and i % 2 else dtype)
+                  for i, v in enumerate(views)]
+        return frames, (None if wire.widens else torch.frombuffer(segment.span(), dtype=dtype))
 
     @property
     def _scratch(self) -> torch.Tensor:
@@ -131,16 +140,10 @@ class ParamBuffers:
                 self._scratch.copy_(self.snap)  # the deposit is zeros: a correction needs the snapshot itself
             if mass != 1.0:
                 self.snap.mul_(mass)
-            if self.wire is not self.snap:
-                self.wire_format.encode_into(as_numpy(self.snap), self._payload_np(), self._feedback)
+            if self.wire_format.widens:
+                self.wire_format.encode_into(as_numpy(self.snap), [as_numpy(f) for f in self._frames], self._feedback)
         self.mass = float(mass)
-        return self._payload()
-
-    def _payload(self) -> list[torch.Tensor]:
-        return [self.wire, self.scales][: self.wire_format.frames_per_tensor]
-
-    def _payload_np(self) -> list[np.ndarray]:
-        return [as_numpy(t) for t in self._payload()]
+        return list(self._frames)
 
     def load(self, payload: Sequence[np.ndarray], blend: float | None = None) -> tuple[float | None, float, float | None]:
         """Adopt a consensus payload in the wire dtype: overwrite (`blend` None), or add
@@ -148,51 +151,53 @@ class ParamBuffers:
         flight, and keeps those steps); returns (divergence ||pre - consensus|| / ||consensus||,
         post norm, pre norm)."""
         wire = self.wire_format
-        flat = payload[0].reshape(-1) if payload else np.empty(0, np.float32)
-        if len(payload) != wire.frames_per_tensor or not wire.is_payload(payload) or flat.size != self.numel:
+        if not wire.fits(payload, self.numel):
             raise TrainingError(
-                f"consensus of {flat.size} {flat.dtype} elements does not fit this model's "
-                f"{self.numel} {wire.name} elements: every rank must build the same model "
-                f"and run with the same wire_dtype"
+                f"consensus of {len(payload)} {describe(payload)} frames does not fit this model's "
+                f"{self.numel} {wire.name} elements in {len(wire.layout(self.numel))} chunk frames: every "
+                f"rank must build the same model and run with the same wire_dtype"
             )
         if self._widened is None:
-            cons = torch_view(flat)  # the received frame is read-only; it is only ever read here
+            cons = [torch_view(t.reshape(-1)) for t in payload]  # read-only frames; only ever read here
         else:
-            cons = self._widened
-            wire.widen(payload, as_numpy(cons))  # exact from bf16 (the top half of f32); int8: values times scales
+            wire.widen(payload, as_numpy(self._widened))  # exact from bf16 (the top half of f32); int8: values times scales
+            cons = [self._widened]
         self.consensus = cons
         with torch.no_grad():
-            post = float(torch.linalg.vector_norm(cons))
+            post = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(cons))))
             divergence = None
+            snaps = _like(self.snap, cons)
             if self.mass > 0.0 and blend is None:
                 # The snapshot is spent once its round's consensus exists (the relay shipped it, nobody
                 # asks for it again, the next snapshot overwrites it): the difference goes in its place.
                 self._wait_sent()
-                self.snap.sub_(cons, alpha=self.mass)  # (snapshot - consensus) * mass
+                torch._foreach_sub_(snaps, cons, alpha=self.mass)  # (snapshot - consensus) * mass
                 if post > 0.0:
                     divergence = float(torch.linalg.vector_norm(self.snap)) / self.mass / post
             elif self.mass > 0.0:
-                torch.mul(cons, self.mass, out=self._scratch).sub_(self.snap)  # (consensus - snapshot) * mass
+                for c, out, snap in zip(cons, _like(self._scratch, cons), snaps, strict=True):
+                    torch.mul(c, self.mass, out=out).sub_(snap)  # (consensus - snapshot) * mass
                 if post > 0.0:
                     divergence = float(torch.linalg.vector_norm(self._scratch)) / self.mass / post
                 self._scratch.div_(self.mass)
             elif blend is not None:
-                torch.sub(cons, self._scratch, out=self._scratch)  # a zero-mass snapshot kept itself here
-            source = cons if blend is None else self._scratch
+                for c, out in zip(cons, _like(self._scratch, cons), strict=True):
+                    torch.sub(c, out, out=out)  # a zero-mass snapshot kept itself here
+            source = cons if blend is None else [self._scratch]
             if self.cuda:
                 self._load_cuda(source, blend)
             elif blend is None:
-                torch._foreach_copy_(self.tensors, flat_views(source, self.tensors))
+                torch._foreach_copy_(*aligned_views(source, self.tensors))
             else:
-                torch._foreach_add_(self.tensors, flat_views(source, self.tensors), alpha=blend)
+                torch._foreach_add_(*aligned_views(source, self.tensors), alpha=blend)
         return divergence, post, self.pre_norm
 
-    def _load_cuda(self, source: torch.Tensor, blend: float | None) -> None:
-        """Write `source` (the consensus, or under a blend the correction) to the device parameters."""
+    def _load_cuda(self, source: list[torch.Tensor], blend: float | None) -> None:
+        """Write `source` (the consensus's chunks, or under a blend the correction) to the device parameters."""
         assert self._recv is not None
         if self._recv_done is not None:
             self._recv_done.synchronize()  # the previous H2D copy must be out of the pinned buffer
-        self._recv.copy_(source)
+        torch._foreach_copy_(_like(self._recv, source), source)
         if blend is None:
             torch._foreach_copy_(self.tensors, self._recv_views, non_blocking=True)
         else:
@@ -202,6 +207,11 @@ class ParamBuffers:
             torch._foreach_add_(self.tensors, self._device_scratch, alpha=blend)
         self._recv_done = torch.cuda.Event()
         self._recv_done.record()
+
+
+def _like(flat: torch.Tensor, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` cut where `chunks` (consecutive pieces of a vector of its size) are."""
+    return list(flat.split([c.numel() for c in chunks]))
 
 
 __all__ = ["ParamBuffers"]

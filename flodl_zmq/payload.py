@@ -44,12 +44,12 @@ def model_signature(model: torch.nn.Module) -> bytes:
     return h.digest()
 
 
-def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    """Copy a flat float32 vector (payload order) into the model's parameters and float buffers."""
-    tensors = payload_tensors(model)
-    views = flat_views(flat.reshape(-1), tensors)
+def load_flat(model: torch.nn.Module, flat: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    """Copy a flat float32 vector (payload order), whole or as its consecutive chunks, into the
+    model's parameters and float buffers."""
+    chunks = [flat.reshape(-1)] if isinstance(flat, torch.Tensor) else flat
     with torch.no_grad():
-        torch._foreach_copy_(tensors, views)  # copy_ crosses devices itself: no staging copy
+        torch._foreach_copy_(*aligned_views(chunks, payload_tensors(model)))  # copy_ crosses devices itself
 
 
 def flatten(model: torch.nn.Module) -> torch.Tensor:
@@ -71,6 +71,35 @@ def adopt_flat(model: torch.nn.Module) -> torch.Tensor:
         for t, view in zip(tensors, flat_views(flat, tensors), strict=True):
             t.data = view
     return flat
+
+
+def aligned_views(chunks: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> tuple[list, list]:
+    """(targets, sources): views of the tensors of `like` and of `chunks` (one flat vector's consecutive
+    1-D pieces, payload order), pair by pair the same elements. A tensor inside one chunk pairs whole,
+    shaped; one that a chunk's end cuts pairs piece by piece (a non-contiguous one, which has no flat
+    view, with its pieces gathered: one copy of that tensor)."""
+    targets: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    it = iter(chunks)
+    chunk, at = None, 0  # the chunk being read, and where in it
+    for t in like:
+        pieces, need = [], t.numel()
+        while need:
+            if chunk is None or at == chunk.numel():
+                chunk, at = next(it), 0
+            take = min(need, chunk.numel() - at)
+            pieces.append(chunk[at : at + take])
+            at, need = at + take, need - take
+        if len(pieces) == 1:
+            targets.append(t)
+            sources.append(pieces[0].view(t.shape))
+        elif len(pieces) > 1 and t.is_contiguous():
+            targets += t.view(-1).split([p.numel() for p in pieces])
+            sources += pieces
+        elif pieces:
+            targets.append(t)
+            sources.append(torch.cat(pieces).view(t.shape))
+    return targets, sources
 
 
 def flat_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -382,7 +382,6 @@ class RankRuntime:
         consensus, also keeps the consensus for its evals."""
         out = self.buffers.load(payload, blend)
         if self.blend is not None and self.job.eval_fn is not None:
-            assert self.buffers.consensus is not None
             self._keep_consensus(self.buffers.consensus)
         return out
 
@@ -458,8 +457,8 @@ class RankRuntime:
         elapsed = (time.perf_counter() - t0) * 1000.0
         self.link.send(rec.EpochFnElapsed(rank=self.cfg.rank, epoch=epoch, elapsed_ms=elapsed))
 
-    def _keep_consensus(self, consensus: torch.Tensor) -> None:
-        """Hold the last consensus (flat f32) in a model of its own: a blending (EASGD) rank's
+    def _keep_consensus(self, consensus: Sequence[torch.Tensor]) -> None:
+        """Hold the last consensus (f32 chunks) in a model of its own: a blending (EASGD) rank's
         live model is not the consensus, and `adopt_consensus` evals must score the consensus."""
         if self._consensus_model is None:
             self._consensus_model = self.job.model().to(self.device)

@@ -64,7 +64,7 @@ from flodl_zmq.wire.shm import (
     run_dir,
     unlink_owner,
 )
-from flodl_zmq.wire_format import Hop
+from flodl_zmq.wire_format import CHUNK_MAX_BYTES, Hop
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,7 @@ class DataPlane(Plane):
         # unless every rank it went to takes it by reference: a model-sized message kept for
         # nobody is one more copy of the model in this relay while the next one arrives).
         self.shipped: HostFold | None = None
+        self.resent: tuple[int, int] = (0, 0)  # (round, how many times its host frame was asked for again)
         self.delivered: tuple[int, list[Any] | None, list[Any] | None] | None = None
         # Deposits are held to the run's wire format; int8 ones are widened into the f32 fold, and the
         # host frame goes up in int8 again, with this relay's own error feedback (what its
@@ -354,9 +355,20 @@ class DataPlane(Plane):
         if held is None or held.round_id != round_id or round_id not in self.watch.pending:
             self.count["stale_frame_request.upstream_data"] += 1
             return
-        log.warning("relay %s: the reducer lost this host's frame of round %d; sending it again",
-                    self.cfg.host, round_id)
+        times = self.resent[1] + 1 if self.resent[0] == round_id else 1
+        self.resent = (round_id, times)
         self.count["frames_resent.upstream_data"] += 1
+        if times == 1:
+            log.warning("relay %s: the reducer lost this host's frame of round %d; sending it again",
+                        self.cfg.host, round_id)
+        else:
+            # One loss is a reset; the same round lost again and again is a link that drops every time.
+            self.count["frames_lost_again.upstream_data"] += 1
+            log.error("relay %s: the reducer lost this host's frame of round %d %d times; sending it again. A "
+                      "link that drops every time most likely takes longer than link_silence_s (FLODL_LINK_SILENCE, "
+                      "%g s) to carry one payload frame (at most %d MiB, PROTOCOL.md 3.4): raise FLODL_LINK_SILENCE "
+                      "above that time on the slowest link, or find what else resets it (a firewall, a NAT timeout)",
+                      self.cfg.host, round_id, times, self.cfg.link_silence_s, CHUNK_MAX_BYTES >> 20)
         self.send_host_frames(held)
 
     def send_host_frames(self, fold: HostFold) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -46,6 +47,17 @@ from flodl_zmq.tensors import ELEMENTS, Element, element_of
 
 SETTING = "wire_dtype"
 F32_DTYPE = ELEMENTS["f32"].dtype
+# Values per payload chunk (PROTOCOL.md 3.4): 8 MiB of f32, so no frame takes a slow link longer than its
+# silence; libzmq resets a connection's heartbeat timeout only when a whole frame has arrived. A whole
+# number of int8 blocks, so an int8 chunk's scales are the flat vector's own.
+CHUNK_VALUES = 1 << 21
+CHUNK_MAX_BYTES = CHUNK_VALUES * F32_DTYPE.itemsize  # the longest payload frame of any format
+T = TypeVar("T", bound=Any)
+
+
+def chunks(n: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of a flat n-value vector: CHUNK_VALUES each, the last one shorter."""
+    return [(a, min(a + CHUNK_VALUES, n)) for a in range(0, n, CHUNK_VALUES)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,13 +75,24 @@ class WireFormat:
     def __repr__(self) -> str:
         return f"WireFormat({self.name})"
 
-    @property
-    def frames_per_tensor(self) -> int:
-        return 2 if self.packed else 1
-
     def layout(self, n: int) -> list[tuple[np.dtype, int]]:
-        """(numpy dtype, element count) of each frame of the payload of a flat n-value tensor."""
-        return [(self.element.dtype, n)] + ([(F32_DTYPE, int8.blocks(n))] if self.packed else [])
+        """(numpy dtype, element count) of each frame of the payload of a flat n-value vector: its chunks
+        (``chunks``) in order, under int8 each one's values then its scales."""
+        out: list[tuple[np.dtype, int]] = []
+        for a, b in chunks(n):
+            out += [(self.element.dtype, b - a)] + ([(F32_DTYPE, int8.blocks(b - a))] if self.packed else [])
+        return out
+
+    def cut(self, values: T, scales: T | None = None) -> list[T]:
+        """The payload frames of a flat vector's ``values`` (and, int8, its ``scales``): views, one per
+        frame of ``layout``, in order (numpy arrays or torch tensors alike)."""
+        out = []
+        for a, b in chunks(len(values)):
+            out.append(values[a:b])
+            if self.packed:
+                assert scales is not None
+                out.append(scales[a // int8.BLOCK : int8.blocks(b)])
+        return out
 
     def largest_frame_bytes(self, n: int) -> int:
         """The longest payload frame a round of a flat n-value model carries: what a data socket
@@ -86,6 +109,10 @@ class WireFormat:
             return int8.is_int8(payload)
         return all(isinstance(t, np.ndarray) and t.dtype == self.element.dtype for t in payload)
 
+    def fits(self, payload: Sequence[np.ndarray], n: int) -> bool:
+        """Whether ``payload`` is exactly this format's payload of a flat n-value vector (``layout``)."""
+        return self.is_payload(payload) and [(t.dtype, t.size) for t in payload] == self.layout(n)
+
     def values(self, payload: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
         """The value tensor of each model tensor of a payload of this format."""
         return payload[::2] if self.packed else payload
@@ -97,14 +124,18 @@ class WireFormat:
     def encode_into(self, src: np.ndarray, out: Sequence[np.ndarray],
                     feedback: int8.ErrorFeedback | None = None) -> None:
         """Encode flat f32 ``src`` into this format's preallocated frames ``out`` (``layout``); int8
-        needs the sender's ``feedback``. Under f32, ``out`` may be ``src`` itself (nothing to do)."""
+        needs the sender's ``feedback``. Under f32, ``out`` may be ``src``'s own chunks (nothing to do)."""
         if self.packed:
             if feedback is None:
                 raise ValueError("an int8 payload is encoded with its sender's error feedback")
-            feedback.encode(src, out[0], out[1])
-        elif not np.may_share_memory(src, out[0]):
-            assert self.element.encode is not None
-            self.element.encode(src.reshape(-1), out[0].reshape(-1))
+            feedback.encode(src, out[::2], out[1::2])
+            return
+        flat, at = src.reshape(-1), 0
+        for o in out:
+            if not np.may_share_memory(flat[at : at + o.size], o):
+                assert self.element.encode is not None
+                self.element.encode(flat[at : at + o.size], o.reshape(-1))
+            at += o.size
 
     def widen(self, payload: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
         """Widen a payload of this format into flat f32 ``out`` (its tensors one after the other); returns ``out``."""
@@ -130,7 +161,7 @@ class WireFormat:
         without the error feedback of the run before (it is not saved).
         """
         flat = np.array(consensus, dtype=np.float32).reshape(-1)  # a copy: the caller's consensus moves on
-        out = [np.empty(n, dt) for dt, n in self.layout(flat.size)]
+        out = [np.empty(count, dt) for dt, count in self.layout(flat.size)]
         self.encode_into(flat, out, self.feedback(flat.size))
         return out
 

@@ -241,6 +241,14 @@ class Segment:
         view = memoryview(self._map)
         return [view[off : off + n] for off, n in frames]
 
+    def span(self) -> memoryview:
+        """The current layout's frames as one view, first to last: one flat vector where they lie back to
+        back (every frame but the last a multiple of ALIGN bytes, as a payload's f32 chunks are)."""
+        if not self.frames or any(off != prev + n for (prev, n), (off, _) in itertools.pairwise(self.frames)):
+            raise FramingError("the segment's frames do not lie back to back: no one flat view holds them")
+        assert self._map is not None
+        return memoryview(self._map)[self.frames[0][0] : self.frames[-1][0] + self.frames[-1][1]]
+
     def place(self, frames: Sequence[Any]) -> None:
         """Copy ``frames`` (byte buffers, e.g. received payload frames) into the segment as its layout.
 

@@ -216,6 +216,17 @@ def test_lost_resends_and_lost_requests_are_asked_for_again(rig):
     assert rig.relays["a"].counters()["frames_resent.upstream_data"] >= 2
 
 
+@pytest.mark.parametrize("rig", [("host", {HOST_FRAME_UP: 2})], indirect=True)
+def test_a_host_frame_lost_again_on_the_same_round_names_the_link_silence_in_the_log_and_counters(rig, caplog):
+    contribs = rig.round(1)
+    rig.check_everyone_gets(1, contribs)
+    relay = rig.relays["a"].counters()
+    assert relay["frames_resent.upstream_data"] == 2 and relay["frames_lost_again.upstream_data"] == 1
+    blamed = [r for r in caplog.records if r.levelname == "ERROR" and "lost this host's frame of round 1 2 times" in
+              r.getMessage()]
+    assert len(blamed) == 1 and "FLODL_LINK_SILENCE" in blamed[0].getMessage()
+
+
 @pytest.mark.parametrize("rig", [("rank", {("data.round_frame", True): 1})], indirect=True)
 def test_a_deposit_lost_on_the_local_link_is_asked_for_and_folded_once(rig):
     contribs = rig.round(1)

@@ -7,14 +7,16 @@ import time
 
 import numpy as np
 import pytest
+import torch
 import zmq
 
 from flodl_zmq.io_threads import CONTROLLER_IO_THREADS
+from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import new_key
-from flodl_zmq.wire_format import F32, WireFormat, named
+from flodl_zmq.wire_format import CHUNK_MAX_BYTES, CHUNK_VALUES, F32, WireFormat, named
 
 from .dataplane_helpers import (
     ROUTE_SECRET,
@@ -204,5 +206,34 @@ def test_one_rank_host_ships_its_deposit_verbatim(tmp_path):
             c.ranks[r].deposit(1, 0.0, to_wire(params, 0.0, "f32"))
         env = c.ranks[0].consensus()
         assert np.array_equal(from_wire(env.payload, env.dtypes)[0], t[0].astype(np.float64) / 2.0)
+    finally:
+        c.close()
+
+
+class Flat(torch.nn.Module):
+    """A model whose parameters are `values`, in one tensor."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.from_numpy(values))
+
+
+def test_a_model_over_a_chunk_goes_through_relays_and_reducer_in_chunks_and_averages_exactly(tmp_path):
+    c = Cluster("ipc", tmp_path)
+    try:
+        n = CHUNK_VALUES + 4321  # a chunk and a bit
+        contribs = {}
+        for r in c.ranks:
+            params = np.random.default_rng(r).random(n, dtype=np.float32) * (1 + r)
+            deposit = ParamBuffers(Flat(params)).snapshot(MASS[r])  # the rank's own cut
+            c.ranks[r].deposit(1, MASS[r], [t.numpy() for t in deposit])
+            contribs[r] = ([params.astype(np.float64)], MASS[r])
+        want = reference(list(contribs.values()), "f32")
+        for rank in c.ranks.values():
+            env = rank.consensus()
+            assert env.record.round == 1 and len(env.payload) == 2
+            assert all(f.nbytes <= CHUNK_MAX_BYTES for f in env.payload)
+            assert rel_error([np.concatenate(env.payload).astype(np.float64)], want) < 1e-6
+        assert c.outcome().round_id == 1
     finally:
         c.close()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from flodl_zmq import bundle, checkpoints
+from flodl_zmq import bundle, checkpoints, int8
 from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, Snapshot
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
@@ -23,9 +23,9 @@ from flodl_zmq.errors import ConfigError, RunComplete
 from flodl_zmq.job import Job
 from flodl_zmq.result import TrainResult
 from flodl_zmq.settings import Settings
-from flodl_zmq.tensors import bf16_from_f32
+from flodl_zmq.tensors import bf16_from_f32, f32_from_bf16
 from flodl_zmq.wire import records as rec
-from flodl_zmq.wire_format import INT8
+from flodl_zmq.wire_format import CHUNK_MAX_BYTES, CHUNK_VALUES, INT8, named
 
 
 def writer(directory, keep=2) -> CheckpointWriter:
@@ -210,3 +210,30 @@ def test_a_world_change_resumes_the_new_world_from_its_checkpoint_in_the_same_ru
     assert penv.world == {"a": (0, 1), "b": (2, 3)} and penv.settings.resume == "/c/ckpt"
     assert change.describe() == "2 -> 4 ranks (+b)"
     assert change.join_event(1)["reason"] == "world re-formed at epoch 2: 2 -> 4 ranks (+b)"
+
+
+@pytest.mark.parametrize("wire_dtype", ["f32", "bf16", "int8"])
+def test_a_consensus_in_chunks_is_kept_and_checkpointed_as_the_flat_vector_it_encodes(tmp_path, wire_dtype):
+    n = 2 * CHUNK_VALUES + 4321
+    k = keeper(n, wire_dtype, checkpoint_dir=str(tmp_path), checkpoint_every_rounds=1)
+    wire = named(wire_dtype)
+    flat = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+    payload = wire.resume_payload(flat)  # the reducer's broadcast: one frame per chunk (two under int8)
+    assert len(payload) == 3 * (2 if wire is INT8 else 1) and all(f.nbytes <= CHUNK_MAX_BYTES for f in payload)
+    want = np.empty(n, np.float32)  # the flat vector's own rounding, not chunk by chunk
+    if wire is INT8:
+        q, scales = np.empty(n, np.int8), np.empty(int8.blocks(n), np.float32)
+        int8.quantize(flat, q, scales)
+        int8.dequantize(q, scales, want)
+    elif wire_dtype == "bf16":
+        f32_from_bf16(bf16_from_f32(flat, np.empty(n, np.uint16)), want)
+    else:
+        want = flat
+    k.start(0.0, 0, None)
+    k.keep(rec.Consensus(round=1, mass=1.0), payload)
+    assert k.round == 1 and np.array_equal(k.consensus, want)
+    k.completed_round = 1
+    k.maybe_checkpoint(1.0, 1, lambda: {"epoch": 0})
+    k.close()
+    state, _ = bundle.load(checkpoints.newest(tmp_path))
+    assert np.array_equal(torch.cat([state["weight"].reshape(-1), state["bias"]]).numpy(), want)

@@ -67,7 +67,7 @@ def test_error_feedback_makes_the_average_of_what_arrives_unbiased():
     rounds, total = 200, np.zeros(x.size, np.float64)
     one = None
     for _ in range(rounds):
-        fb.encode(x, q, s)
+        fb.encode(x, [q], [s])
         got = int8.dequantize(q, s, np.empty(x.size, np.float32))
         one = np.abs(got - x).mean() if one is None else one
         total += got

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from flodl_zmq import int8
 from flodl_zmq.errors import ConfigError, TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.mailbox import Mailbox
@@ -18,9 +19,11 @@ from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.payload import flatten, load_flat, model_signature, payload_tensors
 from flodl_zmq.rank import RankRuntime
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig
-from flodl_zmq.tensors import bf16_from_f32
+from flodl_zmq.tensors import as_numpy, bf16_from_f32, f32_from_bf16
+from flodl_zmq.wire import new_key
 from flodl_zmq.wire import records as rec
-from flodl_zmq.wire_format import BF16
+from flodl_zmq.wire.shm import Segment, rank_owner
+from flodl_zmq.wire_format import BF16, CHUNK_MAX_BYTES, CHUNK_VALUES, F32, INT8
 
 
 def net() -> torch.nn.Module:
@@ -200,15 +203,17 @@ def test_a_nan_parameter_goes_on_the_bf16_wire_as_the_protocol_s_quiet_nan():
 def test_bf16_snapshot_and_consensus_reuse_their_buffers_across_rounds():
     m = net()
     buf = ParamBuffers(m, wire=BF16)
-    wire, snap = buf.snapshot(1.0)[0].data_ptr(), buf.snap.data_ptr()
-    buf.load([_bf16_bits(buf.wire).copy()])
-    widened = buf.consensus.data_ptr()
+    deposit = buf.snapshot(1.0)[0]
+    wire, snap = deposit.data_ptr(), buf.snap.data_ptr()
+    buf.load([_bf16_bits(deposit).copy()])
+    widened = buf.consensus[0].data_ptr()
     with torch.no_grad():
         for p in m.parameters():
             p.add_(1.0)
-    assert buf.snapshot(2.0)[0].data_ptr() == wire and buf.snap.data_ptr() == snap
-    buf.load([_bf16_bits(buf.wire).copy()])
-    assert buf.consensus.data_ptr() == widened
+    deposit = buf.snapshot(2.0)[0]
+    assert deposit.data_ptr() == wire and buf.snap.data_ptr() == snap
+    buf.load([_bf16_bits(deposit).copy()])
+    assert buf.consensus[0].data_ptr() == widened
 
 
 def test_bf16_round_trip_loads_the_model_within_bf16_precision():
@@ -365,3 +370,80 @@ def test_an_async_rank_trains_on_while_its_round_travels_and_the_consensus_loses
 def train_one(rt: RankRuntime) -> None:
     """One step as the rank's loop takes it: the next batch, the job's step, its report."""
     rt.step(rt.stepper.step(rt._take_batch()))
+
+
+# ---------------------------------------------------------------------------- chunked payloads (PROTOCOL.md 3.4)
+
+
+class Straddling(torch.nn.Module):
+    """2 chunks and a bit: its first tensor crosses the first chunk's end, its second the next one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a = torch.nn.Parameter(torch.randn(3, CHUNK_VALUES // 2 + 7))
+        self.b = torch.nn.Parameter(torch.randn(CHUNK_VALUES // 2 + 4321) * 1e-3)
+
+
+def _flat_encoding(wire, flat: np.ndarray) -> np.ndarray:
+    """What `flat` is after the wire's rounding, computed over the vector as one piece (no chunks)."""
+    if wire is F32:
+        return flat
+    out = np.empty(flat.size, np.float32)
+    if wire is BF16:
+        return f32_from_bf16(bf16_from_f32(flat, np.empty(flat.size, np.uint16)), out)
+    q, scales = np.empty(flat.size, np.int8), np.empty(int8.blocks(flat.size), np.float32)
+    int8.quantize(flat, q, scales)
+    return int8.dequantize(q, scales, out)
+
+
+@pytest.mark.parametrize("wire", [F32, BF16, INT8], ids=lambda w: w.name)
+def test_a_deposit_over_a_chunk_goes_in_frames_of_at_most_a_chunk_and_loads_back_exactly(wire):
+    m = Straddling()
+    buf = ParamBuffers(m, wire=wire)
+    frames = [as_numpy(f) for f in buf.snapshot(2.0)]
+    assert len(frames) == 3 * (2 if wire is INT8 else 1)
+    assert all(f.nbytes <= CHUNK_MAX_BYTES for f in frames)
+    assert wire.fits(frames, buf.numel)
+    want = _flat_encoding(wire, flatten(m).numpy() * 2.0)
+    assert np.array_equal(wire.widen(frames, np.empty(buf.numel, np.float32)), want)
+    other = Straddling()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    consensus = [f.copy() for f in frames]  # as received: never the deposit's own memory
+    ParamBuffers(other, wire=wire).load(consensus)
+    assert np.array_equal(flatten(other).numpy(), want)
+    buf.load(consensus)  # the depositor itself: its divergence is measured against its snapshot, chunk by chunk
+    assert np.array_equal(flatten(m).numpy(), want)
+
+
+def test_a_tensor_cut_by_a_chunk_end_loads_across_it_contiguous_or_not():
+    m = torch.nn.Linear(3, 4)
+    with torch.no_grad():
+        m.weight.data = torch.zeros(3, 4).t()  # a non-contiguous parameter (as channels_last makes them)
+    flat = torch.arange(16, dtype=torch.float32)
+    load_flat(m, [flat[:5], flat[5:9], flat[9:]])  # chunk ends inside the weight and inside the bias
+    assert torch.equal(flatten(m), flat)
+
+
+@pytest.mark.parametrize("wire", [F32, INT8], ids=lambda w: w.name)
+def test_a_deposit_by_reference_lays_each_chunk_as_a_frame_of_the_segment(wire, tmp_path):
+    m = Straddling()
+    segment = Segment(new_key(), bytes(range(16)), rank_owner(0), str(tmp_path))
+    try:
+        frames = ParamBuffers(m, segment=segment, wire=wire).snapshot(1.0)
+        assert len(frames) == 3 * (2 if wire is INT8 else 1)
+        assert [n for _, n in segment.frames] == [f.nbytes for f in as_numpy_list(frames)]
+        with open(tmp_path / segment.name, "rb") as f:
+            data = f.read()
+        for (offset, nbytes), frame in zip(segment.frames, as_numpy_list(frames), strict=True):
+            assert data[offset : offset + nbytes] == frame.tobytes()
+        want = _flat_encoding(wire, flatten(m).numpy())
+        assert np.array_equal(wire.widen(as_numpy_list(frames), np.empty(want.size, np.float32)), want)
+    finally:
+        segment.close()
+
+
+def as_numpy_list(frames):
+    return [as_numpy(f) for f in frames]
