@@ -278,6 +278,7 @@ def rank_role(hosts: int, host: str, params: int, ipc_dir: str, deadline_s: floa
     )
     from flodl_zmq.wire import Channel, Codec, shm
     from flodl_zmq.wire.records import RoundFrame
+    from flodl_zmq.wire_format import F32
 
     key, run_id, _ = secrets()
     rank = world(hosts)[host][0]
@@ -292,16 +293,18 @@ def rank_role(hosts: int, host: str, params: int, ipc_dir: str, deadline_s: floa
     data.connect(data_ep)
     codec, decoder = Codec(key, run_id, rank_sender(rank)), Codec(key, run_id, "bench")
     segment = shm.Segment(key, run_id, shm.rank_owner(rank))
-    deposit = np.frombuffer(segment.layout([params * 4])[0], np.float32)
-    deposit.fill(rank + 1.0)  # mass 1 each: the consensus is the mean of 1..H
+    # In the protocol's chunks (PROTOCOL.md 3.4), as a rank deposits.
+    deposit = [np.frombuffer(v, np.float32) for v in segment.layout([n * 4 for _, n in F32.layout(params)])]
+    for d in deposit:
+        d.fill(rank + 1.0)  # mass 1 each: the consensus is the mean of 1..H
     expect = (hosts + 1) / 2
     mapped = shm.SegmentMap(run_id, shm.run_dir(key, run_id))
     print("READY", flush=True)
     for line in sys.stdin:
         round_id = int(line.split()[1])
         t0 = time.monotonic_ns()
-        data.send_multipart(shm.by_reference(codec, RoundFrame(round_id, rank, 1.0), [deposit], segment,
-                                             dtypes=["f32"]))
+        data.send_multipart(shm.by_reference(codec, RoundFrame(round_id, rank, 1.0), deposit, segment,
+                                             dtypes=["f32"] * len(deposit)))
         if not data.poll(int(deadline_s * 1000)):
             raise TimeoutError(f"rank {rank}: no consensus of round {round_id} within {deadline_s:g} s; "
                                f"see the relay's and the reducer's logs")
