@@ -152,58 +152,57 @@ def test_a_put_wakes_an_idle_loop_at_once():
     running.stop()
 
 
-def test_a_readable_socket_calls_its_handler_which_reads_it():
+@pytest.fixture
+def pipe():
+    """A connected PULL socket and the PUSH that feeds it (inproc)."""
     ctx = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    try:
-        pull.bind("inproc://service-loop-test")
-        push.connect("inproc://service-loop-test")
-        loop = ServiceLoop("t")
-        got: list[bytes] = []
-
-        def read() -> None:
-            got.append(pull.recv())
-            loop.stop()
-
-        loop.on_socket(pull, read)
-        push.send(b"hi")
-        loop.run()
-        loop.close()
-        assert got == [b"hi"]
-    finally:
-        pull.close(0)
-        push.close(0)
+    endpoint = f"inproc://service-loop-{id(pull)}"
+    pull.bind(endpoint)
+    push.connect(endpoint)
+    yield pull, push
+    pull.close(0)
+    push.close(0)
 
 
-def test_a_timer_due_at_once_fires_before_a_socket_already_readable_is_served():
+def test_a_readable_socket_calls_its_handler_which_reads_it(pipe):
+    pull, push = pipe
+    loop = ServiceLoop("t")
+    got: list[bytes] = []
+
+    def read() -> None:
+        got.append(pull.recv())
+        loop.stop()
+
+    loop.on_socket(pull, read)
+    push.send(b"hi")
+    loop.run()
+    loop.close()
+    assert got == [b"hi"]
+
+
+def test_a_timer_due_at_once_fires_before_a_socket_already_readable_is_served(pipe):
     # A relay's hello is due at once; deposits waiting when its loop starts must not go up before it.
-    ctx = zmq.Context.instance()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    try:
-        pull.bind("inproc://service-loop-first")
-        push.connect("inproc://service-loop-first")
-        push.send(b"waiting")
-        assert pull.poll(int(WAIT_S * 1000))
-        loop = ServiceLoop("t")
-        order: list[str] = []
-        due = [0.0]
+    pull, push = pipe
+    push.send(b"waiting")
+    assert pull.poll(int(WAIT_S * 1000))
+    loop = ServiceLoop("t")
+    order: list[str] = []
+    due = [0.0]
 
-        def hello(now: float) -> None:
-            order.append("hello")
-            due[0] = math.inf
+    def hello(now: float) -> None:
+        order.append("hello")
+        due[0] = math.inf
 
-        def read() -> None:
-            order.append(pull.recv().decode())
-            loop.stop()
+    def read() -> None:
+        order.append(pull.recv().decode())
+        loop.stop()
 
-        loop.on_socket(pull, read)
-        loop.timer(lambda: due[0], hello)
-        loop.run()
-        loop.close()
-        assert order == ["hello", "waiting"]
-    finally:
-        pull.close(0)
-        push.close(0)
+    loop.on_socket(pull, read)
+    loop.timer(lambda: due[0], hello)
+    loop.run()
+    loop.close()
+    assert order == ["hello", "waiting"]
 
 
 def test_a_stall_of_the_loops_own_thread_is_reported_with_its_length():

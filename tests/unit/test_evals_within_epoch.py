@@ -3,8 +3,6 @@ another N samples, before the round's Updates, each once across a death; a lone 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,14 +115,6 @@ def test_an_eval_whose_rank_dies_unanswered_is_scored_once_by_the_heir_at_the_ne
 
 
 N = 40  # samples: batch 8 -> 5 steps an epoch
-
-
-@pytest.fixture
-def alone(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("FLODL_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
 
 
 def _data() -> TensorDataset:

@@ -3,7 +3,6 @@ the guide's converted loop runs verbatim, misuse is named, and every rank starts
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,13 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 N = 40  # samples: batch 8 -> 5 steps an epoch
 
 
-@pytest.fixture(autouse=True)
-def alone(monkeypatch, tmp_path):
-    """No FLODL_* role, and run directories under tmp_path."""
-    for name in list(os.environ):
-        if name.startswith("FLODL_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("alone")  # tests/conftest.py: no role, runs under tmp_path
 
 
 def data() -> TensorDataset:
