@@ -66,7 +66,7 @@ import numpy as np
 
 from flodl_zmq import robust, threads
 from flodl_zmq.errors import ConfigError, FoldError, PoisonedDeposit, ProtocolError
-from flodl_zmq.tensors import ELEMENTS, Element, bf16_sum, dtype_name, f32_from_bf16
+from flodl_zmq.tensors import ELEMENTS, Element, bf16_sum, bf16_tops, dtype_name, f32_from_bf16
 
 # (wire dtype name, shape) of each tensor of a round, in order.
 Schema = tuple[tuple[str, tuple[int, ...]], ...]
@@ -251,8 +251,9 @@ class _BF16(Kernels):
     """bf16 is widened block by block through each worker's reused scratch, so the add reads it in cache."""
 
     def finite(self, x: np.ndarray) -> bool:
-        # uint16 bits: non-finite iff the exponent is all ones.
-        return bool(np.max(np.bitwise_and(x, 0x7FFF)) < 0x7F80) if x.size else True
+        # Non-finite iff the exponent is all ones: +inf 0x7F80, -inf 0xFF80, NaNs above either.
+        pos, neg = bf16_tops(x) if x.size else (0, 0)
+        return pos < 0x7F80 and neg < 0xFF80
 
     def fill_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
         bad = False
@@ -535,13 +536,13 @@ def contribute(
     images: ImageCache,
     who: str,
     error: type[ProtocolError],
-    limit: float,
+    bound: robust.MagnitudeBound,
     keep: bool = False,
 ) -> OpenRound:
     """Add one contribution to ``rnd``, or open round ``round_id`` with its schema; returns the round.
 
-    The mass, the schema and the values (all finite, none over ``limit`` per unit
-    of mass: flodl_zmq/robust.py) are checked before anything is added, so a
+    The mass, the schema and the values (all finite, none over ``bound``'s limit
+    per unit of mass: flodl_zmq/robust.py) are checked before anything is added, so a
     refused contribution leaves the round as it was.
     """
     m = robust.check_mass(mass, who, error)
@@ -550,7 +551,7 @@ def contribute(
         check_schema(rnd.schema, tensors, who, error)
     if keep or (rnd is not None and (rnd.image is not None or len(rnd.held) == 2)):
         check_finite(tensors, who)  # it goes into the image (or is kept whole): checked before it touches it
-    robust.check_magnitude(tensors, m, limit, who)
+    robust.check_magnitude(tensors, m, bound, who)
     if rnd is None:
         rnd = OpenRound(round_id, schema, keep)
     rnd.add(member, m, tensors, images)
@@ -577,7 +578,7 @@ class FoldStation:
         self.poisoned: str | None = None
         self.last_round: int | None = None
         self._round: OpenRound | None = None
-        self.limit = robust.magnitude_limit(None)  # largest value per unit of mass a deposit may carry (robust.py)
+        self.bound = robust.MagnitudeBound()  # largest value per unit of mass a deposit may carry (robust.py)
         # Images and 2-byte output buffers by schema (f32 tensors ship straight from the sums).
         self._images = ImageCache(_fold_outputs)
 
@@ -587,8 +588,8 @@ class FoldStation:
         return self._round.round_id if self._round else None
 
     def consensus_seen(self, tensors: Sequence[np.ndarray]) -> None:
-        """Bound later deposits by the consensus the ranks now hold: a poisoner's values stand out against it."""
-        self.limit = robust.magnitude_limit(robust.magnitude(tensors))
+        """Bound later deposits by the consensus the ranks now hold (read only if one needs it: keep it as is)."""
+        self.bound.seen(tensors)
 
     def deposit(self, rank: int, round_id: int, mass: float,
                 tensors: Sequence[np.ndarray]) -> HostFold | NothingToShip | None:
@@ -618,7 +619,7 @@ class FoldStation:
         if rnd is not None and (rnd.image is not None or len(rnd.held) == 2) and \
                 robust.mass_outlier(float(mass), rnd.masses):
             raise PoisonedDeposit(f"{who}: {robust.mass_refusal(float(mass))}")  # it would go into the sums
-        self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError, self.limit,
+        self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError, self.bound,
                                  self.unfolded)
         if self._round.image is None:  # the held pair is judged together: either may be the liar
             self._round.refuse(robust.mass_outliers(self._round.masses), robust.mass_refusal)
