@@ -2,7 +2,7 @@
 
 A core: no sockets, no clocks, inputs in and outcomes out. It is not pure: it
 keeps reused sum images between rounds, and a large sum is split over the
-shared worker threads (flodl_zmq.threads), each with its own scratch block.
+shared worker threads (flodl_zmq.threads).
 
 The contract of a deposit (realized-work algebra: the consensus is the
 mass-weighted mean of the deposits, each mass the rank's realized work): a rank
@@ -66,7 +66,15 @@ import numpy as np
 
 from flodl_zmq import robust, threads
 from flodl_zmq.errors import ConfigError, FoldError, PoisonedDeposit, ProtocolError
-from flodl_zmq.tensors import ELEMENTS, Element, bf16_sum, bf16_tops, dtype_name, f32_from_bf16
+from flodl_zmq.tensors import (
+    ELEMENTS,
+    Element,
+    bf16_sum,
+    bf16_tops,
+    dtype_name,
+    f32_from_bf16,
+    torch_view,
+)
 
 # (wire dtype name, shape) of each tensor of a round, in order.
 Schema = tuple[tuple[str, tuple[int, ...]], ...]
@@ -139,17 +147,9 @@ def carve(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> tuple[np.ndarra
 
 # Elements per piece of an image operation handed to a worker thread (4 MB of f32).
 PIECE = 1 << 20
-# Elements per block of widened bf16: 1 MiB of f32 stays in a core's L2, so the
-# add reads the block while still in cache.
+# Elements per block of f32 sums: 1 MiB stays in a core's L2, so what follows the sum
+# (its finiteness check, the divide, the encode) reads the block while still in cache.
 BLOCK = 1 << 18
-
-
-def _widened(x: np.ndarray, scratch: np.ndarray) -> Iterable[tuple[int, int, np.ndarray]]:
-    """(start, stop, x[start:stop] as f32 in ``scratch``) block by block: bf16 read while still in cache."""
-    for i in range(0, x.size, scratch.size):
-        w = scratch[: min(scratch.size, x.size - i)]
-        f32_from_bf16(x[i : i + w.size], w)
-        yield i, i + w.size, w
 
 
 # The fused finiteness checks: an operation that reads held contributions checks
@@ -248,7 +248,7 @@ class _F32(Kernels):
 
 
 class _BF16(Kernels):
-    """bf16 is widened block by block through each worker's reused scratch, so the add reads it in cache."""
+    """bf16 adds into f32 sums by torch's mixed add: widened exactly as added (the bits of widen, then add)."""
 
     def finite(self, x: np.ndarray) -> bool:
         # Non-finite iff the exponent is all ones: +inf 0x7F80, -inf 0xFF80, NaNs above either.
@@ -257,15 +257,14 @@ class _BF16(Kernels):
 
     def fill_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
         bad = False
-        for i, j, w in _widened(b, threads.scratch(BLOCK)):
-            f32_from_bf16(a[i:j], acc[i:j])
-            np.add(acc[i:j], w, out=acc[i:j])
-            bad = _bad(acc[i:j]) or bad
+        for i in range(0, acc.size, BLOCK):
+            block = slice(i, i + BLOCK)
+            torch_view(f32_from_bf16(a[block], acc[block])).add_(torch_view(b[block]))
+            bad = _bad(acc[block]) or bad
         return bad
 
     def add(self, acc: np.ndarray, x: np.ndarray) -> None:
-        for i, j, w in _widened(x, threads.scratch(BLOCK)):
-            np.add(acc[i:j], w, out=acc[i:j])
+        torch_view(acc).add_(torch_view(x))
 
     def encode_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray,
                    d: np.float32 | None) -> bool:
@@ -293,8 +292,7 @@ class SumImage:
     ``sums`` are shaped f32 views of the single ``flat`` image. Every operation
     runs in pieces of PIECE elements on the worker threads (flodl_zmq.threads):
     numpy releases the GIL, and the reducer's sum is the one step of a round no
-    other process shares. bf16 tensors are widened block by block through each
-    thread's small reused scratch, so the add reads them while still in cache.
+    other process shares. bf16 tensors are widened as they are added (``_BF16``).
     """
 
     def __init__(self, schema: Schema) -> None:
