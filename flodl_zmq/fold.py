@@ -2,7 +2,7 @@
 
 A core: no sockets, no clocks, inputs in and outcomes out. It is not pure: it
 keeps reused sum images between rounds, and a large sum is split over the
-shared worker threads (flodl_zmq.threads), each with its own scratch block.
+shared worker threads (flodl_zmq.threads).
 
 The contract of a deposit (realized-work algebra: the consensus is the
 mass-weighted mean of the deposits, each mass the rank's realized work): a rank
@@ -66,7 +66,15 @@ import numpy as np
 
 from flodl_zmq import robust, threads
 from flodl_zmq.errors import ConfigError, FoldError, PoisonedDeposit, ProtocolError
-from flodl_zmq.tensors import ELEMENTS, Element, bf16_sum, dtype_name, f32_from_bf16
+from flodl_zmq.tensors import (
+    ELEMENTS,
+    Element,
+    bf16_sum,
+    bf16_tops,
+    dtype_name,
+    f32_from_bf16,
+    torch_view,
+)
 
 # (wire dtype name, shape) of each tensor of a round, in order.
 Schema = tuple[tuple[str, tuple[int, ...]], ...]
@@ -139,17 +147,9 @@ def carve(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> tuple[np.ndarra
 
 # Elements per piece of an image operation handed to a worker thread (4 MB of f32).
 PIECE = 1 << 20
-# Elements per block of widened bf16: 1 MiB of f32 stays in a core's L2, so the
-# add reads the block while still in cache.
+# Elements per block of f32 sums: 1 MiB stays in a core's L2, so what follows the sum
+# (its finiteness check, the divide, the encode) reads the block while still in cache.
 BLOCK = 1 << 18
-
-
-def _widened(x: np.ndarray, scratch: np.ndarray) -> Iterable[tuple[int, int, np.ndarray]]:
-    """(start, stop, x[start:stop] as f32 in ``scratch``) block by block: bf16 read while still in cache."""
-    for i in range(0, x.size, scratch.size):
-        w = scratch[: min(scratch.size, x.size - i)]
-        f32_from_bf16(x[i : i + w.size], w)
-        yield i, i + w.size, w
 
 
 # The fused finiteness checks: an operation that reads held contributions checks
@@ -248,23 +248,23 @@ class _F32(Kernels):
 
 
 class _BF16(Kernels):
-    """bf16 is widened block by block through each worker's reused scratch, so the add reads it in cache."""
+    """bf16 adds into f32 sums by torch's mixed add: widened exactly as added (the bits of widen, then add)."""
 
     def finite(self, x: np.ndarray) -> bool:
-        # uint16 bits: non-finite iff the exponent is all ones.
-        return bool(np.max(np.bitwise_and(x, 0x7FFF)) < 0x7F80) if x.size else True
+        # Non-finite iff the exponent is all ones: +inf 0x7F80, -inf 0xFF80, NaNs above either.
+        pos, neg = bf16_tops(x) if x.size else (0, 0)
+        return pos < 0x7F80 and neg < 0xFF80
 
     def fill_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
         bad = False
-        for i, j, w in _widened(b, threads.scratch(BLOCK)):
-            f32_from_bf16(a[i:j], acc[i:j])
-            np.add(acc[i:j], w, out=acc[i:j])
-            bad = _bad(acc[i:j]) or bad
+        for i in range(0, acc.size, BLOCK):
+            block = slice(i, i + BLOCK)
+            torch_view(f32_from_bf16(a[block], acc[block])).add_(torch_view(b[block]))
+            bad = _bad(acc[block]) or bad
         return bad
 
     def add(self, acc: np.ndarray, x: np.ndarray) -> None:
-        for i, j, w in _widened(x, threads.scratch(BLOCK)):
-            np.add(acc[i:j], w, out=acc[i:j])
+        torch_view(acc).add_(torch_view(x))
 
     def encode_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray,
                    d: np.float32 | None) -> bool:
@@ -292,8 +292,7 @@ class SumImage:
     ``sums`` are shaped f32 views of the single ``flat`` image. Every operation
     runs in pieces of PIECE elements on the worker threads (flodl_zmq.threads):
     numpy releases the GIL, and the reducer's sum is the one step of a round no
-    other process shares. bf16 tensors are widened block by block through each
-    thread's small reused scratch, so the add reads them while still in cache.
+    other process shares. bf16 tensors are widened as they are added (``_BF16``).
     """
 
     def __init__(self, schema: Schema) -> None:
@@ -535,13 +534,13 @@ def contribute(
     images: ImageCache,
     who: str,
     error: type[ProtocolError],
-    limit: float,
+    bound: robust.MagnitudeBound,
     keep: bool = False,
 ) -> OpenRound:
     """Add one contribution to ``rnd``, or open round ``round_id`` with its schema; returns the round.
 
-    The mass, the schema and the values (all finite, none over ``limit`` per unit
-    of mass: flodl_zmq/robust.py) are checked before anything is added, so a
+    The mass, the schema and the values (all finite, none over ``bound``'s limit
+    per unit of mass: flodl_zmq/robust.py) are checked before anything is added, so a
     refused contribution leaves the round as it was.
     """
     m = robust.check_mass(mass, who, error)
@@ -550,7 +549,7 @@ def contribute(
         check_schema(rnd.schema, tensors, who, error)
     if keep or (rnd is not None and (rnd.image is not None or len(rnd.held) == 2)):
         check_finite(tensors, who)  # it goes into the image (or is kept whole): checked before it touches it
-    robust.check_magnitude(tensors, m, limit, who)
+    robust.check_magnitude(tensors, m, bound, who)
     if rnd is None:
         rnd = OpenRound(round_id, schema, keep)
     rnd.add(member, m, tensors, images)
@@ -577,7 +576,7 @@ class FoldStation:
         self.poisoned: str | None = None
         self.last_round: int | None = None
         self._round: OpenRound | None = None
-        self.limit = robust.magnitude_limit(None)  # largest value per unit of mass a deposit may carry (robust.py)
+        self.bound = robust.MagnitudeBound()  # largest value per unit of mass a deposit may carry (robust.py)
         # Images and 2-byte output buffers by schema (f32 tensors ship straight from the sums).
         self._images = ImageCache(_fold_outputs)
 
@@ -587,8 +586,8 @@ class FoldStation:
         return self._round.round_id if self._round else None
 
     def consensus_seen(self, tensors: Sequence[np.ndarray]) -> None:
-        """Bound later deposits by the consensus the ranks now hold: a poisoner's values stand out against it."""
-        self.limit = robust.magnitude_limit(robust.magnitude(tensors))
+        """Bound later deposits by the consensus the ranks now hold (read only if one needs it: keep it as is)."""
+        self.bound.seen(tensors)
 
     def deposit(self, rank: int, round_id: int, mass: float,
                 tensors: Sequence[np.ndarray]) -> HostFold | NothingToShip | None:
@@ -618,7 +617,7 @@ class FoldStation:
         if rnd is not None and (rnd.image is not None or len(rnd.held) == 2) and \
                 robust.mass_outlier(float(mass), rnd.masses):
             raise PoisonedDeposit(f"{who}: {robust.mass_refusal(float(mass))}")  # it would go into the sums
-        self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError, self.limit,
+        self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError, self.bound,
                                  self.unfolded)
         if self._round.image is None:  # the held pair is judged together: either may be the liar
             self._round.refuse(robust.mass_outliers(self._round.masses), robust.mass_refusal)

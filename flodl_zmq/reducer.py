@@ -79,7 +79,7 @@ from flodl_zmq.fold import (
     round_gate,
 )
 from flodl_zmq.outer import OuterOptimizer
-from flodl_zmq.robust import combine, magnitude, magnitude_limit
+from flodl_zmq.robust import MagnitudeBound, combine
 from flodl_zmq.settings import AGGREGATIONS
 from flodl_zmq.tensors import DTYPES
 
@@ -189,10 +189,9 @@ class RoundLedger:
         self._round: OpenRound | None = None
         self._bounds: dict[int, dict[int, float]] = {}  # round -> rank -> most mass it may carry
         self._unopened: set[int] = set()  # rounds told ahead whose trigger has not opened them
-        # The consensus the magnitude bound is measured on (robust.py), measured once when a frame
-        # first needs it: never between a round's last frame and its publication.
-        self._bound_by: Sequence[np.ndarray] | None = None
-        self._limit: float | None = magnitude_limit(None)
+        # The magnitude bound (robust.py): the last consensus, measured only when a frame needs it, so
+        # never between a round's last frame and its publication, and not at all in an honest round.
+        self._bound = MagnitudeBound()
         # Sum images and consensus buffers by schema, most recently used last; the buffers are
         # separate from the sums, so the latest consensus survives while the next round accumulates.
         self._images = ImageCache(_consensus_outputs)
@@ -205,14 +204,7 @@ class RoundLedger:
         """
         self.last_round = int(round_id)
         self.latest = Reduced(int(round_id), 1.0, (), tuple(tensors))
-        self._bound_by, self._limit = tuple(tensors), None
-
-    @property
-    def limit(self) -> float:
-        """The largest value per unit of mass a frame may carry: MAGNITUDE_RATIO times the last consensus's."""
-        if self._limit is None:
-            self._limit = magnitude_limit(magnitude(self._bound_by or ()))
-        return self._limit
+        self._bound.seen(self.latest.tensors)
 
     @property
     def round_id(self) -> int | None:
@@ -266,7 +258,7 @@ class RoundLedger:
             raise ProtocolError(f"{who}: the frame has {sum(t.size for t in tensors)} values, the model "
                                 f"{self.outer.global_model.size} (a host built another model)")
         self._round = contribute(rnd, round_id, member, mass, tensors, self._images, who, ProtocolError,
-                                 self.limit, self.per_rank)
+                                 self._bound, self.per_rank)
         self.counters.frames += 1
         self.counters.bytes_reduced += sum(t.nbytes for t in tensors)
         self._note_refused(self._round)
@@ -409,6 +401,6 @@ class RoundLedger:
         hosts = {self._owner[r] for r in rnd.members} if self.per_rank else rnd.members
         self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(hosts)), tuple(outputs))
         if divisor is not None:  # a zero-mass round leaves every model as it was
-            self._bound_by, self._limit = self.latest.tensors, None
+            self._bound.seen(self.latest.tensors)
         self.counters.rounds_reduced += 1
         return self.latest

@@ -401,6 +401,8 @@ class DataPlane(Plane):
         live = self.live_ranks()
         if self.shipped is not None and self.shipped.round_id <= rec.round:
             self.shipped = None
+        if rec.mass == 0.0:  # the bound stays, and may lie unread in the segment this round overwrites
+            self.fold.bound.limit()
         shared = None
         if self.segment is not None and self.by_reference.intersection(live):
             # Verified above and written once for every same-host rank, under this relay's signature.
@@ -414,7 +416,9 @@ class DataPlane(Plane):
         for rank in live:
             self.to_rank(rank, shared if shared is not None and rank in self.by_reference else frames)
         if rec.mass > 0.0:  # the model every rank now holds bounds the next deposits (robust.py)
-            self.fold.consensus_seen(env.payload)
+            # Read only if a deposit needs it: from the frames kept for a resend, or else from the
+            # segment (keeping the frames for it would be one more copy of the model in this relay).
+            self.fold.consensus_seen(env.payload if framed is not None else self.segment.arrays(env.payload))
 
     def request(self, round_id: int) -> None:
         log.info("relay %s: consensus of round %d not here; asking the reducer", self.cfg.host, round_id)

@@ -14,7 +14,10 @@ Rules this module keeps:
   tiny values is not refused). An honest round moves a model by a step of
   its optimizer, never by six orders of magnitude; a finite 1e18 or 1e30
   would replace every rank's model. int8 is checked widened, so a scale
-  whose values would pass that bound is refused the same way.
+  whose values would pass that bound is refused the same way. Since the
+  bound is never below MAGNITUDE_RATIO, the consensus is read only for a
+  contribution above that (``MagnitudeBound``): an honest round pays one
+  read of each contribution, not one more of every consensus.
 - Mass among peers: a mass more than MASS_RATIO times the median of the
   other masses of the round (at least 1) is refused: a rank claiming work
   its host-mates are nowhere near would take the host's weight, and the
@@ -36,7 +39,7 @@ import numpy as np
 from flodl_zmq import int8, threads
 from flodl_zmq.errors import PoisonedDeposit, ProtocolError
 from flodl_zmq.settings import AGGREGATIONS
-from flodl_zmq.tensors import dtype_name, element_of
+from flodl_zmq.tensors import bf16_tops, dtype_name, element_of
 
 # A positive mass must be a normal f32 magnitude: tensors are premultiplied by it
 # in f32, so a smaller mass flushes its contribution to zero while still
@@ -70,9 +73,7 @@ def _block_magnitude(x: np.ndarray) -> float:
     if not x.size:
         return 0.0
     if x.dtype == np.uint16:  # bf16 bits, read without a temporary: the magnitude's bits are the low 15
-        # As int16 the largest is the largest positive's bits; as uint16 the largest is 0x8000 + the
-        # largest negative magnitude's bits (when there is a negative).
-        pos, neg = int(np.max(x.view(np.int16))), int(np.max(x))
+        pos, neg = bf16_tops(x)
         top = max(pos, neg - 0x8000 if neg >= 0x8000 else 0)
         return float(np.array(top << 16, np.uint32).view(np.float32))
     with np.errstate(invalid="ignore"):
@@ -98,15 +99,47 @@ def magnitude_limit(reference: float | None) -> float:
     return MAGNITUDE_RATIO * max(1.0, ref)
 
 
-def check_magnitude(tensors: Sequence[np.ndarray], mass: float, limit: float, who: str) -> None:
-    """Raise PoisonedDeposit if ``tensors`` hold a finite value above ``limit`` per unit of ``mass``.
+class MagnitudeBound:
+    """A tier's magnitude bound: ``magnitude_limit`` of the last consensus it saw, read only when needed.
+
+    The bound is never below MAGNITUDE_RATIO, so a contribution within that
+    per unit of its mass passes whatever the consensus holds. The consensus is
+    therefore measured (a read of the whole model) only when a contribution
+    goes above MAGNITUDE_RATIO, which an honest one never does, and then once:
+    the round's hot path reads each contribution and never the consensus.
+    """
+
+    def __init__(self) -> None:
+        self._consensus: Sequence[np.ndarray] = ()
+        self._limit: float | None = magnitude_limit(None)
+
+    def seen(self, consensus: Sequence[np.ndarray]) -> None:
+        """Bound later contributions by ``consensus``: the caller keeps its arrays unchanged until the next
+        ``seen`` (or until ``limit`` has read them), since they are read only then."""
+        self._consensus, self._limit = consensus, None
+
+    def limit(self) -> float:
+        """The largest value per unit of mass a contribution may carry (MAGNITUDE_RATIO at the least)."""
+        if self._limit is None:
+            self._limit = magnitude_limit(magnitude(self._consensus))
+            self._consensus = ()  # read: the tier need not keep the consensus alive for it
+        return self._limit
+
+
+def check_magnitude(tensors: Sequence[np.ndarray], mass: float, bound: MagnitudeBound, who: str) -> None:
+    """Raise PoisonedDeposit if ``tensors`` hold a finite value above ``bound``'s limit per unit of ``mass``.
 
     Tensors are premultiplied by the mass, so the bound scales with it (a mass
     below 1 counts as 1: an int8 sender's error feedback ships a residual even
-    at mass 0). Non-finite values are left to the finite checks.
+    at mass 0). Non-finite values are left to the finite checks. A value within
+    MAGNITUDE_RATIO per unit of mass is within every limit, so only one above
+    it has the consensus measured (``MagnitudeBound``).
     """
-    top = magnitude(tensors)
-    if math.isfinite(top) and top > limit * max(1.0, mass):
+    top, scale = magnitude(tensors), max(1.0, mass)
+    if not math.isfinite(top) or top <= MAGNITUDE_RATIO * scale:
+        return
+    limit = bound.limit()
+    if top > limit * scale:
         raise PoisonedDeposit(
             f"{who} carries a value of magnitude {top:.3g} at mass {mass:g}, over {limit:.3g} per unit of mass "
             f"({MAGNITUDE_RATIO:g} times the last consensus's largest value): a diverged or tampered model would "

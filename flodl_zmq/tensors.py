@@ -120,6 +120,18 @@ def _nan_sums(a_u16: np.ndarray, b_u16: np.ndarray) -> np.ndarray:
         return a + b
 
 
+def bf16_tops(x_u16: np.ndarray) -> tuple[int, int]:
+    """The largest bits of non-empty bf16 ``x_u16`` read as int16 and as uint16.
+
+    The first is the largest positive value's bits; the second, when there is
+    a negative, 0x8000 + the largest negative magnitude's bits. Together they
+    say what the data plane asks of a bf16 block (a NaN: above 0x7F80 or
+    0xFF80; an infinity: equal; its magnitude) in two 2-byte max passes and
+    no temporary (a masked copy first costs the round as much again).
+    """
+    return int(x_u16.view(np.int16).max()), int(x_u16.max())
+
+
 def f32_from_bf16(src_u16: np.ndarray, out_f32: np.ndarray) -> np.ndarray:
     """Decode bf16 ``src_u16`` exactly into ``out_f32``; returns ``out_f32``."""
     if src_u16.shape != out_f32.shape:

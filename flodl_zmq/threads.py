@@ -28,8 +28,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-import numpy as np
-
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -79,17 +77,3 @@ def each(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         raise failed[0]
     return [r for run in done for r in run]
 
-
-_scratch = threading.local()
-
-
-def scratch(size: int) -> np.ndarray:
-    """This thread's reused f32 work block of ``size`` elements, allocated (and first touched) once.
-
-    Per thread, so the pool's pieces never share one; the cores that need work
-    space (fold's bf16 widening) take it from here and stay free of threads.
-    """
-    block = getattr(_scratch, "f32", None)
-    if block is None or block.size != size:
-        block = _scratch.f32 = np.empty(size, np.float32)
-    return block

@@ -261,6 +261,14 @@ class Segment:
             pieces += [(out[i : i + PLACE_BLOCK], src[i : i + PLACE_BLOCK]) for i in range(0, src.size, PLACE_BLOCK)]
         threads.each(lambda piece: np.copyto(*piece), pieces)
 
+    def arrays(self, like: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The current layout's frames as arrays of ``like``'s dtypes and shapes (what ``place`` put there)."""
+        if self._map is None or len(like) != len(self.frames):
+            raise FramingError(f"{len(like)} arrays asked of a segment whose layout holds {len(self.frames)} frames")
+        view = memoryview(self._map)
+        return [np.frombuffer(view[off : off + n], a.dtype).reshape(a.shape)
+                for (off, n), a in zip(self.frames, like, strict=True)]
+
     def locator(self) -> bytes:
         """The locator frame of the current layout."""
         if self.name is None:

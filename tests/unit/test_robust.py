@@ -77,6 +77,31 @@ def test_a_deposit_far_above_the_last_consensus_is_refused_and_one_near_it_is_no
     assert station.poisoned is None and 1 not in station.dead  # the relay makes it leave
 
 
+class Unread(list):
+    """A consensus that fails the test when anything reads its arrays."""
+
+    def __iter__(self):
+        raise AssertionError("the consensus was read")
+
+    def __getitem__(self, index):
+        raise AssertionError("the consensus was read")
+
+
+def test_an_honest_round_never_reads_the_consensus_its_deposits_are_bounded_by():
+    # Every bound is at least MAGNITUDE_RATIO, so deposits within it pass unread: no pass over the model.
+    station = FoldStation((0, 1))
+    station.consensus_seen(Unread([np.full(4, 2.0, np.float32)]))
+    station.deposit(0, 1, 1.0, [np.full(4, 3.0, np.float32)])
+    out = station.deposit(1, 1, 2.0, [np.full(4, 0.9e6 * 2.0, np.float32)])
+    assert out is not None and out.ranks == (0, 1)
+    # One above MAGNITUDE_RATIO has the consensus measured, once, and is judged by it.
+    bound = robust.MagnitudeBound()
+    bound.seen([np.full(4, 3.0, np.float32)])
+    robust.check_magnitude([np.full(4, 2.5e6, np.float32)], 1.0, bound, "rank 0")
+    with pytest.raises(PoisonedDeposit, match="over 3e\\+06 per unit of mass"):
+        robust.check_magnitude([np.full(4, 3.5e6, np.float32)], 1.0, bound, "rank 0")
+
+
 def test_a_mass_far_above_its_host_mates_is_refused_whichever_arrives_first():
     station = FoldStation((0, 1))
     assert station.deposit(1, 1, 1e30, [np.full(4, 1e30, np.float32)]) is None
