@@ -517,6 +517,7 @@ class Coordinator:
         assert cyc is not None
         self._closing = None
         self.feedback.judge([cyc.acks.get(r) for r in range(self.world_size)], cyc.credited)
+        self._wake_idle()  # the verdict moves the budget (overshoot): a rank refused a chunk may now have one
 
     # ================================================================ dispatch
 
