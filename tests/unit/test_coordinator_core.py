@@ -617,3 +617,21 @@ def test_a_snapshot_notice_of_a_deposit_told_ahead_is_not_stale():
     c, outs = make()
     c.on_record(0, rec.SnapshotReady(rank=0, round=1), 0.1)  # round 1 is not triggered yet
     assert c.ignored["stale_round"] == 0
+
+
+def test_an_async_rank_refused_a_chunk_at_its_budget_gets_one_when_the_verdict_widens_the_budget():
+    # Protocol 7: the next plans go out at publication, the guard judges at the acks. A rank that used up
+    # its budget before the verdict, which raised Async's overshoot, must be offered the wider budget;
+    # otherwise it idles while the gate waits for it (a launched cpu-async run hung so).
+    c, outs = make(mode="async", total=400, bs=1, epochs=1, anchor=4, max_anchor=4)
+    plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
+    _, s0 = train(c, 0, plans[0], 0)
+    train(c, 1, plans[1], 0)
+    nxt = {o.dest: o.record.next_plan for o in c.on_round_complete(1, 0.2) if isinstance(o.record, rec.Update)}
+    assert nxt[0] is not None
+    refused, _ = train(c, 0, nxt[0], s0, t=0.25)  # its whole budget, before the acks
+    assert of(refused, rec.StartEpoch, 0) == []
+    before = c.feedback.overshoot
+    judged = ack(c, 0, 1, 0.3) + ack(c, 1, 1, 0.3)
+    assert c.feedback.overshoot > before
+    assert of(judged, rec.StartEpoch, 0), "the idle rank was not offered its wider budget"
