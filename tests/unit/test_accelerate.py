@@ -10,6 +10,7 @@ import accelerate
 import pytest
 import torch
 import torch.nn.functional as F
+from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader, TensorDataset
 
 from flodl_zmq import accelerate as fz_accelerate
@@ -65,7 +66,22 @@ def test_a_torch_distributed_variable_in_a_flodl_process_is_refused_by_name(monk
     monkeypatch.setenv(name, "2")
     with hosted(role("rank")), pytest.raises(ConfigError, match=f"{name}: under flodl-zmq each process"):
         fz_accelerate.Accelerator()
-    fz_accelerate.Accelerator()  # alone, the variable is Accelerate's to read, as without flodl-zmq
+    # Alone, the variable is Accelerate's to read, as without flodl-zmq: ours does what Accelerate's own does
+    # with it (on a CPU, LOCAL_RANK alone makes it start torch.distributed, which then wants RANK).
+    assert outcome(accelerate.Accelerator) is outcome(fz_accelerate.Accelerator)
+
+
+def outcome(make: Any) -> type[BaseException] | None:
+    """The type of what `make()` raised, or None, from a fresh Accelerate state (a process-wide singleton
+    that an earlier construction, failed or not, leaves behind)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        make()
+    except Exception as exc:
+        return type(exc)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return None
 
 
 def test_under_a_role_prepare_refuses_to_start_without_the_loops_epochs() -> None:
