@@ -126,6 +126,25 @@ def _relay(host: str, port: int, key: bytes, run_id: bytes, dtype: str, ipc_dir:
     relay.stop()
 
 
+def rank_heartbeats(ctx: Any, key: bytes, run_id: bytes, rank: int, endpoint: str, stop: threading.Event) -> None:
+    """A stand-in rank's beats to its relay every 0.5 s until `stop`, with a codec of their own (a codec's
+    sequence belongs to one thread): the relay declares a silent rank dead. bench/topology.py's too."""
+    import zmq
+
+    from flodl_zmq.links import rank_identity, rank_sender
+    from flodl_zmq.wire import Codec
+    from flodl_zmq.wire.records import Heartbeat
+
+    codec = Codec(key, run_id, rank_sender(rank))
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, rank_identity(rank))
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    while not stop.wait(0.5):
+        s.send_multipart(codec.encode(Heartbeat(rank, 0)))
+    s.close(0)
+
+
 def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int, key: bytes, run_id: bytes,
           ipc_dir: str, barrier: Any, out: Any, stop: Any, device: str = "cpu") -> None:
     import zmq
@@ -133,7 +152,7 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
     from flodl_zmq.links import local_endpoints, rank_identity, rank_sender
     from flodl_zmq.tensors import DTYPES, as_numpy, bf16_from_f32
     from flodl_zmq.wire import Channel, Codec
-    from flodl_zmq.wire.records import Heartbeat, RoundFrame
+    from flodl_zmq.wire.records import RoundFrame
     from flodl_zmq.wire.shm import (
         Segment,
         SegmentMap,
@@ -145,20 +164,9 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
 
     control_ep, data_ep = local_endpoints(key, run_id, host, ipc_dir)
     codec = Codec(key, run_id, rank_sender(rank))
-    hb_codec = Codec(key, run_id, rank_sender(rank))  # heartbeats: their own thread, their own counter
     ctx = zmq.Context()
-
-    def heartbeats() -> None:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, rank_identity(rank))
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(control_ep)
-        while not beating.wait(0.5):
-            s.send_multipart(hb_codec.encode(Heartbeat(rank, 0)))
-        s.close(0)
-
     beating = threading.Event()
-    beat = threading.Thread(target=heartbeats, daemon=True)
+    beat = threading.Thread(target=rank_heartbeats, args=(ctx, key, run_id, rank, control_ep, beating), daemon=True)
     beat.start()
     data = ctx.socket(zmq.DEALER)
     data.setsockopt(zmq.IDENTITY, rank_identity(rank))

@@ -244,30 +244,11 @@ def relay_role(hosts: int, host: str, address: str, ipc_dir: str) -> None:
     relay.stop()
 
 
-def heartbeats(ctx: Any, rank: int, endpoint: str, stop: threading.Event) -> None:
-    """A rank's beats to its relay every 0.5 s until `stop`, with a codec of their own (a codec's
-    sequence belongs to one thread): the relay declares a silent rank dead."""
-    import zmq
-
-    from flodl_zmq.links import rank_identity, rank_sender
-    from flodl_zmq.wire import Codec
-    from flodl_zmq.wire.records import Heartbeat
-
-    key, run_id, _ = secrets()
-    codec = Codec(key, run_id, rank_sender(rank))
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.IDENTITY, rank_identity(rank))
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    while not stop.wait(0.5):
-        s.send_multipart(codec.encode(Heartbeat(rank, 0)))
-    s.close(0)
-
-
 def rank_role(hosts: int, host: str, params: int, ipc_dir: str, deadline_s: float) -> None:
     """A light rank: per `go` line, deposit by reference and wait for the verified consensus; print its span."""
     import numpy as np
     import zmq
+    from round import rank_heartbeats  # bench/round.py's stand-in rank beats the same way
 
     from flodl_zmq.links import (
         DATA_MAX_FRAMES,
@@ -285,7 +266,7 @@ def rank_role(hosts: int, host: str, params: int, ipc_dir: str, deadline_s: floa
     control_ep, data_ep = local_endpoints(key, run_id, host, ipc_dir)
     ctx = zmq.Context()
     stop = threading.Event()
-    beat = threading.Thread(target=heartbeats, args=(ctx, rank, control_ep, stop), daemon=True)
+    beat = threading.Thread(target=rank_heartbeats, args=(ctx, key, run_id, rank, control_ep, stop), daemon=True)
     beat.start()
     data = ctx.socket(zmq.DEALER)
     data.setsockopt(zmq.IDENTITY, rank_identity(rank))
