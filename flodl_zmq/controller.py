@@ -64,6 +64,7 @@ from flodl_zmq.io_threads import controller_context
 from flodl_zmq.join import CHALLENGE_NONCE_BYTES, JoinConfig, JoinWindow, WindowPhase
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, limit_receive, recv_bounded
 from flodl_zmq.membership import MembershipService
+from flodl_zmq.metrics import RunMetrics, served
 from flodl_zmq.security import SERVER_ENV, CurveGate, CurveKeys, apply_client, start_gate
 from flodl_zmq.settings import DEFAULTS, Settings, add_arguments
 from flodl_zmq.trust import (
@@ -127,7 +128,15 @@ class ControllerOptions:
 
 
 def serve(opts: ControllerOptions) -> int:
-    """Run the join window, then the controller role; the exit status (see the module docstring)."""
+    """Run the join window, then the controller role; the exit status (see the module docstring).
+
+    The metrics port is bound first: a taken one fails the command before any host joins.
+    """
+    with served(opts.settings.metrics_port, opts.address.host) as metrics:
+        return _serve(opts, metrics)
+
+
+def _serve(opts: ControllerOptions, metrics: RunMetrics | None) -> int:
     trust = resolve_trust(opts.open_admission, endpoint_ip(opts.address.endpoint(Channel.JOIN)))
     key = opts.key if opts.key is not None else new_key()
     run_id, resumed, settings, cfg = _run_to_start(opts)
@@ -151,7 +160,7 @@ def serve(opts: ControllerOptions) -> int:
             role="controller", controller=opts.address, key=key, run_id=run_id, incarnation=incarnation, world=world,
             settings=settings, route_secret=membership.route_secret,
         )
-        return _run_role(opts, membership, penv)
+        return _run_role(opts, membership, penv, metrics)
     except Terminated:
         if opts.settings.resume == "auto":
             log.warning("SIGTERM under --resume auto: exiting without ending the run; the agents wait for the "
@@ -239,13 +248,14 @@ def _wait_formed(membership: MembershipService) -> dict[str, tuple[int, ...]]:
     return {m.host: m.ranks for m in verdict.members}
 
 
-def _run_role(opts: ControllerOptions, membership: MembershipService, penv: ProcessEnv) -> int:
+def _run_role(opts: ControllerOptions, membership: MembershipService, penv: ProcessEnv,
+              metrics: RunMetrics | None) -> int:
     """Run the program as the controller of the formed world, then see the agents out; its exit status."""
     log.info("world formed: %s; running %s", penv.world, " ".join(opts.argv))
     from flodl_zmq.membership_link import MembershipLink
     from flodl_zmq.session import hosted
 
-    with hosted(penv, MembershipLink(membership, opts.curve)):  # what the script's Trainer.run() or Session plays
+    with hosted(penv, MembershipLink(membership, opts.curve, metrics)):  # what the script's Trainer.run() or Session plays
         code = run_script(opts.argv)
     if code != 0:
         _abort(membership, f"the controller's program exited with status {code}")

@@ -68,6 +68,7 @@ import collections
 import logging
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -676,8 +677,9 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
     on a re-form checkpoint is followed by one for the larger world, resumed
     from it (PROTOCOL.md 13.1), until the run ends.
     """
-    # Served across re-forms: one port, and counters that keep counting.
-    with served(penv.settings.metrics_port, penv.controller.host) as metrics:
+    # Served across re-forms (one port, counters that keep counting); `flodl-zmq controller` binds it first.
+    held = nullcontext(link.metrics) if link is not None else served(penv.settings.metrics_port, penv.controller.host)
+    with held as metrics:
         service = ControllerService(job, penv, link, metrics=metrics)
         result = service.run()
         while service.reform_stem is not None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from flodl_zmq.checkpoints import WorldChange
 from flodl_zmq.join import HostLost, RankExitReported
 from flodl_zmq.membership import MembershipService
+from flodl_zmq.metrics import RunMetrics
 from flodl_zmq.result import TrainResult
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.wire import new_incarnation
@@ -41,11 +42,13 @@ class MembershipLink:
     `membership`: the running service whose events (rank exits the agents
     report, hosts lost) the coordinator acts on, and which serves the status
     the coordinator reports. `curve`: the controller's CURVE server keys
-    (None: cleartext).
+    (None: cleartext). `metrics`: the Prometheus metrics the command already
+    serves (bound before its join window opened; None: no `--metrics-port`).
     """
 
     membership: MembershipService
     curve: CurveKeys | None = None
+    metrics: RunMetrics | None = None
 
     def deaths(self) -> list[tuple[int, str]]:
         """The ranks the agents reported gone since the last call, with why: the fast path to declaring them dead."""

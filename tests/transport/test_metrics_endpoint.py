@@ -70,3 +70,28 @@ def test_a_taken_port_is_a_config_error_naming_the_port_and_the_fix():
         with pytest.raises(ConfigError, match=rf"metrics port {port} .*--metrics-port"):
             with served(port, "127.0.0.1"):
                 pass
+
+
+def test_a_taken_port_stops_flodl_zmq_controller_before_its_join_window_opens():
+    # Bound only once the world had formed, a taken port sent every joined agent home;
+    # now the command fails at once, and no agent can join a controller that cannot serve.
+    from dataclasses import replace
+
+    from flodl_zmq.controller import ControllerOptions, serve
+    from flodl_zmq.endpoints import ControllerAddress
+    from flodl_zmq.join import JoinConfig
+    from flodl_zmq.launch import free_port_base
+    from flodl_zmq.settings import DEFAULTS
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        opts = ControllerOptions(
+            address=ControllerAddress("127.0.0.1", free_port_base()), argv=("train.py",), key=bytes(32),
+            # A window that cannot form and closes at once: a join window that opened ends in a MembershipError.
+            join=JoinConfig(min_ranks=2, join_window_s=0.5, join_cap_s=0.5),
+            settings=replace(DEFAULTS, metrics_port=port),
+        )
+        with pytest.raises(ConfigError, match=rf"metrics port {port} .*--metrics-port"):
+            serve(opts)
