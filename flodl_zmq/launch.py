@@ -181,17 +181,21 @@ class Cluster:
             settings = replace(settings, run_dir=self.run_dir)
         if self.metrics_port is not None:
             settings = replace(settings, metrics_port=self.metrics_port)
-        # Imported here: the agent imports this module, and must never import torch (bundle does).
-        from flodl_zmq import checkpoints
+        # The warm interpreter first: its torch import is most of the start-up, and nothing here waits on it.
+        if runnable(self.argv):
+            self._warm = self.warm or warm_interpreter()
+        if settings.resume is not None:
+            # Imported only to resume: checkpoints imports torch (bundle does), which would hold this
+            # start up by a second torch import, and the agent, which imports this module, never may.
+            from flodl_zmq import checkpoints
 
-        # `auto` is chosen once, here: every process must continue the same checkpoint.
-        self._settings = checkpoints.pin_resume(settings)
+            # `auto` is chosen once, here: every process must continue the same checkpoint.
+            settings = checkpoints.pin_resume(settings)
+        self._settings = settings
         # FLODL_KEY, when set, is the run's key, so that `flodl-zmq status` can sign with it.
         given = session_key(os.environ)
         key = self.key = given or new_key()
         self._base = dict(controller=address, key=key, run_id=self.run_id, world=self.world)
-        if runnable(self.argv):
-            self._warm = self.warm or warm_interpreter()
         self._spawn_cohort(self._settings)
         # Never the key itself: output and logs are read (and kept) by more than the run's owner.
         watch = f"flodl-zmq status --controller {address} --watch"
