@@ -183,6 +183,28 @@ def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_one_sigkilled
     no_process_left(r)
 
 
+def test_the_overlapped_round_loses_no_sample_when_a_rank_is_sigkilled_mid_run(tmp_path, warm):
+    # cpu-async with easgd_alpha 1 (bench/tta.py's best): ranks never stop for a round and take each
+    # consensus as a correction. Rank 1 dies mid-run with chunks and deposits in flight; every epoch
+    # is still trained exactly once by the three left. Held from the first epoch's worth of batches
+    # per rank until the death is seen: four ranks cannot end five epochs before the kill.
+    gate = tmp_path / "gate"
+    r = Run("--mode", "cpu-async", "--easgd-alpha", "1", "--epochs", "5", "--batch-size", "16", "--step-ms", "4",
+            *held(gate, after_epochs=1, epochs=5, ranks=4), warm=warm).start()
+    r.wait_for("[controller] epoch 1/")
+    r.cluster.kill("h0:1", signal.SIGKILL)
+    r.wait_for("rank 1 declared dead")
+    gate.touch()
+    code, result, out = r.finish()
+    assert code == 0, out
+    assert len(result["epochs"]) == 5
+    assert all(e["samples"] == SAMPLES_PER_EPOCH[16] for e in result["epochs"]), result["epochs"]
+    assert result["epochs"][-1]["per_rank_samples"][1] == 0
+    losses = [e["avg_loss"] for e in result["epochs"]]
+    assert losses[-1] < losses[0], losses  # the corrections kept training the model
+    no_process_left(r)
+
+
 def test_sigkill_every_rank_saves_a_bundle_that_resume_continues(tmp_path, run, warm):
     stem = str(tmp_path / "run")
     # Held from epoch 3 on (never let through): the run cannot end before the kills.
