@@ -128,15 +128,18 @@ class ConsensusWatch:
     wait (up to `BACKOFF_CAP` deadlines): on a slow link a consensus may take
     longer than the deadline to arrive, and every early request would put one
     more full copy of it on that link (PROTOCOL.md 10.3). For the same reason
-    a round's first wait is at least twice the time the last delivered round
-    took from shipping to its consensus (capped like the backoff): a large
-    model's rounds take seconds longer than a small one's, and a deadline
-    sized for small models asked for every round's consensus again, each
-    answer one more model-sized message on the link and in the relay's memory
-    (124M parameters: 3 requests a round, docs/benchmarks.md bench/large.py).
+    a round's wait is at least twice the time the last delivered round took
+    from shipping to its consensus, past `BACKOFF_CAP` deadlines too: a large
+    model's rounds take seconds longer than a small one's, and one reducer's
+    link carrying every host's frame takes longer than 8 deadlines (4 hosts x
+    100M parameters at 1 Gbit/s: 28 requests over 3 rounds, each answer one
+    more model-sized message on that saturated link; docs/benchmarks.md
+    bench/topology.py). `LINK_CAP` deadlines bound it, so a lost consensus is
+    still asked for in bounded time even after a run of slow rounds.
     """
 
     BACKOFF_CAP = 8
+    LINK_CAP = 64
 
     def __init__(self, deadline: float):
         self.deadline = deadline
@@ -149,8 +152,12 @@ class ConsensusWatch:
     def pending(self) -> list[int]:
         return sorted(self._pending)
 
+    def _cap(self) -> float:
+        """The longest wait: 8 deadlines, or twice what the link showed (at most `LINK_CAP` deadlines)."""
+        return max(self.BACKOFF_CAP * self.deadline, min(2.0 * self._latency, self.LINK_CAP * self.deadline))
+
     def shipped(self, round_id: int, now: float) -> None:
-        wait = min(max(self.deadline, 2.0 * self._latency), self.BACKOFF_CAP * self.deadline)
+        wait = min(max(self.deadline, 2.0 * self._latency), self._cap())
         self._pending[round_id] = (now, wait, now)
         self._high = max(self._high, round_id)
 
@@ -179,7 +186,7 @@ class ConsensusWatch:
 
     def _asked(self, round_id: int, now: float) -> None:
         _, wait, shipped_at = self._pending[round_id]
-        self._pending[round_id] = (now, min(2 * wait, self.BACKOFF_CAP * self.deadline), shipped_at)
+        self._pending[round_id] = (now, min(2 * wait, self._cap()), shipped_at)
 
 
 class HelloRetry:

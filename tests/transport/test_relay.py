@@ -202,11 +202,29 @@ def test_consensus_watch_waits_twice_the_last_rounds_latency_before_asking_so_a_
     w.shipped(3, 20.0)
     assert w.next_due() == pytest.approx(32.0)
     assert w.due(32.1) == [3]  # a consensus lost is still asked for, after 2 x 6 s
-    w2 = ConsensusWatch(deadline=2.0)
-    w2.shipped(1, 0.0)
-    w2.accept(1, 100.0)
-    w2.shipped(2, 100.0)
-    assert w2.next_due() == pytest.approx(116.0)  # capped like the backoff: 8 deadlines
+
+
+def test_consensus_watch_waits_past_eight_deadlines_when_the_link_showed_a_round_takes_longer():
+    # One reducer, 4 hosts x 100M parameters at 1 Gbit/s: a round's consensus came 25 s after the host
+    # frame went up, past 8 deadlines (16 s), and every relay asked for it again on the saturated link.
+    w = ConsensusWatch(deadline=2.0)
+    w.shipped(1, 0.0)
+    w.accept(1, 25.0)
+    w.shipped(2, 30.0)
+    assert w.due(79.9) == []  # 2 x 25 s: a slow but working round costs no request
+    assert w.due(80.1) == [2]  # a lost one is still asked for
+    assert w.next_due() == pytest.approx(130.1)  # and again after the same wait, not twice it
+    assert w.accept(2, 90.0) == (True, [])
+    w.shipped(3, 100.0)
+    assert w.next_due() == pytest.approx(100.0 + 2 * 60.0)  # it learned 60 s, asked or not
+
+
+def test_consensus_watch_asks_for_a_lost_consensus_within_its_link_cap_however_slow_the_last_round():
+    w = ConsensusWatch(deadline=2.0)
+    w.shipped(1, 0.0)
+    w.accept(1, 1000.0)
+    w.shipped(2, 1000.0)
+    assert w.next_due() == pytest.approx(1000.0 + ConsensusWatch.LINK_CAP * 2.0)
 
 
 # ---------------------------------------------------------------------- control channel
