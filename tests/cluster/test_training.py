@@ -78,6 +78,15 @@ def no_process_left(r: Run) -> None:
     assert all(c.proc.poll() is not None for c in r.cluster.children.values())
 
 
+def kill_rank_1_then_open(r: Run, gate: Path, after: str) -> tuple[int, dict | None, str]:
+    """Once `after` shows, SIGKILL rank 1 (h0:1); once its death is declared, open the run's gate; its end."""
+    r.wait_for(after)
+    r.cluster.kill("h0:1", signal.SIGKILL)
+    r.wait_for("rank 1 declared dead")
+    gate.touch()
+    return r.finish()
+
+
 # ---------------------------------------------------------------------------- modes
 # Cadence alone reaching 95% is asserted with each wire below, and at RELIABLE_ACCURACY with ranks lost.
 
@@ -164,11 +173,7 @@ def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_one_sigkilled
     r = Run("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "4",
             *held(gate, after_epochs=3, epochs=15, ranks=4), env_for={"h1:3": {"DIGITS_SIGKILL_RANK": "3"}},
             warm=warm).start()
-    r.wait_for("[controller] epoch 3/")
-    r.cluster.kill("h0:1", signal.SIGKILL)
-    r.wait_for("rank 1 declared dead")
-    gate.touch()
-    code, result, out = r.finish()
+    code, result, out = kill_rank_1_then_open(r, gate, after="[controller] epoch 3/")
     assert code == 0, out
     assert "world formed: 3 of 4 ranks on 2 hosts, without rank(s) [3]" in out
     assert "rank 3 left before the world formed (it exited with code -9)" in out
@@ -191,11 +196,7 @@ def test_the_overlapped_round_loses_no_sample_when_a_rank_is_sigkilled_mid_run(t
     gate = tmp_path / "gate"
     r = Run("--mode", "cpu-async", "--easgd-alpha", "1", "--epochs", "5", "--batch-size", "16", "--step-ms", "4",
             *held(gate, after_epochs=1, epochs=5, ranks=4), warm=warm).start()
-    r.wait_for("[controller] epoch 1/")
-    r.cluster.kill("h0:1", signal.SIGKILL)
-    r.wait_for("rank 1 declared dead")
-    gate.touch()
-    code, result, out = r.finish()
+    code, result, out = kill_rank_1_then_open(r, gate, after="[controller] epoch 1/")
     assert code == 0, out
     assert len(result["epochs"]) == 5
     assert all(e["samples"] == SAMPLES_PER_EPOCH[16] for e in result["epochs"]), result["epochs"]
