@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import socket
 import urllib.request
+from dataclasses import replace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from flodl_zmq.controller import ControllerOptions, serve
+from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.join import JoinConfig
+from flodl_zmq.launch import free_port_base
 from flodl_zmq.metrics import PATH, RunMetrics, served
+from flodl_zmq.settings import DEFAULTS
 
 
 def free_port() -> int:
@@ -75,14 +81,6 @@ def test_a_taken_port_is_a_config_error_naming_the_port_and_the_fix():
 def test_a_taken_port_stops_flodl_zmq_controller_before_its_join_window_opens():
     # Bound only once the world had formed, a taken port sent every joined agent home;
     # now the command fails at once, and no agent can join a controller that cannot serve.
-    from dataclasses import replace
-
-    from flodl_zmq.controller import ControllerOptions, serve
-    from flodl_zmq.endpoints import ControllerAddress
-    from flodl_zmq.join import JoinConfig
-    from flodl_zmq.launch import free_port_base
-    from flodl_zmq.settings import DEFAULTS
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
