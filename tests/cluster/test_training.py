@@ -107,7 +107,10 @@ def test_cadence_with_a_bf16_wire_trains_digits_to_95_percent_and_saves_an_f32_m
 # 2 hosts x 1 rank.
 
 def test_sync_mode_trains_digits_to_95_percent(run):
-    code, result, out = run("--mode", "cpu-sync", ranks_per_host=1)
+    # With a constant learning rate the last epoch's model is one draw of SGD's noise: CI once saw
+    # 0.944 after 0.978 two epochs before. A cosine schedule, as a user would run it, makes the final
+    # model the settled one: 0.978 to 0.986 in 8 runs here (0.967 to 0.981 without).
+    code, result, out = run("--mode", "cpu-sync", "--cosine", ranks_per_host=1)
     assert code == 0, out
     assert result["accuracy"] >= 0.95, out
 
