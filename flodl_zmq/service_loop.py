@@ -32,9 +32,10 @@ Rules this module keeps:
 - **One turn, one order:** poll; the stall check; the mailbox (what another
   thread decided, a rank's death, applies before the records read this turn);
   readable sockets in the order they were registered; writable ones likewise;
-  due timers, earliest first. A turn whose mailbox drain meets a `Stop` reads no socket and fires
-  no timer; items queued after the `Stop` are dropped (nobody serves them). A
-  `Stop` met by `dispatch_queued` ends the loop after that turn.
+  due timers, earliest first. A turn whose mailbox drain meets a `Stop` reads
+  no socket and fires no timer; items queued after the `Stop` are dropped
+  (nobody serves them). A `Stop` met by `dispatch_queued` ends the loop after
+  that turn.
 - **This process's own stall is nobody's silence.** A turn that outlasts its
   poll by `STALL_S` (the time out of poll, plus any overrun of the poll's
   timeout: a SIGSTOP, the GIL held by a long import) is reported to
