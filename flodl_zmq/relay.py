@@ -71,8 +71,15 @@ Rules the relay keeps:
   resumed world's starting consensus, PROTOCOL.md 13) not yet delivered goes
   to the reducer and is watched like a shipped round. Round id + sender make a resend
   idempotent: the fold and the reducer count a crossing copy once.
-- Every queue is bounded by a high-water mark counted in records; a slow
-  upstream blocks the data thread, which stops reading the ranks.
+- Every queue is bounded by a high-water mark counted in records. The data
+  thread never waits on a send upstream: its records wait in its own queue
+  (`relay_core.SendQueue`), go in order as the socket takes them, and are
+  dropped together once none has gone for `peer_send_timeout_s` (counted
+  `send_timeout.upstream_data`), so it goes on reading the reducer, the SUB
+  and its ranks. (A reader that stopped while model-sized consensus copies
+  arrived had its connection's heartbeat time out, and libzmq can abort on
+  that reconnect: docs/benchmarks.md, bench/topology.py.) A send to a local
+  rank or up the control link waits, bounded (`Plane.send`).
 - Same-host ranks may deposit by reference (flodl_zmq/wire/shm.py): the
   payload lies in the rank's shared-memory segment and is verified there
   exactly as if it were frames. A rank that deposits by reference proved it

@@ -19,12 +19,16 @@ Rules this module keeps:
 - A RelayHello is repeated until acknowledged.
 - A host's mergeable rank records go up as one `relay.reports` per period,
   or at once when every live local rank has one held (PROTOCOL.md 9.4).
+- The data thread never waits on a send upstream: its records queue, in
+  order, and are dropped together once none has gone for the peer send
+  timeout (PROTOCOL.md 10.5 item 6).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from flodl_zmq.wire.records import HostReports
@@ -256,3 +260,62 @@ class ReportQueue:
         if len(items) <= 1:
             return items[0][2] if items else None
         return HostReports.merge([(seq, record) for seq, record, _ in items])
+
+
+class SendQueue:
+    """A relay's data records waiting for its upstream socket to take them, in the order queued (pure).
+
+    The data thread never waits on a send: waiting, it would read nothing, and
+    a connecting socket that stops reading while model-sized consensus copies
+    arrive on it has its heartbeat time out and reconnects, which libzmq can
+    abort on (its issues #3937 and #3596; docs/benchmarks.md, bench/topology.py).
+    The queue is judged by progress, not by a wait: once nothing in it has
+    gone for `timeout_s` the peer stopped reading, and everything queued is
+    dropped at once (`expire`), as a send that timed out was; the reducer's
+    requests and the relay's retries recover what it carried, as any lost
+    record (PROTOCOL.md 10.5 item 6, 10.6). At most `MAX_RECORDS` wait (`put`):
+    the protocol queues one round's host frames and a few small records, and
+    a payload is held by reference (the fold's buffers), so the count bounds
+    the memory too.
+    """
+
+    MAX_RECORDS = 64
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._items: deque[Sequence[Any]] = deque()
+        self._since = 0.0  # the last progress: a record went, or the queue stopped being empty
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def head(self) -> Sequence[Any] | None:
+        """The record to send next (None: nothing waits)."""
+        return self._items[0] if self._items else None
+
+    def put(self, frames: Sequence[Any], now: float) -> bool:
+        """Queue `frames` after the rest; False (not queued) when `MAX_RECORDS` wait already."""
+        if len(self._items) >= self.MAX_RECORDS:
+            return False
+        if not self._items:
+            self._since = now
+        self._items.append(frames)
+        return True
+
+    def went(self, now: float) -> None:
+        """The socket took the head at `now`: progress."""
+        self._items.popleft()
+        self._since = now
+
+    def next_due(self) -> float:
+        """When the queue is judged stuck (math.inf: nothing waits)."""
+        return self._since + self.timeout_s if self._items else math.inf
+
+    def expire(self, now: float) -> int:
+        """Drop everything queued if nothing went for `timeout_s`; how many records were dropped."""
+        if now < self.next_due():
+            return 0
+        dropped = len(self._items)
+        self._items.clear()
+        return dropped

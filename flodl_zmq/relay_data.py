@@ -36,7 +36,7 @@ from flodl_zmq.links import (
     send,
 )
 from flodl_zmq.relay_config import RelayConfig
-from flodl_zmq.relay_core import ConsensusWatch, HelloRetry
+from flodl_zmq.relay_core import ConsensusWatch, HelloRetry, SendQueue
 from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
@@ -113,8 +113,9 @@ class Plane:
     def send(self, sock: zmq.Socket, frames: Sequence[Any], where: str, copy: bool = True) -> bool:
         """Send, bounded in time; a message a peer did not take in time is dropped and counted.
 
-        Upstream waits up to `peer_send_timeout_s`; a local rank at most half its
-        silence deadline, so one wedged rank never starves the others' liveness.
+        Upstream control waits up to `peer_send_timeout_s`; a local rank at most half
+        its silence deadline, so one wedged rank never starves the others' liveness.
+        (Upstream data never waits: `DataPlane.send_up`.)
         """
         cfg = self.cfg
         limit = min(cfg.peer_send_timeout_s, cfg.rank_silence_at_relay_s / 2) if where.startswith("local") else cfg.peer_send_timeout_s
@@ -144,6 +145,7 @@ class DataPlane(Plane):
             self.shm_unusable(exc)
         self.by_reference: set[int] = set()  # ranks that deposit by reference
         self.hello = HelloRetry(self.cfg.hello_retry_s)
+        self.outbox = SendQueue(self.cfg.peer_send_timeout_s)  # what waits for `up` to take it (`send_up`)
         # Kept for a resend after a reset: the host frame awaiting its consensus, and the last
         # consensus delivered (by reference while the host segment still holds it, and framed
         # unless every rank it went to takes it by reference: a model-sized message kept for
@@ -162,9 +164,11 @@ class DataPlane(Plane):
         loop.on_socket(self.up, lambda: self.drained(self.up, self.from_reducer))
         loop.on_socket(sub, lambda: self.drained(sub, lambda m: self.consensus(m, "bcast")))
         loop.on_socket(self.local, lambda: self.drained(self.local, self.deposit))
+        loop.on_writable(self.up, lambda: len(self.outbox) > 0, self.flush_up)
         loop.on_message(RankGone, lambda gone: self.local_death(gone.rank))
         loop.timer(self.hello.next_due, self.say_hello)
         loop.timer(self.watch.next_due, self.recover)
+        loop.timer(self.outbox.next_due, self.upstream_stuck)
         loop.run()
 
     def drained(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
@@ -183,7 +187,33 @@ class DataPlane(Plane):
         self.segment = None
 
     def send_up(self, rec: Any, payload: Sequence[Any] = ()) -> None:
-        self.send(self.up, self.codec.encode(rec, payload, channel=Channel.DATA), "upstream_data", copy=False)
+        """Queue one record for the reducer, after those before it, and send what `up` takes now.
+
+        Never waits: this thread must go on reading `up` (the consensus comes on it,
+        and a reader that stops gets its connection reset under it), the SUB and its ranks.
+        """
+        if not self.outbox.put(self.codec.encode(rec, payload, channel=Channel.DATA), time.monotonic()):
+            self.count["queue_full.upstream_data"] += 1
+            log.warning("relay %s: %d records already wait for the reducer to read; dropped a %s",
+                        self.cfg.host, SendQueue.MAX_RECORDS, type(rec).__name__)
+        self.flush_up()
+
+    def flush_up(self) -> None:
+        """Send the queued records, in order, for as long as `up` takes them without waiting."""
+        while (frames := self.outbox.head) is not None:
+            try:
+                self.up.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return  # full: the loop polls `up` for writable and calls again
+            self.outbox.went(time.monotonic())
+
+    def upstream_stuck(self, now: float) -> None:
+        """Nothing queued for the reducer went for `peer_send_timeout_s`: it is not reading; drop the queue."""
+        dropped = self.outbox.expire(now)
+        if dropped:
+            self.count["send_timeout.upstream_data"] += dropped
+            log.warning("relay %s: sends on upstream_data timed out: nothing went for %g s, the peer is not "
+                        "reading; dropped the %d records queued", self.cfg.host, self.cfg.peer_send_timeout_s, dropped)
 
     def live_ranks(self) -> list[int]:
         return [r for r in self.cfg.ranks if r not in self.fold.dead]

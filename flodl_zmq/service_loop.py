@@ -24,12 +24,18 @@ Rules this module keeps:
 - **Stop through the mailbox.** `stop()` puts a `Stop`; the loop ends at the
   turn that drains it, after the items queued before it. Nothing polls a
   stop flag on a timer.
+- **Writable only when wanted.** A socket with something queued for it is
+  polled for writable too, on the turns its `wanted()` says so (asked every
+  turn, like a timer's due time): a thread that must never wait on a send
+  sends what the socket takes, when it takes it, without a poll that wakes
+  on an idle socket every turn.
 - **One turn, one order:** poll; the stall check; the mailbox (what another
   thread decided, a rank's death, applies before the records read this turn);
-  readable sockets in the order they were registered; due timers, earliest
-  first. A turn whose mailbox drain meets a `Stop` reads no socket and fires
-  no timer; items queued after the `Stop` are dropped (nobody serves them). A
-  `Stop` met by `dispatch_queued` ends the loop after that turn.
+  readable sockets in the order they were registered; writable ones likewise;
+  due timers, earliest first. A turn whose mailbox drain meets a `Stop` reads
+  no socket and fires no timer; items queued after the `Stop` are dropped
+  (nobody serves them). A `Stop` met by `dispatch_queued` ends the loop after
+  that turn.
 - **This process's own stall is nobody's silence.** A turn that outlasts its
   poll by `STALL_S` (the time out of poll, plus any overrun of the poll's
   timeout: a SIGSTOP, the GIL held by a long import) is reported to
@@ -74,6 +80,7 @@ class ServiceLoop:
         self._poller = zmq.Poller()
         self._poller.register(self.mailbox, zmq.POLLIN)
         self._sockets: list[tuple[zmq.Socket, Callable[[], None]]] = []
+        self._writers: list[tuple[zmq.Socket, Callable[[], bool], Callable[[], None]]] = []
         self._handlers: dict[type, Callable[[Any], None]] = {}
         self._timers: list[tuple[Callable[[], float], Callable[[float], None]]] = []
         self._stall_handlers: list[Callable[[float], None]] = []
@@ -85,6 +92,10 @@ class ServiceLoop:
         """Call `handler` on every turn `sock` polls readable (it reads what it takes)."""
         self._poller.register(sock, zmq.POLLIN)
         self._sockets.append((sock, handler))
+
+    def on_writable(self, sock: zmq.Socket, wanted: Callable[[], bool], handler: Callable[[], None]) -> None:
+        """Call `handler` on every turn `sock` polls writable; it is polled for that only while `wanted()`."""
+        self._writers.append((sock, wanted, handler))
 
     def on_message(self, kind: type[M], handler: Callable[[M], None]) -> None:
         """Dispatch each mailbox item of type `kind` to `handler`."""
@@ -120,6 +131,7 @@ class ServiceLoop:
         self._fire(self.clock())
         turned = self.clock()
         while self._running:
+            self._arm_writers()
             polled = self.clock()
             wait_ms = poll_ms(self._next_due() - polled)
             events = dict(self._poller.poll(wait_ms))
@@ -134,7 +146,10 @@ class ServiceLoop:
                 if not self._running:
                     break
             for sock, handler in self._sockets:
-                if sock in events:
+                if events.get(sock, 0) & zmq.POLLIN:
+                    handler()
+            for sock, _, handler in self._writers:
+                if events.get(sock, 0) & zmq.POLLOUT:
                     handler()
             handled = self.clock()
             if handled - now > STALL_S:
@@ -163,6 +178,13 @@ class ServiceLoop:
                 raise TypeError(f"loop {self.name}: no handler for a {type(item).__name__}; register one "
                                 "with on_message before putting it")
             handler(item)
+
+    def _arm_writers(self) -> None:
+        """Poll each writer's socket for writable on this turn only if it wants it (flags 0 unregisters)."""
+        for sock, wanted, _ in self._writers:
+            reading = any(s is sock for s, _ in self._sockets)
+            flags = (zmq.POLLIN if reading else 0) | (zmq.POLLOUT if wanted() else 0)
+            self._poller.register(sock, flags)
 
     def _stalled(self, gap: float) -> None:
         for stalled in self._stall_handlers:

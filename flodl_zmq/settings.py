@@ -235,7 +235,8 @@ class Settings:
             "dropped and re-dialled (a flap shorter than this costs only time)", env=("FLODL_LINK_SILENCE",),
             scope="run", minimum=0.0, strict=True)
     peer_send_timeout_s: float = setting(10.0, "how long a relay waits on a peer that stops reading before that "
-            "send fails (the controller's sends, its reducer's included, never wait)",
+            "send fails (on the link to the reducer, nothing sent for this long drops every record queued; the "
+            "controller's sends, its reducer's included, never wait)",
             env=("FLODL_PEER_SEND_TIMEOUT",), scope="run", minimum=0.0, strict=True)
     # ---- the run's wire format, announced to the relays (they run none of the script that names it)
     wire_dtype: str | None = setting(None, "the run's wire format, announced to every relay; the Trainer's wire_dtype "

@@ -163,15 +163,20 @@ class FakeRank:
 
 
 class FakeController:
-    """The controller's three sockets as raw sockets: a test plays coordinator and reducer by hand."""
+    """The controller's three sockets as raw sockets: a test plays coordinator and reducer by hand.
 
-    def __init__(self, ctx: zmq.Context, key: bytes, run_id: bytes, eps: dict[str, str]):
+    `data_rcvhwm`: the data socket's receive queue, in records (a reducer that stops reading
+    backs a relay's sends up once it is full).
+    """
+
+    def __init__(self, ctx: zmq.Context, key: bytes, run_id: bytes, eps: dict[str, str], data_rcvhwm: int = 1000):
         self.codec = Codec(key, run_id, REDUCER_SENDER)
         self.key, self.run_id = key, run_id
         self.decoder = Codec(key, run_id, "test")
         self.control = ctx.socket(zmq.ROUTER)
         self.data = ctx.socket(zmq.ROUTER)
         self.pub = ctx.socket(zmq.PUB)
+        self.data.setsockopt(zmq.RCVHWM, data_rcvhwm)  # before bind: it sizes each connection's queue
         for s, ep in ((self.control, eps["control"]), (self.data, eps["data"]), (self.pub, eps["bcast"])):
             s.setsockopt(zmq.LINGER, 0)
             s.bind(ep)

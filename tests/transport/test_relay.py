@@ -13,7 +13,7 @@ from flodl_zmq.errors import FoldError
 from flodl_zmq.links import RELAY_ROUTE, rank_identity
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
-from flodl_zmq.relay_core import ConsensusWatch, Departures, HelloRetry, RankLiveness
+from flodl_zmq.relay_core import ConsensusWatch, Departures, HelloRetry, RankLiveness, SendQueue
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import (
     RESUME_ROUND,
@@ -39,11 +39,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class Rig:
-    def __init__(self, tmp_path, kind="inproc", **timing):
+    def __init__(self, tmp_path, kind="inproc", reducer_rcvhwm=1000, **timing):
         self.ctx = zmq.Context()
         self.key, self.run_id = new_key(), bytes(16)
         eps = endpoints(kind, tmp_path)
-        self.ctl = FakeController(self.ctx, self.key, self.run_id, eps)
+        self.ctl = FakeController(self.ctx, self.key, self.run_id, eps, data_rcvhwm=reducer_rcvhwm)
         timing.setdefault("rank_silence_at_relay_s", 30.0)
         timing.setdefault("consensus_wait_at_relay_s", 30.0)
         self.cfg = RelayConfig("a", (0, 1), self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
@@ -228,6 +228,23 @@ def test_consensus_watch_asks_for_a_lost_consensus_within_its_link_cap_however_s
 
 
 # ---------------------------------------------------------------------- control channel
+
+
+def test_the_send_queue_is_judged_by_progress_and_drops_everything_once_nothing_went_for_its_timeout():
+    q = SendQueue(timeout_s=1.0)
+    assert q.next_due() == math.inf and q.expire(100.0) == 0  # nothing waits: never stuck
+    assert q.put(["a"], 0.0) and q.put(["b"], 0.5)
+    assert q.next_due() == 1.0  # from when the queue stopped being empty, not from each record's arrival
+    q.went(0.9)  # progress: "a" went, so the peer reads, however long "b" has waited
+    assert q.head == ["b"] and q.expire(1.5) == 0 and q.next_due() == 1.9
+    q.put(["c"], 1.8)
+    assert q.expire(1.9) == 2 and q.head is None and q.next_due() == math.inf  # both dropped at once
+
+
+def test_the_send_queue_refuses_a_record_past_its_bound():
+    q = SendQueue(timeout_s=1.0)
+    assert all(q.put([i], 0.0) for i in range(SendQueue.MAX_RECORDS))
+    assert not q.put(["one more"], 0.0) and len(q) == SendQueue.MAX_RECORDS and q.head == [0]
 
 
 def test_rank_records_go_up_verbatim_and_replies_come_back_to_the_addressed_rank(rig):
@@ -549,3 +566,61 @@ def test_forged_declare_dead_is_rejected(rig):
                 and rig.relay.counters().get("forged_route.upstream_data") == 1)
     assert ok, rig.relay.counters()
     assert not rig.ctl.data.poll(200)  # rank 1 is still awaited
+
+
+# ---------------------------------------------------------------------- a reducer that stops reading
+
+
+def stalled_reducer(tmp_path, peer_send_timeout_s):
+    """A rig whose reducer holds one record and reads only when the test does, so the relay's
+    sends back up at its second or third; rank 1 is dead, so each of rank 0's deposits ships at once,
+    as the very frames it came in (no fold buffer reused under a frame still waiting to go)."""
+    rig = Rig(tmp_path, reducer_rcvhwm=1, data_hwm_records=1, hello_retry_s=3600.0,
+              peer_send_timeout_s=peer_send_timeout_s)
+    rig.ctl.to_relay(RelayDeclareDead(1))
+    assert settle(lambda: 1 in rig.relay.fold.dead)
+    return rig
+
+
+def test_a_reducer_that_stops_reading_does_not_stop_the_relay_and_what_waited_goes_up_in_order(tmp_path):
+    rig = stalled_reducer(tmp_path, peer_send_timeout_s=3600.0)  # nothing is dropped while this test runs
+    try:
+        sent = [[np.full(4, float(r), np.float32)] for r in range(1, 7)]
+        for r, t in enumerate(sent, 1):
+            rig.ranks[0].deposit(r, 1.0, t)
+        # Six host frames, and the reducer's queue takes two: the relay folded every deposit all the same.
+        assert settle(lambda: rig.relay.counters()["rounds_shipped"] == 6), rig.relay.counters()
+        # And it still reads what comes down the link it cannot send on: the consensus reaches the rank.
+        rig.ctl.resend(rig.ctl.codec.encode(_consensus(1), sent[0], channel=Channel.BROADCAST))
+        assert rig.ranks[0].consensus().record.round == 1
+        # The reducer reads again: every frame arrives, in the order shipped, as deposited.
+        for r, t in enumerate(sent, 1):
+            env = rig.ctl.data_record()
+            assert isinstance(env.record, HostFrame) and env.record.round == r
+            assert np.array_equal(env.payload[0], t[0])
+        assert "send_timeout.upstream_data" not in rig.relay.counters()
+    finally:
+        rig.close()
+
+
+def test_a_reducer_that_never_reads_has_all_that_waited_dropped_at_once_and_counted_and_the_relay_serves_on(tmp_path):
+    rig = stalled_reducer(tmp_path, peer_send_timeout_s=1.0)
+    try:
+        for r in range(1, 7):
+            rig.ranks[0].deposit(r, 1.0, [np.full(4, float(r), np.float32)])
+        assert settle(lambda: rig.relay.counters().get("send_timeout.upstream_data", 0) > 0), rig.relay.counters()
+        dropped = rig.relay.counters()["send_timeout.upstream_data"]  # the first drop: judged by progress, at once
+        assert rig.relay.counters()["rounds_shipped"] == 6
+        # Not stopped: the relay delivers a consensus, and what it ships next goes up once the reducer reads.
+        rig.ctl.resend(rig.ctl.codec.encode(_consensus(1), [np.ones(4, np.float32)], channel=Channel.BROADCAST))
+        assert rig.ranks[0].consensus().record.round == 1
+        rig.ranks[0].deposit(7, 1.0, [np.ones(4, np.float32)])
+        rounds = []
+        while 7 not in rounds:
+            rounds.append(rig.ctl.data_record().record.round)
+        # What went before the drop, in order, then round 7: every frame that had not gone was dropped at
+        # the first timeout, not one per timeout while the relay waited on each.
+        assert rounds == sorted(rounds) and dropped + len(rounds) - 1 == 6, (dropped, rounds)
+        assert rig.relay.running
+    finally:
+        rig.close()

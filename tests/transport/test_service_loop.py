@@ -278,3 +278,58 @@ def test_a_handler_may_take_the_messages_queued_before_it_acts():
     finally:
         for s in socks:
             s.close(0)
+
+
+def test_a_socket_is_polled_for_writable_only_while_its_owner_has_something_queued():
+    # A relay's data thread sends upstream only what the socket takes; it must neither wait on a full
+    # queue nor wake on every turn for an idle socket that is always writable.
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.setsockopt(zmq.RCVHWM, 1)
+    push.setsockopt(zmq.SNDHWM, 1)
+    endpoint = f"inproc://service-loop-writable-{id(pull)}"
+    pull.bind(endpoint)
+    push.connect(endpoint)
+    loop = ServiceLoop("t")
+    queued: list[bytes] = []
+    flushes = [0]
+    seen: list[int] = []
+    handled = threading.Semaphore(0)
+
+    def flush() -> None:
+        flushes[0] += 1
+        while queued:
+            try:
+                push.send(queued[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            queued.pop(0)
+
+    def ping(p: Ping) -> None:
+        queued.extend(str(i).encode() for i in range(p.n))
+        seen.append(flushes[0])
+        handled.release()
+
+    loop.on_writable(push, lambda: bool(queued), flush)
+    loop.on_message(Ping, ping)
+    running = Running(loop)
+    try:
+        for _ in range(3):  # nothing queued: the writable socket is never served
+            loop.put(Ping(0))
+            assert handled.acquire(timeout=WAIT_S)
+        assert seen == [0, 0, 0]
+        loop.put(Ping(6))  # more than the socket takes at once: the rest goes as the reader makes room
+        assert handled.acquire(timeout=WAIT_S)
+        got = []
+        while len(got) < 6 and pull.poll(int(WAIT_S * 1000)):
+            got.append(pull.recv())
+        assert got == [str(i).encode() for i in range(6)]
+        for _ in range(2):  # queue empty again: not served on the turns that follow
+            loop.put(Ping(0))
+            assert handled.acquire(timeout=WAIT_S)
+        assert seen[-1] == seen[-2] > 0
+    finally:
+        running.stop()
+        pull.close(0)
+        push.close(0)
+    assert running.error is None
