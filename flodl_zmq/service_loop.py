@@ -81,6 +81,7 @@ class ServiceLoop:
         self._poller.register(self.mailbox, zmq.POLLIN)
         self._sockets: list[tuple[zmq.Socket, Callable[[], None]]] = []
         self._writers: list[tuple[zmq.Socket, Callable[[], bool], Callable[[], None]]] = []
+        self._armed: set[zmq.Socket] = set()  # writers' sockets polled for writable now
         self._handlers: dict[type, Callable[[Any], None]] = {}
         self._timers: list[tuple[Callable[[], float], Callable[[float], None]]] = []
         self._stall_handlers: list[Callable[[float], None]] = []
@@ -180,11 +181,14 @@ class ServiceLoop:
             handler(item)
 
     def _arm_writers(self) -> None:
-        """Poll each writer's socket for writable on this turn only if it wants it (flags 0 unregisters)."""
+        """Poll each writer's socket for writable on this turn only if it wants it; the poller is
+        touched only when that changes, not on every turn (flags 0 unregisters)."""
         for sock, wanted, _ in self._writers:
+            if wanted() == (sock in self._armed):
+                continue
+            self._armed ^= {sock}
             reading = any(s is sock for s, _ in self._sockets)
-            flags = (zmq.POLLIN if reading else 0) | (zmq.POLLOUT if wanted() else 0)
-            self._poller.register(sock, flags)
+            self._poller.register(sock, (zmq.POLLIN if reading else 0) | (zmq.POLLOUT if sock in self._armed else 0))
 
     def _stalled(self, gap: float) -> None:
         for stalled in self._stall_handlers:
