@@ -406,7 +406,7 @@ class Agent:
                 continue
             if not check_comeback(before, joined, cfg.controller):
                 # The run went on without us (our ranks were declared dead): we re-entered its
-                # world at an epoch boundary with fresh ranks (PROTOCOL.md 13.1).
+                # world at a re-form with fresh ranks (PROTOCOL.md 13.1).
                 log.warning("host %r: back in the running world with new ranks %s (its old ranks %s stay dead)",
                             cfg.host, list(joined.ranks), list(before.ranks))
             else:

@@ -521,10 +521,13 @@ class WorldChange:
             print(f"world re-formed at epoch {start_epoch + 1}: {self.describe()}", flush=True)
         return self.result
 
-    def join_event(self, epoch: int) -> dict[str, Any]:
-        """The run log's `join` event for a re-form at the end of `epoch`."""
-        return {"epoch": epoch, "world": self.after, "joined": self.joined, "left": self.left,
-                "host": " ".join(self.joined), "reason": f"world re-formed at epoch {epoch + 1}: {self.describe()}"}
+    def join_event(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """The run log's `join` event for a re-form from the checkpoint whose bundle meta is `meta`: its epoch
+        (the first the consensus does not hold whole) and round (the new world's first is the next)."""
+        epoch, round = meta["epoch"], meta["consensus_round"]
+        return {"epoch": epoch, "round": round, "world": self.after, "joined": self.joined, "left": self.left,
+                "host": " ".join(self.joined),
+                "reason": f"world re-formed at epoch {epoch + 1}, round {round}: {self.describe()}"}
 
     def resumed(self, job: Job, penv: ProcessEnv, run_dir: str) -> tuple[Job, ProcessEnv]:
         """The job and process environment of the new world: resumed from the re-form checkpoint, in the

@@ -260,7 +260,7 @@ def _run_role(opts: ControllerOptions, membership: MembershipService, penv: Proc
     if code != 0:
         _abort(membership, f"the controller's program exited with status {code}")
         return code
-    if membership.end_joins("the run is over (a host joins at an epoch boundary; there is no next one)"):
+    if membership.end_joins("the run is over (a host joins at a re-form; there is none left)"):
         time.sleep(ABORT_FLUSH_S)
     _see_agents_out(membership)
     return 0
@@ -383,7 +383,7 @@ def format_status(address: ControllerAddress, status: Mapping[str, Any]) -> str:
     for host, h in status.get("hosts", {}).items():
         lines.append(f"  host {host}: ranks {h['ranks']} {h['state']}")
     for host, h in status.get("pending", {}).items():
-        lines.append(f"  host {host}: ranks {h['ranks']} pending (joins at the next epoch boundary)")
+        lines.append(f"  host {host}: ranks {h['ranks']} pending (joins at the next re-form)")
     for d in status.get("departed", []):
         lines.append(f"  host {d['host']}: left the world; its ranks {d['ranks']} stay dead")
     for j in status.get("joins", []):

@@ -96,6 +96,7 @@ from flodl_zmq.errors import AttributionError, FlodlError, TrainingError, WireEr
 from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job, coordinator_config
+from flodl_zmq.join import ReformGate
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
@@ -111,7 +112,7 @@ from flodl_zmq.membership import MembershipService
 from flodl_zmq.membership_link import MembershipLink
 from flodl_zmq.metrics import RunMetrics, served
 from flodl_zmq.payload import adopt_flat, model_signature
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService, RoundOutcome
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
@@ -174,9 +175,9 @@ class ControllerService:
         self.ended: RunEnded | None = None
         self.stop_error: FlodlError | None = None
         self._round_started: dict[int, float] = {}
-        # Elastic join (PROTOCOL.md 13.1): the epoch after which hosts wait to join, and the
+        # Elastic join (PROTOCOL.md 13.1): when hosts waiting to join enter, and the
         # checkpoint this service ended on to re-form the world with them.
-        self._reform_after: int | None = None
+        self._reform = ReformGate(self.config.mode.progressive, job.epochs)
         self.reform_stem: Path | None = None
 
     def _result(self, start_epoch: int) -> TrainResult:
@@ -376,7 +377,7 @@ class ControllerService:
                     self._last_round_at = time.time()
                 self.kept.completed_round = outcome.round_id
                 self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
-                self._log_round(outcome.round_id, started)
+                self._log_round(outcome, started)
             else:
                 self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
 
@@ -396,12 +397,13 @@ class ControllerService:
         self.kept.maybe_checkpoint(time.monotonic(), self.core.avg_count, self.core.state_dict)
         return self._maybe_reform()
 
-    def _log_round(self, round_id: int, started: float | None) -> None:
-        """The round summary in the run log: its time, ElChe's windows, the guard's verdict."""
+    def _log_round(self, outcome: RoundOutcome, started: float | None) -> None:
+        """The round summary in the run log: its time, each host's mass, ElChe's windows, the guard's verdict."""
         feedback = self.core.feedback
         verdict = feedback.last_verdict
         self.report.events.write(
-            "round", round=round_id, round_ms=self.result.round_ms[-1] if started is not None else None,
+            "round", round=outcome.round_id, round_ms=self.result.round_ms[-1] if started is not None else None,
+            masses=dict(zip(outcome.hosts, outcome.masses, strict=True)),
             global_step=self.core.global_step, epoch=self.core.last_aggregated + 1,
             counts=self.core.elche.batch_counts, anchor=self.core.elche.anchor,
             verdict=None if verdict is None else verdict.kind.value, divergence=feedback.last_divergence,
@@ -422,25 +424,23 @@ class ControllerService:
     # ------------------------------------------------------------------ checkpoints
 
     def _maybe_reform(self) -> bool:
-        """End this service on a checkpoint once hosts wait to join and their epoch boundary is reached.
-
-        The boundary is the first finished round whose consensus holds every
-        sample of the epoch they waited for: the checkpoint then describes it
-        (resume.py), and the re-formed world goes on from its coverage, so
-        nothing is trained twice or lost.
-        """
-        after = self._reform_after
-        if after is None or not self.kept.consistent or self.ended is not None:
+        """End this service on a checkpoint once hosts wait to join and `ReformGate` lets them in; the checkpoint
+        describes one finished consensus (resume.py), so the new world trains nothing twice and loses nothing."""
+        pending = self.link.membership.pending() if self.link is not None else ()
+        if not pending or self.ended is not None or not self.kept.consistent:
             return False
-        state = self.core.state_dict()
-        if state["epoch"] <= after:
+        state, round = self.core.state_dict(), self.kept.round
+        if self._reform.notice(round, state["epoch"]):
+            log.info("controller: %s waiting to join at round %d", " ".join(m.host for m in pending), round)
+            self.report.events.write("pending", hosts=[m.host for m in pending], round=round)
+        if not self._reform.due(round, state["epoch"], self.core.last_aggregated + 1):
             return False
         stem = self.kept.write_reform(state, self.report.events.run_dir)
-        if stem is None:  # the joiners cannot come in; the run tries again at the next epoch end
-            self._reform_after = None
+        if stem is None:  # the joiners cannot come in yet
+            self._reform.failed(state["epoch"])
             return False
         self.reform_stem = stem
-        log.info("controller: epoch boundary with hosts waiting to join; re-forming from %s", stem)
+        log.info("controller: re-forming the world at round %d from %s", round, stem)
         return True
 
     # ------------------------------------------------------------------ inbound (Upstream of self.router)
@@ -633,9 +633,6 @@ class ControllerService:
     def _on_effect(self, r: Any) -> None:
         if isinstance(r, rec.EpochAggregated):
             self.kept.epoch_ended()
-            if (self.link is not None and self._reform_after is None and r.epoch + 1 < self.job.epochs
-                    and self.link.membership.pending()):
-                self._reform_after = r.epoch  # re-form once this epoch is whole in a consensus
             row = {**aggregated_row(r), "reconnects": self.router.reconnects_this_epoch, "round": self.kept.round}
             if self._carried is not None and not self._carried.marked:
                 self._carried.marked = True
@@ -685,7 +682,7 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
         while service.reform_stem is not None:
             assert link is not None  # only a membership has joiners
             change = link.reform(penv.world, str(service.reform_stem), result)
-            service.report.events.write("join", **change.join_event(bundle.load_meta(service.reform_stem)["epoch"]))
+            service.report.events.write("join", **change.join_event(bundle.load_meta(service.reform_stem)))
             service.report.events.close()
             job, penv = change.resumed(job, penv, str(service.report.events.run_dir))
             service = ControllerService(job, penv, link, carried=change, metrics=metrics)

@@ -28,8 +28,8 @@ Rules the core keeps:
 - **After formation a host may still join** (PROTOCOL.md 13.1): the same
   checks, plus `max_ranks` and `max_pending_hosts` (at most that many wait
   at once, so strangers' hellos cannot pile up), admit it as *pending*; it
-  enters the world when the controller re-forms it at the next epoch
-  boundary (`reform`). Rank
+  enters the world when the controller re-forms it (`reform`), at the next
+  round or, under Sync, the next epoch boundary (`ReformGate`). Rank
   numbers are never reused: a joiner's ranks follow the highest ever given,
   and a host that left (`depart`) and comes back gets fresh ones. A host
   whose ranks have all exited is no duplicate either: its agent tore them
@@ -134,8 +134,8 @@ class JoinConfig:
     `target_ranks`: form as soon as this many have joined (None: wait for the window).
     `join_window_s`: how long the window stays open once quorum is met early.
     `join_cap_s`: the hard limit; without quorum by then, the run aborts. After
-    formation it is also how long a pending joiner may wait for the next
-    epoch boundary (its `formation_wait_s`).
+    formation it is also how long a pending joiner may wait for the re-form
+    that takes it in (its `formation_wait_s`).
     `max_ranks`: the most ranks the world may grow to (None: no cap).
     `max_pending_hosts`: the most hosts admitted after formation that may wait
     for the next re-form at once.
@@ -329,7 +329,7 @@ class JoinWindow:
             self._next_rank += len(hello.devices)
         member = Member(hello.host, ranks, tuple(hello.devices), now)
         if self.phase is WindowPhase.FORMED:
-            # Into the world at the next epoch boundary; it may wait that long (bounded by the cap).
+            # Into the world at the next re-form (`ReformGate`); it may wait that long (bounded by the cap).
             self._pending.append(member)
             return Accepted(ranks, self.config.join_cap_s)
         self._members.append(member)
@@ -356,7 +356,7 @@ class JoinWindow:
         return turned_away
 
     def reform(self) -> dict[str, tuple[int, ...]]:
-        """Take the pending joiners into the world (at an epoch boundary); the new world."""
+        """Take the pending joiners into the world (at the re-form `ReformGate` allows); the new world."""
         if self.phase is not WindowPhase.FORMED:
             raise MembershipError(f"cannot re-form: the window is {self.phase.value}, not formed")
         self._members.extend(self._pending)
@@ -431,7 +431,7 @@ class JoinWindow:
         cap, host, devices = self.config.max_ranks, hello.host, hello.devices
         waiting = len(self._pending)
         if self.phase is WindowPhase.FORMED and waiting >= self.config.max_pending_hosts:
-            # Each pending host is kept until the next epoch boundary: strangers' hellos must not pile up.
+            # Each pending host is kept until the next re-form: strangers' hellos must not pile up.
             return (
                 f"too many hosts waiting: {waiting} host(s) already wait to enter the world at the next epoch "
                 f"boundary, at most {self.config.max_pending_hosts} may (--max-pending-hosts); worker {host!r} "
@@ -605,6 +605,53 @@ class HostLinks:
         ]
         self._closed.update(out)
         return out
+
+
+# --------------------------------------------------------------------------- the re-form
+
+
+@dataclass
+class ReformGate:
+    """When the hosts admitted mid-run enter the world: the consensus a re-form starts from (PROTOCOL.md 13.1).
+
+    A re-form resumes the larger world from a checkpoint, and a checkpoint
+    holds what its consensus covers. A progressive mode's (Cadence, Async)
+    records the spans of the epoch in progress, so the world re-forms at the
+    first round finished after the joiner was noticed: a job of one long
+    epoch takes a host within a round or two. Sync's records whole epochs
+    only (a resume would train the epoch's done part again), so there the
+    joiner waits for the first consensus that holds the epoch it was noticed
+    in. Nothing re-forms once every epoch is in the consensus (there is no
+    training left to join). A failed re-form checkpoint is not tried again
+    before the next epoch: the disk that refused it is not asked every round.
+    """
+
+    progressive: bool
+    epochs: int
+    _after: int | None = None  # the round (progressive) or epoch (Sync) the consensus must pass
+    _floor: int = 0  # the first epoch a re-form may start in (past one whose checkpoint failed)
+
+    def _mark(self, round: int, epoch: int) -> int:
+        return round if self.progressive else epoch
+
+    def notice(self, round: int, epoch: int) -> bool:
+        """Hosts are pending while the consensus is `round` and `epoch` its first epoch not whole; True when
+        this is news (the re-form point is set now)."""
+        if self._after is not None or epoch >= self.epochs:
+            return False
+        self._after = self._mark(round, epoch)
+        return True
+
+    def due(self, round: int, epoch: int, reported: int) -> bool:
+        """Whether to re-form from the consensus of `round` (its first epoch not whole: `epoch`) while the
+        run's result has a row for each epoch before `reported`. Not while they differ: between an epoch's
+        row and the first consensus holding it whole, the new world would write that row again."""
+        return (self._after is not None and self._mark(round, epoch) > self._after and epoch == reported
+                and self._floor <= epoch < self.epochs)
+
+    def failed(self, epoch: int) -> None:
+        """The re-form checkpoint of a consensus in `epoch` could not be written: not again before the next."""
+        self._floor = epoch + 1
 
 
 # --------------------------------------------------------------------------- events

@@ -253,7 +253,7 @@ class MembershipService:
         return self._ask(_Abort(reason), timeout)
 
     def pending(self) -> tuple[Member, ...]:
-        """Hosts admitted after formation, waiting for the next epoch boundary (safe from any thread)."""
+        """Hosts admitted after formation, waiting for the next re-form (safe from any thread)."""
         return self._pending
 
     def reform(self, env: Mapping[str, str], incarnation: bytes, timeout: float = 5.0) -> dict[str, tuple[int, ...]]:
@@ -548,7 +548,7 @@ class MembershipService:
         if peer is not None:
             self._cleartext.warn_if_cleartext(peer, encrypted=self._curve is not None)
         if self.window.phase is WindowPhase.FORMED:
-            log.info("admitted %r as ranks %s, pending: it joins the world at the next epoch boundary",
+            log.info("admitted %r as ranks %s, pending: it joins the world at the next re-form",
                      host, list(ranks))
             return
         cfg = self.window.config

@@ -88,12 +88,17 @@ _AGAIN = object()  # _settle_once refused a frame: settle the round again withou
 
 @dataclass(frozen=True, eq=False)
 class Reduced:
-    """A round's consensus: broadcast ``tensors`` with ``mass`` (0 means keep local state)."""
+    """A round's consensus: broadcast ``tensors`` with ``mass`` (0 means keep local state).
+
+    ``masses``: each of ``hosts``' part of the mass, in that order (a host whose ranks trained
+    nothing in the round deposits 0).
+    """
 
     round_id: int
     mass: float
     hosts: tuple[str, ...]
     tensors: tuple[np.ndarray, ...]
+    masses: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -398,8 +403,12 @@ class RoundLedger:
         self._unopened = {r for r in self._unopened if r > rnd.round_id}
         if self.outer is not None and divisor is not None:
             self.outer.step(outputs)
-        hosts = {self._owner[r] for r in rnd.members} if self.per_rank else rnd.members
-        self.latest = Reduced(rnd.round_id, rnd.mass, tuple(sorted(hosts)), tuple(outputs))
+        by_host: dict[str, float] = {}
+        for member, mass in zip(rnd.members, rnd.masses, strict=True):
+            host = self._owner[member] if self.per_rank else member
+            by_host[host] = by_host.get(host, 0.0) + mass
+        hosts = tuple(sorted(by_host))
+        self.latest = Reduced(rnd.round_id, rnd.mass, hosts, tuple(outputs), tuple(by_host[h] for h in hosts))
         if divisor is not None:  # a zero-mass round leaves every model as it was
             self._bound.seen(self.latest.tensors)
         self.counters.rounds_reduced += 1

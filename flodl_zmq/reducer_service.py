@@ -179,13 +179,15 @@ class ReducerConfig:
 
 @dataclass(frozen=True)
 class RoundOutcome:
-    """What became of a round: reduced over `hosts` with `mass`, or abandoned (`abandoned` names why)."""
+    """What became of a round: reduced over `hosts` with `mass` (each host's part in `masses`), or abandoned
+    (`abandoned` names why)."""
 
     round_id: int | None
     mass: float
     hosts: tuple[str, ...]
     abandoned: str | None = None
     published_at: float | None = None  # time.perf_counter() once the consensus was sent to every host
+    masses: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -562,7 +564,7 @@ class ReducerService:
         if isinstance(outcome, Reduced):
             self._publish(outcome)
             self.completed.put(RoundOutcome(outcome.round_id, outcome.mass, outcome.hosts,
-                                            published_at=time.perf_counter()))
+                                            published_at=time.perf_counter(), masses=outcome.masses))
         elif isinstance(outcome, Abandoned):
             # With no round open nothing was lost (the run's normal end); an open round lost is an error.
             level = logging.INFO if outcome.round_id is None else logging.ERROR

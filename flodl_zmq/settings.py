@@ -320,7 +320,7 @@ class Settings:
             "cap); a host that would pass it is refused by name", kind=int, flags=("--max-ranks",),
             env=("FLODL_MAX_RANKS",), commands=("controller",), minimum=2)
     max_pending_hosts: int = setting(8, "the most hosts that may wait at once to enter a formed world (admitted "
-            "mid-run, until the next epoch boundary); one more is refused by name: a stranger's hellos must not grow "
+            "mid-run, until the next re-form); one more is refused by name: a stranger's hellos must not grow "
             "the controller without bound", kind=int, flags=("--max-pending-hosts",), env=("FLODL_MAX_PENDING_HOSTS",),
             commands=("controller",), minimum=1)
     join_window_s: float = setting(300.0, "how long the join window stays open, from the controller's start",

@@ -1,10 +1,11 @@
-"""Elastic join: hosts that dial in after the world formed enter it at the next epoch boundary.
+"""Elastic join: hosts that dial in after the world formed enter it at the next round.
 
 Real processes: `flodl-zmq controller` and agents in network namespaces (the
 compose harness of test_multihost.py), one CPU rank per host, training
-tests/cluster/digits_job.py. The controller re-forms the world from an
-epoch-end checkpoint (PROTOCOL.md 13.1): every host's ranks start again from
-it with the larger world, the joiner's cold in ElChe.
+tests/cluster/digits_job.py (`cpu-cadence`). The controller re-forms the
+world from the checkpoint of the first round finished after the joiner's
+admission (PROTOCOL.md 13.1): every host's ranks start again from it with
+the larger world, the joiner's cold in ElChe.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from flodl_zmq import bundle
-from tests.cluster.digits_job import held, samples_per_epoch
+from tests.cluster.digits_job import batches_per_epoch, held, samples_per_epoch
 from tests.cluster.netns import network_or_skip
 from tests.cluster.test_controller_restart import covered
 from tests.cluster.test_multihost import BIN, Compose, controller_argv, result_of, without
@@ -51,18 +52,23 @@ def agent(c: Compose, name: str, *, host: str | None = None, extra: tuple[str, .
     c.up(name, host=host or name, service="worker1", env=env, argv=argv if hidden is None else without(hidden, argv))
 
 
-def reform_seconds(run_dir: Path, first: int) -> float:
-    """From the run log: the epoch before `first` ending -> the re-formed world starting (its `join` event logged)."""
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    ended = next(e["t"] for e in events if e["kind"] == "epoch" and e["epoch"] == first - 1)
+def events_of(run_dir: Path) -> list[dict]:
+    """The run log's events written whole so far (the controller may be writing the next line)."""
+    text = (run_dir / "events.jsonl").read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def reform_seconds(run_dir: Path) -> float:
+    """From the run log: the round the world re-formed at, finished -> the re-formed world starting."""
+    events = events_of(run_dir)
     join = next(i for i, e in enumerate(events) if e["kind"] == "join")
-    assert events[join]["epoch"] == first
-    return next(e["t"] for e in events[join:] if e["kind"] == "start") - ended
+    reformed = next(e["t"] for e in events[:join] if e["kind"] == "round" and e["round"] == events[join]["round"])
+    return next(e["t"] for e in events[join:] if e["kind"] == "start") - reformed
 
 
 def test_a_host_joins_mid_run_with_a_share_by_speed_and_one_with_other_data_is_refused(hosts, tmp_path):
     ckpt, gate = tmp_path / "ckpt", tmp_path / "gate"
-    # Two ranks hold within three epochs of six until worker3 is admitted.
+    # Two ranks hold within three epochs of six until worker3 is admitted: the run cannot end before.
     hosts.up("controller", argv=controller_argv(hosts, program=[*PROGRAM, *held(gate, after_epochs=1, epochs=EPOCHS, ranks=2)], extra=[
         "--min-ranks", "2", "--target-ranks", "2", "--max-ranks", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-keep", "100",
         "--run-dir", str(tmp_path / "run")]))
@@ -89,8 +95,8 @@ def test_a_host_joins_mid_run_with_a_share_by_speed_and_one_with_other_data_is_r
     assert "admitted 'worker3' as ranks [2], pending" in log, log
     [change] = result["world_changes"]
     assert change["before"] == {"worker1": [0], "worker2": [1]} and change["after"]["worker3"] == [2]
-    first = change["epoch"]  # the first epoch the world of three trains in
-    assert 1 <= first < EPOCHS, change  # after the epoch it was admitted in
+    first = change["epoch"]  # the first epoch the world of three trains in: the one it was admitted in
+    assert 0 <= first < EPOCHS, change
     assert "world 2 -> 3 ranks (+worker3)" in log, log
     # Every epoch once, every sample of every epoch once: the re-formed world trains what the checkpoint lacks.
     epochs = result["epochs"]
@@ -104,9 +110,54 @@ def test_a_host_joins_mid_run_with_a_share_by_speed_and_one_with_other_data_is_r
     last = epochs[-1]["batch_share"]
     assert len(last) == 3 and last[2] < min(last[0], last[1]), [e["batch_share"] for e in epochs]
     assert result["accuracy"] >= 0.9, result["accuracy"]
-    took = reform_seconds(tmp_path / "run", first)
     print(f"elastic join at epoch {first + 1}: accuracy {result['accuracy']:.4f}; shares of the last epoch "
-          f"{[round(s, 3) for s in last]}; epoch end -> re-formed world training {took:.1f} s")
+          f"{[round(s, 3) for s in last]}; re-form round -> re-formed world training "
+          f"{reform_seconds(tmp_path / 'run'):.1f} s")
+
+
+def test_a_host_joins_a_run_of_one_epoch_and_trains_within_two_rounds_of_its_hello(hosts, tmp_path):
+    gate, run = tmp_path / "gate", tmp_path / "run"
+    # Each of the two first ranks holds after a third of the epoch's batches until worker3 waits to join:
+    # together they cannot have trained more than two thirds of it, whatever this machine's speed.
+    program = [JOB, "--epochs", "1", "--batch-size", "16", "--gate", str(gate),
+               "--gate-after", str(batches_per_epoch(16) // 3)]
+    hosts.up("controller", argv=controller_argv(hosts, program=program, extra=[
+        "--min-ranks", "2", "--target-ranks", "2", "--max-ranks", "3", "--run-dir", str(run)]))
+    agent(hosts, "worker1")
+    hosts.wait_for("controller", "admitted 'worker1'")
+    agent(hosts, "worker2")
+    hosts.wait_for("controller", "admitted 'worker2'")
+    # Mid-run: once the world of two has averaged.
+    hosts.wait_for("controller", lambda _: (run / "events.jsonl").exists() and any(
+        e["kind"] == "round" for e in events_of(run)))
+    agent(hosts, "worker3")
+    hosts.wait_for("controller", "worker3 waiting to join at round")
+    gate.touch()
+
+    assert hosts.wait("controller", 150) == 0, hosts.tails()
+    for name in ("worker1", "worker2", "worker3"):
+        assert hosts.wait(name) == 0, hosts.tails()
+    result = result_of(hosts.log("controller"), "RESULT ")
+    [change] = result["world_changes"]
+    assert change["epoch"] == 0 and change["after"]["worker3"] == [2], change  # within the run's only epoch
+    events = events_of(run)
+    [noticed] = [e["round"] for e in events if e["kind"] == "pending" and "worker3" in e["hosts"]]
+    assert noticed >= 1, noticed
+    [join] = [e for e in events if e["kind"] == "join"]
+    after = [e["round"] for e in events if e["kind"] == "round" and e["round"] > noticed]
+    trained = [e["round"] for e in events if e["kind"] == "round" and e["masses"].get("worker3", 0.0) > 0.0]
+    # The world re-forms from the first round finished after worker3 was seen (the one then in flight, if
+    # any), and worker3's rank trains in the round after it: within two rounds.
+    assert join["round"] == after[0] and trained[:1] == after[1:2], (noticed, join["round"], after, trained)
+    # Every sample once: what the re-form checkpoint holds, then what the world of three trained.
+    meta = bundle.load_meta(change["checkpoint"])
+    assert meta["consensus_round"] == join["round"]
+    [epoch] = result["epochs"]
+    assert epoch["samples"] == SAMPLES_16 - covered(meta, 0), (epoch["samples"], covered(meta, 0))
+    assert 0 < covered(meta, 0) < SAMPLES_16 and epoch["per_rank_samples"][2] > 0, epoch
+    print(f"join within one epoch: seen after round {noticed}, re-formed at {join['round']}, worker3 trained "
+          f"from round {trained[0]}; {covered(meta, 0)} of {SAMPLES_16} samples trained before; re-form round -> "
+          f"re-formed world training {reform_seconds(run):.1f} s")
 
 
 SILENCE_S = 3.0
@@ -154,6 +205,5 @@ def test_a_host_declared_dead_after_its_link_was_cut_rejoins_with_new_ranks(host
         assert e["samples"] == want, (e["epoch"], e["samples"], want)
     last = epochs[-1]["per_rank_samples"]
     assert len(last) == 3 and last[1] == 0 and last[2] > 0, last  # rank 1 stays dead, rank 2 trains
-    took = reform_seconds(tmp_path / "run", change["epoch"])
-    print(f"rejoin at epoch {change['epoch'] + 1}: accuracy {result['accuracy']:.4f}; epoch end -> re-formed "
-          f"world training {took:.1f} s")
+    print(f"rejoin at epoch {change['epoch'] + 1}: accuracy {result['accuracy']:.4f}; re-form round -> re-formed "
+          f"world training {reform_seconds(tmp_path / 'run'):.1f} s")

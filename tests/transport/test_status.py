@@ -108,7 +108,7 @@ def test_format_status_lists_pending_joiners_departed_hosts_and_joins_mid_run():
         "joins": [{"host": "b", "ranks": [2], "at": time.time()}],
     }
     text = format_status(ControllerAddress("10.0.0.5", 7300), status)
-    assert "host c: ranks [3] pending (joins at the next epoch boundary)" in text
+    assert "host c: ranks [3] pending (joins at the next re-form)" in text
     assert "host b: left the world; its ranks [1] stay dead" in text
     assert "host b: joined mid-run at" in text and "as ranks [2]" in text
 

@@ -209,7 +209,9 @@ def test_a_world_change_resumes_the_new_world_from_its_checkpoint_in_the_same_ru
     assert job.resume_from == "/c/ckpt" and job.run_dir == "/runs/x"
     assert penv.world == {"a": (0, 1), "b": (2, 3)} and penv.settings.resume == "/c/ckpt"
     assert change.describe() == "2 -> 4 ranks (+b)"
-    assert change.join_event(1)["reason"] == "world re-formed at epoch 2: 2 -> 4 ranks (+b)"
+    event = change.join_event({"epoch": 1, "consensus_round": 7})
+    assert (event["epoch"], event["round"]) == (1, 7)
+    assert event["reason"] == "world re-formed at epoch 2, round 7: 2 -> 4 ranks (+b)"
 
 
 @pytest.mark.parametrize("wire_dtype", ["f32", "bf16", "int8"])

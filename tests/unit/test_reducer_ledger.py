@@ -46,6 +46,13 @@ def test_two_host_average_of_one_round():
     assert (out.round_id, out.mass, out.hosts) == (0, 2.0, ("a", "b"))
 
 
+def test_a_reduced_round_names_each_hosts_mass_so_the_run_log_shows_who_trained_in_it():
+    ledger = RoundLedger({"a": [0], "b": [1]})
+    ledger.deposit("b", 0, 0.0, [f32(0, 0)])  # b's ranks trained nothing this round
+    out = ledger.deposit("a", 0, 3.0, [f32(3, 6)])
+    assert (out.hosts, out.masses) == (("a", "b"), (3.0, 0.0))
+
+
 def test_divides_once_by_the_mass_of_the_accepted_frames_only():
     ledger = RoundLedger({"a": [0], "b": [1], "c": [2]})
     ledger.declare_dead(1)
