@@ -213,11 +213,11 @@ class RankRuntime:
             if self._can_train():
                 yield self._take_batch()
 
-    def close(self, failed: bool) -> int:
-        """Say goodbye (`Exiting`) and release everything; the rank's exit status."""
+    def close(self, failed: bool, linger: bool = True) -> int:
+        """Say goodbye (`Exiting`) and release everything; the rank's exit status (`linger`: `RankLink.close`)."""
         try:
             self.link.send(rec.Exiting(rank=self.cfg.rank))
-            self.link.close()
+            self.link.close(linger=linger)
         finally:
             self.pipeline.close()
             if self.buffers.segment is not None:

@@ -171,6 +171,7 @@ class RankLink:
         self._started = self._next_beat = 0.0
         self._last_heard: float | None = None
         self._lost = False
+        self._linger = True  # at close: wait for the coordinator's acknowledgements (`close`)
         self._thread = threading.Thread(target=self._run, name=f"flodl-rank{cfg.rank}-io", daemon=True)
 
     def start(self) -> None:
@@ -193,8 +194,14 @@ class RankLink:
         self.flush_steps()
         self._loop.put(_Outgoing(record, list(payload), tracked_by))
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Flush queued records (the goodbye among them), stop the thread, close the sockets."""
+    def close(self, timeout_s: float = 5.0, linger: bool = True) -> None:
+        """Flush queued records (the goodbye among them), stop the thread, close the sockets.
+
+        `linger`: first wait (bounded) until the coordinator acknowledges every record. False when
+        whoever stopped this rank reports its exit (its agent or launcher, by SIGTERM): in a re-form
+        the coordinator is gone already, and the wait would only hold the new world back.
+        """
+        self._linger = linger
         self._loop.stop()  # after what is queued: the goodbye goes first
         self._thread.join(timeout_s)
         if not self._thread.is_alive():  # a mailbox is closed only once its receiver has stopped
@@ -224,7 +231,7 @@ class RankLink:
             loop.run()
             # A coordinator gone silent, or never heard (its records all refused: another key),
             # acknowledges nothing: the agent or launcher reports this exit instead.
-            if not self._lost and self._last_heard is not None:
+            if self._linger and not self._lost and self._last_heard is not None:
                 self._await_acks(control)
         finally:
             loop.close()

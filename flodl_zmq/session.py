@@ -65,7 +65,6 @@ import copy
 import dataclasses
 import logging
 import signal
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -91,6 +90,17 @@ log = logging.getLogger(__name__)
 
 # Trainer keywords a Session refuses: the user's loop does these itself.
 LOOP_OWNED = ("train_step", "autocast", "grad_accumulation", "max_grad_norm")
+
+
+class Terminated(SystemExit):
+    """A rank's SIGTERM: its agent or launcher stops it, and reports its exit (status 143)."""
+
+    def __init__(self) -> None:
+        super().__init__(143)
+
+
+def _terminate(*_: Any) -> None:
+    raise Terminated()
 
 
 @dataclass(frozen=True)
@@ -200,7 +210,7 @@ class Session:
             from flodl_zmq.relay import run_relay
 
             raise SystemExit(run_relay(penv, job.wire))  # a script run as the relay knows the format
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        signal.signal(signal.SIGTERM, _terminate)
         self._loop = self._rank(penv)
         self._loop.start()
 
@@ -248,7 +258,8 @@ class Session:
         elif isinstance(loop, RankRuntime):
             if kind is not None and issubclass(kind, Exception):
                 log.error("rank %d: training failed", loop.cfg.rank, exc_info=(kind, exc, tb))  # type: ignore[arg-type]
-            code = loop.close(failed=kind is not None)
+            # Stopped by a signal: who sent it reports the exit, so nobody's acknowledgement is awaited.
+            code = loop.close(failed=kind is not None, linger=not (kind is not None and issubclass(kind, Terminated)))
             if kind is None or issubclass(kind, Exception):
                 raise SystemExit(code)
         # The controller's result is set on entering; a relay never gets here.

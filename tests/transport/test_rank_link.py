@@ -94,3 +94,20 @@ def test_a_record_the_training_thread_sends_leaves_without_waiting_for_a_heartbe
     frames = control.recv_multipart()
     assert frames[0] == rank_identity(0)
     assert isinstance(Codec(key, run_id, "test").decode(frames[1:], Channel.CONTROL).record, rec.Exiting)
+
+
+def test_a_rank_its_agent_stops_says_goodbye_and_closes_without_awaiting_an_acknowledgement(link, monkeypatch):
+    # A re-form stops every rank by SIGTERM after its coordinator is gone: nobody will acknowledge the goodbye,
+    # and the agent, which reports the exit, waits for it before the new world starts (PROTOCOL.md 13.1 item 3).
+    monkeypatch.setattr(rank_link, "ACK_WAIT_AT_EXIT_S", 60.0)
+    lk, control, _data, key, run_id = link
+    # The coordinator was heard: a lingering close would now wait for it to acknowledge the goodbye.
+    control.send_multipart([rank_identity(0), *Codec(key, run_id, coordinator_sender(0)).encode(rec.CoordHeartbeat())])
+    assert isinstance(lk.inbox.get(WAIT_S), FromCoordinator)
+    lk.send(rec.Exiting(rank=0))
+    lk.close(timeout_s=WAIT_S, linger=False)
+    assert lk.inbox.closed  # the I/O thread ended within the close, not after the 60 s acknowledgement wait
+    assert control.poll(int(WAIT_S * 1000))
+    frames = control.recv_multipart()
+    assert isinstance(Codec(key, run_id, "test").decode(frames[1:], Channel.CONTROL).record, rec.Exiting)
+    assert lk.resent_control == 0

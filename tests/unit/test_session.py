@@ -4,6 +4,7 @@ the guide's converted loop runs verbatim, misuse is named, and every rank starts
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -155,6 +156,7 @@ class FakeLink:
     def __init__(self) -> None:
         self.inbox: Mailbox[Any] = Mailbox()
         self.sent: list[Any] = []
+        self.lingered: bool | None = None  # how it was closed (None: not yet)
 
     def send(self, record: Any, *a: Any, **k: Any) -> None:
         self.sent.append(record)
@@ -165,8 +167,8 @@ class FakeLink:
     def flush_steps(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    def close(self, linger: bool = True) -> None:
+        self.lingered = linger
 
 
 @pytest.fixture
@@ -209,6 +211,19 @@ def test_a_sessions_rank_trains_from_the_controllers_model_not_the_one_it_built(
     assert isinstance(rank_links[0].sent[-1], rec.Exiting)  # the rank said goodbye on leaving the block
 
 
+def test_a_rank_stopped_by_sigterm_says_goodbye_without_awaiting_its_acknowledgement(rank_links):
+    model = net()
+    with pytest.raises(SystemExit) as ended, session.hosted(penv("rank", **RANK_1)):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
+            start_rank(rank_links[0], flatten(model).numpy().copy(), N)
+            for batch in s.batches():
+                s.step(loss_of(model, batch))
+                signal.raise_signal(signal.SIGTERM)  # its agent tears the host down (a re-form, a stop)
+    assert ended.value.code == 143
+    link = rank_links[0]
+    assert isinstance(link.sent[-1], rec.Exiting) and link.lingered is False  # the agent reports the exit
+
+
 def test_a_rank_that_breaks_out_of_its_loop_says_goodbye_and_exits_cleanly(rank_links):
     model = net()
     after_the_block = []
@@ -220,6 +235,7 @@ def test_a_rank_that_breaks_out_of_its_loop_says_goodbye_and_exits_cleanly(rank_
                 break
         after_the_block.append(True)
     assert ended.value.code == 0 and not after_the_block  # only the controller and a lone process get past it
+    assert rank_links[0].lingered  # a clean exit waits for the coordinator to have its goodbye
     sent = rank_links[0].sent
     assert isinstance(sent[-1], rec.Exiting)
     assert not any(isinstance(r, rec.EpochMetrics) for r in sent)  # 1 of its 5 batches: its span is not done
