@@ -433,8 +433,8 @@ class JoinWindow:
         if self.phase is WindowPhase.FORMED and waiting >= self.config.max_pending_hosts:
             # Each pending host is kept until the next re-form: strangers' hellos must not pile up.
             return (
-                f"too many hosts waiting: {waiting} host(s) already wait to enter the world at the next epoch "
-                f"boundary, at most {self.config.max_pending_hosts} may (--max-pending-hosts); worker {host!r} "
+                f"too many hosts waiting: {waiting} host(s) already wait to enter the world at the next "
+                f"re-form, at most {self.config.max_pending_hosts} may (--max-pending-hosts); worker {host!r} "
                 "may join after the next re-form, or raise --max-pending-hosts"
             )
         if cap is not None and self._world_ranks() + len(devices) > cap:
