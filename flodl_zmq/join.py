@@ -621,7 +621,7 @@ class ReformGate:
     epoch takes a host within a round or two. Sync's records whole epochs
     only (a resume would train the epoch's done part again), so there the
     joiner waits for the first consensus that holds the epoch it was noticed
-    in. Nothing re-forms once every epoch is in the consensus (there is no
+    in. Either waits for the evals owed (`due`). Nothing re-forms once every epoch is in the consensus (there is no
     training left to join). A failed re-form checkpoint is not tried again
     before the next epoch: the disk that refused it is not asked every round.
     """
@@ -642,12 +642,13 @@ class ReformGate:
         self._after = self._mark(round, epoch)
         return True
 
-    def due(self, round: int, epoch: int, reported: int) -> bool:
+    def due(self, round: int, epoch: int, reported: int, evals_owed: bool) -> bool:
         """Whether to re-form from the consensus of `round` (its first epoch not whole: `epoch`) while the
         run's result has a row for each epoch before `reported`. Not while they differ: between an epoch's
-        row and the first consensus holding it whole, the new world would write that row again."""
+        row and the first consensus holding it whole, the new world would write that row again. Nor while an
+        eval is owed: its answer would reach a coordinator that is gone, and the score would be lost."""
         return (self._after is not None and self._mark(round, epoch) > self._after and epoch == reported
-                and self._floor <= epoch < self.epochs)
+                and not evals_owed and self._floor <= epoch < self.epochs)
 
     def failed(self, epoch: int) -> None:
         """The re-form checkpoint of a consensus in `epoch` could not be written: not again before the next."""

@@ -253,6 +253,11 @@ class EvalLedger:
                 del self._open[sid]
                 self._orphans.append(request)
 
+    @property
+    def owed(self) -> bool:
+        """Whether an eval was sent and not answered yet, or waits to be sent again."""
+        return bool(self._open or self._orphans)
+
     def within_epoch(self, schedule_id: int) -> bool:
         """Whether `schedule_id` is the cadence's (not an epoch's, not the final eval)."""
         return self._first_id <= schedule_id < FINAL_EVAL_ID

@@ -106,6 +106,7 @@ def test_a_host_joins_mid_run_with_a_share_by_speed_and_one_with_other_data_is_r
     for e in epochs:
         want = SAMPLES_16 - (covered(meta, first) if e["epoch"] == first else 0)
         assert e["samples"] == want, (e["epoch"], e["samples"], want)
+        assert e.get("eval") is not None, e  # no eval lost with the world before (ReformGate waits for it)
     # From the epoch after the join on, the slow joiner has the smallest share, measured by ElChe.
     last = epochs[-1]["batch_share"]
     assert len(last) == 3 and last[2] < min(last[0], last[1]), [e["batch_share"] for e in epochs]
@@ -203,6 +204,7 @@ def test_a_host_declared_dead_after_its_link_was_cut_rejoins_with_new_ranks(host
     for e in epochs:
         want = SAMPLES_16 - (covered(meta, change["epoch"]) if e["epoch"] == change["epoch"] else 0)
         assert e["samples"] == want, (e["epoch"], e["samples"], want)
+        assert e.get("eval") is not None, e
     last = epochs[-1]["per_rank_samples"]
     assert len(last) == 3 and last[1] == 0 and last[2] > 0, last  # rank 1 stays dead, rank 2 trains
     print(f"rejoin at epoch {change['epoch'] + 1}: accuracy {result['accuracy']:.4f}; re-form round -> re-formed "

@@ -13,6 +13,7 @@ from flodl_zmq.api import Trainer
 from flodl_zmq.coordinator.config import CoordinatorConfig
 from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.outputs import CONTROLLER, Evaluated, RoundOpened
+from flodl_zmq.coordinator.roles import EvalLedger
 from flodl_zmq.coordinator.sim import RankSpec, SimConfig, Simulation
 from flodl_zmq.wire import records as rec
 
@@ -159,3 +160,14 @@ def test_a_sessions_model_is_back_in_training_mode_after_an_eval_within_an_epoch
             optimizer.zero_grad()
             s.step()
     assert all(training) and len(s.result.evals) == 5
+
+
+def test_an_eval_is_owed_from_its_request_to_its_answer_and_again_once_its_rank_died():
+    ledger = EvalLedger(EVERY, BS, num_epochs=2)
+    assert not ledger.owed
+    assert len(ledger.at_finish(global_step=EVERY // BS, epochs_whole=0, target=1)) == 1
+    assert ledger.owed  # a re-form now would lose its score (join.ReformGate)
+    ledger.on_death(1)
+    assert ledger.owed  # an orphan, sent again at the next finish
+    [again] = ledger.at_finish(global_step=EVERY // BS + 1, epochs_whole=0, target=0)
+    assert ledger.answered(again.schedule_id, 0) is not None and not ledger.owed

@@ -443,40 +443,47 @@ def test_spawn_spec_round_trips_and_refuses_malformed_json():
 
 def test_a_progressive_run_reforms_at_the_first_round_finished_after_the_joiner_was_noticed_within_the_epoch():
     gate = ReformGate(progressive=True, epochs=1)
-    assert not gate.due(round=5, epoch=0, reported=0)  # nobody noticed yet
+    assert not gate.due(round=5, epoch=0, reported=0, evals_owed=False)  # nobody noticed yet
     assert gate.notice(round=5, epoch=0)
-    assert not gate.due(round=5, epoch=0, reported=0)  # the consensus it was noticed at: the round in flight may land
+    assert not gate.due(round=5, epoch=0, reported=0, evals_owed=False)  # the consensus it was noticed at: the round in flight may land
     assert not gate.notice(round=6, epoch=0)  # noticed again: no news, and the point does not move
-    assert gate.due(round=6, epoch=0, reported=0)  # a one-epoch run takes the joiner mid-epoch
+    assert gate.due(round=6, epoch=0, reported=0, evals_owed=False)  # a one-epoch run takes the joiner mid-epoch
 
 
 def test_no_reform_between_an_epochs_row_and_the_first_consensus_holding_that_epoch_whole():
     gate = ReformGate(progressive=True, epochs=4)
     gate.notice(round=5, epoch=1)
-    assert not gate.due(round=6, epoch=1, reported=2)  # epoch 1 has its row: the new world would write it again
-    assert gate.due(round=7, epoch=2, reported=2)
+    assert not gate.due(round=6, epoch=1, reported=2, evals_owed=False)  # epoch 1 has its row: the new world would write it again
+    assert gate.due(round=7, epoch=2, reported=2, evals_owed=False)
 
 
 def test_a_sync_run_reforms_only_from_a_consensus_holding_the_epoch_it_was_noticed_in():
     gate = ReformGate(progressive=False, epochs=3)
     gate.notice(round=5, epoch=1)
-    assert not gate.due(round=9, epoch=1, reported=1)  # rounds pass within epoch 1: a resume would redo them
-    assert gate.due(round=10, epoch=2, reported=2)
+    assert not gate.due(round=9, epoch=1, reported=1, evals_owed=False)  # rounds pass within epoch 1: a resume would redo them
+    assert gate.due(round=10, epoch=2, reported=2, evals_owed=False)
 
 
 def test_no_reform_once_every_epoch_is_in_the_consensus_nor_after_notice_in_the_last_sync_epoch():
     done = ReformGate(progressive=True, epochs=2)
     assert not done.notice(round=8, epoch=2)
-    assert not done.due(round=9, epoch=2, reported=2)
+    assert not done.due(round=9, epoch=2, reported=2, evals_owed=False)
     last = ReformGate(progressive=False, epochs=2)
     last.notice(round=5, epoch=1)
-    assert not last.due(round=9, epoch=2, reported=2)  # the run is over: the joiner is aborted, not re-formed in
+    assert not last.due(round=9, epoch=2, reported=2, evals_owed=False)  # the run is over: the joiner is aborted, not re-formed in
+
+
+def test_no_reform_while_an_eval_is_owed_its_score_would_be_lost_with_the_old_world():
+    gate = ReformGate(progressive=False, epochs=3)
+    gate.notice(round=5, epoch=1)
+    assert not gate.due(round=10, epoch=2, reported=2, evals_owed=True)  # epoch 1's eval is being scored
+    assert gate.due(round=11, epoch=2, reported=2, evals_owed=False)
 
 
 def test_a_failed_reform_checkpoint_is_not_tried_again_before_the_next_epoch():
     gate = ReformGate(progressive=True, epochs=3)
     gate.notice(round=5, epoch=0)
-    assert gate.due(round=6, epoch=0, reported=0)
+    assert gate.due(round=6, epoch=0, reported=0, evals_owed=False)
     gate.failed(epoch=0)
-    assert not gate.due(round=7, epoch=0, reported=0) and not gate.due(round=12, epoch=0, reported=0)
-    assert gate.due(round=13, epoch=1, reported=1)
+    assert not gate.due(round=7, epoch=0, reported=0, evals_owed=False) and not gate.due(round=12, epoch=0, reported=0, evals_owed=False)
+    assert gate.due(round=13, epoch=1, reported=1, evals_owed=False)
