@@ -25,6 +25,7 @@ from tests.cluster.test_multihost import BIN, Compose, controller_argv, result_o
 JOB = str(Path(__file__).with_name("digits_job.py"))
 EPOCHS = 6
 SAMPLES_16 = samples_per_epoch(16)
+SAMPLES_8 = samples_per_epoch(8)
 PROGRAM = [JOB, "--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "30"]
 
 
@@ -118,10 +119,11 @@ def test_a_host_joins_mid_run_with_a_share_by_speed_and_one_with_other_data_is_r
 
 def test_a_host_joins_a_run_of_one_epoch_and_trains_within_two_rounds_of_its_hello(hosts, tmp_path):
     gate, run = tmp_path / "gate", tmp_path / "run"
-    # Each of the two first ranks holds after a third of the epoch's batches until worker3 waits to join:
-    # together they cannot have trained more than two thirds of it, whatever this machine's speed.
-    program = [JOB, "--epochs", "1", "--batch-size", "16", "--gate", str(gate),
-               "--gate-after", str(batches_per_epoch(16) // 3)]
+    # Each of the two first ranks holds after a sixth of the epoch's batches until worker3 waits to join:
+    # together they cannot have trained more than a third of it, whatever this machine's speed, and what
+    # the windows up to the re-form round add leaves the world of three more than its first windows take.
+    program = [JOB, "--epochs", "1", "--batch-size", "8", "--gate", str(gate),
+               "--gate-after", str(batches_per_epoch(8) // 6)]
     hosts.up("controller", argv=controller_argv(hosts, program=program, extra=[
         "--min-ranks", "2", "--target-ranks", "2", "--max-ranks", "3", "--run-dir", str(run)]))
     agent(hosts, "worker1")
@@ -154,10 +156,10 @@ def test_a_host_joins_a_run_of_one_epoch_and_trains_within_two_rounds_of_its_hel
     meta = bundle.load_meta(change["checkpoint"])
     assert meta["consensus_round"] == join["round"]
     [epoch] = result["epochs"]
-    assert epoch["samples"] == SAMPLES_16 - covered(meta, 0), (epoch["samples"], covered(meta, 0))
-    assert 0 < covered(meta, 0) < SAMPLES_16 and epoch["per_rank_samples"][2] > 0, epoch
+    assert epoch["samples"] == SAMPLES_8 - covered(meta, 0), (epoch["samples"], covered(meta, 0))
+    assert 0 < covered(meta, 0) < SAMPLES_8 and epoch["per_rank_samples"][2] > 0, epoch
     print(f"join within one epoch: seen after round {noticed}, re-formed at {join['round']}, worker3 trained "
-          f"from round {trained[0]}; {covered(meta, 0)} of {SAMPLES_16} samples trained before; re-form round -> "
+          f"from round {trained[0]}; {covered(meta, 0)} of {SAMPLES_8} samples trained before; re-form round -> "
           f"re-formed world training {reform_seconds(run):.1f} s")
 
 
