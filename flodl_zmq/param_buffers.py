@@ -13,8 +13,10 @@ Rules this module keeps:
   chunk from the frames it arrived in, so no flat copy of it is made.
 - Flat model-sized vectors are few (each is 0.5 GB at 124M parameters): the
   snapshot (the deposit under f32), a bf16/int8 deposit's f32 snapshot, and
-  only under a blend (or after a zero-mass snapshot) a correction buffer. An
-  overwriting load computes the divergence in the spent snapshot's place.
+  only under a blend (or after a zero-mass snapshot) a correction buffer, and
+  under a blend a bf16/int8 consensus widened. An overwriting load computes
+  the divergence in the spent snapshot's place, and widens a bf16/int8
+  consensus there chunk by chunk (through one chunk of scratch).
 - A consensus that does not fit this model (size, dtype, chunks, int8 pairs) is
   refused whole: every rank must build the same model and the same wire_dtype.
 - What the deposit and the consensus are in each wire format is the format's
@@ -35,7 +37,7 @@ from flodl_zmq.errors import TrainingError
 from flodl_zmq.payload import aligned_views, flat_views, payload_tensors
 from flodl_zmq.tensors import as_numpy, torch_view
 from flodl_zmq.wire.shm import Segment
-from flodl_zmq.wire_format import BF16, F32, INT8, WireFormat, describe
+from flodl_zmq.wire_format import BF16, CHUNK_VALUES, F32, INT8, WireFormat, describe
 
 # Wire format -> the torch dtype of the deposit's values buffer (int8's scales are float32).
 WIRE_TORCH: dict[WireFormat, torch.dtype] = {F32: torch.float32, BF16: torch.bfloat16, INT8: torch.int8}
@@ -75,8 +77,11 @@ class ParamBuffers:
         # Only a blend (or a zero-mass snapshot) needs a third flat vector: allocated then, so an
         # overwriting run holds none (a 124M-parameter model: 0.5 GB, docs/benchmarks.md bench/large.py).
         self._scratch_buffer: torch.Tensor | None = None
-        self._widened = torch.empty(self.numel, dtype=torch.float32) if wire.widens else None
-        self.consensus: list[torch.Tensor] = []  # the last loaded consensus, f32 chunks (valid until the next load)
+        # A blend's bf16/int8 consensus widened to f32: allocated then (an overwriting load widens in the snapshot).
+        self._widened_buffer: torch.Tensor | None = None
+        # The last loaded consensus, f32 chunks (valid until the next load; after an overwriting bf16/int8
+        # load, the snapshot's memory: until the next snapshot).
+        self.consensus: list[torch.Tensor] = []
         self._recv: torch.Tensor | None = None
         self._recv_views: list[torch.Tensor] = []
         self._recv_done: Any = None  # torch.cuda.Event of the last H2D copy out of _recv
@@ -109,6 +114,12 @@ class ParamBuffers:
         if self._scratch_buffer is None:
             self._scratch_buffer = torch.empty(self.numel, dtype=torch.float32)
         return self._scratch_buffer
+
+    @property
+    def _widened(self) -> torch.Tensor:
+        if self._widened_buffer is None:
+            self._widened_buffer = torch.empty(self.numel, dtype=torch.float32)
+        return self._widened_buffer
 
     def mark_queued(self) -> None:
         """The snapshot was queued for sending: the next snapshot must wait for `hold_until_sent`."""
@@ -157,8 +168,11 @@ class ParamBuffers:
                 f"{self.numel} {wire.name} elements in {len(wire.layout(self.numel))} chunk frames: every "
                 f"rank must build the same model and run with the same wire_dtype"
             )
-        if self._widened is None:
+        apart: float | None = None  # ||snapshot - consensus|| * mass, once known
+        if not wire.widens:
             cons = [torch_view(t.reshape(-1)) for t in payload]  # read-only frames; only ever read here
+        elif blend is None:
+            cons, apart = self._widen_over_snapshot(payload)
         else:
             wire.widen(payload, as_numpy(self._widened))  # exact from bf16 (the top half of f32); int8: values times scales
             cons = [self._widened]
@@ -168,12 +182,14 @@ class ParamBuffers:
             divergence = None
             snaps = _like(self.snap, cons)
             if self.mass > 0.0 and blend is None:
-                # The snapshot is spent once its round's consensus exists (the relay shipped it, nobody
-                # asks for it again, the next snapshot overwrites it): the difference goes in its place.
-                self._wait_sent()
-                torch._foreach_sub_(snaps, cons, alpha=self.mass)  # (snapshot - consensus) * mass
+                if apart is None:
+                    # The snapshot is spent once its round's consensus exists (the relay shipped it, nobody
+                    # asks for it again, the next snapshot overwrites it): the difference goes in its place.
+                    self._wait_sent()
+                    torch._foreach_sub_(snaps, cons, alpha=self.mass)  # (snapshot - consensus) * mass
+                    apart = float(torch.linalg.vector_norm(self.snap))
                 if post > 0.0:
-                    divergence = float(torch.linalg.vector_norm(self.snap)) / self.mass / post
+                    divergence = apart / self.mass / post
             elif self.mass > 0.0:
                 for c, out, snap in zip(cons, _like(self._scratch, cons), snaps, strict=True):
                     torch.mul(c, self.mass, out=out).sub_(snap)  # (consensus - snapshot) * mass
@@ -191,6 +207,26 @@ class ParamBuffers:
             else:
                 torch._foreach_add_(*aligned_views(source, self.tensors), alpha=blend)
         return divergence, post, self.pre_norm
+
+    def _widen_over_snapshot(self, payload: Sequence[np.ndarray]) -> tuple[list[torch.Tensor], float | None]:
+        """Widen an overwriting round's bf16/int8 consensus into the spent f32 snapshot, chunk by chunk,
+        so no second model-sized f32 vector exists (0.5 GB at 124M parameters); returns its chunks and
+        ||snapshot - consensus|| * mass (None after a zero-mass snapshot).
+
+        The deposit is the snapshot's encoding, in frames of its own, so no send waits on the snapshot.
+        """
+        per = 2 if self.wire_format.packed else 1  # int8: each chunk is (values, scales)
+        snaps = list(self.snap.split(CHUNK_VALUES))  # the layout's chunks (WireFormat.layout)
+        part = torch.empty(snaps[0].numel(), dtype=torch.float32)
+        norms = []
+        with torch.no_grad():
+            for i, snap in enumerate(snaps):
+                cons = part[: snap.numel()]
+                self.wire_format.widen(payload[i * per : (i + 1) * per], as_numpy(cons))
+                if self.mass > 0.0:
+                    norms.append(torch.linalg.vector_norm(snap.sub_(cons, alpha=self.mass)))
+                snap.copy_(cons)
+        return snaps, float(torch.linalg.vector_norm(torch.stack(norms))) if norms else None
 
     def _load_cuda(self, source: list[torch.Tensor], blend: float | None) -> None:
         """Write `source` (the consensus's chunks, or under a blend the correction) to the device parameters."""

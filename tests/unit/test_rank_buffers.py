@@ -418,6 +418,24 @@ def test_a_deposit_over_a_chunk_goes_in_frames_of_at_most_a_chunk_and_loads_back
     assert np.array_equal(flatten(m).numpy(), want)
 
 
+@pytest.mark.parametrize("wire", [BF16, INT8], ids=lambda w: w.name)
+def test_an_overwriting_bf16_or_int8_round_widens_the_consensus_into_the_spent_snapshot(wire):
+    # No widened f32 copy of the consensus beside the snapshot (0.5 GB per rank at 124M parameters,
+    # docs/benchmarks.md bench/large.py), over several chunks, with the divergence as before.
+    m = Straddling()
+    buf = ParamBuffers(m, wire=wire)
+    pre = flatten(m).numpy()
+    consensus = [as_numpy(f).copy() for f in buf.snapshot(2.0)]  # as received
+    divergence, _, _ = buf.load(consensus)
+    want = _flat_encoding(wire, pre * 2.0)
+    assert np.array_equal(flatten(m).numpy(), want)
+    assert divergence == pytest.approx(float(np.linalg.norm(pre - want) / np.linalg.norm(want)), rel=1e-4)
+    assert len(_flat_model_vectors(buf)) == 1  # the snapshot, whose memory the consensus's chunks are
+    assert torch.equal(torch.cat(buf.consensus), torch.from_numpy(want))
+    buf.load(consensus, blend=1.0)  # a blend keeps its consensus apart from the snapshot, and its correction
+    assert len(_flat_model_vectors(buf)) == 3
+
+
 def test_a_tensor_cut_by_a_chunk_end_loads_across_it_contiguous_or_not():
     m = torch.nn.Linear(3, 4)
     with torch.no_grad():
