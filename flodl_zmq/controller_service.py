@@ -431,8 +431,9 @@ class ControllerService:
             return False
         state, round = self.core.state_dict(), self.kept.round
         if self._reform.notice(round, state["epoch"]):
-            log.info("controller: %s waiting to join at round %d", " ".join(m.host for m in pending), round)
-            self.report.events.write("pending", hosts=[m.host for m in pending], round=round)
+            hosts = [m.host for m in pending]
+            log.info("controller: %s waiting to join at round %d", " ".join(hosts), round)
+            self.report.events.write("pending", hosts=hosts, round=round)
         if not self._reform.due(round, state["epoch"], self.core.last_aggregated + 1, self.core.evals.owed):
             return False
         stem = self.kept.write_reform(state, self.report.events.run_dir)

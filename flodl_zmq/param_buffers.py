@@ -37,7 +37,7 @@ from flodl_zmq.errors import TrainingError
 from flodl_zmq.payload import aligned_views, flat_views, payload_tensors
 from flodl_zmq.tensors import as_numpy, torch_view
 from flodl_zmq.wire.shm import Segment
-from flodl_zmq.wire_format import BF16, CHUNK_VALUES, F32, INT8, WireFormat, describe
+from flodl_zmq.wire_format import BF16, CHUNK_VALUES, F32, INT8, WireFormat, chunks, describe
 
 # Wire format -> the torch dtype of the deposit's values buffer (int8's scales are float32).
 WIRE_TORCH: dict[WireFormat, torch.dtype] = {F32: torch.float32, BF16: torch.bfloat16, INT8: torch.int8}
@@ -79,6 +79,7 @@ class ParamBuffers:
         self._scratch_buffer: torch.Tensor | None = None
         # A blend's bf16/int8 consensus widened to f32: allocated then (an overwriting load widens in the snapshot).
         self._widened_buffer: torch.Tensor | None = None
+        self._chunk_scratch: torch.Tensor | None = None  # one chunk of f32: where an overwriting load widens
         # The last loaded consensus, f32 chunks (valid until the next load; after an overwriting bf16/int8
         # load, the snapshot's memory: until the next snapshot).
         self.consensus: list[torch.Tensor] = []
@@ -216,8 +217,10 @@ class ParamBuffers:
         The deposit is the snapshot's encoding, in frames of its own, so no send waits on the snapshot.
         """
         per = 2 if self.wire_format.packed else 1  # int8: each chunk is (values, scales)
-        snaps = list(self.snap.split(CHUNK_VALUES))  # the layout's chunks (WireFormat.layout)
-        part = torch.empty(snaps[0].numel(), dtype=torch.float32)
+        snaps = [self.snap[a:b] for a, b in chunks(self.numel)]  # the payload's chunks, in order
+        if self._chunk_scratch is None:  # kept: a fresh 8 MiB every round would fault in zeroed pages each time
+            self._chunk_scratch = torch.empty(min(self.numel, CHUNK_VALUES), dtype=torch.float32)
+        part = self._chunk_scratch
         norms = []
         with torch.no_grad():
             for i, snap in enumerate(snaps):

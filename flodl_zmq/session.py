@@ -259,7 +259,7 @@ class Session:
             if kind is not None and issubclass(kind, Exception):
                 log.error("rank %d: training failed", loop.cfg.rank, exc_info=(kind, exc, tb))  # type: ignore[arg-type]
             # Stopped by a signal: who sent it reports the exit, so nobody's acknowledgement is awaited.
-            code = loop.close(failed=kind is not None, linger=not (kind is not None and issubclass(kind, Terminated)))
+            code = loop.close(failed=kind is not None, linger=not isinstance(exc, Terminated))
             if kind is None or issubclass(kind, Exception):
                 raise SystemExit(code)
         # The controller's result is set on entering; a relay never gets here.
