@@ -28,7 +28,7 @@ the protocol like this (PROTOCOL.md, Rank):
    reports them (`EvalResult`, `CheckpointResult`, `EpochFnElapsed`), with
    the rank and the traceback when one raises; training continues.
 6. Says goodbye (`Exiting`) on `Shutdown`, `ShutdownWithSave` or a lost
-   controller.
+   controller; stops with an error on its own `DeclareDead`.
 
 Rules this module keeps:
 
@@ -85,6 +85,9 @@ from flodl_zmq.wire.shm import Segment, rank_owner
 
 log = logging.getLogger(__name__)
 
+DECLARED_DEAD = ("the coordinator declared this rank dead and the run goes on without it (its relay refused "
+                 "what it sent, or it was silent past the heartbeat deadline: the relay's and the controller's "
+                 "logs name the cause)")
 # How long a step's timing may wait to be coalesced with the next ones (PROTOCOL.md, timing.batch).
 REPORT_PERIOD_S = 0.05
 
@@ -214,15 +217,20 @@ class RankRuntime:
                 yield self._take_batch()
 
     def close(self, failed: bool, linger: bool = True) -> int:
-        """Say goodbye (`Exiting`) and release everything; the rank's exit status (`linger`: `RankLink.close`)."""
+        """Say goodbye (`Exiting`) and release everything; the rank's exit status (`linger`: `RankLink.close`).
+
+        A rank that lost the coordinator, or was declared dead by it, waits for no acknowledgement of its
+        goodbye: none will come.
+        """
+        lost = bool(self._stop_reason and self._stop_reason.startswith("lost"))
         try:
             self.link.send(rec.Exiting(rank=self.cfg.rank))
-            self.link.close(linger=linger)
+            self.link.close(linger=linger and not lost)
         finally:
             self.pipeline.close()
             if self.buffers.segment is not None:
                 self.buffers.segment.close()
-        if self._stop_reason and self._stop_reason.startswith("lost"):
+        if lost:
             log.error("rank %d: %s; exiting", self.cfg.rank, self._stop_reason)
             return 1
         return 1 if failed else 0
@@ -285,6 +293,10 @@ class RankRuntime:
     # -- records ----------------------------------------------------------
 
     def _on_control(self, r: Any) -> None:
+        if isinstance(r, rec.DeclareDead) and r.rank == self.cfg.rank:
+            # Not held behind a consensus: the run has gone on without this rank, and no consensus comes.
+            self._stop_reason = f"lost: {DECLARED_DEAD}"
+            return
         if (self._held or (self._pending_round is not None and isinstance(r, (rec.Update, rec.ExecuteEval,
                                                                                    rec.Checkpoint)))) \
                 and not isinstance(r, (rec.Shutdown, rec.ShutdownWithSave)):
@@ -322,7 +334,7 @@ class RankRuntime:
                 self._run_checkpoint(r)
         elif isinstance(r, (rec.Shutdown, rec.ShutdownWithSave)):
             self._stop_reason = type(r).__name__
-        # CoordHeartbeat, EpochAggregated, EvalBroadcast, DeclareDead: nothing to do on a CPU-reduce rank.
+        # CoordHeartbeat, EpochAggregated, EvalBroadcast, another rank's DeclareDead: nothing to do here.
 
     def _add_span(self, plan: rec.EpochPlan) -> None:
         epoch = plan.epoch

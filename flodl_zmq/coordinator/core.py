@@ -42,8 +42,9 @@ deposited).
 
 A rank leaves on a clean `Exiting`, a stale heartbeat, or a death reported by
 its agent (`on_rank_death`). Its in-flight chunk returns to the pool, the
-reducer is told (`DeclareDead` to `REDUCER`) so no round waits for it, and
-the run ends with a save when `max_failure` is reached or nobody is left.
+reducer is told (`DeclareDead` to `REDUCER`) so no round waits for it, so is
+a failed rank (if still running, it stops), and the run ends with a save when
+`max_failure` is reached or nobody is left.
 
 Run phases, strictly forward: Training -> FinalEvalDispatched ->
 ShutdownInitiated; a shutdown-with-save latches orthogonally.
@@ -624,11 +625,8 @@ class Coordinator:
     # ================================================================ deaths
 
     def _lose_rank(self, rank: int, failure: bool, now: float) -> None:
-        """`rank` left: its roles move, the reducer stops waiting, its data is handed on.
-
-        The run ends with a save if too many failed or nobody is left. A
-        clean exit takes this path too, without counting a failure.
-        """
+        """`rank` left (a clean exit too, not counted as a failure): its roles move, the reducer stops
+        waiting, its data is handed on; the run ends with a save if too many failed or nobody is left."""
         left = self.liveness.fail(rank) if failure else self.liveness.exit(rank)
         if not left:
             return
@@ -638,6 +636,8 @@ class Coordinator:
         self.evals.on_death(rank)
         # The reducer must not wait for a deposit that will never come.
         self._outbox.emit(REDUCER, rec.DeclareDead(rank=rank))
+        if failure:  # it may still run (expelled by its relay, back from a stall): it stops now, freeing its device
+            self._outbox.emit(rank, rec.DeclareDead(rank=rank))
         # What it did not train goes to the survivors (Sync) or back to the pool.
         self._send_data(self.dispatch.on_death(rank, self._steps.count[rank]))
         reason = unrecoverable(self.liveness, self.config.max_failure)

@@ -11,7 +11,7 @@ per rank), --outer none|nesterov|momentum, --anchor N (ElChe's window floor), --
 end before the test has seen what it waits for, whatever this machine's speed; the test opens it).
 Environment: DIGITS_SHIFT=1 makes this process load a perturbed dataset (a dataset mismatch);
 DIGITS_SIGKILL_RANK=N makes rank N SIGKILL itself before it does anything (a rank that dies before
-its hello).
+its hello); DIGITS_NAN_RANK=N makes rank N's every loss NaN (a diverged model: its deposits are poison).
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def main() -> None:
     p.add_argument("--gate-after", type=int, default=0)
     args = p.parse_args()
     train, test = digits()
+    nan_rank = os.environ.get("FLODL_ROLE") == "rank" and os.environ.get("FLODL_RANK") == os.environ.get("DIGITS_NAN_RANK")
     if os.environ.get("DIGITS_SHIFT"):
         x, y = train.tensors
         train = TensorDataset(x + 0.01, y)
@@ -118,7 +119,8 @@ def main() -> None:
             time.sleep(args.step_ms / 1000.0)
         if optimizers:
             fz.record_scalar("lr", optimizers[0].param_groups[0]["lr"])
-        return cross_entropy_step(model, batch)
+        loss = cross_entropy_step(model, batch)
+        return loss * float("nan") if nan_rank else loss
 
     def evaluate(model, dataset):
         calls["eval"] += 1

@@ -191,6 +191,26 @@ def test_a_rank_sigkilled_before_its_hello_is_left_out_at_once_and_one_sigkilled
     no_process_left(r)
 
 
+def test_a_rank_whose_model_turns_nan_is_expelled_and_its_still_running_process_stops_at_once(tmp_path, warm):
+    # Rank 1's loss is NaN from its first step: its relay refuses its deposit and the coordinator
+    # declares it dead. The process still runs; told so, it stops with the cause at once, instead of
+    # holding its device until it has heard nothing for its coordinator-silence limit (30 s).
+    gate = tmp_path / "gate"
+    r = Run("--batch-size", "16", *held(gate, after_epochs=1, epochs=6, ranks=4),
+            env_for={"h0:1": {"DIGITS_NAN_RANK": "1"}}, warm=warm).start()
+    r.wait_for("relay h0: rank 1 left (its deposit carries a NaN")
+    r.wait_for("rank 1 declared dead")
+    r.wait_for("[h0:1] ERROR flodl_zmq.rank: rank 1: lost: the coordinator declared this rank dead")
+    assert r.cluster.children["h0:1"].proc.wait(timeout=30) == 1  # an error exit, while the run goes on
+    gate.touch()
+    code, result, out = r.finish()
+    assert code == 0, out
+    assert all(e["samples"] == SAMPLES_PER_EPOCH[16] for e in result["epochs"]), result["epochs"]
+    assert all(e["per_rank_samples"][1] == 0 for e in result["epochs"][1:])
+    assert result["accuracy"] > 0.5  # no NaN reached the consensus (a poisoned model scores about 0.1)
+    no_process_left(r)
+
+
 def test_the_overlapped_round_loses_no_sample_when_a_rank_is_sigkilled_mid_run(tmp_path, warm):
     # cpu-async with easgd_alpha 1 (bench/tta.py's best): ranks never stop for a round and take each
     # consensus as a correction. Rank 1 dies mid-run with chunks and deposits in flight; every epoch

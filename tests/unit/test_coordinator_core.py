@@ -204,13 +204,24 @@ def test_heartbeat_stale_declares_rank_dead_and_unblocks_the_gate():
     assert [o.record for o in outs if o.dest in (REDUCER, CONTROLLER) and not isinstance(o.record, MassBound)] == [
         rec.DeclareDead(1), RoundOpened(1, (0,))]
     assert of(outs, rec.RequestParams) == []  # rank 0 deposited at its chunk's end, as its plan said
+    assert of(outs, rec.DeclareDead, 1) == [rec.DeclareDead(1)]  # back from its stall, it stops at once
     assert c.liveness.failures == 1
+
+
+def test_a_rank_reported_dead_is_told_so_that_a_process_still_running_stops():
+    # The relay expelled it (a poisoned deposit, a violation): the process may still run and hold its device.
+    c, _ = make(world=3)
+    outs = c.on_rank_death(1, "the relay on h0 saw it leave", 0.1)
+    assert of(outs, rec.DeclareDead, 1) == [rec.DeclareDead(1)]
+    assert of(outs, rec.DeclareDead, REDUCER) == [rec.DeclareDead(1)]
+    assert of(outs, rec.DeclareDead, 0) == of(outs, rec.DeclareDead, 2) == []  # nothing for the others to do
 
 
 def test_clean_exit_is_not_a_failure_and_never_goes_stale():
     c, _ = make(world=3, rank_silence_at_coordinator_s=1.0, max_failure=MaxFailure.absolute(1))
     outs = c.on_record(2, rec.Exiting(rank=2), 0.5)
     assert [o.record for o in outs if o.dest is REDUCER] == [rec.DeclareDead(2)]
+    assert of(outs, rec.DeclareDead, 2) == []  # it is leaving already
     for r in (0, 1):
         c.on_record(r, rec.Heartbeat(rank=r, step_count=0), 1.9)
     outs = c.on_tick(2.0)
@@ -324,7 +335,7 @@ def test_next_due_names_the_next_beacon_and_the_moment_the_quietest_rank_turns_s
     due = c.next_due()  # rank 1 silent since 0.0: stale just after 3.0, before the beacon at 3.1
     assert 3.0 < due < 3.0001
     assert of(c.on_tick(3.0), rec.DeclareDead) == []
-    assert of(c.on_tick(due), rec.DeclareDead) == [rec.DeclareDead(1)]
+    assert of(c.on_tick(due), rec.DeclareDead, REDUCER) == [rec.DeclareDead(1)]
 
 
 def test_next_due_includes_the_reduce_stall_ceiling_and_is_none_once_the_run_is_over():
@@ -385,7 +396,7 @@ def test_failed_update_rolls_its_next_plan_back():
     outs = c.on_send_failed(0, update, 0.3)
     assert c.dispatch.pools[0].in_flight(0) is None
     assert c.dispatch.pools[0].remaining() == remaining + update.next_plan.size
-    assert of(outs, rec.DeclareDead) == [rec.DeclareDead(0)]
+    assert of(outs, rec.DeclareDead, REDUCER) == [rec.DeclareDead(0)]
 
 
 def test_failed_extend_partition_is_handed_on_with_the_rest_of_the_partition():

@@ -224,6 +224,24 @@ def test_a_rank_stopped_by_sigterm_says_goodbye_without_awaiting_its_acknowledge
     assert isinstance(link.sent[-1], rec.Exiting) and link.lingered is False  # the agent reports the exit
 
 
+def test_a_rank_declared_dead_stops_at_once_with_an_error_even_while_it_awaits_a_consensus(rank_links, caplog):
+    # Its relay refused its deposit (a NaN, say): no consensus of that round will ever reach it.
+    model = net()
+    with pytest.raises(SystemExit) as ended, session.hosted(penv("rank", **RANK_1)):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
+            link = rank_links[0]
+            start_rank(link, flatten(model).numpy().copy(), 8)
+            for batch in s.batches():
+                s.step(loss_of(model, batch))
+                for record in (rec.RequestParams(round=1), rec.Update(round=1, next_plan=None),
+                               rec.DeclareDead(rank=0), rec.DeclareDead(rank=1), rec.Shutdown()):
+                    link.inbox.put(FromCoordinator(record))
+    assert ended.value.code == 1  # not the clean exit the Shutdown behind it would give
+    assert isinstance(link.sent[-2], rec.RoundFrame) and isinstance(link.sent[-1], rec.Exiting)
+    assert link.lingered is False  # the coordinator acknowledges nothing from a dead rank
+    assert "rank 1: lost: the coordinator declared this rank dead" in caplog.text
+
+
 def test_a_rank_that_breaks_out_of_its_loop_says_goodbye_and_exits_cleanly(rank_links):
     model = net()
     after_the_block = []
