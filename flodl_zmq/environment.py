@@ -82,13 +82,25 @@ SERVICE_MALLOC_TUNABLES = MALLOC_TUNABLES + (
 )
 
 
+# The controller and the relays spread a round's bulk work (MACs, sums, bf16 widening) over the
+# cores with their own pool (flodl_zmq/threads.py). torch's OpenMP team and OpenBLAS's threads
+# inside each piece would put cores x cores threads on it, spinning between pieces: perf showed
+# libgomp and torch's parallel_for in a bf16 round, and one thread each cut its CPU by a tenth
+# (bench/round.py, bf16 10M: 65 -> 58 ms). Read once, when the libraries load.
+SERVICE_THREADS = {"OMP_NUM_THREADS": "1"}
+
+
 def with_tunables(env: Mapping[str, str], role: str) -> dict[str, str]:
-    """`env` plus the glibc tunables for `role`; a tunable already set in `env` is left as it is."""
+    """`env` plus what `role`'s process reads at start-up (glibc tunables; a service's thread counts); a
+    tunable or variable already set in `env` is left as it is."""
     out = dict(env)
     have = [t for t in out.get("GLIBC_TUNABLES", "").split(":") if t]
     named = {t.split("=", 1)[0] for t in have}
-    ours = SERVICE_MALLOC_TUNABLES if role in ("controller", "relay") else MALLOC_TUNABLES
+    service = role in ("controller", "relay")
+    ours = SERVICE_MALLOC_TUNABLES if service else MALLOC_TUNABLES
     out["GLIBC_TUNABLES"] = ":".join(have + [t for t in ours if t.split("=", 1)[0] not in named])
+    if service:
+        out = {**SERVICE_THREADS, **out}
     return out
 
 
