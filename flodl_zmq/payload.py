@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from flodl_zmq.errors import ConfigError
 
@@ -25,6 +26,12 @@ def payload_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """
     tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
     for t in tensors:
+        if is_lazy(t):  # before its dtype: an uninitialized parameter refuses every read
+            raise ConfigError(
+                "the model holds an uninitialized parameter (a LazyModule, such as LazyLinear): every rank "
+                "must hold every shape before the first round; have the model factory run one forward pass "
+                "on a sample batch before returning the model, as DistributedDataParallel also requires"
+            )
         if t.dtype != torch.float32:
             raise ConfigError(
                 f"the data plane averages float32 tensors; the model holds a {t.dtype} tensor of shape "

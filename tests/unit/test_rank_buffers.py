@@ -47,6 +47,14 @@ def test_float64_model_is_refused_with_the_fix():
         payload_tensors(torch.nn.Linear(2, 2).double())
 
 
+def test_a_lazy_model_is_refused_with_the_fix_and_works_once_a_forward_pass_has_shaped_it():
+    m = torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    with pytest.raises(ConfigError, match="uninitialized parameter .*run one forward pass"):
+        payload_tensors(m)
+    m(torch.zeros(1, 5))
+    assert [tuple(t.shape) for t in payload_tensors(m)] == [(3, 5), (3,), (2, 3), (2,)]
+
+
 def test_snapshot_is_the_flat_payload_times_the_mass():
     m = net()
     buf = ParamBuffers(m)
