@@ -21,8 +21,9 @@ Rules this module keeps:
 - A fresh interpreter reads some variables when it starts (PYTHON*, GLIBC_TUNABLES, and
   OMP_NUM_THREADS when the thread-pool library loads). A forked child gets those from the
   server's environment, which its starter gives (the ranks' own), except the malloc tunables
-  mallopt can still set, which it takes from its request (`adopt_malloc_tunables`: the
-  controller's). Every other variable comes from the request.
+  mallopt can still set and torch's thread count, which it takes from its request
+  (`adopt_malloc_tunables`, `adopt_torch_threads`: the controller's). Every other variable
+  comes from the request.
   `/proc/PID/cmdline` and `/proc/PID/environ` show the server's; the child's name
   (`ps -o comm`, `top`) is the one requested.
 """
@@ -173,6 +174,7 @@ def _become(parent: int, fds: list[int], targets: list[int], request: _Request) 
     if os.getppid() != parent:  # the server died before the line above took effect
         os._exit(128 + signal.SIGKILL)
     adopt_malloc_tunables(libc, request.env.get("GLIBC_TUNABLES", ""))
+    adopt_torch_threads(request.env.get("OMP_NUM_THREADS"))
     # Above every target first, so that placing one never closes another still to be placed.
     floor = max(targets, default=2) + 1
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor) for fd in fds]
@@ -202,6 +204,20 @@ def adopt_malloc_tunables(libc: ctypes.CDLL, tunables: str) -> None:
         if value > INT_MAX:
             value = -1 if name == "glibc.malloc.trim_threshold" else INT_MAX
         libc.mallopt(MALLOPT[name], value)
+
+
+def adopt_torch_threads(text: str | None) -> None:
+    """Give torch the request's OMP_NUM_THREADS where it differs from the server's, which torch read.
+
+    The server runs no torch op, so its children may still set the count: the controller's is 1
+    (flodl_zmq/environment.py, SERVICE_THREADS). A malformed or absent value changes nothing, as
+    OpenMP ignores one.
+    """
+    if text is None or text == os.environ.get("OMP_NUM_THREADS") or "torch" not in sys.modules:
+        return
+    with contextlib.suppress(ValueError):
+        if int(text) > 0:
+            sys.modules["torch"].set_num_threads(int(text))
 
 
 def _run(request: _Request) -> None:

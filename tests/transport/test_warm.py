@@ -17,7 +17,7 @@ import pytest
 from flodl_zmq.environment import with_tunables
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.warm import WarmServer, runnable
-from tests.unit.test_environment import MALLOC_FREE_RSS
+from tests.unit.test_environment import MALLOC_FREE_RSS, torch_threads_of
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(sys.platform != "linux", reason="fork, SCM_RIGHTS")]
 
@@ -166,6 +166,21 @@ def test_a_child_takes_the_malloc_tunables_of_its_request_where_mallopt_can_set_
     assert after > held - (16 << 10), f"the controller's RSS fell from {held} to {after} KiB after free"
     held, after = rss["rank"]
     assert after < held - (200 << 10), f"a rank's freed block should go back to the kernel ({held} -> {after} KiB)"
+
+
+def test_a_child_takes_torchs_thread_count_of_its_request(server, tmp_path):
+    # The launcher's controller is forked from the ranks' server: its pool, not torch's team, spreads a round.
+    script = tmp_path / "threads.py"
+    script.write_text("import torch; print(torch.get_num_threads())\n")
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    counts = {}
+    for role in ("controller", "rank"):
+        child = server.spawn(role, [str(script)], with_tunables(base, role))
+        out = child.stdout.read().decode()
+        assert child.wait(30) == 0, out
+        counts[role] = int(out)
+    assert counts["controller"] == 1
+    assert counts["rank"] == torch_threads_of(base)  # a rank's is the job's to set: the server's default
 
 
 def test_only_a_script_or_a_module_is_runnable():

@@ -105,7 +105,7 @@ def test_services_keep_freed_memory_for_the_next_message_and_ranks_keep_glibc_de
     assert with_tunables({}, "controller")["GLIBC_TUNABLES"] == service
 
 
-def _torch_threads(env: dict[str, str]) -> int:
+def torch_threads_of(env: dict[str, str]) -> int:
     out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
                          capture_output=True, text=True, timeout=120, check=True)
     return int(out.stdout)
@@ -114,8 +114,8 @@ def _torch_threads(env: dict[str, str]) -> int:
 def test_services_run_torch_on_one_thread_and_ranks_and_the_users_own_setting_are_left_alone():
     # A service's pool already puts one piece of a round on each core: torch must not add a team per piece.
     base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    assert _torch_threads(with_tunables(base, "relay")) == 1
-    assert _torch_threads(with_tunables(base, "controller")) == 1
+    assert torch_threads_of(with_tunables(base, "relay")) == 1
+    assert torch_threads_of(with_tunables(base, "controller")) == 1
     assert with_tunables(base, "rank").get("OMP_NUM_THREADS") is None  # a rank's threads are the job's
     assert with_tunables({**base, "OMP_NUM_THREADS": "3"}, "relay")["OMP_NUM_THREADS"] == "3"
 
