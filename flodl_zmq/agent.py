@@ -22,8 +22,8 @@ Rules this module keeps:
   (`controller_silence_at_agent_s`) the agent stops its relay and ranks, then
   re-dials it with backoff for `controller_grace_s`: a controller restarted
   with `--resume` takes this host back with its old ranks in the same run
-  (the accept's run id and ranks must be the old ones, PROTOCOL.md 13), and
-  the host runs again from the checkpoint. Past the grace period it exits, saying so.
+  (the accept's run id and ranks must be the old ones, PROTOCOL.md 13), and the
+  host runs again from the checkpoint. Past the grace period it exits, saying so.
 - **A world may re-form mid-run** (hosts joining, PROTOCOL.md 13.1): a
   `join.world_formed` on the admitted link is the new world. The agent stops
   its relay and ranks, reports their exits, and spawns them again for the
@@ -58,9 +58,11 @@ Rules this module keeps:
   helpers (data loader workers) too: SIGTERM first, SIGKILL after a grace.
   They hold a lifeline (FLODL_LIFELINE_FD) only this process keeps open: a
   SIGKILLed agent leaves no relay or rank behind.
-- Ranks are forked from a warm interpreter (flodl_zmq/warm.py) started while
-  the agent joins: torch is imported once per host, not once per rank and
-  again at every re-form. The agent itself never imports torch.
+- Ranks are forked from a warm interpreter (flodl_zmq/warm.py): torch is
+  imported once per host, not once per rank and again at every re-form. The
+  agent itself never imports torch. It says hello once that interpreter is
+  warm (at most `join_reply_timeout_s`): a host taken in mid-run re-forms
+  every host's world at the next round, and they would all wait on its imports.
 """
 
 from __future__ import annotations
@@ -331,8 +333,8 @@ class Agent:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, lambda s, _f: self.stop(f"agent received {signal.Signals(s).name}"))
-        if self.config.script is not None:
-            self._warm_for(self.config.script)  # it imports torch while we join
+        if self.config.script is not None and (warm := self._warm_for(self.config.script)) is not None:
+            warm.wait_ready(self.config.join_reply_timeout_s)  # hello once warm (module docstring)
         try:
             joined = self.join()
             while True:
@@ -372,10 +374,8 @@ class Agent:
         return Joined(before.ranks, before.session_key, before.run_id, formed.incarnation, formed.world_size, spawn, before.host_token)
 
     def _rejoin(self, before: Joined) -> Joined:
-        """Re-dial a silent controller with backoff until a restart of our run takes us back.
-
-        Gives up after `controller_grace_s`.
-        """
+        """Re-dial a silent controller with backoff until a restart of our run takes us back (at most
+        `controller_grace_s`)."""
         cfg = self.config
         deadline = time.monotonic() + cfg.controller_grace_s
         wait = REJOIN_BACKOFF_S[0]
