@@ -61,18 +61,17 @@ SIZES = {"1M": 1_000_000, "10M": 10_000_000, "25M": 25_000_000}
 
 
 def start(proc: Any, role: str) -> None:
-    """Start a spawned child with the glibc tunables the launcher gives `role` (glibc reads them at start-up)."""
+    """Start a spawned child with what the launcher gives `role` at start-up (glibc tunables, a service's
+    thread count); this process's environment, which the next child inherits, is left as it was."""
     from flodl_zmq.environment import with_tunables
 
-    saved = os.environ.get("GLIBC_TUNABLES")
+    saved = dict(os.environ)
     os.environ.update(with_tunables(os.environ, role))
     try:
         proc.start()
     finally:
-        if saved is None:
-            del os.environ["GLIBC_TUNABLES"]
-        else:
-            os.environ["GLIBC_TUNABLES"] = saved
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 # ---------------------------------------------------------------------- zmq data plane processes
