@@ -62,6 +62,8 @@ from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outage, Outstream
 
 log = logging.getLogger(__name__)
+# Why a relay reported a rank gone is in its own log; the controller's line says where to look.
+RELAY_SAW = "an exit, silence, or a deposit or record it refused (that host's relay log says which)"
 
 
 class Upstream(Protocol):
@@ -271,7 +273,7 @@ class ControlRouter:
             if r.rank not in self.world[host]:
                 self.counts["forged_route.control"] += 1
                 return
-            self.upstream.declare_dead(r.rank, f"the relay on {host} saw it leave")
+            self.upstream.declare_dead(r.rank, f"the relay on {host} saw it leave: {RELAY_SAW}")
         elif isinstance(r, rec.HostReports):
             host = self._host_of_relay(relay_id)  # attributed: known
             merged = r.unmerge()

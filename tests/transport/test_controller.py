@@ -10,6 +10,7 @@ import torch
 import zmq
 from torch.utils.data import TensorDataset
 
+from flodl_zmq.control_router import RELAY_SAW
 from flodl_zmq.controller_service import ControllerService
 from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.datasets import dataset_signature
@@ -158,7 +159,8 @@ def test_the_start_up_fails_at_once_naming_every_rank_gone_when_none_remain(rig)
     relay.relay_send(rec.RankExit(rank=0))
     thread.join(WAIT_S)
     assert not thread.is_alive() and time.monotonic() - t0 < WAIT_S / 2  # not the start-up timeout
-    assert "rank 0 (the relay on h saw it leave); rank 1 (the relay on h saw it leave)" in str(outcome["error"])
+    assert f"rank 0 (the relay on h saw it leave: {RELAY_SAW}); rank 1 (the relay on h saw it leave" in str(
+        outcome["error"])
     assert "0 of 2 ranks remain" in str(outcome["error"])
 
 
