@@ -54,6 +54,7 @@ from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.wire import PROTOCOL_VERSION
+from flodl_zmq.wire.codec import MAX_SENDER_CHARS
 from flodl_zmq.wire.records import Challenge, ChallengeRequest, JoinHello
 
 # Challenge nonces (PROTOCOL.md 10.4): 16 random bytes, good for one hello or status request
@@ -66,7 +67,9 @@ JOIN_CHALLENGE_CAP = 4096
 # A hello offering more devices than any real machine has is an attack or a bug;
 # refusing it keeps one joiner from claiming the whole rank space.
 MAX_DEVICES_PER_HOST = 256
-MAX_HOST_CHARS = 255
+# A host's relay signs as `relay:<host>` (links.relay_sender), and a sender name holds at most
+# MAX_SENDER_CHARS: a longer host name would be admitted with a relay whose every record is refused.
+MAX_HOST_CHARS = MAX_SENDER_CHARS - len("relay:")
 # How a refusal of a host that is already a member begins: an agent re-dialling after its link
 # was cut retries it until the controller declares its old link lost (agent_rules.worth_redialling).
 DUPLICATE_JOIN = "duplicate join"
