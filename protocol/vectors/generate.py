@@ -42,7 +42,9 @@ from flodl_zmq.links import (
     TAG_DATA,
     coordinator_sender,
     rank_identity,
+    rank_sender,
     relay_identity,
+    relay_sender,
 )
 from flodl_zmq.wire import PROTOCOL_VERSION, REGISTRY, Channel, Codec, EpochPlan, compute_mac
 from flodl_zmq.wire.codec import REPLAY_WINDOW
@@ -1083,16 +1085,17 @@ def by_reference(codec: Codec, rec: Any, payload: list[tuple[str, np.ndarray]], 
 
 
 def by_reference_vectors() -> list[dict[str, Any]]:
+    """A deposit of rank 2 and its relay's consensus, each signed by the peer whose segment it names (3.5)."""
     out = []
-    for kind, channel, owner in (("data.round_frame", Channel.DATA, rank_owner(2)),
-                                 ("data.consensus", Channel.BROADCAST, host_owner(HOST))):
-        codec = Codec(KEY, INCARNATION, SENDER, salt=SALT)
+    for kind, channel, owner, sender in (("data.round_frame", Channel.DATA, rank_owner(2), rank_sender(2)),
+                                         ("data.consensus", Channel.BROADCAST, host_owner(HOST), relay_sender(HOST))):
+        codec = Codec(KEY, INCARNATION, sender, salt=SALT)
         rec = sample_record(REGISTRY[kind].cls)
         payload = _payloads(kind, channel)
         frames, segment = by_reference(codec, rec, payload, owner, channel)
         out.append({
             "name": f"{kind}@by-reference", "kind": kind, "channel": channel.value, "key": KEY.hex(),
-            "incarnation": INCARNATION.hex(), "sender": SENDER, "salt": SALT.hex(), "seq": 1, "owner": owner,
+            "incarnation": INCARNATION.hex(), "sender": sender, "salt": SALT.hex(), "seq": 1, "owner": owner,
             "segment": segment, "record": to_json(to_fields(rec)),
             "payload": [_payload_json(d, a) for d, a in payload], "frames": _hex_frames(frames),
         })

@@ -22,7 +22,15 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from flodl_zmq import errors
-from flodl_zmq.links import RELAY_ROUTE, TAG_BCAST, TAG_DATA, rank_identity, relay_identity
+from flodl_zmq.links import (
+    RELAY_ROUTE,
+    TAG_BCAST,
+    TAG_DATA,
+    rank_identity,
+    rank_sender,
+    relay_identity,
+    relay_sender,
+)
 from flodl_zmq.tensors import bf16_from_f32
 from flodl_zmq.wire import (
     PROTOCOL_VERSION,
@@ -320,6 +328,24 @@ def test_by_reference_vector_decodes_from_its_segment(vector: dict[str, Any], tm
     segment = bytes.fromhex(vector["segment"]["hex"])
     arrays, dtypes = payload_arrays(vector, [segment[off:off + n] for off, n in pairs])
     assert env.dtypes == dtypes and all(np.array_equal(a, b) for a, b in zip(env.payload, arrays, strict=True))
+
+
+# Who the receiving socket attributes each by-reference vector to (3.5 step 3, 7 step 21): rank 2's
+# data socket at its relay, and on rank 2's data DEALER its own host's relay.
+REFERENCE_SIGNERS = {
+    rank_owner(2): Attribution.signed_by(rank_sender(2), "rank 2's data socket", rank=2),
+    host_owner("host-a"): Attribution.signed_by(relay_sender("host-a"), "the data link from host-a's relay"),
+}
+
+
+@pytest.mark.parametrize("vector", BY_REFERENCE, ids=[v["name"] for v in BY_REFERENCE])
+def test_by_reference_vector_is_signed_by_the_peer_whose_segment_it_names(
+    vector: dict[str, Any], tmp_path: pathlib.Path
+) -> None:
+    frames = frames_of(vector["frames"])
+    env = segment_map(vector, tmp_path).decode(codec_for(vector), frames, vector["owner"], Channel(vector["channel"]),
+                                               sender=REFERENCE_SIGNERS[vector["owner"]], replay=vector["channel"] != "bcast")
+    assert env.sender == vector["sender"]
 
 
 @pytest.mark.parametrize("vector", BY_REFERENCE, ids=[v["name"] for v in BY_REFERENCE])
