@@ -228,10 +228,13 @@ def _malformed(hello: JoinHello, protocol: int) -> str | None:
             f"protocol version skew: worker {host!r} speaks {hello.protocol}, the controller "
             f"speaks {protocol}; install the same flodl-zmq version on every host"
         )
-    if not host.strip() or len(host) > MAX_HOST_CHARS or not host.isprintable():
+    # The world travels as `HOST=RANK,...;...` (environment.format_world): a name holding `=` or `;`,
+    # or one the parse would strip, would make every host's agent refuse the formed world.
+    if (not host.strip() or host != host.strip() or len(host) > MAX_HOST_CHARS or not host.isprintable()
+            or "=" in host or ";" in host):
         return (
-            f"invalid host name {host!r}: give each worker a non-blank printable name of at "
-            f"most {MAX_HOST_CHARS} characters (--host)"
+            f"invalid host name {host!r}: give each worker a printable name of at most {MAX_HOST_CHARS} "
+            "characters, without '=', ';' or surrounding spaces (--host)"
         )
     if not devices:
         return f"worker {host!r} offers no devices: give it GPUs or CPU slots (--cpu-slots)"

@@ -176,6 +176,18 @@ def test_every_admitted_host_name_leaves_its_relay_a_sender_name_receivers_accep
     assert "invalid host name" in rejected(w.admit(hello(longest + "h"), 100.0))
 
 
+@pytest.mark.parametrize("name", ["a=b", "a;b", " a", "a "])
+def test_a_host_name_the_world_string_cannot_carry_is_refused_and_the_world_still_forms(name):
+    # Admitted, it made every host's agent refuse the formed world's spawn artifacts.
+    w = window(target_ranks=2)
+    assert "invalid host name" in rejected(w.admit(hello(name), 100.0))
+    w.admit(hello("a"), 100.0)
+    w.admit(hello("b"), 100.0)
+    assert w.poll(100.0).phase is WindowPhase.FORMED
+    spawn = SpawnSpec(("train.py",), {}, w.world)
+    assert SpawnSpec.from_json(spawn.to_json()).world == {"a": (0,), "b": (1,)}
+
+
 def test_retract_last_returns_rank_ids_to_the_pool():
     w = window()
     w.admit(hello("a"), 100.0)
