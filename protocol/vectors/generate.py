@@ -1147,6 +1147,9 @@ RELAY_PROCESS = bytes.fromhex("0123456789abcdef")  # the relay process's random 
 RELAY_ID = relay_identity(HOST, RELAY_PROCESS)
 
 
+AGENT_ID = b"A" + bytes(range(1, 16))  # an agent join DEALER's identity: b"A" and 15 random bytes (10.5)
+
+
 def envelope_vectors() -> list[dict[str, Any]]:
     """Each leg's frames in front of a message, as the receiving application reads them."""
     consensus = REGISTRY["data.consensus"].cls
@@ -1174,6 +1177,15 @@ def envelope_vectors() -> list[dict[str, Any]]:
         ("relay_to_reducer_data", "a relay's data record to the reducer's data ROUTER: its routing identity only",
          [RELAY_ID], f"relay:{HOST}", sample_record(REGISTRY["data.host_frame"].cls), Channel.DATA,
          _payloads("data.host_frame", Channel.DATA)),
+        ("rank_to_relay_data", "a rank's deposit on its data DEALER to its relay's data ROUTER: the routing "
+         "identity is the rank in ASCII decimal", [rank_identity(2)], "rank:2",
+         sample_record(REGISTRY["data.round_frame"].cls), Channel.DATA, _payloads("data.round_frame", Channel.DATA)),
+        ("relay_to_rank_data", "the relay's own data record to a rank, as the rank's data DEALER reads it: no "
+         "envelope (the relay sends [b\"2\", message])", [], f"relay:{HOST}",
+         sample_record(REGISTRY["data.frame_request"].cls), Channel.DATA, []),
+        ("agent_to_controller_join", "an admitted agent's join record, as the controller's join ROUTER reads it: "
+         "the agent's routing identity, b\"A\" and 15 random bytes (the agent's DEALER reads the controller's "
+         "records bare)", [AGENT_ID], HOST, REGISTRY["join.heartbeat"].cls(), Channel.JOIN, []),
     ]
     out = []
     for name, leg, envelope, signer, rec, channel, payload in legs:

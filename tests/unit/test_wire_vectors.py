@@ -376,6 +376,9 @@ def test_envelope_vector_is_what_the_legs_send_and_its_message_decodes(vector: d
         "reducer_resend_consensus": [TAG_BCAST],
         "pub_to_sub": [],
         "relay_to_reducer_data": [relay_identity("host-a", bytes.fromhex("0123456789abcdef"))],
+        "rank_to_relay_data": [rank_identity(2)],
+        "relay_to_rank_data": [],
+        "agent_to_controller_join": [b"A" + bytes(range(1, 16))],
     }[vector["name"]]
     assert frames_of(vector["envelope"]) == envelope
     channel = Channel(vector["channel"])
@@ -387,6 +390,31 @@ def test_envelope_vector_is_what_the_legs_send_and_its_message_decodes(vector: d
     assert [bytes(f) for f in encoder.encode(rec, arrays, channel=channel, dtypes=dtypes)] == frames
     env = codec_for(vector).decode_from(frames, channel, Attribution.signed_by(vector["signer"], vector["name"]))
     assert env.record == rec
+
+
+# Each leg of PROTOCOL.md 3.1's envelope table (its first cell, up to the arrow) and the vectors that show it.
+LEG_VECTORS = {
+    "rank control or data DEALER": ["rank_to_relay_control", "rank_to_relay_data"],
+    "relay control DEALER": ["relay_to_controller_rank_record", "relay_own_control_record"],
+    "controller control ROUTER": ["controller_to_relay_for_rank"],
+    "relay local control ROUTER": ["controller_to_relay_for_rank"],
+    "relay data DEALER": ["relay_to_reducer_data"],
+    "reducer data ROUTER": ["reducer_to_relay_data", "reducer_resend_consensus"],
+    "reducer PUB": ["pub_to_sub"],
+    "relay local data ROUTER": ["relay_to_rank_data"],
+    "agent join DEALER": ["agent_to_controller_join"],
+}
+
+
+def test_every_leg_of_the_envelope_table_has_a_vector() -> None:
+    section = SPEC.split("**Envelope frames (normative).**", 1)[1].split("\n\n", 2)[1]
+    rows = "\n".join(section.splitlines()[2:])  # past the heading row and the rule under it
+    legs = re.findall(r"^\| ([^|]+?) (?:→|⇄) ", rows, re.M)
+    assert len(legs) >= 9, f"PROTOCOL.md 3.1's envelope table should list every leg, found {legs}"
+    assert sorted(legs) == sorted(LEG_VECTORS), "a leg of PROTOCOL.md 3.1 without a vector, or a vector of no leg"
+    names = {v["name"] for v in ENVELOPES}
+    missing = {leg: want for leg, want in LEG_VECTORS.items() if not set(want) <= names}
+    assert not missing, f"regenerate protocol/vectors: no envelope vector for {missing}"
 
 
 def test_every_registered_kind_and_channel_has_a_positive_vector() -> None:
