@@ -453,3 +453,13 @@ def test_spec_describes_the_epoch_plan_fields() -> None:
     section = _record_section("EpochPlan")
     for f in dataclasses.fields(EpochPlan):
         assert f"`{f.name}`" in section
+
+
+def test_the_model_signature_protocol_md_gives_is_the_ranks() -> None:
+    # PROTOCOL.md 9.3 (`rank.hello`): a third-party rank that computes it as written agrees with ours.
+    from flodl_zmq.payload import model_signature
+
+    stated = re.search(r"`BatchNorm1d\(3\)` in a `Sequential` it is\s+`([0-9a-f]{64})`", SPEC)
+    assert stated, "PROTOCOL.md 9.3 should give the model signature of Sequential(Linear(2, 3), BatchNorm1d(3))"
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    assert model_signature(model).hex() == stated.group(1)
