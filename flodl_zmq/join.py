@@ -54,6 +54,7 @@ from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.wire import PROTOCOL_VERSION
+from flodl_zmq.wire.codec import MAX_SENDER_CHARS
 from flodl_zmq.wire.records import Challenge, ChallengeRequest, JoinHello
 
 # Challenge nonces (PROTOCOL.md 10.4): 16 random bytes, good for one hello or status request
@@ -66,7 +67,9 @@ JOIN_CHALLENGE_CAP = 4096
 # A hello offering more devices than any real machine has is an attack or a bug;
 # refusing it keeps one joiner from claiming the whole rank space.
 MAX_DEVICES_PER_HOST = 256
-MAX_HOST_CHARS = 255
+# A host's relay signs as `relay:<host>` (links.relay_sender), and a sender name holds at most
+# MAX_SENDER_CHARS: a longer host name would be admitted with a relay whose every record is refused.
+MAX_HOST_CHARS = MAX_SENDER_CHARS - len("relay:")
 # How a refusal of a host that is already a member begins: an agent re-dialling after its link
 # was cut retries it until the controller declares its old link lost (agent_rules.worth_redialling).
 DUPLICATE_JOIN = "duplicate join"
@@ -225,10 +228,13 @@ def _malformed(hello: JoinHello, protocol: int) -> str | None:
             f"protocol version skew: worker {host!r} speaks {hello.protocol}, the controller "
             f"speaks {protocol}; install the same flodl-zmq version on every host"
         )
-    if not host.strip() or len(host) > MAX_HOST_CHARS or not host.isprintable():
+    # The world travels as `HOST=RANK,...;...` (environment.format_world): a name holding `=` or `;`,
+    # or one the parse would strip, would make every host's agent refuse the formed world.
+    if (not host.strip() or host != host.strip() or len(host) > MAX_HOST_CHARS or not host.isprintable()
+            or "=" in host or ";" in host):
         return (
-            f"invalid host name {host!r}: give each worker a non-blank printable name of at "
-            f"most {MAX_HOST_CHARS} characters (--host)"
+            f"invalid host name {host!r}: give each worker a printable name of at most {MAX_HOST_CHARS} "
+            "characters, without '=', ';' or surrounding spaces (--host)"
         )
     if not devices:
         return f"worker {host!r} offers no devices: give it GPUs or CPU slots (--cpu-slots)"

@@ -136,15 +136,21 @@ def hello_signer(route_secret: bytes, hello: Any, where: str) -> Attribution:
     return Attribution.signed_by(relay_sender(hello.host), where)
 
 
+RELAY_IDENTITY_HOST_BYTES = 200  # with "relay:", ":" and 16 hex digits: 223 bytes at most
+
+
 def relay_identity(host: str, incarnation: bytes) -> bytes:
     """The routing identity of a relay's upstream DEALERs: its host and its process's incarnation.
 
     Stable for the process, so a reconnect keeps its route at the controller;
     a restarted relay (a new incarnation) is a different peer. ZeroMQ allows
-    1..255 bytes not starting with a zero byte; a long host name is cut, the
-    incarnation keeps it unique.
+    1..255 bytes not starting with a zero byte, so a long host name is cut to
+    RELAY_IDENTITY_HOST_BYTES of UTF-8 at a character boundary (a cut in
+    characters let a valid non-ASCII name overflow the limit, and the relay's
+    socket setup fail); the incarnation keeps it unique.
     """
-    return f"relay:{host[:200]}:{incarnation.hex()}".encode()
+    name = host.encode()[:RELAY_IDENTITY_HOST_BYTES].decode(errors="ignore")
+    return f"relay:{name}:{incarnation.hex()}".encode()
 
 
 def _local_dir_path(key: bytes, incarnation: bytes, base: str | None) -> str:

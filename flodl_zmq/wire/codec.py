@@ -59,6 +59,7 @@ PROTOCOL_VERSION = 7
 RUN_ID_BYTES = 16  # the run id, and every incarnation id (the header's `run`, PROTOCOL.md 4.1)
 SALT_BYTES = 16
 MAX_SEQ = 2**63 - 1
+MAX_SENDER_CHARS = 256  # the header's `from`, in code points (PROTOCOL.md 3.2)
 REPLAY_WINDOW = 4096  # sequence numbers below a sender's highest that may still arrive (PROTOCOL.md 5.1)
 
 
@@ -566,8 +567,8 @@ class Codec:
                 raise SchemaError(f"header field {key!r} must be {tp.__name__}, got {type(head[key]).__name__}")
         if not 1 <= head["seq"] <= MAX_SEQ:
             raise SchemaError(f"sequence number {head['seq']} is outside 1..2^63-1")
-        if not 0 < len(head["from"]) <= 256:
-            raise SchemaError("sender name must be 1..256 characters")
+        if not 0 < len(head["from"]) <= MAX_SENDER_CHARS:
+            raise SchemaError(f"sender name must be 1..{MAX_SENDER_CHARS} characters")
         if len(head["salt"]) != SALT_BYTES:
             raise SchemaError(f"header salt must be {SALT_BYTES} bytes, got {len(head['salt'])}")
         return head

@@ -42,7 +42,9 @@ from flodl_zmq.links import (
     TAG_DATA,
     coordinator_sender,
     rank_identity,
+    rank_sender,
     relay_identity,
+    relay_sender,
 )
 from flodl_zmq.wire import PROTOCOL_VERSION, REGISTRY, Channel, Codec, EpochPlan, compute_mac
 from flodl_zmq.wire.codec import REPLAY_WINDOW
@@ -1083,16 +1085,17 @@ def by_reference(codec: Codec, rec: Any, payload: list[tuple[str, np.ndarray]], 
 
 
 def by_reference_vectors() -> list[dict[str, Any]]:
+    """A deposit of rank 2 and its relay's consensus, each signed by the peer whose segment it names (3.5)."""
     out = []
-    for kind, channel, owner in (("data.round_frame", Channel.DATA, rank_owner(2)),
-                                 ("data.consensus", Channel.BROADCAST, host_owner(HOST))):
-        codec = Codec(KEY, INCARNATION, SENDER, salt=SALT)
+    for kind, channel, owner, sender in (("data.round_frame", Channel.DATA, rank_owner(2), rank_sender(2)),
+                                         ("data.consensus", Channel.BROADCAST, host_owner(HOST), relay_sender(HOST))):
+        codec = Codec(KEY, INCARNATION, sender, salt=SALT)
         rec = sample_record(REGISTRY[kind].cls)
         payload = _payloads(kind, channel)
         frames, segment = by_reference(codec, rec, payload, owner, channel)
         out.append({
             "name": f"{kind}@by-reference", "kind": kind, "channel": channel.value, "key": KEY.hex(),
-            "incarnation": INCARNATION.hex(), "sender": SENDER, "salt": SALT.hex(), "seq": 1, "owner": owner,
+            "incarnation": INCARNATION.hex(), "sender": sender, "salt": SALT.hex(), "seq": 1, "owner": owner,
             "segment": segment, "record": to_json(to_fields(rec)),
             "payload": [_payload_json(d, a) for d, a in payload], "frames": _hex_frames(frames),
         })
@@ -1144,6 +1147,9 @@ RELAY_PROCESS = bytes.fromhex("0123456789abcdef")  # the relay process's random 
 RELAY_ID = relay_identity(HOST, RELAY_PROCESS)
 
 
+AGENT_ID = b"A" + bytes(range(1, 16))  # an agent join DEALER's identity: b"A" and 15 random bytes (10.5)
+
+
 def envelope_vectors() -> list[dict[str, Any]]:
     """Each leg's frames in front of a message, as the receiving application reads them."""
     consensus = REGISTRY["data.consensus"].cls
@@ -1171,6 +1177,15 @@ def envelope_vectors() -> list[dict[str, Any]]:
         ("relay_to_reducer_data", "a relay's data record to the reducer's data ROUTER: its routing identity only",
          [RELAY_ID], f"relay:{HOST}", sample_record(REGISTRY["data.host_frame"].cls), Channel.DATA,
          _payloads("data.host_frame", Channel.DATA)),
+        ("rank_to_relay_data", "a rank's deposit on its data DEALER to its relay's data ROUTER: the routing "
+         "identity is the rank in ASCII decimal", [rank_identity(2)], "rank:2",
+         sample_record(REGISTRY["data.round_frame"].cls), Channel.DATA, _payloads("data.round_frame", Channel.DATA)),
+        ("relay_to_rank_data", "the relay's own data record to a rank, as the rank's data DEALER reads it: no "
+         "envelope (the relay sends [b\"2\", message])", [], f"relay:{HOST}",
+         sample_record(REGISTRY["data.frame_request"].cls), Channel.DATA, []),
+        ("agent_to_controller_join", "an admitted agent's join record, as the controller's join ROUTER reads it: "
+         "the agent's routing identity, b\"A\" and 15 random bytes (the agent's DEALER reads the controller's "
+         "records bare)", [AGENT_ID], HOST, REGISTRY["join.heartbeat"].cls(), Channel.JOIN, []),
     ]
     out = []
     for name, leg, envelope, signer, rec, channel, payload in legs:

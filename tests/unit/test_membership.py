@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.join import (
+    MAX_HOST_CHARS,
     Accepted,
     HostLinks,
     JoinConfig,
@@ -21,6 +22,7 @@ from flodl_zmq.join import (
     Rejected,
     WindowPhase,
 )
+from flodl_zmq.links import relay_sender
 from flodl_zmq.trust import (
     OPEN_JOIN_KEY,
     TrustMode,
@@ -28,8 +30,8 @@ from flodl_zmq.trust import (
     join_key,
     resolve_trust,
 )
-from flodl_zmq.wire import PROTOCOL_VERSION
-from flodl_zmq.wire.records import JoinHello
+from flodl_zmq.wire import PROTOCOL_VERSION, Codec
+from flodl_zmq.wire.records import Channel, JoinHello, RankExit
 
 SIG_A = bytes([0xA1]) * 32
 SIG_B = bytes([0xB2]) * 32
@@ -160,6 +162,30 @@ def test_hostile_hellos_are_refused_and_leave_the_window_open(h, needle):
     assert needle in rejected(w.admit(h, 100.0))
     assert w.members == () and w.phase is WindowPhase.OPEN
     assert w.admit(hello("honest"), 100.0).ranks == (0,)
+
+
+def test_every_admitted_host_name_leaves_its_relay_a_sender_name_receivers_accept():
+    # The relay signs as `relay:<host>`, and a receiver refuses a sender name over 256 code points
+    # (PROTOCOL.md 3.2): a host admitted with a longer one would run a relay nobody hears.
+    w = window()
+    longest = "h" * MAX_HOST_CHARS
+    assert w.admit(hello(longest), 100.0).ranks == (0,)
+    key, run = bytes(32), bytes(16)
+    frames = Codec(key, run, relay_sender(longest)).encode(RankExit(rank=0), channel=Channel.DATA)
+    assert Codec(key, run, "reducer").decode(frames, Channel.DATA).sender == relay_sender(longest)
+    assert "invalid host name" in rejected(w.admit(hello(longest + "h"), 100.0))
+
+
+@pytest.mark.parametrize("name", ["a=b", "a;b", " a", "a "])
+def test_a_host_name_the_world_string_cannot_carry_is_refused_and_the_world_still_forms(name):
+    # Admitted, it made every host's agent refuse the formed world's spawn artifacts.
+    w = window(target_ranks=2)
+    assert "invalid host name" in rejected(w.admit(hello(name), 100.0))
+    w.admit(hello("a"), 100.0)
+    w.admit(hello("b"), 100.0)
+    assert w.poll(100.0).phase is WindowPhase.FORMED
+    spawn = SpawnSpec(("train.py",), {}, w.world)
+    assert SpawnSpec.from_json(spawn.to_json()).world == {"a": (0,), "b": (1,)}
 
 
 def test_retract_last_returns_rank_ids_to_the_pool():

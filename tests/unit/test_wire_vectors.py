@@ -22,7 +22,15 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from flodl_zmq import errors
-from flodl_zmq.links import RELAY_ROUTE, TAG_BCAST, TAG_DATA, rank_identity, relay_identity
+from flodl_zmq.links import (
+    RELAY_ROUTE,
+    TAG_BCAST,
+    TAG_DATA,
+    rank_identity,
+    rank_sender,
+    relay_identity,
+    relay_sender,
+)
 from flodl_zmq.tensors import bf16_from_f32
 from flodl_zmq.wire import (
     PROTOCOL_VERSION,
@@ -322,6 +330,24 @@ def test_by_reference_vector_decodes_from_its_segment(vector: dict[str, Any], tm
     assert env.dtypes == dtypes and all(np.array_equal(a, b) for a, b in zip(env.payload, arrays, strict=True))
 
 
+# Who the receiving socket attributes each by-reference vector to (3.5 step 3, 7 step 21): rank 2's
+# data socket at its relay, and on rank 2's data DEALER its own host's relay.
+REFERENCE_SIGNERS = {
+    rank_owner(2): Attribution.signed_by(rank_sender(2), "rank 2's data socket", rank=2),
+    host_owner("host-a"): Attribution.signed_by(relay_sender("host-a"), "the data link from host-a's relay"),
+}
+
+
+@pytest.mark.parametrize("vector", BY_REFERENCE, ids=[v["name"] for v in BY_REFERENCE])
+def test_by_reference_vector_is_signed_by_the_peer_whose_segment_it_names(
+    vector: dict[str, Any], tmp_path: pathlib.Path
+) -> None:
+    frames = frames_of(vector["frames"])
+    env = segment_map(vector, tmp_path).decode(codec_for(vector), frames, vector["owner"], Channel(vector["channel"]),
+                                               sender=REFERENCE_SIGNERS[vector["owner"]], replay=vector["channel"] != "bcast")
+    assert env.sender == vector["sender"]
+
+
 @pytest.mark.parametrize("vector", BY_REFERENCE, ids=[v["name"] for v in BY_REFERENCE])
 def test_by_reference_record_encodes_to_the_vector_frames(vector: dict[str, Any]) -> None:
     frames = frames_of(vector["frames"])
@@ -350,6 +376,9 @@ def test_envelope_vector_is_what_the_legs_send_and_its_message_decodes(vector: d
         "reducer_resend_consensus": [TAG_BCAST],
         "pub_to_sub": [],
         "relay_to_reducer_data": [relay_identity("host-a", bytes.fromhex("0123456789abcdef"))],
+        "rank_to_relay_data": [rank_identity(2)],
+        "relay_to_rank_data": [],
+        "agent_to_controller_join": [b"A" + bytes(range(1, 16))],
     }[vector["name"]]
     assert frames_of(vector["envelope"]) == envelope
     channel = Channel(vector["channel"])
@@ -361,6 +390,31 @@ def test_envelope_vector_is_what_the_legs_send_and_its_message_decodes(vector: d
     assert [bytes(f) for f in encoder.encode(rec, arrays, channel=channel, dtypes=dtypes)] == frames
     env = codec_for(vector).decode_from(frames, channel, Attribution.signed_by(vector["signer"], vector["name"]))
     assert env.record == rec
+
+
+# Each leg of PROTOCOL.md 3.1's envelope table (its first cell, up to the arrow) and the vectors that show it.
+LEG_VECTORS = {
+    "rank control or data DEALER": ["rank_to_relay_control", "rank_to_relay_data"],
+    "relay control DEALER": ["relay_to_controller_rank_record", "relay_own_control_record"],
+    "controller control ROUTER": ["controller_to_relay_for_rank"],
+    "relay local control ROUTER": ["controller_to_relay_for_rank"],
+    "relay data DEALER": ["relay_to_reducer_data"],
+    "reducer data ROUTER": ["reducer_to_relay_data", "reducer_resend_consensus"],
+    "reducer PUB": ["pub_to_sub"],
+    "relay local data ROUTER": ["relay_to_rank_data"],
+    "agent join DEALER": ["agent_to_controller_join"],
+}
+
+
+def test_every_leg_of_the_envelope_table_has_a_vector() -> None:
+    section = SPEC.split("**Envelope frames (normative).**", 1)[1].split("\n\n", 2)[1]
+    rows = "\n".join(section.splitlines()[2:])  # past the heading row and the rule under it
+    legs = re.findall(r"^\| ([^|]+?) (?:→|⇄) ", rows, re.M)
+    assert len(legs) >= 9, f"PROTOCOL.md 3.1's envelope table should list every leg, found {legs}"
+    assert sorted(legs) == sorted(LEG_VECTORS), "a leg of PROTOCOL.md 3.1 without a vector, or a vector of no leg"
+    names = {v["name"] for v in ENVELOPES}
+    missing = {leg: want for leg, want in LEG_VECTORS.items() if not set(want) <= names}
+    assert not missing, f"regenerate protocol/vectors: no envelope vector for {missing}"
 
 
 def test_every_registered_kind_and_channel_has_a_positive_vector() -> None:
@@ -399,3 +453,13 @@ def test_spec_describes_the_epoch_plan_fields() -> None:
     section = _record_section("EpochPlan")
     for f in dataclasses.fields(EpochPlan):
         assert f"`{f.name}`" in section
+
+
+def test_the_model_signature_protocol_md_gives_is_the_ranks() -> None:
+    # PROTOCOL.md 9.3 (`rank.hello`): a third-party rank that computes it as written agrees with ours.
+    from flodl_zmq.payload import model_signature
+
+    stated = re.search(r"`BatchNorm1d\(3\)` in a `Sequential` it is\s+`([0-9a-f]{64})`", SPEC)
+    assert stated, "PROTOCOL.md 9.3 should give the model signature of Sequential(Linear(2, 3), BatchNorm1d(3))"
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    assert model_signature(model).hex() == stated.group(1)
