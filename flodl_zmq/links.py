@@ -61,7 +61,7 @@ from zmq.utils.monitor import recv_monitor_message
 from flodl_zmq.endpoints import is_loopback_endpoint
 from flodl_zmq.errors import AttributionError, FlodlError, PrivateDirError, WireError
 from flodl_zmq.wire import Attribution, Envelope, Limits
-from flodl_zmq.wire.records import Channel
+from flodl_zmq.wire.records import MAX_RANK, Channel
 from flodl_zmq.wire.shm import private_dir_name
 
 RELAY_ROUTE = b""  # route frame of the relay's own control records
@@ -91,10 +91,16 @@ def rank_identity(rank: int) -> bytes:
 
 
 def rank_of(identity: bytes) -> int | None:
-    """The rank a routing identity names, or None when it names none."""
-    if not identity or not identity.isdigit() or len(identity) > 10:
+    """The rank a routing identity names, or None when it names none.
+
+    Only the canonical form names one (`rank_identity`'s: no sign, no leading zero, a Rank's range): the
+    replies to a rank go to `rank_identity(rank)`, so a peer whose identity spells it otherwise (`b"03"`)
+    would be served under a name it never receives on.
+    """
+    if not identity.isdigit() or len(identity) > 10 or int(identity) > MAX_RANK:
         return None
-    return int(identity)
+    rank = int(identity)
+    return rank if rank_identity(rank) == identity else None
 
 
 def rank_sender(rank: int) -> str:
