@@ -15,7 +15,8 @@ Rules this module keeps:
   timeout, and a repeat changes nothing (PROTOCOL.md 10.7).
 - A consensus is delivered once. A shipped round whose consensus did not
   come (a later round came first, or silence past the deadline) is requested
-  again, each request doubling the wait up to a cap (PROTOCOL.md 10.3).
+  again, each request doubling the wait up to a cap, and at once when an
+  upstream link reconnects (PROTOCOL.md 10.3).
 - A RelayHello is repeated until acknowledged.
 - A host's mergeable rank records go up as one `relay.reports` per period,
   or at once when every live local rank has one held (PROTOCOL.md 9.4).
@@ -128,7 +129,8 @@ class ConsensusWatch:
     `shipped` arms a round; `accept` says whether a consensus is new (deliver
     it) and which older shipped rounds it overtook (ask for those now); `due`
     returns rounds silent past their wait and re-arms them, so a request
-    that is itself lost is repeated. Each request for a round doubles its
+    that is itself lost is repeated; `reconnected` returns every pending
+    round at once, after an upstream connection was made anew. Each request for a round doubles its
     wait (up to `BACKOFF_CAP` deadlines): on a slow link a consensus may take
     longer than the deadline to arrive, and every early request would put one
     more full copy of it on that link (PROTOCOL.md 10.3). For the same reason
@@ -193,6 +195,14 @@ class ConsensusWatch:
     def next_due(self) -> float:
         """When the first pending round's wait runs out (math.inf: none pending)."""
         return min((t + wait for t, wait, _ in self._pending.values()), default=math.inf)
+
+    def reconnected(self, now: float) -> list[int]:
+        """Every pending round, asked for now: a connection that was replaced lost what it carried
+        (a broadcast, a resend, a request), and waiting out a backed-off wait for it starves the host."""
+        out = self.pending
+        for r in out:
+            self._asked(r, now)
+        return out
 
     def due(self, now: float) -> list[int]:
         out = [r for r, (t, wait, _) in sorted(self._pending.items()) if now - t > wait]

@@ -219,6 +219,18 @@ def test_consensus_watch_waits_past_eight_deadlines_when_the_link_showed_a_round
     assert w.next_due() == pytest.approx(100.0 + 2 * 25.0)  # the link showed 25 s; the 60 s round was a lost one's
 
 
+def test_a_reconnect_asks_at_once_for_every_pending_round_and_then_backs_off_as_any_request():
+    w = ConsensusWatch(deadline=2.0)
+    assert w.reconnected(0.0) == []  # the first connection: nothing shipped, nothing to ask
+    w.shipped(1, 0.0)
+    w.accept(1, 30.0)  # a slow round: the next one waits 60 s
+    w.shipped(2, 31.0)
+    assert w.reconnected(32.0) == [2]  # what the old connection carried is lost: asking cannot wait a minute
+    assert w.due(33.0) == []  # a request went: the next waits as after any other
+    assert w.accept(2, 33.0) == (True, [])
+    assert w.reconnected(34.0) == []
+
+
 def test_a_round_that_waited_out_a_hold_does_not_delay_asking_for_the_next_rounds_lost_consensus():
     # CI: a flapped host's round spanned the run's hold; the next round's consensus was lost, and its relay
     # waited twice the held round (then doubled) before asking again, past the run's end: its rank sat at its
