@@ -61,8 +61,9 @@ Rules the relay keeps:
   leave the controller waiting for a timeout; a repeat changes nothing).
 - A consensus is delivered to every live local rank once. A round that was
   shipped and whose consensus did not come (a later round came first, or
-  silence past `consensus_wait_at_relay_s`) is requested point to point: PUB
-  drops messages and a lost consensus is a correctness bug for Local SGD.
+  silence past `consensus_wait_at_relay_s`, or a reconnect of the upstream
+  data link or the SUB) is requested point to point: PUB drops messages and
+  a lost consensus is a correctness bug for Local SGD.
 - Nothing lost in a reset stalls a round (PROTOCOL.md 10.6): the last host
   frame shipped is kept until its consensus comes and sent again when the
   reducer asks (FrameRequest); a rank that asks for its consensus

@@ -15,7 +15,8 @@ Rules this module keeps:
   timeout, and a repeat changes nothing (PROTOCOL.md 10.7).
 - A consensus is delivered once. A shipped round whose consensus did not
   come (a later round came first, or silence past the deadline) is requested
-  again, each request doubling the wait up to a cap (PROTOCOL.md 10.3).
+  again, each request doubling the wait up to a cap, and at once when an
+  upstream link reconnects (PROTOCOL.md 10.3).
 - A RelayHello is repeated until acknowledged.
 - A host's mergeable rank records go up as one `relay.reports` per period,
   or at once when every live local rank has one held (PROTOCOL.md 9.4).
@@ -128,47 +129,60 @@ class ConsensusWatch:
     `shipped` arms a round; `accept` says whether a consensus is new (deliver
     it) and which older shipped rounds it overtook (ask for those now); `due`
     returns rounds silent past their wait and re-arms them, so a request
-    that is itself lost is repeated. Each request for a round doubles its
+    that is itself lost is repeated; `reconnected` returns every pending
+    round at once, after an upstream connection was made anew. Each request for a round doubles its
     wait (up to `BACKOFF_CAP` deadlines): on a slow link a consensus may take
     longer than the deadline to arrive, and every early request would put one
     more full copy of it on that link (PROTOCOL.md 10.3). For the same reason
-    a round's wait is at least twice the time the last delivered round took
-    from shipping to its consensus, past `BACKOFF_CAP` deadlines too: a large
-    model's rounds take seconds longer than a small one's, and one reducer's
-    link carrying every host's frame takes longer than 8 deadlines (4 hosts x
-    100M parameters at 1 Gbit/s: 28 requests over 3 rounds, each answer one
-    more model-sized message on that saturated link; docs/benchmarks.md
-    bench/topology.py). `LINK_CAP` deadlines bound it, so a lost consensus is
-    still asked for in bounded time even after a run of slow rounds.
+    a round's wait is at least twice what the link showed: the shortest time
+    from shipping to consensus among the last `LATENCY_ROUNDS` rounds
+    delivered, past `BACKOFF_CAP` deadlines too: a large model's rounds take
+    seconds longer than a small one's, and one reducer's link carrying every
+    host's frame takes longer than 8 deadlines (4 hosts x 100M parameters at
+    1 Gbit/s: 28 requests over 3 rounds, each answer one more model-sized
+    message on that saturated link; docs/benchmarks.md bench/topology.py).
+    The shortest, not the last: a slow link slows every round, but one round
+    that waited on other hosts (a straggler, ranks held, a link flap) says
+    nothing of this link, and taken as its latency it once left a lost
+    consensus unasked for longer than the rest of the run while the host's
+    rank waited at its barrier. `LINK_CAP` deadlines bound it, so a lost
+    consensus is still asked for in bounded time even after a run of slow
+    rounds.
     """
 
     BACKOFF_CAP = 8
     LINK_CAP = 64
+    LATENCY_ROUNDS = 3
 
     def __init__(self, deadline: float):
         self.deadline = deadline
         # round -> (armed or last asked at, wait, shipped at)
         self._pending: dict[int, tuple[float, float, float]] = {}
         self._high = 0  # highest round shipped or delivered
-        self._latency = 0.0  # shipping to consensus, of the last round delivered
+        # shipping to consensus, of the last rounds delivered (their shortest is the link's latency)
+        self._latencies: deque[float] = deque(maxlen=self.LATENCY_ROUNDS)
 
     @property
     def pending(self) -> list[int]:
         return sorted(self._pending)
 
+    def _latency(self) -> float:
+        """What the link showed: the shortest shipping-to-consensus time of the last rounds delivered."""
+        return min(self._latencies, default=0.0)
+
     def _cap(self) -> float:
         """The longest wait: 8 deadlines, or twice what the link showed (at most `LINK_CAP` deadlines)."""
-        return max(self.BACKOFF_CAP * self.deadline, min(2.0 * self._latency, self.LINK_CAP * self.deadline))
+        return max(self.BACKOFF_CAP * self.deadline, min(2.0 * self._latency(), self.LINK_CAP * self.deadline))
 
     def shipped(self, round_id: int, now: float) -> None:
-        wait = min(max(self.deadline, 2.0 * self._latency), self._cap())
+        wait = min(max(self.deadline, 2.0 * self._latency()), self._cap())
         self._pending[round_id] = (now, wait, now)
         self._high = max(self._high, round_id)
 
     def accept(self, round_id: int, now: float) -> tuple[bool, list[int]]:
         """(deliver, overtaken rounds to request) for a consensus of `round_id`."""
         if round_id in self._pending:
-            self._latency = now - self._pending.pop(round_id)[2]
+            self._latencies.append(now - self._pending.pop(round_id)[2])
         elif round_id > self._high:
             self._high = round_id  # a round this host had nothing for; its live ranks still adopt it
         else:
@@ -181,6 +195,14 @@ class ConsensusWatch:
     def next_due(self) -> float:
         """When the first pending round's wait runs out (math.inf: none pending)."""
         return min((t + wait for t, wait, _ in self._pending.values()), default=math.inf)
+
+    def reconnected(self, now: float) -> list[int]:
+        """Every pending round, asked for now: a connection that was replaced lost what it carried
+        (a broadcast, a resend, a request), and waiting out a backed-off wait for it starves the host."""
+        out = self.pending
+        for r in out:
+            self._asked(r, now)
+        return out
 
     def due(self, now: float) -> list[int]:
         out = [r for r, (t, wait, _) in sorted(self._pending.items()) if now - t > wait]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from flodl_zmq.errors import FoldError, PoisonedDeposit, ShmError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
@@ -169,7 +170,16 @@ class DataPlane(Plane):
         loop.timer(self.hello.next_due, self.say_hello)
         loop.timer(self.watch.next_due, self.recover)
         loop.timer(self.outbox.next_due, self.upstream_stuck)
-        loop.run()
+        # Each connection made, to the reducer or its PUB: a reconnect lost what the old one carried.
+        monitors = [sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) for sock in (self.up, sub)]
+        for monitor in monitors:
+            loop.on_socket(monitor, lambda m=monitor: self.connected(m))
+        try:
+            loop.run()
+        finally:
+            for sock, monitor in zip((self.up, sub), monitors, strict=True):
+                sock.disable_monitor()
+                monitor.close(linger=0)
 
     def drained(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
         self.count["oversized"] += drain(sock, handle, copy=False, budget=16)
@@ -454,6 +464,17 @@ class DataPlane(Plane):
         log.info("relay %s: consensus of round %d not here; asking the reducer", self.cfg.host, round_id)
         self.count["consensus_requests"] += 1
         self.send_up(ConsensusRequest(round_id))
+
+    def connected(self, monitor: zmq.Socket) -> None:
+        """An upstream link (re)connected: every round still pending is asked for now, not after its wait
+        (which a slow round may have stretched to a minute: a consensus the PUB sent meanwhile is lost)."""
+        while monitor.poll(0):
+            recv_monitor_message(monitor)
+        rounds = self.watch.reconnected(time.monotonic())
+        if rounds:
+            log.info("relay %s: an upstream link reconnected; asking again for rounds %s", self.cfg.host, rounds)
+        for r in rounds:
+            self.request(r)
 
     def recover(self, now: float) -> None:
         for r in self.watch.due(now):

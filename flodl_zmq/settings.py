@@ -217,8 +217,8 @@ class Settings:
     rank_first_record_at_relay_s: float = setting(60.0, "how long a relay waits for a rank's first record before "
             "declaring it dead", env=("FLODL_RANK_FIRST_RECORD_AT_RELAY",), scope="run", minimum=0.0, strict=True)
     consensus_wait_at_relay_s: float = setting(2.0, "how long a relay (or a rank) waits for a round's consensus "
-            "before asking the reducer (or its relay) for it; a relay waits at least twice its last round's ship-to-consensus "
-            "time", env=("FLODL_CONSENSUS_WAIT_AT_RELAY",), scope="run", minimum=0.0,
+            "before asking the reducer (or its relay) for it; a relay waits at least twice the shortest ship-to-consensus "
+            "time of its last 3 rounds", env=("FLODL_CONSENSUS_WAIT_AT_RELAY",), scope="run", minimum=0.0,
             strict=True)
     coordinator_silence_at_rank_s: float = setting(30.0, "coordinator silence after which a rank exits",
             env=("FLODL_COORDINATOR_SILENCE_AT_RANK",), scope="run", minimum=0.0, strict=True)

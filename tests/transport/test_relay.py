@@ -216,7 +216,34 @@ def test_consensus_watch_waits_past_eight_deadlines_when_the_link_showed_a_round
     assert w.next_due() == pytest.approx(130.1)  # and again after the same wait, not twice it
     assert w.accept(2, 90.0) == (True, [])
     w.shipped(3, 100.0)
-    assert w.next_due() == pytest.approx(100.0 + 2 * 60.0)  # it learned 60 s, asked or not
+    assert w.next_due() == pytest.approx(100.0 + 2 * 25.0)  # the link showed 25 s; the 60 s round was a lost one's
+
+
+def test_a_reconnect_asks_at_once_for_every_pending_round_and_then_backs_off_as_any_request():
+    w = ConsensusWatch(deadline=2.0)
+    assert w.reconnected(0.0) == []  # the first connection: nothing shipped, nothing to ask
+    w.shipped(1, 0.0)
+    w.accept(1, 30.0)  # a slow round: the next one waits 60 s
+    w.shipped(2, 31.0)
+    assert w.reconnected(32.0) == [2]  # what the old connection carried is lost: asking cannot wait a minute
+    assert w.due(33.0) == []  # a request went: the next waits as after any other
+    assert w.accept(2, 33.0) == (True, [])
+    assert w.reconnected(34.0) == []
+
+
+def test_a_round_that_waited_out_a_hold_does_not_delay_asking_for_the_next_rounds_lost_consensus():
+    # CI: a flapped host's round spanned the run's hold; the next round's consensus was lost, and its relay
+    # waited twice the held round (then doubled) before asking again, past the run's end: its rank sat at its
+    # barrier for the last 3 epochs. One slow round says nothing of the link; every round of a slow link is slow.
+    w = ConsensusWatch(deadline=2.0)
+    for r, t in enumerate((0.0, 1.0, 2.0), start=1):
+        w.shipped(r, t)
+        assert w.accept(r, t + 0.2) == (True, [])
+    w.shipped(4, 10.0)
+    assert w.accept(4, 40.0) == (True, [])  # the other hosts' ranks were held for 30 s
+    w.shipped(5, 41.0)  # and this consensus never comes
+    asked = [t / 10 for t in range(410, 1000) if w.due(t / 10)]
+    assert asked[:4] == [43.1, 47.2, 55.3, 71.4]  # waits of 2, 4, 8, 16 s, as on any fast link
 
 
 def test_consensus_watch_asks_for_a_lost_consensus_within_its_link_cap_however_slow_the_last_round():

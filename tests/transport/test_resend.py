@@ -9,6 +9,7 @@ that the round completes with the exact weighted mean, counted once.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import msgpack
@@ -106,10 +107,65 @@ class DropShim:
         self.back.close(0)
 
 
-class Rig:
-    """Two hosts of two ranks; `shim` puts a DropShim on host a's data link to the reducer, or rank 1's to relay a."""
+class PubShim:
+    """The reducer's PUB as one relay sees it: a SUB to `back` re-publishing on a PUB at `front`.
 
-    def __init__(self, tmp_path, shim: str, drops: dict[tuple[str, bool], int]):
+    Drops the first `drops` consensus broadcasts; `reconnect` replaces its PUB
+    by a new one at the same address, so the relay's SUB reconnects (what a
+    reset does to that connection). One socket, one thread: the swap happens
+    on the shim's own thread, and `reconnect` waits for it.
+    """
+
+    def __init__(self, ctx: zmq.Context, front: str, back: str, drops: int):
+        self.ctx, self.front = ctx, front
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(back)
+        self.pub = self._bind()
+        self.drops, self.dropped = drops, 0
+        self._swap, self._swapped, self._stop = threading.Event(), threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _bind(self) -> zmq.Socket:
+        pub = self.ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(self.front)
+        return pub
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._swap.is_set():
+                self.pub.unbind(self.front)
+                self.pub.close(0)
+                self.pub = self._bind()
+                self._swap.clear()
+                self._swapped.set()
+            if self.sub.poll(50):
+                frames = self.sub.recv_multipart()
+                if kind_of(frames) == "data.consensus" and self.drops > 0:
+                    self.drops -= 1
+                    self.dropped += 1
+                    continue
+                self.pub.send_multipart(frames)
+
+    def reconnect(self) -> None:
+        self._swap.set()
+        assert self._swapped.wait(WAIT_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(WAIT_S)
+        self.pub.close(0)
+        self.sub.close(0)
+
+
+class Rig:
+    """Two hosts of two ranks; `shim` puts a DropShim on host a's data link to the reducer, or rank 1's to relay a,
+    or a PubShim on host a's broadcast link (`wait_s`: the relays' consensus wait)."""
+
+    def __init__(self, tmp_path, shim: str, drops: dict[tuple[str, bool], int], wait_s: float = 0.3):
         self.ctx = zmq.Context()
         self.key, self.run_id = new_key(), uuid.uuid4().bytes
         eps = endpoints("ipc", tmp_path)
@@ -120,12 +176,15 @@ class Rig:
         )
         self.reducer.start()
         self.relays: dict[str, Relay] = {}
-        self.shim: DropShim | None = None
+        self.shim: DropShim | PubShim | None = None
+        if shim == "bcast":
+            self.shim = PubShim(self.ctx, shim_ep, eps["bcast"], drops.get(("data.consensus", False), 0))
         for host, ranks in HOSTS.items():
             upstream = shim_ep if shim == "host" and host == "a" else eps["data"]
-            cfg = RelayConfig(host, ranks, self.key, self.run_id, eps["control"], upstream, eps["bcast"],
+            bcast = shim_ep if shim == "bcast" and host == "a" else eps["bcast"]
+            cfg = RelayConfig(host, ranks, self.key, self.run_id, eps["control"], upstream, bcast,
                               eps[f"{host}-control"], eps[f"{host}-data"], rank_silence_at_relay_s=30.0,
-                              consensus_wait_at_relay_s=0.3, host_token=token(host))
+                              consensus_wait_at_relay_s=wait_s, host_token=token(host))
             relay = self.relays[host] = Relay(cfg, self.ctx)
             if upstream == shim_ep:
                 self.shim = DropShim(self.ctx, shim_ep, eps["data"], relay.identity, drops)
@@ -225,6 +284,20 @@ def test_a_host_frame_lost_again_on_the_same_round_names_the_link_silence_in_the
     blamed = [r for r in caplog.records if r.levelname == "ERROR" and "lost this host's frame of round 1 2 times" in
               r.getMessage()]
     assert len(blamed) == 1 and "FLODL_LINK_SILENCE" in blamed[0].getMessage()
+
+
+@pytest.mark.parametrize("rig", [("bcast", {("data.consensus", False): 1}, 3600.0)], indirect=True)
+def test_a_consensus_broadcast_lost_with_its_connection_is_asked_for_as_soon_as_the_relay_reconnects(rig):
+    # CI: after a link flap a relay's broadcast connection was replaced and the round's consensus lost with
+    # it; the relay asked only when its (backed-off) wait ran out, past the run's end, while its rank sat at
+    # its barrier. Here that wait is an hour: only the reconnect itself can make the relay ask in time.
+    contribs = rig.round(1)
+    deadline = time.monotonic() + WAIT_S
+    while rig.shim.dropped < 1:  # the broadcast passed the shim, and host a never got it
+        assert time.monotonic() < deadline, "the round's consensus never reached the shim"
+        time.sleep(0.01)
+    rig.shim.reconnect()
+    rig.check_everyone_gets(1, contribs)
 
 
 @pytest.mark.parametrize("rig", [("rank", {("data.round_frame", True): 1})], indirect=True)
