@@ -83,8 +83,8 @@ SERVICE_MALLOC_TUNABLES = MALLOC_TUNABLES + (
 
 
 # The controller and the relays spread a round's bulk work (MACs, sums, bf16 widening) over the
-# cores with their own pool (flodl_zmq/threads.py). torch's OpenMP team and OpenBLAS's threads
-# inside each piece would put cores x cores threads on it, spinning between pieces: perf showed
+# cores with their own pool (flodl_zmq/threads.py). torch's OpenMP team (and, in a fresh interpreter,
+# OpenBLAS's threads) inside each piece would put cores x cores threads on it, spinning between pieces: perf showed
 # libgomp and torch's parallel_for in a bf16 round, and one thread each cut its CPU by a tenth
 # (bench/round.py, bf16 10M: 65 -> 58 ms). Read once, when the libraries load.
 SERVICE_THREADS = {"OMP_NUM_THREADS": "1"}

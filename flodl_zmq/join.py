@@ -230,7 +230,7 @@ def _malformed(hello: JoinHello, protocol: int) -> str | None:
         )
     # The world travels as `HOST=RANK,...;...` (environment.format_world): a name holding `=` or `;`,
     # or one the parse would strip, would make every host's agent refuse the formed world.
-    if (not host.strip() or host != host.strip() or len(host) > MAX_HOST_CHARS or not host.isprintable()
+    if (not host or host != host.strip() or len(host) > MAX_HOST_CHARS or not host.isprintable()
             or "=" in host or ";" in host):
         return (
             f"invalid host name {host!r}: give each worker a printable name of at most {MAX_HOST_CHARS} "
@@ -627,9 +627,10 @@ class ReformGate:
     epoch takes a host within a round or two. Sync's records whole epochs
     only (a resume would train the epoch's done part again), so there the
     joiner waits for the first consensus that holds the epoch it was noticed
-    in. Either waits for the evals owed (`due`). Nothing re-forms once every epoch is in the consensus (there is no
-    training left to join). A failed re-form checkpoint is not tried again
-    before the next epoch: the disk that refused it is not asked every round.
+    in. Either waits for the evals owed (`due`). Nothing re-forms once every
+    epoch is in the consensus (there is no training left to join). A failed
+    re-form checkpoint is not tried again before the next epoch: the disk
+    that refused it is not asked every round.
     """
 
     progressive: bool

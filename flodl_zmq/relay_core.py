@@ -130,8 +130,8 @@ class ConsensusWatch:
     it) and which older shipped rounds it overtook (ask for those now); `due`
     returns rounds silent past their wait and re-arms them, so a request
     that is itself lost is repeated; `reconnected` returns every pending
-    round at once, after an upstream connection was made anew. Each request for a round doubles its
-    wait (up to `BACKOFF_CAP` deadlines): on a slow link a consensus may take
+    round at once, after an upstream connection was made anew. Each request
+    for a round doubles its wait (up to `BACKOFF_CAP` deadlines): on a slow link a consensus may take
     longer than the deadline to arrive, and every early request would put one
     more full copy of it on that link (PROTOCOL.md 10.3). For the same reason
     a round's wait is at least twice what the link showed: the shortest time
