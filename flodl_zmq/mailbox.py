@@ -113,6 +113,10 @@ class Mailbox(Generic[T]):
 
     def get(self, timeout: float | None = None) -> T:
         """The oldest item, waiting up to `timeout` seconds; raises queue.Empty when none came."""
+        if timeout == 0 and not self._items:
+            # A look between steps: no descriptor read, which a training loop would pay every step. A put
+            # racing this look signals after it appends, and the next waiting get clears that signal.
+            raise queue.Empty
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._clear()  # before the look: a put after it leaves the descriptor signalled

@@ -52,7 +52,8 @@ Rules this module keeps:
 - The learning-rate schedule sits at the global step plus this rank's steps
   not yet in a consensus (flodl_zmq/training.py); a `SetGlobalStep` that
   arrives before its round's consensus is held until the load, like the
-  plan. Each rate change goes to the coordinator as `LrUpdate`.
+  plan. A rate change goes to the coordinator as `LrUpdate` with the next
+  step report (the last rate noted since the previous one).
 """
 
 from __future__ import annotations
@@ -410,7 +411,7 @@ class RankRuntime:
         self._t_got = time.perf_counter()
         lr = self.stepper.follow(self.global_step + self.steps_since_avg)
         if lr is not None:
-            self.link.send(rec.LrUpdate(rank=self.cfg.rank, lr=lr))
+            self.link.note_lr(lr)
         return batch
 
     @property

@@ -15,8 +15,8 @@ Rules this module keeps:
   `ConsensusIn`, `CoordinatorLost`); the training thread hands it outgoing
   ones through its ServiceLoop's mailbox (flodl_zmq/service_loop.py). The
   training thread never touches a socket.
-- Pending step timings always go out ahead of any other record of the rank
-  (flodl_zmq/step_report.py).
+- Pending step timings, and the learning rate with them, always go out ahead
+  of any other record of the rank (flodl_zmq/step_report.py).
 - The control streams to and from the coordinator (PROTOCOL.md 10.7): what
   this rank sent is kept until acknowledged and resent byte-identical, what
   it receives is handed on in order; a closing rank waits (bounded) for the
@@ -179,14 +179,16 @@ class RankLink:
 
     def step(self, batch_ms: float, data_ms: float, loss: float, step_count: int) -> None:
         """Note one finished step; its report goes out when due (training thread only)."""
-        report = self.steps.add(batch_ms, data_ms, loss, step_count, time.monotonic())
-        if report is not None:
+        for report in self.steps.add(batch_ms, data_ms, loss, step_count, time.monotonic()):
             self._loop.put(_Outgoing(report, [], None))
 
+    def note_lr(self, lr: float) -> None:
+        """The learning rate changed: it goes out with the next step report (training thread only)."""
+        self.steps.note_lr(lr)
+
     def flush_steps(self) -> None:
-        """Send the pending step timings now: the rank is about to stop stepping."""
-        report = self.steps.take()
-        if report is not None:
+        """Send the pending step timings (and rate) now: the rank is about to stop stepping."""
+        for report in self.steps.take():
             self._loop.put(_Outgoing(report, [], None))
 
     def send(self, record: Any, payload: Sequence[Any] = (), tracked_by: ParamBuffers | None = None) -> None:

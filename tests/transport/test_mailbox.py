@@ -92,6 +92,24 @@ def test_get_waits_for_a_put_and_times_out_without_one(box):
     assert box.get(timeout=WAIT_S) == 3
 
 
+def test_a_look_at_an_empty_mailbox_reads_no_descriptor_and_loses_no_later_item(box, monkeypatch):
+    # A rank's training thread looks at its inbox between steps: that look must cost no system call.
+    import flodl_zmq.mailbox as mailbox
+
+    reads: list[int] = []
+    real_read = os.read
+    monkeypatch.setattr(mailbox.os, "read", lambda fd, n: reads.append(fd) or real_read(fd, n))
+    with pytest.raises(queue.Empty):
+        box.get(0)
+    assert reads == []
+    box.put(1)
+    assert box.get(0) == 1  # an item is taken, the signal cleared
+    with pytest.raises(queue.Empty):
+        box.get(0.05)  # nothing left: a waiting get does not return on a stale signal
+    box.put(2)
+    assert box.get(WAIT_S) == 2
+
+
 def test_close_keeps_queued_items_drops_later_puts_and_releases_the_descriptor():
     box: Mailbox[str] = Mailbox()
     fd = box.fileno()

@@ -356,7 +356,7 @@ def test_an_async_rank_trains_on_while_its_round_travels_and_the_consensus_loses
     rt = _runtime(mode="cpu-async", easgd_alpha=1.0)
     sent: list[Any] = []
     rt.link = SimpleNamespace(send=lambda record, *a, **k: sent.append(record), step=lambda *a: None,
-                              flush_steps=lambda: None)
+                              note_lr=lambda lr: None, flush_steps=lambda: None)
     rt._on_control(rec.StartEpoch(plan=rec.EpochPlan(epoch=0, offset=0, size=64)))
     for _ in range(2):
         train_one(rt)

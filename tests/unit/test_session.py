@@ -161,6 +161,9 @@ class FakeLink:
     def send(self, record: Any, *a: Any, **k: Any) -> None:
         self.sent.append(record)
 
+    def note_lr(self, lr: float) -> None:
+        pass
+
     def step(self, *a: Any) -> None:
         pass
 

@@ -161,6 +161,9 @@ class Sent(list):
     def step(self, batch_ms, data_ms, loss, step_count):
         pass
 
+    def note_lr(self, lr):
+        self.append(rec.LrUpdate(rank=0, lr=lr))  # the link sends it with the next step report
+
     def send(self, record, payload=(), tracked_by=None):
         self.append(record)
         if tracked_by is not None:
