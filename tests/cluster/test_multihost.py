@@ -112,8 +112,9 @@ class Compose(Logged):
         return arg
 
     def status(self, host: str, env: dict[str, str] | None = None) -> dict:
-        done = self.net.run(host, [str(BIN / "flodl-zmq"), "status", "--controller", "controller:7300", "--json"],
-                            env={**os.environ, **(env or {})})
+        # A generous reply deadline: a controller busy re-forming on a loaded machine answers late, not never.
+        done = self.net.run(host, [str(BIN / "flodl-zmq"), "status", "--controller", "controller:7300", "--json",
+                                   "--timeout", "60"], env={**os.environ, **(env or {})})
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
