@@ -160,7 +160,7 @@ def _resume_alone(job: Job, model: torch.nn.Module) -> int:
     if not job.resume_from:
         return 0
     state, meta = bundle.load(job.resume_from)
-    model.load_state_dict(state)
+    bundle.load_into(model, state, job.resume_from)
     return int(meta.get("epoch", 0))
 
 
