@@ -15,6 +15,7 @@ that reaches them, so a lone run is scored as often as a cluster's.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -24,14 +25,18 @@ import torch
 
 from flodl_zmq import bundle
 from flodl_zmq.coordinator.roles import SampleCadence
+from flodl_zmq.errors import TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.loader import BatchPipeline
+from flodl_zmq.payload import payload_tensors
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
 from flodl_zmq.sampling import epoch_permutation
 from flodl_zmq.settings import Settings
-from flodl_zmq.training import ScalarLog, Stepper
+from flodl_zmq.training import ScalarLog, Stepper, score
+
+log = logging.getLogger(__name__)
 
 
 class AloneLoop:
@@ -39,6 +44,9 @@ class AloneLoop:
 
     def __init__(self, job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device) -> None:
+        # The cluster's rule on what a round averages (float32, shaped), checked alone too: a script
+        # that trains alone must not first fail when it is launched on a cluster.
+        payload_tensors(model)
         self.job = job
         self.model = model
         self.start_epoch = _resume_alone(job, model)
@@ -106,14 +114,17 @@ class AloneLoop:
         return self.epoch * self.job.total_samples + min(self._batches * self.job.batch_size, self._samples)
 
     def _evaluate(self, within_epoch: bool, row: dict[str, Any] | None = None) -> None:
-        """Score the model now (in eval mode, without gradients) and report it; a user's loop (Session)
-        gets its model back in the mode it was in."""
-        job, samples, training = self.job, self._trained(), self.model.training
+        """Score the model now and report it; an eval_fn that fails follows on_callback_error, as on a
+        cluster: "report" logs it and trains on (the run and its save must not be lost to a metric)."""
+        samples = self._trained()
         self.cadence.scored(samples)
-        self.model.eval()
-        with torch.no_grad():
-            metric = float(job.eval_fn(self.model, job.eval_dataset))
-        self.model.train(training)
+        try:
+            metric = score(self.job, self.model)
+        except Exception as exc:
+            if self.job.on_callback_error == "stop":
+                raise TrainingError(f"eval_fn failed and on_callback_error='stop': {exc!r}") from exc
+            log.exception("eval_fn(epoch=%d) raised; on_callback_error='report': training goes on", self.epoch or 0)
+            return
         self.report.evaluated(self.epoch or 0, metric, samples, within_epoch, row=row)
 
     def release(self) -> None:
@@ -149,7 +160,7 @@ def _resume_alone(job: Job, model: torch.nn.Module) -> int:
     if not job.resume_from:
         return 0
     state, meta = bundle.load(job.resume_from)
-    model.load_state_dict(state)
+    bundle.load_into(model, state, job.resume_from)
     return int(meta.get("epoch", 0))
 
 

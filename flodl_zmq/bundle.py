@@ -73,6 +73,19 @@ def load(stem: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[st
     return _load_torch(paths(stem)[0]), meta
 
 
+def load_into(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], stem: str | os.PathLike[str]) -> None:
+    """Load a bundle's `state_dict` into the job's `model`, or ConfigError naming resume_from: a bundle of
+    another model (other layers or shapes) is the user's mix-up, not a failure inside the framework."""
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as exc:
+        detail = "; ".join(line.strip().rstrip(".") for line in str(exc).splitlines()[1:] if line.strip())
+        raise ConfigError(
+            f"resume_from={str(stem)!r} holds another model than the job's: {detail}; resume with the model "
+            "that wrote it, or drop resume_from to start fresh"
+        ) from None
+
+
 def load_meta(stem: str | os.PathLike[str]) -> dict[str, Any]:
     """The meta of bundle `stem` (checked complete and of this format), without reading the model."""
     model_path, meta_path = paths(stem)

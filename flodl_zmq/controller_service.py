@@ -152,7 +152,7 @@ class ControllerService:
         self.model = job.model()
         resumed = Resumed.load(job.resume_from)
         if resumed.model_state is not None:
-            self.model.load_state_dict(resumed.model_state)
+            bundle.load_into(self.model, resumed.model_state, job.resume_from)
         # A re-formed world is not a restart: it keeps the restart count (its incarnation id is new: PROTOCOL.md 4.1).
         self.incarnation = resumed.incarnation if carried is None else carried.result.incarnation
         # The model's tensors view the kept consensus: it is current with every kept round, and the

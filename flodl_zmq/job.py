@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -30,12 +31,19 @@ from torch.utils.data import Dataset, IterableDataset
 from flodl_zmq.coordinator.config import RANK_SILENCE_AT_COORDINATOR_S, CoordinatorConfig, Mode
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.outer import OuterConfig
-from flodl_zmq.settings import MaxFailure, Settings, easgd_blend
+from flodl_zmq.settings import AGGREGATIONS, MaxFailure, Settings, easgd_blend
 from flodl_zmq.wire_format import WireFormat, named
 
 MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
 CALLBACK_ERRORS = ("report", "stop")
 AUTOCAST_DTYPES = (None, torch.bfloat16, torch.float16)
+# Integer settings and their minimum (0 turns eval_every, eval_every_samples, checkpoint_every and
+# reports_per_epoch off); bool is refused, though an int to Python, since True is no count.
+INTEGERS = {
+    "batch_size": 1, "epochs": 1, "eval_every": 0, "eval_every_samples": 0, "checkpoint_every": 0, "seed": 0,
+    "torch_threads": 1, "grad_accumulation": 1, "num_workers": 0, "prefetch_factor": 1, "reports_per_epoch": 0,
+}
+CALLBACKS = ("eval_fn", "checkpoint_fn", "epoch_fn", "metrics_fn", "scheduler", "collate_fn")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
 
@@ -186,16 +194,11 @@ class Job:
             raise ConfigError("dataset is required and must be a map-style torch Dataset (with __len__ and __getitem__)")
         if len(self.dataset) == 0:  # type: ignore[arg-type]
             raise ConfigError("dataset is empty: there is nothing to train on")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.epochs < 1:
-            raise ConfigError(f"epochs must be >= 1, got {self.epochs}")
+        self._check_types()
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         if (self.eval_fn is None) != (self.eval_dataset is None):
             raise ConfigError("eval_fn and eval_dataset go together: give both or neither")
-        if self.eval_every < 0 or self.checkpoint_every < 0 or self.eval_every_samples < 0:
-            raise ConfigError("eval_every, eval_every_samples and checkpoint_every must be >= 0 (0 turns the callback off)")
         if self.on_callback_error not in CALLBACK_ERRORS:
             raise ConfigError(f"on_callback_error must be one of {CALLBACK_ERRORS}, got {self.on_callback_error!r}")
         if self.easgd_alpha is not None:
@@ -215,33 +218,41 @@ class Job:
                 raise ConfigError(f"{name} must be a number of batches >= 1 (or None for ElChe's default), got {value!r}")
         if self.anchor is not None and self.max_anchor is not None and self.max_anchor < self.anchor:
             raise ConfigError(f"max_anchor ({self.max_anchor}) is below anchor ({self.anchor}): raise max_anchor")
-        if self.torch_threads < 1:
-            raise ConfigError(f"torch_threads must be >= 1, got {self.torch_threads}")
-        if self.seed < 0:
-            raise ConfigError(f"seed must be >= 0, got {self.seed}")
         self._check_hooks()
 
-    def _check_hooks(self) -> None:
-        for name in ("scheduler", "collate_fn"):
+    def _check_types(self) -> None:
+        """Each setting's type and range, by name: a wrong type must be refused here, naming the
+        setting, not fail later as a TypeError deep in a rank (or be taken as truthy)."""
+        for name, minimum in INTEGERS.items():
+            value = getattr(self, name)
+            if not _int(value) or value < minimum:
+                raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        for name in ("quiet", "pin_memory", "relax_up", "ship_start"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in CALLBACKS:
             if getattr(self, name) is not None and not callable(getattr(self, name)):
-                raise ConfigError(f"{name} must be callable or None, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be a function (or None to leave it out), got {getattr(self, name)!r}")
+        for name in ("save_path", "resume_from", "run_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value).strip()):
+                raise ConfigError(f"{name} must be a path (a str or pathlib.Path; None to leave it out), got {value!r}")
+        if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)} (or None: the run's setting), "
+                              f"got {self.aggregation!r}")
+
+    def _check_hooks(self) -> None:
         if self.max_grad_norm is not None and not (_real(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ConfigError(f"max_grad_norm must be a finite number > 0 (None: no clipping), got {self.max_grad_norm!r}")
         if self.autocast not in AUTOCAST_DTYPES:
             raise ConfigError(
                 f"autocast must be torch.bfloat16, torch.float16 (CUDA only) or None, got {self.autocast!r}"
             )
-        for name, minimum in (("grad_accumulation", 1), ("num_workers", 0), ("prefetch_factor", 1)):
-            value = getattr(self, name)
-            if not _int(value) or value < minimum:
-                raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
         if self.grad_accumulation > self.batch_size:
             raise ConfigError(
                 f"grad_accumulation ({self.grad_accumulation}) must not exceed batch_size ({self.batch_size}): "
                 "each micro-batch needs at least one sample"
             )
-        if not isinstance(self.pin_memory, bool) or not isinstance(self.relax_up, bool):
-            raise ConfigError(f"pin_memory and relax_up are True or False, got {self.pin_memory!r}, {self.relax_up!r}")
         if self.relax_up and self.mode != "cpu-async":
             raise ConfigError(
                 f"relax_up only applies to mode='cpu-async' (mode is {self.mode!r}, where windows are "

@@ -80,7 +80,7 @@ from flodl_zmq.param_buffers import ParamBuffers
 from flodl_zmq.payload import load_flat, model_signature
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig, RankLink
 from flodl_zmq.sampling import epoch_permutation, plan_indices
-from flodl_zmq.training import ScalarLog, Stepper, recording
+from flodl_zmq.training import ScalarLog, Stepper, recording, score
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire.shm import Segment, rank_owner
 
@@ -484,14 +484,10 @@ class RankRuntime:
         if self.job.eval_fn is None or self.job.eval_dataset is None:
             error = f"rank {self.cfg.rank} was asked to evaluate but the job has no eval_fn/eval_dataset"
         else:
-            training = model.training  # a user's loop (Session) gets its model back in its mode, mid-epoch
             try:
-                model.eval()
-                with torch.no_grad():
-                    metric = float(self.job.eval_fn(model, self.job.eval_dataset))
+                metric = score(self.job, model)  # a user's loop (Session) gets its model back in its mode
             except Exception:
                 error = self._callback_error(f"eval_fn(epoch={r.epoch})")
-            model.train(training)
         self.link.send(
             rec.EvalResult(
                 rank=self.cfg.rank, schedule_id=r.schedule_id, epoch=r.epoch, metric=metric,

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from flodl_zmq import bundle
+from flodl_zmq.errors import TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.result import TrainResult, format_epoch
 from flodl_zmq.runlog import RunLog
@@ -138,7 +139,13 @@ class RunReport:
     def save(self, state_dict: dict[str, Any], meta: dict[str, Any], outer_momentum: Any = None) -> str:
         """Write the bundle at the job's `save_path` (set); its path is the result's `saved`."""
         assert self.job.save_path, "save() needs the job's save_path"
-        self.result.saved = str(bundle.save(self.job.save_path, state_dict, meta, outer_momentum))
+        try:
+            self.result.saved = str(bundle.save(self.job.save_path, state_dict, meta, outer_momentum))
+        except OSError as exc:  # a full or read-only disk: say which setting, not only errno's words
+            raise TrainingError(
+                f"save_path={str(self.job.save_path)!r}: the bundle could not be written ({exc.strerror or exc}); "
+                "a bundle already there is left as it was; free space, or point save_path at a writable directory"
+            ) from exc
         self.events.write("checkpoint", path=self.result.saved, reason=meta.get("reason"), epoch=meta.get("epoch"))
         return self.result.saved
 

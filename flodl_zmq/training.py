@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import itertools
 import math
 import warnings
@@ -98,8 +99,19 @@ class Stepper:
                 f"autocast=torch.float16 needs a CUDA device (this replica runs on {device.type}): "
                 "use torch.bfloat16 on CPU"
             )
+        if _needs_closure(optimizer):
+            raise ConfigError(
+                f"optimizer {type(optimizer).__name__} needs a closure in step() (as LBFGS does): the framework steps "
+                "once per batch with step(), after train_step's backward; use a first-order optimizer (SGD, Adam, ...)"
+            )
         self.scaler = torch.amp.GradScaler(device.type) if job.autocast is torch.float16 else None
         self.scheduler = job.scheduler(optimizer) if job.scheduler is not None else None
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ConfigError(
+                "scheduler ReduceLROnPlateau needs a metric in step(metric), and the scheduler is stepped once per "
+                "global step without one: use a step-based scheduler (StepLR, CosineAnnealingLR, LambdaLR), or lower "
+                "the learning rate from epoch_fn"
+            )
         self.position = 0  # the global step the scheduler is at
         self._reported_lr: float | None = None
 
@@ -146,6 +158,36 @@ class Stepper:
         if self.job.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.job.autocast)
+
+
+def score(job: Job, model: torch.nn.Module) -> float:
+    """`job.eval_fn` on `model` in eval mode without gradients, the model left in the mode it was in;
+    the metric must be one number, since the controller compares, logs and plots it as one."""
+    assert job.eval_fn is not None
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            metric = job.eval_fn(model, job.eval_dataset)
+    finally:
+        model.train(training)
+    if isinstance(metric, torch.Tensor) and metric.numel() == 1:
+        return float(metric)
+    if isinstance(metric, (int, float)) and not isinstance(metric, bool):
+        return float(metric)
+    raise TypeError(
+        f"eval_fn returned {type(metric).__name__} {metric!r:.80}: it must return one number (a float or a "
+        "one-element tensor), such as the accuracy; return one metric and record others with fz.record_scalar"
+    )
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` has a required argument (LBFGS's closure): it cannot be called as step()."""
+    try:
+        parameters = inspect.signature(optimizer.step).parameters.values()
+    except (TypeError, ValueError):
+        return False  # no signature to read (a C extension): let step() speak for itself
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:

@@ -239,3 +239,40 @@ def test_a_consensus_in_chunks_is_kept_and_checkpointed_as_the_flat_vector_it_en
     k.close()
     state, _ = bundle.load(checkpoints.newest(tmp_path))
     assert np.array_equal(torch.cat([state["weight"].reshape(-1), state["bias"]]).numpy(), want)
+
+
+def test_resuming_from_a_bundle_of_another_model_names_resume_from_and_the_mismatch(tmp_path):
+    # Was a RuntimeError from torch's load_state_dict, alone and in the controller, naming neither.
+    from flodl_zmq.api import train_alone
+
+    data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    bundle.save(tmp_path / "wide", torch.nn.Linear(4, 8).state_dict(), {"epoch": 1})
+    job = Job(model=lambda: torch.nn.Linear(4, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+              train_step=lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), dataset=data, batch_size=8, epochs=2,
+              quiet=True, resume_from=str(tmp_path / "wide"), run_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"resume_from='.*wide' holds another model .* size mismatch for weight"):
+        train_alone(job)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="mounts a tmpfs: needs root")
+def test_a_final_save_to_a_full_disk_names_save_path_and_keeps_the_bundle_there(tmp_path):
+    # Was a bare OSError from deep in bundle.py, naming neither the setting nor the fix.
+    from flodl_zmq.api import train_alone
+    from flodl_zmq.errors import TrainingError
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        def job(width: int) -> Job:
+            return Job(model=lambda: torch.nn.Linear(4, width), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                       train_step=lambda m, b: m(b[0]).square().mean(), dataset=TensorDataset(torch.randn(16, 4)),
+                       batch_size=8, epochs=1, quiet=True, save_path=str(mnt / "m"), run_dir=str(tmp_path / "run"))
+
+        train_alone(job(2))
+        with pytest.raises(TrainingError, match=r"save_path='.*m': the bundle could not be written \(No space left"):
+            train_alone(job(8192))  # 160 KiB of weights: more than the disk holds
+        assert bundle.load(mnt / "m")[0]["weight"].shape == (2, 4)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -124,6 +126,28 @@ def trainer(**kw) -> Trainer:
 def test_a_bad_hook_data_or_scheduling_setting_is_a_config_error_naming_it(keywords, named):
     with pytest.raises(ConfigError, match=named):
         trainer(**keywords)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("batch_size", "8"), ("batch_size", None), ("epochs", "1"), ("eval_every", "1"), ("eval_every", 1.5),
+    ("eval_every", None), ("eval_every_samples", 1.5), ("checkpoint_every", 1.5), ("seed", "a"), ("seed", None),
+    ("torch_threads", 1.5), ("torch_threads", True), ("reports_per_epoch", "2"), ("quiet", "yes"), ("quiet", 1),
+    ("ship_start", "x"), ("eval_fn", 3), ("checkpoint_fn", 3), ("epoch_fn", 3), ("metrics_fn", 3),
+    ("save_path", 3), ("save_path", ""), ("resume_from", 3), ("resume_from", ""), ("run_dir", 3),
+    ("aggregation", "x"), ("aggregation", 3),
+])
+def test_a_setting_of_the_wrong_type_is_a_config_error_naming_it_and_its_value(name, value):
+    # A user's first mistake (a string from argv, a float from arithmetic, a truthy flag) must be
+    # refused by name when the Trainer is built, not fail as a TypeError deep inside, nor pass.
+    keywords = {"model": lambda: torch.nn.Linear(4, 2), "optimizer": lambda p: torch.optim.SGD(p, lr=0.1),
+                "train_step": lambda m, b: m(b[0]).sum(), "dataset": DATA, "batch_size": 8, "epochs": 1,
+                "eval_dataset": DATA if name == "eval_fn" else None, name: value}
+    with pytest.raises(ConfigError, match=rf"^{name} must .* got {re.escape(repr(value))}"):
+        Trainer(**keywords)
+
+
+def test_a_path_setting_takes_a_pathlib_path(tmp_path):
+    assert trainer(save_path=tmp_path / "model", run_dir=tmp_path).job.save_path == tmp_path / "model"
 
 
 def test_an_iterable_dataset_is_refused_saying_why():

@@ -17,11 +17,11 @@ from torch.utils.data import TensorDataset
 
 import flodl_zmq as fz
 from flodl_zmq.api import train_alone
-from flodl_zmq.errors import ConfigError
+from flodl_zmq.errors import ConfigError, TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.rank import RankRuntime
 from flodl_zmq.rank_link import RankConfig
-from flodl_zmq.training import ScalarLog, Stepper, recording, split_batch
+from flodl_zmq.training import ScalarLog, Stepper, recording, score, split_batch
 from flodl_zmq.wire import records as rec
 
 X = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
@@ -117,6 +117,52 @@ def test_bf16_autocast_runs_the_forward_in_bf16_on_cpu():
 def test_f16_autocast_on_cpu_is_refused_naming_autocast():
     with pytest.raises(ConfigError, match="autocast=torch.float16 needs a CUDA device"):
         stepper(job(autocast=torch.float16))
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_naming_it():
+    # LBFGS.step() without its closure was a TypeError from deep inside the first step.
+    with pytest.raises(ConfigError, match="optimizer LBFGS needs a closure"):
+        stepper(job(optimizer=lambda p: torch.optim.LBFGS(p)))
+
+
+def test_reduce_lr_on_plateau_is_refused_naming_the_metric_it_needs():
+    # Stepped per global step without a metric: a TypeError at the first step alone, a dead rank on a cluster.
+    with pytest.raises(ConfigError, match="scheduler ReduceLROnPlateau needs a metric"):
+        stepper(job(scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o)))
+
+
+@pytest.mark.parametrize("returned", [{"acc": 0.5}, None, "0.5", torch.ones(2), True])
+def test_an_eval_fn_that_returns_no_single_number_is_refused_naming_eval_fn(returned):
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(TypeError, match=r"eval_fn returned .* must return one number"):
+        score(job(eval_dataset=DATA, eval_fn=lambda m, d: returned), model)
+    assert model.training  # left in the mode it was in
+
+
+@pytest.mark.parametrize("returned", [0.5, 1, torch.tensor(0.25), torch.tensor([0.75])])
+def test_an_eval_fn_returning_a_number_or_a_one_element_tensor_scores_it(returned):
+    assert score(job(eval_dataset=DATA, eval_fn=lambda m, d: returned), torch.nn.Linear(4, 2)) == float(returned)
+
+
+def test_alone_an_eval_fn_that_raises_is_reported_and_the_run_trains_on_and_saves(tmp_path):
+    # As on a cluster under on_callback_error='report': one bad metric must not lose the run and its save.
+    result = train_alone(job(epochs=2, eval_dataset=DATA, eval_fn=lambda m, d: 1 / 0, save_path=str(tmp_path / "m"),
+                             run_dir=str(tmp_path / "run")))
+    assert [e["epoch"] for e in result.epochs] == [0, 1] and result.final_eval is None
+    assert result.saved is not None and (tmp_path / "m.pt").exists()
+
+
+def test_alone_an_eval_fn_that_raises_under_stop_ends_the_run_with_training_error(tmp_path):
+    with pytest.raises(TrainingError, match="eval_fn failed and on_callback_error='stop'"):
+        train_alone(job(eval_dataset=DATA, eval_fn=lambda m, d: 1 / 0, on_callback_error="stop",
+                        run_dir=str(tmp_path / "run")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.complex64])
+def test_alone_a_model_the_cluster_cannot_average_is_refused_as_on_a_cluster(dtype, tmp_path):
+    # It trained alone and was refused only once launched: the same script must fail the same way.
+    with pytest.raises(ConfigError, match=f"averages float32 tensors; the model holds a {dtype}"):
+        train_alone(job(model=lambda: torch.nn.Linear(4, 2).to(dtype), run_dir=str(tmp_path / "run")))
 
 
 def test_split_batch_splits_tensors_in_tuples_and_dicts_and_keeps_other_leaves():
