@@ -64,6 +64,11 @@ def dataset_signature(items: list, n: int) -> bytes:
     return h.digest()
 
 
+def permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """9.1: the sample ids of epoch `epoch`, in order: a stable argsort of PCG64(seed + epoch)'s first n raw draws."""
+    return np.argsort(np.random.PCG64(seed + epoch).random_raw(n), kind="stable")
+
+
 def mac(key: bytes, header: bytes, payloads: list[bytes]) -> bytes:
     """4.2: HMAC over the header and the per-block GMAC tags of each payload frame."""
     tag = b""
@@ -252,16 +257,19 @@ class SpecRank:
         span = self.spans[0]
         take = min(self.a.batch_size, span["size"] - span.get("trained", 0))
         if take > 0:
+            t0 = time.perf_counter()
             self.theta += np.float32(self.a.nudge)
+            batch_ms = (time.perf_counter() - t0) * 1000
             self.step_count += 1
             self.steps_since_snapshot += 1
             span["trained"] = span.get("trained", 0) + take
-            self.send("timing.batch", {"rank": self.rank, "step_count": self.step_count, "batch_ms": [1.0],
+            self.send("timing.batch", {"rank": self.rank, "step_count": self.step_count, "batch_ms": [batch_ms],
                                        "data_ms": [0.0], "batch_loss": [float(self.theta.mean())]})
         if span.get("trained", 0) < span["size"]:
             return
         self.spans.pop(0)
-        self.log["spans"].append({k: span[k] for k in ("epoch", "offset", "size")})
+        ids = permutation(self.a.seed, span["epoch"], self.a.samples)[span["offset"]:span["offset"] + span["size"]]
+        self.log["spans"].append({"epoch": span["epoch"], "ids": ids.tolist()})
         if span["deposit"] is not None and span["deposit"] not in self.deposited:
             self.deposit(span["deposit"])
         batches = -(-span["size"] // self.a.batch_size)
@@ -322,7 +330,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     for name in ("control", "data", "key", "incarnation", "host", "dataset-sig", "out"):
         p.add_argument(f"--{name}", required=True)
-    for name in ("rank", "world-size", "values", "batch-size"):
+    for name in ("rank", "world-size", "values", "batch-size", "samples", "seed"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--nudge", type=float, default=0.01)
     a = p.parse_args()
