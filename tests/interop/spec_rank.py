@@ -6,6 +6,9 @@ flat float32 vector that every optimizer step nudges by `--nudge`; its wire beha
 normal run: hello (9.3), plans (9.1, 9.2), deposits (10.1, 10.1.1), consensus (9.5), the control
 stream's acknowledgements and resends (10.7), heartbeats (10), goodbye.
 
+Like any rank it learns who it is from the environment its spawner gives (FLODL_KEY,
+FLODL_INCARNATION, FLODL_HOST, FLODL_RANK, FLODL_WORLD) and derives its relay's endpoints (2); the
+job's own settings (its model's size, batch size, seed) come as arguments, as a user's script has them.
 Writes a JSON log to `--out`: the spans it trained, its deposits and the consensus it loaded.
 """
 
@@ -18,6 +21,7 @@ import json
 import os
 import struct
 import sys
+import tempfile
 import time
 
 import msgpack
@@ -62,6 +66,14 @@ def dataset_signature(items: list, n: int) -> bytes:
     for i in sorted({int(x) for x in np.linspace(0, n - 1, min(n, 16))}):
         feed(items[i])
     return h.digest()
+
+
+def local_endpoints(key: bytes, incarnation: bytes, host: str) -> tuple[str, str]:
+    """2: the relay's ipc:// endpoints (control, data), derived by every process of the host, never told."""
+    digits = hmac.new(key, b"flodl-zmq/private-dir\x00ipc\x00" + incarnation, hashlib.sha256).hexdigest()[:24]
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    name = os.path.join(base, "flodl-" + digits, hashlib.sha256(host.encode()).hexdigest()[:12])
+    return f"ipc://{name}-control", f"ipc://{name}-data"
 
 
 def permutation(seed: int, epoch: int, n: int) -> np.ndarray:
@@ -113,15 +125,18 @@ class Wire:
 
 class SpecRank:
     def __init__(self, a: argparse.Namespace):
-        self.a, self.rank = a, a.rank
-        self.me = f"coordinator:{a.rank}"
+        env = os.environ  # what the agent (or launcher) that spawns a rank tells it
+        key, incarnation = bytes.fromhex(env["FLODL_KEY"]), bytes.fromhex(env["FLODL_INCARNATION"])
+        self.a, self.rank, self.host = a, int(env["FLODL_RANK"]), env["FLODL_HOST"]
+        self.world_size = sum(len(part.split("=")[1].split(",")) for part in env["FLODL_WORLD"].split(";"))
+        self.me = f"coordinator:{self.rank}"
         ctx = zmq.Context()
         self.ctl, self.data = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-        for s, ep in ((self.ctl, a.control), (self.data, a.data)):
-            s.setsockopt(zmq.IDENTITY, str(a.rank).encode())  # 3.1: ASCII decimal
+        for s, ep in zip((self.ctl, self.data), local_endpoints(key, incarnation, self.host), strict=True):
+            s.setsockopt(zmq.IDENTITY, str(self.rank).encode())  # 3.1: ASCII decimal
             s.setsockopt(zmq.LINGER, 0)
             s.connect(ep)
-        self.wire = Wire(bytes.fromhex(a.key), bytes.fromhex(a.incarnation), f"rank:{a.rank}")
+        self.wire = Wire(key, incarnation, f"rank:{self.rank}")
         self.theta = np.zeros(a.values, np.float32)
         self.kept: dict[int, tuple[list[bytes], float]] = {}  # 10.7 item 2: my stream, until acked
         self.accepted: set[int] = set()
@@ -226,7 +241,7 @@ class SpecRank:
     def on_data(self, frames: list[bytes]) -> None:
         try:
             h = msgpack.unpackb(frames[0], raw=False)
-            signer = "reducer" if h["k"] == "data.consensus" else f"relay:{self.a.host}"
+            signer = "reducer" if h["k"] == "data.consensus" else f"relay:{self.host}"
             h, tensors = self.wire.decode(frames, signer)
         except (ValueError, KeyError, TypeError, msgpack.UnpackException):
             self.log["rejected"] += 1
@@ -294,7 +309,7 @@ class SpecRank:
 
     def run(self) -> None:
         sig = bytes.fromhex(self.a.dataset_sig)
-        self.send("rank.hello", {"rank": self.rank, "world_size": self.a.world_size, "host": self.a.host,
+        self.send("rank.hello", {"rank": self.rank, "world_size": self.world_size, "host": self.host,
                                  "model_sig": model_signature([("weight", (1, self.a.values - 1)), ("bias", (1,))]),
                                  "dataset_sig": sig})
         self.send("timing.lr_update", {"rank": self.rank, "lr": 0.1})
@@ -328,9 +343,9 @@ class SpecRank:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    for name in ("control", "data", "key", "incarnation", "host", "dataset-sig", "out"):
+    for name in ("dataset-sig", "out"):
         p.add_argument(f"--{name}", required=True)
-    for name in ("rank", "world-size", "values", "batch-size", "samples", "seed"):
+    for name in ("values", "batch-size", "samples", "seed"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--nudge", type=float, default=0.01)
     a = p.parse_args()

@@ -28,7 +28,7 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.job import Job
 from flodl_zmq.launch import free_port_base
-from flodl_zmq.links import local_endpoints
+from flodl_zmq.links import local_endpoints, remove_local_dir
 from flodl_zmq.payload import model_signature
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
@@ -50,7 +50,7 @@ SPEC_RANK, OWN_RANK = HERE / "spec_rank.py", HERE / "own_rank_job.py"
 WORLD = {"h": (0, 1)}
 NUDGE = 0.01
 ALLOWED = {"zmq", "msgpack", "numpy", "hashlib", "hmac", "cryptography", "__future__", "argparse", "json", "os",
-           "struct", "sys", "time"}
+           "struct", "sys", "tempfile", "time"}
 BAD_COUNTS = ("violation", "rejected", "forged", "unexpected", "unknown", "bad_")
 
 
@@ -67,19 +67,19 @@ class Run:
         self.service = ControllerService(Job(**job()), penv)
         self.init = flat(self.service.model)  # what our rank starts from too (the job's seed)
 
-    def rank_process(self, rank: int, local: tuple[str, str]) -> subprocess.Popen:
+    def rank_process(self, rank: int) -> subprocess.Popen:
+        """Rank `rank`, spawned as an agent spawns one: the FLODL_* environment, nothing else of the run."""
+        env = {**os.environ, **ProcessEnv(role="rank", controller=self.address, key=self.key, run_id=self.run_id,
+                                          incarnation=self.run_id, world=WORLD, host="h", rank=rank,
+                                          local_rank=rank).to_environ()}
         if self.kinds[rank] == "own":
-            env = ProcessEnv(role="rank", controller=self.address, key=self.key, run_id=self.run_id,
-                             incarnation=self.run_id, world=WORLD, host="h", rank=rank, local_rank=rank).to_environ()
             root = str(HERE.parents[1])
             return subprocess.Popen([sys.executable, str(OWN_RANK)], cwd=root, env={
-                **os.environ, **env, "OWN_RANK_LOG": str(self.tmp / f"r{rank}.ids"), "PYTHONPATH": root})
+                **env, "OWN_RANK_LOG": str(self.tmp / f"r{rank}.ids"), "PYTHONPATH": root})
         return subprocess.Popen([
-            sys.executable, str(SPEC_RANK), "--control", local[0], "--data", local[1], "--key", self.key.hex(),
-            "--incarnation", self.run_id.hex(), "--host", "h", "--dataset-sig", dataset_signature(dataset()).hex(),
-            "--out", str(self.tmp / f"r{rank}.json"), "--rank", str(rank), "--world-size", str(len(self.kinds)),
-            "--values", "3", "--batch-size", str(BATCH), "--samples", str(SAMPLES), "--seed", "42",
-            "--nudge", str(NUDGE)])
+            sys.executable, str(SPEC_RANK), "--dataset-sig", dataset_signature(dataset()).hex(),
+            "--out", str(self.tmp / f"r{rank}.json"), "--values", "3", "--batch-size", str(BATCH),
+            "--samples", str(SAMPLES), "--seed", "42", "--nudge", str(NUDGE)], env=env)
 
     def run(self) -> None:
         ctx, outcome = zmq.Context(), {}
@@ -90,7 +90,7 @@ class Run:
                                   self.address.endpoint(Channel.DATA), self.address.endpoint(Channel.BROADCAST),
                                   *local, host_token=token("h")), ctx)
         relay.start()
-        procs = [self.rank_process(r, local) for r in WORLD["h"]]
+        procs = [self.rank_process(r) for r in WORLD["h"]]
         try:
             for p in procs:
                 assert p.wait(timeout=60) == 0, "a rank failed"
@@ -142,6 +142,11 @@ def test_the_spec_signatures_and_permutation_are_the_ones_our_ranks_compute():
     assert spec_rank.model_signature([("weight", (1, 2)), ("bias", (1,))]) == model_signature(torch.nn.Linear(2, 1))
     items = [tuple(t.numpy() for t in dataset()[i]) for i in range(SAMPLES)]
     assert spec_rank.dataset_signature(items, SAMPLES) == dataset_signature(dataset())
+    key, incarnation = new_key(), os.urandom(16)
+    try:
+        assert spec_rank.local_endpoints(key, incarnation, "h") == local_endpoints(key, incarnation, "h")
+    finally:
+        remove_local_dir(key, incarnation)
     for epoch in (0, 1, 7):
         assert spec_rank.permutation(42, epoch, SAMPLES).tolist() == epoch_permutation(42, epoch, SAMPLES).tolist()
 
