@@ -138,6 +138,7 @@ class SpecRank:
             s.connect(ep)
         self.wire = Wire(key, incarnation, f"rank:{self.rank}")
         self.theta = np.zeros(a.values, np.float32)
+        self.consensus = self.theta.copy()  # the last consensus loaded: what a final evaluation scores
         self.kept: dict[int, tuple[list[bytes], float]] = {}  # 10.7 item 2: my stream, until acked
         self.accepted: set[int] = set()
         self.ack = 0  # highest n with every 1..n of the coordinator's stream accepted
@@ -151,7 +152,7 @@ class SpecRank:
         self.last_frame: tuple[int, float] | None = None
         self.throttled = self.done = False
         self.heard = time.monotonic()
-        self.log: dict = {"spans": [], "deposits": [], "consensus": [], "rejected": 0}
+        self.log: dict = {"spans": [], "deposits": [], "consensus": [], "evals": [], "checkpoints": [], "rejected": 0}
 
     # -- sending ---------------------------------------------------------------------------------
     def send(self, kind: str, fields: dict) -> None:
@@ -231,10 +232,13 @@ class SpecRank:
             self.done = True
         elif kind == "control.declare_dead" and f["rank"] == self.rank:
             raise SystemExit(f"rank {self.rank} declared dead by the coordinator")
-        elif kind == "control.execute_eval" and f["target_rank"] == self.rank:
+        elif kind == "control.execute_eval" and f["target_rank"] == self.rank:  # its metric: the model's mean
+            scored = self.consensus if f["adopt_consensus"] else self.theta
             self.send("timing.eval_result", {"rank": self.rank, "schedule_id": f["schedule_id"], "epoch": f["epoch"],
-                                             "metric": float(self.theta.mean()), "elapsed_ms": 0.0, "error": None})
+                                             "metric": float(scored.mean()), "elapsed_ms": 0.0, "error": None})
+            self.log["evals"].append([f["schedule_id"], float(scored.mean())])
         elif kind == "control.checkpoint" and f["target_rank"] == self.rank:
+            self.log["checkpoints"].append(f["version"])
             self.send("timing.checkpoint_result", {"rank": self.rank, "version": f["version"], "elapsed_ms": 0.0,
                                                    "error": None})
 
@@ -255,6 +259,7 @@ class SpecRank:
         pre = self.snapshot
         if f["mass"] > 0:
             self.theta = consensus.astype(np.float32).copy()  # cadence: overwrite (9.5)
+            self.consensus = self.theta.copy()
         post = self.theta
         post_norm, pre_norm = float(np.linalg.norm(post)), float(np.linalg.norm(pre))
         div = 0.0 if post_norm <= 1e-10 else float(np.linalg.norm(pre - post)) / post_norm

@@ -171,6 +171,12 @@ def test_two_spec_ranks_train_a_whole_job_on_the_real_relay_and_controller(tmp_p
     steps = SAMPLES * EPOCHS // BATCH // 2  # each rank took about half the steps, each one a nudge
     assert 0.5 * steps * NUDGE < last[0] < 1.5 * steps * NUDGE
     np.testing.assert_allclose(flat(run.result.model), last, rtol=1e-6)  # the controller ends on it
+    # The evaluations and the checkpoint went to a spec rank (the fastest), which answered them: the
+    # run's results are its answers, the final one scoring the final consensus.
+    answered = sorted(metric for log in logs for _, metric in log["evals"])
+    assert sorted(e["metric"] for e in run.result.evals) == answered and len(answered) == EPOCHS
+    assert run.result.final_eval == pytest.approx(float(np.mean(np.float32(last))), rel=1e-6)
+    assert sorted(v for log in logs for v in log["checkpoints"]) == list(range(1, EPOCHS))
     run.assert_clean()
     assert not [r.getMessage() for r in caplog.records if "violation" in r.getMessage()]
 
@@ -195,5 +201,6 @@ def test_a_spec_rank_and_our_rank_train_a_whole_job_together(tmp_path, caplog):
         np.testing.assert_allclose(got["theta"], want, rtol=1e-5, atol=1e-6)
         ours = np.array(got["theta"], np.float32)
     np.testing.assert_allclose(flat(run.result.model), log["consensus"][-1]["theta"], rtol=1e-6)
+    assert run.result.final_eval == pytest.approx(float(np.mean(ours)), rel=1e-5)
     run.assert_clean()
     assert not [r.getMessage() for r in caplog.records if "violation" in r.getMessage()]
