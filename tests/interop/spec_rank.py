@@ -157,8 +157,10 @@ class SpecRank:
     # -- sending ---------------------------------------------------------------------------------
     def send(self, kind: str, fields: dict) -> None:
         frames = self.wire.encode(kind, "control", fields)
-        self.kept[self.wire.seq["control"]] = (frames, time.monotonic())
-        self.ctl.send_multipart(frames)
+        seq = self.wire.seq["control"]
+        self.kept[seq] = (frames, time.monotonic())
+        if seq != self.a.lose_seq:  # a record lost in a reset: only its resend (10.7 item 2) carries it
+            self.ctl.send_multipart(frames)
 
     def heartbeat(self) -> None:
         self.send("timing.heartbeat", {"rank": self.rank, "step_count": self.step_count, "ack": self.ack})
@@ -353,6 +355,7 @@ def main() -> int:
     for name in ("values", "batch-size", "samples", "seed"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--nudge", type=float, default=0.01)
+    p.add_argument("--lose-seq", type=int, default=0, help="never send this control record's first copy")
     a = p.parse_args()
     rank = SpecRank(a)
     try:

@@ -57,8 +57,8 @@ BAD_COUNTS = ("violation", "rejected", "forged", "unexpected", "unknown", "bad_"
 class Run:
     """One job on the real controller (this process) and relay: `kinds[r]` is "spec" or "own" for rank r."""
 
-    def __init__(self, tmp_path: Path, kinds: tuple[str, ...]):
-        self.tmp, self.kinds = tmp_path, kinds
+    def __init__(self, tmp_path: Path, kinds: tuple[str, ...], lose_seq: int = 0):
+        self.tmp, self.kinds, self.lose_seq = tmp_path, kinds, lose_seq
         self.key, self.run_id = new_key(), os.urandom(16)
         self.address = ControllerAddress("127.0.0.1", free_port_base())
         penv = ProcessEnv(role="controller", controller=self.address, key=self.key, run_id=self.run_id,
@@ -79,7 +79,8 @@ class Run:
         return subprocess.Popen([
             sys.executable, str(SPEC_RANK), "--dataset-sig", dataset_signature(dataset()).hex(),
             "--out", str(self.tmp / f"r{rank}.json"), "--values", "3", "--batch-size", str(BATCH),
-            "--samples", str(SAMPLES), "--seed", "42", "--nudge", str(NUDGE)], env=env)
+            "--samples", str(SAMPLES), "--seed", "42", "--nudge", str(NUDGE),
+            "--lose-seq", str(self.lose_seq if rank == 1 else 0)], env=env)
 
     def run(self) -> None:
         ctx, outcome = zmq.Context(), {}
@@ -151,9 +152,12 @@ def test_the_spec_signatures_and_permutation_are_the_ones_our_ranks_compute():
         assert spec_rank.permutation(42, epoch, SAMPLES).tolist() == epoch_permutation(42, epoch, SAMPLES).tolist()
 
 
-def test_two_spec_ranks_train_a_whole_job_on_the_real_relay_and_controller(tmp_path, caplog):
+# 0: nothing lost; 4: rank 1's fourth control record (a step report or a heartbeat) is lost, so the
+# coordinator holds what follows it until the resend fills the gap (PROTOCOL.md 10.7 items 2 and 4).
+@pytest.mark.parametrize("lose_seq", [0, 4])
+def test_two_spec_ranks_train_a_whole_job_on_the_real_relay_and_controller(tmp_path, caplog, lose_seq):
     caplog.set_level(logging.WARNING)
-    run = Run(tmp_path, ("spec", "spec"))
+    run = Run(tmp_path, ("spec", "spec"), lose_seq)
     run.run()
     assert [sorted(ids) for ids in run.ids_by_epoch()] == [list(range(SAMPLES))] * EPOCHS
     logs = list(run.spec.values())
