@@ -124,6 +124,8 @@ class Wire:
 
 
 class SpecRank:
+    """One rank's state machine and its two sockets, on one thread: a poll loop with deadlines."""
+
     def __init__(self, a: argparse.Namespace):
         env = os.environ  # what the agent (or launcher) that spawns a rank tells it
         key, incarnation = bytes.fromhex(env["FLODL_KEY"]), bytes.fromhex(env["FLODL_INCARNATION"])
@@ -151,7 +153,7 @@ class SpecRank:
         self.snapshot: np.ndarray | None = None
         self.last_frame: tuple[int, float] | None = None
         self.throttled = self.done = False
-        self.heard = time.monotonic()
+        self.heard = self.last_beat = self.consensus_asked = time.monotonic()
         self.log: dict = {"spans": [], "deposits": [], "consensus": [], "evals": [], "checkpoints": [], "rejected": 0}
 
     # -- sending ---------------------------------------------------------------------------------
@@ -175,7 +177,7 @@ class SpecRank:
         self.last_frame = (round_id, mass)
         self.send_frame()
         self.log["deposits"].append({"round": round_id, "mass": mass, "theta": self.snapshot.tolist()})
-        self.consensus_asked = time.monotonic()
+        self.consensus_asked = time.monotonic()  # 10.6 item 1: asked again only after a wait
 
     def send_frame(self) -> None:
         round_id, mass = self.last_frame
@@ -300,14 +302,18 @@ class SpecRank:
                                     "epoch_ms": 1.0, "compute_only_ms": 1.0, "data_starve_ms": 0.0,
                                     "scalar_sums": {}, "scalar_counts": {}})
 
+    def resend(self, now: float) -> None:
+        """10.7 item 2: every kept record unacknowledged for RESEND_S goes again, byte-identical."""
+        for n, (frames, sent) in list(self.kept.items()):
+            if now - sent >= RESEND_S:
+                self.kept[n] = (frames, now)
+                self.ctl.send_multipart(frames)
+
     def timers(self, now: float) -> None:
         if now - self.last_beat >= HEARTBEAT_S:
             self.last_beat = now
             self.heartbeat()
-        for n, (frames, sent) in list(self.kept.items()):
-            if now - sent >= RESEND_S:  # byte-identical (10.7 item 2)
-                self.kept[n] = (frames, now)
-                self.ctl.send_multipart(frames)
+        self.resend(now)
         if self.pending is not None and now - self.consensus_asked >= CONSENSUS_WAIT_S:
             self.consensus_asked = now
             self.data.send_multipart(self.wire.encode("data.consensus_request", "data", {"round": self.pending}))
@@ -320,7 +326,6 @@ class SpecRank:
                                  "model_sig": model_signature([("weight", (1, self.a.values - 1)), ("bias", (1,))]),
                                  "dataset_sig": sig})
         self.send("timing.lr_update", {"rank": self.rank, "lr": 0.1})
-        self.last_beat = time.monotonic()
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
@@ -340,10 +345,7 @@ class SpecRank:
         while self.kept and time.monotonic() < deadline:
             if self.ctl.poll(50):
                 self.on_control(self.ctl.recv_multipart())
-            for n, (frames, sent) in list(self.kept.items()):
-                if time.monotonic() - sent >= RESEND_S:
-                    self.kept[n] = (frames, time.monotonic())
-                    self.ctl.send_multipart(frames)
+            self.resend(time.monotonic())
         self.log["theta"] = self.theta.tolist()
         self.log["unacked"] = sorted(self.kept)
 
