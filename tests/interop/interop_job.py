@@ -20,10 +20,10 @@ def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return ((model(batch[0]) - batch[1]) ** 2).mean()
 
 
-def job(step=loss) -> dict[str, Any]:
+def job(step=loss, mode: str = "cpu-cadence") -> dict[str, Any]:
     """Trainer keywords; lr 0, so our rank deposits exactly the model it holds."""
     return dict(model=lambda: torch.nn.Linear(2, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
-                train_step=step, dataset=dataset(), batch_size=BATCH, epochs=EPOCHS, quiet=True, mode="cpu-cadence",
+                train_step=step, dataset=dataset(), batch_size=BATCH, epochs=EPOCHS, quiet=True, mode=mode,
                 eval_dataset=dataset(), eval_fn=mean_param, checkpoint_fn=lambda version, model: None,
                 checkpoint_every=1, epoch_fn=lambda epoch, model: None)
 
