@@ -226,7 +226,7 @@ class Job:
         for name, minimum in INTEGERS.items():
             value = getattr(self, name)
             if not _int(value) or value < minimum:
-                raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+                raise ConfigError(f"{name} must be an integer (a Python int) >= {minimum}, got {value!r}")
         for name in ("quiet", "pin_memory", "relax_up", "ship_start"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -27,11 +27,13 @@ import contextvars
 import inspect
 import itertools
 import math
+import numbers
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from flodl_zmq.errors import ConfigError
@@ -171,9 +173,9 @@ def score(job: Job, model: torch.nn.Module) -> float:
             metric = job.eval_fn(model, job.eval_dataset)
     finally:
         model.train(training)
-    if isinstance(metric, torch.Tensor) and metric.numel() == 1:
-        return float(metric)
-    if isinstance(metric, (int, float)) and not isinstance(metric, bool):
+    if isinstance(metric, torch.Tensor) and metric.numel() == 1 or isinstance(metric, np.ndarray) and metric.size == 1:
+        metric = metric.item()
+    if isinstance(metric, numbers.Real) and not isinstance(metric, bool):  # numpy's scalars too
         return float(metric)
     raise TypeError(
         f"eval_fn returned {type(metric).__name__} {metric!r:.80}: it must return one number (a float or a "

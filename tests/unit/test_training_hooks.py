@@ -131,7 +131,7 @@ def test_reduce_lr_on_plateau_is_refused_naming_the_metric_it_needs():
         stepper(job(scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o)))
 
 
-@pytest.mark.parametrize("returned", [{"acc": 0.5}, None, "0.5", torch.ones(2), True])
+@pytest.mark.parametrize("returned", [{"acc": 0.5}, None, "0.5", torch.ones(2), True, np.ones(2)])
 def test_an_eval_fn_that_returns_no_single_number_is_refused_naming_eval_fn(returned):
     model = torch.nn.Linear(4, 2)
     with pytest.raises(TypeError, match=r"eval_fn returned .* must return one number"):
@@ -139,7 +139,8 @@ def test_an_eval_fn_that_returns_no_single_number_is_refused_naming_eval_fn(retu
     assert model.training  # left in the mode it was in
 
 
-@pytest.mark.parametrize("returned", [0.5, 1, torch.tensor(0.25), torch.tensor([0.75])])
+@pytest.mark.parametrize("returned", [0.5, 1, torch.tensor(0.25), torch.tensor([0.75]), np.float32(0.5),
+                                      np.int64(1), np.array(0.25)])
 def test_an_eval_fn_returning_a_number_or_a_one_element_tensor_scores_it(returned):
     assert score(job(eval_dataset=DATA, eval_fn=lambda m, d: returned), torch.nn.Linear(4, 2)) == float(returned)
 
