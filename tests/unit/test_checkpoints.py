@@ -6,9 +6,12 @@ directory, and (as root) a tmpfs too small for a second checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,13 +101,22 @@ def test_an_unwritable_path_is_reported_with_the_path_and_the_error_and_nothing_
     assert "could not write" in caplog.text and "not-a-dir" in caplog.text
 
 
-@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="mounts a tmpfs: needs root")
-def test_a_full_disk_keeps_the_previous_checkpoint_valid_and_leaves_no_partial_files(tmp_path):
+@contextlib.contextmanager
+def small_disk(tmp_path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (a full disk to write to): needs root; skips where it cannot be mounted."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)]).returncode != 0:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)]).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="mounts a tmpfs: needs root")
+def test_a_full_disk_keeps_the_previous_checkpoint_valid_and_leaves_no_partial_files(tmp_path):
+    with small_disk(tmp_path, "96k") as mnt:
         n = 12 * 1024  # 48 KiB of f32: one checkpoint fits in 96 KiB, two do not
         w = writer(mnt, keep=3)
         w.submit(snap(1, n))
@@ -119,8 +131,6 @@ def test_a_full_disk_keeps_the_previous_checkpoint_valid_and_leaves_no_partial_f
         state, _ = bundle.load(checkpoints.newest(mnt))
         assert state["w"].numel() == n
         assert sorted(os.listdir(mnt)) == ["ckpt-r000000001.meta.json", "ckpt-r000000001.pt"]
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_resume_names_a_stem_a_directory_s_newest_or_auto_s_newest_if_any(tmp_path):
@@ -260,11 +270,7 @@ def test_a_final_save_to_a_full_disk_names_save_path_and_keeps_the_bundle_there(
     from flodl_zmq.api import train_alone
     from flodl_zmq.errors import TrainingError
 
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_disk(tmp_path, "64k") as mnt:
         def job(width: int) -> Job:
             return Job(model=lambda: torch.nn.Linear(4, width), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                        train_step=lambda m, b: m(b[0]).square().mean(), dataset=TensorDataset(torch.randn(16, 4)),
@@ -274,5 +280,3 @@ def test_a_final_save_to_a_full_disk_names_save_path_and_keeps_the_bundle_there(
         with pytest.raises(TrainingError, match=r"save_path='.*m': the bundle could not be written \(No space left"):
             train_alone(job(8192))  # 160 KiB of weights: more than the disk holds
         assert bundle.load(mnt / "m")[0]["weight"].shape == (2, 4)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
