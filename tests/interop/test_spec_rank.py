@@ -175,8 +175,10 @@ def test_two_spec_ranks_train_a_whole_job_on_the_real_relay_and_controller(tmp_p
             assert got["mass"] == mass
             np.testing.assert_allclose(got["theta"], want, rtol=1e-6)
     last = logs[0]["consensus"][-1]["theta"]
-    steps = SAMPLES * EPOCHS // BATCH // 2  # each rank took about half the steps, each one a nudge
-    assert 0.5 * steps * NUDGE < last[0] < 1.5 * steps * NUDGE
+    # A round moves the consensus by NUDGE * sum(s_i^2) / sum(s_i) for the ranks' steps s_i: between half
+    # its steps' nudges (an even split) and all of them (one rank took every step): how ElChe splits varies.
+    steps = SAMPLES * EPOCHS // BATCH
+    assert 0.5 * steps * NUDGE - 1e-4 < last[0] < steps * NUDGE + 1e-4
     np.testing.assert_allclose(flat(run.result.model), last, rtol=1e-6)  # the controller ends on it
     # The evaluations and the checkpoint went to a spec rank (the fastest), which answered them: the
     # run's results are its answers, the final one scoring the final consensus.
