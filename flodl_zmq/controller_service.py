@@ -79,7 +79,7 @@ from flodl_zmq import bundle
 from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
 from flodl_zmq.control_router import ControlRouter
 from flodl_zmq.coordinator.core import Coordinator
-from flodl_zmq.coordinator.liveness import RankState
+from flodl_zmq.coordinator.liveness import STOP_HINTS, RankState
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
@@ -299,7 +299,7 @@ class ControllerService:
         self.report.finish(wall_s)  # after the save: the log ends with the run's end
         if reason is not None:
             raise TrainingError(
-                f"the run stopped early ({reason.value}); "
+                f"the run stopped early ({reason.value}){STOP_HINTS.get(reason, '')}; "
                 + (f"its state is saved in {self.result.saved}: continue with resume_from={self.job.save_path!r}"
                    if self.result.saved else "set save_path to keep the consensus of a run that stops early")
             )

@@ -42,6 +42,16 @@ class ShutdownReason(str, enum.Enum):
     CHECKPOINT = "checkpoint"
 
 
+# What a user reads after the reason when a run stops early: where the cause is written.
+STOP_HINTS: dict[ShutdownReason, str] = {
+    ShutdownReason.ALL_RANKS_LOST: (
+        ": every rank left or was declared dead (the controller's log names each death); a rank whose own "
+        "code raised logged 'rank N: training failed' with its traceback in its host's log"
+    ),
+    ShutdownReason.MAX_FAILURE_EXCEEDED: ": more ranks failed than max_failures allows (the controller's log names each)",
+}
+
+
 class RankState(enum.Enum):
     LIVE = "live"
     EXITED = "exited"  # said goodbye: not a failure
