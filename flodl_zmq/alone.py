@@ -25,7 +25,6 @@ import torch
 
 from flodl_zmq import bundle
 from flodl_zmq.coordinator.roles import SampleCadence
-from flodl_zmq.errors import TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.payload import payload_tensors
@@ -121,8 +120,8 @@ class AloneLoop:
         try:
             metric = score(self.job, self.model)
         except Exception as exc:
-            if self.job.on_callback_error == "stop":
-                raise TrainingError(f"eval_fn failed and on_callback_error='stop': {exc!r}") from exc
+            if (stop := self.job.stop_on_callback_error("eval_fn", repr(exc))) is not None:
+                raise stop from exc
             log.exception("eval_fn(epoch=%d) raised; on_callback_error='report': training goes on", self.epoch or 0)
             return
         self.report.evaluated(self.epoch or 0, metric, samples, within_epoch, row=row)

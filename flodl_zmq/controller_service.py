@@ -601,8 +601,9 @@ class ControllerService:
 
     def _callback_failed(self, error: str) -> None:
         print(f"callback error: {error}", flush=True)
-        if self.job.on_callback_error == "stop" and self.stop_error is None:
-            self.stop_error = TrainingError(f"a user callback failed and on_callback_error='stop': {error}")
+        stop = self.job.stop_on_callback_error("a user callback", error)
+        if stop is not None and self.stop_error is None:
+            self.stop_error = stop
             for r in self.core.liveness.live:
                 self.router.send_rank(r, rec.Shutdown())
 

@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from flodl_zmq.coordinator.config import RANK_SILENCE_AT_COORDINATOR_S, CoordinatorConfig, Mode
-from flodl_zmq.errors import ConfigError
+from flodl_zmq.errors import ConfigError, TrainingError
 from flodl_zmq.outer import OuterConfig
 from flodl_zmq.settings import AGGREGATIONS, MaxFailure, Settings, easgd_blend
 from flodl_zmq.wire_format import WireFormat, named
@@ -219,6 +219,13 @@ class Job:
         if self.anchor is not None and self.max_anchor is not None and self.max_anchor < self.anchor:
             raise ConfigError(f"max_anchor ({self.max_anchor}) is below anchor ({self.anchor}): raise max_anchor")
         self._check_hooks()
+
+    def stop_on_callback_error(self, what: str, detail: str) -> TrainingError | None:
+        """The error that ends the run when `what` (a user callback) failed, under on_callback_error="stop";
+        None under "report" (it is logged and training goes on). Alone and on a cluster alike."""
+        if self.on_callback_error != "stop":
+            return None
+        return TrainingError(f"{what} failed and on_callback_error='stop': {detail}")
 
     def _check_types(self) -> None:
         """Each setting's type and range, by name: a wrong type must be refused here, naming the

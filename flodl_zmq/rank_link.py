@@ -179,8 +179,7 @@ class RankLink:
 
     def step(self, batch_ms: float, data_ms: float, loss: float, step_count: int) -> None:
         """Note one finished step; its report goes out when due (training thread only)."""
-        for report in self.steps.add(batch_ms, data_ms, loss, step_count, time.monotonic()):
-            self._loop.put(_Outgoing(report, [], None))
+        self._queue_reports(self.steps.add(batch_ms, data_ms, loss, step_count, time.monotonic()))
 
     def note_lr(self, lr: float) -> None:
         """The learning rate changed: it goes out with the next step report (training thread only)."""
@@ -188,7 +187,10 @@ class RankLink:
 
     def flush_steps(self) -> None:
         """Send the pending step timings (and rate) now: the rank is about to stop stepping."""
-        for report in self.steps.take():
+        self._queue_reports(self.steps.take())
+
+    def _queue_reports(self, reports: Sequence[Any]) -> None:
+        for report in reports:
             self._loop.put(_Outgoing(report, [], None))
 
     def send(self, record: Any, payload: Sequence[Any] = (), tracked_by: ParamBuffers | None = None) -> None:

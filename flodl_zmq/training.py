@@ -173,7 +173,7 @@ def score(job: Job, model: torch.nn.Module) -> float:
             metric = job.eval_fn(model, job.eval_dataset)
     finally:
         model.train(training)
-    if isinstance(metric, torch.Tensor) and metric.numel() == 1 or isinstance(metric, np.ndarray) and metric.size == 1:
+    if isinstance(metric, torch.Tensor | np.ndarray) and math.prod(metric.shape) == 1:
         metric = metric.item()
     if isinstance(metric, numbers.Real) and not isinstance(metric, bool):  # numpy's scalars too
         return float(metric)

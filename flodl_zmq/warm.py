@@ -216,8 +216,8 @@ def adopt_torch_threads(text: str | None) -> None:
     if text is None or text == os.environ.get("OMP_NUM_THREADS") or "torch" not in sys.modules:
         return
     with contextlib.suppress(ValueError):
-        if int(text) > 0:
-            sys.modules["torch"].set_num_threads(int(text))
+        if (threads := int(text)) > 0:
+            sys.modules["torch"].set_num_threads(threads)
 
 
 def _run(request: _Request) -> None:
