@@ -201,7 +201,8 @@ def time_phases() -> None:
     """Account a rank's wall time to phases by wrapping its runtime's steps (a measurement, not an API).
 
     Nested phases are taken out of the enclosing one; a wait is "round" while
-    this rank's deposit awaits its consensus, else "idle" (no work given yet).
+    this rank's deposit awaits its consensus, else "idle" (no work given yet), and
+    "start-up" before the run's first step.
     """
     from flodl_zmq.rank import RankRuntime
     from flodl_zmq.training import Stepper
@@ -225,7 +226,11 @@ def time_phases() -> None:
         return timed
 
     def wait_phase(self: Any, block: bool) -> str | None:
-        return None if not block else ("round" if self._pending_round is not None else "idle")
+        if not block:
+            return None
+        if not _first_step:
+            return "start-up"  # formation, the model hand-out, the first plan
+        return "round" if self._pending_round is not None else "idle"
 
     RankRuntime._take_batch = wrap("train", RankRuntime._take_batch)
     RankRuntime.step = wrap("train", RankRuntime.step)
