@@ -4,7 +4,8 @@ A bundle with stem `runs/digits` is two files:
 
     runs/digits.pt         the consensus `state_dict` (torch.save, loadable with torch.load)
     runs/digits.meta.json  {"format": 1, "epoch", "global_step", "reason", "world_size",
-                            "coordinator": {...}}  (ElChe state, coverage, counters)
+                            "coordinator": {...},  (ElChe state, coverage, counters)
+                            "digests": {"model": ..., "outer": ...}}
 
 and, for a run with an outer optimizer, a third file written before the meta:
 
@@ -14,13 +15,18 @@ Rules this module keeps: each file is written atomically and private
 (`private_files.write_atomic`: a fresh 0600 temp file, fsynced, renamed), model
 first, meta last, so a meta on disk always names a complete model and no other
 local user can read it or steer the write through a planted symlink; a
-directory it creates is 0700. A bundle is read only from files of this user,
+directory it creates is 0700. The meta holds each file's digest: a save over
+an older bundle that stopped between its files leaves the older meta beside
+the newer model, and a load refuses that pair, by name, instead of resuming
+the newer model with the older state. (A meta without digests, from before
+they were written, is read as before.) A bundle is read only from files of this user,
 never through a symlink (`private_files.read_own`), with a loud error naming
 the missing file, the refused one or the format it does not know.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -33,6 +39,7 @@ from flodl_zmq.errors import ConfigError
 from flodl_zmq.private_files import make_dirs, read_own, write_atomic
 
 FORMAT = 1
+DIGEST_BYTES = 16  # blake2b-128 per file: tells apart the files of two saves, at a fraction of a read's cost
 
 
 def paths(stem: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -41,12 +48,14 @@ def paths(stem: str | os.PathLike[str]) -> tuple[Path, Path]:
     return Path(s + ".pt"), Path(s + ".meta.json")
 
 
-def _write_torch(path: Path, obj: Any) -> None:
+def _write_torch(path: Path, obj: Any) -> str:
+    """Write `obj` to `path`; returns the digest the meta records for it."""
     # Serialized in memory first: torch reports a failed write (a full disk) as an opaque
     # RuntimeError, a plain write names the cause (ENOSPC, EROFS, ...).
     data = io.BytesIO()
     torch.save(obj, data)
     write_atomic(path, lambda f: f.write(data.getbuffer()))
+    return hashlib.blake2b(data.getbuffer(), digest_size=DIGEST_BYTES).hexdigest()
 
 
 def outer_path(stem: str | os.PathLike[str]) -> Path:
@@ -59,10 +68,10 @@ def save(stem: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], meta
     """Write the bundle atomically (files mode 0600), the outer momentum if given; returns the meta path."""
     model_path, meta_path = paths(stem)
     make_dirs(model_path.parent)
-    _write_torch(model_path, state_dict)
+    digests = {"model": _write_torch(model_path, state_dict)}
     if outer_momentum is not None:
-        _write_torch(outer_path(stem), {"momentum": outer_momentum})
-    text = json.dumps({"format": FORMAT, **meta}, indent=2, sort_keys=True)
+        digests["outer"] = _write_torch(outer_path(stem), {"momentum": outer_momentum})
+    text = json.dumps({"format": FORMAT, **meta, "digests": digests}, indent=2, sort_keys=True)
     write_atomic(meta_path, lambda f: f.write(text.encode()))
     return meta_path
 
@@ -70,7 +79,7 @@ def save(stem: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], meta
 def load(stem: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state_dict, meta) of bundle `stem`."""
     meta = load_meta(stem)
-    return _load_torch(paths(stem)[0]), meta
+    return _load_torch(paths(stem)[0], stem, "model", meta), meta
 
 
 def load_into(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], stem: str | os.PathLike[str]) -> None:
@@ -96,6 +105,10 @@ def load_meta(stem: str | os.PathLike[str]) -> dict[str, Any]:
         meta = json.loads(f.read())
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{meta_path}: bundle format {meta.get('format')!r} is not {FORMAT}; written by another version")
+    digests = meta.get("digests", {})
+    if not (isinstance(digests, dict) and all(isinstance(v, str) for v in digests.values())):
+        raise ConfigError(f"{meta_path}: its 'digests' are not a map of file digests: the meta was damaged or edited; "
+                          "resume from another bundle")
     return meta
 
 
@@ -104,7 +117,7 @@ def load_outer(stem: str | os.PathLike[str]) -> torch.Tensor | None:
     path = outer_path(stem)
     if not os.path.lexists(path):  # a symlink planted at the name is refused below, not taken for none
         return None
-    return _load_torch(path)["momentum"]
+    return _load_torch(path, stem, "outer", load_meta(stem))["momentum"]
 
 
 def _reading(path: Path) -> IO[bytes]:
@@ -116,6 +129,18 @@ def _reading(path: Path) -> IO[bytes]:
                           "files of this user, never through a symlink") from None
 
 
-def _load_torch(path: Path) -> Any:
+def _load_torch(path: Path, stem: str | os.PathLike[str], part: str, meta: dict[str, Any]) -> Any:
+    """Bundle file `path`, checked against the digest `meta` recorded for `part` (a meta from before
+    digests has none)."""
     with _reading(path) as f:
+        expected = meta.get("digests", {}).get(part)
+        if expected is not None:
+            digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=DIGEST_BYTES)).hexdigest()
+            if digest != expected:
+                raise ConfigError(
+                    f"bundle file {path} is not the one {paths(stem)[1].name} was written with: a save over this "
+                    "bundle stopped between its files, or the file was replaced; resume from another bundle (a "
+                    "ckpt-r* in the checkpoint directory) or from a fresh start"
+                )
+            f.seek(0)
         return torch.load(f, map_location="cpu", weights_only=True)

@@ -7,6 +7,7 @@ directory, and (as root) a tmpfs too small for a second checkpoint.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -280,3 +281,32 @@ def test_a_final_save_to_a_full_disk_names_save_path_and_keeps_the_bundle_there(
         with pytest.raises(TrainingError, match=r"save_path='.*m': the bundle could not be written \(No space left"):
             train_alone(job(8192))  # 160 KiB of weights: more than the disk holds
         assert bundle.load(mnt / "m")[0]["weight"].shape == (2, 4)
+
+
+def test_a_save_that_stopped_between_its_files_is_refused_by_name_not_resumed_with_the_older_state(tmp_path):
+    # The final save writes over the same stem each run: model first, meta last. Killed in between, the
+    # older meta lay beside the newer model, and resume trained the newer model from the older epoch.
+    stem = tmp_path / "m"
+    bundle.save(stem, {"w": torch.zeros(3)}, {"epoch": 1}, outer_momentum=torch.zeros(3))
+    model_path, meta_path = bundle.paths(stem)
+    older = meta_path.read_bytes()
+    bundle.save(stem, {"w": torch.ones(3)}, {"epoch": 4}, outer_momentum=torch.ones(3))
+    assert bundle.load(stem)[1]["epoch"] == 4 and bundle.load_outer(stem).sum() == 3
+    meta_path.write_bytes(older)  # the newer save's meta never landed
+    with pytest.raises(ConfigError, match=r"m\.pt is not the one m\.meta\.json was written with.*ckpt-r"):
+        bundle.load(stem)
+    with pytest.raises(ConfigError, match=r"m\.outer\.pt is not the one m\.meta\.json was written with"):
+        bundle.load_outer(stem)
+
+
+def test_a_meta_without_digests_still_loads_and_damaged_digests_are_named(tmp_path):
+    stem = tmp_path / "m"
+    bundle.save(stem, {"w": torch.ones(2)}, {"epoch": 2})
+    meta_path = bundle.paths(stem)[1]
+    meta = json.loads(meta_path.read_text())
+    del meta["digests"]  # a bundle written before the digests
+    meta_path.write_text(json.dumps(meta))
+    assert bundle.load(stem)[0]["w"].sum() == 2
+    meta_path.write_text(json.dumps({**meta, "digests": ["x"]}))
+    with pytest.raises(ConfigError, match=r"m\.meta\.json: its 'digests' are not a map"):
+        bundle.load(stem)
