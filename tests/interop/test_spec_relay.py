@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from flodl_zmq.controller_service import ControllerService
+from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.job import Job
@@ -34,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
 from dataplane_helpers import ROUTE_SECRET, WAIT_S, token  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interop_job import EPOCHS, SAMPLES, job  # noqa: E402
-from test_spec_rank import BAD_COUNTS, OWN_RANK, flat  # noqa: E402
+from interop_job import BATCH, EPOCHS, SAMPLES, dataset, job  # noqa: E402
+from test_spec_rank import BAD_COUNTS, NUDGE, OWN_RANK, SPEC_RANK, flat  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -44,7 +45,18 @@ WORLD = {"h": (0, 1)}
 LR = 1e-5  # small enough for inputs up to 95 (interop_job.dataset): the model moves and stays finite
 
 
-def test_our_ranks_train_a_whole_job_through_the_spec_relay(tmp_path, caplog):
+def rank_command(kind: str, rank: int, tmp: Path) -> list[str]:
+    """Ours (own_rank_job.py, training at LR) or the spec rank (spec_rank.py, its deposits framed)."""
+    if kind == "own":
+        return [sys.executable, str(OWN_RANK)]
+    return [sys.executable, str(SPEC_RANK), "--dataset-sig", dataset_signature(dataset()).hex(),
+            "--out", str(tmp / f"r{rank}.json"), "--values", "3", "--batch-size", str(BATCH),
+            "--samples", str(SAMPLES), "--seed", "42", "--nudge", str(NUDGE)]
+
+
+# Our ranks deposit by reference (3.5); the spec rank frames its deposits: both forms in one fold.
+@pytest.mark.parametrize("kinds", [("own", "own"), ("own", "spec")], ids="-".join)
+def test_ranks_train_a_whole_job_through_the_spec_relay(tmp_path, caplog, kinds):
     caplog.set_level(logging.WARNING)
     key, run_id = new_key(), os.urandom(16)
     address = ControllerAddress("127.0.0.1", free_port_base())
@@ -64,9 +76,9 @@ def test_our_ranks_train_a_whole_job_through_the_spec_relay(tmp_path, caplog):
     root = str(HERE.parents[1])
     relay = subprocess.Popen([sys.executable, str(HERE / "spec_relay.py"), "--out", str(tmp_path / "relay.json")],
                              env=environ("relay", host="h", host_token=token("h")))
-    ranks = [subprocess.Popen([sys.executable, str(OWN_RANK)], cwd=root, env={
+    ranks = [subprocess.Popen(rank_command(kind, r, tmp_path), cwd=root, env={
         **environ("rank", host="h", rank=r, local_rank=r), "OWN_RANK_LOG": str(tmp_path / f"r{r}.ids"),
-        "OWN_RANK_LR": str(LR), "PYTHONPATH": root}) for r in WORLD["h"]]
+        "OWN_RANK_LR": str(LR), "PYTHONPATH": root}) for r, kind in zip(WORLD["h"], kinds, strict=True)]
     try:
         for p in ranks:
             assert p.wait(timeout=60) == 0, "a rank failed"
@@ -80,14 +92,17 @@ def test_our_ranks_train_a_whole_job_through_the_spec_relay(tmp_path, caplog):
         remove_local_dir(key, run_id)
     result, log = outcome["result"], json.loads((tmp_path / "relay.json").read_text())
 
-    ids = {r: [int(i) for i in (tmp_path / f"r{r}.ids").read_text().split()] for r in WORLD["h"]}
-    for e, row in enumerate(result.epochs):  # each rank's steps in order; the rows say how many each held
-        trained = []
-        for r in WORLD["h"]:
+    ids = {r: [int(i) for i in (tmp_path / f"r{r}.ids").read_text().split()] for r, k in enumerate(kinds) if k == "own"}
+    spec_logs = [json.loads((tmp_path / f"r{r}.json").read_text()) for r, k in enumerate(kinds) if k == "spec"]
+    assert all(s["rejected"] == 0 and s["unacked"] == [] for s in spec_logs), "the spec rank refused or lost a record"
+    spans = [s for log in spec_logs for s in log["spans"]]
+    for e, row in enumerate(result.epochs):  # our ranks' steps in order; the rows say how many each held
+        trained = [i for s in spans if s["epoch"] == e for i in s["ids"]]
+        for r in ids:
             n = row["per_rank_samples"][r]
             trained, ids[r] = trained + ids[r][:n], ids[r][n:]
         assert sorted(trained) == list(range(SAMPLES)), f"epoch {e} did not cover every sample once"
-    assert ids == {r: [] for r in WORLD["h"]}, "a rank trained samples outside every epoch"
+    assert all(left == [] for left in ids.values()), "our rank trained samples outside every epoch"
 
     assert log["shipped"] and [s["round"] for s in log["shipped"]] == [d["round"] for d in log["delivered"]]
     for shipped, got in zip(log["shipped"], log["delivered"], strict=True):
@@ -97,7 +112,8 @@ def test_our_ranks_train_a_whole_job_through_the_spec_relay(tmp_path, caplog):
             np.testing.assert_allclose(got["theta"], np.float32(shipped["sum"]) / mass, rtol=1e-6)
     last = log["delivered"][-1]["theta"]
     assert not np.allclose(last, init), "training moved the model"
-    np.testing.assert_allclose(flat(result.model), last, rtol=1e-6)  # the controller ends on it
+    np.testing.assert_allclose(flat(result.model), last, rtol=1e-6,  # the controller ends on it
+                               err_msg=f"the relay delivered {[(d['round'], d['mass']) for d in log['delivered']]}")
     assert log["violations"] == [] and log["counts"].get("by_reference", 0) > 0, log["counts"]
     assert not {k: v for k, v in service.counts.items() if v and any(b in k for b in BAD_COUNTS)}, service.counts
     assert not [r.getMessage() for r in caplog.records if "violation" in r.getMessage()]
