@@ -20,9 +20,9 @@ def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return ((model(batch[0]) - batch[1]) ** 2).mean()
 
 
-def job(step=loss, mode: str = "cpu-cadence") -> dict[str, Any]:
-    """Trainer keywords; lr 0, so our rank deposits exactly the model it holds."""
-    return dict(model=lambda: torch.nn.Linear(2, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+def job(step=loss, mode: str = "cpu-cadence", lr: float = 0.0) -> dict[str, Any]:
+    """Trainer keywords; with lr 0 (test_spec_rank.py) our rank deposits exactly the model it holds."""
+    return dict(model=lambda: torch.nn.Linear(2, 1), optimizer=lambda p: torch.optim.SGD(p, lr=lr),
                 train_step=step, dataset=dataset(), batch_size=BATCH, epochs=EPOCHS, quiet=True, mode=mode,
                 eval_dataset=dataset(), eval_fn=mean_param, checkpoint_fn=lambda version, model: None,
                 checkpoint_every=1, epoch_fn=lambda epoch, model: None)

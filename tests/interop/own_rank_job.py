@@ -2,7 +2,9 @@
 
 Run with FLODL_ROLE=rank (flodl_zmq/environment.py). The learning rate is 0, so its deposits are
 exactly the model it was given (the torch init, then each consensus): the test can then tell what
-the spec rank's deposits did to every consensus. Appends each batch's sample ids to OWN_RANK_LOG.
+the spec rank's deposits did to every consensus. OWN_RANK_LR, when set, trains at that rate instead
+(tests/interop/test_spec_relay.py, whose relay logs what the deposits were). Appends each batch's
+sample ids to OWN_RANK_LOG.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def main() -> None:
         log.flush()
         return ((model(batch[0]) - batch[1]) ** 2).mean()
 
-    Trainer(**job(step)).run()
+    Trainer(**job(step, lr=float(os.environ.get("OWN_RANK_LR", "0")))).run()
 
 
 if __name__ == "__main__":
