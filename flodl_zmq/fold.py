@@ -28,16 +28,17 @@ root. This module is the middle move and keeps these rules:
   round silently would break Local SGD, so liveness comes from deaths only.
 - Every protocol violation (a round id ahead of the open round, schema drift
   from the round's first deposit, non-finite or negative mass, a rank not on
-  the roster) raises FoldError and poisons the station: nothing it holds is
-  ever shipped, and the relay must tear its data channel down.
+  the roster) raises FoldError before anything changes (every check comes
+  before the first add): the round holds only deposits that passed, and the
+  relay makes the violating rank leave, so the round completes without it.
+  One rank's broken stream must not take every rank of its host down.
 - Round id + rank make a deposit idempotent: a second deposit from one rank in
   the open round (a resend that crossed the original) is dropped and counted,
   never summed twice; a deposit for a round already shipped is late. Either
   way nothing changes (PROTOCOL.md 10.6).
-- A deposit with a NaN or infinite element is refused and does not poison the
-  station: the rank is out of every barrier, listed in ``refused`` (the relay
-  makes it leave), and the round completes without it (one rank must not NaN
-  the consensus of every rank). The check rides on the pass that first reads
+- A deposit with a NaN or infinite element is refused too: the rank is out of
+  every barrier, listed in ``refused`` (the relay makes it leave), and the
+  round completes without it (one rank must not NaN the consensus of every rank). The check rides on the pass that first reads
   a deposit: the sum of the first two (the blocks of sums checked while in
   cache), or a check of its own just before a later one is added in place
   (which then raises PoisonedDeposit, the round untouched). A round's single
@@ -573,7 +574,6 @@ class FoldStation:
         self.dead: set[int] = set()
         self.refused: list[tuple[int, str]] = []  # (rank, why) refused for a poisoned deposit: the relay drains it
         self.counters = FoldCounters()
-        self.poisoned: str | None = None
         self.last_round: int | None = None
         self._round: OpenRound | None = None
         self.bound = robust.MagnitudeBound()  # largest value per unit of mass a deposit may carry (robust.py)
@@ -591,20 +591,9 @@ class FoldStation:
 
     def deposit(self, rank: int, round_id: int, mass: float,
                 tensors: Sequence[np.ndarray]) -> HostFold | NothingToShip | None:
-        """Fold one rank's authenticated, mass-premultiplied deposit for ``round_id``."""
-        if self.poisoned is not None:
-            raise FoldError(f"fold station is poisoned ({self.poisoned}); tear the data channel down")
+        """Fold one rank's authenticated, mass-premultiplied deposit for ``round_id``; FoldError (the
+        station unchanged) for a deposit that breaks a rule of the round (module docstring)."""
         who = f"relay fold: rank {rank} (round {round_id})"
-        try:
-            return self._deposit(rank, round_id, mass, tensors, who)
-        except FoldError as e:
-            # A half-checked round must never ship: whatever it holds is suspect.
-            self.poisoned = str(e)
-            self._round = None
-            raise
-
-    def _deposit(self, rank: int, round_id: int, mass: float, tensors: Sequence[np.ndarray],
-                 who: str) -> HostFold | NothingToShip | None:
         if rank not in self.roster:
             raise FoldError(f"{who}: rank is not on this host's roster {sorted(self.roster)}")
         if rank in self.dead:
@@ -642,7 +631,7 @@ class FoldStation:
 
     def awaits(self, rank: int, round_id: int) -> bool:
         """Whether live ``rank``'s deposit for unshipped ``round_id`` is missing (lost: ask for it again)."""
-        if rank not in self.roster or rank in self.dead or self.poisoned is not None:
+        if rank not in self.roster or rank in self.dead:
             return False
         if self.last_round is not None and round_id <= self.last_round:
             return False
@@ -657,8 +646,6 @@ class FoldStation:
         if rank in self.dead:
             return None
         self.dead.add(rank)
-        if self.poisoned is not None:
-            return None
         return self._take_if_complete()
 
     def _take_if_complete(self) -> HostFold | NothingToShip | None:

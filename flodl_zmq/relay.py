@@ -43,11 +43,12 @@ Rules the relay keeps:
 - Every record is authenticated before it is used, and a record whose
   authenticated sender is not the rank its routing identity names is dropped
   and counted: a rank cannot speak (or deposit) for another. Rejections never
-  stop the relay; only a fold protocol violation does (the stream is
-  desynced and the polluted round must never ship). A deposit with a NaN or
-  infinite element, or a finite value far over the last consensus's, is
-  refused before it joins the fold: that rank leaves and the round completes
-  without it. The data thread tells the control thread (RankRefused), which
+  stop the relay. A deposit that breaks a rule of the round (another round
+  than the open one, another layout, a bad mass), has a NaN or infinite
+  element, or a finite value far over the last consensus's, is refused before
+  it joins the fold: that rank leaves and the round completes without it.
+  Only what is no one rank's fault stops the relay: a payload of another wire
+  format than the run's, or the controller and the relay at odds on the world. The data thread tells the control thread (RankRefused), which
   reports it to the controller (RankExit) at once: the coordinator must not
   keep scheduling a rank whose deposits no round takes. So does a rank
   whose record makes anything else here raise (`links.act_for_peer`, around

@@ -259,12 +259,9 @@ class DataPlane(Plane):
             return
         try:
             outcome = self.fold.deposit(rank, rec.round, rec.mass, payload)
-        except PoisonedDeposit as exc:
+        except (PoisonedDeposit, FoldError) as exc:
             # Refused before it touched the round: this rank leaves, the others' round goes on.
-            self.refuse(rank, str(exc))
-            return
-        except FoldError as exc:
-            self.violation(exc)
+            self.refuse(rank, str(exc), "poisoned" if isinstance(exc, PoisonedDeposit) else "protocol_violations")
             return
         self.ship(outcome)
         self.refused()
@@ -307,11 +304,12 @@ class DataPlane(Plane):
         while self.fold.refused:
             self.refuse(*self.fold.refused.pop(0))
 
-    def refuse(self, rank: int, why: str) -> None:
-        """`rank` leaves for a poisoned deposit: on both channels, through the control thread (RankRefused),
-        which reports it upstream and hands it back here as RankGone (`local_death`)."""
+    def refuse(self, rank: int, why: str, kind: str = "poisoned") -> None:
+        """`rank` leaves for a deposit the fold refused (`kind`: poisoned, or a protocol violation): on both
+        channels, through the control thread (RankRefused), which reports it upstream and hands it back here
+        as RankGone (`local_death`)."""
         log.error("relay %s: rank %d leaves: %s", self.cfg.host, rank, why)
-        self.count["poisoned.local_data"] += 1
+        self.count[f"{kind}.local_data"] += 1
         self.out(rank, why)
 
     def out(self, rank: int, why: str) -> None:
@@ -319,8 +317,8 @@ class DataPlane(Plane):
         self.control_thread.put(RankRefused(rank, why))
 
     def violation(self, exc: FoldError) -> None:
-        # The stream is desynced: the fold holds nothing that may ship, so the
-        # relay stops and the controller sees this host go (never a wrong mean).
+        # Not one rank's fault (a payload of another wire format than the run's, the controller and this
+        # relay at odds on the world): the relay stops and the controller sees this host go, by name.
         log.error("relay %s: protocol violation, tearing the data channel down: %s", self.cfg.host, exc)
         self.fail(exc)
 

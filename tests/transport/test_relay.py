@@ -447,6 +447,19 @@ def test_a_relay_not_told_the_wire_format_holds_the_run_to_its_first_deposits(tm
         rig.close()
 
 
+def test_a_rank_depositing_out_of_step_leaves_and_its_host_mates_round_ships_without_it(rig):
+    # A fold protocol violation used to stop the relay: one rank whose stream was desynced (a frame for
+    # round 2 while round 1 is open) took every rank of its host down. Now only that rank leaves.
+    rig.ranks[0].deposit(1, 1.0, [np.ones(4, np.float32)])
+    assert settle(lambda: rig.relay.fold.counters.deposits == 1)
+    rig.ranks[1].deposit(2, 2.0, [np.full(4, 2.0, np.float32)])
+    records = [rig.ctl.data_record().record for _ in range(2)]
+    assert RankExit(1) in records
+    (frame,) = [r for r in records if isinstance(r, HostFrame)]
+    assert (frame.round, frame.ranks, frame.mass) == (1, [0], 1.0)
+    assert rig.relay.running and rig.relay.counters()["protocol_violations.local_data"] == 1
+
+
 def test_goodbye_leaves_the_barrier_and_is_reported_on_both_upstream_legs(rig):
     t = [np.ones(4, np.float32)]
     rig.ranks[0].deposit(1, 1.0, t)
