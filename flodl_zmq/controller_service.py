@@ -315,8 +315,10 @@ class ControllerService:
         drain_until: float | None = None
         while True:
             now = time.monotonic()
-            # After the end: every rank said goodbye (acknowledged at once) or is dead: nothing left to drain.
-            if drain_until is not None and (now >= drain_until or (self.started and not self.core.liveness.live)):
+            # After the end: every rank said goodbye (acknowledged at once) or is dead, and the last round's
+            # consensus came in on the broadcast (apart from its outcome): nothing left to drain.
+            if drain_until is not None and (now >= drain_until or (
+                    self.started and not self.core.liveness.live and self.kept.consistent)):
                 return
             if not self.started and self.stop_error is None:
                 verdict = self.formation.poll(now)
@@ -509,10 +511,8 @@ class ControllerService:
         self.report.started()
         for rank, reason in formed.absent.items():
             self.deaths[rank] = (time.time(), f"before the world formed: {reason}")
-        self.report.events.write(
-            "start", mode=self.job.mode, epochs=self.job.epochs, world_size=self.world_size,
-            world={h: list(rs) for h, rs in self.world.items()},
-        )
+        self.report.events.write("start", mode=self.job.mode, epochs=self.job.epochs, world_size=self.world_size,
+                                 world={h: list(rs) for h, rs in self.world.items()})
         if not self.job.quiet:
             absent = f", without rank(s) {sorted(formed.absent)} (gone before it formed)" if formed.absent else ""
             print(f"world formed: {len(formed.hellos)} of {self.world_size} ranks on {len(self.world)} hosts"
