@@ -135,10 +135,11 @@ class AloneLoop:
         """End the run (all epochs, or the caller stopped early): save the bundle, finish the report."""
         self.release()
         wall_s = time.perf_counter() - self._t_run
+        # The result, the bundle and the run log's end say the same: a loop left early is not a completed run.
+        self.result.reason = "completed" if self.epochs_done >= self.job.epochs else "stopped"
         if self.job.save_path:
-            completed = self.epochs_done >= self.job.epochs
             self.report.save(self.model.state_dict(), {
-                "epoch": self.epochs_done, "global_step": None, "reason": "completed" if completed else "stopped",
+                "epoch": self.epochs_done, "global_step": None, "reason": self.result.reason,
                 "world_size": 1, "coordinator": None,
             })
         self.report.finish(wall_s)

@@ -45,7 +45,8 @@ Rules this module keeps:
   batch (`Job.ship_start`, PROTOCOL.md 13), as a resumed world's ranks do.
 - **One step per batch.** `s.step(loss=None)` after each batch's optimizer
   step: it counts the step (the averaging mass, ElChe's timings, the global
-  step) and reports the loss (a float or tensor; None reports no loss). A
+  step) and reports the loss (one number: a float or a one-element tensor;
+  None reports no loss; anything else is a SessionError naming it). A
   batch not reported is a `SessionError` at the next one.
 - **The schedule.** `scheduler=` (a factory `optimizer -> scheduler`, as
   Trainer's) is stepped to the global step before each batch; a scheduler
@@ -81,7 +82,7 @@ from flodl_zmq.job import Job, coordinator_config
 from flodl_zmq.rank import RankRuntime, pick_device
 from flodl_zmq.rank_link import RankConfig
 from flodl_zmq.result import TrainResult
-from flodl_zmq.training import Stepper, recording
+from flodl_zmq.training import Stepper, one_number, recording
 
 if TYPE_CHECKING:
     from flodl_zmq.membership_link import MembershipLink
@@ -285,8 +286,13 @@ class Session:
         """The optimizer step on the last batch is done; `loss` (optional) goes into the epoch's reports."""
         if self._loop is None or not self._owed:
             raise SessionError("Session.step() without a batch: call it once after each batch of s.batches()")
+        value = float("nan") if loss is None else one_number(loss)
+        if value is None:
+            raise SessionError(
+                f"Session.step(loss) got {type(loss).__name__} {loss!r:.80}: the loss must be one number (a float "
+                "or a one-element tensor); pass the batch's mean loss, e.g. loss.mean(), or nothing"
+            )
         self._owed = False
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan") if loss is None else float(loss)
         self._loop.step(value)
 
     @property

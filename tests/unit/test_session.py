@@ -3,6 +3,7 @@ the guide's converted loop runs verbatim, misuse is named, and every rank starts
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 from pathlib import Path
@@ -129,6 +130,20 @@ def test_breaking_out_alone_keeps_the_finished_epochs_and_saves_the_model_as_sto
     state, meta = bundle.load(str(tmp_path / "m"))
     assert meta["reason"] == "stopped" and meta["epoch"] == 1
     assert torch.equal(state["weight"], model.state_dict()["weight"])
+    # The result and the run log say so too, as the bundle does: a loop left early did not complete the run.
+    assert s.result.reason == "stopped"
+    ends = [e for e in map(json.loads, next(Path.cwd().glob("runs/*/events.jsonl")).read_text().splitlines())
+            if e["kind"] == "end"]
+    assert [e["reason"] for e in ends] == ["stopped"]
+
+
+@pytest.mark.parametrize("loss", ["abc", torch.ones(8), [1.0], True], ids=["text", "per-sample", "list", "bool"])
+def test_a_loss_that_is_not_one_number_is_a_session_error_naming_the_fix(loss):
+    model = net()
+    with pytest.raises(SessionError, match=r"the loss must be one number .* e\.g\. loss\.mean\(\)"):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
+            for _batch in s.batches():
+                s.step(loss)
 
 
 def penv(role: str, **kw: Any) -> ProcessEnv:
