@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -151,8 +152,12 @@ class Cluster:
             raise ConfigError(f"--hosts ({self.hosts}) and --ranks-per-host ({self.ranks_per_host}) must be >= 1")
         world_size = self.hosts * self.ranks_per_host
         for rank, factor in self.slow.items():
-            if not 0 <= rank < world_size or factor < 1.0:
-                raise ConfigError(f"--slow {rank}:{factor}: rank must be in 0..{world_size - 1} and factor >= 1")
+            # `not 1 <= factor < inf`: a NaN compares false both ways, and must not reach a rank's delay.
+            if not 0 <= rank < world_size or not 1.0 <= factor < math.inf:
+                raise ConfigError(f"--slow {rank}:{factor}: rank must be in 0..{world_size - 1} and factor a "
+                                  "finite number >= 1, e.g. --slow 1:3")
+        if self.port:  # checked before any process starts, not first by the controller's bind
+            ControllerAddress("127.0.0.1", self.port)
         self._lock = threading.Lock()
         self._sink_lock = threading.Lock()
         self.run_id: bytes | None = None
@@ -429,6 +434,10 @@ def _launch_command(args: argparse.Namespace) -> int:
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise ConfigError("launch needs a script to run: flodl-zmq launch [options] script.py [args]")
+    if runnable(argv) and argv[0] != "-m" and not Path(argv[0]).is_file():
+        # Said once here, not by the traceback of every process the cluster would start to run it.
+        raise ConfigError(f"launch: no script {argv[0]!r} (from {os.getcwd()}): give the path of a Python file, "
+                          "or -- -m module for a module")
     cluster = Cluster(
         argv=argv, hosts=args.hosts, ranks_per_host=args.ranks_per_host, port=args.port,
         slow=parse_slow(args.slow), sink=default_sink, run_dir=args.run_dir, metrics_port=args.metrics_port,
