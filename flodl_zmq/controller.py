@@ -58,7 +58,14 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ProcessEnv, SpawnSpec, with_tunables
+from flodl_zmq.environment import (
+    TERMINATED_EXIT,
+    ProcessEnv,
+    SpawnSpec,
+    Terminated,
+    raise_interrupt_on_sigterm,
+    with_tunables,
+)
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
 from flodl_zmq.io_threads import controller_context
 from flodl_zmq.join import CHALLENGE_NONCE_BYTES, JoinConfig, JoinWindow, WindowPhase
@@ -572,22 +579,6 @@ def controller_options(settings: Settings, argv: Sequence[str], key: bytes | Non
         curve=curve,
         settings=settings,
     )
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread is: the SIGINT path, but for `serve`'s rule under --resume auto."""
-
-
-TERMINATED_EXIT = 143  # a shell's status for SIGTERM: not 0, so `restart: on-failure` and OnFailure restart it
-
-
-def raise_interrupt_on_sigterm() -> Any:
-    """SIGTERM takes the SIGINT path (`Terminated`, a KeyboardInterrupt); returns the previous handler."""
-
-    def on_term(_signum: int, _frame: object) -> None:
-        raise Terminated
-
-    return signal.signal(signal.SIGTERM, on_term)
 
 
 def _status_command(args: argparse.Namespace) -> int:

@@ -7,59 +7,49 @@ Sockets (ControllerAddress rule, flodl_zmq/endpoints.py):
     bcast    PUB     (bind)  -> every relay's SUB                owned by ReducerService
     bcast    SUB  (connect)  <- the reducer's own PUB, inproc    owned by this loop (consensus copy)
 
-The control ROUTER's framing, attribution and streams with each rank are
-`ControlRouter`'s (flodl_zmq/control_router.py), which hands this service
-each rank's records in order; the kept consensus, its checkpoints, a resume
-and a re-formed world are flodl_zmq/checkpoints.py's (`Keeper`, `Resumed`,
-`WorldChange`); under `flodl-zmq controller` the role runs next to the
-membership service, linked by a `MembershipLink` (flodl_zmq/membership_link.py).
+The control ROUTER's framing, attribution and streams with each rank are `ControlRouter`'s
+(flodl_zmq/control_router.py), which hands this service each rank's records in order; the kept
+consensus, its checkpoints, a resume and a re-formed world are flodl_zmq/checkpoints.py's (`Keeper`,
+`Resumed`, `WorldChange`); under `flodl-zmq controller` the role runs next to the membership
+service, linked by a `MembershipLink` (flodl_zmq/membership_link.py).
 
 Theory of operation:
 
-1. Formation. Relays say hello (answered RelayHelloAck), then every rank's
-   RankHello arrives through them. Once all W ranks have spoken, their model
-   and dataset signatures are compared with the controller's own; any
-   difference stops the run with an error naming the ranks, before a step
-   is trained. A rank known to have left before then (its launcher, agent
-   or relay saw it exit) is acted on at once: the world forms without it
-   while at least the minimum remain (--min-ranks under `flodl-zmq
-   controller`, any rank under `launch`), else the start-up fails naming it
-   and its exit code.
-   A formation that does not complete in FLODL_STARTUP_TIMEOUT fails loudly
-   (with AuthError if records failed authentication: a wrong FLODL_KEY
-   somewhere). The checks are the pure `Formation` (flodl_zmq/formation.py);
-   this loop only feeds it.
-2. Training. Every authenticated rank record goes to `Coordinator.on_record`,
-   relay RankExit to `on_rank_death`, the reducer's round outcomes to
-   `on_round_complete` / `on_round_abandoned`, and a tick whenever the loop
-   wakes, which is at the latest when the core's next timer is due
-   (`Coordinator.next_due`): the loop has no polling interval.
-   Outputs: rank records are routed through the relays; DeclareDead goes to
-   the reducer (out of every barrier); controller effects (epoch metrics,
-   eval results, save-state, run end) drive the `RunReport`
-   (flodl_zmq/report.py: progress, epoch lines, result, bundle), the same
-   one `AloneLoop` uses.
-3. The end. After RunEnded the loop keeps serving until every rank has said
-   goodbye or is dead (at most a short drain), so the Shutdown records and the
-   goodbyes cross, then stops the reducer. The final model is the last
-   consensus with positive mass seen on the broadcast (the controller
-   subscribes to its own PUB, exactly like a relay).
+1. Formation. Relays say hello (answered RelayHelloAck), then every rank's RankHello arrives
+   through them. Once all W ranks have spoken, their model and dataset signatures are compared with
+   the controller's own; any difference stops the run with an error naming the ranks, before a step
+   is trained. A rank known to have left before then (its launcher, agent or relay saw it exit) is
+   acted on at once: the world forms without it while at least the minimum remain (--min-ranks
+   under `flodl-zmq controller`, any rank under `launch`), else the start-up fails naming it and
+   its exit code. A formation that does not complete in FLODL_STARTUP_TIMEOUT fails loudly (with
+   AuthError if records failed authentication: a wrong FLODL_KEY somewhere). The checks are the
+   pure `Formation` (flodl_zmq/formation.py); this loop only feeds it.
+2. Training. Every authenticated rank record goes to `Coordinator.on_record`, relay RankExit to
+   `on_rank_death`, the reducer's round outcomes to `on_round_complete` / `on_round_abandoned`, and
+   a tick whenever the loop wakes, which is at the latest when the core's next timer is due
+   (`Coordinator.next_due`): the loop has no polling interval. Outputs: rank records are routed
+   through the relays; DeclareDead goes to the reducer (out of every barrier); controller effects
+   (epoch metrics, eval results, save-state, run end) drive the `RunReport` (flodl_zmq/report.py:
+   progress, epoch lines, result, bundle), the same one `AloneLoop` uses.
+3. The end. After RunEnded the loop keeps serving until every rank has said goodbye or is dead (at
+   most a short drain), so the Shutdown records and the goodbyes cross, then stops the reducer. The
+   final model is the last consensus with positive mass seen on the broadcast (the controller
+   subscribes to its own PUB, exactly like a relay). Interrupted (Ctrl-C, or a SIGTERM the role
+   turns into one), the run log still ends with its `end` line, reason "interrupted".
 
-Rules this module keeps: one socket, one thread (the reducer's sockets are
-the reducer thread's); the core sees only the records `ControlRouter`
-authenticated and attributed to the rank their route names.
+Rules this module keeps: one socket, one thread (the reducer's sockets are the reducer thread's);
+the core sees only the records `ControlRouter` authenticated and attributed to the rank their route
+names.
 
-Peer violations: one policy with the reducer's. A rank whose authenticated
-record the coordinator refuses (a record it can never legally send: another
-rank's id, a kind a rank does not send, a completion of the wrong size; the
-core raises CoordinatorError/ProtocolError before any change), or whose
-record makes anything here raise (the core, a reply's encode, the report),
-is declared dead with the reason, exactly like a rank that exited, and the
-run trains on without it (`violation`, called from the router's one handler
-boundary, `links.act_for_peer`); before the world formed, that fails the
-formation naming it or forms without it. A peer must never be able to end
-the service; an exception that is our bug is logged with its traceback and
-counted (`handler_error.control`) on the way.
+Peer violations: one policy with the reducer's. A rank whose authenticated record the coordinator
+refuses (a record it can never legally send: another rank's id, a kind a rank does not send, a
+completion of the wrong size; the core raises CoordinatorError/ProtocolError before any change), or
+whose record makes anything here raise (the core, a reply's encode, the report), is declared dead
+with the reason, exactly like a rank that exited, and the run trains on without it (`violation`,
+called from the router's one handler boundary, `links.act_for_peer`); before the world formed, that
+fails the formation naming it or forms without it. A peer must never be able to end the service; an
+exception that is our bug is logged with its traceback and counted (`handler_error.control`) on the
+way.
 """
 
 from __future__ import annotations
@@ -211,6 +201,7 @@ class ControllerService:
         sub.setsockopt(zmq.LINGER, 0)
         t0 = time.perf_counter()
         status_server = None
+        interrupted = False
         try:
             if self.link is None:
                 status_server = StatusServer(
@@ -224,8 +215,14 @@ class ControllerService:
             outer_state = reducer.outer_state if self.outer is not None else None
             self.kept.start(time.monotonic(), self.core.avg_count, outer_state)
             self._loop(control, sub, reducer)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from launch or an orchestrator (a KeyboardInterrupt there)
+            interrupted = True
+            raise
         finally:
             self._close(reducer, control, sub, status_server)
+            if interrupted:  # the run log ends saying what happened, not mid-round
+                self.result.reason = "interrupted"
+                self.report.finish(time.perf_counter() - t0)
         before = 0.0 if self._carried is None else self._carried.result.wall_s  # the world before a re-form
         return self._finish(time.perf_counter() - t0 + before)
 

@@ -76,7 +76,13 @@ from torch.utils.data import Dataset
 
 from flodl_zmq import checkpoints
 from flodl_zmq.alone import AloneLoop
-from flodl_zmq.environment import ProcessEnv, watch_lifeline
+from flodl_zmq.environment import (
+    TERMINATED_EXIT,
+    ProcessEnv,
+    raise_interrupt_on_sigterm,
+    watch_lifeline,
+)
+from flodl_zmq.environment import Terminated as Interrupted
 from flodl_zmq.errors import SessionError
 from flodl_zmq.job import Job, coordinator_config
 from flodl_zmq.rank import RankRuntime, pick_device
@@ -205,7 +211,18 @@ class Session:
             stem = checkpoints.resolve(penv.settings.resume, penv.settings.checkpoint_dir)
             if stem is not None:
                 job = dataclasses.replace(job, resume_from=str(stem))
-            self.result = run_controller(job, penv, link)
+            if link is not None:  # `flodl-zmq controller` serves its own signals (controller.serve)
+                self.result = run_controller(job, penv, link)
+                return
+            # launch stops its controller with SIGTERM: the run log must end saying so (the
+            # service's `end` line), and the process exit as a shell's would, with no traceback.
+            previous = raise_interrupt_on_sigterm()
+            try:
+                self.result = run_controller(job, penv, link)
+            except KeyboardInterrupt as stop:
+                raise SystemExit(TERMINATED_EXIT if isinstance(stop, Interrupted) else 130) from None
+            finally:
+                signal.signal(signal.SIGTERM, previous)
             return
         if penv.role == "relay":
             from flodl_zmq.relay import run_relay
