@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import queue
 import runpy
@@ -588,8 +589,11 @@ def _status_command(args: argparse.Namespace) -> int:
     address = ControllerAddress.parse(settings.controller)
     key, curve = session_key(os.environ), CurveKeys.for_client(os.environ, server_file=settings.curve_server_file)
     if args.watch:
-        if args.json or not args.interval > 0:
-            raise ConfigError("--watch draws a table every --interval seconds (> 0); it does not take --json")
+        if args.json:
+            raise ConfigError("--watch draws a table, --json prints one reply: give one of them")
+        if not 0 < args.interval < math.inf:  # nan and inf too: a redraw every nan or inf seconds never comes
+            raise ConfigError(f"--interval {args.interval}: the seconds between two redraws, a finite number > 0, "
+                              "e.g. --interval 1")
         try:
             return watch_status(address, key, curve, settings.status_reply_timeout_s, args.interval)
         except KeyboardInterrupt:
