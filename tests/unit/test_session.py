@@ -137,6 +137,18 @@ def test_breaking_out_alone_keeps_the_finished_epochs_and_saves_the_model_as_sto
     assert [e["reason"] for e in ends] == ["stopped"]
 
 
+def test_an_epoch_row_alone_has_the_fields_a_clusters_row_has_with_the_same_meaning():
+    # Alone, a row lacked samples, per_rank_samples and round (guide.md's TrainResult table): a script
+    # reading r.epochs[-1]["samples"] worked on a cluster and raised KeyError alone.
+    result = Trainer(model=net, optimizer=sgd, train_step=loss_of, dataset=data(), batch_size=8, epochs=2,
+                     quiet=True).run()
+    for row in result.epochs:
+        assert row["samples"] == N and row["per_rank_samples"] == [N] and row["batch_share"] == [1.0]
+        assert row["round"] == -1 and row["reconnects"] == 0  # no consensus, no link: alone
+    logged = [json.loads(line) for line in next(Path.cwd().glob("runs/*/events.jsonl")).read_text().splitlines()]
+    assert [e["samples"] for e in logged if e["kind"] == "epoch"] == [N, N]
+
+
 @pytest.mark.parametrize("loss", ["abc", torch.ones(8), [1.0], True], ids=["text", "per-sample", "list", "bool"])
 def test_a_loss_that_is_not_one_number_is_a_session_error_naming_the_fix(loss):
     model = net()
