@@ -453,11 +453,14 @@ def _demo_command(args: argparse.Namespace) -> int:
     world = 4
     result: dict | None = None
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    # The single-process baseline, built first: its Trainer checks --epochs before any process starts.
+    # It keeps its own log beside the cluster's.
+    alone = demo.trainer(args.epochs, args.mode, quiet=True, run_dir=str(run_dir / "single-process"))
     argv = ["-m", "flodl_zmq.demo", "--epochs", str(args.epochs), "--mode", args.mode]
     if args.json:
         argv.append("--quiet")
-    cluster = Cluster(
-        argv=argv, hosts=2, ranks_per_host=2, slow={world - 1: args.slow} if args.slow > 1 else {},
+    cluster = Cluster(  # `--slow 1` is none; any other factor is the launcher's to check (nan, < 1)
+        argv=argv, hosts=2, ranks_per_host=2, slow={world - 1: args.slow} if args.slow != 1 else {},
         sink=None if args.json else (lambda line: None if demo.RESULT_TAG in line else default_sink(line)),
         run_dir=str(run_dir.resolve()),
     )
@@ -472,18 +475,17 @@ def _demo_command(args: argparse.Namespace) -> int:
         print(f"flodl-zmq demo: the cluster run failed (controller exit status {code})", file=sys.stderr)
         return code or 1
     report = write_report(run_dir)
-    # The single-process baseline keeps its own log beside the cluster's.
-    alone = demo.trainer(args.epochs, args.mode, quiet=True, run_dir=str(run_dir / "single-process")).run()
+    alone_result = alone.run()
     figures = {
         "epochs": args.epochs,
         "mode": args.mode,
         "slow_rank": world - 1 if args.slow > 1 else None,
         "slowdown": args.slow,
         "cluster_accuracy": result["accuracy"],
-        "single_process_accuracy": alone.final_eval,
+        "single_process_accuracy": alone_result.final_eval,
         "batch_share": result["batch_share"],
         "cluster_wall_s": result["wall_s"],
-        "single_process_wall_s": alone.wall_s,
+        "single_process_wall_s": alone_result.wall_s,
         "report": str(report),
     }
     if args.json:
@@ -492,7 +494,7 @@ def _demo_command(args: argparse.Namespace) -> int:
     print()
     print(f"digits MLP, {args.epochs} epochs, 2 hosts x 2 ranks ({args.mode}), rank {world - 1} slowed {args.slow:g}x")
     print(f"  test accuracy, cluster (consensus):   {result['accuracy'] * 100:.2f}%")
-    print(f"  test accuracy, one process alone:     {alone.final_eval * 100:.2f}%")
+    print(f"  test accuracy, one process alone:     {alone_result.final_eval * 100:.2f}%")
     print("  batch share per rank:  " + "  ".join(f"r{i} {s * 100:.1f}%" for i, s in enumerate(result["batch_share"])))
     print(f"  report (open in a browser):  {report}")
     return 0

@@ -71,3 +71,22 @@ def test_launch_refuses_a_bad_value_by_name_before_it_starts_any_process(args, n
     monkeypatch.setattr(launch.Cluster, "_spawn_cohort", started)
     assert cli.main(["launch", "--hosts", "1", *args]) == 2
     assert re.search(named, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--epochs", "0"], r"epochs must be an integer \(a Python int\) >= 1, got 0"),
+    (["--slow", "0.5"], r"--slow 3:0\.5: .* factor a finite number >= 1"),
+    (["--slow", "nan"], r"--slow 3:nan: .* factor a finite number >= 1"),
+], ids=["no-epochs", "slow-below-1", "slow-nan"])
+def test_demo_refuses_a_bad_value_by_name_before_it_starts_any_process(args, named, tmp_path, monkeypatch, capsys):
+    # --epochs 0 started the cluster and every process failed with a traceback; --slow 0.5 or nan ran
+    # unslowed and said nothing (only factors > 1 were passed on, and so checked).
+    monkeypatch.chdir(tmp_path)
+
+    def started(*_: object) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(launch, "warm_interpreter", started)
+    monkeypatch.setattr(launch.Cluster, "_spawn_cohort", started)
+    assert cli.main(["demo", *args]) == 2
+    assert re.search(named, capsys.readouterr().err)
