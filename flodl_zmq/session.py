@@ -53,6 +53,8 @@ Rules this module keeps:
   the loop steps itself follows this process's own steps only.
 - **Epochs.** `s.epoch` is the epoch of the batch in hand; `epoch_fn` runs
   as under Trainer.
+- **One role a process.** A Session (or Trainer.run) entered inside another's block under a role is a
+  SessionError (`_PLAYING`): it would play the role a second time.
 - **Leaving early** (`break`, an exception) is a clean exit: a rank says
   goodbye and leaves the run, which trains on without it; alone, the result
   holds the epochs finished and the bundle is saved with reason "stopped".
@@ -125,6 +127,26 @@ class Hosted:
 _HOSTED: contextvars.ContextVar[Hosted | None] = contextvars.ContextVar("flodl_hosted", default=None)
 
 
+# Set while a Session plays this process's role: one inside it (a nested Session, a Trainer.run)
+# would play the role a second time, a second rank with this rank's id or a second coordination
+# waiting for ranks that never come, and hang the run.
+_PLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("flodl_playing", default=False)
+
+
+@contextlib.contextmanager
+def _playing_role() -> Iterator[None]:
+    if _PLAYING.get():
+        raise SessionError(
+            "a Session (or Trainer.run) inside another Session's with block: a process plays its role (rank, "
+            "controller, relay) once; train both models in one Session's loop, or give each run a script of its own"
+        )
+    token = _PLAYING.set(True)
+    try:
+        yield
+    finally:
+        _PLAYING.reset(token)
+
+
 @contextlib.contextmanager
 def hosted(penv: ProcessEnv, link: MembershipLink | None = None) -> Iterator[None]:
     """Within the block, `Trainer.run()` and `Session` play `penv`'s role (with `link`), not the environment's."""
@@ -179,20 +201,23 @@ class Session:
         self._replica = replica
         self._alone = alone
         self._loop: AloneLoop | RankRuntime | None = None
-        self._recording: contextlib.ExitStack | None = None
+        self._held: contextlib.ExitStack | None = None
         self._owed = False
 
     # -- the role ----------------------------------------------------------
 
     def __enter__(self) -> Session:
         role = None if self._alone else played_role()
+        self._held = contextlib.ExitStack()
         if role is None:
             self._loop = AloneLoop(self.job, *self._alone_replica())
         else:
-            self._enter_role(role.penv, role.link)
+            with contextlib.ExitStack() as entering:  # left at once if entering the role fails or ends (relay)
+                entering.enter_context(_playing_role())
+                self._enter_role(role.penv, role.link)
+                self._held.enter_context(entering.pop_all())
         if self._loop is not None:  # record_scalar adds to this process's epoch reports
-            self._recording = contextlib.ExitStack()
-            self._recording.enter_context(recording(self._loop.scalars))
+            self._held.enter_context(recording(self._loop.scalars))
         return self
 
     def _enter_role(self, penv: ProcessEnv, link: MembershipLink | None) -> None:
@@ -265,8 +290,8 @@ class Session:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if self._recording is not None:
-            self._recording.close()
+        if self._held is not None:  # record_scalar's recording, and the role played (_PLAYING)
+            self._held.close()
         loop = self._loop
         if isinstance(loop, AloneLoop):
             if kind is None:

@@ -177,6 +177,24 @@ def test_the_controller_of_a_session_ships_its_own_model_as_every_ranks_start(mo
     assert torch.equal(flatten(job.model()), flatten(model))
 
 
+def test_a_session_inside_another_under_a_role_is_a_session_error_not_a_second_run(monkeypatch):
+    # Nested under launch, the inner Session played the role again: the controller waited for ranks
+    # that never came and the ranks for acknowledgements, until launch was killed (a hang).
+    runs = []
+    monkeypatch.setattr(controller_service, "run_controller", lambda job, p, lk: runs.append(job) or "result")
+    model, other = net(), net()
+    with session.hosted(penv("controller")):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True):
+            with pytest.raises(SessionError, match=r"inside another Session's with block: a process plays its role "
+                                                   r"\(rank, controller, relay\) once; train both models in one"):
+                with fz.Session(other, sgd(other.parameters()), data(), batch_size=8, quiet=True):
+                    pass
+        assert len(runs) == 1
+        with fz.Session(other, sgd(other.parameters()), data(), batch_size=8, quiet=True) as after:
+            pass  # the block left, the role is free again
+    assert after.result == "result" and len(runs) == 2
+
+
 class FakeLink:
     """A rank's link with no sockets: an inbox the test fills, and the records the rank sent."""
 
