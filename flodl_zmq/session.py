@@ -85,7 +85,7 @@ from flodl_zmq.environment import (
     watch_lifeline,
 )
 from flodl_zmq.environment import Terminated as Interrupted
-from flodl_zmq.errors import SessionError
+from flodl_zmq.errors import ConfigError, SessionError
 from flodl_zmq.job import Job, coordinator_config
 from flodl_zmq.rank import RankRuntime, pick_device
 from flodl_zmq.rank_link import RankConfig
@@ -179,6 +179,7 @@ class Session:
         if owned:
             raise TypeError(f"Session() got {', '.join(owned)}: a Session's loop does that itself "
                             "(use Trainer to have it done for you)")
+        _check_replica(model, optimizer)
         job = Job.from_keywords(
             # The controller's model is the run's start (ship_start), a copy taken as the run begins.
             model=lambda: copy.deepcopy(model), optimizer=lambda params: optimizer, train_step=_own_loop,
@@ -347,6 +348,20 @@ class Session:
         """The job's step on this process's replica (Trainer's loop)."""
         assert self._loop is not None, "the stepper exists where batches are trained"
         return self._loop.stepper
+
+
+def _check_replica(model: Any, optimizer: Any) -> None:
+    """The loop's own model and optimizer, the one over the other: a Trainer-style factory failed deep
+    inside, and an optimizer over another model's parameters trained nothing, in silence."""
+    for name, value, kind, label in (("model", model, torch.nn.Module, "torch.nn.Module"),
+                                     ("optimizer", optimizer, torch.optim.Optimizer, "torch.optim.Optimizer")):
+        if not isinstance(value, kind):
+            raise ConfigError(f"Session({name}=...) got {type(value).__name__}: it takes the {name} the loop uses, "
+                              f"built (a {label}); Trainer is the one that takes a factory")
+    own = {id(p) for p in model.parameters()}
+    if own and not any(id(p) in own for group in optimizer.param_groups for p in group["params"]):
+        raise ConfigError("Session(optimizer=...) holds none of the model's parameters, so its steps would never "
+                          "change the model: build it from this model, e.g. torch.optim.SGD(model.parameters(), ...)")
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -21,7 +21,7 @@ from flodl_zmq import bundle, controller_service, rank, session
 from flodl_zmq.api import Trainer
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
-from flodl_zmq.errors import SessionError
+from flodl_zmq.errors import ConfigError, SessionError
 from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.payload import flatten
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator
@@ -103,6 +103,23 @@ def test_a_batch_not_reported_with_step_is_a_session_error_naming_the_fix():
         with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
             for _ in s.batches():
                 pass
+
+
+@pytest.mark.parametrize(("replica", "named"), [
+    (lambda m: dict(model=net, optimizer=sgd(m.parameters())),
+     r"Session\(model=...\) got function: it takes the model the loop uses, built \(a torch\.nn\.Module\); "
+     r"Trainer is the one that takes a factory"),
+    (lambda m: dict(model=m, optimizer=sgd),
+     r"Session\(optimizer=...\) got function: .* built \(a torch\.optim\.Optimizer\)"),
+    (lambda m: dict(model=m, optimizer=sgd(net().parameters())),
+     r"holds none of the model's parameters, so its steps would never change the model: build it from this model"),
+], ids=["model-factory", "optimizer-factory", "another-models-optimizer"])
+def test_a_session_refuses_a_replica_its_loop_cannot_train_naming_the_fix(replica, named):
+    # Factories (Trainer's way) failed deep inside with an AttributeError; an optimizer over another
+    # model's parameters ran to "completed" with the model never changed.
+    model = net()
+    with pytest.raises(ConfigError, match=named):
+        fz.Session(**replica(model), dataset=data(), batch_size=8)
 
 
 def test_a_session_refuses_the_keywords_its_loop_owns():
