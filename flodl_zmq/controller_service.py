@@ -34,8 +34,8 @@ Theory of operation:
 3. The end. After RunEnded the loop keeps serving until every rank has said goodbye or is dead (at
    most a short drain), so the Shutdown records and the goodbyes cross, then stops the reducer. The
    final model is the last consensus with positive mass seen on the broadcast (the controller
-   subscribes to its own PUB, exactly like a relay). Interrupted (Ctrl-C, or a SIGTERM the role
-   turns into one), the run log still ends with its `end` line, reason "interrupted".
+   subscribes to its own PUB, exactly like a relay). Interrupted (Ctrl-C, or a SIGTERM the role turns
+   into one), the run log still ends with its `end` line, reason "interrupted".
 
 Rules this module keeps: one socket, one thread (the reducer's sockets are the reducer thread's);
 the core sees only the records `ControlRouter` authenticated and attributed to the rank their route
@@ -478,6 +478,10 @@ class ControllerService:
             return  # heartbeats and the like before the world formed: nothing to schedule yet
         if isinstance(record, rec.Batch):
             self.report.step()
+        if isinstance(record, rec.Exiting) and self.ended is None and self.core.liveness.is_live(rank):
+            # Its loop broke or raised: said here and in the run log, not only in its host's output.
+            self.report.events.write("exit", rank=rank)
+            log.warning("rank %d left the run before its end (it said goodbye); training goes on without it", rank)
         if isinstance(record, (rec.EvalResult, rec.CheckpointResult)) and record.error is not None:
             self._callback_failed(record.error)
         # A record the core refuses (CoordinatorError, before any change) raises to the router's boundary,

@@ -16,6 +16,7 @@ place users look from this one stream. Each line is `{"t": unix seconds, "kind":
                 nothing}, global_step, epoch, counts[r] (ElChe's window), anchor,
                 verdict (the guard's: stable, suppress_growth, nudge_down), divergence
     death       rank, reason
+    exit        rank: a rank that left before the run's end (it said goodbye: its loop broke or raised)
     pending     hosts, round: hosts admitted mid-run wait to join, seen after that round
     join        epoch, round (the consensus it starts from), world {host: [ranks]}, joined,
                 left [hosts], host, reason: the world re-formed with hosts that joined

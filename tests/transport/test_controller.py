@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -21,6 +22,7 @@ from flodl_zmq.job import Job
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import RELAY_ROUTE, rank_identity, rank_sender, relay_sender
 from flodl_zmq.payload import model_signature
+from flodl_zmq.runlog import EVENTS_FILE
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
@@ -175,3 +177,21 @@ def test_the_controller_holds_the_model_once_its_tensors_view_the_kept_consensus
     assert all(start <= p.data_ptr() < end for p in service.model.parameters())
     service.kept.consensus[:] = 7.0  # what a kept round writes is the model, with no copy back
     assert all(bool((p == 7.0).all()) for p in service.model.parameters())
+
+
+def test_a_rank_that_leaves_mid_run_is_said_by_the_controller_and_in_the_run_log(rig, caplog):
+    # A rank whose loop broke or raised said goodbye and was gone from the run without a word on the
+    # controller's console or in events.jsonl: the run directory could not tell why its share fell to 0.
+    service, relay, thread, outcome = rig
+    relay.hello(0)
+    relay.hello(1)
+    relay.wait_for(rank_identity(1), "StartEpoch")
+    relay.send(1, rec.Exiting(rank=1))
+    deadline = time.monotonic() + WAIT_S
+    while service.core.liveness.state(1) is RankState.LIVE and time.monotonic() < deadline:
+        time.sleep(0.01)  # the core's verdict comes after the service's word: wait for the last
+    assert service.core.liveness.state(1) is RankState.EXITED
+    assert "rank 1 left the run before its end (it said goodbye); training goes on without it" in caplog.text
+    events = [json.loads(line) for line in (service.report.events.run_dir / EVENTS_FILE).read_text().splitlines()]
+    assert [e["rank"] for e in events if e["kind"] == "exit"] == [1]
+    assert thread.is_alive() and "error" not in outcome
