@@ -201,7 +201,6 @@ class ControllerService:
         sub.setsockopt(zmq.LINGER, 0)
         t0 = time.perf_counter()
         status_server = None
-        interrupted = False
         try:
             if self.link is None:
                 status_server = StatusServer(
@@ -216,12 +215,11 @@ class ControllerService:
             self.kept.start(time.monotonic(), self.core.avg_count, outer_state)
             self._loop(control, sub, reducer)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from launch or an orchestrator (a KeyboardInterrupt there)
-            interrupted = True
+            self.result.reason = "interrupted"
             raise
         finally:
             self._close(reducer, control, sub, status_server)
-            if interrupted:  # the run log ends saying what happened, not mid-round
-                self.result.reason = "interrupted"
+            if self.result.reason == "interrupted":  # the run log ends saying what happened, not mid-round
                 self.report.finish(time.perf_counter() - t0)
         before = 0.0 if self._carried is None else self._carried.result.wall_s  # the world before a re-form
         return self._finish(time.perf_counter() - t0 + before)
@@ -479,8 +477,7 @@ class ControllerService:
         if isinstance(record, rec.Batch):
             self.report.step()
         if isinstance(record, rec.Exiting) and self.ended is None and self.core.liveness.is_live(rank):
-            # Its loop broke or raised: said here and in the run log, not only in its host's output.
-            self.report.events.write("exit", rank=rank)
+            self.report.events.write("exit", rank=rank)  # its loop broke or raised: not only in its host's output
             log.warning("rank %d left the run before its end (it said goodbye); training goes on without it", rank)
         if isinstance(record, (rec.EvalResult, rec.CheckpointResult)) and record.error is not None:
             self._callback_failed(record.error)
@@ -525,18 +522,21 @@ class ControllerService:
     def _on_membership(self) -> None:
         """Act on what the agents reported: the fast path to declaring ranks dead."""
         assert self.link is not None
-        for rank, reason in self.link.deaths():
-            self.declare_dead(rank, reason)
+        for rank, code, reason in self.link.deaths():
+            self._exited(rank, code, reason)
 
     def _on_exit(self, report: ChildExit) -> None:
         """The launcher saw a relay or rank of this run exit: what an agent reports, at once."""
-        if report.code == 0:
-            return  # a clean end: the rank said goodbye itself
         if report.rank is not None:
-            self.declare_dead(report.rank, f"it exited with code {report.code}")
-            return
-        for rank in self.world[report.host]:  # its ranks lost their only path to us
-            self.declare_dead(rank, f"the relay of {report.host} exited with code {report.code}")
+            self._exited(report.rank, report.code, f"it exited with code {report.code}")
+        elif report.code != 0:  # its ranks lost their only path to us
+            for rank in self.world[report.host]:
+                self.declare_dead(rank, f"the relay of {report.host} exited with code {report.code}")
+
+    def _exited(self, rank: int, code: int | None, reason: str) -> None:
+        """A rank is gone (`code` None: its host); a clean exit before the world formed is a rank that never comes."""
+        if code != 0 or not self.started:
+            self.declare_dead(rank, reason)
 
     def declare_dead(self, rank: int, reason: str) -> None:
         if not self.started:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -16,7 +17,7 @@ from flodl_zmq.controller_service import ControllerService
 from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
 from flodl_zmq.errors import TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.launch import free_port_base
@@ -89,11 +90,12 @@ def rig(request):
     ctx = zmq.Context()
     key, run_id = new_key(), bytes(range(16))
     address = ControllerAddress("127.0.0.1", free_port_base())
+    exits, exits_w = os.pipe()  # the launcher's exit reports (FLODL_EXIT_FD): a test writes them to outcome["exits"]
     penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, incarnation=run_id, world=WORLD,
-                      settings=Settings(startup_timeout_s=WAIT_S), route_secret=ROUTE_SECRET)
+                      settings=Settings(startup_timeout_s=WAIT_S), route_secret=ROUTE_SECRET, exit_fd=exits)
     j = job(getattr(request, "param", "cpu-cadence"))
     service = ControllerService(j, penv)
-    outcome: dict = {}
+    outcome: dict = {"exits": exits_w}
 
     def run() -> None:
         try:
@@ -111,6 +113,8 @@ def rig(request):
         relay.relay_send(rec.RankExit(rank))
     thread.join(WAIT_S)
     relay.sock.close(0)
+    os.close(exits_w)
+    os.close(exits)
     assert not thread.is_alive(), "the controller service outlived its test"
     ctx.term()
 
@@ -153,6 +157,19 @@ def test_a_rank_that_leaves_before_the_world_forms_is_left_out_at_once(rig):
     assert service.started and service.core.liveness.state(1) is RankState.DEAD
     assert "before the world formed: the relay on h saw it leave" in service.deaths[1][1]
     relay.send(0, rec.Exiting(rank=0))  # the last rank leaves: the run ends, the service stops
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
+def test_a_rank_that_exits_cleanly_before_it_said_hello_is_left_out_at_once(rig):
+    # Its launcher's report of exit code 0 was taken for a goodbye: the world waited for the rank's
+    # hello until the relay's first-record limit (60 s) before it formed without it.
+    service, relay, thread, outcome = rig
+    relay.hello(0)
+    os.write(outcome["exits"], ExitReports.line(ChildExit("h", 1, 0)))
+    relay.wait_for(rank_identity(0), "StartEpoch")  # not the start-up timeout: the world formed without it
+    assert service.core.liveness.state(1) is RankState.DEAD and "it exited with code 0" in service.deaths[1][1]
+    relay.send(0, rec.Exiting(rank=0))
     thread.join(WAIT_S)
     assert not thread.is_alive()
 
