@@ -52,10 +52,11 @@ class MembershipLink:
 
     def deaths(self) -> list[tuple[int, int | None, str]]:
         """The ranks the agents reported gone since the last call: (rank, exit code or None for a lost host,
-        why), the fast path to declaring them dead; the controller judges a clean exit (`_exited`)."""
+        why), the fast path to declaring them dead. A clean exit is left out: a re-form stops the old world's
+        ranks with status 0, and the new world's service, not yet formed, would take them for its own."""
         dead: list[tuple[int, int | None, str]] = []
         for event in self.membership.events.drain():
-            if isinstance(event, RankExitReported):
+            if isinstance(event, RankExitReported) and event.code != 0:
                 dead.append((event.rank, event.code, f"its agent on {event.host} reported exit code {event.code}"))
             elif isinstance(event, HostLost):
                 dead.extend((rank, None, f"host {event.host} lost: {event.why}") for rank in event.ranks)
