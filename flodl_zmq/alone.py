@@ -88,7 +88,9 @@ class AloneLoop:
                 yield self.pipeline.next()
                 if len(self.pipeline) and self.cadence.due(self._trained()):
                     self._evaluate(within_epoch=True)
-            row = self._row()
+            # The cluster's fields (controller_service._on_effect), so a script reads the same row
+            # alone: no averaging round ever closes here, and no link can reconnect.
+            row = {**self._row(), "reconnects": 0, "round": -1}
             self.scalars.take()
             if _eval_due(job, epoch) or self.cadence.due(self._trained()):
                 self._evaluate(within_epoch=not _eval_due(job, epoch), row=row)
@@ -135,10 +137,11 @@ class AloneLoop:
         """End the run (all epochs, or the caller stopped early): save the bundle, finish the report."""
         self.release()
         wall_s = time.perf_counter() - self._t_run
+        # The result, the bundle and the run log's end say the same: a loop left early is not a completed run.
+        self.result.reason = "completed" if self.epochs_done >= self.job.epochs else "stopped"
         if self.job.save_path:
-            completed = self.epochs_done >= self.job.epochs
             self.report.save(self.model.state_dict(), {
-                "epoch": self.epochs_done, "global_step": None, "reason": "completed" if completed else "stopped",
+                "epoch": self.epochs_done, "global_step": None, "reason": self.result.reason,
                 "world_size": 1, "coordinator": None,
             })
         self.report.finish(wall_s)
@@ -151,7 +154,8 @@ class AloneLoop:
         epoch_ms = (time.perf_counter() - self._t_epoch) * 1000.0
         scalars = self.scalars
         return epoch_row(self.epoch or 0, self._loss_sum / max(self._batches, 1), epoch_ms, [1.0],
-                         [samples / max(epoch_ms, 1e-9)], {k: scalars.sums[k] / scalars.counts[k] for k in sorted(scalars.sums)})
+                         [samples / max(epoch_ms, 1e-9)], {k: scalars.sums[k] / scalars.counts[k] for k in sorted(scalars.sums)},
+                         per_rank_samples=[samples])
 
 
 def _resume_alone(job: Job, model: torch.nn.Module) -> int:

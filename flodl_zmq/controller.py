@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import queue
 import runpy
@@ -58,7 +59,14 @@ from typing import Any
 import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ProcessEnv, SpawnSpec, with_tunables
+from flodl_zmq.environment import (
+    TERMINATED_EXIT,
+    ProcessEnv,
+    SpawnSpec,
+    Terminated,
+    raise_interrupt_on_sigterm,
+    with_tunables,
+)
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
 from flodl_zmq.io_threads import controller_context
 from flodl_zmq.join import CHALLENGE_NONCE_BYTES, JoinConfig, JoinWindow, WindowPhase
@@ -574,22 +582,6 @@ def controller_options(settings: Settings, argv: Sequence[str], key: bytes | Non
     )
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread is: the SIGINT path, but for `serve`'s rule under --resume auto."""
-
-
-TERMINATED_EXIT = 143  # a shell's status for SIGTERM: not 0, so `restart: on-failure` and OnFailure restart it
-
-
-def raise_interrupt_on_sigterm() -> Any:
-    """SIGTERM takes the SIGINT path (`Terminated`, a KeyboardInterrupt); returns the previous handler."""
-
-    def on_term(_signum: int, _frame: object) -> None:
-        raise Terminated
-
-    return signal.signal(signal.SIGTERM, on_term)
-
-
 def _status_command(args: argparse.Namespace) -> int:
     settings = Settings.from_args(args)
     if not settings.controller:
@@ -597,8 +589,11 @@ def _status_command(args: argparse.Namespace) -> int:
     address = ControllerAddress.parse(settings.controller)
     key, curve = session_key(os.environ), CurveKeys.for_client(os.environ, server_file=settings.curve_server_file)
     if args.watch:
-        if args.json or not args.interval > 0:
-            raise ConfigError("--watch draws a table every --interval seconds (> 0); it does not take --json")
+        if args.json:
+            raise ConfigError("--watch draws a table, --json prints one reply: give one of them")
+        if not 0 < args.interval < math.inf:  # nan and inf too: a redraw every nan or inf seconds never comes
+            raise ConfigError(f"--interval {args.interval}: the seconds between two redraws, a finite number > 0, "
+                              "e.g. --interval 1")
         try:
             return watch_status(address, key, curve, settings.status_reply_timeout_s, args.interval)
         except KeyboardInterrupt:

@@ -7,59 +7,49 @@ Sockets (ControllerAddress rule, flodl_zmq/endpoints.py):
     bcast    PUB     (bind)  -> every relay's SUB                owned by ReducerService
     bcast    SUB  (connect)  <- the reducer's own PUB, inproc    owned by this loop (consensus copy)
 
-The control ROUTER's framing, attribution and streams with each rank are
-`ControlRouter`'s (flodl_zmq/control_router.py), which hands this service
-each rank's records in order; the kept consensus, its checkpoints, a resume
-and a re-formed world are flodl_zmq/checkpoints.py's (`Keeper`, `Resumed`,
-`WorldChange`); under `flodl-zmq controller` the role runs next to the
-membership service, linked by a `MembershipLink` (flodl_zmq/membership_link.py).
+The control ROUTER's framing, attribution and streams with each rank are `ControlRouter`'s
+(flodl_zmq/control_router.py), which hands this service each rank's records in order; the kept
+consensus, its checkpoints, a resume and a re-formed world are flodl_zmq/checkpoints.py's (`Keeper`,
+`Resumed`, `WorldChange`); under `flodl-zmq controller` the role runs next to the membership
+service, linked by a `MembershipLink` (flodl_zmq/membership_link.py).
 
 Theory of operation:
 
-1. Formation. Relays say hello (answered RelayHelloAck), then every rank's
-   RankHello arrives through them. Once all W ranks have spoken, their model
-   and dataset signatures are compared with the controller's own; any
-   difference stops the run with an error naming the ranks, before a step
-   is trained. A rank known to have left before then (its launcher, agent
-   or relay saw it exit) is acted on at once: the world forms without it
-   while at least the minimum remain (--min-ranks under `flodl-zmq
-   controller`, any rank under `launch`), else the start-up fails naming it
-   and its exit code.
-   A formation that does not complete in FLODL_STARTUP_TIMEOUT fails loudly
-   (with AuthError if records failed authentication: a wrong FLODL_KEY
-   somewhere). The checks are the pure `Formation` (flodl_zmq/formation.py);
-   this loop only feeds it.
-2. Training. Every authenticated rank record goes to `Coordinator.on_record`,
-   relay RankExit to `on_rank_death`, the reducer's round outcomes to
-   `on_round_complete` / `on_round_abandoned`, and a tick whenever the loop
-   wakes, which is at the latest when the core's next timer is due
-   (`Coordinator.next_due`): the loop has no polling interval.
-   Outputs: rank records are routed through the relays; DeclareDead goes to
-   the reducer (out of every barrier); controller effects (epoch metrics,
-   eval results, save-state, run end) drive the `RunReport`
-   (flodl_zmq/report.py: progress, epoch lines, result, bundle), the same
-   one `AloneLoop` uses.
-3. The end. After RunEnded the loop keeps serving until every rank has said
-   goodbye or is dead (at most a short drain), so the Shutdown records and the
-   goodbyes cross, then stops the reducer. The final model is the last
-   consensus with positive mass seen on the broadcast (the controller
-   subscribes to its own PUB, exactly like a relay).
+1. Formation. Relays say hello (answered RelayHelloAck), then every rank's RankHello arrives
+   through them. Once all W ranks have spoken, their model and dataset signatures are compared with
+   the controller's own; any difference stops the run with an error naming the ranks, before a step
+   is trained. A rank known to have left before then (its launcher, agent or relay saw it exit) is
+   acted on at once: the world forms without it while at least the minimum remain (--min-ranks
+   under `flodl-zmq controller`, any rank under `launch`), else the start-up fails naming it and
+   its exit code. A formation that does not complete in FLODL_STARTUP_TIMEOUT fails loudly (with
+   AuthError if records failed authentication: a wrong FLODL_KEY somewhere). The checks are the
+   pure `Formation` (flodl_zmq/formation.py); this loop only feeds it.
+2. Training. Every authenticated rank record goes to `Coordinator.on_record`, relay RankExit to
+   `on_rank_death`, the reducer's round outcomes to `on_round_complete` / `on_round_abandoned`, and
+   a tick whenever the loop wakes, which is at the latest when the core's next timer is due
+   (`Coordinator.next_due`): the loop has no polling interval. Outputs: rank records are routed
+   through the relays; DeclareDead goes to the reducer (out of every barrier); controller effects
+   (epoch metrics, eval results, save-state, run end) drive the `RunReport` (flodl_zmq/report.py:
+   progress, epoch lines, result, bundle), the same one `AloneLoop` uses.
+3. The end. After RunEnded the loop keeps serving until every rank has said goodbye or is dead (at
+   most a short drain), so the Shutdown records and the goodbyes cross, then stops the reducer. The
+   final model is the last consensus with positive mass seen on the broadcast (the controller
+   subscribes to its own PUB, exactly like a relay). Interrupted (Ctrl-C, or a SIGTERM the role turns
+   into one), the run log still ends with its `end` line, reason "interrupted".
 
-Rules this module keeps: one socket, one thread (the reducer's sockets are
-the reducer thread's); the core sees only the records `ControlRouter`
-authenticated and attributed to the rank their route names.
+Rules this module keeps: one socket, one thread (the reducer's sockets are the reducer thread's);
+the core sees only the records `ControlRouter` authenticated and attributed to the rank their route
+names.
 
-Peer violations: one policy with the reducer's. A rank whose authenticated
-record the coordinator refuses (a record it can never legally send: another
-rank's id, a kind a rank does not send, a completion of the wrong size; the
-core raises CoordinatorError/ProtocolError before any change), or whose
-record makes anything here raise (the core, a reply's encode, the report),
-is declared dead with the reason, exactly like a rank that exited, and the
-run trains on without it (`violation`, called from the router's one handler
-boundary, `links.act_for_peer`); before the world formed, that fails the
-formation naming it or forms without it. A peer must never be able to end
-the service; an exception that is our bug is logged with its traceback and
-counted (`handler_error.control`) on the way.
+Peer violations: one policy with the reducer's. A rank whose authenticated record the coordinator
+refuses (a record it can never legally send: another rank's id, a kind a rank does not send, a
+completion of the wrong size; the core raises CoordinatorError/ProtocolError before any change), or
+whose record makes anything here raise (the core, a reply's encode, the report), is declared dead
+with the reason, exactly like a rank that exited, and the run trains on without it (`violation`,
+called from the router's one handler boundary, `links.act_for_peer`); before the world formed, that
+fails the formation naming it or forms without it. A peer must never be able to end the service; an
+exception that is our bug is logged with its traceback and counted (`handler_error.control`) on the
+way.
 """
 
 from __future__ import annotations
@@ -224,8 +214,13 @@ class ControllerService:
             outer_state = reducer.outer_state if self.outer is not None else None
             self.kept.start(time.monotonic(), self.core.avg_count, outer_state)
             self._loop(control, sub, reducer)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from launch or an orchestrator (a KeyboardInterrupt there)
+            self.result.reason = "interrupted"
+            raise
         finally:
             self._close(reducer, control, sub, status_server)
+            if self.result.reason == "interrupted":  # the run log ends saying what happened, not mid-round
+                self.report.finish(time.perf_counter() - t0)
         before = 0.0 if self._carried is None else self._carried.result.wall_s  # the world before a re-form
         return self._finish(time.perf_counter() - t0 + before)
 
@@ -483,6 +478,9 @@ class ControllerService:
             return  # heartbeats and the like before the world formed: nothing to schedule yet
         if isinstance(record, rec.Batch):
             self.report.step()
+        if isinstance(record, rec.Exiting) and self.ended is None and self.core.liveness.is_live(rank):
+            self.report.events.write("exit", rank=rank)  # its loop broke or raised: not only in its host's output
+            log.warning("rank %d left the run before its end (it said goodbye); training goes on without it", rank)
         if isinstance(record, (rec.EvalResult, rec.CheckpointResult)) and record.error is not None:
             self._callback_failed(record.error)
         # A record the core refuses (CoordinatorError, before any change) raises to the router's boundary,
@@ -524,18 +522,21 @@ class ControllerService:
     def _on_membership(self) -> None:
         """Act on what the agents reported: the fast path to declaring ranks dead."""
         assert self.link is not None
-        for rank, reason in self.link.deaths():
-            self.declare_dead(rank, reason)
+        for rank, code, reason in self.link.deaths():
+            self._exited(rank, code, reason)
 
     def _on_exit(self, report: ChildExit) -> None:
         """The launcher saw a relay or rank of this run exit: what an agent reports, at once."""
-        if report.code == 0:
-            return  # a clean end: the rank said goodbye itself
         if report.rank is not None:
-            self.declare_dead(report.rank, f"it exited with code {report.code}")
-            return
-        for rank in self.world[report.host]:  # its ranks lost their only path to us
-            self.declare_dead(rank, f"the relay of {report.host} exited with code {report.code}")
+            self._exited(report.rank, report.code, f"it exited with code {report.code}")
+        elif report.code != 0:  # its ranks lost their only path to us
+            for rank in self.world[report.host]:
+                self.declare_dead(rank, f"the relay of {report.host} exited with code {report.code}")
+
+    def _exited(self, rank: int, code: int | None, reason: str) -> None:
+        """A rank is gone (`code` None: its host); a clean exit before the world formed is a rank that never comes."""
+        if code != 0 or not self.started:
+            self.declare_dead(rank, reason)
 
     def declare_dead(self, rank: int, reason: str) -> None:
         if not self.started:

@@ -37,12 +37,15 @@ class ControllerAddress:
             number = int(port)
         except ValueError:
             raise ConfigError(f"controller address {text!r}: port {port!r} is not a number") from None
-        if not 1 <= number <= 65535 - max(OFFSETS.values()):
+        return cls(host.strip("[]"), number)
+
+    def __post_init__(self) -> None:
+        # Every address is checked, parsed or built (launch's --port): a bad port is named at start.
+        if not 1 <= self.port <= 65535 - max(OFFSETS.values()):
             raise ConfigError(
-                f"controller address {text!r}: port must be in 1..{65535 - max(OFFSETS.values())} "
+                f"controller address {self}: port must be in 1..{65535 - max(OFFSETS.values())} "
                 f"(the controller also uses the next {max(OFFSETS.values())} ports)"
             )
-        return cls(host.strip("[]"), number)
 
     def endpoint(self, channel: Channel) -> str:
         """The tcp:// endpoint of `channel` (for connect; the controller binds the same)."""

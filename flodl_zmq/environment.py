@@ -51,6 +51,7 @@ import signal
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import ConfigError, MembershipError
@@ -346,6 +347,23 @@ def watch_lifeline(fd: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="flodl-lifeline", daemon=True).start()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is: the SIGINT path, but told apart (the controller's rule under
+    --resume auto, and its exit status)."""
+
+
+TERMINATED_EXIT = 143  # a shell's status for SIGTERM: not 0, so `restart: on-failure` and OnFailure restart it
+
+
+def raise_interrupt_on_sigterm() -> Any:
+    """SIGTERM takes the SIGINT path (`Terminated`, a KeyboardInterrupt); returns the previous handler."""
+
+    def on_term(_signum: int, _frame: object) -> None:
+        raise Terminated
+
+    return signal.signal(signal.SIGTERM, on_term)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -151,8 +152,12 @@ class Cluster:
             raise ConfigError(f"--hosts ({self.hosts}) and --ranks-per-host ({self.ranks_per_host}) must be >= 1")
         world_size = self.hosts * self.ranks_per_host
         for rank, factor in self.slow.items():
-            if not 0 <= rank < world_size or factor < 1.0:
-                raise ConfigError(f"--slow {rank}:{factor}: rank must be in 0..{world_size - 1} and factor >= 1")
+            # `not 1 <= factor < inf`: a NaN compares false both ways, and must not reach a rank's delay.
+            if not 0 <= rank < world_size or not 1.0 <= factor < math.inf:
+                raise ConfigError(f"--slow {rank}:{factor}: rank must be in 0..{world_size - 1} and factor a "
+                                  "finite number >= 1, e.g. --slow 1:3")
+        if self.port:  # checked before any process starts, not first by the controller's bind
+            ControllerAddress("127.0.0.1", self.port)
         self._lock = threading.Lock()
         self._sink_lock = threading.Lock()
         self.run_id: bytes | None = None
@@ -429,6 +434,10 @@ def _launch_command(args: argparse.Namespace) -> int:
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise ConfigError("launch needs a script to run: flodl-zmq launch [options] script.py [args]")
+    if runnable(argv) and argv[0] != "-m" and not Path(argv[0]).is_file():
+        # Said once here, not by the traceback of every process the cluster would start to run it.
+        raise ConfigError(f"launch: no script {argv[0]!r} (from {os.getcwd()}): give the path of a Python file, "
+                          "or -- -m module for a module")
     cluster = Cluster(
         argv=argv, hosts=args.hosts, ranks_per_host=args.ranks_per_host, port=args.port,
         slow=parse_slow(args.slow), sink=default_sink, run_dir=args.run_dir, metrics_port=args.metrics_port,
@@ -444,11 +453,14 @@ def _demo_command(args: argparse.Namespace) -> int:
     world = 4
     result: dict | None = None
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    # The single-process baseline, built first: its Trainer checks --epochs before any process starts.
+    # It keeps its own log beside the cluster's.
+    alone = demo.trainer(args.epochs, args.mode, quiet=True, run_dir=str(run_dir / "single-process"))
     argv = ["-m", "flodl_zmq.demo", "--epochs", str(args.epochs), "--mode", args.mode]
     if args.json:
         argv.append("--quiet")
-    cluster = Cluster(
-        argv=argv, hosts=2, ranks_per_host=2, slow={world - 1: args.slow} if args.slow > 1 else {},
+    cluster = Cluster(  # `--slow 1` is none; any other factor is the launcher's to check (nan, < 1)
+        argv=argv, hosts=2, ranks_per_host=2, slow={world - 1: args.slow} if args.slow != 1 else {},
         sink=None if args.json else (lambda line: None if demo.RESULT_TAG in line else default_sink(line)),
         run_dir=str(run_dir.resolve()),
     )
@@ -463,18 +475,17 @@ def _demo_command(args: argparse.Namespace) -> int:
         print(f"flodl-zmq demo: the cluster run failed (controller exit status {code})", file=sys.stderr)
         return code or 1
     report = write_report(run_dir)
-    # The single-process baseline keeps its own log beside the cluster's.
-    alone = demo.trainer(args.epochs, args.mode, quiet=True, run_dir=str(run_dir / "single-process")).run()
+    alone_result = alone.run()
     figures = {
         "epochs": args.epochs,
         "mode": args.mode,
         "slow_rank": world - 1 if args.slow > 1 else None,
         "slowdown": args.slow,
         "cluster_accuracy": result["accuracy"],
-        "single_process_accuracy": alone.final_eval,
+        "single_process_accuracy": alone_result.final_eval,
         "batch_share": result["batch_share"],
         "cluster_wall_s": result["wall_s"],
-        "single_process_wall_s": alone.wall_s,
+        "single_process_wall_s": alone_result.wall_s,
         "report": str(report),
     }
     if args.json:
@@ -483,7 +494,7 @@ def _demo_command(args: argparse.Namespace) -> int:
     print()
     print(f"digits MLP, {args.epochs} epochs, 2 hosts x 2 ranks ({args.mode}), rank {world - 1} slowed {args.slow:g}x")
     print(f"  test accuracy, cluster (consensus):   {result['accuracy'] * 100:.2f}%")
-    print(f"  test accuracy, one process alone:     {alone.final_eval * 100:.2f}%")
+    print(f"  test accuracy, one process alone:     {alone_result.final_eval * 100:.2f}%")
     print("  batch share per rank:  " + "  ".join(f"r{i} {s * 100:.1f}%" for i, s in enumerate(result["batch_share"])))
     print(f"  report (open in a browser):  {report}")
     return 0

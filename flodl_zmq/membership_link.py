@@ -50,14 +50,16 @@ class MembershipLink:
     curve: CurveKeys | None = None
     metrics: RunMetrics | None = None
 
-    def deaths(self) -> list[tuple[int, str]]:
-        """The ranks the agents reported gone since the last call, with why: the fast path to declaring them dead."""
-        dead: list[tuple[int, str]] = []
+    def deaths(self) -> list[tuple[int, int | None, str]]:
+        """The ranks the agents reported gone since the last call: (rank, exit code or None for a lost host,
+        why), the fast path to declaring them dead. A clean exit is left out: a re-form stops the old world's
+        ranks with status 0, and the new world's service, not yet formed, would take them for its own."""
+        dead: list[tuple[int, int | None, str]] = []
         for event in self.membership.events.drain():
             if isinstance(event, RankExitReported) and event.code != 0:
-                dead.append((event.rank, f"its agent on {event.host} reported exit code {event.code}"))
+                dead.append((event.rank, event.code, f"its agent on {event.host} reported exit code {event.code}"))
             elif isinstance(event, HostLost):
-                dead.extend((rank, f"host {event.host} lost: {event.why}") for rank in event.ranks)
+                dead.extend((rank, None, f"host {event.host} lost: {event.why}") for rank in event.ranks)
         return dead
 
     def reform(self, before: dict[str, tuple[int, ...]], stem: str, result: TrainResult) -> WorldChange:

@@ -53,10 +53,10 @@ import zmq
 
 from flodl_zmq.controller import (
     controller_options,
-    raise_interrupt_on_sigterm,
     restart_with_service_tunables,
     serve,
 )
+from flodl_zmq.environment import raise_interrupt_on_sigterm
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.launch import end_groups, free_port_base
 from flodl_zmq.security import PUBLIC_ENV, SECRET_ENV, SERVER_ENV, CurveKeys

@@ -31,16 +31,15 @@ class TrainResult:
 
 
 def epoch_row(epoch: int, avg_loss: float, epoch_ms: float, batch_share: list[float], throughput: list[float],
-              scalars: dict[str, float], per_rank_samples: list[int] | None = None) -> dict[str, Any]:
+              scalars: dict[str, float], per_rank_samples: list[int]) -> dict[str, Any]:
     """One row of `TrainResult.epochs` (what `format_epoch`, `metrics_fn` and the run report read), alone or not.
 
-    `per_rank_samples` comes with the cluster's aggregate (its sum is what
-    `format_epoch` checks for a covered epoch); a lone run has no such split.
+    `per_rank_samples`: the samples each rank trained in the epoch (its sum is
+    what `format_epoch` checks for a covered epoch); alone, the one process's.
     """
-    row: dict[str, Any] = {"epoch": epoch, "avg_loss": avg_loss, "epoch_ms": epoch_ms, "batch_share": batch_share}
-    if per_rank_samples is not None:
-        row |= {"samples": int(sum(per_rank_samples)), "per_rank_samples": per_rank_samples}
-    return row | {"throughput": throughput, "scalars": scalars}
+    return {"epoch": epoch, "avg_loss": avg_loss, "epoch_ms": epoch_ms, "batch_share": batch_share,
+            "samples": int(sum(per_rank_samples)), "per_rank_samples": per_rank_samples, "throughput": throughput,
+            "scalars": scalars}
 
 
 def format_epoch(row: dict[str, Any], epochs: int) -> str:

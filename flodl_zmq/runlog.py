@@ -10,12 +10,13 @@ flodl_zmq/metrics.py) is handed every event too: the figures reach every
 place users look from this one stream. Each line is `{"t": unix seconds, "kind": KIND, ...}`:
 
     start       mode, epochs, world {host: [ranks]}, world_size
-    epoch       epoch, avg_loss, epoch_ms, samples (trained by all ranks; null alone), batch_share[r], throughput[r] (samples/s)
+    epoch       epoch, avg_loss, epoch_ms, samples (trained by all ranks, or the one process alone), batch_share[r], throughput[r] (samples/s)
     eval        epoch, metric
     round       round, round_ms, masses {host: its ranks' mass in the round, 0 when they trained
                 nothing}, global_step, epoch, counts[r] (ElChe's window), anchor,
                 verdict (the guard's: stable, suppress_growth, nudge_down), divergence
     death       rank, reason
+    exit        rank: a rank that left before the run's end (it said goodbye: its loop broke or raised)
     pending     hosts, round: hosts admitted mid-run wait to join, seen after that round
     join        epoch, round (the consensus it starts from), world {host: [ranks]}, joined,
                 left [hosts], host, reason: the world re-formed with hosts that joined

@@ -45,13 +45,16 @@ Rules this module keeps:
   batch (`Job.ship_start`, PROTOCOL.md 13), as a resumed world's ranks do.
 - **One step per batch.** `s.step(loss=None)` after each batch's optimizer
   step: it counts the step (the averaging mass, ElChe's timings, the global
-  step) and reports the loss (a float or tensor; None reports no loss). A
+  step) and reports the loss (one number: a float or a one-element tensor;
+  None reports no loss; anything else is a SessionError naming it). A
   batch not reported is a `SessionError` at the next one.
 - **The schedule.** `scheduler=` (a factory `optimizer -> scheduler`, as
   Trainer's) is stepped to the global step before each batch; a scheduler
   the loop steps itself follows this process's own steps only.
 - **Epochs.** `s.epoch` is the epoch of the batch in hand; `epoch_fn` runs
   as under Trainer.
+- **One role a process.** A Session (or Trainer.run) entered inside another's block under a role is a
+  SessionError (`_PLAYING`): it would play the role a second time.
 - **Leaving early** (`break`, an exception) is a clean exit: a rank says
   goodbye and leaves the run, which trains on without it; alone, the result
   holds the epochs finished and the bundle is saved with reason "stopped".
@@ -75,13 +78,19 @@ from torch.utils.data import Dataset
 
 from flodl_zmq import checkpoints
 from flodl_zmq.alone import AloneLoop
-from flodl_zmq.environment import ProcessEnv, watch_lifeline
-from flodl_zmq.errors import SessionError
+from flodl_zmq.environment import (
+    TERMINATED_EXIT,
+    ProcessEnv,
+    raise_interrupt_on_sigterm,
+    watch_lifeline,
+)
+from flodl_zmq.environment import Terminated as Interrupted
+from flodl_zmq.errors import ConfigError, SessionError
 from flodl_zmq.job import Job, coordinator_config
 from flodl_zmq.rank import RankRuntime, pick_device
 from flodl_zmq.rank_link import RankConfig
 from flodl_zmq.result import TrainResult
-from flodl_zmq.training import Stepper, recording
+from flodl_zmq.training import Stepper, one_number, recording
 
 if TYPE_CHECKING:
     from flodl_zmq.membership_link import MembershipLink
@@ -118,6 +127,26 @@ class Hosted:
 _HOSTED: contextvars.ContextVar[Hosted | None] = contextvars.ContextVar("flodl_hosted", default=None)
 
 
+# Set while a Session plays this process's role: one inside it (a nested Session, a Trainer.run)
+# would play the role a second time, a second rank with this rank's id or a second coordination
+# waiting for ranks that never come, and hang the run.
+_PLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("flodl_playing", default=False)
+
+
+@contextlib.contextmanager
+def _playing_role() -> Iterator[None]:
+    if _PLAYING.get():
+        raise SessionError(
+            "a Session (or Trainer.run) inside another Session's with block: a process plays its role (rank, "
+            "controller, relay) once; train both models in one Session's loop, or give each run a script of its own"
+        )
+    token = _PLAYING.set(True)
+    try:
+        yield
+    finally:
+        _PLAYING.reset(token)
+
+
 @contextlib.contextmanager
 def hosted(penv: ProcessEnv, link: MembershipLink | None = None) -> Iterator[None]:
     """Within the block, `Trainer.run()` and `Session` play `penv`'s role (with `link`), not the environment's."""
@@ -150,6 +179,7 @@ class Session:
         if owned:
             raise TypeError(f"Session() got {', '.join(owned)}: a Session's loop does that itself "
                             "(use Trainer to have it done for you)")
+        _check_replica(model, optimizer)
         job = Job.from_keywords(
             # The controller's model is the run's start (ship_start), a copy taken as the run begins.
             model=lambda: copy.deepcopy(model), optimizer=lambda params: optimizer, train_step=_own_loop,
@@ -172,20 +202,23 @@ class Session:
         self._replica = replica
         self._alone = alone
         self._loop: AloneLoop | RankRuntime | None = None
-        self._recording: contextlib.ExitStack | None = None
+        self._held: contextlib.ExitStack | None = None
         self._owed = False
 
     # -- the role ----------------------------------------------------------
 
     def __enter__(self) -> Session:
         role = None if self._alone else played_role()
+        self._held = contextlib.ExitStack()
         if role is None:
             self._loop = AloneLoop(self.job, *self._alone_replica())
         else:
-            self._enter_role(role.penv, role.link)
+            with contextlib.ExitStack() as entering:  # left at once if entering the role fails or ends (relay)
+                entering.enter_context(_playing_role())
+                self._enter_role(role.penv, role.link)
+                self._held.enter_context(entering.pop_all())
         if self._loop is not None:  # record_scalar adds to this process's epoch reports
-            self._recording = contextlib.ExitStack()
-            self._recording.enter_context(recording(self._loop.scalars))
+            self._held.enter_context(recording(self._loop.scalars))
         return self
 
     def _enter_role(self, penv: ProcessEnv, link: MembershipLink | None) -> None:
@@ -204,7 +237,18 @@ class Session:
             stem = checkpoints.resolve(penv.settings.resume, penv.settings.checkpoint_dir)
             if stem is not None:
                 job = dataclasses.replace(job, resume_from=str(stem))
-            self.result = run_controller(job, penv, link)
+            if link is not None:  # `flodl-zmq controller` serves its own signals (controller.serve)
+                self.result = run_controller(job, penv, link)
+                return
+            # launch stops its controller with SIGTERM: the run log must end saying so (the
+            # service's `end` line), and the process exit as a shell's would, with no traceback.
+            previous = raise_interrupt_on_sigterm()
+            try:
+                self.result = run_controller(job, penv, link)
+            except KeyboardInterrupt as stop:
+                raise SystemExit(TERMINATED_EXIT if isinstance(stop, Interrupted) else 130) from None
+            finally:
+                signal.signal(signal.SIGTERM, previous)
             return
         if penv.role == "relay":
             from flodl_zmq.relay import run_relay
@@ -247,8 +291,8 @@ class Session:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if self._recording is not None:
-            self._recording.close()
+        if self._held is not None:  # record_scalar's recording, and the role played (_PLAYING)
+            self._held.close()
         loop = self._loop
         if isinstance(loop, AloneLoop):
             if kind is None:
@@ -285,8 +329,13 @@ class Session:
         """The optimizer step on the last batch is done; `loss` (optional) goes into the epoch's reports."""
         if self._loop is None or not self._owed:
             raise SessionError("Session.step() without a batch: call it once after each batch of s.batches()")
+        value = float("nan") if loss is None else one_number(loss)
+        if value is None:
+            raise SessionError(
+                f"Session.step(loss) got {type(loss).__name__} {loss!r:.80}: the loss must be one number (a float "
+                "or a one-element tensor); pass the batch's mean loss, e.g. loss.mean(), or nothing"
+            )
         self._owed = False
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan") if loss is None else float(loss)
         self._loop.step(value)
 
     @property
@@ -299,6 +348,20 @@ class Session:
         """The job's step on this process's replica (Trainer's loop)."""
         assert self._loop is not None, "the stepper exists where batches are trained"
         return self._loop.stepper
+
+
+def _check_replica(model: Any, optimizer: Any) -> None:
+    """The loop's own model and optimizer, the one over the other: a Trainer-style factory failed deep
+    inside, and an optimizer over another model's parameters trained nothing, in silence."""
+    for name, value, kind, label in (("model", model, torch.nn.Module, "torch.nn.Module"),
+                                     ("optimizer", optimizer, torch.optim.Optimizer, "torch.optim.Optimizer")):
+        if not isinstance(value, kind):
+            raise ConfigError(f"Session({name}=...) got {type(value).__name__}: it takes the {name} the loop uses, "
+                              f"built (a {label}); Trainer is the one that takes a factory")
+    own = {id(p) for p in model.parameters()}
+    if own and not any(id(p) in own for group in optimizer.param_groups for p in group["params"]):
+        raise ConfigError("Session(optimizer=...) holds none of the model's parameters, so its steps would never "
+                          "change the model: build it from this model, e.g. torch.optim.SGD(model.parameters(), ...)")
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

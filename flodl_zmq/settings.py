@@ -390,6 +390,9 @@ class Settings:
                     f"{period} ({getattr(self, period):g} s, {BY_FIELD[period].describe()}): a peer that "
                     f"beats on time would be declared dead"
                 )
+        if self.metrics_port is not None and self.metrics_port > 65535:  # refused here, not first by the bind
+            raise ConfigError(f"metrics_port = {self.metrics_port} is not a port: it must be in 1..65535; set it with "
+                              f"{BY_FIELD['metrics_port'].describe()}")
         if self.target_ranks is not None and self.target_ranks < self.min_ranks:
             raise ConfigError(
                 f"target_ranks ({self.target_ranks}, --target-ranks) must be >= min_ranks "
@@ -413,14 +416,19 @@ class Settings:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None, scopes: Iterable[str] = SCOPES) -> Settings:
-        """The settings of `scopes` the environment gives (unset variables, other scopes: defaults)."""
+        """The settings of `scopes` the environment gives (unset variables, other scopes: defaults; a
+        variable set but empty is refused)."""
         env = os.environ if environ is None else environ
         scopes = tuple(scopes)
         values: dict[str, Any] = {}
         for s in SETTINGS:
             if s.scope not in scopes:
                 continue
-            given = {name: env[name] for name in s.env if env.get(name, "").strip()}
+            given = {name: env[name] for name in s.env if name in env}
+            for name, text in given.items():
+                if not text.strip():  # `FLODL_X=` is a value forgotten, not a default asked for: said, not guessed
+                    raise ConfigError(f"{name} is set but empty: give it a value ({s.bounds}), or unset it "
+                                      f"(`unset {name}`) for the default ({s.shown_default})")
             parsed = {name: s.parse(text, name) for name, text in given.items()}
             if len(set(map(repr, parsed.values()))) > 1:
                 raise ConfigError(

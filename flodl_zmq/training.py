@@ -173,14 +173,23 @@ def score(job: Job, model: torch.nn.Module) -> float:
             metric = job.eval_fn(model, job.eval_dataset)
     finally:
         model.train(training)
-    if isinstance(metric, torch.Tensor | np.ndarray) and math.prod(metric.shape) == 1:
-        metric = metric.item()
-    if isinstance(metric, numbers.Real) and not isinstance(metric, bool):  # numpy's scalars too
-        return float(metric)
+    value = one_number(metric)
+    if value is not None:
+        return value
     raise TypeError(
         f"eval_fn returned {type(metric).__name__} {metric!r:.80}: it must return one number (a float or a "
         "one-element tensor), such as the accuracy; return one metric and record others with fz.record_scalar"
     )
+
+
+def one_number(value: Any) -> float | None:
+    """`value` as a float when it is one number (a real, numpy's scalars too, or a one-element tensor or
+    array), else None: an eval's metric and a Session's loss are each logged, compared and plotted as one."""
+    if isinstance(value, torch.Tensor | np.ndarray) and math.prod(value.shape) == 1:
+        value = value.item()
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:

@@ -68,12 +68,20 @@ def new_key() -> bytes:
 
 
 def key_from_hex(text: str) -> bytes:
-    """Parse a session key given as 64 hex characters (FLODL_KEY)."""
+    """Parse a session key given as 64 hex characters (FLODL_KEY).
+
+    The error names the variable and the fix, never the value: a near-miss of the key is still secret.
+    """
+    text = text.strip()
     try:
-        key = bytes.fromhex(text.strip())
-    except ValueError as exc:
-        raise ConfigError(f"session key is not valid hex ({exc}); expected 64 hex characters") from exc
-    return check_key(key)
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = None
+    if key is None or len(key) != KEY_BYTES:
+        what = "not all hex digits" if key is None else f"{len(text)} hex characters"
+        raise ConfigError(f"{KEY_ENV} is not a session key ({what}): it must be {2 * KEY_BYTES} hex characters, "
+                          "the same on every host; make one with `flodl-zmq keygen`")
+    return key
 
 
 KEY_ENV = "FLODL_KEY"

@@ -128,3 +128,21 @@ def test_a_launched_run_is_watched_rank_by_rank_and_its_run_directory_and_report
     assert max(rounds_seen) <= len(rounds)
     page = write_report(run_dir).read_text()
     assert "death rank 2" in page and 'class="mark mark-death"' in page
+
+
+def test_a_run_its_launcher_stops_ends_its_run_log_saying_so_without_a_traceback(tmp_path, warm):
+    # The controller died of launch's SIGTERM (Ctrl-C) mid-round: events.jsonl stopped at a round
+    # line, so the run directory could not tell a stopped run from a crashed one.
+    gate = tmp_path / "gate"  # never opened: the ranks hold after an epoch until they are stopped
+    r = Run("--epochs", "6", "--batch-size", "16", *held(gate, after_epochs=1, epochs=6, ranks=2),
+            warm=warm, hosts=1, ranks_per_host=2)
+    r.cluster.run_dir = str(tmp_path / "run")
+    r.start()
+    try:
+        r.wait_for("[controller] epoch 1/6")
+    finally:
+        r.cluster.shutdown()  # what Ctrl-C on `flodl-zmq launch` does: SIGTERM to every process it started
+    events = [json.loads(line) for line in (tmp_path / "run" / EVENTS_FILE).read_text().splitlines()]
+    assert [e["kind"] for e in events].count("end") == 1
+    assert events[-1]["kind"] == "end" and events[-1]["reason"] == "interrupted"
+    assert "Traceback" not in r.cluster.output()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
@@ -15,12 +17,13 @@ from flodl_zmq.controller_service import ControllerService
 from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
 from flodl_zmq.errors import TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import RELAY_ROUTE, rank_identity, rank_sender, relay_sender
 from flodl_zmq.payload import model_signature
+from flodl_zmq.runlog import EVENTS_FILE
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
@@ -87,11 +90,12 @@ def rig(request):
     ctx = zmq.Context()
     key, run_id = new_key(), bytes(range(16))
     address = ControllerAddress("127.0.0.1", free_port_base())
+    exits, exits_w = os.pipe()  # the launcher's exit reports (FLODL_EXIT_FD): a test writes them to outcome["exits"]
     penv = ProcessEnv(role="controller", controller=address, key=key, run_id=run_id, incarnation=run_id, world=WORLD,
-                      settings=Settings(startup_timeout_s=WAIT_S), route_secret=ROUTE_SECRET)
+                      settings=Settings(startup_timeout_s=WAIT_S), route_secret=ROUTE_SECRET, exit_fd=exits)
     j = job(getattr(request, "param", "cpu-cadence"))
     service = ControllerService(j, penv)
-    outcome: dict = {}
+    outcome: dict = {"exits": exits_w}
 
     def run() -> None:
         try:
@@ -109,6 +113,8 @@ def rig(request):
         relay.relay_send(rec.RankExit(rank))
     thread.join(WAIT_S)
     relay.sock.close(0)
+    os.close(exits_w)
+    os.close(exits)
     assert not thread.is_alive(), "the controller service outlived its test"
     ctx.term()
 
@@ -155,6 +161,19 @@ def test_a_rank_that_leaves_before_the_world_forms_is_left_out_at_once(rig):
     assert not thread.is_alive()
 
 
+def test_a_rank_that_exits_cleanly_before_it_said_hello_is_left_out_at_once(rig):
+    # Its launcher's report of exit code 0 was taken for a goodbye: the world waited for the rank's
+    # hello until the relay's first-record limit (60 s) before it formed without it.
+    service, relay, thread, outcome = rig
+    relay.hello(0)
+    os.write(outcome["exits"], ExitReports.line(ChildExit("h", 1, 0)))
+    relay.wait_for(rank_identity(0), "StartEpoch")  # not the start-up timeout: the world formed without it
+    assert service.core.liveness.state(1) is RankState.DEAD and "it exited with code 0" in service.deaths[1][1]
+    relay.send(0, rec.Exiting(rank=0))
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
 def test_the_start_up_fails_at_once_naming_every_rank_gone_when_none_remain(rig):
     service, relay, thread, outcome = rig
     t0 = time.monotonic()
@@ -175,3 +194,21 @@ def test_the_controller_holds_the_model_once_its_tensors_view_the_kept_consensus
     assert all(start <= p.data_ptr() < end for p in service.model.parameters())
     service.kept.consensus[:] = 7.0  # what a kept round writes is the model, with no copy back
     assert all(bool((p == 7.0).all()) for p in service.model.parameters())
+
+
+def test_a_rank_that_leaves_mid_run_is_said_by_the_controller_and_in_the_run_log(rig, caplog):
+    # A rank whose loop broke or raised said goodbye and was gone from the run without a word on the
+    # controller's console or in events.jsonl: the run directory could not tell why its share fell to 0.
+    service, relay, thread, outcome = rig
+    relay.hello(0)
+    relay.hello(1)
+    relay.wait_for(rank_identity(1), "StartEpoch")
+    relay.send(1, rec.Exiting(rank=1))
+    deadline = time.monotonic() + WAIT_S
+    while service.core.liveness.state(1) is RankState.LIVE and time.monotonic() < deadline:
+        time.sleep(0.01)  # the core's verdict comes after the service's word: wait for the last
+    assert service.core.liveness.state(1) is RankState.EXITED
+    assert "rank 1 left the run before its end (it said goodbye); training goes on without it" in caplog.text
+    events = [json.loads(line) for line in (service.report.events.run_dir / EVENTS_FILE).read_text().splitlines()]
+    assert [e["rank"] for e in events if e["kind"] == "exit"] == [1]
+    assert thread.is_alive() and "error" not in outcome

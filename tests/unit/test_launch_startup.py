@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from flodl_zmq import cli, launch
 
 # Run in a fresh interpreter: the test session has imported torch already. The warm
 # interpreter and the cohort are stood in for, so nothing is spawned.
@@ -44,3 +49,44 @@ def test_a_fresh_launch_starts_its_warm_interpreter_without_importing_torch_itse
                          env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(Path(__file__).parents[2])}, check=True)
     assert json.loads(out.stdout.splitlines()[-1]) == {
         "torch_when_the_warm_interpreter_starts": False, "torch_when_the_cohort_spawns": False}
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--slow", "1:nan", "train.py"], r"--slow 1:nan: .* factor a finite number >= 1"),
+    (["--slow", "1:inf", "train.py"], r"--slow 1:inf: .* factor a finite number >= 1"),
+    (["--port", "70000", "train.py"], r"127\.0\.0\.1:70000: port must be in 1\.\.65532"),
+    (["--port", "-3", "train.py"], r"127\.0\.0\.1:-3: port must be in 1\.\.65532"),
+    (["nothere.py"], r"no script 'nothere\.py' \(from .*\): give the path of a Python file, or -- -m module"),
+], ids=["slow-nan", "slow-inf", "port-too-high", "port-negative", "no-script"])
+def test_launch_refuses_a_bad_value_by_name_before_it_starts_any_process(args, named, tmp_path, monkeypatch, capsys):
+    # Each once started the whole cluster: a NaN slowdown failed in every rank, a port past 65532 ran a
+    # script that never binds to success, and a missing script printed one traceback per process.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+
+    def started(*_: object) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(launch, "warm_interpreter", started)
+    monkeypatch.setattr(launch.Cluster, "_spawn_cohort", started)
+    assert cli.main(["launch", "--hosts", "1", *args]) == 2
+    assert re.search(named, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--epochs", "0"], r"epochs must be an integer \(a Python int\) >= 1, got 0"),
+    (["--slow", "0.5"], r"--slow 3:0\.5: .* factor a finite number >= 1"),
+    (["--slow", "nan"], r"--slow 3:nan: .* factor a finite number >= 1"),
+], ids=["no-epochs", "slow-below-1", "slow-nan"])
+def test_demo_refuses_a_bad_value_by_name_before_it_starts_any_process(args, named, tmp_path, monkeypatch, capsys):
+    # --epochs 0 started the cluster and every process failed with a traceback; --slow 0.5 or nan ran
+    # unslowed and said nothing (only factors > 1 were passed on, and so checked).
+    monkeypatch.chdir(tmp_path)
+
+    def started(*_: object) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(launch, "warm_interpreter", started)
+    monkeypatch.setattr(launch.Cluster, "_spawn_cohort", started)
+    assert cli.main(["demo", *args]) == 2
+    assert re.search(named, capsys.readouterr().err)

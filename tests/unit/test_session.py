@@ -3,6 +3,7 @@ the guide's converted loop runs verbatim, misuse is named, and every rank starts
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 from pathlib import Path
@@ -20,7 +21,7 @@ from flodl_zmq import bundle, controller_service, rank, session
 from flodl_zmq.api import Trainer
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
-from flodl_zmq.errors import SessionError
+from flodl_zmq.errors import ConfigError, SessionError
 from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.payload import flatten
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator
@@ -104,6 +105,23 @@ def test_a_batch_not_reported_with_step_is_a_session_error_naming_the_fix():
                 pass
 
 
+@pytest.mark.parametrize(("replica", "named"), [
+    (lambda m: dict(model=net, optimizer=sgd(m.parameters())),
+     r"Session\(model=...\) got function: it takes the model the loop uses, built \(a torch\.nn\.Module\); "
+     r"Trainer is the one that takes a factory"),
+    (lambda m: dict(model=m, optimizer=sgd),
+     r"Session\(optimizer=...\) got function: .* built \(a torch\.optim\.Optimizer\)"),
+    (lambda m: dict(model=m, optimizer=sgd(net().parameters())),
+     r"holds none of the model's parameters, so its steps would never change the model: build it from this model"),
+], ids=["model-factory", "optimizer-factory", "another-models-optimizer"])
+def test_a_session_refuses_a_replica_its_loop_cannot_train_naming_the_fix(replica, named):
+    # Factories (Trainer's way) failed deep inside with an AttributeError; an optimizer over another
+    # model's parameters ran to "completed" with the model never changed.
+    model = net()
+    with pytest.raises(ConfigError, match=named):
+        fz.Session(**replica(model), dataset=data(), batch_size=8)
+
+
 def test_a_session_refuses_the_keywords_its_loop_owns():
     model = net()
     with pytest.raises(TypeError, match="max_grad_norm, train_step: a Session's loop does that itself"):
@@ -129,6 +147,32 @@ def test_breaking_out_alone_keeps_the_finished_epochs_and_saves_the_model_as_sto
     state, meta = bundle.load(str(tmp_path / "m"))
     assert meta["reason"] == "stopped" and meta["epoch"] == 1
     assert torch.equal(state["weight"], model.state_dict()["weight"])
+    # The result and the run log say so too, as the bundle does: a loop left early did not complete the run.
+    assert s.result.reason == "stopped"
+    ends = [e for e in map(json.loads, next(Path.cwd().glob("runs/*/events.jsonl")).read_text().splitlines())
+            if e["kind"] == "end"]
+    assert [e["reason"] for e in ends] == ["stopped"]
+
+
+def test_an_epoch_row_alone_has_the_fields_a_clusters_row_has_with_the_same_meaning():
+    # Alone, a row lacked samples, per_rank_samples and round (guide.md's TrainResult table): a script
+    # reading r.epochs[-1]["samples"] worked on a cluster and raised KeyError alone.
+    result = Trainer(model=net, optimizer=sgd, train_step=loss_of, dataset=data(), batch_size=8, epochs=2,
+                     quiet=True).run()
+    for row in result.epochs:
+        assert row["samples"] == N and row["per_rank_samples"] == [N] and row["batch_share"] == [1.0]
+        assert row["round"] == -1 and row["reconnects"] == 0  # no consensus, no link: alone
+    logged = [json.loads(line) for line in next(Path.cwd().glob("runs/*/events.jsonl")).read_text().splitlines()]
+    assert [e["samples"] for e in logged if e["kind"] == "epoch"] == [N, N]
+
+
+@pytest.mark.parametrize("loss", ["abc", torch.ones(8), [1.0], True], ids=["text", "per-sample", "list", "bool"])
+def test_a_loss_that_is_not_one_number_is_a_session_error_naming_the_fix(loss):
+    model = net()
+    with pytest.raises(SessionError, match=r"the loss must be one number .* e\.g\. loss\.mean\(\)"):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
+            for _batch in s.batches():
+                s.step(loss)
 
 
 def penv(role: str, **kw: Any) -> ProcessEnv:
@@ -148,6 +192,24 @@ def test_the_controller_of_a_session_ships_its_own_model_as_every_ranks_start(mo
     (job,) = jobs
     assert job.ship_start  # the reducer serves the controller's model as round 0 (PROTOCOL.md 13)
     assert torch.equal(flatten(job.model()), flatten(model))
+
+
+def test_a_session_inside_another_under_a_role_is_a_session_error_not_a_second_run(monkeypatch):
+    # Nested under launch, the inner Session played the role again: the controller waited for ranks
+    # that never came and the ranks for acknowledgements, until launch was killed (a hang).
+    runs = []
+    monkeypatch.setattr(controller_service, "run_controller", lambda job, p, lk: runs.append(job) or "result")
+    model, other = net(), net()
+    with session.hosted(penv("controller")):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True):
+            with pytest.raises(SessionError, match=r"inside another Session's with block: a process plays its role "
+                                                   r"\(rank, controller, relay\) once; train both models in one"):
+                with fz.Session(other, sgd(other.parameters()), data(), batch_size=8, quiet=True):
+                    pass
+        assert len(runs) == 1
+        with fz.Session(other, sgd(other.parameters()), data(), batch_size=8, quiet=True) as after:
+            pass  # the block left, the role is free again
+    assert after.result == "result" and len(runs) == 2
 
 
 class FakeLink:

@@ -13,7 +13,7 @@ import torch
 
 from flodl_zmq.api import Trainer
 from flodl_zmq.errors import ConfigError
-from flodl_zmq.settings import SETTINGS, Settings, add_arguments
+from flodl_zmq.settings import SCOPES, SETTINGS, Settings, add_arguments, env_names
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ROOT / "docs" / "operations.md"
@@ -94,11 +94,23 @@ def test_two_spellings_of_one_setting_that_disagree_are_refused():
         ({"FLODL_OPEN_ADMISSION": "maybe"}, "FLODL_OPEN_ADMISSION='maybe'"),
         ({"FLODL_RANK_SILENCE_AT_RELAY": "0.4"}, "rank_silence_at_relay_s.*must exceed rank_heartbeat_period_s"),
         ({"FLODL_JOIN_HEARTBEAT_PERIOD": "20"}, "host_silence_at_controller_s.*must exceed join_heartbeat_period_s"),
+        ({"FLODL_METRICS_PORT": "99999"}, "metrics_port = 99999 is not a port: it must be in 1..65535.*FLODL_METRICS_PORT"),
     ],
 )
 def test_a_bad_value_names_the_setting_the_value_and_the_fix(environ, match):
     with pytest.raises(ConfigError, match=match):
         Settings.from_environ(environ)
+
+
+@pytest.mark.parametrize("name", env_names(SCOPES))
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_a_variable_set_but_empty_is_refused_by_name_with_its_default(name, blank):
+    # `FLODL_STARTUP_TIMEOUT=` silently ran with the default: a value forgotten in a unit file or a
+    # compose file looked like one given.
+    row = next(s for s in SETTINGS if name in s.env)
+    with pytest.raises(ConfigError, match=rf"{name} is set but empty: give it a value .* or unset it "
+                                          rf"\(`unset {name}`\) for the default \({re.escape(row.shown_default)}\)"):
+        Settings.from_environ({name: blank})
 
 
 def test_a_bad_flag_is_refused_by_the_parser():
