@@ -179,10 +179,17 @@ def test_record_scalar_is_a_per_epoch_mean_and_ignores_non_finite_values():
     fz.record_scalar("outside", 1.0)  # no run: nothing happens
     log = ScalarLog()
     with recording(log):
-        for v in (1.0, 2.0, torch.tensor(6.0), float("nan")):
+        for v in (1.0, 2.0, torch.tensor(5.0), True, float("nan")):  # a bool counts as 0 or 1: its mean a rate
             fz.record_scalar("m", v)
-    assert log.take() == ({"m": 9.0}, {"m": 3})
+    assert log.take() == ({"m": 9.0}, {"m": 4})
     assert log.take() == ({}, {})
+
+
+@pytest.mark.parametrize("value", ["abc", torch.ones(3), [1.0], None])
+def test_record_scalar_of_anything_but_one_number_names_the_call_and_the_fix(value):
+    # Was float()'s ValueError or TypeError ("could not convert string to float"), naming neither.
+    with pytest.raises(ConfigError, match=r"record_scalar\('x', \.\.\.\): the value must be one number.*t\.mean\(\)"):
+        fz.record_scalar("x", value)
 
 
 def test_train_alone_reports_scalars_and_follows_the_schedule_per_batch():
