@@ -37,6 +37,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -438,11 +439,28 @@ def _launch_command(args: argparse.Namespace) -> int:
         # Said once here, not by the traceback of every process the cluster would start to run it.
         raise ConfigError(f"launch: no script {argv[0]!r} (from {os.getcwd()}): give the path of a Python file, "
                           "or -- -m module for a module")
+    if runnable(argv) and argv[0] == "-m" and not _package_found(argv[1]):
+        raise ConfigError(f"launch: no module {argv[1]!r} to run with -m (from {os.getcwd()}, which -m searches "
+                          "first): check its name, or install its package")
     cluster = Cluster(
         argv=argv, hosts=args.hosts, ranks_per_host=args.ranks_per_host, port=args.port,
         slow=parse_slow(args.slow), sink=default_sink, run_dir=args.run_dir, metrics_port=args.metrics_port,
     )
     return run_cluster(cluster)
+
+
+def _package_found(module: str) -> bool:
+    """Whether `-m module`'s top-level package is there for the cohort, which runs it from this directory.
+
+    Only the top level: finding a submodule would import its package here, the user's code (and
+    maybe torch) in the launcher before any process starts.
+    """
+    top = module.partition(".")[0]
+    sys.path.insert(0, os.getcwd())
+    try:
+        return bool(top) and importlib.util.find_spec(top) is not None
+    finally:
+        sys.path.pop(0)
 
 
 def _demo_command(args: argparse.Namespace) -> int:

@@ -57,7 +57,8 @@ def test_a_fresh_launch_starts_its_warm_interpreter_without_importing_torch_itse
     (["--port", "70000", "train.py"], r"127\.0\.0\.1:70000: port must be in 1\.\.65532"),
     (["--port", "-3", "train.py"], r"127\.0\.0\.1:-3: port must be in 1\.\.65532"),
     (["nothere.py"], r"no script 'nothere\.py' \(from .*\): give the path of a Python file, or -- -m module"),
-], ids=["slow-nan", "slow-inf", "port-too-high", "port-negative", "no-script"])
+    (["--", "-m", "nosuchmod.train"], r"no module 'nosuchmod\.train' to run with -m \(from .*\): check its name"),
+], ids=["slow-nan", "slow-inf", "port-too-high", "port-negative", "no-script", "no-module"])
 def test_launch_refuses_a_bad_value_by_name_before_it_starts_any_process(args, named, tmp_path, monkeypatch, capsys):
     # Each once started the whole cluster: a NaN slowdown failed in every rank, a port past 65532 ran a
     # script that never binds to success, and a missing script printed one traceback per process.
