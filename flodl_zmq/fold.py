@@ -653,7 +653,7 @@ class FoldStation:
             rnd = self._round
             if rnd is None:
                 if self.dead == self.roster:
-                    return NothingToShip(f"every local rank {sorted(self.roster)} has left (said goodbye or died); no round is pending")
+                    return NothingToShip(f"every local rank {sorted(self.roster)} is gone (left or dead); no round is pending")
                 return None
             if any(r not in self.dead and r not in rnd.members for r in self.roster):
                 return None
