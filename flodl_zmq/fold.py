@@ -38,10 +38,11 @@ root. This module is the middle move and keeps these rules:
   way nothing changes (PROTOCOL.md 10.6).
 - A deposit with a NaN or infinite element is refused too: the rank is out of
   every barrier, listed in ``refused`` (the relay makes it leave), and the
-  round completes without it (one rank must not NaN the consensus of every rank). The check rides on the pass that first reads
-  a deposit: the sum of the first two (the blocks of sums checked while in
-  cache), or a check of its own just before a later one is added in place
-  (which then raises PoisonedDeposit, the round untouched). A round's single
+  round completes without it (one rank must not NaN the consensus of every
+  rank). The check rides on the pass that first reads a deposit: the sum of
+  the first two (the blocks of sums checked while in cache), or a check of its
+  own just before a later one is added in place (which then raises
+  PoisonedDeposit, the round untouched). A round's single
   deposit is not summed, so not checked here: the reducer checks every HostFrame.
   Every deposit far above the last consensus, or above its host-mates' mass, is
   refused alike (robust.py). ``unfolded``: deposits are held and shipped as they came.
@@ -653,7 +654,8 @@ class FoldStation:
             rnd = self._round
             if rnd is None:
                 if self.dead == self.roster:
-                    return NothingToShip(f"every local rank {sorted(self.roster)} is gone (left or dead); no round is pending")
+                    return NothingToShip(f"every local rank {sorted(self.roster)} is gone (left or dead); "
+                                         "no round is pending")
                 return None
             if any(r not in self.dead and r not in rnd.members for r in self.roster):
                 return None
