@@ -31,10 +31,10 @@ Theory of operation:
    through the relays; DeclareDead goes to the reducer (out of every barrier); controller effects
    (epoch metrics, eval results, save-state, run end) drive the `RunReport` (flodl_zmq/report.py:
    progress, epoch lines, result, bundle), the same one `AloneLoop` uses.
-3. The end. After RunEnded the loop keeps serving until every rank has said goodbye or is dead (at
-   most a short drain), so the Shutdown records and the goodbyes cross, then stops the reducer. The
+3. The end. After RunEnded the loop keeps serving until every rank has said goodbye or is dead and
+   the last finished round's consensus is in (at most a short drain), then stops the reducer. The
    final model is the last consensus with positive mass seen on the broadcast (the controller
-   subscribes to its own PUB, exactly like a relay). Interrupted (Ctrl-C, or a SIGTERM the role turns
+   subscribes to its own PUB, like a relay). Interrupted (Ctrl-C, or a SIGTERM the role turns
    into one), the run log still ends with its `end` line, reason "interrupted".
 
 Rules this module keeps: one socket, one thread (the reducer's sockets are the reducer thread's);
