@@ -157,7 +157,8 @@ class Accelerator(accelerate.Accelerator):
                           epochs=epochs, collate_fn=loader.collate_fn)
         session.__enter__()  # left when the last epoch's batches are done (`_next`), or here on the controller
         self._session = session
-        if session.result is not None:
+        if session.result is not None:  # the controller: its run is over, and its role free again
+            session.__exit__(None, None, None)
             self._model.load_state_dict(session.result.model.state_dict())
             return
         self._stream = session.batches()

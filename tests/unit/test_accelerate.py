@@ -14,7 +14,7 @@ from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader, TensorDataset
 
 from flodl_zmq import accelerate as fz_accelerate
-from flodl_zmq import controller_service
+from flodl_zmq import controller_service, session
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError
@@ -99,6 +99,9 @@ def test_on_the_controller_prepare_runs_the_run_and_leaves_its_model_in_the_user
         assert torch.equal(model.weight, final.weight)
         assert accelerator.is_main_process
         accelerator.save(model.state_dict(), tmp_path / "model.pt")
+        # The run is over and its Session left: the process may run another (it held the role for good,
+        # and every Session after it in the process, a test's too, was taken for one nested in it).
+        assert not session._PLAYING.get()
     assert (tmp_path / "model.pt").exists()
 
 
