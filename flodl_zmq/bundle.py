@@ -39,13 +39,17 @@ from flodl_zmq.errors import ConfigError
 from flodl_zmq.private_files import make_dirs, read_own, write_atomic
 
 FORMAT = 1
-DIGEST_BYTES = 16  # blake2b-128 per file: tells apart the files of two saves, at a fraction of a read's cost
 
 
 def paths(stem: str | os.PathLike[str]) -> tuple[Path, Path]:
     """(model path, meta path) of bundle `stem`."""
     s = str(stem)
     return Path(s + ".pt"), Path(s + ".meta.json")
+
+
+def _new_digest() -> Any:
+    """The digest a meta records per file: blake2b-128 tells apart the files of two saves at a fraction of a read's cost."""
+    return hashlib.blake2b(digest_size=16)
 
 
 def _write_torch(path: Path, obj: Any) -> str:
@@ -55,7 +59,9 @@ def _write_torch(path: Path, obj: Any) -> str:
     data = io.BytesIO()
     torch.save(obj, data)
     write_atomic(path, lambda f: f.write(data.getbuffer()))
-    return hashlib.blake2b(data.getbuffer(), digest_size=DIGEST_BYTES).hexdigest()
+    digest = _new_digest()
+    digest.update(data.getbuffer())
+    return digest.hexdigest()
 
 
 def outer_path(stem: str | os.PathLike[str]) -> Path:
@@ -135,8 +141,7 @@ def _load_torch(path: Path, stem: str | os.PathLike[str], part: str, meta: dict[
     with _reading(path) as f:
         expected = meta.get("digests", {}).get(part)
         if expected is not None:
-            digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=DIGEST_BYTES)).hexdigest()
-            if digest != expected:
+            if hashlib.file_digest(f, _new_digest).hexdigest() != expected:
                 raise ConfigError(
                     f"bundle file {path} is not the one {paths(stem)[1].name} was written with: a save over this "
                     "bundle stopped between its files, or the file was replaced; resume from another bundle (a "

@@ -60,6 +60,7 @@ import zmq
 
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import (
+    INTERRUPTED_EXIT,
     TERMINATED_EXIT,
     ProcessEnv,
     SpawnSpec,
@@ -178,7 +179,7 @@ def _serve(opts: ControllerOptions, metrics: RunMetrics | None) -> int:
         return TERMINATED_EXIT
     except KeyboardInterrupt:
         _abort(membership, "the controller was interrupted (SIGINT)")
-        return 130
+        return INTERRUPTED_EXIT
     except FlodlError as exc:
         if not formed:
             raise

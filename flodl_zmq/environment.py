@@ -355,6 +355,12 @@ class Terminated(KeyboardInterrupt):
 
 
 TERMINATED_EXIT = 143  # a shell's status for SIGTERM: not 0, so `restart: on-failure` and OnFailure restart it
+INTERRUPTED_EXIT = 130  # a shell's status for SIGINT (Ctrl-C)
+
+
+def interrupted_exit(stop: KeyboardInterrupt) -> int:
+    """The exit status of a process stopped by `stop`: SIGTERM's (`Terminated`) or SIGINT's, as a shell's."""
+    return TERMINATED_EXIT if isinstance(stop, Terminated) else INTERRUPTED_EXIT
 
 
 def raise_interrupt_on_sigterm() -> Any:

@@ -435,18 +435,25 @@ def _launch_command(args: argparse.Namespace) -> int:
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise ConfigError("launch needs a script to run: flodl-zmq launch [options] script.py [args]")
-    if runnable(argv) and argv[0] != "-m" and not Path(argv[0]).is_file():
-        # Said once here, not by the traceback of every process the cluster would start to run it.
-        raise ConfigError(f"launch: no script {argv[0]!r} (from {os.getcwd()}): give the path of a Python file, "
-                          "or -- -m module for a module")
-    if runnable(argv) and argv[0] == "-m" and not _package_found(argv[1]):
-        raise ConfigError(f"launch: no module {argv[1]!r} to run with -m (from {os.getcwd()}, which -m searches "
-                          "first): check its name, or install its package")
+    _check_target(argv)
     cluster = Cluster(
         argv=argv, hosts=args.hosts, ranks_per_host=args.ranks_per_host, port=args.port,
         slow=parse_slow(args.slow), sink=default_sink, run_dir=args.run_dir, metrics_port=args.metrics_port,
     )
     return run_cluster(cluster)
+
+
+def _check_target(argv: Sequence[str]) -> None:
+    """A script that is not a file, or a `-m` module whose package is not found: said once here, not by the
+    traceback of every process the cluster would start to run it."""
+    if not runnable(argv):
+        return
+    if argv[0] != "-m" and not Path(argv[0]).is_file():
+        raise ConfigError(f"launch: no script {argv[0]!r} (from {os.getcwd()}): give the path of a Python file, "
+                          "or -- -m module for a module")
+    if argv[0] == "-m" and not _package_found(argv[1]):
+        raise ConfigError(f"launch: no module {argv[1]!r} to run with -m (from {os.getcwd()}, which -m searches "
+                          "first): check its name, or install its package")
 
 
 def _package_found(module: str) -> bool:

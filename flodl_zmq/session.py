@@ -79,12 +79,11 @@ from torch.utils.data import Dataset
 from flodl_zmq import checkpoints
 from flodl_zmq.alone import AloneLoop
 from flodl_zmq.environment import (
-    TERMINATED_EXIT,
     ProcessEnv,
+    interrupted_exit,
     raise_interrupt_on_sigterm,
     watch_lifeline,
 )
-from flodl_zmq.environment import Terminated as Interrupted
 from flodl_zmq.errors import ConfigError, SessionError
 from flodl_zmq.job import Job, coordinator_config
 from flodl_zmq.rank import RankRuntime, pick_device
@@ -246,7 +245,7 @@ class Session:
             try:
                 self.result = run_controller(job, penv, link)
             except KeyboardInterrupt as stop:
-                raise SystemExit(TERMINATED_EXIT if isinstance(stop, Interrupted) else 130) from None
+                raise SystemExit(interrupted_exit(stop)) from None
             finally:
                 signal.signal(signal.SIGTERM, previous)
             return

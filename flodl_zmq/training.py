@@ -68,7 +68,7 @@ def record_scalar(name: str, value: float | torch.Tensor) -> None:
     ranks the batch-weighted mean of those means (floDl's rule), in the epoch
     row `metrics_fn` receives (`row["scalars"]`). Outside a run it does nothing.
     """
-    v = float(value) if isinstance(value, bool) else one_number(value.detach() if isinstance(value, torch.Tensor) else value)
+    v = float(value) if isinstance(value, bool) else one_number(value)
     if v is None:  # float() of it raised a ValueError naming neither the call nor the name
         raise ConfigError(f"record_scalar({name!r}, ...): the value must be one number (a float, or a one-element "
                           f"tensor or array), got {type(value).__name__}; record a tensor's mean, e.g. t.mean()")
