@@ -110,8 +110,8 @@ class Setting:
     `flags`/`env`: the first is the name to use, the rest are old names kept
     working. `kind`: float, int, str or bool; `optional`: None is allowed (the
     default then means "derived", said in `default_text`). `minimum`: values
-    must be >= it, or > it when `strict`. `commands`: the parsers that take the
-    flags.
+    must be >= it, or > it when `strict`; `maximum`: values must be <= it.
+    `commands`: the parsers that take the flags.
     """
 
     field: str
@@ -124,6 +124,7 @@ class Setting:
     scope: str = "command"
     minimum: float | None = None
     strict: bool = False
+    maximum: float | None = None
     optional: bool = False
     default_text: str | None = None
     metavar: str | None = None
@@ -183,8 +184,12 @@ class Setting:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if ok and self.minimum is not None:
             ok = value > self.minimum if self.strict else value >= self.minimum
+        if ok and self.maximum is not None:
+            ok = value <= self.maximum
         if not ok:
-            limit = "" if self.minimum is None else f" {'>' if self.strict else '>='} {self.minimum:g}"
+            limits = [] if self.minimum is None else [f"{'>' if self.strict else '>='} {self.minimum:g}"]
+            limits += [] if self.maximum is None else [f"<= {self.maximum:g}"]
+            limit = f" {' and '.join(limits)}" if limits else ""
             kind = {float: "a finite number", int: "an integer", str: "text", bool: "on or off"}[self.kind]
             raise ConfigError(
                 f"{self.field} = {value!r} is not allowed: it must be {kind}{limit} "
@@ -283,7 +288,8 @@ class Settings:
             default_text="runs/TIME-ID")
     metrics_port: int | None = setting(None, "serve the controller's Prometheus metrics at http://HOST:PORT/metrics, "
             "HOST the controller's bind host (none: no metrics)", kind=int, metavar="PORT", flags=("--metrics-port",),
-            env=("FLODL_METRICS_PORT",), commands=("controller",), scope="process", minimum=1)
+            env=("FLODL_METRICS_PORT",), commands=("controller",), scope="process", minimum=1,
+            maximum=65535)  # refused when the settings are read, not first by the bind
     # ---- the join link between agents and the controller
     join_heartbeat_period_s: float = setting(1.0, "how often the controller and each agent send a heartbeat on the "
             "join link", env=("FLODL_JOIN_HEARTBEAT_PERIOD",), minimum=0.0, strict=True)
@@ -390,9 +396,6 @@ class Settings:
                     f"{period} ({getattr(self, period):g} s, {BY_FIELD[period].describe()}): a peer that "
                     f"beats on time would be declared dead"
                 )
-        if self.metrics_port is not None and self.metrics_port > 65535:  # refused here, not first by the bind
-            raise ConfigError(f"metrics_port = {self.metrics_port} is not a port: it must be in 1..65535; set it with "
-                              f"{BY_FIELD['metrics_port'].describe()}")
         if self.target_ranks is not None and self.target_ranks < self.min_ranks:
             raise ConfigError(
                 f"target_ranks ({self.target_ranks}, --target-ranks) must be >= min_ranks "

@@ -94,7 +94,7 @@ def test_two_spellings_of_one_setting_that_disagree_are_refused():
         ({"FLODL_OPEN_ADMISSION": "maybe"}, "FLODL_OPEN_ADMISSION='maybe'"),
         ({"FLODL_RANK_SILENCE_AT_RELAY": "0.4"}, "rank_silence_at_relay_s.*must exceed rank_heartbeat_period_s"),
         ({"FLODL_JOIN_HEARTBEAT_PERIOD": "20"}, "host_silence_at_controller_s.*must exceed join_heartbeat_period_s"),
-        ({"FLODL_METRICS_PORT": "99999"}, "metrics_port = 99999 is not a port: it must be in 1..65535.*FLODL_METRICS_PORT"),
+        ({"FLODL_METRICS_PORT": "99999"}, "metrics_port = 99999 is not allowed: it must be an integer >= 1 and <= 65535.*FLODL_METRICS_PORT"),
     ],
 )
 def test_a_bad_value_names_the_setting_the_value_and_the_fix(environ, match):
