@@ -63,8 +63,8 @@ from flodl_zmq.environment import (
     INTERRUPTED_EXIT,
     TERMINATED_EXIT,
     ProcessEnv,
+    SigtermInterrupt,
     SpawnSpec,
-    Terminated,
     raise_interrupt_on_sigterm,
     with_tunables,
 )
@@ -170,7 +170,7 @@ def _serve(opts: ControllerOptions, metrics: RunMetrics | None) -> int:
             settings=settings, route_secret=membership.route_secret,
         )
         return _run_role(opts, membership, penv, metrics)
-    except Terminated:
+    except SigtermInterrupt:
         if opts.settings.resume == "auto":
             log.warning("SIGTERM under --resume auto: exiting without ending the run; the agents wait for the "
                         "restarted controller (--controller-grace), which resumes from the newest checkpoint")

@@ -349,9 +349,9 @@ def watch_lifeline(fd: int) -> None:
     threading.Thread(target=watch, name="flodl-lifeline", daemon=True).start()
 
 
-class Terminated(KeyboardInterrupt):
+class SigtermInterrupt(KeyboardInterrupt):
     """SIGTERM, raised where the main thread is: the SIGINT path, but told apart (the controller's rule under
-    --resume auto, and its exit status)."""
+    --resume auto, and its exit status). A rank's SIGTERM is session.RankTerminated instead."""
 
 
 TERMINATED_EXIT = 143  # a shell's status for SIGTERM: not 0, so `restart: on-failure` and OnFailure restart it
@@ -359,15 +359,15 @@ INTERRUPTED_EXIT = 130  # a shell's status for SIGINT (Ctrl-C)
 
 
 def interrupted_exit(stop: KeyboardInterrupt) -> int:
-    """The exit status of a process stopped by `stop`: SIGTERM's (`Terminated`) or SIGINT's, as a shell's."""
-    return TERMINATED_EXIT if isinstance(stop, Terminated) else INTERRUPTED_EXIT
+    """The exit status of a process stopped by `stop`: SIGTERM's (`SigtermInterrupt`) or SIGINT's, as a shell's."""
+    return TERMINATED_EXIT if isinstance(stop, SigtermInterrupt) else INTERRUPTED_EXIT
 
 
 def raise_interrupt_on_sigterm() -> Any:
-    """SIGTERM takes the SIGINT path (`Terminated`, a KeyboardInterrupt); returns the previous handler."""
+    """SIGTERM takes the SIGINT path (`SigtermInterrupt`, a KeyboardInterrupt); returns the previous handler."""
 
     def on_term(_signum: int, _frame: object) -> None:
-        raise Terminated
+        raise SigtermInterrupt
 
     return signal.signal(signal.SIGTERM, on_term)
 

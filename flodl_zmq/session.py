@@ -79,6 +79,7 @@ from torch.utils.data import Dataset
 from flodl_zmq import checkpoints
 from flodl_zmq.alone import AloneLoop
 from flodl_zmq.environment import (
+    TERMINATED_EXIT,
     ProcessEnv,
     interrupted_exit,
     raise_interrupt_on_sigterm,
@@ -100,15 +101,16 @@ log = logging.getLogger(__name__)
 LOOP_OWNED = ("train_step", "autocast", "grad_accumulation", "max_grad_norm")
 
 
-class Terminated(SystemExit):
-    """A rank's SIGTERM: its agent or launcher stops it, and reports its exit (status 143)."""
+class RankTerminated(SystemExit):
+    """A rank's SIGTERM: its agent or launcher stops it, and reports its exit (a shell's status for SIGTERM).
+    A SystemExit, not the controller's SigtermInterrupt: the rank exits with it, it unwinds no abort."""
 
     def __init__(self) -> None:
-        super().__init__(143)
+        super().__init__(TERMINATED_EXIT)
 
 
 def _terminate(*_: Any) -> None:
-    raise Terminated()
+    raise RankTerminated()
 
 
 @dataclass(frozen=True)
@@ -302,7 +304,7 @@ class Session:
             if kind is not None and issubclass(kind, Exception):
                 log.error("rank %d: training failed", loop.cfg.rank, exc_info=(kind, exc, tb))  # type: ignore[arg-type]
             # Stopped by a signal: who sent it reports the exit, so nobody's acknowledgement is awaited.
-            code = loop.close(failed=kind is not None, linger=not isinstance(exc, Terminated))
+            code = loop.close(failed=kind is not None, linger=not isinstance(exc, RankTerminated))
             if kind is None or issubclass(kind, Exception):
                 raise SystemExit(code)
         # The controller's result is set on entering; a relay never gets here.
