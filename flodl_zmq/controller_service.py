@@ -202,25 +202,24 @@ class ControllerService:
         t0 = time.perf_counter()
         status_server = None
         try:
-            if self.link is None:
-                status_server = StatusServer(
-                    self.penv.controller.endpoint(Channel.JOIN), self.penv.key, self.world, ctx)
-                status_server.start()
-                self.status_sink = status_server
-            control.bind(self.penv.controller.endpoint(Channel.CONTROL))
-            reducer.start()
-            sub.connect(reducer.local_bcast)  # in process: no TCP copy, no CURVE
-            self.reducer = reducer
-            outer_state = reducer.outer_state if self.outer is not None else None
-            self.kept.start(time.monotonic(), self.core.avg_count, outer_state)
-            self._loop(control, sub, reducer)
-        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from launch or an orchestrator (a KeyboardInterrupt there)
-            self.result.reason = "interrupted"
+            try:
+                if self.link is None:
+                    status_server = StatusServer(self.penv.controller.endpoint(Channel.JOIN), self.penv.key, self.world, ctx)
+                    status_server.start()
+                    self.status_sink = status_server
+                control.bind(self.penv.controller.endpoint(Channel.CONTROL))
+                reducer.start()
+                sub.connect(reducer.local_bcast)  # in process: no TCP copy, no CURVE
+                self.reducer = reducer
+                outer_state = reducer.outer_state if self.outer is not None else None
+                self.kept.start(time.monotonic(), self.core.avg_count, outer_state)
+                self._loop(control, sub, reducer)
+            finally:
+                self._close(reducer, control, sub, status_server)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from launch or an orchestrator (a KeyboardInterrupt there):
+            self.result.reason = "interrupted"  # closed, as at every end: the run log ends saying so, not mid-round
+            self.report.finish(time.perf_counter() - t0)
             raise
-        finally:
-            self._close(reducer, control, sub, status_server)
-            if self.result.reason == "interrupted":  # the run log ends saying what happened, not mid-round
-                self.report.finish(time.perf_counter() - t0)
         before = 0.0 if self._carried is None else self._carried.result.wall_s  # the world before a re-form
         return self._finish(time.perf_counter() - t0 + before)
 
