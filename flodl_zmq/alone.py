@@ -88,9 +88,7 @@ class AloneLoop:
                 yield self.pipeline.next()
                 if len(self.pipeline) and self.cadence.due(self._trained()):
                     self._evaluate(within_epoch=True)
-            # The cluster's fields (controller_service._on_effect), so a script reads the same row
-            # alone: no averaging round ever closes here, and no link can reconnect.
-            row = {**self._row(), "reconnects": 0, "round": -1}
+            row = self._row()
             self.scalars.take()
             if _eval_due(job, epoch) or self.cadence.due(self._trained()):
                 self._evaluate(within_epoch=not _eval_due(job, epoch), row=row)
@@ -155,7 +153,7 @@ class AloneLoop:
         scalars = self.scalars
         return epoch_row(self.epoch or 0, self._loss_sum / max(self._batches, 1), epoch_ms, [1.0],
                          [samples / max(epoch_ms, 1e-9)], {k: scalars.sums[k] / scalars.counts[k] for k in sorted(scalars.sums)},
-                         per_rank_samples=[samples])
+                         per_rank_samples=[samples], round=-1, reconnects=0)
 
 
 def _resume_alone(job: Job, model: torch.nn.Module) -> int:

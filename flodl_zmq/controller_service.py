@@ -635,15 +635,14 @@ class ControllerService:
     def _on_effect(self, r: Any) -> None:
         if isinstance(r, rec.EpochAggregated):
             self.kept.epoch_ended()
-            row = {**aggregated_row(r), "reconnects": self.router.reconnects_this_epoch, "round": self.kept.round}
+            row = self._row(r)
             if self._carried is not None and not self._carried.marked:
                 self._carried.marked = True
                 row["world_change"] = self._carried.describe()  # the first epoch line of the new world
-            # `round`: the latest consensus when the epoch closed (rounds per epoch).
             self.report.epoch(row)
             self.router.reconnects_this_epoch = 0
         elif isinstance(r, EpochProgress):
-            self.report.progress({**aggregated_row(r.metrics), "fraction": r.fraction})
+            self.report.progress({**self._row(r.metrics), "fraction": r.fraction})
         elif isinstance(r, Evaluated):
             m = r.result
             if m.error is None:  # `epoch` counts the epochs the consensus holds whole: one within is in the next
@@ -662,11 +661,11 @@ class ControllerService:
         return self.report.save(self.kept.state_dict_of(torch.from_numpy(snap.consensus)), snap.meta,
                                 None if snap.outer_momentum is None else torch.from_numpy(snap.outer_momentum))
 
-
-def aggregated_row(r: rec.EpochAggregated) -> dict[str, Any]:
-    """The row of `TrainResult.epochs` (and `metrics_fn`) for an aggregated epoch."""
-    return epoch_row(r.epoch, r.avg_loss, r.epoch_ms, list(r.per_rank_batch_share), list(r.per_rank_throughput),
-                     dict(r.scalars), per_rank_samples=list(r.per_rank_samples))
+    def _row(self, r: rec.EpochAggregated) -> dict[str, Any]:
+        """The row of `TrainResult.epochs` (and `metrics_fn`) for an aggregated epoch, or the part of one so far."""
+        return epoch_row(r.epoch, r.avg_loss, r.epoch_ms, list(r.per_rank_batch_share), list(r.per_rank_throughput),
+                         dict(r.scalars), per_rank_samples=list(r.per_rank_samples), round=self.kept.round,
+                         reconnects=self.router.reconnects_this_epoch)
 
 
 def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = None) -> TrainResult:

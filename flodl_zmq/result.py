@@ -31,15 +31,20 @@ class TrainResult:
 
 
 def epoch_row(epoch: int, avg_loss: float, epoch_ms: float, batch_share: list[float], throughput: list[float],
-              scalars: dict[str, float], per_rank_samples: list[int]) -> dict[str, Any]:
-    """One row of `TrainResult.epochs` (what `format_epoch`, `metrics_fn` and the run report read), alone or not.
+              scalars: dict[str, float], *, per_rank_samples: list[int], round: int, reconnects: int) -> dict[str, Any]:
+    """One row of `TrainResult.epochs` (what `format_epoch`, `metrics_fn` and the run report read), or of a part
+    of an epoch (`reports_per_epoch`, which adds `fraction`): one shape alone and on a cluster, so that a script
+    reading a row's field works in both.
 
     `per_rank_samples`: the samples each rank trained in the epoch (its sum is
     what `format_epoch` checks for a covered epoch); alone, the one process's.
+    `round`: the latest consensus when the row was made (-1 before the first,
+    and alone, where no round ever closes). `reconnects`: how often a relay's
+    link came back on a new connection in the epoch so far (0 alone: no link).
     """
     return {"epoch": epoch, "avg_loss": avg_loss, "epoch_ms": epoch_ms, "batch_share": batch_share,
             "samples": int(sum(per_rank_samples)), "per_rank_samples": per_rank_samples, "throughput": throughput,
-            "scalars": scalars}
+            "scalars": scalars, "round": round, "reconnects": reconnects}
 
 
 def format_epoch(row: dict[str, Any], epochs: int) -> str:

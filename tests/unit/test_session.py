@@ -19,9 +19,11 @@ from torch.utils.data import TensorDataset
 import flodl_zmq as fz
 from flodl_zmq import bundle, controller_service, rank, session
 from flodl_zmq.api import Trainer
+from flodl_zmq.coordinator.outputs import EpochProgress
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError, SessionError
+from flodl_zmq.job import Job
 from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.payload import flatten
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator
@@ -164,6 +166,35 @@ def test_an_epoch_row_alone_has_the_fields_a_clusters_row_has_with_the_same_mean
         assert row["round"] == -1 and row["reconnects"] == 0  # no consensus, no link: alone
     logged = [json.loads(line) for line in next(Path.cwd().glob("runs/*/events.jsonl")).read_text().splitlines()]
     assert [e["samples"] for e in logged if e["kind"] == "epoch"] == [N, N]
+
+
+def test_a_partial_row_alone_has_every_field_of_its_epochs_row():
+    # metrics_fn's partial rows (reports_per_epoch) lacked `round` and `reconnects`, which the epoch's
+    # own row had: a script reading them from every row raised KeyError on the first partial one.
+    rows: list[dict[str, Any]] = []
+    Trainer(model=net, optimizer=sgd, train_step=loss_of, dataset=data(), batch_size=8, epochs=1, quiet=True,
+            reports_per_epoch=4, metrics_fn=rows.append).run()
+    *partial, whole = rows
+    assert partial and all(set(row) == {*whole, "fraction"} for row in partial)
+    assert [(row["round"], row["reconnects"]) for row in partial] == [(-1, 0)] * len(partial)
+
+
+def test_a_partial_row_on_the_controller_has_every_field_of_its_epochs_row_with_the_latest_round(tmp_path):
+    rows: list[dict[str, Any]] = []
+    job = Job(model=net, optimizer=sgd, train_step=loss_of, dataset=data(), batch_size=8, epochs=1, quiet=True,
+              reports_per_epoch=4, metrics_fn=rows.append, run_dir=str(tmp_path / "run"))
+    service = controller_service.ControllerService(job, penv("controller", route_secret=bytes(32)))
+    so_far = rec.EpochAggregated(epoch=0, avg_loss=0.5, epoch_ms=10.0, per_rank_throughput=[1.0, 1.0],
+                                 per_rank_batch_share=[0.5, 0.5], per_rank_loss=[0.5, 0.5], per_rank_samples=[8, 8],
+                                 scalars={})
+    service.kept.round = 3  # the latest consensus kept
+    service.router.reconnects_this_epoch = 1  # a relay's link came back on a new connection
+    service._on_effect(EpochProgress(epoch=0, fraction=0.5, metrics=so_far))
+    service._on_effect(so_far)
+    service.report.finish(0.0)
+    partial, whole = rows
+    assert set(partial) == {*whole, "fraction"}
+    assert (partial["round"], partial["reconnects"]) == (whole["round"], whole["reconnects"]) == (3, 1)
 
 
 @pytest.mark.parametrize("loss", ["abc", torch.ones(8), [1.0], True], ids=["text", "per-sample", "list", "bool"])
