@@ -56,7 +56,7 @@ from flodl_zmq.controller import (
     restart_with_service_tunables,
     serve,
 )
-from flodl_zmq.environment import INTERRUPTED_EXIT, raise_interrupt_on_sigterm
+from flodl_zmq.environment import interrupted_exit, raise_interrupt_on_sigterm
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.launch import end_groups, free_port_base
 from flodl_zmq.security import PUBLIC_ENV, SECRET_ENV, SERVER_ENV, CurveKeys
@@ -294,8 +294,8 @@ def _run_command(args: argparse.Namespace) -> int:
         sink(f"[run] controller at {opts.address}; starting an agent on {', '.join(h.name for h in hosts)}")
         fleet.start()
         return serve(opts)  # Ctrl-C / SIGTERM: it aborts the agents with the reason (but see its --resume auto rule)
-    except KeyboardInterrupt:  # before the join window opened: serve had nobody to tell
-        return INTERRUPTED_EXIT
+    except KeyboardInterrupt as stop:  # before the join window opened: serve had nobody to tell
+        return interrupted_exit(stop)
     finally:
         for s in previous:  # a second Ctrl-C must not cut the teardown short and leave SSH commands behind
             signal.signal(s, signal.SIG_IGN)

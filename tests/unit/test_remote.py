@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import io
 import shlex
+import signal
 import subprocess
 import sys
 import threading
 
 import pytest
 
+from flodl_zmq import remote
+from flodl_zmq.cli import build_parser
+from flodl_zmq.environment import SigtermInterrupt
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.remote import (
     AGENT_ARGV0,
@@ -135,3 +139,24 @@ def test_a_line_forwarded_while_the_program_prints_lands_beside_its_line_not_ins
     forward.join(10)
     lines.write("\n")
     assert out.getvalue().splitlines() == ["[worker1] a host's line", 'RESULT {"accuracy": 0.9}']
+
+
+@pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, 130), (SigtermInterrupt, 143)])
+def test_a_run_stopped_before_its_join_window_exits_as_a_shell_says_for_its_signal(monkeypatch, stop, status):
+    """SIGTERM before `serve` took over is 143, not Ctrl-C's 130: a supervisor reads the cause from it."""
+
+    def stopped(_opts):
+        raise stop
+
+    monkeypatch.setattr(remote, "restart_with_service_tunables", lambda: None)
+    monkeypatch.setattr(remote, "serve", stopped)
+    monkeypatch.setattr(Fleet, "start", lambda self: None)
+    monkeypatch.setattr(Fleet, "stop", lambda self: None)
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the command wraps it for the hosts' lines
+    args = build_parser().parse_args(["run", "--hosts", "a,b", "--bind", "127.0.0.1:7300", "--", "x.py"])
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert args.func(args) == status
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
