@@ -445,7 +445,7 @@ class Coordinator:
         ):
             self._trigger(now)
         self._aggregate(now)
-        if self._in_flight is None and self.phase is RunPhase.TRAINING and self._epoch_awaits_average():
+        if self._in_flight is None and self.phase is RunPhase.TRAINING and self._score_awaits_average():
             self._trigger(now)
         if self.cycle is None:
             if not self._steps.stepped(self.liveness.live):
@@ -454,14 +454,15 @@ class Coordinator:
             self._flush_callbacks()
         self._maybe_end(now)
 
-    def _epoch_awaits_average(self) -> bool:
-        """Async: an eval or checkpoint waits only for a consensus of its trained epoch, and a rank
-        stepped since the last one. Its ranks train on through the round, and waiting for the next
-        full window would leave the call a window late. (Checked after the epochs are aggregated:
-        an epoch's callbacks are queued there.)"""
-        first = self.callbacks.first_epoch()
-        return (first is not None and not self.mode.barrier_paced
-                and first - 1 <= self.dispatch.done_through(self.last_aggregated) and self._steps.stepped(self.liveness.live))
+    def _score_awaits_average(self) -> bool:
+        """Async: a score (an epoch's eval or checkpoint, one within it) opens its round once due and a rank
+        stepped, not a full window later: the ranks train on through it. (After the epochs' aggregation.)"""
+        if self.mode.barrier_paced or not self._steps.stepped(self.liveness.live):
+            return False
+        first, cfg = self.callbacks.first_epoch(), self.config
+        trained = (self.global_step + sum(self._steps.window())) * cfg.batch_size
+        return (first is not None and first - 1 <= self.dispatch.done_through(self.last_aggregated)) or (
+            self.liveness.is_live(self.roles.eval) and self.evals.awaits_round(trained, cfg.num_epochs * cfg.total_samples))
 
     def _trigger(self, now: float, final: bool = False) -> None:
         live = tuple(self.liveness.live)

@@ -37,6 +37,10 @@ as its steps times the batch size. Rules:
 - **Only a finished consensus is scored**, at the round's finish before the
   Updates, so the eval rank scores the consensus it just loaded (a blending
   rank keeps a copy of it).
+- **Async scores at the due point.** Its rounds stop no rank, so a due
+  point opens one (`awaits_round`), as an epoch's eval does: the score lands
+  on about the due point's samples, not a full window later. Cadence and
+  Sync hold their ranks at a round, so they score the first round past it.
 - **One eval per due consensus**, however many multiples it crossed; an
   epoch's eval of the same consensus counts for the cadence (never two of
   one consensus).
@@ -237,6 +241,11 @@ class EvalLedger:
                 schedule_id=self._next_id, epoch=epochs_whole, target_rank=target, adopt_consensus=True))
             self._next_id += 1
         return [self.sent(r, global_step) for r in due]
+
+    def awaits_round(self, samples: int, run_samples: int) -> bool:
+        """Async: whether a model of `samples` samples is due a score that a round opened now would give at
+        its due point. Not the run's last model: the final eval scores that one."""
+        return self.cadence.due(samples) and samples < run_samples
 
     def answered(self, schedule_id: int, rank: int) -> int | None:
         """`rank` answered `schedule_id`: the samples its consensus held; None unless it was open on `rank`."""

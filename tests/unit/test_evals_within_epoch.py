@@ -60,6 +60,20 @@ def test_the_consensus_is_scored_every_n_samples_before_its_rounds_updates_each_
         assert isinstance(nxt, rec.Update) and nxt.round == opened, (i, o.record)
 
 
+def test_async_opens_a_round_at_each_due_point_so_the_model_is_scored_there_not_a_window_later():
+    """The overlapped round stops no rank, so a due point gets a round of its own: a score a window late
+    (the hetero pair's windows hold hundreds of samples here) is a time to target late by as much."""
+    cfg = CoordinatorConfig(total_samples=TOTAL, batch_size=BS, num_epochs=2, mode="async", eval_every=1,
+                            eval_every_samples=EVERY, final_eval=True)
+    res = Simulation(cfg, [RankSpec(4.0), RankSpec(1.0)], SimConfig(seed=0)).run()
+    _, _, scored = _evals_of(res)
+    within = [s.samples for s in scored if s.within_epoch]
+    due = list(range(EVERY, 2 * TOTAL, EVERY))  # the last model is the final eval's, scored once
+    assert len(within) == len(due), (within, due)
+    assert all(0 <= s - d < EVERY // 4 for s, d in zip(within, due, strict=True)), (within, due)
+    assert scored[-1].result.schedule_id == rec.MAX_COUNT and scored[-1].samples == 2 * TOTAL
+
+
 def _finish(c, rnd, ranks, t):
     outs = c.on_round_complete(rnd, t)
     for r in ranks:
