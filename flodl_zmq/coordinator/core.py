@@ -160,7 +160,7 @@ class Coordinator:
         self.round = 0 if point is None else point.round  # rounds triggered
         self.avg_count = self.round  # rounds finished
         self.global_step = 0 if point is None else point.global_step
-        self.evals = EvalLedger(config.eval_every_samples, config.batch_size, config.num_epochs, self.global_step)
+        self.evals = EvalLedger(config, self.global_step)
         self.cycle: Cycle | None = None
         self._closing: Cycle | None = None  # released, awaiting its acks for the guard
         self._ahead = DepositsAhead(config.batch_size)
@@ -455,10 +455,9 @@ class Coordinator:
         self._maybe_end(now)
 
     def _epoch_awaits_average(self) -> bool:
-        """Async: an eval or checkpoint waits only for a consensus of its trained epoch, and a rank
-        stepped since the last one. Its ranks train on through the round, and waiting for the next
-        full window would leave the call a window late. (Checked after the epochs are aggregated:
-        an epoch's callbacks are queued there.)"""
+        """Async: an eval or checkpoint waits only for a consensus of its trained epoch, and a rank stepped since
+        the last one. Its ranks train on through the round, and waiting for the next full window would leave
+        the call a window late. (Checked after the epochs are aggregated: an epoch's callbacks are queued there.)"""
         first = self.callbacks.first_epoch()
         return (first is not None and not self.mode.barrier_paced
                 and first - 1 <= self.dispatch.done_through(self.last_aggregated) and self._steps.stepped(self.liveness.live))
@@ -494,7 +493,8 @@ class Coordinator:
         self.global_step += sum(moved[r] for r in cyc.ranks)
         self.avg_count += 1
         self._abandoned = 0
-        self._consensus.adopt(cyc, self.dispatch.done_through(self.last_aggregated), self.mode.hard_barrier)
+        held = self.mode.hard_barrier or not self._steps.stepped(self.liveness.live)  # none trained past it
+        self._consensus.adopt(cyc, self.dispatch.done_through(self.last_aggregated), held)
         self._throttled.clear()
         self.cycle, self._closing = None, cyc
         # Before the Updates: the eval rank then scores exactly the consensus it loads
@@ -586,8 +586,9 @@ class Coordinator:
 
     def _flush_callbacks(self) -> None:
         """Eval and checkpoint calls whose epoch the last consensus holds whole (roles.py)."""
-        for target, record in self.callbacks.release(self._consensus.complete, self.roles):
-            if self.liveness.is_live(target):
+        for target, record in self.evals.one_per_consensus(
+                self.callbacks.release(self._consensus.complete, self.roles), self.global_step, self._consensus.complete):
+            if target is CONTROLLER or self.liveness.is_live(target):
                 self._outbox.emit(target, self.evals.sent(record, self.global_step)
                                   if isinstance(record, rec.ExecuteEval) else record)
 
