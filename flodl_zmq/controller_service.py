@@ -74,6 +74,7 @@ from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
     EpochProgress,
+    EvalsMerged,
     Evaluated,
     MassBound,
     RoundOpened,
@@ -643,11 +644,8 @@ class ControllerService:
             self.router.reconnects_this_epoch = 0
         elif isinstance(r, EpochProgress):
             self.report.progress({**self._row(r.metrics), "fraction": r.fraction})
-        elif isinstance(r, Evaluated):
-            m = r.result
-            if m.error is None:  # `epoch` counts the epochs the consensus holds whole: one within is in the next
-                epoch = m.epoch if r.within_epoch else m.epoch - 1
-                self.report.evaluated(epoch, m.metric, r.samples, r.within_epoch, by_rank=m.rank)
+        elif isinstance(r, (Evaluated, EvalsMerged)):
+            self.report.eval_notice(r)
         elif isinstance(r, SaveState):
             if self.job.save_path:
                 self._save(r.reason.value, r.state)

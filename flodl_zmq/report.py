@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from flodl_zmq import bundle
+from flodl_zmq.coordinator.outputs import EvalsMerged, Evaluated
 from flodl_zmq.errors import TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.result import TrainResult, format_epoch
@@ -132,6 +133,26 @@ class RunReport:
         if by_rank is not None and not self.job.quiet:
             when = f"within epoch {epoch + 1} ({samples} samples)" if within_epoch else f"after epoch {epoch + 1}"
             print(f"eval {when}: {metric:.4f} (rank {by_rank})", flush=True)
+
+    def eval_notice(self, n: Evaluated | EvalsMerged) -> None:
+        """The coordinator's word on an eval it asked for: its answer, or epochs left without one.
+
+        `epoch` in both counts the epochs the consensus holds whole, so an
+        epoch's row is the one before (one within an epoch is in the next).
+        """
+        if isinstance(n, Evaluated):
+            m = n.result
+            if m.error is None:
+                epoch = m.epoch if n.within_epoch else m.epoch - 1
+                self.evaluated(epoch, m.metric, n.samples, n.within_epoch, by_rank=m.rank)
+            return
+        for epoch in n.epochs:  # the row says where its score is rather than repeating it
+            row = self.row(epoch - 1)
+            if row is not None:
+                row["eval_merged"] = n.samples
+            if not self.job.quiet:
+                print(f"eval after epoch {epoch}: none of its own: the first consensus holding it also holds a "
+                      f"later epoch, scored once ({n.samples} samples)", flush=True)
 
     def row(self, epoch: int) -> dict[str, Any] | None:
         return next((row for row in self.result.epochs if row["epoch"] == epoch), None)

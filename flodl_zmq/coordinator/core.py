@@ -160,7 +160,7 @@ class Coordinator:
         self.round = 0 if point is None else point.round  # rounds triggered
         self.avg_count = self.round  # rounds finished
         self.global_step = 0 if point is None else point.global_step
-        self.evals = EvalLedger(config.eval_every_samples, config.batch_size, config.num_epochs, self.global_step)
+        self.evals = EvalLedger(config, self.global_step)
         self.cycle: Cycle | None = None
         self._closing: Cycle | None = None  # released, awaiting its acks for the guard
         self._ahead = DepositsAhead(config.batch_size)
@@ -457,12 +457,10 @@ class Coordinator:
     def _score_awaits_average(self) -> bool:
         """Async: a score (an epoch's eval or checkpoint, one within it) opens its round once due and a rank
         stepped, not a full window later: the ranks train on through it. (After the epochs' aggregation.)"""
-        if self.mode.barrier_paced or not self._steps.stepped(self.liveness.live):
-            return False
-        first, cfg = self.callbacks.first_epoch(), self.config
-        trained = (self.global_step + sum(self._steps.window())) * cfg.batch_size
-        return (first is not None and first - 1 <= self.dispatch.done_through(self.last_aggregated)) or (
-            self.liveness.is_live(self.roles.eval) and self.evals.awaits_round(trained, cfg.num_epochs * cfg.total_samples))
+        first, stepped = self.callbacks.first_epoch(), self.global_step + sum(self._steps.window())
+        return not self.mode.barrier_paced and self._steps.stepped(self.liveness.live) and (
+            (first is not None and first - 1 <= self.dispatch.done_through(self.last_aggregated))
+            or (self.liveness.is_live(self.roles.eval) and self.evals.awaits_round(stepped)))
 
     def _trigger(self, now: float, final: bool = False) -> None:
         live = tuple(self.liveness.live)
@@ -495,7 +493,8 @@ class Coordinator:
         self.global_step += sum(moved[r] for r in cyc.ranks)
         self.avg_count += 1
         self._abandoned = 0
-        self._consensus.adopt(cyc, self.dispatch.done_through(self.last_aggregated), self.mode.hard_barrier)
+        held = self.mode.hard_barrier or not self._steps.stepped(self.liveness.live)  # none trained past it
+        self._consensus.adopt(cyc, self.dispatch.done_through(self.last_aggregated), held)
         self._throttled.clear()
         self.cycle, self._closing = None, cyc
         # Before the Updates: the eval rank then scores exactly the consensus it loads
@@ -587,8 +586,9 @@ class Coordinator:
 
     def _flush_callbacks(self) -> None:
         """Eval and checkpoint calls whose epoch the last consensus holds whole (roles.py)."""
-        for target, record in self.callbacks.release(self._consensus.complete, self.roles):
-            if self.liveness.is_live(target):
+        for target, record in self.evals.one_per_consensus(
+                self.callbacks.release(self._consensus.complete, self.roles), self.global_step, self._consensus.complete):
+            if target is CONTROLLER or self.liveness.is_live(target):
                 self._outbox.emit(target, self.evals.sent(record, self.global_step)
                                   if isinstance(record, rec.ExecuteEval) else record)
 

@@ -159,6 +159,16 @@ class Evaluated:
 
 
 @dataclass(frozen=True)
+class EvalsMerged:
+    """Controller notice: `epochs` (each counted as on entering it: 1 is the first epoch's end) have no
+    eval of their own. The first consensus to hold them whole, of `samples` samples, also held a later
+    epoch whole or was scored already, and is scored once: by the eval with these samples."""
+
+    epochs: tuple[int, ...]
+    samples: int
+
+
+@dataclass(frozen=True)
 class RunEnded:
     """Controller notice: the run is over; `reason` None means it finished normally."""
 

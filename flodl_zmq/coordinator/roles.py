@@ -27,8 +27,22 @@ Rules this module keeps:
 Cadence (`EpochCallbacks`): eval and checkpoint fire at the boundary *into*
 epoch e (e > 0) when e is a multiple of their cadence; version e means "the
 state after epoch e - 1". Each is held until a finished consensus contains
-every sample of epoch e - 1, so the rank scores or saves exactly that epoch's
-consensus; its target is resolved only then, after any failover.
+every sample of epoch e - 1, so the rank scores or saves the first consensus
+that holds that epoch whole; its target is resolved only then, after any
+failover. That consensus need not hold epoch e - 1 alone: under Async the
+ranks train on through a round, and epochs shorter than a round's flight end
+two or more to one consensus. Rules (`EvalLedger.one_per_consensus`):
+
+- **One eval per consensus.** Of the epochs' evals due on one consensus,
+  only the last epoch's is sent; none when that consensus holds every epoch
+  (the final eval scores it) or an eval was sent for it already (its epochs
+  were found whole only after the round). One model scored twice would read
+  as two results, the same number for two epochs.
+- **An epoch left out is said so.** The controller hears which epochs have
+  no eval of their own and the samples of the consensus that was scored
+  (`EvalsMerged`); their rows point there (`eval_merged`) rather than
+  repeating a number.
+- Checkpoints are not merged: each version is saved, as its cadence asks.
 
 Evals within an epoch (`SampleCadence`, `EvalLedger`; `eval_every_samples`):
 the consensus is scored each time it holds another `every` samples, counted
@@ -57,9 +71,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from flodl_zmq.coordinator.config import CoordinatorConfig
+from flodl_zmq.coordinator.outputs import CONTROLLER, EvalsMerged, Target
 from flodl_zmq.wire import records as rec
 
 EWMA_ALPHA = 0.3
+
+EpochCall = tuple[int | Target, rec.Checkpoint | rec.ExecuteEval | EvalsMerged]
+"""An epoch boundary's call and its destination: a rank, or the controller for `EvalsMerged`."""
 
 FINAL_EVAL_ID = rec.MAX_COUNT
 """`ExecuteEval.schedule_id` of the one canonical eval of the final consensus: the largest id a
@@ -211,11 +230,14 @@ class SampleCadence:
 class EvalLedger:
     """Every eval sent and not yet answered, with the samples its consensus holds (module docstring)."""
 
-    def __init__(self, every_samples: int, batch_size: int, num_epochs: int, global_step: int = 0) -> None:
-        self.batch_size = batch_size
-        self.num_epochs = num_epochs
-        self.cadence = SampleCadence(every_samples, global_step * batch_size)
-        self._first_id = self._next_id = num_epochs + 1  # the cadence's ids: after every epoch's
+    def __init__(self, config: CoordinatorConfig, global_step: int = 0) -> None:
+        self.batch_size = config.batch_size
+        self.num_epochs = config.num_epochs
+        self.final_eval = config.final_eval
+        self.run_samples = config.num_epochs * config.total_samples
+        self.cadence = SampleCadence(config.eval_every_samples, global_step * self.batch_size)
+        self._first_id = self._next_id = self.num_epochs + 1  # the cadence's ids: after every epoch's
+        self._last_sent: int | None = None  # the samples of the last consensus an eval was sent for
         self._open: dict[int, tuple[rec.ExecuteEval, int]] = {}  # schedule id -> (request, samples)
         self._orphans: list[rec.ExecuteEval] = []  # open when their rank died: sent again at the next finish
 
@@ -224,8 +246,25 @@ class EvalLedger:
         a short last batch whole)."""
         samples = global_step * self.batch_size
         self._open[request.schedule_id] = (request, samples)
+        self._last_sent = samples
         self.cadence.scored(samples)
         return request
+
+    def one_per_consensus(
+        self, calls: list[tuple[int, rec.Checkpoint | rec.ExecuteEval]], global_step: int, complete: int
+    ) -> list[EpochCall]:
+        """The epochs' `calls` due on the consensus of `global_step` steps (epochs through `complete`
+        whole), with one eval at most: the last epoch's, or none when an eval was sent for this
+        consensus already or the final eval scores it (it holds every epoch). The epochs whose eval is
+        left out are told to the controller: one model scored twice would read as two results."""
+        samples = global_step * self.batch_size
+        evals = [r for _, r in calls if isinstance(r, rec.ExecuteEval)]
+        scored = samples == self._last_sent or (self.final_eval and complete + 1 >= self.num_epochs)
+        keep = None if scored or not evals else evals[-1]
+        out: list[EpochCall] = [
+            (t, r) for t, r in calls if not isinstance(r, rec.ExecuteEval) or r is keep]
+        merged = tuple(r.epoch for r in evals if r is not keep)
+        return out + [(CONTROLLER, EvalsMerged(merged, samples))] if merged else out
 
     def final(self, rank: int, global_step: int) -> rec.ExecuteEval:
         """The final eval, on `rank`, of the final consensus (`global_step` steps)."""
@@ -242,10 +281,11 @@ class EvalLedger:
             self._next_id += 1
         return [self.sent(r, global_step) for r in due]
 
-    def awaits_round(self, samples: int, run_samples: int) -> bool:
-        """Async: whether a model of `samples` samples is due a score that a round opened now would give at
+    def awaits_round(self, global_step: int) -> bool:
+        """Async: whether a model of `global_step` steps is due a score that a round opened now would give at
         its due point. Not the run's last model: the final eval scores that one."""
-        return self.cadence.due(samples) and samples < run_samples
+        samples = global_step * self.batch_size
+        return self.cadence.due(samples) and samples < self.run_samples
 
     def answered(self, schedule_id: int, rank: int) -> int | None:
         """`rank` answered `schedule_id`: the samples its consensus held; None unless it was open on `rank`."""

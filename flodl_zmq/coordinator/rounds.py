@@ -177,17 +177,20 @@ class Consensus:
     aggregated: int  # the last epoch aggregated when it was triggered
     complete: int = -1  # every sample of epochs <= this is in it
 
-    def adopt(self, cycle: Cycle, done_now: int, hard_barrier: bool) -> None:
+    def adopt(self, cycle: Cycle, done_now: int, held: bool) -> None:
         """`cycle` was released: its consensus holds what was covered at its trigger, and the epochs done then.
 
-        Behind the hard barrier ranks sit throttled from their deposit to their
-        Update, with any new data held back (`Outbox.hold`), so the consensus
-        holds every epoch done now (`done_now`); elsewhere ranks may train on,
-        so only what was done at the trigger counts.
+        When no rank trained past its deposit (`held`), the consensus holds
+        every epoch done now (`done_now`): behind the hard barrier ranks sit
+        throttled from their deposit to their Update, with any new data held
+        back (`Outbox.hold`); elsewhere, when no rank has stepped since the
+        trigger's snapshot. Otherwise ranks trained on, so only what was done
+        at the trigger counts. (Known at the release, before the evals go out:
+        one that holds several epochs' ends is then scored once, roles.py.)
         """
         self.coverage = cycle.coverage
         self.aggregated = cycle.last_aggregated
-        self.holds_through(done_now if hard_barrier else cycle.done_through)
+        self.holds_through(done_now if held else cycle.done_through)
 
     def holds_through(self, done: int) -> None:
         self.complete = max(self.complete, done)

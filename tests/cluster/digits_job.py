@@ -139,7 +139,7 @@ def main() -> None:
         outer=args.outer, anchor=args.anchor, easgd_alpha=args.easgd_alpha,
     ).run()
     print("RESULT " + json.dumps({
-        "accuracy": result.final_eval, "batch_share": result.batch_share, "epochs": result.epochs,
+        "accuracy": result.final_eval, "batch_share": result.batch_share, "epochs": result.epochs, "evals": result.evals,
         "saved": result.saved, "rounds": result.epochs[-1]["round"] + 1 if result.epochs else 0,
         "world_changes": result.world_changes,
     }), flush=True)

@@ -177,7 +177,7 @@ def test_a_sessions_model_is_back_in_training_mode_after_an_eval_within_an_epoch
 
 
 def test_an_eval_is_owed_from_its_request_to_its_answer_and_again_once_its_rank_died():
-    ledger = EvalLedger(EVERY, BS, num_epochs=2)
+    ledger = EvalLedger(CoordinatorConfig(total_samples=TOTAL, batch_size=BS, num_epochs=2, eval_every_samples=EVERY))
     assert not ledger.owed
     assert len(ledger.at_finish(global_step=EVERY // BS, epochs_whole=0, target=1)) == 1
     assert ledger.owed  # a re-form now would lose its score (join.ReformGate)
