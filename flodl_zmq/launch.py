@@ -527,6 +527,8 @@ def _demo_command(args: argparse.Namespace) -> int:
     print(f"  test accuracy, cluster (consensus):   {result['accuracy'] * 100:.2f}%")
     print(f"  test accuracy, one process alone:     {alone_result.final_eval * 100:.2f}%")
     print("  batch share per rank:  " + "  ".join(f"r{i} {s * 100:.1f}%" for i, s in enumerate(result["batch_share"])))
+    if result["accuracy"] < alone_result.final_eval:
+        print(demo.trailing_note(world, alone.job.batch_size))
     print(f"  report (open in a browser):  {report}")
     return 0
 
