@@ -262,10 +262,11 @@ def _run_role(opts: ControllerOptions, membership: MembershipService, penv: Proc
     """Run the program as the controller of the formed world, then see the agents out; its exit status."""
     log.info("world formed: %s; running %s", penv.world, " ".join(opts.argv))
     from flodl_zmq.membership_link import MembershipLink
-    from flodl_zmq.session import hosted
+    from flodl_zmq.session import hosted, unplayed
 
-    with hosted(penv, MembershipLink(membership, opts.curve, metrics)):  # what the script's Trainer.run() or Session plays
+    with hosted(penv, MembershipLink(membership, opts.curve, metrics)) as host:  # what Trainer.run() or Session plays
         code = run_script(opts.argv)
+    code = code or unplayed(host)
     if code != 0:
         _abort(membership, f"the controller's program exited with status {code}")
         return code

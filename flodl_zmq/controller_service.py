@@ -479,7 +479,7 @@ class ControllerService:
         if isinstance(record, rec.Batch):
             self.report.step()
         if isinstance(record, rec.Exiting) and self.ended is None and self.core.liveness.is_live(rank):
-            self.report.events.write("exit", rank=rank)  # its loop broke or raised: not only in its host's output
+            self.report.events.write("exit", rank=rank, reason="its loop broke or raised: it said goodbye")
             log.warning("rank %d left the run before its end (it said goodbye); training goes on without it", rank)
         if isinstance(record, (rec.EvalResult, rec.CheckpointResult)) and record.error is not None:
             self._callback_failed(record.error)

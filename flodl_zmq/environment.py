@@ -356,6 +356,9 @@ class SigtermInterrupt(KeyboardInterrupt):
 
 TERMINATED_EXIT = 143  # a shell's status for SIGTERM: not 0, so `restart: on-failure` and OnFailure restart it
 INTERRUPTED_EXIT = 130  # a shell's status for SIGINT (Ctrl-C)
+# A process handed a role whose script ended without playing it (no Trainer.run(), no Session): nothing
+# trained, and a 0 told nobody (flodl_zmq/session.py, `unplayed`; launch names the cause by it).
+UNPLAYED_EXIT = 3
 
 
 def interrupted_exit(stop: KeyboardInterrupt) -> int:

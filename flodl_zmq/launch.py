@@ -20,7 +20,9 @@ Rules this module keeps:
   only the launcher writes to (FLODL_LIFELINE_FD) and stops as on SIGTERM at
   its end of file.
 - The controller's exit status is the run's: ranks and relays that are still
-  up a grace period after it ended are stopped, at once if it failed.
+  up a grace period after it ended are stopped, at once if it failed. A
+  script that never trained (no `Trainer.run()`, no `Session`) ends its
+  processes with UNPLAYED_EXIT, not 0, and the launch ends saying so.
 - The launcher is the agent of every simulated host: it reports every relay
   and rank exit to the controller at once (`ExitReports` on a pipe, the
   FLODL_EXIT_FD of flodl_zmq/environment.py), as an agent does over its join
@@ -57,6 +59,7 @@ from flodl_zmq.endpoints import OFFSETS, ControllerAddress
 from flodl_zmq.environment import (
     CHILD_SCOPES,
     RELAY_ARGV,
+    UNPLAYED_EXIT,
     ChildExit,
     ExitReports,
     ProcessEnv,
@@ -331,6 +334,9 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 pass
         self.shutdown()
+        if code == UNPLAYED_EXIT:  # the script said why in each process; the run's end says what it means
+            self._emit(f"[launch] no rank ever trained: the script ended without calling Trainer(...).run() or "
+                       f"entering a Session (exit status {code})")
         return code
 
     def shutdown(self) -> None:
@@ -521,6 +527,8 @@ def _demo_command(args: argparse.Namespace) -> int:
     print(f"  test accuracy, cluster (consensus):   {result['accuracy'] * 100:.2f}%")
     print(f"  test accuracy, one process alone:     {alone_result.final_eval * 100:.2f}%")
     print("  batch share per rank:  " + "  ".join(f"r{i} {s * 100:.1f}%" for i, s in enumerate(result["batch_share"])))
+    if result["accuracy"] < alone_result.final_eval:
+        print(demo.trailing_note(world, alone.job.batch_size))
     print(f"  report (open in a browser):  {report}")
     return 0
 

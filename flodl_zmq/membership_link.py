@@ -52,11 +52,11 @@ class MembershipLink:
 
     def deaths(self) -> list[tuple[int, int | None, str]]:
         """The ranks the agents reported gone since the last call: (rank, exit code or None for a lost host,
-        why), the fast path to declaring them dead. A clean exit is left out: a re-form stops the old world's
-        ranks with status 0, and the new world's service, not yet formed, would take them for its own."""
+        why), the fast path to declaring them dead; the controller judges a clean exit (`_exited`: before the
+        world formed, a rank that never comes). None is the old world's after a re-form (`reform`)."""
         dead: list[tuple[int, int | None, str]] = []
         for event in self.membership.events.drain():
-            if isinstance(event, RankExitReported) and event.code != 0:
+            if isinstance(event, RankExitReported):
                 dead.append((event.rank, event.code, f"its agent on {event.host} reported exit code {event.code}"))
             elif isinstance(event, HostLost):
                 dead.extend((rank, None, f"host {event.host} lost: {event.why}") for rank in event.ranks)
@@ -65,14 +65,19 @@ class MembershipLink:
     def reform(self, before: dict[str, tuple[int, ...]], stem: str, result: TrainResult) -> WorldChange:
         """Send every host the re-formed world and wait (bounded) until each stopped its old ranks.
 
-        The old incarnation's events are dropped first: a rank exit reported for
-        the world before must not kill a rank of the new one with the same number.
+        The old incarnation's events are dropped once the new world is sent: a rank
+        exit reported for the world before (a clean one among them, which the new
+        service, not yet formed, would take for a rank of its own that never comes)
+        must not kill a rank of the new one with the same number. Dropped before the
+        send, an old rank's exit reported before the join thread marked its host's
+        ranks retiring would reach the new service; after it, the membership service
+        tells the retiring ranks' exits apart (join.HostLinks).
         The new world is a new incarnation (PROTOCOL.md 4.1, 13.1): a fresh id, so
         nothing its relays and ranks signed before (or a recording of it) reaches it.
         """
-        self.membership.events.drain()
         incarnation = new_incarnation()
         after = self.membership.reform({"FLODL_RESUME": stem}, incarnation)
+        self.membership.events.drain()  # returns once the join thread sent it: every earlier report is queued
         late = self.membership.wait_reformed(REFORM_STOP_S)
         if late:
             log.warning("controller: host(s) %s did not stop their ranks within %g s of the re-form; the new world "

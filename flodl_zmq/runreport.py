@@ -6,7 +6,8 @@ forbids every fetch, so it opens from a mail attachment or an air-gapped
 machine as it does anywhere. It shows loss and eval against wall time and
 epochs, each rank's batch share and throughput over time, round time,
 ElChe's window sizes, divergence with the guard's verdicts, and marks
-deaths, joins, restarts and checkpoints on every time axis.
+deaths, exits (a rank that left before the run's end), joins, restarts and
+checkpoints on every time axis.
 
 Rules it keeps: reading is forgiving (a run that crashed leaves a torn last
 line; it is skipped and counted, never fatal), writing is plain (no
@@ -35,7 +36,8 @@ REPORT_FILE = "report.html"
 # One colour per rank (cycled past ten), and one per marked event kind.
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")
-MARKERS = {"death": "#d62728", "join": "#2ca02c", "restart": "#2ca02c", "checkpoint": "#9467bd"}
+MARKERS = {"death": "#d62728", "exit": "#b8860b", "join": "#2ca02c", "restart": "#2ca02c",
+           "checkpoint": "#9467bd"}
 VERDICTS = {"stable": "#7f7f7f", "suppress_growth": "#ff7f0e", "nudge_down": "#d62728"}
 WIDTH, HEIGHT = 560, 250
 LEFT, RIGHT, TOP, BOTTOM = 60, 16, 34, 40
@@ -192,6 +194,7 @@ def _summary(ev: Events, ranks: int) -> str:
         ("wall time", "-" if end.get("wall_s") is None else f"{end['wall_s']:.1f} s"),
         ("ended", end.get("reason", "no end recorded (still running, or crashed)")),
         ("deaths", str(len(ev["death"]))),
+        ("exits", str(len(ev["exit"]))),
     ]
     if ev.skipped:
         rows.append(("unreadable lines", f"{ev.skipped} (skipped)"))
@@ -202,7 +205,7 @@ def _summary(ev: Events, ranks: int) -> str:
 def _event_table(ev: Events) -> str:
     marked = sorted((ev.at(e), kind, _mark_label(kind, e)) for kind in MARKERS for e in ev[kind])
     if not marked:
-        return "<p>No deaths, joins, restarts or checkpoints.</p>"
+        return "<p>No deaths, exits, joins, restarts or checkpoints.</p>"
     rows = "".join(
         f'<tr class="ev-{kind}"><td>{t:.1f} s</td><td>{html.escape(label)}</td></tr>' for t, kind, label in marked
     )
@@ -395,7 +398,7 @@ th, td {{ text-align: left; padding: 0.15em 0.8em 0.15em 0; }}
 <div class="charts">
 {charts}
 </div>
-<h2>Deaths, joins, restarts, checkpoints</h2>
+<h2>Deaths, exits, joins, restarts, checkpoints</h2>
 {events}
 <script>
 (function () {{

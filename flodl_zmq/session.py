@@ -68,6 +68,7 @@ import copy
 import dataclasses
 import logging
 import signal
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -80,6 +81,7 @@ from flodl_zmq import checkpoints
 from flodl_zmq.alone import AloneLoop
 from flodl_zmq.environment import (
     TERMINATED_EXIT,
+    UNPLAYED_EXIT,
     ProcessEnv,
     interrupted_exit,
     raise_interrupt_on_sigterm,
@@ -113,12 +115,14 @@ def _terminate(*_: Any) -> None:
     raise RankTerminated()
 
 
-@dataclass(frozen=True)
+@dataclass
 class Hosted:
-    """A role handed to the user's script by the process that runs it: the role, and the membership link."""
+    """A role handed to the user's script by the process that runs it: the role, the membership link, and
+    whether a Trainer.run() or Session played it (`played`; see `unplayed`)."""
 
     penv: ProcessEnv
     link: MembershipLink | None = None
+    played: bool = False
 
 
 # The one hand-off from a process that runs the user's script itself (runpy) to that
@@ -149,13 +153,29 @@ def _playing_role() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hosted(penv: ProcessEnv, link: MembershipLink | None = None) -> Iterator[None]:
-    """Within the block, `Trainer.run()` and `Session` play `penv`'s role (with `link`), not the environment's."""
-    token = _HOSTED.set(Hosted(penv, link))
+def hosted(penv: ProcessEnv, link: MembershipLink | None = None) -> Iterator[Hosted]:
+    """Within the block, `Trainer.run()` and `Session` play `penv`'s role (with `link`), not the environment's;
+    the hand-off it yields says afterwards whether one did (`unplayed`)."""
+    host = Hosted(penv, link)
+    token = _HOSTED.set(host)
     try:
-        yield
+        yield host
     finally:
         _HOSTED.reset(token)
+
+
+def unplayed(host: Hosted) -> int:
+    """The exit status of a process whose script ended (returned or exited 0) holding `host`'s role: 0 once
+    the role was played, else UNPLAYED_EXIT, said on stderr. Such a process trained nothing, and the run it
+    was started for never happened: exiting 0 left `launch` ending 0 with no word of it."""
+    if host.played:
+        return 0
+    penv = host.penv
+    who = penv.role if penv.rank is None else f"rank {penv.rank} on {penv.host}"
+    print(f"flodl-zmq: the script ended without playing this process's role ({who}): it never called "
+          "Trainer(...).run() nor entered a Session, so nothing trained. The same script runs in every process "
+          "and that call picks each one's role: make every process reach it", file=sys.stderr, flush=True)
+    return UNPLAYED_EXIT
 
 
 def played_role() -> Hosted | None:
@@ -216,6 +236,7 @@ class Session:
         else:
             with contextlib.ExitStack() as entering:  # left at once if entering the role fails or ends (relay)
                 entering.enter_context(_playing_role())
+                role.played = True  # the process's script did what it was started for (`unplayed`)
                 self._enter_role(role.penv, role.link)
                 self._held.enter_context(entering.pop_all())
         if self._loop is not None:  # record_scalar adds to this process's epoch reports

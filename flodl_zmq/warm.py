@@ -26,6 +26,9 @@ Rules this module keeps:
   comes from the request.
   `/proc/PID/cmdline` and `/proc/PID/environ` show the server's; the child's name
   (`ps -o comm`, `top`) is the one requested.
+- A child started with a role (FLODL_ROLE) must play it: a script that ends, or exits 0,
+  without a `Trainer.run()` or `Session` trained nothing, and exits UNPLAYED_EXIT saying so
+  (`session.unplayed`), so that its launcher or agent, and the user, learn it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError
 
 # What the user's script will import anyway, in the order a rank imports it.
@@ -221,10 +225,28 @@ def adopt_torch_threads(text: str | None) -> None:
 
 
 def _run(request: _Request) -> None:
-    """Run the script or module as `python` would; its exceptions and exit leave this process as they would."""
+    """Run the script or module as `python` would; its exceptions and exit leave this process as they would,
+    but for a script that ends (returns, or exits 0) without playing the role it was started with: that
+    process exits UNPLAYED_EXIT, saying so (flodl_zmq/session.py, `unplayed`)."""
     os.environ.clear()
     os.environ.update(request.env)
-    argv = request.argv
+    penv = ProcessEnv.from_environ()
+    if penv is None:
+        _run_main(request.argv)
+        return
+    # Here, not at the top: the launcher and the agent import this module and never torch (session does).
+    from flodl_zmq.session import hosted, unplayed
+
+    with hosted(penv) as host:
+        try:
+            _run_main(request.argv)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+    raise SystemExit(unplayed(host))
+
+
+def _run_main(argv: list[str]) -> None:
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path[0] = os.getcwd()

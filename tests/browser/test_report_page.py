@@ -32,8 +32,9 @@ CHARTS = 9
 NO_CHROMIUM = "needs Debian's chromium (apt-get install chromium; scripts/test.sh installs it when run as root)"
 
 
-def synthetic_run(run_dir: Path) -> Path:
-    """A cluster run's log as the controller writes it: 4 ranks, a death, guard pressure, a checkpoint."""
+def synthetic_run(run_dir: Path, exit_rank: int | None = None) -> Path:
+    """A cluster run's log as the controller writes it: 4 ranks, a death, guard pressure, a checkpoint (and
+    `exit_rank` leaving mid-run, when given)."""
     log = RunLog(run_dir)
     log.write("start", mode="cpu-cadence", epochs=4, world_size=4, world={"h0": [0, 1], "h1": [2, 3]})
     for i in range(12):
@@ -48,6 +49,8 @@ def synthetic_run(run_dir: Path) -> Path:
             log.write("eval", epoch=e, metric=0.5 + 0.1 * e)
         if i == 6:
             log.write("death", rank=3, reason="its agent on h1 reported exit code -9")
+        if i == 4 and exit_rank is not None:
+            log.write("exit", rank=exit_rank, reason="its loop broke or raised: it said goodbye")
     log.write("checkpoint", path=str(run_dir / "model.pt"), reason="completed", epoch=4)
     log.write("end", reason="completed", wall_s=12.5, final_eval=0.8)
     log.close()
@@ -112,3 +115,27 @@ def test_the_report_loads_without_console_messages_and_draws_every_chart(tmp_pat
     browse(page, tmp_path / "profile-shot", f"--screenshot={shot}", "--window-size=1280,2400")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     print(f"screenshot: {shot}")
+
+
+TIME_CHARTS = ("loss-time", "eval-time", "share", "throughput", "round-time", "windows", "divergence")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+@pytest.mark.timeout(180)
+def test_a_rank_that_left_mid_run_is_marked_on_every_time_chart_listed_and_counted(tmp_path):
+    # The run log's `exit` events (a rank that said goodbye before the end) were on the console and in
+    # events.jsonl, and nowhere on the page: its share fell to 0 with no mark saying why.
+    page = write_report(synthetic_run(tmp_path / "run", exit_rank=2))
+    dom = browse(page, tmp_path / "profile-dom", "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    shown = dom.stdout
+    for chart_id in TIME_CHARTS:
+        figure = shown.split(f'id="{chart_id}"', 1)[1].split("</figure>", 1)[0]
+        mark = re.search(r'<line class="mark mark-exit"[^>]*stroke="([^"]+)"><title>([^<]*)</title>', figure)
+        assert mark is not None, (chart_id, figure[:3000])
+        assert mark.group(2).startswith("exit rank 2: its loop broke or raised: it said goodbye at ")
+        assert f'fill="{mark.group(1)}"></rect><text class="legend" x=' in figure and ">exit</text>" in figure
+        assert mark.group(1) != re.search(r'class="mark mark-death"[^>]*stroke="([^"]+)"', figure).group(1)
+    row = re.search(r'<tr class="ev-exit"><td>[0-9.]+ s</td><td>([^<]*)</td></tr>', shown)
+    assert row is not None and row.group(1) == "exit rank 2: its loop broke or raised: it said goodbye"
+    assert "<th>exits</th><td>1</td>" in shown

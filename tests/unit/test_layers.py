@@ -29,13 +29,14 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "run": (
         "job", "payload", "links", "private_files", "trust", "datasets", "bundle", "environment", "security",
         "io_threads", "result", "tfevents", "runlog", "report", "runreport", "loader", "training", "checkpoints",
-        "warm", "relay_config", "param_buffers", "agent_rules", "alone",
+        "relay_config", "param_buffers", "agent_rules", "alone",
     ),
     "services": (
         "relay", "relay_data", "reducer_service", "membership", "membership_link", "status_server", "metrics", "control_router",
         "controller_service", "rank_link", "rank",
     ),
-    "roles": ("session", "accelerate", "api", "controller", "agent", "launch", "remote", "demo", "cli", "__init__"),
+    "roles": ("session", "accelerate", "api", "controller", "agent", "launch", "remote", "demo", "cli", "warm",
+              "__init__"),
 }
 RANK = {module: i for i, layer in enumerate(LAYERS.values()) for module in layer}
 

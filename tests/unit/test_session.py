@@ -21,7 +21,7 @@ from flodl_zmq import bundle, controller_service, rank, session
 from flodl_zmq.api import Trainer
 from flodl_zmq.coordinator.outputs import EpochProgress
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ProcessEnv
+from flodl_zmq.environment import UNPLAYED_EXIT, ProcessEnv
 from flodl_zmq.errors import ConfigError, SessionError
 from flodl_zmq.job import Job
 from flodl_zmq.mailbox import Mailbox
@@ -121,7 +121,7 @@ def test_a_session_refuses_a_replica_its_loop_cannot_train_naming_the_fix(replic
     # model's parameters ran to "completed" with the model never changed.
     model = net()
     with pytest.raises(ConfigError, match=named):
-        fz.Session(**replica(model), dataset=data(), batch_size=8)
+        fz.Session(**replica(model), dataset=data(), batch_size=8, epochs=1)
 
 
 def test_a_session_refuses_the_keywords_its_loop_owns():
@@ -241,6 +241,21 @@ def test_a_session_inside_another_under_a_role_is_a_session_error_not_a_second_r
         with fz.Session(other, sgd(other.parameters()), data(), batch_size=8, quiet=True) as after:
             pass  # the block left, the role is free again
     assert after.result == "result" and len(runs) == 2
+
+
+def test_a_role_the_script_never_played_is_an_unplayed_exit_that_names_the_missing_call(monkeypatch, capsys):
+    # Exiting 0 left `flodl-zmq launch` ending 0 after a script that built a Trainer and never ran it.
+    monkeypatch.setattr(controller_service, "run_controller", lambda job, p, lk: "result")
+    with session.hosted(penv("rank", **RANK_1)) as idle:
+        Trainer(model=net, optimizer=sgd, train_step=lambda m, b: m(b[0]).sum(), dataset=data(), batch_size=8, epochs=1)
+    assert session.unplayed(idle) == UNPLAYED_EXIT != 0
+    err = capsys.readouterr().err
+    assert "(rank 1 on b)" in err and "never called Trainer(...).run() nor entered a Session" in err
+    model = net()
+    with session.hosted(penv("controller")) as played:
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True):
+            pass
+    assert session.unplayed(played) == 0 and capsys.readouterr().err == ""
 
 
 class FakeLink:
