@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW")
     p.add_argument("--train-chars", type=int, default=200_000, help="cap on the training text (an epoch's length)")
     p.add_argument("--val-chars", type=int, default=20_000)
-    p.add_argument("--mode", default="cpu-cadence")
+    p.add_argument("--mode", default="cpu-async")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
 

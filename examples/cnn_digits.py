@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--max-grad-norm", type=float, default=2.0)
     p.add_argument("--limit", type=int, help="train on the first N training images only (a quick run)")
-    p.add_argument("--mode", default="cpu-cadence")
+    p.add_argument("--mode", default="cpu-async")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
 

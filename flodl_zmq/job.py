@@ -60,9 +60,10 @@ class Job:
     train_step: `(model, batch) -> loss`; the framework runs backward and the step.
     dataset: a map-style torch Dataset, identical on every rank (checked by signature).
     batch_size: per-rank batch size. epochs: passes over the dataset.
-    mode: "cpu-cadence" (ElChe windows: fast ranks do more batches), "cpu-sync"
-        (equal partitions, average every step of the slowest), "cpu-async"
-        (bounded overshoot, EASGD blend of the consensus).
+    mode: "cpu-async" (the default: ElChe windows, no rank waits at an average,
+        the consensus applied as a correction), "cpu-cadence" (ElChe windows, ranks
+        wait at each average), "cpu-sync" (equal partitions, average every step of
+        the slowest). The default is what bench/tta.py measured soonest to target.
     eval_dataset, eval_fn: `eval_fn(model, eval_dataset) -> float`, run on the
         elected (fastest) rank on the consensus every `eval_every` epochs and once
         at the end.
@@ -135,7 +136,7 @@ class Job:
     dataset: Dataset
     batch_size: int
     epochs: int
-    mode: str = "cpu-cadence"
+    mode: str = "cpu-async"
     eval_dataset: Dataset | None = None
     eval_fn: Callable[[torch.nn.Module, Dataset], float] | None = None
     eval_every: int = 1

@@ -55,7 +55,7 @@ from flodl_zmq.wire_format import named as wire_format_named
 
 # How the reducer may combine a round's deposits (flodl_zmq/robust.py's `aggregate`).
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
-DEFAULT_EASGD_ALPHA = 0.5
+DEFAULT_EASGD_ALPHA = 1.0
 
 
 def easgd_blend(is_async: bool, easgd_alpha: float | None) -> float | None:

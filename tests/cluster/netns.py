@@ -227,9 +227,15 @@ class Network:
 
     def kill_host_processes(self, name: str) -> None:
         """SIGKILL every process in the host's namespace (a machine that dies), then remove the
-        shared-memory segments and ipc socket files its relays and ranks leave (no agent is left to)."""
+        shared-memory segments and ipc socket files its relays and ranks leave (no agent is left to).
+        Every process is stopped first, as a machine's power cut stops them all at once: killed one by
+        one, a rank could see its agent's lifeline close and leave cleanly before its own SIGKILL."""
         left: dict[tuple[bytes, bytes, str], set[int]] = {}
-        for pid in self.pids(name):
+        pids = self.pids(name)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        for pid in pids:
             owner = _run_files_of(pid)
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -13,10 +13,12 @@ from tests.cluster.digits_job import samples_per_epoch
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "accelerate_digits.py")
 EPOCHS = 4
-# What the example's MLP reaches in 4 epochs of batch 32 on 2 ranks: 0.9443 to 0.9471 in 3 runs
-# (under `launch`, 2 loaded cores); stated three test images (of 359) under the lowest seen, as
-# digits_job.py states its own. Broken averaging or a rank training the wrong samples costs far more.
-STATED_ACCURACY = 0.936
+# What the example's MLP reaches in 4 epochs of batch 32 on 2 ranks: 0.9443 to 0.9471 in 3 runs under
+# cpu-cadence, 0.9499 to 0.9526 in 3 under the default cpu-async (`launch`, 2 cores), and 0.9359 once
+# with the whole cluster suite beside it (the overlapped round's timing follows the load); stated
+# three test images (of 359) under the lowest seen, as digits_job.py states its own. Broken averaging
+# or a rank training the wrong samples costs far more.
+STATED_ACCURACY = 0.927
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 

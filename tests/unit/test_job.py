@@ -73,7 +73,8 @@ def test_easgd_alpha_outside_async_is_refused_naming_the_mode(mode):
 
 def test_ranks_blend_by_easgd_alpha_under_async_and_overwrite_otherwise():
     assert job(mode="cpu-async", easgd_alpha=0.3).blend == 0.3
-    assert job(mode="cpu-async").blend == 0.5
+    assert job(mode="cpu-async").blend == 1.0
+    assert job().blend == 1.0  # the default mode is cpu-async
     assert job(mode="cpu-cadence").blend is None
     assert coordinator_config(job(mode="cpu-async", easgd_alpha=0.3)).effective_easgd_alpha == 0.3
 
@@ -110,14 +111,14 @@ def trainer(**kw) -> Trainer:
     ({"anchor": 0}, "anchor"),
     ({"overhead_target": 0.9}, "overhead_target"),
     ({"max_batch_diff": -1}, "max_batch_diff"),
-    ({"relax_up": True}, "relax_up"),  # cadence: barrier-paced windows never relax up
+    ({"mode": "cpu-cadence", "relax_up": True}, "relax_up"),  # barrier-paced windows never relax up
     ({"guard": "strict"}, "guard"),
     ({"divergence_threshold": -0.1}, "divergence_threshold"),
     ({"guard": "msf", "divergence_threshold": 0.1}, "divergence_threshold"),
     ({"msf_thresholds": (1e-3, 1e-2)}, "msf_thresholds"),  # the default guard is trend
     ({"guard": "msf", "msf_thresholds": (1e-2, 1e-3)}, "msf_thresholds"),
     ({"guard": "msf", "msf_thresholds": (0.0, 1e-3)}, "msf_thresholds"),
-    ({"partition_ratios": [1, 1]}, "partition_ratios"),  # cadence sizes chunks from speed
+    ({"partition_ratios": [1, 1]}, "partition_ratios"),  # the default (cpu-async) sizes chunks from speed
     ({"mode": "cpu-sync", "partition_ratios": [1, -1]}, "partition_ratios"),
     ({"mode": "cpu-sync", "partition_ratios": 0.5}, "partition_ratios"),
     ({"callback_rank": "slowest"}, "callback_rank"),
