@@ -5,7 +5,7 @@
         model=lambda: Net(),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
         train_step=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
-        dataset=train_set, batch_size=32, epochs=10, mode="cpu-cadence",
+        dataset=train_set, batch_size=32, epochs=10,
         eval_dataset=test_set, eval_fn=accuracy, save_path="runs/digits",
     ).run()
 
