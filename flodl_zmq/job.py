@@ -70,8 +70,8 @@ class Job:
     eval_every_samples: also score the model within epochs, each time it has trained
         on that many more samples (0, the default: off): on a cluster the first
         finished consensus that holds them (cpu-async opens a round for it),
-        alone the model after the step that reaches them. Each eval is a row of `TrainResult.evals` with its time and
-        samples, where time to target is read.
+        alone the model after the step that reaches them. Each eval is a row of
+        `TrainResult.evals` with its time and samples, where time to target is read.
     checkpoint_fn, checkpoint_every: `checkpoint_fn(version, model)` on the elected rank.
     epoch_fn: `epoch_fn(epoch, model)` on the epoch-callback rank before each epoch.
     metrics_fn: `metrics_fn(epoch_metrics_dict)` on the controller after each epoch.
