@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from flodl_zmq.api import Trainer, TrainResult
 from flodl_zmq.datasets import digits
+from flodl_zmq.settings import DEFAULT_MODE, MODE_NAMES
 
 RESULT_TAG = "FLODL_DEMO_RESULT"
 
@@ -44,7 +45,7 @@ def accuracy(model: torch.nn.Module, dataset) -> float:
     return float((model(x).argmax(dim=1) == y).float().mean())
 
 
-def trainer(epochs: int, mode: str = "cpu-cadence", batch_size: int = 32, quiet: bool = False, **kw) -> Trainer:
+def trainer(epochs: int, mode: str = DEFAULT_MODE, batch_size: int = 32, quiet: bool = False, **kw) -> Trainer:
     train, test = digits()
     return Trainer(
         model=mlp, optimizer=sgd, train_step=cross_entropy_step, dataset=train,
@@ -59,7 +60,7 @@ def trailing_note(world_size: int, batch_size: int) -> str:
     Inherent, not a schedule to fix: the ranks split every epoch, so each takes 1/world_size of alone's
     steps at the same batch size and learning rate, and averaging their models moves the consensus about
     as far as one process at world_size x the batch. Measured (docs/guide.md): at 2 epochs the cluster
-    scores 40-57 %, alone 89 % at batch 32 and 58 % at batch 128; at 15 epochs the cluster is ahead.
+    scores 35-57 %, alone 89 % at batch 32 and 58 % at batch 128; at 15 epochs the cluster is ahead.
     """
     return (f"  the cluster trails: its {world_size} ranks split every epoch, so each takes 1/{world_size} of the "
             f"steps alone takes (same batch size and learning rate), and their average moves about as far as one "
@@ -78,7 +79,7 @@ def summary(result: TrainResult) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--mode", default="cpu-cadence")
+    p.add_argument("--mode", default=DEFAULT_MODE, choices=MODE_NAMES)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)

@@ -31,10 +31,17 @@ from torch.utils.data import Dataset, IterableDataset
 from flodl_zmq.coordinator.config import RANK_SILENCE_AT_COORDINATOR_S, CoordinatorConfig, Mode
 from flodl_zmq.errors import ConfigError, TrainingError
 from flodl_zmq.outer import OuterConfig
-from flodl_zmq.settings import AGGREGATIONS, MaxFailure, Settings, easgd_blend
+from flodl_zmq.settings import (
+    AGGREGATIONS,
+    DEFAULT_MODE,
+    MODE_NAMES,
+    MaxFailure,
+    Settings,
+    easgd_blend,
+)
 from flodl_zmq.wire_format import WireFormat, named
 
-MODES = {"cpu-sync": Mode.SYNC, "cpu-cadence": Mode.CADENCE, "cpu-async": Mode.ASYNC}
+MODES = {name: Mode(name.removeprefix("cpu-")) for name in MODE_NAMES}
 CALLBACK_ERRORS = ("report", "stop")
 AUTOCAST_DTYPES = (None, torch.bfloat16, torch.float16)
 # Integer settings and their minimum (0 turns eval_every, eval_every_samples, checkpoint_every and
@@ -136,7 +143,7 @@ class Job:
     dataset: Dataset
     batch_size: int
     epochs: int
-    mode: str = "cpu-async"
+    mode: str = DEFAULT_MODE
     eval_dataset: Dataset | None = None
     eval_fn: Callable[[torch.nn.Module, Dataset], float] | None = None
     eval_every: int = 1

@@ -67,7 +67,7 @@ from flodl_zmq.environment import (
 )
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import ROUTE_SECRET_BYTES, host_token, remove_local_dir
-from flodl_zmq.settings import Settings
+from flodl_zmq.settings import DEFAULT_MODE, MODE_NAMES, Settings
 from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
 from flodl_zmq.wire import RUN_ID_BYTES, new_incarnation, new_key, session_key
 from flodl_zmq.wire.shm import unlink_run
@@ -555,7 +555,7 @@ def add_commands(sub: Any) -> None:
     demo = sub.add_parser("demo", help="train an MLP on the packaged digits on 2 hosts x 2 ranks, one rank slowed")
     demo.add_argument("--slow", type=float, default=3.0, help="slowdown factor of rank 3 (default 3; 1 = none)")
     demo.add_argument("--epochs", type=int, default=15, help="epochs (default 15)")
-    demo.add_argument("--mode", default="cpu-cadence", choices=["cpu-cadence", "cpu-sync", "cpu-async"])
+    demo.add_argument("--mode", default=DEFAULT_MODE, choices=MODE_NAMES)
     demo.add_argument("--json", action="store_true", help="print only the final figures, as JSON")
     demo.add_argument("--run-dir", metavar="DIR",
                       help="where the run directory goes (events.jsonl, report.html; default: runs/TIME-ID)")

@@ -56,6 +56,10 @@ from flodl_zmq.wire_format import named as wire_format_named
 # How the reducer may combine a round's deposits (flodl_zmq/robust.py's `aggregate`).
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 DEFAULT_EASGD_ALPHA = 1.0
+# The Trainer's modes (flodl_zmq/job.py maps them to the coordinator's), and the default: the one
+# bench/tta.py measured soonest to target (docs/benchmarks.md, "The overlapped round as the default").
+MODE_NAMES = ("cpu-async", "cpu-cadence", "cpu-sync")
+DEFAULT_MODE = "cpu-async"
 
 
 def easgd_blend(is_async: bool, easgd_alpha: float | None) -> float | None:
