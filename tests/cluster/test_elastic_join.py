@@ -122,7 +122,10 @@ def test_a_host_joins_a_run_of_one_epoch_and_trains_within_two_rounds_of_its_hel
     # Each of the two first ranks holds after a sixth of the epoch's batches until worker3 waits to join:
     # together they cannot have trained more than a third of it, whatever this machine's speed, and what
     # the windows up to the re-form round add leaves the world of three more than its first windows take.
-    program = [JOB, "--epochs", "1", "--batch-size", "8", "--gate", str(gate),
+    # Steps of 30 ms, as a real epoch's are long: without them the re-formed world's first rank up
+    # trained the whole rest of the epoch (about 120 batches, a fraction of a second) before worker3's
+    # rank had started, taking its share as any idle rank takes a slower one's.
+    program = [JOB, "--epochs", "1", "--batch-size", "8", "--step-ms", "30", "--gate", str(gate),
                "--gate-after", str(batches_per_epoch(8) // 6)]
     hosts.up("controller", argv=controller_argv(hosts, program=program, extra=[
         "--min-ranks", "2", "--target-ranks", "2", "--max-ranks", "3", "--run-dir", str(run)]))
