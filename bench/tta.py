@@ -324,6 +324,7 @@ def _ddp_worker(rank: int, world: int, job: str, slow: dict[int, float], init: s
                 score()  # the Trainer's rule: one eval per due point, and at the epoch's end
     if rank == 0:
         _report()
+    dist.barrier()  # gloo aborts a rank (SIGABRT) that tears down while a peer is still scoring
     dist.destroy_process_group()
 
 
