@@ -177,7 +177,14 @@ def result_of(log: str, tag: str) -> dict:
 # ---------------------------------------------------------------------------- the compose file as it is
 
 
-def test_compose_trains_digits_to_95_percent_and_refuses_bad_workers_by_name(compose):
+# The compose file's demo (15 epochs, 2 hosts x 2 ranks) under the default cpu-async: 0.967 to 0.983 in
+# 6 runs beside 3 and 6 busy loops, and 0.908 once beside the whole cluster suite in CI (the overlapped
+# round's timing follows the load; cpu-cadence, the default before, held 0.95). Stated three test images
+# (of 359) under the lowest seen; training that does not average is far below it.
+DEMO_ACCURACY = 0.900
+
+
+def test_compose_trains_digits_to_90_percent_and_refuses_bad_workers_by_name(compose):
     intruder_agent = [str(BIN / "flodl-zmq"), "agent", "--controller", "controller:7300", "--cpu-slots", "1",
                       "--join-timeout", "3"]
     compose.up("controller")
@@ -205,7 +212,7 @@ def test_compose_trains_digits_to_95_percent_and_refuses_bad_workers_by_name(com
         assert compose.wait(name) == 0, compose.tails()
     log = compose.log("controller")
     assert "world formed: {'worker1': (0, 1), 'worker2': (2, 3)}" in log
-    assert result_of(log, "FLODL_DEMO_RESULT ")["accuracy"] >= 0.95
+    assert result_of(log, "FLODL_DEMO_RESULT ")["accuracy"] >= DEMO_ACCURACY
     assert "join frame dropped without reply" in log
     assert "key differs" in compose.log("wrong-key")
     assert "REJECTED by the controller: protocol version skew: worker 'skew' speaks 99" in compose.log("skew")
