@@ -455,12 +455,12 @@ class Coordinator:
         self._maybe_end(now)
 
     def _score_awaits_average(self) -> bool:
-        """Async: a score (an epoch's eval or checkpoint, one within it) opens its round once due and a rank
-        stepped, not a full window later: the ranks train on through it. (After the epochs' aggregation.)"""
-        first, stepped = self.callbacks.first_epoch(), self.global_step + sum(self._steps.window())
+        """Async: a due eval or checkpoint opens its round at once, not a window later (ranks train on through it)."""
+        first = self.callbacks.first_epoch()  # runs on every record: the steps are summed only where they decide
         return not self.mode.barrier_paced and self._steps.stepped(self.liveness.live) and (
-            (first is not None and first - 1 <= self.dispatch.done_through(self.last_aggregated))
-            or (self.liveness.is_live(self.roles.eval) and self.evals.awaits_round(stepped)))
+            (first is not None and first - 1 <= self.dispatch.done_through(self.last_aggregated)) or (
+                self.liveness.is_live(self.roles.eval)
+                and self.evals.awaits_round(self.global_step + sum(self._steps.window()))))
 
     def _trigger(self, now: float, final: bool = False) -> None:
         live = tuple(self.liveness.live)
