@@ -173,7 +173,7 @@ def remove_local_dir(key: bytes, incarnation: bytes, base: str | None = None) ->
     path = _local_dir_path(key, incarnation, base)
     try:
         st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        if not _is_private(st):
             return
         for name in os.listdir(path):
             with contextlib.suppress(OSError):
@@ -196,18 +196,39 @@ def local_dir(key: bytes, incarnation: bytes, base: str | None = None) -> str:
     return _private_dir(_local_dir_path(key, incarnation, base))
 
 
+# Tries at the run's socket directory: every host of a run on one machine shares it, and the last
+# socket removed takes it with it (`remove_ipc`), so another host's relay may remove it between our
+# mkdir and our look at it; it is then made again.
+PRIVATE_DIR_TRIES = 3
+
+
 def _private_dir(path: str) -> str:
     """Create `path` 0700, or check that it is ours and 0700 (`local_dir`); returns it."""
-    try:
-        os.mkdir(path, 0o700)
-        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise PrivateDirError(f"cannot create the run's socket directory {path}: {exc.strerror}; "
-                              "set XDG_RUNTIME_DIR or TMPDIR to a writable directory") from None
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    for _ in range(PRIVATE_DIR_TRIES):
+        try:
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            continue  # removed by another host's relay right after our mkdir
+        except OSError as exc:
+            raise PrivateDirError(f"cannot create the run's socket directory {path}: {exc.strerror}; "
+                                  "set XDG_RUNTIME_DIR or TMPDIR to a writable directory") from None
+        with contextlib.suppress(FileNotFoundError):
+            return _checked_private(path, os.lstat(path))
+    raise PrivateDirError(f"the run's socket directory {path} vanished {PRIVATE_DIR_TRIES} times as it was made: "
+                          "something keeps removing it; set XDG_RUNTIME_DIR to a directory only this run uses")
+
+
+def _is_private(st: os.stat_result) -> bool:
+    """Whether `st` (an lstat) is a directory of this user with mode 0700: nobody else can plant a socket in it."""
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def _checked_private(path: str, st: os.stat_result) -> str:
+    """`path` if `st` (its lstat) is private (`_is_private`), else PrivateDirError."""
+    if not _is_private(st):
         raise PrivateDirError(
             f"the run's socket directory {path} is not private (owner uid {st.st_uid}, mode "
             f"{stat.S_IMODE(st.st_mode):04o}, {'a directory' if stat.S_ISDIR(st.st_mode) else 'not a directory'}); "

@@ -118,6 +118,26 @@ def test_a_relay_binds_after_another_hosts_agent_removed_the_shared_socket_direc
         remove_local_dir(key, run_id)
 
 
+def test_a_rank_finds_the_socket_directory_another_hosts_relay_removed_right_after_its_mkdir(runtime, monkeypatch):
+    # Three agents on one machine (CI): host c's relay, stopped when its rank left, removed the empty shared
+    # directory between rank 0's mkdir and chmod, and rank 0 died with "No such file or directory".
+    key, run_id = new_key(), os.urandom(16)
+    chmod, raced = os.chmod, []
+
+    def chmod_after_the_other_host(path, mode):
+        if not raced:
+            raced.append(path)
+            os.rmdir(path)  # the other host's remove_ipc, once the directory was empty
+        chmod(path, mode)
+
+    monkeypatch.setattr(os, "chmod", chmod_after_the_other_host)
+    control, _ = local_endpoints(key, run_id, "host-a")
+    directory = os.path.dirname(control[len("ipc://"):])
+    assert raced == [directory]
+    assert stat.S_IMODE(os.lstat(directory).st_mode) == 0o700
+    remove_local_dir(key, run_id)
+
+
 def test_a_socket_directory_created_ahead_of_the_run_is_refused_with_a_named_error(runtime):
     key, run_id = new_key(), os.urandom(16)
     path = local_dir(key, run_id)
