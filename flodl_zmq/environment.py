@@ -19,7 +19,8 @@ and sets:
     FLODL_RANK        rank: its global rank
     FLODL_LOCAL_RANK  rank: its index on the host (picks cuda:LOCAL_RANK when CUDA is present)
     FLODL_ROUTE_SECRET controller: 32 random bytes, 64 hex characters, drawn by whoever starts
-                      the controller; every host's token derives from it (links.host_token)
+                      the controller; every host's token derives from it (links.host_token).
+                      Also a relay whose host runs a reducer shard (FLODL_SHARDS, shards.py)
     FLODL_HOST_TOKEN  relay: its host's token, 64 hex characters, which its `relay.hello`
                       carries: only the controller and this host know it (PROTOCOL.md 10.5)
     FLODL_EXIT_FD     controller under `flodl-zmq launch`: the pipe on which the launcher
@@ -58,6 +59,7 @@ from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.links import HOST_TOKEN_BYTES, ROUTE_SECRET_BYTES
 from flodl_zmq.settings import Settings
+from flodl_zmq.shards import ShardMap
 from flodl_zmq.wire import KEY_ENV, RUN_ID_BYTES, key_from_hex
 
 ROLES = ("controller", "relay", "rank")
@@ -199,11 +201,11 @@ class ProcessEnv:
     settings: Settings = field(default_factory=Settings)
     exit_fd: int | None = None
     lifeline_fd: int | None = None
-    route_secret: bytes | None = None  # controller: what each host's token derives from
+    route_secret: bytes | None = None  # controller, and a relay running a shard: what each host's token derives from
     host_token: bytes | None = None  # relay: its host's token, which its hello proves
 
     def need_route_secret(self) -> bytes:
-        """The controller's route secret; a ConfigError naming FLODL_ROUTE_SECRET when it has none."""
+        """The route secret (the controller's, or a shard host's); a ConfigError naming FLODL_ROUTE_SECRET without it."""
         if self.route_secret is None:
             raise ConfigError("the controller needs FLODL_ROUTE_SECRET (64 hex characters, drawn at random by "
                               "whoever starts it: launch, `flodl-zmq controller`); it proves each relay's hello")
@@ -251,6 +253,9 @@ class ProcessEnv:
                 raise ConfigError("FLODL_RANK and FLODL_LOCAL_RANK must be integers") from None
             if rank not in world[host]:  # type: ignore[index]
                 raise ConfigError(f"FLODL_RANK={rank} is not one of host {host}'s ranks {world[host]}")  # type: ignore[index]
+        settings = Settings.from_environ(env, CHILD_SCOPES)
+        # A relay whose host runs a reducer shard checks every relay's hello there as the controller does.
+        holds_shard = role == "relay" and ShardMap.parse(settings.shards).shard_of(host or "") is not None
         return cls(
             role=role,
             controller=ControllerAddress.parse(need("FLODL_CONTROLLER")),
@@ -261,10 +266,11 @@ class ProcessEnv:
             host=host,
             rank=rank,
             local_rank=local_rank,
-            settings=Settings.from_environ(env, CHILD_SCOPES),
+            settings=settings,
             exit_fd=exit_fd,
             lifeline_fd=_fd(env, "FLODL_LIFELINE_FD"),
-            route_secret=_secret(need, "FLODL_ROUTE_SECRET", ROUTE_SECRET_BYTES) if role == "controller" else None,
+            route_secret=(_secret(need, "FLODL_ROUTE_SECRET", ROUTE_SECRET_BYTES)
+                          if role == "controller" or holds_shard else None),
             host_token=_secret(need, "FLODL_HOST_TOKEN", HOST_TOKEN_BYTES) if role == "relay" else None,
         )
 

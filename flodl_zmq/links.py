@@ -71,8 +71,23 @@ REDUCER_SENDER = "reducer"
 COORDINATOR_SENDER = "coordinator"
 # Links that carry one signer's records only: the reducer's (a relay's upstream data
 # socket and every SUB), the coordinator's (a relay's control DEALER, a rank's control).
-FROM_REDUCER = Attribution.signed_by(REDUCER_SENDER, "the reducer's link")
 FROM_COORDINATOR = Attribution.signed_by(COORDINATOR_SENDER, "the coordinator's link")
+
+
+def reducer_sender(shard: int) -> str:
+    """The codec sender name of reducer shard `shard` (shards.py): 0, the controller's, is `reducer`.
+
+    One name per shard: each signs its own stream, whose sequence numbers a relay checks apart.
+    """
+    return REDUCER_SENDER if shard == 0 else f"{REDUCER_SENDER}:{int(shard)}"
+
+
+def from_reducer(shard: int) -> Attribution:
+    """Records on a link of reducer shard `shard`: signed by that shard alone."""
+    return Attribution.signed_by(reducer_sender(shard), "the reducer's link" if shard == 0 else f"reducer shard {shard}'s link")
+
+
+FROM_REDUCER = from_reducer(0)
 
 
 def coordinator_sender(rank: int) -> str:

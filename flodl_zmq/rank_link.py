@@ -96,6 +96,8 @@ class RankConfig:
     # A resumed or re-formed world: the rank loads the reducer's starting consensus (round
     # rec.RESUME_ROUND) before its first step; it never reads a checkpoint (PROTOCOL.md 13).
     resumed: bool = False
+    # A sharded reduction (shards.py): the relay puts the shards' slices together and signs the consensus itself.
+    sharded: bool = False
 
 
 @dataclass(frozen=True)
@@ -358,9 +360,10 @@ class RankLink:
                         self.cfg.rank, len(self._up))
 
     def _decode_data(self, msg: list[Any]) -> Any:
-        # Framed, a consensus is the reducer's message fanned out verbatim; by reference,
-        # the relay signs the header and locator of the copy it placed in its segment.
-        sender = self._from_relay if is_by_reference(msg) else FROM_REDUCER
+        # Framed, a consensus is the reducer's message fanned out verbatim; by reference, the relay
+        # signs the header and locator of the copy it placed in its segment, and under a sharded
+        # reduction the message it put together from the shards' slices (PROTOCOL.md 10.9).
+        sender = self._from_relay if is_by_reference(msg) or self.cfg.sharded else FROM_REDUCER
         try:
             return self.mapped.decode(self.codec, msg, host_owner(self.cfg.host), Channel.BROADCAST,
                                       sender=sender, replay=False)

@@ -84,7 +84,6 @@ from flodl_zmq.errors import (
 from flodl_zmq.io_threads import controller_context, io_affinity
 from flodl_zmq.links import (
     DATA_MAX_FRAME_BYTES,
-    REDUCER_SENDER,
     ROUTE_SECRET_BYTES,
     TAG_BCAST,
     TAG_DATA,
@@ -95,6 +94,7 @@ from flodl_zmq.links import (
     hello_signer,
     keep_alive,
     limit_receive,
+    reducer_sender,
     relay_sender,
     take_over_routes,
     tune,
@@ -148,6 +148,7 @@ class ReducerConfig:
     # Required: a reducer without it could not tell a host's relay from any other member.
     route_secret: bytes = b""
     aggregation: str = "mean"  # how the ledger combines the deposits (robust.py; relays ship unfolded under others)
+    shard: int = 0  # which reducer shard this is (shards.py): 0 the controller's; it signs as links.reducer_sender(shard)
 
     def __post_init__(self) -> None:
         if not self.world:
@@ -334,7 +335,7 @@ class ReducerService:
 
     def _loop(self) -> None:
         cfg = self.config
-        self._codec = Codec(cfg.key, cfg.incarnation, REDUCER_SENDER)
+        self._codec = Codec(cfg.key, cfg.incarnation, reducer_sender(cfg.shard))
         if self._resumed is not None:  # served on request only (ConsensusRequest), as a resend is
             round_id, payload = self._resumed
             self._latest_frames = (round_id, self._codec.encode(Consensus(round_id, 1.0), payload,

@@ -105,7 +105,7 @@ from typing import Any
 import zmq
 
 from flodl_zmq.environment import ProcessEnv, watch_lifeline
-from flodl_zmq.errors import FlodlError
+from flodl_zmq.errors import ConfigError, FlodlError
 from flodl_zmq.fold import FoldStation
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
@@ -128,6 +128,7 @@ from flodl_zmq.links import (
     tune,
     tune_loopback,
 )
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.relay_core import (
     MERGE_PERIOD_S,
@@ -136,10 +137,12 @@ from flodl_zmq.relay_core import (
     HelloRetry,
     RankLiveness,
     ReportQueue,
+    SendQueue,
 )
-from flodl_zmq.relay_data import DataPlane, Plane, RankGone, RankRefused
+from flodl_zmq.relay_data import DataPlane, Plane, RankGone, RankRefused, Upstream
 from flodl_zmq.security import CurveKeys, apply_client
 from flodl_zmq.service_loop import ServiceLoop
+from flodl_zmq.shards import ShardMap
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     MERGEABLE,
@@ -167,7 +170,12 @@ class Relay:
     Pass a shared `context` to use inproc:// endpoints.
     """
 
-    def __init__(self, config: RelayConfig, context: zmq.Context | None = None):
+    def __init__(self, config: RelayConfig, context: zmq.Context | None = None, shard: ReducerConfig | None = None):
+        """`shard`: the reducer shard this relay's process runs, exactly when the run's shard map lists its host."""
+        if (shard is None) != (config.shards.shard_of(config.host) is None):
+            raise ConfigError(f"relay {config.host}: the shard map {config.shards or '(none)'} "
+                              + ("lists this host, so its relay must run that shard" if shard is None
+                                 else "does not list this host, yet it was given a shard to run"))
         self.config = config
         self._ctx = context or zmq.Context.instance()
         self._stop = threading.Event()
@@ -179,7 +187,7 @@ class Relay:
         self._counts: dict[str, collections.Counter[str]] = {"control": collections.Counter(), "data": collections.Counter()}
         self.error: BaseException | None = None
         self.fold = FoldStation(config.ranks, unfolded=config.aggregation != "mean")
-        self.watch = ConsensusWatch(config.consensus_wait_at_relay_s)
+        self.shard = None if shard is None else ReducerService(shard)
         # Both upstream DEALERs carry it: stable for this process, so a reconnect keeps the route.
         self.identity = relay_identity(config.host, os.urandom(8))
 
@@ -187,6 +195,8 @@ class Relay:
 
     def start(self, timeout: float = 10.0) -> None:
         """Bind, connect, and run; raises if a socket cannot be set up."""
+        if self.shard is not None:
+            self.shard.start(timeout)  # bound before any relay dials it
         for name, target in (("control", self._control_main), ("data", self._data_main)):
             t = threading.Thread(target=target, name=f"relay-{self.config.host}-{name}", daemon=True)
             t.start()
@@ -205,6 +215,8 @@ class Relay:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout)
+        if self.shard is not None:
+            self.shard.stop(timeout)
 
     @property
     def running(self) -> bool:
@@ -281,38 +293,47 @@ class Relay:
         cfg, ctx = self.config, self._ctx
         codec = Codec(cfg.key, cfg.incarnation, relay_sender(cfg.host))
         local = ctx.socket(zmq.ROUTER)
-        up = ctx.socket(zmq.DEALER)
-        sub = ctx.socket(zmq.SUB)
+        links = [self._upstream(ctx, k) for k in range(cfg.shards.count)]
+        sockets = [local] + [s for link in links for s in (link.up, link.sub)]
         d: DataPlane | None = None
         bound = ""
         try:
-            for s in (local, up, sub):
-                tune(s, cfg.data_hwm_records, cfg.send_retry_s)
-                limit_receive(s, DATA_MAX_FRAME_BYTES)
+            tune(local, cfg.data_hwm_records, cfg.send_retry_s)
+            limit_receive(local, DATA_MAX_FRAME_BYTES)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
             bind_local(local, cfg.local_data)
             bound = cfg.local_data
-            if cfg.curve is not None:
-                apply_client(up, cfg.curve)
-                apply_client(sub, cfg.curve)
-            tune_loopback(up, cfg.data_upstream)
-            up.setsockopt(zmq.ROUTING_ID, self.identity)
-            keep_alive(up, cfg.data_upstream, cfg.link_heartbeat_period_s, cfg.link_silence_s)
-            keep_alive(sub, cfg.bcast_upstream, cfg.link_heartbeat_period_s, cfg.link_silence_s)
-            up.connect(cfg.data_upstream)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(cfg.bcast_upstream)
             self._ready.wait()
-            d = DataPlane(cfg, self._stop, self._counts["data"], codec, local, up, self.fold, self.watch, self._fail,
-                          self._control_thread)
-            d.serve(self._data_thread, sub)
+            d = DataPlane(cfg, self._stop, self._counts["data"], codec, local, links, self.fold, self._fail,
+                          self._control_thread, self.shard)
+            d.serve(self._data_thread)
         finally:
             self._data_thread.close()
-            for s in (local, up, sub):
+            for s in sockets:
                 s.close(0)
             remove_ipc(bound)
             if d is not None and d.segment is not None:
                 d.segment.close()
+
+    def _upstream(self, ctx: zmq.Context, shard: int) -> Upstream:
+        """The data DEALER and the SUB of reducer shard `shard`, dialled (0: the controller's reducer)."""
+        cfg = self.config
+        data, bcast = cfg.upstream(shard)
+        up, sub = ctx.socket(zmq.DEALER), ctx.socket(zmq.SUB)
+        for s in (up, sub):
+            tune(s, cfg.data_hwm_records, cfg.send_retry_s)
+            limit_receive(s, DATA_MAX_FRAME_BYTES)
+            if cfg.curve is not None:
+                apply_client(s, cfg.curve)
+        tune_loopback(up, data)
+        up.setsockopt(zmq.ROUTING_ID, self.identity)
+        keep_alive(up, data, cfg.link_heartbeat_period_s, cfg.link_silence_s)
+        keep_alive(sub, bcast, cfg.link_heartbeat_period_s, cfg.link_silence_s)
+        up.connect(data)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(bcast)
+        return Upstream(shard, up, sub, ConsensusWatch(cfg.consensus_wait_at_relay_s), HelloRetry(cfg.hello_retry_s),
+                        SendQueue(cfg.peer_send_timeout_s))
 
 
 class _ControlPlane(Plane):
@@ -450,6 +471,27 @@ class _ControlPlane(Plane):
             self.count["undeliverable.local_control"] += 1
 
 
+def shard_config(penv: ProcessEnv, cfg: RelayConfig) -> ReducerConfig | None:
+    """The reducer shard this host runs when the run's shard map lists it (shards.py), else None.
+
+    It binds the map's address for the host, serves the whole world as the controller's reducer
+    does, and proves each relay's hello with the run's route secret (FLODL_ROUTE_SECRET).
+    """
+    k = cfg.shards.shard_of(cfg.host)
+    if k is None:
+        return None
+    if cfg.wire is None:
+        raise ConfigError(f"host {cfg.host} runs reducer shard {k}, which must know the run's wire format: the "
+                          "controller announces it as FLODL_WIRE_DTYPE in every sharded run (is this relay of an "
+                          "older flodl-zmq than the controller?)")
+    data, bcast = cfg.shards.endpoints(k)
+    s = penv.settings
+    return ReducerConfig(world={h: tuple(sorted(rs)) for h, rs in penv.world.items()}, key=cfg.key,
+                         incarnation=cfg.incarnation, data_bind=data, bcast_bind=bcast,
+                         link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
+                         wire=cfg.wire, aggregation=cfg.aggregation, route_secret=penv.need_route_secret(), shard=k)
+
+
 def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
     """The relay role: broker this host's ranks until every one of them has left (or SIGTERM).
 
@@ -465,9 +507,9 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
         rank_first_record_at_relay_s=s.rank_first_record_at_relay_s, consensus_wait_at_relay_s=s.consensus_wait_at_relay_s,
         link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
         peer_send_timeout_s=s.peer_send_timeout_s, wire=s.wire if wire is None else wire, aggregation=s.aggregation,
-        host_token=penv.host_token or b"",
+        host_token=penv.host_token or b"", shards=ShardMap.parse(s.shards),
     )
-    relay = Relay(cfg)
+    relay = Relay(cfg, shard=shard_config(penv, cfg))
     relay.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: relay.stop(timeout=0))

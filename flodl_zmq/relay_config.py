@@ -16,6 +16,7 @@ from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import HOST_TOKEN_BYTES, local_endpoints
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.settings import DEFAULTS
+from flodl_zmq.shards import ShardMap
 from flodl_zmq.wire import Channel
 from flodl_zmq.wire_format import F32, WireFormat
 
@@ -52,6 +53,9 @@ class RelayConfig:
     host_token: bytes = b""
     # The run's aggregation (settings.py): under any but mean each rank's deposit ships unfolded (PROTOCOL.md 9.5).
     aggregation: str = "mean"
+    # The run's shard map (FLODL_SHARDS, shards.py): which reducers a host frame is cut between. A host
+    # it lists runs one of them in its relay's process (relay.Relay's `shard`).
+    shards: ShardMap = ShardMap()
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -67,6 +71,10 @@ class RelayConfig:
                 raise ConfigError(f"relay {name} must be > 0, got {getattr(self, name)}")
         if self.hwm_records < 1 or self.data_hwm_records < 1:
             raise ConfigError("relay high-water marks must be at least 1 record")
+
+    def upstream(self, shard: int) -> tuple[str, str]:
+        """(data, broadcast) endpoints of reducer shard `shard`: 0 the controller's, others a host's."""
+        return (self.data_upstream, self.bcast_upstream) if shard == 0 else self.shards.endpoints(shard)
 
     @classmethod
     def for_controller(

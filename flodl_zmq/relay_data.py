@@ -24,21 +24,23 @@ from zmq.utils.monitor import recv_monitor_message
 from flodl_zmq.errors import FoldError, PoisonedDeposit, ShmError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.links import (
-    FROM_REDUCER,
     TAG_BCAST,
     TAG_DATA,
     act_for_peer,
     decode_or_count,
     drain,
+    from_reducer,
     rank_identity,
     rank_of,
     rank_sender,
     route_refusal,
     send,
 )
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.relay_core import ConsensusWatch, HelloRetry, SendQueue
 from flodl_zmq.service_loop import ServiceLoop
+from flodl_zmq.shards import Assembly, slice_of
 from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
     RESUME_ROUND,
@@ -128,16 +130,47 @@ class Plane:
         return False
 
 
+@dataclass(eq=False)
+class Upstream:
+    """One reducer shard's link (shard 0: the controller's reducer; more with FLODL_SHARDS, shards.py).
+
+    Each shard gets its chunks of every host frame on its own DEALER and
+    publishes its slice of the consensus on its own PUB; each link keeps what
+    one reducer's always did: its records queued in order, its hello, and a
+    watch that asks again for a slice that did not come (PROTOCOL.md 10.3,
+    10.6), so a lost slice is recovered from its shard alone.
+    """
+
+    shard: int
+    up: zmq.Socket
+    sub: zmq.Socket
+    watch: ConsensusWatch
+    hello: HelloRetry
+    outbox: SendQueue
+    resent: tuple[int, int] = (0, 0)  # (round, how many times this shard asked for its host frame again)
+
+    @property
+    def signer(self) -> Attribution:
+        """Who signs what comes on this link: its shard alone."""
+        return from_reducer(self.shard)
+
+    @property
+    def where(self) -> str:
+        """The counters' name of this link: the controller's keeps the one it always had."""
+        return "upstream_data" if self.shard == 0 else f"shard{self.shard}_data"
+
+
 class DataPlane(Plane):
-    """The data thread's handlers: deposits into the fold station, consensus out under the watch."""
+    """The data thread's handlers: deposits into the fold station, host frames up to each shard, consensus out."""
 
     def __init__(self, cfg: RelayConfig, stop: threading.Event, count: collections.Counter[str], codec: Codec,
-                 local: zmq.Socket, up: zmq.Socket, fold: FoldStation, watch: ConsensusWatch,
-                 fail: Callable[[BaseException], None], control_thread: ServiceLoop):
+                 local: zmq.Socket, links: list[Upstream], fold: FoldStation, fail: Callable[[BaseException], None],
+                 control_thread: ServiceLoop, shard: ReducerService | None = None):
         super().__init__(cfg, stop, count, codec)
-        self.local, self.up = local, up
-        self.fold, self.watch, self.fail = fold, watch, fail
+        self.local, self.links = local, links
+        self.fold, self.fail = fold, fail
         self.control_thread = control_thread  # told of each refused rank (RankRefused)
+        self.shard = shard  # the reducer shard this relay's process runs, if any: told of the coordinator's deaths
         self.mapped = SegmentMap(self.cfg.incarnation, run_dir(self.cfg.key, self.cfg.incarnation))  # the ranks' deposits, read-only
         self.segment: Segment | None = None  # where consensus goes by reference (None: framed to everyone)
         try:
@@ -145,48 +178,54 @@ class DataPlane(Plane):
         except ShmError as exc:
             self.shm_unusable(exc)
         self.by_reference: set[int] = set()  # ranks that deposit by reference
-        self.hello = HelloRetry(self.cfg.hello_retry_s)
-        self.outbox = SendQueue(self.cfg.peer_send_timeout_s)  # what waits for `up` to take it (`send_up`)
+        # Each shard's chunks of the host frame (shards.py), known from the first one shipped; and the
+        # shards' consensus slices put together, round by round. One shard: the reducer's own message.
+        self.ranges: list[range] | None = None
+        self.assembly: Assembly | None = None
         # Kept for a resend after a reset: the host frame awaiting its consensus, and the last
         # consensus delivered (by reference while the host segment still holds it, and framed
         # unless every rank it went to takes it by reference: a model-sized message kept for
         # nobody is one more copy of the model in this relay while the next one arrives).
         self.shipped: HostFold | None = None
-        self.resent: tuple[int, int] = (0, 0)  # (round, how many times its host frame was asked for again)
         self.delivered: tuple[int, list[Any] | None, list[Any] | None] | None = None
         # Deposits are held to the run's wire format; int8 ones are widened into the f32 fold, and the
         # host frame goes up in int8 again, with this relay's own error feedback (what its
         # quantization loses goes into its next frame).
         self.hop = Hop(f"relay {self.cfg.host}", self.cfg.wire, FoldError)
 
-    def serve(self, loop: ServiceLoop, sub: zmq.Socket) -> None:
-        """Until the relay stops: the control thread's word of a death, the reducer's records, the
-        broadcast, the ranks' deposits, and the timers (hello, consensus re-asks)."""
-        loop.on_socket(self.up, lambda: self.drained(self.up, self.from_reducer))
-        loop.on_socket(sub, lambda: self.drained(sub, lambda m: self.consensus(m, "bcast")))
+    def serve(self, loop: ServiceLoop) -> None:
+        """Until the relay stops: the control thread's word of a death, each shard's records and broadcast,
+        the ranks' deposits, and the timers (hellos, consensus re-asks)."""
         loop.on_socket(self.local, lambda: self.drained(self.local, self.deposit))
-        loop.on_writable(self.up, lambda: len(self.outbox) > 0, self.flush_up)
         loop.on_message(RankGone, lambda gone: self.local_death(gone.rank))
-        loop.timer(self.hello.next_due, self.say_hello)
-        loop.timer(self.watch.next_due, self.recover)
-        loop.timer(self.outbox.next_due, self.upstream_stuck)
-        # Each connection made, to the reducer or its PUB: a reconnect lost what the old one carried.
-        monitors = [sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) for sock in (self.up, sub)]
-        for monitor in monitors:
-            loop.on_socket(monitor, lambda m=monitor: self.connected(m))
+        if self.shard is not None:
+            loop.on_socket(self.shard.completed, self.shard_outcomes)
+        monitors = []
+        for link in self.links:
+            loop.on_socket(link.up, lambda k=link: self.drained(k.up, lambda m: self.from_reducer(k, m)))
+            loop.on_socket(link.sub, lambda k=link: self.drained(k.sub, lambda m: self.consensus(k, m, "bcast")))
+            loop.on_writable(link.up, lambda k=link: len(k.outbox) > 0, lambda k=link: self.flush_up(k))
+            loop.timer(link.hello.next_due, lambda now, k=link: self.say_hello(k, now))
+            loop.timer(link.watch.next_due, lambda now, k=link: self.recover(k, now))
+            loop.timer(link.outbox.next_due, lambda now, k=link: self.upstream_stuck(k, now))
+            # Each connection made, to a shard or its PUB: a reconnect lost what the old one carried.
+            for sock in (link.up, link.sub):
+                monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                loop.on_socket(monitor, lambda m=monitor, k=link: self.connected(k, m))
+                monitors.append((sock, monitor))
         try:
             loop.run()
         finally:
-            for sock, monitor in zip((self.up, sub), monitors, strict=True):
+            for sock, monitor in monitors:
                 sock.disable_monitor()
                 monitor.close(linger=0)
 
     def drained(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
         self.count["oversized"] += drain(sock, handle, copy=False, budget=16)
 
-    def say_hello(self, now: float) -> None:
-        if self.hello.due(now):
-            self.send_up(RelayHello(self.cfg.host, list(self.cfg.ranks), [], self.cfg.host_token))
+    def say_hello(self, link: Upstream, now: float) -> None:
+        if link.hello.due(now):
+            self.send_up(link, RelayHello(self.cfg.host, list(self.cfg.ranks), [], self.cfg.host_token))
 
     def shm_unusable(self, exc: ShmError) -> None:
         # A squatted or foreign shared-memory path must not stop the host: consensus goes framed.
@@ -196,34 +235,34 @@ class DataPlane(Plane):
             self.segment.close()
         self.segment = None
 
-    def send_up(self, rec: Any, payload: Sequence[Any] = ()) -> None:
-        """Queue one record for the reducer, after those before it, and send what `up` takes now.
+    def send_up(self, link: Upstream, rec: Any, payload: Sequence[Any] = ()) -> None:
+        """Queue one record for `link`'s shard, after those before it, and send what its socket takes now.
 
-        Never waits: this thread must go on reading `up` (the consensus comes on it,
-        and a reader that stops gets its connection reset under it), the SUB and its ranks.
+        Never waits: this thread must go on reading every shard (the consensus comes on their
+        links, and a reader that stops gets its connection reset under it), the SUBs and its ranks.
         """
-        if not self.outbox.put(self.codec.encode(rec, payload, channel=Channel.DATA), time.monotonic()):
-            self.count["queue_full.upstream_data"] += 1
-            log.warning("relay %s: %d records already wait for the reducer to read; dropped a %s",
-                        self.cfg.host, SendQueue.MAX_RECORDS, type(rec).__name__)
-        self.flush_up()
+        if not link.outbox.put(self.codec.encode(rec, payload, channel=Channel.DATA), time.monotonic()):
+            self.count[f"queue_full.{link.where}"] += 1
+            log.warning("relay %s: %d records already wait for reducer shard %d to read; dropped a %s",
+                        self.cfg.host, SendQueue.MAX_RECORDS, link.shard, type(rec).__name__)
+        self.flush_up(link)
 
-    def flush_up(self) -> None:
-        """Send the queued records, in order, for as long as `up` takes them without waiting."""
-        while (frames := self.outbox.head) is not None:
+    def flush_up(self, link: Upstream) -> None:
+        """Send `link`'s queued records, in order, for as long as its socket takes them without waiting."""
+        while (frames := link.outbox.head) is not None:
             try:
-                self.up.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                link.up.send_multipart(frames, zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return  # full: the loop polls `up` for writable and calls again
-            self.outbox.went(time.monotonic())
+                return  # full: the loop polls the socket for writable and calls again
+            link.outbox.went(time.monotonic())
 
-    def upstream_stuck(self, now: float) -> None:
-        """Nothing queued for the reducer went for `peer_send_timeout_s`: it is not reading; drop the queue."""
-        dropped = self.outbox.expire(now)
+    def upstream_stuck(self, link: Upstream, now: float) -> None:
+        """Nothing queued for `link`'s shard went for `peer_send_timeout_s`: it is not reading; drop the queue."""
+        dropped = link.outbox.expire(now)
         if dropped:
-            self.count["send_timeout.upstream_data"] += dropped
-            log.warning("relay %s: sends on upstream_data timed out: nothing went for %g s, the peer is not "
-                        "reading; dropped the %d records queued", self.cfg.host, self.cfg.peer_send_timeout_s, dropped)
+            self.count[f"send_timeout.{link.where}"] += dropped
+            log.warning("relay %s: sends on %s timed out: nothing went for %g s, the peer is not reading; dropped "
+                        "the %d records queued", self.cfg.host, link.where, self.cfg.peer_send_timeout_s, dropped)
 
     def live_ranks(self) -> list[int]:
         return [r for r in self.cfg.ranks if r not in self.fold.dead]
@@ -271,7 +310,7 @@ class DataPlane(Plane):
 
         The request follows the rank's deposit on one connection, so a deposit the
         fold still awaits was lost. A round shipped and not yet delivered needs
-        nothing here: this relay's own watch asks the reducer.
+        nothing here: this relay's own watches ask the shards.
         """
         if self.delivered is not None and self.delivered[0] == round_id:
             _, framed, shared = self.delivered
@@ -286,9 +325,10 @@ class DataPlane(Plane):
             # it to every live rank like a round it shipped (a rank that missed it asks again).
             # Once a later round is delivered it is superseded: nobody here can still need it.
             # Asked upstream once for all the host's ranks; the watch repeats it, backing off (10.3).
-            if round_id not in self.watch.pending:
-                self.watch.shipped(round_id, time.monotonic())
-                self.request(round_id)
+            for link in self.links:
+                if round_id not in link.watch.pending:
+                    link.watch.shipped(round_id, time.monotonic())
+                    self.request(link, round_id)
         elif self.fold.awaits(rank, round_id):
             self.count["frame_requests.local_data"] += 1
             self.to_rank(rank, self.codec.encode(FrameRequest(round_id), channel=Channel.DATA))
@@ -324,15 +364,17 @@ class DataPlane(Plane):
 
     def ship(self, outcome: HostFold | NothingToShip | None) -> None:
         if isinstance(outcome, HostFold):
-            self.send_host_frames(outcome)
-            self.watch.shipped(outcome.round_id, time.monotonic())
+            self.send_host_frames(outcome, self.links)
+            for link in self.links:
+                link.watch.shipped(outcome.round_id, time.monotonic())
             self.shipped = outcome
         elif isinstance(outcome, NothingToShip):
             log.info("relay %s: %s", self.cfg.host, outcome.reason)
 
     def local_death(self, rank: int) -> None:
         self.leave(rank)
-        self.send_up(RankExit(rank))
+        for link in self.links:
+            self.send_up(link, RankExit(rank))
 
     def leave(self, rank: int) -> None:
         # A rank that is gone never unlinks its own segment; the fold keeps its
@@ -347,95 +389,142 @@ class DataPlane(Plane):
             self.violation(exc)
         self.refused()
 
-    # reducer -> relay
+    # the shards -> relay
 
-    def from_reducer(self, msg: list[zmq.Frame]) -> None:
+    def from_reducer(self, link: Upstream, msg: list[zmq.Frame]) -> None:
         tag = msg[0].bytes if msg else b""
         if tag == TAG_BCAST:
-            self.consensus(msg[1:], "upstream_data")
+            self.consensus(link, msg[1:], link.where)
             return
         if tag != TAG_DATA:
-            self.count["rejected.upstream_data"] += 1
+            self.count[f"rejected.{link.where}"] += 1
             return
-        env = decode_or_count(lambda: self.codec.decode_from(msg[1:], Channel.DATA, FROM_REDUCER), self.count,
-                              route_refusal("upstream_data"), log, f"relay {self.cfg.host} (upstream_data)")
+        env = decode_or_count(lambda: self.codec.decode_from(msg[1:], Channel.DATA, link.signer), self.count,
+                              route_refusal(link.where), log, f"relay {self.cfg.host} ({link.where})")
         if env is None:
             return
         rec = env.record
         if isinstance(rec, RelayDeclareDead):
-            if rec.rank in self.fold.dead:  # the reducer restates its deaths (10.7 item 8): a repeat is a no-op
-                self.count["restated_death.upstream_data"] += 1
-            elif rec.rank in self.cfg.ranks:
-                log.warning("relay %s: the controller declared rank %d dead", self.cfg.host, rec.rank)
-                self.leave(rec.rank)
-            else:
-                self.count["unknown_rank.upstream_data"] += 1
+            self.declared_dead(link, rec.rank)
         elif isinstance(rec, ConsensusGone):
             # Unrecoverable for this host's ranks: say so loudly; the coordinator's
             # stall detection owns what happens next.
-            log.error("relay %s: the reducer no longer holds round %d (latest %d); this host missed it",
-                      self.cfg.host, rec.round, rec.latest)
+            log.error("relay %s: reducer shard %d no longer holds round %d (latest %d); this host missed it",
+                      self.cfg.host, link.shard, rec.round, rec.latest)
             self.count["consensus_gone"] += 1
         elif isinstance(rec, RelayHelloAck):
-            self.hello.acked()
+            link.hello.acked()
         elif isinstance(rec, FrameRequest):
-            self.resend_host_frame(rec.round)
+            self.resend_host_frame(link, rec.round)
         else:
-            self.count["unexpected.upstream_data"] += 1
+            self.count[f"unexpected.{link.where}"] += 1
 
-    def resend_host_frame(self, round_id: int) -> None:
-        """The reducer never got this host's frame of `round_id` (lost in a reset): send it again.
+    def declared_dead(self, link: Upstream, rank: int) -> None:
+        """A shard declared `rank` dead: the controller's reducer for the coordinator (or a host's shard, for a
+        frame it refused, which the coordinator must then hear of). A rank of another host is this host's shard's
+        business: the controller's reducer tells every shard's host of every death (PROTOCOL.md 10.9)."""
+        if rank in self.fold.dead:  # deaths are restated (10.7 item 8): a repeat is a no-op
+            self.count[f"restated_death.{link.where}"] += 1
+        elif rank in self.cfg.ranks and link.shard == 0:
+            log.warning("relay %s: the controller declared rank %d dead", self.cfg.host, rank)
+            self.leave(rank)
+        elif rank in self.cfg.ranks:
+            self.out(rank, f"reducer shard {link.shard} refused this host's frame")
+        elif self.shard is not None and link.shard == 0:
+            self.shard.declare_dead(rank)
+        else:
+            self.count[f"unknown_rank.{link.where}"] += 1
+
+    def shard_outcomes(self) -> None:
+        """What became of this host's shard's rounds: only a failure of its service is this relay's business."""
+        for outcome in self.shard.completed.drain():  # type: ignore[union-attr]
+            if outcome.abandoned is not None:
+                log.warning("relay %s: its reducer shard abandoned round %s: %s", self.cfg.host, outcome.round_id,
+                            outcome.abandoned)
+            if self.shard.error is not None:  # type: ignore[union-attr]
+                self.fail(self.shard.error)  # type: ignore[union-attr]
+
+    def resend_host_frame(self, link: Upstream, round_id: int) -> None:
+        """`link`'s shard never got this host's frame of `round_id` (lost in a reset): send it again.
 
         Re-signed with a fresh sequence number (a byte-identical copy would be a
-        replay); the reducer counts the round once per host whatever arrives.
+        replay); a shard counts the round once per host whatever arrives.
         """
         held = self.shipped
-        if held is None or held.round_id != round_id or round_id not in self.watch.pending:
-            self.count["stale_frame_request.upstream_data"] += 1
+        if held is None or held.round_id != round_id or round_id not in link.watch.pending:
+            self.count[f"stale_frame_request.{link.where}"] += 1
             return
-        times = self.resent[1] + 1 if self.resent[0] == round_id else 1
-        self.resent = (round_id, times)
-        self.count["frames_resent.upstream_data"] += 1
+        times = link.resent[1] + 1 if link.resent[0] == round_id else 1
+        link.resent = (round_id, times)
+        self.count[f"frames_resent.{link.where}"] += 1
         if times == 1:
-            log.warning("relay %s: the reducer lost this host's frame of round %d; sending it again",
-                        self.cfg.host, round_id)
+            log.warning("relay %s: reducer shard %d lost this host's frame of round %d; sending it again",
+                        self.cfg.host, link.shard, round_id)
         else:
             # One loss is a reset; the same round lost again and again is a link that drops every time.
-            self.count["frames_lost_again.upstream_data"] += 1
-            log.error("relay %s: the reducer lost this host's frame of round %d %d times; sending it again. A "
+            self.count[f"frames_lost_again.{link.where}"] += 1
+            log.error("relay %s: reducer shard %d lost this host's frame of round %d %d times; sending it again. A "
                       "link that drops every time most likely takes longer than link_silence_s (FLODL_LINK_SILENCE, "
                       "%g s) to carry one payload frame (at most %d MiB, PROTOCOL.md 3.4): raise FLODL_LINK_SILENCE "
                       "above that time on the slowest link, or find what else resets it (a firewall, a NAT timeout)",
-                      self.cfg.host, round_id, times, self.cfg.link_silence_s, CHUNK_MAX_BYTES >> 20)
-        self.send_host_frames(held)
+                      self.cfg.host, link.shard, round_id, times, self.cfg.link_silence_s, CHUNK_MAX_BYTES >> 20)
+        self.send_host_frames(held, [link])
 
-    def send_host_frames(self, fold: HostFold) -> None:
-        """The round's HostFrame: the host's sum, or under a robust aggregation one per rank (PROTOCOL.md 9.5)."""
+    def send_host_frames(self, fold: HostFold, links: Sequence[Upstream]) -> None:
+        """The round's HostFrame, to each of `links` its shard's chunks: the host's sum, or under a robust
+        aggregation one per rank (PROTOCOL.md 9.5)."""
         for ranks, mass, tensors in fold.frames():
-            self.send_up(HostFrame(fold.round_id, self.cfg.host, list(ranks), mass), self.hop.send_on(tensors))
+            payload = self.hop.send_on(tensors)
+            for link in links:
+                self.send_up(link, HostFrame(fold.round_id, self.cfg.host, list(ranks), mass),
+                             self.slice_for(link, payload))
 
-    def consensus(self, frames: list[zmq.Frame], where: str) -> None:
-        """A broadcast-channel record from PUB or resent point to point: verify, then deliver."""
+    def slice_for(self, link: Upstream, payload: Sequence[Any]) -> Sequence[Any]:
+        """`link`'s shard's frames of a host frame's payload (one shard: all of it)."""
+        if len(self.links) == 1:
+            return payload
+        per_chunk = 2 if self.cfg.wire is not None and self.cfg.wire.packed else 1
+        if self.ranges is None:
+            self.ranges = self.cfg.shards.ranges(len(payload) // per_chunk)
+            self.assembly = Assembly([len(r) * per_chunk for r in self.ranges])
+        return slice_of(payload, self.ranges[link.shard], per_chunk)
+
+    def consensus(self, link: Upstream, frames: list[zmq.Frame], where: str) -> None:
+        """A broadcast-channel record of `link`'s shard, from its PUB or resent point to point: verify, then
+        deliver once every shard's slice of the round is in."""
         # No sequence check: a resend is byte-identical to the broadcast and
         # may come after later rounds; the round id is the replay guard.
-        env = decode_or_count(lambda: self.codec.decode_from(frames, Channel.BROADCAST, FROM_REDUCER, replay=False),
+        env = decode_or_count(lambda: self.codec.decode_from(frames, Channel.BROADCAST, link.signer, replay=False),
                               self.count, route_refusal(where), log, f"relay {self.cfg.host} ({where})")
         if env is None:
             return
         rec = env.record
         if isinstance(rec, Probe):
-            self.send_up(SubscriberReady(self.cfg.host, rec.nonce))
+            self.send_up(link, SubscriberReady(self.cfg.host, rec.nonce))
             return
         if not isinstance(rec, Consensus):
             self.count[f"unexpected.{where}"] += 1
             return
-        now = time.monotonic()
-        deliver, gaps = self.watch.accept(rec.round, now)
+        deliver, gaps = link.watch.accept(rec.round, time.monotonic())
         if not deliver:
             self.count[f"stale_consensus.{where}"] += 1
             return
         for r in gaps:
-            self.request(r)
+            self.request(link, r)
+        if len(self.links) == 1:
+            self.deliver(rec, env.payload, list(frames))
+            return
+        if self.assembly is None:  # no host frame shipped yet: this host has no rank in any round
+            self.count[f"unexpected.{where}"] += 1
+            return
+        whole = self.assembly.add(link.shard, rec.round, rec.mass, env.payload)
+        if whole is not None:
+            # Signed by this relay: no one shard signed the whole (its ranks take it from this relay alone).
+            whole_rec = Consensus(whole.round_id, whole.mass)
+            self.deliver(whole_rec, whole.payload, self.codec.encode(whole_rec, whole.payload, channel=Channel.BROADCAST))
+
+    def deliver(self, rec: Consensus, payload: list[Any], frames: list[Any]) -> None:
+        """Hand the consensus of `rec.round` (`frames`: its message) to every live local rank."""
         live = self.live_ranks()
         if self.shipped is not None and self.shipped.round_id <= rec.round:
             self.shipped = None
@@ -445,35 +534,37 @@ class DataPlane(Plane):
         if self.segment is not None and self.by_reference.intersection(live):
             # Verified above and written once for every same-host rank, under this relay's signature.
             try:
-                self.segment.place(env.frames[1:-1])
-                shared = by_reference(self.codec, rec, env.payload, self.segment, channel=Channel.BROADCAST)
+                self.segment.place(payload)
+                shared = by_reference(self.codec, rec, payload, self.segment, channel=Channel.BROADCAST)
             except ShmError as exc:
                 self.shm_unusable(exc)
-        framed = None if shared is not None and self.by_reference.issuperset(live) else list(frames)
+        framed = None if shared is not None and self.by_reference.issuperset(live) else frames
         self.delivered = (rec.round, framed, shared)
         for rank in live:
             self.to_rank(rank, shared if shared is not None and rank in self.by_reference else frames)
         if rec.mass > 0.0:  # the model every rank now holds bounds the next deposits (robust.py)
             # Read only if a deposit needs it: from the frames kept for a resend, or else from the
             # segment (keeping the frames for it would be one more copy of the model in this relay).
-            self.fold.consensus_seen(env.payload if framed is not None else self.segment.arrays(env.payload))
+            self.fold.consensus_seen(payload if framed is not None else self.segment.arrays(payload))
 
-    def request(self, round_id: int) -> None:
-        log.info("relay %s: consensus of round %d not here; asking the reducer", self.cfg.host, round_id)
+    def request(self, link: Upstream, round_id: int) -> None:
+        log.info("relay %s: consensus of round %d not here; asking reducer shard %d", self.cfg.host, round_id,
+                 link.shard)
         self.count["consensus_requests"] += 1
-        self.send_up(ConsensusRequest(round_id))
+        self.send_up(link, ConsensusRequest(round_id))
 
-    def connected(self, monitor: zmq.Socket) -> None:
-        """An upstream link (re)connected: every round still pending is asked for now, not after its wait
-        (which a slow round may have stretched to a minute: a consensus the PUB sent meanwhile is lost)."""
+    def connected(self, link: Upstream, monitor: zmq.Socket) -> None:
+        """A link to `link`'s shard (re)connected: every round still pending there is asked for now, not after
+        its wait (which a slow round may have stretched to a minute: a consensus the PUB sent meanwhile is lost)."""
         while monitor.poll(0):
             recv_monitor_message(monitor)
-        rounds = self.watch.reconnected(time.monotonic())
+        rounds = link.watch.reconnected(time.monotonic())
         if rounds:
-            log.info("relay %s: an upstream link reconnected; asking again for rounds %s", self.cfg.host, rounds)
+            log.info("relay %s: a link to reducer shard %d reconnected; asking again for rounds %s", self.cfg.host,
+                     link.shard, rounds)
         for r in rounds:
-            self.request(r)
+            self.request(link, r)
 
-    def recover(self, now: float) -> None:
-        for r in self.watch.due(now):
-            self.request(r)
+    def recover(self, link: Upstream, now: float) -> None:
+        for r in link.watch.due(now):
+            self.request(link, r)

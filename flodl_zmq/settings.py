@@ -264,6 +264,9 @@ class Settings:
             "unfolded); the Trainer's aggregation, if given, must be the same", kind=str,
             metavar="|".join(AGGREGATIONS), flags=("--aggregation",), env=("FLODL_AGGREGATION",),
             commands=("controller",), scope="run")
+    shards: str | None = setting(None, "reducer shards on hosts (shards.py): HOST=tcp://ADDRESS:PORT,... (none: "
+            "one reducer, the controller's)", kind=str, metavar="HOST=tcp://ADDRESS:PORT,...", env=("FLODL_SHARDS",),
+            scope="run")
     # ---- the controller's consensus checkpoints (read by the controller role; PROTOCOL.md 13)
     checkpoint_dir: str | None = setting(None, "where the controller writes its periodic consensus checkpoints, keeping "
             "the last checkpoint_keep (none: no checkpoints)", kind=str, metavar="DIR", flags=("--checkpoint-dir",),

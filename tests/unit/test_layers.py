@@ -24,7 +24,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
         "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "coordinator.feedback",
         "coordinator.resume", "coordinator.outputs", "coordinator.rounds", "formation", "join", "relay_core",
-        "step_report",
+        "step_report", "shards",
     ),
     "run": (
         "job", "payload", "links", "private_files", "trust", "datasets", "bundle", "environment", "security",

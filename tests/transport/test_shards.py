@@ -1,0 +1,149 @@
+"""Sharded reduction over real sockets in one process (PROTOCOL.md 10.9): the controller's reducer and a
+shard in each of two relays, four scripted ranks; each shard reduces its chunks, every rank gets the whole."""
+
+from __future__ import annotations
+
+import queue
+import socket
+
+import numpy as np
+import pytest
+import zmq
+
+from flodl_zmq.errors import ConfigError
+from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.relay import Relay
+from flodl_zmq.relay_config import RelayConfig
+from flodl_zmq.shards import ShardMap
+from flodl_zmq.wire import new_key
+from flodl_zmq.wire_format import F32, WireFormat, named
+
+from .dataplane_helpers import ROUTE_SECRET, WAIT_S, FakeRank, endpoints, model, token
+from .test_round import HOSTS, MASS, check_consensus
+
+pytestmark = pytest.mark.timeout(60)
+
+SIZES = (300, 200, 100, 50, 7)  # five payload frames: the controller's shard gets one, each host's two
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 now (a shard binds both)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+class ShardedCluster:
+    def __init__(self, tmp_path, wire: WireFormat = F32):
+        self.ctx = zmq.Context()
+        self.key, self.run_id = new_key(), bytes(range(16))
+        eps = endpoints("ipc", tmp_path)
+        self.shards = ShardMap(tuple((h, f"tcp://127.0.0.1:{free_port_pair()}") for h in HOSTS))
+        self.reducer = ReducerService(
+            ReducerConfig(HOSTS, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05, wire=wire,
+                          route_secret=ROUTE_SECRET),  # TODO-MERGE shard_hosts
+            self.ctx,
+        )
+        self.reducer.start()
+        self.relays: dict[str, Relay] = {}
+        for host, ranks in HOSTS.items():
+            cfg = RelayConfig(host, ranks, self.key, self.run_id, eps["control"], eps["data"], eps["bcast"],
+                              eps[f"{host}-control"], eps[f"{host}-data"], consensus_wait_at_relay_s=0.3, wire=wire,
+                              host_token=token(host), shards=self.shards)
+            data, bcast = self.shards.endpoints(self.shards.shard_of(host))
+            shard = ReducerConfig(HOSTS, self.key, self.run_id, data, bcast, probe_interval_s=0.05, wire=wire,
+                                  route_secret=ROUTE_SECRET, shard=self.shards.shard_of(host))
+            self.relays[host] = Relay(cfg, self.ctx, shard=shard)
+            self.relays[host].start()
+        self.ranks = {r: FakeRank(self.ctx, r, self.key, self.run_id, eps[f"{h}-control"], eps[f"{h}-data"])
+                      for h, rs in HOSTS.items() for r in rs}
+
+    def round(self, round_id: int, dtype: str, ranks=None) -> dict:
+        contribs = {}
+        for r in self.ranks if ranks is None else ranks:
+            params = model(r, round_id, SIZES)
+            wire = [(p * MASS[r]).astype(np.float32) for p in params]
+            if dtype == "bf16":
+                from .dataplane_helpers import to_wire
+                wire = to_wire(params, MASS[r], dtype)
+            self.ranks[r].deposit(round_id, MASS[r], wire, dtype)
+            contribs[r] = (params, MASS[r])
+        return contribs
+
+    def close(self) -> None:
+        for r in self.ranks.values():
+            r.close()
+        for relay in self.relays.values():
+            relay.stop()
+        self.reducer.stop()
+        self.ctx.destroy(0)
+
+
+@pytest.fixture
+def sharded(request, tmp_path):
+    dtype = request.node.callspec.params.get("dtype", "f32") if hasattr(request.node, "callspec") else "f32"
+    c = ShardedCluster(tmp_path, named(dtype))
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_three_shards_each_reduce_their_chunks_and_every_rank_gets_the_whole_weighted_mean(sharded, dtype):
+    for round_id in (1, 2, 3):
+        contribs = sharded.round(round_id, dtype)
+        for rank in sharded.ranks.values():
+            env = rank.consensus()
+            assert env.record.round == round_id
+            assert [a.size for a in env.payload] == list(SIZES)
+            check_consensus(env, contribs, dtype)
+        out = sharded.reducer.completed.get(timeout=WAIT_S)
+        assert (out.round_id, out.hosts) == (round_id, ("a", "b"))
+    # Each shard summed its own chunks only: the controller's one frame of five, each host's two.
+    assert [t.size for t in sharded.reducer.ledger.latest.tensors] == [300]
+    assert [t.size for t in sharded.relays["a"].shard.ledger.latest.tensors] == [200, 100]
+    assert [t.size for t in sharded.relays["b"].shard.ledger.latest.tensors] == [50, 7]
+
+
+def test_a_slice_a_host_shard_failed_to_broadcast_is_asked_for_and_the_round_completes(sharded):
+    sharded.round(1, "f32")
+    for rank in sharded.ranks.values():
+        rank.consensus()
+    sharded.relays["b"].shard.drop_broadcast(2)
+    contribs = sharded.round(2, "f32")
+    for rank in sharded.ranks.values():
+        env = rank.consensus()
+        assert env.record.round == 2
+        check_consensus(env, contribs, "f32")
+    assert sharded.relays["b"].shard.counters()["broadcasts_dropped_on_purpose"] == 1
+    assert all(relay.counters()["consensus_requests"] >= 1 for relay in sharded.relays.values())
+
+
+def test_a_death_the_coordinator_declares_reaches_every_shard_so_none_waits_for_a_dead_host(sharded):
+    contribs = sharded.round(1, "f32", ranks=[0, 1])
+    with pytest.raises(queue.Empty):
+        sharded.reducer.completed.get(timeout=0.3)
+    sharded.reducer.declare_dead(2)
+    sharded.reducer.declare_dead(3)
+    assert sharded.reducer.completed.get(timeout=WAIT_S).hosts == ("a",)
+    for r in (0, 1):
+        check_consensus(sharded.ranks[r].consensus(), contribs, "f32")
+    assert sharded.relays["a"].shard.ledger.is_dead(2) and sharded.relays["a"].shard.ledger.is_dead(3)
+
+
+def test_a_relay_whose_host_the_shard_map_lists_refuses_to_start_without_its_shard(tmp_path):
+    eps = endpoints("ipc", tmp_path)
+    shards = ShardMap((("a", "tcp://127.0.0.1:7400"),))
+    cfg = RelayConfig("a", (0, 1), new_key(), bytes(16), eps["control"], eps["data"], eps["bcast"], eps["a-control"],
+                      eps["a-data"], host_token=token("a"), shards=shards)
+    with pytest.raises(ConfigError, match="lists this host, so its relay must run that shard"):
+        Relay(cfg)
