@@ -1,7 +1,8 @@
 """Regenerate the wire test vectors: `records.json` (one accepted message per
 record kind and channel), `rejections.json` (one refused message per
 rejection cause), `windows.json` (arrival orders through the anti-replay
-window) and `int8.json` (the int8 payload, PROTOCOL.md 3.6).
+window), `int8.json` (the int8 payload, PROTOCOL.md 3.6) and `shards.json` (the chunks each reducer
+shard owns, PROTOCOL.md 10.9).
 
     .venv/bin/python protocol/vectors/generate.py
 
@@ -1257,6 +1258,18 @@ def int8_vectors() -> list[dict[str, Any]]:
     return out
 
 
+def shard_vectors() -> list[dict[str, Any]]:
+    """The chunks each of S reducer shards owns, for payloads of C chunks (PROTOCOL.md 10.9)."""
+    from flodl_zmq.shards import ShardMap
+
+    out = []
+    for chunks, shards in ((1, 1), (12, 1), (12, 2), (12, 9), (48, 9), (5, 3), (7, 7), (48, 5)):
+        listed = ShardMap(tuple((f"h{k}", f"tcp://10.0.0.{k}:7400") for k in range(1, shards)))
+        out.append({"chunks": chunks, "shards": shards,
+                    "ranges": [[r.start, r.stop] for r in listed.ranges(chunks)]})
+    return out
+
+
 def main() -> None:
     docs = {
         "records.json": {
@@ -1285,6 +1298,12 @@ def main() -> None:
             "`scale_bits` their binary32 patterns); and one data.round_frame carrying the first as "
             "(i8 values, f32 scales), decoded like a records.json vector.",
             "vectors": int8_vectors(),
+        },
+        "shards.json": {
+            "about": "The chunks each reducer shard owns (PROTOCOL.md 10.9): of S shards, for a payload of C "
+            "chunks of 2^21 values (3.4), shard k (0: the controller's reducer) owns chunks floor(k*C/S) up to, "
+            "not including, floor((k+1)*C/S): `ranges[k]` is [start, stop).",
+            "vectors": shard_vectors(),
         },
     }
     for name, doc in docs.items():
