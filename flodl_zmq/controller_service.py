@@ -6,11 +6,13 @@ Sockets (ControllerAddress rule, flodl_zmq/endpoints.py):
     data     ROUTER  (bind)  <- every relay's data DEALER        owned by ReducerService
     bcast    PUB     (bind)  -> every relay's SUB                owned by ReducerService
     bcast    SUB  (connect)  <- the reducer's own PUB, inproc    owned by this loop (consensus copy)
+    shard    SUB  (connect)  <- each host shard's PUB, tcp        owned by this loop (sharded runs: the other slices)
 
 The control ROUTER's framing, attribution and streams with each rank are `ControlRouter`'s
 (flodl_zmq/control_router.py), which hands this service each rank's records in order; the kept
 consensus, its checkpoints, a resume and a re-formed world are flodl_zmq/checkpoints.py's (`Keeper`,
-`Resumed`, `WorldChange`); under `flodl-zmq controller` the role runs next to the membership
+`Resumed`, `WorldChange`), the copies of each consensus it keeps (whole again in a sharded run) and what a
+sharded run refuses flodl_zmq/controller_shards.py's; under `flodl-zmq controller` the role runs next to the membership
 service, linked by a `MembershipLink` (flodl_zmq/membership_link.py).
 
 Theory of operation:
@@ -68,6 +70,7 @@ import zmq
 from flodl_zmq import bundle
 from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
 from flodl_zmq.control_router import ControlRouter
+from flodl_zmq.controller_shards import ConsensusCopies, slice_sizes
 from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.liveness import STOP_HINTS, RankState
 from flodl_zmq.coordinator.outputs import (
@@ -83,7 +86,7 @@ from flodl_zmq.coordinator.outputs import (
 )
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
-from flodl_zmq.errors import AttributionError, FlodlError, TrainingError, WireError
+from flodl_zmq.errors import FlodlError, TrainingError
 from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job, coordinator_config
@@ -91,7 +94,6 @@ from flodl_zmq.join import ReformGate
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
-    FROM_REDUCER,
     data_max_frame_bytes,
     drain,
     keep_alive,
@@ -150,6 +152,11 @@ class ControllerService:
         # controller holds the model once (bench/large.py: one model copy less).
         self.kept = Keeper(job, penv, self.incarnation, adopt_flat(self.model).numpy())
         self.outer = resumed.outer_optimizer(job, self.kept.consensus)
+        self.shards = penv.settings.shard_map
+        # Refused before a socket binds: what a sharded run does not run yet (its slices' frames otherwise).
+        self.slice_sizes = None if self.shards.count == 1 else slice_sizes(
+            self.shards, self.world, self.kept.consensus.size, job.wire, outer=self.outer is not None,
+            aggregation=penv.settings.aggregation, resumes=bool(job.resume_from or job.ship_start))
         self.config = coordinator_config(job)
         self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resumed.coordinator)
         self.model_sig = model_signature(self.model)
@@ -197,9 +204,7 @@ class ControllerService:
         ctx = controller_context()
         reducer = self._reducer(ctx)
         control = self._control_socket(ctx)
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
+        copies = ConsensusCopies(ctx, self.router.codec, self.kept.keep, self.counts, self.slice_sizes)
         t0 = time.perf_counter()
         status_server = None
         try:
@@ -210,13 +215,15 @@ class ControllerService:
                     self.status_sink = status_server
                 control.bind(self.penv.controller.endpoint(Channel.CONTROL))
                 reducer.start()
-                sub.connect(reducer.local_bcast)  # in process: no TCP copy, no CURVE
+                settings = self.penv.settings
+                copies.connect(reducer.local_bcast, self.shards, reducer.config.max_frame_bytes,
+                               settings.link_heartbeat_period_s, settings.link_silence_s)
                 self.reducer = reducer
                 outer_state = reducer.outer_state if self.outer is not None else None
                 self.kept.start(time.monotonic(), self.core.avg_count, outer_state)
-                self._loop(control, sub, reducer)
+                self._loop(control, copies, reducer)
             finally:
-                self._close(reducer, control, sub, status_server)
+                self._close(reducer, control, copies, status_server)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from launch or an orchestrator (a KeyboardInterrupt there):
             self.result.reason = "interrupted"  # closed, as at every end: the run log ends saying so, not mid-round
             self.report.finish(time.perf_counter() - t0)
@@ -234,6 +241,7 @@ class ControllerService:
                 # The relays send this model's frames and nothing longer (PROTOCOL.md 6.1).
                 max_frame_bytes=data_max_frame_bytes(self.job.wire.largest_frame_bytes(self.kept.consensus.size)),
                 route_secret=self.penv.need_route_secret(),
+                shard_hosts=tuple(host for host, _ in self.shards.hosts),
             ),
             ctx,
             self.outer,
@@ -260,7 +268,7 @@ class ControllerService:
             apply_server(control, self.curve)
         return control
 
-    def _close(self, reducer: ReducerService, control: zmq.Socket, sub: zmq.Socket,
+    def _close(self, reducer: ReducerService, control: zmq.Socket, copies: ConsensusCopies,
                status_server: StatusServer | None) -> None:
         self.report.close()
         self.kept.close()
@@ -269,7 +277,7 @@ class ControllerService:
         log.info("controller: reducer counters: %s", {k: v for k, v in reducer.counters().items() if v})
         self.router.connections.close()
         control.close()
-        sub.close()
+        copies.close()
         self._report_status()
         if status_server is not None:
             status_server.close()
@@ -300,11 +308,11 @@ class ControllerService:
             )
         return self.result
 
-    def _loop(self, control: zmq.Socket, sub: zmq.Socket, reducer: ReducerService) -> None:
+    def _loop(self, control: zmq.Socket, copies: ConsensusCopies, reducer: ReducerService) -> None:
         # The reducer's outcomes and the membership's events are Mailboxes polled next to
         # the sockets: each wakes this loop the moment it arrives, so the loop needs no
         # polling interval and sleeps until its next timer (_wake_at) otherwise.
-        poller, exits = self._poller(control, sub, reducer)
+        poller, exits = self._poller(control, copies, reducer)
         outcomes, monitor = reducer.completed.fileno(), self.router.connections.monitor
         membership = self.link.membership.events if self.link is not None else None
         drain_until: float | None = None
@@ -321,8 +329,7 @@ class ControllerService:
                     self._formation_failed(verdict)
                     return
             events = dict(poller.poll(poll_ms(self._wake_at(drain_until) - now)))
-            if sub in events:
-                drain(sub, self._on_broadcast, copy=False, budget=16)
+            copies.read(events)
             # Before the ranks' records: a finished round's Updates (the next plans) are what
             # idle ranks wait for, and a burst of reports must not hold them back.
             if outcomes in events:
@@ -348,11 +355,11 @@ class ControllerService:
             if drain_until is None and (self.ended is not None or self.stop_error is not None):
                 drain_until = time.monotonic() + END_DRAIN_S
 
-    def _poller(self, control: zmq.Socket, sub: zmq.Socket,
+    def _poller(self, control: zmq.Socket, copies: ConsensusCopies,
                 reducer: ReducerService) -> tuple[zmq.Poller, ExitReports | None]:
         """What wakes the loop: the sockets, the reducer's outcomes, the membership's events, the launcher's exit reports."""
         poller = zmq.Poller()
-        for source in (control, self.router.connections.monitor, sub, reducer.completed):
+        for source in (control, self.router.connections.monitor, *copies.sockets, reducer.completed):
             poller.register(source, zmq.POLLIN)
         if self.link is not None:
             poller.register(self.link.membership.events, zmq.POLLIN)
@@ -451,20 +458,6 @@ class ControllerService:
 
     def is_gone(self, rank: int) -> bool:
         return self.started and not self.core.liveness.is_live(rank)
-
-    def _on_broadcast(self, frames: list[Any]) -> None:
-        try:
-            env = self.router.codec.decode_from(frames, Channel.BROADCAST, FROM_REDUCER, replay=False)
-        except AttributionError as exc:
-            self.counts["forged_route.bcast"] += 1
-            log.warning("controller: dropped: %s", exc)
-            return
-        except WireError as exc:
-            self.counts["rejected.bcast"] += 1
-            log.warning("controller: rejected a broadcast record: %s", exc)
-            return
-        if isinstance(env.record, rec.Consensus):
-            self.kept.keep(env.record, env.payload)
 
     def on_rank_record(self, rank: int, record: Any) -> None:
         """A rank's control record, in the order it sent them."""

@@ -7,7 +7,10 @@ FLODL_* environment (see flodl_zmq/environment.py). Every line a child prints co
 `[controller]`, `[host:relay]` or `[host:rank]`. The controller and the ranks
 are forked from one warm interpreter that has imported torch already
 (flodl_zmq/warm.py), so the run does not start with H*K + 1 torch imports side
-by side; the relays, which never import torch, start meanwhile.
+by side; the relays, which never import torch, start meanwhile. With
+`--shards N` (or FLODL_SHARDS) the first N hosts' relays each run a reducer
+shard too (flodl_zmq/shards.py), and only those relays are given the route
+secret (FLODL_ROUTE_SECRET) their shard proves every relay's hello with.
 
 Rules this module keeps:
 
@@ -79,6 +82,12 @@ TERM_GRACE_S = 5.0
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
+def local_shards(hosts: Sequence[str], count: int, first_port: int) -> str:
+    """FLODL_SHARDS for `--shards N`: the first N hosts hold a shard each, on 127.0.0.1 from `first_port` up
+    (its data ROUTER and its PUB: two ports each)."""
+    return ",".join(f"{host}=tcp://127.0.0.1:{first_port + 2 * k}" for k, host in enumerate(hosts[:count]))
+
+
 def _listening_port_range(span: int) -> range:
     """Bases for `span` ports outside the kernel's ephemeral range: the controller binds seconds after
     the probe (it imports torch first), and a port in that range can meanwhile become the local end of
@@ -95,9 +104,13 @@ def _listening_port_range(span: int) -> range:
     return range(1024, 65536 - span)  # the whole range is ephemeral: nothing better to do
 
 
-def free_port_base(host: str = "127.0.0.1", tries: int = 200) -> int:
-    """A port P such that P..P+3 (the controller's four endpoints) are free on `host` right now."""
-    span = max(OFFSETS.values()) + 1
+CONTROLLER_PORTS = max(OFFSETS.values()) + 1
+
+
+def free_port_base(host: str = "127.0.0.1", tries: int = 200, extra: int = 0) -> int:
+    """A port P such that P..P+3 (the controller's four endpoints), and `extra` ports after them, are free on
+    `host` right now."""
+    span = CONTROLLER_PORTS + extra
     bases = _listening_port_range(span)
     for _ in range(tries):
         base = random.choice(bases)
@@ -147,6 +160,7 @@ class Cluster:
     run_dir: str | None = None  # the controller's run directory (--run-dir; None: its own default)
     metrics_port: int | None = None  # the controller's Prometheus port (--metrics-port; None: the environment's)
     grace_s: float = AFTER_CONTROLLER_GRACE_S  # how long ranks and relays may outlive the controller
+    shards: int = 0  # host shards (--shards N): the first N hosts' relays reduce a slice each (flodl_zmq/shards.py)
     warm: WarmServer | None = None
     children: dict[str, Child] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
@@ -154,6 +168,9 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.ranks_per_host < 1:
             raise ConfigError(f"--hosts ({self.hosts}) and --ranks-per-host ({self.ranks_per_host}) must be >= 1")
+        if not 0 <= self.shards <= self.hosts:
+            raise ConfigError(f"--shards {self.shards}: each host shard runs in one host's relay, so at most --hosts "
+                              f"({self.hosts}); 0 for one reducer, the controller's")
         world_size = self.hosts * self.ranks_per_host
         for rank, factor in self.slow.items():
             # `not 1 <= factor < inf`: a NaN compares false both ways, and must not reach a rank's delay.
@@ -179,7 +196,7 @@ class Cluster:
 
     def start(self) -> None:
         """Spawn the controller, the relays, then the ranks."""
-        address = ControllerAddress("127.0.0.1", self.port or free_port_base())
+        address = ControllerAddress("127.0.0.1", self.port or free_port_base(extra=2 * self.shards))
         self.run_id = os.urandom(RUN_ID_BYTES)
         self._route_secret = os.urandom(ROUTE_SECRET_BYTES)  # each relay gets its host's token of it, no other's
         # The run's settings come from our environment, like the controller's; slowdowns from --slow.
@@ -190,6 +207,12 @@ class Cluster:
             settings = replace(settings, run_dir=self.run_dir)
         if self.metrics_port is not None:
             settings = replace(settings, metrics_port=self.metrics_port)
+        if self.shards:
+            if settings.shards is not None:
+                raise ConfigError(f"--shards {self.shards} and FLODL_SHARDS={settings.shards} both say where the "
+                                  "shards run: give one of them")
+            settings = replace(settings, shards=local_shards(list(self.world), self.shards,
+                                                             address.port + CONTROLLER_PORTS))
         # The warm interpreter first: its torch import is most of the start-up, and nothing here waits on it.
         if runnable(self.argv):
             self._warm = self.warm or warm_interpreter()
@@ -226,8 +249,11 @@ class Cluster:
             # The relays first: the controller and the ranks wait for the warm interpreter's imports.
             for host in self.world:
                 token = host_token(self._route_secret, host)
+                # A shard host's relay runs a reducer, which proves every relay's hello by its host's token:
+                # it needs the secret they derive from. No other host gets it (it could pass for any host).
+                secret = self._route_secret if settings.shard_map.shard_of(host) else None
                 self._spawn(f"{host}:relay", ProcessEnv(role="relay", host=host, settings=settings, host_token=token,
-                                                        **base),
+                                                        route_secret=secret, **base),
                             pass_fds=(lifeline,), argv=RELAY_ARGV)
             self._spawn("controller", ProcessEnv(role="controller", settings=settings, exit_fd=exits,
                                                  route_secret=self._route_secret, **base),
@@ -445,6 +471,7 @@ def _launch_command(args: argparse.Namespace) -> int:
     cluster = Cluster(
         argv=argv, hosts=args.hosts, ranks_per_host=args.ranks_per_host, port=args.port,
         slow=parse_slow(args.slow), sink=default_sink, run_dir=args.run_dir, metrics_port=args.metrics_port,
+        shards=args.shards,
     )
     return run_cluster(cluster)
 
@@ -550,6 +577,10 @@ def add_commands(sub: Any) -> None:
     launch.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="serve the controller's Prometheus metrics at http://127.0.0.1:PORT/metrics "
                              "(env FLODL_METRICS_PORT; default: none)")
+    launch.add_argument("--shards", type=int, default=0, metavar="N",
+                        help="sharded reduction: the first N hosts' relays each reduce a slice of every round besides "
+                             "the controller's reducer, on free local ports (with --port: PORT+4 .. PORT+3+2N); "
+                             "FLODL_SHARDS says the same by address (default 0: one reducer)")
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="script.py [args], or -- -m module [args]")
     launch.set_defaults(func=_launch_command)
     demo = sub.add_parser("demo", help="train an MLP on the packaged digits on 2 hosts x 2 ranks, one rank slowed")

@@ -35,7 +35,10 @@ Rules this module keeps:
   relay registers), and is restated every RESEND_AFTER_S for the rest of the
   run: one lost in a reset must not leave a wedged rank in the host's fold
   until the relay's own heartbeat deadline (PROTOCOL.md 10.7 item 8). A death
-  the relay reported itself (RankExit) is not echoed back.
+  the relay reported itself (RankExit) is not echoed back. In a sharded run
+  every death also goes, and is restated, to each shard host's relay
+  (`ReducerConfig.shard_hosts`; the owner's only once): a shard whose round
+  waited for a dead rank's host would hang it.
 - A relay that breaks the round protocol (a round ahead, schema drift, a
   non-finite element, more mass than the coordinator's bound) has
   every one of its ranks declared dead: a desynced host must not wedge the
@@ -149,6 +152,9 @@ class ReducerConfig:
     route_secret: bytes = b""
     aggregation: str = "mean"  # how the ledger combines the deposits (robust.py; relays ship unfolded under others)
     shard: int = 0  # which reducer shard this is (shards.py): 0 the controller's; it signs as links.reducer_sender(shard)
+    # The hosts whose relays hold a reducer shard (flodl_zmq/shards.py): the controller's reducer tells them
+    # every death too, for their shards to count the rank out; a host's own shard has none.
+    shard_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.world:
@@ -363,7 +369,9 @@ class ReducerService:
             self._ready.set()
             # Commands first in a turn (the loop's rule): a bound is in place before the frames it bounds.
             loop = self._service
-            loop.on_message(DeclareDead, lambda cmd: self._death(cmd.rank, reported_by=None))
+            # A host shard hears the coordinator's deaths from its relay, after the controller's reducer told the
+            # owner's relay itself (PROTOCOL.md 10.9 item 6): it forwards none of them.
+            loop.on_message(DeclareDead, lambda cmd: self._death(cmd.rank, None, owner_knows=self.config.shard != 0))
             loop.on_message(BoundRound, self._bound)
             loop.on_message(DropBroadcast, lambda cmd: self._drop.add(cmd.round_id))
             loop.on_socket(data, lambda: self._drained(data))
@@ -511,7 +519,7 @@ class ReducerService:
             return True  # EHOSTUNREACH
         return False
 
-    def _death(self, rank: int, reported_by: str | None) -> None:
+    def _death(self, rank: int, reported_by: str | None, owner_knows: bool = False) -> None:
         try:
             with self._outer_lock:
                 declared = self.ledger.declare_dead(rank)
@@ -521,15 +529,24 @@ class ReducerService:
             return
         self._refused()
         if declared.forward_to is not None:
-            if declared.forward_to == reported_by:
-                self._forwarded.add(rank)  # the relay told us: it already let go
+            for host in self.config.shard_hosts:  # the owner's relay is told below, or told us
+                if host != declared.forward_to:
+                    self._tell(host, rank)
+            if declared.forward_to == reported_by or owner_knows:
+                self._forwarded.add(rank)  # the relay told us, or was told: it already let go
             elif declared.forward_to in self._route:
                 self._forward(declared.forward_to, rank)
         self._settled(declared.outcome)
 
     def _forward(self, host: str, rank: int) -> None:
         self._forwarded.add(rank)
-        self._send_record(host, RelayDeclareDead(rank))
+        self._tell(host, rank)
+
+    def _tell(self, host: str, rank: int) -> None:
+        """Tell `host`'s relay that `rank` is dead, now if it registered, and restate it until the end
+        (a shard host that registers later hears it at the next restatement)."""
+        if host in self._route:
+            self._send_record(host, RelayDeclareDead(rank))
         self._restate.append((host, rank))
         self._restate_at = min(self._restate_at, time.monotonic() + RESEND_AFTER_S)
 
@@ -537,9 +554,12 @@ class ReducerService:
         """Send every forwarded death again; never waits (a relay not reading gets the next one)."""
         self._count["restated_deaths"] += len(self._restate)  # counted first: a reader may look as soon as one lands
         for host, rank in self._restate:
+            route = self._route.get(host)
+            if route is None:  # a shard host not registered yet
+                continue
             try:
                 self._data.send_multipart(
-                    [self._route[host], TAG_DATA, *self._codec.encode(RelayDeclareDead(rank), channel=Channel.DATA)],
+                    [route, TAG_DATA, *self._codec.encode(RelayDeclareDead(rank), channel=Channel.DATA)],
                     zmq.NOBLOCK)
             except zmq.ZMQError:  # full, or the relay's connection is gone: the next period tries again
                 pass

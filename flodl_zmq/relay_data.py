@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from flodl_zmq.errors import FoldError, PoisonedDeposit, ShmError
+from flodl_zmq.errors import FoldError, PoisonedDeposit, ProtocolError, ShmError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.links import (
     TAG_BCAST,
@@ -517,7 +517,12 @@ class DataPlane(Plane):
         if self.assembly is None:  # no host frame shipped yet: this host has no rank in any round
             self.count[f"unexpected.{where}"] += 1
             return
-        whole = self.assembly.add(link.shard, rec.round, rec.mass, env.payload)
+        try:
+            whole = self.assembly.add(link.shard, rec.round, rec.mass, env.payload)
+        except ProtocolError as exc:  # a shard of another map or model: its slice is not this round's
+            self.count[f"protocol_violations.{where}"] += 1
+            log.error("relay %s: %s", self.cfg.host, exc)
+            return
         if whole is not None:
             # Signed by this relay: no one shard signed the whole (its ranks take it from this relay alone).
             whole_rec = Consensus(whole.round_id, whole.mass)

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.shards import ShardMap
 from flodl_zmq.wire_format import NAMES as WIRE_FORMATS
 from flodl_zmq.wire_format import WireFormat
 from flodl_zmq.wire_format import named as wire_format_named
@@ -264,9 +265,12 @@ class Settings:
             "unfolded); the Trainer's aggregation, if given, must be the same", kind=str,
             metavar="|".join(AGGREGATIONS), flags=("--aggregation",), env=("FLODL_AGGREGATION",),
             commands=("controller",), scope="run")
-    shards: str | None = setting(None, "reducer shards on hosts (shards.py): HOST=tcp://ADDRESS:PORT,... (none: "
-            "one reducer, the controller's)", kind=str, metavar="HOST=tcp://ADDRESS:PORT,...", env=("FLODL_SHARDS",),
-            scope="run")
+    # ---- which hosts' relays reduce a slice of each round besides the controller's reducer (flodl_zmq/shards.py)
+    shards: str | None = setting(None, "sharded reduction: HOST=tcp://ADDRESS:PORT,... names the hosts whose relays "
+            "each run one more reducer shard, bound at that address (its broadcast at PORT+1), so that no one link "
+            "carries every host's frame; shard 0 is the controller's reducer; runs under `flodl-zmq launch` only "
+            "in this version (none: one shard, the controller's reducer)", kind=str,
+            metavar="HOST=tcp://ADDRESS:PORT,...", env=("FLODL_SHARDS",), scope="run")
     # ---- the controller's consensus checkpoints (read by the controller role; PROTOCOL.md 13)
     checkpoint_dir: str | None = setting(None, "where the controller writes its periodic consensus checkpoints, keeping "
             "the last checkpoint_keep (none: no checkpoints)", kind=str, metavar="DIR", flags=("--checkpoint-dir",),
@@ -389,6 +393,10 @@ class Settings:
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"aggregation {self.aggregation!r} ({BY_FIELD['aggregation'].describe()}) is not one of "
                               f"{', '.join(AGGREGATIONS)}")
+        try:  # refused by name when the settings are read, not first by a relay's bind mid-start
+            ShardMap.parse(self.shards)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (the setting is {BY_FIELD['shards'].describe()})") from None
         # A silence limit at or below the beat that proves life would declare live peers dead.
         for silence, period in (
             ("rank_silence_at_relay_s", "rank_heartbeat_period_s"),
@@ -418,6 +426,11 @@ class Settings:
     def wire(self) -> WireFormat | None:
         """The run's wire format as its environment announces it (FLODL_WIRE_DTYPE), None when it does not."""
         return None if self.wire_dtype is None else wire_format_named(self.wire_dtype)
+
+    @property
+    def shard_map(self) -> ShardMap:
+        """The run's reducer shards (FLODL_SHARDS): which hosts hold one, and where it binds."""
+        return ShardMap.parse(self.shards)
 
     @property
     def effective_join_cap_s(self) -> float:

@@ -87,13 +87,13 @@ class FakeRelay:
 
 
 class Rig:
-    def __init__(self, tmp_path, kind="inproc", outer=None, wire=F32):
+    def __init__(self, tmp_path, kind="inproc", outer=None, wire=F32, **config):
         self.ctx = zmq.Context()
         self.key, self.run_id = new_key(), bytes(range(16))
         self.eps = eps = endpoints(kind, tmp_path)
         self.svc = ReducerService(
             ReducerConfig(WORLD, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05, wire=wire,
-                          route_secret=ROUTE_SECRET),
+                          route_secret=ROUTE_SECRET, **config),
             self.ctx, outer,
         )
         self.svc.start()
@@ -193,6 +193,40 @@ def test_a_forwarded_death_is_restated_so_a_lost_one_does_not_wait_for_the_relay
     # Restated a resend period later (PROTOCOL.md 10.7 item 8): the relay learns of it all the same.
     assert a.record(timeout=RESEND_AFTER_S + WAIT_S).record == RelayDeclareDead(0)
     assert rig.svc.counters()["restated_deaths"] >= 1
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """A controller's reducer whose run has a shard on host b (ReducerConfig.shard_hosts)."""
+    r = Rig(tmp_path, shard_hosts=("b",))
+    yield r
+    r.close()
+
+
+def test_every_death_also_reaches_each_shard_hosts_relay_once_and_is_restated(sharded):
+    # b's shard reduces a slice of a's frames too: a round of it waiting on a dead rank's host would hang.
+    a, b = sharded.relays["a"], sharded.relays["b"]
+    a.hello()
+    b.hello()
+    sharded.svc.declare_dead(0)
+    assert a.record().record == RelayDeclareDead(0)  # its owner, as in any run
+    assert b.record().record == RelayDeclareDead(0)  # the shard host
+    a.send(RankExit(1))  # its own relay reported it: not echoed back, but the shard host must hear it
+    assert b.record().record == RelayDeclareDead(1)
+    sharded.svc.declare_dead(2)  # the shard host's own rank: told once, as its owner
+    assert b.record().record == RelayDeclareDead(2)
+    assert not a.data.poll(300) and not b.data.poll(100)  # (restatements come a resend period later)
+    assert a.record(timeout=RESEND_AFTER_S + WAIT_S).record == RelayDeclareDead(0)
+    assert sorted(b.record().record.rank for _ in range(3)) == [0, 1, 2]
+
+
+def test_a_shard_host_that_registers_after_a_death_hears_of_it_at_the_next_restatement(sharded):
+    a, b = sharded.relays["a"], sharded.relays["b"]
+    a.hello()
+    sharded.svc.declare_dead(0)
+    assert a.record().record == RelayDeclareDead(0)
+    b.hello()
+    assert b.record(timeout=RESEND_AFTER_S + WAIT_S).record == RelayDeclareDead(0)
 
 
 def test_a_command_wakes_the_idle_service_at_once_not_after_a_poll_tick(rig):

@@ -51,7 +51,7 @@ class ShardedCluster:
         self.shards = ShardMap(tuple((h, f"tcp://127.0.0.1:{free_port_pair()}") for h in HOSTS))
         self.reducer = ReducerService(
             ReducerConfig(HOSTS, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05, wire=wire,
-                          route_secret=ROUTE_SECRET),  # TODO-MERGE shard_hosts
+                          route_secret=ROUTE_SECRET, shard_hosts=tuple(HOSTS)),
             self.ctx,
         )
         self.reducer.start()

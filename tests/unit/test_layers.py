@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "flodl_zmq"
 
 # Bottom to top. A module may import its own layer or any below it, never above.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("errors", "tensors", "int8", "wire_format", "threads", "mailbox", "service_loop", "settings"),
+    "base": ("errors", "tensors", "int8", "wire_format", "threads", "mailbox", "service_loop", "shards",
+             "settings"),
     "wire": ("wire", "wire.records", "wire.mac", "wire.codec", "wire.shm", "wire.stream", "endpoints"),
     "cores": (
         "fold", "outer", "reducer", "robust", "sampling",
@@ -24,7 +25,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
         "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "coordinator.feedback",
         "coordinator.resume", "coordinator.outputs", "coordinator.rounds", "formation", "join", "relay_core",
-        "step_report", "shards",
+        "step_report",
     ),
     "run": (
         "job", "payload", "links", "private_files", "trust", "datasets", "bundle", "environment", "security",
@@ -33,7 +34,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "services": (
         "relay", "relay_data", "reducer_service", "membership", "membership_link", "status_server", "metrics", "control_router",
-        "controller_service", "rank_link", "rank",
+        "controller_shards", "controller_service", "rank_link", "rank",
     ),
     "roles": ("session", "accelerate", "api", "controller", "agent", "launch", "remote", "demo", "cli", "warm",
               "__init__"),

@@ -1,0 +1,127 @@
+"""The controller's side of sharded reduction (flodl_zmq/shards.py): what it refuses, and the whole consensus it keeps.
+
+The controller keeps a copy of each consensus (its checkpoints, the final
+model: `Keeper.keep`). With one shard that is what its own reducer publishes,
+read in process. With host shards (`shards`, FLODL_SHARDS) its reducer is
+shard 0 and publishes only its slice, so the controller also subscribes to
+every host shard's PUB and keeps a round once `shards.Assembly` has every
+slice of it. A slice it misses (a PUB drops for a subscriber that fell
+behind; a shard's link down) leaves the kept model at the last whole round:
+the next whole round replaces it, and a checkpoint waits until the kept round
+is again the one the coordinator counted finished (`Keeper.consistent`).
+
+Phase 1 runs a sharded round only where nothing but the slices' sums differs
+from one reducer's; `slice_sizes` refuses the rest before a socket binds.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from flodl_zmq.errors import AttributionError, ConfigError, ProtocolError, WireError
+from flodl_zmq.links import drain, from_reducer, keep_alive, limit_receive
+from flodl_zmq.shards import SETTING, Assembly, ShardMap
+from flodl_zmq.wire import Channel, Codec
+from flodl_zmq.wire import records as rec
+from flodl_zmq.wire_format import CHUNK_VALUES, WireFormat, chunks
+
+log = logging.getLogger(__name__)
+
+UNDER_AGENTS = (f"{SETTING} (FLODL_SHARDS): sharded reduction runs under `flodl-zmq launch` in this version; unset "
+                "FLODL_SHARDS to run under `flodl-zmq controller` with one reducer")
+
+
+def slice_sizes(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: WireFormat, *, outer: bool,
+                aggregation: str, resumes: bool) -> list[int]:
+    """The payload frames of each shard's slice of a round; a ConfigError for what a sharded run does not run yet.
+
+    Each refused feature keeps state or takes a view that one slice alone
+    cannot (int8's error feedback and the outer step are per reducer over the
+    whole model; a median needs every rank's deposit unfolded), or starts the
+    ranks from one consensus that only the controller's reducer holds.
+    """
+    shards.check_world(list(hosts))
+    ranges = shards.ranges(len(chunks(n_values)))
+    refused = [
+        (wire.packed, f"wire_dtype {wire.name}: each shard would need its own error feedback; use f32 or bf16"),
+        (outer, "an outer step (Trainer outer=...): the controller's reducer holds the outer state of the whole "
+                "model; use outer='none'"),
+        (aggregation != "mean", f"aggregation {aggregation}: a robust aggregation takes each rank's deposit unfolded; "
+                                "use mean"),
+        (resumes, "a resume or a shipped start (resume_from, FLODL_RESUME, ship_start): the starting consensus is "
+                  "served whole by the controller's reducer; start fresh"),
+    ]
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(f"{SETTING} (FLODL_SHARDS={shards}): a sharded run does not support {what}, or unset "
+                              "FLODL_SHARDS for one reducer")
+    per_chunk = len(wire.layout(CHUNK_VALUES))  # payload frames per chunk
+    return [len(r) * per_chunk for r in ranges]
+
+
+class ConsensusCopies:
+    """The controller's SUB to each shard's PUB (shard 0: its reducer's, in process), fed to its `keep`.
+
+    `sizes`: each shard's slice frames (`slice_sizes`), None with one shard,
+    whose consensus is kept as it comes. One thread: the controller's loop,
+    which polls `sockets` and hands its events to `read`.
+    """
+
+    def __init__(self, ctx: zmq.Context, codec: Codec, keep: Callable[[rec.Consensus, list[Any]], None],
+                 counts: collections.Counter[str], sizes: list[int] | None = None) -> None:
+        self.codec, self.keep, self.counts = codec, keep, counts
+        self.assembly = None if sizes is None else Assembly(sizes)
+        self.sockets = [ctx.socket(zmq.SUB) for _ in range(1 if sizes is None else len(sizes))]
+        for sub in self.sockets:
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.LINGER, 0)
+
+    def connect(self, local_bcast: str, shards: ShardMap, max_frame_bytes: int, heartbeat_s: float,
+                silence_s: float) -> None:
+        """Shard 0 in process (no TCP copy, no CURVE); each host shard's PUB over tcp, watched like a relay's link."""
+        self.sockets[0].connect(local_bcast)
+        for k, sub in enumerate(self.sockets[1:], start=1):
+            bcast = shards.endpoints(k)[1]
+            limit_receive(sub, max_frame_bytes)  # a slice's frames are the model's chunks, none longer
+            keep_alive(sub, bcast, heartbeat_s, silence_s)
+            sub.connect(bcast)
+
+    def read(self, events: dict[Any, int]) -> None:
+        """Handle what the ready SUBs hold (a bounded batch each: the control socket must not wait)."""
+        for shard, sub in enumerate(self.sockets):
+            if sub in events:
+                drain(sub, lambda frames, k=shard: self._on_broadcast(k, frames), copy=False, budget=16)
+
+    def close(self) -> None:
+        for sub in self.sockets:
+            sub.close()
+
+    def _on_broadcast(self, shard: int, frames: list[Any]) -> None:
+        try:
+            env = self.codec.decode_from(frames, Channel.BROADCAST, from_reducer(shard), replay=False)
+        except AttributionError as exc:
+            self.counts["forged_route.bcast"] += 1
+            log.warning("controller: dropped: %s", exc)
+            return
+        except WireError as exc:
+            self.counts["rejected.bcast"] += 1
+            log.warning("controller: rejected a broadcast record of shard %d: %s", shard, exc)
+            return
+        if not isinstance(env.record, rec.Consensus):
+            return
+        if self.assembly is None:
+            self.keep(env.record, env.payload)
+            return
+        try:
+            whole = self.assembly.add(shard, env.record.round, env.record.mass, env.payload)
+        except ProtocolError as exc:  # a shard of another map or model: its slice is not ours to keep
+            self.counts["rejected.bcast"] += 1
+            log.warning("controller: %s", exc)
+            return
+        if whole is not None:
+            self.keep(rec.Consensus(round=whole.round_id, mass=whole.mass), whole.payload)

@@ -1,0 +1,125 @@
+"""The controller's copies of each consensus (flodl_zmq/controller_shards.py) over real sockets: its reducer's in
+process, and in a sharded run each host shard's PUB over tcp, kept only once a round is whole."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from flodl_zmq.controller_shards import ConsensusCopies
+from flodl_zmq.launch import free_port_base
+from flodl_zmq.links import REDUCER_SENDER, data_max_frame_bytes
+from flodl_zmq.shards import ShardMap
+from flodl_zmq.wire import Channel, Codec, new_key
+from flodl_zmq.wire.records import Consensus, Probe
+
+from .dataplane_helpers import WAIT_S
+
+pytestmark = pytest.mark.timeout(60)
+
+LOCAL = "inproc://test-reducer-bcast"
+
+
+class Rig:
+    """Shard 0's PUB (in process, as the controller's reducer binds it), and `hosts` host shards' PUBs on tcp."""
+
+    def __init__(self, hosts: int) -> None:
+        self.ctx = zmq.Context()
+        key, incarnation = new_key(), bytes(range(16))
+        self.shards = ShardMap.parse(",".join(f"h{k}=tcp://127.0.0.1:{free_port_base()}" for k in range(hosts)))
+        self.codec = Codec(key, incarnation, REDUCER_SENDER)
+        self.pubs = [self.ctx.socket(zmq.PUB) for _ in range(self.shards.count)]
+        for k, pub in enumerate(self.pubs):
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.bind(LOCAL if k == 0 else self.shards.endpoints(k)[1])
+        self.kept: list[tuple[Consensus, list[np.ndarray]]] = []
+        self.counts: collections.Counter[str] = collections.Counter()
+        sizes = None if hosts == 0 else [len(r) for r in self.shards.ranges(2 * self.shards.count)]
+        self.copies = ConsensusCopies(self.ctx, Codec(key, incarnation, "coordinator"),
+                                      lambda r, p: self.kept.append((r, [np.array(f) for f in p])), self.counts, sizes)
+        self.copies.connect(LOCAL, self.shards, data_max_frame_bytes(1 << 20), 1.0, 8.0)
+        self.poller = zmq.Poller()
+        for sub in self.copies.sockets:
+            self.poller.register(sub, zmq.POLLIN)
+        for shard in range(self.shards.count):  # PUB drops what it sends before a subscription arrived
+            self._until(lambda k=shard: self._heard(k))
+
+    def _heard(self, shard: int) -> bool:
+        """Publish a probe on `shard`'s PUB; True once its SUB got one (read, and ignored by the copies)."""
+        self.pubs[shard].send_multipart(self.codec.encode(Probe(1), channel=Channel.BROADCAST))
+        sub = self.copies.sockets[shard]
+        if sub.poll(50):
+            self.copies.read({sub: zmq.POLLIN})
+            return True
+        return False
+
+    def _read(self) -> bool:
+        self.copies.read(dict(self.poller.poll(50)))
+        return False
+
+    @staticmethod
+    def _until(pred) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not pred():
+            assert time.monotonic() < deadline, "timed out"
+
+    def publish(self, shard: int, round_id: int, mass: float, *values: float) -> None:
+        payload = [np.full(4, v, np.float32) for v in values]
+        self.pubs[shard].send_multipart(self.codec.encode(Consensus(round_id, mass), payload, channel=Channel.BROADCAST))
+
+    def kept_rounds(self, n: int) -> list[tuple[int, float, list[float]]]:
+        """Read until `n` consensus were kept: (round, mass, first value of each frame)."""
+        self._until(lambda: self._read() or len(self.kept) >= n)
+        return [(r.round, r.mass, [float(f[0]) for f in p]) for r, p in self.kept]
+
+    def close(self) -> None:
+        self.copies.close()
+        for pub in self.pubs:
+            pub.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def rig(request):
+    r = Rig(request.param)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("rig", [0], indirect=True)
+def test_with_one_shard_each_consensus_of_the_reducer_is_kept_as_it_comes(rig):
+    rig.publish(0, 1, 2.0, 1.0, 2.0)
+    rig.publish(0, 2, 2.0, 3.0, 4.0)
+    assert rig.kept_rounds(2) == [(1, 2.0, [1.0, 2.0]), (2, 2.0, [3.0, 4.0])]
+
+
+@pytest.mark.parametrize("rig", [2], indirect=True)
+def test_a_sharded_round_is_kept_whole_in_chunk_order_once_every_shard_published_its_slice(rig):
+    # 6 chunks over 3 shards: 2 frames a slice; the host shards' slices arrive first, over tcp.
+    rig.publish(2, 1, 4.0, 5.0, 6.0)
+    rig.publish(1, 1, 4.0, 3.0, 4.0)
+    rig.publish(0, 1, 4.0, 1.0, 2.0)
+    assert rig.kept_rounds(1) == [(1, 4.0, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])]
+
+
+@pytest.mark.parametrize("rig", [1], indirect=True)
+def test_a_round_whose_slice_the_controller_missed_is_not_kept_and_the_next_whole_one_is(rig):
+    rig.publish(0, 1, 2.0, 1.0, 1.0)
+    rig.publish(1, 1, 2.0, 1.0, 1.0)
+    rig.publish(1, 2, 2.0, 2.0, 2.0)  # shard 0's slice of round 2 never came (a PUB drop)
+    rig.publish(0, 3, 2.0, 3.0, 3.0)
+    rig.publish(1, 3, 2.0, 3.0, 3.0)
+    assert [r for r, _, _ in rig.kept_rounds(2)] == [1, 3]  # the kept model stayed at round 1 until round 3
+
+
+@pytest.mark.parametrize("rig", [1], indirect=True)
+def test_a_slice_of_another_size_is_refused_and_counted_not_kept(rig):
+    rig.publish(1, 1, 2.0, 1.0)  # one frame where shard 1 owns two chunks: another map or model
+    rig.publish(0, 2, 2.0, 1.0, 2.0)
+    rig.publish(1, 2, 2.0, 3.0, 4.0)
+    assert rig.kept_rounds(1) == [(2, 2.0, [1.0, 2.0, 3.0, 4.0])]
+    assert rig.counts["rejected.bcast"] == 1

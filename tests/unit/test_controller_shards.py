@@ -1,0 +1,154 @@
+"""The controller's side of a sharded run (flodl_zmq/controller_shards.py, settings, launch): what it refuses
+at start and names, the slices it expects, and who is given the shards' map and the route secret."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from flodl_zmq import cli, launch
+from flodl_zmq.controller import ControllerOptions
+from flodl_zmq.controller_service import ControllerService
+from flodl_zmq.controller_shards import slice_sizes
+from flodl_zmq.endpoints import ControllerAddress
+from flodl_zmq.environment import CHILD_SCOPES, ProcessEnv
+from flodl_zmq.errors import ConfigError
+from flodl_zmq.job import Job
+from flodl_zmq.join import JoinConfig
+from flodl_zmq.settings import Settings
+from flodl_zmq.shards import ShardMap
+from flodl_zmq.wire_format import BF16, CHUNK_VALUES, F32, INT8
+
+pytestmark = pytest.mark.usefixtures("alone")  # tests/conftest.py: no role, runs under tmp_path
+
+TWO = ShardMap.parse("h1=tcp://10.0.0.2:7400,h2=tcp://10.0.0.3:7400")  # three shards: the controller's and two
+HOSTS = ("h0", "h1", "h2")
+
+
+def sizes(shards: ShardMap = TWO, hosts: tuple[str, ...] = HOSTS, n_values: int = 5 * CHUNK_VALUES, wire=F32,
+          **kw: Any) -> list[int]:
+    return slice_sizes(shards, hosts, n_values, wire, **{"outer": False, "aggregation": "mean", "resumes": False, **kw})
+
+
+@pytest.mark.parametrize("wire", [F32, BF16], ids=["f32", "bf16"])
+def test_each_shard_expects_the_frames_of_its_own_chunks(wire):
+    # 5 chunks (the last one short) over 3 shards: 1, 2 and 2 chunks, one frame each.
+    assert sizes(n_values=5 * CHUNK_VALUES - 7, wire=wire) == [1, 2, 2]
+
+
+@pytest.mark.parametrize(("kw", "named"), [
+    ({"hosts": ("h0", "h1")}, r"lists h2, not hosts of this world \(h0, h1\)"),
+    ({"n_values": 2 * CHUNK_VALUES}, r"3 shards for a model of 2 chunk\(s\).*list at most 1 host"),
+    ({"wire": INT8}, r"does not support wire_dtype int8: each shard would need its own error feedback; use f32"),
+    ({"outer": True}, r"does not support an outer step .*use outer='none'"),
+    ({"aggregation": "median"}, r"does not support aggregation median: .*use mean"),
+    ({"resumes": True}, r"does not support a resume or a shipped start .*start fresh"),
+], ids=["host-not-in-world", "fewer-chunks-than-shards", "int8", "outer-step", "robust-aggregation", "resume"])
+def test_a_sharded_run_refuses_what_it_does_not_run_yet_naming_the_cause_and_the_fix(kw, named):
+    with pytest.raises(ConfigError, match=named) as err:
+        sizes(**kw)
+    assert "shards" in str(err.value)
+
+
+def _job(**kw: Any) -> Job:
+    data = TensorDataset(torch.zeros(16, 1), torch.zeros(16, dtype=torch.long))
+    return Job(model=lambda: torch.nn.Linear(1, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+               train_step=lambda m, b: F.cross_entropy(m(b[0]), b[1]), dataset=data, batch_size=4, epochs=1,
+               quiet=True, **kw)
+
+
+def test_the_controller_refuses_a_sharded_run_of_a_model_too_small_before_it_binds_anything():
+    # A 4-value model is one chunk: a second shard would have nothing to reduce and wait forever.
+    penv = ProcessEnv(role="controller", controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32),
+                      run_id=bytes(16), incarnation=bytes(16), world={"a": (0,), "b": (1,)},
+                      settings=Settings(shards="b=tcp://127.0.0.1:7400"), route_secret=bytes(32))
+    with pytest.raises(ConfigError, match=r"2 shards for a model of 1 chunk"):
+        ControllerService(_job(), penv)
+
+
+def test_flodl_zmq_controller_refuses_a_sharded_run_saying_where_it_runs():
+    # Its agents' relays could not be handed the route secret, and a host joining mid-run would re-form
+    # the world the shards were laid out over: refused at the command's start, not at the first round.
+    with pytest.raises(ConfigError, match=r"sharded reduction runs under `flodl-zmq launch` in this version; unset "
+                                          r"FLODL_SHARDS"):
+        ControllerOptions(ControllerAddress("127.0.0.1", 7300), ("train.py",), JoinConfig(), key=bytes(32),
+                          settings=Settings(shards="h1=tcp://10.0.0.2:7400"))
+
+
+def _launched(monkeypatch: pytest.MonkeyPatch, **kw: Any) -> dict[str, ProcessEnv]:
+    """The environment of each process `launch` would start (nothing is started)."""
+    spawned: dict[str, ProcessEnv] = {}
+    monkeypatch.setattr(launch, "runnable", lambda argv: False)  # no warm interpreter
+    monkeypatch.setattr(launch.Cluster, "_spawn", lambda self, label, penv, **_: spawned.__setitem__(label, penv))
+    cluster = launch.Cluster(argv=["train.py"], ranks_per_host=1, **kw)
+    try:
+        cluster.start()
+    finally:
+        cluster.shutdown()  # the pipes it opened for the children
+    return spawned
+
+
+def test_launch_with_shards_tells_every_process_the_map_and_only_shard_hosts_the_route_secret(monkeypatch):
+    monkeypatch.delenv("FLODL_SHARDS", raising=False)
+    spawned = _launched(monkeypatch, hosts=3, shards=2)
+    controller = spawned["controller"]
+    shards = controller.settings.shard_map
+    assert [host for host, _ in shards.hosts] == ["h0", "h1"]
+    assert {p.to_environ()["FLODL_SHARDS"] for p in spawned.values()} == {str(shards)}
+    secret = controller.route_secret.hex()
+    assert spawned["h0:relay"].to_environ()["FLODL_ROUTE_SECRET"] == secret
+    assert spawned["h1:relay"].to_environ()["FLODL_ROUTE_SECRET"] == secret
+    assert "FLODL_ROUTE_SECRET" not in spawned["h2:relay"].to_environ()
+    assert not any("FLODL_ROUTE_SECRET" in spawned[f"h{h}:{h}"].to_environ() for h in range(3))  # never a rank
+    # Each shard's two ports are its own, past the controller's four.
+    base = controller.controller.port
+    assert [shards.endpoints(k) for k in (1, 2)] == [
+        (f"tcp://127.0.0.1:{base + 4}", f"tcp://127.0.0.1:{base + 5}"),
+        (f"tcp://127.0.0.1:{base + 6}", f"tcp://127.0.0.1:{base + 7}")]
+
+
+def test_launch_reads_the_shards_from_the_environment_like_every_run_setting(monkeypatch):
+    monkeypatch.setenv("FLODL_SHARDS", "h1=tcp://127.0.0.1:7400")
+    spawned = _launched(monkeypatch, hosts=2)
+    assert spawned["h0:0"].to_environ()["FLODL_SHARDS"] == "h1=tcp://127.0.0.1:7400"
+    assert "FLODL_ROUTE_SECRET" in spawned["h1:relay"].to_environ()
+    assert "FLODL_ROUTE_SECRET" not in spawned["h0:relay"].to_environ()
+
+
+@pytest.mark.parametrize(("args", "env", "named"), [
+    (["--hosts", "2", "--shards", "3"], None, r"--shards 3: .* at most --hosts \(2\)"),
+    (["--hosts", "2", "--shards", "1"], "h1=tcp://127.0.0.1:7400", r"--shards 1 and FLODL_SHARDS=.* give one of them"),
+], ids=["more-shards-than-hosts", "flag-and-variable"])
+def test_launch_refuses_a_shard_count_it_cannot_run_before_it_starts_any_process(args, env, named, tmp_path,
+                                                                                 monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    if env is None:
+        monkeypatch.delenv("FLODL_SHARDS", raising=False)
+    else:
+        monkeypatch.setenv("FLODL_SHARDS", env)
+
+    def started(*_: object) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(launch, "warm_interpreter", started)
+    monkeypatch.setattr(launch.Cluster, "_spawn_cohort", started)
+    assert cli.main(["launch", *args, "train.py"]) == 2
+    assert re.search(named, capsys.readouterr().err)
+
+
+def test_a_bad_shards_entry_is_refused_by_name_when_the_settings_are_read():
+    with pytest.raises(ConfigError, match=r"shards entry h1=10\.0\.0\.2:7400: .*tcp://ADDRESS:PORT.*FLODL_SHARDS"):
+        Settings.from_environ({"FLODL_SHARDS": "h1=10.0.0.2:7400"})
+
+
+def test_the_shards_are_a_run_setting_every_child_reads_back():
+    settings = Settings.from_environ({"FLODL_SHARDS": "h1=tcp://10.0.0.2:7400"})
+    assert settings.shard_map.endpoints(1) == ("tcp://10.0.0.2:7400", "tcp://10.0.0.2:7401")
+    assert Settings.from_environ(settings.to_environ(("run",)), CHILD_SCOPES).shards == settings.shards
+    assert Settings().shard_map.count == 1  # unset: the controller's reducer alone
