@@ -70,7 +70,7 @@ import zmq
 from flodl_zmq import bundle
 from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
 from flodl_zmq.control_router import ControlRouter
-from flodl_zmq.controller_shards import ConsensusCopies, slice_sizes
+from flodl_zmq.controller_shards import ConsensusCopies, shard_lost, slice_sizes
 from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.liveness import STOP_HINTS, RankState
 from flodl_zmq.coordinator.outputs import (
@@ -525,6 +525,7 @@ class ControllerService:
         elif report.code != 0:  # its ranks lost their only path to us
             for rank in self.world[report.host]:
                 self.declare_dead(rank, f"the relay of {report.host} exited with code {report.code}")
+            self._stop_with(shard_lost(self.shards, report.host, report.code))
 
     def _exited(self, rank: int, code: int | None, reason: str) -> None:
         """A rank is gone (`code` None: its host); a clean exit before the world formed is a rank that never comes."""
@@ -595,9 +596,12 @@ class ControllerService:
 
     def _callback_failed(self, error: str) -> None:
         print(f"callback error: {error}", flush=True)
-        stop = self.job.stop_on_callback_error("a user callback", error)
-        if stop is not None and self.stop_error is None:
-            self.stop_error = stop
+        self._stop_with(self.job.stop_on_callback_error("a user callback", error))
+
+    def _stop_with(self, error: FlodlError | None) -> None:
+        """End the run for `error` (None: go on): every live rank is told to stop, the run raises it."""
+        if error is not None and self.stop_error is None:
+            self.stop_error = error
             for r in self.core.liveness.live:
                 self.router.send_rank(r, rec.Shutdown())
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from flodl_zmq.errors import AttributionError, ConfigError, ProtocolError, WireError
+from flodl_zmq.errors import AttributionError, ConfigError, ProtocolError, TrainingError, WireError
 from flodl_zmq.links import drain, from_reducer, keep_alive, limit_receive
 from flodl_zmq.shards import SETTING, Assembly, ShardMap
 from flodl_zmq.wire import Channel, Codec
@@ -62,6 +62,20 @@ def slice_sizes(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: Wir
                               "FLODL_SHARDS for one reducer")
     per_chunk = len(wire.layout(CHUNK_VALUES))  # payload frames per chunk
     return [len(r) * per_chunk for r in ranges]
+
+
+def shard_lost(shards: ShardMap, host: str, code: int) -> TrainingError | None:
+    """The run's end when `host`'s relay exited with `code` while it ran a reducer shard, else None.
+
+    No other process holds that shard's chunks of the consensus, so every later round would wait
+    for them for ever: the run stops at once, naming the shard (PROTOCOL.md 10.9 item 9).
+    """
+    k = shards.shard_of(host)
+    if k is None:
+        return None
+    return TrainingError(f"reducer shard {k} ran in the relay of host {host}, which exited with code {code}: no other "
+                         "process holds its chunks of the consensus, so the run stops (this version re-homes no "
+                         "shard); start the run again, or without FLODL_SHARDS")
 
 
 class ConsensusCopies:

@@ -146,7 +146,9 @@ class ReducerConfig:
     max_frame_bytes: int = DATA_MAX_FRAME_BYTES
     link_heartbeat_period_s: float = DEFAULTS.link_heartbeat_period_s  # ZeroMQ heartbeats on tcp://
     link_silence_s: float = DEFAULTS.link_silence_s  # a relay's connection silent this long is dropped
-    wire: WireFormat = F32  # the run's wire format (Job.wire): a host frame of another is refused at the first
+    # The run's wire format (Job.wire): a host frame of another is refused at the first. None (a host's shard in
+    # a run that announces none, FLODL_WIRE_DTYPE): the first host frame's format holds, as in a relay's fold.
+    wire: WireFormat | None = F32
     # What each host's token derives from (links.host_token): a hello without its host's is refused.
     # Required: a reducer without it could not tell a host's relay from any other member.
     route_secret: bytes = b""
@@ -239,8 +241,9 @@ class ReducerService:
                  outer: OuterOptimizer | None = None, resumed: tuple[int, list[np.ndarray]] | None = None):
         self.config = config
         self.ledger = RoundLedger(config.world, outer, config.aggregation)
-        if resumed is not None and not config.wire.is_payload(resumed[1]):
-            raise ConfigError(f"the resumed consensus is not a {config.wire.name} payload (WireFormat.resume_payload)")
+        if resumed is not None and not (config.wire is not None and config.wire.is_payload(resumed[1])):
+            raise ConfigError(f"the resumed consensus is not a payload of the run's wire format {config.wire} "
+                              "(WireFormat.resume_payload)")
         self._resumed = resumed  # (round, payload in the wire format): the starting consensus, see WireFormat.resume_payload
         if resumed is not None:
             self.ledger.start_at(*resumed)
@@ -323,6 +326,10 @@ class ReducerService:
             return None
         with self._outer_lock:
             return outer.global_model.copy(), outer.momentum.copy()
+
+    def serving(self) -> bool:
+        """Whether a host still has a live rank: a round may still come (a host's shard serves until none does)."""
+        return bool(self.ledger.expected_hosts())
 
     def subscribed(self) -> set[str]:
         """Hosts whose relays proved they receive the broadcast."""
@@ -594,7 +601,7 @@ class ReducerService:
 
     def _publish(self, red: Reduced) -> None:
         tensors = self._hop.send_on(red.tensors)
-        if self.config.wire.packed and self.ledger.outer is not None and red.mass > 0.0:
+        if self._hop.wire is not None and self._hop.wire.packed and self.ledger.outer is not None and red.mass > 0.0:
             self.ledger.outer.published(tensors)  # the next pseudo-gradient starts where the ranks do
         frames = self._codec.encode(Consensus(red.round_id, red.mass), tensors, channel=Channel.BROADCAST)
         self._latest_frames = (red.round_id, frames)

@@ -206,8 +206,9 @@ class Relay:
         except threading.BrokenBarrierError:
             self.stop()
             raise FlodlError(f"relay {self.config.host} failed to start: {self.error}") from self.error
-        log.info("relay %s up: ranks %s, local %s / %s, aggregation %s", self.config.host, list(self.config.ranks),
-                 self.config.local_control, self.config.local_data, self.config.aggregation)
+        log.info("relay %s up: ranks %s, local %s / %s, aggregation %s%s", self.config.host, list(self.config.ranks),
+                 self.config.local_control, self.config.local_data, self.config.aggregation,
+                 "" if self.shard is None else f", reducer shard {self.shard.config.shard} at {self.shard.config.data_bind}")
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop both threads and close their sockets (idempotent)."""
@@ -480,10 +481,6 @@ def shard_config(penv: ProcessEnv, cfg: RelayConfig) -> ReducerConfig | None:
     k = cfg.shards.shard_of(cfg.host)
     if k is None:
         return None
-    if cfg.wire is None:
-        raise ConfigError(f"host {cfg.host} runs reducer shard {k}, which must know the run's wire format: the "
-                          "controller announces it as FLODL_WIRE_DTYPE in every sharded run (is this relay of an "
-                          "older flodl-zmq than the controller?)")
     data, bcast = cfg.shards.endpoints(k)
     s = penv.settings
     return ReducerConfig(world={h: tuple(sorted(rs)) for h, rs in penv.world.items()}, key=cfg.key,
@@ -515,7 +512,8 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
         signal.signal(sig, lambda *_: relay.stop(timeout=0))
     ranks = set(cfg.ranks)
     while not relay.wait(0.2):
-        if ranks <= relay.fold.dead:
+        # A host's shard reduces every host's chunks: its relay stays until no rank of the run is left.
+        if ranks <= relay.fold.dead and (relay.shard is None or not relay.shard.serving()):
             # Give the last goodbye and any shipped frame time to leave before closing.
             time.sleep(0.5)
             break

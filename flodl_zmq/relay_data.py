@@ -425,15 +425,16 @@ class DataPlane(Plane):
         business: the controller's reducer tells every shard's host of every death (PROTOCOL.md 10.9)."""
         if rank in self.fold.dead:  # deaths are restated (10.7 item 8): a repeat is a no-op
             self.count[f"restated_death.{link.where}"] += 1
-        elif rank in self.cfg.ranks and link.shard == 0:
-            log.warning("relay %s: the controller declared rank %d dead", self.cfg.host, rank)
-            self.leave(rank)
-        elif rank in self.cfg.ranks:
+        elif rank in self.cfg.ranks and link.shard != 0:
             self.out(rank, f"reducer shard {link.shard} refused this host's frame")
-        elif self.shard is not None and link.shard == 0:
-            self.shard.declare_dead(rank)
-        else:
+        elif rank not in self.cfg.ranks and (self.shard is None or link.shard != 0):
             self.count[f"unknown_rank.{link.where}"] += 1
+        else:
+            if rank in self.cfg.ranks:
+                log.warning("relay %s: the controller declared rank %d dead", self.cfg.host, rank)
+                self.leave(rank)
+            if self.shard is not None:
+                self.shard.declare_dead(rank)
 
     def shard_outcomes(self) -> None:
         """What became of this host's shard's rounds: only a failure of its service is this relay's business."""
@@ -483,7 +484,7 @@ class DataPlane(Plane):
         """`link`'s shard's frames of a host frame's payload (one shard: all of it)."""
         if len(self.links) == 1:
             return payload
-        per_chunk = 2 if self.cfg.wire is not None and self.cfg.wire.packed else 1
+        per_chunk = 2 if self.hop.wire is not None and self.hop.wire.packed else 1  # the run's, or its first deposit's
         if self.ranges is None:
             self.ranges = self.cfg.shards.ranges(len(payload) // per_chunk)
             self.assembly = Assembly([len(r) * per_chunk for r in self.ranges])

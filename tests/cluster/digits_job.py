@@ -7,7 +7,8 @@ Every process of a test cluster runs this file; the controller prints one
 call), --eval-ms (a sleep per eval; with --slow-evals N, in the first N evals of each rank only), --callback-errors report|stop, --wire-dtype f32|bf16, --cosine (an LR schedule over the whole
 run, each step's LR recorded as the scalar "lr"), --max-grad-norm X, --workers N (loader processes
 per rank), --outer none|nesterov|momentum, --anchor N (ElChe's window floor), --easgd-alpha A (cpu-async's pull to each consensus), --heartbeat-timeout S (the coordinator's rank silence limit: the chaos suite's short one),
---gate PATH --gate-after N (each rank holds before its step N+1 until PATH exists: the run cannot
+--pad-chunks N (a frozen all-zero parameter of N payload chunks ahead of the MLP's, so a sharded run's
+host shards reduce the MLP's own values: PROTOCOL.md 10.9), --gate PATH --gate-after N (each rank holds before its step N+1 until PATH exists: the run cannot
 end before the test has seen what it waits for, whatever this machine's speed; the test opens it).
 Environment: DIGITS_SHIFT=1 makes this process load a perturbed dataset (a dataset mismatch);
 DIGITS_SIGKILL_RANK=N makes rank N SIGKILL itself before it does anything (a rank that dies before
@@ -29,6 +30,7 @@ import flodl_zmq as fz
 from flodl_zmq.api import Trainer
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import accuracy, cross_entropy_step, mlp, sgd
+from flodl_zmq.wire_format import CHUNK_VALUES
 
 calls = {"eval": 0, "step": 0}
 GATE_HANG_GUARD_S = 120.0  # a test that never opens its gate fails on its own deadline first
@@ -72,6 +74,18 @@ def held(gate: str | os.PathLike[str], *, after_epochs: int, epochs: int, ranks:
     return ["--gate", str(gate), "--gate-after", str(limit)]
 
 
+class Padded(torch.nn.Module):
+    """The MLP behind a frozen parameter of `chunks` payload chunks of zeros (registered first: it leads the payload)."""
+
+    def __init__(self, chunks: int) -> None:
+        super().__init__()
+        self.pad = torch.nn.Parameter(torch.zeros(chunks * CHUNK_VALUES), requires_grad=False)
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 def main() -> None:
     if os.environ.get("FLODL_ROLE") == "rank" and os.environ.get("FLODL_RANK") == os.environ.get("DIGITS_SIGKILL_RANK"):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -94,6 +108,7 @@ def main() -> None:
     p.add_argument("--outer", default="none")
     p.add_argument("--anchor", type=int)
     p.add_argument("--easgd-alpha", type=float)
+    p.add_argument("--pad-chunks", type=int, default=0)
     p.add_argument("--gate")
     p.add_argument("--gate-after", type=int, default=0)
     args = p.parse_args()
@@ -131,7 +146,7 @@ def main() -> None:
         return accuracy(model, dataset)
 
     result = Trainer(
-        model=mlp, optimizer=sgd, train_step=step, dataset=train, batch_size=args.batch_size,
+        model=(lambda: Padded(args.pad_chunks)) if args.pad_chunks else mlp, optimizer=sgd, train_step=step, dataset=train, batch_size=args.batch_size,
         epochs=args.epochs, mode=args.mode, eval_dataset=test, eval_fn=evaluate,
         on_callback_error=args.callback_errors, save_path=args.save, resume_from=args.resume,
         wire_dtype=args.wire_dtype, rank_silence_at_coordinator_s=args.heartbeat_timeout,

@@ -12,7 +12,7 @@ import zmq
 
 from flodl_zmq.controller_shards import ConsensusCopies
 from flodl_zmq.launch import free_port_base
-from flodl_zmq.links import REDUCER_SENDER, data_max_frame_bytes
+from flodl_zmq.links import data_max_frame_bytes, reducer_sender
 from flodl_zmq.shards import ShardMap
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import Consensus, Probe
@@ -31,7 +31,7 @@ class Rig:
         self.ctx = zmq.Context()
         key, incarnation = new_key(), bytes(range(16))
         self.shards = ShardMap.parse(",".join(f"h{k}=tcp://127.0.0.1:{free_port_base()}" for k in range(hosts)))
-        self.codec = Codec(key, incarnation, REDUCER_SENDER)
+        self.codecs = [Codec(key, incarnation, reducer_sender(k)) for k in range(self.shards.count)]  # each shard signs as itself
         self.pubs = [self.ctx.socket(zmq.PUB) for _ in range(self.shards.count)]
         for k, pub in enumerate(self.pubs):
             pub.setsockopt(zmq.LINGER, 0)
@@ -50,7 +50,7 @@ class Rig:
 
     def _heard(self, shard: int) -> bool:
         """Publish a probe on `shard`'s PUB; True once its SUB got one (read, and ignored by the copies)."""
-        self.pubs[shard].send_multipart(self.codec.encode(Probe(1), channel=Channel.BROADCAST))
+        self.pubs[shard].send_multipart(self.codecs[shard].encode(Probe(1), channel=Channel.BROADCAST))
         sub = self.copies.sockets[shard]
         if sub.poll(50):
             self.copies.read({sub: zmq.POLLIN})
@@ -69,7 +69,8 @@ class Rig:
 
     def publish(self, shard: int, round_id: int, mass: float, *values: float) -> None:
         payload = [np.full(4, v, np.float32) for v in values]
-        self.pubs[shard].send_multipart(self.codec.encode(Consensus(round_id, mass), payload, channel=Channel.BROADCAST))
+        self.pubs[shard].send_multipart(self.codecs[shard].encode(Consensus(round_id, mass), payload,
+                                                                channel=Channel.BROADCAST))
 
     def kept_rounds(self, n: int) -> list[tuple[int, float, list[float]]]:
         """Read until `n` consensus were kept: (round, mass, first value of each frame)."""

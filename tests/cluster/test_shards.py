@@ -1,0 +1,81 @@
+"""Sharded reduction for real (PROTOCOL.md 10.9): `flodl-zmq launch --shards N`, every process its own.
+
+The job's model leads its payload with frozen chunks of zeros (digits_job.py `--pad-chunks`), so the
+digits MLP's own values lie in the last host shard's chunks: a run that trains, and a saved model that
+scores what the run's final eval scored, show every slice was reduced and put back together in order.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flodl_zmq import bundle
+from flodl_zmq.datasets import digits
+from flodl_zmq.demo import accuracy
+from flodl_zmq.launch import Cluster
+from tests.cluster.digits_job import RELIABLE_ACCURACY, Padded
+
+JOB = str(Path(__file__).with_name("digits_job.py"))
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
+
+
+def result_of(out: str) -> dict | None:
+    lines = [line for line in out.splitlines() if line.startswith("[controller] RESULT ")]
+    return json.loads(lines[-1][len("[controller] RESULT "):]) if lines else None
+
+
+def line_of(out: str, text: str) -> str:
+    return next((line for line in out.splitlines() if text in line), "")
+
+
+def wait_for(cluster: Cluster, text: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in cluster.output():
+        assert time.monotonic() < deadline, f"{text!r} never appeared:\n{cluster.output()}"
+        time.sleep(0.05)
+
+
+def test_a_run_sharded_over_both_hosts_trains_and_saves_the_whole_consensus(tmp_path, warm):
+    stem = str(tmp_path / "sharded")
+    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "8", "--batch-size", "16", "--save", stem],
+                      hosts=2, ranks_per_host=2, shards=2, warm=warm)
+    cluster.start()
+    code = cluster.wait(150)
+    out = cluster.output()
+    assert code == 0, out
+    # Three shards over three chunks: the controller's, then h0's and h1's relay, each said where it listens.
+    assert ", reducer shard 1 at tcp://127.0.0.1:" in line_of(out, "relay h0 up"), out
+    assert ", reducer shard 2 at tcp://127.0.0.1:" in line_of(out, "relay h1 up"), out
+    result = result_of(out)
+    assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, out
+    # The controller's copy is the whole consensus: the MLP (in shard 2's chunk) scores what the final eval did.
+    state, _ = bundle.load(stem)
+    model = Padded(2)
+    model.load_state_dict(state)
+    assert torch.count_nonzero(model.pad) == 0
+    assert accuracy(model, digits()[1]) == pytest.approx(result["accuracy"], abs=1e-6)
+
+
+def test_losing_a_shards_host_stops_the_run_at_once_naming_the_shard(warm):
+    gate = "/nonexistent-gate-never-opened"  # the ranks hold after one batch: the run is mid-epoch when h1 goes
+    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "4", "--batch-size", "16", "--gate", gate,
+                            "--gate-after", "1"], hosts=2, ranks_per_host=2, shards=2, warm=warm)
+    cluster.start()
+    try:
+        wait_for(cluster, "reducer shard 2 at tcp://")
+        cluster.kill("h1:relay", signal.SIGKILL)
+        code = cluster.wait(90)
+    finally:
+        cluster.shutdown()
+    out = cluster.output()
+    assert code != 0, out
+    assert "reducer shard 2 ran in the relay of host h1, which exited with code -9" in out, out
+    assert result_of(out) is None
