@@ -37,22 +37,21 @@ UNDER_AGENTS = (f"{SETTING} (FLODL_SHARDS): sharded reduction runs under `flodl-
 
 
 def slice_sizes(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: WireFormat, *, outer: bool,
-                aggregation: str, resumes: bool) -> list[int]:
+                resumes: bool) -> list[int]:
     """The payload frames of each shard's slice of a round; a ConfigError for what a sharded run does not run yet.
 
-    Each refused feature keeps state or takes a view that one slice alone
-    cannot (int8's error feedback and the outer step are per reducer over the
-    whole model; a median needs every rank's deposit unfolded), or starts the
-    ranks from one consensus that only the controller's reducer holds.
+    What works per slice runs sharded: sums, int8 (each shard's error feedback
+    is over its own positions), a median or trimmed mean (coordinate-wise).
+    Refused: the outer step, whose state only the controller's reducer holds
+    (a host shard has no starting model to step from), and a start from one
+    consensus that only the controller's reducer serves (a resume, a shipped
+    start).
     """
     shards.check_world(list(hosts))
     ranges = shards.ranges(len(chunks(n_values)))
     refused = [
-        (wire.packed, f"wire_dtype {wire.name}: each shard would need its own error feedback; use f32 or bf16"),
         (outer, "an outer step (Trainer outer=...): the controller's reducer holds the outer state of the whole "
                 "model; use outer='none'"),
-        (aggregation != "mean", f"aggregation {aggregation}: a robust aggregation takes each rank's deposit unfolded; "
-                                "use mean"),
         (resumes, "a resume or a shipped start (resume_from, FLODL_RESUME, ship_start): the starting consensus is "
                   "served whole by the controller's reducer; start fresh"),
     ]

@@ -196,14 +196,16 @@ class DataPlane(Plane):
     def serve(self, loop: ServiceLoop) -> None:
         """Until the relay stops: the control thread's word of a death, each shard's records and broadcast,
         the ranks' deposits, and the timers (hellos, consensus re-asks)."""
+        # The shards' word first in a turn, then the ranks': a death restated before a deposit is acted on before it.
+        for link in self.links:
+            loop.on_socket(link.up, lambda k=link: self.drained(k.up, lambda m: self.from_reducer(k, m)))
+            loop.on_socket(link.sub, lambda k=link: self.drained(k.sub, lambda m: self.consensus(k, m, "bcast")))
         loop.on_socket(self.local, lambda: self.drained(self.local, self.deposit))
         loop.on_message(RankGone, lambda gone: self.local_death(gone.rank))
         if self.shard is not None:
             loop.on_socket(self.shard.completed, self.shard_outcomes)
         monitors = []
         for link in self.links:
-            loop.on_socket(link.up, lambda k=link: self.drained(k.up, lambda m: self.from_reducer(k, m)))
-            loop.on_socket(link.sub, lambda k=link: self.drained(k.sub, lambda m: self.consensus(k, m, "bcast")))
             loop.on_writable(link.up, lambda k=link: len(k.outbox) > 0, lambda k=link: self.flush_up(k))
             loop.timer(link.hello.next_due, lambda now, k=link: self.say_hello(k, now))
             loop.timer(link.watch.next_due, lambda now, k=link: self.recover(k, now))

@@ -64,6 +64,25 @@ def test_a_run_sharded_over_both_hosts_trains_and_saves_the_whole_consensus(tmp_
     assert accuracy(model, digits()[1]) == pytest.approx(result["accuracy"], abs=1e-6)
 
 
+@pytest.mark.parametrize(("setting", "args"), [
+    ({"FLODL_WIRE_DTYPE": "int8"}, ["--wire-dtype", "int8"]),
+    ({"FLODL_AGGREGATION": "median"}, []),
+], ids=["int8", "median"])
+def test_an_int8_wire_and_a_median_run_sharded_as_they_run_whole(monkeypatch, warm, setting, args):
+    # Position by position: each shard encodes its slice with its own error feedback (int8), or takes the
+    # coordinate-wise median of its chunks of every rank's deposit (median).
+    for name, value in setting.items():
+        monkeypatch.setenv(name, value)
+    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16", *args],
+                      hosts=2, ranks_per_host=2, shards=2, warm=warm)
+    cluster.start()
+    code = cluster.wait(150)
+    out = cluster.output()
+    assert code == 0, out
+    result = result_of(out)
+    assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, out
+
+
 def test_losing_a_shards_host_stops_the_run_at_once_naming_the_shard(warm):
     gate = "/nonexistent-gate-never-opened"  # the ranks hold after one batch: the run is mid-epoch when h1 goes
     cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "4", "--batch-size", "16", "--gate", gate,

@@ -124,3 +124,14 @@ def test_a_slice_of_another_size_is_refused_and_counted_not_kept(rig):
     rig.publish(1, 2, 2.0, 3.0, 4.0)
     assert rig.kept_rounds(1) == [(2, 2.0, [1.0, 2.0, 3.0, 4.0])]
     assert rig.counts["rejected.bcast"] == 1
+
+
+@pytest.mark.parametrize("rig", [1], indirect=True)
+def test_a_slice_signed_as_another_shard_is_refused_each_shard_speaks_for_its_own_chunks(rig):
+    # Shard 0's name on shard 1's PUB (a replayed or misdirected slice): attribution refuses it.
+    rig.pubs[1].send_multipart(rig.codecs[0].encode(Consensus(1, 2.0), [np.full(4, 9.0, np.float32)] * 2,
+                                                    channel=Channel.BROADCAST))
+    rig.publish(0, 1, 2.0, 1.0, 2.0)
+    rig.publish(1, 1, 2.0, 3.0, 4.0)
+    assert rig.kept_rounds(1) == [(1, 2.0, [1.0, 2.0, 3.0, 4.0])]
+    assert rig.counts["forged_route.bcast"] == 1

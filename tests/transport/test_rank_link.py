@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from flodl_zmq import rank_link
-from flodl_zmq.links import COORDINATOR_SENDER, REDUCER_SENDER, coordinator_sender, rank_identity
+from flodl_zmq.links import COORDINATOR_SENDER, REDUCER_SENDER, coordinator_sender, rank_identity, relay_sender
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig, RankLink
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def link(tmp_path, monkeypatch):
+def link(request, tmp_path, monkeypatch):
     # No coordinator here acknowledges the rank's records: its bounded wait for that at exit
     # would only run out (4 s a test).
     monkeypatch.setattr(rank_link, "ACK_WAIT_AT_EXIT_S", 0.0)
@@ -34,7 +34,7 @@ def link(tmp_path, monkeypatch):
         s.bind(f"ipc://{tmp_path}/{name}")
     cfg = RankConfig(rank=0, local_rank=0, world_size=1, host="a", key=key, incarnation=run_id,
                      control_endpoint=f"ipc://{tmp_path}/c", data_endpoint=f"ipc://{tmp_path}/d",
-                     rank_heartbeat_period_s=30.0)
+                     rank_heartbeat_period_s=30.0, sharded=getattr(request, "param", False))
     lk = RankLink(cfg, ctx, lambda: 0)
     lk.start()
     # The first heartbeat tells us the link is up (and gives the ROUTER the rank's route).
@@ -84,6 +84,21 @@ def test_a_consensus_framed_by_anyone_but_the_reducer_is_rejected(link):
     data.send_multipart([rank_identity(0), *genuine])
     got = lk.inbox.get(WAIT_S)
     assert isinstance(got, ConsensusIn) and got.env.sender == REDUCER_SENDER
+    assert lk.rejected == 1
+
+
+@pytest.mark.parametrize("link", [True], indirect=True, ids=["sharded"])
+def test_in_a_sharded_run_the_framed_consensus_is_the_relays_and_no_one_shards(link):
+    # The relay puts the shards' slices together and signs the whole (PROTOCOL.md 10.9 item 5): a slice
+    # signed by a shard, the controller's included, is not a consensus a rank may load.
+    lk, _control, data, key, run_id = link
+    t = [np.arange(4, dtype=np.float32)]
+    slice_ = Codec(key, run_id, REDUCER_SENDER).encode(rec.Consensus(1, 1.0), t, channel=Channel.BROADCAST)
+    whole = Codec(key, run_id, relay_sender("a")).encode(rec.Consensus(1, 1.0), t, channel=Channel.BROADCAST)
+    send_when_routable(data, [rank_identity(0), *slice_])
+    data.send_multipart([rank_identity(0), *whole])
+    got = lk.inbox.get(WAIT_S)
+    assert isinstance(got, ConsensusIn) and got.env.sender == relay_sender("a")
     assert lk.rejected == 1
 
 
