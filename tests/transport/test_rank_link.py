@@ -11,7 +11,13 @@ import pytest
 import zmq
 
 from flodl_zmq import rank_link
-from flodl_zmq.links import COORDINATOR_SENDER, REDUCER_SENDER, coordinator_sender, rank_identity, relay_sender
+from flodl_zmq.links import (
+    COORDINATOR_SENDER,
+    REDUCER_SENDER,
+    coordinator_sender,
+    rank_identity,
+    relay_sender,
+)
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig, RankLink
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire import records as rec
