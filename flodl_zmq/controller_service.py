@@ -155,8 +155,7 @@ class ControllerService:
         self.shards = penv.settings.shard_map
         # Refused before a socket binds: what a sharded run does not run yet (its slices' frames otherwise).
         self.slice_sizes = None if self.shards.count == 1 else slice_sizes(
-            self.shards, self.world, self.kept.consensus.size, job.wire, outer=self.outer is not None,
-            resumes=bool(job.resume_from or job.ship_start))
+            self.shards, self.world, self.kept.consensus.size, job.wire, outer=self.outer is not None)
         self.config = coordinator_config(job)
         self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resumed.coordinator)
         self.model_sig = model_signature(self.model)

@@ -36,29 +36,22 @@ UNDER_AGENTS = (f"{SETTING} (FLODL_SHARDS): sharded reduction runs under `flodl-
                 "FLODL_SHARDS to run under `flodl-zmq controller` with one reducer")
 
 
-def slice_sizes(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: WireFormat, *, outer: bool,
-                resumes: bool) -> list[int]:
+def slice_sizes(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: WireFormat, *, outer: bool) -> list[int]:
     """The payload frames of each shard's slice of a round; a ConfigError for what a sharded run does not run yet.
 
     What works per slice runs sharded: sums, int8 (each shard's error feedback
-    is over its own positions), a median or trimmed mean (coordinate-wise).
-    Refused: the outer step, whose state only the controller's reducer holds
-    (a host shard has no starting model to step from), and a start from one
-    consensus that only the controller's reducer serves (a resume, a shipped
-    start).
+    is over its own positions), a median or trimmed mean (coordinate-wise),
+    and a resumed or shipped start (the controller's reducer serves the
+    starting model whole). Refused: the outer step, whose state only the
+    controller's reducer holds (a host shard has no starting model to step
+    from).
     """
     shards.check_world(list(hosts))
     ranges = shards.ranges(len(chunks(n_values)))
-    refused = [
-        (outer, "an outer step (Trainer outer=...): the controller's reducer holds the outer state of the whole "
-                "model; use outer='none'"),
-        (resumes, "a resume or a shipped start (resume_from, FLODL_RESUME, ship_start): the starting consensus is "
-                  "served whole by the controller's reducer; start fresh"),
-    ]
-    for hit, what in refused:
-        if hit:
-            raise ConfigError(f"{SETTING} (FLODL_SHARDS={shards}): a sharded run does not support {what}, or unset "
-                              "FLODL_SHARDS for one reducer")
+    if outer:
+        raise ConfigError(f"{SETTING} (FLODL_SHARDS={shards}): a sharded run does not support an outer step (Trainer "
+                          "outer=...): the controller's reducer holds the outer state of the whole model; use "
+                          "outer='none', or unset FLODL_SHARDS for one reducer")
     per_chunk = len(wire.layout(CHUNK_VALUES))  # payload frames per chunk
     return [len(r) * per_chunk for r in ranges]
 

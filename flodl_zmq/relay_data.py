@@ -323,14 +323,15 @@ class DataPlane(Plane):
             self.count["consensus_resent.local_data"] += 1
             self.to_rank(rank, out)
         elif round_id == RESUME_ROUND and self.delivered is None:
-            # The starting model of a resumed world: the reducer holds it, and this relay delivers
-            # it to every live rank like a round it shipped (a rank that missed it asks again).
-            # Once a later round is delivered it is superseded: nobody here can still need it.
-            # Asked upstream once for all the host's ranks; the watch repeats it, backing off (10.3).
-            for link in self.links:
-                if round_id not in link.watch.pending:
-                    link.watch.shipped(round_id, time.monotonic())
-                    self.request(link, round_id)
+            # The starting model of a resumed world: the controller's reducer holds it whole (sharded or
+            # not), and this relay delivers it to every live rank like a round it shipped (a rank that
+            # missed it asks again). Once a later round is delivered it is superseded: nobody here can
+            # still need it. Asked upstream once for all the host's ranks; the watch repeats it, backing
+            # off (10.3).
+            link = self.links[0]
+            if round_id not in link.watch.pending:
+                link.watch.shipped(round_id, time.monotonic())
+                self.request(link, round_id)
         elif self.fold.awaits(rank, round_id):
             self.count["frame_requests.local_data"] += 1
             self.to_rank(rank, self.codec.encode(FrameRequest(round_id), channel=Channel.DATA))
@@ -516,6 +517,9 @@ class DataPlane(Plane):
             self.request(link, r)
         if len(self.links) == 1:
             self.deliver(rec, env.payload, list(frames))
+            return
+        if rec.round == RESUME_ROUND and link.shard == 0:  # the starting model, whole: signed here as a round is
+            self.deliver(rec, env.payload, self.codec.encode(rec, env.payload, channel=Channel.BROADCAST))
             return
         if self.assembly is None:  # no host frame shipped yet: this host has no rank in any round
             self.count[f"unexpected.{where}"] += 1

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_zmq import bundle
+from flodl_zmq import bundle, checkpoints
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import accuracy
 from flodl_zmq.launch import Cluster
-from tests.cluster.digits_job import RELIABLE_ACCURACY, Padded
+from tests.cluster.digits_job import RELIABLE_ACCURACY, Padded, held
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 
@@ -79,6 +79,33 @@ def test_an_int8_wire_and_a_median_run_sharded_as_they_run_whole(monkeypatch, wa
     code = cluster.wait(150)
     out = cluster.output()
     assert code == 0, out
+    result = result_of(out)
+    assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, out
+
+
+def test_a_sigkilled_controller_of_a_sharded_run_restarts_from_its_checkpoint_and_the_run_completes(
+        tmp_path, monkeypatch, warm):
+    # The restarted controller's reducer serves the checkpoint's consensus whole; each relay asks it alone
+    # for that starting model, and the host shards reduce again from the next round (PROTOCOL.md 10.9 item 10).
+    monkeypatch.setenv("FLODL_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "2")
+    gate = tmp_path / "gate"
+    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "10", "--batch-size", "16",
+                            *held(gate, after_epochs=4, epochs=10, ranks=2)],
+                      hosts=2, ranks_per_host=1, shards=2, warm=warm)
+    cluster.start()
+    try:
+        wait_for(cluster, "[controller] epoch 3/")
+        assert checkpoints.newest(tmp_path / "ckpt") is not None
+        cluster.kill("controller")
+        gate.touch()
+        code = cluster.wait(150)
+    finally:
+        cluster.shutdown()
+    out = cluster.output()
+    assert code == 0, out
+    assert "the controller was killed by SIGKILL" in out and len(cluster.restarts) == 1, out
+    assert f"resumed from {cluster.restarts[0][0]}" in out, out
     result = result_of(out)
     assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, out
 

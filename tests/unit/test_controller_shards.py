@@ -32,7 +32,7 @@ HOSTS = ("h0", "h1", "h2")
 
 def sizes(shards: ShardMap = TWO, hosts: tuple[str, ...] = HOSTS, n_values: int = 5 * CHUNK_VALUES, wire=F32,
           **kw: Any) -> list[int]:
-    return slice_sizes(shards, hosts, n_values, wire, **{"outer": False, "resumes": False, **kw})
+    return slice_sizes(shards, hosts, n_values, wire, **{"outer": False, **kw})
 
 
 @pytest.mark.parametrize("wire", [F32, BF16], ids=["f32", "bf16"])
@@ -49,8 +49,7 @@ def test_under_int8_a_shard_expects_both_frames_of_each_of_its_chunks():
     ({"hosts": ("h0", "h1")}, r"lists h2, not hosts of this world \(h0, h1\)"),
     ({"n_values": 2 * CHUNK_VALUES}, r"3 shards for a model of 2 chunk\(s\).*list at most 1 host"),
     ({"outer": True}, r"does not support an outer step .*use outer='none'"),
-    ({"resumes": True}, r"does not support a resume or a shipped start .*start fresh"),
-], ids=["host-not-in-world", "fewer-chunks-than-shards", "outer-step", "resume"])
+], ids=["host-not-in-world", "fewer-chunks-than-shards", "outer-step"])
 def test_a_sharded_run_refuses_what_it_does_not_run_yet_naming_the_cause_and_the_fix(kw, named):
     with pytest.raises(ConfigError, match=named) as err:
         sizes(**kw)
