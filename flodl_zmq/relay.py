@@ -15,6 +15,10 @@ Sockets (protocol/PROTOCOL.md, 1 and 3.1):
     up data        DEALER -> controller data ROUTER (the reducer)
     sub            SUB    -> controller PUB (consensus, probes)
 
+A sharded run (FLODL_SHARDS, flodl_zmq/shards.py) adds an up data DEALER and
+a SUB per host shard, at the shard map's address for it (relay_data.Upstream),
+and a listed host's relay runs that shard's reducer service too.
+
 A rank's DEALER routing identity is its global rank in ASCII decimal
 (`rank_identity`). Framing on the relay's upstream legs:
 
@@ -173,7 +177,7 @@ class Relay:
     def __init__(self, config: RelayConfig, context: zmq.Context | None = None, shard: ReducerConfig | None = None):
         """`shard`: the reducer shard this relay's process runs, exactly when the run's shard map lists its host."""
         if (shard is None) != (config.shards.shard_of(config.host) is None):
-            raise ConfigError(f"relay {config.host}: the shard map {config.shards or '(none)'} "
+            raise ConfigError(f"relay {config.host}: the shard map {str(config.shards) or '(none)'} "
                               + ("lists this host, so its relay must run that shard" if shard is None
                                  else "does not list this host, yet it was given a shard to run"))
         self.config = config
@@ -294,11 +298,12 @@ class Relay:
         cfg, ctx = self.config, self._ctx
         codec = Codec(cfg.key, cfg.incarnation, relay_sender(cfg.host))
         local = ctx.socket(zmq.ROUTER)
-        links = [self._upstream(ctx, k) for k in range(cfg.shards.count)]
-        sockets = [local] + [s for link in links for s in (link.up, link.sub)]
+        links: list[Upstream] = []
         d: DataPlane | None = None
         bound = ""
         try:
+            for k in range(cfg.shards.count):
+                links.append(self._upstream(ctx, k))
             tune(local, cfg.data_hwm_records, cfg.send_retry_s)
             limit_receive(local, DATA_MAX_FRAME_BYTES)
             local.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -310,7 +315,7 @@ class Relay:
             d.serve(self._data_thread)
         finally:
             self._data_thread.close()
-            for s in sockets:
+            for s in [local] + [s for link in links for s in (link.up, link.sub)]:
                 s.close(0)
             remove_ipc(bound)
             if d is not None and d.segment is not None:
