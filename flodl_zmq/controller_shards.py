@@ -10,8 +10,9 @@ behind; a shard's link down) leaves the kept model at the last whole round:
 the next whole round replaces it, and a checkpoint waits until the kept round
 is again the one the coordinator counted finished (`Keeper.consistent`).
 
-Phase 1 runs a sharded round only where nothing but the slices' sums differs
-from one reducer's; `slice_sizes` refuses the rest before a socket binds.
+What no slice alone can run (the outer step, whose state is the whole
+model's) `slice_sizes` refuses before a socket binds; a shard's host lost
+mid-run ends the run (`shard_lost`): no other process holds its slice.
 """
 
 from __future__ import annotations
