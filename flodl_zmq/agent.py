@@ -232,14 +232,12 @@ class Agent:
                 "(FLODL_KEY must be the same on every host; an open-admission controller takes no key)"
             )
         key = check_accept(reply, cfg)
-        log.info(
-            "joined as rank(s) %s; waiting for the world to form (up to %.0f s)",
-            reply.ranks, reply.formation_wait_s,
-        )
+        log.info("joined as rank(s) %s; waiting for the world to form (up to %.0f s)", reply.ranks, reply.formation_wait_s)
         self._codec = Codec(check_key(key), reply.incarnation, cfg.host)  # this controller's (PROTOCOL.md 4.4)
         formed = self._await_world(reply)
         spawn = check_world(formed, cfg, reply.ranks, "formed")  # before anything of it is used
-        return Joined(tuple(reply.ranks), key, reply.run_id, formed.incarnation, formed.world_size, spawn, reply.host_token)
+        return Joined(tuple(reply.ranks), key, reply.run_id, formed.incarnation, formed.world_size, spawn,
+                      reply.host_token, formed.route_secret)
 
     def _hello(self, join_reply_timeout_s: float) -> Any:
         """Ask for a challenge, then send the hello it makes fresh: the controller's answer (None: none in time).
@@ -371,7 +369,8 @@ class Agent:
         spawn = check_world(formed, self.config, before.ranks, "re-formed")  # before anything of it is used
         log.info("host %r: the world re-formed (%d ranks); starting ranks %s again from the checkpoint",
                  self.config.host, formed.world_size, list(before.ranks))
-        return Joined(before.ranks, before.session_key, before.run_id, formed.incarnation, formed.world_size, spawn, before.host_token)
+        return Joined(before.ranks, before.session_key, before.run_id, formed.incarnation, formed.world_size, spawn,
+                      before.host_token, formed.route_secret)
 
     def _rejoin(self, before: Joined) -> Joined:
         """Re-dial a silent controller with backoff until a restart of our run takes us back (at most
@@ -426,6 +425,7 @@ class Agent:
             host=self.config.host,
             rank=rank, local_rank=local_rank,
             host_token=joined.host_token if role == "relay" else None,  # the relay's alone, never a rank's
+            route_secret=(joined.route_secret or None) if role == "relay" else None,  # a shard host's relay's
         ).to_environ()
         for name in TUNABLES:
             identity.pop(name, None)

@@ -43,9 +43,10 @@ from flodl_zmq.environment import CHILD_SCOPES, SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError
 from flodl_zmq.formation import rank_space
 from flodl_zmq.join import DUPLICATE_JOIN, MAX_DEVICES_PER_HOST
-from flodl_zmq.links import HOST_TOKEN_BYTES
+from flodl_zmq.links import HOST_TOKEN_BYTES, ROUTE_SECRET_BYTES
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.settings import DEFAULTS, Settings, env_names
+from flodl_zmq.shards import ShardMap
 from flodl_zmq.wire import RUN_ID_BYTES
 from flodl_zmq.wire.mac import check_key
 from flodl_zmq.wire.records import JoinAccept, JoinReject, WorldFormed
@@ -191,6 +192,7 @@ class Joined:
     world_size: int
     spawn: SpawnSpec
     host_token: bytes  # join.accept's: the relay's hello proves the host with it (FLODL_HOST_TOKEN)
+    route_secret: bytes  # join.world_formed's: a shard host's relay proves every relay's hello with it, else empty
 
 
 # --------------------------------------------------------------------------- what may run
@@ -286,6 +288,11 @@ def check_world(formed: WorldFormed, config: AgentConfig, ranks: Sequence[int], 
     given = tuple(spawn.world.get(config.host, ()))
     if len(formed.incarnation) != RUN_ID_BYTES:
         raise MembershipError(f"{what} world with a {len(formed.incarnation)}-byte incarnation id: protocol violation")
+    shard = ShardMap.parse(spawn.env.get("FLODL_SHARDS")).shard_of(config.host)
+    if len(formed.route_secret) != (0 if shard is None else ROUTE_SECRET_BYTES):
+        raise MembershipError(f"{what} world with a {len(formed.route_secret)}-byte route secret for host "
+                              f"{config.host!r}, which {'runs no' if shard is None else 'runs a'} reducer shard: "
+                              "protocol violation (PROTOCOL.md 10.9)")
     if given != tuple(ranks) or formed.world_size != rank_space(spawn.world):
         raise MembershipError(
             f"{what} world {spawn.world} of size {formed.world_size} gives host {config.host!r} "

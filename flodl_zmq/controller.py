@@ -58,7 +58,7 @@ from typing import Any
 
 import zmq
 
-from flodl_zmq.controller_shards import UNDER_AGENTS
+from flodl_zmq.controller_shards import check_sharded
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import (
     INTERRUPTED_EXIT,
@@ -131,9 +131,7 @@ class ControllerOptions:
         if self.open_admission:
             check_open_admission_curve(self.curve)
         if self.settings.shard_map.count > 1:
-            # Its shard hosts would need the route secret, which an agent's spawn spec does not carry, and a
-            # host joining mid-run (a re-form) would change the world the shards were laid out over.
-            raise ConfigError(UNDER_AGENTS)
+            check_sharded(self.curve is not None, self.open_admission)
         if not self.open_admission and self.key is None:
             raise ConfigError(
                 "no session key: set FLODL_KEY (`flodl-zmq keygen`) on the controller and on every agent, or "

@@ -516,6 +516,9 @@ class ControllerService:
         assert self.link is not None
         for rank, code, reason in self.link.deaths():
             self._exited(rank, code, reason)
+            if code is None:  # its host is lost: a shard it ran with it
+                host = next((h for h, ranks in self.world.items() if rank in ranks), "")
+                self._stop_with(shard_lost(self.shards, host, f"was lost ({reason})"))
 
     def _on_exit(self, report: ChildExit) -> None:
         """The launcher saw a relay or rank of this run exit: what an agent reports, at once."""
@@ -524,7 +527,7 @@ class ControllerService:
         elif report.code != 0:  # its ranks lost their only path to us
             for rank in self.world[report.host]:
                 self.declare_dead(rank, f"the relay of {report.host} exited with code {report.code}")
-            self._stop_with(shard_lost(self.shards, report.host, report.code))
+            self._stop_with(shard_lost(self.shards, report.host, f"exited with code {report.code}"))
 
     def _exited(self, rank: int, code: int | None, reason: str) -> None:
         """A rank is gone (`code` None: its host); a clean exit before the world formed is a rank that never comes."""

@@ -33,8 +33,20 @@ from flodl_zmq.wire_format import CHUNK_VALUES, WireFormat, chunks
 
 log = logging.getLogger(__name__)
 
-UNDER_AGENTS = (f"{SETTING} (FLODL_SHARDS): sharded reduction runs under `flodl-zmq launch` in this version; unset "
-                "FLODL_SHARDS to run under `flodl-zmq controller` with one reducer")
+def check_sharded(curve: bool, open_admission: bool) -> None:
+    """What `flodl-zmq controller` refuses of a sharded run before any agent joins (a ConfigError naming the fix).
+
+    CURVE: a host shard would need a server keypair whose public key every relay trusts, which no agent has;
+    its links would go in the clear. Open admission: the first agent to claim a shard host's name would be
+    handed the run's route secret (PROTOCOL.md 10.9 item 8).
+    """
+    if curve:
+        raise ConfigError(f"{SETTING} (FLODL_SHARDS) with CURVE: the links to host shards cannot be encrypted in this "
+                          "version; drop --curve-secret on a network you trust, or unset FLODL_SHARDS for one reducer")
+    if open_admission:
+        raise ConfigError(f"{SETTING} (FLODL_SHARDS) with --open-admission: any agent could claim a shard host's name "
+                          "and be handed the run's route secret; give every agent the same FLODL_KEY instead, or unset "
+                          "FLODL_SHARDS")
 
 
 def slice_sizes(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: WireFormat, *, outer: bool) -> list[int]:
@@ -57,8 +69,8 @@ def slice_sizes(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: Wir
     return [len(r) * per_chunk for r in ranges]
 
 
-def shard_lost(shards: ShardMap, host: str, code: int) -> TrainingError | None:
-    """The run's end when `host`'s relay exited with `code` while it ran a reducer shard, else None.
+def shard_lost(shards: ShardMap, host: str, what: str) -> TrainingError | None:
+    """The run's end when `host`, whose relay ran a reducer shard, is gone (`what` happened), else None.
 
     No other process holds that shard's chunks of the consensus, so every later round would wait
     for them for ever: the run stops at once, naming the shard (PROTOCOL.md 10.9 item 9).
@@ -66,9 +78,9 @@ def shard_lost(shards: ShardMap, host: str, code: int) -> TrainingError | None:
     k = shards.shard_of(host)
     if k is None:
         return None
-    return TrainingError(f"reducer shard {k} ran in the relay of host {host}, which exited with code {code}: no other "
-                         "process holds its chunks of the consensus, so the run stops (this version re-homes no "
-                         "shard); start the run again, or without FLODL_SHARDS")
+    return TrainingError(f"reducer shard {k} ran in the relay of host {host}, which {what}: no other process holds "
+                         "its chunks of the consensus, so the run stops (this version re-homes no shard); start the "
+                         "run again, or without FLODL_SHARDS")
 
 
 class ConsensusCopies:

@@ -81,6 +81,7 @@ from flodl_zmq.security import (
 )
 from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.settings import DEFAULTS
+from flodl_zmq.shards import ShardMap
 from flodl_zmq.trust import (
     JOIN_RUN_ID,
     TrustMode,
@@ -399,9 +400,9 @@ class MembershipService:
         if verdict.phase is WindowPhase.FORMED:
             log.info("world formed with %d ranks (%s)", verdict.world_size, verdict.reason)
             world = {m.host: m.ranks for m in verdict.members}
-            formed = WorldFormed(verdict.world_size, dataclasses.replace(self.spawn, world=world).to_json(),
-                                 self.incarnation)
-            self._to_all(formed)
+            spawn_json = dataclasses.replace(self.spawn, world=world).to_json()
+            for ident, host in self._hosts.items():
+                self._send(ident, self._session, self._formed(host, verdict.world_size, spawn_json, self.incarnation))
         else:
             log.error("join window failed: %s", verdict.reason)
             self._to_all(Abort(verdict.reason))
@@ -416,13 +417,13 @@ class MembershipService:
         world = self.window.reform()
         self._pending = ()
         self.spawn = dataclasses.replace(self.spawn, env={**self.spawn.env, **command.env}, world=world)
-        formed = WorldFormed(rank_space(world), self.spawn.to_json(), command.incarnation)
+        spawn_json = self.spawn.to_json()
         for m in self.window.members:
             if m.host not in joined:  # a joiner has nothing to stop
                 self.links.reform(m)
         for ident, host in self._hosts.items():
             if host in world:
-                self._send(ident, self._session, formed)
+                self._send(ident, self._session, self._formed(host, rank_space(world), spawn_json, command.incarnation))
         self.joins.extend({"host": h, "ranks": list(world[h]), "at": time.time()} for h in joined)
         log.info("world re-formed: %s (joined: %s)", world, joined)
         return world
@@ -589,6 +590,12 @@ class MembershipService:
                 self.events.put(HostDone(host))
         elif not isinstance(rec, JoinHeartbeat):
             log.warning("host %r sent %s on its join link; ignored", host, env.kind)
+
+    def _formed(self, host: str, world_size: int, spawn_json: str, incarnation: bytes) -> WorldFormed:
+        """`host`'s word of the formed world: the route secret goes to a host whose relay runs a reducer shard
+        (it proves every relay's hello there, PROTOCOL.md 10.9) and to no other."""
+        shard = ShardMap.parse(self.spawn.env.get("FLODL_SHARDS")).shard_of(host)
+        return WorldFormed(world_size, spawn_json, incarnation, self.route_secret if shard is not None else b"")
 
     def _to_all(self, record: object) -> None:
         """Send `record` to every admitted host."""

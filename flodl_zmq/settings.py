@@ -268,8 +268,8 @@ class Settings:
     # ---- which hosts' relays reduce a slice of each round besides the controller's reducer (flodl_zmq/shards.py)
     shards: str | None = setting(None, "sharded reduction: HOST=tcp://ADDRESS:PORT,... names the hosts whose relays "
             "each run one more reducer shard, bound at that address (its broadcast at PORT+1), so that no one link "
-            "carries every host's frame; shard 0 is the controller's reducer; runs under `flodl-zmq launch` only "
-            "in this version (none: one shard, the controller's reducer)", kind=str,
+            "carries every host's frame; shard 0 is the controller's reducer (none: one shard, the controller's "
+            "reducer)", kind=str,
             metavar="HOST=tcp://ADDRESS:PORT,...", env=("FLODL_SHARDS",), scope="run")
     # ---- the controller's consensus checkpoints (read by the controller role; PROTOCOL.md 13)
     checkpoint_dir: str | None = setting(None, "where the controller writes its periodic consensus checkpoints, keeping "

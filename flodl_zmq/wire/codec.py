@@ -55,7 +55,7 @@ from flodl_zmq.tensors import DTYPES, as_numpy, dtype_name
 from flodl_zmq.wire import mac as _mac
 from flodl_zmq.wire.records import REGISTRY, Channel, from_fields, spec_of, to_fields
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 RUN_ID_BYTES = 16  # the run id, and every incarnation id (the header's `run`, PROTOCOL.md 4.1)
 SALT_BYTES = 16
 MAX_SEQ = 2**63 - 1

@@ -562,6 +562,8 @@ class WorldFormed:
     world_size: Count
     spawn_json: str
     incarnation: bytes
+    # The run's route secret for a host whose relay runs a reducer shard (PROTOCOL.md 10.9), empty for any other.
+    route_secret: bytes
 
 
 @record("join.rank_exited", J)

@@ -98,7 +98,7 @@ class FakeController:
                                         5.0, RUN_ID, RUN_ID, self._echo(frames, "nonce"), bytes(32))
                     self.sock.send_multipart([ident, *self.join.encode(accept, channel=Channel.JOIN)])
                     spawn = SpawnSpec(self.argv, self.env, world={"victim": (0,)})
-                    formed = WorldFormed(1, spawn.to_json(), RUN_ID)
+                    formed = WorldFormed(1, spawn.to_json(), RUN_ID, b"")
                     self.sock.send_multipart([ident, *self.session.encode(formed, channel=Channel.JOIN)])
                     self.answered.set()
             if ident is not None:

@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 from flodl_zmq import cli, launch
 from flodl_zmq.controller import ControllerOptions
 from flodl_zmq.controller_service import ControllerService
-from flodl_zmq.controller_shards import slice_sizes
+from flodl_zmq.controller_shards import check_sharded, slice_sizes
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import CHILD_SCOPES, ProcessEnv
 from flodl_zmq.errors import ConfigError
@@ -72,13 +72,19 @@ def test_the_controller_refuses_a_sharded_run_of_a_model_too_small_before_it_bin
         ControllerService(_job(), penv)
 
 
-def test_flodl_zmq_controller_refuses_a_sharded_run_saying_where_it_runs():
-    # Its agents' relays could not be handed the route secret, and a host joining mid-run would re-form
-    # the world the shards were laid out over: refused at the command's start, not at the first round.
-    with pytest.raises(ConfigError, match=r"sharded reduction runs under `flodl-zmq launch` in this version; unset "
-                                          r"FLODL_SHARDS"):
-        ControllerOptions(ControllerAddress("127.0.0.1", 7300), ("train.py",), JoinConfig(), key=bytes(32),
-                          settings=Settings(shards="h1=tcp://10.0.0.2:7400"))
+@pytest.mark.parametrize(("kw", "named"), [
+    ({"curve": True}, r"with CURVE: the links to host shards cannot be encrypted"),
+    ({"open_admission": True}, r"with --open-admission: any agent could claim a shard host's name"),
+], ids=["curve", "open-admission"])
+def test_flodl_zmq_controller_refuses_a_sharded_run_whose_shard_links_it_could_not_protect(kw, named):
+    with pytest.raises(ConfigError, match=named):
+        check_sharded(**{"curve": False, "open_admission": False, **kw})
+
+
+def test_flodl_zmq_controller_takes_a_sharded_run_with_a_preshared_key():
+    opts = ControllerOptions(ControllerAddress("127.0.0.1", 7300), ("train.py",), JoinConfig(), key=bytes(32),
+                             settings=Settings(shards="h1=tcp://10.0.0.2:7400"))
+    assert opts.settings.shard_map.shard_of("h1") == 1
 
 
 def _launched(monkeypatch: pytest.MonkeyPatch, **kw: Any) -> dict[str, ProcessEnv]:

@@ -158,7 +158,7 @@ def test_a_child_of_an_agent_runs_with_the_controllers_timings_and_its_hosts_slo
     agent = Agent(AgentConfig(ControllerAddress("127.0.0.1", 7300), "h0", ("cpu:0", "cpu:1"), key=new_key()))
     try:
         joined = Joined(ranks=(0, 1), session_key=new_key(), run_id=os.urandom(16), incarnation=os.urandom(16),
-                        world_size=2, spawn=spawn, host_token=os.urandom(32))
+                        world_size=2, spawn=spawn, host_token=os.urandom(32), route_secret=b"")
         penv = ProcessEnv.from_environ(agent.child_environ(joined, "rank", 1, 1))
         relay = ProcessEnv.from_environ(agent.child_environ(joined, "relay", None, None))
     finally:
