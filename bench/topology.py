@@ -1,4 +1,4 @@
-"""A round over shaped host links against the bandwidth bound and gloo's ring: what one reducer costs.
+"""A round over shaped host links against the bandwidth bound and gloo's ring: one reducer, and sharded.
 
 Topology: network namespaces on one bridge (tests/cluster/netns.py): `controller`
 and hosts `h1`..`hH`, every link shaped both ways with tbf at `--rate` (1 Gbit/s
@@ -13,8 +13,20 @@ ranks of a host (bench/scale.py measures those).
   The relay and the reducer take the run's settings from the environment
   (FLODL_LINK_SILENCE, ...), as a real run's do. Every host frame crosses the reducer's one link in, every consensus out: that
   link carries H x M bytes each way per round.
-- H shards (`round_s_<H>h_<M>_s<H>`): sharded reduction (issue 26, item 1) does
-  not exist yet; null, with the reason in `why_null`.
+- sharded across the H hosts (`round_s_<H>h_<M>_s<H>`; the key counts the host
+  shards): H + 1 reducer shards (flodl_zmq/shards.py), the controller's
+  reducer as shard 0 and one in each host's relay process, bound at the
+  host's address (FLODL_SHARDS lists h1..hH at SHARD_PORT; each relay's
+  shard proves hellos with the run's route secret, as the reducer does). A
+  relay cuts its host frame by the shards' chunk ranges and puts the slices
+  of the consensus back together; the rank still waits for the whole
+  consensus. `floor_s_<H>h_<M>_s<H>` is the least such a round can take
+  from the bytes its links carry in order (`sharded_floor_s`): about
+  2H / (H + 1) x M / rate with even slices (the controller's shard takes its
+  slice from H hosts, then sends it to H), under the bound, by a third at 2
+  hosts; more where whole chunks split unevenly. The model needs a chunk
+  (2^21 values) per shard: a case with fewer is null, the reason in
+  `why_null`.
 - gloo (`gloo_s_<H>h_<M>`): torch.distributed's all_reduce (gloo, one process
   per host, its store on h1) of the same vector, and a divide, across the same
   shaped links.
@@ -26,14 +38,16 @@ A round: from the first process told to start it to the last one holding the
 result (CLOCK_MONOTONIC is one clock across namespaces); each figure is the
 median of `--rounds` rounds after `--warmup` (the first rounds connect, and a
 relay's consensus wait learns the round's latency from the round before).
-`reasks_<H>h_<M>_s1`: the reducer's count, over the measured rounds, of the relays'
-requests for a late consensus and its own requests for a host frame: each is one
-more model-sized message through the reducer's link.
+`reasks_<H>h_<M>_s1` and `_s<H>`: the reducer shards' count, over the measured
+rounds, of the relays' requests for a late consensus (slice) and their own requests
+for a host frame (slice): each is one more model-sized message (or a shard's
+slice of one) through a shard's link.
 
-Memory: ours holds about (H + 3) x M in the reducer (the host frames as received,
-the sum, the consensus, a resend) and 5 x M per host (the deposit and consensus
-segments, the consensus as received, resends): measured at 4 hosts x 100M, 2.8 GB
-in the reducer and 2.0 GB in each relay. A case needing more than three quarters
+Memory: the reducer shards hold about (H + 3) x M between them (each of S its
+slice, M / S, of: the host frames as received, the sum, the consensus, a resend)
+and 5 x M per host (the deposit and consensus segments, the consensus as received,
+resends): measured with one shard at 4 hosts x 100M, 2.8 GB in the reducer and
+2.0 GB in each relay. A case needing more than three quarters
 of the memory available is not run (its keys null, the reason printed): the hosts
 are halved until the case fits, and that case is run instead.
 
@@ -61,7 +75,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flodl_zmq.shards import ShardMap
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -71,7 +88,7 @@ PORT = 7300  # the controller's base port in its own namespace (nothing else lis
 GLOO_PORT = 29511
 START_S = 180.0  # imports and connections on a loaded 2-core machine; not timed
 SECRETS = ("TOPO_KEY", "TOPO_RUN", "TOPO_ROUTE_SECRET")  # in the environment, never argv (ps shows argv)
-NO_SHARDS = "sharded reduction (issue 26, item 1) does not exist yet"
+SHARD_PORT = 7400  # each host shard's data ROUTER at its host's address (its PUB at the next port)
 MEMORY_SHARE = 0.75  # of MemAvailable a case may plan to use: the machine is shared
 BASE_BYTES = 100e6  # an interpreter with numpy, zmq and flodl_zmq (no torch)
 TORCH_BYTES = 300e6  # one with torch too (a gloo process)
@@ -101,10 +118,18 @@ def bound_s(params: int, rate_bps: float) -> float:
     return 2 * params * 4 * 8 / rate_bps
 
 
+def shard_bytes(hosts: int, params: int, shards: int) -> float:
+    """One of `shards` reducer shards at its peak: of its slice (M / S), each host's as received, the sum,
+    the consensus and a resend."""
+    return (hosts + 3) * params * 4 / shards
+
+
 def memory_needed(hosts: int, params: int) -> float:
-    """Bytes a case holds at its peak: ours (the larger side) or gloo's processes."""
+    """Bytes a case holds at its peak, the largest of its runs (one after another): ours with one shard,
+    ours with H + 1 (each host's relay process then holds its shard besides the 5 x M of a relay), or gloo's."""
     model = params * 4
-    ours = (hosts + 3) * model + hosts * 5 * model + (2 * hosts + 1) * BASE_BYTES
+    relays = hosts * 5 * model + (2 * hosts + 1) * BASE_BYTES
+    ours = max(s * shard_bytes(hosts, params, s) for s in (1, hosts + 1)) + relays
     gloo = hosts * (3 * model + TORCH_BYTES)
     return max(ours, gloo)
 
@@ -152,6 +177,45 @@ def world(hosts: int) -> dict[str, tuple[int, ...]]:
     return {name: (i,) for i, name in enumerate(host_names(hosts))}
 
 
+def shard_map(addresses: dict[str, str]) -> ShardMap:
+    """A shard on every host (host -> its address), at SHARD_PORT: FLODL_SHARDS of the sharded run."""
+    from flodl_zmq.shards import ShardMap
+
+    return ShardMap(tuple((h, f"tcp://{a}:{SHARD_PORT}") for h, a in addresses.items()))
+
+
+def sharded_floor_s(shards: ShardMap, params: int, rate_bps: float) -> float:
+    """The least a round sharded by `shards` can take, from the bytes its links must carry in order.
+
+    A shard publishes its slice of the consensus once every host's slice is in (whole messages): shard k
+    on a host takes (H - 1) s_k in through its link, then sends as much out, 2 (H - 1) s_k in all; the
+    controller's shard 2 H s_0. And a host's link carries M + (H - 2) s_k each way (its frame's other
+    slices out, its shard's slice of the consensus to the H - 1 other relays). With even slices the
+    controller's 2 H / (H + 1) x M is the most: under the bound's 2M, by a third at 2 hosts. Slices are
+    whole chunks: 25M (12 chunks) over 9 shards gives three hosts 2 chunks, 2 x 7 x 16.8 MB: 1.17x the bound.
+    """
+    from flodl_zmq.wire_format import chunks
+
+    lengths = [b - a for a, b in chunks(params)]
+    sizes = [4 * sum(lengths[i] for i in r) for r in shards.ranges(len(lengths))]
+    hosts = len(shards.hosts)
+    busiest = max([2 * hosts * sizes[0]]
+                  + [max(2 * (hosts - 1) * s, 4 * params + (hosts - 2) * s) for s in sizes[1:]])
+    return busiest * 8 / rate_bps
+
+
+def why_not_sharded(shards: ShardMap, params: int) -> str | None:
+    """Why a model of `params` f32 values cannot be cut between `shards` (a chunk each at least), or None."""
+    from flodl_zmq.errors import ConfigError
+    from flodl_zmq.wire_format import chunks
+
+    try:
+        shards.ranges(len(chunks(params)))
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 # ---------------------------------------------------------------------------- inside the namespaces
 
 
@@ -192,6 +256,8 @@ def reducer_role(hosts: int, address: str) -> None:
     key, run_id, route_secret = secrets()
     controller = ControllerAddress(address, PORT)
     s = Settings.from_environ()  # the run's link settings, as a controller's reducer takes them
+    # MERGE(shard_hosts): once ReducerConfig forwards deaths to the shard hosts, pass
+    # shard_hosts=tuple(h for h, _ in ShardMap.parse(s.shards).hosts) here (no deaths in this bench: same figures).
     svc = ReducerService(ReducerConfig.for_controller(
         world(hosts), key, run_id, controller, route_secret=route_secret,
         link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s))
@@ -218,29 +284,36 @@ def reducer_role(hosts: int, address: str) -> None:
 
 
 def relay_role(hosts: int, host: str, address: str, ipc_dir: str) -> None:
-    """A host's relay, the real one, until told to stop."""
+    """A host's relay, the real one, with its reducer shard where FLODL_SHARDS lists the host; prints the
+    shard's counters (none: `{}`) at each `counters` line, until told to stop."""
     from flodl_zmq.endpoints import ControllerAddress
+    from flodl_zmq.environment import ProcessEnv
     from flodl_zmq.links import host_token, local_endpoints
-    from flodl_zmq.relay import Relay
+    from flodl_zmq.relay import Relay, shard_config
     from flodl_zmq.relay_config import RelayConfig
     from flodl_zmq.settings import Settings
+    from flodl_zmq.shards import ShardMap
 
     key, run_id, route_secret = secrets()
     s = Settings.from_environ()  # the run's settings, as run_relay takes them
+    controller = ControllerAddress(address, PORT)
     # The rank beats from its own thread while it waits for the harness: a long silence limit keeps a
     # rank that a loaded machine leaves unscheduled for a while from being declared dead mid-bench.
     cfg = RelayConfig.for_controller(
-        host, world(hosts)[host], key, run_id, ControllerAddress(address, PORT),
+        host, world(hosts)[host], key, run_id, controller,
         local_endpoints(key, run_id, host, ipc_dir), rank_silence_at_relay_s=10.0,
         consensus_wait_at_relay_s=s.consensus_wait_at_relay_s, link_heartbeat_period_s=s.link_heartbeat_period_s,
         link_silence_s=s.link_silence_s, peer_send_timeout_s=s.peer_send_timeout_s,
-        host_token=host_token(route_secret, host))
-    relay = Relay(cfg)
+        host_token=host_token(route_secret, host), shards=ShardMap.parse(s.shards))
+    # The shard's config as run_relay makes it: a shard host's relay is given the route secret.
+    penv = ProcessEnv("relay", controller, key, run_id, run_id, world(hosts), host=host, settings=s,
+                      route_secret=route_secret)
+    relay = Relay(cfg, shard=shard_config(penv, cfg))
     relay.start()
     lines = stdin_lines()
     print("READY", flush=True)
     while lines.get() is not None:
-        pass
+        print("COUNTERS " + json.dumps({} if relay.shard is None else relay.shard.counters()), flush=True)
     relay.stop()
 
 
@@ -406,16 +479,18 @@ def round_deadline_s(case: Case, rate_bps: float) -> float:
     return 60.0 + 10 * case.hosts * bound_s(case.params, rate_bps)
 
 
-def reasks(side: Side) -> int:
-    """The reducer's count so far of the relays' requests for a late consensus and its own for a host frame."""
-    side.tell(["reducer"], "counters")
-    counts = json.loads(" ".join(side.expect(["reducer"], "COUNTERS", 30)["reducer"]))
-    return counts.get("consensus_requests", 0) + counts.get("frame_requests", 0)
+def reasks(side: Side, shards: list[str]) -> int:
+    """The count so far, over the processes running a reducer shard, of the relays' requests for a late
+    consensus and the shards' own for a host frame."""
+    side.tell(shards, "counters")
+    counts = [json.loads(" ".join(words)) for words in side.expect(shards, "COUNTERS", 30).values()]
+    return sum(c.get("consensus_requests", 0) + c.get("frame_requests", 0) for c in counts)
 
 
-def run_ours(net: Any, case: Case, rate_bps: float, rounds: int, warmup: int, logs: Path) -> tuple[float, int]:
-    """One shard: the reducer in `controller`, a relay and a rank per host. The median round and the
-    re-asks of the measured rounds."""
+def run_ours(net: Any, case: Case, rate_bps: float, rounds: int, warmup: int, logs: Path,
+             shards: ShardMap | None = None) -> tuple[float, int]:
+    """The reducer in `controller`, a relay and a rank per host; with `shards`, a reducer shard in each
+    listed host's relay as well (FLODL_SHARDS). The median round and the re-asks of the measured rounds."""
     import wan  # here, not at the top: it imports torch, which the processes of our side never need
 
     from flodl_zmq.environment import with_tunables
@@ -424,6 +499,9 @@ def run_ours(net: Any, case: Case, rate_bps: float, rounds: int, warmup: int, lo
 
     key, run_id = new_key(), os.urandom(16)
     run_settings = {k: v for k, v in os.environ.items() if k.startswith("FLODL_")}  # e.g. FLODL_LINK_SILENCE
+    run_settings.pop("FLODL_SHARDS", None)  # the case says the layout
+    if shards is not None:
+        run_settings["FLODL_SHARDS"] = str(shards)
     env = wan.environ({**run_settings, **dict(zip(SECRETS, (key.hex(), run_id.hex(), os.urandom(32).hex()),
                                                   strict=True))})
     ipc_dir = tempfile.mkdtemp(prefix="flodl-topo-")
@@ -442,9 +520,10 @@ def run_ours(net: Any, case: Case, rate_bps: float, rounds: int, warmup: int, lo
                        with_tunables(env, "rank"))
         side.expect(list(side.procs), "READY", START_S)
         side.rounds(ranks, range(1, warmup + 1), deadline + 30)
-        before = reasks(side)
+        counted = ["reducer"] + ([] if shards is None else [f"relay-{h}" for h, _ in shards.hosts])
+        before = reasks(side, counted)
         spans = side.rounds(ranks, range(warmup + 1, warmup + rounds + 1), deadline + 30)
-        return statistics.median(spans), reasks(side) - before
+        return statistics.median(spans), reasks(side, counted) - before
     finally:
         side.stop(first=ranks)  # the ranks end first: a relay stopped under a waiting rank is not a failure here
         unlink_run(key, run_id)
@@ -473,8 +552,47 @@ def run_gloo(net: Any, case: Case, rate_bps: float, rounds: int, warmup: int, lo
 
 
 def key(name: str, case: Case, shards: int | None = None) -> str:
-    """`round_s_8h_25M_s1`: the figure, hosts, parameters and (for ours) shards."""
+    """`round_s_8h_25M_s1`: the figure, hosts, parameters and (for ours) shards: 1, or H for sharded
+    across the H hosts (H + 1 shards with the controller's)."""
     return f"{name}_{case.hosts}h_{case.size}" + ("" if shards is None else f"_s{shards}")
+
+
+def failed(exc: Exception, logs: Path) -> str:
+    return f"failed: {str(exc).splitlines()[0]}; logs in {logs}"
+
+
+def run_case(net: Any, case: Case, rate_bps: float, rounds: int, warmup: int,
+             logs: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """One case: ours with one shard, ours sharded across its hosts, gloo. Its figures (None where not
+    measured) and each null's reason."""
+    layouts = {1: None, case.hosts: shard_map({h: net.hosts[h].address for h in host_names(case.hosts)})}
+    out: dict[str, Any] = {key("bound_s", case): bound_s(case.params, rate_bps), key("gloo_s", case): None}
+    for n in layouts:
+        out[key("round_s", case, n)] = out[key("reasks", case, n)] = None
+    if case.skipped is not None:
+        return out, {k: case.skipped for k, v in out.items() if v is None}
+    why: dict[str, str] = {}
+    for n, shards in layouts.items():
+        ours, asked, here = key("round_s", case, n), key("reasks", case, n), logs / f"s{n}"
+        if shards is not None and (cannot := why_not_sharded(shards, case.params)) is not None:
+            why[ours] = why[asked] = cannot
+            continue
+        if shards is not None:
+            out[key("floor_s", case, n)] = sharded_floor_s(shards, case.params, rate_bps)
+        here.mkdir(parents=True)
+        try:
+            out[ours], out[asked] = run_ours(net, case, rate_bps, rounds, warmup, here, shards)
+        except (RuntimeError, TimeoutError) as exc:
+            why[ours] = why[asked] = failed(exc, here)
+            print(f"{ours}: {exc}", file=sys.stderr)
+    gloo, here = key("gloo_s", case), logs / "gloo"
+    here.mkdir(parents=True)
+    try:
+        out[gloo] = run_gloo(net, case, rate_bps, rounds, warmup, here)
+    except (RuntimeError, TimeoutError) as exc:
+        why[gloo] = failed(exc, here)
+        print(f"{gloo}: {exc}", file=sys.stderr)
+    return out, why
 
 
 def measure(cases: list[Case], rate: str, rounds: int, warmup: int) -> dict[str, Any]:
@@ -492,27 +610,12 @@ def measure(cases: list[Case], rate: str, rounds: int, warmup: int) -> dict[str,
         for name in net.hosts:
             wan.shape(net, name, rate)
         for case in cases:
-            ours, shards, gloo = key("round_s", case, 1), key("round_s", case, case.hosts), key("gloo_s", case)
-            asked = key("reasks", case, 1)
-            out[key("bound_s", case)] = bound_s(case.params, rate_bps)
-            out.update({ours: None, shards: None, gloo: None, asked: None})
-            why[shards] = NO_SHARDS
-            if case.skipped is not None:
-                why.update({ours: case.skipped, gloo: case.skipped, asked: case.skipped})
-                continue
-            here = logs / f"{case.hosts}h_{case.size}"
-            here.mkdir()
-            try:
-                out[ours], out[asked] = run_ours(net, case, rate_bps, rounds, warmup, here)
-            except (RuntimeError, TimeoutError) as exc:
-                why[ours] = why[asked] = f"failed: {str(exc).splitlines()[0]}; logs in {here}"
-                print(f"{ours}: {exc}", file=sys.stderr)
-            try:
-                out[gloo] = run_gloo(net, case, rate_bps, rounds, warmup, here)
-            except (RuntimeError, TimeoutError) as exc:
-                why[gloo] = f"failed: {str(exc).splitlines()[0]}; logs in {here}"
-                print(f"{gloo}: {exc}", file=sys.stderr)
-            print(f"  {case.hosts}h {case.size}: ours {out[ours]} s, gloo {out[gloo]} s", file=sys.stderr, flush=True)
+            figures, whys = run_case(net, case, rate_bps, rounds, warmup, logs / f"{case.hosts}h_{case.size}")
+            out.update(figures)
+            why.update(whys)
+            print(f"  {case.hosts}h {case.size}: ours {figures[key('round_s', case, 1)]} s one shard, "
+                  f"{figures[key('round_s', case, case.hosts)]} s sharded, gloo {figures[key('gloo_s', case)]} s",
+                  file=sys.stderr, flush=True)
     out["why_null"] = why
     return out
 
@@ -532,15 +635,19 @@ def table(cases: list[Case], out: dict[str, Any], rate: str, rounds: int, warmup
         return f"{v:.2f}" + ("" if of is None else f" ({v / of:.1f}x)")
 
     rows = [f"{rate} per host link (every link shaped, the controller's too); medians of {rounds} rounds after "
-            f"{warmup} warm-up",
-            f"{'hosts':>5} {'params':>6} {'bound s':>8} {'1 shard s (x bound)':>20} {'H shards s':>10} "
-            f"{'gloo s (x bound)':>17} {'re-asks':>7}"]
+            f"{warmup} warm-up; sharded: H + 1 shards, the controller's and one per host (key _s<H>); floor: the "
+            f"least its links allow",
+            f"{'hosts':>5} {'params':>6} {'bound s':>8} {'1 shard s (x bound)':>20} {'re-asks':>7} "
+            f"{'H+1 shards s (x bound)':>23} {'re-asks':>7} {'floor s':>7} {'gloo s (x bound)':>17}"]
     for c in cases:
         b = out[key("bound_s", c)]
-        asked = out[key("reasks", c, 1)]
-        rows.append(f"{c.hosts:>5} {c.size:>6} {b:>8.2f} {cell(out[key('round_s', c, 1)], b):>20} "
-                    f"{cell(out[key('round_s', c, c.hosts)]):>10} {cell(out[key('gloo_s', c)], b):>17} "
-                    f"{'-' if asked is None else asked:>7}")
+        cols = []
+        for n in (1, c.hosts):
+            asked = out[key("reasks", c, n)]
+            cols.append(f"{cell(out[key('round_s', c, n)], b):>{20 if n == 1 else 23}} "
+                        f"{'-' if asked is None else asked:>7}")
+        rows.append(f"{c.hosts:>5} {c.size:>6} {b:>8.2f} {' '.join(cols)} "
+                    f"{cell(out.get(key('floor_s', c, c.hosts))):>7} {cell(out[key('gloo_s', c)], b):>17}")
     rows += [f"{k}: null, {v}" for k, v in out["why_null"].items()]
     return "\n".join(rows)
 

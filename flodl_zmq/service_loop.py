@@ -79,7 +79,8 @@ class ServiceLoop:
         self.mailbox: Mailbox[Any] = Mailbox()
         self._poller = zmq.Poller()
         self._poller.register(self.mailbox, zmq.POLLIN)
-        self._sockets: list[tuple[zmq.Socket, Callable[[], None]]] = []
+        # Each read handler under what poll names its source by: a zmq socket itself, a Mailbox its descriptor.
+        self._sockets: list[tuple[zmq.Socket | int, Callable[[], None]]] = []
         self._writers: list[tuple[zmq.Socket, Callable[[], bool], Callable[[], None]]] = []
         self._armed: set[zmq.Socket] = set()  # writers' sockets polled for writable now
         self._handlers: dict[type, Callable[[Any], None]] = {}
@@ -89,10 +90,12 @@ class ServiceLoop:
 
     # ------------------------------------------------------------------ setup (the loop's thread, before run)
 
-    def on_socket(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
-        """Call `handler` on every turn `sock` polls readable (it reads what it takes)."""
+    def on_socket(self, sock: zmq.Socket | Mailbox[Any], handler: Callable[[], None]) -> None:
+        """Call `handler` on every turn `sock` (a socket, or another thread's Mailbox) polls readable (it
+        reads what it takes). Poll names a Mailbox by its descriptor: looked up by the object, its
+        handler would never run and its wake-up, never cleared, would spin the loop."""
         self._poller.register(sock, zmq.POLLIN)
-        self._sockets.append((sock, handler))
+        self._sockets.append((sock if isinstance(sock, zmq.Socket) else sock.fileno(), handler))
 
     def on_mailbox(self, mailbox: Mailbox[Any], handler: Callable[[], None]) -> None:
         """Call `handler` on every turn another service's `mailbox` polls readable (it drains it).

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import zmq
 
-from flodl_zmq.mailbox import IDLE_S
+from flodl_zmq.mailbox import IDLE_S, Mailbox
 from flodl_zmq.service_loop import STALL_S, ServiceLoop
 
 WAIT_S = 10.0
@@ -179,6 +179,26 @@ def test_a_readable_socket_calls_its_handler_which_reads_it(pipe):
     loop.run()
     loop.close()
     assert got == [b"hi"]
+
+
+def test_another_threads_mailbox_calls_its_handler_which_drains_it():
+    # A relay's loop watches its host shard's outcomes so. Poll names a mailbox by its descriptor: a handler
+    # looked up by the object was never called, and the wake-up left set spun the loop (a core per relay).
+    loop = ServiceLoop("t")
+    outcomes: Mailbox[str] = Mailbox()
+    got: list[str] = []
+    drained = threading.Event()
+
+    def read() -> None:
+        got.extend(outcomes.drain())
+        drained.set()
+
+    loop.on_socket(outcomes, read)
+    running = Running(loop)
+    outcomes.put("round 1 reduced")
+    assert drained.wait(WAIT_S), "the mailbox's handler never ran"
+    running.stop()
+    assert got == ["round 1 reduced"] and running.error is None
 
 
 def test_a_timer_due_at_once_fires_before_a_socket_already_readable_is_served(pipe):

@@ -142,6 +142,21 @@ def test_a_death_the_coordinator_declares_reaches_every_shard_so_none_waits_for_
     assert sharded.relays["a"].shard.ledger.is_dead(2) and sharded.relays["a"].shard.ledger.is_dead(3)
 
 
+def test_each_relay_takes_its_host_shards_outcomes_so_its_loop_sleeps_between_rounds(sharded):
+    # The relay's loop watches its shard's outcomes (the shard's failure ends the relay). Left unread, the
+    # outcome's wake-up stays set and the relay's data thread spins: a core per relay, which on 2 cores
+    # made bench/topology.py's 8-host sharded round CPU-bound.
+    for round_id in (1, 2):
+        sharded.round(round_id, "f32")
+        for rank in sharded.ranks.values():
+            rank.consensus()
+    deadline = time.monotonic() + WAIT_S
+    shards = [relay.shard for relay in sharded.relays.values()]
+    while any(len(shard.completed) for shard in shards) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [len(shard.completed) for shard in shards] == [0, 0], "a relay left its shard's outcomes unread"
+
+
 def test_a_relay_whose_host_the_shard_map_lists_refuses_to_start_without_its_shard(tmp_path):
     eps = endpoints("ipc", tmp_path)
     shards = ShardMap((("a", "tcp://127.0.0.1:7400"),))
