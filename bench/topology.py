@@ -256,11 +256,10 @@ def reducer_role(hosts: int, address: str) -> None:
     key, run_id, route_secret = secrets()
     controller = ControllerAddress(address, PORT)
     s = Settings.from_environ()  # the run's link settings, as a controller's reducer takes them
-    # MERGE(shard_hosts): once ReducerConfig forwards deaths to the shard hosts, pass
-    # shard_hosts=tuple(h for h, _ in ShardMap.parse(s.shards).hosts) here (no deaths in this bench: same figures).
     svc = ReducerService(ReducerConfig.for_controller(
         world(hosts), key, run_id, controller, route_secret=route_secret,
-        link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s))
+        link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
+        shard_hosts=tuple(h for h, _ in s.shard_map.hosts)))
     svc.start()
     # No coordinator here, but each relay dials the control link too: a listener keeps it connected.
     control = controller_context().socket(zmq.ROUTER)

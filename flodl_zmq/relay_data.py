@@ -203,7 +203,7 @@ class DataPlane(Plane):
         loop.on_socket(self.local, lambda: self.drained(self.local, self.deposit))
         loop.on_message(RankGone, lambda gone: self.local_death(gone.rank))
         if self.shard is not None:
-            loop.on_mailbox(self.shard.completed, self.shard_outcomes)
+            loop.on_socket(self.shard.completed, self.shard_outcomes)
         monitors = []
         for link in self.links:
             loop.on_writable(link.up, lambda k=link: len(k.outbox) > 0, lambda k=link: self.flush_up(k))

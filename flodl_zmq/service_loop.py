@@ -97,14 +97,6 @@ class ServiceLoop:
         self._poller.register(sock, zmq.POLLIN)
         self._sockets.append((sock if isinstance(sock, zmq.Socket) else sock.fileno(), handler))
 
-    def on_mailbox(self, mailbox: Mailbox[Any], handler: Callable[[], None]) -> None:
-        """Call `handler` on every turn another service's `mailbox` polls readable (it drains it).
-
-        Registered by its descriptor: a poller names a registered non-socket by its number, so
-        registered as an object it would never be handed over, and poll would return at once for ever.
-        """
-        self.on_socket(mailbox.fileno(), handler)  # type: ignore[arg-type]
-
     def on_writable(self, sock: zmq.Socket, wanted: Callable[[], bool], handler: Callable[[], None]) -> None:
         """Call `handler` on every turn `sock` polls writable; it is polled for that only while `wanted()`."""
         self._writers.append((sock, wanted, handler))
