@@ -8,7 +8,10 @@ scores what the run's final eval scored, show every slice was reduced and put ba
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,17 +22,20 @@ import torch
 from flodl_zmq import bundle, checkpoints
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import accuracy
-from flodl_zmq.launch import Cluster
+from flodl_zmq.launch import Cluster, free_port_base
+from flodl_zmq.wire import new_key
 from tests.cluster.digits_job import RELIABLE_ACCURACY, Padded, held
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 
 
-def result_of(out: str) -> dict | None:
-    lines = [line for line in out.splitlines() if line.startswith("[controller] RESULT ")]
-    return json.loads(lines[-1][len("[controller] RESULT "):]) if lines else None
+def result_of(out: str, prefix: str = "[controller] RESULT ") -> dict | None:
+    """The job's RESULT line (under launch the controller's lines carry its label; its own output does not)."""
+    lines = [line for line in out.splitlines() if line.startswith(prefix)]
+    return json.loads(lines[-1][len(prefix):]) if lines else None
 
 
 def line_of(out: str, text: str) -> str:
@@ -125,3 +131,37 @@ def test_losing_a_shards_host_stops_the_run_at_once_naming_the_shard(warm):
     assert code != 0, out
     assert "reducer shard 2 ran in the relay of host h1, which exited with code -9" in out, out
     assert result_of(out) is None
+
+
+def test_under_flodl_zmq_controller_each_listed_hosts_agent_runs_its_shard(tmp_path):
+    # Protocol 8: the controller's word of the formed world carries the route secret to a shard host's
+    # agent alone, which hands it to its relay; FLODL_SHARDS reaches every host in the spawn spec.
+    port = free_port_base(extra=4)
+    shards = f"a=tcp://127.0.0.1:{port + 4},b=tcp://127.0.0.1:{port + 6}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLODL_KEY": new_key().hex()}
+    program = [JOB, "--pad-chunks", "2", "--epochs", "8", "--batch-size", "16"]
+    cli = [sys.executable, "-m", "flodl_zmq.cli"]
+    procs = {"controller": subprocess.Popen(
+        [*cli, "controller", "--bind", f"127.0.0.1:{port}", "--min-ranks", "2", "--target-ranks", "2",
+         "--join-window", "60", "--run-dir", str(tmp_path / "run"), "--", *program],
+        cwd=tmp_path, env={**env, "FLODL_SHARDS": shards}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)}
+    for host in ("a", "b"):
+        procs[host] = subprocess.Popen(
+            [*cli, "agent", "--controller", f"127.0.0.1:{port}", "--host", host, "--cpu-slots", "1",
+             "--join-timeout", "60", "--script", shlex.join(program)],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outputs, codes = {}, {}
+    try:
+        for name, proc in procs.items():
+            outputs[name], _ = proc.communicate(timeout=200)
+            codes[name] = proc.returncode
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.communicate()
+    everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
+    assert codes == {"controller": 0, "a": 0, "b": 0}, everything
+    assert f", reducer shard 1 at tcp://127.0.0.1:{port + 4}" in outputs["a"], everything
+    assert f", reducer shard 2 at tcp://127.0.0.1:{port + 6}" in outputs["b"], everything
+    result = result_of(outputs["controller"], "RESULT ")
+    assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, everything
