@@ -347,7 +347,7 @@ def gloo_rounds(n: int, dtype: str, rounds: int, warmup: int, device: str = "cpu
 
 def fold_throughput(n: int, dtype: str, repeats: int = 5) -> float:
     """The relay fold's accumulate time over numpy `a += b` time on the same bytes (higher is better)."""
-    from flodl_zmq.fold import SumImage
+    from flodl_zmq.sums import SumImage
     from flodl_zmq.tensors import bf16_from_f32
 
     src = np.random.default_rng(0).standard_normal(n).astype(np.float32)

@@ -45,7 +45,10 @@ root. This module is the middle move and keeps these rules:
   PoisonedDeposit, the round untouched). A round's single
   deposit is not summed, so not checked here: the reducer checks every HostFrame.
   Every deposit far above the last consensus, or above its host-mates' mass, is
-  refused alike (robust.py). ``unfolded``: deposits are held and shipped as they came.
+  refused alike (robust.py), the magnitude of a held one measured by the pass
+  that sums it (a single deposit's by a read of its own before it ships), the
+  same deposits refused as by a check on arrival. ``unfolded``: deposits are
+  held and shipped as they came.
 - A deposit from a rank already dead is a late frame: dropped and counted.
 
 Deposits reach this core already authenticated (the wire verifies the MAC
@@ -58,7 +61,6 @@ deposit needs this round's consensus first).
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -68,18 +70,8 @@ import numpy as np
 
 from flodl_zmq import robust, threads
 from flodl_zmq.errors import ConfigError, FoldError, PoisonedDeposit, ProtocolError
-from flodl_zmq.tensors import (
-    ELEMENTS,
-    Element,
-    bf16_sum,
-    bf16_tops,
-    dtype_name,
-    f32_from_bf16,
-    torch_view,
-)
-
-# (wire dtype name, shape) of each tensor of a round, in order.
-Schema = tuple[tuple[str, tuple[int, ...]], ...]
+from flodl_zmq.sums import KERNELS, PIECE, Read, Schema, SumImage, carve
+from flodl_zmq.tensors import dtype_name
 
 # Images kept per station: a sync cycle can rotate through a few schemas (e.g.
 # parameters, then buffers), and each must find its image already allocated.
@@ -134,220 +126,6 @@ def check_finite(tensors: Sequence[np.ndarray], who: str) -> None:
             f"{who} carries a NaN or infinite element; it would poison the consensus of every rank "
             "(a diverged or tampered model: check the learning rate, or who holds the session key)"
         )
-
-
-def carve(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> tuple[np.ndarray, list[np.ndarray]]:
-    """One flat buffer of ``dtype`` holding every shape, and a shaped view of it per shape."""
-    sizes = [math.prod(shape) for shape in shapes]
-    flat = np.empty(sum(sizes), dtype)
-    views, at = [], 0
-    for shape, n in zip(shapes, sizes, strict=True):
-        views.append(flat[at : at + n].reshape(shape))
-        at += n
-    return flat, views
-
-
-# Elements per piece of an image operation handed to a worker thread (4 MB of f32).
-PIECE = 1 << 20
-# Elements per block of f32 sums: 1 MiB stays in a core's L2, so what follows the sum
-# (its finiteness check, the divide, the encode) reads the block while still in cache.
-BLOCK = 1 << 18
-
-
-# The fused finiteness checks: an operation that reads held contributions checks
-# each block of f32 sums it just wrote (still in cache, so no extra pass over
-# memory) and returns True when one is not finite. NaN and inf propagate into a
-# sum, so a non-finite input always shows; so does an f32 overflow of finite
-# inputs, which no honest deposit comes near. The caller then finds the culprit
-# (`OpenRound.refuse_held`), only on that path.
-
-
-def _quiet(op: Callable[..., bool | None], args: tuple) -> bool | None:
-    # A poisoned input overflows or makes NaN by IEEE rules; the check reports it, numpy need not warn.
-    with np.errstate(over="ignore", invalid="ignore"):
-        return op(*args)
-
-
-def _bad(sums: np.ndarray) -> bool:
-    return not _SUMS.finite_quiet(sums)
-
-
-class Kernels:
-    """A fold's operations on flat pieces of one element dtype, its sums in f32 (``KERNELS``).
-
-    This class is what numpy's floats need (f16: numpy adds them in f32
-    directly); ``_F32`` and ``_BF16`` specialize it. ``fill``, ``fill_sum``
-    and ``encode_sum`` return True when a block of the sums they wrote is not
-    finite (the fused checks above); ``encode(acc, out, d)`` writes ``acc / d``
-    (or ``acc``) in this element into ``out``. ``sums_out``: a fold's output
-    in this element is its f32 sums themselves, with no buffer of its own.
-    """
-
-    sums_out = False
-
-    def __init__(self, element: Element) -> None:
-        assert element.widen is not None and element.encode is not None, f"a fold cannot sum {element.name}"
-        self.element = element
-        self._widen, self._encode = element.widen, element.encode
-
-    def finite(self, x: np.ndarray) -> bool:
-        # One read, no allocation: NaN and inf propagate into the sum. A result that
-        # overflows from finite elements is settled by the exact check.
-        return math.isfinite(float(np.add.reduce(x, dtype=np.float32))) or bool(np.isfinite(x).all())
-
-    def finite_quiet(self, x: np.ndarray) -> bool:
-        with np.errstate(all="ignore"):
-            return self.finite(x)
-
-    def fill(self, acc: np.ndarray, x: np.ndarray) -> bool:
-        bad = False
-        for i in range(0, acc.size, BLOCK):
-            block = slice(i, i + BLOCK)
-            self._widen(x[block], acc[block])
-            bad = _bad(acc[block]) or bad
-        return bad
-
-    def fill_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
-        bad = False
-        for i in range(0, acc.size, BLOCK):
-            block = slice(i, i + BLOCK)
-            np.add(a[block], b[block], out=acc[block], dtype=np.float32)  # f16 inputs add in f32, never in f16
-            bad = _bad(acc[block]) or bad
-        return bad
-
-    def add(self, acc: np.ndarray, x: np.ndarray) -> None:
-        np.add(acc, x, out=acc)
-
-    def encode(self, acc: np.ndarray, out: np.ndarray, d: np.float32 | None) -> None:
-        if d is not None:
-            np.divide(acc, d, out=acc)
-        self._encode(acc, out)
-
-    def encode_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray,
-                   d: np.float32 | None) -> bool:
-        """``fill_sum`` then ``encode``, block by block, so each block is encoded while still in cache."""
-        bad = False
-        sums = out if self.sums_out else acc  # f32 sums may be summed and divided in the output itself
-        for i in range(0, sums.size, BLOCK):
-            block = slice(i, i + BLOCK)
-            bad = self.fill_sum(sums[block], a[block], b[block]) or bad
-            self.encode(sums[block], out[block], d)
-        return bad
-
-
-class _F32(Kernels):
-    sums_out = True
-
-    def finite(self, x: np.ndarray) -> bool:
-        # x.x is BLAS, the fastest reduction numpy has (values above ~1e19 overflow it: the exact check).
-        return math.isfinite(float(np.dot(x, x))) or bool(np.isfinite(x).all())
-
-    def encode(self, acc: np.ndarray, out: np.ndarray, d: np.float32 | None) -> None:
-        if d is not None:
-            np.divide(acc, d, out=out)
-        elif not np.may_share_memory(out, acc):  # the f32 output of a fold is its sums
-            np.copyto(out, acc)
-
-
-class _BF16(Kernels):
-    """bf16 adds into f32 sums by torch's mixed add: widened exactly as added (the bits of widen, then add)."""
-
-    def finite(self, x: np.ndarray) -> bool:
-        # Non-finite iff the exponent is all ones: +inf 0x7F80, -inf 0xFF80, NaNs above either.
-        pos, neg = bf16_tops(x) if x.size else (0, 0)
-        return pos < 0x7F80 and neg < 0xFF80
-
-    def fill_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
-        bad = False
-        for i in range(0, acc.size, BLOCK):
-            block = slice(i, i + BLOCK)
-            torch_view(f32_from_bf16(a[block], acc[block])).add_(torch_view(b[block]))
-            bad = _bad(acc[block]) or bad
-        return bad
-
-    def add(self, acc: np.ndarray, x: np.ndarray) -> None:
-        torch_view(acc).add_(torch_view(x))
-
-    def encode_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray,
-                   d: np.float32 | None) -> bool:
-        if d is not None:
-            return super().encode_sum(acc, a, b, out, d)
-        bad = False
-        for i in range(0, out.size, BLOCK):
-            block = slice(i, i + BLOCK)
-            bf16_sum(a[block], b[block], out[block])  # no f32 sums at all
-            bad = not self.finite_quiet(out[block]) or bad
-        return bad
-
-
-_SUMS = _F32(ELEMENTS["f32"])
-# Schema dtype name -> its kernels: the one table a fold dispatches through. i8 is not here:
-# int8 values are widened with their scales before any fold sees them.
-KERNELS: dict[str, Kernels] = {
-    k.element.name: k for k in (_SUMS, _BF16(ELEMENTS["bf16"]), Kernels(ELEMENTS["f16"]))
-}
-
-
-class SumImage:
-    """The f32 running sums of one schema (one allocation), filled and added in place.
-
-    ``sums`` are shaped f32 views of the single ``flat`` image. Every operation
-    runs in pieces of PIECE elements on the worker threads (flodl_zmq.threads):
-    numpy releases the GIL, and the reducer's sum is the one step of a round no
-    other process shares. bf16 tensors are widened as they are added (``_BF16``).
-    """
-
-    def __init__(self, schema: Schema) -> None:
-        self.schema = schema
-        self.flat, self.sums = carve([shape for _, shape in schema], np.dtype(np.float32))
-
-    def _pieces(self, op: Callable[[Kernels], Callable[..., bool | None]], *tensor_lists: Sequence[np.ndarray],
-                extra: tuple = ()) -> bool:
-        """``op(kernels)(sums piece, piece of each tensor list..., *extra)`` over every tensor, piece by
-        piece, with the kernels of its dtype.
-
-        True when any piece reported non-finite sums (the checking operations).
-        """
-        work = []
-        for k, ((dt, _), acc) in enumerate(zip(self.schema, self.sums, strict=True)):
-            run = op(KERNELS[dt])
-            flats = [acc.reshape(-1)] + [ts[k].reshape(-1) for ts in tensor_lists]
-            for i in range(0, flats[0].size, PIECE):
-                work.append((run, (*(f[i : i + PIECE] for f in flats), *extra)))
-        return any(threads.each(lambda w: _quiet(*w), work))
-
-    def fill(self, tensors: Sequence[np.ndarray]) -> bool:
-        """Overwrite the sums with ``tensors`` widened to f32; True if a sum is not finite."""
-        return self._pieces(lambda k: k.fill, tensors)
-
-    def fill_sum(self, first: Sequence[np.ndarray], second: Sequence[np.ndarray]) -> bool:
-        """Overwrite the sums with ``first + second`` (widened to f32), in one pass over each; True if a sum
-        is not finite."""
-        return self._pieces(lambda k: k.fill_sum, first, second)
-
-    def add(self, tensors: Sequence[np.ndarray]) -> None:
-        """Add ``tensors`` (widened to f32) into the sums, in place."""
-        self._pieces(lambda k: k.add, tensors)
-
-    def encode_into(self, outputs: Sequence[np.ndarray], divisor: float | None = None) -> None:
-        """Encode the sums, divided by ``divisor`` when given, in the schema's dtypes into ``outputs``.
-
-        The divide and the encode share one pass (block by block for bf16), so the
-        sums are read once. Without a divisor, an output that IS its sum is skipped.
-        """
-        self._pieces(lambda k: k.encode, outputs, extra=(None if divisor is None else np.float32(divisor),))
-
-    def encode_sum_into(self, first: Sequence[np.ndarray], second: Sequence[np.ndarray],
-                        outputs: Sequence[np.ndarray], divisor: float | None = None) -> bool:
-        """``fill_sum(first, second)`` then ``encode_into(outputs, divisor)`` in one pass over the inputs;
-        True if a sum is not finite (the outputs are then meaningless).
-
-        The sums never go to memory and back: bf16 without a divisor is summed
-        and rounded in one operation; otherwise each block of sums is divided
-        and encoded while still in cache (f32 in the output itself).
-        """
-        return self._pieces(lambda k: k.encode_sum, first, second, outputs,
-                            extra=(None if divisor is None else np.float32(divisor),))
 
 
 @dataclass(frozen=True, eq=False)
@@ -460,16 +238,19 @@ class OpenRound:
     with two held is encoded straight from them (``SumImage.encode_sum_into``).
     Contributions come in through ``contribute``, which checks mass and schema first.
 
-    Finiteness: a contribution added to the image is checked before (a pass of
-    its own, from the third contribution on); held ones are checked by the
-    operation that first reads them, in the same pass. When that operation
-    reports a non-finite sum, the tier calls ``refuse_held``: the culprits
-    leave the round (``refused``) and the tier recomputes without them.
+    Values: a contribution added to the image (or kept) is checked before (passes
+    of its own, from the third contribution on); held ones are checked by the
+    operation that first reads them, in the same pass, which the tier hands to
+    ``judge``: the culprits leave the round (``refused``) and the tier
+    recomputes without them. The bound does not move while a round is open (a
+    tier sees a consensus between rounds), so a held contribution is refused
+    exactly when the check on its arrival would have refused it.
     """
 
-    def __init__(self, round_id: int, schema: Schema, keep: bool = False) -> None:
+    def __init__(self, round_id: int, schema: Schema, bound: robust.MagnitudeBound, keep: bool = False) -> None:
         self.round_id = round_id
         self.schema = schema
+        self.bound = bound
         self.keep = keep  # every contribution stays held, never summed (robust aggregation: robust.py)
         self.members: list = []
         self.masses: list[float] = []
@@ -493,11 +274,32 @@ class OpenRound:
         """Sum two held contributions into the tier's image (no-op otherwise); a non-finite one is refused."""
         if len(self.held) == 2 and not self.keep:
             image = images.get(self.schema)[0]
-            if image.fill_sum(*self.held):
-                self.refuse_held()
+            if self.judge(image.fill_sum(*self.held)):
                 return
             self.image = image
             self.held = []
+
+    def judge(self, read: Read) -> bool:
+        """Refuse the held contributions ``read`` found over the magnitude bound, else (a sum not finite)
+        those with a non-finite element; True if any was refused (sum again without it)."""
+        over = {i: f"its deposit {why}" for i, (top, mass) in enumerate(zip(read.tops, self.masses, strict=True))
+                if (why := robust.magnitude_refusal(top, mass, self.bound)) is not None}
+        if over:
+            self.refuse(over)
+        elif read.bad:
+            self.refuse_held()
+        return bool(over) or read.bad
+
+    def judge_unread(self) -> bool:
+        """``judge`` the held contributions by a read of their own (no summing pass reads them)."""
+        return self.judge(Read(False, tuple(robust.magnitude(h) for h in self.held)))
+
+    def refuse_mass_outliers(self) -> None:
+        """Refuse the held contributions whose mass is far above the others' (``robust.mass_outliers``), once
+        those the magnitude bound refuses are out: such a deposit was never in the round to compare with."""
+        if robust.mass_outliers(self.masses) and not self.keep:  # kept ones were measured on arrival
+            self.judge_unread()
+        self.refuse({i: robust.mass_refusal(self.masses[i]) for i in robust.mass_outliers(self.masses)})
 
     def refuse_held(self) -> None:
         """Take the held contributions with a non-finite element out of the round (into ``refused``).
@@ -507,15 +309,15 @@ class OpenRound:
         (values ~1e38): all of them are refused.
         """
         bad = [i for i, h in enumerate(self.held) if not _all_finite(h)] or list(range(len(self.held)))
-        self.refuse(bad, lambda _: "its deposit carries a NaN or infinite element (or values so large "
-                                   "the f32 sum overflows); it would poison every rank's consensus")
+        self.refuse(dict.fromkeys(bad, "its deposit carries a NaN or infinite element (or values so large "
+                                       "the f32 sum overflows); it would poison every rank's consensus"))
 
-    def refuse(self, held: Sequence[int], why: Callable[[float], str]) -> None:
-        """Take the held contributions at indices ``held`` out of the round, each with ``why(its mass)``."""
-        for i in sorted(held, reverse=True):
-            member, mass = self.members.pop(i), self.masses.pop(i)
+    def refuse(self, whys: dict[int, str]) -> None:
+        """Take the held contributions at the indices of ``whys`` out of the round, each with its why."""
+        for i in sorted(whys, reverse=True):
+            member, _ = self.members.pop(i), self.masses.pop(i)
             del self.held[i]
-            self.refused.append((member, why(mass)))
+            self.refused.append((member, whys[i]))
         self.mass = sum(self.masses)  # in arrival order, as it was added up
 
 
@@ -543,7 +345,8 @@ def contribute(
 
     The mass, the schema and the values (all finite, none over ``bound``'s limit
     per unit of mass: flodl_zmq/robust.py) are checked before anything is added, so a
-    refused contribution leaves the round as it was.
+    refused contribution leaves the round as it was; the values of one held for
+    a sum are checked by the pass that sums it (``OpenRound.judge``).
     """
     m = robust.check_mass(mass, who, error)
     schema = schema_of(tensors, who, error) if rnd is None else None
@@ -551,9 +354,9 @@ def contribute(
         check_schema(rnd.schema, tensors, who, error)
     if keep or (rnd is not None and (rnd.image is not None or len(rnd.held) == 2)):
         check_finite(tensors, who)  # it goes into the image (or is kept whole): checked before it touches it
-    robust.check_magnitude(tensors, m, bound, who)
+        robust.check_magnitude(tensors, m, bound, who)
     if rnd is None:
-        rnd = OpenRound(round_id, schema, keep)
+        rnd = OpenRound(round_id, schema, bound, keep)
     rnd.add(member, m, tensors, images)
     return rnd
 
@@ -610,7 +413,7 @@ class FoldStation:
         self._round = contribute(rnd, round_id, rank, mass, tensors, self._images, who, FoldError, self.bound,
                                  self.unfolded)
         if self._round.image is None:  # the held pair is judged together: either may be the liar
-            self._round.refuse(robust.mass_outliers(self._round.masses), robust.mass_refusal)
+            self._round.refuse_mass_outliers()
         self.counters.deposits += 1
         self.counters.bytes_folded += sum(t.nbytes for t in tensors)
         self._note_refused(self._round)
@@ -666,8 +469,8 @@ class FoldStation:
                 return HostFold(rnd.round_id, rnd.mass, tuple(rnd.members[i] for i in order),
                                 tuple(t for i in order for t in rnd.held[i]), True, tuple(rnd.masses[i] for i in order))
             image, outputs = self._images.get(rnd.schema) if len(rnd.held) != 1 else (None, [])
-            if len(rnd.held) == 2 and image.encode_sum_into(*rnd.held, outputs):
-                rnd.refuse_held()
+            if len(rnd.held) == 2 and rnd.judge(image.encode_sum_into(*rnd.held, outputs)) or \
+                    len(rnd.held) == 1 and rnd.judge_unread():  # shipped unread, but measured as on arrival
                 self._note_refused(rnd)
                 continue
             if not rnd.members:  # every deposit of the round was refused

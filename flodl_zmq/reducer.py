@@ -36,8 +36,9 @@ Rules the ledger keeps:
   (``robust.check_magnitude``: far above the last consensus's), or with more mass than the round's
   bound for its host (the sum of its ranks' bounds, given by the coordinator
   with `bound_round` before the round's first frame can arrive), raises
-  PoisonedDeposit and changes nothing: one host must not NaN or dominate the
-  consensus. A round with no bound given is not capped. Bounds of one round
+  PoisonedDeposit and changes nothing (a frame held for the sum, found by the
+  pass that sums it, is listed in ``refused`` and the round computed without
+  it): one host must not NaN or dominate the consensus. A round with no bound given is not capped. Bounds of one round
   add up rank by rank (the larger wins): a deposit told ahead brings its
   rank's bound with its plan, the trigger every rank's.
 - A round whose deposits were told ahead (PROTOCOL.md 10.1) is published only
@@ -380,14 +381,11 @@ class RoundLedger:
             return self._publish(rnd, outputs, rnd.mass if rnd.mass > 0.0 else None)
         # The one divide of the whole reduce: by the mass of exactly the frames summed.
         divisor = rnd.mass if rnd.mass > 0.0 else None
-        # Held frames are checked by the pass that sums them (a non-finite sum refuses the culprit
-        # and the round is computed again without it); later ones were checked before their add.
-        if len(rnd.held) == 2 and image.encode_sum_into(*rnd.held, outputs, divisor):
-            rnd.refuse_held()
-            self._note_refused(rnd)
-            return _AGAIN
-        if len(rnd.held) == 1 and image.fill(rnd.held[0]):  # a one-host round: its frame was never copied
-            rnd.refuse_held()
+        # Held frames are checked by the pass that sums them (a frame over the magnitude bound, or a
+        # non-finite sum's culprit, is refused and the round computed again without it); later ones
+        # were checked before their add.
+        if len(rnd.held) == 2 and rnd.judge(image.encode_sum_into(*rnd.held, outputs, divisor)) or \
+                len(rnd.held) == 1 and rnd.judge(image.fill(rnd.held[0])):  # one host: its frame was never copied
             self._note_refused(rnd)
             return _AGAIN
         if len(rnd.held) != 2:

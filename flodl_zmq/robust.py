@@ -25,14 +25,17 @@ Rules this module keeps:
 - Non-finite values are not this module's: the finite checks own them, with
   their own message, so a NaN is never reported as a magnitude.
 - The checks are one vectorised read of the contribution (max and min per
-  block, in cache), spread over the worker threads.
+  block, in cache), spread over the worker threads. A fold tier need not
+  make it a read of its own: the pass that sums a held contribution measures
+  each block as it adds it (``block_magnitude``, flodl_zmq/fold.py) and the
+  tier judges it by ``magnitude_refusal`` then, with the same decision.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -69,7 +72,8 @@ def check_mass(mass: float, who: str, error: type[ProtocolError]) -> float:
     return m
 
 
-def _block_magnitude(x: np.ndarray) -> float:
+def block_magnitude(x: np.ndarray) -> float:
+    """The largest absolute value of one block (f32, f16 or bf16 bits); NaN or inf if one is."""
     if not x.size:
         return 0.0
     if x.dtype == np.uint16:  # bf16 bits, read without a temporary: the magnitude's bits are the low 15
@@ -89,8 +93,12 @@ def magnitude(tensors: Sequence[np.ndarray]) -> float:
         dtype_name(t)  # refuses a dtype no wire format carries
         flat = t.reshape(-1)
         work += [flat[i : i + _BLOCK] for i in range(0, flat.size, _BLOCK)]
-    found = threads.each(_block_magnitude, work)
-    return max(found, key=lambda v: math.inf if math.isnan(v) else v, default=0.0)
+    return largest(threads.each(block_magnitude, work))
+
+
+def largest(values: Iterable[float]) -> float:
+    """The largest of ``values`` (0.0 for none), NaN if one is: a NaN is never hidden behind a finite value."""
+    return max(values, key=lambda v: math.inf if math.isnan(v) else v, default=0.0)
 
 
 def magnitude_limit(reference: float | None) -> float:
@@ -126,25 +134,32 @@ class MagnitudeBound:
         return self._limit
 
 
-def check_magnitude(tensors: Sequence[np.ndarray], mass: float, bound: MagnitudeBound, who: str) -> None:
-    """Raise PoisonedDeposit if ``tensors`` hold a finite value above ``bound``'s limit per unit of ``mass``.
+def magnitude_refusal(top: float, mass: float, bound: MagnitudeBound) -> str | None:
+    """Why a contribution whose largest value is ``top`` at ``mass`` is refused under ``bound``; None if not.
 
     Tensors are premultiplied by the mass, so the bound scales with it (a mass
     below 1 counts as 1: an int8 sender's error feedback ships a residual even
-    at mass 0). Non-finite values are left to the finite checks. A value within
+    at mass 0). A non-finite ``top`` is left to the finite checks. A value within
     MAGNITUDE_RATIO per unit of mass is within every limit, so only one above
     it has the consensus measured (``MagnitudeBound``).
     """
-    top, scale = magnitude(tensors), max(1.0, mass)
+    scale = max(1.0, mass)
     if not math.isfinite(top) or top <= MAGNITUDE_RATIO * scale:
-        return
+        return None
     limit = bound.limit()
-    if top > limit * scale:
-        raise PoisonedDeposit(
-            f"{who} carries a value of magnitude {top:.3g} at mass {mass:g}, over {limit:.3g} per unit of mass "
+    if top <= limit * scale:
+        return None
+    return (f"carries a value of magnitude {top:.3g} at mass {mass:g}, over {limit:.3g} per unit of mass "
             f"({MAGNITUDE_RATIO:g} times the last consensus's largest value): a diverged or tampered model would "
-            "replace every rank's (check the learning rate, or who holds the session key)"
-        )
+            "replace every rank's (check the learning rate, or who holds the session key)")
+
+
+def check_magnitude(tensors: Sequence[np.ndarray], mass: float, bound: MagnitudeBound, who: str) -> None:
+    """Raise PoisonedDeposit if ``tensors`` hold a finite value above ``bound``'s limit per unit of ``mass``
+    (``magnitude_refusal``)."""
+    why = magnitude_refusal(magnitude(tensors), mass, bound)
+    if why is not None:
+        raise PoisonedDeposit(f"{who} {why}")
 
 
 def mass_outlier(mass: float, others: Sequence[float]) -> bool:

@@ -25,12 +25,13 @@ from transport.dataplane_helpers import (
 )
 
 from flodl_zmq.errors import FoldError, PoisonedDeposit
-from flodl_zmq.fold import PIECE, FoldStation, check_finite
+from flodl_zmq.fold import FoldStation, check_finite
 from flodl_zmq.int8 import BLOCK
 from flodl_zmq.links import host_token, relay_sender
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
+from flodl_zmq.sums import PIECE
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import HostFrame, RankExit, RelayHello
 from flodl_zmq.wire_format import INT8, Hop
@@ -177,6 +178,7 @@ def test_a_refused_rank_is_reported_gone_to_the_controller_at_once(tmp_path):
         poisoned = to_wire(model(1, 1), MASS[1], "f32")
         poisoned[0][:] = 1e30
         w.deposit(1, 1, poisoned)
+        w.deposit(0, 1)  # held for the sum with its host-mate's: the pass that sums them refuses it
         codec, deadline, gone = Codec(w.key, w.run_id, "controller"), time.monotonic() + WAIT_S, None
         while gone is None and time.monotonic() < deadline:
             if controller.poll(100):
@@ -263,9 +265,8 @@ def test_an_int8_deposit_whose_scale_is_1e30_is_refused_and_its_host_mate_ships_
     bad = [np.full(n, 50, np.int8), np.array([1e-2, 1e30], np.float32)]  # 50 * 1e30 = 5e31 in the second block
     station = FoldStation((0, 1))
     assert station.deposit(0, 1, 1.0, hop.take(0, good)) is None
-    with pytest.raises(PoisonedDeposit, match="magnitude"):
-        station.deposit(1, 1, 1.0, hop.take(1, bad))
-    out = station.mark_dead(1)
+    out = station.deposit(1, 1, 1.0, hop.take(1, bad))  # held: the pass that sums the pair refuses it
+    assert [r for r, why in station.refused if "magnitude" in why] == [1]
     assert out is not None and out.ranks == (0,) and out.mass == 1.0
     assert float(np.abs(out.tensors[0]).max()) < 1.0
 

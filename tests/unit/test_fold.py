@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl_zmq.errors import FoldError
-from flodl_zmq.fold import PIECE, FoldStation, HostFold, NothingToShip, SumImage
+from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
+from flodl_zmq.sums import PIECE, SumImage
 from flodl_zmq.tensors import bf16_from_f32, f32_from_bf16
 
 

@@ -19,7 +19,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "settings"),
     "wire": ("wire", "wire.records", "wire.mac", "wire.codec", "wire.shm", "wire.stream", "endpoints"),
     "cores": (
-        "fold", "outer", "reducer", "robust", "sampling",
+        "fold", "sums", "outer", "reducer", "robust", "sampling",
         "coordinator", "coordinator.config", "coordinator.core", "coordinator.dispatch",
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
