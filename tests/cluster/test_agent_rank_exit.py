@@ -13,6 +13,7 @@ import pytest
 
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.wire import new_key
+from tests.cluster.agents import outputs_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,15 +50,7 @@ def test_a_rank_that_exits_0_before_the_world_formed_is_left_out_at_once_by_its_
             [*cli, "agent", "--controller", f"127.0.0.1:{port}", "--host", host, "--cpu-slots", "1",
              "--join-timeout", "60", "--script", str(script)],
             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    outputs, codes = {}, {}
-    try:
-        for name, proc in procs.items():
-            outputs[name], _ = proc.communicate(timeout=200)
-            codes[name] = proc.returncode
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.communicate()
+    outputs, codes = outputs_of(procs)
     everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
     assert codes == {"controller": 0, "a": 0, "b": 0, "c": 0}, everything
     log = outputs["controller"]

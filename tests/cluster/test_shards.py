@@ -24,6 +24,7 @@ from flodl_zmq.datasets import digits
 from flodl_zmq.demo import accuracy
 from flodl_zmq.launch import Cluster, free_port_base
 from flodl_zmq.wire import new_key
+from tests.cluster.agents import outputs_of
 from tests.cluster.digits_job import RELIABLE_ACCURACY, Padded, held
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
@@ -150,15 +151,7 @@ def test_under_flodl_zmq_controller_each_listed_hosts_agent_runs_its_shard(tmp_p
             [*cli, "agent", "--controller", f"127.0.0.1:{port}", "--host", host, "--cpu-slots", "1",
              "--join-timeout", "60", "--script", shlex.join(program)],
             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    outputs, codes = {}, {}
-    try:
-        for name, proc in procs.items():
-            outputs[name], _ = proc.communicate(timeout=200)
-            codes[name] = proc.returncode
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.communicate()
+    outputs, codes = outputs_of(procs)
     everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
     assert codes == {"controller": 0, "a": 0, "b": 0}, everything
     assert f", reducer shard 1 at tcp://127.0.0.1:{port + 4}" in outputs["a"], everything
