@@ -1,6 +1,6 @@
 """Sharded reduction for real (PROTOCOL.md 10.9): `flodl-zmq launch --shards N`, every process its own.
 
-The job's model leads its payload with frozen chunks of zeros (digits_job.py `--pad-chunks`), so the
+Each run trains the job's 15 epochs, what RELIABLE_ACCURACY is stated for. The job's model leads its payload with frozen chunks of zeros (digits_job.py `--pad-chunks`), so the
 digits MLP's own values lie in the last host shard's chunks: a run that trains, and a saved model that
 scores what the run's final eval scored, show every slice was reduced and put back together in order.
 """
@@ -52,7 +52,7 @@ def wait_for(cluster: Cluster, text: str, timeout: float = 90.0) -> None:
 
 def test_a_run_sharded_over_both_hosts_trains_and_saves_the_whole_consensus(tmp_path, warm):
     stem = str(tmp_path / "sharded")
-    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "8", "--batch-size", "16", "--save", stem],
+    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16", "--save", stem],
                       hosts=2, ranks_per_host=2, shards=2, warm=warm)
     cluster.start()
     code = cluster.wait(150)
@@ -97,8 +97,8 @@ def test_a_sigkilled_controller_of_a_sharded_run_restarts_from_its_checkpoint_an
     monkeypatch.setenv("FLODL_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
     monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "2")
     gate = tmp_path / "gate"
-    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "10", "--batch-size", "16",
-                            *held(gate, after_epochs=4, epochs=10, ranks=2)],
+    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16",
+                            *held(gate, after_epochs=4, epochs=15, ranks=2)],
                       hosts=2, ranks_per_host=1, shards=2, warm=warm)
     cluster.start()
     try:
@@ -140,7 +140,7 @@ def test_under_flodl_zmq_controller_each_listed_hosts_agent_runs_its_shard(tmp_p
     port = free_port_base(extra=4)
     shards = f"a=tcp://127.0.0.1:{port + 4},b=tcp://127.0.0.1:{port + 6}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLODL_KEY": new_key().hex()}
-    program = [JOB, "--pad-chunks", "2", "--epochs", "8", "--batch-size", "16"]
+    program = [JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16"]
     cli = [sys.executable, "-m", "flodl_zmq.cli"]
     procs = {"controller": subprocess.Popen(
         [*cli, "controller", "--bind", f"127.0.0.1:{port}", "--min-ranks", "2", "--target-ranks", "2",
