@@ -53,7 +53,7 @@ def wait_for(cluster: Cluster, text: str, timeout: float = 90.0) -> None:
 def test_a_run_sharded_over_both_hosts_trains_and_saves_the_whole_consensus(tmp_path, warm):
     stem = str(tmp_path / "sharded")
     cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16", "--save", stem],
-                      hosts=2, ranks_per_host=2, shards=2, warm=warm)
+                      hosts=2, ranks_per_host=1, shards=2, warm=warm)
     cluster.start()
     code = cluster.wait(150)
     out = cluster.output()
@@ -81,7 +81,7 @@ def test_an_int8_wire_and_a_median_run_sharded_as_they_run_whole(monkeypatch, wa
     for name, value in setting.items():
         monkeypatch.setenv(name, value)
     cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16", *args],
-                      hosts=2, ranks_per_host=2, shards=2, warm=warm)
+                      hosts=2, ranks_per_host=1, shards=2, warm=warm)
     cluster.start()
     code = cluster.wait(150)
     out = cluster.output()
@@ -120,7 +120,7 @@ def test_a_sigkilled_controller_of_a_sharded_run_restarts_from_its_checkpoint_an
 def test_losing_a_shards_host_stops_the_run_at_once_naming_the_shard(warm):
     gate = "/nonexistent-gate-never-opened"  # the ranks hold after one batch: the run is mid-epoch when h1 goes
     cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "4", "--batch-size", "16", "--gate", gate,
-                            "--gate-after", "1"], hosts=2, ranks_per_host=2, shards=2, warm=warm)
+                            "--gate-after", "1"], hosts=2, ranks_per_host=1, shards=2, warm=warm)
     cluster.start()
     try:
         wait_for(cluster, "reducer shard 2 at tcp://")
