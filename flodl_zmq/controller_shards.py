@@ -33,6 +33,7 @@ from flodl_zmq.wire_format import CHUNK_VALUES, WireFormat, chunks
 
 log = logging.getLogger(__name__)
 
+
 def check_sharded(curve: bool, open_admission: bool) -> None:
     """What `flodl-zmq controller` refuses of a sharded run before any agent joins (a ConfigError naming the fix).
 
