@@ -220,10 +220,8 @@ class Agent:
             join_reply_timeout_s = cfg.join_reply_timeout_s
         CleartextWarner(log).warn_if_cleartext(cfg.controller.host, encrypted=cfg.curve is not None)
         self._dial()
-        log.info(
-            "host %r dialing %s with %d device(s) %s (admission: %s)", cfg.host, cfg.controller.endpoint(Channel.JOIN),
-            len(cfg.devices), list(cfg.devices), "pre-shared key" if cfg.key else "open",
-        )
+        log.info("host %r dialing %s with %d device(s) %s (admission: %s)", cfg.host, cfg.controller.endpoint(Channel.JOIN),
+                 len(cfg.devices), list(cfg.devices), "pre-shared key" if cfg.key else "open")
         reply = self._hello(join_reply_timeout_s)
         if reply is None:
             raise NoReply(
@@ -338,7 +336,7 @@ class Agent:
             while True:
                 try:
                     children = self._spawn(joined)
-                    code = self._supervise(children)
+                    code = self._supervise(children, serves=bool(joined.route_secret))
                 finally:
                     # A SIGKILLed relay or rank cannot unlink its shared-memory segments, nor its
                     # ipc socket files. Only this host's: another agent's may share the machine.
@@ -500,7 +498,9 @@ class Agent:
         t.start()
         return t
 
-    def _supervise(self, children: list[_Child]) -> int:
+    def _supervise(self, children: list[_Child], serves: bool) -> int:
+        """`serves`: the relay runs a reducer shard, which outlives this host's ranks (it stops when no rank of
+        the run is left, PROTOCOL.md 10.9 item 9): their exits do not stop it."""
         cfg, host = self.config, self.config.host
         live = list(children)
         teardown: str | None = None  # why the host is being torn down
@@ -536,7 +536,7 @@ class Agent:
                         log.warning("%s exited with code %d", c.label, code)
                     # The controller's fast path to declaring this rank dead.
                     self._send(RankExited(c.rank, code))
-                    if not any(x.rank is not None for x in live) and teardown is None:
+                    if not any(x.rank is not None for x in live) and teardown is None and not serves:
                         teardown, kill_at = "every rank exited", now + cfg.kill_grace_s
                         for x in live:  # the relay has nothing left to serve
                             signal_group(x.proc, signal.SIGTERM)

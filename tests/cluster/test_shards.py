@@ -158,3 +158,28 @@ def test_under_flodl_zmq_controller_each_listed_hosts_agent_runs_its_shard(tmp_p
     assert f", reducer shard 2 at tcp://127.0.0.1:{port + 6}" in outputs["b"], everything
     result = result_of(outputs["controller"], "RESULT ")
     assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, everything
+
+
+def test_a_shard_hosts_agent_keeps_its_relay_after_the_hosts_own_rank_is_gone(tmp_path):
+    # Rank 0 SIGKILLs itself before its hello, on whichever host it lands: that host's agent must not stop its
+    # relay, whose shard the other hosts' rounds still need (it stops once no rank of the run is left).
+    port = free_port_base(extra=6)
+    shards = ",".join(f"{h}=tcp://127.0.0.1:{port + 4 + 2 * k}" for k, h in enumerate("abc"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLODL_KEY": new_key().hex(), "DIGITS_SIGKILL_RANK": "0"}
+    program = [JOB, "--pad-chunks", "3", "--epochs", "15", "--batch-size", "16"]
+    cli = [sys.executable, "-m", "flodl_zmq.cli"]
+    procs = {"controller": subprocess.Popen(
+        [*cli, "controller", "--bind", f"127.0.0.1:{port}", "--min-ranks", "2", "--target-ranks", "3",
+         "--join-window", "60", "--run-dir", str(tmp_path / "run"), "--", *program],
+        cwd=tmp_path, env={**env, "FLODL_SHARDS": shards}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)}
+    for host in "abc":
+        procs[host] = subprocess.Popen(
+            [*cli, "agent", "--controller", f"127.0.0.1:{port}", "--host", host, "--cpu-slots", "1",
+             "--join-timeout", "60", "--script", shlex.join(program)],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outputs, codes = outputs_of(procs)
+    everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
+    assert codes == {"controller": 0, "a": 0, "b": 0, "c": 0}, everything
+    result = result_of(outputs["controller"], "RESULT ")
+    assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, everything
+    assert sorted(share == 0.0 for share in result["batch_share"]) == [False, False, True], result["batch_share"]
