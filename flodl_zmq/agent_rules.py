@@ -46,7 +46,6 @@ from flodl_zmq.join import DUPLICATE_JOIN, MAX_DEVICES_PER_HOST
 from flodl_zmq.links import HOST_TOKEN_BYTES, ROUTE_SECRET_BYTES
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.settings import DEFAULTS, Settings, env_names
-from flodl_zmq.shards import ShardMap
 from flodl_zmq.wire import RUN_ID_BYTES
 from flodl_zmq.wire.mac import check_key
 from flodl_zmq.wire.records import JoinAccept, JoinReject, WorldFormed
@@ -288,7 +287,7 @@ def check_world(formed: WorldFormed, config: AgentConfig, ranks: Sequence[int], 
     given = tuple(spawn.world.get(config.host, ()))
     if len(formed.incarnation) != RUN_ID_BYTES:
         raise MembershipError(f"{what} world with a {len(formed.incarnation)}-byte incarnation id: protocol violation")
-    shard = ShardMap.parse(spawn.env.get("FLODL_SHARDS")).shard_of(config.host)
+    shard = spawn.shard_map.shard_of(config.host)
     if len(formed.route_secret) != (0 if shard is None else ROUTE_SECRET_BYTES):
         raise MembershipError(f"{what} world with a {len(formed.route_secret)}-byte route secret for host "
                               f"{config.host!r}, which {'runs no' if shard is None else 'runs a'} reducer shard: "

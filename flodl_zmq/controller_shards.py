@@ -26,10 +26,10 @@ import zmq
 
 from flodl_zmq.errors import AttributionError, ConfigError, ProtocolError, TrainingError, WireError
 from flodl_zmq.links import drain, from_reducer, keep_alive, limit_receive
-from flodl_zmq.shards import SETTING, Assembly, ShardMap
+from flodl_zmq.shards import SETTING, Assembly, ShardMap, slice_frames
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
-from flodl_zmq.wire_format import CHUNK_VALUES, WireFormat, chunks
+from flodl_zmq.wire_format import WireFormat, chunks
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,7 @@ def slice_sizes(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: Wir
         raise ConfigError(f"{SETTING} (FLODL_SHARDS={shards}): a sharded run does not support an outer step (Trainer "
                           "outer=...): the controller's reducer holds the outer state of the whole model; use "
                           "outer='none', or unset FLODL_SHARDS for one reducer")
-    per_chunk = len(wire.layout(CHUNK_VALUES))  # payload frames per chunk
-    return [len(r) * per_chunk for r in ranges]
+    return slice_frames(ranges, wire.frames_per_chunk)
 
 
 def shard_lost(shards: ShardMap, host: str, what: str) -> TrainingError | None:

@@ -153,6 +153,11 @@ class SpawnSpec:
     env: dict[str, str] = field(default_factory=dict)
     world: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
+    @property
+    def shard_map(self) -> ShardMap:
+        """The run's reducer shards as the spec ships them (its `shards` setting): which hosts' relays run one."""
+        return Settings.from_environ(self.env, CHILD_SCOPES).shard_map
+
     def to_json(self) -> str:
         obj = {"argv": list(self.argv), "env": self.env, "world": format_world(self.world)}
         return json.dumps(obj, sort_keys=True)
@@ -255,7 +260,7 @@ class ProcessEnv:
                 raise ConfigError(f"FLODL_RANK={rank} is not one of host {host}'s ranks {world[host]}")  # type: ignore[index]
         settings = Settings.from_environ(env, CHILD_SCOPES)
         # A relay whose host runs a reducer shard checks every relay's hello there as the controller does.
-        holds_shard = role == "relay" and ShardMap.parse(settings.shards).shard_of(host or "") is not None
+        holds_shard = role == "relay" and settings.shard_map.shard_of(host or "") is not None
         return cls(
             role=role,
             controller=ControllerAddress.parse(need("FLODL_CONTROLLER")),

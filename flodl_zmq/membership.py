@@ -81,7 +81,6 @@ from flodl_zmq.security import (
 )
 from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.settings import DEFAULTS
-from flodl_zmq.shards import ShardMap
 from flodl_zmq.trust import (
     JOIN_RUN_ID,
     TrustMode,
@@ -594,7 +593,7 @@ class MembershipService:
     def _formed(self, host: str, world_size: int, spawn_json: str, incarnation: bytes) -> WorldFormed:
         """`host`'s word of the formed world: the route secret goes to a host whose relay runs a reducer shard
         (it proves every relay's hello there, PROTOCOL.md 10.9) and to no other."""
-        shard = ShardMap.parse(self.spawn.env.get("FLODL_SHARDS")).shard_of(host)
+        shard = self.spawn.shard_map.shard_of(host)
         return WorldFormed(world_size, spawn_json, incarnation, self.route_secret if shard is not None else b"")
 
     def _to_all(self, record: object) -> None:

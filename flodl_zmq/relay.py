@@ -146,7 +146,6 @@ from flodl_zmq.relay_core import (
 from flodl_zmq.relay_data import DataPlane, Plane, RankGone, RankRefused, Upstream
 from flodl_zmq.security import CurveKeys, apply_client
 from flodl_zmq.service_loop import ServiceLoop
-from flodl_zmq.shards import ShardMap
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     MERGEABLE,
@@ -509,7 +508,7 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
         rank_first_record_at_relay_s=s.rank_first_record_at_relay_s, consensus_wait_at_relay_s=s.consensus_wait_at_relay_s,
         link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
         peer_send_timeout_s=s.peer_send_timeout_s, wire=s.wire if wire is None else wire, aggregation=s.aggregation,
-        host_token=penv.host_token or b"", shards=ShardMap.parse(s.shards),
+        host_token=penv.host_token or b"", shards=s.shard_map,
     )
     relay = Relay(cfg, shard=shard_config(penv, cfg))
     relay.start()

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -40,7 +40,7 @@ from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.relay_core import ConsensusWatch, HelloRetry, SendQueue
 from flodl_zmq.service_loop import ServiceLoop
-from flodl_zmq.shards import Assembly, slice_of
+from flodl_zmq.shards import Assembly, slice_frames, slice_of
 from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
     RESUME_ROUND,
@@ -148,16 +148,13 @@ class Upstream:
     hello: HelloRetry
     outbox: SendQueue
     resent: tuple[int, int] = (0, 0)  # (round, how many times this shard asked for its host frame again)
+    signer: Attribution = field(init=False)  # who signs what comes on this link: its shard alone
+    where: str = field(init=False)  # the counters' name of this link: the controller's keeps the one it always had
 
-    @property
-    def signer(self) -> Attribution:
-        """Who signs what comes on this link: its shard alone."""
-        return from_reducer(self.shard)
-
-    @property
-    def where(self) -> str:
-        """The counters' name of this link: the controller's keeps the one it always had."""
-        return "upstream_data" if self.shard == 0 else f"shard{self.shard}_data"
+    def __post_init__(self) -> None:
+        # Fixed for the link's life: not built again for every record it carries.
+        self.signer = from_reducer(self.shard)
+        self.where = "upstream_data" if self.shard == 0 else f"shard{self.shard}_data"
 
 
 class DataPlane(Plane):
@@ -487,10 +484,11 @@ class DataPlane(Plane):
         """`link`'s shard's frames of a host frame's payload (one shard: all of it)."""
         if len(self.links) == 1:
             return payload
-        per_chunk = 2 if self.hop.wire is not None and self.hop.wire.packed else 1  # the run's, or its first deposit's
+        assert self.hop.wire is not None  # the run's, or its first deposit's: it took that deposit before this
+        per_chunk = self.hop.wire.frames_per_chunk
         if self.ranges is None:
             self.ranges = self.cfg.shards.ranges(len(payload) // per_chunk)
-            self.assembly = Assembly([len(r) * per_chunk for r in self.ranges])
+            self.assembly = Assembly(slice_frames(self.ranges, per_chunk))
         return slice_of(payload, self.ranges[link.shard], per_chunk)
 
     def consensus(self, link: Upstream, frames: list[zmq.Frame], where: str) -> None:

@@ -292,7 +292,6 @@ class Session:
     def _rank(self, penv: ProcessEnv) -> RankRuntime:
         """This process's rank: connected to its host's relay, trains what it is dispatched."""
         from flodl_zmq.links import local_endpoints
-        from flodl_zmq.shards import ShardMap
 
         assert penv.host is not None and penv.rank is not None and penv.local_rank is not None
         control, data = local_endpoints(penv.key, penv.incarnation, penv.host)
@@ -307,7 +306,7 @@ class Session:
             coordinator_silence_at_rank_s=s.coordinator_silence_at_rank_s,
             coordinator_first_contact_at_rank_s=s.coordinator_first_contact_at_rank_s,
             consensus_wait_at_relay_s=s.consensus_wait_at_relay_s,
-            sharded=ShardMap.parse(s.shards).count > 1,
+            sharded=s.shard_map.count > 1,
         )
         if self._replica is None:
             return RankRuntime(job, cfg, pick_device(penv.local_rank))

@@ -107,6 +107,11 @@ class ShardMap:
         return [range(a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
+def slice_frames(ranges: Sequence[range], per_chunk: int) -> list[int]:
+    """How many payload frames each shard's slice has: its chunks', `per_chunk` frames each (`Assembly`'s sizes)."""
+    return [len(r) * per_chunk for r in ranges]
+
+
 def slice_of(payload: Sequence[Any], chunks: range, per_chunk: int) -> list[Any]:
     """A shard's frames of a payload: its chunks' (`per_chunk` frames each: 2 under int8, values and scales)."""
     return list(payload[chunks.start * per_chunk : chunks.stop * per_chunk])

@@ -83,6 +83,11 @@ class WireFormat:
             out += [(self.element.dtype, b - a)] + ([(F32_DTYPE, int8.blocks(b - a))] if self.packed else [])
         return out
 
+    @property
+    def frames_per_chunk(self) -> int:
+        """Payload frames per chunk (`layout`): its values, and under int8 their scales."""
+        return 2 if self.packed else 1
+
     def cut(self, values: T, scales: T | None = None) -> list[T]:
         """The payload frames of a flat vector's ``values`` (and, int8, its ``scales``): views, one per
         frame of ``layout``, in order (numpy arrays or torch tensors alike)."""

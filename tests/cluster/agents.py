@@ -1,12 +1,38 @@
-"""A controller and its agents as plain processes on this machine: started by the test, awaited here."""
+"""`flodl-zmq controller` and one agent per host as plain processes on this machine, run to their end."""
 
 from __future__ import annotations
 
+import os
+import shlex
 import subprocess
+import sys
+from pathlib import Path
+
+from flodl_zmq.wire import new_key
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "flodl_zmq.cli"]
 
 
-def outputs_of(procs: dict[str, subprocess.Popen], timeout: float = 200.0) -> tuple[dict[str, str], dict[str, int]]:
-    """Wait for every process (each within `timeout`): their output and exit status by name; none outlives it."""
+def run_agents(tmp_path: Path, port: int, program: list[str], hosts: str | tuple[str, ...], *, min_ranks: int,
+               env: dict[str, str] | None = None, controller_env: dict[str, str] | None = None,
+               timeout: float = 200.0) -> tuple[dict[str, str], dict[str, int]]:
+    """A run of `program` under a controller on 127.0.0.1:`port` and an agent (one CPU rank) per host in
+    `hosts`, all sharing one fresh key: each one's output and exit status by name, none left running.
+
+    `env` goes to every process, `controller_env` to the controller alone; the world forms at every host
+    or, after the join window, at `min_ranks`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLODL_KEY": new_key().hex(), **(env or {})}
+    procs = {"controller": subprocess.Popen(
+        [*CLI, "controller", "--bind", f"127.0.0.1:{port}", "--min-ranks", str(min_ranks), "--target-ranks",
+         str(len(hosts)), "--join-window", "60", "--run-dir", str(tmp_path / "run"), "--", *program],
+        cwd=tmp_path, env={**env, **(controller_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)}
+    for host in hosts:
+        procs[host] = subprocess.Popen(
+            [*CLI, "agent", "--controller", f"127.0.0.1:{port}", "--host", host, "--cpu-slots", "1",
+             "--join-timeout", "60", "--script", shlex.join(program)],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outputs, codes = {}, {}
     try:
         for name, proc in procs.items():

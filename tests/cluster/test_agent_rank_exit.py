@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from flodl_zmq.launch import free_port_base
-from flodl_zmq.wire import new_key
-from tests.cluster.agents import outputs_of
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cluster.agents import run_agents
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 
@@ -38,19 +33,7 @@ def test_a_rank_that_exits_0_before_the_world_formed_is_left_out_at_once_by_its_
     # stopped the host's relay, which would have), and the run failed after the ranks' 120 s first-contact limit.
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    port = free_port_base()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLODL_KEY": new_key().hex()}
-    cli = [sys.executable, "-m", "flodl_zmq.cli"]
-    procs = {"controller": subprocess.Popen(
-        [*cli, "controller", "--bind", f"127.0.0.1:{port}", "--min-ranks", "2", "--target-ranks", "3",
-         "--join-window", "60", "--run-dir", str(tmp_path / "run"), "--", str(script)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)}
-    for host in ("a", "b", "c"):
-        procs[host] = subprocess.Popen(
-            [*cli, "agent", "--controller", f"127.0.0.1:{port}", "--host", host, "--cpu-slots", "1",
-             "--join-timeout", "60", "--script", str(script)],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    outputs, codes = outputs_of(procs)
+    outputs, codes = run_agents(tmp_path, free_port_base(), [str(script)], ("a", "b", "c"), min_ranks=2)
     everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
     assert codes == {"controller": 0, "a": 0, "b": 0, "c": 0}, everything
     log = outputs["controller"]

@@ -8,10 +8,7 @@ scores what the run's final eval scored, show every slice was reduced and put ba
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,12 +20,10 @@ from flodl_zmq import bundle, checkpoints
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import accuracy
 from flodl_zmq.launch import Cluster, free_port_base
-from flodl_zmq.wire import new_key
-from tests.cluster.agents import outputs_of
+from tests.cluster.agents import run_agents
 from tests.cluster.digits_job import RELIABLE_ACCURACY, Padded, held
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 
@@ -139,19 +134,8 @@ def test_under_flodl_zmq_controller_each_listed_hosts_agent_runs_its_shard(tmp_p
     # agent alone, which hands it to its relay; FLODL_SHARDS reaches every host in the spawn spec.
     port = free_port_base(extra=4)
     shards = f"a=tcp://127.0.0.1:{port + 4},b=tcp://127.0.0.1:{port + 6}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLODL_KEY": new_key().hex()}
     program = [JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16"]
-    cli = [sys.executable, "-m", "flodl_zmq.cli"]
-    procs = {"controller": subprocess.Popen(
-        [*cli, "controller", "--bind", f"127.0.0.1:{port}", "--min-ranks", "2", "--target-ranks", "2",
-         "--join-window", "60", "--run-dir", str(tmp_path / "run"), "--", *program],
-        cwd=tmp_path, env={**env, "FLODL_SHARDS": shards}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)}
-    for host in ("a", "b"):
-        procs[host] = subprocess.Popen(
-            [*cli, "agent", "--controller", f"127.0.0.1:{port}", "--host", host, "--cpu-slots", "1",
-             "--join-timeout", "60", "--script", shlex.join(program)],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    outputs, codes = outputs_of(procs)
+    outputs, codes = run_agents(tmp_path, port, program, ("a", "b"), min_ranks=2, controller_env={"FLODL_SHARDS": shards})
     everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
     assert codes == {"controller": 0, "a": 0, "b": 0}, everything
     assert f", reducer shard 1 at tcp://127.0.0.1:{port + 4}" in outputs["a"], everything
@@ -165,19 +149,9 @@ def test_a_shard_hosts_agent_keeps_its_relay_after_the_hosts_own_rank_is_gone(tm
     # relay, whose shard the other hosts' rounds still need (it stops once no rank of the run is left).
     port = free_port_base(extra=6)
     shards = ",".join(f"{h}=tcp://127.0.0.1:{port + 4 + 2 * k}" for k, h in enumerate("abc"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLODL_KEY": new_key().hex(), "DIGITS_SIGKILL_RANK": "0"}
     program = [JOB, "--pad-chunks", "3", "--epochs", "15", "--batch-size", "16"]
-    cli = [sys.executable, "-m", "flodl_zmq.cli"]
-    procs = {"controller": subprocess.Popen(
-        [*cli, "controller", "--bind", f"127.0.0.1:{port}", "--min-ranks", "2", "--target-ranks", "3",
-         "--join-window", "60", "--run-dir", str(tmp_path / "run"), "--", *program],
-        cwd=tmp_path, env={**env, "FLODL_SHARDS": shards}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)}
-    for host in "abc":
-        procs[host] = subprocess.Popen(
-            [*cli, "agent", "--controller", f"127.0.0.1:{port}", "--host", host, "--cpu-slots", "1",
-             "--join-timeout", "60", "--script", shlex.join(program)],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    outputs, codes = outputs_of(procs)
+    outputs, codes = run_agents(tmp_path, port, program, ("a", "b", "c"), min_ranks=2, env={"DIGITS_SIGKILL_RANK": "0"},
+                                controller_env={"FLODL_SHARDS": shards})
     everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
     assert codes == {"controller": 0, "a": 0, "b": 0, "c": 0}, everything
     result = result_of(outputs["controller"], "RESULT ")
