@@ -27,7 +27,7 @@ Rules this module keeps:
 - The checks are one vectorised read of the contribution (max and min per
   block, in cache), spread over the worker threads. A fold tier need not
   make it a read of its own: the pass that sums a held contribution measures
-  each block as it adds it (``block_magnitude``, flodl_zmq/fold.py) and the
+  each block as it adds it (``block_magnitude``, flodl_zmq/sums.py) and the
   tier judges it by ``magnitude_refusal`` then, with the same decision.
 """
 
