@@ -116,15 +116,15 @@ def test_sync_mode_trains_digits_to_95_percent(run):
 
 
 def test_async_mode_trains_digits_to_95_percent_and_holds_it(run):
-    # Async ranks average whenever their own cadence says so: the last epoch's model can sit a
-    # sample or two under the best one (CI once saw 0.9499 after 0.97 at epoch 13, and once, beside the
-    # whole cluster suite, 0.9276 after 0.9694). The claim is that training reaches 95% and its second
-    # half does not fall back from it; the last epoch's floor is three images under the lowest seen.
-    code, result, out = run("--mode", "cpu-async", ranks_per_host=1)
+    # As with sync above: under a constant learning rate the last epoch's model is one draw of SGD's
+    # noise (CI saw 0.8914 after 0.9694, and 0.9276 after 0.9694; alternated runs beside three busy loops
+    # put single second-half epochs as low as 0.8997). Under a cosine schedule the final model is the
+    # settled one: 0.9805 to 0.9861 in 6 such runs. The second half's median carries "holds it".
+    code, result, out = run("--mode", "cpu-async", "--cosine", ranks_per_host=1)
     assert code == 0, out
     evals = [e["eval"] for e in result["epochs"] if e.get("eval") is not None]
-    assert max(evals) >= 0.95 and statistics.median(evals[len(evals) // 2:]) >= 0.95, out
-    assert result["accuracy"] >= 0.919, out
+    assert statistics.median(evals[len(evals) // 2:]) >= 0.95, out
+    assert result["accuracy"] >= 0.95, out
 
 
 def test_the_overlapped_round_scores_each_consensus_once_when_epochs_end_faster_than_its_rounds(run):
@@ -300,22 +300,23 @@ def test_wrong_key_is_an_auth_error_and_the_failed_controllers_ranks_are_stopped
 
 @pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async"])
 def test_an_outer_nesterov_step_with_a_long_window_trains_digits_to_95_percent(mode, run):
-    # DiLoCo-style: 40 inner steps per round at least (4x ElChe's default floor of 10).
-    # Over 20 runs of this world (10 per mode) the best epoch reached 0.975-0.989 and the last one
-    # 0.964-0.986, but single epochs of the second half fell as low as 0.930, and a CI run ended on
-    # such an epoch (0.936 after 0.978).
-    code, result, out = run("--mode", mode, "--batch-size", "16", "--outer", "nesterov", "--anchor", "40")
+    # DiLoCo-style: 40 inner steps per round at least (4x ElChe's default floor of 10). Under a constant
+    # learning rate single epochs of the second half fell to 0.930 and a CI run ended on 0.8969 after
+    # 0.978; with a cosine schedule, as a user would run it, 8 alternated runs beside three busy loops
+    # ended on 0.961 to 0.9805 (second halves no lower than 0.9443).
+    code, result, out = run("--mode", mode, "--batch-size", "16", "--outer", "nesterov", "--anchor", "40", "--cosine")
     assert code == 0, out
-    reaches_95_and_stays_near_it(result, out)
+    evals = [e["eval"] for e in result["epochs"] if e.get("eval") is not None]
+    assert statistics.median(evals[len(evals) // 2:]) >= 0.95, out
+    assert result["accuracy"] >= 0.94, out
 
 
 def reaches_95_and_stays_near_it(result: dict, out: str) -> None:
-    """The claim of a run with an outer Nesterov step: it reaches 95% and its second half sits near
-    there; its momentum overshoots now and then, so one epoch, the last one too, can sit several points
-    under the one before (the spreads are at each use; a stress run once ended on 0.916 after 0.981).
-    The last epoch's floor is three images under the lowest seen: 0.8719 under `cpu-async` beside three
-    busy loops, 0.8969 in CI beside the cluster suite (the tree before these runs gave 0.9136 unloaded);
-    a broken average or a lost rank's state costs far more."""
+    """The claim of a run with an outer Nesterov step under a constant learning rate: it reaches 95% and
+    its second half sits near there; its momentum overshoots now and then, so one epoch, the last one
+    too, can sit several points under the one before (a stress run once ended on 0.916 after 0.981).
+    The last epoch's floor is three images under the lowest seen: 0.8719 beside three busy loops, 0.8969
+    in CI beside the cluster suite; a broken average or a lost rank's state costs far more."""
     evals = [e["eval"] for e in result["epochs"] if e.get("eval") is not None]
     assert max(evals) >= 0.95 and statistics.median(evals[len(evals) // 2:]) >= 0.94, out
     assert result["accuracy"] >= 0.863, out
