@@ -32,15 +32,15 @@ Rules this module keeps:
   host's ranks must be the ones it has. A host admitted after formation waits for that
   record like any joiner, for the announced budget (the controller's join
   cap, which must cover an epoch).
-- **Every rank exit is reported upstream at once** (`RankExited`, code
-  negative for the killing signal): it is the controller's fast path to
-  declaring a rank dead, seconds before heartbeats would.
+- **Every rank exit and relay failure is reported at once** (`RankExited`,
+  `RelayExited`; a negative code names the signal): the controller's fast
+  path to declaring ranks dead (and a shard lost), before silence would tell.
 - **Exit code contract.** 0 when the agent did its job: children spawned,
   every exit reported, all reaped, even if some ranks failed (a rank loss is
   a membership event the controller already knows, not a host failure).
-  1 for host-level faults: the controller aborted the run, the controller
-  went silent while ranks ran, the relay died under running ranks, or the
-  agent was told to stop. A refused or failed join raises MembershipError.
+  1 for host-level faults: the controller aborted the run or went silent
+  while ranks ran, the relay died (under ranks, or with its reducer shard),
+  or the agent was told to stop. A refused or failed join raises MembershipError.
 - **Nothing from the wire runs unchecked.** A spawn spec is checked
   (`agent_rules.check_spawn`) before anything of it is used, at the first
   formation and at every re-form.
@@ -131,6 +131,7 @@ from flodl_zmq.wire.records import (
     JoinHello,
     JoinReject,
     RankExited,
+    RelayExited,
     WorldFormed,
 )
 from flodl_zmq.wire.shm import unlink_host
@@ -534,15 +535,14 @@ class Agent:
                     if code != 0:
                         failures += 1
                         log.warning("%s exited with code %d", c.label, code)
-                    # The controller's fast path to declaring this rank dead.
-                    self._send(RankExited(c.rank, code))
+                    self._send(RankExited(c.rank, code))  # the controller's fast path to its death
                     if not any(x.rank is not None for x in live) and teardown is None and not serves:
                         teardown, kill_at = "every rank exited", now + cfg.kill_grace_s
                         for x in live:  # the relay has nothing left to serve
                             signal_group(x.proc, signal.SIGTERM)
-                elif code != 0 and teardown is None and any(x.rank is not None for x in live):
-                    # The ranks just lost their only path to the controller.
-                    teardown, kill_at, fault = f"relay died with code {code} under running ranks", now + cfg.kill_grace_s, True
+                elif code != 0 and teardown is None:  # not one we stopped: its ranks lost their path, or its shard
+                    self._send(RelayExited(code))
+                    teardown, kill_at, fault = f"relay died with code {code}", now + cfg.kill_grace_s, True
                     log.error("tearing down host %r: %s", host, teardown)
                     for x in live:
                         signal_group(x.proc, signal.SIGTERM)

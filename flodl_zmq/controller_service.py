@@ -90,7 +90,7 @@ from flodl_zmq.errors import FlodlError, TrainingError
 from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job, coordinator_config
-from flodl_zmq.join import ReformGate
+from flodl_zmq.join import HostLost, ReformGate
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
@@ -514,18 +514,20 @@ class ControllerService:
     def _on_membership(self) -> None:
         """Act on what the agents reported: the fast path to declaring ranks dead."""
         assert self.link is not None
-        for rank, code, reason in self.link.deaths():
-            self._exited(rank, code, reason)
-            if code is None:  # its host is lost: a shard it ran with it
-                host = next((h for h, ranks in self.world.items() if rank in ranks), "")
-                self._stop_with(shard_lost(self.shards, host, f"was lost ({reason})"))
+        for report in self.link.reports():
+            if isinstance(report, HostLost):  # a shard it ran is lost with it
+                for rank in report.ranks:
+                    self._exited(rank, None, f"host {report.host} lost: {report.why}")
+                self._stop_with(shard_lost(self.shards, report.host, f"was lost ({report.why})"))
+            else:
+                self._on_exit(report, f"its agent on {report.host} reported exit code {report.code}")
 
-    def _on_exit(self, report: ChildExit) -> None:
-        """The launcher saw a relay or rank of this run exit: what an agent reports, at once."""
+    def _on_exit(self, report: ChildExit, said: str | None = None) -> None:
+        """A relay or rank of this run exited, as the launcher or (`said`) an agent reports it, at once."""
         if report.rank is not None:
-            self._exited(report.rank, report.code, f"it exited with code {report.code}")
+            self._exited(report.rank, report.code, said or f"it exited with code {report.code}")
         elif report.code != 0:  # its ranks lost their only path to us
-            for rank in self.world[report.host]:
+            for rank in self.world.get(report.host, ()):
                 self.declare_dead(rank, f"the relay of {report.host} exited with code {report.code}")
             self._stop_with(shard_lost(self.shards, report.host, f"exited with code {report.code}"))
 

@@ -686,5 +686,11 @@ class HostDone:
     host: str
 
 
-MembershipEvent = RankExitReported | HostLost | HostDone
+@dataclass(frozen=True)
+class RelayExitReported:
+    host: str
+    code: int  # non-zero; negative: killed by that signal
+
+
+MembershipEvent = RankExitReported | RelayExitReported | HostLost | HostDone
 

@@ -59,6 +59,7 @@ from flodl_zmq.join import (
     MembershipEvent,
     RankExitReported,
     Rejected,
+    RelayExitReported,
     WindowPhase,
 )
 from flodl_zmq.links import (
@@ -98,6 +99,7 @@ from flodl_zmq.wire.records import (
     JoinHello,
     JoinReject,
     RankExited,
+    RelayExited,
     StatusReply,
     StatusRequest,
     WorldFormed,
@@ -587,6 +589,9 @@ class MembershipService:
             self.events.put(RankExitReported(host, rec.rank, rec.code))
             if self.links.rank_exited(host, rec.rank, now):
                 self.events.put(HostDone(host))
+        elif isinstance(rec, RelayExited):
+            log.warning("host %r: its relay exited with code %d", host, rec.code)
+            self.events.put(RelayExitReported(host, rec.code))
         elif not isinstance(rec, JoinHeartbeat):
             log.warning("host %r sent %s on its join link; ignored", host, env.kind)
 

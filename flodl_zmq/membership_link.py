@@ -23,7 +23,8 @@ import logging
 from dataclasses import dataclass
 
 from flodl_zmq.checkpoints import WorldChange
-from flodl_zmq.join import HostLost, RankExitReported
+from flodl_zmq.environment import ChildExit
+from flodl_zmq.join import HostLost, RankExitReported, RelayExitReported
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.metrics import RunMetrics
 from flodl_zmq.result import TrainResult
@@ -50,17 +51,18 @@ class MembershipLink:
     curve: CurveKeys | None = None
     metrics: RunMetrics | None = None
 
-    def deaths(self) -> list[tuple[int, int | None, str]]:
-        """The ranks the agents reported gone since the last call: (rank, exit code or None for a lost host,
-        why), the fast path to declaring them dead; the controller judges a clean exit (`_exited`: before the
-        world formed, a rank that never comes). None is the old world's after a re-form (`reform`)."""
-        dead: list[tuple[int, int | None, str]] = []
+    def reports(self) -> list[ChildExit | HostLost]:
+        """What the agents reported since the last call: a rank's or (rank None) a relay's exit, in the
+        launcher's terms, or a host whose agent fell silent; the fast path to declaring ranks dead."""
+        reports: list[ChildExit | HostLost] = []
         for event in self.membership.events.drain():
             if isinstance(event, RankExitReported):
-                dead.append((event.rank, event.code, f"its agent on {event.host} reported exit code {event.code}"))
+                reports.append(ChildExit(event.host, event.rank, event.code))
+            elif isinstance(event, RelayExitReported):
+                reports.append(ChildExit(event.host, None, event.code))
             elif isinstance(event, HostLost):
-                dead.extend((rank, None, f"host {event.host} lost: {event.why}") for rank in event.ranks)
-        return dead
+                reports.append(event)
+        return reports
 
     def reform(self, before: dict[str, tuple[int, ...]], stem: str, result: TrainResult) -> WorldChange:
         """Send every host the re-formed world and wait (bounded) until each stopped its old ranks.

@@ -574,6 +574,11 @@ class RankExited:
     code: Signed
 
 
+@record("join.relay_exited", J)
+class RelayExited:
+    code: Signed  # non-zero, not its agent's doing: the host's ranks lost their path, a shard it ran is gone
+
+
 @record("join.abort", J)
 class Abort:
     reason: str
@@ -586,10 +591,7 @@ class JoinHeartbeat:
 
 @record("join.status_request", J)
 class StatusRequest:
-    """`flodl-zmq status` asks the controller for the cohort's state (keyed like a hello).
-
-    `nonce`: the challenge nonce this connection was issued, as in a hello.
-    """
+    """`flodl-zmq status` asks for the cohort's state, keyed like a hello; `nonce` as in a hello."""
 
     nonce: bytes
 

@@ -8,8 +8,10 @@ scores what the run's final eval scored, show every slice was reduced and put ba
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -157,3 +159,46 @@ def test_a_shard_hosts_agent_keeps_its_relay_after_the_hosts_own_rank_is_gone(tm
     result = result_of(outputs["controller"], "RESULT ")
     assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, everything
     assert sorted(share == 0.0 for share in result["batch_share"]) == [False, False, True], result["batch_share"]
+
+
+def test_under_an_agent_a_shard_hosts_relay_sigkilled_mid_run_stops_the_run_at_once_naming_the_shard(tmp_path):
+    # The agent reports its relay's failure (join.relay_exited), so the controller names the relay's exit
+    # instead of learning of it when the torn-down host's link falls silent (FLODL_HOST_SILENCE).
+    port = free_port_base(extra=4)
+    shards = f"a=tcp://127.0.0.1:{port + 4},b=tcp://127.0.0.1:{port + 6}"
+    program = [JOB, "--pad-chunks", "2", "--epochs", "4", "--batch-size", "16", "--gate", str(tmp_path / "never"),
+               "--gate-after", "1"]  # the ranks hold after one batch: the run is mid-epoch when b's relay goes
+    killed: list[int] = []
+
+    def kill_bs_relay_once_training_started() -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not killed:
+            started = any('"start"' in f.read_text() for f in tmp_path.glob("run/**/events.jsonl"))
+            pid = relay_of(tmp_path, "b") if started else None
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_bs_relay_once_training_started, daemon=True)
+    killer.start()
+    outputs, codes = run_agents(tmp_path, port, program, ("a", "b"), min_ranks=2, controller_env={"FLODL_SHARDS": shards})
+    killer.join(timeout=5)
+    everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
+    assert killed, everything
+    assert codes["controller"] != 0 and codes["b"] == 1, everything
+    assert "reducer shard 2 ran in the relay of host b, which exited with code -9" in outputs["controller"], everything
+    assert "relay died with code -9" in outputs["b"], everything
+
+
+def relay_of(cwd: Path, host: str) -> int | None:
+    """The pid of the relay process of `host` running in `cwd` (its agent's working directory), if any."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc.name.isdigit() and b"flodl_zmq.relay" in (proc / "cmdline").read_bytes()
+                    and (proc / "cwd").resolve() == cwd.resolve()
+                    and f"FLODL_HOST={host}".encode() in (proc / "environ").read_bytes().split(b"\0")):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None

@@ -25,7 +25,14 @@ from flodl_zmq.agent_rules import AgentConfig
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import MembershipError
-from flodl_zmq.join import HostDone, JoinConfig, JoinWindow, RankExitReported, WindowPhase
+from flodl_zmq.join import (
+    HostDone,
+    JoinConfig,
+    JoinWindow,
+    RankExitReported,
+    RelayExitReported,
+    WindowPhase,
+)
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.trust import JOIN_RUN_ID, TrustMode
@@ -258,6 +265,18 @@ def test_a_killed_rank_is_reported_with_the_negative_signal(cluster):
     assert sorted(e.code for e in seen if isinstance(e, RankExitReported)) == [-signal.SIGKILL] * 2
 
 
+def test_a_failed_relay_is_reported_at_once_and_tears_its_host_down(cluster, monkeypatch):
+    # The relay exits 5 under running ranks: the agent says so (join.relay_exited) before it stops
+    # them, the controller's fast path to those ranks' deaths and to a reducer shard the relay ran.
+    monkeypatch.setattr("flodl_zmq.agent.RELAY_ARGV", ("-c", "import time; time.sleep(0.5); raise SystemExit(5)"))
+    c = cluster(target_ranks=2, rank_code="time.sleep(60)")
+    a, b = in_thread(c.agent("a").run), in_thread(c.agent("b").run)
+    assert a() == 1 and b() == 1
+    seen = events(c.service, timeout=1.0)
+    assert sorted((e.host, e.code) for e in seen if isinstance(e, RelayExitReported)) == [("a", 5), ("b", 5)]
+    assert all(e.code < 0 for e in seen if isinstance(e, RankExitReported))  # the ranks it stopped
+
+
 def test_an_abort_after_formation_tears_the_hosts_down(cluster):
     c = cluster(target_ranks=2, rank_code="time.sleep(60)")
     a, b = in_thread(c.agent("a").run), in_thread(c.agent("b").run)
@@ -267,6 +286,7 @@ def test_an_abort_after_formation_tears_the_hosts_down(cluster):
     assert a() == 1 and b() == 1
     seen = events(c.service, timeout=1.0)
     assert all(e.code < 0 for e in seen if isinstance(e, RankExitReported))
+    assert not [e for e in seen if isinstance(e, RelayExitReported)]  # relays their agents stopped did not fail
 
 
 def test_a_silent_controller_tears_the_host_down(cluster):
