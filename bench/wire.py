@@ -13,7 +13,10 @@ alike):
 
 and reports medians, throughput in GB/s (1e9 bytes/s), the framing overhead
 (encode over mac, decode over verify; target <= 10%) and the payload
-authentication throughput (target >= 2.5 GB/s).
+authentication throughput (target >= 2.5 GB/s). Then the microseconds to
+encode and to decode (every check, the MAC) three control records a round
+sends per rank: `timing.sync_ack`, `control.update` with its next plan, and
+`timing.batch` of 8 steps.
 
     python bench/wire.py            # readable table
     python bench/wire.py --json     # one JSON object on stdout
@@ -35,7 +38,8 @@ import numpy as np
 import torch
 
 from flodl_zmq.wire import Channel, Codec, mac
-from flodl_zmq.wire.records import RoundFrame
+from flodl_zmq.wire.codec import Attribution
+from flodl_zmq.wire.records import Batch, EpochPlan, RoundFrame, SyncAck, Update
 
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "25M": 25_000_000}
 REPEATS = {"1M": 9, "10M": 7, "25M": 5}
@@ -44,6 +48,11 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 MEASURES = ("memcpy", "hmac", "mac", "encode", "verify", "decode")
 TARGET_OVERHEAD_PCT = 10.0
 TARGET_AUTH_GBPS = 2.5
+RECORDS = {  # a round's control records, each as a rank or the coordinator sends it
+    "sync_ack": SyncAck(rank=1, round=42, step_count=4200, divergence=0.01, post_norm=12.5, pre_norm=12.4),
+    "update": Update(round=42, next_plan=EpochPlan(epoch=3, offset=1024, size=320, deposit=43)),
+    "batch": Batch(rank=1, step_count=4200, batch_ms=[2.5] * 8, data_ms=[0.1] * 8, batch_loss=[0.3] * 8),
+}
 
 
 SAMPLE_S = (
@@ -88,6 +97,23 @@ def bench_one(n: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
         for m in MEASURES:
             samples[m].append(_time(runs[m], loops[m]))
     return {m: statistics.median(samples[m]) for m in MEASURES}
+
+
+def bench_records(repeats: int) -> dict[str, float]:
+    """Median microseconds to encode and to decode each of `RECORDS` (sequence check off: the same frames
+    are decoded again and again)."""
+    key = bytes(range(32))
+    sender, receiver = Codec(key, bytes(16), "coordinator:1"), Codec(key, bytes(16), "relay:h0")
+    signer = Attribution.signed_by("coordinator:1", "the bench's link")
+    out: dict[str, float] = {}
+    for name, rec in RECORDS.items():
+        frames = sender.encode(rec, channel=Channel.CONTROL)
+        runs = {"encode": lambda rec=rec: sender.encode(rec, channel=Channel.CONTROL),
+                "decode": lambda frames=frames: receiver.decode_from(frames, Channel.CONTROL, signer, replay=False)}
+        for m, fn in runs.items():
+            loops = max(1, int(SAMPLE_S / max(_time(fn, 1), 1e-9)))
+            out[f"record_{m}_us_{name}"] = round(statistics.median(_time(fn, loops) for _ in range(repeats)) * 1e6, 1)
+    return out
 
 
 def run(sizes: list[str], repeats_for: Callable[[str], int]) -> dict[str, float]:
@@ -139,6 +165,9 @@ def table(fig: dict[str, float], sizes: list[str]) -> str:
         f"worst framing overhead {worst_ovh:.1f}% (target <= {TARGET_OVERHEAD_PCT:.0f}%); "
         f"slowest payload authentication {worst_auth:.2f} GB/s (target >= {TARGET_AUTH_GBPS} GB/s)"
     )
+    lines += ["", "control record   encode us  decode us (median)"]
+    lines += [f"{name:<16}{fig[f'record_encode_us_{name}']:>10.1f}{fig[f'record_decode_us_{name}']:>11.1f}"
+              for name in RECORDS]
     return "\n".join(lines)
 
 
@@ -156,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # the wire path is single-threaded; keep torch.rand from stealing the second core
     sizes = ["1M"] if args.quick else list(SIZES)
     fig = run(sizes, (lambda _s: QUICK_REPEATS) if args.quick else REPEATS.__getitem__)
+    fig |= bench_records(QUICK_REPEATS if args.quick else 9)
     print(json.dumps(fig, sort_keys=True) if args.json else table(fig, sizes))
     return 0
 

@@ -53,7 +53,8 @@ from flodl_zmq.errors import (
 )
 from flodl_zmq.tensors import DTYPES, as_numpy, dtype_name
 from flodl_zmq.wire import mac as _mac
-from flodl_zmq.wire.records import REGISTRY, Channel, from_fields, spec_of, to_fields
+from flodl_zmq.wire.fields import from_fields, to_fields
+from flodl_zmq.wire.records import REGISTRY, Channel, spec_of
 
 PROTOCOL_VERSION = 8
 RUN_ID_BYTES = 16  # the run id, and every incarnation id (the header's `run`, PROTOCOL.md 4.1)

@@ -8,8 +8,8 @@ Rules this module keeps:
   a rank obey a control record.
 - Fields are plain msgpack types: int, float, str, bytes, bool, None, lists,
   string-keyed maps, and the nested `EpochPlan`. Decoding checks every field's
-  type against the annotation and refuses missing or unknown fields: loose
-  dicts never travel past the codec.
+  type against the annotation and refuses missing or unknown fields
+  (wire/fields.py): loose dicts never travel past the codec.
 - Every number a peer supplies has a range, in its field's type (`Count`,
   `Rank`, `Seq`, `Signed`, `Duration`; PROTOCOL.md 3.3), checked at decode
   and nowhere else: a value the codec accepted can neither overflow a later
@@ -25,13 +25,10 @@ both agree.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import types
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 from flodl_zmq.errors import SchemaError
 
@@ -602,93 +599,6 @@ class StatusReply:
 
     json: str
     nonce: bytes
-
-
-# --------------------------------------------------------------------------- field validation
-
-_PLAIN = {int: int, float: (int, float), str: str, bytes: bytes, bool: bool}
-
-
-def _check(value: Any, tp: Any, where: str) -> Any:
-    """Validate (and normalise) one decoded value against its annotation."""
-    if typing.get_origin(tp) is Annotated:  # a ranged type: its base type, then its bounds
-        base, bounds = typing.get_args(tp)
-        value = _check(value, base, where)
-        refusal = bounds.refusal(value)
-        if refusal is not None:
-            raise SchemaError(f"{where}: {refusal}")
-        return value
-    want = _PLAIN.get(tp)
-    if want is not None:
-        # bool is an int subclass in Python; refuse it where an int or float is meant and vice versa.
-        if isinstance(value, bool) != (tp is bool) or not isinstance(value, want):
-            raise SchemaError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-        return float(value) if tp is float else value
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _check(value, inner[0], where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise SchemaError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp)
-        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise SchemaError(f"{where}: expected a map, got {type(value).__name__}")
-        _, vt = typing.get_args(tp)
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise SchemaError(f"{where}: map keys must be strings, got {type(k).__name__}")
-            out[k] = _check(v, vt, f"{where}[{k!r}]")
-        return out
-    if tp is EpochPlan or tp in _BY_CLASS:  # a nested structure, or a record merged into another
-        return from_fields(tp, value, where)
-    raise TypeError(f"{where}: annotation {tp!r} has no wire validator")  # a records.py bug, not input
-
-
-_FIELDS: dict[type, tuple[tuple[tuple[str, Any], ...], frozenset[str]]] = {}
-
-
-def _fields(cls: type) -> tuple[tuple[tuple[str, Any], ...], frozenset[str]]:
-    """(name, annotation) pairs and the name set of `cls`, computed once per class."""
-    if cls not in _FIELDS:
-        hints = typing.get_type_hints(cls, include_extras=True)  # keep the ranges
-        pairs = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
-        _FIELDS[cls] = (pairs, frozenset(name for name, _ in pairs))
-    return _FIELDS[cls]
-
-
-def from_fields(cls: type, fields: Any, where: str = "") -> Any:
-    """Build `cls` from a decoded msgpack map, refusing missing, unknown or mistyped fields."""
-    where = where or cls.__name__
-    if not isinstance(fields, dict):
-        raise SchemaError(f"{where}: fields must be a map, got {type(fields).__name__}")
-    pairs, names = _fields(cls)
-    if fields.keys() != names:
-        unknown = set(fields) - names
-        if unknown:
-            raise SchemaError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
-        raise SchemaError(f"{where}: missing field(s) {[n for n, _ in pairs if n not in fields]}")
-    return cls(**{n: _check(fields[n], tp, f"{where}.{n}") for n, tp in pairs})
-
-
-def to_fields(rec: Any) -> dict[str, Any]:
-    """The msgpack map of a record (a nested EpochPlan or merged record becomes a map)."""
-    out = {}
-    for f in dataclasses.fields(rec):
-        v = getattr(rec, f.name)
-        if isinstance(v, EpochPlan):
-            v = to_fields(v)
-        elif isinstance(v, list) and v and dataclasses.is_dataclass(v[0]):  # records merged into this one
-            v = [to_fields(x) for x in v]
-        out[f.name] = v
-    return out
-
 
 
 # What a rank may send on its control link (through its relay, to the coordinator). Every

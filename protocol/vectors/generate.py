@@ -49,7 +49,7 @@ from flodl_zmq.links import (
 )
 from flodl_zmq.wire import PROTOCOL_VERSION, REGISTRY, Channel, Codec, EpochPlan, compute_mac
 from flodl_zmq.wire.codec import REPLAY_WINDOW
-from flodl_zmq.wire.records import to_fields
+from flodl_zmq.wire.fields import to_fields
 from flodl_zmq.wire.shm import ALIGN, SHM_TAG, host_owner, rank_owner
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "flodl_zmq"
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("errors", "tensors", "int8", "wire_format", "threads", "mailbox", "service_loop", "shards",
              "settings"),
-    "wire": ("wire", "wire.records", "wire.mac", "wire.codec", "wire.shm", "wire.stream", "endpoints"),
+    "wire": ("wire", "wire.fields", "wire.records", "wire.mac", "wire.codec", "wire.shm", "wire.stream", "endpoints"),
     "cores": (
         "fold", "sums", "outer", "reducer", "robust", "sampling",
         "coordinator", "coordinator.config", "coordinator.core", "coordinator.dispatch",

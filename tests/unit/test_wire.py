@@ -42,7 +42,8 @@ from flodl_zmq.wire import (
     tensor_view,
 )
 from flodl_zmq.wire.codec import REPLAY_WINDOW
-from flodl_zmq.wire.records import MERGEABLE, Batch, HostFrame, HostReports, RoundFrame, to_fields
+from flodl_zmq.wire.fields import to_fields
+from flodl_zmq.wire.records import MERGEABLE, Batch, HostFrame, HostReports, RoundFrame
 
 KEY = bytes(range(32))
 RUN = bytes(range(100, 116))
