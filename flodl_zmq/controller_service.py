@@ -430,14 +430,15 @@ class ControllerService:
         """End this service on a checkpoint once hosts wait to join and `ReformGate` lets them in; the checkpoint
         describes one finished consensus (resume.py), so the new world trains nothing twice and loses nothing."""
         pending = self.link.membership.pending() if self.link is not None else ()
-        if not pending or self.ended is not None or not self.kept.consistent:
+        if not pending or self.ended is not None:
             return False
         state, round = self.core.state_dict(), self.kept.round
-        if self._reform.notice(round, state["epoch"]):
+        if self._reform.notice(round, state["epoch"]):  # said at once, though the kept copy may lag a round
             hosts = [m.host for m in pending]
             log.info("controller: %s waiting to join at round %d", " ".join(hosts), round)
             self.report.events.write("pending", hosts=hosts, round=round)
-        if not self._reform.due(round, state["epoch"], self.core.last_aggregated + 1, self.core.evals.owed):
+        if not self.kept.consistent or not self._reform.due(round, state["epoch"], self.core.last_aggregated + 1,
+                                                            self.core.evals.owed):
             return False
         stem = self.kept.write_reform(state, self.report.events.run_dir)
         if stem is None:  # the joiners cannot come in yet

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from flodl_zmq import bundle, checkpoints
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import accuracy
 from flodl_zmq.launch import Cluster, free_port_base
-from tests.cluster.agents import run_agents
+from tests.cluster.agents import run_agents, when
 from tests.cluster.digits_job import RELIABLE_ACCURACY, Padded, held
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
@@ -169,19 +168,7 @@ def test_under_an_agent_a_shard_hosts_relay_sigkilled_mid_run_stops_the_run_at_o
     program = [JOB, "--pad-chunks", "2", "--epochs", "4", "--batch-size", "16", "--gate", str(tmp_path / "never"),
                "--gate-after", "1"]  # the ranks hold after one batch: the run is mid-epoch when b's relay goes
     killed: list[int] = []
-
-    def kill_bs_relay_once_training_started() -> None:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not killed:
-            started = any('"start"' in f.read_text() for f in tmp_path.glob("run/**/events.jsonl"))
-            pid = relay_of(tmp_path, "b") if started else None
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_bs_relay_once_training_started, daemon=True)
-    killer.start()
+    killer = when("start", tmp_path, lambda: killed.append(kill_relay_of(tmp_path, "b")))
     outputs, codes = run_agents(tmp_path, port, program, ("a", "b"), min_ranks=2, controller_env={"FLODL_SHARDS": shards})
     killer.join(timeout=5)
     everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
@@ -191,14 +178,68 @@ def test_under_an_agent_a_shard_hosts_relay_sigkilled_mid_run_stops_the_run_at_o
     assert "relay died with code -9" in outputs["b"], everything
 
 
-def relay_of(cwd: Path, host: str) -> int | None:
-    """The pid of the relay process of `host` running in `cwd` (its agent's working directory), if any."""
-    for proc in Path("/proc").iterdir():
-        try:
-            if (proc.name.isdigit() and b"flodl_zmq.relay" in (proc / "cmdline").read_bytes()
-                    and (proc / "cwd").resolve() == cwd.resolve()
-                    and f"FLODL_HOST={host}".encode() in (proc / "environ").read_bytes().split(b"\0")):
-                return int(proc.name)
-        except OSError:
-            continue
-    return None
+def kill_relay_of(cwd: Path, host: str, timeout: float = 30.0) -> int:
+    """SIGKILL the relay process of `host` running in `cwd` (its agent's working directory); its pid."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            try:
+                if (proc.name.isdigit() and b"flodl_zmq.relay" in (proc / "cmdline").read_bytes()
+                        and (proc / "cwd").resolve() == cwd.resolve()
+                        and f"FLODL_HOST={host}".encode() in (proc / "environ").read_bytes().split(b"\0")):
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    return int(proc.name)
+            except OSError:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no relay of host {host!r} ran in {cwd} within {timeout:.0f} s")
+
+
+def test_a_rank_sigkilled_mid_run_leaves_its_hosts_shard_serving_and_the_run_completes(tmp_path, warm):
+    # h1's only rank dies mid-run: h1's relay, its shard inside, keeps serving rank 0, which ends the run.
+    gate = tmp_path / "gate"
+    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16",
+                            *held(gate, after_epochs=2, epochs=15, ranks=2)],
+                      hosts=2, ranks_per_host=1, shards=2, warm=warm)
+    cluster.start()
+    try:
+        wait_for(cluster, "[controller] epoch 2/")
+        cluster.kill("h1:1", signal.SIGKILL)
+        wait_for(cluster, "rank 1 declared dead")
+        gate.touch()
+        code = cluster.wait(150)
+    finally:
+        cluster.shutdown()
+    out = cluster.output()
+    assert code == 0, out
+    assert "relay h1: every local rank [1] is gone" in out, out
+    result = result_of(out)
+    assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, out
+    assert [e["epoch"] for e in result["epochs"]] == list(range(15)), out
+
+
+def test_a_host_that_joins_a_sharded_run_mid_run_enters_the_re_formed_world(tmp_path):
+    # a and b run the shards; c dials in once the world has formed and is taken in at a re-form from the
+    # controller's whole copy of the consensus, after which a's and b's relays run their shards again.
+    port = free_port_base(extra=4)
+    shards = f"a=tcp://127.0.0.1:{port + 4},b=tcp://127.0.0.1:{port + 6}"
+    gate = tmp_path / "gate"
+    # Steps of 20 ms in windows of 10: several rounds an epoch, so one soon finishes on a consensus whose
+    # epochs match the rows reported, which a re-form waits for. With one round an epoch (ElChe's windows
+    # grow under load) the rows ran ahead of every consensus and the run ended before c came in: a limit
+    # of the re-form noticed in the closing note of issue 26.
+    program = [JOB, "--pad-chunks", "2", "--epochs", "6", "--batch-size", "16", "--step-ms", "20", "--max-anchor",
+               "10", *held(gate, after_epochs=1, epochs=6, ranks=2)]
+    opener = when("pending", tmp_path, gate.touch)
+    outputs, codes = run_agents(tmp_path, port, program, ("a", "b"), min_ranks=2, late=("c",),
+                                controller_env={"FLODL_SHARDS": shards, "FLODL_CHECKPOINT_DIR": str(tmp_path / "ckpt")})
+    opener.join(timeout=5)
+    everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
+    assert codes == {"controller": 0, "a": 0, "b": 0, "c": 0}, everything
+    result = result_of(outputs["controller"], "RESULT ")
+    assert result is not None, everything
+    [change] = result["world_changes"]
+    assert change["after"]["c"] == [2], change
+    assert [e["epoch"] for e in result["epochs"]] == list(range(6)), everything
+    assert result["accuracy"] >= RELIABLE_ACCURACY, everything
+    assert outputs["a"].count(", reducer shard 1 at tcp://") == 2, everything  # before and after the re-form
