@@ -432,7 +432,7 @@ class ControllerService:
         pending = self.link.membership.pending() if self.link is not None else ()
         if not pending or self.ended is not None:
             return False
-        state, round = self.core.state_dict(), self.kept.round
+        state, round = self.core.state_dict(reform=True), self.kept.round
         if self._reform.notice(round, state["epoch"]):  # said at once, though the kept copy may lag a round
             hosts = [m.host for m in pending]
             log.info("controller: %s waiting to join at round %d", " ".join(hosts), round)

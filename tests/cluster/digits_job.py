@@ -6,7 +6,7 @@ Every process of a test cluster runs this file; the controller prints one
 --save / --resume (bundle stem), --eval-raises (eval_fn raises on its second
 call), --eval-ms (a sleep per eval; with --slow-evals N, in the first N evals of each rank only), --callback-errors report|stop, --wire-dtype f32|bf16, --cosine (an LR schedule over the whole
 run, each step's LR recorded as the scalar "lr"), --max-grad-norm X, --workers N (loader processes
-per rank), --outer none|nesterov|momentum, --anchor N (ElChe's window floor), --max-anchor N (its ceiling), --easgd-alpha A (cpu-async's pull to each consensus), --heartbeat-timeout S (the coordinator's rank silence limit: the chaos suite's short one),
+per rank), --outer none|nesterov|momentum, --anchor N (ElChe's window floor), --easgd-alpha A (cpu-async's pull to each consensus), --heartbeat-timeout S (the coordinator's rank silence limit: the chaos suite's short one),
 --pad-chunks N (a frozen all-zero parameter of N payload chunks ahead of the MLP's, so a sharded run's
 host shards reduce the MLP's own values: PROTOCOL.md 10.9), --gate PATH --gate-after N (each rank holds before its step N+1 until PATH exists: the run cannot
 end before the test has seen what it waits for, whatever this machine's speed; the test opens it).
@@ -107,7 +107,6 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--outer", default="none")
     p.add_argument("--anchor", type=int)
-    p.add_argument("--max-anchor", type=int)
     p.add_argument("--easgd-alpha", type=float)
     p.add_argument("--pad-chunks", type=int, default=0)
     p.add_argument("--gate")
@@ -152,7 +151,7 @@ def main() -> None:
         on_callback_error=args.callback_errors, save_path=args.save, resume_from=args.resume,
         wire_dtype=args.wire_dtype, rank_silence_at_coordinator_s=args.heartbeat_timeout,
         scheduler=cosine if args.cosine else None, max_grad_norm=args.max_grad_norm, num_workers=args.workers,
-        outer=args.outer, anchor=args.anchor, max_anchor=args.max_anchor, easgd_alpha=args.easgd_alpha,
+        outer=args.outer, anchor=args.anchor, easgd_alpha=args.easgd_alpha,
     ).run()
     print("RESULT " + json.dumps({
         "accuracy": result.final_eval, "batch_share": result.batch_share, "epochs": result.epochs, "evals": result.evals,

@@ -26,10 +26,7 @@ JOB = str(Path(__file__).with_name("digits_job.py"))
 EPOCHS = 6
 SAMPLES_16 = samples_per_epoch(16)
 SAMPLES_8 = samples_per_epoch(8)
-# Windows of at most 10 steps: several rounds an epoch, so a re-form soon finds a consensus whose epochs
-# match the rows reported. Under load ElChe's windows grew to one round an epoch, the rows ran ahead of
-# every consensus, and a run ended before the joiner came in (CI, once; a limit of the re-form).
-PROGRAM = [JOB, "--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "30", "--max-anchor", "10"]
+PROGRAM = [JOB, "--epochs", str(EPOCHS), "--batch-size", "16", "--step-ms", "30"]
 
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linux", reason="network namespaces")]

@@ -224,12 +224,9 @@ def test_a_host_that_joins_a_sharded_run_mid_run_enters_the_re_formed_world(tmp_
     port = free_port_base(extra=4)
     shards = f"a=tcp://127.0.0.1:{port + 4},b=tcp://127.0.0.1:{port + 6}"
     gate = tmp_path / "gate"
-    # Steps of 20 ms in windows of 10: several rounds an epoch, so one soon finishes on a consensus whose
-    # epochs match the rows reported, which a re-form waits for. With one round an epoch (ElChe's windows
-    # grow under load) the rows ran ahead of every consensus and the run ended before c came in: a limit
-    # of the re-form noticed in the closing note of issue 26.
-    program = [JOB, "--pad-chunks", "2", "--epochs", "6", "--batch-size", "16", "--step-ms", "20", "--max-anchor",
-               "10", *held(gate, after_epochs=1, epochs=6, ranks=2)]
+    # Short epochs, about one round each: a re-form must take the consensus of an epoch's last round.
+    program = [JOB, "--pad-chunks", "2", "--epochs", "8", "--batch-size", "16",
+               *held(gate, after_epochs=1, epochs=8, ranks=2)]
     opener = when("pending", tmp_path, gate.touch)
     outputs, codes = run_agents(tmp_path, port, program, ("a", "b"), min_ranks=2, late=("c",),
                                 controller_env={"FLODL_SHARDS": shards, "FLODL_CHECKPOINT_DIR": str(tmp_path / "ckpt")})
@@ -240,6 +237,6 @@ def test_a_host_that_joins_a_sharded_run_mid_run_enters_the_re_formed_world(tmp_
     assert result is not None, everything
     [change] = result["world_changes"]
     assert change["after"]["c"] == [2], change
-    assert [e["epoch"] for e in result["epochs"]] == list(range(6)), everything
+    assert [e["epoch"] for e in result["epochs"]] == list(range(8)), everything
     assert result["accuracy"] >= RELIABLE_ACCURACY, everything
     assert outputs["a"].count(", reducer shard 1 at tcp://") == 2, everything  # before and after the re-form
