@@ -86,25 +86,35 @@ def test_an_int8_wire_and_a_median_run_sharded_as_they_run_whole(monkeypatch, wa
     assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, out
 
 
+def held_then_opened(tmp_path: Path, warm, after_epochs: int, act) -> tuple[int, Cluster]:
+    """A 15-epoch run sharded over both hosts (one rank each) whose ranks hold at a gate once they have
+    trained `after_epochs` epochs' batches: `act(cluster)`, then the gate opens; the controller's exit
+    status and the cluster, stopped."""
+    gate = tmp_path / "gate"
+    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16",
+                            *held(gate, after_epochs=after_epochs, epochs=15, ranks=2)],
+                      hosts=2, ranks_per_host=1, shards=2, warm=warm)
+    cluster.start()
+    try:
+        act(cluster)
+        gate.touch()
+        return cluster.wait(150), cluster
+    finally:
+        cluster.shutdown()
+
+
 def test_a_sigkilled_controller_of_a_sharded_run_restarts_from_its_checkpoint_and_the_run_completes(
         tmp_path, monkeypatch, warm):
     # The restarted controller's reducer serves the checkpoint's consensus whole; each relay asks it alone
     # for that starting model, and the host shards reduce again from the next round (PROTOCOL.md 10.9 item 10).
     monkeypatch.setenv("FLODL_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
     monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "2")
-    gate = tmp_path / "gate"
-    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16",
-                            *held(gate, after_epochs=4, epochs=15, ranks=2)],
-                      hosts=2, ranks_per_host=1, shards=2, warm=warm)
-    cluster.start()
-    try:
+    def kill_the_controller_once_it_checkpointed(cluster: Cluster) -> None:
         wait_for(cluster, "[controller] epoch 3/")
         assert checkpoints.newest(tmp_path / "ckpt") is not None
         cluster.kill("controller")
-        gate.touch()
-        code = cluster.wait(150)
-    finally:
-        cluster.shutdown()
+
+    code, cluster = held_then_opened(tmp_path, warm, 4, kill_the_controller_once_it_checkpointed)
     out = cluster.output()
     assert code == 0, out
     assert "the controller was killed by SIGKILL" in out and len(cluster.restarts) == 1, out
@@ -197,19 +207,12 @@ def kill_relay_of(cwd: Path, host: str, timeout: float = 30.0) -> int:
 
 def test_a_rank_sigkilled_mid_run_leaves_its_hosts_shard_serving_and_the_run_completes(tmp_path, warm):
     # h1's only rank dies mid-run: h1's relay, its shard inside, keeps serving rank 0, which ends the run.
-    gate = tmp_path / "gate"
-    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16",
-                            *held(gate, after_epochs=2, epochs=15, ranks=2)],
-                      hosts=2, ranks_per_host=1, shards=2, warm=warm)
-    cluster.start()
-    try:
+    def kill_rank_1(cluster: Cluster) -> None:
         wait_for(cluster, "[controller] epoch 2/")
         cluster.kill("h1:1", signal.SIGKILL)
         wait_for(cluster, "rank 1 declared dead")
-        gate.touch()
-        code = cluster.wait(150)
-    finally:
-        cluster.shutdown()
+
+    code, cluster = held_then_opened(tmp_path, warm, 2, kill_rank_1)
     out = cluster.output()
     assert code == 0, out
     assert "relay h1: every local rank [1] is gone" in out, out
