@@ -259,11 +259,15 @@ def _run_main(argv: list[str]) -> None:
 
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
+    # Imports leave next to no cyclic garbage, but the collector ran 700 passes over torch's
+    # objects as they came: a quarter of the preload (measured: 1.71 s, 1.27 s without).
+    gc.disable()
     _preload()
     # What the server imported lives as long as any child: out of the collector's sight, a
     # child's collections do not touch (and so copy) those pages, and its exit skips them
     # (measured: a child that imported torch exits in 0.27 s, not 0.87 s; gc.freeze's own advice).
     gc.freeze()
+    gc.enable()  # the children's own objects are collected as ever
     sys.stdout.flush()
     sys.stderr.flush()
     _report(sock, {"ready": True})

@@ -22,7 +22,7 @@ from tests.unit.test_environment import MALLOC_FREE_RSS, torch_threads_of
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(sys.platform != "linux", reason="fork, SCM_RIGHTS")]
 
 SCRIPT = textwrap.dedent("""
-    import atexit, json, os, sys, threading, time
+    import atexit, gc, json, os, sys, threading, time
     atexit.register(lambda: print("atexit ran", flush=True))
     def late():
         time.sleep(0.2)
@@ -34,6 +34,7 @@ SCRIPT = textwrap.dedent("""
         "env": {k: os.environ.get(k) for k in ("ASKED", "ONLY_IN_SERVER")},
         "passed": os.read(int(fd), 5).decode() if fd and sys.argv[1:] != ["until-eof"] else None,
         "session_leader": os.getsid(0) == os.getpid(), "torch_preloaded": "torch" in sys.modules,
+        "collector": gc.isenabled(),
     }), flush=True)
     print("on stderr", file=sys.stderr, flush=True)
     if sys.argv[1:] == ["raise"]:
@@ -84,6 +85,7 @@ def test_a_forked_script_runs_as_python_would_with_the_requests_argv_environment
     assert seen["env"] == {"ASKED": "1", "ONLY_IN_SERVER": None}
     assert seen["passed"] == "hello" and seen["session_leader"]
     assert seen["torch_preloaded"]  # the reason to fork: torch is imported already
+    assert seen["collector"]  # off while the server imported, on again for what the script makes
     # stderr on the same pipe; at exit, non-daemon threads are joined, then atexit runs.
     assert "on stderr" in out and out.index("thread joined") < out.index("atexit ran")
 
