@@ -373,8 +373,11 @@ class Cluster:
         self._warm = None
 
     def _stop_children(self) -> None:
-        """SIGTERM every child's group, wait, SIGKILL stragglers, reap all (idempotent)."""
-        end_groups([c.proc for c in self.children.values()])
+        """SIGTERM every child's group, wait, SIGKILL stragglers, reap all (idempotent). The controller goes
+        first: signalled with its ranks, it could read their deaths before its own signal and end its run
+        log "all_ranks_lost" where the user stopped the run (its end line says "interrupted")."""
+        end_groups([c.proc for label, c in self.children.items() if label == "controller"])
+        end_groups([c.proc for label, c in self.children.items() if label != "controller"])
         for c in self.children.values():
             if c.reader is not None:
                 c.reader.join(2.0)
