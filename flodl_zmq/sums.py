@@ -23,6 +23,7 @@ from flodl_zmq.tensors import ELEMENTS, Element, bf16_sum, bf16_tops, f32_from_b
 # (wire dtype name, shape) of each tensor of a round, in order.
 Schema = tuple[tuple[str, tuple[int, ...]], ...]
 
+
 def carve(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> tuple[np.ndarray, list[np.ndarray]]:
     """One flat buffer of ``dtype`` holding every shape, and a shaped view of it per shape."""
     sizes = [math.prod(shape) for shape in shapes]
@@ -75,6 +76,19 @@ def _bad(sums: np.ndarray) -> bool:
     return not _SUMS.finite_quiet(sums)
 
 
+def _checked(written: np.ndarray, inputs: Sequence[np.ndarray], write: Callable[[slice], None],
+             bad: Callable[[np.ndarray], bool] = _bad) -> tuple:
+    """``write(block)`` block by block, each block of ``written`` checked (``bad``) and each input's block
+    measured right after, in cache: (a block was bad, the top of each input), the fused checks' report."""
+    seen, tops = False, [0.0] * len(inputs)
+    for i in range(0, written.size, BLOCK):
+        block = slice(i, i + BLOCK)
+        write(block)
+        seen = bad(written[block]) or seen
+        _measure(tops, *(x[block] for x in inputs))
+    return seen, *tops
+
+
 class Kernels:
     """A fold's operations on flat pieces of one element dtype, its sums in f32 (``KERNELS``).
 
@@ -104,22 +118,11 @@ class Kernels:
             return self.finite(x)
 
     def fill(self, acc: np.ndarray, x: np.ndarray) -> tuple[bool, float]:
-        bad, tops = False, [0.0]
-        for i in range(0, acc.size, BLOCK):
-            block = slice(i, i + BLOCK)
-            self._widen(x[block], acc[block])
-            bad = _bad(acc[block]) or bad
-            _measure(tops, x[block])
-        return bad, *tops
+        return _checked(acc, (x,), lambda k: self._widen(x[k], acc[k]))
 
     def fill_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[bool, float, float]:
-        bad, tops = False, [0.0, 0.0]
-        for i in range(0, acc.size, BLOCK):
-            block = slice(i, i + BLOCK)
-            np.add(a[block], b[block], out=acc[block], dtype=np.float32)  # f16 inputs add in f32, never in f16
-            bad = _bad(acc[block]) or bad
-            _measure(tops, a[block], b[block])
-        return bad, *tops
+        # f16 inputs add in f32, never in f16.
+        return _checked(acc, (a, b), lambda k: np.add(a[k], b[k], out=acc[k], dtype=np.float32))
 
     def add(self, acc: np.ndarray, x: np.ndarray) -> None:
         np.add(acc, x, out=acc)
@@ -164,13 +167,7 @@ class _BF16(Kernels):
         return pos < 0x7F80 and neg < 0xFF80
 
     def fill_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[bool, float, float]:
-        bad, tops = False, [0.0, 0.0]
-        for i in range(0, acc.size, BLOCK):
-            block = slice(i, i + BLOCK)
-            torch_view(f32_from_bf16(a[block], acc[block])).add_(torch_view(b[block]))
-            bad = _bad(acc[block]) or bad
-            _measure(tops, a[block], b[block])
-        return bad, *tops
+        return _checked(acc, (a, b), lambda k: torch_view(f32_from_bf16(a[k], acc[k])).add_(torch_view(b[k])))
 
     def add(self, acc: np.ndarray, x: np.ndarray) -> None:
         torch_view(acc).add_(torch_view(x))
@@ -179,13 +176,8 @@ class _BF16(Kernels):
                    d: np.float32 | None) -> tuple[bool, float, float]:
         if d is not None:
             return super().encode_sum(acc, a, b, out, d)
-        bad, tops = False, [0.0, 0.0]
-        for i in range(0, out.size, BLOCK):
-            block = slice(i, i + BLOCK)
-            bf16_sum(a[block], b[block], out[block])  # no f32 sums at all
-            bad = not self.finite_quiet(out[block]) or bad
-            _measure(tops, a[block], b[block])
-        return bad, *tops
+        # No f32 sums at all: the bf16 sums are checked.
+        return _checked(out, (a, b), lambda k: bf16_sum(a[k], b[k], out[k]), lambda x: not self.finite_quiet(x))
 
 
 _SUMS = _F32(ELEMENTS["f32"])

@@ -63,9 +63,9 @@ def _checker(tp: Any) -> Check:
         def mapped(value: Any, where: str) -> dict[str, Any]:
             if not isinstance(value, dict):
                 raise SchemaError(f"{where}: expected a map, got {type(value).__name__}")
-            if not all(isinstance(k, str) for k in value):
-                bad = next(k for k in value if not isinstance(k, str))
-                raise SchemaError(f"{where}: map keys must be strings, got {type(bad).__name__}")
+            for k in value:
+                if not isinstance(k, str):
+                    raise SchemaError(f"{where}: map keys must be strings, got {type(k).__name__}")
             return {k: entry(v, f"{where}[{k!r}]") for k, v in value.items()}
         return mapped
     if dataclasses.is_dataclass(tp):  # a nested structure (EpochPlan), or a record merged into another
