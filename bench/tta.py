@@ -1,7 +1,7 @@
 """Time to target on real jobs: flodl-zmq (defaults, and tuned) against torch DDP and the fastest member alone.
 
     python bench/tta.py [--jobs cnn,transformer,mlp] [--worlds 1x2,1x2slow,2x2slow] [--runs ours,best,ddp,alone]
-                        [--repeats 3] [--evals-per-epoch 4] [--json]
+                        [--repeats 3] [--evals-per-epoch 4] [--lr-scale 1.0] [--json]
 
 The question a user asks before adding a machine: does the run reach the
 target sooner? Every run trains the same job from the same seed with one
@@ -12,7 +12,10 @@ scored model had trained on. Every run is scored at the same cadence in
 samples, `--evals-per-epoch` K times an epoch (the Trainer's
 `eval_every_samples`, an epoch's samples / K; DDP's rank 0 at the same
 points), so time to target is not rounded up to an epoch and no run is
-favoured; K = 1 scores at epoch ends only.
+favoured; K = 1 scores at epoch ends only. `--lr-scale S` multiplies the
+job's learning rate by S in every run (alone and DDP's scaled rate too): the
+same job with another rate, to compare a pair and its member alone where
+each is better tuned.
 
 Jobs (the examples' and bench/train.py's models, per-rank batch 32):
 
@@ -42,7 +45,7 @@ the time to train all of them (`run_s`: floDl's own measure, the whole
 schedule's wall time with the final metric beside it) and the services'
 share of the run's CPU time (relays and controller).
 
-JSON keys: evals_per_epoch, tta_speedup_vs_alone_<job>_<world> and tta_speedup_vs_ddp_<job>_<world>
+JSON keys: evals_per_epoch, lr_scale, tta_speedup_vs_alone_<job>_<world> and tta_speedup_vs_ddp_<job>_<world>
 (time from the first step; ours with defaults, `_best` appended for BEST),
 run_speedup_vs_alone_<job>_<world> (all epochs),
 final_delta_vs_alone_<job>_<world> (ours minus alone after equal epochs, in
@@ -256,7 +259,8 @@ def eval_every(dataset_len: int, evals_per_epoch: int) -> int:
     return 0 if evals_per_epoch <= 1 else dataset_len // evals_per_epoch
 
 
-def run_trainer(job: str, world: str, variant: str, best: dict[str, Any], timeline: bool, evals_per_epoch: int) -> None:
+def run_trainer(job: str, world: str, variant: str, best: dict[str, Any], timeline: bool, evals_per_epoch: int,
+                lr_scale: float) -> None:
     """ours / best / alone: the Trainer, in whatever role this process has."""
     from flodl_zmq.api import Trainer
 
@@ -270,13 +274,14 @@ def run_trainer(job: str, world: str, variant: str, best: dict[str, Any], timeli
     extra = keywords(best if variant == "best" else {}, world)
     total = spec.epochs * math.ceil(len(kw["dataset"]) / extra["batch_size"])
     atexit.register(_report)
-    result = Trainer(**kw, optimizer=lambda p: spec.optimizer(p, 1.0), epochs=spec.epochs, seed=SEED,
+    result = Trainer(**kw, optimizer=lambda p: spec.optimizer(p, lr_scale), epochs=spec.epochs, seed=SEED,
                      eval_every_samples=eval_every(len(kw["dataset"]), evals_per_epoch),
                      scheduler=spec.scheduler(total) if spec.scheduler else None, quiet=True, **extra).run()
     _scored.extend(row["samples"] for row in result.evals)  # the controller, or alone (a rank does not return)
 
 
-def _ddp_worker(rank: int, world: int, job: str, slow: dict[int, float], init: str, evals_per_epoch: int) -> None:
+def _ddp_worker(rank: int, world: int, job: str, slow: dict[int, float], init: str, evals_per_epoch: int,
+                lr_scale: float) -> None:
     import torch.distributed as dist
 
     from flodl_zmq.sampling import epoch_permutation
@@ -288,7 +293,7 @@ def _ddp_worker(rank: int, world: int, job: str, slow: dict[int, float], init: s
     torch.manual_seed(SEED)
     kw = _timed(spec.build())
     ddp = torch.nn.parallel.DistributedDataParallel(kw["model"]())
-    opt = spec.optimizer(ddp.parameters(), math.sqrt(world) if spec.adam else float(world))
+    opt = spec.optimizer(ddp.parameters(), lr_scale * (math.sqrt(world) if spec.adam else float(world)))
     data, n = kw["dataset"], len(kw["dataset"])
     per_step = world * BATCH
     sched = spec.scheduler(spec.epochs * (n // per_step))(opt) if spec.scheduler else None
@@ -328,12 +333,12 @@ def _ddp_worker(rank: int, world: int, job: str, slow: dict[int, float], init: s
     dist.destroy_process_group()
 
 
-def run_ddp(job: str, world_name: str, evals_per_epoch: int) -> None:
+def run_ddp(job: str, world_name: str, evals_per_epoch: int, lr_scale: float) -> None:
     import torch.multiprocessing as mp
 
     hosts, per_host, slow = WORLDS[world_name]
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_ddp_worker, args=(hosts * per_host, job, slow, f"file://{d}/rendezvous", evals_per_epoch),
+        mp.spawn(_ddp_worker, args=(hosts * per_host, job, slow, f"file://{d}/rendezvous", evals_per_epoch, lr_scale),
                  nprocs=hosts * per_host, join=True)
 
 
@@ -390,11 +395,12 @@ def _parse(lines: list[str]) -> dict[str, Any]:
             "timelines": timelines}
 
 
-def run_one(job: str, world: str, run: str, best: str, timeline: bool = False, evals_per_epoch: int = 4) -> dict[str, Any]:
+def run_one(job: str, world: str, run: str, best: str, timeline: bool = False, evals_per_epoch: int = 4,
+            lr_scale: float = 1.0) -> dict[str, Any]:
     """One run in fresh processes; its raw figures (times are CLOCK_MONOTONIC)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
     child = [sys.executable, __file__, "--child", run, "--jobs", job, "--worlds", world, "--best", best,
-             "--evals-per-epoch", str(evals_per_epoch), *(["--timeline"] if timeline else [])]
+             "--evals-per-epoch", str(evals_per_epoch), "--lr-scale", repr(lr_scale), *(["--timeline"] if timeline else [])]
     t_cmd = time.monotonic()
     share = None
     if run in ("ours", "best"):
@@ -458,23 +464,28 @@ def main() -> int:
     p.add_argument("--timeline", action="store_true", help="account each rank's time to phases; print it per run")
     p.add_argument("--evals-per-epoch", type=int, default=4,
                    help="score every run this many times an epoch, at the same samples (1: at epoch ends only)")
+    p.add_argument("--lr-scale", type=float, default=1.0,
+                   help="every run's learning rate times this (the job's own: 1)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     jobs, worlds, runs = (a.split(",") for a in (args.jobs, args.worlds, args.runs))
+    if not (math.isfinite(args.lr_scale) and args.lr_scale > 0):
+        p.error(f"--lr-scale {args.lr_scale} must be a positive number (1: the job's own learning rate)")
     for name, chosen, known in (("job", jobs, JOBS), ("world", worlds, WORLDS)):
         bad = [x for x in chosen if x not in known]
         if bad:
             p.error(f"unknown {name} {bad}: choose from {sorted(known)}")
     if args.child:  # one run's process (the launcher's roles too: FLODL_ROLE)
         if args.child == "ddp":
-            run_ddp(jobs[0], worlds[0], args.evals_per_epoch)
+            run_ddp(jobs[0], worlds[0], args.evals_per_epoch, args.lr_scale)
         else:
-            run_trainer(jobs[0], worlds[0], args.child, json.loads(args.best), args.timeline, args.evals_per_epoch)
+            run_trainer(jobs[0], worlds[0], args.child, json.loads(args.best), args.timeline, args.evals_per_epoch,
+                        args.lr_scale)
         return 0
 
     out: dict[str, Any] = {"load_average": os.getloadavg(), "repeats": args.repeats, "best": {},
-                           "evals_per_epoch": args.evals_per_epoch}
+                           "evals_per_epoch": args.evals_per_epoch, "lr_scale": args.lr_scale}
     table = []
     for job in jobs:
         spec = JOBS[job]
@@ -484,11 +495,11 @@ def main() -> int:
         for _ in range(args.repeats):
             if "alone" in runs:
                 raw.setdefault(("alone", ""), []).append(
-                    run_one(job, worlds[0], "alone", best, args.timeline, args.evals_per_epoch))
+                    run_one(job, worlds[0], "alone", best, args.timeline, args.evals_per_epoch, args.lr_scale))
             for world in worlds:
                 for run in (r for r in runs if r != "alone"):
                     raw.setdefault((run, world), []).append(
-                        run_one(job, world, run, best, args.timeline, args.evals_per_epoch))
+                        run_one(job, world, run, best, args.timeline, args.evals_per_epoch, args.lr_scale))
         alone_figs = [figures(spec, r, None) for r in raw.get(("alone", ""), [])]
         budget = _median([f["ttt_s"] for f in alone_figs])
         med: dict[tuple[str, str], dict] = {}

@@ -53,3 +53,17 @@ def test_tta_bench_prints_every_documented_figure_for_a_pair_and_alone():
     if "tta_speedup_vs_alone_cnn_1x2" in figures:
         assert figures["tta_speedup_vs_alone_cnn_1x2"] == pytest.approx(
             figures["ttt_s_alone_cnn"] / figures["ttt_s_ours_cnn_1x2"], rel=0.01)
+
+
+def test_lr_scale_reaches_every_runs_optimizer_and_a_bad_one_is_refused():
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "bench/tta.py"), "--jobs", "cnn", "--runs", "alone",
+                               "--repeats", "1", "--json", *extra], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    out = run("--lr-scale", "1e-4")  # SGD at a ten-thousandth of the job's rate: the digits stay unlearned
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["lr_scale"] == 1e-4
+    assert figures["final_alone_cnn"] < 0.5 and figures["ttt_s_alone_cnn"] is None
+    bad = run("--lr-scale", "0")
+    assert bad.returncode == 2 and "--lr-scale 0.0 must be a positive number" in bad.stderr
