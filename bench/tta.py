@@ -400,7 +400,8 @@ def run_one(job: str, world: str, run: str, best: str, timeline: bool = False, e
     """One run in fresh processes; its raw figures (times are CLOCK_MONOTONIC)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
     child = [sys.executable, __file__, "--child", run, "--jobs", job, "--worlds", world, "--best", best,
-             "--evals-per-epoch", str(evals_per_epoch), "--lr-scale", repr(lr_scale), *(["--timeline"] if timeline else [])]
+             "--evals-per-epoch", str(evals_per_epoch), "--lr-scale", repr(lr_scale),
+             *(["--timeline"] if timeline else [])]
     t_cmd = time.monotonic()
     share = None
     if run in ("ours", "best"):
