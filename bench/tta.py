@@ -43,15 +43,18 @@ time to target from the first step (`ttt_s`) and from the command's start
 budget (the lone run's time to target), the metric after the job's epochs,
 the time to train all of them (`run_s`: floDl's own measure, the whole
 schedule's wall time with the final metric beside it) and the services'
-share of the run's CPU time (relays and controller).
+share of the run's CPU time (relays and controller), over the whole run and
+from the first step to the target. `--timeline` accounts each rank's time to
+phases, over the whole run and to the target.
 
 JSON keys: evals_per_epoch, lr_scale, tta_speedup_vs_alone_<job>_<world> and tta_speedup_vs_ddp_<job>_<world>
 (time from the first step; ours with defaults, `_best` appended for BEST),
 run_speedup_vs_alone_<job>_<world> (all epochs),
 final_delta_vs_alone_<job>_<world> (ours minus alone after equal epochs, in
 points of accuracy or nats; `_best` too), and per run
-ttt_s_/ttt_cmd_s_/samples_/budget_metric_/final_/run_s_/evals_/service_cpu_share_<run>_<job>_<world>
-(`evals_`: how many times the run was scored).
+ttt_s_/ttt_cmd_s_/samples_/budget_metric_/final_/run_s_/evals_/service_cpu_share_/service_cpu_share_to_target_
+<run>_<job>_<world> (`evals_`: how many times the run was scored); with --timeline,
+timeline_/timeline_to_target_<run>_<job>_<world>_<rank label> (seconds per phase).
 This script is also the job the launcher runs (FLODL_ROLE set).
 """
 
@@ -194,16 +197,21 @@ def _timed(spec_kw: dict[str, Any]) -> dict[str, Any]:
 
 def _report() -> None:
     print(TAG + " " + json.dumps({"first_step": _first_step[:1], "evals": _evals, "samples": _scored,
-                                  "timeline": _timeline}), flush=True)
+                                  "timeline": _timeline, "bins": _bins}), flush=True)
 
 
 _timeline: dict[str, float] = {}  # phase -> seconds, on a rank (--timeline)
+# The same seconds by when they were spent, in bins of BIN_S of CLOCK_MONOTONIC (the bin's index: its start
+# over BIN_S), so that the parent can cut a rank's time at the run's time to target.
+BIN_S = 0.02
+_bins: dict[int, dict[str, float]] = {}
 
 
 def time_phases() -> None:
     """Account a rank's wall time to phases by wrapping its runtime's steps (a measurement, not an API).
 
-    Nested phases are taken out of the enclosing one; a wait is "round" while
+    Each phase's time is counted in the bin of BIN_S in which it ended. Nested phases
+    are taken out of the enclosing one; a wait is "round" while
     this rank's deposit awaits its consensus, else "idle" (no work given yet), and
     "start-up" before the run's first step.
     """
@@ -224,6 +232,8 @@ def time_phases() -> None:
                 t0, nested = stack.pop()
                 spent = time.perf_counter() - t0
                 _timeline[phase] = _timeline.get(phase, 0.0) + spent - nested
+                row = _bins.setdefault(int(time.monotonic() / BIN_S), {})
+                row[phase] = row.get(phase, 0.0) + spent - nested
                 if stack:
                     stack[-1][1] += spent
         return timed
@@ -338,38 +348,47 @@ def run_ddp(job: str, world_name: str, evals_per_epoch: int, lr_scale: float) ->
 
     hosts, per_host, slow = WORLDS[world_name]
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_ddp_worker, args=(hosts * per_host, job, slow, f"file://{d}/rendezvous", evals_per_epoch, lr_scale),
-                 nprocs=hosts * per_host, join=True)
+        mp.spawn(_ddp_worker, nprocs=hosts * per_host, join=True,
+                 args=(hosts * per_host, job, slow, f"file://{d}/rendezvous", evals_per_epoch, lr_scale))
 
 
 # --------------------------------------------------------------------------- the parent
 
 
 class CpuTicks:
-    """The last CPU ticks seen of each process (sampled every 50 ms until it is gone)."""
+    """Each process's CPU ticks, sampled every 50 ms until the run ends: the services' share of its CPU."""
 
     def __init__(self, pids: dict[int, bool]) -> None:
         self.pids = pids  # pid -> is a service
-        self.ticks: dict[int, int] = {}
+        self.samples: list[tuple[float, dict[int, int]]] = []  # (CLOCK_MONOTONIC, each process's ticks so far)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        ticks: dict[int, int] = {}  # a process that is gone keeps its last count
         while not self._stop.wait(0.05):
             for pid in self.pids:
                 try:
                     with open(f"/proc/{pid}/stat") as fh:
                         fields = fh.read().rpartition(")")[2].split()
-                    self.ticks[pid] = int(fields[11]) + int(fields[12])
+                    ticks[pid] = int(fields[11]) + int(fields[12])
                 except (OSError, IndexError):
                     continue
+            self.samples.append((time.monotonic(), dict(ticks)))
 
-    def service_share(self) -> float | None:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join(2)
-        total = sum(self.ticks.values())
-        return sum(t for p, t in self.ticks.items() if self.pids[p]) / total if total else None
+
+    def service_share(self, start: float = -math.inf, end: float = math.inf) -> float | None:
+        """The services' share of the CPU ticks taken from `start` to `end` (CLOCK_MONOTONIC; the whole run
+        by default), between the last sample before `start` and the first after `end`."""
+        before = next((s for t, s in reversed(self.samples) if t <= start), {})
+        after = next((s for t, s in self.samples if t >= end), self.samples[-1][1] if self.samples else {})
+        spent = {p: after.get(p, 0) - before.get(p, 0) for p in self.pids}
+        total = sum(spent.values())
+        return sum(n for p, n in spent.items() if self.pids[p]) / total if total else None
 
 
 def _parse(lines: list[str]) -> dict[str, Any]:
@@ -377,6 +396,7 @@ def _parse(lines: list[str]) -> dict[str, Any]:
     evals: list[tuple[float, float]] = []
     samples: list[int] = []
     timelines: dict[str, dict[str, float]] = {}
+    bins: dict[str, dict[int, dict[str, float]]] = {}
     for line in lines:
         label, _, text = line.partition("] ") if line.startswith("[") else ("", "", line)
         if text.startswith(TAG):
@@ -386,13 +406,14 @@ def _parse(lines: list[str]) -> dict[str, Any]:
             samples += data["samples"]
             if data["timeline"]:
                 timelines[label.lstrip("[")] = data["timeline"]
+                bins[label.lstrip("[")] = {int(k): v for k, v in data["bins"].items()}
     if not first or not evals:
         raise RuntimeError("the run reported no step or no evaluation:\n" + "\n".join(lines[-40:]))
     if len(samples) != len(evals):
         raise RuntimeError(f"{len(evals)} evaluations but {len(samples)} sample counts:\n" + "\n".join(lines[-40:]))
     # One process scores at a time, in the order its result lists them: time order is that order.
     return {"first_step": min(first), "evals": [(t, m, n) for (t, m), n in zip(sorted(evals), samples, strict=True)],
-            "timelines": timelines}
+            "timelines": timelines, "bins": bins}
 
 
 def run_one(job: str, world: str, run: str, best: str, timeline: bool = False, evals_per_epoch: int = 4,
@@ -403,7 +424,7 @@ def run_one(job: str, world: str, run: str, best: str, timeline: bool = False, e
              "--evals-per-epoch", str(evals_per_epoch), "--lr-scale", repr(lr_scale),
              *(["--timeline"] if timeline else [])]
     t_cmd = time.monotonic()
-    share = None
+    ticks = None
     if run in ("ours", "best"):
         from flodl_zmq.launch import Cluster
 
@@ -412,7 +433,7 @@ def run_one(job: str, world: str, run: str, best: str, timeline: bool = False, e
         cluster.start()
         ticks = CpuTicks({c.proc.pid: not label.split(":")[-1].isdigit() for label, c in cluster.children.items()})
         code = cluster.wait(1800)
-        share = ticks.service_share()
+        ticks.stop()
         if code != 0:
             raise RuntimeError(f"{run} {job} {world}: the cluster failed (exit {code}):\n{cluster.output()}")
         lines = cluster.lines
@@ -422,7 +443,7 @@ def run_one(job: str, world: str, run: str, best: str, timeline: bool = False, e
             raise RuntimeError(f"{run} {job} {world}: exit {proc.returncode}:\n{proc.stdout}{proc.stderr}")
         lines = proc.stdout.splitlines()
     out = _parse(lines)
-    return {**out, "t_cmd": t_cmd, "service_cpu_share": share}
+    return {**out, "t_cmd": t_cmd, "cpu": ticks}
 
 
 def figures(spec: Spec, raw: dict[str, Any], budget_s: float | None) -> dict[str, Any]:
@@ -446,8 +467,21 @@ def figures(spec: Spec, raw: dict[str, Any], budget_s: float | None) -> dict[str
         "final": evals[-1][1],
         "run_s": evals[-1][0] - raw["first_step"],
         "evals": len(evals),
-        "service_cpu_share": raw["service_cpu_share"],
+        "service_cpu_share": None if raw["cpu"] is None else raw["cpu"].service_share(),
+        "service_cpu_share_to_target": None if raw["cpu"] is None or t_hit is None
+        else raw["cpu"].service_share(raw["first_step"], t_hit),
     }
+
+
+def phases_until(bins: dict[int, dict[str, float]], t: float) -> dict[str, float]:
+    """Seconds per phase spent by `t` (CLOCK_MONOTONIC): the bins that end by then, and the one that
+    straddles it in proportion."""
+    out: dict[str, float] = {}
+    for k, row in bins.items():
+        share = min(1.0, max(0.0, t / BIN_S - k))
+        for phase, spent in row.items():
+            out[phase] = out.get(phase, 0.0) + spent * share
+    return out
 
 
 def _median(values: list[Any]) -> Any:
@@ -504,8 +538,9 @@ def main() -> int:
         alone_figs = [figures(spec, r, None) for r in raw.get(("alone", ""), [])]
         budget = _median([f["ttt_s"] for f in alone_figs])
         med: dict[tuple[str, str], dict] = {}
+        figs_of: dict[tuple[str, str], list[dict]] = {}
         for (run, world), rs in raw.items():
-            figs = [figures(spec, r, budget) for r in rs]
+            figs = figs_of[run, world] = [figures(spec, r, budget) for r in rs]
             med[run, world] = {k: _median([f[k] for f in figs]) for k in figs[0]}
         for (run, world), m in med.items():
             tag = f"{run}_{job}" + (f"_{world}" if world else "")
@@ -517,6 +552,12 @@ def main() -> int:
                 phases = sorted({k for t in runs_of for k in t})
                 out[f"timeline_{tag}_{label}"] = {k: round(statistics.median(t.get(k, 0.0) for t in runs_of), 3)
                                                   for k in phases}
+                cut = [phases_until(r["bins"].get(label, {}), r["first_step"] + f["ttt_s"])
+                       for r, f in zip(raw[run, world], figs_of[run, world], strict=True) if f["ttt_s"] is not None]
+                if cut:  # the same, from the start to the target, over the runs that reached it
+                    out[f"timeline_to_target_{tag}_{label}"] = {
+                        k: round(statistics.median(c.get(k, 0.0) for c in cut), 3)
+                        for k in sorted({k for c in cut for k in c})}
         alone = med.get(("alone", ""))
         for world in worlds:
             for run, suffix in (("ours", ""), ("best", "_best")):
@@ -540,11 +581,11 @@ def main() -> int:
     print(f"time to target, medians of {args.repeats}; load average {out['load_average'][0]:.2f}; "
           f"best = {json.dumps(out['best'])}")
     print("job | world | run | ttt s (first step) | ttt s (command) | samples | metric at budget | final | "
-          "all epochs s | svc cpu")
+          "all epochs s | svc cpu | svc cpu to target")
     for job, world, run, m in table:
         cells = [("-" if m[k] is None else f"{m[k]:.{d}f}") for k, d in
                  (("ttt_s", 2), ("ttt_cmd_s", 2), ("samples", 0), ("budget_metric", 4), ("final", 4),
-                  ("run_s", 2), ("service_cpu_share", 3))]
+                  ("run_s", 2), ("service_cpu_share", 3), ("service_cpu_share_to_target", 3))]
         print(f"{job} | {world} | {run} | " + " | ".join(cells))
     for k in sorted(out):
         if k.startswith(("tta_", "run_speedup", "final_delta", "timeline_")):

@@ -30,18 +30,20 @@ def test_tta_bench_prints_every_documented_figure_for_a_pair_and_alone():
     # tested above); each run here is a fresh cluster or process, as the bench's figures count from its start.
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench/tta.py"), "--jobs", "cnn", "--worlds", "1x2", "--runs", "ours,alone",
-         "--repeats", "1", "--json"],
+         "--repeats", "1", "--timeline", "--json"],
         capture_output=True, text=True, timeout=230, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["best"] == {"cnn": tta.BEST["cnn"]}
     for tag in ("ours_cnn_1x2", "alone_cnn"):
-        for key in ("ttt_s", "ttt_cmd_s", "samples", "budget_metric", "final", "run_s", "service_cpu_share"):
+        for key in ("ttt_s", "ttt_cmd_s", "samples", "budget_metric", "final", "run_s", "service_cpu_share",
+                    "service_cpu_share_to_target"):
             assert f"{key}_{tag}" in figures, sorted(figures)
         assert 0.0 <= figures[f"final_{tag}"] <= 1.0 and figures[f"run_s_{tag}"] > 0
     assert 0.0 < figures["service_cpu_share_ours_cnn_1x2"] < 1.0
     assert figures["service_cpu_share_alone_cnn"] is None  # no services alone
+    assert figures["service_cpu_share_to_target_alone_cnn"] is None
     # Scored within epochs (`eval_every_samples`, a quarter epoch): the pair's consensus at rounds, alone at steps.
     epochs = tta.JOBS["cnn"].epochs
     assert figures["evals_per_epoch"] == 4 and figures["evals_alone_cnn"] > 3 * epochs
@@ -53,6 +55,17 @@ def test_tta_bench_prints_every_documented_figure_for_a_pair_and_alone():
     if "tta_speedup_vs_alone_cnn_1x2" in figures:
         assert figures["tta_speedup_vs_alone_cnn_1x2"] == pytest.approx(
             figures["ttt_s_alone_cnn"] / figures["ttt_s_ours_cnn_1x2"], rel=0.01)
+    # Each rank's time by phase, over the whole run and cut where the run reached the target (about a third
+    # of the 12 epochs): the cut holds less of every rank's training, and about the span to the target (its
+    # first batch is fetched before the first step), well short of the whole run's.
+    ttt, run_s = figures["ttt_s_ours_cnn_1x2"], figures["run_s_ours_cnn_1x2"]
+    if ttt is not None:
+        assert 0.0 < figures["service_cpu_share_to_target_ours_cnn_1x2"] < 1.0
+        for label in ("h0:0", "h0:1"):
+            whole = figures[f"timeline_ours_cnn_1x2_{label}"]
+            cut = figures[f"timeline_to_target_ours_cnn_1x2_{label}"]
+            assert 0.0 < cut["train"] < whole["train"], (cut, whole)
+            assert sum(v for k, v in cut.items() if k != "start-up") <= ttt + (run_s - ttt) / 2, (cut, ttt, run_s)
 
 
 def test_lr_scale_reaches_every_runs_optimizer_and_a_bad_one_is_refused():
