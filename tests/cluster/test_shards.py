@@ -46,6 +46,16 @@ def wait_for(cluster: Cluster, text: str, timeout: float = 90.0) -> None:
         time.sleep(0.05)
 
 
+def wait_for_checkpoint(directory: Path, timeout: float = 60.0) -> Path:
+    """The newest checkpoint in `directory` once there is one: the controller's writer thread finishes a due
+    checkpoint after its round, and a run of 0.1 s epochs can print a few more epochs meanwhile."""
+    deadline = time.monotonic() + timeout
+    while (stem := checkpoints.newest(directory)) is None:
+        assert time.monotonic() < deadline, f"no checkpoint in {directory} after {timeout:.0f} s"
+        time.sleep(0.05)
+    return stem
+
+
 def test_a_run_sharded_over_both_hosts_trains_and_saves_the_whole_consensus(tmp_path, warm):
     stem = str(tmp_path / "sharded")
     cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16", "--save", stem],
@@ -111,7 +121,7 @@ def test_a_sigkilled_controller_of_a_sharded_run_restarts_from_its_checkpoint_an
     monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "2")
     def kill_the_controller_once_it_checkpointed(cluster: Cluster) -> None:
         wait_for(cluster, "[controller] epoch 3/")
-        assert checkpoints.newest(tmp_path / "ckpt") is not None
+        wait_for_checkpoint(tmp_path / "ckpt")  # the ranks hold after epoch 4 until the gate opens
         cluster.kill("controller")
 
     code, cluster = held_then_opened(tmp_path, warm, 4, kill_the_controller_once_it_checkpointed)
