@@ -15,6 +15,11 @@ On a local cluster (the same script in every process; `Trainer.run()` picks the 
 
     flodl-zmq launch --hosts 1 --ranks-per-host 2 -- examples/char_transformer.py --epochs 3
 
+Two ranks with the lone run's batch split between them, ElChe's window fixed at
+one step (docs/guide.md, "As many samples as alone"):
+
+    flodl-zmq launch --hosts 1 --ranks-per-host 2 -- examples/char_transformer.py --epochs 3 --batch-size 16 --every-step
+
 The metric is the validation loss: the mean cross-entropy per predicted
 character in nats (lower is better; uniform guessing over 128 codes is 4.85).
 """
@@ -125,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-chars", type=int, default=200_000, help="cap on the training text (an epoch's length)")
     p.add_argument("--val-chars", type=int, default=20_000)
     p.add_argument("--mode", default="cpu-async")
+    p.add_argument("--every-step", action="store_true",
+                   help="ElChe's window fixed at one step (anchor=1, max_anchor=1): for the batch split over the ranks")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
 
@@ -137,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01),
         train_step=step, dataset=Windows(train, args.context), batch_size=args.batch_size,
         epochs=args.epochs, mode=args.mode, max_grad_norm=1.0,
+        **({"anchor": 1, "max_anchor": 1} if args.every_step else {}),
         # Cosine over the whole run, on the cluster's global step (the same in every process).
         scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, total_steps),
         eval_dataset=Windows(val, args.context), eval_fn=validation_loss, quiet=args.quiet,

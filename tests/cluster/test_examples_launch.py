@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
 
 
-def launch_example(script: str, *args: str) -> dict:
-    """Run examples/`script` on a local cluster; returns the controller's RESULT record."""
-    cmd = [sys.executable, "-m", "flodl_zmq.cli", "launch", "--hosts", "1", "--ranks-per-host", "2", "--",
-           str(ROOT / "examples" / script), *args]
+def launch_example(script: str, *args: str, run_dir: Path | None = None) -> dict:
+    """Run examples/`script` on a local cluster (its run log in `run_dir`); returns the controller's RESULT record."""
+    cmd = [sys.executable, "-m", "flodl_zmq.cli", "launch", "--hosts", "1", "--ranks-per-host", "2",
+           *(["--run-dir", str(run_dir)] if run_dir is not None else []), "--", str(ROOT / "examples" / script), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -40,9 +40,15 @@ def test_cnn_digits_under_launch_reports_accuracy_from_the_controller() -> None:
     assert 0.0 <= result["accuracy"] <= 1.0
 
 
-def test_char_transformer_under_launch_reports_a_finite_validation_loss() -> None:
+@pytest.mark.parametrize("split", [False, True], ids=["own-batch", "split-every-step"])
+def test_char_transformer_under_launch_reports_a_finite_validation_loss(tmp_path, split) -> None:
     # Its rounds carry the model's float buffers too: a constant -inf attention mask
     # there would get both ranks evicted by the relay's non-finite check.
+    extra = ["--batch-size", "16", "--every-step"] if split else []
     result = launch_example("char_transformer.py", "--epochs", "1", "--train-chars", "20000", "--val-chars", "4000",
-                            "--quiet")
+                            "--quiet", *extra, run_dir=tmp_path)
     assert math.isfinite(result["val_loss"]) and result["val_loss"] < math.log(128)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    rounds = [e for e in events if e["kind"] == "round"]
+    # ElChe's window as each round's log line states it: one step with --every-step, its own otherwise.
+    assert rounds and all(r["anchor"] == 1 for r in rounds) == split, [r["anchor"] for r in rounds]
