@@ -159,7 +159,11 @@ def test_a_hosts_link_flapping_during_formation_and_down_for_2_s_three_times_in_
     accurate(result)
     assert "world formed: 3 of 3 ranks" in log
     assert "declared dead" not in log  # shorter than every silence limit: nobody lost
-    assert all(e["per_rank_samples"][2] > 0 for e in result["epochs"])
+    # w2's rank trained from the first epoch, its formation flaps over, and a share of the whole run. Not
+    # in every epoch: after the gate ElChe's shares follow how long each rank held, and the rank that held
+    # longest can get no batch of an epoch (seen once in CI).
+    mine = [e["per_rank_samples"][2] for e in result["epochs"]]
+    assert mine[0] > 0 and sum(mine) >= 0.1 * EPOCHS * SAMPLES_PER_EPOCH_16, mine
 
 
 def test_connection_resets_at_random_moments_cost_no_sample_and_no_accuracy(run, net, tmp_path):
