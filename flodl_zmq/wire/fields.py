@@ -73,16 +73,12 @@ def _checker(tp: Any) -> Check:
     raise TypeError(f"annotation {tp!r} has no wire validator")  # a records.py bug, not input
 
 
-_FIELDS: dict[type, tuple[tuple[tuple[str, Check], ...], frozenset[str]]] = {}
-
-
+@functools.cache
 def _fields(cls: type) -> tuple[tuple[tuple[str, Check], ...], frozenset[str]]:
     """(name, validator) pairs and the name set of `cls`, computed once per class."""
-    if cls not in _FIELDS:
-        hints = typing.get_type_hints(cls, include_extras=True)  # keep the ranges
-        pairs = tuple((f.name, _checker(hints[f.name])) for f in dataclasses.fields(cls))
-        _FIELDS[cls] = (pairs, frozenset(name for name, _ in pairs))
-    return _FIELDS[cls]
+    hints = typing.get_type_hints(cls, include_extras=True)  # keep the ranges
+    pairs = tuple((f.name, _checker(hints[f.name])) for f in dataclasses.fields(cls))
+    return pairs, frozenset(name for name, _ in pairs)
 
 
 def from_fields(cls: type, fields: Any, where: str = "") -> Any:

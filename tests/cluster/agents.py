@@ -8,12 +8,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from flodl_zmq.wire import new_key
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "flodl_zmq.cli"]
+T = TypeVar("T")
 
 
 def run_agents(tmp_path: Path, port: int, program: list[str], hosts: str | tuple[str, ...], *, min_ranks: int,
@@ -54,12 +57,20 @@ def run_agents(tmp_path: Path, port: int, program: list[str], hosts: str | tuple
     return outputs, codes
 
 
+def until(probe: Callable[[], T], what: str | Callable[[], str], timeout: float) -> T:
+    """`probe()`'s first truthy value, asked every 50 ms for at most `timeout` seconds; else it fails saying
+    `what` (a callable: what it says then, such as a log so far)."""
+    deadline = time.monotonic() + timeout
+    while not (seen := probe()):
+        assert time.monotonic() < deadline, f"{what() if callable(what) else what} (waited {timeout:g} s)"
+        time.sleep(0.05)
+    return seen
+
+
 def wait_for_event(tmp_path: Path, kind: str, timeout: float = 90.0) -> None:
     """Until the run of `run_agents(tmp_path, ...)` has written an event of `kind` to its run directory."""
-    deadline = time.monotonic() + timeout
-    while not any(f'"kind": "{kind}"' in f.read_text() for f in (tmp_path / "run").glob("**/events.jsonl")):
-        assert time.monotonic() < deadline, f"the run wrote no {kind!r} event in {timeout:.0f} s"
-        time.sleep(0.05)
+    until(lambda: any(f'"kind": "{kind}"' in f.read_text() for f in (tmp_path / "run").glob("**/events.jsonl")),
+          f"the run wrote no {kind!r} event", timeout)
 
 
 def when(event: str, tmp_path: Path, act) -> threading.Thread:

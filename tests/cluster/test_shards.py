@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from flodl_zmq import bundle, checkpoints
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import accuracy
 from flodl_zmq.launch import Cluster, free_port_base
-from tests.cluster.agents import run_agents, when
+from tests.cluster.agents import run_agents, until, when
 from tests.cluster.digits_job import RELIABLE_ACCURACY, Padded, held
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
@@ -40,20 +39,7 @@ def line_of(out: str, text: str) -> str:
 
 
 def wait_for(cluster: Cluster, text: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in cluster.output():
-        assert time.monotonic() < deadline, f"{text!r} never appeared:\n{cluster.output()}"
-        time.sleep(0.05)
-
-
-def wait_for_checkpoint(directory: Path, timeout: float = 60.0) -> Path:
-    """The newest checkpoint in `directory` once there is one: the controller's writer thread finishes a due
-    checkpoint after its round, and a run of 0.1 s epochs can print a few more epochs meanwhile."""
-    deadline = time.monotonic() + timeout
-    while (stem := checkpoints.newest(directory)) is None:
-        assert time.monotonic() < deadline, f"no checkpoint in {directory} after {timeout:.0f} s"
-        time.sleep(0.05)
-    return stem
+    until(lambda: text in cluster.output(), lambda: f"{text!r} never appeared:\n{cluster.output()}", timeout)
 
 
 def test_a_run_sharded_over_both_hosts_trains_and_saves_the_whole_consensus(tmp_path, warm):
@@ -121,7 +107,9 @@ def test_a_sigkilled_controller_of_a_sharded_run_restarts_from_its_checkpoint_an
     monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "2")
     def kill_the_controller_once_it_checkpointed(cluster: Cluster) -> None:
         wait_for(cluster, "[controller] epoch 3/")
-        wait_for_checkpoint(tmp_path / "ckpt")  # the ranks hold after epoch 4 until the gate opens
+        # The writer thread lands a due checkpoint after its round, when 0.1 s epochs may have printed
+        # more; the ranks hold after epoch 4 until the gate opens.
+        until(lambda: checkpoints.newest(tmp_path / "ckpt"), "no checkpoint", 60.0)
         cluster.kill("controller")
 
     code, cluster = held_then_opened(tmp_path, warm, 4, kill_the_controller_once_it_checkpointed)
@@ -200,19 +188,20 @@ def test_under_an_agent_a_shard_hosts_relay_sigkilled_mid_run_stops_the_run_at_o
 
 def kill_relay_of(cwd: Path, host: str, timeout: float = 30.0) -> int:
     """SIGKILL the relay process of `host` running in `cwd` (its agent's working directory); its pid."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def relay() -> int | None:
         for proc in Path("/proc").iterdir():
             try:
                 if (proc.name.isdigit() and b"flodl_zmq.relay" in (proc / "cmdline").read_bytes()
                         and (proc / "cwd").resolve() == cwd.resolve()
                         and f"FLODL_HOST={host}".encode() in (proc / "environ").read_bytes().split(b"\0")):
-                    os.kill(int(proc.name), signal.SIGKILL)
                     return int(proc.name)
             except OSError:
                 continue
-        time.sleep(0.05)
-    raise AssertionError(f"no relay of host {host!r} ran in {cwd} within {timeout:.0f} s")
+        return None
+
+    pid = until(relay, f"no relay of host {host!r} ran in {cwd}", timeout)
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def test_a_rank_sigkilled_mid_run_leaves_its_hosts_shard_serving_and_the_run_completes(tmp_path, warm):
