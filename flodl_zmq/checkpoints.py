@@ -246,8 +246,9 @@ class Resumed:
         return cls(state, meta, meta.get("coordinator"), int(meta.get("epoch", 0)),
                    int(meta.get("incarnation", 0)) + 1, stem)
 
-    def outer_optimizer(self, job: Job, consensus: np.ndarray) -> OuterOptimizer | None:
-        """The outer optimizer from the initial (or resumed) model, its momentum resumed when saved by the same step."""
+    def outer_optimizer(self, job: Job, consensus: np.ndarray, stepped: int) -> OuterOptimizer | None:
+        """The outer optimizer from the initial (or resumed) model, its momentum resumed when saved by the same step;
+        `stepped`: the model's parameter values (its float buffers are averaged, never stepped)."""
         config = job.outer_config()
         if config is None:
             return None
@@ -258,7 +259,7 @@ class Resumed:
         if self.meta is not None and not job.quiet:  # a resume's outcome is the user's to see
             print(f"outer {config.kind} momentum " + ("starts at zero (the bundle has none for this step)"
                   if momentum is None else f"resumes from {self.stem}"), flush=True)
-        return OuterOptimizer(config, consensus, momentum)
+        return OuterOptimizer(config, consensus, momentum, stepped)
 
 
 @dataclass

@@ -104,7 +104,7 @@ from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.membership_link import MembershipLink
 from flodl_zmq.metrics import RunMetrics, served
-from flodl_zmq.payload import adopt_flat, model_signature
+from flodl_zmq.payload import adopt_flat, model_signature, parameter_count
 from flodl_zmq.reducer_service import ReducerConfig, ReducerService, RoundOutcome
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult, epoch_row
@@ -151,7 +151,7 @@ class ControllerService:
         # The model's tensors view the kept consensus: it is current with every kept round, and the
         # controller holds the model once (bench/large.py: one model copy less).
         self.kept = Keeper(job, penv, self.incarnation, adopt_flat(self.model).numpy())
-        self.outer = resumed.outer_optimizer(job, self.kept.consensus)
+        self.outer = resumed.outer_optimizer(job, self.kept.consensus, parameter_count(self.model))
         self.shards = penv.settings.shard_map
         # Refused before a socket binds: what a sharded run does not run yet (its slices' frames otherwise).
         self.slice_sizes = None if self.shards.count == 1 else slice_sizes(

@@ -30,6 +30,11 @@ Rules this module keeps:
   paper, not a step skipped.
 - A consensus that does not have the model's size is refused (ProtocolError):
   the step must never mix two models.
+- Only the model's parameters are stepped (the first ``stepped`` values, in
+  payload order, flodl_zmq/payload.py). Its float buffers take the round's
+  average: BatchNorm's running statistics are estimates of the data, not a
+  descent direction, and extrapolating them (momentum, or an lr above 1) drives
+  a running variance below zero, after which every eval reads NaN.
 """
 
 from __future__ import annotations
@@ -87,9 +92,12 @@ class OuterConfig:
 class OuterOptimizer:
     """The global model and its momentum; ``step`` turns a round's average into the next global model."""
 
-    def __init__(self, config: OuterConfig, global_model: np.ndarray, momentum: np.ndarray | None = None) -> None:
+    def __init__(self, config: OuterConfig, global_model: np.ndarray, momentum: np.ndarray | None = None,
+                 stepped: int | None = None) -> None:
+        """`stepped`: how many leading values are parameters (`payload.parameter_count`); None: all of them."""
         self.config = config
         self.global_model = np.array(global_model, dtype=np.float32).reshape(-1)
+        self.stepped = self.global_model.size if stepped is None else stepped
         self.momentum = np.zeros_like(self.global_model) if momentum is None else (
             np.array(momentum, dtype=np.float32).reshape(-1))
         if self.momentum.size != self.global_model.size:
@@ -97,6 +105,10 @@ class OuterOptimizer:
                 f"outer momentum has {self.momentum.size} values for a model of {self.global_model.size}: "
                 "it was saved for another model; resume with the model it was saved with"
             )
+        if not 0 < self.stepped <= self.global_model.size:
+            raise ConfigError(f"outer step over {self.stepped} parameter values of a model of "
+                              f"{self.global_model.size}: an outer step needs parameters to step; use outer='none'")
+        self.momentum[self.stepped:] = 0.0  # the buffers are averaged, never stepped
         self.base = self.global_model.copy()  # the ranks start from the run's initial (or resumed) model
         self._scratch = np.empty_like(self.global_model)
         self._lookahead = np.empty_like(self.global_model) if config.kind == "nesterov" else None
@@ -121,7 +133,11 @@ class OuterOptimizer:
             base = self.base[part]
             # An f32 consensus is read as it is: widening it would be one more pass over the model.
             np.subtract(base, flat if element is F32_ELEMENT else element.widen(flat, d), out=d)
-            self._apply(d, self.global_model[part], self.momentum[part], part)
+            cut = min(max(self.stepped - part.start, 0), n)  # this chunk's parameter values
+            if cut:
+                self._apply(d[:cut], self.global_model[part][:cut], self.momentum[part][:cut],
+                            slice(part.start, part.start + cut))
+            np.subtract(base[cut:], d[cut:], out=self.global_model[part][cut:])  # the buffers: the average
             # The ranks load the consensus in its element: measure the next pseudo-gradient from that.
             element.encode(self.global_model[part], flat)
             element.widen(flat, base)

@@ -42,6 +42,11 @@ def payload_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     return tensors
 
 
+def parameter_count(model: torch.nn.Module) -> int:
+    """How many leading values of the payload are parameters: the float buffers follow them."""
+    return sum(p.numel() for p in model.parameters())
+
+
 def model_signature(model: torch.nn.Module) -> bytes:
     """32-byte digest of the averaged tensors' names, shapes and dtypes, in payload order."""
     h = hashlib.sha256(b"flodl-model-v1")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_zmq import bundle, int8
+from flodl_zmq import bundle, int8, payload
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import cross_entropy_step, mlp, sgd
 from flodl_zmq.errors import ConfigError, ProtocolError
@@ -58,6 +58,33 @@ def test_outer_steps_equal_torch_sgd_on_the_pseudo_gradient(kind):
         opt.step()
         outer.step([avg])
         np.testing.assert_allclose(avg, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_statistics_take_the_average_and_only_the_parameters_are_stepped():
+    """A running variance that falls round after round: stepped with momentum it went below zero (every eval
+    then NaN, seen on a 1-D CNN under outer='nesterov'); as the average it stays the ranks' own estimate."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    params = payload.parameter_count(model)
+    start = payload.flatten(model).numpy()
+    outer = OuterOptimizer(OuterConfig.of("nesterov", None, None), start, stepped=params)
+    ref = OuterOptimizer(OuterConfig.of("nesterov", None, None), start[:params])
+    variance = slice(start.size - 3, start.size)  # payload order: parameters, running_mean, running_var
+    for _ in range(12):
+        avg = outer.base + np.float32(0.01)  # every parameter moved by the window
+        avg[variance] = outer.base[variance] * np.float32(0.6)  # the batches' variance is below the running one
+        expected = avg[params:].copy()
+        ref_avg = avg[:params].copy()
+        outer.step([avg])
+        ref.step([ref_avg])
+        np.testing.assert_array_equal(avg[params:], expected)  # the buffers published as averaged
+        np.testing.assert_array_equal(avg[:params], ref_avg)  # the parameters stepped as a model without buffers
+        assert (avg[variance] > 0).all()
+    np.testing.assert_array_equal(outer.momentum[params:], 0.0)
+    payload.load_flat(model, torch.from_numpy(avg))
+    assert torch.isfinite(model.eval()(torch.randn(5, 4))).all()
+    with pytest.raises(ConfigError, match="outer='none'"):
+        OuterOptimizer(OuterConfig.of("nesterov", None, None), start, stepped=0)
 
 
 def test_a_bf16_consensus_is_stepped_in_f32_and_the_global_model_is_kept_unrounded():
