@@ -16,6 +16,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from flodl_zmq.errors import ConfigError
+from flodl_zmq.wire_format import WireFormat
 
 
 def payload_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -40,6 +41,27 @@ def payload_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     if not tensors:
         raise ConfigError("the model has no parameters or float buffers: there is nothing to average")
     return tensors
+
+
+def check_wire(model: torch.nn.Module, wire: WireFormat) -> None:
+    """Refuse the int8 wire for a model that keeps running statistics (BatchNorm's, InstanceNorm's with
+    `track_running_stats`), a ConfigError naming the fix.
+
+    An int8 block's step is its largest value / 127, and error feedback makes a value swing by up to a
+    step from round to round: a channel's small running variance then loads as zero or below (on a 1-D
+    CNN: NaN evals, and one final model at chance). bf16 keeps 8 significant bits and the sign of every value.
+    """
+    if not wire.packed:
+        return
+    tracked = [name for name, m in model.named_modules()
+               if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    if tracked:
+        raise ConfigError(
+            f"wire_dtype='int8' rounds each value to a step of its block's largest, and the model keeps running "
+            f"statistics ({type(model.get_submodule(tracked[0])).__name__} {tracked[0] or 'model'!r}"
+            f"{f' and {len(tracked) - 1} more' if len(tracked) > 1 else ''}) whose small variances would load "
+            "as zero or below: use wire_dtype='bf16' (half the bytes of f32), or a norm without running "
+            "statistics (GroupNorm, LayerNorm, or track_running_stats=False)")
 
 
 def parameter_count(model: torch.nn.Module) -> int:

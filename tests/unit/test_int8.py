@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl_zmq import int8
-from flodl_zmq.errors import FoldError
+from flodl_zmq.errors import ConfigError, FoldError
 from flodl_zmq.fold import FoldStation
 from flodl_zmq.param_buffers import ParamBuffers
-from flodl_zmq.payload import flatten
+from flodl_zmq.payload import check_wire, flatten
 from flodl_zmq.wire import Channel, Codec
-from flodl_zmq.wire_format import INT8
+from flodl_zmq.wire_format import BF16, F32, INT8
 
 
 def roundtrip(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -133,3 +133,21 @@ def test_the_int8_round_frame_vector_decodes_to_values_and_scales():
     env = codec.decode([bytes.fromhex(f) for f in vector["frames"]], Channel(vector["channel"]))
     assert env.record.round == vector["record"]["round"] and int8.is_int8(env.payload)
     assert env.payload[0].tolist() == source["q"] and env.payload[1].tolist() == source["scales"]
+
+
+def test_a_model_with_running_statistics_is_refused_the_int8_wire_which_would_zero_its_small_variances():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(1, 4, 3), torch.nn.BatchNorm1d(4), torch.nn.Flatten(),
+                                torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        model[1].running_mean.copy_(torch.tensor([12.0, -3.0, 0.5, 0.1]))
+        model[1].running_var.copy_(torch.tensor([10.0, 1.0, 0.05, 0.01]))
+    # Why: one block holds the whole payload and its step is 12 / 127: 0.05 loads as 0.094 and 0.01 as zero.
+    _, _, loaded = roundtrip(flatten(model).numpy())
+    assert loaded[-2] == pytest.approx(12.0 / 127) and loaded[-1] == 0.0
+    with pytest.raises(ConfigError, match=r"BatchNorm1d '1'.*wire_dtype='bf16'"):
+        check_wire(model, INT8)
+    for wire in (F32, BF16):
+        check_wire(model, wire)
+    for norm in (torch.nn.BatchNorm1d(4, track_running_stats=False), torch.nn.GroupNorm(2, 4)):
+        check_wire(torch.nn.Sequential(torch.nn.Conv1d(1, 4, 3), norm), INT8)
