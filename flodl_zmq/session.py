@@ -69,6 +69,7 @@ import dataclasses
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -173,7 +174,7 @@ def unplayed(host: Hosted) -> int:
     penv = host.penv
     who = penv.role if penv.rank is None else f"rank {penv.rank} on {penv.host}"
     print(f"flodl-zmq: the script ended without playing this process's role ({who}): it never called "
-          "Trainer(...).run() nor entered a Session, so nothing trained. The same script runs in every process "
+          "Trainer(...).run() nor entered a Session in its main thread, so nothing trained. The same script runs in every process "
           "and that call picks each one's role: make every process reach it", file=sys.stderr, flush=True)
     return UNPLAYED_EXIT
 
@@ -244,6 +245,11 @@ class Session:
         return self
 
     def _enter_role(self, penv: ProcessEnv, link: MembershipLink | None) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise SessionError(
+                f"Trainer(...).run() or a Session ran outside the main thread of a cluster process ({penv.role}): "
+                "its role stops on SIGTERM, which Python delivers to the main thread only; call it from the "
+                "script's main thread (alone, in one process, any thread works)")
         if penv.lifeline_fd is not None:
             watch_lifeline(penv.lifeline_fd)
         job = self.job

@@ -45,3 +45,27 @@ def test_a_script_that_never_trains_fails_the_launch_naming_the_missing_call(tmp
     for who, label in (("controller", "controller"), ("rank 0 on h0", "h0:0"), ("rank 1 on h0", "h0:1")):
         assert (f"[{label}] flodl-zmq: the script ended without playing this process's role ({who}): it never "
                 "called Trainer(...).run() nor entered a Session") in out, out
+
+
+IN_A_THREAD = BUILDS_A_TRAINER.replace("print(\"built a trainer\")  # and never called trainer.run()", """
+import threading
+worker = threading.Thread(target=trainer.run)  # a web app's or a notebook helper's worker thread
+worker.start()
+worker.join()
+""")
+
+
+def test_a_trainer_run_in_a_worker_thread_fails_the_launch_naming_the_main_thread(tmp_path: Path) -> None:
+    # Before, each process failed on "signal only works in main thread", from inside the role's set-up.
+    path = tmp_path / "job.py"
+    path.write_text(IN_A_THREAD)
+    cmd = [sys.executable, "-m", "flodl_zmq.cli", "launch", "--hosts", "1", "--ranks-per-host", "2",
+           "--run-dir", str(tmp_path / "run"), "--", str(path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=100, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == UNPLAYED_EXIT, out
+    assert "signal only works" not in out, out
+    for label, role in (("controller", "controller"), ("h0:0", "rank"), ("h0:1", "rank")):
+        assert (f"[{label}] flodl_zmq.errors.SessionError: Trainer(...).run() or a Session ran outside the main "
+                f"thread of a cluster process ({role})") in out, out
