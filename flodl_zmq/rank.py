@@ -73,7 +73,7 @@ import zmq
 
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.errors import ShmError, TrainingError
-from flodl_zmq.job import Job
+from flodl_zmq.job import MODES, Job
 from flodl_zmq.links import data_max_frame_bytes
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.param_buffers import ParamBuffers
@@ -156,6 +156,10 @@ class RankRuntime:
         self._spans: deque[_Span] = deque()
         self._perms: dict[int, np.ndarray] = {}
         self._throttled = False
+        # Sync averages after every step: the rank holds itself after each one until its Update. Waiting for
+        # the coordinator's Throttle let a rank of sub-millisecond steps run on for a whole partition while
+        # the trigger travelled, and the reducer then refused the honest deposit's mass.
+        self._holds_each_step = MODES[job.mode].hard_barrier
         self._consensus_model: torch.nn.Module | None = None
         self._pending_round: int | None = None  # deposited, consensus not yet loaded
         self.stale_consensus = 0  # consensus records refused by round: duplicates, late joins, replays
@@ -184,8 +188,8 @@ class RankRuntime:
 
     def start(self) -> None:
         """Start the link and say hello to the relay."""
-        # Sync averages after every step: each step is a window edge and is reported at once.
-        link = RankLink(self.cfg, zmq.Context.instance(), 0.0 if self.job.mode == "cpu-sync" else REPORT_PERIOD_S,
+        # Under Sync each step is a window edge and is reported at once.
+        link = RankLink(self.cfg, zmq.Context.instance(), 0.0 if self._holds_each_step else REPORT_PERIOD_S,
                         data_max_frame_bytes(self.job.wire.largest_frame_bytes(self.buffers.numel)))
         self.link = link
         link.start()
@@ -436,6 +440,8 @@ class RankRuntime:
         span.compute_ms += compute_ms
         span.data_ms += data_ms
         self.link.step(compute_ms, data_ms, loss_value, self.steps)
+        if self._holds_each_step:
+            self._throttled = True  # released by the Update of the round this step opens
         if span.pos >= len(span.indices):
             self._spans.popleft()
             if span.deposit is not None and span.deposit > self._deposited:
