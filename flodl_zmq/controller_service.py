@@ -297,7 +297,8 @@ class ControllerService:
         self.result.reason = "completed" if reason is None else reason.value
         if reason is None:
             if self.job.save_path:
-                self._save("completed", self.core.state_dict())
+                # Every epoch is in the final consensus: a resume with more epochs starts at the next one.
+                self._save("completed", self.core.state_dict(held_whole=True))
             self.kept.mark_completed(self.result.saved)
         self.report.finish(wall_s)  # after the save: the log ends with the run's end
         if reason is not None:
@@ -433,7 +434,7 @@ class ControllerService:
         pending = self.link.membership.pending() if self.link is not None else ()
         if not pending or self.ended is not None:
             return False
-        state, round = self.core.state_dict(reform=True), self.kept.round
+        state, round = self.core.state_dict(held_whole=True), self.kept.round
         if self._reform.notice(round, state["epoch"]):  # said at once, though the kept copy may lag a round
             hosts = [m.host for m in pending]
             log.info("controller: %s waiting to join at round %d", " ".join(hosts), round)

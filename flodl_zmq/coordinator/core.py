@@ -346,10 +346,10 @@ class Coordinator:
         """Each rank's steps since the last finished reduce."""
         return self._steps.window()
 
-    def state_dict(self, *, reform: bool = False) -> dict[str, Any]:
-        """What a resume needs, as of the last finished consensus (JSON-able; see resume.py). `reform`: an epoch
-        held whole and aggregated counts as done, though the round of its last report was labelled before (13.1)."""
-        done = max(self._consensus.aggregated, min(self._consensus.complete, self.last_aggregated) if reform else -1)
+    def state_dict(self, *, held_whole: bool = False) -> dict[str, Any]:
+        """What a resume needs, as of the last finished consensus (JSON-able; see resume.py). `held_whole` (a re-form,
+        13.1; a completed run): an epoch held whole and aggregated is done, though its last round was labelled before."""
+        done = max(self._consensus.aggregated, min(self._consensus.complete, self.last_aggregated) if held_whole else -1)
         return ResumeState(epoch=done + 1, global_step=self.global_step, round=self.avg_count,
                            elche=self.feedback.state(), coverage=self._consensus.coverage).to_dict(self.config, self.world_size)
 

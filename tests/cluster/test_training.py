@@ -355,7 +355,11 @@ def test_an_outer_step_saves_its_momentum_and_a_resume_continues_it(tmp_path, ru
     stem = str(tmp_path / "outer")
     code, _, out = run("--epochs", "4", "--batch-size", "16", "--outer", "nesterov", "--save", stem)
     assert code == 0, out
-    assert json.loads(Path(stem + ".meta.json").read_text())["outer"] == "nesterov"
+    meta = json.loads(Path(stem + ".meta.json").read_text())
+    # A completed run's save holds every epoch: its resume starts at the next one. It said epoch 3 with part
+    # of it uncovered (the final round was labelled before the last aggregation), and a resume trained that
+    # part again, or under this outer step an empty epoch 3 with a NaN loss.
+    assert meta["outer"] == "nesterov" and meta["epoch"] == 4, meta
     momentum = bundle.load_outer(stem)
     assert momentum is not None and float(momentum.abs().sum()) > 0
     # 8 more epochs: 8 in all sit just at the target (0.92 to 0.96 over runs), 12 clear it. Over 12
@@ -363,4 +367,5 @@ def test_an_outer_step_saves_its_momentum_and_a_resume_continues_it(tmp_path, ru
     code, result, out = run("--epochs", "12", "--batch-size", "16", "--outer", "nesterov", "--resume", stem)
     assert code == 0, out
     assert f"outer nesterov momentum resumes from {stem}" in out
+    assert [e["epoch"] for e in result["epochs"]] == list(range(4, 12)), out
     reaches_95_and_stays_near_it(result, out)

@@ -555,11 +555,11 @@ def test_a_re_form_after_an_epochs_last_round_starts_the_new_world_at_the_next_e
     for rnd in (1, 2):
         for r in (0, 1):
             _, steps[r] = train(c, r, plans[r], steps[r])
-        assert c.state_dict(reform=True) == c.state_dict()  # mid-epoch (round 1), or before its finish (round 2)
+        assert c.state_dict(held_whole=True) == c.state_dict()  # mid-epoch (round 1), or before its finish (round 2)
         outs = finish(c, rnd, [0, 1])
         plans = {o.dest: o.record.next_plan for o in outs if isinstance(o.record, rec.Update)}
     assert c.last_aggregated == 0 and c.state_dict()["epoch"] == 0  # the label of round 2's consensus
-    state = c.state_dict(reform=True)
+    state = c.state_dict(held_whole=True)
     assert state["epoch"] == 1 and state["coverage"] == {} and state["global_step"] == 40
     served = of(Coordinator(c.config, 3, 0.0, resume=state).start(0.0), rec.StartEpoch)
     assert {p.plan.epoch for p in served} == {1} and sum(p.plan.size for p in served) <= 40
