@@ -145,6 +145,7 @@ class Stepper:
         for piece, n in pieces:
             with self._autocast():
                 loss = self.job.train_step(self.model, piece)
+            check_loss(loss)
             weighted = loss * (n / total) if len(pieces) > 1 else loss
             (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
             loss_value += float(weighted.detach())
@@ -183,6 +184,19 @@ def score(job: Job, model: torch.nn.Module) -> float:
         f"eval_fn returned {type(metric).__name__} {metric!r:.80}: it must return one number (a float or a "
         "one-element tensor), such as the accuracy; return one metric and record others with fz.record_scalar"
     )
+
+
+def check_loss(loss: Any) -> None:
+    """Refuse what `train_step` returned unless backward() can step from it: one element, in autograd's graph."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ConfigError(f"train_step returned {what}: it must return the batch's loss as a one-element tensor "
+                          "(e.g. F.cross_entropy(model(x), y), or loss.mean() over per-sample losses; a float or "
+                          ".item() has no gradient)")
+    if not loss.requires_grad:
+        raise ConfigError("train_step returned a loss that does not require grad: it was computed under "
+                          "torch.no_grad(), detached, or from no trainable parameter, so backward() has nothing "
+                          "to step")
 
 
 def one_number(value: Any) -> float | None:

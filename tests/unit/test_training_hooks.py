@@ -331,3 +331,18 @@ def test_an_update_and_what_follows_it_wait_for_the_pending_consensus():
         assert [type(x) for x in rt.link][-1] is rec.SyncAck
     finally:
         rt.pipeline.close()
+
+
+@pytest.mark.parametrize(("returned", "named"), [
+    (lambda m, b: step_fn(m, b).item(), "train_step returned float"),
+    (lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1], reduction="none"),
+     r"train_step returned a tensor of shape \(8,\)"),
+    (lambda m, b: step_fn(m, b).detach(), "does not require grad"),
+])
+def test_a_train_step_that_returns_no_steppable_loss_is_refused_naming_the_fix(returned, named):
+    # Before, torch's own words ("'float' object has no attribute 'backward'", "grad can be implicitly
+    # created only for scalar outputs") with no cause or fix; alone and on every rank alike.
+    s = stepper(job(train_step=returned))
+    with pytest.raises(ConfigError, match=named) as refused:
+        s.step(next(iter(torch.utils.data.DataLoader(DATA, batch_size=8))))
+    assert "one-element tensor" in str(refused.value) or "backward()" in str(refused.value)
