@@ -105,7 +105,7 @@ from flodl_zmq.membership import MembershipService
 from flodl_zmq.membership_link import MembershipLink
 from flodl_zmq.metrics import RunMetrics, served
 from flodl_zmq.payload import adopt_flat, check_wire, model_signature, parameter_count
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService, RoundOutcome
+from flodl_zmq.reducer_service import HostRefused, ReducerConfig, ReducerService, RoundOutcome
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
@@ -297,8 +297,7 @@ class ControllerService:
         self.result.reason = "completed" if reason is None else reason.value
         if reason is None:
             if self.job.save_path:
-                # Every epoch is in the final consensus: a resume with more epochs starts at the next one.
-                self._save("completed", self.core.state_dict(held_whole=True))
+                self._save("completed", self.core.state_dict(held_whole=True))  # a resume: the next epoch on
             self.kept.mark_completed(self.result.saved)
         self.report.finish(wall_s)  # after the save: the log ends with the run's end
         if reason is not None:
@@ -372,8 +371,10 @@ class ControllerService:
     def _on_outcomes(self, reducer: ReducerService) -> None:
         """The reducer's finished and abandoned rounds, to the coordinator."""
         for outcome in reducer.completed.drain():
+            if isinstance(outcome, HostRefused) and self.started:
+                self.violation(outcome.ranks, f"the reducer refused host {outcome.host}'s frame: {outcome.reason}")
             # No round opens before the world forms: an outcome then names none.
-            if outcome.round_id is None or not self.started:
+            if isinstance(outcome, HostRefused) or outcome.round_id is None or not self.started:
                 continue
             started = self._round_started.pop(outcome.round_id, None)
             if outcome.abandoned is None:
@@ -404,8 +405,7 @@ class ControllerService:
 
     def _log_round(self, outcome: RoundOutcome, started: float | None) -> None:
         """The round summary in the run log: its time, each host's mass, ElChe's windows, the guard's verdict."""
-        feedback = self.core.feedback
-        verdict = feedback.last_verdict
+        feedback, verdict = self.core.feedback, self.core.feedback.last_verdict
         self.report.events.write(
             "round", round=outcome.round_id, round_ms=self.result.round_ms[-1] if started is not None else None,
             masses=dict(zip(outcome.hosts, outcome.masses, strict=True)),

@@ -200,6 +200,16 @@ class RoundOutcome:
 
 
 @dataclass(frozen=True)
+class HostRefused:
+    """The reducer refused `host`'s frames for good (`reason`): its ranks are out of every round. Its relay was
+    told and may lie: the coordinator hears it here, at once, not at the ranks' heartbeat deadline."""
+
+    host: str
+    ranks: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class DeclareDead:
     """The coordinator declared `rank` dead (ReducerService.declare_dead)."""
 
@@ -253,7 +263,7 @@ class ReducerService:
         # Host frames are held to the run's wire format; int8 ones are widened into the f32 reduce,
         # and the consensus goes out in int8 again, with the reducer's own error feedback.
         self._hop = Hop("reducer", config.wire, ProtocolError)
-        self.completed: Mailbox[RoundOutcome] = Mailbox()
+        self.completed: Mailbox[RoundOutcome | HostRefused] = Mailbox()
         self.error: BaseException | None = None
         self._ctx = context or controller_context()
         self._service = ServiceLoop("reducer")  # its mailbox carries the commands
@@ -453,8 +463,8 @@ class ReducerService:
                          self._count, "data", log, "reducer")  # not registered: nobody to drop
             return
         host = self._host_of[route]
-        act_for_peer(f"the relay of {host}", lambda: self._on_record(host, env), lambda reason: self._drop_host(host),
-                     self._count, "data", log, "reducer")
+        act_for_peer(f"the relay of {host}", lambda: self._on_record(host, env),
+                     lambda reason: self._drop_host(host, reason), self._count, "data", log, "reducer")
 
     def _on_record(self, host: str, env: Envelope) -> None:
         """An attributed record of `host`'s relay (its hello aside)."""
@@ -581,12 +591,13 @@ class ReducerService:
     def _violation(self, host: str, exc: ProtocolError) -> None:
         log.error("reducer: relay %s broke the round protocol; declaring its ranks dead: %s", host, exc)
         self._count["poisoned_frames" if isinstance(exc, PoisonedDeposit) else "protocol_violations"] += 1
-        self._drop_host(host)
+        self._drop_host(host, str(exc))
 
-    def _drop_host(self, host: str) -> None:
+    def _drop_host(self, host: str, reason: str) -> None:
         """`host`'s relay broke the protocol (logged by the caller): its ranks are out of every round."""
         for rank in self.config.world[host]:
             self._death(rank, reported_by=None)
+        self.completed.put(HostRefused(host, tuple(self.config.world[host]), reason))
 
     def _settled(self, outcome: Reduced | Abandoned | None) -> None:
         if isinstance(outcome, Reduced):

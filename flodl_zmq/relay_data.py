@@ -36,7 +36,7 @@ from flodl_zmq.links import (
     route_refusal,
     send,
 )
-from flodl_zmq.reducer_service import ReducerService
+from flodl_zmq.reducer_service import HostRefused, ReducerService
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.relay_core import ConsensusWatch, HelloRetry, SendQueue
 from flodl_zmq.service_loop import ServiceLoop
@@ -439,7 +439,8 @@ class DataPlane(Plane):
     def shard_outcomes(self) -> None:
         """What became of this host's shard's rounds: only a failure of its service is this relay's business."""
         for outcome in self.shard.completed.drain():  # type: ignore[union-attr]
-            if outcome.abandoned is not None:
+            # A host it refused: that host's relay hears it (`declared_dead`) and reports its ranks gone.
+            if not isinstance(outcome, HostRefused) and outcome.abandoned is not None:
                 log.warning("relay %s: its reducer shard abandoned round %s: %s", self.cfg.host, outcome.round_id,
                             outcome.abandoned)
             if self.shard.error is not None:  # type: ignore[union-attr]

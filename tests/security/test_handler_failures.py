@@ -26,6 +26,7 @@ from transport.test_relay import settle
 from flodl_zmq.join import HostLost
 from flodl_zmq.links import RELAY_ROUTE, coordinator_sender, rank_identity
 from flodl_zmq.rank_link import CoordinatorLost
+from flodl_zmq.reducer_service import HostRefused
 from flodl_zmq.relay_core import ReportQueue
 from flodl_zmq.trust import JOIN_RUN_ID
 from flodl_zmq.wire import Channel, Codec, new_key
@@ -93,6 +94,8 @@ def test_a_relay_record_the_reducer_fails_on_drops_that_host_and_the_round_compl
         a.send(ConsensusRequest(7))
         assert a.record().record == RelayDeclareDead(0)  # host a's ranks are out of every round
         assert a.record().record == RelayDeclareDead(1)
+        refused = rig.svc.completed.get(timeout=WAIT_S)  # the coordinator's word that a's ranks are out
+        assert isinstance(refused, HostRefused) and (refused.host, refused.ranks) == ("a", (0, 1))
         b.send(*frame("b", 1, 2.0, 4.0))
         out = rig.svc.completed.get(timeout=WAIT_S)
         assert out.hosts == ("b",) and out.mass == 2.0

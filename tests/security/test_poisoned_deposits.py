@@ -28,7 +28,7 @@ from flodl_zmq.errors import FoldError, PoisonedDeposit
 from flodl_zmq.fold import FoldStation, check_finite
 from flodl_zmq.int8 import BLOCK
 from flodl_zmq.links import host_token, relay_sender
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_service import HostRefused, ReducerConfig, ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.sums import PIECE
@@ -217,7 +217,11 @@ def test_a_host_frame_with_a_nan_or_too_much_mass_is_refused_and_the_round_compl
         sock.send_multipart(codec.encode(HostFrame(1, "c", [3], 1e6), heavy, channel=Channel.DATA))
         w.deposit(0, 1)
         w.deposit(1, 1)
-        out = w.reducer.completed.get(timeout=WAIT_S)
+        outcomes = [w.reducer.completed.get(timeout=WAIT_S) for _ in range(3)]
+        # Each refused host is the coordinator's to hear at once (its relay, a liar here, is not asked to).
+        refused = {(o.host, o.ranks): o.reason for o in outcomes if isinstance(o, HostRefused)}
+        assert refused.keys() == {("b", (2,)), ("c", (3,))} and "exceeds" in refused["c", (3,)]
+        out = outcomes[-1]
         assert (out.round_id, out.hosts, out.mass) == (1, ("a",), MASS[0] + MASS[1])
         env = w.ranks[0].consensus()
         assert rel_error([p.astype(np.float64) for p in env.payload], honest_mean(1, (0, 1))) < 1e-6

@@ -13,7 +13,7 @@ from flodl_zmq import int8
 from flodl_zmq.links import TAG_BCAST, TAG_DATA, relay_sender
 from flodl_zmq.mailbox import IDLE_S
 from flodl_zmq.outer import OuterConfig, OuterOptimizer
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_service import HostRefused, ReducerConfig, ReducerService
 from flodl_zmq.wire import Channel, Codec, Envelope, new_key
 from flodl_zmq.wire.records import (
     ConsensusGone,
@@ -291,6 +291,9 @@ def test_a_desynced_relay_is_declared_dead_and_the_round_completes_without_it(ri
     a.send(*frame("a", 2, 1.0, 2.0))  # a round ahead of the open one: a protocol violation
     assert a.record().record == RelayDeclareDead(0)
     assert a.record().record == RelayDeclareDead(1)
+    refused = rig.svc.completed.get(timeout=WAIT_S)  # the coordinator hears it at once, not from a's relay
+    assert isinstance(refused, HostRefused) and (refused.host, refused.ranks) == ("a", (0, 1))
+    assert "round 2" in refused.reason
     with pytest.raises(queue.Empty):
         rig.svc.completed.get(timeout=0.2)
     b.send(*frame("b", 1, 2.0, 4.0))
@@ -311,6 +314,8 @@ def test_a_reducer_told_the_wire_format_refuses_a_host_frame_of_another_by_name_
         assert a.record().record == RelayDeclareDead(1)
         assert rig.svc.counters()["protocol_violations"] == 1
         assert "host 'a' is f32, but the run's wire_dtype is bf16" in caplog.text
+        refused = rig.svc.completed.get(timeout=WAIT_S)
+        assert isinstance(refused, HostRefused) and "wire_dtype is bf16" in refused.reason
         b.send(HostFrame(1, "b", list(WORLD["b"]), 2.0), [np.full(8, 0x4080, np.uint16)])  # 4.0 in bf16
         out = rig.svc.completed.get(timeout=WAIT_S)
         assert out.hosts == ("b",) and out.mass == 2.0
