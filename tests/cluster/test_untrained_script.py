@@ -28,17 +28,22 @@ print("built a trainer")  # and never called trainer.run()
 """
 
 
-@pytest.mark.parametrize("script", [BUILDS_A_TRAINER, "print('no flodl-zmq here')\n"],
-                         ids=["trainer-never-run", "no-trainer-at-all"])
-def test_a_script_that_never_trains_fails_the_launch_naming_the_missing_call(tmp_path: Path, script: str) -> None:
-    # Before, every process exited 0 and so did launch, with no word that nothing trained.
+def launch(tmp_path: Path, script: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """`script` launched as 1 host x 2 ranks: the finished process and its whole output."""
     path = tmp_path / "job.py"
     path.write_text(script)
     cmd = [sys.executable, "-m", "flodl_zmq.cli", "launch", "--hosts", "1", "--ranks-per-host", "2",
            "--run-dir", str(tmp_path / "run"), "--", str(path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=100, check=False)
-    out = proc.stdout + proc.stderr
+    return proc, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("script", [BUILDS_A_TRAINER, "print('no flodl-zmq here')\n"],
+                         ids=["trainer-never-run", "no-trainer-at-all"])
+def test_a_script_that_never_trains_fails_the_launch_naming_the_missing_call(tmp_path: Path, script: str) -> None:
+    # Before, every process exited 0 and so did launch, with no word that nothing trained.
+    proc, out = launch(tmp_path, script)
     assert proc.returncode == UNPLAYED_EXIT, out
     assert proc.stdout.splitlines()[-1].startswith("[launch] no rank ever trained: the script ended without "
                                                    "calling Trainer(...).run() or entering a Session"), out
@@ -57,13 +62,7 @@ worker.join()
 
 def test_a_trainer_run_in_a_worker_thread_fails_the_launch_naming_the_main_thread(tmp_path: Path) -> None:
     # Before, each process failed on "signal only works in main thread", from inside the role's set-up.
-    path = tmp_path / "job.py"
-    path.write_text(IN_A_THREAD)
-    cmd = [sys.executable, "-m", "flodl_zmq.cli", "launch", "--hosts", "1", "--ranks-per-host", "2",
-           "--run-dir", str(tmp_path / "run"), "--", str(path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=100, check=False)
-    out = proc.stdout + proc.stderr
+    proc, out = launch(tmp_path, IN_A_THREAD)
     assert proc.returncode == UNPLAYED_EXIT, out
     assert "signal only works" not in out, out
     for label, role in (("controller", "controller"), ("h0:0", "rank"), ("h0:1", "rank")):
