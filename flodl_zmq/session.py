@@ -174,8 +174,9 @@ def unplayed(host: Hosted) -> int:
     penv = host.penv
     who = penv.role if penv.rank is None else f"rank {penv.rank} on {penv.host}"
     print(f"flodl-zmq: the script ended without playing this process's role ({who}): it never called "
-          "Trainer(...).run() nor entered a Session in its main thread, so nothing trained. The same script runs in every process "
-          "and that call picks each one's role: make every process reach it", file=sys.stderr, flush=True)
+          "Trainer(...).run() nor entered a Session in its main thread, so nothing trained. The same script runs "
+          "in every process and that call picks each one's role: make every process reach it", file=sys.stderr,
+          flush=True)
     return UNPLAYED_EXIT
 
 
