@@ -50,9 +50,10 @@ Rules the relay keeps:
   stop the relay. A deposit that breaks a rule of the round (another round
   than the open one, another layout, a bad mass), has a NaN or infinite
   element, or a finite value far over the last consensus's, is refused before
-  it joins the fold: that rank leaves and the round completes without it.
-  Only what is no one rank's fault stops the relay: a payload of another wire
-  format than the run's, or the controller and the relay at odds on the world. The data thread tells the control thread (RankRefused), which
+  it joins the fold: that rank leaves and the round completes without it; so
+  does a rank whose payload is of another wire format than the run's. Only
+  what is no one rank's fault stops the relay: the controller and the relay
+  at odds on the world. The data thread tells the control thread (RankRefused), which
   reports it to the controller (RankExit) at once: the coordinator must not
   keep scheduling a rank whose deposits no round takes. So does a rank
   whose record makes anything else here raise (`links.act_for_peer`, around

@@ -291,11 +291,9 @@ class DataPlane(Plane):
             return
         rec = env.record
         try:
+            # A payload of another wire format than the run's is this rank's violation (PROTOCOL.md 3.6, 8.2):
+            # its Trainer would have refused to start against the run's announced format.
             payload = self.hop.take(f"rank {rank}", env.payload)
-        except FoldError as exc:
-            self.violation(exc)
-            return
-        try:
             outcome = self.fold.deposit(rank, rec.round, rec.mass, payload)
         except (PoisonedDeposit, FoldError) as exc:
             # Refused before it touched the round: this rank leaves, the others' round goes on.

@@ -130,7 +130,8 @@ class SpecRank:
         env = os.environ  # what the agent (or launcher) that spawns a rank tells it
         key, incarnation = bytes.fromhex(env["FLODL_KEY"]), bytes.fromhex(env["FLODL_INCARNATION"])
         self.a, self.rank, self.host = a, int(env["FLODL_RANK"]), env["FLODL_HOST"]
-        self.world_size = sum(len(part.split("=")[1].split(",")) for part in env["FLODL_WORLD"].split(";"))
+        # 9.3: the rank space, the highest rank of the world + 1 (vacancies included)
+        self.world_size = 1 + max(int(r) for part in env["FLODL_WORLD"].split(";") for r in part.split("=")[1].split(","))
         self.me = f"coordinator:{self.rank}"
         ctx = zmq.Context()
         self.ctl, self.data = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
@@ -218,9 +219,8 @@ class SpecRank:
             "control.checkpoint", "control.extend_partition", "control.request_params", "control.throttle"}
 
     def handle(self, kind: str, f: dict) -> None:
-        if kind == "control.start_epoch":
+        if kind == "control.start_epoch":  # work, but no release of a throttle (9.2)
             self.spans.append(dict(f["plan"]))
-            self.throttled = False
         elif kind == "control.update":
             if f["next_plan"] is not None:
                 self.spans.append(dict(f["next_plan"]))
@@ -287,6 +287,7 @@ class SpecRank:
             self.step_count += 1
             self.steps_since_snapshot += 1
             span["trained"] = span.get("trained", 0) + take
+            self.throttled = self.a.sync  # 10.1: a Sync rank holds after each step until its update
             self.send("timing.batch", {"rank": self.rank, "step_count": self.step_count, "batch_ms": [batch_ms],
                                        "data_ms": [0.0], "batch_loss": [float(self.theta.mean())]})
         if span.get("trained", 0) < span["size"]:
@@ -357,6 +358,7 @@ def main() -> int:
     for name in ("values", "batch-size", "samples", "seed"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--nudge", type=float, default=0.01)
+    p.add_argument("--sync", action="store_true", help="the job's mode is cpu-sync")
     p.add_argument("--lose-seq", type=int, default=0, help="never send this control record's first copy")
     a = p.parse_args()
     rank = SpecRank(a)

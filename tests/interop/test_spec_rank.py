@@ -59,7 +59,7 @@ class Run:
     """One job on the real controller (this process) and relay: `kinds[r]` is "spec" or "own" for rank r."""
 
     def __init__(self, tmp_path: Path, kinds: tuple[str, ...], lose_seq: int = 0, mode: str = "cpu-cadence"):
-        self.tmp, self.kinds, self.lose_seq = tmp_path, kinds, lose_seq
+        self.tmp, self.kinds, self.lose_seq, self.mode = tmp_path, kinds, lose_seq, mode
         self.key, self.run_id = new_key(), os.urandom(16)
         self.address = ControllerAddress("127.0.0.1", free_port_base())
         penv = ProcessEnv(role="controller", controller=self.address, key=self.key, run_id=self.run_id,
@@ -81,7 +81,8 @@ class Run:
             sys.executable, str(SPEC_RANK), "--dataset-sig", dataset_signature(dataset()).hex(),
             "--out", str(self.tmp / f"r{rank}.json"), "--values", "3", "--batch-size", str(BATCH),
             "--samples", str(SAMPLES), "--seed", "42", "--nudge", str(NUDGE),
-            "--lose-seq", str(self.lose_seq if rank == 1 else 0)], env=env)
+            "--lose-seq", str(self.lose_seq if rank == 1 else 0), *(["--sync"] if self.mode == "cpu-sync" else [])],
+            env=env)
 
     def run(self) -> None:
         ctx, outcome = zmq.Context(), {}
@@ -166,6 +167,8 @@ def test_two_spec_ranks_train_a_whole_job_on_the_real_relay_and_controller(tmp_p
     logs = list(run.spec.values())
     rounds = sorted({d["round"] for log in logs for d in log["deposits"]})
     assert rounds and run.relay_counts["rounds_shipped"] == len(rounds)
+    if mode == "cpu-sync":  # a rank holds after each step (10.1): every deposit is one step's
+        assert {d["mass"] for log in logs for d in log["deposits"]} <= {0.0, 1.0}, logs
     for round_id in rounds:  # each consensus is sum(mass * theta) / sum(mass) of that round's deposits
         deps = [d for log in logs for d in log["deposits"] if d["round"] == round_id]
         mass = sum(d["mass"] for d in deps)
