@@ -75,6 +75,12 @@ class PoisonedDeposit(ProtocolError):
     dead and the round completes without it (one host must not NaN or dominate the consensus)."""
 
 
+class MassOverBound(PoisonedDeposit):
+    """A frame's mass over the coordinator's bound for its ranks. The bound may still rise: a rank's last
+    steps reach the coordinator on the control path while its frame travels the data path, so the
+    reducer holds such a frame a while (`reducer_service.MASS_WAIT_S`) before refusing it."""
+
+
 class ShmError(FlodlError):
     """Shared memory for by-reference payloads cannot be used safely (a squatted or foreign path)."""
 

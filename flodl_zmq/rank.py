@@ -356,6 +356,7 @@ class RankRuntime:
         self.pipeline.extend(indices[i : i + bs] for i in range(0, len(indices), bs))
 
     def _deposit(self, round_id: int) -> None:
+        self.link.flush_steps()  # every step in the deposit's mass is reported before it (PROTOCOL.md 9.5)
         self._steps_at_snapshot = self.steps_since_avg
         payload = self.buffers.snapshot(float(self.steps_since_avg))
         self._pending_round = self._deposited = round_id

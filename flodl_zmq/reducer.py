@@ -36,7 +36,7 @@ Rules the ledger keeps:
   (``robust.check_magnitude``: far above the last consensus's), or with more mass than the round's
   bound for its host (the sum of its ranks' bounds, given by the coordinator
   with `bound_round` before the round's first frame can arrive), raises
-  PoisonedDeposit and changes nothing (a frame held for the sum, found by the
+  PoisonedDeposit (MassOverBound for the mass) and changes nothing (a frame held for the sum, found by the
   pass that sums it, is listed in ``refused`` and the round computed without
   it): one host must not NaN or dominate the consensus. A round with no bound given is not capped. Bounds of one round
   add up rank by rank (the larger wins): a deposit told ahead brings its
@@ -69,7 +69,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flodl_zmq.errors import PoisonedDeposit, ProtocolError
+from flodl_zmq.errors import MassOverBound, ProtocolError
 from flodl_zmq.fold import (
     ImageCache,
     OpenRound,
@@ -255,7 +255,7 @@ class RoundLedger:
             if not float(mass) <= cap:
                 # Mass is the weight of a frame in the mean: a host claiming more work
                 # than its ranks did would replace the consensus with its own values.
-                raise PoisonedDeposit(
+                raise MassOverBound(
                     f"{who}: mass {mass!r} exceeds {cap:g}, the most its ranks {sorted(ranks)} can have "
                     "realized this round by the coordinator's step count (a tampered or desynced host)"
                 )

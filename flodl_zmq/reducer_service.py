@@ -80,6 +80,7 @@ from flodl_zmq.errors import (
     AttributionError,
     ConfigError,
     FlodlError,
+    MassOverBound,
     PoisonedDeposit,
     ProtocolError,
     WireError,
@@ -199,6 +200,12 @@ class RoundOutcome:
     masses: tuple[float, ...] = ()
 
 
+# How long a frame whose mass is over its bound waits for the bound to rise before it is refused: a rank's
+# last steps (reported before its deposit) reach the coordinator on the control path, which raises the bound
+# when it hears the rank's snapshot, while the frame travels the data path (PROTOCOL.md 9.5).
+MASS_WAIT_S = 2.0
+
+
 @dataclass(frozen=True)
 class HostRefused:
     """The reducer refused `host`'s frames for good (`reason`): its ranks are out of every round. Its relay was
@@ -276,6 +283,7 @@ class ReducerService:
         self._forwarded: set[int] = set()
         self._restate: list[tuple[str, int]] = []  # (host, rank) this service told, restated until the end
         self._restate_at = math.inf
+        self._over_bound: list[tuple[float, str, HostFrame, list[Any]]] = []  # (deadline, host, frame, payload)
         self._drop: set[int] = set()
         self._bounded = -1  # the latest round bound_round opened
         self._nonce = itertools.count(1)
@@ -394,6 +402,8 @@ class ReducerService:
             loop.on_socket(data, lambda: self._drained(data))
             loop.timer(lambda: self._next_probe if self._unsubscribed() else math.inf, self._probe)
             loop.timer(lambda: self._restate_at, self._restate_deaths)
+            loop.timer(lambda: min((e[0] for e in self._over_bound), default=math.inf),
+                       lambda now: self._retake_frames())
             loop.run()
         finally:
             data.close(0)
@@ -411,6 +421,7 @@ class ReducerService:
             self._bounded = cmd.round_id
         with self._outer_lock:
             self._settled(self.ledger.bound_round(cmd.round_id, cmd.bounds, cmd.opens))
+        self._retake_frames(cmd.round_id)
 
     def _probe(self, now: float) -> None:
         """Publish a probe while a relay has not proved it receives the broadcast (SubscriberReady)."""
@@ -480,14 +491,7 @@ class ReducerService:
             except ProtocolError as exc:
                 self._violation(host, exc)
                 return
-            try:
-                with self._outer_lock:
-                    outcome = self.ledger.deposit(host, rec.round, rec.mass, payload, rec.ranks)
-            except ProtocolError as exc:
-                self._violation(host, exc)
-                return
-            self._refused()
-            self._settled(outcome)
+            self._take_frame(host, rec, payload, time.monotonic() + MASS_WAIT_S)
         elif isinstance(rec, RankExit):
             if rec.rank in self.config.world[host]:
                 self._death(rec.rank, reported_by=host)
@@ -500,6 +504,32 @@ class ReducerService:
             self._resend(host, rec.round)
         else:
             self._count["unexpected"] += 1
+
+    def _take_frame(self, host: str, rec: HostFrame, payload: list[Any], deadline: float) -> None:
+        """Sum `host`'s frame into its round; one over its mass bound waits for the bound to rise until `deadline`."""
+        try:
+            with self._outer_lock:
+                outcome = self.ledger.deposit(host, rec.round, rec.mass, payload, rec.ranks)
+        except MassOverBound as exc:
+            if time.monotonic() < deadline:
+                self._over_bound.append((deadline, host, rec, payload))
+                return
+            self._violation(host, exc)
+            return
+        except ProtocolError as exc:
+            self._violation(host, exc)
+            return
+        self._refused()
+        self._settled(outcome)
+
+    def _retake_frames(self, round_id: int | None = None) -> None:
+        """The frames held over their bound, of `round_id` (its bound rose) or past their deadline (None)."""
+        now, keep, due = time.monotonic(), [], []
+        for e in self._over_bound:
+            (due if (e[2].round == round_id if round_id is not None else e[0] <= now) else keep).append(e)
+        self._over_bound = keep
+        for deadline, host, rec, payload in due:
+            self._take_frame(host, rec, payload, deadline)
 
     def _hello(self, route: bytes, rec: RelayHello) -> None:
         want = self.config.world.get(rec.host)

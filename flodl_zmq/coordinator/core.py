@@ -181,9 +181,7 @@ class Coordinator:
         self._consensus = Consensus(
             coverage if self.mode.progressive else {}, self.last_aggregated, self.last_aggregated
         )
-        self.dispatch = strategy_for(
-            config, self.liveness, self.elche, self._announce_epoch_role, coverage
-        )
+        self.dispatch = strategy_for(config, self.liveness, self.elche, self._announce_epoch_role, coverage)
 
     # ================================================================ inputs
 
@@ -223,10 +221,8 @@ class Coordinator:
         self._now = now
         handler = self._HANDLERS.get(type(record))
         if handler is None:
-            raise CoordinatorError(
-                f"coordinator in phase {self.phase.value} cannot accept "
-                f"{type(record).__name__} from rank {rank}: it is not a rank->coordinator record"
-            )
+            raise CoordinatorError(f"coordinator in phase {self.phase.value} cannot accept {type(record).__name__} "
+                                   f"from rank {rank}: it is not a rank->coordinator record")
         self.liveness.check_rank(rank)
         if getattr(record, "rank", rank) != rank:
             raise CoordinatorError(
@@ -373,8 +369,10 @@ class Coordinator:
             self.ignored[cause] += 1
 
     def _on_snapshot_ready(self, rank: int, m: rec.SnapshotReady, now: float) -> None:
-        # Nothing to learn from it (the round's clock is the controller's); a stale one is counted.
-        if m.round != self.round + (self.cycle is None):  # a deposit told ahead precedes its trigger
+        # Its steps to its snapshot are counted (reported first): in an open round its bound rises to them (9.5).
+        if self.cycle is not None and m.round == self.cycle.round:
+            self._outbox.emit(REDUCER, MassBound.for_window(m.round, self.window_steps, (rank,)))
+        elif m.round != self.round + (self.cycle is None):
             self.ignored["stale_round"] += 1
 
     def _on_exiting(self, rank: int, m: rec.Exiting, now: float) -> None:

@@ -366,3 +366,20 @@ def test_an_int8_consensus_after_an_outer_step_is_where_the_next_pseudo_gradient
             assert not np.array_equal(outer.global_model, loaded)  # the kept global is the unrounded one
     finally:
         rig.close()
+
+
+def test_a_frame_over_its_mass_bound_waits_for_the_bound_to_rise_and_is_taken_when_it_does(rig):
+    # An async rank trains on past the trigger: the coordinator had counted none of its steps (a bound of 64),
+    # and hears them with its snapshot, on the control path, while its frame travels the data path. Refused at
+    # once, an honest host was declared dead (3 of 4 runs of a 2-agent MLP beside two busy loops).
+    rig.ready()
+    a, b = rig.relays["a"], rig.relays["b"]
+    rig.svc.bound_round(1, {0: 64.0, 1: 64.0, 2: 64.0})
+    a.send(*frame("a", 1, 150.0, 2.0))  # over a's bound of 128
+    b.send(*frame("b", 1, 10.0, 4.0))
+    with pytest.raises(queue.Empty):
+        rig.svc.completed.get(timeout=0.3)  # held, neither refused nor summed
+    rig.svc.bound_round(1, {0: 2 * 60 + 64.0})  # rank 0's snapshot: its bound rises to what it did
+    out = rig.svc.completed.get(timeout=WAIT_S)
+    assert not isinstance(out, HostRefused) and out.hosts == ("a", "b") and out.mass == 160.0
+    assert rig.svc.counters().get("poisoned_frames", 0) == 0

@@ -85,6 +85,20 @@ def test_sync_trigger_throttles_each_rank_before_requesting_params_then_updates_
     assert of(outs, rec.SetGlobalStep, 1) == [rec.SetGlobalStep(2)]
 
 
+def test_a_snapshot_in_the_open_round_raises_that_ranks_mass_bound_to_the_steps_reported_before_it():
+    # Async ranks train on past the trigger; a rank reports every step before its deposit (PROTOCOL.md 9.5),
+    # so at its SnapshotReady the coordinator's count is its deposit's mass.
+    c, _ = make(mode="sync", total=20)
+    batch(c, 0, 1)
+    outs = batch(c, 1, 1)
+    assert of(outs, MassBound) == [MassBound(1, ((0, 66.0), (1, 66.0)))]
+    batch(c, 0, 40)  # 39 more steps of rank 0, reported before its snapshot
+    outs = c.on_record(0, rec.SnapshotReady(rank=0, round=1), 0.1)
+    assert [(o.dest, o.record) for o in outs] == [(REDUCER, MassBound(1, ((0, 2 * 40 + 64.0),)))]
+    assert of(c.on_record(1, rec.SnapshotReady(rank=1, round=2), 0.1), MassBound) == []  # not the open round
+    assert c.ignored["stale_round"] == 1
+
+
 def test_cadence_gate_fires_on_batch_counts_even_with_pathological_slow_ms():
     c, outs = make()
     plans = [p.plan for p in of(outs, rec.StartEpoch)]

@@ -215,6 +215,9 @@ class Sent(list):
     def step(self, batch_ms, data_ms, loss, step_count):
         pass
 
+    def flush_steps(self):
+        pass
+
     def note_lr(self, lr):
         self.append(rec.LrUpdate(rank=0, lr=lr))  # the link sends it with the next step report
 
