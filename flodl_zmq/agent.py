@@ -119,7 +119,7 @@ from flodl_zmq.security import (
 )
 from flodl_zmq.settings import Settings, add_arguments
 from flodl_zmq.trust import JOIN_RUN_ID, OPEN_JOIN_KEY
-from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
+from flodl_zmq.warm import WarmProcess, WarmServer, check_target, runnable, start
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, Envelope, session_key
 from flodl_zmq.wire.mac import check_key
 from flodl_zmq.wire.records import (
@@ -670,8 +670,9 @@ def add_command(sub: Any) -> None:
 
 def _agent_command(args: Any) -> int:
     settings = Settings.from_args(args)
-    if not settings.controller:
-        raise ConfigError("the agent needs the controller's address: --controller HOST:PORT (or FLODL_CONTROLLER)")
+    if not settings.controller or not settings.script:  # without a program it could run nothing it is sent
+        raise ConfigError("the agent needs the controller's address, --controller HOST:PORT (FLODL_CONTROLLER), and "
+                          "the program it agrees to run, --script SCRIPT or '-m MODULE' (FLODL_SCRIPT)")
     host = settings.agent_host or socket.gethostname()
     logging.basicConfig(level=logging.INFO, format=f"[{host}:agent] %(levelname)s %(message)s")
     try:
@@ -681,17 +682,15 @@ def _agent_command(args: Any) -> int:
     devices = settings.devices
     explicit = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
     config = AgentConfig(
-        controller=ControllerAddress.parse(settings.controller),
-        host=host,
+        controller=ControllerAddress.parse(settings.controller), host=host,
         devices=resolve_devices(explicit, settings.cpu_slots, os.environ, None if explicit else run_nvidia_smi()),
         key=session_key(os.environ),
-        dataset_sig=sig,
-        join_reply_timeout_s=settings.join_reply_timeout_s,
+        dataset_sig=sig, join_reply_timeout_s=settings.join_reply_timeout_s,
         join_heartbeat_period_s=settings.join_heartbeat_period_s,
         controller_silence_at_agent_s=settings.controller_silence_at_agent_s,
         controller_grace_s=settings.controller_grace_s,
         curve=CurveKeys.for_client(os.environ, settings.curve_secret_file, settings.curve_server_file),
-        script=parse_script(settings.script) if settings.script else None,
+        script=tuple(check_target(parse_script(settings.script), "agent")),
     )
     agent = Agent(config)
     try:

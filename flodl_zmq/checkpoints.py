@@ -97,6 +97,21 @@ def newest(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def check_dir(checkpoint_dir: str | None) -> None:
+    """A ConfigError for a checkpoint directory this process cannot create or write, before the run starts; a disk
+    that fills later is the run's to report write by write (it goes on). Another user's: PrivateDirError."""
+    if checkpoint_dir is None:
+        return
+    try:
+        own_dir(checkpoint_dir, CHECKPOINT_DIR)
+    except OSError as exc:
+        raise ConfigError(f"{CHECKPOINT_DIR} {checkpoint_dir}: cannot create it ({exc.strerror or exc}): name a "
+                          "directory this user can write, or unset it for no periodic checkpoints") from exc
+    if not os.access(checkpoint_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"{CHECKPOINT_DIR} {checkpoint_dir} is not writable (a read-only mount?): name a directory "
+                          "this user can write, or unset it for no periodic checkpoints")
+
+
 def resolve(resume: str | None, checkpoint_dir: str | None) -> Path | None:
     """The bundle stem `--resume` names (settings.py), or None for a fresh run.
 
@@ -394,8 +409,7 @@ class Keeper:
         if settings.checkpoint_dir is None:
             return
         directory = Path(settings.checkpoint_dir)
-        with contextlib.suppress(OSError):  # one it cannot create: every write reports it, the run goes on
-            own_dir(directory, CHECKPOINT_DIR)  # another user's: PrivateDirError, the run does not start
+        check_dir(settings.checkpoint_dir)
         self.writer = CheckpointWriter(directory, settings.checkpoint_keep, self.state_dict_of)
         self.policy = CheckpointPolicy(settings.checkpoint_every_s, settings.checkpoint_every_rounds, started_at=now,
                                        last_rounds=rounds_done)

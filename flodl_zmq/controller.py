@@ -85,6 +85,7 @@ from flodl_zmq.trust import (
     endpoint_ip,
     resolve_trust,
 )
+from flodl_zmq.warm import check_target
 from flodl_zmq.wire import RUN_ID_BYTES, Channel, Codec, new_incarnation, new_key, session_key
 from flodl_zmq.wire.records import Challenge, ChallengeRequest, StatusReply, StatusRequest
 
@@ -149,6 +150,8 @@ def serve(opts: ControllerOptions) -> int:
 
 
 def _serve(opts: ControllerOptions, metrics: RunMetrics | None) -> int:
+    check_target(opts.argv, "controller")  # before any host joins: the world would form, then the script fail
+    opts.address.check_free()
     trust = resolve_trust(opts.open_admission, endpoint_ip(opts.address.endpoint(Channel.JOIN)))
     key = opts.key if opts.key is not None else new_key()
     run_id, resumed, settings, cfg = _run_to_start(opts)
@@ -210,6 +213,7 @@ def _run_to_start(opts: ControllerOptions) -> tuple[bytes, dict[str, tuple[int, 
     # status's must start without torch (bundle and checkpoints import it).
     from flodl_zmq import bundle, checkpoints
 
+    checkpoints.check_dir(opts.settings.checkpoint_dir)  # before any host joins, as the script and the ports
     run_id, resumed, settings, cfg = os.urandom(RUN_ID_BYTES), None, checkpoints.pin_resume(opts.settings), opts.join
     stem = settings.resume
     if stem is not None:

@@ -14,6 +14,7 @@ separate TCP connections so a model frame never delays a heartbeat.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from dataclasses import dataclass
 
 from flodl_zmq.errors import ConfigError
@@ -55,6 +56,21 @@ class ControllerAddress:
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+    def check_free(self) -> None:
+        """A ConfigError naming the first of the controller's ports that cannot be bound here, before any is:
+        the data ports are bound only once the world forms, where a clash would end a run its hosts joined."""
+        bind_host = "" if self.host == "*" else self.host
+        for port in range(self.port, self.port + max(OFFSETS.values()) + 1):
+            with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+                try:
+                    probe.bind((bind_host, port))
+                except OSError as exc:
+                    raise ConfigError(
+                        f"controller port {port} on {self.host}: {exc.strerror or exc} (another controller?); the "
+                        f"controller uses PORT..PORT+{max(OFFSETS.values())} of --bind HOST:PORT: choose another "
+                        "PORT, or stop what holds it") from exc
 
 
 # RFC 6598 shared space: carrier NAT, and the addresses of Tailscale-style overlays.

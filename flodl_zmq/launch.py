@@ -42,7 +42,6 @@ Rules this module keeps:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -71,7 +70,7 @@ from flodl_zmq.environment import (
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.links import ROUTE_SECRET_BYTES, host_token, remove_local_dir
 from flodl_zmq.settings import DEFAULT_MODE, MODE_NAMES, Settings
-from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
+from flodl_zmq.warm import WarmProcess, WarmServer, check_target, runnable, start
 from flodl_zmq.wire import RUN_ID_BYTES, new_incarnation, new_key, session_key
 from flodl_zmq.wire.shm import unlink_run
 
@@ -470,40 +469,13 @@ def _launch_command(args: argparse.Namespace) -> int:
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise ConfigError("launch needs a script to run: flodl-zmq launch [options] script.py [args]")
-    _check_target(argv)
+    check_target(argv, "launch")
     cluster = Cluster(
         argv=argv, hosts=args.hosts, ranks_per_host=args.ranks_per_host, port=args.port,
         slow=parse_slow(args.slow), sink=default_sink, run_dir=args.run_dir, metrics_port=args.metrics_port,
         shards=args.shards,
     )
     return run_cluster(cluster)
-
-
-def _check_target(argv: Sequence[str]) -> None:
-    """A script that is not a file, or a `-m` module whose package is not found: said once here, not by the
-    traceback of every process the cluster would start to run it."""
-    if not runnable(argv):
-        return
-    if argv[0] != "-m" and not Path(argv[0]).is_file():
-        raise ConfigError(f"launch: no script {argv[0]!r} (from {os.getcwd()}): give the path of a Python file, "
-                          "or -- -m module for a module")
-    if argv[0] == "-m" and not _package_found(argv[1]):
-        raise ConfigError(f"launch: no module {argv[1]!r} to run with -m (from {os.getcwd()}, which -m searches "
-                          "first): check its name, or install its package")
-
-
-def _package_found(module: str) -> bool:
-    """Whether `-m module`'s top-level package is there for the cohort, which runs it from this directory.
-
-    Only the top level: finding a submodule would import its package here, the user's code (and
-    maybe torch) in the launcher before any process starts.
-    """
-    top = module.partition(".")[0]
-    sys.path.insert(0, os.getcwd())
-    try:
-        return bool(top) and importlib.util.find_spec(top) is not None
-    finally:
-        sys.path.pop(0)
 
 
 def _demo_command(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ import ctypes
 import fcntl
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -49,6 +50,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 from flodl_zmq.environment import ProcessEnv
@@ -75,6 +77,34 @@ def runnable(argv: Sequence[str]) -> bool:
     if argv[0] == "-m":
         return len(argv) >= 2
     return not argv[0].startswith("-")
+
+
+def check_target(argv: Sequence[str], who: str) -> Sequence[str]:
+    """`argv`, checked: a script that is not a file, or a `-m` module whose package is not found, is said once here,
+    not by the traceback of every process the cluster would start to run it (`who`: the command, for the message)."""
+    if not runnable(argv):
+        return argv
+    if argv[0] != "-m" and not Path(argv[0]).is_file():
+        raise ConfigError(f"{who}: no script {argv[0]!r} (from {os.getcwd()}): give the path of a Python file, "
+                          "or -- -m module for a module")
+    if argv[0] == "-m" and not package_found(argv[1]):
+        raise ConfigError(f"{who}: no module {argv[1]!r} to run with -m (from {os.getcwd()}, which -m searches "
+                          "first): check its name, or install its package")
+    return argv
+
+
+def package_found(module: str) -> bool:
+    """Whether `-m module`'s top-level package is there for the cohort, which runs it from this directory.
+
+    Only the top level: finding a submodule would import its package here, the user's code (and
+    maybe torch) in the launcher before any process starts.
+    """
+    top = module.partition(".")[0]
+    sys.path.insert(0, os.getcwd())
+    try:
+        return bool(top) and importlib.util.find_spec(top) is not None
+    finally:
+        sys.path.pop(0)
 
 
 # --------------------------------------------------------------------------- the server

@@ -186,7 +186,7 @@ DEMO_ACCURACY = 0.900
 
 def test_compose_trains_digits_to_90_percent_and_refuses_bad_workers_by_name(compose):
     intruder_agent = [str(BIN / "flodl-zmq"), "agent", "--controller", "controller:7300", "--cpu-slots", "1",
-                      "--join-timeout", "3"]
+                      "--join-timeout", "3", "--script", "-m flodl_zmq.demo"]
     compose.up("controller")
     compose.wait_for("controller", "join window open")
     # A worker with a key of its own: its hello fails the MAC and is dropped unanswered.

@@ -137,8 +137,8 @@ def test_a_fake_controller_cannot_make_an_open_admission_agent_without_curve_run
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
         done = subprocess.run(
             [sys.executable, "-m", "flodl_zmq.cli", "agent", "--controller", str(fake.address), "--host", "victim",
-             "--cpu-slots", "1", "--join-timeout", "5", "--controller-silence", "2"],
-            env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=40, check=False,
+             "--cpu-slots", "1", "--join-timeout", "5", "--controller-silence", "2", "--script", "-m flodl_zmq.demo"],
+            env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=40, check=False, cwd=ROOT,
         )
     finally:
         fake.close()
