@@ -369,9 +369,10 @@ class Coordinator:
             self.ignored[cause] += 1
 
     def _on_snapshot_ready(self, rank: int, m: rec.SnapshotReady, now: float) -> None:
-        # Its steps to its snapshot are counted (reported first): in an open round its bound rises to them (9.5).
+        # Its steps to its snapshot are counted (reported first): those past the trigger raise its bound (9.5).
         if self.cycle is not None and m.round == self.cycle.round:
-            self._outbox.emit(REDUCER, MassBound.for_window(m.round, self.window_steps, (rank,)))
+            if self._steps.count[rank] > self.cycle.snapshot[rank]:
+                self._outbox.emit(REDUCER, MassBound.for_window(m.round, self.window_steps, (rank,)))
         elif m.round != self.round + (self.cycle is None):
             self.ignored["stale_round"] += 1
 
