@@ -107,6 +107,39 @@ from flodl_zmq.wire.records import (
 
 log = logging.getLogger(__name__)
 
+# How long a watched status endpoint stays up at a run's end for its watcher's next query
+# (`status --watch` asks every second unless told --interval).
+WATCH_LINGER_S = 3.0
+
+
+class EndWatch:
+    """Keeps a status endpoint up a moment at a run's end while someone watches it.
+
+    `status --watch` exits 0 on a reply that says the run ended. An endpoint
+    that closed between two of its queries left it saying the controller
+    stopped answering, exit 1, after a good run. Not watched (no query in the
+    last WATCH_LINGER_S) or not ended: closing waits for nothing.
+    """
+
+    def __init__(self) -> None:
+        self._asked_at = -math.inf
+        self._told = threading.Event()  # a reply saying the run ended went out
+
+    def answered(self, status: Mapping[str, Any], now: float) -> None:
+        self._asked_at = now
+        if _ended(status):
+            self._told.set()
+
+    def hold(self, status: Mapping[str, Any], now: float) -> None:
+        """Before closing: wait, at most WATCH_LINGER_S, until a watcher has been told the run ended."""
+        if _ended(status) and now - self._asked_at <= WATCH_LINGER_S:
+            self._told.wait(WATCH_LINGER_S)
+
+
+def _ended(status: Mapping[str, Any]) -> bool:
+    return bool((status.get("training") or {}).get("ended"))
+
+
 # Replay-ledger entries the join codec keeps before admission (one per connection seen):
 # under open admission anyone may hello from fresh routing ids, and without a cap each
 # one would grow the controller's memory for the rest of the run (~1 kB apiece).
@@ -218,6 +251,7 @@ class MembershipService:
         self._session = Codec(session_key, incarnation, SENDER)
         self._hosts: dict[bytes, str] = {}  # ROUTER identity -> admitted host
         self._challenges = Challenges()  # the nonce each connection must sign into its hello
+        self._end_watch = EndWatch()
         # What a connection may send before admission, one handler per record kind.
         self._pre_admission: dict[type, Callable[[bytes, Envelope, list[Any], float], None]] = {
             ChallengeRequest: self._on_challenge_request, JoinHello: self._on_hello, StatusRequest: self._on_status_request,
@@ -328,6 +362,7 @@ class MembershipService:
         return out
 
     def close(self, timeout: float = 5.0) -> None:
+        self._end_watch.hold(self.status(), self.clock())
         self._loop.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -501,7 +536,9 @@ class MembershipService:
 
     def _on_status_request(self, ident: bytes, env: Envelope, frames: list[Any], now: float) -> None:
         if self._fresh(ident, env, now):
-            self._send(ident, self._join, StatusReply(json.dumps(self.status()), env.record.nonce))
+            status = self.status()
+            self._send(ident, self._join, StatusReply(json.dumps(status), env.record.nonce))
+            self._end_watch.answered(status, now)
 
     def _fresh(self, ident: bytes, env: Envelope, now: float) -> bool:
         """Whether `env`'s hello or status request signs the challenge issued to its connection (used up)."""

@@ -31,7 +31,7 @@ from flodl_zmq.errors import WireError
 from flodl_zmq.io_threads import keep_off_the_data_plane
 from flodl_zmq.join import Challenges
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, drain, limit_receive
-from flodl_zmq.membership import JOIN_LEDGER_CAP, JOIN_RECV_BUDGET, SENDER
+from flodl_zmq.membership import JOIN_LEDGER_CAP, JOIN_RECV_BUDGET, SENDER, EndWatch
 from flodl_zmq.service_loop import ServiceLoop
 from flodl_zmq.trust import JOIN_RUN_ID
 from flodl_zmq.wire import Attribution, Channel, Codec
@@ -48,6 +48,7 @@ class StatusServer:
     ) -> None:
         self._codec = Codec(key, JOIN_RUN_ID, SENDER, max_ledger=JOIN_LEDGER_CAP)
         self._challenges = Challenges()
+        self._end_watch = EndWatch()
         self._world = {h: list(rs) for h, rs in world.items()}
         # Replaced whole by the controller's thread, read whole by ours: a reference swap needs no lock.
         self._training: dict[str, Any] | None = None
@@ -81,6 +82,7 @@ class StatusServer:
         return out
 
     def close(self, timeout: float = 2.0) -> None:
+        self._end_watch.hold(self.status(), time.monotonic())
         self._loop.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -111,7 +113,9 @@ class StatusServer:
         if challenge is not None:
             self._send(ident, challenge)
         elif isinstance(r, StatusRequest) and self._challenges.take(ident, r.nonce, now) == "ok":
-            self._send(ident, StatusReply(json.dumps(self.status()), r.nonce))
+            status = self.status()
+            self._send(ident, StatusReply(json.dumps(status), r.nonce))
+            self._end_watch.answered(status, now)
         else:
             self.dropped += 1  # anything else, a replayed or stale nonce: answered by nothing
             log.warning("status endpoint dropped %s: not a fresh challenge or status request", env.kind)

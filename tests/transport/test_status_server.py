@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 
 import pytest
 import zmq
@@ -11,8 +12,11 @@ from flodl_zmq.controller import format_watch, query_status, watch_status
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import MembershipError
 from flodl_zmq.launch import free_port_base
+from flodl_zmq.membership import EndWatch
 from flodl_zmq.status_server import StatusServer
 from flodl_zmq.wire import Channel, new_key
+from tests.cluster.agents import until
+from tests.transport.test_status import serve
 
 WORLD = {"h0": (0, 1), "h1": (2, 3)}
 TRAINING = {
@@ -88,6 +92,53 @@ def test_watch_says_when_the_controller_goes_away():
     finally:
         server.close()
         ctx.term()
+
+
+def served_by(kind: str, ctx: zmq.Context):
+    """A status endpoint of either kind, its address and key: the launcher's StatusServer or the membership."""
+    if kind == "membership":
+        service, key, address = serve(ctx)
+        return service, address, key
+    address, key = ControllerAddress("127.0.0.1", free_port_base()), new_key()
+    server = StatusServer(address.endpoint(Channel.JOIN), key, WORLD, ctx)
+    server.start()
+    return server, address, key
+
+
+@pytest.mark.parametrize("kind", ["status_server", "membership"])
+def test_a_watched_run_that_ends_between_two_queries_is_seen_ending_before_its_endpoint_closes(kind):
+    ctx = zmq.Context()
+    endpoint, address, key = served_by(kind, ctx)
+    endpoint.report_training(TRAINING)
+    out, codes = io.StringIO(), []
+    watcher = threading.Thread(target=lambda: codes.append(
+        watch_status(address, key, None, status_reply_timeout_s=5.0, interval_s=1.0, out=out)))
+    watcher.start()
+    try:
+        until(lambda: "epoch 3/5" in out.getvalue(), "the watcher's first table", 30)
+        # The controller's end, while the watcher sleeps: the last report, then close (ControllerService._close).
+        endpoint.report_training({**TRAINING, "ended": "completed"})
+        endpoint.close()
+        watcher.join(30)
+        assert codes == [0], out.getvalue()
+        assert "ended: completed" in out.getvalue() and "stopped answering" not in out.getvalue()
+    finally:
+        endpoint.close()
+        ctx.term()
+
+
+def test_closing_waits_for_no_watcher_when_nobody_watched_or_the_run_did_not_end(monkeypatch):
+    monkeypatch.setattr("flodl_zmq.membership.WATCH_LINGER_S", 1e9)  # a wait here would hang the test
+    ended = {"training": {**TRAINING, "ended": "completed"}}
+    EndWatch().hold(ended, now=100.0)  # never asked
+    asked_long_ago = EndWatch()
+    asked_long_ago.answered({"training": TRAINING}, now=1.0)
+    asked_long_ago.hold(ended, now=1e10)
+    watched = EndWatch()
+    watched.answered({"training": TRAINING}, now=99.0)
+    watched.hold({"training": TRAINING}, now=100.0)  # stopped, not ended: a failure is not held up
+    watched.answered(ended, now=100.5)
+    watched.hold(ended, now=101.0)  # told already
 
 
 def test_format_watch_before_training_is_one_line():
