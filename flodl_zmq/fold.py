@@ -76,6 +76,7 @@ from flodl_zmq.tensors import dtype_name
 # Images kept per station: a sync cycle can rotate through a few schemas (e.g.
 # parameters, then buffers), and each must find its image already allocated.
 IMAGES_KEPT = 3
+ENTRIES_KEPT = 3  # output sets kept per schema while sends hold them (ImageCache)
 
 
 def schema_of(tensors: Sequence[np.ndarray], who: str, error: type[ProtocolError]) -> Schema:
@@ -196,25 +197,66 @@ def round_gate(round_id: int, last_round: int | None, rnd: OpenRound | None, mem
     return True
 
 
+class Sending(Protocol):
+    """A send that reads buffers without a copy (zmq.MessageTracker): ``done`` once the socket let go of them."""
+
+    @property
+    def done(self) -> bool: ...
+
+
+class _Entry:
+    """One sum image and its output buffers, and the sends that still read the outputs."""
+
+    def __init__(self, image: SumImage, outputs: list[np.ndarray]) -> None:
+        self.image, self.outputs = image, outputs
+        self.sends: list[Sending] = []
+
+    def held(self) -> bool:
+        self.sends = [s for s in self.sends if not s.done]
+        return bool(self.sends)
+
+
 class ImageCache:
     """Reused sum images and output buffers for the last IMAGES_KEPT schemas.
 
     Parameter and buffer rounds alternate schemas; keeping both avoids first-touch
-    page faults (several times slower than the fold itself) every round.
+    page faults (several times slower than the fold itself) every round. Outputs
+    that a send still reads without a copy (``hold``) are not handed out again:
+    a subscriber that reads late (the controller's own copy comes by reference,
+    over inproc) or a slow link must not get the next round's values under this
+    round's MAC. The next round then takes another of the schema's entries, made
+    anew when all ENTRIES_KEPT are held (the oldest is let go: its send keeps it).
     """
 
     def __init__(self, make: Callable[[Schema], tuple[SumImage, list[np.ndarray]]]) -> None:
         self._make = make
-        self._entries: OrderedDict[Schema, tuple[SumImage, list[np.ndarray]]] = OrderedDict()
+        self._entries: OrderedDict[Schema, list[_Entry]] = OrderedDict()  # per schema, the current one first
 
     def get(self, schema: Schema) -> tuple[SumImage, list[np.ndarray]]:
-        entry = self._entries.get(schema)
-        if entry is None:
-            entry = self._entries[schema] = self._make(schema)
-            while len(self._entries) > IMAGES_KEPT:
-                self._entries.popitem(last=False)
+        """The schema's current entry; another one when sends still read it (between rounds only: a round's
+        outputs are held once they are sent, after its last ``get``)."""
+        entries = self._entries.setdefault(schema, [])
         self._entries.move_to_end(schema)
-        return entry
+        while len(self._entries) > IMAGES_KEPT:
+            self._entries.popitem(last=False)
+        if not entries or entries[0].held():
+            free = next((e for e in entries if not e.held()), None)
+            if free is None:
+                free = _Entry(*self._make(schema))
+                if len(entries) >= ENTRIES_KEPT:
+                    entries.pop()
+            else:
+                entries.remove(free)
+            entries.insert(0, free)
+        return entries[0].image, entries[0].outputs
+
+    def hold(self, outputs: Sequence[np.ndarray], sending: Sending) -> None:
+        """``outputs`` (as ``get`` handed them out) go out without a copy: not handed out again until
+        ``sending`` is done. Buffers of no entry (a verbatim frame, int8's fresh ones) are not ours: ignored."""
+        for entry in (e for entries in self._entries.values() for e in entries):
+            if outputs and entry.outputs and entry.outputs[0] is outputs[0]:
+                entry.sends.append(sending)
+                return
 
 
 def _fold_outputs(schema: Schema) -> tuple[SumImage, list[np.ndarray]]:

@@ -459,6 +459,14 @@ DISCARD_TICK_FRAMES = 1 << 14
 RELEASE_AFTER_FRAMES = DISCARD_TICK_FRAMES
 
 
+def send_by_reference(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> zmq.MessageTracker:
+    """Send `frames` as one message without copying them; the tracker is done once the socket let go of
+    every frame (pyzmq's `send_multipart(track=True)` tracks only the last one, often a small copied MAC)."""
+    last = len(frames) - 1
+    return zmq.MessageTracker(*(sock.send(f, flags | (zmq.SNDMORE if i < last else 0), copy=False, track=True)
+                                for i, f in enumerate(frames)))
+
+
 def data_max_frame_bytes(largest_payload_frame: int) -> int:
     """The frame bound of a data or broadcast socket whose receiver knows the model: its largest
     payload frame (`WireFormat.largest_frame_bytes`), or the header when that is larger."""

@@ -74,6 +74,7 @@ from flodl_zmq.fold import (
     ImageCache,
     OpenRound,
     Schema,
+    Sending,
     SumImage,
     carve,
     contribute,
@@ -332,6 +333,11 @@ class RoundLedger:
             return False
         rnd = self._round
         return rnd is None or (rnd.round_id == round_id and not self._members_of(host) <= set(rnd.members))
+
+    def hold(self, tensors: Sequence[np.ndarray], sending: Sending) -> None:
+        """A consensus's ``tensors`` go out without a copy: later rounds reduce into other buffers until
+        ``sending`` is done (fold.ImageCache.hold)."""
+        self._images.hold(tensors, sending)
 
     def recover(self, round_id: int) -> Reduced | Gone:
         """The consensus of ``round_id`` if it is the latest one, else why it is not available."""

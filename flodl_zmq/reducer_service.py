@@ -68,7 +68,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +100,7 @@ from flodl_zmq.links import (
     limit_receive,
     reducer_sender,
     relay_sender,
+    send_by_reference,
     take_over_routes,
     tune,
     tune_loopback,
@@ -289,7 +290,7 @@ class ReducerService:
         self._nonce = itertools.count(1)
         self._last_nonce = 0
         self._next_probe = 0.0
-        self._latest_frames: tuple[int, list[Any]] | None = None
+        self._latest_frames: tuple[int, list[Any], Sequence[np.ndarray]] | None = None  # round, frames, buffers
         self.local_bcast = f"inproc://flodl-bcast-{id(self):x}"
 
     # ------------------------------------------------------------------ API (any thread)
@@ -370,7 +371,7 @@ class ReducerService:
         if self._resumed is not None:  # served on request only (ConsensusRequest), as a resend is
             round_id, payload = self._resumed
             self._latest_frames = (round_id, self._codec.encode(Consensus(round_id, 1.0), payload,
-                                                                channel=Channel.BROADCAST))
+                                                                channel=Channel.BROADCAST), payload)
         self._data = data = self._ctx.socket(zmq.ROUTER)
         self._pub = pub = self._ctx.socket(zmq.PUB)
         try:
@@ -429,14 +430,18 @@ class ReducerService:
         self._pub.send_multipart(self._codec.encode(Probe(self._last_nonce), channel=Channel.BROADCAST))
         self._next_probe = now + self.config.probe_interval_s
 
-    def _to_relay(self, route: bytes, tag: bytes, frames: list[Any]) -> None:
+    def _to_relay(self, route: bytes, tag: bytes, frames: list[Any], consensus: Sequence[np.ndarray] = ()) -> None:
         """Send to one relay, never waiting: one relay that stops reading must not delay the others' rounds.
 
         A full queue drops the record (counted `peer_full`); what it carried is
-        asked for again (PROTOCOL.md 10.5 item 6).
+        asked for again (PROTOCOL.md 10.5 item 6). `consensus`: the buffers the
+        frames carry by reference, held from the next rounds until sent.
         """
         try:
-            self._data.send_multipart([route, tag, *frames], zmq.NOBLOCK, copy=False)
+            if consensus:
+                self.ledger.hold(consensus, send_by_reference(self._data, [route, tag, *frames], zmq.NOBLOCK))
+            else:
+                self._data.send_multipart([route, tag, *frames], zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._count["peer_full"] += 1
             log.warning("reducer: relay route %r stopped reading (its queue is full); a record to it was dropped", route)
@@ -645,21 +650,23 @@ class ReducerService:
         if self._hop.wire is not None and self._hop.wire.packed and self.ledger.outer is not None and red.mass > 0.0:
             self.ledger.outer.published(tensors)  # the next pseudo-gradient starts where the ranks do
         frames = self._codec.encode(Consensus(red.round_id, red.mass), tensors, channel=Channel.BROADCAST)
-        self._latest_frames = (red.round_id, frames)
+        self._latest_frames = (red.round_id, frames, tensors)
         if red.round_id in self._drop:
             self._drop.discard(red.round_id)
             self._count["broadcasts_dropped_on_purpose"] += 1
             return
-        self._pub.send_multipart(frames, copy=False)  # never waits: PUB drops for a subscriber that stopped reading
+        # Never waits: PUB drops for a subscriber that stopped reading. Sent by reference, so the next
+        # rounds reduce into other buffers until every subscriber has it (the controller's reads it late).
+        self.ledger.hold(tensors, send_by_reference(self._pub, frames))
         # PUB loses messages for peers not yet proven subscribed: they get it directly.
         for host in self._unsubscribed():
-            self._to_relay(self._route[host], TAG_BCAST, frames)
+            self._to_relay(self._route[host], TAG_BCAST, frames, tensors)
 
     def _resend(self, host: str, round_id: int) -> None:
         got = self.ledger.recover(round_id)
         self._count["consensus_requests"] += 1
         if isinstance(got, Reduced) and self._latest_frames and self._latest_frames[0] == round_id:
-            self._to_relay(self._route[host], TAG_BCAST, self._latest_frames[1])
+            self._to_relay(self._route[host], TAG_BCAST, *self._latest_frames[1:])
             return
         last = self.ledger.last_round
         if isinstance(got, Gone) and (last is None or round_id > last):

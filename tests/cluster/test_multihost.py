@@ -215,9 +215,10 @@ def test_compose_trains_digits_to_90_percent_and_refuses_bad_workers_by_name(com
     log = compose.log("controller")
     assert "world formed: {'worker1': (0, 1), 'worker2': (2, 3)}" in log
     result = result_of(log, "FLODL_DEMO_RESULT ")
-    last_evals = [row["eval"] for row in result["epochs"][-3:]]
-    assert last_evals[-1] == result["accuracy"] and result["accuracy"] >= DEMO_FINAL_FLOOR, result
-    assert sorted(last_evals)[1] >= DEMO_ACCURACY, last_evals
+    # An epoch whose eval was merged into a later one (its consensus was scored with that one's) has none.
+    last_evals = [row["eval"] for row in result["epochs"] if "eval" in row][-3:]
+    assert result["accuracy"] >= DEMO_FINAL_FLOOR, result
+    assert len(last_evals) == 3 and sorted(last_evals)[1] >= DEMO_ACCURACY, result["epochs"]
     assert "join frame dropped without reply" in log
     assert "key differs" in compose.log("wrong-key")
     assert "REJECTED by the controller: protocol version skew: worker 'skew' speaks 99" in compose.log("skew")

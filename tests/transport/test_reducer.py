@@ -383,3 +383,18 @@ def test_a_frame_over_its_mass_bound_waits_for_the_bound_to_rise_and_is_taken_wh
     out = rig.svc.completed.get(timeout=WAIT_S)
     assert not isinstance(out, HostRefused) and out.hosts == ("a", "b") and out.mass == 160.0
     assert rig.svc.counters().get("poisoned_frames", 0) == 0
+
+
+def test_a_published_consensus_is_not_overwritten_by_the_next_round_before_a_subscriber_reads_it(rig):
+    """The controller's own copy comes over inproc, by reference: the next round's reduce must not write
+    into what a subscriber has not read yet (nor into what the PUB is still sending to a relay)."""
+    rig.ready()
+    a, b = rig.relays["a"], rig.relays["b"]
+    n = 1 << 16  # 256 kB a frame: sent without a copy (pyzmq copies frames under 64 kB)
+    for round_id, value in ((1, 2.0), (2, 5.0)):
+        for relay in (a, b):
+            relay.send(HostFrame(round_id, relay.host, list(WORLD[relay.host]), 1.0), [np.full(n, value, np.float32)])
+        assert rig.svc.completed.get(timeout=WAIT_S).round_id == round_id  # published, not yet read by a
+    first, second = a.broadcast(), a.broadcast()  # a WireError (MAC) when the bytes under round 1 changed
+    assert (first.record.round, second.record.round) == (1, 2)
+    assert np.all(first.payload[0] == 2.0) and np.all(second.payload[0] == 5.0)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl_zmq.errors import FoldError
-from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
+from flodl_zmq.fold import ENTRIES_KEPT, FoldStation, HostFold, ImageCache, NothingToShip
 from flodl_zmq.sums import PIECE, SumImage
 from flodl_zmq.tensors import bf16_from_f32, f32_from_bf16
 
@@ -416,3 +416,38 @@ def test_resent_deposits_in_any_order_give_the_same_host_frame_as_one_copy_each(
         assert got.round_id == want.round_id == round_id and got.mass == want.mass
         assert got.ranks == want.ranks
         np.testing.assert_array_equal(got.tensors[0], want.tensors[0])
+
+
+class Send:
+    """A zero-copy send as fold.Sending sees it: done once the socket let go."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_outputs_a_send_still_reads_are_not_handed_out_again_until_it_is_done():
+    made = []
+    cache = ImageCache(lambda schema: made.append(schema) or (object(), [np.zeros(4, np.float32)]))
+    schema = (("f32", (4,)),)
+    _, first = cache.get(schema)
+    assert cache.get(schema)[1] is first  # not sent: the same buffers, round after round (and within one)
+    sending = Send()
+    cache.hold(first, sending)
+    _, second = cache.get(schema)
+    assert second[0] is not first[0] and cache.get(schema)[1] is second  # the next round writes elsewhere
+    cache.hold([np.zeros(4, np.float32)], Send())  # buffers of no entry (int8's fresh ones): nothing held
+    sending.done = True
+    cache.hold(second, Send())
+    assert cache.get(schema)[1] is first  # let go: reused, no new allocation
+    assert len(made) == 2
+
+
+def test_when_every_kept_entry_is_held_a_new_one_is_made_and_the_oldest_let_go():
+    cache = ImageCache(lambda schema: (object(), [np.zeros(4, np.float32)]))
+    schema = (("f32", (4,)),)
+    held = []
+    for _ in range(ENTRIES_KEPT + 2):
+        _, outputs = cache.get(schema)
+        assert all(outputs[0] is not h[0] for h in held)  # never one a send still reads
+        cache.hold(outputs, Send())
+        held.append(outputs)
