@@ -484,6 +484,11 @@ class FoldStation:
         rnd = self._round
         return rnd is None or (rnd.round_id == round_id and rank not in rnd.members)
 
+    def hold(self, outputs: Sequence[np.ndarray], sending: Sending) -> None:
+        """A HostFold's ``outputs`` go up without a copy: later rounds sum into other buffers until ``sending``
+        is done (ImageCache.hold)."""
+        self._images.hold(outputs, sending)
+
     def mark_dead(self, rank: int) -> HostFold | NothingToShip | None:
         """Take ``rank`` out of every later barrier (idempotent); its merged work stays counted."""
         if rank not in self.roster:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -35,6 +36,7 @@ from flodl_zmq.links import (
     rank_sender,
     route_refusal,
     send,
+    send_by_reference,
 )
 from flodl_zmq.reducer_service import HostRefused, ReducerService
 from flodl_zmq.relay_config import RelayConfig
@@ -130,6 +132,19 @@ class Plane:
         return False
 
 
+class QueuedSend:
+    """A host frame's way up (fold.Sending): the fold's buffers it carries are read until the socket took
+    it and let go of every frame, or the queue dropped it."""
+
+    def __init__(self) -> None:
+        self.tracker: zmq.MessageTracker | None = None
+        self.dropped = False
+
+    @property
+    def done(self) -> bool:
+        return self.dropped or (self.tracker is not None and self.tracker.done)
+
+
 @dataclass(eq=False)
 class Upstream:
     """One reducer shard's link (shard 0: the controller's reducer; more with FLODL_SHARDS, shards.py).
@@ -148,6 +163,7 @@ class Upstream:
     hello: HelloRetry
     outbox: SendQueue
     resent: tuple[int, int] = (0, 0)  # (round, how many times this shard asked for its host frame again)
+    sending: dict[int, QueuedSend] = field(default_factory=dict)  # by id of queued frames: those that hold fold buffers
     signer: Attribution = field(init=False)  # who signs what comes on this link: its shard alone
     where: str = field(init=False)  # the counters' name of this link: the controller's keeps the one it always had
 
@@ -234,30 +250,44 @@ class DataPlane(Plane):
             self.segment.close()
         self.segment = None
 
-    def send_up(self, link: Upstream, rec: Any, payload: Sequence[Any] = ()) -> None:
-        """Queue one record for `link`'s shard, after those before it, and send what its socket takes now.
+    def send_up(self, link: Upstream, rec: Any, payload: Sequence[Any] = (),
+                held: Sequence[np.ndarray] = ()) -> None:
+        """Queue one record for `link`'s shard, after those before it, and send what its socket takes now;
+        `held`: the fold's buffers its payload reads by reference, kept from later rounds until it went.
 
         Never waits: this thread must go on reading every shard (the consensus comes on their
         links, and a reader that stops gets its connection reset under it), the SUBs and its ranks.
         """
-        if not link.outbox.put(self.codec.encode(rec, payload, channel=Channel.DATA), time.monotonic()):
+        frames = self.codec.encode(rec, payload, channel=Channel.DATA)
+        if not link.outbox.put(frames, time.monotonic()):
             self.count[f"queue_full.{link.where}"] += 1
             log.warning("relay %s: %d records already wait for reducer shard %d to read; dropped a %s",
                         self.cfg.host, SendQueue.MAX_RECORDS, link.shard, type(rec).__name__)
+        elif held:
+            link.sending[id(frames)] = queued = QueuedSend()
+            self.fold.hold(held, queued)
         self.flush_up(link)
 
     def flush_up(self, link: Upstream) -> None:
         """Send `link`'s queued records, in order, for as long as its socket takes them without waiting."""
         while (frames := link.outbox.head) is not None:
+            queued = link.sending.get(id(frames))
             try:
-                link.up.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                if queued is None:
+                    link.up.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                else:
+                    queued.tracker = send_by_reference(link.up, frames, zmq.NOBLOCK)
             except zmq.Again:
                 return  # full: the loop polls the socket for writable and calls again
+            link.sending.pop(id(frames), None)
             link.outbox.went(time.monotonic())
 
     def upstream_stuck(self, link: Upstream, now: float) -> None:
         """Nothing queued for `link`'s shard went for `peer_send_timeout_s`: it is not reading; drop the queue."""
         dropped = link.outbox.expire(now)
+        for queued in link.sending.values():
+            queued.dropped = True  # its buffers are the fold's again
+        link.sending.clear()
         if dropped:
             self.count[f"send_timeout.{link.where}"] += dropped
             log.warning("relay %s: sends on %s timed out: nothing went for %g s, the peer is not reading; dropped "
@@ -477,7 +507,7 @@ class DataPlane(Plane):
             payload = self.hop.send_on(tensors)
             for link in links:
                 self.send_up(link, HostFrame(fold.round_id, self.cfg.host, list(ranks), mass),
-                             self.slice_for(link, payload))
+                             self.slice_for(link, payload), held=tensors)
 
     def slice_for(self, link: Upstream, payload: Sequence[Any]) -> Sequence[Any]:
         """`link`'s shard's frames of a host frame's payload (one shard: all of it)."""
