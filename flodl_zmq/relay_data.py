@@ -285,10 +285,10 @@ class DataPlane(Plane):
     def upstream_stuck(self, link: Upstream, now: float) -> None:
         """Nothing queued for `link`'s shard went for `peer_send_timeout_s`: it is not reading; drop the queue."""
         dropped = link.outbox.expire(now)
-        for queued in link.sending.values():
-            queued.dropped = True  # its buffers are the fold's again
-        link.sending.clear()
-        if dropped:
+        if dropped:  # all of them: their buffers are the fold's again
+            for queued in link.sending.values():
+                queued.dropped = True
+            link.sending.clear()
             self.count[f"send_timeout.{link.where}"] += dropped
             log.warning("relay %s: sends on %s timed out: nothing went for %g s, the peer is not reading; dropped "
                         "the %d records queued", self.cfg.host, link.where, self.cfg.peer_send_timeout_s, dropped)
