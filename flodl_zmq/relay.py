@@ -147,6 +147,7 @@ from flodl_zmq.relay_core import (
 from flodl_zmq.relay_data import DataPlane, Plane, RankGone, RankRefused, Upstream
 from flodl_zmq.security import CurveKeys, apply_client
 from flodl_zmq.service_loop import ServiceLoop
+from flodl_zmq.tensors import preload
 from flodl_zmq.wire import Attribution, Channel, Codec
 from flodl_zmq.wire.records import (
     MERGEABLE,
@@ -511,6 +512,8 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
         peer_send_timeout_s=s.peer_send_timeout_s, wire=s.wire if wire is None else wire, aggregation=s.aggregation,
         host_token=penv.host_token or b"", shards=s.shard_map,
     )
+    if cfg.wire is not None:
+        preload(cfg.wire.element)  # while the ranks start, not in the first round (a bf16 sum is torch's)
     relay = Relay(cfg, shard=shard_config(penv, cfg))
     relay.start()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -22,6 +22,9 @@ Rules this module keeps:
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +47,7 @@ class Element:
     dtype: np.dtype
     widen: Callable[[np.ndarray, np.ndarray], np.ndarray] | None
     encode: Callable[[np.ndarray, np.ndarray], np.ndarray] | None
+    torch: bool = False  # its conversions (and bf16_sum) are torch's: the first use imports it (``preload``)
 
 
 def _copy(src: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -197,7 +201,7 @@ ELEMENTS: dict[str, Element] = {
     e.name: e
     for e in (
         Element("f32", np.dtype("<f4"), _copy, _copy),
-        Element("bf16", np.dtype("<u2"), f32_from_bf16, bf16_from_f32),
+        Element("bf16", np.dtype("<u2"), f32_from_bf16, bf16_from_f32, torch=True),
         Element("f16", np.dtype("<f2"), _copy, _f16_from_f32),
         Element("i8", np.dtype("i1"), None, None),
     )
@@ -205,6 +209,13 @@ ELEMENTS: dict[str, Element] = {
 # Wire dtype name -> numpy dtype of the array that holds its elements.
 DTYPES: dict[str, np.dtype] = {name: e.dtype for name, e in ELEMENTS.items()}
 _BY_DTYPE: dict[np.dtype, Element] = {e.dtype: e for e in ELEMENTS.values()}
+
+
+def preload(element: Element) -> None:
+    """Import torch now, on a thread of its own, when ``element``'s conversions are torch's: a process that
+    never imported it (a relay) would otherwise pay the import, about a second, in its first round."""
+    if element.torch and "torch" not in sys.modules:
+        threading.Thread(target=importlib.import_module, args=("torch",), name="flodl-torch-import").start()
 
 
 def element_of(array: np.ndarray) -> Element:

@@ -155,6 +155,22 @@ def test_read_only_sources_convert_without_a_warning():
     assert done.stderr == ""
 
 
+@pytest.mark.parametrize(("name", "imported"), [("bf16", True), ("f32", False)])
+def test_preload_imports_torch_ahead_only_where_the_elements_conversions_are_torchs(name, imported):
+    # A relay never imports torch for f32 (its memory and start), and has it before its first bf16 round.
+    code = (
+        "import sys, threading\n"
+        "from flodl_zmq.tensors import ELEMENTS, preload\n"
+        f"preload(ELEMENTS[{name!r}])\n"
+        "for t in threading.enumerate():\n"
+        "    if t is not threading.main_thread(): t.join()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(imported)
+
+
 def widen(u16: np.ndarray) -> np.ndarray:
     """PROTOCOL.md 3.4's decode, written from the text: the bf16 bits are the top half of the f32."""
     return (u16.astype(np.uint32) << 16).view(np.float32)
