@@ -7,7 +7,7 @@ FLODL_* environment (see flodl_zmq/environment.py). Every line a child prints co
 `[controller]`, `[host:relay]` or `[host:rank]`. The controller and the ranks
 are forked from one warm interpreter that has imported torch already
 (flodl_zmq/warm.py), so the run does not start with H*K + 1 torch imports side
-by side; the relays, which never import torch, start meanwhile. With
+by side; the relays start meanwhile (torch only for a bf16 run: tensors.preload). With
 `--shards N` (or FLODL_SHARDS) the first N hosts' relays each run a reducer
 shard too (flodl_zmq/shards.py), and only those relays are given the route
 secret (FLODL_ROUTE_SECRET) their shard proves every relay's hello with.
