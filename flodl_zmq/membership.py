@@ -125,19 +125,20 @@ class EndWatch:
         self._asked_at = -math.inf
         self._told = threading.Event()  # a reply saying the run ended went out
 
-    def answered(self, status: Mapping[str, Any], now: float) -> None:
+    def answered(self, training: Mapping[str, Any] | None, now: float) -> None:
+        """A status reply went out carrying `training` (the coordinator's view, if any)."""
         self._asked_at = now
-        if _ended(status):
+        if _ended(training):
             self._told.set()
 
-    def hold(self, status: Mapping[str, Any], now: float) -> None:
+    def hold(self, training: Mapping[str, Any] | None, now: float) -> None:
         """Before closing: wait, at most WATCH_LINGER_S, until a watcher has been told the run ended."""
-        if _ended(status) and now - self._asked_at <= WATCH_LINGER_S:
+        if _ended(training) and now - self._asked_at <= WATCH_LINGER_S:
             self._told.wait(WATCH_LINGER_S)
 
 
-def _ended(status: Mapping[str, Any]) -> bool:
-    return bool((status.get("training") or {}).get("ended"))
+def _ended(training: Mapping[str, Any] | None) -> bool:
+    return bool(training and training.get("ended"))
 
 
 # Replay-ledger entries the join codec keeps before admission (one per connection seen):
@@ -362,7 +363,8 @@ class MembershipService:
         return out
 
     def close(self, timeout: float = 5.0) -> None:
-        self._end_watch.hold(self.status(), self.clock())
+        # The training view only (a reference the controller swaps whole): status() reads what this thread does not own.
+        self._end_watch.hold(self._training, self.clock())
         self._loop.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -538,7 +540,7 @@ class MembershipService:
         if self._fresh(ident, env, now):
             status = self.status()
             self._send(ident, self._join, StatusReply(json.dumps(status), env.record.nonce))
-            self._end_watch.answered(status, now)
+            self._end_watch.answered(status.get("training"), now)
 
     def _fresh(self, ident: bytes, env: Envelope, now: float) -> bool:
         """Whether `env`'s hello or status request signs the challenge issued to its connection (used up)."""

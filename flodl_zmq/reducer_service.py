@@ -70,7 +70,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
@@ -207,6 +207,15 @@ class RoundOutcome:
 MASS_WAIT_S = 2.0
 
 
+class _OverBound(NamedTuple):
+    """A host frame over its mass bound, held until `deadline` for the bound to rise (MASS_WAIT_S)."""
+
+    deadline: float
+    host: str
+    frame: HostFrame
+    payload: list[Any]
+
+
 @dataclass(frozen=True)
 class HostRefused:
     """The reducer refused `host`'s frames for good (`reason`): its ranks are out of every round. Its relay was
@@ -284,7 +293,7 @@ class ReducerService:
         self._forwarded: set[int] = set()
         self._restate: list[tuple[str, int]] = []  # (host, rank) this service told, restated until the end
         self._restate_at = math.inf
-        self._over_bound: list[tuple[float, str, HostFrame, list[Any]]] = []  # (deadline, host, frame, payload)
+        self._over_bound: list[_OverBound] = []  # frames waiting for their mass bound to rise
         self._drop: set[int] = set()
         self._bounded = -1  # the latest round bound_round opened
         self._nonce = itertools.count(1)
@@ -403,7 +412,7 @@ class ReducerService:
             loop.on_socket(data, lambda: self._drained(data))
             loop.timer(lambda: self._next_probe if self._unsubscribed() else math.inf, self._probe)
             loop.timer(lambda: self._restate_at, self._restate_deaths)
-            loop.timer(lambda: min((e[0] for e in self._over_bound), default=math.inf),
+            loop.timer(lambda: min((e.deadline for e in self._over_bound), default=math.inf),
                        lambda now: self._retake_frames())
             loop.run()
         finally:
@@ -517,7 +526,7 @@ class ReducerService:
                 outcome = self.ledger.deposit(host, rec.round, rec.mass, payload, rec.ranks)
         except MassOverBound as exc:
             if time.monotonic() < deadline:
-                self._over_bound.append((deadline, host, rec, payload))
+                self._over_bound.append(_OverBound(deadline, host, rec, payload))
                 return
             self._violation(host, exc)
             return
@@ -530,11 +539,12 @@ class ReducerService:
     def _retake_frames(self, round_id: int | None = None) -> None:
         """The frames held over their bound, of `round_id` (its bound rose) or past their deadline (None)."""
         now, keep, due = time.monotonic(), [], []
-        for e in self._over_bound:
-            (due if (e[2].round == round_id if round_id is not None else e[0] <= now) else keep).append(e)
+        for e in self._over_bound:  # (partitioned by hand: a held payload has no == to test membership with)
+            ready = e.frame.round == round_id if round_id is not None else e.deadline <= now
+            (due if ready else keep).append(e)
         self._over_bound = keep
-        for deadline, host, rec, payload in due:
-            self._take_frame(host, rec, payload, deadline)
+        for e in due:
+            self._take_frame(e.host, e.frame, e.payload, e.deadline)
 
     def _hello(self, route: bytes, rec: RelayHello) -> None:
         want = self.config.world.get(rec.host)

@@ -82,7 +82,7 @@ class StatusServer:
         return out
 
     def close(self, timeout: float = 2.0) -> None:
-        self._end_watch.hold(self.status(), time.monotonic())
+        self._end_watch.hold(self._training, time.monotonic())
         self._loop.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -115,7 +115,7 @@ class StatusServer:
         elif isinstance(r, StatusRequest) and self._challenges.take(ident, r.nonce, now) == "ok":
             status = self.status()
             self._send(ident, StatusReply(json.dumps(status), r.nonce))
-            self._end_watch.answered(status, now)
+            self._end_watch.answered(status.get("training"), now)
         else:
             self.dropped += 1  # anything else, a replayed or stale nonce: answered by nothing
             log.warning("status endpoint dropped %s: not a fresh challenge or status request", env.kind)

@@ -30,10 +30,7 @@ TRAINING = {
 @pytest.fixture
 def served():
     ctx = zmq.Context()
-    address = ControllerAddress("127.0.0.1", free_port_base())
-    key = new_key()
-    server = StatusServer(address.endpoint(Channel.JOIN), key, WORLD, ctx)
-    server.start()
+    server, address, key = served_by("status_server", ctx)
     try:
         yield address, key, server, ctx
     finally:
@@ -129,14 +126,14 @@ def test_a_watched_run_that_ends_between_two_queries_is_seen_ending_before_its_e
 
 def test_closing_waits_for_no_watcher_when_nobody_watched_or_the_run_did_not_end(monkeypatch):
     monkeypatch.setattr("flodl_zmq.membership.WATCH_LINGER_S", 1e9)  # a wait here would hang the test
-    ended = {"training": {**TRAINING, "ended": "completed"}}
+    ended = {**TRAINING, "ended": "completed"}
     EndWatch().hold(ended, now=100.0)  # never asked
     asked_long_ago = EndWatch()
-    asked_long_ago.answered({"training": TRAINING}, now=1.0)
+    asked_long_ago.answered(TRAINING, now=1.0)
     asked_long_ago.hold(ended, now=1e10)
     watched = EndWatch()
-    watched.answered({"training": TRAINING}, now=99.0)
-    watched.hold({"training": TRAINING}, now=100.0)  # stopped, not ended: a failure is not held up
+    watched.answered(TRAINING, now=99.0)
+    watched.hold(TRAINING, now=100.0)  # stopped, not ended: a failure is not held up
     watched.answered(ended, now=100.5)
     watched.hold(ended, now=101.0)  # told already
 
