@@ -27,7 +27,7 @@ from flodl_zmq import bundle
 from flodl_zmq.coordinator.roles import SampleCadence
 from flodl_zmq.job import Job
 from flodl_zmq.loader import BatchPipeline
-from flodl_zmq.payload import payload_tensors
+from flodl_zmq.payload import check_wire, payload_tensors
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
@@ -43,9 +43,10 @@ class AloneLoop:
 
     def __init__(self, job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device) -> None:
-        # The cluster's rule on what a round averages (float32, shaped), checked alone too: a script
-        # that trains alone must not first fail when it is launched on a cluster.
+        # The cluster's rules on what a round averages (float32, shaped) and on its wire, checked alone
+        # too: a script that trains alone must not first fail when it is launched on a cluster.
         payload_tensors(model)
+        check_wire(model, job.wire)
         self.job = job
         self.model = model
         self.start_epoch = _resume_alone(job, model)
@@ -166,7 +167,7 @@ def _resume_alone(job: Job, model: torch.nn.Module) -> int:
 
 
 def _eval_due(job: Job, epoch: int) -> bool:
-    """An eval after `epoch`: every `eval_every` epochs and after the last one."""
-    return bool(job.eval_fn is not None and job.eval_dataset is not None and job.eval_every and (
-        (epoch + 1) % job.eval_every == 0 or epoch + 1 == job.epochs
-    ))
+    """An eval after `epoch`: every `eval_every` epochs, and after the last one (the final eval) even with
+    `eval_every` 0, as the cluster's final eval scores its last model whatever the cadence."""
+    return bool(job.eval_fn is not None and job.eval_dataset is not None and (
+        epoch + 1 == job.epochs or (job.eval_every and (epoch + 1) % job.eval_every == 0)))

@@ -19,7 +19,8 @@ fires an *averaging cycle* when its gate opens:
 
 The gate counts steps, never wall time (rounds.py keeps the counts). Sync
 fires once every live rank did one step; Cadence and Async once every live
-rank did its ElChe batch count (or has no work left: *quiesced*). Steps
+rank did its ElChe batch count (or has no work left: *quiesced*); Async opens
+none in the run's last window, which the final round takes (`in_run_tail`). Steps
 taken while the cycle is in flight stay credited to the next window. At the
 publication the window's timings set the next window's schedule
 (`WindowFeedback.calibrate`, feedback.py: ElChe) and each rank's next chunk
@@ -454,9 +455,11 @@ class Coordinator:
         self._maybe_end(now)
 
     def _score_awaits_average(self) -> bool:
-        """Async: a due eval or checkpoint opens its round at once, not a window later (ranks train on through it)."""
+        """Async: a due eval or checkpoint opens its round at once, not a window later (ranks train on through
+        it); not in the run's last half window, which the final round takes whole (`in_run_tail`)."""
         first = self.callbacks.first_epoch()  # runs on every record: the steps are summed only where they decide
-        return not self.mode.barrier_paced and self._steps.stepped(self.liveness.live) and (
+        tail = self.dispatch.in_run_tail(self.last_aggregated, windows=0.5)
+        return not self.mode.barrier_paced and not tail and self._steps.stepped(self.liveness.live) and (
             (first is not None and first - 1 <= self.dispatch.done_through(self.last_aggregated)) or (
                 self.liveness.is_live(self.roles.eval)
                 and self.evals.awaits_round(self.global_step + sum(self._steps.window()))))
@@ -597,9 +600,7 @@ class Coordinator:
             self._outbox.to_live(rec.SetEpochCallbackRole(rank=self.roles.epoch))
 
     def _maybe_end(self, now: float) -> None:
-        if self.phase is RunPhase.FINAL_EVAL_DISPATCHED and not self.liveness.is_live(
-            self._final_eval_rank
-        ):
+        if self.phase is RunPhase.FINAL_EVAL_DISPATCHED and not self.liveness.is_live(self._final_eval_rank):
             self._shutdown()  # the eval rank died: there is no result to wait for
             return
         if (self.phase is not RunPhase.TRAINING or self._in_flight is not None

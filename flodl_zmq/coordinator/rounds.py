@@ -203,7 +203,10 @@ def gate_open(
     throttled: set[int],
     last_aggregated: int,
 ) -> bool:
-    """The count-based gate: every live rank full, throttled or quiesced, and one stepped."""
+    """The count-based gate: every live rank full, throttled or quiesced, and one stepped; shut in the
+    run's tail (`in_run_tail`) unless a rank is throttled, which waits for a round."""
+    if not throttled and dispatch.in_run_tail(last_aggregated):
+        return False
     any_mover = False
     for r in live:  # per record: stops at the first rank not done
         moved = steps.count[r] - steps.base[r]

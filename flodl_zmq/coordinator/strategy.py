@@ -93,6 +93,12 @@ class DispatchStrategy(Protocol):
     def quiesced(self, rank: int, last_aggregated: int) -> bool:
         """`rank` cannot step before the next reduce: nothing in flight and no work for it."""
 
+    def in_run_tail(self, last_aggregated: int, windows: float = 1.0) -> bool:
+        """Async: less than `windows` windows of the live counts are left to hand out in the whole run.
+        In one, the window gate stays shut and the budget is lifted; in half of one, a due eval or
+        checkpoint opens no round either: the final round takes that stretch whole, where a round
+        would leave it a few steps of a rank or two (weighted by mass, close to one replica)."""
+
     def replan(self) -> None:
         """A window begins or the live set changed: redo what depends on them, before dispatch."""
 
@@ -197,6 +203,10 @@ class SyncPartitions:
     def quiesced(self, rank: int, last_aggregated: int) -> bool:
         return self._reported[rank] >= self._assigned[rank]
 
+    def in_run_tail(self, last_aggregated: int, windows: float = 1.0) -> bool:
+        """Never: every Sync step is a round."""
+        return False
+
     def replan(self) -> None:
         """Nothing to redo: partitions depend on neither."""
 
@@ -281,18 +291,19 @@ class ChunkStream:
                 return None
             pool = self._open(nxt, last_aggregated, now)
         final = self._final.get(pool.epoch)
+        tail = self.in_run_tail(last_aggregated)  # no round before the final one: no budget either
         if final is not None:
             # The pinned allocation bypasses the caps: it was sized so the
             # whole remainder lands in one window with no one-step rank.
             batches = final.alloc[rank] - self._final_taken[pool.epoch][rank]
-        elif window_steps >= counts[rank] + overshoot:
+        elif window_steps >= counts[rank] + overshoot and not tail:
             return None  # reduce barrier: wait for the average
         else:
             batches = dispatch.chunk_batches(
                 rank,
                 remaining_batches=pool.remaining() // self._config.batch_size,
                 counts=counts,
-                window_steps=window_steps,
+                window_steps=0 if tail else window_steps,
                 barrier_paced=self._barrier_paced,
                 calibrated=self._elche.is_calibrated,
                 probe_batches=self._probe_batches,
@@ -355,6 +366,12 @@ class ChunkStream:
             and self._pool_with_work(rank) is None
             and self._next_epoch(last_aggregated) is None
         )
+
+    def in_run_tail(self, last_aggregated: int, windows: float = 1.0) -> bool:
+        if self._barrier_paced or self._next_epoch(last_aggregated) is not None:
+            return False
+        left = sum(p.remaining() // self._config.batch_size for p in self.pools.values())
+        return left < windows * sum(self._live_counts())
 
     def replan(self) -> None:
         """Cadence: pin each open epoch's final window if its remainder fits one window."""
