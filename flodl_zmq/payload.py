@@ -64,6 +64,16 @@ def check_wire(model: torch.nn.Module, wire: WireFormat) -> None:
             "statistics (GroupNorm, LayerNorm, or track_running_stats=False)")
 
 
+def copy_unaveraged(model: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Copy into `model` the buffers of `source` (same layout) that no round averages, its integer and bool
+    ones: a copy of the consensus built fresh from the model factory then scores with the rank's own
+    counters and masks (BatchNorm's `num_batches_tracked`, a running count), as the rank's live model does."""
+    with torch.no_grad():
+        for kept, own in zip(model.buffers(), source.buffers(), strict=True):
+            if not kept.is_floating_point():
+                kept.copy_(own)
+
+
 def parameter_count(model: torch.nn.Module) -> int:
     """How many leading values of the payload are parameters: the float buffers follow them."""
     return sum(p.numel() for p in model.parameters())

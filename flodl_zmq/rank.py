@@ -63,7 +63,7 @@ import queue
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +77,7 @@ from flodl_zmq.job import MODES, Job
 from flodl_zmq.links import data_max_frame_bytes
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.param_buffers import ParamBuffers
-from flodl_zmq.payload import load_flat, model_signature
+from flodl_zmq.payload import copy_unaveraged, load_flat, model_signature
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig, RankLink
 from flodl_zmq.sampling import epoch_permutation, plan_indices
 from flodl_zmq.training import ScalarLog, Stepper, recording, score
@@ -101,6 +101,13 @@ def pick_device(local_rank: int) -> torch.device:
 
 
 # --------------------------------------------------------------------------- training thread
+
+
+def epoch_fns_due(done: Collection[int], epoch: int) -> range:
+    """The epochs whose `epoch_fn` the role's rank runs before its first batch of `epoch`: that one, and each
+    since its last that it trained no batch of (a rank of a small share can get none of an epoch, whose
+    `epoch_fn` was then skipped); none for a late chunk of an earlier epoch (one reclaimed from a dead rank)."""
+    return range(max(done, default=epoch - 1) + 1, epoch + 1)
 
 
 @dataclass
@@ -468,14 +475,15 @@ class RankRuntime:
     def _maybe_epoch_fn(self, epoch: int) -> None:
         if self.job.epoch_fn is None or self._epoch_role != self.cfg.rank or epoch in self._epoch_fn_done:
             return
-        self._epoch_fn_done.add(epoch)
-        t0 = time.perf_counter()
-        try:
-            self.job.epoch_fn(epoch, self.model)
-        except Exception:
-            self._callback_error(f"epoch_fn(epoch={epoch})")
-        elapsed = (time.perf_counter() - t0) * 1000.0
-        self.link.send(rec.EpochFnElapsed(rank=self.cfg.rank, epoch=epoch, elapsed_ms=elapsed))
+        for due in epoch_fns_due(self._epoch_fn_done, epoch):
+            self._epoch_fn_done.add(due)
+            t0 = time.perf_counter()
+            try:
+                self.job.epoch_fn(due, self.model)
+            except Exception:
+                self._callback_error(f"epoch_fn(epoch={due})")
+            elapsed = (time.perf_counter() - t0) * 1000.0
+            self.link.send(rec.EpochFnElapsed(rank=self.cfg.rank, epoch=due, elapsed_ms=elapsed))
 
     def _keep_consensus(self, consensus: Sequence[torch.Tensor]) -> None:
         """Hold the last consensus (f32 chunks) in a model of its own: a blending (EASGD) rank's
@@ -483,6 +491,7 @@ class RankRuntime:
         if self._consensus_model is None:
             self._consensus_model = self.job.model().to(self.device)
         load_flat(self._consensus_model, consensus)
+        copy_unaveraged(self._consensus_model, self.model)
 
     def _run_eval(self, r: rec.ExecuteEval) -> None:
         model = self._consensus_model if r.adopt_consensus and self._consensus_model is not None else self.model

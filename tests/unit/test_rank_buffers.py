@@ -16,8 +16,8 @@ from flodl_zmq.errors import ConfigError, TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.param_buffers import ParamBuffers
-from flodl_zmq.payload import flatten, load_flat, model_signature, payload_tensors
-from flodl_zmq.rank import RankRuntime
+from flodl_zmq.payload import copy_unaveraged, flatten, load_flat, model_signature, payload_tensors
+from flodl_zmq.rank import RankRuntime, epoch_fns_due
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig
 from flodl_zmq.tensors import as_numpy, bf16_from_f32, f32_from_bf16
 from flodl_zmq.wire import new_key
@@ -473,3 +473,31 @@ def test_a_deposit_by_reference_lays_each_chunk_as_a_frame_of_the_segment(wire, 
 
 def as_numpy_list(frames):
     return [as_numpy(f) for f in frames]
+
+
+def test_a_copy_of_the_consensus_takes_the_ranks_own_integer_buffers_which_no_round_averages():
+    # Under cpu-async the evals score a copy of the consensus built fresh from the factory: a model's counters
+    # (BatchNorm's num_batches_tracked, a running count) read their initial zeros there, and an input
+    # normaliser that divides by its count scored 0.38 where the rank's own model scored 0.92.
+    torch.manual_seed(0)
+    live, copy = torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
+    live.register_buffer("seen", torch.zeros((), dtype=torch.long))
+    copy.register_buffer("seen", torch.zeros((), dtype=torch.long))
+    live.train()
+    for _ in range(5):
+        live(torch.randn(8, 3))
+        live.seen += 8
+    load_flat(copy, flatten(live))
+    copy_unaveraged(copy, live)
+    assert int(copy.num_batches_tracked) == 5 and int(copy.seen) == 40
+    assert torch.equal(copy.running_var, live.running_var)  # the float buffers are the consensus's, loaded
+
+
+def test_the_epoch_role_runs_epoch_fn_for_each_epoch_it_trained_no_batch_of_before_its_next_one():
+    # A rank of a small share can get no batch of an epoch: its epoch_fn was silently skipped (1 epoch in 30).
+    assert list(epoch_fns_due(set(), 0)) == [0]
+    assert list(epoch_fns_due({0, 1}, 2)) == [2]
+    assert list(epoch_fns_due({0, 1}, 4)) == [2, 3, 4]
+    assert list(epoch_fns_due({4}, 7)) == [5, 6, 7]
+    assert list(epoch_fns_due({0, 1, 2, 3}, 2)) == []  # a late chunk of an earlier epoch: it ran already
+    assert list(epoch_fns_due(set(), 5)) == [5]  # a rank new to the role (a resume, an heir) starts where it is

@@ -166,6 +166,16 @@ def test_alone_a_model_the_cluster_cannot_average_is_refused_as_on_a_cluster(dty
         train_alone(job(model=lambda: torch.nn.Linear(4, 2).to(dtype), run_dir=str(tmp_path / "run")))
 
 
+def test_alone_an_int8_wire_for_a_model_with_running_statistics_is_refused_as_on_a_cluster(tmp_path):
+    # It trained and saved alone, then the launched controller refused it (payload.check_wire).
+    def bn() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+
+    with pytest.raises(ConfigError, match=r"wire_dtype='int8'.*BatchNorm1d '1'"):
+        train_alone(job(model=bn, wire_dtype="int8", run_dir=str(tmp_path / "run")))
+    train_alone(job(model=bn, wire_dtype="bf16", run_dir=str(tmp_path / "bf16")))
+
+
 def test_split_batch_splits_tensors_in_tuples_and_dicts_and_keeps_other_leaves():
     batch = {"x": torch.arange(5), "pair": (torch.arange(5) * 2, "tag")}
     pieces = split_batch(batch, 2)
