@@ -382,7 +382,7 @@ class ControllerService:
                     self.result.round_ms.append((outcome.published_at - started) * 1000.0)
                     self._last_round_at = time.time()
                 self.kept.completed_round = outcome.round_id
-                self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic()))
+                self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic(), outcome.ranks))
                 self._log_round(outcome, started)
             else:
                 self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))

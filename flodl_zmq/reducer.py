@@ -101,6 +101,7 @@ class Reduced:
     hosts: tuple[str, ...]
     tensors: tuple[np.ndarray, ...]
     masses: tuple[float, ...] = ()
+    ranks: tuple[int, ...] = ()  # whose deposits it holds, as its hosts' frames named them
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ class RoundLedger:
         self._abandoned: Abandoned | None = None
         self._all_dead_reported = False
         self._round: OpenRound | None = None
+        self._frame_ranks: dict[object, frozenset[int]] = {}  # the open round's members -> the ranks they carry
         self._bounds: dict[int, dict[int, float]] = {}  # round -> rank -> most mass it may carry
         self._unopened: set[int] = set()  # rounds told ahead whose trigger has not opened them
         # The magnitude bound (robust.py): the last consensus, measured only when a frame needs it, so
@@ -242,6 +244,7 @@ class RoundLedger:
         who = f"reducer: host {host!r} (round {round_id})"
         if host not in self.hosts:
             raise ProtocolError(f"{who}: unknown host; known hosts are {sorted(self.hosts)}")
+        folded = frozenset(ranks) & self.hosts[host]  # whose deposits it carries, as its relay folded them
         member, ranks = self._member(host, ranks, who)
         if ranks <= self.dead or host in self.refused_hosts:
             # A frame that raced its host's last death: nobody there will load the consensus.
@@ -266,6 +269,7 @@ class RoundLedger:
                                 f"{self.outer.global_model.size} (a host built another model)")
         self._round = contribute(rnd, round_id, member, mass, tensors, self._images, who, ProtocolError,
                                  self._bound, self.per_rank)
+        self._frame_ranks[member] = folded
         self.counters.frames += 1
         self.counters.bytes_reduced += sum(t.nbytes for t in tensors)
         self._note_refused(self._round)
@@ -368,6 +372,7 @@ class RoundLedger:
                 return None
             self._all_dead_reported = True
             self._round = None
+            self._frame_ranks.clear()
             out = Abandoned(
                 rnd.round_id if rnd else None,
                 f"every rank of every host {sorted(self.hosts)} is dead",
@@ -412,7 +417,10 @@ class RoundLedger:
             host = self._owner[member] if self.per_rank else member
             by_host[host] = by_host.get(host, 0.0) + mass
         hosts = tuple(sorted(by_host))
-        self.latest = Reduced(rnd.round_id, rnd.mass, hosts, tuple(outputs), tuple(by_host[h] for h in hosts))
+        ranks = frozenset().union(*(self._frame_ranks.pop(m, ()) for m in rnd.members))
+        self._frame_ranks.clear()
+        self.latest = Reduced(rnd.round_id, rnd.mass, hosts, tuple(outputs), tuple(by_host[h] for h in hosts),
+                              tuple(sorted(ranks)))
         if divisor is not None:  # a zero-mass round leaves every model as it was
             self._bound.seen(self.latest.tensors)
         self.counters.rounds_reduced += 1

@@ -199,6 +199,7 @@ class RoundOutcome:
     abandoned: str | None = None
     published_at: float | None = None  # time.perf_counter() once the consensus was sent to every host
     masses: tuple[float, ...] = ()
+    ranks: tuple[int, ...] = ()  # whose deposits the consensus holds (Reduced.ranks)
 
 
 # How long a frame whose mass is over its bound waits for the bound to rise before it is refused: a rank's
@@ -647,8 +648,8 @@ class ReducerService:
     def _settled(self, outcome: Reduced | Abandoned | None) -> None:
         if isinstance(outcome, Reduced):
             self._publish(outcome)
-            self.completed.put(RoundOutcome(outcome.round_id, outcome.mass, outcome.hosts,
-                                            published_at=time.perf_counter(), masses=outcome.masses))
+            self.completed.put(RoundOutcome(outcome.round_id, outcome.mass, outcome.hosts, published_at=time.perf_counter(),
+                                            masses=outcome.masses, ranks=outcome.ranks))
         elif isinstance(outcome, Abandoned):
             # With no round open nothing was lost (the run's normal end); an open round lost is an error.
             level = logging.INFO if outcome.round_id is None else logging.ERROR

@@ -9,7 +9,7 @@ one of four places:
     residue    a rank's reservation span not yet handed out
     reclaimed  ranges given back (a dead rank's chunk, a failed send, a resume hole)
     in flight  the one chunk a rank is training on
-    done       completed: its gradient will be in the next consensus
+    done       completed (a completion its rank leaves before depositing is reclaimed)
 
 Rules this module keeps:
 
@@ -247,6 +247,15 @@ class ChunkPool:
         self._reclaimed.append(chunk)
         return EpochPlan(self.epoch, chunk[0], chunk[1])
 
+    def reclaim(self, span: Span) -> None:
+        """A done `span` is in no consensus after all (its rank left before depositing it): it goes to the
+        reclaimed queue, to be redone first, and is no longer done."""
+        remaining = _subtract(self._done, [span])
+        if sum(n for _, n in self._done) - sum(n for _, n in remaining) != span[1]:
+            raise CoordinatorError(f"span {span} of epoch {self.epoch} is not done: only a done span is reclaimed")
+        self._done = remaining
+        self._reclaimed.append(span)
+
     # ----------------------------------------------------------------- queries
 
     @property
@@ -266,9 +275,10 @@ class ChunkPool:
         """True exactly when every sample of the pool is done."""
         return self._done == ([(0, self.size)] if self.size else [])
 
-    def covered(self) -> list[Span]:
-        """Done samples as sorted, coalesced (offset, size) spans: what a checkpoint saves."""
-        return list(self._done)
+    def covered(self, excluding: Iterable[Span] = ()) -> list[Span]:
+        """Done samples as sorted, coalesced (offset, size) spans, less `excluding` (done spans in no
+        consensus yet): what a checkpoint saves."""
+        return _subtract(self._done, excluding)
 
     def uncovered(self) -> list[Span]:
         """Everything not done (residues, reclaimed, in flight), sorted and coalesced."""
@@ -305,6 +315,25 @@ def _coalesce(spans: Iterable[Span]) -> list[Span]:
             out[-1] = (out[-1][0], out[-1][1] + size)
         else:
             out.append((offset, size))
+    return out
+
+
+def _subtract(spans: Sequence[Span], cut: Iterable[Span]) -> list[Span]:
+    """Sorted, coalesced `spans` less every span of `cut`."""
+    out = list(spans)
+    for c_off, c_n in cut:
+        c_end = c_off + c_n
+        kept: list[Span] = []
+        for off, n in out:
+            end = off + n
+            if end <= c_off or off >= c_end:
+                kept.append((off, n))
+                continue
+            if off < c_off:
+                kept.append((off, c_off - off))
+            if end > c_end:
+                kept.append((c_end, end - c_end))
+        out = kept
     return out
 
 

@@ -41,8 +41,13 @@ while a cycle is in flight; its next chunk rides in its Update, Sync data
 follows the Updates (a rank must not train new data on the replica it
 deposited).
 
+What a rank trained is in the consensus once a published round holds its
+deposit of it (`bank`, from the steps its snapshot announced): only then does
+an epoch aggregate or a checkpoint cover it.
+
 A rank leaves on a clean `Exiting`, a stale heartbeat, or a death reported by
-its agent (`on_rank_death`). Its in-flight chunk returns to the pool, the
+its agent (`on_rank_death`). Its in-flight chunk, and what it trained into no
+consensus (its replica took that along), return to the pool, the
 reducer is told (`DeclareDead` to `REDUCER`) so no round waits for it, so is
 a failed rank (if still running, it stops), and the run ends with a save when
 `max_failure` is reached or nobody is left.
@@ -50,39 +55,9 @@ a failed rank (if still running, it stops), and the run ends with a save when
 Run phases, strictly forward: Training -> FinalEvalDispatched ->
 ShutdownInitiated; a shutdown-with-save latches orthogonally.
 
-Contract with the service
--------------------------
-
-- `Out.dest` is a rank id, `REDUCER` or `CONTROLLER`: what each asks of the
-  service is in outputs.py. Broadcasts are expanded to one `Out` per live
-  rank, so the service never needs to know who is live.
-- Call `start` once when the world has formed, `on_record` for every record
-  from a rank, `on_tick` by `next_due()` at the latest (ask again after
-  every input), `on_rank_death` when an agent or relay reports a rank's
-  exit, and `on_round_complete` / `on_round_abandoned` when the reducer has
-  published or torn down a round.
-- Call `on_send_failed` when a record for a rank is lost for good (the
-  simulator's model; the service's control streams keep a live rank's
-  records until acknowledged, PROTOCOL.md 10.7). The rank fails at once and
-  what the record carried goes back to the pool: a rank that missed a record
-  it needed cannot follow the protocol, and waiting for its heartbeat to
-  stop would wedge the gate while it keeps beating. Send what it returns
-  *after* the rest of the batch: each rank receives records in the order
-  they were produced (outputs.py).
-- A rank's `step_count` (in `Batch` and `Heartbeat`) counts the steps that
-  process has taken since it started (rounds.py).
-
-Error policy: inputs a correct peer never sends (a rank field that disagrees
-with the sender, a completion of the wrong size, a kind the coordinator does
-not consume, any input before `start`) raise `CoordinatorError` naming the
-state and the record, before any state changes; the service then declares
-that rank dead (`on_rank_death`). What a real network produces routinely is
-ignored and counted in `ignored` by cause: `from_departed`, `stale_round`
-(a `SyncAck` / `SnapshotReady` of a finished round), `duplicate_ack`,
-`late_completion` (a forfeited chunk's), `stale_reducer_notice`,
-`duplicate_death`, `unasked_eval` (an eval answer nobody is owed),
-`send_to_departed` and `after_end`. Failed sends to live ranks are counted
-in `lost_sends` by record kind.
+The contract with the service (what to call when, the order of what it
+returns) and the error policy (what raises, what is ignored and counted):
+docs/architecture.md, "The scheduler".
 """
 
 from __future__ import annotations
@@ -165,6 +140,7 @@ class Coordinator:
         self.cycle: Cycle | None = None
         self._closing: Cycle | None = None  # released, awaiting its acks for the guard
         self._ahead = DepositsAhead(config.batch_size)
+        self._unsettled: dict[int, int] = {}  # a rank that left -> the round of its deposit in flight
         self._abandoned = 0
         self._steps = StepCounters(world_size)
         self._throttled: set[int] = set()
@@ -182,7 +158,8 @@ class Coordinator:
         self._consensus = Consensus(
             coverage if self.mode.progressive else {}, self.last_aggregated, self.last_aggregated
         )
-        self.dispatch = strategy_for(config, self.liveness, self.elche, self._announce_epoch_role, coverage)
+        self.dispatch = strategy_for(config, self.liveness, self.elche, self._announce_epoch_role, coverage,
+                                     self._reports.withdraw)
 
     # ================================================================ inputs
 
@@ -303,11 +280,12 @@ class Coordinator:
             self.ignored[ignored_as] += 1
         return ignored_as is None
 
-    def on_round_complete(self, round: int, now: float) -> list[Out]:
-        """The reducer published the consensus of `round`."""
+    def on_round_complete(self, round: int, now: float, ranks: Iterable[int] | None = None) -> list[Out]:
+        """The reducer published the consensus of `round`, of the deposits of `ranks` (None: each live rank's)."""
         cyc = self._noticed_cycle(round, "complete", now)
         if cyc is not None:
             cyc.reduced = True
+            cyc.deposited = None if ranks is None else frozenset(ranks)
             self._advance(now)
         return self._outbox.flush()
 
@@ -319,6 +297,7 @@ class Coordinator:
         """
         if self._noticed_cycle(round, "abandoned", now) is not None:
             self.cycle = None
+            self._settle(round)
             self._abandoned += 1
             if self._abandoned >= MAX_ABANDONED_ROUNDS:
                 self._shutdown_with_save(ShutdownReason.REDUCE_STALL)
@@ -370,11 +349,16 @@ class Coordinator:
             self.ignored[cause] += 1
 
     def _on_snapshot_ready(self, rank: int, m: rec.SnapshotReady, now: float) -> None:
-        # Its steps to its snapshot are counted (reported first): those past the trigger raise its bound (9.5).
-        if self.cycle is not None and m.round == self.cycle.round:
-            if self._steps.count[rank] > self.cycle.snapshot[rank]:
+        # Its steps to its snapshot are counted (reported first): those past the trigger raise its bound (9.5),
+        # and what it trained by then is in the round's consensus once that is published (`bank`).
+        steps = self._steps.count[rank]
+        if m.round == self.avg_count and self.cycle is None:  # published already: the notice came after
+            self.dispatch.bank(rank, steps)
+        elif m.round == self.round + (self.cycle is None):  # the open round's, or made ahead of its trigger
+            self._ahead.snapped[rank] = (m.round, steps)
+            if self.cycle is not None and steps > self.cycle.snapshot[rank]:
                 self._outbox.emit(REDUCER, MassBound.for_window(m.round, self.window_steps, (rank,)))
-        elif m.round != self.round + (self.cycle is None):
+        else:
             self.ignored["stale_round"] += 1
 
     def _on_exiting(self, rank: int, m: rec.Exiting, now: float) -> None:
@@ -459,8 +443,9 @@ class Coordinator:
         it); not in the run's last half window, which the final round takes whole (`in_run_tail`)."""
         first = self.callbacks.first_epoch()  # runs on every record: the steps are summed only where they decide
         tail = self.dispatch.in_run_tail(self.last_aggregated, windows=0.5)
+        done = self.dispatch.done_through(self.last_aggregated)  # > last_aggregated: an epoch waits for a consensus
         return not self.mode.barrier_paced and not tail and self._steps.stepped(self.liveness.live) and (
-            (first is not None and first - 1 <= self.dispatch.done_through(self.last_aggregated)) or (
+            done > self.last_aggregated or (first is not None and first - 1 <= done) or (
                 self.liveness.is_live(self.roles.eval)
                 and self.evals.awaits_round(self.global_step + sum(self._steps.window()))))
 
@@ -488,6 +473,12 @@ class Coordinator:
         assert cyc is not None
         live = self.liveness.live_mask
         moved = self._steps.credit(cyc.snapshot, cyc.ranks)  # only the snapshotted steps are in it
+        for r in cyc.deposited if cyc.deposited is not None else [r for r in cyc.ranks if live[r]]:
+            if (deposit := self._ahead.in_flight(r, cyc, self.avg_count)) is not None and deposit[0] == cyc.round:
+                self.dispatch.bank(r, deposit[1])
+        self._settle(cyc.round)
+        cyc.coverage = self.dispatch.coverage()  # what it holds: a rank that left took its deposit along
+        self._aggregate(now)  # the epochs it completes: their callbacks go out before the Updates
         cyc.credited = [moved[r] for r in cyc.ranks if live[r]]
         self.feedback.calibrate(live, (now - cyc.started_at) * 1000.0)
         if self.elche.is_calibrated:
@@ -495,8 +486,8 @@ class Coordinator:
         self.global_step += sum(moved[r] for r in cyc.ranks)
         self.avg_count += 1
         self._abandoned = 0
-        held = self.mode.hard_barrier or not self._steps.stepped(self.liveness.live)  # none trained past it
-        self._consensus.adopt(cyc, self.dispatch.done_through(self.last_aggregated), held)
+        whole = self.mode.hard_barrier or not self._steps.stepped(self.liveness.live)  # none trained past it
+        self._consensus.adopt(cyc, self.dispatch.done_through(self.last_aggregated), whole)
         self._throttled.clear()
         self.cycle, self._closing = None, cyc
         # Before the Updates: the eval rank then scores exactly the consensus it loads
@@ -604,10 +595,11 @@ class Coordinator:
             self._shutdown()  # the eval rank died: there is no result to wait for
             return
         if (self.phase is not RunPhase.TRAINING or self._in_flight is not None
-                or self.last_aggregated + 1 < self.config.num_epochs):
+                or self.dispatch.done_through(self.last_aggregated) + 1 < self.config.num_epochs):
             return
-        if not self._final_reduced and self._steps.stepped(self.liveness.live):
-            # The edge of the last epoch can leave steps no average has seen.
+        if self.last_aggregated + 1 < self.config.num_epochs or (
+                not self._final_reduced and self._steps.stepped(self.liveness.live)):
+            # Every sample is trained: the edge of the last epoch can leave steps, and chunks, no average has seen.
             self._trigger(now, final=True)
             return
         eval_rank = self.roles.eval
@@ -632,6 +624,8 @@ class Coordinator:
         if not left:
             return
         self._throttled.discard(rank)
+        if (deposit := self._ahead.in_flight(rank, self.cycle, self.avg_count)) is not None:
+            self._unsettled[rank] = deposit[0]  # it may be in a coming consensus: settled at that round
         self._ahead.forget(rank)
         self.roles.on_death(rank, self.feedback.smoothed_ms(), self.liveness.live_mask)
         self.evals.on_death(rank)
@@ -640,7 +634,7 @@ class Coordinator:
         if failure:  # it may still run (expelled by its relay, back from a stall): it stops now, freeing its device
             self._outbox.emit(rank, rec.DeclareDead(rank=rank))
         # What it did not train goes to the survivors (Sync) or back to the pool.
-        self._send_data(self.dispatch.on_death(rank, self._steps.count[rank]))
+        self._send_data(self.dispatch.on_death(rank, self._steps.count[rank], deposit and deposit[1]))
         reason = unrecoverable(self.liveness, self.config.max_failure)
         if reason is not None and self.phase is not RunPhase.SHUTDOWN_INITIATED:
             self._shutdown_with_save(reason)
@@ -648,6 +642,12 @@ class Coordinator:
         if self.phase is RunPhase.TRAINING:
             self.dispatch.replan()  # the survivors' counts
             self._wake_idle()
+
+    def _settle(self, round: int) -> None:
+        """Round `round` is published or torn down: what ranks that left before it trained into no consensus."""
+        for r in [r for r, rnd in self._unsettled.items() if rnd <= round]:
+            del self._unsettled[r]
+            self._send_data(self.dispatch.settle(r))
 
     def _shutdown_with_save(self, reason: ShutdownReason) -> None:
         if self.save_reason is not None:

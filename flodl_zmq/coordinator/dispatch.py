@@ -28,7 +28,7 @@ Rules this module keeps:
 
 How the coordinator uses this:
 
-- Sync, at each epoch: `sync_plans(epoch, total, world, ratios)` → one
+- Sync, at each epoch: `sync_plans(epoch, total, world, ratios, batch)` → one
   `StartEpoch` per rank (the plans are deterministic, so re-dispatching an
   epoch yields the same plans). On a rank's death:
   `remainder_spans(its_plans, steps_done * batch_size)` then
@@ -55,23 +55,34 @@ from flodl_zmq.wire.records import EpochPlan  # one plan type: the wire carries 
 
 
 def partition_sizes(
-    total_samples: int, world_size: int, ratios: Sequence[float] | None = None
+    total_samples: int, world_size: int, ratios: Sequence[float] | None = None, batch_size: int = 1
 ) -> list[int]:
-    """Per-rank Sync partition sizes summing to `total_samples`.
+    """Per-rank Sync partition sizes summing to `total_samples`, in whole batches.
 
-    Without ratios the split is equal (the first `total % world` ranks get one
-    more). With ratios each rank gets `floor(total * ratio / sum)` and the
-    leftover samples go one each to the largest ratios (lowest rank on ties).
+    The epoch's whole batches are split: without ratios equally (the first
+    `batches % world` ranks get one more), with ratios `floor(batches * ratio
+    / sum)` each and the leftover batches one each to the largest ratios
+    (lowest rank on ties). The short last batch goes to the last rank, so the
+    world steps `ceil(total / batch_size)` times an epoch, as one process
+    does: partitions of samples each ended in a short batch of their own, a
+    step more per rank for a schedule counted in a process's steps (a
+    `OneCycleLR` stepped past its end), and a batch of one sample that
+    BatchNorm refuses. An epoch of fewer whole batches than ranks is split by
+    samples (each rank one short batch).
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if total_samples <= 0:
         raise ConfigError(f"total_samples must be > 0 to dispatch an epoch, got {total_samples}")
+    batches, tail = divmod(total_samples, batch_size)
+    if batches < world_size:
+        batches, tail, batch_size = total_samples, 0, 1
     if ratios is None:
-        base, extra = divmod(total_samples, world_size)
-        sizes = [base + (1 if r < extra else 0) for r in range(world_size)]
+        base, extra = divmod(batches, world_size)
+        sizes = [(base + (1 if r < extra else 0)) * batch_size for r in range(world_size)]
     else:
-        sizes = _ratio_sizes(total_samples, world_size, ratios)
+        sizes = [n * batch_size for n in _ratio_sizes(batches, world_size, ratios)]
+    sizes[-1] += tail
     if min(sizes) == 0:
         raise ConfigError(
             f"partition sizes {sizes} leave a rank without data ({total_samples} samples over "
@@ -101,12 +112,12 @@ def _ratio_sizes(total_samples: int, world_size: int, ratios: Sequence[float]) -
 
 
 def sync_plans(
-    epoch: int, total_samples: int, world_size: int, ratios: Sequence[float] | None = None
+    epoch: int, total_samples: int, world_size: int, ratios: Sequence[float] | None = None, batch_size: int = 1
 ) -> list[EpochPlan]:
-    """One contiguous plan per rank, in rank order, tiling `[0, total_samples)`."""
+    """One contiguous plan per rank, in rank order, tiling `[0, total_samples)` in whole batches."""
     plans = []
     offset = 0
-    for size in partition_sizes(total_samples, world_size, ratios):
+    for size in partition_sizes(total_samples, world_size, ratios, batch_size):
         plans.append(EpochPlan(epoch, offset, size))
         offset += size
     return plans

@@ -123,6 +123,11 @@ class EpochReports:
         self._progress[m.epoch] = k
         return EpochProgress(m.epoch, k / n, aggregate_epoch(m.epoch, reports, self.world_size))
 
+    def withdraw(self, m: EpochMetrics) -> None:
+        """Forget report `m`: its chunk is redone (its rank left before any consensus held it)."""
+        reports = self._reports.get(m.epoch, [])
+        reports[:] = [r for r in reports if r is not m]
+
     def close(self, epoch: int, wall_ms: float | None) -> EpochAggregated:
         """The epoch's record, from every report it received; the epoch is forgotten."""
         self._progress.pop(epoch, None)

@@ -83,6 +83,7 @@ class Cycle:
     reduced: bool = False
     acks: dict[int, DivergenceSample | None] = field(default_factory=dict)
     credited: list[int] = field(default_factory=list)  # each live rank's steps in it, set at its release
+    deposited: frozenset[int] | None = None  # the ranks whose deposits the reducer published (None: the live)
 
     @classmethod
     def open(
@@ -140,6 +141,16 @@ class DepositsAhead:
         self.batch_size = batch_size
         self.told: dict[int, int] = {}  # rank -> the round its chunk in flight names
         self.parked: set[int] = set()  # ranks whose told chunk is done: they deposited unasked
+        self.snapped: dict[int, tuple[int, int]] = {}  # rank -> (round, its step count) of its last snapshot
+
+    def in_flight(self, rank: int, cycle: Cycle | None, published: int) -> tuple[int, int] | None:
+        """(round, step count) of `rank`'s deposit in a round after `published`, if any: in the open `cycle`,
+        every step counted at its trigger and any announced with its snapshot since (a rank trains on past
+        the trigger under cpu-async); else one made ahead, unasked."""
+        snap = self.snapped.get(rank)
+        if cycle is not None and rank in cycle.ranks:
+            return cycle.round, max(cycle.snapshot[rank], snap[1] if snap is not None and snap[0] == cycle.round else 0)
+        return snap if snap is not None and snap[0] > published else None
 
     def plan(
         self, rank: int, plan: rec.EpochPlan, window_steps: int, dispatch: DispatchStrategy, next_round: int

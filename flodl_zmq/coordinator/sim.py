@@ -35,7 +35,10 @@ Rules this module keeps:
 - A sample counts as trained when the coordinator receives the report of
   it (the chunk's `EpochMetrics`, or under Sync the step's `Batch`); work
   whose report is lost with a cut link never reaches a consensus, and the
-  coordinator hands it to a survivor.
+  coordinator hands it to a survivor. A sample is in the consensus once a
+  round publishes a deposit of a replica that trained it (a rank's replica
+  holds all it trained since the last consensus it was in), whatever the
+  coordinator believes: a rank that dies takes the rest with it.
 - Everything measured is what a rank experienced: which samples it
   completed, how long it sat idle waiting for the others (barrier wait) and
   for the round trip (sync wait) in each window, and how many data records
@@ -114,7 +117,8 @@ class SimResult:
     ended: RunEnded | None
     saved: SaveState | None
     aggregated: list[rec.EpochAggregated]
-    completed: dict[int, list[tuple[int, int, int]]]  # epoch -> [(offset, size, rank)]
+    completed: dict[int, list[tuple[int, int, int]]]  # epoch -> [(offset, size, rank)]: reported trained
+    in_consensus: dict[int, list[tuple[int, int, int]]]  # the same, of what published consensus holds
     windows: list[list[Window]]
     batches: list[int]
     events: int
@@ -141,6 +145,8 @@ class _Rank:
         # Progressive: the current chunk (epoch, offset, size, done, deposit round or 0); Sync: a flat sample list.
         self.chunk: list[int] | None = None
         self.queue: list[rec.EpochPlan] = []
+        self.unpublished: list[tuple[int, int, int]] = []  # (epoch, offset, size) trained into no consensus yet
+        self.deposits: dict[int, int] = {}  # round -> how many of `unpublished` its deposit holds
         self.sync_epoch = -1
         self.sync_samples: list[tuple[int, int]] = []  # (epoch, offset) not yet trained
         self.sync_done = 0  # samples since the last EpochMetrics
@@ -219,6 +225,7 @@ class _Rank:
     def _snapshot(self, t: float) -> None:
         rnd, self.request = self.request, None
         self.deposited = self.last_deposit = rnd
+        self.deposits[rnd] = len(self.unpublished)  # the replica: all it trained since the last consensus it is in
         self.sim.send(t, self.rank, rec.SnapshotReady(rank=self.rank, round=rnd))
         self.sim.at(t + self.sim.cfg.upload_s, lambda t2: self.sim.deposit(t2, self.rank, rnd))
 
@@ -258,6 +265,7 @@ class _Rank:
             epoch, offset, size, done, deposit = self.chunk
             if done >= size:
                 self.chunk = None
+                self.unpublished.append((epoch, offset, size))
                 if deposit > self.last_deposit:  # told ahead: its window ends here
                     self.request = deposit
                     self._snapshot(t)
@@ -265,6 +273,7 @@ class _Rank:
                               trained=[(epoch, offset, size)])
         else:
             taken, self.sync_samples = self.sync_samples[:bs], self.sync_samples[bs:]
+            self.unpublished += [(epoch, off, 1) for epoch, off in taken]
             self.sim.send(t, self.rank, batch, trained=[(epoch, off, 1) for epoch, off in taken])
             self.sync_done += len(taken)
             if not self.sync_samples:
@@ -312,6 +321,7 @@ class Simulation:
         self.windows: list[list[Window]] = [[] for _ in ranks]
         self.data_mid_round = [0] * len(ranks)
         self.completed: dict[int, list[tuple[int, int, int]]] = {}
+        self.in_consensus: dict[int, list[tuple[int, int, int]]] = {}
         self.aggregated: list[rec.EpochAggregated] = []
         self.ended: RunEnded | None = None
         self.saved: SaveState | None = None
@@ -417,7 +427,13 @@ class Simulation:
             self.at(t + self.cfg.reduce_s, lambda t2: self._publish(t2, rnd, members))
 
     def _publish(self, t: float, rnd: int, members: list[int]) -> None:
-        self._apply(t, self.coord.on_round_complete(rnd, t))
+        for r in members:
+            rank = self.ranks[r]
+            n = rank.deposits.pop(rnd, 0)
+            for epoch, offset, size in rank.unpublished[:n]:
+                self.in_consensus.setdefault(epoch, []).append((offset, size, r))
+            rank.unpublished = rank.unpublished[n:]
+        self._apply(t, self.coord.on_round_complete(rnd, t, members))
         for r in members:
             rank = self.ranks[r]
             self.at(t + self.cfg.latency_s, lambda t2, rank=rank: rank.consensus(t2, rnd))
@@ -456,7 +472,8 @@ class Simulation:
                 break
         return SimResult(
             coordinator=self.coord, end_time=t, ended=self.ended, saved=self.saved,
-            aggregated=self.aggregated, completed=self.completed, windows=self.windows,
+            aggregated=self.aggregated, completed=self.completed, in_consensus=self.in_consensus,
+            windows=self.windows,
             batches=[r.batches for r in self.ranks], events=self.events,
             deaths_seen=self.deaths_seen, outputs=self.outputs, cut=self.cut,
             data_mid_round=self.data_mid_round)

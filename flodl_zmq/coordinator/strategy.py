@@ -27,14 +27,18 @@ Rules this module keeps:
   role is announced first.
 - **Nothing lost, nothing twice.** A Sync rank's remainder is exactly its
   plans after the samples it reported plus full batches for its steps since
-  (a span's short last batch is always followed by its report), handed on
-  whole. A stream forfeits a dead rank's chunk to its pool's reclaimed queue,
+  that a consensus holds (a span's short last batch is always followed by its
+  report), handed on whole. A stream forfeits a dead rank's chunk to its pool's reclaimed queue,
   where a survivor redoes it first; a completion of a chunk that was forfeited
   (`on_metrics` returns False) is ignored, since a survivor redoes it.
-- **Done means reported.** An epoch is done when every sample of it is
-  reported trained: under Sync when every live rank reported all it was
-  assigned, in a stream when its pool `is_done()` (chunks in flight are not
-  covered: their gradients are not in any consensus yet).
+- **Done means in a consensus.** An epoch is done when every sample of it is
+  reported trained (`done_through`: under Sync when every live rank reported
+  all it was assigned, in a stream when its pool `is_done()`) and a published
+  round holds it (`epoch_done`): a rank's work is in the consensus once a
+  round holds its deposit of the steps it trained it in (`bank`). A rank that
+  leaves takes the rest along in its replica: it is handed on, its reports
+  withdrawn, once the round of its last deposit says whether that holds it
+  (`settle`).
 - **A stream's epochs open in order and never reopen.** Lower epochs are
   served first, so work reclaimed from a dead rank is redone before anyone
   streams ahead; barrier-paced streams (Cadence) open an epoch only once its
@@ -80,8 +84,17 @@ class DispatchStrategy(Protocol):
     def on_metrics(self, rank: int, m: rec.EpochMetrics, step_count: int) -> bool:
         """`rank` reported trained data; False if it is a late report to ignore."""
 
-    def on_death(self, rank: int, step_count: int) -> list[Send]:
-        """`rank` has left: what it did not train, handed on."""
+    def on_death(self, rank: int, step_count: int, deposit: int | None) -> list[Send]:
+        """`rank` has left: what it did not train, and what it trained into no consensus, handed on. `deposit`:
+        the steps of its deposit in a round not yet published, which may hold them (`bank` or `settle`)."""
+
+    def bank(self, rank: int, step_count: int) -> None:
+        """A published consensus holds `rank`'s deposit of its first `step_count` steps: what it trained
+        by then is in the consensus (an epoch aggregates, and a checkpoint covers, only such work)."""
+
+    def settle(self, rank: int) -> list[Send]:
+        """`rank` left, and the round of its last deposit is published or torn down: what is still in no
+        consensus of what it trained is handed on."""
 
     def window_full(self, rank: int, window_steps: int) -> bool:
         """Whether `rank` has done its share of the window (the averaging gate)."""
@@ -130,6 +143,8 @@ class SyncPartitions:
         self._assigned = [0] * n
         self._reported = [0] * n
         self._steps_at_report = [0] * n
+        self._banked_step = [0] * n  # the steps of each rank's deposit in the last consensus that held one
+        self._dead_steps: dict[int, int] = {}  # a rank that left with a deposit in flight -> its step count
 
     def start(self, last_aggregated: int, now: float) -> None:
         """Nothing to reopen: a resumed Sync run trains its epoch whole."""
@@ -140,7 +155,7 @@ class SyncPartitions:
         ratios = self._config.partition_ratios
         if ratios is not None:
             ratios = [ratios[r] for r in live]
-        plans = dispatch.sync_plans(epoch, self._config.total_samples, len(live), ratios)
+        plans = dispatch.sync_plans(epoch, self._config.total_samples, len(live), ratios, self._config.batch_size)
         n = self._liveness.world_size
         self._epoch = epoch
         self._assigned = [0] * n
@@ -173,12 +188,17 @@ class SyncPartitions:
         self._steps_at_report[rank] = step_count
         return True
 
-    def on_death(self, rank: int, step_count: int) -> list[Send]:
+    def on_death(self, rank: int, step_count: int, deposit: int | None) -> list[Send]:
+        """Its remainder, once the round of its deposit in flight, if any, says what it holds (`settle`)."""
+        self._dead_steps[rank] = step_count
+        return [] if deposit is not None else self.settle(rank)
+
+    def settle(self, rank: int) -> list[Send]:
         # Reported samples are exact; only steps since the last report are full
         # batches (a span's short last batch is always followed by its report).
-        done = self._reported[rank] + (
-            step_count - self._steps_at_report[rank]
-        ) * self._config.batch_size
+        # A step in no consensus (taken, not deposited) is not done: it left with the replica.
+        banked = min(self._dead_steps.pop(rank), self._banked_step[rank])
+        done = self._reported[rank] + max(0, banked - self._steps_at_report[rank]) * self._config.batch_size
         remainder = (
             dispatch.remainder_spans(self._plans[rank], done)
             if self._reported[rank] < self._assigned[rank]
@@ -191,6 +211,9 @@ class SyncPartitions:
             self._assigned[r] += plan.size
             sends.append((r, rec.ExtendPartition(epoch=plan.epoch, offset=plan.offset, size=plan.size)))
         return sends
+
+    def bank(self, rank: int, step_count: int) -> None:
+        self._banked_step[rank] = max(self._banked_step[rank], step_count)
 
     def window_full(self, rank: int, window_steps: int) -> bool:
         """Sync averages as soon as the rank did one step."""
@@ -211,8 +234,9 @@ class SyncPartitions:
         """Nothing to redo: partitions depend on neither."""
 
     def epoch_done(self, epoch: int) -> bool:
-        return self._epoch == epoch and all(
-            self._reported[r] >= self._assigned[r] for r in self._liveness.live
+        return self._epoch == epoch and not self._dead_steps and all(
+            self._reported[r] >= self._assigned[r] and self._banked_step[r] >= self._steps_at_report[r]
+            for r in self._liveness.live
         )
 
     def close_epoch(self, epoch: int, now: float) -> float | None:
@@ -246,8 +270,10 @@ class ChunkStream:
         epoch_opened: Callable[[], None],
         barrier_paced: bool,
         resumed: Mapping[int, list[Span]],
+        withdraw: Callable[[rec.EpochMetrics], None],
     ) -> None:
         n = liveness.world_size
+        self._withdraw = withdraw  # a chunk's report, when the chunk is redone: its samples count once
         self._config = config
         self._liveness = liveness
         self._elche = elche
@@ -260,6 +286,10 @@ class ChunkStream:
         self.pools: dict[int, ChunkPool] = {}
         self._opened_at: dict[int, float] = {}
         self._in_flight: list[int | None] = [None] * n  # epoch of the chunk in flight
+        # Chunks done but in no published consensus yet, per rank: (its step count at the chunk's end, its report,
+        # span). A rank that leaves takes them with its replica: they are redone.
+        self._unbanked: list[list[tuple[int, rec.EpochMetrics, Span]]] = [[] for _ in range(n)]
+        self._banked_step = [0] * n  # the steps of each rank's deposit in the last consensus that held one
         self._final: dict[int, dispatch.FinalWindowPlan] = {}
         # Batches each rank has taken of its final-window allocation: a take can
         # come back short (a span's residue is smaller), so one allocation may
@@ -332,14 +362,32 @@ class ChunkStream:
             )
         pool.complete(rank)
         self._in_flight[rank] = None
+        if step_count > self._banked_step[rank]:
+            self._unbanked[rank].append((step_count, m, (chunk.offset, chunk.size)))
         return True
 
-    def on_death(self, rank: int, step_count: int) -> list[Send]:
-        """Its chunk goes to the reclaimed queue, to be redone first."""
+    def on_death(self, rank: int, step_count: int, deposit: int | None) -> list[Send]:
+        """Its chunk, and those it trained into no consensus, go to the reclaimed queue, to be redone first;
+        those its deposit in flight holds wait for that round (`bank`, `settle`)."""
         for pool in self.pools.values():
             pool.forfeit(rank)
+        self._reclaim(rank, [u for u in self._unbanked[rank] if deposit is None or u[0] > deposit])
         self._in_flight[rank] = None
         return []
+
+    def bank(self, rank: int, step_count: int) -> None:
+        self._banked_step[rank] = max(self._banked_step[rank], step_count)
+        self._unbanked[rank] = [u for u in self._unbanked[rank] if u[0] > step_count]
+
+    def settle(self, rank: int) -> list[Send]:
+        self._reclaim(rank, self._unbanked[rank])
+        return []
+
+    def _reclaim(self, rank: int, chunks: list[tuple[int, rec.EpochMetrics, Span]]) -> None:
+        for _, m, span in chunks:
+            self.pools[m.epoch].reclaim(span)  # open: an epoch aggregates only once none is left unbanked
+            self._withdraw(m)
+        self._unbanked[rank] = [u for u in self._unbanked[rank] if u not in chunks]
 
     def window_full(self, rank: int, window_steps: int) -> bool:
         if window_steps < self._elche.batch_counts[rank]:
@@ -381,7 +429,7 @@ class ChunkStream:
 
     def epoch_done(self, epoch: int) -> bool:
         pool = self.pools.get(epoch)
-        return pool is not None and pool.is_done()
+        return pool is not None and pool.is_done() and not any(e == epoch for e, _ in self._unbanked_spans())
 
     def close_epoch(self, epoch: int, now: float) -> float | None:
         del self.pools[epoch]
@@ -396,7 +444,8 @@ class ChunkStream:
         return epoch - 1
 
     def coverage(self) -> dict[int, list[Span]]:
-        return {e: p.covered() for e, p in self.pools.items()}
+        unbanked = self._unbanked_spans()
+        return {e: p.covered(excluding=[span for ue, span in unbanked if ue == e]) for e, p in self.pools.items()}
 
     # ---------------------------------------------------------------- helpers
 
@@ -465,6 +514,9 @@ class ChunkStream:
             self._final[epoch] = plan
         self._final_taken[epoch] = [0] * self._liveness.world_size
 
+    def _unbanked_spans(self) -> list[tuple[int, Span]]:
+        return [(m.epoch, span) for chunks in self._unbanked for _, m, span in chunks]
+
     def _live_counts(self) -> list[int]:
         live = self._liveness.live_mask
         return [c if live[r] else 0 for r, c in enumerate(self._elche.batch_counts)]
@@ -476,8 +528,9 @@ def strategy_for(
     elche: ElChe,
     epoch_opened: Callable[[], None],
     resumed: Mapping[int, list[Span]],
+    withdraw: Callable[[rec.EpochMetrics], None],
 ) -> DispatchStrategy:
     """The mode's strategy: a chunk stream (Cadence, Async) or partitions (Sync)."""
     if config.mode.progressive:
-        return ChunkStream(config, liveness, elche, epoch_opened, config.mode.barrier_paced, resumed)
+        return ChunkStream(config, liveness, elche, epoch_opened, config.mode.barrier_paced, resumed, withdraw)
     return SyncPartitions(config, liveness, epoch_opened)

@@ -278,12 +278,16 @@ def test_a_rank_absent_at_start_keeps_its_number_gets_nothing_and_the_live_ranks
         assert plans == [(0, 15), (15, 15)]
 
 
-def test_dead_sync_rank_hands_on_only_what_it_did_not_train():
+def test_dead_sync_rank_hands_on_only_what_no_consensus_holds():
+    # Its first step is in round 1's consensus; the two it took since left with its replica.
     c, _ = make(world=2, mode="sync", total=20)
-    for s in range(1, 4):
+    batch(c, 0, 1)
+    batch(c, 1, 1)
+    finish(c, 1, [0, 1])
+    for s in (2, 3):
         batch(c, 0, s)
     outs = c.on_rank_death(0, "exit", 0.1)
-    assert of(outs, rec.ExtendPartition) == [rec.ExtendPartition(0, 3, 7)]
+    assert of(outs, rec.ExtendPartition) == [rec.ExtendPartition(0, 1, 9)]
 
 
 def test_death_forfeits_the_in_flight_chunk_to_a_survivor():
@@ -459,10 +463,11 @@ def test_shutdown_waits_for_the_in_flight_cycle():
     plans = [p.plan for p in of(outs, rec.StartEpoch)]
     train(c, 0, plans[0], 0)
     outs, _ = train(c, 1, plans[1], 0)
-    assert of(outs, RoundOpened) and of(outs, rec.EpochAggregated)
+    # Every chunk is trained, and in no consensus yet: the epoch aggregates once the round holds it.
+    assert of(outs, RoundOpened) and not of(outs, rec.EpochAggregated)
     assert of(outs, rec.Shutdown) == []
     outs = finish(c, 1, [0, 1])
-    assert of(outs, rec.Update) and len(of(outs, rec.Shutdown)) == 2
+    assert of(outs, rec.EpochAggregated) and of(outs, rec.Update) and len(of(outs, rec.Shutdown)) == 2
     assert of(outs, RunEnded) == [RunEnded(None)]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from flodl_zmq.coordinator.dispatch import (
@@ -413,3 +413,22 @@ def test_no_final_window_plan_outside_the_last_window_or_for_another_epoch():
         )
         is None
     )
+
+
+def test_sync_partitions_are_whole_batches_so_the_world_steps_as_one_process_does():
+    # Partitions of samples each ended in a short batch: 3588 samples over 4 ranks of batch 32 were 4 x 897 =
+    # 4 x (28 x 32 + 1), 116 steps an epoch where one process takes 113 (a OneCycleLR counted for 113 raised),
+    # and four batches of one sample, which BatchNorm refuses in training.
+    assert partition_sizes(3588, 4, batch_size=32) == [896, 896, 896, 900]
+    assert partition_sizes(3600, 3, [1, 1, 2], batch_size=32) == [896, 896, 1808]
+    assert partition_sizes(40, 4, batch_size=16) == [10, 10, 10, 10]  # fewer whole batches than ranks: by samples
+
+
+@given(st.integers(1, 8), st.integers(1, 64), st.integers(1, 5000))
+def test_sync_partitions_step_as_many_times_as_one_process_and_only_the_last_is_short(world, batch, total):
+    assume(total >= world)
+    sizes = partition_sizes(total, world, batch_size=batch)
+    assert sum(sizes) == total and min(sizes) > 0
+    if total // batch >= world:
+        assert all(s % batch == 0 for s in sizes[:-1])
+        assert sum(-(-s // batch) for s in sizes) == -(-total // batch)

@@ -29,7 +29,7 @@ def stream(mode, world=2, total=40, epochs=2):
     cfg = CoordinatorConfig(total_samples=total, batch_size=1, num_epochs=epochs, mode=mode)
     liveness = Liveness(world, 30.0, 0.0)
     elche = ElChe(cfg.elche_config(world), world)
-    s = ChunkStream(cfg, liveness, elche, lambda: None, cfg.mode.barrier_paced, {})
+    s = ChunkStream(cfg, liveness, elche, lambda: None, cfg.mode.barrier_paced, {}, lambda m: None)
     return s, liveness
 
 
@@ -40,16 +40,29 @@ def test_sync_partitions_tile_the_epoch_and_announce_it_first():
     assert sends == [(r, rec.StartEpoch(rec.EpochPlan(0, 10 * r, 10))) for r in range(3)]
 
 
-def test_sync_death_hands_on_only_what_the_rank_did_not_train():
+def test_sync_death_hands_on_only_what_no_consensus_holds():
     s, liveness, _ = sync()
     s.open_epoch(0, [0, 0, 0])
+    s.bank(0, 4)  # four steps of batch size 1 in a published consensus; a fifth trained, never deposited
     liveness.fail(0)
-    sends = s.on_death(0, step_count=4)  # four steps of batch size 1 trained
+    sends = s.on_death(0, step_count=5, deposit=None)
     assert sends == [(1, rec.ExtendPartition(0, 4, 3)), (2, rec.ExtendPartition(0, 7, 3))]
     assert not s.epoch_done(0)
     for r in (1, 2):
         assert s.on_metrics(r, metrics(r, 0, 13), step_count=13)
+    assert not s.epoch_done(0)  # reported, in no consensus yet
+    for r in (1, 2):
+        s.bank(r, 13)
     assert s.epoch_done(0) and s.quiesced(1, last_aggregated=-1)
+
+
+def test_sync_death_with_a_deposit_in_flight_hands_on_once_its_round_says_what_it_holds():
+    s, liveness, _ = sync()
+    s.open_epoch(0, [0, 0, 0])
+    liveness.fail(0)
+    assert s.on_death(0, step_count=6, deposit=6) == [] and not s.epoch_done(0)
+    s.bank(0, 6)  # the round published its deposit
+    assert s.settle(0) == [(1, rec.ExtendPartition(0, 6, 2)), (2, rec.ExtendPartition(0, 8, 2))]
 
 
 def test_sync_reports_of_another_epoch_are_late():
@@ -79,7 +92,7 @@ def test_a_forfeited_chunk_is_redone_first_and_its_late_completion_ignored():
     s, liveness = stream("cadence")
     lost = s.next_plan(0, window_steps=0, overshoot=0, last_aggregated=-1, now=0.0)
     liveness.fail(0)
-    s.on_death(0, step_count=0)
+    s.on_death(0, step_count=0, deposit=None)
     assert not s.on_metrics(0, metrics(0, 0, lost.size), step_count=lost.size)
     assert s.next_plan(1, window_steps=0, overshoot=0, last_aggregated=-1, now=0.0) == lost
 
@@ -90,7 +103,9 @@ def test_cadence_never_opens_an_epoch_before_its_predecessor_is_aggregated_async
         plan = s.next_plan(0, window_steps=0, overshoot=3, last_aggregated=-1, now=0.0)
         assert plan == rec.EpochPlan(0, 0, 8)
         s.on_metrics(0, metrics(0, 0, 8), step_count=8)
-        assert s.epoch_done(0) and s.done_through(-1) == 0
+        assert s.done_through(-1) == 0 and not s.epoch_done(0)  # trained, in no consensus yet
+        s.bank(0, 8)
+        assert s.epoch_done(0)
         nxt = s.next_plan(0, window_steps=0, overshoot=3, last_aggregated=-1, now=0.0)
         assert (nxt is not None and nxt.epoch == 1) is ahead, mode
         assert s.quiesced(0, last_aggregated=-1) is not ahead
@@ -104,3 +119,23 @@ def test_a_chunk_ends_its_window_when_full_or_when_it_takes_the_rest_of_a_pinned
     plan = small.next_plan(0, 0, 0, -1, 0.0)  # the whole epoch fits one window: pinned, 10 + 10
     # Its pinned allocation taken whole, the rank has nothing more to take, however short its window.
     assert plan.size == 10 and small.ends_window(0, plan, 3)
+
+
+def test_a_ranks_chunks_in_no_consensus_are_redone_when_it_leaves_and_their_reports_withdrawn():
+    # A chunk reported done lives only in its rank's replica until a published round holds the rank's deposit
+    # of it: a rank that left before took it along, and a resume from that consensus must not skip it.
+    cfg = CoordinatorConfig(total_samples=40, batch_size=1, num_epochs=1, mode="async")
+    liveness = Liveness(2, 30.0, 0.0)
+    withdrawn = []
+    s = ChunkStream(cfg, liveness, ElChe(cfg.elche_config(2), 2), lambda: None, False, {}, withdrawn.append)
+    first = s.next_plan(0, 0, 0, -1, 0.0)
+    s.on_metrics(0, metrics(0, 0, first.size), step_count=first.size)
+    second = s.next_plan(0, 0, 100, -1, 0.0)
+    report = metrics(0, 0, second.size)
+    s.on_metrics(0, report, step_count=first.size + second.size)
+    s.bank(0, first.size)  # a round holds the first chunk only
+    assert s.coverage() == {0: [(first.offset, first.size)]}
+    liveness.fail(0)
+    s.on_death(0, step_count=first.size + second.size, deposit=None)
+    assert withdrawn == [report]
+    assert s.next_plan(1, 0, 100, -1, 0.0) == second  # redone first

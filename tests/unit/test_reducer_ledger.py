@@ -53,6 +53,15 @@ def test_a_reduced_round_names_each_hosts_mass_so_the_run_log_shows_who_trained_
     assert (out.hosts, out.masses) == (("a", "b"), (3.0, 0.0))
 
 
+def test_a_reduced_round_names_the_ranks_whose_deposits_it_holds_as_the_frames_named_them():
+    # The coordinator counts a rank's work in the consensus only if its deposit is: a rank of host a that died
+    # before depositing is not in a's frame, and its work is redone.
+    ledger = RoundLedger({"a": [0, 1], "b": [2]})
+    ledger.deposit("a", 0, 2.0, [f32(2, 4)], ranks=[0])
+    out = ledger.deposit("b", 0, 1.0, [f32(1, 1)], ranks=[2, 7])  # a rank not of b's is nobody's deposit
+    assert out.ranks == (0, 2)
+
+
 def test_divides_once_by_the_mass_of_the_accepted_frames_only():
     ledger = RoundLedger({"a": [0], "b": [1], "c": [2]})
     ledger.declare_dead(1)
