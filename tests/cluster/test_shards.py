@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import sys
 from pathlib import Path
 
@@ -240,5 +241,7 @@ def test_a_host_that_joins_a_sharded_run_mid_run_enters_the_re_formed_world(tmp_
     [change] = result["world_changes"]
     assert change["after"]["c"] == [2], change
     assert [e["epoch"] for e in result["epochs"]] == list(range(8)), everything
-    assert result["accuracy"] >= RELIABLE_ACCURACY, everything
+    # The evals of the re-formed world, not its last alone: at this constant rate one epoch's model is one
+    # draw of SGD's noise (CI saw 0.9276 after 0.9638, 0.9638); a consensus broken at the re-form scores far lower.
+    assert statistics.median(e["eval"] for e in result["epochs"][3:]) >= RELIABLE_ACCURACY, everything
     assert outputs["a"].count(", reducer shard 1 at tcp://") == 2, everything  # before and after the re-form
