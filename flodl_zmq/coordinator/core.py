@@ -477,8 +477,8 @@ class Coordinator:
             if (deposit := self._ahead.in_flight(r, cyc, self.avg_count)) is not None and deposit[0] == cyc.round:
                 self.dispatch.bank(r, deposit[1])
         self._settle(cyc.round)
-        cyc.coverage = self.dispatch.coverage()  # what it holds: a rank that left took its deposit along
         self._aggregate(now)  # the epochs it completes: their callbacks go out before the Updates
+        cyc.coverage, cyc.last_aggregated = self.dispatch.coverage(), self.last_aggregated  # what it holds
         cyc.credited = [moved[r] for r in cyc.ranks if live[r]]
         self.feedback.calibrate(live, (now - cyc.started_at) * 1000.0)
         if self.elche.is_calibrated:
@@ -634,7 +634,7 @@ class Coordinator:
         if failure:  # it may still run (expelled by its relay, back from a stall): it stops now, freeing its device
             self._outbox.emit(rank, rec.DeclareDead(rank=rank))
         # What it did not train goes to the survivors (Sync) or back to the pool.
-        self._send_data(self.dispatch.on_death(rank, self._steps.count[rank], deposit and deposit[1]))
+        self._send_data(self.dispatch.on_death(rank, self._steps.count[rank], None if deposit is None else deposit[1]))
         reason = unrecoverable(self.liveness, self.config.max_failure)
         if reason is not None and self.phase is not RunPhase.SHUTDOWN_INITIATED:
             self._shutdown_with_save(reason)

@@ -77,8 +77,8 @@ class Cycle:
     started_at: float
     ranks: tuple[int, ...]
     snapshot: list[int]  # each rank's step counter at the trigger
-    coverage: dict[int, list[Span]]  # done spans at the trigger (covered is a subset of the consensus)
-    last_aggregated: int
+    coverage: dict[int, list[Span]]  # what its consensus holds of the open epochs, set at its release
+    last_aggregated: int  # every epoch up to it is in its consensus (at the trigger; at the release, once banked)
     done_through: int  # every sample of epochs <= this was reported trained at the trigger
     reduced: bool = False
     acks: dict[int, DivergenceSample | None] = field(default_factory=dict)
@@ -185,11 +185,12 @@ class Consensus:
     """What the last finished consensus contains (for `state_dict` and the epoch callbacks)."""
 
     coverage: dict[int, list[Span]]
-    aggregated: int  # the last epoch aggregated when it was triggered
+    aggregated: int  # the last epoch aggregated at its release: it holds every epoch up to it whole
     complete: int = -1  # every sample of epochs <= this is in it
 
     def adopt(self, cycle: Cycle, done_now: int, held: bool) -> None:
-        """`cycle` was released: its consensus holds what was covered at its trigger, and the epochs done then.
+        """`cycle` was released: its consensus holds the coverage banked then, the epochs aggregated then,
+        and the epochs done at its trigger.
 
         When no rank trained past its deposit (`held`), the consensus holds
         every epoch done now (`done_now`): behind the hard barrier ranks sit
@@ -201,7 +202,7 @@ class Consensus:
         """
         self.coverage = cycle.coverage
         self.aggregated = cycle.last_aggregated
-        self.holds_through(done_now if held else cycle.done_through)
+        self.holds_through(max(cycle.last_aggregated, done_now if held else cycle.done_through))
 
     def holds_through(self, done: int) -> None:
         self.complete = max(self.complete, done)

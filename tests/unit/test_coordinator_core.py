@@ -565,9 +565,9 @@ def test_state_dict_round_trips_into_a_resumed_coordinator():
 
 
 def test_a_re_form_after_an_epochs_last_round_starts_the_new_world_at_the_next_epoch():
-    # Two windows an epoch. The round epoch 0's last report triggers holds it whole, but is labelled by the
-    # rows at its trigger (epoch 0 not yet among them): a re-form state that followed the label would never
-    # match the aggregated rows with one round an epoch, and a joiner never got in.
+    # Two windows an epoch. The round epoch 0's last report triggers holds it whole. Labelled by the rows at
+    # its trigger (epoch 0 not yet among them), a re-form state never matched the aggregated rows with one
+    # round an epoch, and a joiner never got in; an epoch now aggregates at the release that holds it.
     c, outs = make(total=40, epochs=3)
     plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}
     steps = {0: 0, 1: 0}
@@ -577,8 +577,9 @@ def test_a_re_form_after_an_epochs_last_round_starts_the_new_world_at_the_next_e
         assert c.state_dict(held_whole=True) == c.state_dict()  # mid-epoch (round 1), or before its finish (round 2)
         outs = finish(c, rnd, [0, 1])
         plans = {o.dest: o.record.next_plan for o in outs if isinstance(o.record, rec.Update)}
-    assert c.last_aggregated == 0 and c.state_dict()["epoch"] == 0  # the label of round 2's consensus
+    assert c.last_aggregated == 0 and c.state_dict()["epoch"] == 1
     state = c.state_dict(held_whole=True)
+    assert state == c.state_dict()
     assert state["epoch"] == 1 and state["coverage"] == {} and state["global_step"] == 40
     served = of(Coordinator(c.config, 3, 0.0, resume=state).start(0.0), rec.StartEpoch)
     assert {p.plan.epoch for p in served} == {1} and sum(p.plan.size for p in served) <= 40
