@@ -49,7 +49,7 @@ class AloneLoop:
         check_wire(model, job.wire)
         self.job = job
         self.model = model
-        self.start_epoch = _resume_alone(job, model)
+        self.start_epoch, self.start_batches = _resume_alone(job, model)
         # The job's step under Trainer; under Session only its schedule (follow) is used.
         self.stepper = Stepper(job, model, optimizer, device)
         self.steps_per_epoch = math.ceil(job.total_samples / job.batch_size)
@@ -66,8 +66,9 @@ class AloneLoop:
         self._t_run = self._t_epoch = 0.0
         self._samples = 0
         self._loss_sum, self._batches, self._parts = 0.0, 0, 0
+        self._skipped = 0
         self.cadence = SampleCadence(job.eval_every_samples if job.eval_fn is not None else 0,
-                                     self.start_epoch * job.total_samples)
+                                     self.start_epoch * job.total_samples + self.start_batches * job.batch_size)
 
     def batches(self) -> Iterator[Any]:
         """Every batch of every epoch left, in the cluster's data order; each epoch's row, eval and report."""
@@ -82,10 +83,12 @@ class AloneLoop:
             perm = epoch_permutation(job.seed, epoch, job.total_samples)
             self._samples = len(perm)
             self._loss_sum, self._batches, self._parts = 0.0, 0, 0
-            self.pipeline.extend(perm[start : start + job.batch_size] for start in range(0, len(perm), job.batch_size))
+            self._skipped = self.start_batches if epoch == self.start_epoch else 0  # trained before a resume
+            first = self._skipped * job.batch_size
+            self.pipeline.extend(perm[start : start + job.batch_size] for start in range(first, len(perm), job.batch_size))
             while len(self.pipeline):
                 # The global step of a single process: every step before this one, resumed ones too.
-                self.stepper.follow(epoch * self.steps_per_epoch + self._batches)
+                self.stepper.follow(epoch * self.steps_per_epoch + self._skipped + self._batches)
                 yield self.pipeline.next()
                 if len(self.pipeline) and self.cadence.due(self._trained()):
                     self._evaluate(within_epoch=True)
@@ -103,7 +106,7 @@ class AloneLoop:
         self.report.step()
         if self.job.reports_per_epoch > 1 and len(self.pipeline):
             # The cluster's rule (coordinator/metrics.py): one partial row per n-th of the epoch.
-            k = self._batches * self.job.reports_per_epoch // self.steps_per_epoch
+            k = (self._skipped + self._batches) * self.job.reports_per_epoch // self.steps_per_epoch
             if k > self._parts:
                 self._parts = k
                 self.report.progress({**self._row(), "fraction": k / self.job.reports_per_epoch})
@@ -111,7 +114,8 @@ class AloneLoop:
     def _trained(self) -> int:
         """Samples trained so far: every epoch before this one whole, and this one's steps."""
         assert self.epoch is not None
-        return self.epoch * self.job.total_samples + min(self._batches * self.job.batch_size, self._samples)
+        return self.epoch * self.job.total_samples + min((self._skipped + self._batches) * self.job.batch_size,
+                                                         self._samples)
 
     def _evaluate(self, within_epoch: bool, row: dict[str, Any] | None = None) -> None:
         """Score the model now and report it; an eval_fn that fails follows on_callback_error, as on a
@@ -139,8 +143,10 @@ class AloneLoop:
         # The result, the bundle and the run log's end say the same: a loop left early is not a completed run.
         self.result.reason = "completed" if self.epochs_done >= self.job.epochs else "stopped"
         if self.job.save_path:
+            # A loop left within an epoch: the batches of it already trained, which a lone resume skips.
+            within = self._skipped + self._batches if self.epoch == self.epochs_done else 0
             self.report.save(self.model.state_dict(), {
-                "epoch": self.epochs_done, "global_step": None, "reason": self.result.reason,
+                "epoch": self.epochs_done, "epoch_batches": within, "global_step": None, "reason": self.result.reason,
                 "world_size": 1, "coordinator": None,
             })
         self.report.finish(wall_s)
@@ -157,13 +163,14 @@ class AloneLoop:
                          per_rank_samples=[samples], round=-1, reconnects=0)
 
 
-def _resume_alone(job: Job, model: torch.nn.Module) -> int:
-    """Load `job.resume_from` into `model`; the epoch to start at (0 without one)."""
+def _resume_alone(job: Job, model: torch.nn.Module) -> tuple[int, int]:
+    """Load `job.resume_from` into `model`; the epoch to start at and the batches of it already trained (a
+    loop left within an epoch: its permutation's first ones), 0 and 0 without one."""
     if not job.resume_from:
-        return 0
+        return 0, 0
     state, meta = bundle.load(job.resume_from)
     bundle.load_into(model, state, job.resume_from)
-    return int(meta.get("epoch", 0))
+    return int(meta.get("epoch", 0)), int(meta.get("epoch_batches", 0))
 
 
 def _eval_due(job: Job, epoch: int) -> bool:

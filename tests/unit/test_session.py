@@ -156,6 +156,29 @@ def test_breaking_out_alone_keeps_the_finished_epochs_and_saves_the_model_as_sto
     assert [e["reason"] for e in ends] == ["stopped"]
 
 
+def test_a_lone_loop_left_within_an_epoch_resumes_after_the_batches_it_trained(tmp_path):
+    # The bundle named the epoch only, and a resume trained its first batches twice.
+    def run(epochs: int, stop_at: int | None, **kw: Any) -> list[int]:
+        model = net()
+        optimizer = sgd(model.parameters())
+        seen: list[int] = []
+        with fz.Session(model, optimizer, data(), batch_size=8, epochs=epochs, quiet=True, **kw) as s:
+            for batch in s.batches():
+                optimizer.zero_grad()
+                loss_of(model, batch).backward()
+                optimizer.step()
+                s.step()
+                seen += batch[0].squeeze(1).long().tolist()
+                if len(seen) == stop_at:
+                    break
+        return seen
+
+    first = run(2, stop_at=N + 16, save_path=str(tmp_path / "m"))  # two batches into epoch 1
+    assert bundle.load(str(tmp_path / "m"))[1]["epoch_batches"] == 2
+    rest = run(2, stop_at=None, resume_from=str(tmp_path / "m"))
+    assert sorted(first[N:] + rest) == list(range(N))  # epoch 1: every sample once
+
+
 def test_an_epoch_row_alone_has_the_fields_a_clusters_row_has_with_the_same_meaning():
     # Alone, a row lacked samples, per_rank_samples and round (guide.md's TrainResult table): a script
     # reading r.epochs[-1]["samples"] worked on a cluster and raised KeyError alone.
