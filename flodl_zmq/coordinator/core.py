@@ -284,8 +284,7 @@ class Coordinator:
         """The reducer published the consensus of `round`, of the deposits of `ranks` (None: each live rank's)."""
         cyc = self._noticed_cycle(round, "complete", now)
         if cyc is not None:
-            cyc.reduced = True
-            cyc.deposited = None if ranks is None else frozenset(ranks)
+            cyc.reduced, cyc.deposited = True, None if ranks is None else frozenset(ranks)
             self._advance(now)
         return self._outbox.flush()
 
@@ -473,7 +472,8 @@ class Coordinator:
         assert cyc is not None
         live = self.liveness.live_mask
         moved = self._steps.credit(cyc.snapshot, cyc.ranks)  # only the snapshotted steps are in it
-        for r in cyc.deposited if cyc.deposited is not None else [r for r in cyc.ranks if live[r]]:
+        held = cyc.deposited if cyc.deposited is not None else {r for r in cyc.ranks if live[r]}
+        for r in held:
             if (deposit := self._ahead.in_flight(r, cyc, self.avg_count)) is not None and deposit[0] == cyc.round:
                 self.dispatch.bank(r, deposit[1])
         self._settle(cyc.round)
@@ -483,7 +483,7 @@ class Coordinator:
         self.feedback.calibrate(live, (now - cyc.started_at) * 1000.0)
         if self.elche.is_calibrated:
             self.roles.on_calibrated(self.feedback.smoothed_ms(), live)
-        self.global_step += sum(moved[r] for r in cyc.ranks)
+        self.global_step += sum(moved[r] for r in cyc.ranks if r in held)  # a rank that left took its steps along
         self.avg_count += 1
         self._abandoned = 0
         whole = self.mode.hard_barrier or not self._steps.stepped(self.liveness.live)  # none trained past it

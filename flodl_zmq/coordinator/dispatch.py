@@ -141,22 +141,26 @@ def remainder_spans(plans: Sequence[EpochPlan], samples_done: int) -> list[tuple
 
 
 def extend_partition_plans(
-    epoch: int, remainder: Sequence[tuple[int, int]], survivors: Sequence[int]
+    epoch: int, remainder: Sequence[tuple[int, int]], survivors: Sequence[int], batch_size: int = 1
 ) -> list[tuple[int, EpochPlan]]:
     """Split a dead rank's remainder across `survivors` as `(rank, plan)` ExtendPartition records.
 
     The remainder (all its spans laid end to end) is cut into equal contiguous
-    shares in ascending survivor order, the first `total % n` survivors taking
-    one more sample; a share that crosses a span boundary becomes two records.
-    Survivors with an empty share get nothing. With no survivors it returns
-    nothing: the run is lost and the coordinator's all-ranks-lost check ends it.
+    shares of whole batches in ascending survivor order, the first `batches % n`
+    survivors taking one more, the last any short batch (each share ending in a
+    short batch of its own would be a step more each); a share that crosses a
+    span boundary becomes two records. Survivors with an empty share get
+    nothing. With no survivors it returns nothing: the run is lost and the
+    coordinator's all-ranks-lost check ends it.
     """
     order = sorted(survivors)
     total = sum(size for _, size in remainder)
     if not order or total == 0:
         return []
-    base, extra = divmod(total, len(order))
-    shares = [base + (1 if i < extra else 0) for i in range(len(order))]
+    batches, tail = divmod(total, batch_size)
+    base, extra = divmod(batches, len(order))
+    shares = [(base + (1 if i < extra else 0)) * batch_size for i in range(len(order))]
+    shares[-1] += tail
     out: list[tuple[int, EpochPlan]] = []
     spans = [list(span) for span in remainder if span[1] > 0]
     for rank, share in zip(order, shares, strict=True):

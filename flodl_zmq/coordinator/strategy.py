@@ -206,7 +206,8 @@ class SyncPartitions:
         )
         self._assigned[rank] = self._reported[rank]
         sends: list[Send] = []
-        for r, plan in dispatch.extend_partition_plans(self._epoch, remainder, self._liveness.live):
+        for r, plan in dispatch.extend_partition_plans(self._epoch, remainder, self._liveness.live,
+                                                           self._config.batch_size):
             self._plans[r].append(plan)
             self._assigned[r] += plan.size
             sends.append((r, rec.ExtendPartition(epoch=plan.epoch, offset=plan.offset, size=plan.size)))

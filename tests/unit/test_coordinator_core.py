@@ -290,6 +290,23 @@ def test_dead_sync_rank_hands_on_only_what_no_consensus_holds():
     assert of(outs, rec.ExtendPartition) == [rec.ExtendPartition(0, 1, 9)]
 
 
+def test_a_rank_that_leaves_mid_round_takes_its_step_along_from_the_global_step_and_the_consensus():
+    # Round 2 opens on both ranks' second steps; rank 0 leaves before depositing. The consensus holds rank 1's
+    # step alone: the global step (the schedule's, the evals' samples) counts 3, and rank 0's second sample
+    # is trained again, by rank 1 once that round is over.
+    c, _ = make(world=2, mode="sync", total=20)
+    for r in (0, 1):
+        batch(c, r, 1)
+    finish(c, 1, [0, 1])
+    for r in (0, 1):
+        batch(c, r, 2)
+    assert c.cycle is not None and c.cycle.round == 2
+    assert of(c.on_rank_death(0, "exit", 0.3), rec.ExtendPartition) == []  # not before the round says what it holds
+    outs = c.on_round_complete(2, 0.4, ranks=[1]) + ack(c, 1, 2, 0.4)
+    assert c.global_step == 3
+    assert of(outs, rec.ExtendPartition) == [rec.ExtendPartition(0, 1, 9)]
+
+
 def test_death_forfeits_the_in_flight_chunk_to_a_survivor():
     c, outs = make(total=40)
     plans = {o.dest: o.record.plan for o in outs if isinstance(o.record, rec.StartEpoch)}

@@ -432,3 +432,12 @@ def test_sync_partitions_step_as_many_times_as_one_process_and_only_the_last_is_
     if total // batch >= world:
         assert all(s % batch == 0 for s in sizes[:-1])
         assert sum(-(-s // batch) for s in sizes) == -(-total // batch)
+
+
+def test_a_dead_ranks_remainder_goes_to_the_survivors_in_whole_batches():
+    # 64 samples in batches of 16 over three survivors were 22 + 21 + 21: three short batches, two steps more
+    # than the four the dead rank would have taken.
+    plans = extend_partition_plans(1, [(64, 64)], [0, 2, 3], batch_size=16)
+    assert [(r, p.offset, p.size) for r, p in plans] == [(0, 64, 32), (2, 96, 16), (3, 112, 16)]
+    tail = extend_partition_plans(1, [(64, 40)], [0, 2], batch_size=16)
+    assert [(r, p.offset, p.size) for r, p in tail] == [(0, 64, 16), (2, 80, 24)]
