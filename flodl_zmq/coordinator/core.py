@@ -471,12 +471,12 @@ class Coordinator:
         cyc = self.cycle
         assert cyc is not None
         live = self.liveness.live_mask
-        moved = self._steps.credit(cyc.snapshot, cyc.ranks)  # only the snapshotted steps are in it
         held = cyc.deposited if cyc.deposited is not None else {r for r in cyc.ranks if live[r]}
-        for r in held:
-            if (deposit := self._ahead.in_flight(r, cyc, self.avg_count)) is not None and deposit[0] == cyc.round:
-                self.dispatch.bank(r, deposit[1])
-        self._settle(cyc.round)
+        deposits = {r: d[1] for r in held if (d := self._ahead.in_flight(r, cyc, self.avg_count)) and d[0] == cyc.round}
+        for r, steps in deposits.items():  # what each trained by then is in it
+            self.dispatch.bank(r, steps)
+        moved = self._steps.credit([deposits.get(r, s) for r, s in enumerate(cyc.snapshot)], cyc.ranks)  # rounds.py
+        self._settle(cyc.round)  # and what ranks that left took along goes back
         self._aggregate(now)  # the epochs it completes: their callbacks go out before the Updates
         cyc.coverage, cyc.last_aggregated = self.dispatch.coverage(), self.last_aggregated  # what it holds
         cyc.credited = [moved[r] for r in cyc.ranks if live[r]]

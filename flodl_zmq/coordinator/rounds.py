@@ -9,9 +9,11 @@ Rules this module keeps:
   (in `Batch` and `Heartbeat`) is monotonic since the process started, so a
   window is the counter minus its value at the last finished reduce, and a
   lost or reordered record can neither wedge the gate nor roll it back.
-- **Only snapshotted steps are credited.** A cycle snapshots every counter at
-  its trigger; at the finish the base moves to the snapshot, so steps taken
-  while the round was in flight count towards the next window.
+- **Only deposited steps are credited.** A cycle snapshots every counter at
+  its trigger; at the finish a rank's base moves to its deposit (its count
+  when its `SnapshotReady` came, which a rank sends after reporting every step
+  before it; the trigger's count without one), so steps taken after its
+  deposit count towards the next window.
 - **The gate counts steps, never wall time** (a time-based gate deadlocked
   upstream: its target depended on samples that only land when it fires).
 - **A deposit told ahead parks its rank.** Under Cadence a chunk that fills

@@ -23,9 +23,11 @@ def _run(total: int, sim: SimConfig) -> tuple[list[Evaluated], list[EvalsMerged]
 
 
 def test_an_epoch_shorter_than_a_round_is_not_scored_twice_with_the_next_and_says_where_it_was_scored():
-    # 8 batches an epoch on a pair, rounds of 100 ms: epochs 2 and 3 end during one round's flight, and
-    # the next consensus is the first to hold both (it was scored twice, as epoch 2 and as epoch 3).
-    scored, merged = _run(64, SimConfig(seed=0, upload_s=0.05, reduce_s=0.05))
+    # 4 batches an epoch on a pair, rounds of 100 ms: two epochs end during one round's flight, and the
+    # next consensus is the first to hold both (it was scored twice, as each). (At 8 batches an epoch, since
+    # an epoch trained whole opens its round at once, each epoch got a consensus of its own.)
+    total = 32
+    scored, merged = _run(total, SimConfig(seed=0, upload_s=0.05, reduce_s=0.05))
     samples = [s.samples for s in scored]
     assert len(set(samples)) == len(samples), [(s.result.epoch, s.samples) for s in scored]
     assert merged, "no consensus held two epochs' ends: the case is not exercised"
@@ -36,7 +38,7 @@ def test_an_epoch_shorter_than_a_round_is_not_scored_twice_with_the_next_and_say
     assert all(m.samples in samples for m in merged)
     # Each scored consensus holds the epochs its eval is for.
     for s in scored:
-        assert s.samples >= min(s.result.epoch, EPOCHS) * 64
+        assert s.samples >= min(s.result.epoch, EPOCHS) * total
 
 
 def _calls(*epochs: int) -> list[tuple[int, rec.Checkpoint | rec.ExecuteEval]]:
