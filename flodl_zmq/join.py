@@ -409,7 +409,9 @@ class JoinWindow:
         if any(m.host == host for m in (*self._members, *self._pending)):
             return (
                 f"{DUPLICATE_JOIN}: host {host!r} is already a member (a stale worker still running, "
-                "or two machines sharing one name); stop the old agent or give this one --host"
+                "two machines sharing one name, or an agent restarted before the controller declared its "
+                "dead predecessor lost: that takes the controller's --host-silence, FLODL_HOST_SILENCE); "
+                "stop the old agent, give this one another --host, or retry once the old one is lost"
             )
         return None
 

@@ -111,6 +111,9 @@ def test_duplicate_host_is_refused_and_burns_no_rank_ids():
     w.admit(hello("a"), 100.0)
     reason = rejected(w.admit(hello("a", 2), 101.0))
     assert "duplicate join" in reason and "'a'" in reason
+    # An operator restarting a crashed agent at once meets this too: the message names the wait, not only
+    # "stop the old agent" (which is dead).
+    assert "--host-silence" in reason and "retry once the old one is lost" in reason
     assert w.admit(hello("b"), 102.0).ranks == (1,)
 
 
