@@ -417,7 +417,7 @@ class RoundLedger:
             host = self._owner[member] if self.per_rank else member
             by_host[host] = by_host.get(host, 0.0) + mass
         hosts = tuple(sorted(by_host))
-        ranks = frozenset().union(*(self._frame_ranks.pop(m, ()) for m in rnd.members))
+        ranks = frozenset().union(*(self._frame_ranks.get(m, ()) for m in rnd.members))
         self._frame_ranks.clear()
         self.latest = Reduced(rnd.round_id, rnd.mass, hosts, tuple(outputs), tuple(by_host[h] for h in hosts),
                               tuple(sorted(ranks)))

@@ -438,15 +438,15 @@ class Coordinator:
         self._maybe_end(now)
 
     def _score_awaits_average(self) -> bool:
-        """Async: a due eval or checkpoint opens its round at once, not a window later (ranks train on through
-        it); not in the run's last half window, which the final round takes whole (`in_run_tail`)."""
-        first = self.callbacks.first_epoch()  # runs on every record: the steps are summed only where they decide
-        tail = self.dispatch.in_run_tail(self.last_aggregated, windows=0.5)
-        done = self.dispatch.done_through(self.last_aggregated)  # > last_aggregated: an epoch waits for a consensus
-        return not self.mode.barrier_paced and not tail and self._steps.stepped(self.liveness.live) and (
-            done > self.last_aggregated or (first is not None and first - 1 <= done) or (
-                self.liveness.is_live(self.roles.eval)
-                and self.evals.awaits_round(self.global_step + sum(self._steps.window()))))
+        """Async: a due eval or checkpoint opens its round at once (ranks train on through it), not a window later,
+        nor in the run's last half window, which the final round takes whole. Per record: the sums come last."""
+        if self.mode.barrier_paced or not self._steps.stepped(self.liveness.live) or self.dispatch.in_run_tail(
+                self.last_aggregated, windows=0.5):
+            return False
+        first, done = self.callbacks.first_epoch(), self.dispatch.done_through(self.last_aggregated)
+        return done > self.last_aggregated or (first is not None and first - 1 <= done) or (
+            self.liveness.is_live(self.roles.eval)
+            and self.evals.awaits_round(self.global_step + sum(self.window_steps)))
 
     def _trigger(self, now: float, final: bool = False) -> None:
         live = tuple(self.liveness.live)

@@ -103,7 +103,7 @@ class Cycle:
             started_at=now,
             ranks=ranks,
             snapshot=list(steps.count),
-            coverage=dispatch.coverage(),
+            coverage={},  # what it holds is known at its release (`bank`)
             last_aggregated=last_aggregated,
             done_through=dispatch.done_through(last_aggregated),
         )
@@ -218,9 +218,8 @@ def gate_open(
     last_aggregated: int,
 ) -> bool:
     """The count-based gate: every live rank full, throttled or quiesced, and one stepped; shut in the
-    run's tail (`in_run_tail`) unless a rank is throttled, which waits for a round."""
-    if not throttled and dispatch.in_run_tail(last_aggregated):
-        return False
+    run's tail (`in_run_tail`, asked only of a gate that would open) unless a rank is throttled, which
+    waits for a round."""
     any_mover = False
     for r in live:  # per record: stops at the first rank not done
         moved = steps.count[r] - steps.base[r]
@@ -232,7 +231,7 @@ def gate_open(
             or dispatch.quiesced(r, last_aggregated)
         ):
             return False
-    return any_mover
+    return any_mover and (bool(throttled) or not dispatch.in_run_tail(last_aggregated))
 
 
 def over_lead_cap(window: list[int], diff: int) -> list[int]:

@@ -430,7 +430,8 @@ class ChunkStream:
 
     def epoch_done(self, epoch: int) -> bool:
         pool = self.pools.get(epoch)
-        return pool is not None and pool.is_done() and not any(e == epoch for e, _ in self._unbanked_spans())
+        return pool is not None and pool.is_done() and not any(
+            m.epoch == epoch for chunks in self._unbanked for _, m, _ in chunks)
 
     def close_epoch(self, epoch: int, now: float) -> float | None:
         del self.pools[epoch]
