@@ -63,7 +63,7 @@ from flodl_zmq.wire.stream import RESEND_AFTER_S, InOrder, Outage, Outstream
 
 log = logging.getLogger(__name__)
 # Why a relay reported a rank gone is in its own log; the controller's line says where to look.
-RELAY_SAW = "an exit, silence, or a deposit or record it refused (that host's relay log says which)"
+RELAY_SAW = "an exit, silence, its agent's death, or a deposit or record it refused (that host's relay log says which)"
 
 
 class Upstream(Protocol):

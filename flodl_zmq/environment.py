@@ -27,7 +27,8 @@ and sets:
                       reports every relay and rank exit (`ExitReports`), as an agent does
     FLODL_LIFELINE_FD every role under `flodl-zmq launch`, and an agent's relay and ranks: the
                       read end of a pipe only the parent holds open; its end of file means
-                      the parent is gone, and the process stops as on SIGTERM (`watch_lifeline`)
+                      the parent is gone: the process stops as on SIGTERM, and a rank or a
+                      relay as a failure, not a goodbye (`watch_lifeline`)
 
 and the settings of flodl_zmq/settings.py that a child reads (FLODL_SLOWDOWN,
 FLODL_STARTUP_TIMEOUT, the relay's and the rank's timings), written and read
@@ -344,18 +345,24 @@ def _fd(env: Mapping[str, str], name: str) -> int | None:
         raise ConfigError(f"{name} must be a file descriptor number") from None
 
 
-def watch_lifeline(fd: int) -> None:
-    """Stop this process as on SIGTERM once the launcher that holds the pipe's write end is gone.
+def stop_as_on_sigterm() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
 
-    Its children run in sessions of their own, so a launcher killed outright
+
+def watch_lifeline(fd: int, on_lost: Callable[[], None] = stop_as_on_sigterm) -> None:
+    """Call `on_lost` (from a thread of its own) once the launcher or agent that holds the pipe's write end is gone.
+
+    Its children run in sessions of their own, so a parent killed outright
     (SIGKILL, a test harness's timeout) signals none of them; the kernel closing
-    its end of this pipe is the one notice that always comes.
+    its end of this pipe is the one notice that always comes. A parent that
+    stops its children on purpose signals them first, so only a parent's death
+    is told apart this way: a rank and a relay then leave as failures.
     """
 
     def watch() -> None:
         while os.read(fd, 4096):  # nothing is ever written: only the end of file matters
             pass
-        os.kill(os.getpid(), signal.SIGTERM)
+        on_lost()
 
     threading.Thread(target=watch, name="flodl-lifeline", daemon=True).start()
 

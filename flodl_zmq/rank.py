@@ -228,15 +228,17 @@ class RankRuntime:
             if self._can_train():
                 yield self._take_batch()
 
-    def close(self, failed: bool, linger: bool = True) -> int:
+    def close(self, failed: bool, linger: bool = True, goodbye: bool = True) -> int:
         """Say goodbye (`Exiting`) and release everything; the rank's exit status (`linger`: `RankLink.close`).
 
         A rank that lost the coordinator, or was declared dead by it, waits for no acknowledgement of its
-        goodbye: none will come.
+        goodbye: none will come. One whose agent died (`goodbye` False) says none: it is not leaving on
+        purpose, and its relay reports it gone.
         """
         lost = bool(self._stop_reason and self._stop_reason.startswith("lost"))
         try:
-            self.link.send(rec.Exiting(rank=self.cfg.rank))
+            if goodbye:
+                self.link.send(rec.Exiting(rank=self.cfg.rank))
             self.link.close(linger=linger and not lost)
         finally:
             self.pipeline.close()

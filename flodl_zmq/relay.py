@@ -61,7 +61,8 @@ Rules the relay keeps:
 - Liveness (the wheels have no ROUTER_NOTIFY): a rank is dead when it says
   goodbye (timing.exiting), when no control record arrived from it within
   `rank_silence_at_relay_s` (or `rank_first_record_at_relay_s` before its first
-  one), or when the controller sends DeclareDead. Death is permanent, leaves
+  one), when the controller sends DeclareDead, or when the host's agent dies
+  (its lifeline closes: `Relay.orphan`). Death is permanent, leaves
   the fold barrier at once and is reported upstream as RankExit, restated
   every RESEND_AFTER_S for the rest of the run (one lost in a reset must not
   leave the controller waiting for a timeout; a repeat changes nothing).
@@ -165,6 +166,10 @@ log = logging.getLogger(__name__)
 GOODBYE = "said goodbye"
 
 
+class AgentGone:
+    """`Relay.orphan`'s word to the control thread, which owns the ranks' liveness."""
+
+
 class Relay:
     """One host's relay: control byte router, data fold station, consensus fan-out.
 
@@ -191,6 +196,7 @@ class Relay:
         self._data_thread = ServiceLoop(f"relay-{config.host}-data")
         self._counts: dict[str, collections.Counter[str]] = {"control": collections.Counter(), "data": collections.Counter()}
         self.error: BaseException | None = None
+        self.orphaned = False  # `orphan`
         self.fold = FoldStation(config.ranks, unfolded=config.aggregation != "mean")
         self.shard = None if shard is None else ReducerService(shard)
         # Both upstream DEALERs carry it: stable for this process, so a reconnect keeps the route.
@@ -223,6 +229,12 @@ class Relay:
                 t.join(timeout)
         if self.shard is not None:
             self.shard.stop(timeout)
+
+    def orphan(self) -> None:
+        """The agent (or launcher) that started this host's processes is gone, and the ranks with it: report each
+        live one gone now, as a failure (its goodbye, if it sent one, came first), so the run acts on it at once."""
+        self.orphaned = True
+        self._control_thread.put(AgentGone())
 
     @property
     def running(self) -> bool:
@@ -364,6 +376,7 @@ class _ControlPlane(Plane):
         loop.on_socket(self.up, lambda: self.drained(self.up, self.to_rank))
         loop.on_stall(self.live.stalled)
         loop.on_message(RankRefused, lambda refused: self.violation(refused.rank, refused.why))
+        loop.on_message(AgentGone, lambda _: self.orphaned())
         loop.timer(self.hello.next_due, self.say_hello)
         loop.timer(self.live.next_due, self.expire)
         loop.timer(lambda: self.reports.due_at, lambda now: self.report_up())
@@ -429,6 +442,11 @@ class _ControlPlane(Plane):
         """`rank` broke the protocol: it is out, as for any departure."""
         if self.live.leave(rank):
             self.death(rank, reason)
+
+    def orphaned(self) -> None:
+        """The host's agent is gone (`Relay.orphan`): each rank still here goes with it."""
+        for rank in sorted(self.live.roster - self.live.dead):
+            self.violation(rank, "its host's agent is gone (its lifeline closed)")
 
     def act_on(self, rank: int, env: Any, msg: list[bytes]) -> None:
         """A record of `rank`, authentic and its own: merged or sent up."""
@@ -496,7 +514,7 @@ def shard_config(penv: ProcessEnv, cfg: RelayConfig) -> ReducerConfig | None:
 
 
 def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
-    """The relay role: broker this host's ranks until every one of them has left (or SIGTERM).
+    """The relay role: broker this host's ranks until every one of them has left (or SIGTERM, or its agent's death).
 
     `wire`: the run's wire format when the caller knows it (a user's script run as the relay);
     else the one its environment announces (FLODL_WIRE_DTYPE), if any (wire_format.py).
@@ -518,10 +536,13 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
     relay.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: relay.stop(timeout=0))
+    if penv.lifeline_fd is not None:
+        watch_lifeline(penv.lifeline_fd, relay.orphan)
     ranks = set(cfg.ranks)
     while not relay.wait(0.2):
-        # A host's shard reduces every host's chunks: its relay stays until no rank of the run is left.
-        if ranks <= relay.fold.dead and (relay.shard is None or not relay.shard.serving()):
+        # A host's shard reduces every host's chunks: its relay stays until no rank of the run is left,
+        # or its agent is gone (the run then loses the shard with the host).
+        if ranks <= relay.fold.dead and (relay.orphaned or relay.shard is None or not relay.shard.serving()):
             # Give the last goodbye and any shipped frame time to leave before closing.
             time.sleep(0.5)
             break
@@ -536,8 +557,6 @@ def main() -> int:
     if penv is None or penv.role != "relay":
         raise SystemExit("python -m flodl_zmq.relay runs a host's relay for `flodl-zmq launch` or an agent; "
                          "it needs their FLODL_ROLE=relay environment")
-    if penv.lifeline_fd is not None:
-        watch_lifeline(penv.lifeline_fd)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return run_relay(penv)
 

@@ -67,6 +67,7 @@ import contextvars
 import copy
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
@@ -86,6 +87,7 @@ from flodl_zmq.environment import (
     ProcessEnv,
     interrupted_exit,
     raise_interrupt_on_sigterm,
+    stop_as_on_sigterm,
     watch_lifeline,
 )
 from flodl_zmq.errors import ConfigError, SessionError
@@ -112,8 +114,23 @@ class RankTerminated(SystemExit):
         super().__init__(TERMINATED_EXIT)
 
 
+class RankOrphaned(RankTerminated):
+    """The rank's lifeline closed: the agent or launcher that started it is gone (SIGKILLed, say). The rank leaves
+    without a goodbye: its relay reports it gone, and the run counts it as a failure, not as leaving on purpose."""
+
+
 def _terminate(*_: Any) -> None:
     raise RankTerminated()
+
+
+def _orphaned(*_: Any) -> None:
+    raise RankOrphaned()
+
+
+def _hang_up() -> None:
+    """A rank's end of its lifeline: SIGHUP, which `_orphaned` turns into RankOrphaned in the main thread (or,
+    before the rank set that handler, ends the process outright: a rank not yet started says nothing either)."""
+    os.kill(os.getpid(), signal.SIGHUP)
 
 
 @dataclass
@@ -251,8 +268,8 @@ class Session:
                 f"Trainer(...).run() or a Session ran outside the main thread of a cluster process ({penv.role}): "
                 "its role stops on SIGTERM, which Python delivers to the main thread only; call it from the "
                 "script's main thread (alone, in one process, any thread works)")
-        if penv.lifeline_fd is not None:
-            watch_lifeline(penv.lifeline_fd)
+        if penv.lifeline_fd is not None and penv.role != "relay":  # the relay watches its own (run_relay)
+            watch_lifeline(penv.lifeline_fd, _hang_up if penv.role == "rank" else stop_as_on_sigterm)
         job = self.job
         job.check_settings(penv.settings)  # the run's settings agree with the job (wire format, beats)
         # A relay's comings and goings (ranks joining, leaving) are what an operator reads
@@ -284,6 +301,7 @@ class Session:
 
             raise SystemExit(run_relay(penv, job.wire))  # a script run as the relay knows the format
         signal.signal(signal.SIGTERM, _terminate)
+        signal.signal(signal.SIGHUP, _orphaned)
         self._loop = self._rank(penv)
         self._loop.start()
 
@@ -333,7 +351,8 @@ class Session:
             if kind is not None and issubclass(kind, Exception):
                 log.error("rank %d: training failed", loop.cfg.rank, exc_info=(kind, exc, tb))  # type: ignore[arg-type]
             # Stopped by a signal: who sent it reports the exit, so nobody's acknowledgement is awaited.
-            code = loop.close(failed=kind is not None, linger=not isinstance(exc, RankTerminated))
+            code = loop.close(failed=kind is not None, linger=not isinstance(exc, RankTerminated),
+                              goodbye=not isinstance(exc, RankOrphaned))
             if kind is None or issubclass(kind, Exception):
                 raise SystemExit(code)
         # The controller's result is set on entering; a relay never gets here.

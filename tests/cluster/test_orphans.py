@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -99,8 +100,9 @@ def start(argv: list[str]) -> subprocess.Popen:
     return proc
 
 
-def wait_for_an_epoch(proc: subprocess.Popen) -> None:
+def wait_for_an_epoch(proc: subprocess.Popen) -> queue.Queue[str]:
     """Return once `proc` (a launcher or a controller) printed a trained epoch: every rank is past start-up.
+    The lines it prints after that come on the queue returned.
 
     A rank watches its lifeline from `Trainer.run` on; a rank still importing
     torch when its parent dies stops only when it gets there.
@@ -108,17 +110,25 @@ def wait_for_an_epoch(proc: subprocess.Popen) -> None:
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(raw.decode(errors="replace")) for raw in proc.stdout],
                      daemon=True).start()
-    deadline, seen = time.monotonic() + 90, []
+    if next_line(lines, lambda line: line.startswith(("[controller] epoch ", "epoch ")), 90) is None:
+        proc.kill()
+        proc.wait(10)
+        pytest.fail("the cluster trained no epoch within 90 s")
+    return lines
+
+
+def next_line(lines: queue.Queue[str], wanted: Callable[[str], bool], timeout: float) -> str | None:
+    """The first line `wanted` within `timeout` s (None then); every line read is printed, for a failure's log."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            seen.append(lines.get(timeout=1.0))
+            line = lines.get(timeout=1.0)
         except queue.Empty:
             continue
-        if seen[-1].startswith("[controller] epoch ") or seen[-1].startswith("epoch "):
-            return
-    proc.kill()
-    proc.wait(10)
-    pytest.fail("the cluster trained no epoch within 90 s:\n" + "".join(seen[-40:]))
+        print(line, end="")
+        if wanted(line):
+            return line
+    return None
 
 
 def left_after_deadline(children: dict[int, str]) -> dict[int, str]:
@@ -170,7 +180,7 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", FLODL_KEY=key, **SILENCE)
     controller = subprocess.Popen(
         [sys.executable, "-m", "flodl_zmq.cli", "controller", "--bind", address, "--min-ranks", "2",
-         "--target-ranks", "2", "--", *DEMO],
+         "--target-ranks", "2", "--host-silence", "600", "--", *DEMO],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     agents = [subprocess.Popen(
         [sys.executable, "-m", "flodl_zmq.cli", "agent", "--controller", address, "--host", f"h{i}",
@@ -185,10 +195,14 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
             children = children_of(agents[0].pid)
             time.sleep(0.2)
         assert sorted(children.values()) == ["rank", "relay", "warm"], f"agent h0 started {children} within 90 s"
-        wait_for_an_epoch(controller)
+        lines = wait_for_an_epoch(controller)
         run_id = bytes.fromhex(environ_of(next(p for p, role in children.items() if role == "relay"))["FLODL_INCARNATION"])
         agents[0].kill()
         agents[0].wait(10)
+        # Its rank is a failure, reported by its relay as it goes: not a goodbye (a rank leaving on purpose,
+        # which max_failures would not count), and not after the host's silence (600 s here).
+        said = next_line(lines, lambda line: "declared dead" in line or "said goodbye" in line, ORPHAN_DEADLINE_S)
+        assert said is not None and "declared dead: the relay on h0 saw it leave" in said, said
         left = left_after_deadline(children)
         assert not left, f"still running {ORPHAN_DEADLINE_S:g} s after their agent was SIGKILLed: {left}"
     finally:
