@@ -70,7 +70,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -92,12 +91,9 @@ from flodl_zmq.agent_rules import (
     check_comeback,
     check_world,
     device_env,
-    parse_script,
-    resolve_devices,
     worth_redialling,
 )
-from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import RELAY_ARGV, ProcessEnv, with_tunables
+from flodl_zmq.environment import REFUSED_EXIT, RELAY_ARGV, ProcessEnv, SpawnSpec, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.join import CHALLENGE_NONCE_BYTES
 from flodl_zmq.launch import signal_group, warm_interpreter
@@ -114,13 +110,11 @@ from flodl_zmq.security import (
     SECRET_ENV,
     SERVER_ENV,
     CleartextWarner,
-    CurveKeys,
     apply_client,
 )
-from flodl_zmq.settings import Settings, add_arguments
 from flodl_zmq.trust import JOIN_RUN_ID, OPEN_JOIN_KEY
-from flodl_zmq.warm import WarmProcess, WarmServer, check_target, runnable, start
-from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, Envelope, session_key
+from flodl_zmq.warm import WarmProcess, WarmServer, runnable, start
+from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, Envelope
 from flodl_zmq.wire.mac import check_key
 from flodl_zmq.wire.records import (
     Abort,
@@ -234,9 +228,19 @@ class Agent:
         log.info("joined as rank(s) %s; waiting for the world to form (up to %.0f s)", reply.ranks, reply.formation_wait_s)
         self._codec = Codec(check_key(key), reply.incarnation, cfg.host)  # this controller's (PROTOCOL.md 4.4)
         formed = self._await_world(reply)
-        spawn = check_world(formed, cfg, reply.ranks, "formed")  # before anything of it is used
+        spawn = self._checked_world(formed, reply.ranks, "formed")
         return Joined(tuple(reply.ranks), key, reply.run_id, formed.incarnation, formed.world_size, spawn,
                       reply.host_token, formed.route_secret)
+
+    def _checked_world(self, formed: WorldFormed, ranks: Sequence[int], what: str) -> SpawnSpec:
+        """`check_world`, before anything of the world is used. A world refused is reported as its ranks' exits
+        (REFUSED_EXIT), so that the run goes on without them at once, not after this host's silence."""
+        try:
+            return check_world(formed, self.config, ranks, what)
+        except MembershipError:
+            for rank in ranks:
+                self._send(RankExited(rank, REFUSED_EXIT))
+            raise
 
     def _hello(self, join_reply_timeout_s: float) -> Any:
         """Ask for a challenge, then send the hello it makes fresh: the controller's answer (None: none in time).
@@ -365,7 +369,7 @@ class Agent:
     def _reform(self, before: Joined, formed: WorldFormed) -> Joined:
         """The world this host runs next, after a re-form: the same run, our ranks as they were."""
         self._reformed = None
-        spawn = check_world(formed, self.config, before.ranks, "re-formed")  # before anything of it is used
+        spawn = self._checked_world(formed, before.ranks, "re-formed")
         log.info("host %r: the world re-formed (%d ranks); starting ranks %s again from the checkpoint",
                  self.config.host, formed.world_size, list(before.ranks))
         return Joined(before.ranks, before.session_key, before.run_id, formed.incarnation, formed.world_size, spawn,
@@ -643,57 +647,3 @@ class Agent:
         if self.config.curve is not None:
             apply_client(self._sock, self.config.curve)
         self._sock.connect(self.config.controller.endpoint(Channel.JOIN))
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_command(sub: Any) -> None:
-    """Register `flodl-zmq agent` on the sub-command parser."""
-    p = sub.add_parser(
-        "agent",
-        help="join a controller's run as a worker host and run its ranks",
-        description=(
-            "Dial the controller's join endpoint (PORT+3), join its run, then start this host's relay and one "
-            "rank per device running the controller's program, which must be the one given here by --script "
-            "(or FLODL_SCRIPT): SCRIPT or -m MODULE. The session key comes from FLODL_KEY (64 hex "
-            "characters, the controller's); without it the agent asks for open admission, which needs the "
-            "controller's CURVE public key (FLODL_CURVE_SERVER or --curve-server) to authenticate it. With "
-            "that key every link of this host is encrypted. Exit status: 0 when "
-            "the host did its part (even if a rank failed), 1 when the host was torn down, 2 when the join was "
-            "refused or failed."
-        ),
-    )
-    add_arguments(p, "agent")  # flags and their variables: flodl_zmq/settings.py
-    p.set_defaults(func=_agent_command)
-
-
-def _agent_command(args: Any) -> int:
-    settings = Settings.from_args(args)
-    if not settings.controller or not settings.script:  # without a program it could run nothing it is sent
-        raise ConfigError("the agent needs the controller's address, --controller HOST:PORT (FLODL_CONTROLLER), and "
-                          "the program it agrees to run, --script SCRIPT or '-m MODULE' (FLODL_SCRIPT)")
-    host = settings.agent_host or socket.gethostname()
-    logging.basicConfig(level=logging.INFO, format=f"[{host}:agent] %(levelname)s %(message)s")
-    try:
-        sig = bytes.fromhex(settings.dataset_sig) if settings.dataset_sig else bytes(32)
-    except ValueError:
-        raise ConfigError("--dataset-sig must be 64 hex characters") from None
-    devices = settings.devices
-    explicit = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
-    config = AgentConfig(
-        controller=ControllerAddress.parse(settings.controller), host=host,
-        devices=resolve_devices(explicit, settings.cpu_slots, os.environ, None if explicit else run_nvidia_smi()),
-        key=session_key(os.environ),
-        dataset_sig=sig, join_reply_timeout_s=settings.join_reply_timeout_s,
-        join_heartbeat_period_s=settings.join_heartbeat_period_s,
-        controller_silence_at_agent_s=settings.controller_silence_at_agent_s,
-        controller_grace_s=settings.controller_grace_s,
-        curve=CurveKeys.for_client(os.environ, settings.curve_secret_file, settings.curve_server_file),
-        script=tuple(check_target(parse_script(settings.script), "agent")),
-    )
-    agent = Agent(config)
-    try:
-        return agent.run()
-    finally:
-        agent.close()

@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     keygen = sub.add_parser("keygen", help="print a fresh 32-byte session key as hex (for FLODL_KEY)")
     keygen.set_defaults(func=_keygen)
-    from flodl_zmq.agent import add_command as add_agent_command
+    from flodl_zmq.agent_cli import add_command as add_agent_command
     from flodl_zmq.controller import add_commands as add_controller_commands
     from flodl_zmq.launch import add_commands as add_launch_commands
     from flodl_zmq.remote import add_command as add_run_command

@@ -85,7 +85,7 @@ from flodl_zmq.coordinator.outputs import (
     SaveState,
 )
 from flodl_zmq.datasets import dataset_signature
-from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
+from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv, reported_exit
 from flodl_zmq.errors import FlodlError, TrainingError
 from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
@@ -523,7 +523,7 @@ class ControllerService:
                     self._exited(rank, None, f"host {report.host} lost: {report.why}")
                 self._stop_with(shard_lost(self.shards, report.host, f"was lost ({report.why})"))
             else:
-                self._on_exit(report, f"its agent on {report.host} reported exit code {report.code}")
+                self._on_exit(report, reported_exit(report.host, report.code))
 
     def _on_exit(self, report: ChildExit, said: str | None = None) -> None:
         """A relay or rank of this run exited, as the launcher or (`said`) an agent reports it, at once."""

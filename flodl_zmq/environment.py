@@ -377,6 +377,17 @@ INTERRUPTED_EXIT = 130  # a shell's status for SIGINT (Ctrl-C)
 # A process handed a role whose script ended without playing it (no Trainer.run(), no Session): nothing
 # trained, and a 0 told nobody (flodl_zmq/session.py, `unplayed`; launch names the cause by it).
 UNPLAYED_EXIT = 3
+# The ranks of an agent that refused the world its controller formed (a program or a setting it does not run,
+# agent_rules.check_spawn): reported as their exits, so the run goes on without them at once.
+REFUSED_EXIT = 4
+
+
+def reported_exit(host: str, code: int) -> str:
+    """Why a rank is gone, as its agent reported it: the controller's reason for its death."""
+    if code == REFUSED_EXIT:
+        return (f"its agent on {host} refused the run (the program or a setting it was sent is not what it runs: "
+                "that agent's log names both)")
+    return f"its agent on {host} reported exit code {code}"
 
 
 def interrupted_exit(stop: KeyboardInterrupt) -> int:

@@ -23,7 +23,7 @@ import zmq
 from flodl_zmq.agent import Agent
 from flodl_zmq.agent_rules import AgentConfig
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import SpawnSpec
+from flodl_zmq.environment import REFUSED_EXIT, SpawnSpec, reported_exit
 from flodl_zmq.errors import MembershipError
 from flodl_zmq.join import (
     HostDone,
@@ -255,6 +255,23 @@ def test_rank_exits_are_reported_at_once_and_a_failed_rank_is_not_a_host_fault(c
     text = out.getvalue()
     for local, r in enumerate(ranks_b):
         assert f"[b:cpu{local}:r{r}] hello from {r}" in text
+
+
+def test_an_agent_refusing_the_formed_worlds_program_reports_its_ranks_gone_at_once(cluster):
+    # Admitted, then handed a program it does not run: it spawns nothing and says so for each of its
+    # ranks (REFUSED_EXIT), so the controller goes on without them instead of waiting out its silence.
+    c = cluster(target_ranks=3, rank_code="pass")
+    refusing = in_thread(c.agent("b", 2, script=("other.py",)).run)
+    wait_joined(c, 2)
+    other = in_thread(c.agent("a").run)
+    with pytest.raises(MembershipError, match="run refused: .* runs only 'other.py'"):
+        refusing()
+    assert other() == 0
+    seen = events(c.service, timeout=1.0)
+    ranks_b = c.window.members[[m.host for m in c.window.members].index("b")].ranks
+    refused = {e.rank: e.code for e in seen if isinstance(e, RankExitReported) and e.host == "b"}
+    assert refused == {r: REFUSED_EXIT for r in ranks_b}
+    assert reported_exit("b", REFUSED_EXIT).startswith("its agent on b refused the run")
 
 
 def test_a_killed_rank_is_reported_with_the_negative_signal(cluster):

@@ -36,7 +36,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "relay", "relay_data", "reducer_service", "membership", "membership_link", "status_server", "metrics", "control_router",
         "controller_shards", "controller_service", "rank_link", "rank",
     ),
-    "roles": ("session", "accelerate", "api", "controller", "agent", "launch", "remote", "demo", "cli", "warm",
+    "roles": ("session", "accelerate", "api", "controller", "agent", "agent_cli", "launch", "remote", "demo", "cli", "warm",
               "__init__"),
 }
 RANK = {module: i for i, layer in enumerate(LAYERS.values()) for module in layer}
