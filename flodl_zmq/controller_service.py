@@ -225,8 +225,8 @@ class ControllerService:
             finally:
                 self._close(reducer, control, copies, status_server)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from launch or an orchestrator (a KeyboardInterrupt there):
-            self.result.reason = "interrupted"  # closed, as at every end: the run log ends saying so, not mid-round
-            self.report.finish(time.perf_counter() - t0)
+            # Closed, as at every end: the run log ends "interrupted", not mid-round, and the user reads what was not saved.
+            self.report.interrupted(time.perf_counter() - t0, self.kept.last_checkpoint)
             raise
         before = 0.0 if self._carried is None else self._carried.result.wall_s  # the world before a re-form
         return self._finish(time.perf_counter() - t0 + before)
@@ -501,11 +501,10 @@ class ControllerService:
 
     def _formed(self, formed: Formed) -> None:
         self.started = True
-        self.report.started()
+        self.report.started({h: list(rs) for h, rs in self.world.items()}, self.world_size, self.core.avg_count,
+                            restarted=self._carried is None and bool(self.job.resume_from))  # a re-form logs `join`
         for rank, reason in formed.absent.items():
             self.deaths[rank] = (time.time(), f"before the world formed: {reason}")
-        self.report.events.write("start", mode=self.job.mode, epochs=self.job.epochs, world_size=self.world_size,
-                                 world={h: list(rs) for h, rs in self.world.items()})
         if not self.job.quiet:
             absent = f", without rank(s) {sorted(formed.absent)} (gone before it formed)" if formed.absent else ""
             print(f"world formed: {len(formed.hellos)} of {self.world_size} ranks on {len(self.world)} hosts"

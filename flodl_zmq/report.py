@@ -60,13 +60,23 @@ class RunReport:
         self.batches_per_epoch = batches_per_epoch
         self.on_callback_error = on_callback_error
         self._bar: Any = None
-        self._bar_epoch = first_epoch
+        self._bar_epoch = self.first_epoch = first_epoch
         self._t0 = time.perf_counter()
         self.events = RunLog(run_dir, listener)
 
-    def started(self) -> None:
-        """Training starts now: eval times (`eval_at_s`) count from here."""
+    def started(self, world: dict[str, list[int]], world_size: int, round: int, restarted: bool) -> None:
+        """The world formed and training starts now: eval times (`eval_at_s`) count from here.
+
+        A run resumed from a checkpoint or a save says so first (`restarted`): after a controller's restart the
+        rounds after `round` are trained again, and a reader tells this incarnation's lines from the one before's.
+        """
         self._t0 = time.perf_counter()
+        if restarted:
+            self.events.write("restart", checkpoint=self.result.resumed_from, epoch=self.first_epoch, round=round,
+                              incarnation=self.result.incarnation,
+                              reason=f"resumed from {self.result.resumed_from} at epoch {self.first_epoch + 1}, "
+                                     f"round {round}")
+        self.events.write("start", mode=self.job.mode, epochs=self.job.epochs, world_size=world_size, world=world)
 
     def step(self) -> None:
         """One batch was trained: advance the progress bar."""
@@ -184,7 +194,33 @@ class RunReport:
         self.events.close()
         return self.result
 
+    def interrupted(self, wall_s: float, checkpoint: str | None) -> None:
+        """Ctrl-C or SIGTERM stopped the run: finish it as "interrupted", and, when it has a `save_path`, say that
+        nothing was saved there, which its user would otherwise believe (`interrupted_notice`). `checkpoint`: the
+        newest checkpoint this run wrote, if any."""
+        self.result.reason = "interrupted"
+        self.finish(wall_s)
+        if self.job.save_path:
+            print(interrupted_notice(str(self.job.save_path), checkpoint), flush=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def interrupted_notice(save_path: str, checkpoint: str | None) -> str:
+    """What an interrupted run says of its `save_path`: nothing was written there, and where its progress is kept.
+
+    Not saved on purpose: an interruption lands anywhere in the controller's loop, where the kept consensus may be
+    a round ahead of the coverage that describes it; a save may not finish within the 5 s `launch` grants a
+    process it stops; and a Ctrl-C meant as "not this run" must not replace the bundle of an earlier one.
+    """
+    head = (f"interrupted: nothing was saved to {save_path} (save_path is written when the run ends, not when "
+            "Ctrl-C or SIGTERM stops it)")
+    if checkpoint is not None:
+        return (f"{head}; its progress is in the checkpoint {checkpoint}: continue with --resume {checkpoint} "
+                f"(FLODL_RESUME={checkpoint} under launch)")
+    return (f"{head}; to keep progress through an interruption, write checkpoints with --checkpoint-dir DIR "
+            "(FLODL_CHECKPOINT_DIR=DIR under launch; one at every epoch end) and continue with --resume DIR "
+            "(FLODL_RESUME=DIR)")

@@ -21,7 +21,9 @@ place users look from this one stream. Each line is `{"t": unix seconds, "kind":
     join        epoch, round (the consensus it starts from), world {host: [ranks]}, joined,
                 left [hosts], host, reason: the world re-formed with hosts that joined
                 mid-run (PROTOCOL.md 13.1)
-    restart     rank (or host), reason: the world growing back
+    restart     checkpoint, epoch, round, incarnation, reason: the run resumed from a checkpoint or a save (a
+                controller restarted after a crash, --resume, resume_from=); after a restart the rounds after
+                `round` are trained again, and the lines after it are the new incarnation's
     checkpoint  path, reason, epoch
     end         reason, wall_s
 

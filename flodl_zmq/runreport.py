@@ -195,6 +195,7 @@ def _summary(ev: Events, ranks: int) -> str:
         ("ended", end.get("reason", "no end recorded (still running, or crashed)")),
         ("deaths", str(len(ev["death"]))),
         ("exits", str(len(ev["exit"]))),
+        ("controller restarts", str(len(ev["restart"]))),
     ]
     if ev.skipped:
         rows.append(("unreadable lines", f"{ev.skipped} (skipped)"))

@@ -115,6 +115,7 @@ def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_
     monkeypatch.setenv("FLODL_CHECKPOINT_DIR", str(tmp_path))
     monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "4")
     monkeypatch.setenv("FLODL_CHECKPOINT_KEEP", "100")  # the resumed one stays readable for the checks
+    monkeypatch.setenv("FLODL_RUN_DIR", str(tmp_path / "run"))
     # Slow evals up to the kill (epoch 3's), at full speed after it. Held from epoch 5 on until the
     # kill: it lands in epoch 3 whatever this machine's speed, while the ranks train.
     gate = tmp_path / "gate"
@@ -147,6 +148,17 @@ def test_a_sigkilled_controller_is_restarted_from_the_newest_checkpoint_and_the_
     assert [e["epoch"] for e in epochs] == list(range(first, EPOCHS)), epochs
     assert epochs[0]["samples"] + covered(meta, first) == SAMPLES_16, (epochs[0], meta["coordinator"]["coverage"])
     assert all(e["samples"] == SAMPLES_16 for e in epochs[1:]), epochs
+    # The run log says where the second incarnation starts: its rounds follow the checkpoint's round,
+    # which the first incarnation's lines may have passed (those rounds are trained again).
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("restart") == 1 and kinds.count("start") == 2, kinds
+    at = kinds.index("restart")
+    restart = events[at]
+    assert (Path(restart["checkpoint"]), restart["epoch"], restart["incarnation"]) == (Path(resumed), first, 2), restart
+    assert kinds[at + 1] == "start" and kinds.index("start") < at, kinds
+    rounds = [e["round"] for e in events[at:] if e["kind"] == "round"]
+    assert rounds[0] == restart["round"] + 1, (restart, rounds[:3])
     print(f"restart ({when}): accuracy {result['accuracy']:.4f}; relaunch {took:.2f} s")
     reliably_accurate(result)
 
