@@ -480,6 +480,13 @@ class Keeper:
             log.error("checkpoint: could not write %s (%s: %s): a restart with --resume auto would resume this "
                       "completed run from its newest checkpoint", path, type(exc).__name__, exc)
 
+    @property
+    def newest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint of the checkpoint directory, the one `--resume DIR` continues (None: none
+        yet, or checkpoints are off): this run's, or the one it resumed from before it wrote its own."""
+        directory = self.penv.settings.checkpoint_dir
+        return None if directory is None else newest(directory)
+
     def status(self) -> dict[str, Any] | None:
         """What `status` shows of the periodic checkpoints (None: off)."""
         return None if self.writer is None else self.writer.status.to_dict()

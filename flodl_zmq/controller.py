@@ -69,7 +69,7 @@ from flodl_zmq.environment import (
     raise_interrupt_on_sigterm,
     with_tunables,
 )
-from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, WireError
+from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, NoStatusReply, WireError
 from flodl_zmq.io_threads import controller_context
 from flodl_zmq.join import CHALLENGE_NONCE_BYTES, JoinConfig, JoinWindow, WindowPhase
 from flodl_zmq.links import CONTROL_MAX_FRAME_BYTES, JOIN_MAX_FRAMES, limit_receive, recv_bounded
@@ -138,6 +138,7 @@ class ControllerOptions:
                 "no session key: set FLODL_KEY (`flodl-zmq keygen`) on the controller and on every agent, or "
                 "pass --open-admission on a private network to hand a fresh key to each agent that joins"
             )
+        self.address.check_apart(self.settings.metrics_port)
 
 
 def serve(opts: ControllerOptions) -> int:
@@ -373,7 +374,7 @@ def _status_answer(
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not sock.poll(max(1, int(left * 1000))):
-            raise MembershipError(
+            raise NoStatusReply(
                 f"no status reply from the controller at {address} within {status_reply_timeout_s:g} s: it is not "
                 "running or not reachable, or it dropped the request because the key differs (FLODL_KEY must "
                 "be the controller's; unset under open admission)"
@@ -462,35 +463,50 @@ def watch_status(
     address: ControllerAddress, key: bytes | None, curve: CurveKeys | None, status_reply_timeout_s: float,
     interval_s: float, out: Any = None,
 ) -> int:
-    """Redraw `format_watch` every `interval_s` until the run ends (0), or the controller goes quiet.
+    """Redraw `format_watch` every `interval_s` until the run ends (`run_ended`: 0), or the controller goes quiet.
 
     Quiet at first: a controller just launched may still be starting, so it is
     asked again for WATCH_FIRST_CONTACT_S, then MembershipError as plain
-    `status`. Quiet after a reply: the run is over or the controller died;
-    said, and exit status 1.
+    `status`. Quiet after a reply: the controller ended, was stopped or cut
+    off; said, and exit status 1. Not a key that differs: it was just proven.
     """
     out = out or sys.stdout
     clear = "\x1b[H\x1b[2J" if out.isatty() else ""
-    seen = False
+    replies = 0
     give_up = time.monotonic() + WATCH_FIRST_CONTACT_S
     while True:
         try:
             status = query_status(address, key, curve, status_reply_timeout_s=status_reply_timeout_s)
         except MembershipError as exc:
-            if not seen and time.monotonic() < give_up:
+            if not replies and time.monotonic() < give_up:
                 print(f"{clear}controller {address}: no reply yet, still asking", file=out, flush=True)
                 time.sleep(interval_s)
                 continue
-            if not seen:
+            if not replies:
                 raise
-            print(f"controller {address} stopped answering: {exc}", file=out, flush=True)
+            why = (f"none within {status_reply_timeout_s:g} s: it ended or was stopped, or the link was cut; its own "
+                   "output says how" if isinstance(exc, NoStatusReply) else str(exc))
+            print(f"controller {address} stopped answering after {replies} {'reply' if replies == 1 else 'replies'} "
+                  f"({why})", file=out, flush=True)
             return 1
-        seen = True
+        replies += 1
         print(clear + format_watch(address, status), file=out, flush=True)
-        t = status.get("training")
-        if t is not None and t.get("ended"):
+        ended = run_ended(status)
+        if ended is not None:
+            print(f"controller {address}: the run ended ({ended})", file=out, flush=True)
             return 0
         time.sleep(interval_s)
+
+
+def run_ended(status: Mapping[str, Any]) -> str | None:
+    """How the run ended, by a status reply; None while it runs. A join window that failed is an end too:
+    no world forms after it (a SIGTERM before formation fails it), and its endpoint closes."""
+    t = status.get("training")
+    if t is not None and t.get("ended"):
+        return str(t["ended"])
+    if status.get("phase") == WindowPhase.FAILED.value:
+        return f"before its world formed: {status.get('reason')}"
+    return None
 
 
 # --------------------------------------------------------------------------- command line

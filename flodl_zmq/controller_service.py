@@ -72,7 +72,7 @@ from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
 from flodl_zmq.control_router import ControlRouter
 from flodl_zmq.controller_shards import ConsensusCopies, shard_lost, slice_sizes
 from flodl_zmq.coordinator.core import Coordinator
-from flodl_zmq.coordinator.liveness import STOP_HINTS, RankState
+from flodl_zmq.coordinator.liveness import RankState, stop_hint
 from flodl_zmq.coordinator.outputs import (
     CONTROLLER,
     REDUCER,
@@ -226,7 +226,7 @@ class ControllerService:
                 self._close(reducer, control, copies, status_server)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from launch or an orchestrator (a KeyboardInterrupt there):
             # Closed, as at every end: the run log ends "interrupted", not mid-round, and the user reads what was not saved.
-            self.report.interrupted(time.perf_counter() - t0, self.kept.last_checkpoint)
+            self.report.interrupted(time.perf_counter() - t0, self.kept.newest_checkpoint)
             raise
         before = 0.0 if self._carried is None else self._carried.result.wall_s  # the world before a re-form
         return self._finish(time.perf_counter() - t0 + before)
@@ -302,7 +302,7 @@ class ControllerService:
         self.report.finish(wall_s)  # after the save: the log ends with the run's end
         if reason is not None:
             raise TrainingError(
-                f"the run stopped early ({reason.value}){STOP_HINTS.get(reason, '')}; "
+                f"the run stopped early ({reason.value}){stop_hint(reason, self.core.liveness)}; "
                 + (f"its state is saved in {self.result.saved}: continue with resume_from={self.job.save_path!r}"
                    if self.result.saved else "set save_path to keep the consensus of a run that stops early")
             )

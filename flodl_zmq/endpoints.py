@@ -13,6 +13,7 @@ separate TCP connections so a model frame never delays a heartbeat.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 from dataclasses import dataclass
@@ -57,20 +58,61 @@ class ControllerAddress:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
-    def check_free(self) -> None:
-        """A ConfigError naming the first of the controller's ports that cannot be bound here, before any is:
-        the data ports are bound only once the world forms, where a clash would end a run its hosts joined."""
+    def ports(self, extra: int = 0) -> range:
+        """The ports the controller binds, PORT..PORT+3, and `extra` after them (launch's host shards)."""
+        return range(self.port, self.port + max(OFFSETS.values()) + 1 + extra)
+
+    def check_free(self, setting: str = "--bind HOST:PORT", extra: int = 0) -> None:
+        """A ConfigError naming the first of `ports(extra)` that cannot be bound here, before any is: the
+        data ports are bound only once the world forms, where a clash would end a run its hosts joined.
+        `setting`: where the user gave PORT."""
         bind_host = "" if self.host == "*" else self.host
-        for port in range(self.port, self.port + max(OFFSETS.values()) + 1):
+        ports = self.ports(extra)
+        for port in ports:
             with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM) as probe:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
                 try:
                     probe.bind((bind_host, port))
                 except OSError as exc:
-                    raise ConfigError(
-                        f"controller port {port} on {self.host}: {exc.strerror or exc} (another controller?); the "
-                        f"controller uses PORT..PORT+{max(OFFSETS.values())} of --bind HOST:PORT: choose another "
-                        "PORT, or stop what holds it") from exc
+                    raise bind_error(
+                        exc, what=f"controller port {port} on {self.host}", host=self.host, port_setting=setting,
+                        in_use=f" (another controller?); the controller uses PORT..PORT+{len(ports) - 1} of "
+                        f"{setting}: choose another PORT, or stop what holds it") from exc
+
+    def check_apart(self, metrics_port: int | None, extra: int = 0) -> None:
+        """A ConfigError when the metrics port is one of `ports(extra)`, before either is bound: the second
+        bind would fail as a port in use, and send the user looking for a process that does not exist."""
+        ports = self.ports(extra)
+        if metrics_port in ports:
+            raise ConfigError(
+                f"metrics port {metrics_port} (--metrics-port / FLODL_METRICS_PORT) is one of the controller's "
+                f"own ports: the controller at {self} binds {ports[0]}..{ports[-1]}; choose a metrics port outside "
+                "them, or another PORT for the controller")
+
+
+def bind_error(exc: Exception, *, what: str, host: str, port_setting: str, in_use: str) -> ConfigError:
+    """The ConfigError for a failed bind of `what` ("controller port 7300 on HOST"), worded by its cause.
+
+    One rule for every port a user names. Only EADDRINUSE is a port another process holds: an unknown
+    host name, an address of another machine and a privileged port were all reported as one, and sent
+    users looking for a process that did not exist. `exc`: what the bind raised (an OSError, or a
+    ZMQError: both carry errno); `port_setting`: the setting that names the port; `in_use`: what
+    follows the cause when the port is held.
+    """
+    reason = getattr(exc, "strerror", None) or str(exc)
+    code = getattr(exc, "errno", None)
+    if isinstance(exc, socket.gaierror):
+        return ConfigError(f"{what}: the host name {host!r} does not resolve here ({reason}); fix the name in "
+                           "--bind HOST:PORT, or give an IP address of this machine")
+    if code == errno.EADDRNOTAVAIL:
+        return ConfigError(f"{what}: {host} is not an address of this machine ({reason}); bind one of its own "
+                           "addresses (`ip -brief address` lists them), or 0.0.0.0 or * for every interface")
+    if code == errno.EADDRINUSE:
+        return ConfigError(f"{what}: {reason}{in_use}")
+    if code == errno.EACCES:
+        return ConfigError(f"{what}: {reason}: a port below 1024 needs root (or CAP_NET_BIND_SERVICE); give "
+                           f"{port_setting} a port of 1024 or above")
+    return ConfigError(f"{what}: {reason}; check {port_setting}")
 
 
 # RFC 6598 shared space: carrier NAT, and the addresses of Tailscale-style overlays.

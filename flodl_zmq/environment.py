@@ -390,6 +390,24 @@ def reported_exit(host: str, code: int) -> str:
     return f"its agent on {host} reported exit code {code}"
 
 
+# A rank whose own code raised (its train_step, its dataset) logs `training_failed`'s line, then the traceback. The
+# line names the error because no record carries it to the controller: whoever reads the rank's output (launch)
+# finds the cause there (`failed_with`) and names it when the run ends.
+FAILED_MARK = ": training failed: "
+
+
+def training_failed(rank: int, error: BaseException) -> str:
+    """The line rank `rank` logs when its own code raised `error`: `rank 1: training failed: ValueError: ...`."""
+    said = str(error).strip().splitlines()
+    return f"rank {rank}{FAILED_MARK}{type(error).__name__}" + (f": {said[0]}" if said else "")
+
+
+def failed_with(line: str) -> str | None:
+    """The error a `training_failed` line names (`ValueError: ...`); None for any other line."""
+    _, mark, error = line.partition(FAILED_MARK)
+    return error if mark else None
+
+
 def interrupted_exit(stop: KeyboardInterrupt) -> int:
     """The exit status of a process stopped by `stop`: SIGTERM's (`SigtermInterrupt`) or SIGINT's, as a shell's."""
     return TERMINATED_EXIT if isinstance(stop, SigtermInterrupt) else INTERRUPTED_EXIT

@@ -101,6 +101,11 @@ class MembershipError(FlodlError):
     """A join was refused or the world could not form."""
 
 
+class NoStatusReply(MembershipError):
+    """`flodl-zmq status` had no reply in time: kept apart from a reply refused, so that a watch the
+    controller has answered says it stopped answering, not that the key may differ."""
+
+
 class SessionError(FlodlError):
     """A `Session` used out of its order: a batch not reported with `step`, `batches()` outside the with block."""
 

@@ -65,6 +65,7 @@ from flodl_zmq.environment import (
     ChildExit,
     ExitReports,
     ProcessEnv,
+    failed_with,
     with_tunables,
 )
 from flodl_zmq.errors import ConfigError
@@ -106,13 +107,15 @@ def _listening_port_range(span: int) -> range:
 CONTROLLER_PORTS = max(OFFSETS.values()) + 1
 
 
-def free_port_base(host: str = "127.0.0.1", tries: int = 200, extra: int = 0) -> int:
+def free_port_base(host: str = "127.0.0.1", tries: int = 200, extra: int = 0, avoid: int | None = None) -> int:
     """A port P such that P..P+3 (the controller's four endpoints), and `extra` ports after them, are free on
-    `host` right now."""
+    `host` right now, and none of them is `avoid` (the metrics port, bound later)."""
     span = CONTROLLER_PORTS + extra
     bases = _listening_port_range(span)
     for _ in range(tries):
         base = random.choice(bases)
+        if avoid is not None and base <= avoid < base + span:
+            continue
         socks = []
         try:
             for offset in range(span):
@@ -134,6 +137,7 @@ class Child:
     env: ProcessEnv
     proc: subprocess.Popen | WarmProcess
     reader: threading.Thread | None = None
+    raised: str | None = None  # a rank's: the error its own code raised, from its `training failed` line
 
 
 @dataclass
@@ -195,7 +199,6 @@ class Cluster:
 
     def start(self) -> None:
         """Spawn the controller, the relays, then the ranks."""
-        address = ControllerAddress("127.0.0.1", self.port or free_port_base(extra=2 * self.shards))
         self.run_id = os.urandom(RUN_ID_BYTES)
         self._route_secret = os.urandom(ROUTE_SECRET_BYTES)  # each relay gets its host's token of it, no other's
         # The run's settings come from our environment, like the controller's; slowdowns from --slow.
@@ -206,6 +209,12 @@ class Cluster:
             settings = replace(settings, run_dir=self.run_dir)
         if self.metrics_port is not None:
             settings = replace(settings, metrics_port=self.metrics_port)
+        extra = 2 * self.shards
+        address = ControllerAddress("127.0.0.1", self.port or free_port_base(extra=extra, avoid=settings.metrics_port))
+        # Before any process starts: a clash was a traceback from the controller's first bind.
+        address.check_apart(settings.metrics_port, extra)
+        if self.port:
+            address.check_free("--port PORT", extra)
         if self.shards:
             if settings.shards is not None:
                 raise ConfigError(f"--shards {self.shards} and FLODL_SHARDS={settings.shards} both say where the "
@@ -306,7 +315,10 @@ class Cluster:
     def _forward(self, child: Child) -> None:
         assert child.proc.stdout is not None
         for raw in child.proc.stdout:
-            self._emit(f"[{child.label}] {raw.decode(errors='replace').rstrip()}")
+            line = raw.decode(errors="replace").rstrip()
+            if child.env.role == "rank" and child.raised is None:
+                child.raised = failed_with(line)
+            self._emit(f"[{child.label}] {line}")
         if child.env.role != "controller":  # its output ended: it exited (or is about to)
             self._report(ChildExit(child.env.host or "", child.env.rank, child.proc.wait()))
 
@@ -362,6 +374,9 @@ class Cluster:
         if code == UNPLAYED_EXIT:  # the script said why in each process; the run's end says what it means
             self._emit(f"[launch] no rank ever trained: the script ended without calling Trainer(...).run() or "
                        f"entering a Session (exit status {code})")
+        raised = {label: c.raised for label, c in self.children.items() if c.raised is not None}
+        if raised:  # the ranks' tracebacks scrolled by, and the controller never learns what they raised
+            self._emit(raised_summary(raised, sum(map(len, self.world.values()))))
         return code
 
     def shutdown(self) -> None:
@@ -390,6 +405,19 @@ class Cluster:
         if self.incarnation is not None and self.key is not None:
             unlink_run(self.key, self.incarnation)  # a SIGKILLed relay or rank cannot unlink its shared-memory segments
             remove_local_dir(self.key, self.incarnation)  # nor its ipc socket files
+
+
+def raised_summary(raised: Mapping[str, str], world_size: int) -> str:
+    """The launch's last line when ranks left because their own code raised: `raised` maps each one's label
+    (`h0:1`) to its error (`ValueError: ...`); ranks that raised the same error are named together."""
+    by_error: dict[str, list[str]] = {}
+    for label, error in raised.items():
+        by_error.setdefault(error, []).append(label)
+    who = "every rank" if len(raised) == world_size else f"{len(raised)} of {world_size} ranks"
+    what = "; ".join(f"{', '.join(labels)} raised {error}" for error, labels in by_error.items())
+    return (f"[launch] {who} left the run because its own code raised (its train_step or its dataset: a sample "
+            f"that raises ends every rank that is handed it): {what}; each traceback is above, under its "
+            "[host:rank] prefix")
 
 
 def warm_interpreter(python: str = sys.executable) -> WarmServer:

@@ -18,8 +18,9 @@ Where the figures come from, each from one place only:
 
 Rules it keeps: the metrics never stall the run (an event updates a few
 numbers; a scrape reads the snapshot by reference on the server's thread);
-a port that cannot be bound stops the start-up with a ConfigError naming it;
-the labels are bounded (ranks and hosts of the world, the router's causes).
+a port that cannot be bound stops the start-up with a ConfigError naming
+it and the cause (endpoints.bind_error); the labels are bounded (ranks and
+hosts of the world, the router's causes).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from flodl_zmq.errors import ConfigError
+from flodl_zmq.endpoints import bind_error
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +114,10 @@ class RunMetrics:
         try:
             self._server, self._thread = start_http_server(port, bind, registry=self.registry)
         except (OSError, OverflowError) as exc:
-            raise ConfigError(
-                f"metrics port {port} on {bind}: {getattr(exc, 'strerror', None) or exc}; choose a free port with "
-                "--metrics-port / FLODL_METRICS_PORT, or leave it unset to serve no metrics"
-            ) from exc
+            raise bind_error(
+                exc, what=f"metrics port {port} on {bind}", host=bind, port_setting="--metrics-port / FLODL_METRICS_PORT",
+                in_use="; choose a free port with --metrics-port / FLODL_METRICS_PORT, or leave it unset to serve no "
+                "metrics") from exc
         log.info("controller: Prometheus metrics at http://%s:%d%s", bind, port, PATH)
 
     def close(self, timeout: float = 2.0) -> None:

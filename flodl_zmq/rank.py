@@ -72,6 +72,7 @@ import torch
 import zmq
 
 from flodl_zmq.datasets import dataset_signature
+from flodl_zmq.environment import training_failed
 from flodl_zmq.errors import ShmError, TrainingError
 from flodl_zmq.job import MODES, Job
 from flodl_zmq.links import data_max_frame_bytes
@@ -188,8 +189,8 @@ class RankRuntime:
             with recording(self.scalars):
                 for batch in self.batches():
                     self.step(self.stepper.step(batch))
-        except Exception:
-            log.exception("rank %d: training failed", self.cfg.rank)
+        except Exception as exc:
+            log.exception("%s", training_failed(self.cfg.rank, exc))
             failed = True
         return self.close(failed)
 

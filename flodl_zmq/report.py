@@ -194,10 +194,10 @@ class RunReport:
         self.events.close()
         return self.result
 
-    def interrupted(self, wall_s: float, checkpoint: str | None) -> None:
+    def interrupted(self, wall_s: float, checkpoint: Path | None) -> None:
         """Ctrl-C or SIGTERM stopped the run: finish it as "interrupted", and, when it has a `save_path`, say that
         nothing was saved there, which its user would otherwise believe (`interrupted_notice`). `checkpoint`: the
-        newest checkpoint this run wrote, if any."""
+        newest checkpoint that holds its progress, if any."""
         self.result.reason = "interrupted"
         self.finish(wall_s)
         if self.job.save_path:
@@ -209,7 +209,7 @@ class RunReport:
             self._bar = None
 
 
-def interrupted_notice(save_path: str, checkpoint: str | None) -> str:
+def interrupted_notice(save_path: str, checkpoint: Path | None) -> str:
     """What an interrupted run says of its `save_path`: nothing was written there, and where its progress is kept.
 
     Not saved on purpose: an interruption lands anywhere in the controller's loop, where the kept consensus may be
@@ -221,6 +221,6 @@ def interrupted_notice(save_path: str, checkpoint: str | None) -> str:
     if checkpoint is not None:
         return (f"{head}; its progress is in the checkpoint {checkpoint}: continue with --resume {checkpoint} "
                 f"(FLODL_RESUME={checkpoint} under launch)")
-    return (f"{head}; to keep progress through an interruption, write checkpoints with --checkpoint-dir DIR "
-            "(FLODL_CHECKPOINT_DIR=DIR under launch; one at every epoch end) and continue with --resume DIR "
-            "(FLODL_RESUME=DIR)")
+    return (f"{head}, and no checkpoint holds its progress; checkpoints keep it through an interruption: "
+            "--checkpoint-dir DIR (FLODL_CHECKPOINT_DIR=DIR under launch) writes one at every epoch end, and "
+            "--resume DIR (FLODL_RESUME=DIR) continues the newest")

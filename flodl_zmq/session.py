@@ -88,6 +88,7 @@ from flodl_zmq.environment import (
     interrupted_exit,
     raise_interrupt_on_sigterm,
     stop_as_on_sigterm,
+    training_failed,
     watch_lifeline,
 )
 from flodl_zmq.errors import ConfigError, SessionError
@@ -349,7 +350,7 @@ class Session:
                 loop.release()
         elif isinstance(loop, RankRuntime):
             if kind is not None and issubclass(kind, Exception):
-                log.error("rank %d: training failed", loop.cfg.rank, exc_info=(kind, exc, tb))  # type: ignore[arg-type]
+                log.error("%s", training_failed(loop.cfg.rank, exc), exc_info=(kind, exc, tb))  # type: ignore[arg-type]
             # Stopped by a signal: who sent it reports the exit, so nobody's acknowledgement is awaited.
             code = loop.close(failed=kind is not None, linger=not isinstance(exc, RankTerminated),
                               goodbye=not isinstance(exc, RankOrphaned))

@@ -42,14 +42,29 @@ class ShutdownReason(str, enum.Enum):
     CHECKPOINT = "checkpoint"
 
 
-# What a user reads after the reason when a run stops early: where the cause is written.
+# What a user reads after the reason when a run stops early: where the cause is written (`stop_hint`).
 STOP_HINTS: dict[ShutdownReason, str] = {
     ShutdownReason.ALL_RANKS_LOST: (
         ": every rank left or was declared dead (the controller's log names each death); a rank whose own "
-        "code raised logged 'rank N: training failed' with its traceback in its host's log"
+        "code raised logged 'rank N: training failed: ERROR' with its traceback in its host's log"
     ),
     ShutdownReason.MAX_FAILURE_EXCEEDED: ": more ranks failed than max_failures allows (the controller's log names each)",
 }
+# All lost and none died: every rank said goodbye. No record says why a rank leaves, so the likely causes are
+# named, the first first: one sample that raises is handed on to rank after rank, and ends each.
+ALL_LEFT_HINT = (
+    ": no rank died, every one said goodbye before the end, as a rank does when its own code raised (its "
+    "train_step, or its dataset: a sample that raises ends every rank that is handed it), when its Session loop "
+    "ended early, or when it was sent SIGTERM; one whose code raised logged 'rank N: training failed: ERROR' with "
+    "its traceback in its host's log (the [host:N] lines under launch)"
+)
+
+
+def stop_hint(reason: ShutdownReason, liveness: Liveness) -> str:
+    """What a user reads after `reason` when a run stops early, knowing how its ranks left."""
+    if reason is ShutdownReason.ALL_RANKS_LOST and liveness.failures == 0:
+        return ALL_LEFT_HINT
+    return STOP_HINTS.get(reason, "")
 
 
 class RankState(enum.Enum):

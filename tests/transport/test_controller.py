@@ -146,7 +146,7 @@ def test_a_rank_sending_an_illegal_record_is_declared_dead_and_the_run_goes_on(r
     assert isinstance(outcome.get("error"), TrainingError) and "stopped early (all_ranks_lost)" in str(outcome["error"])
     # ...and the error says where the cause is written: a user's first question.
     assert "the controller's log names each death" in str(outcome["error"])
-    assert "'rank N: training failed'" in str(outcome["error"])
+    assert "'rank N: training failed: ERROR'" in str(outcome["error"])
 
 
 def test_a_rank_that_leaves_before_the_world_forms_is_left_out_at_once(rig):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import urllib.request
 from dataclasses import replace
@@ -76,6 +78,24 @@ def test_a_taken_port_is_a_config_error_naming_the_port_and_the_fix():
         with pytest.raises(ConfigError, match=rf"metrics port {port} .*--metrics-port"):
             with served(port, "127.0.0.1"):
                 pass
+
+
+def test_a_privileged_or_unresolvable_metrics_bind_is_named_by_its_cause_not_as_a_taken_port(monkeypatch):
+    # Both were told to choose a free port. A user runs as root here, so the kernel's refusal is stood in for.
+    with pytest.raises(ConfigError, match=r"metrics port 9100 on nosuchhost\.invalid: the host name "
+                       r"'nosuchhost\.invalid' does not resolve here .*; fix the name in --bind HOST:PORT"):
+        with served(9100, "nosuchhost.invalid"):
+            pass
+
+    def refused(port: int, addr: str, registry: object) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr("flodl_zmq.metrics.start_http_server", refused)
+    with pytest.raises(ConfigError, match=r"metrics port 80 on 127\.0\.0\.1: Permission denied: a port below 1024 "
+                       r"needs root \(or CAP_NET_BIND_SERVICE\); give --metrics-port / FLODL_METRICS_PORT a port of "
+                       r"1024 or above$"):
+        with served(80, "127.0.0.1"):
+            pass
 
 
 def test_a_taken_port_stops_flodl_zmq_controller_before_its_join_window_opens():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import threading
 
 import pytest
@@ -62,7 +63,8 @@ def test_watch_draws_a_row_per_rank_and_ends_with_the_run(served):
     assert watch_status(address, key, None, status_reply_timeout_s=5.0, interval_s=0.1, out=out) == 0
     lines = out.getvalue().splitlines()
     assert "epoch 3/5" in lines[0] and "round 9" in lines[0] and "ended: completed" in lines[0]
-    rows = {int(line.split()[0]): line.split() for line in lines[2:]}
+    assert lines[-1] == f"controller {address}: the run ended (completed)"
+    rows = {int(line.split()[0]): line.split() for line in lines[2:-1]}
     assert rows[1] == ["1", "h0", "alive", "20", "45.0%", "1800"]
     assert rows[2][:3] == ["2", "h1", "dead"]
 
@@ -85,7 +87,7 @@ def test_watch_says_when_the_controller_goes_away():
     out = Closing()
     try:
         assert watch_status(address, key, None, status_reply_timeout_s=0.5, interval_s=0.05, out=out) == 1
-        assert "stopped answering" in out.getvalue()
+        assert f"controller {address} stopped answering after 1 reply (none within 0.5 s" in out.getvalue()
     finally:
         server.close()
         ctx.term()
@@ -121,6 +123,52 @@ def test_a_watched_run_that_ends_between_two_queries_is_seen_ending_before_its_e
         assert "ended: completed" in out.getvalue() and "stopped answering" not in out.getvalue()
     finally:
         endpoint.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("kind", ["status_server", "membership"])
+def test_a_watch_that_loses_a_controller_it_heard_says_so_and_never_blames_the_key(kind):
+    # A controller stopped with SIGTERM closes its endpoint without an end to report: the watch said it
+    # "dropped the request because the key differs", of a key its replies had just proven.
+    ctx = zmq.Context()
+    endpoint, address, key = served_by(kind, ctx)
+    endpoint.report_training(TRAINING)
+    out, codes = io.StringIO(), []
+    watcher = threading.Thread(target=lambda: codes.append(
+        watch_status(address, key, None, status_reply_timeout_s=0.5, interval_s=0.05, out=out)))
+    watcher.start()
+    try:
+        until(lambda: out.getvalue().count("epoch 3/5") >= 3, "the watcher's third table", 30)
+        endpoint.close()
+        watcher.join(30)
+        assert codes == [1], out.getvalue()
+        last = out.getvalue().splitlines()[-1]
+        assert re.fullmatch(rf"controller {address} stopped answering after \d+ replies \(none within 0\.5 s: it ended "
+                            r"or was stopped, or the link was cut; its own output says how\)", last), last
+        assert "key" not in out.getvalue().lower()
+    finally:
+        endpoint.close()
+        ctx.term()
+
+
+def test_a_watched_join_window_that_failed_is_the_runs_end():
+    # A controller stopped before its world formed fails the window and says so to `status`; the watch asked
+    # on until the endpoint closed, then blamed the key.
+    ctx = zmq.Context()
+    service, address, key = served_by("membership", ctx)
+    out, codes = io.StringIO(), []
+    watcher = threading.Thread(target=lambda: codes.append(
+        watch_status(address, key, None, status_reply_timeout_s=5.0, interval_s=0.1, out=out)))
+    try:
+        assert service.abort("the controller was interrupted (SIGTERM)")
+        watcher.start()
+        watcher.join(10)
+        assert codes == [0], out.getvalue()
+        assert out.getvalue().splitlines()[-1] == (
+            f"controller {address}: the run ended (before its world formed: the controller was interrupted (SIGTERM))")
+    finally:
+        service.close()
+        watcher.join(10)
         ctx.term()
 
 

@@ -7,7 +7,14 @@ import math
 import pytest
 
 from flodl_zmq.coordinator.config import CoordinatorConfig, MaxFailure, Mode
-from flodl_zmq.coordinator.liveness import Liveness, ShutdownReason, unrecoverable
+from flodl_zmq.coordinator.liveness import (
+    ALL_LEFT_HINT,
+    STOP_HINTS,
+    Liveness,
+    ShutdownReason,
+    stop_hint,
+    unrecoverable,
+)
 from flodl_zmq.coordinator.metrics import aggregate_epoch
 from flodl_zmq.coordinator.roles import CallbackRoles, fastest_live, is_due
 from flodl_zmq.errors import ConfigError
@@ -104,6 +111,20 @@ def test_all_ranks_lost_counts_exits_too():
     assert unrecoverable(live, None) is None
     live.fail(1)
     assert unrecoverable(live, None) is ShutdownReason.ALL_RANKS_LOST
+
+
+def test_a_run_whose_every_rank_said_goodbye_names_their_own_code_as_the_likely_cause():
+    # One sample whose __getitem__ raises ends each rank it is handed to, and each says goodbye: no death to read.
+    live = Liveness(2, 1.0, 0.0)
+    live.exit(0)
+    live.exit(1)
+    assert stop_hint(ShutdownReason.ALL_RANKS_LOST, live) == ALL_LEFT_HINT
+    assert "its own code raised" in ALL_LEFT_HINT and "a sample that raises ends every rank" in ALL_LEFT_HINT
+    died = Liveness(2, 1.0, 0.0)
+    died.exit(0)
+    died.fail(1)
+    assert stop_hint(ShutdownReason.ALL_RANKS_LOST, died) == STOP_HINTS[ShutdownReason.ALL_RANKS_LOST]
+    assert stop_hint(ShutdownReason.REDUCE_STALL, live) == ""
 
 
 def test_beacons_are_spaced_a_second_apart():

@@ -14,7 +14,9 @@ from flodl_zmq.environment import (
     ChildExit,
     ExitReports,
     ProcessEnv,
+    failed_with,
     parse_world,
+    training_failed,
     with_tunables,
 )
 from flodl_zmq.errors import ConfigError
@@ -223,3 +225,12 @@ def test_the_end_of_the_lifeline_stops_the_process_as_sigterm_does():
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_ranks_training_failed_line_names_its_error_and_its_parent_reads_it_back():
+    # No record carries a rank's exception to the controller: launch reads it from this line of the rank's log.
+    line = training_failed(3, ValueError("sample 13 is corrupt\nsecond line"))
+    assert line == "rank 3: training failed: ValueError: sample 13 is corrupt"
+    assert failed_with(f"ERROR flodl_zmq.session: {line}") == "ValueError: sample 13 is corrupt"
+    assert training_failed(0, RuntimeError()) == "rank 0: training failed: RuntimeError"
+    assert failed_with("rank 3: training failed") is None and failed_with("epoch 1/2 | loss 0.5") is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from flodl_zmq.launch import Cluster
+from flodl_zmq.launch import Cluster, raised_summary
 
 
 def test_the_sink_is_called_without_the_launchers_lock_so_it_may_wait_on_a_reader():
@@ -37,3 +37,12 @@ def test_a_sink_waiting_on_a_condition_held_by_a_reader_of_the_output_does_not_d
         assert "hello" in cluster.output()
     emitter.join(5)
     assert not emitter.is_alive()
+
+
+def test_ranks_whose_own_code_raised_are_named_together_by_their_error():
+    every = raised_summary({"h0:0": "ValueError: bad", "h1:1": "ValueError: bad"}, 2)
+    assert every.startswith("[launch] every rank left the run because its own code raised")
+    assert "h0:0, h1:1 raised ValueError: bad;" in every
+    some = raised_summary({"h0:0": "ValueError: bad", "h0:1": "MemoryError", "h1:3": "ValueError: bad"}, 4)
+    assert some.startswith("[launch] 3 of 4 ranks left the run because its own code raised")
+    assert "h0:0, h1:3 raised ValueError: bad; h0:1 raised MemoryError;" in some
