@@ -136,6 +136,12 @@ class AloneLoop:
         self.pipeline.close()
         self.report.close()
 
+    def interrupted(self) -> None:
+        """Ctrl-C (or SIGTERM) stopped the loop: its log ends "interrupted", and the user reads that nothing was
+        saved (a KeyboardInterrupt lands anywhere, mid-step included: the model it leaves is no save)."""
+        self.release()
+        self.report.interrupted(time.perf_counter() - self._t_run, None, checkpoints=False)
+
     def finish(self) -> TrainResult:
         """End the run (all epochs, or the caller stopped early): save the bundle, finish the report."""
         self.release()

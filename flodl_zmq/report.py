@@ -194,14 +194,15 @@ class RunReport:
         self.events.close()
         return self.result
 
-    def interrupted(self, wall_s: float, checkpoint: Path | None) -> None:
+    def interrupted(self, wall_s: float, checkpoint: Path | None, checkpoints: bool = True) -> None:
         """Ctrl-C or SIGTERM stopped the run: finish it as "interrupted", and, when it has a `save_path`, say that
         nothing was saved there, which its user would otherwise believe (`interrupted_notice`). `checkpoint`: the
-        newest checkpoint that holds its progress, if any."""
+        newest checkpoint that holds its progress, if any; `checkpoints`: whether the run could have written one
+        (a cluster's controller; not a process training alone)."""
         self.result.reason = "interrupted"
         self.finish(wall_s)
         if self.job.save_path:
-            print(interrupted_notice(str(self.job.save_path), checkpoint), flush=True)
+            print(interrupted_notice(str(self.job.save_path), checkpoint, checkpoints), flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -209,7 +210,7 @@ class RunReport:
             self._bar = None
 
 
-def interrupted_notice(save_path: str, checkpoint: Path | None) -> str:
+def interrupted_notice(save_path: str, checkpoint: Path | None, checkpoints: bool = True) -> str:
     """What an interrupted run says of its `save_path`: nothing was written there, and where its progress is kept.
 
     Not saved on purpose: an interruption lands anywhere in the controller's loop, where the kept consensus may be
@@ -218,6 +219,8 @@ def interrupted_notice(save_path: str, checkpoint: Path | None) -> str:
     """
     head = (f"interrupted: nothing was saved to {save_path} (save_path is written when the run ends, not when "
             "Ctrl-C or SIGTERM stops it)")
+    if not checkpoints:  # alone: a Session loop that breaks ends the run, saved with what it trained
+        return f"{head}; to stop early with a save, leave a Session's loop (`break`): it saves what it trained"
     if checkpoint is not None:
         return (f"{head}; its progress is in the checkpoint {checkpoint}: continue with --resume {checkpoint} "
                 f"(FLODL_RESUME={checkpoint} under launch)")

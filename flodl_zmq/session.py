@@ -346,6 +346,8 @@ class Session:
         if isinstance(loop, AloneLoop):
             if kind is None:
                 self.result = loop.finish()
+            elif issubclass(kind, KeyboardInterrupt):
+                loop.interrupted()
             else:
                 loop.release()
         elif isinstance(loop, RankRuntime):

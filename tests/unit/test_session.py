@@ -179,6 +179,27 @@ def test_a_lone_loop_left_within_an_epoch_resumes_after_the_batches_it_trained(t
     assert sorted(first[N:] + rest) == list(range(N))  # epoch 1: every sample once
 
 
+def test_ctrl_c_alone_ends_the_run_log_interrupted_and_says_nothing_was_saved(tmp_path, capsys):
+    # The log ended with no end line, and a save_path the user believed written was silently not.
+    model = net()
+    optimizer = sgd(model.parameters())
+    with pytest.raises(KeyboardInterrupt):
+        with fz.Session(model, optimizer, data(), batch_size=8, epochs=2, quiet=True,
+                        save_path=str(tmp_path / "m"), run_dir=str(tmp_path / "run")) as s:
+            for i, batch in enumerate(s.batches()):
+                optimizer.zero_grad()
+                loss_of(model, batch).backward()
+                optimizer.step()
+                s.step()
+                if i == 2:
+                    raise KeyboardInterrupt
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["kind"] == "end" and events[-1]["reason"] == "interrupted", events[-1]
+    assert not list(tmp_path.glob("m*"))
+    said = capsys.readouterr().out
+    assert f"interrupted: nothing was saved to {tmp_path / 'm'}" in said and "leave a Session's loop" in said, said
+
+
 def test_an_epoch_row_alone_has_the_fields_a_clusters_row_has_with_the_same_meaning():
     # Alone, a row lacked samples, per_rank_samples and round (guide.md's TrainResult table): a script
     # reading r.epochs[-1]["samples"] worked on a cluster and raised KeyError alone.
