@@ -164,6 +164,7 @@ class Upstream:
     outbox: SendQueue
     resent: tuple[int, int] = (0, 0)  # (round, how many times this shard asked for its host frame again)
     sending: dict[int, QueuedSend] = field(default_factory=dict)  # by id of queued frames: those that hold fold buffers
+    connected: set[zmq.Socket] = field(default_factory=set)  # its sockets that made their first connection (`connected`)
     signer: Attribution = field(init=False)  # who signs what comes on this link: its shard alone
     where: str = field(init=False)  # the counters' name of this link: the controller's keeps the one it always had
 
@@ -226,7 +227,7 @@ class DataPlane(Plane):
             # Each connection made, to a shard or its PUB: a reconnect lost what the old one carried.
             for sock in (link.up, link.sub):
                 monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-                loop.on_socket(monitor, lambda m=monitor, k=link: self.connected(k, m))
+                loop.on_socket(monitor, lambda m=monitor, k=link, s=sock: self.connected(k, s, m))
                 monitors.append((sock, monitor))
         try:
             loop.run()
@@ -592,11 +593,20 @@ class DataPlane(Plane):
         self.count["consensus_requests"] += 1
         self.send_up(link, ConsensusRequest(round_id))
 
-    def connected(self, link: Upstream, monitor: zmq.Socket) -> None:
-        """A link to `link`'s shard (re)connected: every round still pending there is asked for now, not after
-        its wait (which a slow round may have stretched to a minute: a consensus the PUB sent meanwhile is lost)."""
+    def connected(self, link: Upstream, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        """`sock`, a link to `link`'s shard, (re)connected: every round still pending there is asked for now, not
+        after its wait (which a slow round may have stretched to a minute: a consensus the PUB sent meanwhile is
+        lost). Not at its first connection, which replaced none: what the DEALER sent before it waited for it,
+        and a SUB not yet proven subscribed gets each consensus point to point too (PROTOCOL.md 10.2)."""
+        events = 0
         while monitor.poll(0):
             recv_monitor_message(monitor)
+            events += 1
+        if sock not in link.connected:
+            link.connected.add(sock)
+            events -= 1
+        if events <= 0:
+            return
         rounds = link.watch.reconnected(time.monotonic())
         if rounds:
             log.info("relay %s: a link to reducer shard %d reconnected; asking again for rounds %s", self.cfg.host,

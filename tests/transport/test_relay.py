@@ -594,6 +594,37 @@ def test_silence_after_shipping_asks_for_the_consensus_and_the_resend_is_deliver
         rig.close()
 
 
+def test_a_first_connection_made_after_a_round_shipped_asks_for_nothing(tmp_path):
+    # launch starts relays before the controller binds its data ports: a round shipped meanwhile waits in the
+    # DEALER, and the links' first handshakes replaced no connection. They were taken for reconnects: every
+    # other launch logged "reconnected; asking again for rounds [1]" and asked for a consensus not yet made.
+    ctx = zmq.Context()
+    key, run_id = new_key(), bytes(16)
+    eps = endpoints("ipc", tmp_path)
+    cfg = RelayConfig("a", (0, 1), key, run_id, eps["control"], eps["data"], eps["bcast"], eps["a-control"],
+                      eps["a-data"], host_token=token("a"), rank_silence_at_relay_s=30.0, consensus_wait_at_relay_s=30.0)
+    relay = Relay(cfg, ctx)
+    relay.start()
+    ranks = [FakeRank(ctx, r, key, run_id, eps["a-control"], eps["a-data"]) for r in (0, 1)]
+    ctl = None
+    try:
+        for r in ranks:
+            r.deposit(1, 1.0, [np.ones(3, np.float32)])
+        assert settle(lambda: relay.counters().get("rounds_shipped") == 1)
+        ctl = FakeController(ctx, key, run_id, eps)  # binds now: both links connect for the first time
+        seen = [ctl.data_record().record for _ in range(2)]
+        assert sorted(type(r).__name__ for r in seen) == ["HostFrame", "RelayHello"], seen
+        assert not ctl.data.poll(500), ctl.data_record().record  # no ConsensusRequest(1)
+        assert relay.counters().get("consensus_requests", 0) == 0
+    finally:
+        for r in ranks:
+            r.close()
+        relay.stop()
+        if ctl is not None:
+            ctl.close()
+        ctx.destroy(0)
+
+
 def test_a_resumed_hosts_ranks_asking_for_their_starting_model_make_one_request_upstream(rig):
     # PROTOCOL.md 13: each rank asks for round RESUME_ROUND; the relay asks the reducer once for all of
     # them (repeats back off, 10.3), or a slow link would carry one copy of the model per rank and ask.
