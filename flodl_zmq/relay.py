@@ -328,6 +328,10 @@ class Relay:
             d.serve(self._data_thread)
         finally:
             self._data_thread.close()
+            for link in links:
+                for sock, monitor in link.monitors.items():
+                    sock.disable_monitor()
+                    monitor.close(0)
             for s in [local] + [s for link in links for s in (link.up, link.sub)]:
                 s.close(0)
             remove_ipc(bound)
@@ -348,11 +352,13 @@ class Relay:
         up.setsockopt(zmq.ROUTING_ID, self.identity)
         keep_alive(up, data, cfg.link_heartbeat_period_s, cfg.link_silence_s)
         keep_alive(sub, bcast, cfg.link_heartbeat_period_s, cfg.link_silence_s)
+        # Before dialling: a connection made before the monitor was would make the first one it sees a reconnect's.
+        monitors = {s: s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) for s in (up, sub)}
         up.connect(data)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(bcast)
         return Upstream(shard, up, sub, ConsensusWatch(cfg.consensus_wait_at_relay_s), HelloRetry(cfg.hello_retry_s),
-                        SendQueue(cfg.peer_send_timeout_s))
+                        SendQueue(cfg.peer_send_timeout_s), monitors=monitors)
 
 
 class _ControlPlane(Plane):

@@ -164,7 +164,10 @@ class Upstream:
     outbox: SendQueue
     resent: tuple[int, int] = (0, 0)  # (round, how many times this shard asked for its host frame again)
     sending: dict[int, QueuedSend] = field(default_factory=dict)  # by id of queued frames: those that hold fold buffers
-    connected: set[zmq.Socket] = field(default_factory=set)  # its sockets that made their first connection (`connected`)
+    # Each socket's monitor of its handshakes, made before it dialled (so the first is seen: `connected`), and
+    # the sockets whose first connection was made.
+    monitors: dict[zmq.Socket, zmq.Socket] = field(default_factory=dict)
+    connected: set[zmq.Socket] = field(default_factory=set)
     signer: Attribution = field(init=False)  # who signs what comes on this link: its shard alone
     where: str = field(init=False)  # the counters' name of this link: the controller's keeps the one it always had
 
@@ -218,23 +221,15 @@ class DataPlane(Plane):
         loop.on_message(RankGone, lambda gone: self.local_death(gone.rank))
         if self.shard is not None:
             loop.on_socket(self.shard.completed, self.shard_outcomes)
-        monitors = []
         for link in self.links:
             loop.on_writable(link.up, lambda k=link: len(k.outbox) > 0, lambda k=link: self.flush_up(k))
             loop.timer(link.hello.next_due, lambda now, k=link: self.say_hello(k, now))
             loop.timer(link.watch.next_due, lambda now, k=link: self.recover(k, now))
             loop.timer(link.outbox.next_due, lambda now, k=link: self.upstream_stuck(k, now))
             # Each connection made, to a shard or its PUB: a reconnect lost what the old one carried.
-            for sock in (link.up, link.sub):
-                monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            for sock, monitor in link.monitors.items():
                 loop.on_socket(monitor, lambda m=monitor, k=link, s=sock: self.connected(k, s, m))
-                monitors.append((sock, monitor))
-        try:
-            loop.run()
-        finally:
-            for sock, monitor in monitors:
-                sock.disable_monitor()
-                monitor.close(linger=0)
+        loop.run()
 
     def drained(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
         self.count["oversized"] += drain(sock, handle, copy=False, budget=16)
