@@ -133,6 +133,7 @@ from flodl_zmq.wire.shm import unlink_host
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
+EVERY_RANK_EXITED = "every rank exited"  # the teardown after the host's last rank exited, on its own
 
 
 def run_nvidia_smi() -> str | None:
@@ -181,7 +182,7 @@ class Agent:
         self._codec = Codec(config.key or OPEN_JOIN_KEY, JOIN_RUN_ID, config.host)
         self._last_heard = 0.0
         self._next_beat = 0.0
-        self._lost_controller = False  # the last teardown was the controller's silence under running ranks
+        self._lost_controller = False  # the last teardown was the controller's silence (under running ranks, or after them: `_declared_lost`)
         self._reformed: WorldFormed | None = None  # a re-formed world the controller sent while ranks ran
         self._lifeline: int | None = None  # write end of the running children's FLODL_LIFELINE_FD pipe
         self._warm: WarmServer | None = None  # forks the ranks (`_warm_for`)
@@ -541,7 +542,7 @@ class Agent:
                         log.warning("%s exited with code %d", c.label, code)
                     self._send(RankExited(c.rank, code))  # the controller's fast path to its death
                     if not any(x.rank is not None for x in live) and teardown is None and not serves:
-                        teardown, kill_at = "every rank exited", now + cfg.kill_grace_s
+                        teardown, kill_at = EVERY_RANK_EXITED, now + cfg.kill_grace_s
                         for x in live:  # the relay has nothing left to serve
                             signal_group(x.proc, signal.SIGTERM)
                 elif code != 0 and teardown is None:  # not one we stopped: its ranks lost their path, or its shard
@@ -555,7 +556,29 @@ class Agent:
         for c in children:
             for t in c.forwarders:
                 t.join(timeout=2.0)
+        if failures and teardown == EVERY_RANK_EXITED and self._stop_reason is None:
+            self._lost_controller = self._declared_lost()
         return self._exit_code(teardown if fault else None, failures)
+
+    def _declared_lost(self) -> bool:
+        """Every rank exited, some failing: True when the controller no longer counts this host.
+
+        A controller that declared the host lost (this machine stalled past its --host-silence: a SIGSTOP,
+        a suspend) has its ranks declared dead too, and drops our frames unanswered; its silence, past
+        ours, says so, and the host dials in again to come back with new ranks (`run`). A controller that
+        still counts the host answers within a heartbeat: its ranks failed on their own, and it finishes.
+        """
+        since = time.monotonic()
+        while self._stop_reason is None:
+            why = self._poll_controller(time.monotonic())
+            if self._last_heard >= since:
+                return False
+            if why is not None:
+                log.warning("host %r: every rank exited and the controller stopped answering (it declared this host "
+                            "lost, or it is gone): dialling in again", self.config.host)
+                return True
+            time.sleep(POLL_S)
+        return False
 
     def _exit_code(self, fault: str | None, failures: int) -> int:
         """The host's exit code (the module docstring's contract), said in the log: 1 for a host-level

@@ -104,15 +104,20 @@ def served_by(kind: str, ctx: zmq.Context):
     return server, address, key
 
 
+def watching(address: ControllerAddress, key: bytes, **timing: float) -> tuple[threading.Thread, io.StringIO, list[int]]:
+    """`status --watch` of `address` on a thread of its own: the thread, what it prints, and its exit status once it ends."""
+    out, codes = io.StringIO(), []
+    watcher = threading.Thread(target=lambda: codes.append(watch_status(address, key, None, out=out, **timing)))
+    watcher.start()
+    return watcher, out, codes
+
+
 @pytest.mark.parametrize("kind", ["status_server", "membership"])
 def test_a_watched_run_that_ends_between_two_queries_is_seen_ending_before_its_endpoint_closes(kind):
     ctx = zmq.Context()
     endpoint, address, key = served_by(kind, ctx)
     endpoint.report_training(TRAINING)
-    out, codes = io.StringIO(), []
-    watcher = threading.Thread(target=lambda: codes.append(
-        watch_status(address, key, None, status_reply_timeout_s=5.0, interval_s=1.0, out=out)))
-    watcher.start()
+    watcher, out, codes = watching(address, key, status_reply_timeout_s=5.0, interval_s=1.0)
     try:
         until(lambda: "epoch 3/5" in out.getvalue(), "the watcher's first table", 30)
         # The controller's end, while the watcher sleeps: the last report, then close (ControllerService._close).
@@ -133,10 +138,7 @@ def test_a_watch_that_loses_a_controller_it_heard_says_so_and_never_blames_the_k
     ctx = zmq.Context()
     endpoint, address, key = served_by(kind, ctx)
     endpoint.report_training(TRAINING)
-    out, codes = io.StringIO(), []
-    watcher = threading.Thread(target=lambda: codes.append(
-        watch_status(address, key, None, status_reply_timeout_s=0.5, interval_s=0.05, out=out)))
-    watcher.start()
+    watcher, out, codes = watching(address, key, status_reply_timeout_s=0.5, interval_s=0.05)
     try:
         until(lambda: out.getvalue().count("epoch 3/5") >= 3, "the watcher's third table", 30)
         endpoint.close()
@@ -156,19 +158,15 @@ def test_a_watched_join_window_that_failed_is_the_runs_end():
     # on until the endpoint closed, then blamed the key.
     ctx = zmq.Context()
     service, address, key = served_by("membership", ctx)
-    out, codes = io.StringIO(), []
-    watcher = threading.Thread(target=lambda: codes.append(
-        watch_status(address, key, None, status_reply_timeout_s=5.0, interval_s=0.1, out=out)))
     try:
         assert service.abort("the controller was interrupted (SIGTERM)")
-        watcher.start()
+        watcher, out, codes = watching(address, key, status_reply_timeout_s=5.0, interval_s=0.1)
         watcher.join(10)
         assert codes == [0], out.getvalue()
         assert out.getvalue().splitlines()[-1] == (
             f"controller {address}: the run ended (before its world formed: the controller was interrupted (SIGTERM))")
     finally:
         service.close()
-        watcher.join(10)
         ctx.term()
 
 
