@@ -28,7 +28,7 @@ from flodl_zmq.coordinator.roles import SampleCadence
 from flodl_zmq.job import Job
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.payload import check_wire, payload_tensors
-from flodl_zmq.report import RunReport
+from flodl_zmq.report import RunReport, eval_due
 from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
 from flodl_zmq.sampling import epoch_permutation
@@ -94,8 +94,8 @@ class AloneLoop:
                     self._evaluate(within_epoch=True)
             row = self._row()
             self.scalars.take()
-            if _eval_due(job, epoch) or self.cadence.due(self._trained()):
-                self._evaluate(within_epoch=not _eval_due(job, epoch), row=row)
+            if eval_due(job, epoch) or self.cadence.due(self._trained()):
+                self._evaluate(within_epoch=not eval_due(job, epoch), row=row)
             self.report.epoch(row)
             self.epochs_done = epoch + 1
 
@@ -177,10 +177,3 @@ def _resume_alone(job: Job, model: torch.nn.Module) -> tuple[int, int]:
     state, meta = bundle.load(job.resume_from)
     bundle.load_into(model, state, job.resume_from)
     return int(meta.get("epoch", 0)), int(meta.get("epoch_batches", 0))
-
-
-def _eval_due(job: Job, epoch: int) -> bool:
-    """An eval after `epoch`: every `eval_every` epochs, and after the last one (the final eval) even with
-    `eval_every` 0, as the cluster's final eval scores its last model whatever the cadence."""
-    return bool(job.eval_fn is not None and job.eval_dataset is not None and (
-        epoch + 1 == job.epochs or (job.eval_every and (epoch + 1) % job.eval_every == 0)))

@@ -166,7 +166,7 @@ class ControllerService:
         self.report = RunReport(
             job, self.result, self.config.batches_per_epoch, run_dir_for(job.run_dir, penv.settings.run_dir),
             resumed.epoch, on_callback_error=self._callback_failed,
-            listener=None if metrics is None else metrics.event,
+            listener=None if metrics is None else metrics.event, evals_follow=True,
         )
         self.formation = self._formation()
         self.started = False

@@ -42,7 +42,8 @@ class RunReport:
     `metrics_fn` raises (None: let it raise). `listener`: handed every event
     too (runlog.RunLog: the controller's Prometheus metrics). Epochs, evals, saves and the
     end are logged here; the controller adds rounds and world changes with
-    `events.write`.
+    `events.write`. `evals_follow`: an epoch's eval lands after its row (a
+    cluster's, scored on a rank): `metrics_fn` gets the row once its eval is in.
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class RunReport:
         first_epoch: int = 0,
         on_callback_error: Callable[[str], None] | None = None,
         listener: Callable[[str, dict[str, Any]], None] | None = None,
+        evals_follow: bool = False,
     ) -> None:
         self.job = job
         self.result = result
@@ -63,6 +65,10 @@ class RunReport:
         self._bar_epoch = self.first_epoch = first_epoch
         self._t0 = time.perf_counter()
         self.events = RunLog(run_dir, listener)
+        self.evals_follow = evals_follow
+        # Rows for metrics_fn, in order, held while the first waits for its epoch's eval (`_release`).
+        self._held: list[dict[str, Any]] = []
+        self._awaiting: set[int] = set()
 
     def started(self, world: dict[str, list[int]], world_size: int, round: int, restarted: bool) -> None:
         """The world formed and training starts now: eval times (`eval_at_s`) count from here.
@@ -105,11 +111,26 @@ class RunReport:
         self._bar_epoch = row["epoch"] + 1
         if not self.job.quiet:
             print(format_epoch(row, self.job.epochs), flush=True)
-        self._metrics(row)
+        if self.evals_follow and eval_due(self.job, row["epoch"]):
+            self._awaiting.add(row["epoch"])
+        self._held.append(row)
+        self._release()
 
     def progress(self, row: dict[str, Any]) -> None:
         """`row["fraction"]` of epoch `row["epoch"]` is done (`reports_per_epoch`): call `metrics_fn`."""
-        self._metrics(row)
+        self._held.append(row)
+        self._release()
+
+    def _scored(self, epoch: int) -> None:
+        """Epoch `epoch`'s eval is in its row, or none will come (merged into a later one's, failed)."""
+        self._awaiting.discard(epoch)
+        self._release()
+
+    def _release(self) -> None:
+        """`metrics_fn` for the held rows, in order, up to the first whose eval is still to come: it sees the
+        row as `result.epochs` holds it, the eval included, as alone."""
+        while self._held and not ("fraction" not in self._held[0] and self._held[0]["epoch"] in self._awaiting):
+            self._metrics(self._held.pop(0))
 
     def _metrics(self, row: dict[str, Any]) -> None:
         if self.job.metrics_fn is not None:
@@ -140,6 +161,7 @@ class RunReport:
                 row["eval"], row["eval_at_s"] = metric, at_s
             if epoch + 1 >= self.job.epochs:
                 self.result.final_eval = metric
+            self._scored(epoch)
         if by_rank is not None and not self.job.quiet:
             when = f"within epoch {epoch + 1} ({samples} samples)" if within_epoch else f"after epoch {epoch + 1}"
             print(f"eval {when}: {metric:.4f} (rank {by_rank})", flush=True)
@@ -152,14 +174,17 @@ class RunReport:
         """
         if isinstance(n, Evaluated):
             m = n.result
+            epoch = m.epoch if n.within_epoch else m.epoch - 1
             if m.error is None:
-                epoch = m.epoch if n.within_epoch else m.epoch - 1
                 self.evaluated(epoch, m.metric, n.samples, n.within_epoch, by_rank=m.rank)
+            elif not n.within_epoch:
+                self._scored(epoch)
             return
         for epoch in n.epochs:  # the row says where its score is rather than repeating it
             row = self.row(epoch - 1)
             if row is not None:
                 row["eval_merged"] = n.samples
+            self._scored(epoch - 1)
             if not self.job.quiet:
                 print(f"eval after epoch {epoch}: none of its own: the first consensus holding it also holds a "
                       f"later epoch, scored once ({n.samples} samples)", flush=True)
@@ -182,6 +207,8 @@ class RunReport:
 
     def finish(self, wall_s: float) -> TrainResult:
         """The run is over: close the bar, note the wall time and each rank's mean batch share."""
+        self._awaiting.clear()  # an eval still owed will not come now: metrics_fn gets its row without it
+        self._release()
         self.close()
         self.result.wall_s = wall_s
         shares = [row["batch_share"] for row in self.result.epochs if row.get("batch_share")]
@@ -208,6 +235,13 @@ class RunReport:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def eval_due(job: Job, epoch: int) -> bool:
+    """An eval after `epoch`: every `eval_every` epochs, and after the last one (the final eval) even with
+    `eval_every` 0, as the cluster's final eval scores its last model whatever the cadence."""
+    return bool(job.eval_fn is not None and job.eval_dataset is not None and (
+        epoch + 1 == job.epochs or (job.eval_every and (epoch + 1) % job.eval_every == 0)))
 
 
 def interrupted_notice(save_path: str, checkpoint: Path | None, checkpoints: bool = True) -> str:

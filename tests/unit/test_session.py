@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 import flodl_zmq as fz
 from flodl_zmq import bundle, controller_service, rank, session
 from flodl_zmq.api import Trainer
-from flodl_zmq.coordinator.outputs import EpochProgress
+from flodl_zmq.coordinator.outputs import EpochProgress, EvalsMerged, Evaluated
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import UNPLAYED_EXIT, ProcessEnv
 from flodl_zmq.errors import ConfigError, SessionError
@@ -177,6 +177,38 @@ def test_a_lone_loop_left_within_an_epoch_resumes_after_the_batches_it_trained(t
     assert bundle.load(str(tmp_path / "m"))[1]["epoch_batches"] == 2
     rest = run(2, stop_at=None, resume_from=str(tmp_path / "m"))
     assert sorted(first[N:] + rest) == list(range(N))  # epoch 1: every sample once
+
+
+def test_metrics_fn_on_the_controller_gets_each_epochs_row_with_its_eval_in_order(tmp_path):
+    # A cluster's eval is scored on a rank and lands after the epoch's row: metrics_fn was called with the
+    # row at once and never again, so a metrics_fn=wandb.log user lost every eval of a cluster run.
+    rows: list[dict[str, Any]] = []
+    job = Job(model=net, optimizer=sgd, train_step=loss_of, dataset=data(), batch_size=8, epochs=3, quiet=True,
+              eval_dataset=data(), eval_fn=lambda model, dataset: 1.0, reports_per_epoch=2,
+              metrics_fn=rows.append, run_dir=str(tmp_path / "run"))
+    service = controller_service.ControllerService(job, penv("controller", route_secret=bytes(32)))
+
+    def aggregated(epoch: int) -> rec.EpochAggregated:
+        return rec.EpochAggregated(epoch=epoch, avg_loss=0.5, epoch_ms=10.0, per_rank_throughput=[1.0, 1.0],
+                                   per_rank_batch_share=[0.5, 0.5], per_rank_loss=[0.5, 0.5],
+                                   per_rank_samples=[8, 8], scalars={})
+
+    def scored(epoch: int, metric: float, error: str | None = None) -> Evaluated:
+        return Evaluated(rec.EvalResult(rank=1, schedule_id=epoch, epoch=epoch + 1, metric=metric, elapsed_ms=1.0,
+                                        error=error), samples=16 * (epoch + 1), within_epoch=False)
+
+    service._on_effect(aggregated(0))
+    service._on_effect(EpochProgress(epoch=1, fraction=0.5, metrics=aggregated(1)))
+    assert rows == []  # epoch 0's eval is owed: its row waits, and what came after it waits behind it
+    service._on_effect(scored(0, 0.75))
+    assert [(r["epoch"], r.get("eval"), r.get("fraction")) for r in rows] == [(0, 0.75, None), (1, None, 0.5)]
+    service._on_effect(aggregated(1))
+    service._on_effect(EvalsMerged(epochs=(2,), samples=48))  # epoch 1 has none of its own
+    service._on_effect(aggregated(2))
+    service._on_effect(scored(2, 0.5, error="eval_fn raised"))  # none will come for epoch 2 either
+    assert [(r["epoch"], r.get("eval"), r.get("eval_merged")) for r in rows[2:]] == [(1, None, 48), (2, None, None)]
+    service.report.finish(0.0)
+    assert len(rows) == 4
 
 
 def test_ctrl_c_alone_ends_the_run_log_interrupted_and_says_nothing_was_saved(tmp_path, capsys):
