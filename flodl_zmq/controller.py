@@ -212,9 +212,11 @@ def _run_to_start(opts: ControllerOptions) -> tuple[bytes, dict[str, tuple[int, 
     """
     # Imported here: every `flodl-zmq` command builds this module's parser, and the agent's and
     # status's must start without torch (bundle and checkpoints import it).
-    from flodl_zmq import bundle, checkpoints
+    from flodl_zmq import bundle, checkpoints, runlog
 
     checkpoints.check_dir(opts.settings.checkpoint_dir)  # before any host joins, as the script and the ports
+    if opts.settings.run_dir is not None:
+        runlog.check_dir(opts.settings.run_dir)
     run_id, resumed, settings, cfg = os.urandom(RUN_ID_BYTES), None, checkpoints.pin_resume(opts.settings), opts.join
     stem = settings.resume
     if stem is not None:

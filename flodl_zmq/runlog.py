@@ -76,6 +76,15 @@ def run_dir_for(job_run_dir: str | os.PathLike[str] | None, settings_run_dir: st
     return Path(chosen) if chosen else default_run_dir()
 
 
+def check_dir(run_dir: str | os.PathLike[str]) -> None:
+    """Refuse now (PrivateDirError) a run directory the run would refuse when its world forms: another user's,
+    open to others, or not a directory. One that cannot be made only disables the log, then as now."""
+    try:
+        own_dir(run_dir, RUN_DIR)
+    except OSError:
+        pass
+
+
 class RunLog:
     """Appends events to `run_dir/events.jsonl` (module docstring: the kinds and the rules).
 

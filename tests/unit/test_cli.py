@@ -43,3 +43,15 @@ def test_controller_names_a_bind_it_cannot_have_by_its_cause_with_exit_status_2(
     err = capsys.readouterr().err
     assert re.search("flodl-zmq: error: .*" + named.format(port=port, metrics=port + (metrics or 0), last=port + 3), err)
     assert "(another controller?)" not in err and "stop what holds it" not in err
+
+
+def test_a_run_directory_the_run_would_refuse_is_refused_before_any_host_joins(tmp_path, capsys, monkeypatch):
+    # It was refused only once the world formed, every agent torn down: the checkpoint directory's rule.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("FLODL_KEY", "00" * 32)
+    monkeypatch.setattr("flodl_zmq.controller.restart_with_service_tunables", lambda: None)  # it would exec pytest
+    args = ["controller", "--bind", f"127.0.0.1:{free_port_base()}", "--run-dir", "afile", "--join-window", "0.5", "--join-cap", "0.5"]
+    assert cli.main([*args, "--", "train.py"]) == 2
+    assert "run directory (--run-dir, Trainer(run_dir=...)) afile is not a directory" in capsys.readouterr().err
