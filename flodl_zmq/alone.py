@@ -25,6 +25,7 @@ import torch
 
 from flodl_zmq import bundle
 from flodl_zmq.coordinator.roles import SampleCadence
+from flodl_zmq.errors import ConfigError
 from flodl_zmq.job import Job
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.payload import check_wire, payload_tensors
@@ -175,5 +176,9 @@ def _resume_alone(job: Job, model: torch.nn.Module) -> tuple[int, int]:
     if not job.resume_from:
         return 0, 0
     state, meta = bundle.load(job.resume_from)
+    epoch = int(meta.get("epoch", 0))
+    if epoch > job.epochs:  # the cluster's rule (coordinator/resume.py): it trained nothing, and said `completed`
+        raise ConfigError(f"resume: the bundle {job.resume_from} holds {epoch} epochs, more than this run's "
+                          f"{job.epochs}; raise epochs (Trainer(epochs=...)) to continue training")
     bundle.load_into(model, state, job.resume_from)
-    return int(meta.get("epoch", 0)), int(meta.get("epoch_batches", 0))
+    return epoch, int(meta.get("epoch_batches", 0))

@@ -189,6 +189,11 @@ class Job:
     ship_start: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, torch.nn.Module):  # callable too: called, it failed inside torch's forward()
+            raise ConfigError(
+                f"model must be a factory that builds the model, got a built {type(self.model).__name__}: pass "
+                "model=lambda: net (every process builds its own replica), or hand the built model to a "
+                "fz.Session(net, optimizer, ...)")
         for name in ("model", "optimizer", "train_step"):
             if not callable(getattr(self, name)):
                 raise ConfigError(f"{name} must be callable (a factory or a function), got {getattr(self, name)!r}")

@@ -93,7 +93,7 @@ class ResumeState:
         if not 0 <= epoch <= config.num_epochs:
             raise ConfigError(
                 f"resume: checkpoint epoch {epoch} is outside this run's {config.num_epochs} "
-                f"epochs; raise num_epochs to continue training"
+                f"epochs; raise epochs (Trainer(epochs=...)) to continue training"
             )
         coverage = {
             int(e): [(int(o), int(n)) for o, n in spans]

@@ -179,6 +179,22 @@ def test_a_lone_loop_left_within_an_epoch_resumes_after_the_batches_it_trained(t
     assert sorted(first[N:] + rest) == list(range(N))  # epoch 1: every sample once
 
 
+def test_a_built_model_for_trainers_factory_is_refused_naming_the_fix():
+    # Called as a factory, the model ran its forward() with no input: "forward() missing 1 required argument".
+    with pytest.raises(ConfigError, match=r"model must be a factory that builds the model, got a built Linear: "
+                                          r"pass model=lambda: net"):
+        Trainer(model=net(), optimizer=sgd, train_step=loss_of, dataset=data(), batch_size=8, epochs=1)
+
+
+def test_resuming_alone_past_the_runs_epochs_is_refused_as_on_a_cluster(tmp_path):
+    # Alone it trained nothing, scored nothing and said `completed`; a cluster refuses it.
+    Trainer(model=net, optimizer=sgd, train_step=loss_of, dataset=data(), batch_size=8, epochs=2, quiet=True,
+            save_path=str(tmp_path / "m")).run()
+    with pytest.raises(ConfigError, match=r"holds 2 epochs, more than this run's 1; raise epochs"):
+        Trainer(model=net, optimizer=sgd, train_step=loss_of, dataset=data(), batch_size=8, epochs=1, quiet=True,
+                resume_from=str(tmp_path / "m")).run()
+
+
 def test_metrics_fn_on_the_controller_gets_each_epochs_row_with_its_eval_in_order(tmp_path):
     # A cluster's eval is scored on a rank and lands after the epoch's row: metrics_fn was called with the
     # row at once and never again, so a metrics_fn=wandb.log user lost every eval of a cluster run.
