@@ -251,6 +251,7 @@ class MembershipService:
         self._join = Codec(join_key(trust, session_key), JOIN_RUN_ID, SENDER, max_ledger=JOIN_LEDGER_CAP)
         self._session = Codec(session_key, incarnation, SENDER)
         self._hosts: dict[bytes, str] = {}  # ROUTER identity -> admitted host
+        self._lost: dict[bytes, tuple[str, bool]] = {}  # a lost host's connections: host, and whether that was said
         self._challenges = Challenges()  # the nonce each connection must sign into its hello
         self._end_watch = EndWatch()
         # What a connection may send before admission, one handler per record kind.
@@ -408,6 +409,7 @@ class MembershipService:
         if self.window.phase is WindowPhase.FORMED:
             self.window.depart(host)  # it may join again, with fresh ranks
             self._pending = self.window.pending
+            self._lost.update({i: (host, False) for i, h in self._hosts.items() if h == host})
             self._drop_connections(host)
         if pending:  # not in the world yet: nobody schedules its ranks
             log.warning("host %r lost while waiting to join: %s", host, why)
@@ -525,7 +527,13 @@ class MembershipService:
         except WireError as exc:
             # Under a pre-shared key this is how a stranger's hello looks: no reply at all.
             self.dropped += 1
-            log.warning("join frame dropped without reply: %s", exc)
+            host, said = self._lost.get(ident, (None, False))
+            if host is None:
+                log.warning("join frame dropped without reply: %s", exc)
+            elif not said:  # an agent that woke from a stall past --host-silence: its own silence rule re-dials
+                self._lost[ident] = (host, True)
+                log.warning("join frames of host %r dropped without reply: it was declared lost; its agent dials in "
+                            "again when it notices, and joins with new ranks", host)
         return None
 
     def _on_challenge_request(self, ident: bytes, env: Envelope, frames: list[Any], now: float) -> None:

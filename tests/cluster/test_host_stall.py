@@ -54,8 +54,11 @@ def test_a_host_stalled_past_the_host_silence_is_admitted_again_with_new_ranks()
         assert lost is not None, "the controller never declared the stalled host lost"
         for pid in stalled:
             os.kill(pid, signal.SIGCONT)
-        back = next_line(lines, lambda line: "admitted 'h0' as ranks" in line, 60)
+        seen: list[str] = []
+        back = next_line(lines, lambda line: seen.append(line) or "admitted 'h0' as ranks" in line, 60)
         assert back is not None and "pending" in back, back
+        # Its agent's frames meanwhile are this run's, from a host it declared lost: not "another run's".
+        assert not [line for line in seen if "a record of another run" in line], seen
         formed = next_line(lines, lambda line: "world re-formed" in line, 60)
         assert formed is not None and "(joined: ['h0'])" in formed, formed
     finally:
