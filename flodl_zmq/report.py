@@ -129,7 +129,10 @@ class RunReport:
     def _release(self) -> None:
         """`metrics_fn` for the held rows, in order, up to the first whose eval is still to come: it sees the
         row as `result.epochs` holds it, the eval included, as alone."""
-        while self._held and not ("fraction" not in self._held[0] and self._held[0]["epoch"] in self._awaiting):
+        while self._held:
+            head = self._held[0]
+            if "fraction" not in head and head["epoch"] in self._awaiting:  # an epoch's own row, its eval owed
+                return
             self._metrics(self._held.pop(0))
 
     def _metrics(self, row: dict[str, Any]) -> None:
