@@ -13,17 +13,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 
-from flodl_zmq.launch import free_port_base
 from tests.cluster.test_orphans import (
-    DEMO,
-    ROOT,
-    SILENCE,
     children_of,
+    controller_and_agents,
     next_line,
     wait_for_an_epoch,
 )
@@ -32,18 +28,7 @@ pytestmark = [pytest.mark.timeout(150), pytest.mark.skipif(sys.platform != "linu
 
 
 def test_a_host_stalled_past_the_host_silence_is_admitted_again_with_new_ranks():
-    port = free_port_base()
-    address = f"127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", FLODL_KEY=os.urandom(32).hex(), **SILENCE)
-    controller = subprocess.Popen(
-        [sys.executable, "-m", "flodl_zmq.cli", "controller", "--bind", address, "--min-ranks", "2",
-         "--target-ranks", "2", "--host-silence", "2", "--", *DEMO],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "flodl_zmq.cli", "agent", "--controller", address, "--host", f"h{i}",
-         "--cpu-slots", "1", "--controller-silence", "2", "--script", " ".join(DEMO[:2])],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        for i in range(2)]
+    controller, agents = controller_and_agents("2", "--controller-silence", "2")
     stalled: list[int] = []
     try:
         lines = wait_for_an_epoch(controller)

@@ -172,23 +172,28 @@ def test_every_child_exits_when_the_launcher_dies_without_tearing_down(how):
         reap(children, key, run_id)
 
 
-def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
-    # The agent gives its children the same lifeline as the launcher (agent.py): its death closes it.
-    port = free_port_base()
-    address = f"127.0.0.1:{port}"
-    key = os.urandom(32).hex()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", FLODL_KEY=key, **SILENCE)
+def controller_and_agents(host_silence: str, *agent_args: str) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
+    """`flodl-zmq controller` of the demo (its output piped) and two agents, h0 and h1, of one CPU slot each,
+    in sessions of their own under a fresh key."""
+    address = f"127.0.0.1:{free_port_base()}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", FLODL_KEY=os.urandom(32).hex(), **SILENCE)
     controller = subprocess.Popen(
         [sys.executable, "-m", "flodl_zmq.cli", "controller", "--bind", address, "--min-ranks", "2",
-         "--target-ranks", "2", "--host-silence", "600", "--", *DEMO],
+         "--target-ranks", "2", "--host-silence", host_silence, "--", *DEMO],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     agents = [subprocess.Popen(
         [sys.executable, "-m", "flodl_zmq.cli", "agent", "--controller", address, "--host", f"h{i}",
-         "--cpu-slots", "1", "--script", " ".join(DEMO[:2])],
+         "--cpu-slots", "1", *agent_args, "--script", " ".join(DEMO[:2])],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         for i in range(2)]
+    return controller, agents
+
+
+def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
+    # The agent gives its children the same lifeline as the launcher (agent.py): its death closes it.
+    controller, agents = controller_and_agents("600")
     children: dict[int, str] = {}
-    run_id: bytes | None = None
+    key, run_id = b"", None
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and sorted(children.values()) != ["rank", "relay", "warm"]:
@@ -196,7 +201,8 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
             time.sleep(0.2)
         assert sorted(children.values()) == ["rank", "relay", "warm"], f"agent h0 started {children} within 90 s"
         lines = wait_for_an_epoch(controller)
-        run_id = bytes.fromhex(environ_of(next(p for p, role in children.items() if role == "relay"))["FLODL_INCARNATION"])
+        relay_env = environ_of(next(p for p, role in children.items() if role == "relay"))
+        key, run_id = key_from_hex(relay_env["FLODL_KEY"]), bytes.fromhex(relay_env["FLODL_INCARNATION"])
         agents[0].kill()
         agents[0].wait(10)
         # Its rank is a failure, reported by its relay as it goes: not a goodbye (a rank leaving on purpose,
@@ -212,4 +218,4 @@ def test_a_sigkilled_agent_leaves_no_relay_or_rank_behind():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        reap(children, key_from_hex(key), run_id)
+        reap(children, key, run_id)
