@@ -382,7 +382,7 @@ class _ControlPlane(Plane):
         loop.on_socket(self.up, lambda: self.drained(self.up, self.to_rank))
         loop.on_stall(self.live.stalled)
         loop.on_message(RankRefused, lambda refused: self.violation(refused.rank, refused.why))
-        loop.on_message(AgentGone, lambda _: self.orphaned())
+        loop.on_message(AgentGone, lambda _: self.agent_gone())
         loop.timer(self.hello.next_due, self.say_hello)
         loop.timer(self.live.next_due, self.expire)
         loop.timer(lambda: self.reports.due_at, lambda now: self.report_up())
@@ -449,7 +449,7 @@ class _ControlPlane(Plane):
         if self.live.leave(rank):
             self.death(rank, reason)
 
-    def orphaned(self) -> None:
+    def agent_gone(self) -> None:
         """The host's agent is gone (`Relay.orphan`): each rank still here goes with it."""
         for rank in sorted(self.live.roster - self.live.dead):
             self.violation(rank, "its host's agent is gone (its lifeline closed)")

@@ -27,6 +27,7 @@ import numpy as np
 
 from flodl_zmq import bundle
 from flodl_zmq.coordinator.outputs import EvalsMerged, Evaluated
+from flodl_zmq.coordinator.roles import is_due
 from flodl_zmq.errors import TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.result import TrainResult, format_epoch
@@ -243,8 +244,8 @@ class RunReport:
 def eval_due(job: Job, epoch: int) -> bool:
     """An eval after `epoch`: every `eval_every` epochs, and after the last one (the final eval) even with
     `eval_every` 0, as the cluster's final eval scores its last model whatever the cadence."""
-    return bool(job.eval_fn is not None and job.eval_dataset is not None and (
-        epoch + 1 == job.epochs or (job.eval_every and (epoch + 1) % job.eval_every == 0)))
+    return job.eval_fn is not None and job.eval_dataset is not None and (
+        epoch + 1 == job.epochs or is_due(epoch + 1, job.eval_every))  # the coordinator's cadence rule
 
 
 def interrupted_notice(save_path: str, checkpoint: Path | None, checkpoints: bool = True) -> str:
