@@ -28,7 +28,7 @@ from flodl_zmq.coordinator.roles import SampleCadence
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.job import Job
 from flodl_zmq.loader import BatchPipeline
-from flodl_zmq.payload import check_wire, payload_tensors
+from flodl_zmq.payload import check_model
 from flodl_zmq.report import RunReport, eval_due
 from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
@@ -44,10 +44,9 @@ class AloneLoop:
 
     def __init__(self, job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device) -> None:
-        # The cluster's rules on what a round averages (float32, shaped) and on its wire, checked alone
-        # too: a script that trains alone must not first fail when it is launched on a cluster.
-        payload_tensors(model)
-        check_wire(model, job.wire)
+        # The cluster's rules on what a round averages (float32, shaped, finite) and on its wire, checked
+        # alone too: a script that trains alone must not first fail when it is launched on a cluster.
+        check_model(model, job.wire)
         self.job = job
         self.model = model
         self.start_epoch, self.start_batches = _resume_alone(job, model)

@@ -104,7 +104,7 @@ from flodl_zmq.mailbox import poll_ms
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.membership_link import MembershipLink
 from flodl_zmq.metrics import RunMetrics, served
-from flodl_zmq.payload import adopt_flat, check_wire, model_signature, parameter_count
+from flodl_zmq.payload import adopt_flat, check_model, model_signature, parameter_count
 from flodl_zmq.reducer_service import HostRefused, ReducerConfig, ReducerService, RoundOutcome
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult, epoch_row
@@ -143,7 +143,7 @@ class ControllerService:
                                     self.counts)
         torch.manual_seed(job.seed)  # the same initial replica as every rank
         self.model = job.model()
-        check_wire(self.model, job.wire)  # before a socket binds
+        check_model(self.model, job.wire)  # before a socket binds
         resumed = Resumed.load(job.resume_from)
         if resumed.model_state is not None:
             bundle.load_into(self.model, resumed.model_state, job.resume_from)

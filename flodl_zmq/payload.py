@@ -1,7 +1,8 @@
 """The model payload: which tensors a round averages, in which order, and how to move them.
 
 Rules this module keeps: a round averages every parameter and every
-floating-point buffer of the model, in that order (`payload_tensors`); the
+persistent floating-point buffer of the model, in that order
+(`payload_tensors`); the
 consensus is one flat float32 vector in that order; every process that takes
 part in a run builds a model with the same `model_signature`, which the
 controller checks before a step is trained.
@@ -19,28 +20,62 @@ from flodl_zmq.errors import ConfigError
 from flodl_zmq.wire_format import WireFormat
 
 
-def payload_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """What a round averages, in a fixed order: every parameter, then every floating-point buffer.
+def averaged_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a round averages, named, in the model's order: the floating-point ones that are state.
 
-    Integer buffers (BatchNorm's batch counter) have no meaningful average and
-    stay local.
+    Integer and bool buffers (BatchNorm's batch counter) have no meaningful average, and a non-persistent
+    float buffer (`register_buffer(..., persistent=False)`: a causal mask of -inf, rotary frequencies) is by
+    PyTorch's own rule not state but derived: both stay local, as the model factory made them (averaging
+    a -inf mask gives NaN, and a bf16 wire would round rotary frequencies every round).
     """
-    tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
-    for t in tensors:
+    derived = {id(b) for m in model.modules() for name, b in m._buffers.items()
+               if b is not None and name in m._non_persistent_buffers_set}
+    return [(name, b) for name, b in model.named_buffers() if b.is_floating_point() and id(b) not in derived]
+
+
+def named_payload(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a round averages, named, in a fixed order: every parameter, then every averaged buffer;
+    each float32 and shaped, or a ConfigError naming the tensor and the fix."""
+    named = list(model.named_parameters()) + averaged_buffers(model)
+    for name, t in named:
         if is_lazy(t):  # before its dtype: an uninitialized parameter refuses every read
             raise ConfigError(
-                "the model holds an uninitialized parameter (a LazyModule, such as LazyLinear): every rank "
-                "must hold every shape before the first round; have the model factory run one forward pass "
-                "on a sample batch before returning the model, as DistributedDataParallel also requires"
+                f"the model holds an uninitialized parameter ({name!r}, of a LazyModule such as LazyLinear): "
+                "every rank must hold every shape before the first round; have the model factory run one "
+                "forward pass on a sample batch before returning the model, as DistributedDataParallel also "
+                "requires"
             )
         if t.dtype != torch.float32:
             raise ConfigError(
-                f"the data plane averages float32 tensors; the model holds a {t.dtype} tensor of shape "
+                f"the data plane averages float32 tensors; the model's {name!r} is {t.dtype} of shape "
                 f"{tuple(t.shape)}: keep the master weights in float32 (autocast for lower precision)"
             )
-    if not tensors:
+    if not named:
         raise ConfigError("the model has no parameters or float buffers: there is nothing to average")
-    return tensors
+    return named
+
+
+def payload_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What a round averages, in payload order (`named_payload`, without the names)."""
+    return [t for _, t in named_payload(model)]
+
+
+def check_model(model: torch.nn.Module, wire: WireFormat) -> None:
+    """Refuse, before anything trains or binds, a model a round cannot average (`named_payload`), one
+    whose averaged buffer holds a NaN or an infinity, and one its wire would spoil (`check_wire`).
+
+    A non-finite buffer would be refused in every rank's first deposit, and each rank dropped as a
+    poisoner: that is a constant the factory made (a float mask), which should not travel.
+    """
+    for name, b in averaged_buffers(model):
+        if not bool(torch.isfinite(b).all()):
+            raise ConfigError(
+                f"the model's float buffer {name!r} holds a NaN or an infinity, and every persistent float "
+                "buffer is averaged by each round, which refuses non-finite values: register a constant such as "
+                "an attention mask with register_buffer(..., persistent=False) (it then stays local, as the "
+                "model factory made it), or make it a bool mask")
+    named_payload(model)
+    check_wire(model, wire)
 
 
 def check_wire(model: torch.nn.Module, wire: WireFormat) -> None:
@@ -65,32 +100,32 @@ def check_wire(model: torch.nn.Module, wire: WireFormat) -> None:
 
 
 def copy_unaveraged(model: torch.nn.Module, source: torch.nn.Module) -> None:
-    """Copy into `model` the buffers of `source` (same layout) that no round averages, its integer and bool
-    ones: a copy of the consensus built fresh from the model factory then scores with the rank's own
-    counters and masks (BatchNorm's `num_batches_tracked`, a running count), as the rank's live model does."""
+    """Copy into `model` the buffers of `source` (same layout) that no round averages (`averaged_buffers`):
+    a copy of the consensus built fresh from the model factory then scores with the rank's own counters
+    and masks (BatchNorm's `num_batches_tracked`, a running count), as the rank's live model does."""
+    averaged = {id(b) for _, b in averaged_buffers(source)}
     with torch.no_grad():
         for kept, own in zip(model.buffers(), source.buffers(), strict=True):
-            if not kept.is_floating_point():
+            if id(own) not in averaged:
                 kept.copy_(own)
 
 
 def parameter_count(model: torch.nn.Module) -> int:
-    """How many leading values of the payload are parameters: the float buffers follow them."""
+    """How many leading values of the payload are parameters: the averaged buffers follow them."""
     return sum(p.numel() for p in model.parameters())
 
 
 def model_signature(model: torch.nn.Module) -> bytes:
     """32-byte digest of the averaged tensors' names, shapes and dtypes, in payload order."""
     h = hashlib.sha256(b"flodl-model-v1")
-    floats = {id(b) for b in model.buffers() if b.is_floating_point()}
-    for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if id(b) in floats]:
+    for name, t in named_payload(model):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
     return h.digest()
 
 
 def load_flat(model: torch.nn.Module, flat: torch.Tensor | Sequence[torch.Tensor]) -> None:
     """Copy a flat float32 vector (payload order), whole or as its consecutive chunks, into the
-    model's parameters and float buffers."""
+    model's parameters and averaged buffers."""
     chunks = [flat.reshape(-1)] if isinstance(flat, torch.Tensor) else flat
     with torch.no_grad():
         torch._foreach_copy_(*aligned_views(chunks, payload_tensors(model)))  # copy_ crosses devices itself

@@ -16,7 +16,14 @@ from flodl_zmq.errors import ConfigError, TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.param_buffers import ParamBuffers
-from flodl_zmq.payload import copy_unaveraged, flatten, load_flat, model_signature, payload_tensors
+from flodl_zmq.payload import (
+    check_model,
+    copy_unaveraged,
+    flatten,
+    load_flat,
+    model_signature,
+    payload_tensors,
+)
 from flodl_zmq.rank import RankRuntime, epoch_fns_due
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig
 from flodl_zmq.tensors import as_numpy, bf16_from_f32, f32_from_bf16
@@ -42,9 +49,44 @@ def test_payload_is_parameters_then_float_buffers_without_integer_counters():
     assert all(t.dtype == torch.float32 for t in tensors)
 
 
-def test_float64_model_is_refused_with_the_fix():
-    with pytest.raises(ConfigError, match="float32"):
-        payload_tensors(torch.nn.Linear(2, 2).double())
+def test_float64_model_is_refused_naming_the_tensor_and_the_fix():
+    with pytest.raises(ConfigError, match="the model's '1.weight' is torch.float64 .*float32"):
+        payload_tensors(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2).double()))
+
+
+class _MaskedNet(torch.nn.Module):
+    """A causal self-attention model's shape: a float -inf mask buffer beside BatchNorm's statistics."""
+
+    def __init__(self, persistent: bool) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1), persistent=persistent)
+        self.register_buffer("rotary", torch.linspace(0.1, 1.0, 4), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) @ (self.mask.exp() + self.rotary)
+
+
+def test_a_non_persistent_buffer_never_travels_so_a_minus_inf_mask_trains_on_a_cluster():
+    # A -inf causal mask registered persistent=False (the transformer's usual shape) went into every
+    # deposit, and the reducer dropped each rank as a poisoner: the run failed with all_ranks_lost.
+    m = _MaskedNet(persistent=False)
+    check_model(m, F32)
+    assert [tuple(t.shape) for t in payload_tensors(m)] == [(4, 4), (4,), (4,), (4,), (4,), (4,)]
+    assert torch.isfinite(flatten(m)).all()
+    plain = torch.nn.Module()
+    plain.body = m.body
+    assert model_signature(m) == model_signature(plain)  # the derived buffers are not in the layout
+    loaded = _MaskedNet(persistent=False)
+    loaded.mask.zero_()
+    load_flat(loaded, flatten(m))
+    copy_unaveraged(loaded, m)  # a copy of the consensus scores with the rank's own derived buffers
+    assert torch.equal(loaded.mask, m.mask) and torch.equal(loaded.rotary, m.rotary)
+
+
+def test_a_persistent_non_finite_buffer_is_refused_before_training_naming_it_and_the_fix():
+    with pytest.raises(ConfigError, match="float buffer 'mask' holds a NaN or an infinity.*persistent=False"):
+        check_model(_MaskedNet(persistent=True), F32)
 
 
 def test_a_lazy_model_is_refused_with_the_fix_and_works_once_a_forward_pass_has_shaped_it():

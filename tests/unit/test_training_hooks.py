@@ -162,8 +162,20 @@ def test_alone_an_eval_fn_that_raises_under_stop_ends_the_run_with_training_erro
 @pytest.mark.parametrize("dtype", [torch.float16, torch.complex64])
 def test_alone_a_model_the_cluster_cannot_average_is_refused_as_on_a_cluster(dtype, tmp_path):
     # It trained alone and was refused only once launched: the same script must fail the same way.
-    with pytest.raises(ConfigError, match=f"averages float32 tensors; the model holds a {dtype}"):
+    with pytest.raises(ConfigError, match=f"averages float32 tensors; the model's 'weight' is {dtype}"):
         train_alone(job(model=lambda: torch.nn.Linear(4, 2).to(dtype), run_dir=str(tmp_path / "run")))
+
+
+def test_alone_a_persistent_minus_inf_mask_is_refused_as_on_a_cluster_and_a_derived_one_trains(tmp_path):
+    # Each round refuses a non-finite deposit: on a cluster every rank was dropped as a poisoner.
+    def masked(persistent: bool) -> torch.nn.Module:
+        model = torch.nn.Linear(4, 2)
+        model.register_buffer("mask", torch.full((2,), float("-inf")), persistent=persistent)
+        return model
+
+    with pytest.raises(ConfigError, match="float buffer 'mask' holds a NaN or an infinity"):
+        train_alone(job(model=lambda: masked(True), run_dir=str(tmp_path / "run")))
+    train_alone(job(model=lambda: masked(False), run_dir=str(tmp_path / "derived")))
 
 
 def test_alone_an_int8_wire_for_a_model_with_running_statistics_is_refused_as_on_a_cluster(tmp_path):
