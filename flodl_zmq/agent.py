@@ -354,7 +354,10 @@ class Agent:
                 if (not self._lost_controller or not self.config.controller_grace_s
                         or self._stop_reason is not None):
                     return code
-                joined = self._rejoin(joined)
+                rejoined = self._rejoin(joined)
+                if rejoined is None:
+                    return code  # torn down by the controller's silence, as without a grace period
+                joined = rejoined
         finally:
             if self._warm is not None:
                 self._warm.close()
@@ -376,9 +379,9 @@ class Agent:
         return Joined(before.ranks, before.session_key, before.run_id, formed.incarnation, formed.world_size, spawn,
                       before.host_token, formed.route_secret)
 
-    def _rejoin(self, before: Joined) -> Joined:
+    def _rejoin(self, before: Joined) -> Joined | None:
         """Re-dial a silent controller with backoff until a restart of our run takes us back (at most
-        `controller_grace_s`)."""
+        `controller_grace_s`); None, said in the log, when the grace period ends or the agent is stopped."""
         cfg = self.config
         deadline = time.monotonic() + cfg.controller_grace_s
         wait = REJOIN_BACKOFF_S[0]
@@ -387,13 +390,14 @@ class Agent:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or self._stop_reason is not None:
-                raise MembershipError(
+                log.error(
                     f"the controller at {cfg.controller} did not come back within the grace period of "
                     f"{cfg.controller_grace_s:g} s (--controller-grace): host {cfg.host!r} leaves run "
                     f"{before.run_id.hex()[:8]}; "
                     "restart the controller with --resume auto and start this agent again"
                     if self._stop_reason is None else f"stopped while waiting for the controller: {self._stop_reason}"
                 )
+                return None
             # A fresh link and the join key: nothing of the dead controller's link carries over.
             self._drop_replaced()
             self._sock.close(0)

@@ -437,14 +437,17 @@ def test_a_join_link_stuck_silent_is_redialled_and_the_host_stays(cluster, tmp_p
         proxy.close()
 
 
-def test_a_controller_silent_past_the_grace_period_leaves_the_agents_with_the_reason(cluster):
+def test_a_controller_silent_past_the_grace_period_leaves_the_agents_with_the_reason(cluster, caplog):
+    # A host torn down by its controller's silence exits 1 (docs/operations.md), with a grace period or
+    # without: past it the agent exited 2, the code of a refused join.
     c = cluster(target_ranks=2, rank_code="time.sleep(60)")
-    a, b = in_thread(c.agent("a", controller_grace_s=1.5).run), in_thread(c.agent("b", controller_grace_s=1.5).run)
-    assert c.service.wait_closed(10).phase is WindowPhase.FORMED
-    c.service.close()
-    for agent in (a, b):
-        with pytest.raises(MembershipError, match=r"did not come back within the grace period of 1\.5 s"):
-            agent()
+    with caplog.at_level(logging.ERROR, logger="flodl_zmq.agent"):
+        a, b = in_thread(c.agent("a", controller_grace_s=1.5).run), in_thread(c.agent("b", controller_grace_s=1.5).run)
+        assert c.service.wait_closed(10).phase is WindowPhase.FORMED
+        c.service.close()
+        assert a() == 1 and b() == 1
+    left = [r.getMessage() for r in caplog.records if "did not come back within the grace period of 1.5 s" in r.getMessage()]
+    assert {"host 'a'", "host 'b'"} == {h for h in ("host 'a'", "host 'b'") if any(h in m for m in left)}
 
 
 def test_abort_returns_once_the_service_thread_acted_on_it_and_not_after_close(cluster):
