@@ -91,13 +91,17 @@ class AloneLoop:
                 self.stepper.follow(epoch * self.steps_per_epoch + self._skipped + self._batches)
                 yield self.pipeline.next()
                 if len(self.pipeline) and self.cadence.due(self._trained()):
-                    self._evaluate(within_epoch=True)
+                    self._evaluate(self._trained(), within_epoch=True)
             row = self._row()
             self.scalars.take()
             if eval_due(job, epoch) or self.cadence.due(self._trained()):
-                self._evaluate(within_epoch=not eval_due(job, epoch), row=row)
+                self._evaluate(self._trained(), within_epoch=not eval_due(job, epoch), row=row)
             self.report.epoch(row)
             self.epochs_done = epoch + 1
+        if self.start_epoch >= job.epochs and job.eval_fn is not None:
+            # A resume of a finished run trains nothing: its model is scored as it stands, as a cluster's is.
+            self.epoch = job.epochs - 1
+            self._evaluate(job.epochs * job.total_samples, within_epoch=False)
 
     def step(self, loss_value: float) -> None:
         """The caller's optimizer step on the last batch is done: count it, report its progress."""
@@ -117,10 +121,10 @@ class AloneLoop:
         return self.epoch * self.job.total_samples + min((self._skipped + self._batches) * self.job.batch_size,
                                                          self._samples)
 
-    def _evaluate(self, within_epoch: bool, row: dict[str, Any] | None = None) -> None:
-        """Score the model now and report it; an eval_fn that fails follows on_callback_error, as on a
-        cluster: "report" logs it and trains on (the run and its save must not be lost to a metric)."""
-        samples = self._trained()
+    def _evaluate(self, samples: int, within_epoch: bool, row: dict[str, Any] | None = None) -> None:
+        """Score the model, trained on `samples` samples, and report it; an eval_fn that fails follows
+        on_callback_error, as on a cluster: "report" logs it and trains on (the run and its save must not
+        be lost to a metric)."""
         self.cadence.scored(samples)
         try:
             metric = score(self.job, self.model)

@@ -41,6 +41,16 @@ from flodl_zmq.private_files import make_dirs, read_own, write_atomic
 FORMAT = 1
 
 
+def stem_of(path: str | os.PathLike[str]) -> str:
+    """A bundle's stem, named by itself or by one of its files: `TrainResult.saved` is its meta file's path,
+    which a user hands to `resume_from` as it is."""
+    s = str(path)
+    for suffix in (".meta.json", ".pt"):
+        if s.endswith(suffix):
+            return s[: -len(suffix)]
+    return s
+
+
 def paths(stem: str | os.PathLike[str]) -> tuple[Path, Path]:
     """(model path, meta path) of bundle `stem`."""
     s = str(stem)

@@ -143,7 +143,12 @@ def resolve(resume: str | None, checkpoint_dir: str | None) -> Path | None:
             raise ConfigError(f"--resume {resume}: the directory holds no complete checkpoint (ckpt-r*.meta.json); "
                               "name the directory the controller wrote them to (--checkpoint-dir)")
         return stem
-    return Path(resume)
+    stem = bundle.stem_of(resume)
+    if not any(p.exists() for p in bundle.paths(stem)):  # named as the user gave it, before the bundle's reader
+        raise ConfigError(f"--resume {resume} (FLODL_RESUME): no checkpoint directory and no bundle of that name "
+                          f"({stem}.pt, {stem}.meta.json): name a checkpoint directory, a checkpoint's stem "
+                          "(DIR/ckpt-rNNNNNNNNN), or auto (the newest of --checkpoint-dir)")
+    return Path(stem)
 
 
 def completion(directory: str | Path) -> dict[str, Any] | None:

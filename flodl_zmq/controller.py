@@ -66,6 +66,7 @@ from flodl_zmq.environment import (
     ProcessEnv,
     SigtermInterrupt,
     SpawnSpec,
+    moves_the_run,
     raise_interrupt_on_sigterm,
     with_tunables,
 )
@@ -177,8 +178,8 @@ def _serve(opts: ControllerOptions, metrics: RunMetrics | None) -> int:
             settings=settings, route_secret=membership.route_secret,
         )
         return _run_role(opts, membership, penv, metrics)
-    except SigtermInterrupt:
-        if opts.settings.resume == "auto":
+    except SigtermInterrupt as stop:
+        if moves_the_run(stop, opts.settings.resume):
             log.warning("SIGTERM under --resume auto: exiting without ending the run; the agents wait for the "
                         "restarted controller (--controller-grace), which resumes from the newest checkpoint")
         else:
@@ -247,11 +248,10 @@ def _open_join_window(
         host_silence_at_controller_s=settings.host_silence_at_controller_s,
         context=ctx, curve=opts.curve, gate=gate,
     )
-    log.info(
-        "join window open on %s (%s%s): forming at %s ranks, at least %d, window %g s, hard cap %g s",
-        membership.endpoint, trust.value, ", CURVE" if opts.curve is not None else "",
-        cfg.target_ranks or "-", cfg.min_ranks, cfg.join_window_s, cfg.join_cap_s,
-    )
+    forming = (f"forming at {cfg.target_ranks} ranks, or at least {cfg.min_ranks} when the window ends"
+               if cfg.target_ranks else f"forming with at least {cfg.min_ranks} ranks when the window ends")
+    log.info("join window open on %s (%s%s): %s, window %g s, hard cap %g s", membership.endpoint, trust.value,
+             ", CURVE" if opts.curve is not None else "", forming, cfg.join_window_s, cfg.join_cap_s)
     membership.start()
     return membership
 

@@ -85,7 +85,7 @@ from flodl_zmq.coordinator.outputs import (
     SaveState,
 )
 from flodl_zmq.datasets import dataset_signature
-from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv, reported_exit
+from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv, moves_the_run, reported_exit
 from flodl_zmq.errors import FlodlError, TrainingError
 from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
@@ -224,9 +224,10 @@ class ControllerService:
                 self._loop(control, copies, reducer)
             finally:
                 self._close(reducer, control, copies, status_server)
-        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from launch or an orchestrator (a KeyboardInterrupt there):
+        except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM from launch or an orchestrator (SigtermInterrupt):
             # Closed, as at every end: the run log ends "interrupted", not mid-round, and the user reads what was not saved.
-            self.report.interrupted(time.perf_counter() - t0, self.kept.newest_checkpoint)
+            self.report.interrupted(time.perf_counter() - t0, self.kept.newest_checkpoint,
+                                    moved=moves_the_run(stop, self.penv.settings.resume))
             raise
         before = 0.0 if self._carried is None else self._carried.result.wall_s  # the world before a re-form
         return self._finish(time.perf_counter() - t0 + before)

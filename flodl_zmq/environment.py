@@ -372,6 +372,13 @@ class SigtermInterrupt(KeyboardInterrupt):
     --resume auto, and its exit status). A rank's SIGTERM is session.RankTerminated instead."""
 
 
+def moves_the_run(stop: BaseException, resume: str | None) -> bool:
+    """Whether `stop` is a SIGTERM under --resume auto: how an orchestrator moves a controller (Kubernetes, Compose),
+    not the run's end. The agents are not aborted; they wait for the next controller, which resumes the newest
+    checkpoint."""
+    return isinstance(stop, SigtermInterrupt) and resume == "auto"
+
+
 TERMINATED_EXIT = 143  # a shell's status for SIGTERM: not 0, so `restart: on-failure` and OnFailure restart it
 INTERRUPTED_EXIT = 130  # a shell's status for SIGINT (Ctrl-C)
 # A process handed a role whose script ended without playing it (no Trainer.run(), no Session): nothing

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from flodl_zmq import bundle
 from flodl_zmq.coordinator.config import RANK_SILENCE_AT_COORDINATOR_S, CoordinatorConfig, Mode
 from flodl_zmq.errors import ConfigError, TrainingError
 from flodl_zmq.outer import OuterConfig
@@ -257,6 +258,8 @@ class Job:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value).strip()):
                 raise ConfigError(f"{name} must be a path (a str or pathlib.Path; None to leave it out), got {value!r}")
+        if self.resume_from is not None:
+            object.__setattr__(self, "resume_from", bundle.stem_of(self.resume_from))
         if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)} (or None: the run's setting), "
                               f"got {self.aggregation!r}")

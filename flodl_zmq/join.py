@@ -462,10 +462,8 @@ class JoinWindow:
             raise MembershipError(f"cannot retract {host!r}: the window is {self.phase.value}")
         group = self._pending if self.phase is WindowPhase.FORMED else self._members
         if not group or group[-1].host != host:
-            raise MembershipError(
-                f"only the most recent member can be retracted; {host!r} is not it "
-                "(retracting another would leave a hole in the rank space)"
-            )
+            raise MembershipError(f"only the most recent member can be retracted; {host!r} is not it "
+                                  "(retracting another would leave a hole in the rank space)")
         gone = group.pop()
         if self.phase is WindowPhase.FORMED or self.resumed is None:  # its ranks were the newest given
             self._next_rank -= len(gone.ranks)
@@ -483,11 +481,14 @@ class JoinWindow:
             return self._close(WindowPhase.FORMED, "join window closed with quorum")
         if elapsed < cfg.join_cap_s:
             return self._verdict
-        return self._close(
-            WindowPhase.FAILED,
+        if self.resumed is not None:  # a resumed run needs its own world back: the minimum is not a choice
+            return self._close(WindowPhase.FAILED, (
+                f"the resumed run's hosts {sorted(set(self.resumed) - set(self.world))} did not rejoin within the "
+                f"hard cap of {cfg.join_cap_s:g} s (a resumed run takes back every host of its checkpoint's world, "
+                "each with its ranks); start their agents again with the same --host and devices"))
+        return self._close(WindowPhase.FAILED, (
             f"quorum not met: {joined}/{cfg.min_ranks} ranks joined within the hard cap of "
-            f"{cfg.join_cap_s:g} s; start more workers, or lower the minimum ranks",
-        )
+            f"{cfg.join_cap_s:g} s; start more workers, or lower the minimum ranks"))
 
     def next_due(self, now: float) -> float | None:
         """When `poll` next may change its verdict without a new admission; None once it is final."""

@@ -651,9 +651,10 @@ class ReducerService:
             self.completed.put(RoundOutcome(outcome.round_id, outcome.mass, outcome.hosts, published_at=time.perf_counter(),
                                             masses=outcome.masses, ranks=outcome.ranks))
         elif isinstance(outcome, Abandoned):
-            # With no round open nothing was lost (the run's normal end); an open round lost is an error.
-            level = logging.INFO if outcome.round_id is None else logging.ERROR
-            log.log(level, "reducer: round %s abandoned: %s", outcome.round_id, outcome.reason)
+            if outcome.round_id is None:  # nothing was lost: the run's normal end
+                log.info("reducer: no round open: %s", outcome.reason)
+            else:
+                log.error("reducer: round %d abandoned: %s", outcome.round_id, outcome.reason)
             self.completed.put(RoundOutcome(outcome.round_id, 0.0, (), outcome.reason))
 
     def _publish(self, red: Reduced) -> None:

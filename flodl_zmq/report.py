@@ -225,15 +225,16 @@ class RunReport:
         self.events.close()
         return self.result
 
-    def interrupted(self, wall_s: float, checkpoint: Path | None, checkpoints: bool = True) -> None:
+    def interrupted(self, wall_s: float, checkpoint: Path | None, checkpoints: bool = True, moved: bool = False) -> None:
         """Ctrl-C or SIGTERM stopped the run: finish it as "interrupted", and, when it has a `save_path`, say that
         nothing was saved there, which its user would otherwise believe (`interrupted_notice`). `checkpoint`: the
         newest checkpoint that holds its progress, if any; `checkpoints`: whether the run could have written one
-        (a cluster's controller; not a process training alone)."""
+        (a cluster's controller; not a process training alone); `moved`: a SIGTERM under --resume auto, after which
+        the same command continues the run."""
         self.result.reason = "interrupted"
         self.finish(wall_s)
         if self.job.save_path:
-            print(interrupted_notice(str(self.job.save_path), checkpoint, checkpoints), flush=True)
+            print(interrupted_notice(str(self.job.save_path), checkpoint, checkpoints, moved), flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -248,7 +249,7 @@ def eval_due(job: Job, epoch: int) -> bool:
         epoch + 1 == job.epochs or is_due(epoch + 1, job.eval_every))  # the coordinator's cadence rule
 
 
-def interrupted_notice(save_path: str, checkpoint: Path | None, checkpoints: bool = True) -> str:
+def interrupted_notice(save_path: str, checkpoint: Path | None, checkpoints: bool = True, moved: bool = False) -> str:
     """What an interrupted run says of its `save_path`: nothing was written there, and where its progress is kept.
 
     Not saved on purpose: an interruption lands anywhere in the controller's loop, where the kept consensus may be
@@ -259,6 +260,9 @@ def interrupted_notice(save_path: str, checkpoint: Path | None, checkpoints: boo
             "Ctrl-C or SIGTERM stops it)")
     if not checkpoints:  # alone: a Session loop that breaks ends the run, saved with what it trained
         return f"{head}; to stop early with a save, leave a Session's loop (`break`): it saves what it trained"
+    if checkpoint is not None and moved:  # SIGTERM under --resume auto: the agents wait for the next controller
+        return (f"{head}; its progress is in the checkpoint {checkpoint}, which this controller started again with "
+                "the same command (--resume auto) continues from")
     if checkpoint is not None:
         return (f"{head}; its progress is in the checkpoint {checkpoint}: continue with --resume {checkpoint} "
                 f"(FLODL_RESUME={checkpoint} under launch)")

@@ -149,6 +149,10 @@ def test_resume_names_a_stem_a_directory_s_newest_or_auto_s_newest_if_any(tmp_pa
     assert checkpoints.resolve("auto", str(tmp_path)) == newest
     assert checkpoints.resolve(str(tmp_path), None) == newest
     assert checkpoints.resolve(str(tmp_path / "ckpt-r000000004"), None) == tmp_path / "ckpt-r000000004"
+    assert checkpoints.resolve(str(tmp_path / "ckpt-r000000004.meta.json"), None) == tmp_path / "ckpt-r000000004"
+    # A typo was named as the Trainer's resume_from, a setting the user never gave.
+    with pytest.raises(ConfigError, match=r"--resume nope \(FLODL_RESUME\): no checkpoint directory and no bundle"):
+        checkpoints.resolve("nope", None)
     # Pinned once by what starts the run: every process then continues that stem, whatever comes later.
     pinned = checkpoints.pin_resume(Settings(resume="auto", checkpoint_dir=str(tmp_path)))
     assert pinned.resume == str(newest) and checkpoints.pin_resume(pinned) == pinned

@@ -14,13 +14,16 @@ from flodl_zmq.environment import (
     ChildExit,
     ExitReports,
     ProcessEnv,
+    SigtermInterrupt,
     failed_with,
+    moves_the_run,
     parse_world,
     training_failed,
     with_tunables,
 )
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.formation import rank_space, vacancies
+from flodl_zmq.report import interrupted_notice
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import new_key
 
@@ -234,3 +237,14 @@ def test_a_ranks_training_failed_line_names_its_error_and_its_parent_reads_it_ba
     assert failed_with(f"ERROR flodl_zmq.session: {line}") == "ValueError: sample 13 is corrupt"
     assert training_failed(0, RuntimeError()) == "rank 0: training failed: RuntimeError"
     assert failed_with("rank 3: training failed") is None and failed_with("epoch 1/2 | loss 0.5") is None
+
+
+def test_a_sigterm_under_resume_auto_moves_the_run_and_its_notice_says_the_same_command_continues(tmp_path):
+    # The notice advised `--resume CKPT` to a controller an orchestrator restarts with --resume auto, as it must be.
+    assert moves_the_run(SigtermInterrupt(), "auto")
+    assert not moves_the_run(KeyboardInterrupt(), "auto") and not moves_the_run(SigtermInterrupt(), "runs/ckpt")
+    ckpt = tmp_path / "ckpt-r000000012"
+    moved = interrupted_notice("runs/m", ckpt, moved=True)
+    assert f"in the checkpoint {ckpt}, which this controller started again with the same command" in moved
+    assert "--resume auto" in moved and f"--resume {ckpt}" not in moved
+    assert f"continue with --resume {ckpt}" in interrupted_notice("runs/m", ckpt)

@@ -92,6 +92,17 @@ def test_a_resumed_window_gives_each_host_its_old_ranks_whatever_the_order_and_f
     assert verdict.phase is WindowPhase.FORMED and {m.host: m.ranks for m in verdict.members} == {"w1": (0, 1), "w2": (2, 3)}
 
 
+def test_a_resumed_window_that_fails_names_the_hosts_that_did_not_rejoin_not_the_minimum_ranks():
+    # Its minimum is the checkpoint's world: "lower the minimum ranks" was advice the user could not take.
+    w = JoinWindow(JoinConfig(min_ranks=4, target_ranks=4, join_window_s=10.0, join_cap_s=30.0), opened_at=100.0,
+                   resumed={"w1": (0, 1), "w2": (2, 3)})
+    w.admit(hello("w2", 2), 100.0)
+    verdict = w.poll(131.0)
+    assert verdict.phase is WindowPhase.FAILED
+    assert "the resumed run's hosts ['w1'] did not rejoin within the hard cap of 30 s" in verdict.reason
+    assert "minimum ranks" not in verdict.reason
+
+
 def test_a_resumed_window_refuses_a_stranger_and_a_host_with_other_devices_by_name():
     w = JoinWindow(JoinConfig(min_ranks=4, target_ranks=4), opened_at=100.0, resumed={"w1": (0, 1), "w2": (2, 3)})
     assert "host 'w3' is not part of the run this controller resumes" in rejected(w.admit(hello("w3", 2), 100.0))

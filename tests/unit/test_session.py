@@ -195,6 +195,19 @@ def test_resuming_alone_past_the_runs_epochs_is_refused_as_on_a_cluster(tmp_path
                 resume_from=str(tmp_path / "m")).run()
 
 
+def test_resuming_a_finished_run_alone_with_its_epochs_scores_its_model_as_a_cluster_does(tmp_path):
+    # Alone it trained nothing and returned final_eval None; a cluster scores the resumed consensus.
+    def mean_output(model: torch.nn.Module, dataset: TensorDataset) -> float:
+        return float(model(dataset.tensors[0]).mean())
+
+    run = dict(model=net, optimizer=sgd, train_step=loss_of, dataset=data(), batch_size=8, epochs=2, quiet=True,
+               eval_dataset=data(), eval_fn=mean_output)
+    first = Trainer(**run, save_path=str(tmp_path / "m")).run()
+    again = Trainer(**run, resume_from=first.saved).run()  # its meta file's path: the bundle it names
+    assert again.epochs == [] and again.final_eval == pytest.approx(first.final_eval)
+    assert again.evals[0]["samples"] == 2 * len(data())
+
+
 def test_metrics_fn_on_the_controller_gets_each_epochs_row_with_its_eval_in_order(tmp_path):
     # A cluster's eval is scored on a rank and lands after the epoch's row: metrics_fn was called with the
     # row at once and never again, so a metrics_fn=wandb.log user lost every eval of a cluster run.
