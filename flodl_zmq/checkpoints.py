@@ -62,7 +62,7 @@ from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError, RunComplete
 from flodl_zmq.job import Job
 from flodl_zmq.outer import OuterOptimizer
-from flodl_zmq.payload import load_flat
+from flodl_zmq.payload import load_flat, refresh_estimates
 from flodl_zmq.private_files import own_dir, read_own, write_atomic
 from flodl_zmq.result import TrainResult
 from flodl_zmq.settings import Settings
@@ -453,6 +453,7 @@ class Keeper:
         """The job's model's state_dict holding the flat parameters `flat`."""
         model = self.job.model()
         load_flat(model, flat)
+        refresh_estimates(model)  # the bundle's model is scored as it stands
         return model.state_dict()
 
     def write_reform(self, state: dict[str, Any], run_dir: Path) -> Path | None:

@@ -141,8 +141,7 @@ class ControllerService:
         self.counts: collections.Counter[str] = collections.Counter()
         self.router = ControlRouter(penv.world, self.world_size, penv.key, penv.incarnation, penv.need_route_secret(),
                                     self.counts)
-        torch.manual_seed(job.seed)  # the same initial replica as every rank
-        self.model = job.model()
+        self.model = job.build_model()  # the same initial replica as every rank
         check_model(self.model, job.wire)  # before a socket binds
         resumed = Resumed.load(job.resume_from)
         if resumed.model_state is not None:

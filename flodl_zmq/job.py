@@ -20,11 +20,13 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import random
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
@@ -300,6 +302,18 @@ class Job:
             )
         return cls(*args, **keywords)
 
+    def build_model(self) -> torch.nn.Module:
+        """The model as every process of the run builds it: torch's, numpy's and random's global generators seeded
+        with `seed` first, so a factory drawing its initial weights from any of them gives every replica the
+        same (a generator of its own must be seeded by the factory: `Job.ship_start` otherwise)."""
+        seed_generators(self.seed)
+        return self.model()
+
+    def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """The optimizer factory's optimizer over `model`'s parameters, handed as a list: a factory that reads
+        them twice (weight-decay groups: matrices, then the rest) got a spent generator the second time."""
+        return self.optimizer(list(model.parameters()))
+
     @property
     def blend(self) -> float | None:
         """None: a rank overwrites its replica with each consensus; under cpu-async, the EASGD alpha
@@ -364,6 +378,18 @@ class Job:
                 f"such as '25%' (0% to 100%), got {m!r}"
             )
         return MaxFailure.percent(float(match.group(1)) / 100.0)
+
+
+def seed_generators(seed: int, stream: int = 0) -> None:
+    """Seed torch's, numpy's and random's global generators: with `seed` for stream 0 (every process's model
+    factory, a lone run's training), with a seed derived from both for another stream (a rank's own
+    randomness once its replica is built: dropout masks and augmentations differ from rank to rank, as a
+    DistributedDataParallel script that seeds each rank with its rank gets)."""
+    if stream:
+        seed = int(np.random.SeedSequence([seed, stream]).generate_state(1)[0])
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def coordinator_config(job: Job) -> CoordinatorConfig:

@@ -2,10 +2,9 @@
 
 Rules this module keeps: a round averages every parameter and every
 persistent floating-point buffer of the model, in that order
-(`payload_tensors`); the
-consensus is one flat float32 vector in that order; every process that takes
-part in a run builds a model with the same `model_signature`, which the
-controller checks before a step is trained.
+(`payload_tensors`); the consensus is one flat float32 vector in that order;
+every process that takes part in a run builds a model with the same
+`model_signature`, which the controller checks before a step is trained.
 """
 
 from __future__ import annotations
@@ -15,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 from torch.nn.parameter import is_lazy
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.wire_format import WireFormat
@@ -108,6 +109,30 @@ def copy_unaveraged(model: torch.nn.Module, source: torch.nn.Module) -> None:
         for kept, own in zip(model.buffers(), source.buffers(), strict=True):
             if id(own) not in averaged:
                 kept.copy_(own)
+
+
+SETTLE_POWER_ITERATIONS = 10  # from an average of unit vectors, more than the one a training step runs
+
+
+def refresh_estimates(model: torch.nn.Module) -> None:
+    """Re-estimate, from the weights `model` holds, the state an average does not keep: a spectral norm's
+    singular vectors (`torch.nn.utils.spectral_norm` and its parametrization), by power iteration.
+
+    An average of unit vectors is shorter than one, and in eval mode the norm is read off them as they
+    stand: a consensus model scored or handed back as it was averaged divided its weights by a norm 2 to 7
+    times too small. A training step runs one iteration of its own, so only a model about to be scored or
+    returned needs this.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            for hook in module._forward_pre_hooks.values():
+                if isinstance(hook, SpectralNorm):
+                    for _ in range(SETTLE_POWER_ITERATIONS):
+                        hook.compute_weight(module, do_power_iteration=True)
+            for plist in getattr(module, "parametrizations", {}).values():
+                for p in plist:  # torch's class for it is private; it is the one that holds these methods
+                    if isinstance(p, _SpectralNorm):
+                        p._power_method(p._reshape_weight_to_matrix(plist.original), SETTLE_POWER_ITERATIONS)
 
 
 def parameter_count(model: torch.nn.Module) -> int:

@@ -74,11 +74,11 @@ import zmq
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.environment import training_failed
 from flodl_zmq.errors import ShmError, TrainingError
-from flodl_zmq.job import MODES, Job
+from flodl_zmq.job import MODES, Job, seed_generators
 from flodl_zmq.links import data_max_frame_bytes
 from flodl_zmq.loader import BatchPipeline
 from flodl_zmq.param_buffers import ParamBuffers
-from flodl_zmq.payload import copy_unaveraged, load_flat, model_signature
+from flodl_zmq.payload import copy_unaveraged, load_flat, model_signature, refresh_estimates
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig, RankLink
 from flodl_zmq.sampling import epoch_permutation, plan_indices
 from flodl_zmq.training import ScalarLog, Stepper, recording, score
@@ -135,12 +135,12 @@ class RankRuntime:
         self.cfg = cfg
         torch.set_num_threads(job.torch_threads)
         self.device = device or pick_device(cfg.local_rank)
-        if replica is None:
-            torch.manual_seed(job.seed)  # same initial replica on every rank
+        if replica is None:  # the same initial replica on every rank (Job.build_model)
             # A resumed rank's start comes over the wire (_load_start), never from job.resume_from's files.
-            model = job.model().to(self.device)
-            replica = model, job.optimizer(model.parameters())
+            model = job.build_model().to(self.device)
+            replica = model, job.build_optimizer(model)
         self.model, self.optimizer = replica
+        seed_generators(job.seed, stream=1 + cfg.rank)  # its own dropout masks and augmentations from here
         # The job's step under Trainer; under Session only its schedule (follow) is used.
         self.stepper = Stepper(job, self.model, self.optimizer, self.device)
         self.scalars = ScalarLog()
@@ -498,6 +498,7 @@ class RankRuntime:
 
     def _run_eval(self, r: rec.ExecuteEval) -> None:
         model = self._consensus_model if r.adopt_consensus and self._consensus_model is not None else self.model
+        refresh_estimates(model)  # scored as it stands: what the average does not keep is estimated again
         t0 = time.perf_counter()
         metric, error = float("nan"), None
         if self.job.eval_fn is None or self.job.eval_dataset is None:

@@ -30,6 +30,7 @@ from flodl_zmq.coordinator.outputs import EvalsMerged, Evaluated
 from flodl_zmq.coordinator.roles import is_due
 from flodl_zmq.errors import TrainingError
 from flodl_zmq.job import Job
+from flodl_zmq.payload import refresh_estimates
 from flodl_zmq.result import TrainResult, format_epoch
 from flodl_zmq.runlog import RunLog
 
@@ -214,6 +215,7 @@ class RunReport:
         self._awaiting.clear()  # an eval still owed will not come now: metrics_fn gets its row without it
         self._release()
         self.close()
+        refresh_estimates(self.result.model)  # the model handed back is scored as it stands, alone as on a cluster
         self.result.wall_s = wall_s
         shares = [row["batch_share"] for row in self.result.epochs if row.get("batch_share")]
         if shares:

@@ -41,6 +41,10 @@ Rules it keeps:
 - Where: `Trainer(run_dir=...)`, else `--run-dir` / FLODL_RUN_DIR of the
   command that started the controller, else a fresh `runs/<time>-<id>` in
   the working directory (`run_dir_for`, the one rule).
+- A directory given to another run is appended to, said in a warning when
+  its log ends with an `end` line: a run's lines follow the previous run's
+  end (a re-formed world and a restarted controller write none), which is
+  how `flodl-zmq report` tells the last run from the earlier ones.
 """
 
 from __future__ import annotations
@@ -85,6 +89,17 @@ def check_dir(run_dir: str | os.PathLike[str]) -> None:
         pass
 
 
+def _ended(path: Path) -> bool:
+    """Whether the log at `path` ends with a run's `end` line (read from its tail: a log may be long)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            last = f.read().splitlines()[-1:]
+        return bool(last) and json.loads(last[0]).get("kind") == "end"
+    except (OSError, ValueError, AttributeError):
+        return False  # none yet, or a torn line: nothing said
+
+
 class RunLog:
     """Appends events to `run_dir/events.jsonl` (module docstring: the kinds and the rules).
 
@@ -104,6 +119,10 @@ class RunLog:
             own_dir(self.run_dir, RUN_DIR)
         except OSError as exc:
             self._disable(exc)
+            return
+        if _ended(self.path):  # not a re-formed world's or a restarted controller's: their run goes on
+            log.warning("run log %s holds an earlier run's events; this run's follow them (flodl-zmq report draws "
+                        "the last run; a run directory of its own keeps each run apart)", self.path)
 
     def write(self, kind: str, **fields: Any) -> None:
         """Write one line `{"t": now, "kind": kind, **fields}` and its scalars; a failure is logged once, never raised."""

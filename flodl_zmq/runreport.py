@@ -58,11 +58,13 @@ class Series:
 
 @dataclass
 class Events:
-    """A run's events, read from events.jsonl, grouped by kind; `skipped`: unreadable lines."""
+    """A run's events, read from events.jsonl, grouped by kind; `skipped`: unreadable lines; `earlier`: runs
+    logged before it in the same file (a run directory given to more than one run), which are not drawn."""
 
     by_kind: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     t0: float = 0.0
     skipped: int = 0
+    earlier: int = 0
 
     def __getitem__(self, kind: str) -> list[dict[str, Any]]:
         return self.by_kind.get(kind, [])
@@ -82,7 +84,7 @@ def read_events(run_dir: Path) -> Events:
         raise ConfigError(
             f"cannot read {path}: {exc.strerror or exc}; give the run directory of a run (it holds {EVENTS_FILE})"
         ) from None
-    events = Events()
+    events, ended = Events(), False
     for line in text.splitlines():
         if not line.strip():
             continue
@@ -92,7 +94,11 @@ def read_events(run_dir: Path) -> Events:
         except (ValueError, TypeError, KeyError):
             events.skipped += 1  # a torn last line of a crashed run, or a foreign line
             continue
+        if ended:  # a line after a run's end is another run's: the last one is drawn
+            events.by_kind.clear()
+            events.earlier += 1
         events.by_kind.setdefault(event["kind"], []).append(event)
+        ended = event["kind"] == "end"
     starts = events["start"]
     times = [float(e["t"]) for kind in events.by_kind.values() for e in kind]
     events.t0 = float(starts[0]["t"]) if starts else min(times, default=0.0)
@@ -199,6 +205,9 @@ def _summary(ev: Events, ranks: int) -> str:
     ]
     if ev.skipped:
         rows.append(("unreadable lines", f"{ev.skipped} (skipped)"))
+    if ev.earlier:
+        rows.append(("earlier runs", f"{ev.earlier} in this log before this one, not drawn (a run directory of its "
+                                     "own keeps each run apart)"))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     return f'<table class="summary" id="summary">{body}</table>'
 

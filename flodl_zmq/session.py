@@ -309,9 +309,8 @@ class Session:
     def _alone_replica(self) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.device]:
         torch.set_num_threads(self.job.torch_threads)
         if self._replica is None:
-            torch.manual_seed(self.job.seed)
-            model = self.job.model()
-            return model, self.job.optimizer(model.parameters()), torch.device("cpu")
+            model = self.job.build_model()
+            return model, self.job.build_optimizer(model), torch.device("cpu")
         model, optimizer = self._replica
         return model, optimizer, _device_of(model)
 

@@ -147,7 +147,16 @@ class Stepper:
                 loss = self.job.train_step(self.model, piece)
             check_loss(loss)
             weighted = loss * (n / total) if len(pieces) > 1 else loss
-            (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+            try:
+                (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+            except RuntimeError as exc:  # torch's own words name no cause a train_step's author would see
+                if "backward through the graph a second time" not in str(exc):
+                    raise
+                raise ConfigError(
+                    "train_step called backward() on its loss, and the framework runs it again (it calls zero_grad, "
+                    "backward and step around train_step): return the loss without calling backward; clip "
+                    "gradients with max_grad_norm=..., or write the step yourself in a Session loop (docs/guide.md)"
+                ) from exc
             loss_value += float(weighted.detach())
         if self.job.max_grad_norm is not None:
             if self.scaler is not None:

@@ -75,3 +75,18 @@ def test_a_full_disk_is_reported_once_with_the_path_and_the_run_goes_on(tmp_path
         assert len(warnings) == 1 and "No space left" in warnings[0] and str(run_dir) in warnings[0], warnings
     finally:
         subprocess.run(["umount", str(run_dir)], check=True)
+
+
+def test_a_run_directory_given_to_a_second_run_says_so_and_the_report_draws_the_last_run(tmp_path, caplog):
+    # Five runs in one run_dir made one report: the first's mode and world, the last's final eval, all
+    # their epochs and rounds added up, on one time axis.
+    from flodl_zmq.runreport import read_events, write_report
+
+    run_dir = tmp_path / "runs"
+    demo.trainer(3, quiet=True, run_dir=str(run_dir)).run()
+    with caplog.at_level(logging.WARNING, logger="flodl_zmq.runlog"):
+        second = demo.trainer(2, quiet=True, run_dir=str(run_dir)).run()
+    assert any("holds an earlier run's events" in r.getMessage() for r in caplog.records)
+    drawn = read_events(run_dir)
+    assert drawn.earlier == 1 and len(drawn["epoch"]) == 2 and drawn["end"][-1]["final_eval"] == second.final_eval
+    assert "1 in this log before this one, not drawn" in write_report(run_dir).read_text()

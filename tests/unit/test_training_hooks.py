@@ -100,6 +100,18 @@ def test_max_grad_norm_bounds_the_step():
     assert float(torch.linalg.vector_norm(after - before)) == pytest.approx(0.5, rel=1e-4)
 
 
+def test_a_train_step_that_calls_backward_itself_is_told_the_framework_does():
+    # torch's "Trying to backward through the graph a second time" named nothing the script's author wrote.
+    def clipping(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        loss = model(batch[0]).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return loss
+
+    with pytest.raises(ConfigError, match=r"train_step called backward\(\).*max_grad_norm"):
+        stepper(job(train_step=clipping)).step(next(iter(torch.utils.data.DataLoader(DATA, batch_size=8))))
+
+
 def test_bf16_autocast_runs_the_forward_in_bf16_on_cpu():
     seen = []
 
