@@ -9,7 +9,8 @@ one of four places:
     residue    a rank's reservation span not yet handed out
     reclaimed  ranges given back (a dead rank's chunk, a failed send, a resume hole)
     in flight  the one chunk a rank is training on
-    done       completed (a completion its rank leaves before depositing is reclaimed)
+    done       completed, or the first batches of a dead rank's chunk that a consensus holds (what no
+               consensus holds of a completion its rank leaves with is reclaimed)
 
 Rules this module keeps:
 
@@ -27,7 +28,8 @@ Rules this module keeps:
   `CoordinatorError`.
 - **Nothing lost, nothing twice.** A completion moves the in-flight chunk to
   done; a failed send puts it back where it came from (a ghost in-flight chunk
-  would keep the epoch from ever finishing); a death puts it in reclaimed; a
+  would keep the epoch from ever finishing); a death puts it in reclaimed, less
+  its first `kept` samples, which a consensus holds (they are done); a
   completion from a rank with nothing in flight (reported after it was
   declared dead and its chunk forfeited) is ignored, since a survivor redoes
   that chunk.
@@ -234,8 +236,9 @@ class ChunkPool:
             self._reclaimed.appendleft(chunk)
         return EpochPlan(self.epoch, offset, n)
 
-    def forfeit(self, rank: int) -> EpochPlan | None:
-        """Rank `rank` died: its in-flight chunk goes to the reclaimed queue. Idempotent.
+    def forfeit(self, rank: int, kept: int = 0) -> EpochPlan | None:
+        """Rank `rank` died: its in-flight chunk goes to the reclaimed queue, less its first `kept` samples,
+        which are done (a consensus holds them, or may: its deposit was taken mid-chunk). Idempotent.
 
         Its untouched residue stays in its span, where survivors steal it.
         Returns the forfeited chunk, or None if none was in flight.
@@ -244,8 +247,14 @@ class ChunkPool:
         chunk = self._in_flight.pop(rank, None)
         if chunk is None:
             return None
-        self._reclaimed.append(chunk)
-        return EpochPlan(self.epoch, chunk[0], chunk[1])
+        offset, n = chunk
+        if not 0 <= kept <= n:
+            raise CoordinatorError(f"cannot keep {kept} samples of rank {rank}'s chunk {chunk} of epoch {self.epoch}")
+        if kept:
+            self._done = _coalesce([*self._done, (offset, kept)])
+        if kept < n:
+            self._reclaimed.append((offset + kept, n - kept))
+        return EpochPlan(self.epoch, offset, n)
 
     def reclaim(self, span: Span) -> None:
         """A done `span` is in no consensus after all (its rank left before depositing it): it goes to the
@@ -275,10 +284,11 @@ class ChunkPool:
         """True exactly when every sample of the pool is done."""
         return self._done == ([(0, self.size)] if self.size else [])
 
-    def covered(self, excluding: Iterable[Span] = ()) -> list[Span]:
+    def covered(self, excluding: Iterable[Span] = (), held: Iterable[Span] = ()) -> list[Span]:
         """Done samples as sorted, coalesced (offset, size) spans, less `excluding` (done spans in no
-        consensus yet): what a checkpoint saves."""
-        return _subtract(self._done, excluding)
+        consensus yet), with `held` (the first samples of chunks in flight that a consensus holds): what a
+        checkpoint saves."""
+        return _coalesce([*_subtract(self._done, excluding), *held])
 
     def uncovered(self) -> list[Span]:
         """Everything not done (residues, reclaimed, in flight), sorted and coalesced."""

@@ -159,7 +159,7 @@ class Coordinator:
             coverage if self.mode.progressive else {}, self.last_aggregated, self.last_aggregated
         )
         self.dispatch = strategy_for(config, self.liveness, self.elche, self._announce_epoch_role, coverage,
-                                     self._reports.withdraw)
+                                     self._reports)
 
     # ================================================================ inputs
 

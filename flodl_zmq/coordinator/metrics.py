@@ -123,6 +123,10 @@ class EpochReports:
         self._progress[m.epoch] = k
         return EpochProgress(m.epoch, k / n, aggregate_epoch(m.epoch, reports, self.world_size))
 
+    def credit(self, m: EpochMetrics) -> None:
+        """Keep `m`, the coordinator's report of what a consensus holds of a chunk its rank left unfinished."""
+        self._reports.setdefault(m.epoch, []).append(m)
+
     def withdraw(self, m: EpochMetrics) -> None:
         """Forget report `m`: its chunk is redone (its rank left before any consensus held it)."""
         reports = self._reports.get(m.epoch, [])

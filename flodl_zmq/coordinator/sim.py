@@ -261,11 +261,11 @@ class _Rank:
                           batch_loss=[1.0])
         if self.chunk is not None:
             self.sim.send(t, self.rank, batch)
-            self.chunk[3] += bs
             epoch, offset, size, done, deposit = self.chunk
+            self.unpublished.append((epoch, offset + done, bs))  # in the replica from its step on, a deposit too
+            self.chunk[3] = done = done + bs
             if done >= size:
                 self.chunk = None
-                self.unpublished.append((epoch, offset, size))
                 if deposit > self.last_deposit:  # told ahead: its window ends here
                     self.request = deposit
                     self._snapshot(t)

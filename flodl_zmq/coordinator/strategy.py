@@ -28,17 +28,20 @@ Rules this module keeps:
 - **Nothing lost, nothing twice.** A Sync rank's remainder is exactly its
   plans after the samples it reported plus full batches for its steps since
   that a consensus holds (a span's short last batch is always followed by its
-  report), handed on whole. A stream forfeits a dead rank's chunk to its pool's reclaimed queue,
-  where a survivor redoes it first; a completion of a chunk that was forfeited
-  (`on_metrics` returns False) is ignored, since a survivor redoes it.
+  report), handed on whole. A stream forfeits what no consensus holds of a
+  dead rank's chunk (the first batches a deposit holds stay done) to its
+  pool's reclaimed queue, where a survivor redoes it first; a completion of a
+  chunk that was forfeited (`on_metrics` returns False) is ignored, since a
+  survivor redoes it.
 - **Done means in a consensus.** An epoch is done when every sample of it is
   reported trained (`done_through`: under Sync when every live rank reported
   all it was assigned, in a stream when its pool `is_done()`) and a published
   round holds it (`epoch_done`): a rank's work is in the consensus once a
-  round holds its deposit of the steps it trained it in (`bank`). A rank that
+  round holds its deposit of the steps it trained it in (`bank`), batch by
+  batch (a deposit mid-chunk holds the chunk's first batches). A rank that
   leaves takes the rest along in its replica: it is handed on, its reports
-  withdrawn, once the round of its last deposit says whether that holds it
-  (`settle`).
+  withdrawn (the stream reports what a consensus holds of a chunk), once the
+  round of its last deposit says whether that holds it (`settle`).
 - **A stream's epochs open in order and never reopen.** Lower epochs are
   served first, so work reclaimed from a dead rank is redone before anyone
   streams ahead; barrier-paced streams (Cadence) open an epoch only once its
@@ -52,7 +55,9 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from flodl_zmq.coordinator import dispatch
@@ -60,6 +65,7 @@ from flodl_zmq.coordinator.chunk_pool import ChunkPool, Span
 from flodl_zmq.coordinator.config import CoordinatorConfig
 from flodl_zmq.coordinator.elche import ElChe
 from flodl_zmq.coordinator.liveness import Liveness
+from flodl_zmq.coordinator.metrics import EpochReports
 from flodl_zmq.errors import CoordinatorError
 from flodl_zmq.wire import records as rec
 
@@ -253,6 +259,16 @@ class SyncPartitions:
         return {}
 
 
+@dataclass(frozen=True)
+class _Trained:
+    """A chunk, or its first batches, a rank trained between its step counts `start` and `end`, with its report."""
+
+    start: int
+    end: int
+    report: rec.EpochMetrics
+    span: Span
+
+
 class ChunkStream:
     """Cadence and Async: chunks streamed from one `ChunkPool` per open epoch.
 
@@ -271,10 +287,10 @@ class ChunkStream:
         epoch_opened: Callable[[], None],
         barrier_paced: bool,
         resumed: Mapping[int, list[Span]],
-        withdraw: Callable[[rec.EpochMetrics], None],
+        reports: EpochReports,
     ) -> None:
         n = liveness.world_size
-        self._withdraw = withdraw  # a chunk's report, when the chunk is redone: its samples count once
+        self._reports = reports  # a redone chunk's report is withdrawn, its held part's credited: samples count once
         self._config = config
         self._liveness = liveness
         self._elche = elche
@@ -287,9 +303,10 @@ class ChunkStream:
         self.pools: dict[int, ChunkPool] = {}
         self._opened_at: dict[int, float] = {}
         self._in_flight: list[int | None] = [None] * n  # epoch of the chunk in flight
-        # Chunks done but in no published consensus yet, per rank: (its step count at the chunk's end, its report,
-        # span). A rank that leaves takes them with its replica: they are redone.
-        self._unbanked: list[list[tuple[int, rec.EpochMetrics, Span]]] = [[] for _ in range(n)]
+        self._chunk_start = [0] * n  # each rank's step count when its chunk in flight began: its last one's end
+        # Chunks done but not wholly in a published consensus yet, per rank. A rank that leaves takes what no
+        # consensus holds of them along in its replica: that is redone.
+        self._unbanked: list[list[_Trained]] = [[] for _ in range(n)]
         self._banked_step = [0] * n  # the steps of each rank's deposit in the last consensus that held one
         self._final: dict[int, dispatch.FinalWindowPlan] = {}
         # Batches each rank has taken of its final-window allocation: a take can
@@ -363,32 +380,61 @@ class ChunkStream:
             )
         pool.complete(rank)
         self._in_flight[rank] = None
+        start, self._chunk_start[rank] = self._chunk_start[rank], step_count
         if step_count > self._banked_step[rank]:
-            self._unbanked[rank].append((step_count, m, (chunk.offset, chunk.size)))
+            self._unbanked[rank].append(_Trained(start, step_count, m, (chunk.offset, chunk.size)))
         return True
 
     def on_death(self, rank: int, step_count: int, deposit: int | None) -> list[Send]:
-        """Its chunk, and those it trained into no consensus, go to the reclaimed queue, to be redone first;
-        those its deposit in flight holds wait for that round (`bank`, `settle`)."""
-        for pool in self.pools.values():
-            pool.forfeit(rank)
-        self._reclaim(rank, [u for u in self._unbanked[rank] if deposit is None or u[0] > deposit])
+        """What a consensus holds of its chunks, or may (its deposit in flight: that round settles it), stays
+        done; the rest goes to the reclaimed queue, to be redone first (`_cut`)."""
+        kept = max(self._banked_step[rank], deposit or 0)
+        epoch = self._in_flight[rank]
+        chunk = None if epoch is None else self.pools[epoch].in_flight(rank)
+        if chunk is not None:
+            start = self._chunk_start[rank]
+            n = self._held(start, kept, chunk.size)
+            self.pools[chunk.epoch].forfeit(rank, kept=n)
+            if n:  # its first batches, up to the deposit, and no report of theirs
+                self._keep(rank, start, chunk.epoch, (chunk.offset, n))
         self._in_flight[rank] = None
+        for u in [u for u in self._unbanked[rank] if u.end > kept]:
+            self._cut(rank, u, kept)
         return []
 
     def bank(self, rank: int, step_count: int) -> None:
         self._banked_step[rank] = max(self._banked_step[rank], step_count)
-        self._unbanked[rank] = [u for u in self._unbanked[rank] if u[0] > step_count]
+        self._unbanked[rank] = [u for u in self._unbanked[rank] if u.end > step_count]
 
     def settle(self, rank: int) -> list[Send]:
-        self._reclaim(rank, self._unbanked[rank])
+        for u in list(self._unbanked[rank]):
+            self._cut(rank, u, self._banked_step[rank])
         return []
 
-    def _reclaim(self, rank: int, chunks: list[tuple[int, rec.EpochMetrics, Span]]) -> None:
-        for _, m, span in chunks:
-            self.pools[m.epoch].reclaim(span)  # open: an epoch aggregates only once none is left unbanked
-            self._withdraw(m)
-        self._unbanked[rank] = [u for u in self._unbanked[rank] if u not in chunks]
+    def _cut(self, rank: int, u: _Trained, steps: int) -> None:
+        """Chunk `u` of `rank`, which left, past its step `steps`: redone first (reclaimed, its report withdrawn;
+        its epoch stays open: `epoch_done`); the part up to it stays done, reported by us (`_keep`)."""
+        n = self._held(u.start, steps, u.span[1])
+        self._unbanked[rank].remove(u)
+        self.pools[u.report.epoch].reclaim((u.span[0] + n, u.span[1] - n))
+        self._reports.withdraw(u.report)
+        if n:
+            self._keep(rank, u.start, u.report.epoch, (u.span[0], n))
+
+    def _keep(self, rank: int, start: int, epoch: int, span: Span) -> None:
+        """`span`, the first batches of a chunk `rank` began at step `start` and left without a consensus holding
+        it whole: a chunk of its own, done, reported by us in its epoch, and unbanked while no round holds it."""
+        bs = self._config.batch_size
+        report = rec.EpochMetrics(rank=rank, epoch=epoch, avg_loss=math.nan, batches_processed=span[1] // bs,
+                                  samples_processed=span[1], epoch_ms=0.0, compute_only_ms=0.0, data_starve_ms=0.0,
+                                  scalar_sums={}, scalar_counts={})  # no loss of theirs came: counted, not averaged
+        self._reports.credit(report)
+        if start + span[1] // bs > self._banked_step[rank]:
+            self._unbanked[rank].append(_Trained(start, start + span[1] // bs, report, span))
+
+    def _held(self, start: int, steps: int, size: int) -> int:
+        """Samples of a chunk begun at step `start` that a deposit of step `steps` holds: its first batches."""
+        return min(max(steps - start, 0) * self._config.batch_size, size)
 
     def window_full(self, rank: int, window_steps: int) -> bool:
         if window_steps < self._elche.batch_counts[rank]:
@@ -431,7 +477,7 @@ class ChunkStream:
     def epoch_done(self, epoch: int) -> bool:
         pool = self.pools.get(epoch)
         return pool is not None and pool.is_done() and not any(
-            m.epoch == epoch for chunks in self._unbanked for _, m, _ in chunks)
+            u.report.epoch == epoch for chunks in self._unbanked for u in chunks)
 
     def close_epoch(self, epoch: int, now: float) -> float | None:
         del self.pools[epoch]
@@ -446,8 +492,20 @@ class ChunkStream:
         return epoch - 1
 
     def coverage(self) -> dict[int, list[Span]]:
-        unbanked = self._unbanked_spans()
-        return {e: p.covered(excluding=[span for ue, span in unbanked if ue == e]) for e, p in self.pools.items()}
+        """Each open epoch's samples a published consensus holds: done chunks less what of them no deposit in
+        one holds, and the first batches of chunks in flight that one does (a rank deposits mid-chunk)."""
+        excluding: dict[int, list[Span]] = {}
+        held: dict[int, list[Span]] = {}
+        for rank, chunks in enumerate(self._unbanked):
+            for u in chunks:
+                n = self._held(u.start, self._banked_step[rank], u.span[1])
+                excluding.setdefault(u.report.epoch, []).append((u.span[0] + n, u.span[1] - n))
+        for rank, epoch in enumerate(self._in_flight):
+            chunk = None if epoch is None else self.pools[epoch].in_flight(rank)
+            if chunk is not None:
+                held.setdefault(chunk.epoch, []).append(
+                    (chunk.offset, self._held(self._chunk_start[rank], self._banked_step[rank], chunk.size)))
+        return {e: p.covered(excluding.get(e, ()), held.get(e, ())) for e, p in self.pools.items()}
 
     # ---------------------------------------------------------------- helpers
 
@@ -516,9 +574,6 @@ class ChunkStream:
             self._final[epoch] = plan
         self._final_taken[epoch] = [0] * self._liveness.world_size
 
-    def _unbanked_spans(self) -> list[tuple[int, Span]]:
-        return [(m.epoch, span) for chunks in self._unbanked for _, m, span in chunks]
-
     def _live_counts(self) -> list[int]:
         live = self._liveness.live_mask
         return [c if live[r] else 0 for r, c in enumerate(self._elche.batch_counts)]
@@ -530,9 +585,9 @@ def strategy_for(
     elche: ElChe,
     epoch_opened: Callable[[], None],
     resumed: Mapping[int, list[Span]],
-    withdraw: Callable[[rec.EpochMetrics], None],
+    reports: EpochReports,
 ) -> DispatchStrategy:
     """The mode's strategy: a chunk stream (Cadence, Async) or partitions (Sync)."""
     if config.mode.progressive:
-        return ChunkStream(config, liveness, elche, epoch_opened, config.mode.barrier_paced, resumed, withdraw)
+        return ChunkStream(config, liveness, elche, epoch_opened, config.mode.barrier_paced, resumed, reports)
     return SyncPartitions(config, liveness, epoch_opened)

@@ -176,6 +176,17 @@ def test_forfeit_split_reclaim():
     assert p.take(2, 40) == EpochPlan(0, 20, 30)
 
 
+def test_forfeit_keeps_the_first_samples_a_consensus_holds_done_and_reclaims_the_rest():
+    p = pool(100)
+    p.take(0, 20)
+    p.forfeit(0, kept=8)
+    assert p.covered() == [(0, 8)] and p.remaining() == 92
+    assert p.take(1, 50) == EpochPlan(0, 8, 12)  # the rest, first
+    with pytest.raises(CoordinatorError, match="cannot keep 30 samples"):
+        p.take(0, 20)
+        p.forfeit(0, kept=30)
+
+
 def test_forfeit_is_idempotent():
     p = pool()
     p.take(0, 10)

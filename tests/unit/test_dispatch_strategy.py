@@ -7,6 +7,7 @@ import pytest
 from flodl_zmq.coordinator.config import CoordinatorConfig
 from flodl_zmq.coordinator.elche import ElChe
 from flodl_zmq.coordinator.liveness import Liveness
+from flodl_zmq.coordinator.metrics import EpochReports
 from flodl_zmq.coordinator.strategy import ChunkStream, SyncPartitions
 from flodl_zmq.errors import CoordinatorError
 from flodl_zmq.wire import records as rec
@@ -29,7 +30,7 @@ def stream(mode, world=2, total=40, epochs=2):
     cfg = CoordinatorConfig(total_samples=total, batch_size=1, num_epochs=epochs, mode=mode)
     liveness = Liveness(world, 30.0, 0.0)
     elche = ElChe(cfg.elche_config(world), world)
-    s = ChunkStream(cfg, liveness, elche, lambda: None, cfg.mode.barrier_paced, {}, lambda m: None)
+    s = ChunkStream(cfg, liveness, elche, lambda: None, cfg.mode.barrier_paced, {}, EpochReports(world, 1, total))
     return s, liveness
 
 
@@ -124,18 +125,47 @@ def test_a_chunk_ends_its_window_when_full_or_when_it_takes_the_rest_of_a_pinned
 def test_a_ranks_chunks_in_no_consensus_are_redone_when_it_leaves_and_their_reports_withdrawn():
     # A chunk reported done lives only in its rank's replica until a published round holds the rank's deposit
     # of it: a rank that left before took it along, and a resume from that consensus must not skip it.
-    cfg = CoordinatorConfig(total_samples=40, batch_size=1, num_epochs=1, mode="async")
-    liveness = Liveness(2, 30.0, 0.0)
-    withdrawn = []
-    s = ChunkStream(cfg, liveness, ElChe(cfg.elche_config(2), 2), lambda: None, False, {}, withdrawn.append)
+    s, liveness, reports = reported_stream()
     first = s.next_plan(0, 0, 0, -1, 0.0)
     s.on_metrics(0, metrics(0, 0, first.size), step_count=first.size)
     second = s.next_plan(0, 0, 100, -1, 0.0)
     report = metrics(0, 0, second.size)
+    reports.add(report, -1)
     s.on_metrics(0, report, step_count=first.size + second.size)
     s.bank(0, first.size)  # a round holds the first chunk only
     assert s.coverage() == {0: [(first.offset, first.size)]}
     liveness.fail(0)
     s.on_death(0, step_count=first.size + second.size, deposit=None)
-    assert withdrawn == [report]
+    assert reports.close(0, None).per_rank_samples == [0, 0]  # its report withdrawn
     assert s.next_plan(1, 0, 100, -1, 0.0) == second  # redone first
+
+
+def reported_stream() -> tuple[ChunkStream, Liveness, EpochReports]:
+    """An async stream of 40 samples in batches of 1 over 2 ranks, with the epoch reports it keeps."""
+    cfg = CoordinatorConfig(total_samples=40, batch_size=1, num_epochs=1, mode="async")
+    liveness = Liveness(2, 30.0, 0.0)
+    reports = EpochReports(2, 1, 40)
+    return ChunkStream(cfg, liveness, ElChe(cfg.elche_config(2), 2), lambda: None, False, {}, reports), liveness, reports
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_the_first_batches_of_a_chunk_a_consensus_holds_are_covered_and_never_redone(published):
+    # A rank deposits mid-chunk: the consensus holds the chunk's first batches. A checkpoint then, or the rank's
+    # death, redid the whole chunk: every resume or death with a chunk in flight trained a few steps twice.
+    s, liveness, reports = reported_stream()
+    chunk = s.next_plan(0, 0, 100, -1, 0.0)
+    assert chunk.size == 4  # its probe chunk: 4 batches of 1 sample
+    s.bank(0, 1)  # a round holds its deposit of its first step
+    assert s.coverage() == {0: [(chunk.offset, 1)]}
+    liveness.fail(0)
+    s.on_death(0, step_count=3, deposit=2)  # its deposit of 2 steps is in a round not yet published
+    assert s.next_plan(1, 0, 100, -1, 0.0) == rec.EpochPlan(0, chunk.offset + 2, 2)  # the rest, first
+    if published:
+        s.bank(0, 2)
+    s.settle(0)
+    held = 2 if published else 1
+    assert s.coverage() == {0: [(chunk.offset, held)]}
+    assert reports.close(0, None).per_rank_samples == [held, 0]  # counted once, reported by the coordinator
+    if not published:  # the step only its lost deposit held is redone too
+        s.on_metrics(1, metrics(1, 0, 2), step_count=2)
+        assert s.next_plan(1, 0, 100, -1, 0.0) == rec.EpochPlan(0, chunk.offset + 1, 1)
