@@ -100,6 +100,7 @@ from flodl_zmq.launch import signal_group, warm_interpreter
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     JOIN_MAX_FRAMES,
+    DialWatch,
     dial_afresh,
     limit_receive,
     recv_bounded,
@@ -215,16 +216,17 @@ class Agent:
         if join_reply_timeout_s is None:
             join_reply_timeout_s = cfg.join_reply_timeout_s
         CleartextWarner(log).warn_if_cleartext(cfg.controller.host, encrypted=cfg.curve is not None)
+        watch = DialWatch(self._sock)
         self._dial()
         log.info("host %r dialing %s with %d device(s) %s (admission: %s)", cfg.host, cfg.controller.endpoint(Channel.JOIN),
                  len(cfg.devices), list(cfg.devices), "pre-shared key" if cfg.key else "open")
-        reply = self._hello(join_reply_timeout_s)
-        if reply is None:
-            raise NoReply(
-                f"no reply from the controller at {cfg.controller} within {join_reply_timeout_s:g} s: it is "
-                "not running or not reachable, or it dropped our hello because its key differs from ours "
-                "(FLODL_KEY must be the same on every host; an open-admission controller takes no key)"
-            )
+        try:
+            reply = self._hello(join_reply_timeout_s)
+            if reply is None:
+                raise NoReply(f"no reply from the controller at {cfg.controller} within {join_reply_timeout_s:g} s: "
+                              + watch.why_silent(cfg.controller.endpoint(Channel.JOIN).removeprefix("tcp://")))
+        finally:
+            watch.close()
         key = check_accept(reply, cfg)
         log.info("joined as rank(s) %s; waiting for the world to form (up to %.0f s)", reply.ranks, reply.formation_wait_s)
         self._codec = Codec(check_key(key), reply.incarnation, cfg.host)  # this controller's (PROTOCOL.md 4.4)

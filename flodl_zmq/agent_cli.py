@@ -50,8 +50,10 @@ def _agent_command(args: Any) -> int:
         raise ConfigError("--dataset-sig must be 64 hex characters") from None
     devices = settings.devices
     explicit = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
+    controller = ControllerAddress.parse(settings.controller)
+    controller.check_resolves("--controller HOST:PORT (FLODL_CONTROLLER)")
     config = AgentConfig(
-        controller=ControllerAddress.parse(settings.controller), host=host,
+        controller=controller, host=host,
         devices=resolve_devices(explicit, settings.cpu_slots, os.environ, None if explicit else run_nvidia_smi()),
         key=session_key(os.environ),
         dataset_sig=sig, join_reply_timeout_s=settings.join_reply_timeout_s,

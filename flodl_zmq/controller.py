@@ -614,6 +614,7 @@ def _status_command(args: argparse.Namespace) -> int:
     if not settings.controller:
         raise ConfigError("status needs the controller's address: --controller HOST:PORT (or FLODL_CONTROLLER)")
     address = ControllerAddress.parse(settings.controller)
+    address.check_resolves("--controller HOST:PORT (FLODL_CONTROLLER)")
     key, curve = session_key(os.environ), CurveKeys.for_client(os.environ, server_file=settings.curve_server_file)
     if args.watch:
         if args.json:

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import zmq
 
-from flodl_zmq import bundle
+from flodl_zmq import bundle, environment
 from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
 from flodl_zmq.control_router import ControlRouter
 from flodl_zmq.controller_shards import ConsensusCopies, shard_lost, slice_sizes
@@ -85,7 +85,7 @@ from flodl_zmq.coordinator.outputs import (
     SaveState,
 )
 from flodl_zmq.datasets import dataset_signature
-from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv, moves_the_run, reported_exit
+from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
 from flodl_zmq.errors import FlodlError, TrainingError
 from flodl_zmq.formation import Failed, Formation, Formed, Ignored
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
@@ -123,8 +123,8 @@ STATUS_EVERY_S = 0.25
 class ControllerService:
     """Runs one training job's controller until the run ends; `run()` returns the TrainResult."""
 
-    def __init__(self, job: Job, penv: ProcessEnv, link: MembershipLink | None = None,
-                 carried: WorldChange | None = None, metrics: RunMetrics | None = None) -> None:
+    def __init__(self, job: Job, penv: ProcessEnv, link: MembershipLink | None = None, carried: WorldChange | None = None,
+                 metrics: RunMetrics | None = None, deaths: dict[int, tuple[float, str]] | None = None) -> None:
         self.job = job
         self.metrics = metrics  # fed the run log's events and the status snapshot (flodl_zmq/metrics.py)
         self.penv = penv
@@ -133,7 +133,7 @@ class ControllerService:
         # our own StatusServer on the join endpoint (set in run()).
         self.status_sink: MembershipService | StatusServer | None = link.membership if link is not None else None
         self.curve = link.curve if link is not None else None
-        self.deaths: dict[int, tuple[float, str]] = {}  # rank -> (unix time, why), failures only
+        self.deaths = dict(deaths or {})  # rank -> (unix time, why), failures only; the world's before a re-form
         self._last_round_at: float | None = None
         self._next_status = 0.0
         self.world = penv.world
@@ -223,13 +223,11 @@ class ControllerService:
                 self._loop(control, copies, reducer)
             finally:
                 self._close(reducer, control, copies, status_server)
-        except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM from launch or an orchestrator (SigtermInterrupt):
-            # Closed, as at every end: the run log ends "interrupted", not mid-round, and the user reads what was not saved.
+        except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: closed as at every end, saying what was not saved
             self.report.interrupted(time.perf_counter() - t0, self.kept.newest_checkpoint,
-                                    moved=moves_the_run(stop, self.penv.settings.resume))
+                                    moved=environment.moves_the_run(stop, self.penv.settings.resume))
             raise
-        before = 0.0 if self._carried is None else self._carried.result.wall_s  # the world before a re-form
-        return self._finish(time.perf_counter() - t0 + before)
+        return self._finish(time.perf_counter() - t0 + (0.0 if self._carried is None else self._carried.result.wall_s))
 
     def _reducer(self, ctx: zmq.Context) -> ReducerService:
         settings = self.penv.settings
@@ -309,9 +307,8 @@ class ControllerService:
         return self.result
 
     def _loop(self, control: zmq.Socket, copies: ConsensusCopies, reducer: ReducerService) -> None:
-        # The reducer's outcomes and the membership's events are Mailboxes polled next to
-        # the sockets: each wakes this loop the moment it arrives, so the loop needs no
-        # polling interval and sleeps until its next timer (_wake_at) otherwise.
+        # The reducer's outcomes and the membership's events are Mailboxes polled next to the sockets: each wakes
+        # this loop the moment it arrives, so it needs no polling interval and sleeps until its next timer (_wake_at).
         poller, exits = self._poller(control, copies, reducer)
         outcomes, monitor = reducer.completed.fileno(), self.router.connections.monitor
         membership = self.link.membership.events if self.link is not None else None
@@ -503,10 +500,11 @@ class ControllerService:
         self.started = True
         self.report.started({h: list(rs) for h, rs in self.world.items()}, self.world_size, self.core.avg_count,
                             restarted=self._carried is None and bool(self.job.resume_from))  # a re-form logs `join`
-        for rank, reason in formed.absent.items():
-            self.deaths[rank] = (time.time(), f"before the world formed: {reason}")
+        for rank, reason in formed.absent.items():  # one lost before a re-form keeps its cause (run_controller)
+            self.deaths.setdefault(rank, (time.time(), f"before the world formed: {reason}"))
         if not self.job.quiet:
-            absent = f", without rank(s) {sorted(formed.absent)} (gone before it formed)" if formed.absent else ""
+            gone = "lost before this re-form" if self._carried is not None else "gone before it formed"
+            absent = f", without rank(s) {sorted(formed.absent)} ({gone})" if formed.absent else ""
             print(f"world formed: {len(formed.hellos)} of {self.world_size} ranks on {len(self.world)} hosts"
                   f"{absent}, mode {self.job.mode}", flush=True)
         self._perform(self.core.start(time.monotonic(), absent=formed.absent))
@@ -522,7 +520,7 @@ class ControllerService:
                     self._exited(rank, None, f"host {report.host} lost: {report.why}")
                 self._stop_with(shard_lost(self.shards, report.host, f"was lost ({report.why})"))
             else:
-                self._on_exit(report, reported_exit(report.host, report.code))
+                self._on_exit(report, environment.reported_exit(report.host, report.code))
 
     def _on_exit(self, report: ChildExit, said: str | None = None) -> None:
         """A relay or rank of this run exited, as the launcher or (`said`) an agent reports it, at once."""
@@ -534,8 +532,11 @@ class ControllerService:
             self._stop_with(shard_lost(self.shards, report.host, f"exited with code {report.code}"))
 
     def _exited(self, rank: int, code: int | None, reason: str) -> None:
-        """A rank is gone (`code` None: its host); a clean exit before the world formed is a rank that never comes."""
-        if code != 0 or not self.started:
+        """A rank is gone (`code` None: its host): dead, but a clean exit (a goodbye) once the world formed, and one
+        stopped by SIGTERM (its agent's or launcher's), which it answers with a goodbye (RankTerminated) it may outrun."""
+        if self.started and code in (0, environment.TERMINATED_EXIT):
+            self._perform(self.core.on_record(rank, rec.Exiting(rank=rank), time.monotonic()))
+        else:
             self.declare_dead(rank, reason)
 
     def declare_dead(self, rank: int, reason: str) -> None:
@@ -652,7 +653,8 @@ class ControllerService:
         elif isinstance(r, SaveState):
             if self.job.save_path:
                 self._save(r.reason.value, r.state)
-            print(f"shutdown with save ({r.reason.value})" + (f": wrote {self.result.saved}" if self.result.saved else ""), flush=True)
+            print(f"shutdown with save ({r.reason.value}): " + (f"wrote {self.result.saved}" if self.result.saved else
+                  "nothing written: the run has no save_path"), flush=True)
         elif isinstance(r, RunEnded):
             self.ended = r
 
@@ -672,9 +674,8 @@ class ControllerService:
 def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = None) -> TrainResult:
     """Entry point of the controller role (`link`: the membership, under `flodl-zmq controller`).
 
-    Under `flodl-zmq controller` hosts may join mid-run: a service that ends
-    on a re-form checkpoint is followed by one for the larger world, resumed
-    from it (PROTOCOL.md 13.1), until the run ends.
+    Under `flodl-zmq controller` hosts may join mid-run: a service that ends on a re-form checkpoint is
+    followed by one for the larger world, resumed from it (PROTOCOL.md 13.1), until the run ends.
     """
     # Served across re-forms (one port, counters that keep counting); `flodl-zmq controller` binds it first.
     held = nullcontext(link.metrics) if link is not None else served(penv.settings.metrics_port, penv.controller.host)
@@ -687,7 +688,7 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
             service.report.events.write("join", **change.join_event(bundle.load_meta(service.reform_stem)))
             service.report.events.close()
             job, penv = change.resumed(job, penv, str(service.report.events.run_dir))
-            service = ControllerService(job, penv, link, carried=change, metrics=metrics)
+            service = ControllerService(job, penv, link, carried=change, metrics=metrics, deaths=service.deaths)
             result = service.run()
     if result.final_eval is None and result.epochs and result.epochs[-1].get("eval") is not None:
         result.final_eval = result.epochs[-1]["eval"]

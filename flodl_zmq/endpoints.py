@@ -58,6 +58,18 @@ class ControllerAddress:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
+    def check_resolves(self, setting: str) -> None:
+        """A ConfigError when the controller's host name does not exist: ZeroMQ would retry it in silence, and
+        the dialer learn only after its reply timeout that nothing answered, among every other cause. A name
+        the resolver cannot look up now (EAI_AGAIN) is left to those retries."""
+        try:
+            socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            if exc.errno == socket.EAI_AGAIN:
+                return
+            raise ConfigError(f"controller {self}: the host name {self.host!r} does not resolve here ({exc.strerror}); "
+                              f"fix the name in {setting}, or give the controller's IP address") from None
+
     def ports(self, extra: int = 0) -> range:
         """The ports the controller binds, PORT..PORT+3, and `extra` after them (launch's host shards)."""
         return range(self.port, self.port + max(OFFSETS.values()) + 1 + extra)

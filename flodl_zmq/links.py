@@ -367,6 +367,46 @@ def take_over_routes(sock: zmq.Socket) -> None:
 LOOPBACK_SNDBUF = 256 * 1024
 
 
+class DialWatch:
+    """What came of a dialling socket's connection attempts, to say why no reply came.
+
+    A silent peer has four causes an operator tells apart by what to fix: no TCP connection at all (refused,
+    unreachable, filtered: the address or a firewall), a listener that is not a ZeroMQ peer (its handshake
+    failed: the port), a CURVE handshake refused (the server key), or a handshake made and no answer (the
+    session key, or another run). One message listing them all left the operator to guess.
+    """
+
+    _FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+               | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._sock = sock
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | self._FAILED)
+        self._seen = 0  # the events that came, or-ed
+
+    def why_silent(self, address: str) -> str:
+        """The likeliest cause, from what came of the connection attempts to `address` so far."""
+        while self.monitor.poll(0):
+            self._seen |= recv_monitor_message(self.monitor)["event"]
+        if self._seen & zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return ("it is there (a ZeroMQ handshake was made) and dropped our hello: its key differs from ours "
+                    "(FLODL_KEY must be the same on every host; an open-admission controller takes no key)")
+        if self._seen & zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return "its CURVE handshake refused us: FLODL_CURVE_SERVER is not that controller's public key"
+        if self._seen & self._FAILED:
+            return (f"something listens at {address} but is not a flodl-zmq controller (the ZeroMQ handshake "
+                    "failed): check the port, the controller's PORT of --bind")
+        if self._seen & zmq.EVENT_CONNECTED:
+            return (f"something at {address} accepted a TCP connection and made no ZeroMQ handshake: it is not a "
+                    "flodl-zmq controller (check the port, the controller's PORT of --bind), or a proxy is in the way")
+        return (f"no TCP connection to {address} could be made (refused, unreachable or filtered): is the "
+                "controller running there, and its ports open to this host?")
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self.monitor.close(0)
+
+
 class Connections:
     """Which TCP connection each peer's records arrive on, so a reconnect can be counted.
 

@@ -17,7 +17,7 @@ from flodl_zmq.controller_service import ControllerService
 from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
+from flodl_zmq.environment import TERMINATED_EXIT, ChildExit, ExitReports, ProcessEnv
 from flodl_zmq.errors import TrainingError
 from flodl_zmq.job import Job
 from flodl_zmq.launch import free_port_base
@@ -169,6 +169,23 @@ def test_a_rank_that_exits_cleanly_before_it_said_hello_is_left_out_at_once(rig)
     os.write(outcome["exits"], ExitReports.line(ChildExit("h", 1, 0)))
     relay.wait_for(rank_identity(0), "StartEpoch")  # not the start-up timeout: the world formed without it
     assert service.core.liveness.state(1) is RankState.DEAD and "it exited with code 0" in service.deaths[1][1]
+    relay.send(0, rec.Exiting(rank=0))
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
+def test_a_rank_its_agent_stopped_with_sigterm_left_the_run_and_is_no_failure(rig):
+    # Ctrl-C on an agent: its ranks say goodbye as they stop, and the agent reports exit code 143. A report that
+    # came first declared the rank dead, counted by max_failures, where the docs say it left.
+    service, relay, thread, outcome = rig
+    relay.hello(0)
+    relay.hello(1)
+    relay.wait_for(rank_identity(1), "StartEpoch")
+    os.write(outcome["exits"], ExitReports.line(ChildExit("h", 1, TERMINATED_EXIT)))
+    deadline = time.monotonic() + WAIT_S
+    while service.core.liveness.state(1) is RankState.LIVE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.core.liveness.state(1) is RankState.EXITED and 1 not in service.deaths
     relay.send(0, rec.Exiting(rank=0))
     thread.join(WAIT_S)
     assert not thread.is_alive()

@@ -479,3 +479,26 @@ def test_a_host_whose_ranks_all_exited_dials_in_again_and_is_taken_back_with_fre
     assert [(m.host, m.ranks) for m in c.window.pending] == [("b", (2,))], out.getvalue()
     assert "duplicate join" not in out.getvalue()
     assert c.service.status()["departed"] == [{"host": "b", "ranks": list(old)}]  # its old ranks stay dead
+
+
+@pytest.mark.parametrize("peer", ["wrong key", "nothing listens", "not zeromq"])
+def test_an_agent_that_gets_no_reply_says_what_came_of_its_connection(cluster, peer):
+    # Every silence was one message listing every cause: an operator could not tell a firewall from a key.
+    c = cluster()
+    with contextlib.ExitStack() as stack:
+        controller = c.address
+        if peer != "wrong key":
+            listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+            controller = ControllerAddress("127.0.0.1", listener.getsockname()[1] - 3)  # its join port
+            if peer == "nothing listens":
+                listener.close()
+            else:  # it accepts and hangs up, as a web server answers a request it cannot parse
+                threading.Thread(target=lambda: [listener.accept()[0].close() for _ in range(3)], daemon=True).start()
+        agent = c.agent("a", key=new_key() if peer == "wrong key" else "same", controller=controller,
+                        join_reply_timeout_s=1.5)
+        with pytest.raises(MembershipError, match="no reply from the controller") as raised:
+            agent.join()
+    said = {"wrong key": "a ZeroMQ handshake was made) and dropped our hello: its key differs",
+            "nothing listens": "no TCP connection to 127.0.0.1:",
+            "not zeromq": "not a flodl-zmq controller"}[peer]
+    assert said in str(raised.value)

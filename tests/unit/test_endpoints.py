@@ -82,3 +82,19 @@ def test_a_metrics_port_among_the_controllers_own_is_refused_naming_both_before_
             address.check_apart(port)
     with pytest.raises(ConfigError, match=r"binds 7300\.\.7307"):  # launch's host shards take two ports each
         address.check_apart(7306, extra=4)
+
+
+def test_a_controller_name_that_does_not_exist_is_named_at_once_and_one_the_resolver_cannot_reach_is_retried(
+    monkeypatch,
+):
+    # An agent dialling an unknown name waited out its 30 s reply timeout, then listed every cause but this.
+    def lookup(code: int):
+        def fail(*_: object, **__: object) -> None:
+            raise socket.gaierror(code, "Name or service not known" if code == socket.EAI_NONAME else "try again")
+        return fail
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup(socket.EAI_NONAME))
+    with pytest.raises(ConfigError, match=r"the host name 'ctl\.example' does not resolve here .*--controller"):
+        ControllerAddress("ctl.example", 7300).check_resolves("--controller HOST:PORT")
+    monkeypatch.setattr(socket, "getaddrinfo", lookup(socket.EAI_AGAIN))
+    ControllerAddress("ctl.example", 7300).check_resolves("--controller HOST:PORT")  # ZeroMQ retries it
