@@ -191,6 +191,19 @@ def test_a_rank_its_agent_stopped_with_sigterm_left_the_run_and_is_no_failure(ri
     assert not thread.is_alive()
 
 
+def test_a_rank_lost_before_a_re_form_keeps_its_cause_when_the_new_world_forms_without_it(rig):
+    # status and the log said "before the world formed: no host holds it" of a rank whose host was lost mid-run.
+    service, relay, thread, outcome = rig
+    service.deaths[1] = (1.0, "host h1 lost: its agent fell silent")  # the world before's, as run_controller carries it
+    relay.hello(0)
+    relay.relay_send(rec.RankExit(rank=1))
+    relay.wait_for(rank_identity(0), "StartEpoch")
+    assert service.deaths[1] == (1.0, "host h1 lost: its agent fell silent")
+    relay.send(0, rec.Exiting(rank=0))
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
 def test_the_start_up_fails_at_once_naming_every_rank_gone_when_none_remain(rig):
     service, relay, thread, outcome = rig
     t0 = time.monotonic()
