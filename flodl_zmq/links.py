@@ -403,7 +403,8 @@ class DialWatch:
                 "controller running there, and its ports open to this host?")
 
     def close(self) -> None:
-        self._sock.disable_monitor()
+        if not self._sock.closed:  # a re-dial may have replaced and closed it
+            self._sock.disable_monitor()
         self.monitor.close(0)
 
 
