@@ -331,9 +331,9 @@ class RankLink:
     def _acked(self, n: int) -> None:
         if self._up.ack(n):
             summary = self._outage.settled(self.cfg.rank, time.monotonic())
-            if summary is not None:
-                log.info("rank %d: the coordinator acknowledges again: %d control records resent over %.1f s",
-                         self.cfg.rank, *summary)
+            if summary is not None:  # at the warning's level: a rank logs warnings only, and this one ends it
+                log.warning("rank %d: the coordinator acknowledges again: %d control records resent over %.1f s",
+                            self.cfg.rank, *summary)
 
     def _resend(self, control: zmq.Socket, now: float) -> None:
         """Send again what the coordinator has not acknowledged (lost in a reset), byte-identical."""

@@ -124,3 +124,13 @@ def test_resends_through_an_outage_are_logged_once_and_summed_up_when_it_ends(tm
     said = [r.getMessage() for r in caplog.records if r.thread == outcome["thread"]]
     assert len([m for m in said if "has not acknowledged" in m]) == 1, said
     assert len([m for m in said if "host h acknowledges again" in m]) == 1, said
+
+
+def test_a_ranks_resend_warning_is_ended_by_a_line_at_its_level(tmp_path, caplog):
+    # A rank logs warnings only: its outage's end, said at info, never showed where its warning did.
+    caplog.set_level(logging.WARNING, logger="flodl_zmq.rank_link")
+    outcome, _, _ = run_with_drops(tmp_path, {("metrics.epoch", True): 3})
+    assert "error" not in outcome, outcome.get("error")
+    said = [r.getMessage() for r in caplog.records if r.name == "flodl_zmq.rank_link"]
+    warned = [m for m in said if "the coordinator has not acknowledged" in m]
+    assert warned and len([m for m in said if "the coordinator acknowledges again" in m]) == len(warned), said
