@@ -543,9 +543,9 @@ class Agent:
                     continue
                 live.remove(c)
                 if c.rank is not None:
-                    if code != 0:
+                    if code != 0:  # a re-form stops every rank: said at its level, not as a fault
                         failures += 1
-                        log.warning("%s exited with code %d", c.label, code)
+                        log.log(min(self._teardown_level, logging.WARNING), "%s exited with code %d", c.label, code)
                     self._send(RankExited(c.rank, code))  # the controller's fast path to its death
                     if not any(x.rank is not None for x in live) and teardown is None and not serves:
                         teardown, kill_at = EVERY_RANK_EXITED, now + cfg.kill_grace_s

@@ -91,6 +91,8 @@ def test_a_host_joins_mid_run_with_a_share_by_speed_and_one_with_other_data_is_r
     assert hosts.wait("controller", 150) == 0, hosts.tails()
     for name in ("worker1", "worker2", "worker3"):
         assert hosts.wait(name) == 0, hosts.tails()
+    # The re-form stopped the healthy hosts' ranks: said at its level, not as a fault (a warning of code 143).
+    assert not [line for line in hosts.log("worker1").splitlines() if "WARNING" in line and "exited with code" in line]
     log = hosts.log("controller")
     result = result_of(log, "RESULT ")
     assert "admitted 'worker3' as ranks [2], pending" in log, log
