@@ -43,11 +43,13 @@ FORMAT = 1
 
 def stem_of(path: str | os.PathLike[str]) -> str:
     """A bundle's stem, named by itself or by one of its files: `TrainResult.saved` is its meta file's path,
-    which a user hands to `resume_from` as it is."""
+    which a user hands to `resume_from` as it is. A stem that is a bundle stays one (`save_path="m.pt"` wrote
+    m.pt.pt and m.pt.meta.json); a name that is neither is returned as given, for the reader to name."""
     s = str(path)
-    for suffix in (".meta.json", ".pt"):
-        if s.endswith(suffix):
-            return s[: -len(suffix)]
+    if not paths(s)[1].exists():
+        for suffix in (".meta.json", ".pt"):
+            if s.endswith(suffix) and paths(s[: -len(suffix)])[1].exists():
+                return s[: -len(suffix)]
     return s
 
 

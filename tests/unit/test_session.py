@@ -206,6 +206,9 @@ def test_resuming_a_finished_run_alone_with_its_epochs_scores_its_model_as_a_clu
     again = Trainer(**run, resume_from=first.saved).run()  # its meta file's path: the bundle it names
     assert again.epochs == [] and again.final_eval == pytest.approx(first.final_eval)
     assert again.evals[0]["samples"] == 2 * len(data())
+    # A save_path that ends in .pt is a stem like any other (it wrote n.pt.pt): resumed by that name as well.
+    dotted = Trainer(**run, save_path=str(tmp_path / "n.pt")).run()
+    assert Trainer(**run, resume_from=str(tmp_path / "n.pt")).run().final_eval == pytest.approx(dotted.final_eval)
 
 
 def test_metrics_fn_on_the_controller_gets_each_epochs_row_with_its_eval_in_order(tmp_path):
