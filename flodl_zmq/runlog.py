@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from flodl_zmq import tfevents
-from flodl_zmq.private_files import open_own, own_dir
+from flodl_zmq.private_files import open_own, own_dir, read_own
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def check_dir(run_dir: str | os.PathLike[str]) -> None:
 def _ended(path: Path) -> bool:
     """Whether the log at `path` ends with a run's `end` line (read from its tail: a log may be long)."""
     try:
-        with open(path, "rb") as f:
+        with read_own(path) as f:  # never through a symlink planted at its name, as it is appended
             f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
             last = f.read().splitlines()[-1:]
         return bool(last) and json.loads(last[0]).get("kind") == "end"
