@@ -105,6 +105,9 @@ def _listening_port_range(span: int) -> range:
 
 
 CONTROLLER_PORTS = max(OFFSETS.values()) + 1
+# Drawn from the OS, not from `random`'s global generator: a job seeds that one (Job.build_model), and two
+# processes seeded alike would then probe the same ports in the same order and bind each other's.
+_PORT_DRAWS = random.SystemRandom()
 
 
 def free_port_base(host: str = "127.0.0.1", tries: int = 200, extra: int = 0, avoid: int | None = None) -> int:
@@ -113,7 +116,7 @@ def free_port_base(host: str = "127.0.0.1", tries: int = 200, extra: int = 0, av
     span = CONTROLLER_PORTS + extra
     bases = _listening_port_range(span)
     for _ in range(tries):
-        base = random.choice(bases)
+        base = _PORT_DRAWS.choice(bases)
         if avoid is not None and base <= avoid < base + span:
             continue
         socks = []

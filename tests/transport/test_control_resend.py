@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 
 import pytest
@@ -87,9 +88,10 @@ def run_with_drops(tmp_path, drops: dict[tuple[str, bool], int]) -> tuple[dict, 
         relay.start()
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 60
         for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "the run stalled"
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in threads), f"the run stalled: {outcome}"
     finally:
         relay.stop()
         shim.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -101,6 +102,16 @@ def test_a_free_port_base_leaves_the_metrics_port_to_the_metrics(monkeypatch):
     metrics = launch.free_port_base() + 10
     monkeypatch.setattr(launch, "_listening_port_range", lambda span: range(metrics - 3, metrics + 3))
     assert all(launch.free_port_base(avoid=metrics) > metrics for _ in range(20))
+
+
+def test_a_free_port_base_is_not_drawn_from_the_generator_a_job_seeds():
+    # Job.build_model seeds `random`: two test workers (or a launcher and a job in one process) seeded
+    # alike probed the same ports in the same order, and one controller bound the other's (a CI failure).
+    draws = []
+    for _ in range(2):
+        random.seed(0)
+        draws.append([launch.free_port_base() for _ in range(3)])
+    assert draws[0] != draws[1]
 
 
 @pytest.mark.parametrize(("args", "named"), [
