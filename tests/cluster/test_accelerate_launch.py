@@ -36,11 +36,13 @@ def test_a_stock_accelerate_loop_trains_every_sample_once_per_epoch_and_reaches_
     results = [line for line in out.splitlines() if line.startswith("[controller] RESULT ")]
     assert len(results) == 1 and out.count("RESULT ") == 1, out  # printed by the main process alone
     assert json.loads(results[0][len("[controller] RESULT "):])["accuracy"] >= STATED_ACCURACY, out
-    # Both ranks trained (ElChe's dispatch) and every epoch covered each sample once, no more.
+    # Both ranks trained (ElChe's dispatch) and every epoch covered each sample once, no more. Over the
+    # run, not in each epoch: an epoch here lasts tens of milliseconds, and under load one rank may take
+    # a whole one while the other is descheduled (a CI run saw it), as the dispatch intends.
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     epochs = [e for e in events if e["kind"] == "epoch"]
     assert [e["epoch"] for e in epochs] == list(range(EPOCHS)), out
     assert all(e["samples"] == samples_per_epoch(32) for e in epochs), epochs
-    assert all(min(e["batch_share"]) > 0 for e in epochs), epochs
+    assert all(share > 0 for share in map(sum, zip(*(e["batch_share"] for e in epochs), strict=True))), epochs
     assert out.count("said goodbye") == 2, out  # each rank's loop ended with the run's last epoch
     assert saved.exists()  # the main process saved the run's model
