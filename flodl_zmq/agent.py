@@ -185,6 +185,7 @@ class Agent:
         self._next_beat = 0.0
         self._lost_controller = False  # the last teardown was the controller's silence (under running ranks, or after them: `_declared_lost`)
         self._reformed: WorldFormed | None = None  # a re-formed world the controller sent while ranks ran
+        self._world = b""  # the incarnation of the world this host runs (or ran last)
         self._lifeline: int | None = None  # write end of the running children's FLODL_LIFELINE_FD pipe
         self._warm: WarmServer | None = None  # forks the ranks (`_warm_for`)
         self._dialled_at = 0.0  # the join link's last re-dial (`_redial_if_silent`)
@@ -358,7 +359,7 @@ class Agent:
                     return code
                 rejoined = self._rejoin(joined)
                 if rejoined is None:
-                    return code  # torn down by the controller's silence, as without a grace period
+                    return 1  # torn down by the controller's silence, as without a grace period
                 joined = rejoined
         finally:
             if self._warm is not None:
@@ -453,6 +454,7 @@ class Agent:
     def _spawn(self, joined: Joined) -> list[_Child]:
         """Relay first (ranks dial its local sockets), then one rank per device; all or nothing."""
         host = self.config.host
+        self._world = joined.incarnation
         plan: list[tuple[str, int | None, Sequence[str], dict[str, str]]] = [
             (f"{host}:relay", None, RELAY_ARGV, self.child_environ(joined, "relay", None, None))
         ]
@@ -593,7 +595,10 @@ class Agent:
         if fault is not None:
             log.log(self._teardown_level, "host %r torn down: %s", host, fault)
             return 1
-        if failures:
+        if failures and self._lost_controller:  # not the end: `run` dials in again
+            log.warning("host %r: its %d rank(s) exited non-zero after the controller declared it lost", host,
+                        failures)
+        elif failures:
             log.warning("host %r finished DEGRADED: %d rank(s) exited non-zero (reported)", host, failures)
         else:
             log.info("host %r finished cleanly", host)
@@ -610,6 +615,8 @@ class Agent:
             if isinstance(env.record, Abort):
                 return f"the controller aborted the run: {env.record.reason}"
             if isinstance(env.record, WorldFormed):
+                if env.record.incarnation == self._world:
+                    continue  # the word of the world we run, repeated after a silence (PROTOCOL.md 10.4)
                 self._reformed = env.record
                 return "the world re-forms with hosts that joined"
         if now - self._last_heard > self.config.controller_silence_at_agent_s:

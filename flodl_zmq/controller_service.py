@@ -39,9 +39,8 @@ Theory of operation:
    subscribes to its own PUB, like a relay). Interrupted (Ctrl-C, or a SIGTERM the role turns
    into one), the run log still ends with its `end` line, reason "interrupted".
 
-Rules this module keeps: one socket, one thread (the reducer's sockets are the reducer thread's);
-the core sees only the records `ControlRouter` authenticated and attributed to the rank their route
-names.
+Rules this module keeps: one socket, one thread (the reducer's sockets are the reducer thread's); the
+core sees only the records `ControlRouter` authenticated and attributed to the rank their route names.
 
 Peer violations: one policy with the reducer's. A rank whose authenticated record the coordinator
 refuses (a record it can never legally send: another rank's id, a kind a rank does not send, a
@@ -88,9 +87,10 @@ from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.environment import ChildExit, ExitReports, ProcessEnv
 from flodl_zmq.errors import FlodlError, TrainingError
 from flodl_zmq.formation import Failed, Formation, Formed, Ignored
+from flodl_zmq.host_links import HostLost
 from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
 from flodl_zmq.job import Job, coordinator_config
-from flodl_zmq.join import HostLost, ReformGate
+from flodl_zmq.join import ReformGate
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,

@@ -47,21 +47,16 @@ import zmq
 from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import MembershipError, VersionError, WireError
 from flodl_zmq.formation import rank_space
-from flodl_zmq.io_threads import keep_off_the_data_plane
-from flodl_zmq.join import (
-    Challenges,
+from flodl_zmq.host_links import (
     HostDone,
     HostLinks,
     HostLost,
-    JoinVerdict,
-    JoinWindow,
-    Member,
     MembershipEvent,
     RankExitReported,
-    Rejected,
     RelayExitReported,
-    WindowPhase,
 )
+from flodl_zmq.io_threads import keep_off_the_data_plane
+from flodl_zmq.join import Challenges, JoinVerdict, JoinWindow, Member, Rejected, WindowPhase
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     JOIN_MAX_FRAMES,
@@ -141,12 +136,13 @@ def _ended(training: Mapping[str, Any] | None) -> bool:
     return bool(training and training.get("ended"))
 
 
-# Replay-ledger entries the join codec keeps before admission (one per connection seen):
-# under open admission anyone may hello from fresh routing ids, and without a cap each
-# one would grow the controller's memory for the rest of the run (~1 kB apiece).
+# Replay-ledger entries the join codec keeps before admission (one per connection seen): under open admission
+# anyone may hello from fresh routing ids, and uncapped each would grow the controller's memory (~1 kB apiece).
 JOIN_LEDGER_CAP = 4096
 # Messages the join thread reads per wake-up before it runs its timers again.
 JOIN_RECV_BUDGET = 256
+# A member host heard after more heartbeat periods of silence than this is sent its join.world_formed again.
+REPEAT_AFTER_BEATS = 2
 
 
 # --------------------------------------------------------------------------- service (ZeroMQ)
@@ -251,6 +247,7 @@ class MembershipService:
         self._join = Codec(join_key(trust, session_key), JOIN_RUN_ID, SENDER, max_ledger=JOIN_LEDGER_CAP)
         self._session = Codec(session_key, incarnation, SENDER)
         self._hosts: dict[bytes, str] = {}  # ROUTER identity -> admitted host
+        self._told: dict[str, WorldFormed] = {}  # each member host's word of its world, repeated after a silence
         self._lost: dict[bytes, tuple[str, bool]] = {}  # a lost host's connections: host, and whether that was said
         self._challenges = Challenges()  # the nonce each connection must sign into its hello
         self._end_watch = EndWatch()
@@ -423,8 +420,9 @@ class MembershipService:
             self._lose(host, why)
 
     def _drop_connections(self, host: str) -> None:
-        """Forget every join connection of `host` (it left, or came back on a new one)."""
+        """Forget every join connection of `host` (it left, or came back on a new one), and its world."""
         self._hosts = {i: h for i, h in self._hosts.items() if h != host}
+        self._told.pop(host, None)
 
     def _beat(self) -> None:
         """Send every admitted agent its heartbeat if one is due."""
@@ -623,7 +621,8 @@ class MembershipService:
             log.warning("frame from host %r dropped: %s", host, exc)
             return
         now = self.clock()
-        self.links.heard(host, now)
+        if self.links.heard(host, now) > REPEAT_AFTER_BEATS * self.join_heartbeat_period_s:
+            self._repeat_world(ident, host)
         rec = env.record
         if isinstance(rec, RankExited):
             if self.links.retire(host, rec.rank):
@@ -643,10 +642,20 @@ class MembershipService:
             log.warning("host %r sent %s on its join link; ignored", host, env.kind)
 
     def _formed(self, host: str, world_size: int, spawn_json: str, incarnation: bytes) -> WorldFormed:
-        """`host`'s word of the formed world: the route secret goes to a host whose relay runs a reducer shard
-        (it proves every relay's hello there, PROTOCOL.md 10.9) and to no other."""
+        """`host`'s word of the formed world, kept to repeat: the route secret goes to a host whose relay runs a
+        reducer shard (it proves every relay's hello there, PROTOCOL.md 10.9) and to no other."""
         shard = self.spawn.shard_map.shard_of(host)
-        return WorldFormed(world_size, spawn_json, incarnation, self.route_secret if shard is not None else b"")
+        formed = WorldFormed(world_size, spawn_json, incarnation, self.route_secret if shard is not None else b"")
+        self._told[host] = formed
+        return formed
+
+    def _repeat_world(self, ident: bytes, host: str) -> None:
+        """`host` spoke after a silence: its agent may have dialled again, and a new connection holds nothing
+        the old one had queued, such as the word of its world (PROTOCOL.md 10.4, "A repeated world")."""
+        formed = self._told.get(host)
+        if formed is not None and self.links.state(host) == "live":
+            log.info("host %r heard again after a silence: its join.world_formed sent again", host)
+            self._send(ident, self._session, formed)
 
     def _to_all(self, record: object) -> None:
         """Send `record` to every admitted host."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from flodl_zmq.checkpoints import WorldChange
 from flodl_zmq.environment import ChildExit
-from flodl_zmq.join import HostLost, RankExitReported, RelayExitReported
+from flodl_zmq.host_links import HostLost, RankExitReported, RelayExitReported
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.metrics import RunMetrics
 from flodl_zmq.result import TrainResult
@@ -73,7 +73,7 @@ class MembershipLink:
         must not kill a rank of the new one with the same number. Dropped before the
         send, an old rank's exit reported before the join thread marked its host's
         ranks retiring would reach the new service; after it, the membership service
-        tells the retiring ranks' exits apart (join.HostLinks).
+        tells the retiring ranks' exits apart (host_links.HostLinks).
         The new world is a new incarnation (PROTOCOL.md 4.1, 13.1): a fresh id, so
         nothing its relays and ranks signed before (or a recording of it) reaches it.
         """

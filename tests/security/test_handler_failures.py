@@ -23,7 +23,7 @@ from transport.test_reducer import frame
 from transport.test_relay import Rig as RelayRig
 from transport.test_relay import settle
 
-from flodl_zmq.join import HostLost
+from flodl_zmq.host_links import HostLost
 from flodl_zmq.links import RELAY_ROUTE, coordinator_sender, rank_identity
 from flodl_zmq.rank_link import CoordinatorLost
 from flodl_zmq.reducer_service import HostRefused

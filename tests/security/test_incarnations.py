@@ -33,7 +33,8 @@ from flodl_zmq.controller_service import ControllerService
 from flodl_zmq.datasets import dataset_signature
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv, SpawnSpec
-from flodl_zmq.join import JoinConfig, JoinWindow, RankExitReported
+from flodl_zmq.host_links import RankExitReported
+from flodl_zmq.join import JoinConfig, JoinWindow
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import RELAY_ROUTE, rank_identity, rank_sender, relay_sender
 from flodl_zmq.membership import MembershipService

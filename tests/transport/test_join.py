@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -25,14 +26,8 @@ from flodl_zmq.agent_rules import AgentConfig
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import REFUSED_EXIT, SpawnSpec, reported_exit
 from flodl_zmq.errors import MembershipError
-from flodl_zmq.join import (
-    HostDone,
-    JoinConfig,
-    JoinWindow,
-    RankExitReported,
-    RelayExitReported,
-    WindowPhase,
-)
+from flodl_zmq.host_links import HostDone, HostLost, RankExitReported, RelayExitReported
+from flodl_zmq.join import JoinConfig, JoinWindow, WindowPhase
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.trust import JOIN_RUN_ID, TrustMode
@@ -395,6 +390,29 @@ class HoldingProxy:
         self._listener.close()
 
 
+def gated_cluster(cluster, tmp_path) -> tuple[Cluster, Path, HoldingProxy]:
+    """A cluster whose ranks say `up` and wait for the gate file, on the join timings of the tests of a
+    held link (longer than FAST's, the same on both sides: an agent's re-dial at half its limit beats
+    the controller's own limit with a margin a loaded machine keeps), and a proxy to its join port."""
+    gate = tmp_path / "gate"
+    c = cluster(target_ranks=2, timings=join_timings(0.2, 3.0),
+                rank_code=f"print('up', flush=True)\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)")
+    return c, gate, HoldingProxy(c.address.port + 3)
+
+
+def through(c: Cluster, proxy: HoldingProxy, host: str, out: io.StringIO, **cfg):
+    """Run agent `host` dialling the join port through `proxy` (in a thread: the getter of its exit code)."""
+    controller = ControllerAddress("127.0.0.1", proxy.port - 3)
+    return in_thread(c.agent(host, out=out, controller=controller, **{"controller_grace_s": 0, **cfg}).run)
+
+
+def wait_up(out: io.StringIO) -> None:
+    """Until a rank said `up` in `out` (a hang guard: it does once its host has the formed world)."""
+    deadline = time.monotonic() + 20
+    while "] up" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("heard_on", ["the new connection", "the replaced one"])
 def test_a_join_link_stuck_silent_is_redialled_and_the_host_stays(cluster, tmp_path, heard_on):
     # After a few flaps in a row, TCP's backoff can keep a link that is back silent for longer than
@@ -404,23 +422,15 @@ def test_a_join_link_stuck_silent_is_redialled_and_the_host_stays(cluster, tmp_p
     # - "the replaced one": the new one stays held past the limit, and the old one delivers what it
     #   held just after the re-dial, as TCP's retransmission did in a chaos-suite flap that lost
     #   its host when a re-dial dropped the old connection.
-    gate = tmp_path / "gate"
-    # Longer than FAST's, the same on both sides: the re-dial at half the limit beats the
-    # controller's own silence limit with a margin a loaded machine keeps.
-    timings = join_timings(0.2, 3.0)
-    c = cluster(target_ranks=2, timings=timings,
-                rank_code=f"print('up', flush=True)\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)")
-    proxy = HoldingProxy(c.address.port + 3)  # the join port
+    c, gate, proxy = gated_cluster(cluster, tmp_path)
     old_speaks = heard_on == "the replaced one"
     try:
         a = in_thread(c.agent("a", controller_grace_s=0).run)
         b_out = io.StringIO()
-        b = in_thread(c.agent("b", controller_grace_s=0, out=b_out, controller=ControllerAddress("127.0.0.1", proxy.port - 3)).run)
+        b = through(c, proxy, "b", b_out)
         assert c.service.wait_closed(10).phase is WindowPhase.FORMED
         assert proxy.connections.acquire(timeout=10)
-        deadline = time.monotonic() + 20  # a hang guard: b's rank starts once b has the formed world
-        while "up" not in b_out.getvalue() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_up(b_out)
         proxy.hold(new_too=old_speaks)
         held_at = time.monotonic()
         assert proxy.connections.acquire(timeout=10), "the agent never re-dialled its stuck join link"
@@ -428,9 +438,36 @@ def test_a_join_link_stuck_silent_is_redialled_and_the_host_stays(cluster, tmp_p
             proxy.release(0)
         # Past the agent's silence limit since the hold: had it heard nothing, it would have torn
         # its host down by now.
-        time.sleep(max(0.0, held_at + timings[1]["controller_silence_at_agent_s"] + 0.5 - time.monotonic()))
+        time.sleep(max(0.0, held_at + c.agent_timings["controller_silence_at_agent_s"] + 0.5 - time.monotonic()))
         if old_speaks:
             proxy.release()
+        gate.touch()
+        assert a() == 0 and b() == 0, b_out.getvalue()
+        # The controller heard b again after the silence and repeated the word of its world: b's
+        # agent knew it for the world it runs and kept its rank (a re-form would have started it again).
+        assert b_out.getvalue().count(":r1] up") == 1, b_out.getvalue()
+    finally:
+        proxy.close()
+
+
+def test_the_word_of_the_formed_world_lost_with_a_replaced_connection_is_sent_again(cluster, tmp_path, caplog):
+    # A link cut as the world formed: the controller's join.world_formed went into a connection the
+    # agent then gave up on (it dials again after half its silence limit), and the host waited, alive
+    # and heartbeating, while the others' ranks timed out at start-up. The controller, hearing the
+    # host again after the silence, repeats the word of its world.
+    c, gate, proxy = gated_cluster(cluster, tmp_path)
+    try:
+        b_out = io.StringIO()
+        b = through(c, proxy, "b", b_out)
+        wait_joined(c, 1)
+        proxy.hold()  # b's first connection never delivers again, either way
+        with caplog.at_level(logging.INFO, logger="flodl_zmq.membership"):
+            a = in_thread(c.agent("a", controller_grace_s=0).run)
+            assert c.service.wait_closed(10).phase is WindowPhase.FORMED
+            assert proxy.connections.acquire(timeout=10) and proxy.connections.acquire(timeout=10), "b never re-dialled"
+            wait_up(b_out)
+        assert "] up" in b_out.getvalue(), "b never started its rank: the formed world never reached it"
+        assert "host 'b' heard again after a silence: its join.world_formed sent again" in caplog.text
         gate.touch()
         assert a() == 0 and b() == 0, b_out.getvalue()
     finally:
@@ -479,6 +516,38 @@ def test_a_host_whose_ranks_all_exited_dials_in_again_and_is_taken_back_with_fre
     assert [(m.host, m.ranks) for m in c.window.pending] == [("b", (2,))], out.getvalue()
     assert "duplicate join" not in out.getvalue()
     assert c.service.status()["departed"] == [{"host": "b", "ranks": list(old)}]  # its old ranks stay dead
+
+
+def test_a_host_declared_lost_says_so_and_dials_in_again_rather_than_finishing(cluster, tmp_path, caplog):
+    # The agent's silence limit longer than the controller's: a cut between the two has the controller
+    # declare the host lost while the agent keeps it up. Its ranks then fail, and the agent dials in
+    # again; it logged "finished DEGRADED" first, mid-run.
+    die = tmp_path / "die"
+    timings = ({"join_heartbeat_period_s": 0.2, "host_silence_at_controller_s": 1.0},
+               {"join_heartbeat_period_s": 0.2, "controller_silence_at_agent_s": 4.0})
+    c = cluster(target_ranks=2, timings=timings,
+                rank_code=f"while not os.path.exists({str(die)!r} + os.environ['FLODL_RANK']): time.sleep(0.01)\nsys.exit(1)")
+    proxy = HoldingProxy(c.address.port + 3)  # the join port
+    try:
+        b_out = io.StringIO()
+        with caplog.at_level(logging.INFO, logger="flodl_zmq.agent"):
+            through(c, proxy, "b", b_out, controller_grace_s=30.0)
+            wait_joined(c, 1)
+            in_thread(c.agent("a").run)
+            assert c.service.wait_closed(10).phase is WindowPhase.FORMED
+            proxy.hold()
+            lost = events(c.service, timeout=10.0, until=lambda e: isinstance(e, HostLost))
+            assert [e.host for e in lost if isinstance(e, HostLost)] == ["b"]
+            proxy.release()
+            Path(f"{die}0").touch()  # b's rank 0 fails, as a rank of a host the controller dropped does
+            deadline = time.monotonic() + 20
+            while not c.window.pending and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert [m.host for m in c.window.pending] == ["b"], caplog.text
+        assert "its 1 rank(s) exited non-zero after the controller declared it lost" in caplog.text
+        assert "host 'b' finished" not in caplog.text
+    finally:
+        proxy.close()
 
 
 @pytest.mark.parametrize("peer", ["wrong key", "nothing listens", "not zeromq"])

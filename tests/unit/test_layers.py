@@ -24,7 +24,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "coordinator.chunk_pool", "coordinator.elche", "coordinator.convergence",
         "coordinator.timing", "coordinator.liveness", "coordinator.roles",
         "coordinator.metrics", "coordinator.sim", "coordinator.strategy", "coordinator.feedback",
-        "coordinator.resume", "coordinator.outputs", "coordinator.rounds", "formation", "join", "relay_core",
+        "coordinator.resume", "coordinator.outputs", "coordinator.rounds", "formation", "join", "host_links", "relay_core",
         "step_report",
     ),
     "run": (

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from flodl_zmq.environment import SpawnSpec
 from flodl_zmq.errors import ConfigError, MembershipError
+from flodl_zmq.host_links import HostLinks
 from flodl_zmq.join import (
     MAX_HOST_CHARS,
     Accepted,
-    HostLinks,
     JoinConfig,
     JoinWindow,
     Member,
@@ -414,6 +414,15 @@ def test_a_silent_host_is_lost_once_with_its_unreported_ranks():
     assert links.live_ranks("a") == (1,)
     assert links.lost(100.0) == ["b"]
     assert links.lost(200.0) == []
+
+
+def test_hearing_a_host_says_how_long_it_was_silent():
+    # The membership repeats a host's word of its world after a silence (PROTOCOL.md 10.4): it reads it here.
+    links = HostLinks(timeout_s=5.0)
+    links.add(member("a", 0), 1.0)
+    assert links.heard("a", 1.5) == 0.5
+    assert links.heard("a", 4.0) == 2.5
+    assert links.heard("b", 4.0) == 0.0  # not watched
 
 
 def test_links_next_due_is_when_the_quietest_open_host_turns_lost():
