@@ -195,7 +195,7 @@ class Formation:
             return self._fail(
                 f"rank(s) failed before training started: {gone}; {remaining} of {len(self.host_of)} ranks "
                 f"remain, fewer than the minimum of {self.minimum} (--min-ranks); their output is in their "
-                f"host's log", tuple(sorted(self.left)),
+                f"host's log{self._silent_note()}", tuple(sorted(self.left)),
             )
         return self._settle()
 
@@ -236,6 +236,15 @@ class Formation:
             return self._fail("; ".join(problems), bad)
         self._verdict = Formed(dict(self.hellos), {**self.vacant, **self.left})
         return self._verdict
+
+    def _silent_note(self) -> str:
+        """The ranks still silent when others left: a rank waiting for the world gives up at its own start-up
+        timeout, so the ranks it waited for, and their hosts, are where the cause may be."""
+        missing = self._missing()
+        if not missing:
+            return ""
+        hosts = sorted({self.host_of[r] for r in missing})
+        return f"; rank(s) {list(missing)} on host(s) {hosts} had not said hello yet: check that host's log too"
 
     def _missing(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.host_of) - set(self.hellos) - set(self.left)))

@@ -62,6 +62,9 @@ def test_a_rank_known_to_have_left_fails_the_formation_at_once_naming_it_below_t
     assert isinstance(v, Failed) and v.ranks == (2,)
     assert "rank 2 (it exited with code -9)" in v.reason and "2 of 3 ranks remain" in v.reason
     assert "minimum of 3 (--min-ranks)" in v.reason
+    # A rank giving up waiting at its start-up timeout was blamed alone, on a healthy host, where the
+    # cause was a host whose ranks never started (its word of the world lost): name the silent ones.
+    assert "rank(s) [1] on host(s) ['a'] had not said hello yet: check that host's log too" in v.reason
     assert f.phase is FormationPhase.FAILED
     # Final: later hellos and the clock return the same verdict.
     assert f.hello(1, hello(1)) is v and f.hello(2, hello(2)) is v and f.poll(DEADLINE + 1) is v
