@@ -289,6 +289,7 @@ class ReducerService:
         self._thread: threading.Thread | None = None
         self._count: collections.Counter[str] = collections.Counter()
         self._route: dict[str, bytes] = {}  # host -> relay routing id
+        self._lost: dict[str, tuple[int, int]] = {}  # host -> (round, times) its frame of that round was lost
         self._host_of: dict[bytes, str] = {}
         self._subscribed: set[str] = set()
         self._forwarded: set[int] = set()
@@ -686,6 +687,11 @@ class ReducerService:
                 # The request came after its host frame on one connection, so that frame was lost
                 # in a reset: ask for it again (round id + host keep a crossing copy from counting twice).
                 self._count["frame_requests"] += 1
+                times = self._lost[host][1] + 1 if self._lost.get(host, (-1,))[0] == round_id else 1
+                self._lost[host] = (round_id, times)
+                if times == 2:  # said once a round here; the relay says it at each resend, with the fix
+                    log.warning("reducer: host %s's frame of round %d was lost twice, and the round waits for it: a "
+                                "link that drops before a whole frame crosses? its relay's log says", host, round_id)
                 self._send_record(host, FrameRequest(round_id))
             return  # not finished yet: the broadcast will come, and the relay asks again if not
         latest = got.latest if isinstance(got, Gone) and got.latest is not None else -1

@@ -284,6 +284,11 @@ def test_a_host_frame_lost_again_on_the_same_round_names_the_link_silence_in_the
     blamed = [r for r in caplog.records if r.levelname == "ERROR" and "lost this host's frame of round 1 2 times" in
               r.getMessage()]
     assert len(blamed) == 1 and "FLODL_LINK_SILENCE" in blamed[0].getMessage()
+    # The controller's log said nothing of it (a link too slow for one frame looped round 1 with only the
+    # relay's log telling why): the reducer says it once, pointing there.
+    said = [r.getMessage() for r in caplog.records if r.name == "flodl_zmq.reducer_service" and "lost twice" in r.getMessage()]
+    assert said == ["reducer: host a's frame of round 1 was lost twice, and the round waits for it: a link that drops "
+                    "before a whole frame crosses? its relay's log says"]
 
 
 @pytest.mark.parametrize("rig", [("bcast", {("data.consensus", False): 1}, 3600.0)], indirect=True)
