@@ -75,6 +75,12 @@ class HostLinks:
         silent, self._heard[host] = now - self._heard[host], max(self._heard[host], now)
         return silent
 
+    def silent_for(self, host: str, now: float) -> float:
+        """How long `host`, watched and neither done nor lost, has been silent (0 for any other)."""
+        if host not in self._heard or host in self._closed:
+            return 0.0
+        return now - self._heard[host]
+
     def rank_exited(self, host: str, rank: int, now: float) -> bool:
         """Record a reported exit; True when it was the host's last live rank."""
         self.heard(host, now)

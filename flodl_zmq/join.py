@@ -408,10 +408,10 @@ class JoinWindow:
         host = hello.host
         if any(m.host == host for m in (*self._members, *self._pending)):
             return (
-                f"{DUPLICATE_JOIN}: host {host!r} is already a member (a stale worker still running, "
-                "two machines sharing one name, or an agent restarted before the controller declared its "
-                "dead predecessor lost: that takes the controller's --host-silence, FLODL_HOST_SILENCE); "
-                "stop the old agent, give this one another --host, or retry once the old one is lost"
+                f"{DUPLICATE_JOIN}: host {host!r} is already a member and its agent still speaks (a stale "
+                "worker still running, or two machines sharing one name; while the world forms, also an agent "
+                "restarted before its predecessor's silence reached the controller's --host-silence); stop the "
+                "old agent, give this one another --host, or retry once the old one is lost"
             )
         return None
 

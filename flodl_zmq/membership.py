@@ -1,12 +1,10 @@
 """The join ROUTER: the ZeroMQ shell around the join rules (flodl_zmq/join.py).
 
-A worker host's agent dials the controller's join ROUTER and sends one
-`JoinHello`. `MembershipService` decodes it, hands it to the pure
-`JoinWindow` (admission, ranks, the formation verdict; its rules are in
-join.py) and sends what it decides; after admission it watches the host
-links (`HostLinks`) and reports rank exits, lost and done hosts to the
-controller service. This module keeps the socket, the thread, the clock and
-the trust modes.
+A worker host's agent dials the controller's join ROUTER and sends one `JoinHello`. `MembershipService`
+decodes it, hands it to the pure `JoinWindow` (admission, ranks, the formation verdict; its rules are in
+join.py) and sends what it decides; after admission it watches the host links (`HostLinks`, host_links.py)
+and reports rank exits, lost and done hosts to the controller service. This module keeps the socket, the
+thread, the clock and the trust modes.
 
 Trust modes (pre-shared key, open admission): flodl_zmq/trust.py.
 
@@ -123,17 +121,13 @@ class EndWatch:
     def answered(self, training: Mapping[str, Any] | None, now: float) -> None:
         """A status reply went out carrying `training` (the coordinator's view, if any)."""
         self._asked_at = now
-        if _ended(training):
+        if training and training.get("ended"):
             self._told.set()
 
     def hold(self, training: Mapping[str, Any] | None, now: float) -> None:
         """Before closing: wait, at most WATCH_LINGER_S, until a watcher has been told the run ended."""
-        if _ended(training) and now - self._asked_at <= WATCH_LINGER_S:
+        if training and training.get("ended") and now - self._asked_at <= WATCH_LINGER_S:
             self._told.wait(WATCH_LINGER_S)
-
-
-def _ended(training: Mapping[str, Any] | None) -> bool:
-    return bool(training and training.get("ended"))
 
 
 # Replay-ledger entries the join codec keeps before admission (one per connection seen): under open admission
@@ -141,8 +135,9 @@ def _ended(training: Mapping[str, Any] | None) -> bool:
 JOIN_LEDGER_CAP = 4096
 # Messages the join thread reads per wake-up before it runs its timers again.
 JOIN_RECV_BUDGET = 256
-# A member host heard after more heartbeat periods of silence than this is sent its join.world_formed again.
-REPEAT_AFTER_BEATS = 2
+# A member host silent for more heartbeat periods than this may have lost its link (PROTOCOL.md 10.4, 13.1):
+# heard again, it is sent its join.world_formed again; an agent of its name dialling in meanwhile takes its place.
+SILENT_AFTER_BEATS = 2
 
 
 # --------------------------------------------------------------------------- service (ZeroMQ)
@@ -569,6 +564,9 @@ class MembershipService:
         if not self._fresh(ident, env, now):
             return
         taken = "" if self._gate is None else self._gate.name_taken(hello.host, client_key(frames))
+        silent = self.links.silent_for(hello.host, now)  # its agent, cut off, may have torn down and dial in again
+        if not taken and self.window.phase is WindowPhase.FORMED and silent > SILENT_AFTER_BEATS * self.join_heartbeat_period_s:
+            self._lose(hello.host, f"its agent dialled in again after {silent:.1f} s of silence on its old link")
         done = self.links.state(hello.host) == "done"
         outcome = Rejected(taken) if taken else self.window.admit(hello, now, finished=done)
         if isinstance(outcome, Rejected):
@@ -621,7 +619,7 @@ class MembershipService:
             log.warning("frame from host %r dropped: %s", host, exc)
             return
         now = self.clock()
-        if self.links.heard(host, now) > REPEAT_AFTER_BEATS * self.join_heartbeat_period_s:
+        if self.links.heard(host, now) > SILENT_AFTER_BEATS * self.join_heartbeat_period_s:
             self._repeat_world(ident, host)
         rec = env.record
         if isinstance(rec, RankExited):
@@ -650,8 +648,7 @@ class MembershipService:
         return formed
 
     def _repeat_world(self, ident: bytes, host: str) -> None:
-        """`host` spoke after a silence: its agent may have dialled again, and a new connection holds nothing
-        the old one had queued, such as the word of its world (PROTOCOL.md 10.4, "A repeated world")."""
+        """`host` spoke after a silence: a new connection holds nothing its old one had (PROTOCOL.md 10.4)."""
         formed = self._told.get(host)
         if formed is not None and self.links.state(host) == "live":
             log.info("host %r heard again after a silence: its join.world_formed sent again", host)

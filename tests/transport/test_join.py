@@ -341,6 +341,7 @@ class HoldingProxy:
         self._lock = threading.Lock()
         self._held: dict[int, list[tuple[socket.socket, bytes]]] = {}  # connection -> (destination, bytes)
         self._hold_new = False
+        self._cut: set[int] = set()
         self._count = 0
         self.connections = threading.Semaphore(0)  # released per accepted connection
         threading.Thread(target=self._accept, daemon=True).start()
@@ -351,6 +352,13 @@ class HoldingProxy:
             for conn in range(self._count):
                 self._held.setdefault(conn, [])
             self._hold_new = new_too
+
+    def cut(self) -> None:
+        """The connections made so far never deliver again, either way: what they held and what comes is dropped."""
+        with self._lock:
+            for conn in range(self._count):
+                self._cut.add(conn)
+                self._held.pop(conn, None)
 
     def release(self, conn: int | None = None) -> None:
         """Deliver what connection `conn` (every one: None) held, in order, and let it flow again."""
@@ -381,6 +389,8 @@ class HoldingProxy:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
                 with self._lock:
+                    if conn in self._cut:
+                        continue
                     if conn in self._held:
                         self._held[conn].append((dst, data))
                     else:
@@ -546,6 +556,42 @@ def test_a_host_declared_lost_says_so_and_dials_in_again_rather_than_finishing(c
         assert [m.host for m in c.window.pending] == ["b"], caplog.text
         assert "its 1 rank(s) exited non-zero after the controller declared it lost" in caplog.text
         assert "host 'b' finished" not in caplog.text
+    finally:
+        proxy.close()
+
+
+def test_an_agent_that_tore_down_on_silence_is_taken_back_at_once_not_refused_as_a_duplicate(cluster, tmp_path, caplog):
+    # A flapping link: the agent heard nothing for its limit and tore its host down while the controller,
+    # which had heard it later, still counted it; every hello it sent was refused "duplicate join" until
+    # the controller's --host-silence ran out. A member silent for a few heartbeats whose name dials in
+    # again is its agent coming back: the old link is lost now and the hello admitted.
+    die = tmp_path / "die"  # never made: the ranks run until stopped
+    timings = ({"join_heartbeat_period_s": 0.2, "host_silence_at_controller_s": 30.0},
+               {"join_heartbeat_period_s": 0.2, "controller_silence_at_agent_s": 2.0})
+    c = cluster(target_ranks=2, timings=timings, rank_code=f"while not os.path.exists({str(die)!r}): time.sleep(0.01)")
+    proxy = HoldingProxy(c.address.port + 3)  # the join port
+    try:
+        b_out = io.StringIO()
+        with caplog.at_level(logging.INFO):
+            through(c, proxy, "b", b_out, controller_grace_s=30.0)
+            wait_joined(c, 1)
+            in_thread(c.agent("a").run)
+            assert c.service.wait_closed(10).phase is WindowPhase.FORMED
+            deadline = time.monotonic() + 20
+            while "host 'b' running relay" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proxy.hold(new_too=True)  # b hears nothing, on its link or any re-dial, past its limit
+            while "tearing down host 'b'" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proxy.cut()  # the torn-down links (and what they held: the rank's exit) never deliver; new dials do
+            proxy.release()
+            lost = events(c.service, timeout=10.0, until=lambda e: isinstance(e, HostLost))
+            while not c.window.pending and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert [(e.host, e.why.split(" after ")[0]) for e in lost if isinstance(e, HostLost)] == [
+            ("b", "its agent dialled in again")]
+        assert [m.host for m in c.window.pending] == ["b"], caplog.text
+        assert "duplicate join" not in caplog.text
     finally:
         proxy.close()
 

@@ -423,6 +423,9 @@ def test_hearing_a_host_says_how_long_it_was_silent():
     assert links.heard("a", 1.5) == 0.5
     assert links.heard("a", 4.0) == 2.5
     assert links.heard("b", 4.0) == 0.0  # not watched
+    assert links.silent_for("a", 7.0) == 3.0 and links.silent_for("b", 7.0) == 0.0
+    links.cut("a")
+    assert links.silent_for("a", 9.0) == 0.0  # lost: no longer a member whose silence counts
 
 
 def test_links_next_due_is_when_the_quietest_open_host_turns_lost():
