@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from typing import Any, Protocol
 
@@ -109,6 +110,7 @@ class ControlRouter:
         self._outages: dict[str, Outage] = collections.defaultdict(Outage)  # host -> its resends, logged per outage
         self._to_rank = {r: Outstream(Codec(key, incarnation, coordinator_sender(r))) for r in range(world_size)}
         self._from_rank = {r: InOrder() for r in range(world_size)}
+        self._told_dead: dict[int, float] = {}  # a dead rank still speaking: when it was last told (`_still_dead`)
 
     def attach(self, control: zmq.Socket, upstream: Upstream) -> None:
         """Serve `control` (bound by the caller) for `upstream`."""
@@ -231,14 +233,27 @@ class ControlRouter:
             rank = rank_of(route)  # attributed before the window: a rank of this world, or a relay
             if rank is not None and self.upstream.has_exited(rank):
                 self.send_rank(rank, rec.CoordHeartbeat())  # an exited rank gets no beacon to carry it
+            elif rank is not None:
+                self._still_dead(rank)
             return Refusal("duplicate.control", logging.DEBUG)  # a resend whose first copy arrived: its ack was lost
         self.rejected[self._host_of_relay(relay_id)][type(exc).__name__] += 1
         if isinstance(exc, AuthError):
             self.upstream.auth_failed(str(exc))
         return Refusal("rejected.control")
 
+    def _still_dead(self, rank: int) -> None:
+        """`rank` spoke: if it is dead (not one that said goodbye), it is told again, at most once per resend
+        period. Its DeclareDead went once, never resent, and a link cut at that moment lost it: the rank trained
+        on unheard until its own silence limit (PROTOCOL.md 10.7 item 10)."""
+        now = time.monotonic()
+        if (self.upstream.is_gone(rank) and not self.upstream.has_exited(rank)
+                and now - self._told_dead.get(rank, -math.inf) >= RESEND_AFTER_S):
+            self._told_dead[rank] = now
+            self.send_rank(rank, rec.DeclareDead(rank=rank))
+
     def _from_stream(self, rank: int, seq: int, record: Any) -> None:
         """Record `seq` of `rank`'s stream, alone or merged by its relay: acknowledgements at once, the rest in order."""
+        self._still_dead(rank)
         if isinstance(record, rec.Heartbeat) and self._to_rank[rank].ack(record.ack):
             self._settled(rank)
         for r in self._from_rank[rank].accept(seq, record):

@@ -325,6 +325,11 @@ class RankLink:
         """An authentic, fresh record of the coordinator's stream: acknowledgements at once, the rest in order."""
         if isinstance(env.record, rec.CoordHeartbeat):
             self._acked(env.record.ack)
+        if isinstance(env.record, rec.DeclareDead) and env.record.rank == self.cfg.rank:
+            # Final, and what came before it may never come (the coordinator resends nothing to a dead rank):
+            # not held for the records of a gap (PROTOCOL.md 10.7 item 10).
+            self.inbox.put(FromCoordinator(env.record))
+            return
         for record in self._down.accept(env.seq, env.record):
             self.inbox.put(FromCoordinator(record))
 

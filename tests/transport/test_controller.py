@@ -191,6 +191,22 @@ def test_a_rank_its_agent_stopped_with_sigterm_left_the_run_and_is_no_failure(ri
     assert not thread.is_alive()
 
 
+def test_a_dead_rank_that_speaks_again_is_told_it_is_dead_again(rig):
+    # Its death went once and was never resent: a link cut then lost it, and the rank, back on its
+    # link, trained on unheard until its own silence limit (30 s in the links trial).
+    service, relay, thread, outcome = rig
+    relay.hello(0)
+    relay.hello(1)
+    relay.wait_for(rank_identity(1), "StartEpoch")
+    relay.relay_send(rec.RankExit(rank=1))  # its relay lost it: dead, and told so once (that copy is "lost")
+    relay.wait_for(rank_identity(1), "DeclareDead")
+    relay.send(1, rec.Heartbeat(rank=1, step_count=0))  # the rank speaks again
+    relay.wait_for(rank_identity(1), "DeclareDead")
+    relay.send(0, rec.Exiting(rank=0))
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
 def test_a_rank_lost_before_a_re_form_keeps_its_cause_when_the_new_world_forms_without_it(rig):
     # status and the log said "before the world formed: no host holds it" of a rank whose host was lost mid-run.
     service, relay, thread, outcome = rig

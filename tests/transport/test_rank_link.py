@@ -81,6 +81,17 @@ def test_only_the_coordinators_control_records_reach_the_training_thread(link):
         lk.inbox.get(0.2)
 
 
+def test_the_rank_takes_its_own_death_at_once_whatever_came_before_it(link):
+    # The coordinator resends nothing to a dead rank: the records of a gap before its DeclareDead never
+    # come, and held for them in order the death never reached the training thread (PROTOCOL.md 10.7 item 10).
+    lk, control, _data, key, run_id = link
+    coordinator = Codec(key, run_id, coordinator_sender(0))
+    coordinator.encode(rec.Throttle(), channel=Channel.CONTROL)  # seq 1: lost in the cut
+    control.send_multipart([rank_identity(0), *coordinator.encode(rec.DeclareDead(rank=0), channel=Channel.CONTROL)])
+    got = lk.inbox.get(WAIT_S)
+    assert isinstance(got, FromCoordinator) and got.record == rec.DeclareDead(rank=0)
+
+
 def test_a_consensus_framed_by_anyone_but_the_reducer_is_rejected(link):
     lk, _control, data, key, run_id = link
     t = [np.arange(4, dtype=np.float32)]
