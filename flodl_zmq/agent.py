@@ -93,7 +93,14 @@ from flodl_zmq.agent_rules import (
     device_env,
     worth_redialling,
 )
-from flodl_zmq.environment import REFUSED_EXIT, RELAY_ARGV, ProcessEnv, SpawnSpec, with_tunables
+from flodl_zmq.environment import (
+    DECLARED_DEAD_EXIT,
+    REFUSED_EXIT,
+    RELAY_ARGV,
+    ProcessEnv,
+    SpawnSpec,
+    with_tunables,
+)
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.join import CHALLENGE_NONCE_BYTES
 from flodl_zmq.launch import signal_group, warm_interpreter
@@ -520,7 +527,7 @@ class Agent:
         teardown: str | None = None  # why the host is being torn down
         fault = False  # a host-level fault: exit 1
         kill_at = 0.0
-        failures = 0
+        failures = told_dead = 0  # ranks that exited non-zero; of them, told by the coordinator they are dead
         self._last_heard = time.monotonic()
         while live:
             now = time.monotonic()
@@ -547,6 +554,7 @@ class Agent:
                 if c.rank is not None:
                     if code != 0:  # a re-form stops every rank: said at its level, not as a fault
                         failures += 1
+                        told_dead += code == DECLARED_DEAD_EXIT
                         log.log(min(self._teardown_level, logging.WARNING), "%s exited with code %d", c.label, code)
                     self._send(RankExited(c.rank, code))  # the controller's fast path to its death
                     if not any(x.rank is not None for x in live) and teardown is None and not serves:
@@ -565,7 +573,9 @@ class Agent:
             for t in c.forwarders:
                 t.join(timeout=2.0)
         if failures and teardown == EVERY_RANK_EXITED and self._stop_reason is None:
-            self._lost_controller = self._declared_lost()
+            # Every rank told it is dead: the run goes on without them, whatever stale heartbeat still arrives.
+            ranks = sum(c.rank is not None for c in children)
+            self._lost_controller = told_dead == ranks or self._declared_lost()
         return self._exit_code(teardown if fault else None, failures)
 
     def _declared_lost(self) -> bool:
@@ -596,8 +606,7 @@ class Agent:
             log.log(self._teardown_level, "host %r torn down: %s", host, fault)
             return 1
         if failures and self._lost_controller:  # not the end: `run` dials in again
-            log.warning("host %r: its %d rank(s) exited non-zero after the controller declared it lost", host,
-                        failures)
+            log.warning("host %r: its %d rank(s) exited non-zero, and the run goes on without them", host, failures)
         elif failures:
             log.warning("host %r finished DEGRADED: %d rank(s) exited non-zero (reported)", host, failures)
         else:

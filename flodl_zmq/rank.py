@@ -72,7 +72,7 @@ import torch
 import zmq
 
 from flodl_zmq.datasets import dataset_signature
-from flodl_zmq.environment import training_failed
+from flodl_zmq.environment import DECLARED_DEAD_EXIT, training_failed
 from flodl_zmq.errors import ShmError, TrainingError
 from flodl_zmq.job import MODES, Job, seed_generators
 from flodl_zmq.links import data_max_frame_bytes
@@ -247,7 +247,7 @@ class RankRuntime:
                 self.buffers.segment.close()
         if lost:
             log.error("rank %d: %s; exiting", self.cfg.rank, self._stop_reason)
-            return 1
+            return DECLARED_DEAD_EXIT if self._stop_reason == f"lost: {DECLARED_DEAD}" else 1
         return 1 if failed else 0
 
     def _load_start(self) -> None:

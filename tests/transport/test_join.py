@@ -24,7 +24,7 @@ import zmq
 from flodl_zmq.agent import Agent
 from flodl_zmq.agent_rules import AgentConfig
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import REFUSED_EXIT, SpawnSpec, reported_exit
+from flodl_zmq.environment import DECLARED_DEAD_EXIT, REFUSED_EXIT, SpawnSpec, reported_exit
 from flodl_zmq.errors import MembershipError
 from flodl_zmq.host_links import HostDone, HostLost, RankExitReported, RelayExitReported
 from flodl_zmq.join import JoinConfig, JoinWindow, WindowPhase
@@ -554,7 +554,7 @@ def test_a_host_declared_lost_says_so_and_dials_in_again_rather_than_finishing(c
             while not c.window.pending and time.monotonic() < deadline:
                 time.sleep(0.05)
         assert [m.host for m in c.window.pending] == ["b"], caplog.text
-        assert "its 1 rank(s) exited non-zero after the controller declared it lost" in caplog.text
+        assert "its 1 rank(s) exited non-zero, and the run goes on without them" in caplog.text
         assert "host 'b' finished" not in caplog.text
     finally:
         proxy.close()
@@ -594,6 +594,28 @@ def test_an_agent_that_tore_down_on_silence_is_taken_back_at_once_not_refused_as
         assert "duplicate join" not in caplog.text
     finally:
         proxy.close()
+
+
+def test_a_host_whose_every_rank_was_told_it_is_dead_dials_in_again_whatever_the_controller_still_says(
+        cluster, tmp_path, caplog):
+    # A link back after a long cut delivers the controller's heartbeats queued before it declared the host
+    # lost (TCP retransmits them seconds later): the agent took them for a controller still counting the
+    # host and finished, where its ranks had been told they were dead. Their exit code says it (5).
+    die = tmp_path / "die"
+    c = cluster(target_ranks=2, rank_code=f"while not os.path.exists({str(die)!r} + os.environ['FLODL_RANK']): "
+                                          f"time.sleep(0.01)\nsys.exit({DECLARED_DEAD_EXIT})")
+    with caplog.at_level(logging.INFO, logger="flodl_zmq.agent"):
+        in_thread(c.agent("b", controller_grace_s=30.0).run)
+        wait_joined(c, 1)
+        in_thread(c.agent("a").run)
+        assert c.service.wait_closed(10).phase is WindowPhase.FORMED
+        Path(f"{die}0").touch()  # b's rank 0, told it is dead, ends so
+        deadline = time.monotonic() + 20
+        while not c.window.pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert [m.host for m in c.window.pending] == ["b"], caplog.text
+    assert "host 'b': its 1 rank(s) exited non-zero, and the run goes on without them" in caplog.text
+    assert "host 'b' finished" not in caplog.text
 
 
 @pytest.mark.parametrize("peer", ["wrong key", "nothing listens", "not zeromq"])

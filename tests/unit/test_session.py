@@ -21,7 +21,7 @@ from flodl_zmq import bundle, controller_service, rank, session
 from flodl_zmq.api import Trainer
 from flodl_zmq.coordinator.outputs import EpochProgress, EvalsMerged, Evaluated
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import UNPLAYED_EXIT, ProcessEnv
+from flodl_zmq.environment import DECLARED_DEAD_EXIT, UNPLAYED_EXIT, ProcessEnv
 from flodl_zmq.errors import ConfigError, SessionError
 from flodl_zmq.job import Job
 from flodl_zmq.mailbox import Mailbox
@@ -455,7 +455,9 @@ def test_a_rank_declared_dead_stops_at_once_with_an_error_even_while_it_awaits_a
                 for record in (rec.RequestParams(round=1), rec.Update(round=1, next_plan=None),
                                rec.DeclareDead(rank=0), rec.DeclareDead(rank=1), rec.Shutdown()):
                     link.inbox.put(FromCoordinator(record))
-    assert ended.value.code == 1  # not the clean exit the Shutdown behind it would give
+    # Not the clean exit the Shutdown behind it would give, and not a crash's 1: its agent reads 5 as
+    # "the run goes on without this rank" and brings the host back with fresh ranks (agent.py).
+    assert ended.value.code == DECLARED_DEAD_EXIT == 5
     assert isinstance(link.sent[-2], rec.RoundFrame) and isinstance(link.sent[-1], rec.Exiting)
     assert link.lingered is False  # the coordinator acknowledges nothing from a dead rank
     assert "rank 1: lost: the coordinator declared this rank dead" in caplog.text
