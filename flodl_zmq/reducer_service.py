@@ -570,7 +570,8 @@ class ReducerService:
         self._send_record(rec.host, RelayHelloAck())
         for rank in sorted(set(want) & self.ledger.dead - self._forwarded):
             self._forward(rec.host, rank)
-        log.info("reducer: relay %s registered with ranks %s", rec.host, list(want))
+        if old != route:  # a relay repeats its hello until acknowledged, and again after a reconnect: said once
+            log.info("reducer: relay %s registered with ranks %s", rec.host, list(want))
 
     def _route_gone(self, route: bytes) -> bool:
         """True when ZeroMQ holds no connection for `route` (ROUTER_MANDATORY refuses a send to it)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 
@@ -134,10 +135,14 @@ def frame(host, round_id, mass, value, ranks=None):
     return HostFrame(round_id, host, list(ranks or WORLD[host]), mass), [np.full(8, value, np.float32)]
 
 
-def test_a_hello_for_a_live_host_from_another_connection_is_refused_and_a_repeated_one_acknowledged_again(rig):
+def test_a_hello_for_a_live_host_from_another_connection_is_refused_and_a_repeated_one_acknowledged_again(
+        rig, caplog):
     a = rig.relays["a"]
-    a.hello()
-    a.hello()  # the same identity again (a re-hello after a reconnect): acknowledged again, nothing changes
+    with caplog.at_level(logging.INFO, logger="flodl_zmq.reducer_service"):
+        a.hello()
+        a.hello()  # the same identity again (a re-hello after a reconnect): acknowledged again, nothing changes
+    # Said once: a flapping link's repeated hellos logged "registered" four times in a row.
+    assert caplog.text.count("reducer: relay a registered with ranks") == 1
     intruder = FakeRelay(rig.ctx, "a", rig.key, rig.run_id, rig.eps)
     for _ in range(10):  # past a's sequence numbers: the refusal must be the route rule, not the replay check
         intruder.codec.encode(RelayHelloAck(), channel=Channel.DATA)
