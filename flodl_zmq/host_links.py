@@ -37,10 +37,12 @@ class HostLinks:
         self._live_ranks: dict[str, set[int]] = {}
         self._retiring: dict[str, set[int]] = {}
         self._closed: set[str] = set()
+        self._silent_at: dict[str, float] = {}  # host -> when it was lost to silence (`lost`)
 
     def add(self, member: Member, now: float) -> None:
         """Watch `member`'s link from `now` (a host that was lost and came back starts over)."""
         self._heard[member.host] = now
+        self._silent_at.pop(member.host, None)
         self._live_ranks[member.host] = set(member.ranks)
         self._retiring.pop(member.host, None)
         self._closed.discard(member.host)
@@ -60,7 +62,7 @@ class HostLinks:
 
     def forget(self, host: str) -> None:
         """`host` is no longer watched (a joiner turned away before it ran anything)."""
-        for ledger in (self._heard, self._live_ranks, self._retiring):
+        for ledger in (self._heard, self._live_ranks, self._retiring, self._silent_at):
             ledger.pop(host, None)
 
     def retiring(self) -> list[str]:
@@ -125,7 +127,14 @@ class HostLinks:
             h for h, t in self._heard.items() if h not in self._closed and now - t > self.timeout_s
         ]
         self._closed.update(out)
+        self._silent_at.update((h, now) for h in out)
         return out
+
+    def all_silent_together(self) -> bool:
+        """Whether every watched host, two or more, was lost to silence within one timeout of the others: more
+        likely the controller's own link went down than every host's at once."""
+        at = [self._silent_at[h] for h in self._heard if h in self._silent_at]
+        return 2 <= len(at) == len(self._heard) and max(at) - min(at) <= self.timeout_s
 
 
 # What the membership service reports to the controller service about the admitted hosts.

@@ -391,8 +391,11 @@ class MembershipService:
 
     def _expire(self, now: float) -> None:
         """Report the hosts whose agents fell silent (a pending joiner leaves quietly)."""
-        for host in self.links.lost(now):
+        for host in (lost := self.links.lost(now)):
             self._lose(host, "its agent fell silent")
+        if lost and self.links.all_silent_together():
+            log.error("every host fell silent at once: the controller's own link is the likelier cause; raise "
+                      "--host-silence (%g s) above the outages that link may have", self.links.timeout_s)
 
     def _lose(self, host: str, why: str) -> None:
         """`host` is gone (`why`): its ranks are reported lost; a pending joiner just leaves."""

@@ -428,6 +428,26 @@ def test_hearing_a_host_says_how_long_it_was_silent():
     assert links.silent_for("a", 9.0) == 0.0  # lost: no longer a member whose silence counts
 
 
+def test_every_host_lost_to_silence_at_once_points_at_the_controllers_own_link():
+    # A 15 s outage of the controller's link lost every host within half a second, and the run ended
+    # with a message that blamed the ranks.
+    links = HostLinks(timeout_s=5.0)
+    for host, rank in (("a", 0), ("b", 1), ("c", 2)):
+        links.add(member(host, rank), 0.0)
+    assert links.lost(5.5) == ["a", "b", "c"] and links.all_silent_together()
+    links = HostLinks(timeout_s=5.0)
+    links.add(member("a", 0), 0.0)
+    links.add(member("b", 1), 0.0)
+    links.heard("b", 20.0)
+    assert links.lost(6.0) == ["a"] and not links.all_silent_together()  # b still speaks
+    assert links.lost(26.0) == ["b"] and not links.all_silent_together()  # 20 s apart: each its own cut
+    links = HostLinks(timeout_s=5.0)
+    links.add(member("a", 0), 0.0)
+    links.add(member("b", 1), 0.0)
+    links.rank_exited("b", 1, 1.0)  # done, not silent
+    assert links.lost(6.0) == ["a"] and not links.all_silent_together()
+
+
 def test_links_next_due_is_when_the_quietest_open_host_turns_lost():
     links = HostLinks(timeout_s=5.0)
     assert links.next_due() is None
