@@ -94,7 +94,6 @@ from flodl_zmq.agent_rules import (
     worth_redialling,
 )
 from flodl_zmq.environment import (
-    DECLARED_DEAD_EXIT,
     REFUSED_EXIT,
     RELAY_ARGV,
     ProcessEnv,
@@ -142,6 +141,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 EVERY_RANK_EXITED = "every rank exited"  # the teardown after the host's last rank exited, on its own
+# Heartbeat periods an agent whose ranks all failed waits for a controller that still counts its host (`_declared_lost`).
+ANSWER_BEATS = 3
 
 
 def run_nvidia_smi() -> str | None:
@@ -527,7 +528,7 @@ class Agent:
         teardown: str | None = None  # why the host is being torn down
         fault = False  # a host-level fault: exit 1
         kill_at = 0.0
-        failures = told_dead = 0  # ranks that exited non-zero; of them, told by the coordinator they are dead
+        failures = 0
         self._last_heard = time.monotonic()
         while live:
             now = time.monotonic()
@@ -554,7 +555,6 @@ class Agent:
                 if c.rank is not None:
                     if code != 0:  # a re-form stops every rank: said at its level, not as a fault
                         failures += 1
-                        told_dead += code == DECLARED_DEAD_EXIT
                         log.log(min(self._teardown_level, logging.WARNING), "%s exited with code %d", c.label, code)
                     self._send(RankExited(c.rank, code))  # the controller's fast path to its death
                     if not any(x.rank is not None for x in live) and teardown is None and not serves:
@@ -573,26 +573,32 @@ class Agent:
             for t in c.forwarders:
                 t.join(timeout=2.0)
         if failures and teardown == EVERY_RANK_EXITED and self._stop_reason is None:
-            # Every rank told it is dead: the run goes on without them, whatever stale heartbeat still arrives.
-            ranks = sum(c.rank is not None for c in children)
-            self._lost_controller = told_dead == ranks or self._declared_lost()
+            self._lost_controller = self._declared_lost()
         return self._exit_code(teardown if fault else None, failures)
 
     def _declared_lost(self) -> bool:
         """Every rank exited, some failing: True when the controller no longer counts this host.
 
-        A controller that declared the host lost (this machine stalled past its --host-silence: a SIGSTOP,
-        a suspend) has its ranks declared dead too, and drops our frames unanswered; its silence, past
-        ours, says so, and the host dials in again to come back with new ranks (`run`). A controller that
-        still counts the host answers within a heartbeat: its ranks failed on their own, and it finishes.
+        A controller that declared the host lost (this machine stalled past its --host-silence, a link cut
+        past it) has its ranks declared dead too, and drops our frames unanswered: the host dials in again
+        to come back with new ranks (`run`). A controller that still counts the host goes on sending its
+        heartbeats, one a period: heard twice, half a period apart or more, within ANSWER_BEATS periods, its
+        ranks failed on their own, and it finishes. Heartbeats sent before the controller declared the host
+        lost, held in a cut link, arrive together when it comes back (TCP retransmits them seconds later):
+        one burst is no answer.
         """
+        period = self.config.join_heartbeat_period_s
         since = time.monotonic()
+        first: float | None = None  # when the controller was first heard since
         while self._stop_reason is None:
+            before = self._last_heard
             why = self._poll_controller(time.monotonic())
-            if self._last_heard >= since:
-                return False
-            if why is not None:
-                log.warning("host %r: every rank exited and the controller stopped answering (it declared this host "
+            if self._last_heard > before and self._last_heard >= since:
+                if first is not None and self._last_heard - first >= period / 2:
+                    return False
+                first = first if first is not None else self._last_heard
+            if why is not None or time.monotonic() - since > ANSWER_BEATS * period:
+                log.warning("host %r: every rank exited and the controller does not answer (it declared this host "
                             "lost, or it is gone): dialling in again", self.config.host)
                 return True
             time.sleep(POLL_S)

@@ -387,8 +387,7 @@ UNPLAYED_EXIT = 3
 # The ranks of an agent that refused the world its controller formed (a program or a setting it does not run,
 # agent_rules.check_spawn): reported as their exits, so the run goes on without them at once.
 REFUSED_EXIT = 4
-# A rank the coordinator declared dead: the run goes on without it, so its agent comes back with fresh ranks
-# once every rank of its host ended so (agent.py), whatever stale word of the controller still arrives.
+# A rank the coordinator declared dead, told so: the run goes on without it (a crash's status is 1).
 DECLARED_DEAD_EXIT = 5
 
 

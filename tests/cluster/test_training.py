@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from flodl_zmq import bundle
+from flodl_zmq.environment import DECLARED_DEAD_EXIT
 from flodl_zmq.launch import Cluster
 from flodl_zmq.warm import WarmServer
 from flodl_zmq.wire import new_key
@@ -224,7 +225,7 @@ def test_a_rank_whose_model_turns_nan_is_expelled_and_its_still_running_process_
     r.wait_for("relay h0: rank 1 left (its deposit carries a NaN")
     r.wait_for("rank 1 declared dead")
     r.wait_for("[h0:1] ERROR flodl_zmq.rank: rank 1: lost: the coordinator declared this rank dead")
-    assert r.cluster.children["h0:1"].proc.wait(timeout=30) == 1  # an error exit, while the run goes on
+    assert r.cluster.children["h0:1"].proc.wait(timeout=30) == DECLARED_DEAD_EXIT  # told so, while the run goes on
     gate.touch()
     code, result, out = r.finish()
     assert code == 0, out

@@ -24,7 +24,7 @@ import zmq
 from flodl_zmq.agent import Agent
 from flodl_zmq.agent_rules import AgentConfig
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import DECLARED_DEAD_EXIT, REFUSED_EXIT, SpawnSpec, reported_exit
+from flodl_zmq.environment import REFUSED_EXIT, SpawnSpec, reported_exit
 from flodl_zmq.errors import MembershipError
 from flodl_zmq.host_links import HostDone, HostLost, RankExitReported, RelayExitReported
 from flodl_zmq.join import JoinConfig, JoinWindow, WindowPhase
@@ -596,26 +596,39 @@ def test_an_agent_that_tore_down_on_silence_is_taken_back_at_once_not_refused_as
         proxy.close()
 
 
-def test_a_host_whose_every_rank_was_told_it_is_dead_dials_in_again_whatever_the_controller_still_says(
-        cluster, tmp_path, caplog):
+def test_heartbeats_a_cut_link_held_back_are_no_answer_to_a_host_whose_ranks_all_failed(cluster, tmp_path, caplog):
     # A link back after a long cut delivers the controller's heartbeats queued before it declared the host
-    # lost (TCP retransmits them seconds later): the agent took them for a controller still counting the
-    # host and finished, where its ranks had been told they were dead. Their exit code says it (5).
+    # lost, all at once (TCP retransmits them seconds later): the agent took them for a controller still
+    # counting its host and finished DEGRADED, leaving the run, where its ranks had been told they were dead.
     die = tmp_path / "die"
-    c = cluster(target_ranks=2, rank_code=f"while not os.path.exists({str(die)!r} + os.environ['FLODL_RANK']): "
-                                          f"time.sleep(0.01)\nsys.exit({DECLARED_DEAD_EXIT})")
-    with caplog.at_level(logging.INFO, logger="flodl_zmq.agent"):
-        in_thread(c.agent("b", controller_grace_s=30.0).run)
-        wait_joined(c, 1)
-        in_thread(c.agent("a").run)
-        assert c.service.wait_closed(10).phase is WindowPhase.FORMED
-        Path(f"{die}0").touch()  # b's rank 0, told it is dead, ends so
-        deadline = time.monotonic() + 20
-        while not c.window.pending and time.monotonic() < deadline:
-            time.sleep(0.05)
-    assert [m.host for m in c.window.pending] == ["b"], caplog.text
-    assert "host 'b': its 1 rank(s) exited non-zero, and the run goes on without them" in caplog.text
-    assert "host 'b' finished" not in caplog.text
+    timings = ({"join_heartbeat_period_s": 0.2, "host_silence_at_controller_s": 1.0},
+               {"join_heartbeat_period_s": 0.2, "controller_silence_at_agent_s": 30.0})
+    c = cluster(target_ranks=2, timings=timings, rank_code=f"while not os.path.exists({str(die)!r} + "
+                                                            f"os.environ['FLODL_RANK']): time.sleep(0.01)\nsys.exit(5)")
+    proxy = HoldingProxy(c.address.port + 3)  # the join port
+    try:
+        with caplog.at_level(logging.INFO, logger="flodl_zmq.agent"):
+            through(c, proxy, "b", io.StringIO(), controller_grace_s=30.0)
+            wait_joined(c, 1)
+            in_thread(c.agent("a").run)
+            assert c.service.wait_closed(10).phase is WindowPhase.FORMED
+            deadline = time.monotonic() + 20
+            while "host 'b' running relay" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proxy.hold()  # the controller's heartbeats to b wait in the link
+            lost = events(c.service, timeout=10.0, until=lambda e: isinstance(e, HostLost))
+            assert [e.host for e in lost if isinstance(e, HostLost)] == ["b"]
+            Path(f"{die}0").touch()  # b's rank, told it is dead, ends so
+            while "b:cpu0:r0 exited with code 5" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proxy.release()  # the held heartbeats arrive together
+            while not c.window.pending and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert [m.host for m in c.window.pending] == ["b"], caplog.text
+        assert "host 'b': its 1 rank(s) exited non-zero, and the run goes on without them" in caplog.text
+        assert "host 'b' finished" not in caplog.text
+    finally:
+        proxy.close()
 
 
 @pytest.mark.parametrize("peer", ["wrong key", "nothing listens", "not zeromq"])
