@@ -93,13 +93,7 @@ from flodl_zmq.agent_rules import (
     device_env,
     worth_redialling,
 )
-from flodl_zmq.environment import (
-    REFUSED_EXIT,
-    RELAY_ARGV,
-    ProcessEnv,
-    SpawnSpec,
-    with_tunables,
-)
+from flodl_zmq.environment import REFUSED_EXIT, RELAY_ARGV, ProcessEnv, SpawnSpec, with_tunables
 from flodl_zmq.errors import ConfigError, MembershipError, VersionError, WireError
 from flodl_zmq.join import CHALLENGE_NONCE_BYTES
 from flodl_zmq.launch import signal_group, warm_interpreter
