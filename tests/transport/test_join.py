@@ -416,6 +416,18 @@ def through(c: Cluster, proxy: HoldingProxy, host: str, out: io.StringIO, **cfg)
     return in_thread(c.agent(host, out=out, controller=controller, **{"controller_grace_s": 0, **cfg}).run)
 
 
+def form_with_b_through(c: Cluster, proxy: HoldingProxy, caplog, out: io.StringIO) -> None:
+    """Form a world of b (its join link through `proxy`, a grace period to dial in again) and a, and wait until
+    b runs its ranks (said in `caplog`, which the caller has at INFO for flodl_zmq.agent)."""
+    through(c, proxy, "b", out, controller_grace_s=30.0)
+    wait_joined(c, 1)
+    in_thread(c.agent("a").run)
+    assert c.service.wait_closed(10).phase is WindowPhase.FORMED
+    deadline = time.monotonic() + 20
+    while "host 'b' running relay" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def wait_up(out: io.StringIO) -> None:
     """Until a rank said `up` in `out` (a hang guard: it does once its host has the formed world)."""
     deadline = time.monotonic() + 20
@@ -528,38 +540,6 @@ def test_a_host_whose_ranks_all_exited_dials_in_again_and_is_taken_back_with_fre
     assert c.service.status()["departed"] == [{"host": "b", "ranks": list(old)}]  # its old ranks stay dead
 
 
-def test_a_host_declared_lost_says_so_and_dials_in_again_rather_than_finishing(cluster, tmp_path, caplog):
-    # The agent's silence limit longer than the controller's: a cut between the two has the controller
-    # declare the host lost while the agent keeps it up. Its ranks then fail, and the agent dials in
-    # again; it logged "finished DEGRADED" first, mid-run.
-    die = tmp_path / "die"
-    timings = ({"join_heartbeat_period_s": 0.2, "host_silence_at_controller_s": 1.0},
-               {"join_heartbeat_period_s": 0.2, "controller_silence_at_agent_s": 4.0})
-    c = cluster(target_ranks=2, timings=timings,
-                rank_code=f"while not os.path.exists({str(die)!r} + os.environ['FLODL_RANK']): time.sleep(0.01)\nsys.exit(1)")
-    proxy = HoldingProxy(c.address.port + 3)  # the join port
-    try:
-        b_out = io.StringIO()
-        with caplog.at_level(logging.INFO, logger="flodl_zmq.agent"):
-            through(c, proxy, "b", b_out, controller_grace_s=30.0)
-            wait_joined(c, 1)
-            in_thread(c.agent("a").run)
-            assert c.service.wait_closed(10).phase is WindowPhase.FORMED
-            proxy.hold()
-            lost = events(c.service, timeout=10.0, until=lambda e: isinstance(e, HostLost))
-            assert [e.host for e in lost if isinstance(e, HostLost)] == ["b"]
-            proxy.release()
-            Path(f"{die}0").touch()  # b's rank 0 fails, as a rank of a host the controller dropped does
-            deadline = time.monotonic() + 20
-            while not c.window.pending and time.monotonic() < deadline:
-                time.sleep(0.05)
-        assert [m.host for m in c.window.pending] == ["b"], caplog.text
-        assert "its 1 rank(s) exited non-zero, and the run goes on without them" in caplog.text
-        assert "host 'b' finished" not in caplog.text
-    finally:
-        proxy.close()
-
-
 def test_an_agent_that_tore_down_on_silence_is_taken_back_at_once_not_refused_as_a_duplicate(cluster, tmp_path, caplog):
     # A flapping link: the agent heard nothing for its limit and tore its host down while the controller,
     # which had heard it later, still counted it; every hello it sent was refused "duplicate join" until
@@ -573,13 +553,8 @@ def test_an_agent_that_tore_down_on_silence_is_taken_back_at_once_not_refused_as
     try:
         b_out = io.StringIO()
         with caplog.at_level(logging.INFO):
-            through(c, proxy, "b", b_out, controller_grace_s=30.0)
-            wait_joined(c, 1)
-            in_thread(c.agent("a").run)
-            assert c.service.wait_closed(10).phase is WindowPhase.FORMED
+            form_with_b_through(c, proxy, caplog, b_out)
             deadline = time.monotonic() + 20
-            while "host 'b' running relay" not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.05)
             proxy.hold(new_too=True)  # b hears nothing, on its link or any re-dial, past its limit
             while "tearing down host 'b'" not in caplog.text and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -596,10 +571,13 @@ def test_an_agent_that_tore_down_on_silence_is_taken_back_at_once_not_refused_as
         proxy.close()
 
 
-def test_heartbeats_a_cut_link_held_back_are_no_answer_to_a_host_whose_ranks_all_failed(cluster, tmp_path, caplog):
-    # A link back after a long cut delivers the controller's heartbeats queued before it declared the host
-    # lost, all at once (TCP retransmits them seconds later): the agent took them for a controller still
-    # counting its host and finished DEGRADED, leaving the run, where its ranks had been told they were dead.
+@pytest.mark.parametrize("back", ["before its rank fails", "after its rank failed"])
+def test_a_host_declared_lost_whose_ranks_fail_dials_in_again_rather_than_finishing(cluster, tmp_path, caplog, back):
+    # The agent's silence limit longer than the controller's: a cut between the two has the controller
+    # declare the host lost while the agent keeps it up. Its rank, told it is dead, fails, and the agent,
+    # unanswered, dials in again. It logged "finished DEGRADED" first, mid-run; and when the link came back
+    # after the rank failed, the controller's heartbeats queued before it declared the host lost arrived
+    # together (TCP retransmits them seconds later): the agent took them for an answer and left the run.
     die = tmp_path / "die"
     timings = ({"join_heartbeat_period_s": 0.2, "host_silence_at_controller_s": 1.0},
                {"join_heartbeat_period_s": 0.2, "controller_silence_at_agent_s": 30.0})
@@ -608,20 +586,17 @@ def test_heartbeats_a_cut_link_held_back_are_no_answer_to_a_host_whose_ranks_all
     proxy = HoldingProxy(c.address.port + 3)  # the join port
     try:
         with caplog.at_level(logging.INFO, logger="flodl_zmq.agent"):
-            through(c, proxy, "b", io.StringIO(), controller_grace_s=30.0)
-            wait_joined(c, 1)
-            in_thread(c.agent("a").run)
-            assert c.service.wait_closed(10).phase is WindowPhase.FORMED
+            form_with_b_through(c, proxy, caplog, io.StringIO())
             deadline = time.monotonic() + 20
-            while "host 'b' running relay" not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.05)
             proxy.hold()  # the controller's heartbeats to b wait in the link
             lost = events(c.service, timeout=10.0, until=lambda e: isinstance(e, HostLost))
             assert [e.host for e in lost if isinstance(e, HostLost)] == ["b"]
-            Path(f"{die}0").touch()  # b's rank, told it is dead, ends so
+            if back == "before its rank fails":
+                proxy.release()
+            Path(f"{die}0").touch()  # b's rank 0, told it is dead, ends so
             while "b:cpu0:r0 exited with code 5" not in caplog.text and time.monotonic() < deadline:
                 time.sleep(0.05)
-            proxy.release()  # the held heartbeats arrive together
+            proxy.release()  # (after: the held heartbeats arrive together)
             while not c.window.pending and time.monotonic() < deadline:
                 time.sleep(0.05)
         assert [m.host for m in c.window.pending] == ["b"], caplog.text
