@@ -26,7 +26,7 @@ Rules the check keeps:
   exact coverage of every epoch stay as they are. Below the minimum the
   formation fails at once, naming each rank gone and why (its exit code).
 - **A vacancy starts dead.** A rank of the rank space that no host holds
-  (its host left before the world re-formed, PROTOCOL.md 13.1) is absent
+  (its host left before the world formed or re-formed, PROTOCOL.md 13.1) is absent
   from the start, like a rank that left, and counts toward no quorum.
 - **Ignored, not fatal:** a hello from outside the world (the shell has
   already refused its route) and a second hello from the same rank (the first
@@ -130,7 +130,7 @@ class Formation:
     ) -> None:
         self.host_of = {r: h for h, rs in world.items() for r in rs}
         self.world_size = rank_space(world)
-        self.vacant = {r: "no host holds it: its host left before the world re-formed" for r in vacancies(world)}
+        self.vacant = {r: "no host holds it: its host left before the world formed" for r in vacancies(world)}
         self.model_sig = model_sig
         self.dataset_sig = dataset_sig
         self.deadline = deadline

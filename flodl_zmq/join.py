@@ -348,7 +348,8 @@ class JoinWindow:
         return self._pending[-1] if self.phase is WindowPhase.FORMED else self._members[-1]
 
     def depart(self, host: str) -> None:
-        """`host` left after formation (its link was lost): it may join again, with fresh ranks."""
+        """`host` left (its link was lost): it may join again, with fresh ranks. Before formation its ranks are
+        left vacant in the world (dead from the start, as after a re-form), never given to another."""
         for group in (self._members, self._pending):
             for m in [m for m in group if m.host == host]:
                 group.remove(m)

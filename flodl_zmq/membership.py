@@ -400,13 +400,13 @@ class MembershipService:
     def _lose(self, host: str, why: str) -> None:
         """`host` is gone (`why`): its ranks are reported lost; a pending joiner just leaves."""
         ranks = self.links.live_ranks(host)
-        pending = any(m.host == host for m in self.window.pending)
-        if self.window.phase is WindowPhase.FORMED:
+        waiting = self.window.phase is WindowPhase.OPEN or any(m.host == host for m in self.window.pending)
+        if self.window.phase is not WindowPhase.FAILED:
             self.window.depart(host)  # it may join again, with fresh ranks
             self._pending = self.window.pending
             self._lost.update({i: (host, False) for i, h in self._hosts.items() if h == host})
             self._drop_connections(host)
-        if pending:  # not in the world yet: nobody schedules its ranks
+        if waiting:  # not in a world yet: nobody schedules its ranks (before formation, they are left vacant)
             log.warning("host %r lost while waiting to join: %s", host, why)
             return
         log.warning("host %r lost: %s; ranks %s are gone", host, why, list(ranks))
@@ -434,7 +434,7 @@ class MembershipService:
             return
         self._verdict = verdict
         if verdict.phase is WindowPhase.FORMED:
-            log.info("world formed with %d ranks (%s)", verdict.world_size, verdict.reason)
+            log.info("world formed with %d ranks (%s)", sum(len(m.ranks) for m in verdict.members), verdict.reason)
             world = {m.host: m.ranks for m in verdict.members}
             spawn_json = dataclasses.replace(self.spawn, world=world).to_json()
             for ident, host in self._hosts.items():

@@ -524,6 +524,29 @@ def test_abort_returns_once_the_service_thread_acted_on_it_and_not_after_close(c
     assert c.service.abort("again") is False  # nobody left to send it
 
 
+def test_a_host_lost_before_the_world_forms_leaves_the_window_and_its_agent_may_join_again(cluster):
+    # Its agent died while the window was open: the host stayed a member, counted toward the target, and
+    # every hello of a restarted agent was refused "duplicate join" until the window closed.
+    c = cluster(target_ranks=3)
+    a = in_thread(c.agent("a").run)
+    first = c.agent("b")
+    in_thread(first.join)
+    wait_joined(c, 2)
+    first.close()  # the agent dies before the world forms
+    deadline = time.monotonic() + 10
+    while [m.host for m in c.window.members] != ["a"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [m.host for m in c.window.members] == ["a"] and c.window.joined_ranks == 1  # left; not counted
+    b = in_thread(c.agent("b").run)  # restarted
+    wait_joined(c, 2)
+    assert c.window.phase is WindowPhase.OPEN  # the target counts live members only
+    cc = in_thread(c.agent("c").run)
+    assert c.service.wait_closed(10).phase is WindowPhase.FORMED
+    # Ranks are never given twice: the lost host's rank 1 is a vacancy of the formed world.
+    assert c.window.world == {"a": (0,), "b": (2,), "c": (3,)}
+    assert a() == 0 and b() == 0 and cc() == 0
+
+
 def test_a_host_whose_ranks_all_exited_dials_in_again_and_is_taken_back_with_fresh_ranks(cluster):
     # An agent that lost the controller for a while stops its ranks (each exit reported) and
     # re-dials: it is no duplicate member any more (PROTOCOL.md 13.1), it joins as a host that came back.
