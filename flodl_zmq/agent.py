@@ -68,7 +68,6 @@ Rules this module keeps:
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -136,8 +135,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 EVERY_RANK_EXITED = "every rank exited"  # the teardown after the host's last rank exited, on its own
-# Heartbeat periods an agent whose ranks all failed waits for a controller that still counts its host (`_declared_lost`).
-ANSWER_BEATS = 3
 
 
 def run_nvidia_smi() -> str | None:
@@ -189,7 +186,6 @@ class Agent:
         self._lost_controller = False  # the last teardown was the controller's silence (under running ranks, or after them: `_declared_lost`)
         self._reformed: WorldFormed | None = None  # a re-formed world the controller sent while ranks ran
         self._world = b""  # the incarnation of the world this host runs (or ran last)
-        self._gap_ended = -math.inf  # when the controller was last heard again after a silence
         self._lifeline: int | None = None  # write end of the running children's FLODL_LIFELINE_FD pipe
         self._warm: WarmServer | None = None  # forks the ranks (`_warm_for`)
         self._dialled_at = 0.0  # the join link's last re-dial (`_redial_if_silent`)
@@ -575,28 +571,18 @@ class Agent:
     def _declared_lost(self) -> bool:
         """Every rank exited, some failing: True when the controller no longer counts this host.
 
-        A controller that declared the host lost (this machine stalled past its --host-silence, a link cut
-        past it) has its ranks declared dead too, and drops our frames unanswered: the host dials in again
-        to come back with new ranks (`run`). A controller that still counts the host answers within a
-        heartbeat: its ranks failed on their own, and it finishes. After a silence of the link, though,
-        heartbeats sent before the controller declared the host lost, held in the cut link, arrive together
-        when it comes back (TCP retransmits them seconds later), and one burst is no answer: there it takes
-        two heard half a period apart within ANSWER_BEATS periods, else the host dials in again.
+        A controller that declared the host lost (this machine stalled past its --host-silence: a SIGSTOP,
+        a suspend) has its ranks declared dead too, and drops our frames unanswered; its silence, past
+        ours, says so, and the host dials in again to come back with new ranks (`run`). A controller that
+        still counts the host answers within a heartbeat: its ranks failed on their own, and it finishes.
         """
-        period = self.config.join_heartbeat_period_s
         since = time.monotonic()
-        cut = (since - self._last_heard > 2 * period  # the link is silent now, or was a moment ago
-               or since - self._gap_ended <= self.config.controller_silence_at_agent_s)
-        first: float | None = None  # when the controller was first heard since
         while self._stop_reason is None:
-            before = self._last_heard
             why = self._poll_controller(time.monotonic())
-            if self._last_heard > before and self._last_heard >= since:
-                if not cut or (first is not None and self._last_heard - first >= period / 2):
-                    return False
-                first = first if first is not None else self._last_heard
-            if why is not None or (cut and time.monotonic() - since > ANSWER_BEATS * period):
-                log.warning("host %r: every rank exited and the controller does not answer (it declared this host "
+            if self._last_heard >= since:
+                return False
+            if why is not None:
+                log.warning("host %r: every rank exited and the controller stopped answering (it declared this host "
                             "lost, or it is gone): dialling in again", self.config.host)
                 return True
             time.sleep(POLL_S)
@@ -624,8 +610,6 @@ class Agent:
             env = self._open(frames, joining=False)
             if env is None:
                 continue
-            if now - self._last_heard > 2 * self.config.join_heartbeat_period_s:
-                self._gap_ended = now  # what comes now may have been held back in a cut link (`_declared_lost`)
             self._last_heard = now
             if isinstance(env.record, Abort):
                 return f"the controller aborted the run: {env.record.reason}"
