@@ -245,9 +245,10 @@ class ControlRouter:
         """`rank` spoke: if it is dead (not one that said goodbye), it is told again, at most once per resend
         period. Its DeclareDead went once, never resent, and a link cut at that moment lost it: the rank trained
         on unheard until its own silence limit (PROTOCOL.md 10.7 item 10)."""
+        if not self.upstream.is_gone(rank) or self.upstream.has_exited(rank):
+            return  # every record of a live rank comes here: nothing more to it
         now = time.monotonic()
-        if (self.upstream.is_gone(rank) and not self.upstream.has_exited(rank)
-                and now - self._told_dead.get(rank, -math.inf) >= RESEND_AFTER_S):
+        if now - self._told_dead.get(rank, -math.inf) >= RESEND_AFTER_S:
             self._told_dead[rank] = now
             self.send_rank(rank, rec.DeclareDead(rank=rank))
 

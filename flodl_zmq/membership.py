@@ -108,10 +108,9 @@ WATCH_LINGER_S = 3.0
 class EndWatch:
     """Keeps a status endpoint up a moment at a run's end while someone watches it.
 
-    `status --watch` exits 0 on a reply that says the run ended. An endpoint
-    that closed between two of its queries left it saying the controller
-    stopped answering, exit 1, after a good run. Not watched (no query in the
-    last WATCH_LINGER_S) or not ended: closing waits for nothing.
+    `status --watch` exits 0 on a reply that says the run ended. An endpoint that closed between two of its
+    queries left it saying the controller stopped answering, exit 1, after a good run. Not watched (no query
+    in the last WATCH_LINGER_S) or not ended: closing waits for nothing.
     """
 
     def __init__(self) -> None:
@@ -121,13 +120,17 @@ class EndWatch:
     def answered(self, training: Mapping[str, Any] | None, now: float) -> None:
         """A status reply went out carrying `training` (the coordinator's view, if any)."""
         self._asked_at = now
-        if training and training.get("ended"):
+        if _ended(training):
             self._told.set()
 
     def hold(self, training: Mapping[str, Any] | None, now: float) -> None:
         """Before closing: wait, at most WATCH_LINGER_S, until a watcher has been told the run ended."""
-        if training and training.get("ended") and now - self._asked_at <= WATCH_LINGER_S:
+        if _ended(training) and now - self._asked_at <= WATCH_LINGER_S:
             self._told.wait(WATCH_LINGER_S)
+
+
+def _ended(training: Mapping[str, Any] | None) -> bool:
+    return bool(training and training.get("ended"))
 
 
 # Replay-ledger entries the join codec keeps before admission (one per connection seen): under open admission
@@ -135,9 +138,6 @@ class EndWatch:
 JOIN_LEDGER_CAP = 4096
 # Messages the join thread reads per wake-up before it runs its timers again.
 JOIN_RECV_BUDGET = 256
-# A member host silent for more heartbeat periods than this may have lost its link (PROTOCOL.md 10.4, 13.1):
-# heard again, it is sent its join.world_formed again; an agent of its name dialling in meanwhile takes its place.
-SILENT_AFTER_BEATS = 2
 
 
 # --------------------------------------------------------------------------- service (ZeroMQ)
@@ -229,6 +229,7 @@ class MembershipService:
         self.incarnation = incarnation  # the join links', and the formed world's until a re-form draws its own
         self.spawn = spawn
         self.join_heartbeat_period_s = join_heartbeat_period_s
+        self._quiet_s = 2 * join_heartbeat_period_s  # silent longer, a member may have lost its link (`_repeat_world`)
         self.clock = clock
         self.links = HostLinks(host_silence_at_controller_s)
         self.events: Mailbox[MembershipEvent] = Mailbox()
@@ -255,8 +256,7 @@ class MembershipService:
         self._verdict: JoinVerdict | None = None
         self._pending: tuple[Member, ...] = ()  # the window's pending joiners, swapped whole for other threads
         self.joins: list[dict[str, Any]] = []  # hosts that entered the world at a re-form (status)
-        # Replaced whole by the controller's thread, read whole by ours: a reference swap needs no lock.
-        self._training: dict[str, Any] | None = None
+        self._training: dict[str, Any] | None = None  # swapped whole by the controller's thread: no lock needed
         self._curve = curve
         self._gate = gate  # learns each admitted agent's CURVE key (security.CurveGate)
         self._cleartext = CleartextWarner(log)
@@ -382,8 +382,7 @@ class MembershipService:
         loop.run()
 
     def _drained(self) -> None:
-        # Bounded in frames per message and in messages per wake-up, heartbeats sent
-        # even mid-discard: a flood must not stall the beat the agents time out on.
+        # Bounded per message and per wake-up; heartbeats go even mid-discard (the agents time out on them).
         oversized = drain(self._sock, lambda frames: self._on_message(bytes(frames[0].bytes), frames[1:]),
                           copy=False, budget=JOIN_RECV_BUDGET, max_frames=JOIN_MAX_FRAMES, tick=self._beat)
         self.dropped += oversized  # not `+= drain(...)`: the handler counts drops too
@@ -434,7 +433,7 @@ class MembershipService:
             return
         self._verdict = verdict
         if verdict.phase is WindowPhase.FORMED:
-            log.info("world formed with %d ranks (%s)", sum(len(m.ranks) for m in verdict.members), verdict.reason)
+            log.info("world formed with %d ranks (%s)", self.window.joined_ranks, verdict.reason)
             world = {m.host: m.ranks for m in verdict.members}
             spawn_json = dataclasses.replace(self.spawn, world=world).to_json()
             for ident, host in self._hosts.items():
@@ -568,7 +567,7 @@ class MembershipService:
             return
         taken = "" if self._gate is None else self._gate.name_taken(hello.host, client_key(frames))
         silent = self.links.silent_for(hello.host, now)  # its agent, cut off, may have torn down and dial in again
-        if not taken and self.window.phase is WindowPhase.FORMED and silent > SILENT_AFTER_BEATS * self.join_heartbeat_period_s:
+        if not taken and self.window.phase is WindowPhase.FORMED and silent > self._quiet_s:
             self._lose(hello.host, f"its agent dialled in again after {silent:.1f} s of silence on its old link")
         done = self.links.state(hello.host) == "done"
         outcome = Rejected(taken) if taken else self.window.admit(hello, now, finished=done)
@@ -622,7 +621,7 @@ class MembershipService:
             log.warning("frame from host %r dropped: %s", host, exc)
             return
         now = self.clock()
-        if self.links.heard(host, now) > SILENT_AFTER_BEATS * self.join_heartbeat_period_s:
+        if self.links.heard(host, now) > self._quiet_s:
             self._repeat_world(ident, host)
         rec = env.record
         if isinstance(rec, RankExited):
@@ -651,7 +650,8 @@ class MembershipService:
         return formed
 
     def _repeat_world(self, ident: bytes, host: str) -> None:
-        """`host` spoke after a silence: a new connection holds nothing its old one had (PROTOCOL.md 10.4)."""
+        """`host` spoke after a silence: a new connection holds nothing its old one had (PROTOCOL.md 10.4). An
+        agent of its name dialling in during such a silence takes its place (`_on_hello`, PROTOCOL.md 13.1)."""
         formed = self._told.get(host)
         if formed is not None and self.links.state(host) == "live":
             log.info("host %r heard again after a silence: its join.world_formed sent again", host)
@@ -684,8 +684,7 @@ def _join_socket(ctx: zmq.Context, endpoint: str, curve: CurveKeys | None) -> zm
     if curve is not None:
         apply_server(sock, curve)
         sock.zap_domain = JOIN_ZAP_DOMAIN  # a stranger's key may knock here, nowhere else
-    # An agent's DEALER keeps its routing id across reconnects (see agent.py);
-    # handover lets the reconnected pipe take the id over instead of being ignored.
+    # An agent's DEALER keeps its routing id across reconnects (agent.py): the reconnected pipe takes it over.
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     limit_receive(sock, CONTROL_MAX_FRAME_BYTES)
     sock.bind(endpoint)

@@ -87,7 +87,7 @@ from flodl_zmq.wire.shm import Segment, rank_owner
 
 log = logging.getLogger(__name__)
 
-DECLARED_DEAD = ("the coordinator declared this rank dead and the run goes on without it (its relay refused "
+DECLARED_DEAD = ("lost: the coordinator declared this rank dead and the run goes on without it (its relay refused "
                  "what it sent, or it was silent past the heartbeat deadline: the relay's and the controller's "
                  "logs name the cause)")
 # How long a step's timing may wait to be coalesced with the next ones (PROTOCOL.md, timing.batch).
@@ -247,7 +247,7 @@ class RankRuntime:
                 self.buffers.segment.close()
         if lost:
             log.error("rank %d: %s; exiting", self.cfg.rank, self._stop_reason)
-            return DECLARED_DEAD_EXIT if self._stop_reason == f"lost: {DECLARED_DEAD}" else 1
+            return DECLARED_DEAD_EXIT if self._stop_reason == DECLARED_DEAD else 1
         return 1 if failed else 0
 
     def _load_start(self) -> None:
@@ -310,7 +310,7 @@ class RankRuntime:
     def _on_control(self, r: Any) -> None:
         if isinstance(r, rec.DeclareDead) and r.rank == self.cfg.rank:
             # Not held behind a consensus: the run has gone on without this rank, and no consensus comes.
-            self._stop_reason = f"lost: {DECLARED_DEAD}"
+            self._stop_reason = DECLARED_DEAD
             return
         if (self._held or (self._pending_round is not None and isinstance(r, (rec.Update, rec.ExecuteEval,
                                                                                    rec.Checkpoint)))) \
