@@ -27,8 +27,9 @@ Rules this module keeps:
 - The checks are one vectorised read of the contribution (max and min per
   block, in cache), spread over the worker threads. A fold tier need not
   make it a read of its own: the pass that sums a held contribution measures
-  each block as it adds it (``block_magnitude``, flodl_zmq/sums.py) and the
-  tier judges it by ``magnitude_refusal`` then, with the same decision.
+  each block as it adds it (``block_bound``, flodl_zmq/sums.py: for f32, by
+  x.x wherever that shows the block far within every limit) and the tier
+  judges it by ``magnitude_refusal`` then, with the same decision.
 """
 
 from __future__ import annotations
@@ -82,6 +83,27 @@ def block_magnitude(x: np.ndarray) -> float:
         return float(np.array(top << 16, np.uint32).view(np.float32))
     with np.errstate(invalid="ignore"):
         return float(max(np.max(x), -np.min(x)))
+
+
+# A block whose x.x is at most this has no value above MAGNITUDE_RATIO / 2 (x.x bounds the square
+# of each value, with room for the f32 sum's rounding): below every limit, so the root stands in.
+_WITHIN_SQ = (MAGNITUDE_RATIO / 2) ** 2
+
+
+def block_bound(x: np.ndarray) -> float:
+    """``block_magnitude``, or for an f32 block whose values are all far within every limit the root of
+    x.x (at least the largest value, up to f32 rounding): the fused checks' measure.
+
+    Below every limit no value is refused (``magnitude_refusal``) and no sum of
+    two overflows, so the exact value would decide nothing more. x.x is BLAS,
+    one pass at about half the cost of a max and a min pass; only a block that
+    could matter (or holds a NaN or inf) is read again, exactly.
+    """
+    if x.dtype == np.float32 and x.size:
+        square = float(np.dot(x, x))
+        if square <= _WITHIN_SQ:
+            return math.sqrt(square)
+    return block_magnitude(x)
 
 
 def magnitude(tensors: Sequence[np.ndarray]) -> float:

@@ -42,12 +42,13 @@ PIECE = 1 << 20
 BLOCK = 1 << 18
 
 
-# The fused checks: an operation that reads held contributions checks each block
-# of f32 sums it just wrote, and measures each input block it just read (both
-# still in cache, so no extra pass over memory). It reports a `Read`: whether a
-# sum is not finite, and each input's largest magnitude. NaN and inf propagate
-# into a sum, so a non-finite input always shows; so does an f32 overflow of
-# finite inputs, which no honest deposit comes near. The tier judges the held
+# The fused checks: an operation that reads held contributions measures each
+# input block before it sums it, and checks the block of sums it wrote unless the
+# inputs' magnitudes prove it finite (all in cache, so no extra pass over memory;
+# an honest round is never checked twice). It reports a `Read`: whether a sum is
+# not finite, and each input's largest magnitude (`robust.block_bound`). NaN and
+# inf propagate into a sum, so a non-finite input always shows; so does an
+# overflow of finite inputs, which no honest deposit comes near. The tier judges the held
 # contributions by it (`OpenRound.judge`): a magnitude over the bound refuses its
 # contribution as the check on arrival would have, and a sum not finite has the
 # culprit found (`OpenRound.refuse_held`), only on that path.
@@ -60,10 +61,8 @@ class Read(NamedTuple):
     tops: tuple[float, ...]
 
 
-def _measure(tops: list[float], *blocks: np.ndarray) -> None:
-    # Each input's largest magnitude, folded into `tops` block by block (NaN stays NaN).
-    for j, x in enumerate(blocks):
-        tops[j] = robust.largest((tops[j], robust.block_magnitude(x)))
+# Inputs whose magnitudes add up to at most this sum to a finite f32 or bf16 (both reach 3.4e38).
+_SURE_FINITE = 1e37
 
 
 def _quiet(op: Callable[..., bool | None], args: tuple) -> bool | None:
@@ -76,16 +75,20 @@ def _bad(sums: np.ndarray) -> bool:
     return not _SUMS.finite_quiet(sums)
 
 
-def _checked(written: np.ndarray, inputs: Sequence[np.ndarray], write: Callable[[slice], None],
+def _checked(written: np.ndarray, inputs: Sequence[np.ndarray], write: Callable[[slice, bool], object],
              bad: Callable[[np.ndarray], bool] = _bad) -> tuple:
-    """``write(block)`` block by block, each block of ``written`` checked (``bad``) and each input's block
-    measured right after, in cache: (a block was bad, the top of each input), the fused checks' report."""
+    """``write(block, sure)`` block by block, each input's block measured first and the block of ``written``
+    checked (``bad``) after, both in cache: (a block was bad, the top of each input), the fused checks'
+    report. Inputs measured finite and far from overflow prove their sums finite (``sure``): no check."""
     seen, tops = False, [0.0] * len(inputs)
     for i in range(0, written.size, BLOCK):
         block = slice(i, i + BLOCK)
-        write(block)
-        seen = bad(written[block]) or seen
-        _measure(tops, *(x[block] for x in inputs))
+        measured = [robust.block_bound(x[block]) for x in inputs]
+        sure = sum(measured) <= _SURE_FINITE  # NaN compares false
+        write(block, sure)
+        if not sure:
+            seen = bad(written[block]) or seen
+        tops = [robust.largest(pair) for pair in zip(tops, measured, strict=True)]
     return seen, *tops
 
 
@@ -118,11 +121,11 @@ class Kernels:
             return self.finite(x)
 
     def fill(self, acc: np.ndarray, x: np.ndarray) -> tuple[bool, float]:
-        return _checked(acc, (x,), lambda k: self._widen(x[k], acc[k]))
+        return _checked(acc, (x,), lambda k, _: self._widen(x[k], acc[k]))
 
     def fill_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[bool, float, float]:
         # f16 inputs add in f32, never in f16.
-        return _checked(acc, (a, b), lambda k: np.add(a[k], b[k], out=acc[k], dtype=np.float32))
+        return _checked(acc, (a, b), lambda k, _: np.add(a[k], b[k], out=acc[k], dtype=np.float32))
 
     def add(self, acc: np.ndarray, x: np.ndarray) -> None:
         np.add(acc, x, out=acc)
@@ -167,7 +170,7 @@ class _BF16(Kernels):
         return pos < 0x7F80 and neg < 0xFF80
 
     def fill_sum(self, acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[bool, float, float]:
-        return _checked(acc, (a, b), lambda k: torch_view(f32_from_bf16(a[k], acc[k])).add_(torch_view(b[k])))
+        return _checked(acc, (a, b), lambda k, _: torch_view(f32_from_bf16(a[k], acc[k])).add_(torch_view(b[k])))
 
     def add(self, acc: np.ndarray, x: np.ndarray) -> None:
         torch_view(acc).add_(torch_view(x))
@@ -177,7 +180,8 @@ class _BF16(Kernels):
         if d is not None:
             return super().encode_sum(acc, a, b, out, d)
         # No f32 sums at all: the bf16 sums are checked.
-        return _checked(out, (a, b), lambda k: bf16_sum(a[k], b[k], out[k]), lambda x: not self.finite_quiet(x))
+        return _checked(out, (a, b), lambda k, sure: bf16_sum(a[k], b[k], out[k], finite=sure),
+                        lambda x: not self.finite_quiet(x))
 
 
 _SUMS = _F32(ELEMENTS["f32"])

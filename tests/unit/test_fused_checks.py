@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_zmq import robust
+from flodl_zmq import robust, sums, tensors
 from flodl_zmq.errors import PoisonedDeposit
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
 from flodl_zmq.reducer import RoundLedger
@@ -68,6 +68,40 @@ def test_an_honest_held_pair_is_measured_by_the_pass_that_sums_it_not_by_one_of_
     ledger.deposit("a", 1, 1.0, out.tensors)
     reduced = ledger.deposit("b", 1, 3.0, out.tensors)
     assert reduced is not None and reduced.hosts == ("a", "b") and not ledger.refused
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("roster", [2, 3])
+def test_an_honest_pair_is_summed_with_no_check_of_the_sums_and_f32_measured_by_one_dot_product_each(
+        unmeasured, monkeypatch, dtype, roster):
+    # Values far within every limit prove the sums finite (no read of them, no NaN to rewrite), and an f32
+    # block's x.x shows them so (no max and min pass).
+    def read_again(_x: object, *_rest: object) -> object:
+        raise AssertionError("an honest block was read again")
+    for kernels in {sums.KERNELS["f32"], sums.KERNELS[dtype]}:  # f32 sums, and the bf16 ones of a bf16 pair
+        monkeypatch.setattr(kernels, "finite", read_again)
+    def sum_of_finite(a: np.ndarray, b: np.ndarray, out: np.ndarray, finite: bool = False) -> np.ndarray:
+        assert finite, "an honest block's bf16 sums were searched for a NaN"
+        return tensors.bf16_sum(a, b, out, finite)
+    monkeypatch.setattr(sums, "bf16_sum", sum_of_finite)
+    if dtype == "f32":
+        monkeypatch.setattr(robust, "block_magnitude", read_again)
+    test_an_honest_held_pair_is_measured_by_the_pass_that_sums_it_not_by_one_of_its_own(None, dtype, roster)
+
+
+@pytest.mark.parametrize("top", [0.9e6, 1.1e6])
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_f32_values_near_the_limit_are_judged_exactly(top, everywhere):
+    # Over half the smallest limit (1e6 at mass 1), a block is read exactly: 1.1e6 is refused, 0.9e6 passes,
+    # alone in a block or in every element of it.
+    station = FoldStation((0, 1))
+    near = deposit(1.0, "f32", poison=top)
+    if everywhere:
+        near[0][:] = top
+    station.deposit(0, 1, 1.0, near)
+    out = station.deposit(1, 1, 1.0, deposit(1.0, "f32"))
+    assert [r for r, _ in station.refused] == ([0] if top > 1e6 else [])
+    assert out is not None and out.ranks == ((1,) if top > 1e6 else (0, 1))
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
