@@ -1,6 +1,7 @@
 """Round time of the ZeroMQ data plane against torch.distributed gloo, on one machine.
 
-A round: every rank deposits its (mass-premultiplied) parameters, relays fold,
+A round: every rank deposits its (mass-premultiplied) parameters, cut in the
+protocol's chunks of 2^21 values as the rank runtime cuts them, relays fold,
 the reducer divides once and publishes, relays fan out; the round ends when
 the last rank holds the verified consensus. Measured from the first deposit
 sent to the last consensus verified, across processes (CLOCK_MONOTONIC is
@@ -160,6 +161,7 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
         rank_owner,
         run_dir,
     )
+    from flodl_zmq.wire_format import chunks
 
     control_ep, data_ep = local_endpoints(key, run_id, host, ipc_dir)
     codec = Codec(key, run_id, rank_sender(rank))
@@ -173,14 +175,19 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
     data.connect(data_ep)
     decoder = Codec(key, run_id, "bench")
     params = np.full(n, MASS[rank] * (rank + 1), np.float32)  # pre-scaled by the mass
-    # The snapshot buffer: in the rank's shared-memory segment (by reference) or its own memory.
+    # The snapshot buffer, cut in the protocol's chunks as a rank's is: in the rank's shared-memory
+    # segment (by reference) or its own memory.
     segment = Segment(key, run_id, rank_owner(rank)) if transport == "shm" else None
-    wire = np.empty(n, DTYPES[dtype]) if segment is None else np.frombuffer(
-        segment.layout([n * DTYPES[dtype].itemsize])[0], DTYPES[dtype])
-    if dtype == "bf16":
-        bf16_from_f32(params, wire)
-    else:
-        np.copyto(wire, params)
+    cuts = chunks(n)
+    item = DTYPES[dtype].itemsize
+    wires = [np.empty(b - a, DTYPES[dtype]) for a, b in cuts] if segment is None else [
+        np.frombuffer(view, DTYPES[dtype]) for view in segment.layout([(b - a) * item for a, b in cuts])]
+    for wire, (a, b) in zip(wires, cuts, strict=True):
+        if dtype == "bf16":
+            bf16_from_f32(params[a:b], wire)
+        else:
+            np.copyto(wire, params[a:b])
+    dtypes = [dtype] * len(wires)
     buffers = None
     if device == "cuda":
         import torch
@@ -192,17 +199,17 @@ def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int,
         barrier.wait(timeout=120)
         t0 = time.monotonic_ns()
         if buffers is not None:
-            wire = as_numpy(buffers.snapshot(MASS[rank]))  # device -> host, the rank's deposit buffer
+            wires = [as_numpy(t) for t in buffers.snapshot(MASS[rank])]  # device -> host, the deposit's chunks
         deposit = RoundFrame(round_id, rank, MASS[rank])
         if segment is None:
-            data.send_multipart(codec.encode(deposit, [wire], dtypes=[dtype]), copy=False)
+            data.send_multipart(codec.encode(deposit, wires, dtypes=dtypes), copy=False)
         else:
-            data.send_multipart(by_reference(codec, deposit, [wire], segment, dtypes=[dtype]))
+            data.send_multipart(by_reference(codec, deposit, wires, segment, dtypes=dtypes))
         if not data.poll(120_000):
             raise TimeoutError(f"rank {rank}: no consensus for round {round_id}")
         env = mapped.decode(decoder, data.recv_multipart(copy=False), host_owner(host), Channel.BROADCAST, replay=False)
         if buffers is not None:
-            buffers.load(env.payload[0])  # host -> device, as a rank adopts the consensus
+            buffers.load(env.payload)  # host -> device, as a rank adopts the consensus
             torch.cuda.synchronize(buffers.device)
         t1 = time.monotonic_ns()
         if env.record.round != round_id:
