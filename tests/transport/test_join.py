@@ -50,9 +50,14 @@ FAST = join_timings(0.1, 2.0)
 
 # The ranks' stand-in program, the one the agents agree to run (`script`): the
 # relay (no FLODL_RANK) waits to be stopped; a rank runs the snippet the
-# controller gives as the program's argument.
+# controller gives as the program's argument. Either ends with its agent, as
+# the real ones do (the lifeline): a test that SIGKILLs an agent leaves none behind.
 CHILD = (
-    "import os, sys, time\n"
+    "import os, sys, threading, time\n"
+    "def orphaned():\n"
+    "    os.read(int(os.environ['FLODL_LIFELINE_FD']), 1)\n"
+    "    os._exit(0)\n"
+    "threading.Thread(target=orphaned, daemon=True).start()\n"
     "if os.environ['FLODL_ROLE'] == 'relay':\n"
     "    time.sleep(60)\n"
     "exec(sys.argv[1])\n"
