@@ -75,10 +75,25 @@ def start(proc: Any, role: str) -> None:
         os.environ.update(saved)
 
 
+def die_with_parent() -> None:
+    """End this spawned child as soon as the bench's process is gone, however it went: a child left behind
+    waits on a stop event or a barrier no one will set, on the machine's cores for ever."""
+    from multiprocessing.connection import wait
+
+    sentinel = mp.parent_process().sentinel
+
+    def watch() -> None:
+        wait([sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
 # ---------------------------------------------------------------------- zmq data plane processes
 
 
 def _controller(port: int, key: bytes, run_id: bytes, dtype: str, stop: Any) -> None:
+    die_with_parent()
     import logging
     logging.basicConfig(level=logging.WARNING)
     import zmq
@@ -107,6 +122,7 @@ def _controller(port: int, key: bytes, run_id: bytes, dtype: str, stop: Any) -> 
 
 
 def _relay(host: str, port: int, key: bytes, run_id: bytes, dtype: str, ipc_dir: str, stop: Any) -> None:
+    die_with_parent()
     import logging
     logging.basicConfig(level=logging.WARNING)
     from flodl_zmq.endpoints import ControllerAddress
@@ -147,6 +163,7 @@ def rank_heartbeats(ctx: Any, key: bytes, run_id: bytes, rank: int, endpoint: st
 
 def _rank(rank: int, host: str, n: int, dtype: str, transport: str, rounds: int, key: bytes, run_id: bytes,
           ipc_dir: str, barrier: Any, out: Any, stop: Any, device: str = "cpu") -> None:
+    die_with_parent()
     import zmq
 
     from flodl_zmq.links import local_endpoints, rank_identity, rank_sender
@@ -312,6 +329,7 @@ def summary(runs: list[Rounds], warmup: int) -> tuple[float, float]:
 
 
 def _gloo(rank: int, port: int, n: int, dtype: str, rounds: int, out: Any, device: str = "cpu") -> None:
+    die_with_parent()
     import torch
     import torch.distributed as dist
 

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,35 @@ def test_round_bench_prints_every_documented_figure_for_both_transports():
         assert key in figures, sorted(figures)
         assert math.isfinite(figures[key]) and figures[key] >= 0, (key, figures[key])
     assert figures["ratio_bf16_1M"] == pytest.approx(figures["zmq_ms_bf16_1M"] / figures["gloo_ms_bf16_1M"], rel=0.01)
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.add(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    return found
+
+
+def test_the_bench_killed_leaves_none_of_its_processes_behind():
+    # A user's kill of the bench alone (no Ctrl-C to the whole group) must not leave its ranks and services
+    # waiting for ever on a stop event or a barrier no one will set.
+    bench = subprocess.Popen([sys.executable, str(ROOT / "bench/round.py"), "--sizes", "1M", "--dtypes", "f32",
+                              "--rounds", "500", "--repeats", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while len(children := _children(bench.pid) - {bench.pid}) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the gloo side's four ranks, spawned at once
+    bench.kill()
+    bench.wait(timeout=10)
+    assert len(children) >= 4, children
+    deadline = time.monotonic() + 30
+    while (left := [p for p in children if Path(f"/proc/{p}").exists()
+                    and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[-1][:3]]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"still running after their bench was killed: {left}"
