@@ -77,16 +77,11 @@ def start(proc: Any, role: str) -> None:
 
 def die_with_parent() -> None:
     """End this spawned child as soon as the bench's process is gone, however it went: a child left behind
-    waits on a stop event or a barrier no one will set, on the machine's cores for ever."""
-    from multiprocessing.connection import wait
+    waits on a stop event or a barrier no one will set, on the machine's cores for ever. The parent's
+    sentinel is a pipe only the parent's death closes: the launcher's lifeline rule."""
+    from flodl_zmq.environment import watch_lifeline
 
-    sentinel = mp.parent_process().sentinel
-
-    def watch() -> None:
-        wait([sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    watch_lifeline(mp.parent_process().sentinel)
 
 
 # ---------------------------------------------------------------------- zmq data plane processes
