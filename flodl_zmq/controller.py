@@ -68,6 +68,7 @@ from flodl_zmq.environment import (
     SpawnSpec,
     moves_the_run,
     raise_interrupt_on_sigterm,
+    raise_lost_signal,
     with_tunables,
 )
 from flodl_zmq.errors import ConfigError, FlodlError, MembershipError, NoStatusReply, WireError
@@ -260,6 +261,7 @@ def _wait_formed(membership: MembershipService) -> dict[str, tuple[int, ...]]:
     """The formed world (host -> ranks); MembershipError when it did not form."""
     verdict = None
     while verdict is None:
+        raise_lost_signal()  # a SIGTERM whose raise a finaliser swallowed stops the wait here
         verdict = membership.wait_closed(0.5)
     if verdict.phase is not WindowPhase.FORMED:
         time.sleep(ABORT_FLUSH_S)  # the aborts are queued (the verdict is set after): let them leave

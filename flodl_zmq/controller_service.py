@@ -307,13 +307,13 @@ class ControllerService:
         return self.result
 
     def _loop(self, control: zmq.Socket, copies: ConsensusCopies, reducer: ReducerService) -> None:
-        # The reducer's outcomes and the membership's events are Mailboxes polled next to the sockets: each wakes
-        # this loop the moment it arrives, so it needs no polling interval and sleeps until its next timer (_wake_at).
+        # Mailboxes (the reducer's outcomes, the membership's events) wake this poll as its sockets do: no interval.
         poller, exits = self._poller(control, copies, reducer)
         outcomes, monitor = reducer.completed.fileno(), self.router.connections.monitor
         membership = self.link.membership.events if self.link is not None else None
         drain_until: float | None = None
         while True:
+            environment.raise_lost_signal()  # a SIGTERM whose raise a finaliser swallowed stops the loop here
             now = time.monotonic()
             # After the end: every rank said goodbye (acknowledged at once) or is dead, and the last round's
             # consensus came in on the broadcast (apart from its outcome): nothing left to drain.

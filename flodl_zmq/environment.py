@@ -422,13 +422,35 @@ def interrupted_exit(stop: KeyboardInterrupt) -> int:
     return TERMINATED_EXIT if isinstance(stop, SigtermInterrupt) else INTERRUPTED_EXIT
 
 
+class RaisingHandler:
+    """A signal handler that raises `stop()` where the main thread is, and remembers that it fired.
+
+    Python prints and drops an exception raised inside a finaliser: a handler that runs while the
+    main thread frees an object or closes a generator loses its stop, and the process runs on (a
+    controller whose launcher had died kept serving nobody). The loops call `raise_lost_signal`
+    where they can stop, and stop there after all.
+    """
+
+    def __init__(self, stop: Callable[[], BaseException]) -> None:
+        self.stop = stop
+        self.fired = False
+
+    def __call__(self, _signum: int, _frame: object) -> None:
+        self.fired = True
+        raise self.stop()
+
+
+def raise_lost_signal() -> None:
+    """Raise the stop of a `RaisingHandler` (SIGTERM's or SIGHUP's) that fired, in case its own raise was lost."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        handler = signal.getsignal(signum)
+        if isinstance(handler, RaisingHandler) and handler.fired:
+            raise handler.stop()
+
+
 def raise_interrupt_on_sigterm() -> Any:
     """SIGTERM takes the SIGINT path (`SigtermInterrupt`, a KeyboardInterrupt); returns the previous handler."""
-
-    def on_term(_signum: int, _frame: object) -> None:
-        raise SigtermInterrupt
-
-    return signal.signal(signal.SIGTERM, on_term)
+    return signal.signal(signal.SIGTERM, RaisingHandler(SigtermInterrupt))
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ import torch
 import zmq
 
 from flodl_zmq.datasets import dataset_signature
-from flodl_zmq.environment import DECLARED_DEAD_EXIT, training_failed
+from flodl_zmq.environment import DECLARED_DEAD_EXIT, raise_lost_signal, training_failed
 from flodl_zmq.errors import ShmError, TrainingError
 from flodl_zmq.job import MODES, Job, seed_generators
 from flodl_zmq.links import data_max_frame_bytes
@@ -436,6 +436,7 @@ class RankRuntime:
 
     def step(self, loss_value: float) -> None:
         """The optimizer step on the last batch is done: count it, report its timing and loss."""
+        raise_lost_signal()  # a SIGTERM or SIGHUP whose raise a finaliser swallowed stops the rank here
         t2 = time.perf_counter()
         if self.cfg.slowdown > 1.0:
             # Emulated slower hardware: the delay is part of the step's compute time.

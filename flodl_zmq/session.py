@@ -85,6 +85,7 @@ from flodl_zmq.environment import (
     TERMINATED_EXIT,
     UNPLAYED_EXIT,
     ProcessEnv,
+    RaisingHandler,
     interrupted_exit,
     raise_interrupt_on_sigterm,
     stop_as_on_sigterm,
@@ -120,16 +121,8 @@ class RankOrphaned(RankTerminated):
     without a goodbye: its relay reports it gone, and the run counts it as a failure, not as leaving on purpose."""
 
 
-def _terminate(*_: Any) -> None:
-    raise RankTerminated()
-
-
-def _orphaned(*_: Any) -> None:
-    raise RankOrphaned()
-
-
 def _hang_up() -> None:
-    """A rank's end of its lifeline: SIGHUP, which `_orphaned` turns into RankOrphaned in the main thread (or,
+    """A rank's end of its lifeline: SIGHUP, which its handler turns into RankOrphaned in the main thread (or,
     before the rank set that handler, ends the process outright: a rank not yet started says nothing either)."""
     os.kill(os.getpid(), signal.SIGHUP)
 
@@ -301,8 +294,8 @@ class Session:
             from flodl_zmq.relay import run_relay
 
             raise SystemExit(run_relay(penv, job.wire))  # a script run as the relay knows the format
-        signal.signal(signal.SIGTERM, _terminate)
-        signal.signal(signal.SIGHUP, _orphaned)
+        signal.signal(signal.SIGTERM, RaisingHandler(RankTerminated))
+        signal.signal(signal.SIGHUP, RaisingHandler(RankOrphaned))
         self._loop = self._rank(penv)
         self._loop.start()
 
