@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster import procs
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,18 +37,6 @@ def test_round_bench_prints_every_documented_figure_for_both_transports():
     assert figures["ratio_f32_1M"] == pytest.approx(figures["zmq_ms_f32_1M"] / figures["gloo_ms_f32_1M"], rel=0.01)
 
 
-def _children(pid: int) -> set[int]:
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.add(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-    return found
-
-
 def test_the_bench_killed_leaves_none_of_its_processes_behind():
     # A user's kill of the bench alone (no Ctrl-C to the whole group) must not leave its ranks and services
     # waiting for ever on a stop event or a barrier no one will set.
@@ -54,14 +44,12 @@ def test_the_bench_killed_leaves_none_of_its_processes_behind():
                               "--rounds", "500", "--repeats", "1"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     deadline = time.monotonic() + 60
-    while len(children := _children(bench.pid) - {bench.pid}) < 4 and time.monotonic() < deadline:
+    while len(spawned := procs.children(bench.pid)) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)  # the gloo side's four ranks, spawned at once
     bench.kill()
     bench.wait(timeout=10)
-    assert len(children) >= 4, children
+    assert len(spawned) >= 4, spawned
     deadline = time.monotonic() + 30
-    while (left := [p for p in children if Path(f"/proc/{p}").exists()
-                    and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[-1][:3]]) and \
-            time.monotonic() < deadline:
+    while (left := [p for p in spawned if procs.alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"still running after their bench was killed: {left}"

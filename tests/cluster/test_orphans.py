@@ -27,6 +27,7 @@ from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import remove_local_dir
 from flodl_zmq.wire import key_from_hex
 from flodl_zmq.wire.shm import unlink_run
+from tests.cluster import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ["-m", "flodl_zmq.demo", "--epochs", "100000"]  # far longer than any test waits
@@ -53,37 +54,16 @@ def children_of(pid: int) -> dict[int, str]:
     interpreter forked (flodl_zmq/warm.py) the interpreter's environment, and their own name:
     the controller, or a rank's label."""
     out = {}
-    for child in _children(pid):
+    for child in procs.children(pid):
         with contextlib.suppress(OSError):  # gone meanwhile
             if b"flodl_zmq.warm" not in Path(f"/proc/{child}/cmdline").read_bytes():
                 out[child] = environ_of(child).get("FLODL_ROLE", "")
                 continue
             out[child] = "warm"
-            for forked in _children(child):
+            for forked in procs.children(child):
                 name = Path(f"/proc/{forked}/comm").read_text().strip()
                 out[forked] = "controller" if name == "controller" else "rank"
     return out
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if int(Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[1]) == pid:
-                found.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie has exited; only its (dead) parent would reap it
 
 
 def environ_of(pid: int) -> dict[str, str]:
@@ -134,15 +114,15 @@ def next_line(lines: queue.Queue[str], wanted: Callable[[str], bool], timeout: f
 def left_after_deadline(children: dict[int, str]) -> dict[int, str]:
     """The children still running ORPHAN_DEADLINE_S from now (polled; those gone early end the wait)."""
     deadline = time.monotonic() + ORPHAN_DEADLINE_S
-    while time.monotonic() < deadline and any(alive(p) for p in children):
+    while time.monotonic() < deadline and any(procs.alive(p) for p in children):
         time.sleep(0.1)
-    return {p: role for p, role in children.items() if alive(p)}
+    return {p: role for p, role in children.items() if procs.alive(p)}
 
 
 def reap(children: dict[int, str], key: bytes, run_id: bytes | None) -> None:
     """SIGKILL what is left and remove the run's segments and sockets (a SIGKILLed process leaves them)."""
     for pid in children:
-        if alive(pid):
+        if procs.alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     if run_id is not None:
