@@ -237,6 +237,7 @@ class Session:
         self._alone = alone
         self._loop: AloneLoop | RankRuntime | None = None
         self._held: contextlib.ExitStack | None = None
+        self._signals: dict[int, Any] = {}  # a rank's: the handlers its stops replaced, back when its block ends
         self._owed = False
 
     # -- the role ----------------------------------------------------------
@@ -294,8 +295,8 @@ class Session:
             from flodl_zmq.relay import run_relay
 
             raise SystemExit(run_relay(penv, job.wire))  # a script run as the relay knows the format
-        signal.signal(signal.SIGTERM, RaisingHandler(RankTerminated))
-        signal.signal(signal.SIGHUP, RaisingHandler(RankOrphaned))
+        self._signals = {signum: signal.signal(signum, RaisingHandler(stop))
+                         for signum, stop in ((signal.SIGTERM, RankTerminated), (signal.SIGHUP, RankOrphaned))}
         self._loop = self._rank(penv)
         self._loop.start()
 
@@ -345,9 +346,13 @@ class Session:
         elif isinstance(loop, RankRuntime):
             if kind is not None and issubclass(kind, Exception):
                 log.error("%s", training_failed(loop.cfg.rank, exc), exc_info=(kind, exc, tb))  # type: ignore[arg-type]
-            # Stopped by a signal: who sent it reports the exit, so nobody's acknowledgement is awaited.
-            code = loop.close(failed=kind is not None, linger=not isinstance(exc, RankTerminated),
-                              goodbye=not isinstance(exc, RankOrphaned))
+            try:
+                # Stopped by a signal: who sent it reports the exit, so nobody's acknowledgement is awaited.
+                code = loop.close(failed=kind is not None, linger=not isinstance(exc, RankTerminated),
+                                  goodbye=not isinstance(exc, RankOrphaned))
+            finally:  # a stop that fired must not stop the next rank this process runs (raise_lost_signal)
+                for signum, handler in self._signals.items():
+                    signal.signal(signum, handler)
             if kind is None or issubclass(kind, Exception):
                 raise SystemExit(code)
         # The controller's result is set on entering; a relay never gets here.

@@ -21,7 +21,7 @@ from flodl_zmq import bundle, controller_service, rank, session
 from flodl_zmq.api import Trainer
 from flodl_zmq.coordinator.outputs import EpochProgress, EvalsMerged, Evaluated
 from flodl_zmq.endpoints import ControllerAddress
-from flodl_zmq.environment import DECLARED_DEAD_EXIT, UNPLAYED_EXIT, ProcessEnv
+from flodl_zmq.environment import DECLARED_DEAD_EXIT, UNPLAYED_EXIT, ProcessEnv, raise_lost_signal
 from flodl_zmq.errors import ConfigError, SessionError
 from flodl_zmq.job import Job
 from flodl_zmq.mailbox import Mailbox
@@ -430,7 +430,8 @@ def test_a_sessions_rank_trains_from_the_controllers_model_not_the_one_it_built(
     assert isinstance(rank_links[0].sent[-1], rec.Exiting)  # the rank said goodbye on leaving the block
 
 
-def test_a_rank_stopped_by_sigterm_says_goodbye_without_awaiting_its_acknowledgement(rank_links):
+def sigtermed_rank(rank_links: list[FakeLink]) -> int:
+    """A rank's Session SIGTERMed after its first step, as its agent tears the host down; its exit code."""
     model = net()
     with pytest.raises(SystemExit) as ended, session.hosted(penv("rank", **RANK_1)):
         with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
@@ -438,9 +439,22 @@ def test_a_rank_stopped_by_sigterm_says_goodbye_without_awaiting_its_acknowledge
             for batch in s.batches():
                 s.step(loss_of(model, batch))
                 signal.raise_signal(signal.SIGTERM)  # its agent tears the host down (a re-form, a stop)
-    assert ended.value.code == 143
+    return ended.value.code
+
+
+def test_a_rank_stopped_by_sigterm_says_goodbye_without_awaiting_its_acknowledgement(rank_links):
+    assert sigtermed_rank(rank_links) == 143
     link = rank_links[0]
     assert isinstance(link.sent[-1], rec.Exiting) and link.lingered is False  # the agent reports the exit
+
+
+def test_a_rank_blocks_stop_handlers_end_with_it_so_a_stop_that_fired_stops_no_later_rank_here(rank_links):
+    # CI: a rank SIGTERMed in a test left its fired handler installed, and every rank trained later in that
+    # pytest process raised RankTerminated at its first step (`raise_lost_signal`).
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
+    assert sigtermed_rank(rank_links) == 143
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == before
+    raise_lost_signal()  # nothing to raise again
 
 
 def test_a_rank_declared_dead_stops_at_once_with_an_error_even_while_it_awaits_a_consensus(rank_links, caplog):
