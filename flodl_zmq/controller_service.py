@@ -679,7 +679,7 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
     """
     # Served across re-forms (one port, counters that keep counting); `flodl-zmq controller` binds it first.
     held = nullcontext(link.metrics) if link is not None else served(penv.settings.metrics_port, penv.controller.host)
-    with held as metrics:
+    with held as metrics, environment.behind_the_ranks():
         service = ControllerService(job, penv, link, metrics=metrics)
         result = service.run()
         while service.reform_stem is not None:

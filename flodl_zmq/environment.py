@@ -51,7 +51,8 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -343,6 +344,46 @@ def _fd(env: Mapping[str, str], name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ConfigError(f"{name} must be a file descriptor number") from None
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (Linux: /proc/self/task; elsewhere none, and nothing is changed)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
+
+
+def _set_policy(tid: int, policy: int) -> None:
+    try:
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+    except OSError:  # a thread that ended meanwhile, or a system that refuses: the service runs as before
+        pass
+
+
+@contextmanager
+def behind_the_ranks() -> Iterator[None]:
+    """Serve (the controller, a relay) under SCHED_BATCH, every thread of this process and those it starts.
+
+    A service wakes for every record and round, and on a machine whose cores the ranks keep busy
+    each wake-up preempted a rank's step mid-way. A batch thread still gets its fair share of
+    the CPU, and at once on an idle core, but waits for the scheduler's tick instead of preempting a
+    busy one: a few milliseconds more for a round that the ranks do not wait on, and their steps
+    whole (bench/tta.py: docs/benchmarks.md, "The services behind the ranks"). No privilege is
+    needed; where the system has no such policy nothing changes. The threads left when the block
+    ends go back to the policy the caller had.
+    """
+    if not hasattr(os, "SCHED_BATCH"):
+        yield
+        return
+    before = os.sched_getscheduler(0)
+    for tid in _threads():
+        _set_policy(tid, os.SCHED_BATCH)
+    try:
+        yield
+    finally:
+        for tid in _threads():
+            _set_policy(tid, before)
 
 
 def stop_as_on_sigterm() -> None:

@@ -110,7 +110,7 @@ from typing import Any
 
 import zmq
 
-from flodl_zmq.environment import ProcessEnv, watch_lifeline
+from flodl_zmq.environment import ProcessEnv, behind_the_ranks, watch_lifeline
 from flodl_zmq.errors import ConfigError, FlodlError
 from flodl_zmq.fold import FoldStation
 from flodl_zmq.links import (
@@ -538,22 +538,23 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
     )
     if cfg.wire is not None:
         preload(cfg.wire.element)  # while the ranks start, not in the first round (a bf16 sum is torch's)
-    relay = Relay(cfg, shard=shard_config(penv, cfg))
-    relay.start()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: relay.stop(timeout=0))
-    if penv.lifeline_fd is not None:
-        watch_lifeline(penv.lifeline_fd, relay.orphan)
-    ranks = set(cfg.ranks)
-    while not relay.wait(0.2):
-        # A host's shard reduces every host's chunks: its relay stays until no rank of the run is left,
-        # or its agent is gone (the run then loses the shard with the host).
-        if ranks <= relay.fold.dead and (relay.orphaned or relay.shard is None or not relay.shard.serving()):
-            # Give the last goodbye and any shipped frame time to leave before closing.
-            time.sleep(0.5)
-            break
-    relay.stop()
-    return 1 if relay.error else 0
+    with behind_the_ranks():
+        relay = Relay(cfg, shard=shard_config(penv, cfg))
+        relay.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: relay.stop(timeout=0))
+        if penv.lifeline_fd is not None:
+            watch_lifeline(penv.lifeline_fd, relay.orphan)
+        ranks = set(cfg.ranks)
+        while not relay.wait(0.2):
+            # A host's shard reduces every host's chunks: its relay stays until no rank of the run is left,
+            # or its agent is gone (the run then loses the shard with the host).
+            if ranks <= relay.fold.dead and (relay.orphaned or relay.shard is None or not relay.shard.serving()):
+                # Give the last goodbye and any shipped frame time to leave before closing.
+                time.sleep(0.5)
+                break
+        relay.stop()
+        return 1 if relay.error else 0
 
 
 def main() -> int:

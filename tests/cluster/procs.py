@@ -26,3 +26,14 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"  # a zombie has exited; only its (dead) parent would reap it
+
+
+def policies(pid: int) -> set[int]:
+    """The scheduling policies (os.SCHED_*) of `pid`'s threads."""
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found.add(os.sched_getscheduler(int(tid)))
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+    return found

@@ -138,6 +138,10 @@ def test_every_child_exits_when_the_launcher_dies_without_tearing_down(how):
         launcher = start(["-m", "flodl_zmq.cli", "launch", "--hosts", "2", "--ranks-per-host", "1", "--", *DEMO])
     children = children_of(launcher.pid)
     assert sorted(children.values()) == ["controller", "rank", "rank", "relay", "relay", "warm"], children
+    # While they run, the services leave the cores to the ranks' steps (environment.behind_the_ranks).
+    batch, other = frozenset({os.SCHED_BATCH}), frozenset({os.SCHED_OTHER})
+    assert {(role, frozenset(procs.policies(p))) for p, role in children.items() if role != "warm"} == {
+        ("controller", batch), ("relay", batch), ("rank", other)}
     env = environ_of(next(p for p, role in children.items() if role == "relay"))
     key, run_id = key_from_hex(env["FLODL_KEY"]), bytes.fromhex(env["FLODL_INCARNATION"])
     try:

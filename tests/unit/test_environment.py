@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -16,6 +17,7 @@ from flodl_zmq.environment import (
     ExitReports,
     ProcessEnv,
     SigtermInterrupt,
+    behind_the_ranks,
     failed_with,
     moves_the_run,
     parse_world,
@@ -275,3 +277,23 @@ def test_a_sigterm_under_resume_auto_moves_the_run_and_its_notice_says_the_same_
     assert f"in the checkpoint {ckpt}, which this controller started again with the same command" in moved
     assert "--resume auto" in moved and f"--resume {ckpt}" not in moved
     assert f"continue with --resume {ckpt}" in interrupted_notice("runs/m", ckpt)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="a Linux scheduling policy")
+def test_a_service_block_runs_every_thread_as_batch_and_gives_the_threads_back_as_they_were():
+    # Every thread: those running when the block starts, the caller, and those started inside it.
+    def policy(thread: threading.Thread | None = None) -> int:
+        return os.sched_getscheduler(0 if thread is None else thread.native_id)
+
+    stop = threading.Event()
+    before = threading.Thread(target=stop.wait, daemon=True)
+    before.start()
+    assert policy() == policy(before) == os.SCHED_OTHER
+    try:
+        with behind_the_ranks():
+            inside = threading.Thread(target=stop.wait, daemon=True)
+            inside.start()
+            assert policy() == policy(before) == policy(inside) == os.SCHED_BATCH
+        assert policy() == policy(before) == policy(inside) == os.SCHED_OTHER
+    finally:
+        stop.set()
