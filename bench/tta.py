@@ -5,8 +5,9 @@
 
 The question a user asks before adding a machine: does the run reach the
 target sooner? Every run trains the same job from the same seed with one
-torch thread per process, each rank pinned to a core of its own where the
-machine has one (round robin otherwise), and records when each evaluation
+torch thread per process, each rank on its share of its host's cores as the
+framework keeps it (`rank.core_share`: a core each on this machine), the lone
+run and DDP's ranks pinned the same way here, and records when each evaluation
 finished (CLOCK_MONOTONIC, shared by every process) and how many samples the
 scored model had trained on. Every run is scored at the same cadence in
 samples, `--evals-per-epoch` K times an epoch (the Trainer's
@@ -276,8 +277,8 @@ def run_trainer(job: str, world: str, variant: str, best: dict[str, Any], timeli
 
     spec = JOBS[job]
     role = os.environ.get("FLODL_ROLE")
-    if role in (None, "rank"):
-        pin(int(os.environ.get("FLODL_RANK", "0")))
+    if role is None:  # alone; a rank keeps to its share of the cores as any user's does (rank.keep_to_share)
+        pin(0)
     if role == "rank" and timeline:
         time_phases()
     kw = _timed(spec.build())

@@ -94,7 +94,7 @@ from flodl_zmq.environment import (
 )
 from flodl_zmq.errors import ConfigError, SessionError
 from flodl_zmq.job import Job, coordinator_config
-from flodl_zmq.rank import RankRuntime, pick_device
+from flodl_zmq.rank import RankRuntime, keep_to_share, pick_device
 from flodl_zmq.rank_link import RankConfig
 from flodl_zmq.result import TrainResult
 from flodl_zmq.training import Stepper, one_number, recording
@@ -238,6 +238,7 @@ class Session:
         self._loop: AloneLoop | RankRuntime | None = None
         self._held: contextlib.ExitStack | None = None
         self._signals: dict[int, Any] = {}  # a rank's: the handlers its stops replaced, back when its block ends
+        self._cores: set[int] | None = None  # a rank's: the cores it had before its share (rank.keep_to_share)
         self._owed = False
 
     # -- the role ----------------------------------------------------------
@@ -327,6 +328,8 @@ class Session:
             consensus_wait_at_relay_s=s.consensus_wait_at_relay_s,
             sharded=s.shard_map.count > 1,
         )
+        # Before the rank starts a thread or a loader worker: they keep to its cores too.
+        self._cores = keep_to_share(penv.local_rank, len(penv.world[penv.host]), job.torch_threads + job.num_workers)
         if self._replica is None:
             return RankRuntime(job, cfg, pick_device(penv.local_rank))
         return RankRuntime(job, cfg, _device_of(self._replica[0]), self._replica)
@@ -353,6 +356,8 @@ class Session:
             finally:  # a stop that fired must not stop the next rank this process runs (raise_lost_signal)
                 for signum, handler in self._signals.items():
                     signal.signal(signum, handler)
+                if self._cores is not None:  # nor its share keep what this process runs next
+                    os.sched_setaffinity(0, self._cores)
             if kind is None or issubclass(kind, Exception):
                 raise SystemExit(code)
         # The controller's result is set on entering; a relay never gets here.

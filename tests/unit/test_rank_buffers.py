@@ -1,8 +1,10 @@
-"""The rank's snapshot / consensus-load machinery (flodl_zmq.param_buffers) and control handling (flodl_zmq.rank), on CPU."""
+"""The rank's snapshot / consensus-load machinery (flodl_zmq.param_buffers), control handling and cores (flodl_zmq.rank), on CPU."""
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,7 +28,7 @@ from flodl_zmq.payload import (
     payload_tensors,
     refresh_estimates,
 )
-from flodl_zmq.rank import RankRuntime, epoch_fns_due
+from flodl_zmq.rank import RankRuntime, core_share, epoch_fns_due, keep_to_share
 from flodl_zmq.rank_link import ConsensusIn, FromCoordinator, RankConfig
 from flodl_zmq.tensors import as_numpy, bf16_from_f32, f32_from_bf16
 from flodl_zmq.wire import new_key
@@ -595,3 +597,37 @@ def test_the_epoch_role_runs_epoch_fn_for_each_epoch_it_trained_no_batch_of_befo
     assert list(epoch_fns_due({4}, 7)) == [5, 6, 7]
     assert list(epoch_fns_due({0, 1, 2, 3}, 2)) == []  # a late chunk of an earlier epoch: it ran already
     assert list(epoch_fns_due(set(), 5)) == [5]  # a rank new to the role (a resume, an heir) starts where it is
+
+
+def test_a_hosts_ranks_share_its_cores_equally_in_order_the_rest_left_to_the_services():
+    assert [core_share({0, 1}, r, 2, 1) for r in (0, 1)] == [{0}, {1}]
+    assert [core_share(range(16), r, 3, 1) for r in range(3)] == [{0, 1, 2, 3, 4}, {5, 6, 7, 8, 9}, {10, 11, 12, 13, 14}]
+    assert core_share({9, 3, 7, 5}, 1, 2, 2) == {7, 9}  # the cores a cpuset allows, whichever they are
+    assert core_share(range(16), 0, 1, 1) == set(range(16))
+
+
+def test_a_rank_is_left_where_the_scheduler_puts_it_when_its_share_would_not_hold_its_threads():
+    assert core_share({0}, 0, 2, 1) is None  # more ranks than cores
+    assert core_share({0, 1}, 0, 2, 2) is None  # a core each, but two torch threads (or a loader worker) each
+    assert core_share({0, 1}, 2, 2, 1) is None  # not a rank of this host
+
+
+@pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2, reason="a Linux host of 2+ cores")
+def test_a_rank_kept_to_its_share_takes_the_threads_it_starts_with_it():
+    seen: dict[str, Any] = {}
+
+    def rank_thread() -> None:  # affinity is a thread's: the test's own thread keeps its cores
+        seen["before"] = os.sched_getaffinity(0)
+        seen["returned"] = keep_to_share(1, 2, 1)
+        started = threading.Thread(target=lambda: seen.update(started=os.sched_getaffinity(0)))
+        started.start()
+        started.join()
+        seen["again"] = keep_to_share(0, 1, 1)  # a share of all it has: nothing changes
+
+    thread = threading.Thread(target=rank_thread)
+    thread.start()
+    thread.join()
+    cores = sorted(seen["before"])
+    assert seen["returned"] == seen["before"]
+    assert seen["started"] == set(cores[len(cores) // 2:2 * (len(cores) // 2)])
+    assert seen["again"] is None

@@ -3,7 +3,9 @@ the guide's converted loop runs verbatim, misuse is named, and every rank starts
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import signal
 from pathlib import Path
@@ -455,6 +457,24 @@ def test_a_rank_blocks_stop_handlers_end_with_it_so_a_stop_that_fired_stops_no_l
     assert sigtermed_rank(rank_links) == 143
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == before
     raise_lost_signal()  # nothing to raise again
+
+
+@pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2, reason="a Linux host of 2+ cores")
+def test_a_rank_trains_on_its_share_of_the_cores_and_its_block_gives_the_process_its_cores_back(rank_links):
+    # Host b runs two ranks: this one, its first, keeps to the first half of the cores the process may use.
+    before = os.sched_getaffinity(0)
+    model, during = net(), []
+    env = dataclasses.replace(penv("rank", **RANK_1), world={"a": (0,), "b": (1, 2)})
+    with pytest.raises(SystemExit) as ended, session.hosted(env):
+        with fz.Session(model, sgd(model.parameters()), data(), batch_size=8, quiet=True) as s:
+            start_rank(rank_links[0], flatten(model).numpy().copy(), N)
+            for batch in s.batches():
+                s.step(loss_of(model, batch))
+                during.append(os.sched_getaffinity(0))
+                break
+    assert ended.value.code == 0
+    assert during == [set(sorted(before)[:len(before) // 2])]
+    assert os.sched_getaffinity(0) == before  # the next test, or rank, run here is not held to it
 
 
 def test_a_rank_declared_dead_stops_at_once_with_an_error_even_while_it_awaits_a_consensus(rank_links, caplog):
