@@ -357,7 +357,9 @@ def run_ddp(job: str, world_name: str, evals_per_epoch: int, lr_scale: float) ->
 
 
 class CpuTicks:
-    """Each process's CPU ticks, sampled every 50 ms until the run ends: the services' share of its CPU."""
+    """Each process's CPU ticks, sampled every 10 ms (the kernel's tick) until the run ends: the services' share
+    of its CPU. Sampled every 50 ms, a window of half a second from the first step to the target could
+    count up to 50 ms of the controller's busy start-up before that step."""
 
     def __init__(self, pids: dict[int, bool]) -> None:
         self.pids = pids  # pid -> is a service
@@ -368,7 +370,7 @@ class CpuTicks:
 
     def _run(self) -> None:
         ticks: dict[int, int] = {}  # a process that is gone keeps its last count
-        while not self._stop.wait(0.05):
+        while not self._stop.wait(0.01):
             for pid in self.pids:
                 try:
                     with open(f"/proc/{pid}/stat") as fh:

@@ -369,9 +369,9 @@ def behind_the_ranks() -> Iterator[None]:
     each wake-up preempted a rank's step mid-way. A batch thread still gets its fair share of
     the CPU, and at once on an idle core, but waits for the scheduler's tick instead of preempting a
     busy one: a few milliseconds more for a round that the ranks do not wait on, and their steps
-    whole (bench/tta.py: docs/benchmarks.md, "The services behind the ranks"). No privilege is
-    needed; where the system has no such policy nothing changes. The threads left when the block
-    ends go back to the policy the caller had.
+    whole (the CNN pair's epochs 1-2.6% shorter: docs/benchmarks.md, "The services behind the
+    ranks"). No privilege is needed; where the system has no such policy nothing changes. The
+    threads left when the block ends go back to the policy the caller had.
     """
     if not hasattr(os, "SCHED_BATCH"):
         yield

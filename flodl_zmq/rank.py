@@ -106,7 +106,7 @@ def core_share(cores: Collection[int], local_rank: int, local_ranks: int, thread
     """The cores rank `local_rank` of its host's `local_ranks` keeps to: an equal share of `cores`, in order,
     when each share holds the rank's `threads` (torch's and its loader workers'); None where it would not.
 
-    Kept to a core of its own, the CNN pair trained 2-6% faster than where the scheduler placed its
+    Kept to a core of its own, the CNN pair trained 1.6-5.6% faster than where the scheduler placed its
     ranks, measured within one run (docs/benchmarks.md, "Each rank on cores of its own"). Cores left
     over keep no rank: the services have them.
     """
