@@ -137,14 +137,15 @@ def test_every_child_exits_when_the_launcher_dies_without_tearing_down(how):
     else:
         launcher = start(["-m", "flodl_zmq.cli", "launch", "--hosts", "2", "--ranks-per-host", "1", "--", *DEMO])
     children = children_of(launcher.pid)
-    assert sorted(children.values()) == ["controller", "rank", "rank", "relay", "relay", "warm"], children
-    # While they run, the services leave the cores to the ranks' steps (environment.behind_the_ranks).
-    batch, other = frozenset({os.SCHED_BATCH}), frozenset({os.SCHED_OTHER})
-    assert {(role, frozenset(procs.policies(p))) for p, role in children.items() if role != "warm"} == {
-        ("controller", batch), ("relay", batch), ("rank", other)}
-    env = environ_of(next(p for p, role in children.items() if role == "relay"))
-    key, run_id = key_from_hex(env["FLODL_KEY"]), bytes.fromhex(env["FLODL_INCARNATION"])
+    key, run_id = bytes(32), None  # the run's, once read from a relay: what reap unlinks
     try:
+        assert sorted(children.values()) == ["controller", "rank", "rank", "relay", "relay", "warm"], children
+        env = environ_of(next(p for p, role in children.items() if role == "relay"))
+        key, run_id = key_from_hex(env["FLODL_KEY"]), bytes.fromhex(env["FLODL_INCARNATION"])
+        # While they run, the services leave the cores to the ranks' steps (environment.behind_the_ranks).
+        batch, other = frozenset({os.SCHED_BATCH}), frozenset({os.SCHED_OTHER})
+        assert {(role, frozenset(procs.policies(p))) for p, role in children.items() if role != "warm"} == {
+            ("controller", batch), ("relay", batch), ("rank", other)}
         launcher.send_signal(signal.SIGTERM if how == "sigterm-parent" else signal.SIGKILL)
         launcher.wait(10)
         if how == "sigkill-launcher-then-controller":
@@ -153,6 +154,9 @@ def test_every_child_exits_when_the_launcher_dies_without_tearing_down(how):
         left = left_after_deadline(children)
         assert not left, f"still running {ORPHAN_DEADLINE_S:g} s after the launcher died: {left}"
     finally:
+        if launcher.poll() is None:  # a check failed before the launcher was stopped: nothing outlives the test
+            launcher.kill()
+            launcher.wait(10)
         reap(children, key, run_id)
 
 
