@@ -237,8 +237,10 @@ class Session:
         self._alone = alone
         self._loop: AloneLoop | RankRuntime | None = None
         self._held: contextlib.ExitStack | None = None
-        self._signals: dict[int, Any] = {}  # a rank's: the handlers its stops replaced, back when its block ends
-        self._cores: set[int] | None = None  # a rank's: the cores it had before its share (rank.keep_to_share)
+        # A rank's process state given back once its block ends (after its goodbye): the handlers its stops
+        # replaced, and the cores it had before its share; a stop that fired, or its share, must not hold
+        # the next rank or test this process runs (raise_lost_signal, rank.keep_to_share).
+        self._given_back = contextlib.ExitStack()
         self._owed = False
 
     # -- the role ----------------------------------------------------------
@@ -296,8 +298,8 @@ class Session:
             from flodl_zmq.relay import run_relay
 
             raise SystemExit(run_relay(penv, job.wire))  # a script run as the relay knows the format
-        self._signals = {signum: signal.signal(signum, RaisingHandler(stop))
-                         for signum, stop in ((signal.SIGTERM, RankTerminated), (signal.SIGHUP, RankOrphaned))}
+        for signum, stop in ((signal.SIGTERM, RankTerminated), (signal.SIGHUP, RankOrphaned)):
+            self._given_back.callback(signal.signal, signum, signal.signal(signum, RaisingHandler(stop)))
         self._loop = self._rank(penv)
         self._loop.start()
 
@@ -329,7 +331,8 @@ class Session:
             sharded=s.shard_map.count > 1,
         )
         # Before the rank starts a thread or a loader worker: they keep to its cores too.
-        self._cores = keep_to_share(penv.local_rank, len(penv.world[penv.host]), job.torch_threads + job.num_workers)
+        if (cores := keep_to_share(penv.local_rank, len(penv.world[penv.host]), job.torch_threads + job.num_workers)):
+            self._given_back.callback(os.sched_setaffinity, 0, cores)
         if self._replica is None:
             return RankRuntime(job, cfg, pick_device(penv.local_rank))
         return RankRuntime(job, cfg, _device_of(self._replica[0]), self._replica)
@@ -353,11 +356,8 @@ class Session:
                 # Stopped by a signal: who sent it reports the exit, so nobody's acknowledgement is awaited.
                 code = loop.close(failed=kind is not None, linger=not isinstance(exc, RankTerminated),
                                   goodbye=not isinstance(exc, RankOrphaned))
-            finally:  # a stop that fired must not stop the next rank this process runs (raise_lost_signal)
-                for signum, handler in self._signals.items():
-                    signal.signal(signum, handler)
-                if self._cores is not None:  # nor its share keep what this process runs next
-                    os.sched_setaffinity(0, self._cores)
+            finally:
+                self._given_back.close()
             if kind is None or issubclass(kind, Exception):
                 raise SystemExit(code)
         # The controller's result is set on entering; a relay never gets here.
