@@ -105,7 +105,7 @@ class Job:
         (seconds, more than the ranks' heartbeat period) is declared dead. The other
         silences and periods are process settings (flodl_zmq/settings.py).
     easgd_alpha: cpu-async only: how far a rank moves towards each consensus
-        (0 < a <= 1; None = 0.5).
+        (0 < a <= 1; None = 0.5, or 1 with an outer step: settings.easgd_blend).
 
     Training hooks (docs/guide.md, "Training hooks", says what each means under Local SGD):
     scheduler: factory `optimizer -> torch.optim.lr_scheduler.LRScheduler`, stepped to the
@@ -318,7 +318,7 @@ class Job:
     def blend(self) -> float | None:
         """None: a rank overwrites its replica with each consensus; under cpu-async, the EASGD alpha
         scaling the correction it adds (it trained on while the round was in flight)."""
-        return easgd_blend(self.mode == "cpu-async", self.easgd_alpha)
+        return easgd_blend(self.mode == "cpu-async", self.easgd_alpha, self.outer)
 
     @property
     def wire(self) -> WireFormat:

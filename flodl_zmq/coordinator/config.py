@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from flodl_zmq.coordinator.elche import ElCheConfig
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.sampling import SHUFFLE_BASE_SEED
-from flodl_zmq.settings import DEFAULT_EASGD_ALPHA, MaxFailure, easgd_blend
+from flodl_zmq.settings import MaxFailure
 
-# MaxFailure and DEFAULT_EASGD_ALPHA live in settings.py, below both this core and
-# the job that also needs them; they are re-exported here for the coordinator's users.
-__all__ = ["DEFAULT_EASGD_ALPHA", "MaxFailure", "CoordinatorConfig", "Mode", "GuardKind"]
+# MaxFailure lives in settings.py, below both this core and the job that also needs it; it is
+# re-exported here for the coordinator's users.
+__all__ = ["MaxFailure", "CoordinatorConfig", "Mode", "GuardKind"]
 
 OVERSHOOT_AUTO_INITIAL = 3
 OVERSHOOT_AUTO_CEILING = 15
@@ -223,15 +223,11 @@ class CoordinatorConfig:
     # ------------------------------------------------------------ derived
 
     @property
-    def effective_easgd_alpha(self) -> float | None:
-        """The blend factor ranks apply to the consensus; None means overwrite."""
-        return easgd_blend(self.mode is Mode.ASYNC, self.easgd_alpha)
-
-    @property
     def guard_threshold(self) -> float:
+        """Async ranks blend each consensus in (settings.easgd_blend), so their replicas sit further from it."""
         if self.divergence_threshold is not None:
             return self.divergence_threshold
-        return TREND_THRESHOLD_EASGD if self.effective_easgd_alpha is not None else TREND_THRESHOLD
+        return TREND_THRESHOLD_EASGD if self.mode is Mode.ASYNC else TREND_THRESHOLD
 
     @property
     def overshoot_bounds(self) -> tuple[int, int, bool]:

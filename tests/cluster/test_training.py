@@ -236,7 +236,7 @@ def test_a_rank_whose_model_turns_nan_is_expelled_and_its_still_running_process_
 
 
 def test_the_overlapped_round_loses_no_sample_when_a_rank_is_sigkilled_mid_run(tmp_path, warm):
-    # cpu-async with easgd_alpha 1 (bench/tta.py's best): ranks never stop for a round and take each
+    # cpu-async taking each correction whole (easgd_alpha 1): ranks never stop for a round and take each
     # consensus as a correction. Rank 1 dies mid-run with chunks and deposits in flight; every epoch
     # is still trained exactly once by the three left. Held from the first epoch's worth of batches
     # per rank until the death is seen: four ranks cannot end five epochs before the kill.

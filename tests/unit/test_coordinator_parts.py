@@ -56,7 +56,6 @@ def test_defaults_follow_the_mode():
     assert not cfg(mode="sync").elche_config(2).window_growth
     assert cfg().elche_config(2).anchor == 10
     assert cfg().guard_threshold == 0.05
-    assert cfg(mode="async").effective_easgd_alpha == 1.0
     assert cfg(mode="async").guard_threshold == 0.3
     assert cfg(mode="async").overshoot_bounds == (3, 15, True)
     assert cfg(mode="async", max_overshoot=7).overshoot_bounds == (7, 7, False)

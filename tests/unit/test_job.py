@@ -73,10 +73,19 @@ def test_easgd_alpha_outside_async_is_refused_naming_the_mode(mode):
 
 def test_ranks_blend_by_easgd_alpha_under_async_and_overwrite_otherwise():
     assert job(mode="cpu-async", easgd_alpha=0.3).blend == 0.3
-    assert job(mode="cpu-async").blend == 1.0
-    assert job().blend == 1.0  # the default mode is cpu-async
+    assert job(mode="cpu-async").blend == 0.5
+    assert job().blend == 0.5  # the default mode is cpu-async
     assert job(mode="cpu-cadence").blend is None
-    assert coordinator_config(job(mode="cpu-async", easgd_alpha=0.3)).effective_easgd_alpha == 0.3
+    assert job(mode="cpu-sync").blend is None
+
+
+@pytest.mark.parametrize("outer", ["nesterov", "momentum"])
+def test_with_an_outer_step_an_async_rank_takes_the_stepped_model_whole_unless_told_otherwise(outer):
+    # Half a correction would leave each rank's own drift in the next average, and the outer momentum
+    # would build from a pseudo-gradient smaller than the window's change (docs/guide.md, "Slow links").
+    assert job(mode="cpu-async", outer=outer).blend == 1.0
+    assert job(mode="cpu-async", outer=outer, easgd_alpha=0.3).blend == 0.3
+    assert job(mode="cpu-cadence", outer=outer).blend is None
 
 
 def test_trainer_passes_the_knobs_to_the_job():
