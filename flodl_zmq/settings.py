@@ -35,8 +35,9 @@ Rules this module keeps:
   the controller's value (shipped in the spawn spec), so a cohort never mixes
   timings. `process`: each process's own (a rank's slowdown). `command`: only
   the command that takes the flag.
-- Shared definitions the job and the coordinator both need (`MaxFailure`,
-  the blend rule `easgd_blend` and its defaults) live here, below both.
+- Shared definitions the job and the coordinator both need (`MaxFailure`)
+  live here, below both; so do the Trainer's modes and cpu-async's blend
+  rule (`easgd_blend`, with its defaults).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ MODE_NAMES = ("cpu-async", "cpu-cadence", "cpu-sync")
 DEFAULT_MODE = "cpu-async"
 
 
-def easgd_blend(is_async: bool, easgd_alpha: float | None, outer: str = "none") -> float | None:
+def easgd_blend(is_async: bool, easgd_alpha: float | None, outer: str) -> float | None:
     """The share of each consensus's correction a rank applies: None (it overwrites its replica)
     outside cpu-async, else `easgd_alpha`, or its default for the run's `outer` step."""
     if not is_async:
