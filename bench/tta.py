@@ -97,7 +97,7 @@ WORLDS: dict[str, tuple[int, int, dict[int, float]]] = {  # hosts, ranks per hos
 # every job. "batch_size": "split" is the lone run's batch split over the world's ranks, which keeps the
 # lone run's samples to target: it wins where a step's cost follows its batch (the transformer), not on
 # the digits models, whose steps cost about the same at half the batch. Half of each correction (the
-# default) against the whole reached the digits jobs' targets sooner in 12 of 14 pairings; the split
+# default) against the whole reached the digits jobs' targets sooner in 12 of 15 pairings; the split
 # transformer did as well with either, and its figures were measured with the whole.
 BEST: dict[str, dict[str, Any]] = {
     "cnn": {"mode": "cpu-async", "easgd_alpha": 0.5},

@@ -59,7 +59,7 @@ from flodl_zmq.wire_format import named as wire_format_named
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 # cpu-async's blend when the script sets none: half of each correction, floDl's own default. Against
 # 1 (the whole correction) it reached the digits jobs' targets sooner, with fewer samples in most, in 12
-# of 14 paired comparisons (docs/benchmarks.md, "Half of each correction"). With an outer step a rank takes
+# of 15 paired comparisons (docs/benchmarks.md, "Half of each correction"). With an outer step a rank takes
 # the stepped model whole, or the outer momentum builds from a pseudo-gradient that is too small.
 DEFAULT_EASGD_ALPHA = 0.5
 OUTER_EASGD_ALPHA = 1.0
