@@ -36,8 +36,7 @@ Rules this module keeps:
   timings. `process`: each process's own (a rank's slowdown). `command`: only
   the command that takes the flag.
 - Shared definitions the job and the coordinator both need (`MaxFailure`)
-  live here, below both; so do the Trainer's modes and cpu-async's blend
-  rule (`easgd_blend`, with its defaults).
+  live here, below both.
 """
 
 from __future__ import annotations
@@ -57,26 +56,10 @@ from flodl_zmq.wire_format import named as wire_format_named
 
 # How the reducer may combine a round's deposits (flodl_zmq/robust.py's `aggregate`).
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
-# cpu-async's blend when the script sets none: half of each correction, floDl's own default. Against
-# 1 (the whole correction) it reached the digits jobs' targets sooner, with fewer samples in most, in 12
-# of 15 paired comparisons (docs/benchmarks.md, "Half of each correction"). With an outer step a rank takes
-# the stepped model whole, or the outer momentum builds from a pseudo-gradient that is too small.
-DEFAULT_EASGD_ALPHA = 0.5
-OUTER_EASGD_ALPHA = 1.0
 # The Trainer's modes (flodl_zmq/job.py maps them to the coordinator's), and the default: the one
 # bench/tta.py measured soonest to target (docs/benchmarks.md, "The overlapped round as the default").
 MODE_NAMES = ("cpu-async", "cpu-cadence", "cpu-sync")
 DEFAULT_MODE = "cpu-async"
-
-
-def easgd_blend(is_async: bool, easgd_alpha: float | None, outer: str) -> float | None:
-    """The share of each consensus's correction a rank applies: None (it overwrites its replica)
-    outside cpu-async, else `easgd_alpha`, or its default for the run's `outer` step."""
-    if not is_async:
-        return None
-    if easgd_alpha is not None:
-        return easgd_alpha
-    return DEFAULT_EASGD_ALPHA if outer == "none" else OUTER_EASGD_ALPHA
 SCOPES = ("run", "process", "command")
 COMMANDS = ("controller", "agent", "status", "run")
 # `flodl-zmq run` is a controller that also starts its agents: it takes every controller flag too.

@@ -224,7 +224,7 @@ class CoordinatorConfig:
 
     @property
     def guard_threshold(self) -> float:
-        """Async ranks blend each consensus in (settings.easgd_blend), so their replicas sit further from it."""
+        """Async ranks blend each consensus in (`Job.blend`), so their replicas sit further from it."""
         if self.divergence_threshold is not None:
             return self.divergence_threshold
         return TREND_THRESHOLD_EASGD if self.mode is Mode.ASYNC else TREND_THRESHOLD
