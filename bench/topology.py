@@ -18,15 +18,14 @@ ranks of a host (bench/scale.py measures those).
   reducer as shard 0 and one in each host's relay process, bound at the
   host's address (FLODL_SHARDS lists h1..hH at SHARD_PORT; each relay's
   shard proves hellos with the run's route secret, as the reducer does). A
-  relay cuts its host frame by the shards' chunk ranges and puts the slices
+  relay cuts its host frame into the shards' even slices and puts the slices
   of the consensus back together; the rank still waits for the whole
   consensus. `floor_s_<H>h_<M>_s<H>` is the least such a round can take
   from the bytes its links carry in order (`sharded_floor_s`): about
   2H / (H + 1) x M / rate with even slices (the controller's shard takes its
   slice from H hosts, then sends it to H), under the bound, by a third at 2
-  hosts; more where whole chunks split unevenly. The model needs a chunk
-  (2^21 values) per shard: a case with fewer is null, the reason in
-  `why_null`.
+  hosts. The model needs a block (4096 values) per shard: a case with fewer
+  is null, the reason in `why_null`.
 - gloo (`gloo_s_<H>h_<M>`): torch.distributed's all_reduce (gloo, one process
   per host, its store on h1) of the same vector, and a divide, across the same
   shaped links.
@@ -191,13 +190,11 @@ def sharded_floor_s(shards: ShardMap, params: int, rate_bps: float) -> float:
     on a host takes (H - 1) s_k in through its link, then sends as much out, 2 (H - 1) s_k in all; the
     controller's shard 2 H s_0. And a host's link carries M + (H - 2) s_k each way (its frame's other
     slices out, its shard's slice of the consensus to the H - 1 other relays). With even slices the
-    controller's 2 H / (H + 1) x M is the most: under the bound's 2M, by a third at 2 hosts. Slices are
-    whole chunks: 25M (12 chunks) over 9 shards gives three hosts 2 chunks, 2 x 7 x 16.8 MB: 1.17x the bound.
+    controller's 2 H / (H + 1) x M is the most: under the bound's 2M, by a third at 2 hosts. Slices are even
+    to a block of 4096 values (PROTOCOL.md 10.9 item 2; before version 9 whole chunks: 25M over 9 shards gave
+    three hosts 2 of its 12 chunks, 2 x 7 x 16.8 MB, 1.17x the bound).
     """
-    from flodl_zmq.wire_format import chunks
-
-    lengths = [b - a for a, b in chunks(params)]
-    sizes = [4 * sum(lengths[i] for i in r) for r in shards.ranges(len(lengths))]
+    sizes = [4 * len(r) for r in shards.ranges(params)]
     hosts = len(shards.hosts)
     busiest = max([2 * hosts * sizes[0]]
                   + [max(2 * (hosts - 1) * s, 4 * params + (hosts - 2) * s) for s in sizes[1:]])
@@ -205,12 +202,11 @@ def sharded_floor_s(shards: ShardMap, params: int, rate_bps: float) -> float:
 
 
 def why_not_sharded(shards: ShardMap, params: int) -> str | None:
-    """Why a model of `params` f32 values cannot be cut between `shards` (a chunk each at least), or None."""
+    """Why a model of `params` f32 values cannot be cut between `shards` (a block each at least), or None."""
     from flodl_zmq.errors import ConfigError
-    from flodl_zmq.wire_format import chunks
 
     try:
-        shards.ranges(len(chunks(params)))
+        shards.ranges(params)
     except ConfigError as exc:
         return str(exc)
     return None

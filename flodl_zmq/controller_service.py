@@ -69,7 +69,7 @@ import zmq
 from flodl_zmq import bundle, environment
 from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
 from flodl_zmq.control_router import ControlRouter
-from flodl_zmq.controller_shards import ConsensusCopies, shard_lost, slice_sizes
+from flodl_zmq.controller_shards import ConsensusCopies, shard_cut, shard_lost
 from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.liveness import RankState, stop_hint
 from flodl_zmq.coordinator.outputs import (
@@ -154,7 +154,7 @@ class ControllerService:
         self.outer = resumed.outer_optimizer(job, self.kept.consensus, parameter_count(self.model))
         self.shards = penv.settings.shard_map
         # Refused before a socket binds: what a sharded run does not run yet (its slices' frames otherwise).
-        self.slice_sizes = None if self.shards.count == 1 else slice_sizes(
+        self.shard_cut = None if self.shards.count == 1 else shard_cut(
             self.shards, self.world, self.kept.consensus.size, job.wire, outer=self.outer is not None)
         self.config = coordinator_config(job)
         self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resumed.coordinator)
@@ -203,7 +203,7 @@ class ControllerService:
         ctx = controller_context()
         reducer = self._reducer(ctx)
         control = self._control_socket(ctx)
-        copies = ConsensusCopies(ctx, self.router.codec, self.kept.keep, self.counts, self.slice_sizes)
+        copies = ConsensusCopies(ctx, self.router.codec, self.kept.keep, self.counts, self.shard_cut)
         t0 = time.perf_counter()
         status_server = None
         try:

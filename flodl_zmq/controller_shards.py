@@ -11,7 +11,7 @@ the next whole round replaces it, and a checkpoint waits until the kept round
 is again the one the coordinator counted finished (`Keeper.consistent`).
 
 What no slice alone can run (the outer step, whose state is the whole
-model's) `slice_sizes` refuses before a socket binds; a shard's host lost
+model's) `shard_cut` refuses before a socket binds; a shard's host lost
 mid-run ends the run (`shard_lost`): no other process holds its slice.
 """
 
@@ -26,10 +26,10 @@ import zmq
 
 from flodl_zmq.errors import AttributionError, ConfigError, ProtocolError, TrainingError, WireError
 from flodl_zmq.links import drain, from_reducer, keep_alive, limit_receive
-from flodl_zmq.shards import SETTING, Assembly, ShardMap, slice_frames
+from flodl_zmq.shards import SETTING, Assembly, Cut, ShardMap
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
-from flodl_zmq.wire_format import WireFormat, chunks
+from flodl_zmq.wire_format import WireFormat
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,8 @@ def check_sharded(curve: bool, open_admission: bool) -> None:
                           "FLODL_SHARDS")
 
 
-def slice_sizes(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: WireFormat, *, outer: bool) -> list[int]:
-    """The payload frames of each shard's slice of a round; a ConfigError for what a sharded run does not run yet.
+def shard_cut(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: WireFormat, *, outer: bool) -> Cut:
+    """How each round's payload is cut between the shards; a ConfigError for what a sharded run does not run yet.
 
     What works per slice runs sharded: sums, int8 (each shard's error feedback
     is over its own positions), a median or trimmed mean (coordinate-wise),
@@ -61,41 +61,41 @@ def slice_sizes(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: Wir
     from).
     """
     shards.check_world(list(hosts))
-    ranges = shards.ranges(len(chunks(n_values)))
+    cut = Cut.of(shards, n_values, wire.frames_per_chunk)
     if outer:
         raise ConfigError(f"{SETTING} (FLODL_SHARDS={shards}): a sharded run does not support an outer step (Trainer "
                           "outer=...): the controller's reducer holds the outer state of the whole model; use "
                           "outer='none', or unset FLODL_SHARDS for one reducer")
-    return slice_frames(ranges, wire.frames_per_chunk)
+    return cut
 
 
 def shard_lost(shards: ShardMap, host: str, what: str) -> TrainingError | None:
     """The run's end when `host`, whose relay ran a reducer shard, is gone (`what` happened), else None.
 
-    No other process holds that shard's chunks of the consensus, so every later round would wait
+    No other process holds that shard's slice of the consensus, so every later round would wait
     for them for ever: the run stops at once, naming the shard (PROTOCOL.md 10.9 item 9).
     """
     k = shards.shard_of(host)
     if k is None:
         return None
     return TrainingError(f"reducer shard {k} ran in the relay of host {host}, which {what}: no other process holds "
-                         "its chunks of the consensus, so the run stops (this version re-homes no shard); start the "
+                         "its slice of the consensus, so the run stops (this version re-homes no shard); start the "
                          "run again, or without FLODL_SHARDS")
 
 
 class ConsensusCopies:
     """The controller's SUB to each shard's PUB (shard 0: its reducer's, in process), fed to its `keep`.
 
-    `sizes`: each shard's slice frames (`slice_sizes`), None with one shard,
-    whose consensus is kept as it comes. One thread: the controller's loop,
+    `cut`: how a round is cut between the shards (`shard_cut`), None with one
+    shard, whose consensus is kept as it comes. One thread: the controller's loop,
     which polls `sockets` and hands its events to `read`.
     """
 
     def __init__(self, ctx: zmq.Context, codec: Codec, keep: Callable[[rec.Consensus, list[Any]], None],
-                 counts: collections.Counter[str], sizes: list[int] | None = None) -> None:
+                 counts: collections.Counter[str], cut: Cut | None = None) -> None:
         self.codec, self.keep, self.counts = codec, keep, counts
-        self.assembly = None if sizes is None else Assembly(sizes)
-        self.sockets = [ctx.socket(zmq.SUB) for _ in range(1 if sizes is None else len(sizes))]
+        self.assembly = None if cut is None else Assembly(cut)
+        self.sockets = [ctx.socket(zmq.SUB) for _ in range(1 if cut is None else len(cut.parts))]
         for sub in self.sockets:
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.setsockopt(zmq.LINGER, 0)
@@ -106,7 +106,7 @@ class ConsensusCopies:
         self.sockets[0].connect(local_bcast)
         for k, sub in enumerate(self.sockets[1:], start=1):
             bcast = shards.endpoints(k)[1]
-            limit_receive(sub, max_frame_bytes)  # a slice's frames are the model's chunks, none longer
+            limit_receive(sub, max_frame_bytes)  # a slice's frames are parts of the model's chunks, none longer
             keep_alive(sub, bcast, heartbeat_s, silence_s)
             sub.connect(bcast)
 

@@ -547,7 +547,7 @@ def run_relay(penv: ProcessEnv, wire: WireFormat | None = None) -> int:
             watch_lifeline(penv.lifeline_fd, relay.orphan)
         ranks = set(cfg.ranks)
         while not relay.wait(0.2):
-            # A host's shard reduces every host's chunks: its relay stays until no rank of the run is left,
+            # A host's shard reduces every host's slice: its relay stays until no rank of the run is left,
             # or its agent is gone (the run then loses the shard with the host).
             if ranks <= relay.fold.dead and (relay.orphaned or relay.shard is None or not relay.shard.serving()):
                 # Give the last goodbye and any shipped frame time to leave before closing.

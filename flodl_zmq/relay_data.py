@@ -42,7 +42,7 @@ from flodl_zmq.reducer_service import HostRefused, ReducerService
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.relay_core import ConsensusWatch, HelloRetry, SendQueue
 from flodl_zmq.service_loop import ServiceLoop
-from flodl_zmq.shards import Assembly, slice_frames, slice_of
+from flodl_zmq.shards import Assembly, Cut
 from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
     RESUME_ROUND,
@@ -149,7 +149,7 @@ class QueuedSend:
 class Upstream:
     """One reducer shard's link (shard 0: the controller's reducer; more with FLODL_SHARDS, shards.py).
 
-    Each shard gets its chunks of every host frame on its own DEALER and
+    Each shard gets its slice of every host frame on its own DEALER and
     publishes its slice of the consensus on its own PUB; each link keeps what
     one reducer's always did: its records queued in order, its hello, and a
     watch that asks again for a slice that did not come (PROTOCOL.md 10.3,
@@ -195,9 +195,9 @@ class DataPlane(Plane):
         except ShmError as exc:
             self.shm_unusable(exc)
         self.by_reference: set[int] = set()  # ranks that deposit by reference
-        # Each shard's chunks of the host frame (shards.py), known from the first one shipped; and the
+        # How a host frame is cut between the shards (shards.py), known from the first one shipped; and the
         # shards' consensus slices put together, round by round. One shard: the reducer's own message.
-        self.ranges: list[range] | None = None
+        self.cut: Cut | None = None
         self.assembly: Assembly | None = None
         # Kept for a resend after a reset: the host frame awaiting its consensus, and the last
         # consensus delivered (by reference while the host segment still holds it, and framed
@@ -497,7 +497,7 @@ class DataPlane(Plane):
         self.send_host_frames(held, [link])
 
     def send_host_frames(self, fold: HostFold, links: Sequence[Upstream]) -> None:
-        """The round's HostFrame, to each of `links` its shard's chunks: the host's sum, or under a robust
+        """The round's HostFrame, to each of `links` its shard's slice: the host's sum, or under a robust
         aggregation one per rank (PROTOCOL.md 9.5)."""
         for ranks, mass, tensors in fold.frames():
             payload = self.hop.send_on(tensors)
@@ -506,15 +506,16 @@ class DataPlane(Plane):
                              self.slice_for(link, payload), held=tensors)
 
     def slice_for(self, link: Upstream, payload: Sequence[Any]) -> Sequence[Any]:
-        """`link`'s shard's frames of a host frame's payload (one shard: all of it)."""
+        """`link`'s shard's frames of a host frame's payload (one shard: all of it): views, no copy."""
         if len(self.links) == 1:
             return payload
         assert self.hop.wire is not None  # the run's, or its first deposit's: it took that deposit before this
-        per_chunk = self.hop.wire.frames_per_chunk
-        if self.ranges is None:
-            self.ranges = self.cfg.shards.ranges(len(payload) // per_chunk)
-            self.assembly = Assembly(slice_frames(self.ranges, per_chunk))
-        return slice_of(payload, self.ranges[link.shard], per_chunk)
+        if self.cut is None:
+            per_chunk = self.hop.wire.frames_per_chunk
+            n_values = sum(len(values) for values in payload[::per_chunk])
+            self.cut = Cut.of(self.cfg.shards, n_values, per_chunk)
+            self.assembly = Assembly(self.cut)
+        return self.cut.slice_of(payload, link.shard)
 
     def consensus(self, link: Upstream, frames: list[zmq.Frame], where: str) -> None:
         """A broadcast-channel record of `link`'s shard, from its PUB or resent point to point: verify, then

@@ -1,4 +1,4 @@
-"""Sharded reduction (PROTOCOL.md 10.9): which shard reduces which chunks, and a consensus made whole again.
+"""Sharded reduction (PROTOCOL.md 10.9): which shard reduces which values, and a consensus made whole again.
 
 One reducer takes every host's whole frame in through its one link and sends
 the consensus out once per host through it again: 2 H M bytes a round (H
@@ -6,12 +6,13 @@ hosts, M model bytes), H times what a bandwidth-optimal all-reduce moves per
 host. With `shards` set (FLODL_SHARDS) the reduce is split by position, as
 BytePS places its summation servers: shard 0 is the controller's reducer, and
 each listed host runs one more reducer in its relay process. Shard k owns a
-contiguous run of the payload's chunks (PROTOCOL.md 3.4); a relay sends each
-shard only its chunks of the host frame, each shard reduces and publishes its
-chunks alone, and whoever needs the whole consensus (a relay for its ranks,
-the controller for its checkpoints) puts the shards' slices of one round
-together (`Assembly`). Every host link then carries about 2M a round whatever
-H is.
+contiguous, even share of the flat vector, cut at int8 blocks; a relay sends
+each shard only its values of the host frame (the parts of the payload's
+chunks inside them, PROTOCOL.md 3.4), each shard reduces and publishes its
+slice alone, and whoever needs the whole consensus (a relay for its ranks,
+the controller for its checkpoints) puts the shards' slices of one round back
+into chunks (`Assembly`, `Cut`). Every host link then carries about 2M a
+round whatever H is.
 
 Pure: no sockets, no clocks. The shards' services are reducer_service.py's.
 """
@@ -22,7 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from flodl_zmq import int8
 from flodl_zmq.errors import ConfigError, ProtocolError
+from flodl_zmq.wire_format import CHUNK_VALUES, chunks
 
 SETTING = "shards"
 
@@ -97,29 +102,88 @@ class ShardMap:
             raise ConfigError(f"{SETTING} lists {', '.join(unknown)}, not hosts of this world ({', '.join(sorted(hosts))}); "
                               "a shard runs in a host's relay, so name hosts that run one")
 
-    def ranges(self, n_chunks: int) -> list[range]:
-        """The chunks each shard owns, in shard order: contiguous, as even as whole chunks allow."""
-        if n_chunks < self.count:
-            raise ConfigError(f"{SETTING}: {self.count} shards for a model of {n_chunks} chunk(s) of 2^21 values: each "
-                              f"shard needs at least one; list at most {n_chunks - 1} host(s), or none for a model this "
-                              "small (one reducer carries it)")
-        cuts = [k * n_chunks // self.count for k in range(self.count + 1)]
+    def ranges(self, n_values: int) -> list[range]:
+        """The values each shard owns, in shard order: contiguous, as even as whole int8 blocks allow.
+
+        Cut at blocks of 4096 values (PROTOCOL.md 3.6), not at chunks: whole chunks split 12 over 9
+        shards gave three of them twice the others' slice, and their links set every round's pace.
+        """
+        n_blocks = int8.blocks(n_values)
+        if n_blocks < self.count:
+            raise ConfigError(f"{SETTING}: {self.count} shards for a model of {n_values} values ({n_blocks} block(s) "
+                              f"of {int8.BLOCK}): each shard needs at least one; list at most {n_blocks - 1} "
+                              "host(s), or none for a model this small (one reducer carries it)")
+        cuts = [min(n_values, k * n_blocks // self.count * int8.BLOCK) for k in range(self.count + 1)]
         return [range(a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
-def slice_frames(ranges: Sequence[range], per_chunk: int) -> list[int]:
-    """How many payload frames each shard's slice has: its chunks', `per_chunk` frames each (`Assembly`'s sizes)."""
-    return [len(r) * per_chunk for r in ranges]
+def parts(values: range) -> list[range]:
+    """The payload frames of a slice of `values`: the part of each chunk (PROTOCOL.md 3.4) inside it, in order."""
+    return [range(max(a, values.start), min(b, values.stop))
+            for a, b in chunks(values.stop) if b > values.start]
 
 
-def slice_of(payload: Sequence[Any], chunks: range, per_chunk: int) -> list[Any]:
-    """A shard's frames of a payload: its chunks' (`per_chunk` frames each: 2 under int8, values and scales)."""
-    return list(payload[chunks.start * per_chunk : chunks.stop * per_chunk])
+@dataclass(frozen=True)
+class Cut:
+    """A round's payload cut between the shards (PROTOCOL.md 10.9 item 2), and put back together.
+
+    `parts[k]`: the flat vector's ranges that shard k's payload frames hold,
+    one each (under int8 two: the part's values, then its blocks' scales).
+    """
+
+    parts: tuple[tuple[range, ...], ...]
+    per_chunk: int  # payload frames per chunk, and per part: 2 under int8
+
+    @classmethod
+    def of(cls, shards: ShardMap, n_values: int, per_chunk: int) -> Cut:
+        return cls(tuple(tuple(parts(r)) for r in shards.ranges(n_values)), per_chunk)
+
+    def frames(self, shard: int) -> int:
+        """How many payload frames shard `shard`'s slice has."""
+        return len(self.parts[shard]) * self.per_chunk
+
+    def slice_of(self, payload: Sequence[np.ndarray], shard: int) -> list[np.ndarray]:
+        """Shard `shard`'s frames of a payload in chunk layout: views of its parts, no copy."""
+        out = []
+        for part in self.parts[shard]:
+            chunk = part.start // CHUNK_VALUES
+            lo, hi = part.start - chunk * CHUNK_VALUES, part.stop - chunk * CHUNK_VALUES
+            out.append(payload[chunk * self.per_chunk][lo:hi])
+            if self.per_chunk == 2:  # the part starts on a block: its scales are the chunk's own
+                out.append(payload[chunk * 2 + 1][lo // int8.BLOCK : int8.blocks(hi)])
+        return out
+
+    def check(self, shard: int, payload: Sequence[np.ndarray]) -> str | None:
+        """What is wrong with `payload` as shard `shard`'s slice (its frames' count or lengths), or None."""
+        if len(payload) != self.frames(shard):
+            return f"has {len(payload)} payload frames, its parts {self.frames(shard)}"
+        for i, part in enumerate(self.parts[shard]):
+            frames = payload[i * self.per_chunk : (i + 1) * self.per_chunk]
+            want = [len(part)] + ([int8.blocks(len(part))] if self.per_chunk == 2 else [])
+            if [len(f) for f in frames] != want:
+                return (f"has frames of {[len(f) for f in frames]} elements for values {part.start} to {part.stop}, "
+                        f"which take {want}")
+        return None
+
+    def join(self, slices: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+        """The payload in chunk layout from every shard's slice, in shard order: a chunk cut between shards is
+        copied into one, a chunk inside one slice is passed on as it is."""
+        by_chunk: dict[int, list[Sequence[np.ndarray]]] = {}
+        for shard, payload in enumerate(slices):
+            for i, part in enumerate(self.parts[shard]):
+                by_chunk.setdefault(part.start // CHUNK_VALUES, []).append(
+                    payload[i * self.per_chunk : (i + 1) * self.per_chunk])
+        out: list[np.ndarray] = []
+        for chunk in sorted(by_chunk):
+            pieces = by_chunk[chunk]
+            for j in range(self.per_chunk):
+                out.append(pieces[0][j] if len(pieces) == 1 else np.concatenate([p[j] for p in pieces]))
+        return out
 
 
 @dataclass(frozen=True)
 class Whole:
-    """One round's consensus with every shard's slice in: `payload` in chunk order."""
+    """One round's consensus with every shard's slice in: `payload` in chunk layout."""
 
     round_id: int
     mass: float
@@ -135,28 +199,29 @@ class Assembly:
     with mass 0 and every rank keeps its own state (PROTOCOL.md 9.5).
     """
 
-    def __init__(self, sizes: Sequence[int]) -> None:
-        """`sizes`: how many payload frames each shard's slice has (its chunks times frames per chunk)."""
-        self.sizes = list(sizes)
+    def __init__(self, cut: Cut) -> None:
+        self.cut = cut
         self.last: int | None = None  # the newest round made whole
         self._parts: dict[int, dict[int, tuple[float, list[Any]]]] = {}
 
     def add(self, shard: int, round_id: int, mass: float, payload: Sequence[Any]) -> Whole | None:
         """Take `shard`'s slice of `round_id`; the whole round once this completes it (None for a stale one)."""
-        if not 0 <= shard < len(self.sizes):
-            raise ProtocolError(f"a consensus slice from shard {shard}, but the run has {len(self.sizes)} shards")
-        if len(payload) != self.sizes[shard]:
-            raise ProtocolError(f"shard {shard}'s slice of round {round_id} has {len(payload)} payload frames, "
-                                f"its chunks {self.sizes[shard]} (a shard of another shard map or model)")
+        shards = len(self.cut.parts)
+        if not 0 <= shard < shards:
+            raise ProtocolError(f"a consensus slice from shard {shard}, but the run has {shards} shards")
+        wrong = self.cut.check(shard, payload)
+        if wrong is not None:
+            raise ProtocolError(f"shard {shard}'s slice of round {round_id} {wrong} (a shard of another shard map "
+                                "or model)")
         if self.last is not None and round_id <= self.last:
             return None
         parts = self._parts.setdefault(round_id, {})
         parts[shard] = (float(mass), list(payload))
-        if len(parts) < len(self.sizes):
+        if len(parts) < shards:
             return None
         self.last = round_id
         for r in [r for r in self._parts if r <= round_id]:
             del self._parts[r]
-        masses = [parts[k][0] for k in range(len(self.sizes))]
+        masses = [parts[k][0] for k in range(shards)]
         mass = 0.0 if min(masses) == 0.0 else masses[0]
-        return Whole(round_id, mass, [f for k in range(len(self.sizes)) for f in parts[k][1]])
+        return Whole(round_id, mass, self.cut.join([parts[k][1] for k in range(shards)]))

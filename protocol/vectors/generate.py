@@ -1,8 +1,8 @@
 """Regenerate the wire test vectors: `records.json` (one accepted message per
 record kind and channel), `rejections.json` (one refused message per
 rejection cause), `windows.json` (arrival orders through the anti-replay
-window), `int8.json` (the int8 payload, PROTOCOL.md 3.6) and `shards.json` (the chunks each reducer
-shard owns, PROTOCOL.md 10.9).
+window), `int8.json` (the int8 payload, PROTOCOL.md 3.6) and `shards.json` (the values each reducer
+shard owns and its slice's frames, PROTOCOL.md 10.9).
 
     .venv/bin/python protocol/vectors/generate.py
 
@@ -1259,14 +1259,17 @@ def int8_vectors() -> list[dict[str, Any]]:
 
 
 def shard_vectors() -> list[dict[str, Any]]:
-    """The chunks each of S reducer shards owns, for payloads of C chunks (PROTOCOL.md 10.9)."""
-    from flodl_zmq.shards import ShardMap
+    """The values each of S reducer shards owns for a flat vector of n values, and its slice's frames (10.9)."""
+    from flodl_zmq.shards import ShardMap, parts
 
+    chunk = 1 << 21
     out = []
-    for chunks, shards in ((1, 1), (12, 1), (12, 2), (12, 9), (48, 9), (5, 3), (7, 7), (48, 5)):
+    for n, shards in ((100, 1), (12 * chunk, 1), (12 * chunk, 2), (12 * chunk, 9), (25_000_000, 9),
+                      (5 * chunk - 7, 3), (3 * 4096 - 100, 3), (chunk + 4096, 2), (48 * chunk, 5)):
         listed = ShardMap(tuple((f"h{k}", f"tcp://10.0.0.{k}:7400") for k in range(1, shards)))
-        out.append({"chunks": chunks, "shards": shards,
-                    "ranges": [[r.start, r.stop] for r in listed.ranges(chunks)]})
+        ranges = listed.ranges(n)
+        out.append({"values": n, "shards": shards, "ranges": [[r.start, r.stop] for r in ranges],
+                    "frames": [[[p.start, p.stop] for p in parts(r)] for r in ranges]})
     return out
 
 
@@ -1300,9 +1303,12 @@ def main() -> None:
             "vectors": int8_vectors(),
         },
         "shards.json": {
-            "about": "The chunks each reducer shard owns (PROTOCOL.md 10.9): of S shards, for a payload of C "
-            "chunks of 2^21 values (3.4), shard k (0: the controller's reducer) owns chunks floor(k*C/S) up to, "
-            "not including, floor((k+1)*C/S): `ranges[k]` is [start, stop).",
+            "about": "The values each reducer shard owns and the frames of its slice (PROTOCOL.md 10.9): of S "
+            "shards and a flat vector of n values in B = ceil(n / 4096) blocks, shard k (0: the controller's "
+            "reducer) owns values min(n, 4096*floor(k*B/S)) up to, not including, min(n, 4096*floor((k+1)*B/S)): "
+            "`ranges[k]` is [start, stop). Its slice of a payload is one frame per chunk of 2^21 values (3.4) "
+            "that meets its values, holding their intersection: `frames[k]` lists each frame's [start, stop) "
+            "of the flat vector (under int8 each is a values frame and its blocks' scales frame, 3.6).",
             "vectors": shard_vectors(),
         },
     }

@@ -31,8 +31,8 @@ def test_a_case_this_machine_cannot_hold_is_skipped_with_the_reason_and_half_the
 def test_topology_bench_prints_every_key_and_each_layout_is_no_faster_than_its_links_allow():
     if (why := unavailable()) is not None:
         pytest.skip(why)
-    # Lean: 2 hosts, one round, a 7M-parameter (28 MB) vector: 4 chunks of 2^21 values, enough for the
-    # sharded layout's 3 shards (the controller's and one per host); every case's keys come from the same code.
+    # Lean: 2 hosts, one round, a 7M-parameter (28 MB) vector, cut into the sharded layout's 3 shards (the
+    # controller's and one per host); every case's keys come from the same code.
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench/topology.py"), "--hosts", "2", "--sizes", "7M", "--rounds", "1",
          "--warmup", "0", "--json"],
@@ -48,25 +48,26 @@ def test_topology_bench_prints_every_key_and_each_layout_is_no_faster_than_its_l
     # Physical floors, not speed guesses. The one reducer takes both hosts' 28 MB frames in through its one
     # shaped link (2M bytes) before it can publish, so no round of that layout beats the bound.
     assert figures["round_s_2h_7M_s1"] >= figures["bound_s_2h_7M"], figures
-    # Sharded (3 shards): the controller's shard takes its 8.4 MB slice from both hosts, then sends it to
-    # both, 33.5 MB through its link in order: two thirds of the bound.
+    # Sharded (3 shards): the controller's shard takes its slice (569 of the 1,709 blocks of 4096 values,
+    # 9.3 MB) from both hosts, then sends it to both, 37 MB through its link in order: under the bound.
     assert figures["round_s_2h_7M_s2"] is not None, figures["why_null"]
-    assert figures["floor_s_2h_7M_s2"] == pytest.approx(4 * 2**21 * 4 * 8 / 1e9)
+    assert figures["floor_s_2h_7M_s2"] == pytest.approx(4 * 569 * 4096 * 4 * 8 / 1e9)
     assert figures["round_s_2h_7M_s2"] >= figures["floor_s_2h_7M_s2"], figures
 
 
-def test_a_model_of_fewer_chunks_than_shards_is_not_sharded_and_the_reason_says_so():
+def test_a_model_of_fewer_blocks_than_shards_is_not_sharded_and_the_reason_says_so():
     shards = topology.shard_map({"h1": "10.0.0.2", "h2": "10.0.0.3"})
     assert str(shards) == "h1=tcp://10.0.0.2:7400,h2=tcp://10.0.0.3:7400"
-    assert topology.why_not_sharded(shards, 3 * 2**21) is None  # 3 chunks, 3 shards
-    why = topology.why_not_sharded(shards, 2 * 2**21)
-    assert why is not None and "3 shards for a model of 2 chunk(s)" in why
+    assert topology.why_not_sharded(shards, 3 * 4096) is None  # 3 blocks, 3 shards
+    why = topology.why_not_sharded(shards, 2 * 4096)
+    assert why is not None and "3 shards for a model of 8192 values (2 block(s)" in why
 
 
-def test_a_sharded_rounds_floor_is_its_busiest_links_bytes_whole_chunks_included():
+def test_a_sharded_rounds_floor_is_its_busiest_links_bytes():
     eight = topology.shard_map({f"h{i}": f"10.0.0.{i}" for i in range(1, 9)})
-    # 25M is 12 chunks over 9 shards: h2, h5 and h8 own 2 chunks (16.8 MB), which each takes in from the 7
-    # other hosts before it sends it out to them: 2 x 7 x 16.8 MB through one link, over the bound's 2M.
+    # 25M over 9 even shards of 678 or 679 blocks: the controller's shard takes its 678 blocks (11.1 MB) in
+    # from all 8 hosts before it sends them out to them, 2 x 8 x 11.1 MB through one link: under the bound's
+    # 2M by 2H / (H + 1). (Whole chunks, before protocol 9, gave three hosts 2 of the 12: 1.88 s, over it.)
     floor = topology.sharded_floor_s(eight, 25_000_000, 1e9)
-    assert floor == pytest.approx(2 * 7 * 2 * 2**21 * 4 * 8 / 1e9)
-    assert floor > topology.bound_s(25_000_000, 1e9)
+    assert floor == pytest.approx(2 * 8 * 678 * 4096 * 4 * 8 / 1e9)
+    assert floor == pytest.approx(topology.bound_s(25_000_000, 1e9) * 8 / 9, rel=2e-3)

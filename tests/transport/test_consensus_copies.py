@@ -11,9 +11,10 @@ import pytest
 import zmq
 
 from flodl_zmq.controller_shards import ConsensusCopies
+from flodl_zmq.int8 import BLOCK
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import data_max_frame_bytes, reducer_sender
-from flodl_zmq.shards import ShardMap
+from flodl_zmq.shards import Cut, ShardMap
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import Consensus, Probe
 
@@ -38,9 +39,11 @@ class Rig:
             pub.bind(LOCAL if k == 0 else self.shards.endpoints(k)[1])
         self.kept: list[tuple[Consensus, list[np.ndarray]]] = []
         self.counts: collections.Counter[str] = collections.Counter()
-        sizes = None if hosts == 0 else [len(r) for r in self.shards.ranges(2 * self.shards.count)]
+        # Two blocks of values a shard: every slice is one part of the model's one chunk.
+        self.cut = None if hosts == 0 else Cut.of(self.shards, 2 * BLOCK * self.shards.count, 1)
         self.copies = ConsensusCopies(self.ctx, Codec(key, incarnation, "coordinator"),
-                                      lambda r, p: self.kept.append((r, [np.array(f) for f in p])), self.counts, sizes)
+                                      lambda r, p: self.kept.append((r, [np.array(f) for f in p])), self.counts,
+                                      self.cut)
         self.copies.connect(LOCAL, self.shards, data_max_frame_bytes(1 << 20), 1.0, 8.0)
         self.poller = zmq.Poller()
         for sub in self.copies.sockets:
@@ -67,15 +70,26 @@ class Rig:
         while not pred():
             assert time.monotonic() < deadline, "timed out"
 
-    def publish(self, shard: int, round_id: int, mass: float, *values: float) -> None:
-        payload = [np.full(4, v, np.float32) for v in values]
+    def slice(self, shard: int, value: float) -> list[np.ndarray]:
+        """`shard`'s slice of a consensus holding `value` throughout (one shard: a frame of 4 values)."""
+        lengths = [4] if self.cut is None else [len(part) for part in self.cut.parts[shard]]
+        return [np.full(n, value, np.float32) for n in lengths]
+
+    def publish(self, shard: int, round_id: int, mass: float, value: float,
+                payload: list[np.ndarray] | None = None) -> None:
+        payload = self.slice(shard, value) if payload is None else payload
         self.pubs[shard].send_multipart(self.codecs[shard].encode(Consensus(round_id, mass), payload,
                                                                 channel=Channel.BROADCAST))
 
     def kept_rounds(self, n: int) -> list[tuple[int, float, list[float]]]:
-        """Read until `n` consensus were kept: (round, mass, first value of each frame)."""
+        """Read until `n` consensus were kept: (round, mass, the value of each shard's slice in the kept model)."""
         self._until(lambda: self._read() or len(self.kept) >= n)
-        return [(r.round, r.mass, [float(f[0]) for f in p]) for r, p in self.kept]
+        out = []
+        for r, payload in self.kept:
+            flat = np.concatenate(payload)
+            starts = [0] if self.cut is None else [parts[0].start for parts in self.cut.parts]
+            out.append((r.round, r.mass, [float(flat[a]) for a in starts]))
+        return out
 
     def close(self) -> None:
         self.copies.close()
@@ -93,45 +107,46 @@ def rig(request):
 
 @pytest.mark.parametrize("rig", [0], indirect=True)
 def test_with_one_shard_each_consensus_of_the_reducer_is_kept_as_it_comes(rig):
-    rig.publish(0, 1, 2.0, 1.0, 2.0)
-    rig.publish(0, 2, 2.0, 3.0, 4.0)
-    assert rig.kept_rounds(2) == [(1, 2.0, [1.0, 2.0]), (2, 2.0, [3.0, 4.0])]
+    rig.publish(0, 1, 2.0, 1.0)
+    rig.publish(0, 2, 2.0, 3.0)
+    assert rig.kept_rounds(2) == [(1, 2.0, [1.0]), (2, 2.0, [3.0])]
 
 
 @pytest.mark.parametrize("rig", [2], indirect=True)
 def test_a_sharded_round_is_kept_whole_in_chunk_order_once_every_shard_published_its_slice(rig):
-    # 6 chunks over 3 shards: 2 frames a slice; the host shards' slices arrive first, over tcp.
-    rig.publish(2, 1, 4.0, 5.0, 6.0)
-    rig.publish(1, 1, 4.0, 3.0, 4.0)
-    rig.publish(0, 1, 4.0, 1.0, 2.0)
-    assert rig.kept_rounds(1) == [(1, 4.0, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])]
+    # One chunk cut between 3 shards; the host shards' slices arrive first, over tcp.
+    rig.publish(2, 1, 4.0, 3.0)
+    rig.publish(1, 1, 4.0, 2.0)
+    rig.publish(0, 1, 4.0, 1.0)
+    assert rig.kept_rounds(1) == [(1, 4.0, [1.0, 2.0, 3.0])]
+    assert [f.size for f in rig.kept[0][1]] == [6 * BLOCK]  # the model's one chunk, as a rank's payload has it
 
 
 @pytest.mark.parametrize("rig", [1], indirect=True)
 def test_a_round_whose_slice_the_controller_missed_is_not_kept_and_the_next_whole_one_is(rig):
-    rig.publish(0, 1, 2.0, 1.0, 1.0)
-    rig.publish(1, 1, 2.0, 1.0, 1.0)
-    rig.publish(1, 2, 2.0, 2.0, 2.0)  # shard 0's slice of round 2 never came (a PUB drop)
-    rig.publish(0, 3, 2.0, 3.0, 3.0)
-    rig.publish(1, 3, 2.0, 3.0, 3.0)
+    rig.publish(0, 1, 2.0, 1.0)
+    rig.publish(1, 1, 2.0, 1.0)
+    rig.publish(1, 2, 2.0, 2.0)  # shard 0's slice of round 2 never came (a PUB drop)
+    rig.publish(0, 3, 2.0, 3.0)
+    rig.publish(1, 3, 2.0, 3.0)
     assert [r for r, _, _ in rig.kept_rounds(2)] == [1, 3]  # the kept model stayed at round 1 until round 3
 
 
 @pytest.mark.parametrize("rig", [1], indirect=True)
 def test_a_slice_of_another_size_is_refused_and_counted_not_kept(rig):
-    rig.publish(1, 1, 2.0, 1.0)  # one frame where shard 1 owns two chunks: another map or model
-    rig.publish(0, 2, 2.0, 1.0, 2.0)
-    rig.publish(1, 2, 2.0, 3.0, 4.0)
-    assert rig.kept_rounds(1) == [(2, 2.0, [1.0, 2.0, 3.0, 4.0])]
+    rig.publish(1, 1, 2.0, 1.0, [np.full(BLOCK, 1.0, np.float32)])  # half of shard 1's values: another map or model
+    rig.publish(0, 2, 2.0, 1.0)
+    rig.publish(1, 2, 2.0, 3.0)
+    assert rig.kept_rounds(1) == [(2, 2.0, [1.0, 3.0])]
     assert rig.counts["rejected.bcast"] == 1
 
 
 @pytest.mark.parametrize("rig", [1], indirect=True)
 def test_a_slice_signed_as_another_shard_is_refused_each_shard_speaks_for_its_own_chunks(rig):
     # Shard 0's name on shard 1's PUB (a replayed or misdirected slice): attribution refuses it.
-    rig.pubs[1].send_multipart(rig.codecs[0].encode(Consensus(1, 2.0), [np.full(4, 9.0, np.float32)] * 2,
+    rig.pubs[1].send_multipart(rig.codecs[0].encode(Consensus(1, 2.0), rig.slice(1, 9.0),
                                                     channel=Channel.BROADCAST))
-    rig.publish(0, 1, 2.0, 1.0, 2.0)
-    rig.publish(1, 1, 2.0, 3.0, 4.0)
-    assert rig.kept_rounds(1) == [(1, 2.0, [1.0, 2.0, 3.0, 4.0])]
+    rig.publish(0, 1, 2.0, 1.0)
+    rig.publish(1, 1, 2.0, 3.0)
+    assert rig.kept_rounds(1) == [(1, 2.0, [1.0, 3.0])]
     assert rig.counts["forged_route.bcast"] == 1

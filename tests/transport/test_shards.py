@@ -1,5 +1,5 @@
 """Sharded reduction over real sockets in one process (PROTOCOL.md 10.9): the controller's reducer and a
-shard in each of two relays, four scripted ranks; each shard reduces its chunks, every rank gets the whole."""
+shard in each of two relays, four scripted ranks; each shard reduces its slice, every rank gets the whole."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from .test_round import HOSTS, MASS, check_consensus
 
 pytestmark = pytest.mark.timeout(60)
 
-SIZES = (300, 200, 100, 50, 7)  # five payload frames: the controller's shard gets one, each host's two
+# One chunk (PROTOCOL.md 3.4) of 4 blocks, the last short: cut between the 3 shards, a block or so each.
+SIZES = (3 * 4096 + 7,)
 
 
 def free_port_pair() -> int:
@@ -99,7 +100,7 @@ def sharded(request, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_three_shards_each_reduce_their_chunks_and_every_rank_gets_the_whole_weighted_mean(sharded, dtype):
+def test_three_shards_each_reduce_their_slice_and_every_rank_gets_the_whole_weighted_mean(sharded, dtype):
     for round_id in (1, 2, 3):
         contribs = sharded.round(round_id, dtype)
         for rank in sharded.ranks.values():
@@ -109,10 +110,10 @@ def test_three_shards_each_reduce_their_chunks_and_every_rank_gets_the_whole_wei
             check_consensus(env, contribs, dtype)
         out = sharded.reducer.completed.get(timeout=WAIT_S)
         assert (out.round_id, out.hosts) == (round_id, ("a", "b"))
-    # Each shard summed its own chunks only: the controller's one frame of five, each host's two.
-    assert [t.size for t in sharded.reducer.ledger.latest.tensors] == [300]
-    assert [t.size for t in sharded.relays["a"].shard.ledger.latest.tensors] == [200, 100]
-    assert [t.size for t in sharded.relays["b"].shard.ledger.latest.tensors] == [50, 7]
+    # Each shard summed its own values only, a part of the one chunk each: a block, a block, and the rest.
+    assert [t.size for t in sharded.reducer.ledger.latest.tensors] == [4096]
+    assert [t.size for t in sharded.relays["a"].shard.ledger.latest.tensors] == [4096]
+    assert [t.size for t in sharded.relays["b"].shard.ledger.latest.tensors] == [4103]
 
 
 def test_a_slice_a_host_shard_failed_to_broadcast_is_asked_for_and_the_round_completes(sharded):

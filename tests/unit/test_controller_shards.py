@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 from flodl_zmq import cli, launch
 from flodl_zmq.controller import ControllerOptions
 from flodl_zmq.controller_service import ControllerService
-from flodl_zmq.controller_shards import check_sharded, slice_sizes
+from flodl_zmq.controller_shards import check_sharded, shard_cut
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import CHILD_SCOPES, ProcessEnv
 from flodl_zmq.errors import ConfigError
@@ -32,24 +32,25 @@ HOSTS = ("h0", "h1", "h2")
 
 def sizes(shards: ShardMap = TWO, hosts: tuple[str, ...] = HOSTS, n_values: int = 5 * CHUNK_VALUES, wire=F32,
           **kw: Any) -> list[int]:
-    return slice_sizes(shards, hosts, n_values, wire, **{"outer": False, **kw})
+    cut = shard_cut(shards, hosts, n_values, wire, **{"outer": False, **kw})
+    return [cut.frames(k) for k in range(len(cut.parts))]
 
 
 @pytest.mark.parametrize("wire", [F32, BF16], ids=["f32", "bf16"])
-def test_each_shard_expects_the_frames_of_its_own_chunks(wire):
-    # 5 chunks (the last one short) over 3 shards: 1, 2 and 2 chunks, one frame each.
-    assert sizes(n_values=5 * CHUNK_VALUES - 7, wire=wire) == [1, 2, 2]
+def test_each_shard_expects_a_frame_for_each_chunk_its_values_meet(wire):
+    # 5 chunks (the last one short) over 3 shards, a third of the values each: chunks 0-1, 1-3 and 3-4.
+    assert sizes(n_values=5 * CHUNK_VALUES - 7, wire=wire) == [2, 3, 2]
 
 
-def test_under_int8_a_shard_expects_both_frames_of_each_of_its_chunks():
-    assert sizes(n_values=5 * CHUNK_VALUES - 7, wire=INT8) == [2, 4, 4]
+def test_under_int8_a_shard_expects_values_and_scales_for_each_part():
+    assert sizes(n_values=5 * CHUNK_VALUES - 7, wire=INT8) == [4, 6, 4]
 
 
 @pytest.mark.parametrize(("kw", "named"), [
     ({"hosts": ("h0", "h1")}, r"lists h2, not hosts of this world \(h0, h1\)"),
-    ({"n_values": 2 * CHUNK_VALUES}, r"3 shards for a model of 2 chunk\(s\).*list at most 1 host"),
+    ({"n_values": 8000}, r"3 shards for a model of 8000 values \(2 block\(s\) of 4096\).*list at most 1 host"),
     ({"outer": True}, r"does not support an outer step .*use outer='none'"),
-], ids=["host-not-in-world", "fewer-chunks-than-shards", "outer-step"])
+], ids=["host-not-in-world", "fewer-blocks-than-shards", "outer-step"])
 def test_a_sharded_run_refuses_what_it_does_not_run_yet_naming_the_cause_and_the_fix(kw, named):
     with pytest.raises(ConfigError, match=named) as err:
         sizes(**kw)
@@ -64,11 +65,11 @@ def _job(**kw: Any) -> Job:
 
 
 def test_the_controller_refuses_a_sharded_run_of_a_model_too_small_before_it_binds_anything():
-    # A 4-value model is one chunk: a second shard would have nothing to reduce and wait forever.
+    # A 4-value model is one block: a second shard would have nothing to reduce and wait forever.
     penv = ProcessEnv(role="controller", controller=ControllerAddress("127.0.0.1", 7300), key=bytes(32),
                       run_id=bytes(16), incarnation=bytes(16), world={"a": (0,), "b": (1,)},
                       settings=Settings(shards="b=tcp://127.0.0.1:7400"), route_secret=bytes(32))
-    with pytest.raises(ConfigError, match=r"2 shards for a model of 1 chunk"):
+    with pytest.raises(ConfigError, match=r"2 shards for a model of 4 values \(1 block"):
         ControllerService(_job(), penv)
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from flodl_zmq import int8
 from flodl_zmq.errors import ConfigError, ProtocolError
-from flodl_zmq.shards import Assembly, ShardMap, slice_of
+from flodl_zmq.shards import Assembly, Cut, ShardMap, parts
+from flodl_zmq.wire_format import CHUNK_VALUES, F32, INT8
 
 VECTORS = json.loads((Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "shards.json").read_text())
 
@@ -43,51 +46,108 @@ def test_a_map_naming_a_host_outside_the_world_is_refused():
         ShardMap.parse("h9=tcp://10.0.0.9:7400").check_world(["h1", "h2"])
 
 
-@pytest.mark.parametrize("case", VECTORS["vectors"], ids=lambda c: f"{c['chunks']}c-{c['shards']}s")
-def test_chunks_split_into_contiguous_runs_as_the_spec_vectors_say(case):
-    m = ShardMap(tuple((f"h{k}", f"tcp://10.0.0.{k}:7400") for k in range(1, case["shards"])))
-    got = m.ranges(case["chunks"])
+def listed(shards: int) -> ShardMap:
+    return ShardMap(tuple((f"h{k}", f"tcp://10.0.0.{k}:7400") for k in range(1, shards)))
+
+
+@pytest.mark.parametrize("case", VECTORS["vectors"], ids=lambda c: f"{c['values']}v-{c['shards']}s")
+def test_values_split_into_even_contiguous_runs_cut_at_chunks_into_frames_as_the_spec_vectors_say(case):
+    got = listed(case["shards"]).ranges(case["values"])
     assert [[r.start, r.stop] for r in got] == case["ranges"]
-    assert sum(len(r) for r in got) == case["chunks"] and all(len(r) >= 1 for r in got)
+    assert [[[p.start, p.stop] for p in parts(r)] for r in got] == case["frames"]
+    assert got[0].start == 0 and got[-1].stop == case["values"]
+    assert all(a.stop == b.start for a, b in zip(got, got[1:], strict=False))
+    sizes = [len(r) for r in got]
+    assert max(sizes) - min(sizes) <= int8.BLOCK  # whole blocks apart at most (the last one may be short)
+    assert all(len(p) <= CHUNK_VALUES and p.start // CHUNK_VALUES == (p.stop - 1) // CHUNK_VALUES
+               for r in got for p in parts(r))  # no frame crosses a chunk or outgrows one
 
 
-def test_more_shards_than_chunks_is_refused_with_the_fix():
-    with pytest.raises(ConfigError, match="3 shards for a model of 2 chunk"):
-        ShardMap.parse("a=tcp://1.2.3.4:1000,b=tcp://1.2.3.5:1000").ranges(2)
+def test_twelve_chunks_over_nine_shards_are_within_a_block_of_each_other_where_whole_chunks_gave_some_twice():
+    sizes = [len(r) for r in listed(9).ranges(12 * CHUNK_VALUES)]
+    assert max(sizes) / min(sizes) < 1.002
 
 
-def test_a_slice_is_its_chunks_frames_two_each_under_int8():
-    payload = list(range(10))
-    assert slice_of(payload, range(1, 3), 1) == [1, 2]
-    assert slice_of(payload, range(1, 3), 2) == [2, 3, 4, 5]
+def test_more_shards_than_blocks_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"3 shards for a model of 8000 values \(2 block\(s\) of 4096\).*at most 1"):
+        ShardMap.parse("a=tcp://1.2.3.4:1000,b=tcp://1.2.3.5:1000").ranges(8000)
 
 
-def test_a_round_is_whole_once_every_shard_is_in_in_shard_order_whatever_order_they_came():
-    a = Assembly([1, 2, 1])
-    assert a.add(2, 5, 3.0, ["c"]) is None
-    assert a.add(0, 5, 3.0, ["a"]) is None
-    whole = a.add(1, 5, 3.0, ["b1", "b2"])
-    assert (whole.round_id, whole.mass, whole.payload) == (5, 3.0, ["a", "b1", "b2", "c"])
+def flat_payload(wire, n: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """A flat vector of n distinct values and its payload in chunk layout (int8: values and scales)."""
+    values = np.arange(n, dtype=np.float32)
+    if wire is INT8:
+        q, scales = np.arange(n).astype(np.int8), np.arange(int8.blocks(n), dtype=np.float32)
+        return values, wire.cut(q, scales)
+    return values, wire.cut(values)
+
+
+@pytest.mark.parametrize("wire", [F32, INT8], ids=["f32", "int8"])
+def test_slices_are_views_of_each_shards_values_and_join_back_into_the_payload_chunk_for_chunk(wire):
+    n = 2 * CHUNK_VALUES + 3 * int8.BLOCK + 5  # three chunks, the last short, cut by 3 shards inside chunks
+    _, payload = flat_payload(wire, n)
+    cut = Cut.of(listed(3), n, wire.frames_per_chunk)
+    slices = [cut.slice_of(payload, k) for k in range(3)]
+    step = wire.frames_per_chunk
+    for k, piece in enumerate(slices):
+        assert cut.check(k, piece) is None
+        r = listed(3).ranges(n)[k]
+        assert np.array_equal(np.concatenate(piece[::step]), np.concatenate(payload[::step])[r.start : r.stop])
+        if wire is INT8:  # each part starts on a block: its scales are the flat vector's for its values
+            assert np.array_equal(np.concatenate(piece[1::2]),
+                                  np.concatenate(payload[1::2])[r.start // int8.BLOCK : int8.blocks(r.stop)])
+        assert all(any(np.shares_memory(f, p) for p in payload) for f in piece)
+    whole = cut.join(slices)
+    assert [f.dtype for f in whole] == [f.dtype for f in payload]
+    assert all(np.array_equal(a, b) for a, b in zip(whole, payload, strict=True))
+
+
+def test_a_chunk_inside_one_slice_is_passed_on_as_it_is_only_a_chunk_cut_between_shards_is_copied():
+    n = 4 * CHUNK_VALUES  # 2 shards: the boundary falls between chunks 1 and 2
+    _, payload = flat_payload(F32, n)
+    cut = Cut.of(listed(2), n, 1)
+    whole = cut.join([cut.slice_of(payload, k) for k in range(2)])
+    assert all(np.shares_memory(a, b) for a, b in zip(whole, payload, strict=True))
+
+
+def test_a_round_is_whole_once_every_shard_is_in_in_chunk_order_whatever_order_they_came():
+    n = 3 * int8.BLOCK  # one chunk, a block for each of 3 shards
+    a = Assembly(Cut.of(listed(3), n, 1))
+    block = [np.full(int8.BLOCK, float(k), np.float32) for k in range(3)]
+    assert a.add(2, 5, 3.0, [block[2]]) is None
+    assert a.add(0, 5, 3.0, [block[0]]) is None
+    whole = a.add(1, 5, 3.0, [block[1]])
+    assert (whole.round_id, whole.mass) == (5, 3.0)
+    assert len(whole.payload) == 1 and np.array_equal(whole.payload[0], np.concatenate(block))
+
+
+def two_blocks() -> tuple[Assembly, list[np.ndarray], list[np.ndarray]]:
+    """An Assembly of 2 shards owning a block each, and a slice for each."""
+    return (Assembly(Cut.of(listed(2), 2 * int8.BLOCK, 1)), [np.zeros(int8.BLOCK, np.float32)],
+            [np.ones(int8.BLOCK, np.float32)])
 
 
 def test_a_slice_of_a_round_older_than_the_last_whole_one_is_dropped_and_older_partial_rounds_are_forgotten():
-    a = Assembly([1, 1])
-    a.add(0, 1, 1.0, ["x"])  # round 1 never completes
-    a.add(0, 2, 1.0, ["a"])
-    assert a.add(1, 2, 1.0, ["b"]).round_id == 2
-    assert a.add(1, 1, 1.0, ["late"]) is None
-    assert a.add(1, 2, 1.0, ["again"]) is None
+    a, x, y = two_blocks()
+    a.add(0, 1, 1.0, x)  # round 1 never completes
+    a.add(0, 2, 1.0, x)
+    assert a.add(1, 2, 1.0, y).round_id == 2
+    assert a.add(1, 1, 1.0, y) is None
+    assert a.add(1, 2, 1.0, y) is None
 
 
 def test_a_slice_of_mass_zero_makes_the_round_keep_every_ranks_state():
-    a = Assembly([1, 1])
-    a.add(0, 1, 4.0, ["a"])
-    assert a.add(1, 1, 0.0, ["zeros"]).mass == 0.0
+    a, x, y = two_blocks()
+    a.add(0, 1, 4.0, x)
+    assert a.add(1, 1, 0.0, y).mass == 0.0
 
 
 def test_a_slice_of_another_layout_or_an_unknown_shard_is_a_protocol_violation():
-    a = Assembly([1, 2])
-    with pytest.raises(ProtocolError, match="shard 1's slice of round 3 has 1 payload frames, its chunks 2"):
-        a.add(1, 3, 1.0, ["only one"])
+    a, x, y = two_blocks()
+    with pytest.raises(ProtocolError, match="shard 1's slice of round 3 has 2 payload frames, its parts 1"):
+        a.add(1, 3, 1.0, y + y)
+    with pytest.raises(ProtocolError, match=r"shard 1's slice of round 3 has frames of \[4095\] elements for values "
+                                            r"4096 to 8192, which take \[4096\]"):
+        a.add(1, 3, 1.0, [y[0][1:]])
     with pytest.raises(ProtocolError, match="from shard 2, but the run has 2 shards"):
-        a.add(2, 3, 1.0, ["x"])
+        a.add(2, 3, 1.0, x)

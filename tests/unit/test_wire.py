@@ -337,11 +337,11 @@ REJECTIONS: list[tuple[str, Any, Channel, Limits | None, type[WireError], str]] 
     ),
     (
         "version",
-        lambda: forge(header(v=9)),
+        lambda: forge(header(v=PROTOCOL_VERSION + 1)),
         Channel.CONTROL,
         None,
         VersionError,
-        "protocol version 9",
+        f"protocol version {PROTOCOL_VERSION + 1}",
     ),
     (
         "version_true",
