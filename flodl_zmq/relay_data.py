@@ -463,9 +463,11 @@ class DataPlane(Plane):
     def shard_outcomes(self) -> None:
         """What became of this host's shard's rounds: only a failure of its service is this relay's business."""
         for outcome in self.shard.completed.drain():  # type: ignore[union-attr]
-            # A host it refused: that host's relay hears it (`declared_dead`) and reports its ranks gone.
-            if not isinstance(outcome, HostRefused) and outcome.abandoned is not None:
-                log.warning("relay %s: its reducer shard abandoned round %s: %s", self.cfg.host, outcome.round_id,
+            # A host it refused: that host's relay hears it (`declared_dead`) and reports its ranks gone. No
+            # round (None): every rank is gone, the run's normal end, which the shard logs itself.
+            lost = not isinstance(outcome, HostRefused) and outcome.abandoned is not None
+            if lost and outcome.round_id is not None:
+                log.warning("relay %s: its reducer shard abandoned round %d: %s", self.cfg.host, outcome.round_id,
                             outcome.abandoned)
             if self.shard.error is not None:  # type: ignore[union-attr]
                 self.fail(self.shard.error)  # type: ignore[union-attr]

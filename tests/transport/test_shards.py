@@ -157,6 +157,27 @@ def test_each_relay_takes_its_host_shards_outcomes_so_its_loop_sleeps_between_ro
     assert [len(shard.completed) for shard in shards] == [0, 0], "a relay left its shard's outcomes unread"
 
 
+def test_a_run_whose_ranks_all_left_ends_its_shards_without_a_warning(sharded, caplog):
+    # Every rank gone is the run's normal end: each shard closes its books ("no round open"), and a user
+    # reading the log of a run that went well must not find a relay warning that a round was abandoned.
+    sharded.round(1, "f32")
+    for rank in sharded.ranks.values():
+        rank.consensus()
+    shards = [relay.shard for relay in sharded.relays.values()]
+    with caplog.at_level("INFO"):
+        for rank in sharded.ranks:
+            sharded.reducer.declare_dead(rank)
+        deadline = time.monotonic() + WAIT_S
+        # The controller's reducer and both host shards end; then both relays take their shard's end.
+        while sum("no round open" in r.getMessage() for r in caplog.records) < 3 or any(
+                len(shard.completed) for shard in shards):
+            assert time.monotonic() < deadline, caplog.text[-2000:]
+            time.sleep(0.01)
+        for relay in sharded.relays.values():
+            relay.stop()  # its loop has logged all it will about the outcomes it took
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "abandoned" in r.getMessage()] == []
+
+
 def test_a_relay_whose_host_the_shard_map_lists_refuses_to_start_without_its_shard(tmp_path):
     eps = endpoints("ipc", tmp_path)
     shards = ShardMap((("a", "tcp://127.0.0.1:7400"),))
