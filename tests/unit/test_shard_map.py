@@ -73,19 +73,17 @@ def test_more_shards_than_blocks_is_refused_with_the_fix():
         ShardMap.parse("a=tcp://1.2.3.4:1000,b=tcp://1.2.3.5:1000").ranges(8000)
 
 
-def flat_payload(wire, n: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """A flat vector of n distinct values and its payload in chunk layout (int8: values and scales)."""
-    values = np.arange(n, dtype=np.float32)
+def flat_payload(wire, n: int) -> list[np.ndarray]:
+    """The payload, in chunk layout, of a flat vector of n distinct values (int8: values and scales)."""
     if wire is INT8:
-        q, scales = np.arange(n).astype(np.int8), np.arange(int8.blocks(n), dtype=np.float32)
-        return values, wire.cut(q, scales)
-    return values, wire.cut(values)
+        return wire.cut(np.arange(n).astype(np.int8), np.arange(int8.blocks(n), dtype=np.float32))
+    return wire.cut(np.arange(n, dtype=np.float32))
 
 
 @pytest.mark.parametrize("wire", [F32, INT8], ids=["f32", "int8"])
 def test_slices_are_views_of_each_shards_values_and_join_back_into_the_payload_chunk_for_chunk(wire):
     n = 2 * CHUNK_VALUES + 3 * int8.BLOCK + 5  # three chunks, the last short, cut by 3 shards inside chunks
-    _, payload = flat_payload(wire, n)
+    payload = flat_payload(wire, n)
     cut = Cut.of(listed(3), n, wire.frames_per_chunk)
     slices = [cut.slice_of(payload, k) for k in range(3)]
     step = wire.frames_per_chunk
@@ -104,7 +102,7 @@ def test_slices_are_views_of_each_shards_values_and_join_back_into_the_payload_c
 
 def test_a_chunk_inside_one_slice_is_passed_on_as_it_is_only_a_chunk_cut_between_shards_is_copied():
     n = 4 * CHUNK_VALUES  # 2 shards: the boundary falls between chunks 1 and 2
-    _, payload = flat_payload(F32, n)
+    payload = flat_payload(F32, n)
     cut = Cut.of(listed(2), n, 1)
     whole = cut.join([cut.slice_of(payload, k) for k in range(2)])
     assert all(np.shares_memory(a, b) for a, b in zip(whole, payload, strict=True))
