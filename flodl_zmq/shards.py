@@ -133,17 +133,23 @@ class Cut:
 
     parts: tuple[tuple[range, ...], ...]
     per_chunk: int  # payload frames per chunk, and per part: 2 under int8
+    n_values: int
 
     @classmethod
     def of(cls, shards: ShardMap, n_values: int, per_chunk: int) -> Cut:
-        return cls(tuple(tuple(parts(r)) for r in shards.ranges(n_values)), per_chunk)
+        return cls(tuple(tuple(parts(r)) for r in shards.ranges(n_values)), per_chunk, n_values)
 
     def frames(self, shard: int) -> int:
         """How many payload frames shard `shard`'s slice has."""
         return len(self.parts[shard]) * self.per_chunk
 
     def slice_of(self, payload: Sequence[np.ndarray], shard: int) -> list[np.ndarray]:
-        """Shard `shard`'s frames of a payload in chunk layout: views of its parts, no copy."""
+        """Shard `shard`'s frames of a payload in chunk layout: views of its parts, no copy; a ProtocolError for a
+        payload of another model (a host frame built from a rank's deposit of another size)."""
+        chunks_in = [len(values) for values in payload[:: self.per_chunk]]
+        if sum(chunks_in) != self.n_values or len(chunks_in) != len(chunks(self.n_values)):
+            raise ProtocolError(f"a payload of {sum(chunks_in)} values in {len(chunks_in)} chunks, where this run's "
+                                f"shards cut {self.n_values} values (ranks built with different models?)")
         out = []
         for part in self.parts[shard]:
             chunk = part.start // CHUNK_VALUES

@@ -108,6 +108,13 @@ def test_a_chunk_inside_one_slice_is_passed_on_as_it_is_only_a_chunk_cut_between
     assert all(np.shares_memory(a, b) for a, b in zip(whole, payload, strict=True))
 
 
+def test_a_payload_of_another_model_is_refused_not_cut_out_of_shape():
+    cut = Cut.of(listed(3), 3 * CHUNK_VALUES, 1)
+    with pytest.raises(ProtocolError, match=f"a payload of {2 * CHUNK_VALUES} values in 2 chunks, where this run's "
+                                            f"shards cut {3 * CHUNK_VALUES} values"):
+        cut.slice_of(flat_payload(F32, 2 * CHUNK_VALUES), 2)
+
+
 def test_a_round_is_whole_once_every_shard_is_in_in_chunk_order_whatever_order_they_came():
     n = 3 * int8.BLOCK  # one chunk, a block for each of 3 shards
     a = Assembly(Cut.of(listed(3), n, 1))
