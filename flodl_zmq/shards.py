@@ -165,10 +165,10 @@ class Cut:
             return f"has {len(payload)} payload frames, its parts {self.frames(shard)}"
         for i, part in enumerate(self.parts[shard]):
             frames = payload[i * self.per_chunk : (i + 1) * self.per_chunk]
-            want = [len(part)] + ([int8.blocks(len(part))] if self.per_chunk == 2 else [])
-            if [len(f) for f in frames] != want:
-                return (f"has frames of {[len(f) for f in frames]} elements for values {part.start} to {part.stop}, "
-                        f"which take {want}")
+            want = [(len(part),)] + ([(int8.blocks(len(part)),)] if self.per_chunk == 2 else [])
+            if [np.shape(f) for f in frames] != want:
+                return (f"has frames of shape {[np.shape(f) for f in frames]} for values {part.start} to "
+                        f"{part.stop}, which take {want}")
         return None
 
     def join(self, slices: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:

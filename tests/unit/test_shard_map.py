@@ -151,8 +151,10 @@ def test_a_slice_of_another_layout_or_an_unknown_shard_is_a_protocol_violation()
     a, x, y = two_blocks()
     with pytest.raises(ProtocolError, match="shard 1's slice of round 3 has 2 payload frames, its parts 1"):
         a.add(1, 3, 1.0, y + y)
-    with pytest.raises(ProtocolError, match=r"shard 1's slice of round 3 has frames of \[4095\] elements for values "
-                                            r"4096 to 8192, which take \[4096\]"):
+    with pytest.raises(ProtocolError, match=r"shard 1's slice of round 3 has frames of shape \[\(4095,\)\] for "
+                                            r"values 4096 to 8192, which take \[\(4096,\)\]"):
         a.add(1, 3, 1.0, [y[0][1:]])
+    with pytest.raises(ProtocolError, match=r"has frames of shape \[\(4096, 2\)\]"):  # as many rows, twice the values
+        a.add(1, 3, 1.0, [np.ones((int8.BLOCK, 2), np.float32)])
     with pytest.raises(ProtocolError, match="from shard 2, but the run has 2 shards"):
         a.add(2, 3, 1.0, x)
