@@ -160,7 +160,7 @@ class Cut:
         return out
 
     def check(self, shard: int, payload: Sequence[np.ndarray]) -> str | None:
-        """What is wrong with `payload` as shard `shard`'s slice (its frames' count or lengths), or None."""
+        """What is wrong with `payload` as shard `shard`'s slice (its frames' count or shapes), or None."""
         if len(payload) != self.frames(shard):
             return f"has {len(payload)} payload frames, its parts {self.frames(shard)}"
         for i, part in enumerate(self.parts[shard]):
