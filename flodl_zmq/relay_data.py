@@ -502,22 +502,22 @@ class DataPlane(Plane):
         """The round's HostFrame, to each of `links` its shard's slice: the host's sum, or under a robust
         aggregation one per rank (PROTOCOL.md 9.5)."""
         for ranks, mass, tensors in fold.frames():
-            payload = self.hop.send_on(tensors)
+            slices = self.slices(self.hop.send_on(tensors))
             for link in links:
-                self.send_up(link, HostFrame(fold.round_id, self.cfg.host, list(ranks), mass),
-                             self.slice_for(link, payload), held=tensors)
+                self.send_up(link, HostFrame(fold.round_id, self.cfg.host, list(ranks), mass), slices[link.shard],
+                             held=tensors)
 
-    def slice_for(self, link: Upstream, payload: Sequence[Any]) -> Sequence[Any]:
-        """`link`'s shard's frames of a host frame's payload (one shard: all of it): views, no copy."""
+    def slices(self, payload: Sequence[Any]) -> Sequence[Sequence[Any]]:
+        """Each shard's frames of a host frame's payload, by shard (one shard: all of it): views, no copy."""
         if len(self.links) == 1:
-            return payload
+            return [payload]
         assert self.hop.wire is not None  # the run's, or its first deposit's: it took that deposit before this
         if self.cut is None:
             per_chunk = self.hop.wire.frames_per_chunk
             n_values = sum(len(values) for values in payload[::per_chunk])
             self.cut = Cut.of(self.cfg.shards, n_values, per_chunk)
             self.assembly = Assembly(self.cut)
-        return self.cut.slice_of(payload, link.shard)
+        return self.cut.slices(payload)
 
     def consensus(self, link: Upstream, frames: list[zmq.Frame], where: str) -> None:
         """A broadcast-channel record of `link`'s shard, from its PUB or resent point to point: verify, then

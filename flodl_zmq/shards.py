@@ -133,25 +133,32 @@ class Cut:
 
     parts: tuple[tuple[range, ...], ...]
     per_chunk: int  # payload frames per chunk, and per part: 2 under int8
-    n_values: int
 
     @classmethod
     def of(cls, shards: ShardMap, n_values: int, per_chunk: int) -> Cut:
-        return cls(tuple(tuple(parts(r)) for r in shards.ranges(n_values)), per_chunk, n_values)
+        return cls(tuple(tuple(parts(r)) for r in shards.ranges(n_values)), per_chunk)
+
+    @property
+    def n_values(self) -> int:
+        """The flat vector's length: where the last shard's last part ends."""
+        return self.parts[-1][-1].stop
 
     def frames(self, shard: int) -> int:
         """How many payload frames shard `shard`'s slice has."""
         return len(self.parts[shard]) * self.per_chunk
 
-    def slice_of(self, payload: Sequence[np.ndarray], shard: int) -> list[np.ndarray]:
-        """Shard `shard`'s frames of a payload in chunk layout: views of its parts, no copy; a ProtocolError for a
-        payload of another model (a host frame built from a rank's deposit of another size)."""
-        chunks_in = [len(values) for values in payload[:: self.per_chunk]]
-        if sum(chunks_in) != self.n_values or len(chunks_in) != len(chunks(self.n_values)):
-            raise ProtocolError(f"a payload of {sum(chunks_in)} values in {len(chunks_in)} chunks, where this run's "
+    def slices(self, payload: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
+        """Each shard's frames of a payload in chunk layout, in shard order: views of its parts, no copy; a
+        ProtocolError for a payload of another model (a host frame built from a rank's deposit of another size)."""
+        lengths = [len(values) for values in payload[:: self.per_chunk]]
+        if sum(lengths) != self.n_values or len(lengths) != len(chunks(self.n_values)):
+            raise ProtocolError(f"a payload of {sum(lengths)} values in {len(lengths)} chunks, where this run's "
                                 f"shards cut {self.n_values} values (ranks built with different models?)")
+        return [self._slice(payload, shard_parts) for shard_parts in self.parts]
+
+    def _slice(self, payload: Sequence[np.ndarray], shard_parts: Sequence[range]) -> list[np.ndarray]:
         out = []
-        for part in self.parts[shard]:
+        for part in shard_parts:
             chunk = part.start // CHUNK_VALUES
             lo, hi = part.start - chunk * CHUNK_VALUES, part.stop - chunk * CHUNK_VALUES
             out.append(payload[chunk * self.per_chunk][lo:hi])

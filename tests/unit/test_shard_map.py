@@ -85,7 +85,7 @@ def test_slices_are_views_of_each_shards_values_and_join_back_into_the_payload_c
     n = 2 * CHUNK_VALUES + 3 * int8.BLOCK + 5  # three chunks, the last short, cut by 3 shards inside chunks
     payload = flat_payload(wire, n)
     cut = Cut.of(listed(3), n, wire.frames_per_chunk)
-    slices = [cut.slice_of(payload, k) for k in range(3)]
+    slices = cut.slices(payload)
     step = wire.frames_per_chunk
     for k, piece in enumerate(slices):
         assert cut.check(k, piece) is None
@@ -104,7 +104,7 @@ def test_a_chunk_inside_one_slice_is_passed_on_as_it_is_only_a_chunk_cut_between
     n = 4 * CHUNK_VALUES  # 2 shards: the boundary falls between chunks 1 and 2
     payload = flat_payload(F32, n)
     cut = Cut.of(listed(2), n, 1)
-    whole = cut.join([cut.slice_of(payload, k) for k in range(2)])
+    whole = cut.join(cut.slices(payload))
     assert all(np.shares_memory(a, b) for a, b in zip(whole, payload, strict=True))
 
 
@@ -112,7 +112,7 @@ def test_a_payload_of_another_model_is_refused_not_cut_out_of_shape():
     cut = Cut.of(listed(3), 3 * CHUNK_VALUES, 1)
     with pytest.raises(ProtocolError, match=f"a payload of {2 * CHUNK_VALUES} values in 2 chunks, where this run's "
                                             f"shards cut {3 * CHUNK_VALUES} values"):
-        cut.slice_of(flat_payload(F32, 2 * CHUNK_VALUES), 2)
+        cut.slices(flat_payload(F32, 2 * CHUNK_VALUES))
 
 
 def test_a_round_is_whole_once_every_shard_is_in_in_chunk_order_whatever_order_they_came():
