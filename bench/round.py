@@ -95,7 +95,8 @@ def _controller(port: int, key: bytes, run_id: bytes, dtype: str, stop: Any) -> 
 
     from flodl_zmq.endpoints import ControllerAddress
     from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
-    from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+    from flodl_zmq.reducer_config import ReducerConfig
+    from flodl_zmq.reducer_service import ReducerService
     from flodl_zmq.wire import Channel
     from flodl_zmq.wire_format import named
 

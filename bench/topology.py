@@ -237,6 +237,7 @@ def reducer_role(hosts: int, address: str) -> None:
     """`controller`: the reducer service; prints its counters at each `counters` line, until told to stop."""
     import zmq
 
+    from flodl_zmq.controller_shards import shard_starts
     from flodl_zmq.endpoints import ControllerAddress
     from flodl_zmq.io_threads import controller_context, keep_off_the_data_plane
     from flodl_zmq.links import (
@@ -245,17 +246,19 @@ def reducer_role(hosts: int, address: str) -> None:
         limit_receive,
         recv_bounded,
     )
-    from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+    from flodl_zmq.reducer_config import ReducerConfig
+    from flodl_zmq.reducer_service import ReducerService
     from flodl_zmq.settings import Settings
     from flodl_zmq.wire import Channel
 
     key, run_id, route_secret = secrets()
     controller = ControllerAddress(address, PORT)
     s = Settings.from_environ()  # the run's link settings, as a controller's reducer takes them
+    _, starts = shard_starts(s.shard_map, None, None)  # no outer step: each host shard's start is the record alone
     svc = ReducerService(ReducerConfig.for_controller(
         world(hosts), key, run_id, controller, route_secret=route_secret,
         link_heartbeat_period_s=s.link_heartbeat_period_s, link_silence_s=s.link_silence_s,
-        shard_hosts=tuple(h for h, _ in s.shard_map.hosts)))
+        shard_hosts=tuple(h for h, _ in s.shard_map.hosts)), starts=starts)
     svc.start()
     # No coordinator here, but each relay dials the control link too: a listener keeps it connected.
     control = controller_context().socket(zmq.ROUTER)

@@ -272,6 +272,9 @@ class Resumed:
         config = job.outer_config()
         if config is None:
             return None
+        if stepped == 0:
+            raise ConfigError(f"outer={config.kind!r} on a model without parameters: an outer step needs parameters "
+                              "to step; use outer='none'")
         momentum = None
         if self.meta is not None and self.meta.get("outer") == config.kind:
             saved = bundle.load_outer(self.stem)

@@ -69,7 +69,7 @@ import zmq
 from flodl_zmq import bundle, environment
 from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
 from flodl_zmq.control_router import ControlRouter
-from flodl_zmq.controller_shards import ConsensusCopies, shard_cut, shard_lost
+from flodl_zmq.controller_shards import ConsensusCopies, shard_lost, sharding
 from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.liveness import RankState, stop_hint
 from flodl_zmq.coordinator.outputs import (
@@ -105,7 +105,8 @@ from flodl_zmq.membership import MembershipService
 from flodl_zmq.membership_link import MembershipLink
 from flodl_zmq.metrics import RunMetrics, served
 from flodl_zmq.payload import adopt_flat, check_model, model_signature, parameter_count
-from flodl_zmq.reducer_service import HostRefused, ReducerConfig, ReducerService, RoundOutcome
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import HostRefused, ReducerService, RoundOutcome
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
@@ -153,9 +154,9 @@ class ControllerService:
         self.kept = Keeper(job, penv, self.incarnation, adopt_flat(self.model).numpy())
         self.outer = resumed.outer_optimizer(job, self.kept.consensus, parameter_count(self.model))
         self.shards = penv.settings.shard_map
-        # Refused before a socket binds: what a sharded run does not run yet (its slices' frames otherwise).
-        self.shard_cut = None if self.shards.count == 1 else shard_cut(
-            self.shards, self.world, self.kept.consensus.size, job.wire, outer=self.outer is not None)
+        # Checked before a socket binds; with host shards the outer step here is shard 0's, over its slice.
+        self.shard_cut, self.outer, self.shard_starts = sharding(self.shards, self.world, self.kept.consensus.size,
+                                                                 job.wire, self.outer)
         self.config = coordinator_config(job)
         self.core = Coordinator(self.config, self.world_size, time.monotonic(), resume=resumed.coordinator)
         self.model_sig = model_signature(self.model)
@@ -214,11 +215,9 @@ class ControllerService:
                     self.status_sink = status_server
                 control.bind(self.penv.controller.endpoint(Channel.CONTROL))
                 reducer.start()
-                settings = self.penv.settings
-                copies.connect(reducer.local_bcast, self.shards, reducer.config.max_frame_bytes,
-                               settings.link_heartbeat_period_s, settings.link_silence_s)
+                copies.connect(reducer.local_bcast, self.shards, reducer.config)
                 self.reducer = reducer
-                outer_state = reducer.outer_state if self.outer is not None else None
+                outer_state = reducer.outer_state if self.outer is not None and self.shard_cut is None else None
                 self.kept.start(time.monotonic(), self.core.avg_count, outer_state)
                 self._loop(control, copies, reducer)
             finally:
@@ -247,6 +246,7 @@ class ControllerService:
             # start's the controller's model (PROTOCOL.md 13).
             None if not (self.job.resume_from or self.job.ship_start)
             else (rec.RESUME_ROUND, self.job.wire.resume_payload(self.kept.consensus)),
+            self.shard_starts,
         )
 
     def _control_socket(self, ctx: zmq.Context) -> zmq.Socket:

@@ -10,9 +10,11 @@ behind; a shard's link down) leaves the kept model at the last whole round:
 the next whole round replaces it, and a checkpoint waits until the kept round
 is again the one the coordinator counted finished (`Keeper.consistent`).
 
-What no slice alone can run (the outer step, whose state is the whole
-model's) `shard_cut` refuses before a socket binds; a shard's host lost
-mid-run ends the run (`shard_lost`): no other process holds its slice.
+The outer step runs per slice, position by position: the controller's
+reducer steps slice 0, and each host shard its own from the `ShardStart`
+the controller's reducer sends its relay (`shard_starts`, PROTOCOL.md 10.9
+item 11). A shard's host lost mid-run ends the run (`shard_lost`): no other
+process holds its slice.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import zmq
 
 from flodl_zmq.errors import AttributionError, ConfigError, ProtocolError, TrainingError, WireError
 from flodl_zmq.links import drain, from_reducer, keep_alive, limit_receive
+from flodl_zmq.outer import OuterOptimizer
+from flodl_zmq.reducer_config import ReducerConfig
 from flodl_zmq.shards import SETTING, Assembly, Cut, ShardMap
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
@@ -50,23 +55,52 @@ def check_sharded(curve: bool, open_admission: bool) -> None:
                           "FLODL_SHARDS")
 
 
-def shard_cut(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: WireFormat, *, outer: bool) -> Cut:
-    """How each round's payload is cut between the shards; a ConfigError for what a sharded run does not run yet.
+def shard_cut(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: WireFormat) -> Cut:
+    """How each round's payload is cut between the shards, every listed host checked to be one of the world's.
 
-    What works per slice runs sharded: sums, int8 (each shard's error feedback
-    is over its own positions), a median or trimmed mean (coordinate-wise),
-    and a resumed or shipped start (the controller's reducer serves the
-    starting model whole). Refused: the outer step, whose state only the
-    controller's reducer holds (a host shard has no starting model to step
-    from).
+    Everything a round computes runs per slice, position by position: sums,
+    int8 (each shard's error feedback is over its own positions), a median or
+    trimmed mean, the outer step (`shard_starts`), and a resumed or shipped
+    start (the controller's reducer serves the starting model whole).
     """
     shards.check_world(list(hosts))
-    cut = Cut.of(shards, n_values, wire.frames_per_chunk)
-    if outer:
-        raise ConfigError(f"{SETTING} (FLODL_SHARDS={shards}): a sharded run does not support an outer step (Trainer "
-                          "outer=...): the controller's reducer holds the outer state of the whole model; use "
-                          "outer='none', or unset FLODL_SHARDS for one reducer")
-    return cut
+    return Cut.of(shards, n_values, wire.frames_per_chunk)
+
+
+def sharding(shards: ShardMap, hosts: Iterable[str], n_values: int, wire: WireFormat, outer: OuterOptimizer | None
+             ) -> tuple[Cut | None, OuterOptimizer | None, dict[str, tuple[rec.ShardStart, list[np.ndarray]]]]:
+    """A run's cut between its shards (None with one shard), the outer step of the controller's reducer (with
+    host shards, over slice 0), and what each host shard starts from (`shard_cut`, `shard_starts`)."""
+    if shards.count == 1:
+        return None, outer, {}
+    cut = shard_cut(shards, hosts, n_values, wire)
+    return (cut, *shard_starts(shards, cut, outer))
+
+
+def shard_starts(shards: ShardMap, cut: Cut | None, outer: OuterOptimizer | None
+                 ) -> tuple[OuterOptimizer | None, dict[str, tuple[rec.ShardStart, list[np.ndarray]]]]:
+    """Shard 0's outer step (over its slice of the run's), and by host what each host shard starts from.
+
+    A host shard takes no host frame into a round before its start (PROTOCOL.md 10.9 item 11): the outer
+    step's state over its slice, global model then momentum, one f32 frame per part of the slice (so no
+    frame is longer than a chunk's, 6.1), or with no outer step a record alone (`cut` is then not needed).
+    """
+    if outer is None:
+        return None, {host: (rec.ShardStart(k, "none", 0.0, 0.0, 0), [])
+                      for k, (host, _) in enumerate(shards.hosts, start=1)}
+    if cut is None:
+        raise ValueError("an outer step's starts are cut as the payload is: pass the run's cut")
+    log.info("controller: this sharded run's bundles (checkpoints, a re-form's, the final save) hold the model "
+             "but not the outer step's momentum, whose slices the shards hold: a resume from one starts the "
+             "momentum at zero (PROTOCOL.md 10.9 item 11)")
+    starts: dict[str, tuple[rec.ShardStart, list[np.ndarray]]] = {}
+    for k, (host, _) in enumerate(shards.hosts, start=1):
+        part = outer.part(cut.values(k))
+        config, first = outer.config, cut.values(k).start
+        frames = [state[p.start - first : p.stop - first] for state in (part.global_model, part.momentum)
+                  for p in cut.parts[k]]
+        starts[host] = (rec.ShardStart(k, config.kind, config.lr, config.momentum, part.stepped), frames)
+    return outer.part(cut.values(0)), starts
 
 
 def shard_lost(shards: ShardMap, host: str, what: str) -> TrainingError | None:
@@ -100,14 +134,14 @@ class ConsensusCopies:
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.setsockopt(zmq.LINGER, 0)
 
-    def connect(self, local_bcast: str, shards: ShardMap, max_frame_bytes: int, heartbeat_s: float,
-                silence_s: float) -> None:
-        """Shard 0 in process (no TCP copy, no CURVE); each host shard's PUB over tcp, watched like a relay's link."""
+    def connect(self, local_bcast: str, shards: ShardMap, links: ReducerConfig) -> None:
+        """Shard 0 in process (no TCP copy, no CURVE); each host shard's PUB over tcp, bounded and watched as the
+        controller's reducer's links are (`links`: its configuration)."""
         self.sockets[0].connect(local_bcast)
         for k, sub in enumerate(self.sockets[1:], start=1):
             bcast = shards.endpoints(k)[1]
-            limit_receive(sub, max_frame_bytes)  # a slice's frames are parts of the model's chunks, none longer
-            keep_alive(sub, bcast, heartbeat_s, silence_s)
+            limit_receive(sub, links.max_frame_bytes)  # a slice's frames are parts of the model's chunks, none longer
+            keep_alive(sub, bcast, links.link_heartbeat_period_s, links.link_silence_s)
             sub.connect(bcast)
 
     def read(self, events: dict[Any, int]) -> None:

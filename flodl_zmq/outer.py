@@ -42,12 +42,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from flodl_zmq.errors import ConfigError, ProtocolError
 from flodl_zmq.tensors import ELEMENTS, element_of
 from flodl_zmq.wire_format import INT8
+
+if TYPE_CHECKING:
+    from flodl_zmq.wire.records import ShardStart
 
 F32_ELEMENT = ELEMENTS["f32"]
 
@@ -89,12 +93,34 @@ class OuterConfig:
         return cls(kind, d_lr if lr is None else float(lr), d_mom if momentum is None else float(momentum))
 
 
+def outer_from_start(start: ShardStart, payload: Sequence[np.ndarray], who: str) -> OuterOptimizer:
+    """A host shard's outer step from its start (PROTOCOL.md 10.9 item 11): the fields name the step, the
+    frames hold the slice's global model then its momentum, f32, part by part; a ProtocolError for a start
+    that does not (the controller's reducer signed it: two builds that disagree on the spec)."""
+    try:
+        config = OuterConfig(start.outer, start.lr, start.momentum)
+    except ConfigError as exc:
+        raise ProtocolError(f"{who}: its start names an outer step it cannot take: {exc}") from None
+    half = len(payload) // 2
+    models, momenta = payload[:half], payload[half:]
+    if not half or len(payload) % 2 or any(
+            g.dtype != np.float32 or m.dtype != np.float32 or g.ndim != 1 or g.shape != m.shape
+            for g, m in zip(models, momenta, strict=True)):
+        raise ProtocolError(f"{who}: its start's {len(payload)} payload frames are not the slice's model then its "
+                            "momentum, f32, one 1-D frame per part each")
+    try:
+        return OuterOptimizer(config, np.concatenate(models), np.concatenate(momenta), start.stepped)
+    except ConfigError as exc:
+        raise ProtocolError(f"{who}: its start: {exc}") from None
+
+
 class OuterOptimizer:
     """The global model and its momentum; ``step`` turns a round's average into the next global model."""
 
     def __init__(self, config: OuterConfig, global_model: np.ndarray, momentum: np.ndarray | None = None,
                  stepped: int | None = None) -> None:
-        """`stepped`: how many leading values are parameters (`payload.parameter_count`); None: all of them."""
+        """`stepped`: how many leading values are parameters (`payload.parameter_count`); None: all of them.
+        A shard's slice may hold none (0): its values are buffers, averaged."""
         self.config = config
         self.global_model = np.array(global_model, dtype=np.float32).reshape(-1)
         self.stepped = self.global_model.size if stepped is None else stepped
@@ -105,13 +131,21 @@ class OuterOptimizer:
                 f"outer momentum has {self.momentum.size} values for a model of {self.global_model.size}: "
                 "it was saved for another model; resume with the model it was saved with"
             )
-        if not 0 < self.stepped <= self.global_model.size:
-            raise ConfigError(f"outer step over {self.stepped} parameter values of a model of "
-                              f"{self.global_model.size}: an outer step needs parameters to step; use outer='none'")
+        if not 0 <= self.stepped <= self.global_model.size:
+            raise ConfigError(f"outer step over {self.stepped} parameter values of {self.global_model.size}: "
+                              "more than there are values")
         self.momentum[self.stepped:] = 0.0  # the buffers are averaged, never stepped
         self.base = self.global_model.copy()  # the ranks start from the run's initial (or resumed) model
         self._scratch = np.empty_like(self.global_model)
         self._lookahead = np.empty_like(self.global_model) if config.kind == "nesterov" else None
+
+    def part(self, values: range) -> OuterOptimizer:
+        """The outer step over `values` of this model, from its global model and momentum: a reducer shard's
+        at the run's start, when the base is the global model (PROTOCOL.md 10.9 item 11). Position by
+        position, so the shards' steps are this one's, value for value."""
+        stepped = min(max(self.stepped - values.start, 0), len(values))
+        return OuterOptimizer(self.config, self.global_model[values.start : values.stop],
+                              self.momentum[values.start : values.stop], stepped)
 
     def step(self, consensus: Sequence[np.ndarray]) -> None:
         """Replace ``consensus`` (the round's weighted average, f32 or bf16) with the next global model."""

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -80,10 +81,11 @@ from flodl_zmq.fold import (
     contribute,
     round_gate,
 )
-from flodl_zmq.outer import OuterOptimizer
+from flodl_zmq.outer import OuterOptimizer, outer_from_start
 from flodl_zmq.robust import MagnitudeBound, combine
 from flodl_zmq.settings import AGGREGATIONS
 from flodl_zmq.tensors import DTYPES
+from flodl_zmq.wire.records import HostFrame, ShardStart
 
 _AGAIN = object()  # _settle_once refused a frame: settle the round again without it
 
@@ -425,3 +427,37 @@ class RoundLedger:
             self._bound.seen(self.latest.tensors)
         self.counters.rounds_reduced += 1
         return self.latest
+
+
+class StartGate:
+    """A host shard's wait for its start (PROTOCOL.md 10.9 item 11): it sums no frame before it holds the
+    start, and keeps those that come first, the newest of each member (host, or rank) and round.
+
+    A core: the service hands it what comes, and sums what `open` returns.
+    """
+
+    def __init__(self, shard: int) -> None:
+        self.shard = shard
+        self.started = shard == 0  # the controller's reducer starts from the run itself
+        self.held: list[tuple[str, HostFrame, list[Any]]] = []
+
+    def hold(self, host: str, frame: HostFrame, payload: list[Any]) -> None:
+        """Keep `host`'s frame until the start: a resend replaces the copy it repeats."""
+        member = (host, tuple(frame.ranks), frame.round)
+        self.held = [e for e in self.held if (e[0], tuple(e[1].ranks), e[1].round) != member]
+        self.held.append((host, frame, payload))
+
+    def open(self, start: ShardStart, payload: Sequence[np.ndarray]) -> OuterOptimizer | None:
+        """Take `start`: the outer step over this shard's slice it names (None: no outer step); a ProtocolError
+        for a start of another shard, or one whose fields or frames are not as the spec says."""
+        who = f"reducer shard {self.shard}"
+        if start.shard != self.shard:
+            raise ProtocolError(f"{who}: the controller's reducer sent the start of shard {start.shard}: the two "
+                                "hold different shard maps; give every process the same FLODL_SHARDS")
+        outer = None
+        if start.outer != "none":
+            outer = outer_from_start(start, payload, who)
+        elif payload:
+            raise ProtocolError(f"{who}: a start without an outer step came with {len(payload)} payload frames")
+        self.started = True
+        return outer

@@ -39,6 +39,10 @@ Rules this module keeps:
   every death also goes, and is restated, to each shard host's relay
   (`ReducerConfig.shard_hosts`; the owner's only once): a shard whose round
   waited for a dead rank's host would hang it.
+- A host shard (`ReducerConfig.shard` > 0) sums no frame before its start
+  (`data.shard_start`, PROTOCOL.md 10.9 item 11; `reducer.StartGate`): the
+  controller's reducer sends it to each shard host's relay ahead of every
+  hello acknowledgement, with the run's outer step over that shard's slice.
 - A relay that breaks the round protocol (a round ahead, schema drift, a
   non-finite element, more mass than the coordinator's bound) has
   every one of its ranks declared dead: a desynced host must not wedge the
@@ -68,14 +72,13 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
 
-from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.errors import (
     AttributionError,
     ConfigError,
@@ -87,8 +90,6 @@ from flodl_zmq.errors import (
 )
 from flodl_zmq.io_threads import controller_context, io_affinity
 from flodl_zmq.links import (
-    DATA_MAX_FRAME_BYTES,
-    ROUTE_SECRET_BYTES,
     TAG_BCAST,
     TAG_DATA,
     Refusal,
@@ -107,10 +108,10 @@ from flodl_zmq.links import (
 )
 from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.outer import OuterOptimizer
-from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
-from flodl_zmq.security import CurveKeys, apply_server
+from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger, StartGate
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.security import apply_server
 from flodl_zmq.service_loop import ServiceLoop
-from flodl_zmq.settings import DEFAULTS
 from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
     Consensus,
@@ -123,69 +124,13 @@ from flodl_zmq.wire.records import (
     RelayDeclareDead,
     RelayHello,
     RelayHelloAck,
+    ShardStart,
     SubscriberReady,
 )
 from flodl_zmq.wire.stream import RESEND_AFTER_S
-from flodl_zmq.wire_format import F32, Hop, WireFormat
+from flodl_zmq.wire_format import Hop
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ReducerConfig:
-    """The world (host -> global ranks), the session, and the two endpoints to bind."""
-
-    world: Mapping[str, tuple[int, ...]]
-    key: bytes
-    incarnation: bytes
-    data_bind: str
-    bcast_bind: str
-    probe_interval_s: float = 0.1
-    hwm_records: int = 8
-    curve: CurveKeys | None = None  # CURVE server keys for both sockets (None: cleartext)
-    # Largest frame the data socket accepts (ZMQ_MAXMSGSIZE): the controller passes its
-    # model's (links.data_max_frame_bytes); the codec's payload bound by default (PROTOCOL.md 6.1).
-    max_frame_bytes: int = DATA_MAX_FRAME_BYTES
-    link_heartbeat_period_s: float = DEFAULTS.link_heartbeat_period_s  # ZeroMQ heartbeats on tcp://
-    link_silence_s: float = DEFAULTS.link_silence_s  # a relay's connection silent this long is dropped
-    # The run's wire format (Job.wire): a host frame of another is refused at the first. None (a host's shard in
-    # a run that announces none, FLODL_WIRE_DTYPE): the first host frame's format holds, as in a relay's fold.
-    wire: WireFormat | None = F32
-    # What each host's token derives from (links.host_token): a hello without its host's is refused.
-    # Required: a reducer without it could not tell a host's relay from any other member.
-    route_secret: bytes = b""
-    aggregation: str = "mean"  # how the ledger combines the deposits (robust.py; relays ship unfolded under others)
-    shard: int = 0  # which reducer shard this is (shards.py): 0 the controller's; it signs as links.reducer_sender(shard)
-    # The hosts whose relays hold a reducer shard (flodl_zmq/shards.py): the controller's reducer tells them
-    # every death too, for their shards to count the rank out; a host's own shard has none.
-    shard_hosts: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.world:
-            raise ConfigError("reducer world must name at least one host")
-        if len(self.route_secret) != ROUTE_SECRET_BYTES:
-            raise ConfigError(f"reducer route_secret must be {ROUTE_SECRET_BYTES} bytes (the controller's, "
-                              f"FLODL_ROUTE_SECRET), got {len(self.route_secret)}")
-        if not self.probe_interval_s > 0:
-            raise ConfigError("reducer probe_interval_s must be > 0")
-        if not 0 < self.link_heartbeat_period_s < self.link_silence_s:
-            raise ConfigError("reducer link_heartbeat_period_s must be > 0 and below link_silence_s")
-        if self.hwm_records < 1:
-            raise ConfigError("reducer hwm_records must be at least 1 record")
-
-    @classmethod
-    def for_controller(
-        cls, world: Mapping[str, Iterable[int]], key: bytes, incarnation: bytes, controller: ControllerAddress, **kw: Any
-    ) -> ReducerConfig:
-        """Bind the controller's data and broadcast endpoints (ControllerAddress rule)."""
-        return cls(
-            world={h: tuple(sorted(rs)) for h, rs in world.items()},
-            key=key,
-            incarnation=incarnation,
-            data_bind=controller.endpoint(Channel.DATA),
-            bcast_bind=controller.endpoint(Channel.BROADCAST),
-            **kw,
-        )
 
 
 @dataclass(frozen=True)
@@ -244,6 +189,14 @@ class BoundRound:
 
 
 @dataclass(frozen=True)
+class StartFrom:
+    """A host shard's start, from the controller's reducer through its relay (ReducerService.start_from)."""
+
+    record: ShardStart
+    payload: list[Any]
+
+
+@dataclass(frozen=True)
 class DropBroadcast:
     """Test hook: the consensus of `round_id` is not sent (ReducerService.drop_broadcast)."""
 
@@ -266,7 +219,10 @@ class ReducerService:
     """
 
     def __init__(self, config: ReducerConfig, context: zmq.Context | None = None,
-                 outer: OuterOptimizer | None = None, resumed: tuple[int, list[np.ndarray]] | None = None):
+                 outer: OuterOptimizer | None = None, resumed: tuple[int, list[np.ndarray]] | None = None,
+                 starts: Mapping[str, tuple[ShardStart, list[np.ndarray]]] | None = None):
+        """`starts` (the controller's reducer of a sharded run): by host, what each host shard starts from,
+        sent to its relay at each hello (`controller_shards.shard_starts`)."""
         self.config = config
         self.ledger = RoundLedger(config.world, outer, config.aggregation)
         if resumed is not None and not (config.wire is not None and config.wire.is_payload(resumed[1])):
@@ -297,6 +253,8 @@ class ReducerService:
         self._restate_at = math.inf
         self._over_bound: list[_OverBound] = []  # frames waiting for their mass bound to rise
         self._drop: set[int] = set()
+        self._starts = dict(starts or {})
+        self._gate = StartGate(config.shard)  # a host shard sums no frame before its start
         self._bounded = -1  # the latest round bound_round opened
         self._nonce = itertools.count(1)
         self._last_nonce = 0
@@ -336,6 +294,14 @@ class ReducerService:
         arrive with them, so the bound is in place first.
         """
         self._service.put(BoundRound(int(round_id), dict(bounds), opens))
+
+    def start_from(self, record: ShardStart, payload: Sequence[Any]) -> None:
+        """A host shard's start, as its relay took it from the controller's reducer (PROTOCOL.md 10.9 item 11).
+
+        The first one holds; a start this shard cannot use fails the service (the relay stops, and the run
+        with it, naming the cause): the controller's reducer signed it, so no relay sent it wrong.
+        """
+        self._service.put(StartFrom(record, list(payload)))
 
     def drop_broadcast(self, round_id: int) -> None:
         """Test hook: do not send the consensus of `round_id` (neither on PUB nor point to point)."""
@@ -411,6 +377,7 @@ class ReducerService:
             loop.on_message(DeclareDead, lambda cmd: self._death(cmd.rank, None, owner_knows=self.config.shard != 0))
             loop.on_message(BoundRound, self._bound)
             loop.on_message(DropBroadcast, lambda cmd: self._drop.add(cmd.round_id))
+            loop.on_message(StartFrom, self._start)
             loop.on_socket(data, lambda: self._drained(data))
             loop.timer(lambda: self._next_probe if self._unsubscribed() else math.inf, self._probe)
             loop.timer(lambda: self._restate_at, self._restate_deaths)
@@ -507,6 +474,10 @@ class ReducerService:
             except ProtocolError as exc:
                 self._violation(host, exc)
                 return
+            if not self._gate.started:
+                self._count["frames_before_start"] += 1
+                self._gate.hold(host, rec, payload)
+                return
             self._take_frame(host, rec, payload, time.monotonic() + MASS_WAIT_S)
         elif isinstance(rec, RankExit):
             if rec.rank in self.config.world[host]:
@@ -516,6 +487,8 @@ class ReducerService:
         elif isinstance(rec, SubscriberReady):
             if rec.host == host and 1 <= rec.nonce <= self._last_nonce:
                 self._subscribed.add(host)
+        elif isinstance(rec, ConsensusRequest) and not self._gate.started:
+            self._count["requests_before_start"] += 1  # no round ends before the start: nothing is lost yet
         elif isinstance(rec, ConsensusRequest):
             self._resend(host, rec.round)
         else:
@@ -548,6 +521,20 @@ class ReducerService:
         for e in due:
             self._take_frame(e.host, e.frame, e.payload, e.deadline)
 
+    def _start(self, cmd: StartFrom) -> None:
+        """Take this host shard's start (`StartGate.open`), then the frames that came before it."""
+        if self._gate.started:
+            self._count["repeated_starts"] += 1  # its relay's hello is answered each time: the first holds
+            return
+        outer = self._gate.open(cmd.record, cmd.payload)
+        with self._outer_lock:
+            self.ledger.outer = outer
+        held, self._gate.held = self._gate.held, []
+        log.info("reducer shard %d: started (outer step %s); %d frames came before it", self.config.shard,
+                 cmd.record.outer, len(held))
+        for host, frame, payload in held:
+            self._take_frame(host, frame, payload, time.monotonic() + MASS_WAIT_S)
+
     def _hello(self, route: bytes, rec: RelayHello) -> None:
         want = self.config.world.get(rec.host)
         if want is None or sorted(rec.ranks) != sorted(want):
@@ -567,6 +554,9 @@ class ReducerService:
             self._subscribed.discard(rec.host)
         self._route[rec.host] = route
         self._host_of[route] = rec.host
+        start = self._starts.get(rec.host)
+        if start is not None:  # before the acknowledgement, which its relay takes only after the start
+            self._to_relay(route, TAG_DATA, self._codec.encode(*start, channel=Channel.DATA))
         self._send_record(rec.host, RelayHelloAck())
         for rank in sorted(set(want) & self.ledger.dead - self._forwarded):
             self._forward(rec.host, rank)

@@ -134,7 +134,8 @@ from flodl_zmq.links import (
     tune,
     tune_loopback,
 )
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.relay_core import (
     MERGE_PERIOD_S,

@@ -57,6 +57,7 @@ from flodl_zmq.wire.records import (
     RelayHello,
     RelayHelloAck,
     RoundFrame,
+    ShardStart,
     SubscriberReady,
 )
 from flodl_zmq.wire.shm import (
@@ -187,7 +188,10 @@ class DataPlane(Plane):
         self.local, self.links = local, links
         self.fold, self.fail = fold, fail
         self.control_thread = control_thread  # told of each refused rank (RankRefused)
-        self.shard = shard  # the reducer shard this relay's process runs, if any: told of the coordinator's deaths
+        # The reducer shard this relay's process runs, if any: told of the coordinator's deaths, and handed its
+        # start (PROTOCOL.md 10.9 item 11), without which this relay's hello to the controller's reducer goes on.
+        self.shard = shard
+        self.start_handed = False
         self.mapped = SegmentMap(self.cfg.incarnation, run_dir(self.cfg.key, self.cfg.incarnation))  # the ranks' deposits, read-only
         self.segment: Segment | None = None  # where consensus goes by reference (None: framed to everyone)
         try:
@@ -437,11 +441,25 @@ class DataPlane(Plane):
                       self.cfg.host, link.shard, rec.round, rec.latest)
             self.count["consensus_gone"] += 1
         elif isinstance(rec, RelayHelloAck):
+            if link.shard == 0 and self.shard is not None and not self.start_handed:
+                self.count["hello_ack_before_start"] += 1  # the start was lost: the next hello brings it again
+                return
             link.hello.acked()
+        elif isinstance(rec, ShardStart):
+            self.shard_start(link, rec, env.payload)
         elif isinstance(rec, FrameRequest):
             self.resend_host_frame(link, rec.round)
         else:
             self.count[f"unexpected.{link.where}"] += 1
+
+    def shard_start(self, link: Upstream, rec: ShardStart, payload: list[Any]) -> None:
+        """The start of this host's shard, from the controller's reducer: handed to the shard (which takes the
+        first); from any other shard, or for a host that runs none, not this relay's to take."""
+        if link.shard != 0 or self.shard is None:
+            self.count[f"unexpected.{link.where}"] += 1
+            return
+        self.shard.start_from(rec, payload)
+        self.start_handed = True
 
     def declared_dead(self, link: Upstream, rank: int) -> None:
         """A shard declared `rank` dead: the controller's reducer for the coordinator (or a host's shard, for a

@@ -143,6 +143,10 @@ class Cut:
         """The flat vector's length: where the last shard's last part ends."""
         return self.parts[-1][-1].stop
 
+    def values(self, shard: int) -> range:
+        """The flat vector's values shard `shard` owns: from its first part's start to its last part's stop."""
+        return range(self.parts[shard][0].start, self.parts[shard][-1].stop)
+
     def frames(self, shard: int) -> int:
         """How many payload frames shard `shard`'s slice has."""
         return len(self.parts[shard]) * self.per_chunk

@@ -56,7 +56,7 @@ from flodl_zmq.wire import mac as _mac
 from flodl_zmq.wire.fields import from_fields, to_fields
 from flodl_zmq.wire.records import REGISTRY, Channel, spec_of
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 RUN_ID_BYTES = 16  # the run id, and every incarnation id (the header's `run`, PROTOCOL.md 4.1)
 SALT_BYTES = 16
 MAX_SEQ = 2**63 - 1

@@ -41,7 +41,7 @@ from flodl_zmq.errors import AuthError, ConfigError
 
 KEY_BYTES = 32
 MAC_BYTES = 32
-LABEL_VERSION = 9  # the protocol version this build signs under: codec.PROTOCOL_VERSION (a test keeps them equal)
+LABEL_VERSION = 10  # the protocol version this build signs under: codec.PROTOCOL_VERSION (a test keeps them equal)
 GMAC_BLOCK = 1 << 20  # bytes per block tag: parallel grain, ~5% call overhead over one whole-frame tag
 
 Buffer = bytes | bytearray | memoryview

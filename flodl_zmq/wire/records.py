@@ -449,6 +449,20 @@ class Consensus:
     mass: float
 
 
+@record("data.shard_start", D, payload=True)
+class ShardStart:
+    """What host shard `shard` starts from, sent by the controller's reducer to that shard's relay at each of its
+    hellos (PROTOCOL.md 10.9 item 11): the run's outer step over the shard's slice, `stepped` of whose leading
+    values are parameters, and as payload the slice of the starting global model, then of its momentum (f32,
+    one frame per part); with `outer` "none", nothing else."""
+
+    shard: Count
+    outer: str
+    lr: float
+    momentum: float
+    stepped: Count
+
+
 # Round 0 is never averaged (the coordinator counts rounds from 1): it names the consensus a
 # resumed or re-formed world starts from, which its ranks ask the reducer for (PROTOCOL.md 13).
 RESUME_ROUND = 0

@@ -74,6 +74,7 @@ PLAN = EpochPlan(epoch=3, offset=1200, size=400, deposit=8)  # a plan whose end 
 FIELD_VALUES: dict[str, Any] = {
     "round": 7,
     "rank": 2,
+    "outer": "nesterov",  # data.shard_start: an outer step's name (10.9 item 11)
     "world_size": 4,
     "host": "host-a",
     "model_sig": _sig("model"),
@@ -191,6 +192,8 @@ def _payloads(kind: str, channel: Channel) -> list[tuple[str, np.ndarray]]:
             .view("<u2")
         )
         return [("bf16", bits.copy())]
+    if kind == "data.shard_start":  # a slice of one part: its global model's values, then its momentum's
+        return [("f32", np.array([0.5, -1.25, 3.0], dtype="<f4")), ("f32", np.array([0.0, 0.125, -0.5], dtype="<f4"))]
     if kind == "data.consensus" and channel is Channel.BROADCAST:
         return [("f32", np.array([[0.5, 0.25], [-1.0, 2.0]], dtype="<f4"))]
     if kind == "data.consensus":

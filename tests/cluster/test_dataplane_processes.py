@@ -21,7 +21,8 @@ from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import with_tunables
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import host_token
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.settings import Settings
 from flodl_zmq.wire import Channel, new_key
 from flodl_zmq.wire.shm import rank_owner, run_dir, segment_prefix, unlink_run

@@ -43,25 +43,38 @@ def wait_for(cluster: Cluster, text: str, timeout: float = 90.0) -> None:
     until(lambda: text in cluster.output(), lambda: f"{text!r} never appeared:\n{cluster.output()}", timeout)
 
 
-def test_a_run_sharded_over_both_hosts_trains_and_saves_the_whole_consensus(tmp_path, warm):
-    stem = str(tmp_path / "sharded")
-    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16", "--save", stem],
+def run_sharded(warm, *args: str) -> tuple[str, dict]:
+    """The job's 15 epochs sharded over both hosts (one rank each), `args` added: its output and RESULT, once
+    it exited 0."""
+    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16", *args],
                       hosts=2, ranks_per_host=1, shards=2, warm=warm)
     cluster.start()
     code = cluster.wait(150)
     out = cluster.output()
     assert code == 0, out
-    # Three shards over three chunks: the controller's, then h0's and h1's relay, each said where it listens.
-    assert ", reducer shard 1 at tcp://127.0.0.1:" in line_of(out, "relay h0 up"), out
-    assert ", reducer shard 2 at tcp://127.0.0.1:" in line_of(out, "relay h1 up"), out
     result = result_of(out)
-    assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, out
-    # The controller's copy is the whole consensus: the MLP (in shard 2's chunk) scores what the final eval did.
+    assert result is not None, out
+    return out, result
+
+
+def saved_model_scores(stem: str, result: dict) -> None:
+    """The controller's copy is the whole consensus: the saved MLP (in shard 2's chunk) scores what the final
+    eval did, its frozen padding still zero."""
     state, _ = bundle.load(stem)
     model = Padded(2)
     model.load_state_dict(state)
     assert torch.count_nonzero(model.pad) == 0
     assert accuracy(model, digits()[1]) == pytest.approx(result["accuracy"], abs=1e-6)
+
+
+def test_a_run_sharded_over_both_hosts_trains_and_saves_the_whole_consensus(tmp_path, warm):
+    stem = str(tmp_path / "sharded")
+    out, result = run_sharded(warm, "--save", stem)
+    # Three shards over three chunks: the controller's, then h0's and h1's relay, each said where it listens.
+    assert ", reducer shard 1 at tcp://127.0.0.1:" in line_of(out, "relay h0 up"), out
+    assert ", reducer shard 2 at tcp://127.0.0.1:" in line_of(out, "relay h1 up"), out
+    assert result["accuracy"] >= RELIABLE_ACCURACY, out
+    saved_model_scores(stem, result)
 
 
 @pytest.mark.parametrize(("setting", "args"), [
@@ -73,14 +86,22 @@ def test_an_int8_wire_and_a_median_run_sharded_as_they_run_whole(monkeypatch, wa
     # coordinate-wise median of its chunks of every rank's deposit (median).
     for name, value in setting.items():
         monkeypatch.setenv(name, value)
-    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16", *args],
-                      hosts=2, ranks_per_host=1, shards=2, warm=warm)
-    cluster.start()
-    code = cluster.wait(150)
-    out = cluster.output()
-    assert code == 0, out
-    result = result_of(out)
-    assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, out
+    out, result = run_sharded(warm, *args)
+    assert result["accuracy"] >= RELIABLE_ACCURACY, out
+
+
+def test_an_outer_nesterov_step_runs_sharded_each_shard_stepping_its_slice(tmp_path, warm):
+    # DiLoCo over three shards: each steps its own slice (the MLP's values lie in host shard 2's), from the
+    # start the controller's reducer handed its relay (PROTOCOL.md 10.9 item 11). The claim is the one run
+    # unsharded makes (tests/cluster/test_training.py); the bundle holds no momentum, which the shards hold.
+    stem = str(tmp_path / "outer")
+    out, result = run_sharded(warm, "--outer", "nesterov", "--anchor", "40", "--cosine", "--save", stem)
+    assert out.count("started (outer step nesterov)") == 2, out  # each host shard, from its start
+    evals = [e["eval"] for e in result["epochs"] if e.get("eval") is not None]
+    assert statistics.median(evals[len(evals) // 2:]) >= 0.95 and result["accuracy"] >= 0.94, out
+    assert json.loads(Path(stem + ".meta.json").read_text())["outer"] == "nesterov"
+    assert bundle.load_outer(stem) is None
+    saved_model_scores(stem, result)
 
 
 def held_then_opened(tmp_path: Path, warm, after_epochs: int, act) -> tuple[int, Cluster]:

@@ -29,9 +29,9 @@ import numpy as np
 import zmq
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-V = 9
-MAC_LABEL = b"flodl-zmq/9/mac\x00"  # 4.2
-PAYLOAD_KEY_LABEL = b"flodl-zmq/9/payload-key\x00"
+V = 10
+MAC_LABEL = b"flodl-zmq/10/mac\x00"  # 4.2
+PAYLOAD_KEY_LABEL = b"flodl-zmq/10/payload-key\x00"
 BLOCK = 1 << 20
 CHUNK = 1 << 21  # 3.4
 HEARTBEAT_S, RESEND_S, CONSENSUS_WAIT_S, CLOSE_WAIT_S = 0.5, 2.0, 2.0, 4.0  # 10, 10.7

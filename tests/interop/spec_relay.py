@@ -36,7 +36,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_rank import Wire, local_endpoints, mac  # noqa: E402
 
-REFERENCE_MAC_LABEL = b"flodl-zmq/9/by-reference\x00"  # 3.5
+REFERENCE_MAC_LABEL = b"flodl-zmq/10/by-reference\x00"  # 3.5
 HELLO_S, RESTATE_S = 1.0, 2.0  # 10
 RANK_SILENCE_S, RANK_FIRST_RECORD_S = 1.5, 60.0
 W = 4096  # 5.1

@@ -22,7 +22,8 @@ from transport.dataplane_helpers import ROUTE_SECRET, token
 
 from flodl_zmq.join import JoinConfig, JoinWindow, Rejected, WindowPhase
 from flodl_zmq.links import TAG_BCAST, TAG_DATA, relay_sender
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, new_key
 from flodl_zmq.wire.records import HostFrame, JoinHello, RelayHello, RelayHelloAck
 

@@ -39,7 +39,8 @@ from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import RELAY_ROUTE, rank_identity, rank_sender, relay_sender
 from flodl_zmq.membership import MembershipService
 from flodl_zmq.payload import model_signature
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.settings import Settings
 from flodl_zmq.trust import JOIN_RUN_ID, TrustMode
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, new_incarnation, new_key

@@ -32,7 +32,8 @@ from flodl_zmq.links import (
     relay_sender,
 )
 from flodl_zmq.membership import MembershipService
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.security import CurveKeys
 from flodl_zmq.trust import JOIN_RUN_ID, OPEN_JOIN_KEY, TrustMode
 from flodl_zmq.wire import PROTOCOL_VERSION, Channel, Codec, new_key

@@ -36,7 +36,8 @@ from transport.test_rank_link import link  # noqa: F401  (the fixture: a rank's 
 from flodl_zmq.coordinator.liveness import RankState
 from flodl_zmq.links import coordinator_sender, host_token, rank_identity
 from flodl_zmq.rank_link import FromCoordinator
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import Channel, Codec, new_key

@@ -24,7 +24,8 @@ from zmq.utils.monitor import recv_monitor_message
 from flodl_zmq.cli import build_parser
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.launch import Cluster, free_port_base
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.security import SECRET_ENV, SERVER_ENV, CurveKeys, apply_client, start_gate
 from flodl_zmq.wire import Channel, new_key
 

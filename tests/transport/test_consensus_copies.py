@@ -14,6 +14,7 @@ from flodl_zmq.controller_shards import ConsensusCopies
 from flodl_zmq.int8 import BLOCK
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import data_max_frame_bytes, reducer_sender
+from flodl_zmq.reducer_config import ReducerConfig
 from flodl_zmq.shards import Cut, ShardMap
 from flodl_zmq.wire import Channel, Codec, new_key
 from flodl_zmq.wire.records import Consensus, Probe
@@ -44,7 +45,10 @@ class Rig:
         self.copies = ConsensusCopies(self.ctx, Codec(key, incarnation, "coordinator"),
                                       lambda r, p: self.kept.append((r, [np.array(f) for f in p])), self.counts,
                                       self.cut)
-        self.copies.connect(LOCAL, self.shards, data_max_frame_bytes(1 << 20), 1.0, 8.0)
+        links = ReducerConfig({"a": (0,)}, key, incarnation, "inproc://unused", "inproc://unused-bcast",
+                              max_frame_bytes=data_max_frame_bytes(1 << 20), link_heartbeat_period_s=1.0,
+                              link_silence_s=8.0, route_secret=bytes(32))
+        self.copies.connect(LOCAL, self.shards, links)
         self.poller = zmq.Poller()
         for sub in self.copies.sockets:
             self.poller.register(sub, zmq.POLLIN)

@@ -20,7 +20,8 @@ import zmq
 from flodl_zmq import rank_link as rank_module
 from flodl_zmq.links import rank_identity
 from flodl_zmq.rank_link import ConsensusIn, RankConfig, RankLink
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import new_key

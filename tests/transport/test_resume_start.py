@@ -7,7 +7,8 @@ import pytest
 import zmq
 
 from flodl_zmq.rank_link import ConsensusIn, RankConfig, RankLink
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.tensors import DTYPES, bf16_from_f32

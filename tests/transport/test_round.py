@@ -12,7 +12,8 @@ import zmq
 
 from flodl_zmq.io_threads import CONTROLLER_IO_THREADS
 from flodl_zmq.param_buffers import ParamBuffers
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.wire import new_key

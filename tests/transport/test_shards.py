@@ -11,15 +11,18 @@ import numpy as np
 import pytest
 import zmq
 
+from flodl_zmq.controller_shards import shard_starts
 from flodl_zmq.errors import ConfigError
-from flodl_zmq.reducer_service import ReducerConfig, ReducerService
+from flodl_zmq.outer import OuterConfig, OuterOptimizer
+from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
-from flodl_zmq.shards import ShardMap
+from flodl_zmq.shards import Cut, ShardMap
 from flodl_zmq.wire import new_key
 from flodl_zmq.wire_format import F32, WireFormat, named
 
-from .dataplane_helpers import ROUTE_SECRET, WAIT_S, FakeRank, endpoints, model, token
+from .dataplane_helpers import ROUTE_SECRET, WAIT_S, FakeRank, endpoints, model, reference, token
 from .test_round import HOSTS, MASS, check_consensus
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,15 +49,20 @@ def free_port_pair() -> int:
 
 
 class ShardedCluster:
-    def __init__(self, tmp_path, wire: WireFormat = F32):
+    def __init__(self, tmp_path, wire: WireFormat = F32, outer: OuterOptimizer | None = None,
+                 starts: bool = True):
+        """`outer`: the run's outer step over the whole model, cut as the controller cuts it (shard_starts);
+        `starts`: False, the controller's reducer sends the host shards no start (a build of another version)."""
         self.ctx = zmq.Context()
         self.key, self.run_id = new_key(), bytes(range(16))
         eps = endpoints("ipc", tmp_path)
         self.shards = ShardMap(tuple((h, f"tcp://127.0.0.1:{free_port_pair()}") for h in HOSTS))
+        self.cut = Cut.of(self.shards, sum(SIZES), wire.frames_per_chunk)
+        outer0, shard_start = shard_starts(self.shards, self.cut, outer)
         self.reducer = ReducerService(
             ReducerConfig(HOSTS, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05, wire=wire,
                           route_secret=ROUTE_SECRET, shard_hosts=tuple(HOSTS)),
-            self.ctx,
+            self.ctx, outer0, starts=shard_start if starts else None,
         )
         self.reducer.start()
         self.relays: dict[str, Relay] = {}
@@ -176,6 +184,74 @@ def test_a_run_whose_ranks_all_left_ends_its_shards_without_a_warning(sharded, c
         for relay in sharded.relays.values():
             relay.stop()  # its loop has logged all it will about the outcomes it took
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "abandoned" in r.getMessage()] == []
+
+
+@pytest.mark.parametrize("kind", ["nesterov", "momentum"])
+def test_with_an_outer_step_each_shard_steps_its_slice_and_the_ranks_get_the_whole_models_step(tmp_path, kind):
+    # The controller's reducer and two host shards each step their own slice, from the start the controller
+    # cut; every rank gets what one reducer stepping the whole model gives, value for value. The last
+    # 7 values are buffers: averaged, never stepped.
+    n = sum(SIZES)
+    start = np.linspace(-2, 2, n, dtype=np.float32)
+    config = OuterConfig.of(kind, None, None)
+    whole = OuterOptimizer(config, start, np.full(n, 0.01, dtype=np.float32), stepped=n - 7)
+    c = ShardedCluster(tmp_path, outer=OuterOptimizer(config, start, whole.momentum, stepped=n - 7))
+    try:
+        for round_id in (1, 2, 3):
+            contribs = c.round(round_id, "f32")
+            expected = reference(list(contribs.values()), "f32")[0].astype(np.float32)
+            whole.step([expected])
+            for rank in c.ranks.values():
+                env = rank.consensus()
+                assert env.record.round == round_id
+                np.testing.assert_allclose(env.payload[0], expected, rtol=1e-5, atol=1e-5)
+            c.reducer.completed.get(timeout=WAIT_S)
+        assert whole.momentum[:n - 7].any() and not whole.momentum[n - 7:].any()
+        for relay in c.relays.values():  # each host shard steps its slice from its start: not an average
+            assert relay.shard.ledger.outer is not None and relay.shard.ledger.outer.config == config
+    finally:
+        c.close()
+
+
+def test_a_host_shard_holds_the_frames_that_come_before_its_start_and_sums_them_once_it_has_it(tmp_path):
+    # The controller's reducer here sends no start: both host shards hold every host frame, and no round ends.
+    c = ShardedCluster(tmp_path, starts=False)
+    try:
+        contribs = c.round(1, "f32")
+        deadline = time.monotonic() + WAIT_S
+        shards = [relay.shard for relay in c.relays.values()]
+        while any(s.counters().get("frames_before_start", 0) < 2 for s in shards):
+            assert time.monotonic() < deadline, [s.counters() for s in shards]
+            time.sleep(0.01)
+        with pytest.raises(TimeoutError):
+            c.ranks[0].consensus(timeout=0.5)
+        # The relays' hellos to the controller's reducer go on unacknowledged, waiting for the start; a relay's
+        # request for the round is no sign of a lost frame before it (no frame is asked for again).
+        assert all(relay.counters()["hello_ack_before_start"] >= 1 for relay in c.relays.values())
+        assert all(not any(k.startswith("frames_resent") for k in relay.counters()) for relay in c.relays.values())
+        # Now the start comes, as the relay hands it over: the held frames are summed, the round ends.
+        _, starts = shard_starts(c.shards, c.cut, None)
+        for host, relay in c.relays.items():
+            relay.shard.start_from(*starts[host])
+        for rank in c.ranks.values():
+            check_consensus(rank.consensus(), contribs, "f32")
+    finally:
+        c.close()
+
+
+def test_a_start_for_another_shard_fails_the_host_shard_and_its_relay_naming_the_shard_maps(tmp_path):
+    c = ShardedCluster(tmp_path, starts=False)
+    try:
+        _, starts = shard_starts(c.shards, c.cut, None)
+        relay = c.relays["a"]
+        relay.shard.start_from(*starts["b"])  # shard 2's start, to shard 1
+        deadline = time.monotonic() + WAIT_S
+        while relay.error is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert "sent the start of shard 2" in str(relay.error) and "FLODL_SHARDS" in str(relay.error)
+    finally:
+        c.close()
 
 
 def test_a_relay_whose_host_the_shard_map_lists_refuses_to_start_without_its_shard(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,12 +15,13 @@ from torch.utils.data import TensorDataset
 from flodl_zmq import cli, launch
 from flodl_zmq.controller import ControllerOptions
 from flodl_zmq.controller_service import ControllerService
-from flodl_zmq.controller_shards import check_sharded, shard_cut
+from flodl_zmq.controller_shards import check_sharded, shard_cut, shard_starts
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import CHILD_SCOPES, ProcessEnv
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.job import Job
 from flodl_zmq.join import JoinConfig
+from flodl_zmq.outer import OuterConfig, OuterOptimizer, outer_from_start
 from flodl_zmq.settings import Settings
 from flodl_zmq.shards import ShardMap
 from flodl_zmq.wire_format import BF16, CHUNK_VALUES, F32, INT8
@@ -30,9 +32,9 @@ TWO = ShardMap.parse("h1=tcp://10.0.0.2:7400,h2=tcp://10.0.0.3:7400")  # three s
 HOSTS = ("h0", "h1", "h2")
 
 
-def sizes(shards: ShardMap = TWO, hosts: tuple[str, ...] = HOSTS, n_values: int = 5 * CHUNK_VALUES, wire=F32,
-          **kw: Any) -> list[int]:
-    cut = shard_cut(shards, hosts, n_values, wire, **{"outer": False, **kw})
+def sizes(shards: ShardMap = TWO, hosts: tuple[str, ...] = HOSTS, n_values: int = 5 * CHUNK_VALUES, wire=F32
+          ) -> list[int]:
+    cut = shard_cut(shards, hosts, n_values, wire)
     return [cut.frames(k) for k in range(len(cut.parts))]
 
 
@@ -49,12 +51,45 @@ def test_under_int8_a_shard_expects_values_and_scales_for_each_part():
 @pytest.mark.parametrize(("kw", "named"), [
     ({"hosts": ("h0", "h1")}, r"lists h2, not hosts of this world \(h0, h1\)"),
     ({"n_values": 8000}, r"3 shards for a model of 8000 values \(2 block\(s\) of 4096\).*list at most 1 host"),
-    ({"outer": True}, r"does not support an outer step .*use outer='none'"),
-], ids=["host-not-in-world", "fewer-blocks-than-shards", "outer-step"])
+], ids=["host-not-in-world", "fewer-blocks-than-shards"])
 def test_a_sharded_run_refuses_what_it_does_not_run_yet_naming_the_cause_and_the_fix(kw, named):
     with pytest.raises(ConfigError, match=named) as err:
         sizes(**kw)
     assert "shards" in str(err.value)
+
+
+def test_each_host_shard_starts_from_its_slice_of_the_outer_state_and_shard_0_steps_its_own():
+    # 5 chunks over 3 shards; the first 4 chunks and 5 values are parameters, the rest buffers.
+    n, params = 5 * CHUNK_VALUES - 7, 4 * CHUNK_VALUES + 5
+    whole = OuterOptimizer(OuterConfig("nesterov", 0.7, 0.9), np.arange(n, dtype=np.float32),
+                           np.linspace(-1, 1, n, dtype=np.float32), stepped=params)
+    cut = shard_cut(TWO, HOSTS, n, F32)
+    outer0, starts = shard_starts(TWO, cut, whole)
+    assert sorted(starts) == ["h1", "h2"]
+    assert outer0 is not None and outer0.config == whole.config and outer0.stepped == len(cut.values(0))
+    np.testing.assert_array_equal(outer0.global_model, whole.global_model[cut.values(0).start:cut.values(0).stop])
+    for k, host in ((1, "h1"), (2, "h2")):
+        start, frames = starts[host]
+        values = cut.values(k)
+        assert (start.shard, start.outer, start.lr, start.momentum) == (k, "nesterov", 0.7, 0.9)
+        assert start.stepped == min(max(params - values.start, 0), len(values))
+        # One f32 frame per part (none longer than a chunk): the model's, then the momentum's.
+        assert [f.size for f in frames] == [len(p) for p in cut.parts[k]] * 2
+        assert all(f.dtype == np.float32 and f.size <= CHUNK_VALUES for f in frames)
+        half = len(frames) // 2
+        np.testing.assert_array_equal(np.concatenate(frames[:half]), whole.global_model[values.start:values.stop])
+        np.testing.assert_array_equal(np.concatenate(frames[half:]), whole.momentum[values.start:values.stop])
+        rebuilt = outer_from_start(start, frames, f"shard {k}")
+        assert rebuilt.stepped == start.stepped
+        np.testing.assert_array_equal(rebuilt.momentum, whole.momentum[values.start:values.stop])
+    assert 0 < starts["h2"][0].stepped < len(cut.values(2))  # the last slice holds the buffers after its parameters
+
+
+def test_a_run_without_an_outer_step_starts_each_host_shard_from_a_bare_record():
+    cut = shard_cut(TWO, HOSTS, 5 * CHUNK_VALUES, F32)
+    outer0, starts = shard_starts(TWO, cut, None)
+    assert outer0 is None
+    assert {h: (s.shard, s.outer, f) for h, (s, f) in starts.items()} == {"h1": (1, "none", []), "h2": (2, "none", [])}
 
 
 def _job(**kw: Any) -> Job:

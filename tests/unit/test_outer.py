@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flodl_zmq import bundle, int8, payload
+from flodl_zmq.checkpoints import Resumed
 from flodl_zmq.datasets import digits
 from flodl_zmq.demo import cross_entropy_step, mlp, sgd
 from flodl_zmq.errors import ConfigError, ProtocolError
@@ -83,8 +84,18 @@ def test_batchnorm_statistics_take_the_average_and_only_the_parameters_are_stepp
     np.testing.assert_array_equal(outer.momentum[params:], 0.0)
     payload.load_flat(model, torch.from_numpy(avg))
     assert torch.isfinite(model.eval()(torch.randn(5, 4))).all()
+    # A shard's slice of buffers alone (PROTOCOL.md 10.9 item 11) steps nothing: it publishes the average.
+    buffers = OuterOptimizer(OuterConfig.of("nesterov", None, None), start[params:], stepped=0)
+    avg = start[params:] * np.float32(0.5)
+    expected = avg.copy()
+    buffers.step([avg])
+    np.testing.assert_array_equal(avg, expected)
+    # A model with no parameter values has nothing to step: refused where the run builds its outer step.
+    job = Job(model=lambda: torch.nn.BatchNorm1d(3), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+              train_step=lambda m, b: m(b[0]).sum(), dataset=[(torch.zeros(3),)] * 8, batch_size=8, epochs=1,
+              outer="nesterov", quiet=True)
     with pytest.raises(ConfigError, match="outer='none'"):
-        OuterOptimizer(OuterConfig.of("nesterov", None, None), start, stepped=0)
+        Resumed().outer_optimizer(job, start[params:], stepped=0)
 
 
 def test_a_bf16_consensus_is_stepped_in_f32_and_the_global_model_is_kept_unrounded():
@@ -226,3 +237,30 @@ def test_a_bundle_keeps_the_outer_momentum(tmp_path):
     bundle.save(stem, {"w": torch.zeros(5)}, {"outer": "nesterov"}, momentum)
     assert torch.equal(bundle.load_outer(stem), momentum)
     assert bundle.load_outer(tmp_path / "other") is None
+
+
+def test_a_shards_part_steps_its_int8_slice_as_the_whole_model_steps_those_values():
+    # Under int8 a shard publishes its slice re-encoded with its own error feedback, and measures the next
+    # pseudo-gradient from that (PROTOCOL.md 10.9 item 11): over a part that starts on a block, its step and
+    # its base are the whole model's for those values.
+    n, values = 5 * int8.BLOCK + 9, range(2 * int8.BLOCK, 5 * int8.BLOCK + 9)
+    rng = np.random.default_rng(3)
+    start = rng.standard_normal(n).astype(np.float32)
+    config = OuterConfig("nesterov", 0.7, 0.9)
+    whole, part = OuterOptimizer(config, start), OuterOptimizer(config, start).part(values)
+    for _ in range(3):
+        avg = (whole.base + rng.standard_normal(n).astype(np.float32) * np.float32(0.01)).astype(np.float32)
+        mine = avg[values.start:values.stop].copy()
+        whole.step([avg])
+        part.step([mine])
+        np.testing.assert_array_equal(mine, avg[values.start:values.stop])
+        whole.published(int8_payload(avg))  # what a reducer puts on the wire: block scales from its start
+        part.published(int8_payload(mine))
+        np.testing.assert_array_equal(part.base, whole.base[values.start:values.stop])
+    np.testing.assert_array_equal(part.momentum, whole.momentum[values.start:values.stop])
+
+
+def int8_payload(x: np.ndarray) -> list[np.ndarray]:
+    q, scales = np.empty(x.size, np.int8), np.empty(int8.blocks(x.size), np.float32)
+    int8.quantize(x, q, scales)
+    return [q, scales]

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from flodl_zmq.errors import ProtocolError
 from flodl_zmq.fold import FoldStation, HostFold
-from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger
+from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger, StartGate
 from flodl_zmq.tensors import bf16_from_f32, f32_from_bf16
+from flodl_zmq.wire.records import HostFrame, ShardStart
 
 
 def f32(*values: float) -> np.ndarray:
@@ -354,3 +355,45 @@ def test_a_round_told_ahead_is_published_only_once_its_trigger_opened_it():
     # The trigger's bound is lower than the plan's; the larger stands, so the honest mass is not refused.
     out = led.bound_round(1, {0: 50.0}, opens=True)
     assert isinstance(out, Reduced) and out.round_id == 1 and out.tensors[0][0] == 1.0
+
+
+# ---------------------------------------------------------------- a host shard's start (PROTOCOL.md 10.9 item 11)
+
+
+def test_a_host_shard_keeps_the_newest_frame_of_each_member_and_round_until_its_start():
+    gate = StartGate(shard=2)
+    assert not gate.started and StartGate(shard=0).started  # the controller's reducer starts from the run
+    first, resent = [np.zeros(3, np.float32)], [np.ones(3, np.float32)]
+    gate.hold("a", HostFrame(1, "a", [0, 1], 2.0), first)
+    gate.hold("b", HostFrame(1, "b", [2], 1.0), first)
+    gate.hold("a", HostFrame(1, "a", [0, 1], 2.0), resent)  # a resend after a reset replaces its copy
+    gate.hold("a", HostFrame(2, "a", [0, 1], 2.0), first)
+    assert [(h, f.round, p is resent) for h, f, p in gate.held] == [("b", 1, False), ("a", 1, True), ("a", 2, False)]
+    assert gate.open(ShardStart(2, "none", 0.0, 0.0, 0), []) is None and gate.started
+
+
+@pytest.mark.parametrize(("start", "payload", "named"), [
+    (ShardStart(1, "none", 0.0, 0.0, 0), [], "the start of shard 1: the two hold different shard maps"),
+    (ShardStart(2, "none", 0.0, 0.0, 0), [np.zeros(2, np.float32)], "without an outer step came with 1"),
+    (ShardStart(2, "adam", 0.7, 0.9, 2), [np.zeros(2, np.float32)] * 2, "names an outer step it cannot take"),
+    (ShardStart(2, "nesterov", 0.7, 1.5, 2), [np.zeros(2, np.float32)] * 2, "outer_momentum"),
+    (ShardStart(2, "nesterov", 0.7, 0.9, 2), [np.zeros(2, np.float32)], "model then its momentum"),
+    (ShardStart(2, "nesterov", 0.7, 0.9, 2), [np.zeros(2, np.float32), np.zeros(3, np.float32)], "model then"),
+    (ShardStart(2, "nesterov", 0.7, 0.9, 2), [np.zeros(2, np.float64)] * 2, "f32"),
+    (ShardStart(2, "nesterov", 0.7, 0.9, 5), [np.zeros(2, np.float32)] * 2, "more than there are values"),
+], ids=["other-shard", "payload-without-outer", "unknown-step", "bad-momentum", "odd-frames", "mismatched-parts",
+        "f64", "stepped-over-slice"])
+def test_a_start_the_shard_cannot_use_is_refused_naming_what_is_wrong_and_opens_nothing(start, payload, named):
+    gate = StartGate(shard=2)
+    with pytest.raises(ProtocolError, match=named):
+        gate.open(start, payload)
+    assert not gate.started
+
+
+def test_a_start_with_an_outer_step_builds_the_slices_step_from_its_model_and_momentum():
+    gate = StartGate(shard=1)
+    model, momentum = np.arange(5, dtype=np.float32), np.full(5, 0.5, np.float32)
+    outer = gate.open(ShardStart(1, "momentum", 1.0, 0.7, 3), [model[:2], model[2:], momentum[:2], momentum[2:]])
+    assert outer is not None and (outer.config.kind, outer.stepped) == ("momentum", 3)
+    np.testing.assert_array_equal(outer.global_model, model)
+    np.testing.assert_array_equal(outer.momentum, [0.5, 0.5, 0.5, 0.0, 0.0])  # buffers carry no momentum

@@ -55,7 +55,7 @@ def deposit(seg: Segment, tensors: list[np.ndarray]) -> list:
 
 def reference_mac_from_the_spec(key: bytes, header: bytes, locator: bytes) -> bytes:
     """PROTOCOL.md 3.5, written out with the standard library only."""
-    label = b"flodl-zmq/9/by-reference\x00"
+    label = b"flodl-zmq/10/by-reference\x00"
     return hmac.new(key, label + struct.pack("<Q", len(header)) + header + struct.pack("<Q", len(locator)) + locator,
                     hashlib.sha256).digest()
 
