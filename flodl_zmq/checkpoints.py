@@ -59,13 +59,14 @@ import torch
 
 from flodl_zmq import bundle
 from flodl_zmq.environment import ProcessEnv
-from flodl_zmq.errors import ConfigError, RunComplete
+from flodl_zmq.errors import ConfigError, ProtocolError, RunComplete
 from flodl_zmq.job import Job
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.payload import load_flat, refresh_estimates
 from flodl_zmq.private_files import own_dir, read_own, write_atomic
 from flodl_zmq.result import TrainResult
 from flodl_zmq.settings import Settings
+from flodl_zmq.shards import Cut, OuterGather
 from flodl_zmq.wire import records as rec
 
 log = logging.getLogger(__name__)
@@ -285,6 +286,52 @@ class Resumed:
         return OuterOptimizer(config, consensus, momentum, stepped)
 
 
+class ShardedOuter:
+    """A sharded run's outer state for its bundles (PROTOCOL.md 10.9 item 12): the shards hold it in slices, so a
+    bundle that is due asks every shard for its slice (`ask`: the controller's reducer's `want_state`, which
+    asks the host shards too), again each round until one round's are all in; the bundle then holds that
+    round's global model and momentum, as one reducer's bundle holds its state as of one round."""
+
+    def __init__(self, cut: Cut, ask: Callable[[int], None], kept_round: Callable[[], int]) -> None:
+        """`ask`: the controller's reducer's `want_state`; `kept_round`: the round of the kept consensus."""
+        self.gather = OuterGather(cut)
+        self._ask, self._kept_round = ask, kept_round
+        self._asked_at: int | None = None  # the kept round when the bundle now due first asked
+        self._last_ask = -1
+
+    def add(self, shard: int, round_id: int, payload: list[Any]) -> None:
+        try:
+            self.gather.add(shard, round_id, payload)
+        except ProtocolError as exc:  # a shard of another map or model: its state is not this run's
+            log.warning("controller: %s", exc)
+
+    def ready(self, since: int | None = None) -> bool:
+        """Whether every shard's state of one round at or after `since` (None: the round of the bundle's first
+        ask, so that rounds going on meanwhile do not outrun it) is in; if not, ask (once a round)."""
+        now = self._kept_round()
+        if self._asked_at is None:
+            self._asked_at = now
+        whole = self.gather.whole
+        if whole is not None and whole[0] >= (self._asked_at if since is None else since):
+            return True
+        if self._last_ask < now:
+            self._last_ask = now
+            self._ask(now)
+        return False
+
+    def state(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The (global model, momentum) for the bundle being written; the next bundle asks afresh. None, said in
+        the log, when the shards' state has not come (the bundle then holds no momentum)."""
+        whole = self.gather.whole
+        if self._asked_at is None or whole is None or whole[0] < self._asked_at:
+            log.warning("controller: a bundle of this sharded run is written without the outer momentum (the "
+                        "shards had not sent their state of a round since it was due); a resume from it starts the "
+                        "momentum at zero")
+            return None
+        self._asked_at = None  # the next bundle asks afresh (the run's last may take this same state)
+        return whole[1], whole[2]
+
+
 @dataclass
 class WriterStatus:
     """What `status` shows of the checkpoints: the last written, the last failure."""
@@ -402,6 +449,7 @@ class Keeper:
         self.writer: CheckpointWriter | None = None
         self.policy: CheckpointPolicy | None = None
         self._outer_state: Callable[[], tuple[np.ndarray, np.ndarray] | None] = lambda: None
+        self.sharded_outer: ShardedOuter | None = None  # `gather_outer`
 
     @property
     def consistent(self) -> bool:
@@ -410,7 +458,8 @@ class Keeper:
 
     def start(self, now: float, rounds_done: int,
               outer_state: Callable[[], tuple[np.ndarray, np.ndarray] | None] | None) -> None:
-        """Start the periodic checkpoints (if set); `outer_state`: the outer step's f32 model and momentum."""
+        """Start the periodic checkpoints (if set); `outer_state`: the outer step's f32 model and momentum (a
+        sharded run's come from its shards: `gather_outer`)."""
         if outer_state is not None:
             self._outer_state = outer_state
         settings = self.penv.settings
@@ -438,11 +487,31 @@ class Keeper:
         if self.policy is not None:
             self.policy.epoch_ended = True
 
+    def outer_ready(self, final: bool = False) -> bool:
+        """Whether a bundle can hold the outer state now (a sharded run's shards are asked if not); `final`:
+        the run's last bundle, whose state must be of the kept round (no round comes after it)."""
+        return self.sharded_outer is None or self.sharded_outer.ready(self.round if final else None)
+
+    def gather_outer(self, cut: Cut, ask: Callable[[int], None]) -> None:
+        """A sharded run with an outer step: its bundles' outer state comes from its shards (ShardedOuter)."""
+        self.sharded_outer = ShardedOuter(cut, ask, lambda: self.round)
+        self._outer_state = self.sharded_outer.state
+
+    def outer_slice(self, shard: int, round_id: int, payload: list[Any]) -> None:
+        """A shard's slice of the outer state, as the controller's reducer passed it on."""
+        if self.sharded_outer is not None:
+            self.sharded_outer.add(shard, round_id, payload)
+
+    def settled(self) -> bool:
+        """At the run's end: the kept consensus is the last round, and the final save can hold the outer state."""
+        return self.consistent and (not self.job.save_path or self.outer_ready(final=True))
+
     def maybe_checkpoint(self, now: float, rounds_done: int, state: Callable[[], dict[str, Any]]) -> None:
-        """Hand the writer a copy of the kept consensus when a checkpoint is due; never waits on it."""
+        """Hand the writer a copy of the kept consensus when a checkpoint is due (and the outer state with it
+        can be had); never waits on it."""
         if self.writer is None or self.policy is None or not self.consistent:
             return
-        if self.policy.due(now, rounds_done):
+        if self.policy.due(now, rounds_done) and self.outer_ready():
             self.policy.taken(now, rounds_done)
             self.writer.submit(self.snapshot("checkpoint", state()))
 

@@ -69,7 +69,7 @@ import zmq
 from flodl_zmq import bundle, environment
 from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
 from flodl_zmq.control_router import ControlRouter
-from flodl_zmq.controller_shards import ConsensusCopies, shard_lost, sharding
+from flodl_zmq.controller_shards import ConsensusCopies, reducer_frame_bytes, shard_lost, sharding
 from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.liveness import RankState, stop_hint
 from flodl_zmq.coordinator.outputs import (
@@ -94,7 +94,6 @@ from flodl_zmq.join import ReformGate
 from flodl_zmq.links import (
     CONTROL_MAX_FRAME_BYTES,
     CONTROL_MAX_FRAMES,
-    data_max_frame_bytes,
     drain,
     keep_alive,
     limit_receive,
@@ -106,7 +105,8 @@ from flodl_zmq.membership_link import MembershipLink
 from flodl_zmq.metrics import RunMetrics, served
 from flodl_zmq.payload import adopt_flat, check_model, model_signature, parameter_count
 from flodl_zmq.reducer_config import ReducerConfig
-from flodl_zmq.reducer_service import HostRefused, ReducerService, RoundOutcome
+from flodl_zmq.reducer_messages import HostRefused, OuterSlice
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.report import RunReport
 from flodl_zmq.result import TrainResult, epoch_row
 from flodl_zmq.runlog import run_dir_for
@@ -203,6 +203,8 @@ class ControllerService:
         """Serve the run until it ends or re-forms; its result, or its error raised."""
         ctx = controller_context()
         reducer = self._reducer(ctx)
+        if self.shard_cut is not None and self.outer is not None:  # its shards hold the outer state, in slices
+            self.kept.gather_outer(self.shard_cut, reducer.want_state)
         control = self._control_socket(ctx)
         copies = ConsensusCopies(ctx, self.router.codec, self.kept.keep, self.counts, self.shard_cut)
         t0 = time.perf_counter()
@@ -235,8 +237,9 @@ class ControllerService:
                 self.world, self.penv.key, self.penv.incarnation, self.penv.controller, curve=self.curve,
                 link_heartbeat_period_s=settings.link_heartbeat_period_s, link_silence_s=settings.link_silence_s,
                 wire=self.job.wire, aggregation=settings.aggregation,
-                # The relays send this model's frames and nothing longer (PROTOCOL.md 6.1).
-                max_frame_bytes=data_max_frame_bytes(self.job.wire.largest_frame_bytes(self.kept.consensus.size)),
+                # The relays send this model's frames (or the shards' outer state) and nothing longer (PROTOCOL.md 6.1).
+                max_frame_bytes=reducer_frame_bytes(self.job.wire, self.kept.consensus.size,
+                                                    self.shard_cut is not None and self.outer is not None),
                 route_secret=self.penv.need_route_secret(),
                 shard_hosts=tuple(host for host, _ in self.shards.hosts),
             ),
@@ -316,9 +319,10 @@ class ControllerService:
             environment.raise_lost_signal()  # a SIGTERM whose raise a finaliser swallowed stops the loop here
             now = time.monotonic()
             # After the end: every rank said goodbye (acknowledged at once) or is dead, and the last round's
-            # consensus came in on the broadcast (apart from its outcome): nothing left to drain.
+            # consensus came in on the broadcast (apart from its outcome), with a sharded run's outer state for
+            # the final save (asked for first, while the shards' relays are still up): nothing left to drain.
             if drain_until is not None and (now >= drain_until or (
-                    self.started and not self.core.liveness.live and self.kept.consistent)):
+                    self.started and self.kept.settled() and not self.core.liveness.live)):
                 return
             if not self.started and self.stop_error is None:
                 verdict = self.formation.poll(now)
@@ -368,6 +372,9 @@ class ControllerService:
     def _on_outcomes(self, reducer: ReducerService) -> None:
         """The reducer's finished and abandoned rounds, to the coordinator."""
         for outcome in reducer.completed.drain():
+            if isinstance(outcome, OuterSlice):
+                self.kept.outer_slice(outcome.shard, outcome.round_id, outcome.payload)
+                continue
             if isinstance(outcome, HostRefused) and self.started:
                 self.violation(outcome.ranks, f"the reducer refused host {outcome.host}'s frame: {outcome.reason}")
             # No round opens before the world forms: an outcome then names none.
@@ -380,7 +387,8 @@ class ControllerService:
                     self._last_round_at = time.time()
                 self.kept.completed_round = outcome.round_id
                 self._perform(self.core.on_round_complete(outcome.round_id, time.monotonic(), outcome.ranks))
-                self._log_round(outcome, started)
+                self.report.round(outcome.round_id, self.result.round_ms[-1] if started is not None else None,
+                                  dict(zip(outcome.hosts, outcome.masses, strict=True)), self.core)
             else:
                 self._perform(self.core.on_round_abandoned(outcome.round_id, time.monotonic()))
 
@@ -399,17 +407,6 @@ class ControllerService:
         self._perform(self.core.on_tick(time.monotonic()))
         self.kept.maybe_checkpoint(time.monotonic(), self.core.avg_count, self.core.state_dict)
         return self._maybe_reform()
-
-    def _log_round(self, outcome: RoundOutcome, started: float | None) -> None:
-        """The round summary in the run log: its time, each host's mass, ElChe's windows, the guard's verdict."""
-        feedback, verdict = self.core.feedback, self.core.feedback.last_verdict
-        self.report.events.write(
-            "round", round=outcome.round_id, round_ms=self.result.round_ms[-1] if started is not None else None,
-            masses=dict(zip(outcome.hosts, outcome.masses, strict=True)),
-            global_step=self.core.global_step, epoch=self.core.last_aggregated + 1,
-            counts=self.core.elche.batch_counts, anchor=self.core.elche.anchor,
-            verdict=None if verdict is None else verdict.kind.value, divergence=feedback.last_divergence,
-        )
 
     def _wake_at(self, drain_until: float | None) -> float:
         """The next moment this loop has something to do unprompted (monotonic seconds)."""
@@ -437,7 +434,7 @@ class ControllerService:
             log.info("controller: %s waiting to join at round %d", " ".join(hosts), round)
             self.report.events.write("pending", hosts=hosts, round=round)
         if not self.kept.consistent or not self._reform.due(round, state["epoch"], self.core.last_aggregated + 1,
-                                                            self.core.evals.owed):
+                                                            self.core.evals.owed) or not self.kept.outer_ready():
             return False
         stem = self.kept.write_reform(state, self.report.events.run_dir)
         if stem is None:  # the joiners cannot come in yet

@@ -13,8 +13,9 @@ is again the one the coordinator counted finished (`Keeper.consistent`).
 The outer step runs per slice, position by position: the controller's
 reducer steps slice 0, and each host shard its own from the `ShardStart`
 the controller's reducer sends its relay (`shard_starts`, PROTOCOL.md 10.9
-item 11). A shard's host lost mid-run ends the run (`shard_lost`): no other
-process holds its slice.
+item 11); a bundle asks every shard for its slice of the state
+(`checkpoints.ShardedOuter`, item 12). A shard's host lost mid-run ends the run
+(`shard_lost`): no other process holds its slice.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ import numpy as np
 import zmq
 
 from flodl_zmq.errors import AttributionError, ConfigError, ProtocolError, TrainingError, WireError
-from flodl_zmq.links import drain, from_reducer, keep_alive, limit_receive
+from flodl_zmq.links import data_max_frame_bytes, drain, from_reducer, keep_alive, limit_receive
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.reducer_config import ReducerConfig
-from flodl_zmq.shards import SETTING, Assembly, Cut, ShardMap
+from flodl_zmq.shards import SETTING, Assembly, Cut, ShardMap, state_frames
 from flodl_zmq.wire import Channel, Codec
 from flodl_zmq.wire import records as rec
-from flodl_zmq.wire_format import WireFormat
+from flodl_zmq.wire_format import F32, WireFormat
 
 log = logging.getLogger(__name__)
 
@@ -82,25 +83,26 @@ def shard_starts(shards: ShardMap, cut: Cut | None, outer: OuterOptimizer | None
     """Shard 0's outer step (over its slice of the run's), and by host what each host shard starts from.
 
     A host shard takes no host frame into a round before its start (PROTOCOL.md 10.9 item 11): the outer
-    step's state over its slice, global model then momentum, one f32 frame per part of the slice (so no
-    frame is longer than a chunk's, 6.1), or with no outer step a record alone (`cut` is then not needed).
+    step's state over its slice (`shards.state_frames`), or with no outer step a record alone (`cut` is then
+    not needed).
     """
     if outer is None:
         return None, {host: (rec.ShardStart(k, "none", 0.0, 0.0, 0), [])
                       for k, (host, _) in enumerate(shards.hosts, start=1)}
     if cut is None:
         raise ValueError("an outer step's starts are cut as the payload is: pass the run's cut")
-    log.info("controller: this sharded run's bundles (checkpoints, a re-form's, the final save) hold the model "
-             "but not the outer step's momentum, whose slices the shards hold: a resume from one starts the "
-             "momentum at zero (PROTOCOL.md 10.9 item 11)")
     starts: dict[str, tuple[rec.ShardStart, list[np.ndarray]]] = {}
     for k, (host, _) in enumerate(shards.hosts, start=1):
-        part = outer.part(cut.values(k))
-        config, first = outer.config, cut.values(k).start
-        frames = [state[p.start - first : p.stop - first] for state in (part.global_model, part.momentum)
-                  for p in cut.parts[k]]
-        starts[host] = (rec.ShardStart(k, config.kind, config.lr, config.momentum, part.stepped), frames)
+        part, config = outer.part(cut.values(k)), outer.config
+        starts[host] = (rec.ShardStart(k, config.kind, config.lr, config.momentum, part.stepped),
+                        state_frames(part.global_model, part.momentum))
     return outer.part(cut.values(0)), starts
+
+
+def reducer_frame_bytes(wire: WireFormat, n_values: int, sharded_outer: bool) -> int:
+    """The longest frame the controller's data ROUTER takes (PROTOCOL.md 6.1): the run's model in its wire
+    format, or in a sharded run with an outer step an f32 chunk, the shards' outer state (10.9 item 12)."""
+    return data_max_frame_bytes((F32 if sharded_outer else wire).largest_frame_bytes(n_values))
 
 
 def shard_lost(shards: ShardMap, host: str, what: str) -> TrainingError | None:

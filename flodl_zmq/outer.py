@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from flodl_zmq.errors import ConfigError, ProtocolError
+from flodl_zmq.shards import state_of
 from flodl_zmq.tensors import ELEMENTS, element_of
 from flodl_zmq.wire_format import INT8
 
@@ -95,21 +96,18 @@ class OuterConfig:
 
 def outer_from_start(start: ShardStart, payload: Sequence[np.ndarray], who: str) -> OuterOptimizer:
     """A host shard's outer step from its start (PROTOCOL.md 10.9 item 11): the fields name the step, the
-    frames hold the slice's global model then its momentum, f32, part by part; a ProtocolError for a start
+    frames hold the slice's global model then its momentum (`shards.state_frames`); a ProtocolError for a start
     that does not (the controller's reducer signed it: two builds that disagree on the spec)."""
     try:
         config = OuterConfig(start.outer, start.lr, start.momentum)
     except ConfigError as exc:
         raise ProtocolError(f"{who}: its start names an outer step it cannot take: {exc}") from None
-    half = len(payload) // 2
-    models, momenta = payload[:half], payload[half:]
-    if not half or len(payload) % 2 or any(
-            g.dtype != np.float32 or m.dtype != np.float32 or g.ndim != 1 or g.shape != m.shape
-            for g, m in zip(models, momenta, strict=True)):
+    state = state_of(payload)
+    if state is None:
         raise ProtocolError(f"{who}: its start's {len(payload)} payload frames are not the slice's model then its "
-                            "momentum, f32, one 1-D frame per part each")
+                            "momentum, f32, 1-D, the same shapes frame by frame")
     try:
-        return OuterOptimizer(config, np.concatenate(models), np.concatenate(momenta), start.stepped)
+        return OuterOptimizer(config, *state, start.stepped)
     except ConfigError as exc:
         raise ProtocolError(f"{who}: its start: {exc}") from None
 

@@ -41,8 +41,10 @@ Rules this module keeps:
   waited for a dead rank's host would hang it.
 - A host shard (`ReducerConfig.shard` > 0) sums no frame before its start
   (`data.shard_start`, PROTOCOL.md 10.9 item 11; `reducer.StartGate`): the
-  controller's reducer sends it to each shard host's relay ahead of every
+  controller's reducer sends it to each shard host's relay ahead of its
   hello acknowledgement, with the run's outer step over that shard's slice.
+  When a bundle is due, every shard sends its slice of the outer state
+  (`want_state`, item 12).
 - A relay that breaks the round protocol (a round ahead, schema drift, a
   non-finite element, more mass than the coordinator's bound) has
   every one of its ranks declared dead: a desynced host must not wedge the
@@ -73,7 +75,6 @@ import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -110,8 +111,19 @@ from flodl_zmq.mailbox import Mailbox
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.reducer import Abandoned, Gone, Reduced, RoundLedger, StartGate
 from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_messages import (
+    BoundRound,
+    DeclareDead,
+    DropBroadcast,
+    HostRefused,
+    OuterSlice,
+    RoundOutcome,
+    StartFrom,
+    WantState,
+)
 from flodl_zmq.security import apply_server
 from flodl_zmq.service_loop import ServiceLoop
+from flodl_zmq.shards import state_frames
 from flodl_zmq.wire import Attribution, Channel, Codec, Envelope
 from flodl_zmq.wire.records import (
     Consensus,
@@ -119,6 +131,8 @@ from flodl_zmq.wire.records import (
     ConsensusRequest,
     FrameRequest,
     HostFrame,
+    OuterState,
+    OuterStateRequest,
     Probe,
     RankExit,
     RelayDeclareDead,
@@ -131,20 +145,6 @@ from flodl_zmq.wire.stream import RESEND_AFTER_S
 from flodl_zmq.wire_format import Hop
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """What became of a round: reduced over `hosts` with `mass` (each host's part in `masses`), or abandoned
-    (`abandoned` names why)."""
-
-    round_id: int | None
-    mass: float
-    hosts: tuple[str, ...]
-    abandoned: str | None = None
-    published_at: float | None = None  # time.perf_counter() once the consensus was sent to every host
-    masses: tuple[float, ...] = ()
-    ranks: tuple[int, ...] = ()  # whose deposits the consensus holds (Reduced.ranks)
 
 
 # How long a frame whose mass is over its bound waits for the bound to rise before it is refused: a rank's
@@ -160,47 +160,6 @@ class _OverBound(NamedTuple):
     host: str
     frame: HostFrame
     payload: list[Any]
-
-
-@dataclass(frozen=True)
-class HostRefused:
-    """The reducer refused `host`'s frames for good (`reason`): its ranks are out of every round. Its relay was
-    told and may lie: the coordinator hears it here, at once, not at the ranks' heartbeat deadline."""
-
-    host: str
-    ranks: tuple[int, ...]
-    reason: str
-
-
-@dataclass(frozen=True)
-class DeclareDead:
-    """The coordinator declared `rank` dead (ReducerService.declare_dead)."""
-
-    rank: int
-
-
-@dataclass(frozen=True)
-class BoundRound:
-    """The coordinator's mass bound per rank for `round_id` (ReducerService.bound_round)."""
-
-    round_id: int
-    bounds: dict[int, float]
-    opens: bool  # the trigger's bound; False: one deposit told ahead (RoundLedger.bound_round)
-
-
-@dataclass(frozen=True)
-class StartFrom:
-    """A host shard's start, from the controller's reducer through its relay (ReducerService.start_from)."""
-
-    record: ShardStart
-    payload: list[Any]
-
-
-@dataclass(frozen=True)
-class DropBroadcast:
-    """Test hook: the consensus of `round_id` is not sent (ReducerService.drop_broadcast)."""
-
-    round_id: int
 
 
 class ReducerService:
@@ -222,7 +181,7 @@ class ReducerService:
                  outer: OuterOptimizer | None = None, resumed: tuple[int, list[np.ndarray]] | None = None,
                  starts: Mapping[str, tuple[ShardStart, list[np.ndarray]]] | None = None):
         """`starts` (the controller's reducer of a sharded run): by host, what each host shard starts from,
-        sent to its relay at each hello (`controller_shards.shard_starts`)."""
+        sent to its relay with its hello acknowledgement (`controller_shards.shard_starts`, `_send_start`)."""
         self.config = config
         self.ledger = RoundLedger(config.world, outer, config.aggregation)
         if resumed is not None and not (config.wire is not None and config.wire.is_payload(resumed[1])):
@@ -237,7 +196,7 @@ class ReducerService:
         # Host frames are held to the run's wire format; int8 ones are widened into the f32 reduce,
         # and the consensus goes out in int8 again, with the reducer's own error feedback.
         self._hop = Hop("reducer", config.wire, ProtocolError)
-        self.completed: Mailbox[RoundOutcome | HostRefused] = Mailbox()
+        self.completed: Mailbox[RoundOutcome | HostRefused | OuterSlice] = Mailbox()
         self.error: BaseException | None = None
         self._ctx = context or controller_context()
         self._service = ServiceLoop("reducer")  # its mailbox carries the commands
@@ -254,7 +213,9 @@ class ReducerService:
         self._over_bound: list[_OverBound] = []  # frames waiting for their mass bound to rise
         self._drop: set[int] = set()
         self._starts = dict(starts or {})
+        self._start_sent: dict[str, tuple[int, float]] = {}  # host -> (starts sent, when the next may go)
         self._gate = StartGate(config.shard)  # a host shard sums no frame before its start
+        self._state_wanted: int | None = None  # the round from which the outer state is wanted (want_state)
         self._bounded = -1  # the latest round bound_round opened
         self._nonce = itertools.count(1)
         self._last_nonce = 0
@@ -302,6 +263,12 @@ class ReducerService:
         with it, naming the cause): the controller's reducer signed it, so no relay sent it wrong.
         """
         self._service.put(StartFrom(record, list(payload)))
+
+    def want_state(self, round_id: int) -> None:
+        """Put this shard's outer state of the first round it publishes at or after `round_id` (now, if it has)
+        on `completed`, as an OuterSlice (PROTOCOL.md 10.9 item 12). The controller's reducer also asks each
+        host shard, whose relay sends it its state; it puts each on `completed` as it comes."""
+        self._service.put(WantState(int(round_id)))
 
     def drop_broadcast(self, round_id: int) -> None:
         """Test hook: do not send the consensus of `round_id` (neither on PUB nor point to point)."""
@@ -378,6 +345,7 @@ class ReducerService:
             loop.on_message(BoundRound, self._bound)
             loop.on_message(DropBroadcast, lambda cmd: self._drop.add(cmd.round_id))
             loop.on_message(StartFrom, self._start)
+            loop.on_message(WantState, self._want_state)
             loop.on_socket(data, lambda: self._drained(data))
             loop.timer(lambda: self._next_probe if self._unsubscribed() else math.inf, self._probe)
             loop.timer(lambda: self._restate_at, self._restate_deaths)
@@ -487,6 +455,12 @@ class ReducerService:
         elif isinstance(rec, SubscriberReady):
             if rec.host == host and 1 <= rec.nonce <= self._last_nonce:
                 self._subscribed.add(host)
+        elif isinstance(rec, OuterState):
+            hosts = self.config.shard_hosts
+            if self.config.shard != 0 or not 1 <= rec.shard <= len(hosts) or hosts[rec.shard - 1] != host:
+                self._count["forged_sender"] += 1  # only a shard's own relay speaks for it, to the controller's
+                return
+            self.completed.put(OuterSlice(rec.shard, rec.round, list(env.payload)))
         elif isinstance(rec, ConsensusRequest) and not self._gate.started:
             self._count["requests_before_start"] += 1  # no round ends before the start: nothing is lost yet
         elif isinstance(rec, ConsensusRequest):
@@ -535,6 +509,25 @@ class ReducerService:
         for host, frame, payload in held:
             self._take_frame(host, frame, payload, time.monotonic() + MASS_WAIT_S)
 
+    def _want_state(self, cmd: WantState) -> None:
+        wanted = self._state_wanted
+        self._state_wanted = cmd.round_id if wanted is None else min(wanted, cmd.round_id)
+        if self.config.shard == 0:  # each host shard too, every time: a request lost in a reset is made good
+            for host in self.config.shard_hosts:
+                if host in self._route:
+                    self._send_record(host, OuterStateRequest(cmd.round_id))
+        self._offer_state()
+
+    def _offer_state(self) -> None:
+        """This shard's outer state, once a round at or after the one wanted is published."""
+        outer, last = self.ledger.outer, self.ledger.last_round
+        if self._state_wanted is None or outer is None or last is None or last < self._state_wanted:
+            return
+        self._state_wanted = None
+        with self._outer_lock:
+            frames = state_frames(outer.global_model.copy(), outer.momentum.copy())
+        self.completed.put(OuterSlice(self.config.shard, last, frames))
+
     def _hello(self, route: bytes, rec: RelayHello) -> None:
         want = self.config.world.get(rec.host)
         if want is None or sorted(rec.ranks) != sorted(want):
@@ -554,14 +547,23 @@ class ReducerService:
             self._subscribed.discard(rec.host)
         self._route[rec.host] = route
         self._host_of[route] = rec.host
-        start = self._starts.get(rec.host)
-        if start is not None:  # before the acknowledgement, which its relay takes only after the start
-            self._to_relay(route, TAG_DATA, self._codec.encode(*start, channel=Channel.DATA))
+        self._send_start(rec.host, route)  # before the acknowledgement, which its relay takes only after the start
         self._send_record(rec.host, RelayHelloAck())
         for rank in sorted(set(want) & self.ledger.dead - self._forwarded):
             self._forward(rec.host, rank)
         if old != route:  # a relay repeats its hello until acknowledged, and again after a reconnect: said once
             log.info("reducer: relay %s registered with ranks %s", rec.host, list(want))
+
+    def _send_start(self, host: str, route: bytes) -> None:
+        """A shard host's start (PROTOCOL.md 10.9 item 11), at its relay's first hello, then again only 2, 4, 8 ...
+        up to 32 s later while it still hellos: a lost start is made good without one model-sized message per
+        hello (a relay hellos every second until it holds its start, and those queued before this service was
+        up arrive at once)."""
+        start, (sent, next_at) = self._starts.get(host), self._start_sent.get(host, (0, 0.0))
+        if start is None or time.monotonic() < next_at:
+            return
+        self._start_sent[host] = (sent + 1, time.monotonic() + min(RESEND_AFTER_S * 2**sent, 32.0))
+        self._to_relay(route, TAG_DATA, self._codec.encode(*start, channel=Channel.DATA))
 
     def _route_gone(self, route: bytes) -> bool:
         """True when ZeroMQ holds no connection for `route` (ROUTER_MANDATORY refuses a send to it)."""
@@ -665,6 +667,7 @@ class ReducerService:
         # PUB loses messages for peers not yet proven subscribed: they get it directly.
         for host in self._unsubscribed():
             self._to_relay(self._route[host], TAG_BCAST, frames, tensors)
+        self._offer_state()
 
     def _resend(self, host: str, round_id: int) -> None:
         got = self.ledger.recover(round_id)

@@ -38,7 +38,8 @@ from flodl_zmq.links import (
     send,
     send_by_reference,
 )
-from flodl_zmq.reducer_service import HostRefused, ReducerService
+from flodl_zmq.reducer_messages import HostRefused, OuterSlice
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.relay_core import ConsensusWatch, HelloRetry, SendQueue
 from flodl_zmq.service_loop import ServiceLoop
@@ -51,6 +52,8 @@ from flodl_zmq.wire.records import (
     ConsensusRequest,
     FrameRequest,
     HostFrame,
+    OuterState,
+    OuterStateRequest,
     Probe,
     RankExit,
     RelayDeclareDead,
@@ -447,6 +450,8 @@ class DataPlane(Plane):
             link.hello.acked()
         elif isinstance(rec, ShardStart):
             self.shard_start(link, rec, env.payload)
+        elif isinstance(rec, OuterStateRequest) and link.shard == 0 and self.shard is not None:
+            self.shard.want_state(rec.round)  # its OuterSlice comes back on its outcomes (`shard_outcomes`)
         elif isinstance(rec, FrameRequest):
             self.resend_host_frame(link, rec.round)
         else:
@@ -479,8 +484,12 @@ class DataPlane(Plane):
                 self.shard.declare_dead(rank)
 
     def shard_outcomes(self) -> None:
-        """What became of this host's shard's rounds: only a failure of its service is this relay's business."""
+        """What became of this host's shard's rounds (only a failure of its service is this relay's business), and
+        its outer state for the controller's reducer."""
         for outcome in self.shard.completed.drain():  # type: ignore[union-attr]
+            if isinstance(outcome, OuterSlice):  # its outer state, asked for by the controller's reducer
+                self.send_up(self.links[0], OuterState(outcome.shard, outcome.round_id), outcome.payload)
+                continue
             # A host it refused: that host's relay hears it (`declared_dead`) and reports its ranks gone. No
             # round (None): every rank is gone, the run's normal end, which the shard logs itself.
             lost = not isinstance(outcome, HostRefused) and outcome.abandoned is not None

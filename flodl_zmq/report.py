@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from flodl_zmq import bundle
+from flodl_zmq.coordinator.core import Coordinator
 from flodl_zmq.coordinator.outputs import EvalsMerged, Evaluated
 from flodl_zmq.coordinator.roles import is_due
 from flodl_zmq.errors import TrainingError
@@ -43,7 +44,7 @@ class RunReport:
     (not 0 after a resume). `on_callback_error(message)`: what to do when
     `metrics_fn` raises (None: let it raise). `listener`: handed every event
     too (runlog.RunLog: the controller's Prometheus metrics). Epochs, evals, saves and the
-    end are logged here; the controller adds rounds and world changes with
+    end are logged here, and a cluster's rounds (`round`); the controller adds world changes with
     `events.write`. `evals_follow`: an epoch's eval lands after its row (a
     cluster's, scored on a rank): `metrics_fn` gets the row once its eval is in.
     """
@@ -196,6 +197,16 @@ class RunReport:
 
     def row(self, epoch: int) -> dict[str, Any] | None:
         return next((row for row in self.result.epochs if row["epoch"] == epoch), None)
+
+    def round(self, round_id: int, round_ms: float | None, masses: dict[str, float], core: Coordinator) -> None:
+        """A cluster's round in the run log: its time, each host's mass, ElChe's windows, the guard's verdict."""
+        verdict = core.feedback.last_verdict
+        self.events.write(
+            "round", round=round_id, round_ms=round_ms, masses=masses,
+            global_step=core.global_step, epoch=core.last_aggregated + 1,
+            counts=core.elche.batch_counts, anchor=core.elche.anchor,
+            verdict=None if verdict is None else verdict.kind.value, divergence=core.feedback.last_divergence,
+        )
 
     def save(self, state_dict: dict[str, Any], meta: dict[str, Any], outer_momentum: Any = None) -> str:
         """Write the bundle at the job's `save_path` (set); its path is the result's `saved`."""

@@ -242,3 +242,54 @@ class Assembly:
         masses = [parts[k][0] for k in range(shards)]
         mass = 0.0 if min(masses) == 0.0 else masses[0]
         return Whole(round_id, mass, self.cut.join([parts[k][1] for k in range(shards)]))
+
+
+def state_frames(model: np.ndarray, momentum: np.ndarray) -> list[np.ndarray]:
+    """A shard's outer state as frames (PROTOCOL.md 10.9 items 11 and 12): its slice's global model, then its
+    momentum, each in pieces of at most a chunk's values, so no frame is longer than an f32 chunk's (6.1)."""
+    return [x[a : a + CHUNK_VALUES] for x in (model, momentum) for a in range(0, x.size, CHUNK_VALUES)]
+
+
+def state_of(payload: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(global model, momentum) from a shard's outer state frames (`state_frames`: the model's, then the
+    momentum's, f32 and 1-D, the same shapes frame by frame), or None for frames that are not such."""
+    half = len(payload) // 2
+    models, momenta = payload[:half], payload[half:]
+    if not half or len(payload) % 2 or any(g.dtype != np.float32 or m.dtype != np.float32 or g.ndim != 1
+                                           or g.shape != m.shape for g, m in zip(models, momenta, strict=True)):
+        return None
+    return np.concatenate(models), np.concatenate(momenta)
+
+
+class OuterGather:
+    """The shards' outer state of one round made whole, for a sharded run's bundles (PROTOCOL.md 10.9 item 12).
+
+    Each shard sends its slice's (global model, momentum) after the step of a round; `whole` is the newest
+    round every shard's slice came for, as (round, global model, momentum), f32 and flat.
+    """
+
+    def __init__(self, cut: Cut) -> None:
+        self.cut = cut
+        self.whole: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._round = -1
+        self._slices: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def add(self, shard: int, round_id: int, payload: Sequence[np.ndarray]) -> None:
+        """Take `shard`'s state of `round_id` (an older round's is dropped); a ProtocolError for a payload that is
+        not its slice's model and momentum, f32."""
+        shards = len(self.cut.parts)
+        if not 0 <= shard < shards:
+            raise ProtocolError(f"an outer state from shard {shard}, but the run has {shards} shards")
+        n, state = len(self.cut.values(shard)), state_of(payload)
+        if state is None or state[0].size != n:
+            raise ProtocolError(f"shard {shard}'s outer state of round {round_id} is not its slice's {n} values of "
+                                "model then momentum, f32 (a shard of another shard map or model)")
+        if round_id < self._round:
+            return
+        if round_id > self._round:
+            self._round, self._slices = round_id, {}
+        self._slices[shard] = state
+        if len(self._slices) == shards:
+            pieces = [self._slices[k] for k in range(shards)]
+            self.whole = (round_id, np.concatenate([g for g, _ in pieces]), np.concatenate([m for _, m in pieces]))
+            self._slices = {}

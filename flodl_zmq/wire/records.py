@@ -451,16 +451,34 @@ class Consensus:
 
 @record("data.shard_start", D, payload=True)
 class ShardStart:
-    """What host shard `shard` starts from, sent by the controller's reducer to that shard's relay at each of its
-    hellos (PROTOCOL.md 10.9 item 11): the run's outer step over the shard's slice, `stepped` of whose leading
-    values are parameters, and as payload the slice of the starting global model, then of its momentum (f32,
-    one frame per part); with `outer` "none", nothing else."""
+    """What host shard `shard` starts from, sent by the controller's reducer to that shard's relay at its first
+    hello and while it hellos on (PROTOCOL.md 10.9 item 11): the run's outer step over the shard's slice,
+    `stepped` of whose leading values are parameters, and as payload the slice of the starting global model,
+    then of its momentum (f32, `shards.state_frames`); with `outer` "none", nothing else."""
 
     shard: Count
     outer: str
     lr: float
     momentum: float
     stepped: Count
+
+
+@record("data.outer_state_request", D)
+class OuterStateRequest:
+    """The controller's reducer to a shard host's relay, for its shard: send the outer step's state of your slice
+    as of the first round you publish at or after `round` (now, if you already have): a bundle is due
+    (PROTOCOL.md 10.9 item 12)."""
+
+    round: Count
+
+
+@record("data.outer_state", D, payload=True)
+class OuterState:
+    """Shard `shard`'s outer state after its step of `round`, through its relay to the controller's reducer:
+    as payload the slice's global model, then its momentum, as in `ShardStart`."""
+
+    shard: Count
+    round: Count
 
 
 # Round 0 is never averaged (the coordinator counts rounds from 1): it names the consensus a

@@ -192,7 +192,7 @@ def _payloads(kind: str, channel: Channel) -> list[tuple[str, np.ndarray]]:
             .view("<u2")
         )
         return [("bf16", bits.copy())]
-    if kind == "data.shard_start":  # a slice of one part: its global model's values, then its momentum's
+    if kind in ("data.shard_start", "data.outer_state"):  # a slice of one part: its global model, then its momentum's
         return [("f32", np.array([0.5, -1.25, 3.0], dtype="<f4")), ("f32", np.array([0.0, 0.125, -0.5], dtype="<f4"))]
     if kind == "data.consensus" and channel is Channel.BROADCAST:
         return [("f32", np.array([[0.5, 0.25], [-1.0, 2.0]], dtype="<f4"))]

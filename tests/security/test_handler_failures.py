@@ -25,7 +25,7 @@ from transport.test_relay import settle
 
 from flodl_zmq.links import RELAY_ROUTE, coordinator_sender, rank_identity
 from flodl_zmq.rank_link import CoordinatorLost
-from flodl_zmq.reducer_service import HostRefused
+from flodl_zmq.reducer_messages import HostRefused
 from flodl_zmq.relay_core import ReportQueue
 from flodl_zmq.trust import JOIN_RUN_ID
 from flodl_zmq.wire import Channel, Codec, new_key

@@ -29,7 +29,8 @@ from flodl_zmq.fold import FoldStation, check_finite
 from flodl_zmq.int8 import BLOCK
 from flodl_zmq.links import host_token, relay_sender
 from flodl_zmq.reducer_config import ReducerConfig
-from flodl_zmq.reducer_service import HostRefused, ReducerService
+from flodl_zmq.reducer_messages import HostRefused
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.sums import PIECE

@@ -15,7 +15,8 @@ from flodl_zmq.links import TAG_BCAST, TAG_DATA, relay_sender
 from flodl_zmq.mailbox import IDLE_S
 from flodl_zmq.outer import OuterConfig, OuterOptimizer
 from flodl_zmq.reducer_config import ReducerConfig
-from flodl_zmq.reducer_service import HostRefused, ReducerService
+from flodl_zmq.reducer_messages import HostRefused
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.wire import Channel, Codec, Envelope, new_key
 from flodl_zmq.wire.records import (
     ConsensusGone,

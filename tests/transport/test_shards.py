@@ -15,10 +15,11 @@ from flodl_zmq.controller_shards import shard_starts
 from flodl_zmq.errors import ConfigError
 from flodl_zmq.outer import OuterConfig, OuterOptimizer
 from flodl_zmq.reducer_config import ReducerConfig
+from flodl_zmq.reducer_messages import OuterSlice
 from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
-from flodl_zmq.shards import Cut, ShardMap
+from flodl_zmq.shards import Cut, OuterGather, ShardMap
 from flodl_zmq.wire import new_key
 from flodl_zmq.wire_format import F32, WireFormat, named
 
@@ -209,6 +210,21 @@ def test_with_an_outer_step_each_shard_steps_its_slice_and_the_ranks_get_the_who
         assert whole.momentum[:n - 7].any() and not whole.momentum[n - 7:].any()
         for relay in c.relays.values():  # each host shard steps its slice from its start: not an average
             assert relay.shard.ledger.outer is not None and relay.shard.ledger.outer.config == config
+        # A bundle asks every shard for its slice of the state (PROTOCOL.md 10.9 item 12): the controller's
+        # reducer puts its own and each host shard's, sent through its relay, on its outcomes.
+        gather = OuterGather(c.cut)
+        c.reducer.want_state(3)
+        deadline = time.monotonic() + WAIT_S
+        while gather.whole is None:
+            assert time.monotonic() < deadline, "the shards' outer state never came whole"
+            for out in c.reducer.completed.drain():
+                if isinstance(out, OuterSlice):
+                    gather.add(out.shard, out.round_id, out.payload)
+            time.sleep(0.01)
+        round_id, model, momentum = gather.whole
+        assert round_id == 3
+        np.testing.assert_allclose(model, whole.global_model, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(momentum, whole.momentum, rtol=1e-5, atol=1e-6)
     finally:
         c.close()
 

@@ -20,13 +20,14 @@ import torch
 from torch.utils.data import TensorDataset
 
 from flodl_zmq import bundle, checkpoints, int8
-from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, Snapshot
+from flodl_zmq.checkpoints import CheckpointPolicy, CheckpointWriter, ShardedOuter, Snapshot
 from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.environment import ProcessEnv
 from flodl_zmq.errors import ConfigError, RunComplete
 from flodl_zmq.job import Job
 from flodl_zmq.result import TrainResult
 from flodl_zmq.settings import Settings
+from flodl_zmq.shards import Cut, ShardMap, state_frames
 from flodl_zmq.tensors import bf16_from_f32, f32_from_bf16
 from flodl_zmq.wire import records as rec
 from flodl_zmq.wire_format import CHUNK_MAX_BYTES, CHUNK_VALUES, INT8, named
@@ -314,3 +315,46 @@ def test_a_meta_without_digests_still_loads_and_damaged_digests_are_named(tmp_pa
     meta_path.write_text(json.dumps({**meta, "digests": ["x"]}))
     with pytest.raises(ConfigError, match=r"m\.meta\.json: its 'digests' are not a map"):
         bundle.load(stem)
+
+
+# ---------------------------------------------------------------- a sharded run's outer state (PROTOCOL.md 10.9 item 12)
+
+
+def test_a_sharded_bundle_waits_for_every_shards_outer_state_of_a_round_since_it_asked(caplog):
+    cut = Cut.of(ShardMap.parse("h1=tcp://10.0.0.2:7400"), 2 * 4096, 1)  # two shards, a block each
+    asked: list[int] = []
+    kept = {"round": 7}
+    outer = ShardedOuter(cut, asked.append, lambda: kept["round"])
+    model, momentum = np.arange(8192, dtype=np.float32), np.full(8192, 0.5, np.float32)
+
+    def send(shard: int, round_id: int) -> None:
+        v = cut.values(shard)
+        outer.add(shard, round_id, state_frames(model[v.start:v.stop], momentum[v.start:v.stop]))
+
+    assert not outer.ready() and asked == [7]  # due at round 7: every shard is asked
+    assert not outer.ready() and asked == [7]  # once a round
+    send(0, 6)
+    send(1, 6)  # whole, but of a round before the ask
+    assert not outer.ready()
+    kept["round"] = 8
+    assert not outer.ready() and asked == [7, 8]  # asked again: a request may have been lost
+    send(0, 8)
+    send(1, 8)
+    assert outer.ready()
+    got = outer.state()
+    assert got is not None
+    np.testing.assert_array_equal(got[0], model)
+    np.testing.assert_array_equal(got[1], momentum)
+    # The next bundle asks afresh. A periodic one takes a round since its ask, though rounds went on; the
+    # run's last wants the kept round itself (no round comes after it).
+    kept["round"] = 9
+    assert not outer.ready() and asked == [7, 8, 9]
+    send(0, 9)
+    send(1, 9)
+    kept["round"] = 10
+    assert outer.ready() and not outer.ready(since=10) and asked == [7, 8, 9, 10]
+    # Written before the shards answer, a bundle holds no momentum, and says so.
+    send(0, 10)
+    with caplog.at_level("WARNING"):
+        assert outer.state() is not None and outer.state() is None
+    assert "without the outer momentum" in caplog.text

@@ -30,7 +30,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "run": (
         "job", "payload", "links", "private_files", "trust", "datasets", "bundle", "environment", "security",
         "io_threads", "result", "tfevents", "runlog", "report", "runreport", "loader", "training", "checkpoints",
-        "relay_config", "reducer_config", "param_buffers", "agent_rules", "alone",
+        "relay_config", "reducer_config", "reducer_messages", "param_buffers", "agent_rules", "alone",
     ),
     "services": (
         "relay", "relay_data", "reducer_service", "membership", "membership_link", "status_server", "metrics", "control_router",

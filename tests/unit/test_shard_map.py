@@ -10,7 +10,7 @@ import pytest
 
 from flodl_zmq import int8
 from flodl_zmq.errors import ConfigError, ProtocolError
-from flodl_zmq.shards import Assembly, Cut, ShardMap, parts
+from flodl_zmq.shards import Assembly, Cut, OuterGather, ShardMap, parts, state_frames
 from flodl_zmq.wire_format import CHUNK_VALUES, F32, INT8
 
 VECTORS = json.loads((Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "shards.json").read_text())
@@ -158,3 +158,41 @@ def test_a_slice_of_another_layout_or_an_unknown_shard_is_a_protocol_violation()
         a.add(1, 3, 1.0, [np.ones((int8.BLOCK, 2), np.float32)])
     with pytest.raises(ProtocolError, match="from shard 2, but the run has 2 shards"):
         a.add(2, 3, 1.0, x)
+
+
+# ---------------------------------------------------------------- the shards' outer state (PROTOCOL.md 10.9 item 12)
+
+
+def test_the_shards_outer_state_is_whole_once_every_shard_sent_the_same_round():
+    cut = Cut.of(ShardMap.parse("h1=tcp://10.0.0.2:7400,h2=tcp://10.0.0.3:7400"), 3 * CHUNK_VALUES + 5, 1)
+    model = np.arange(cut.n_values, dtype=np.float32)
+    momentum = -model
+    gather = OuterGather(cut)
+
+    def state(k: int) -> list[np.ndarray]:
+        v = cut.values(k)
+        return state_frames(model[v.start:v.stop], momentum[v.start:v.stop])
+
+    assert all(f.size <= CHUNK_VALUES for k in range(3) for f in state(k))  # no frame longer than a chunk
+    gather.add(0, 4, state(0))
+    gather.add(1, 4, state(1))
+    gather.add(2, 5, state(2))  # a newer round: round 4's slices are dropped
+    assert gather.whole is None
+    gather.add(2, 4, state(2))  # an older round than the newest seen: dropped
+    gather.add(0, 5, state(0))
+    gather.add(1, 5, state(1))
+    assert gather.whole is not None and gather.whole[0] == 5
+    np.testing.assert_array_equal(gather.whole[1], model)
+    np.testing.assert_array_equal(gather.whole[2], momentum)
+
+
+@pytest.mark.parametrize(("shard", "frames", "named"), [
+    (3, [np.zeros(4096, np.float32)] * 2, "from shard 3, but the run has 3 shards"),
+    (1, [np.zeros(100, np.float32)] * 2, "not its slice's"),
+    (0, [np.zeros(4096, np.float32)], "not its slice's"),
+    (0, [np.zeros(4096, np.float64)] * 2, "f32"),
+], ids=["unknown-shard", "wrong-size", "odd-frames", "f64"])
+def test_an_outer_state_that_is_not_the_shards_slice_is_refused_by_name(shard, frames, named):
+    cut = Cut.of(ShardMap.parse("h1=tcp://10.0.0.2:7400,h2=tcp://10.0.0.3:7400"), 3 * 4096, 1)  # a block each
+    with pytest.raises(ProtocolError, match=named):
+        OuterGather(cut).add(shard, 1, frames)
