@@ -274,6 +274,8 @@ class ControllerService:
         self.report.close()
         self.kept.close()
         reducer.stop()
+        if self.shard_cut is None and reducer.published is not None:  # the broadcast may have missed the last
+            self.kept.keep(*reducer.published)
         # What the reducer refused or dropped (a late host's frames among them), for the log.
         log.info("controller: reducer counters: %s", {k: v for k, v in reducer.counters().items() if v})
         self.router.connections.close()

@@ -221,6 +221,9 @@ class ReducerService:
         self._last_nonce = 0
         self._next_probe = 0.0
         self._latest_frames: tuple[int, list[Any], Sequence[np.ndarray]] | None = None  # round, frames, buffers
+        # The newest consensus published, its payload in the wire format: read once the service stopped (the
+        # controller's copy, when its subscription missed the last round: a PUB drops for a reader behind).
+        self.published: tuple[Consensus, Sequence[np.ndarray]] | None = None
         self.local_bcast = f"inproc://flodl-bcast-{id(self):x}"
 
     # ------------------------------------------------------------------ API (any thread)
@@ -655,8 +658,9 @@ class ReducerService:
         tensors = self._hop.send_on(red.tensors)
         if self._hop.wire is not None and self._hop.wire.packed and self.ledger.outer is not None and red.mass > 0.0:
             self.ledger.outer.published(tensors)  # the next pseudo-gradient starts where the ranks do
-        frames = self._codec.encode(Consensus(red.round_id, red.mass), tensors, channel=Channel.BROADCAST)
-        self._latest_frames = (red.round_id, frames, tensors)
+        record = Consensus(red.round_id, red.mass)
+        frames = self._codec.encode(record, tensors, channel=Channel.BROADCAST)
+        self._latest_frames, self.published = (red.round_id, frames, tensors), (record, tensors)
         if red.round_id in self._drop:
             self._drop.discard(red.round_id)
             self._count["broadcasts_dropped_on_purpose"] += 1

@@ -30,6 +30,7 @@ from flodl_zmq.job import Job
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import local_endpoints, remove_local_dir
 from flodl_zmq.payload import model_signature
+from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.relay import Relay
 from flodl_zmq.relay_config import RelayConfig
 from flodl_zmq.sampling import epoch_permutation
@@ -58,8 +59,11 @@ BAD_COUNTS = ("violation", "rejected", "forged", "unexpected", "unknown", "bad_"
 class Run:
     """One job on the real controller (this process) and relay: `kinds[r]` is "spec" or "own" for rank r."""
 
-    def __init__(self, tmp_path: Path, kinds: tuple[str, ...], lose_seq: int = 0, mode: str = "cpu-cadence"):
+    def __init__(self, tmp_path: Path, kinds: tuple[str, ...], lose_seq: int = 0, mode: str = "cpu-cadence",
+                 consensus_wait_s: float = 2.0):
+        """`consensus_wait_s`: how long the relay waits for a round's broadcast before it asks for it."""
         self.tmp, self.kinds, self.lose_seq, self.mode = tmp_path, kinds, lose_seq, mode
+        self.consensus_wait_s = consensus_wait_s
         self.key, self.run_id = new_key(), os.urandom(16)
         self.address = ControllerAddress("127.0.0.1", free_port_base())
         penv = ProcessEnv(role="controller", controller=self.address, key=self.key, run_id=self.run_id,
@@ -91,7 +95,8 @@ class Run:
         local = local_endpoints(self.key, self.run_id, "h")
         relay = Relay(RelayConfig("h", WORLD["h"], self.key, self.run_id, self.address.endpoint(Channel.CONTROL),
                                   self.address.endpoint(Channel.DATA), self.address.endpoint(Channel.BROADCAST),
-                                  *local, host_token=token("h")), ctx)
+                                  *local, consensus_wait_at_relay_s=self.consensus_wait_s, host_token=token("h")),
+                      ctx)
         relay.start()
         procs = [self.rank_process(r) for r in WORLD["h"]]
         try:
@@ -193,6 +198,29 @@ def test_two_spec_ranks_train_a_whole_job_on_the_real_relay_and_controller(tmp_p
     assert sorted(v for log in logs for v in log["checkpoints"]) == list(range(1, EPOCHS))
     run.assert_clean()
     assert not [r.getMessage() for r in caplog.records if "violation" in r.getMessage()]
+
+
+def test_the_controller_ends_on_the_last_consensus_though_its_own_copy_of_the_broadcast_missed_it(tmp_path,
+                                                                                                 monkeypatch):
+    # A PUB drops for a subscriber that fell behind (the controller's loop on a loaded machine, under a round
+    # every step): no later round makes good the last one. Here no broadcast goes out at all; the relay asks
+    # for each round point to point, and the controller's copy never sees one. Its result (and the model it
+    # would save) must still be the last consensus, which it takes from its reducer once that stopped.
+    reducer_of = ControllerService._reducer
+
+    def dropping(service: ControllerService, ctx: zmq.Context) -> ReducerService:
+        reducer = reducer_of(service, ctx)
+        for round_id in range(1, 1000):
+            reducer.drop_broadcast(round_id)
+        return reducer
+
+    monkeypatch.setattr(ControllerService, "_reducer", dropping)
+    run = Run(tmp_path, ("spec", "spec"), consensus_wait_s=0.1)
+    run.run()
+    last = run.spec[0]["consensus"][-1]["theta"]
+    assert run.relay_counts["consensus_requests"] >= len(run.spec[0]["consensus"])  # none came by broadcast
+    np.testing.assert_allclose(flat(run.result.model), last, rtol=1e-6)
+    assert not np.allclose(last, run.init)
 
 
 def test_a_spec_rank_and_our_rank_train_a_whole_job_together(tmp_path, caplog):
