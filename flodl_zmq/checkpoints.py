@@ -286,17 +286,24 @@ class Resumed:
         return OuterOptimizer(config, consensus, momentum, stepped)
 
 
+# The longest a bundle waits for the shards' outer state: one whose shard never answers (its relay's link to the
+# controller down) is then written without it, saying so, rather than no bundle being written at all.
+OUTER_WAIT_S = 60.0
+
+
 class ShardedOuter:
     """A sharded run's outer state for its bundles (PROTOCOL.md 10.9 item 12): the shards hold it in slices, so a
     bundle that is due asks every shard for its slice (`ask`: the controller's reducer's `want_state`, which
-    asks the host shards too), again each round until one round's are all in; the bundle then holds that
-    round's global model and momentum, as one reducer's bundle holds its state as of one round."""
+    asks the host shards too), again each round until one round's are all in (or OUTER_WAIT_S passed); the
+    bundle then holds that round's global model and momentum, as one reducer's holds its state of one round."""
 
-    def __init__(self, cut: Cut, ask: Callable[[int], None], kept_round: Callable[[], int]) -> None:
+    def __init__(self, cut: Cut, ask: Callable[[int], None], kept_round: Callable[[], int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`ask`: the controller's reducer's `want_state`; `kept_round`: the round of the kept consensus."""
         self.gather = OuterGather(cut)
-        self._ask, self._kept_round = ask, kept_round
+        self._ask, self._kept_round, self._clock = ask, kept_round, clock
         self._asked_at: int | None = None  # the kept round when the bundle now due first asked
+        self._asked_time = 0.0
         self._last_ask = -1
 
     def add(self, shard: int, round_id: int, payload: list[Any]) -> None:
@@ -310,10 +317,12 @@ class ShardedOuter:
         ask, so that rounds going on meanwhile do not outrun it) is in; if not, ask (once a round)."""
         now = self._kept_round()
         if self._asked_at is None:
-            self._asked_at = now
+            self._asked_at, self._asked_time = now, self._clock()
         whole = self.gather.whole
         if whole is not None and whole[0] >= (self._asked_at if since is None else since):
             return True
+        if self._clock() - self._asked_time > OUTER_WAIT_S:
+            return True  # written without it (`state` says so)
         if self._last_ask < now:
             self._last_ask = now
             self._ask(now)
@@ -322,13 +331,13 @@ class ShardedOuter:
     def state(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The (global model, momentum) for the bundle being written; the next bundle asks afresh. None, said in
         the log, when the shards' state has not come (the bundle then holds no momentum)."""
-        whole = self.gather.whole
-        if self._asked_at is None or whole is None or whole[0] < self._asked_at:
-            log.warning("controller: a bundle of this sharded run is written without the outer momentum (the "
-                        "shards had not sent their state of a round since it was due); a resume from it starts the "
-                        "momentum at zero")
-            return None
+        whole, asked_at = self.gather.whole, self._asked_at
         self._asked_at = None  # the next bundle asks afresh (the run's last may take this same state)
+        if asked_at is None or whole is None or whole[0] < asked_at:
+            log.warning("controller: a bundle of this sharded run is written without the outer momentum: not every "
+                        "shard sent its state of a round since it was due (within %g s; is a shard host's relay cut "
+                        "off from the controller?); a resume from it starts the momentum at zero", OUTER_WAIT_S)
+            return None
         return whole[1], whole[2]
 
 

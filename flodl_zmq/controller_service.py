@@ -36,8 +36,9 @@ Theory of operation:
 3. The end. After RunEnded the loop keeps serving until every rank has said goodbye or is dead and
    the last finished round's consensus is in (at most a short drain), then stops the reducer. The
    final model is the last consensus with positive mass seen on the broadcast (the controller
-   subscribes to its own PUB, like a relay). Interrupted (Ctrl-C, or a SIGTERM the role turns
-   into one), the run log still ends with its `end` line, reason "interrupted".
+   subscribes to its own PUB, like a relay), or the reducer's last if that is newer (a PUB drops
+   for a subscriber that fell behind). Interrupted (Ctrl-C, or a SIGTERM the role turns into one),
+   the run log still ends with its `end` line, reason "interrupted".
 
 Rules this module keeps: one socket, one thread (the reducer's sockets are the reducer thread's); the
 core sees only the records `ControlRouter` authenticated and attributed to the rank their route names.

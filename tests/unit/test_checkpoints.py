@@ -358,3 +358,18 @@ def test_a_sharded_bundle_waits_for_every_shards_outer_state_of_a_round_since_it
     with caplog.at_level("WARNING"):
         assert outer.state() is not None and outer.state() is None
     assert "without the outer momentum" in caplog.text
+
+
+def test_a_sharded_bundle_whose_shard_never_answers_is_written_without_the_momentum_after_a_while(caplog):
+    cut = Cut.of(ShardMap.parse("h1=tcp://10.0.0.2:7400"), 2 * 4096, 1)
+    clock = {"now": 100.0}
+    outer = ShardedOuter(cut, lambda r: None, lambda: 7, clock=lambda: clock["now"])
+    assert not outer.ready()
+    clock["now"] += checkpoints.OUTER_WAIT_S - 1
+    assert not outer.ready()
+    clock["now"] += 2  # shard 1's relay never answered: the bundle goes out rather than none at all
+    assert outer.ready()
+    with caplog.at_level("WARNING"):
+        assert outer.state() is None
+    assert "cut off from the controller" in caplog.text
+    assert not outer.ready()  # the next bundle waits afresh
