@@ -15,7 +15,7 @@ from flodl_zmq.links import TAG_BCAST, TAG_DATA, relay_sender
 from flodl_zmq.mailbox import IDLE_S
 from flodl_zmq.outer import OuterConfig, OuterOptimizer
 from flodl_zmq.reducer_config import ReducerConfig
-from flodl_zmq.reducer_messages import HostRefused
+from flodl_zmq.reducer_messages import HostRefused, OuterSlice
 from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.wire import Channel, Codec, Envelope, new_key
 from flodl_zmq.wire.records import (
@@ -23,11 +23,13 @@ from flodl_zmq.wire.records import (
     ConsensusRequest,
     FrameRequest,
     HostFrame,
+    OuterState,
     Probe,
     RankExit,
     RelayDeclareDead,
     RelayHello,
     RelayHelloAck,
+    ShardStart,
     SubscriberReady,
 )
 from flodl_zmq.wire.stream import RESEND_AFTER_S
@@ -90,14 +92,14 @@ class FakeRelay:
 
 
 class Rig:
-    def __init__(self, tmp_path, kind="inproc", outer=None, wire=F32, **config):
+    def __init__(self, tmp_path, kind="inproc", outer=None, wire=F32, starts=None, **config):
         self.ctx = zmq.Context()
         self.key, self.run_id = new_key(), bytes(range(16))
         self.eps = eps = endpoints(kind, tmp_path)
         self.svc = ReducerService(
             ReducerConfig(WORLD, self.key, self.run_id, eps["data"], eps["bcast"], probe_interval_s=0.05, wire=wire,
                           route_secret=ROUTE_SECRET, **config),
-            self.ctx, outer,
+            self.ctx, outer, starts=starts,
         )
         self.svc.start()
         self.relays = {h: FakeRelay(self.ctx, h, self.key, self.run_id, eps) for h in WORLD}
@@ -234,6 +236,39 @@ def test_a_shard_host_that_registers_after_a_death_hears_of_it_at_the_next_resta
     assert a.record().record == RelayDeclareDead(0)
     b.hello()
     assert b.record(timeout=RESEND_AFTER_S + WAIT_S).record == RelayDeclareDead(0)
+
+
+def test_a_shard_hosts_relay_gets_its_start_at_its_first_hello_and_again_only_a_while_later(tmp_path):
+    # Hellos a relay repeated while the controller was not up arrive at once: each must not bring the (model-
+    # sized) start again; one that still comes RESEND_AFTER_S later does, as its start may have been lost.
+    start = (ShardStart(1, "none", 0.0, 0.0, 0), [])
+    rig = Rig(tmp_path, starts={"b": start}, shard_hosts=("b",))
+    try:
+        b = rig.relays["b"]
+        b.send(RelayHello("b", list(WORLD["b"]), [], token("b")))
+        assert [b.record().record for _ in range(2)] == [start[0], RelayHelloAck()]
+        for _ in range(3):
+            b.send(RelayHello("b", list(WORLD["b"]), [], token("b")))
+            assert b.record().record == RelayHelloAck()
+        time.sleep(RESEND_AFTER_S)
+        b.send(RelayHello("b", list(WORLD["b"]), [], token("b")))
+        assert [b.record().record for _ in range(2)] == [start[0], RelayHelloAck()]
+        rig.relays["a"].hello()  # a host that runs no shard gets no start
+    finally:
+        rig.close()
+
+
+def test_an_outer_state_is_taken_only_from_the_relay_of_the_shard_it_names(sharded):
+    a, b = sharded.relays["a"], sharded.relays["b"]
+    a.hello()
+    b.hello()
+    state = [np.zeros(4, np.float32), np.ones(4, np.float32)]
+    a.send(OuterState(1, 5), state)  # shard 1 is b's: a relay speaks for its own shard only
+    b.send(OuterState(1, 6), state)
+    out = sharded.svc.completed.get(timeout=WAIT_S)
+    assert isinstance(out, OuterSlice) and (out.shard, out.round_id) == (1, 6)
+    np.testing.assert_array_equal(out.payload[1], state[1])
+    assert sharded.svc.counters()["forged_sender"] == 1
 
 
 def test_a_command_wakes_the_idle_service_at_once_not_after_a_poll_tick(rig):
