@@ -294,16 +294,16 @@ OUTER_WAIT_S = 60.0
 class ShardedOuter:
     """A sharded run's outer state for its bundles (PROTOCOL.md 10.9 item 12): the shards hold it in slices, so a
     bundle that is due asks every shard for its slice (`ask`: the controller's reducer's `want_state`, which
-    asks the host shards too), again each round until one round's are all in (or OUTER_WAIT_S passed); the
-    bundle then holds that round's global model and momentum, as one reducer's holds its state of one round."""
+    asks the host shards too), again each round, until they are all in for the kept round or a later one (or
+    OUTER_WAIT_S passed): the bundle's model is then that round's global model, its momentum that round's,
+    and its coordinator's state the kept round's, never newer than its model (as with one reducer)."""
 
     def __init__(self, cut: Cut, ask: Callable[[int], None], kept_round: Callable[[], int],
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`ask`: the controller's reducer's `want_state`; `kept_round`: the round of the kept consensus."""
         self.gather = OuterGather(cut)
         self._ask, self._kept_round, self._clock = ask, kept_round, clock
-        self._asked_at: int | None = None  # the kept round when the bundle now due first asked
-        self._asked_time = 0.0
+        self._waiting_since: float | None = None  # when the bundle now due first asked
         self._last_ask = -1
 
     def add(self, shard: int, round_id: int, payload: list[Any]) -> None:
@@ -312,31 +312,29 @@ class ShardedOuter:
         except ProtocolError as exc:  # a shard of another map or model: its state is not this run's
             log.warning("controller: %s", exc)
 
-    def ready(self, since: int | None = None) -> bool:
-        """Whether every shard's state of one round at or after `since` (None: the round of the bundle's first
-        ask, so that rounds going on meanwhile do not outrun it) is in; if not, ask (once a round)."""
-        now = self._kept_round()
-        if self._asked_at is None:
-            self._asked_at, self._asked_time = now, self._clock()
-        whole = self.gather.whole
-        if whole is not None and whole[0] >= (self._asked_at if since is None else since):
+    def ready(self) -> bool:
+        """Whether every shard's state of the kept round (or a later one) is in; if not, ask (once a round)."""
+        kept, whole = self._kept_round(), self.gather.whole
+        if whole is not None and whole[0] >= kept:
             return True
-        if self._clock() - self._asked_time > OUTER_WAIT_S:
+        if self._waiting_since is None:
+            self._waiting_since = self._clock()
+        elif self._clock() - self._waiting_since > OUTER_WAIT_S:
             return True  # written without it (`state` says so)
-        if self._last_ask < now:
-            self._last_ask = now
-            self._ask(now)
+        if self._last_ask < kept:
+            self._last_ask = kept
+            self._ask(kept)
         return False
 
     def state(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The (global model, momentum) for the bundle being written; the next bundle asks afresh. None, said in
-        the log, when the shards' state has not come (the bundle then holds no momentum)."""
-        whole, asked_at = self.gather.whole, self._asked_at
-        self._asked_at = None  # the next bundle asks afresh (the run's last may take this same state)
-        if asked_at is None or whole is None or whole[0] < asked_at:
+        """The (global model, momentum) for the bundle written now, of the kept round or a later one; None, said
+        in the log, when they have not come (the bundle then holds the kept consensus and no momentum)."""
+        self._waiting_since, whole = None, self.gather.whole  # the next bundle waits afresh
+        if whole is None or whole[0] < self._kept_round():
             log.warning("controller: a bundle of this sharded run is written without the outer momentum: not every "
-                        "shard sent its state of a round since it was due (within %g s; is a shard host's relay cut "
-                        "off from the controller?); a resume from it starts the momentum at zero", OUTER_WAIT_S)
+                        "shard's state of the kept round had come (a bundle that could not wait, or a shard host's "
+                        "relay cut off from the controller for %g s); a resume from it starts the momentum at zero",
+                        OUTER_WAIT_S)
             return None
         return whole[1], whole[2]
 
@@ -496,10 +494,9 @@ class Keeper:
         if self.policy is not None:
             self.policy.epoch_ended = True
 
-    def outer_ready(self, final: bool = False) -> bool:
-        """Whether a bundle can hold the outer state now (a sharded run's shards are asked if not); `final`:
-        the run's last bundle, whose state must be of the kept round (no round comes after it)."""
-        return self.sharded_outer is None or self.sharded_outer.ready(self.round if final else None)
+    def outer_ready(self) -> bool:
+        """Whether a bundle can hold the outer state now (a sharded run's shards are asked if not)."""
+        return self.sharded_outer is None or self.sharded_outer.ready()
 
     def gather_outer(self, cut: Cut, ask: Callable[[int], None]) -> None:
         """A sharded run with an outer step: its bundles' outer state comes from its shards (ShardedOuter)."""
@@ -512,8 +509,10 @@ class Keeper:
             self.sharded_outer.add(shard, round_id, payload)
 
     def settled(self) -> bool:
-        """At the run's end: the kept consensus is the last round, and the final save can hold the outer state."""
-        return self.consistent and (not self.job.save_path or self.outer_ready(final=True))
+        """At the run's end: the kept consensus is the last round, and the final save can hold the outer state
+        (asked for at once, while the shards' relays are still up)."""
+        outer = not self.job.save_path or self.outer_ready()
+        return self.consistent and outer
 
     def maybe_checkpoint(self, now: float, rounds_done: int, state: Callable[[], dict[str, Any]]) -> None:
         """Hand the writer a copy of the kept consensus when a checkpoint is due (and the outer state with it

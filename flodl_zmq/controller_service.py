@@ -35,10 +35,9 @@ Theory of operation:
    progress, epoch lines, result, bundle), the same one `AloneLoop` uses.
 3. The end. After RunEnded the loop keeps serving until every rank has said goodbye or is dead and
    the last finished round's consensus is in (at most a short drain), then stops the reducer. The
-   final model is the last consensus with positive mass seen on the broadcast (the controller
-   subscribes to its own PUB, like a relay), or the reducer's last if that is newer (a PUB drops
-   for a subscriber that fell behind). Interrupted (Ctrl-C, or a SIGTERM the role turns into one),
-   the run log still ends with its `end` line, reason "interrupted".
+   final model is the last consensus with positive mass seen on its own PUB, or the reducer's last
+   if newer (a PUB drops for a subscriber that fell behind). Interrupted (Ctrl-C, or a SIGTERM the
+   role turns into one), the run log still ends with its `end` line, reason "interrupted".
 
 Rules this module keeps: one socket, one thread (the reducer's sockets are the reducer thread's); the
 core sees only the records `ControlRouter` authenticated and attributed to the rank their route names.
@@ -68,7 +67,7 @@ import torch
 import zmq
 
 from flodl_zmq import bundle, environment
-from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
+from flodl_zmq.checkpoints import OUTER_WAIT_S, Keeper, Resumed, WorldChange
 from flodl_zmq.control_router import ControlRouter
 from flodl_zmq.controller_shards import ConsensusCopies, reducer_frame_bytes, shard_lost, sharding
 from flodl_zmq.coordinator.core import Coordinator
@@ -357,7 +356,8 @@ class ControllerService:
             if self.started and self._tick():
                 return
             if drain_until is None and (self.ended is not None or self.stop_error is not None):
-                drain_until = time.monotonic() + END_DRAIN_S
+                drain_until = time.monotonic() + (END_DRAIN_S if self.kept.sharded_outer is None or not self.job.save_path
+                                                  else OUTER_WAIT_S)  # the final save waits for the shards' state
 
     def _poller(self, control: zmq.Socket, copies: ConsensusCopies,
                 reducer: ReducerService) -> tuple[zmq.Poller, ExitReports | None]:

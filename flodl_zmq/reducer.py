@@ -431,7 +431,7 @@ class RoundLedger:
 
 class StartGate:
     """A host shard's wait for its start (PROTOCOL.md 10.9 item 11): it sums no frame before it holds the
-    start, and keeps those that come first, the newest of each member (host, or rank) and round.
+    start, and keeps those that come first, a resend replacing the copy it repeats (same host, ranks, round).
 
     A core: the service hands it what comes, and sums what `open` returns.
     """

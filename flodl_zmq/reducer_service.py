@@ -40,11 +40,8 @@ Rules this module keeps:
   (`ReducerConfig.shard_hosts`; the owner's only once): a shard whose round
   waited for a dead rank's host would hang it.
 - A host shard (`ReducerConfig.shard` > 0) sums no frame before its start
-  (`data.shard_start`, PROTOCOL.md 10.9 item 11; `reducer.StartGate`): the
-  controller's reducer sends it to each shard host's relay ahead of its
-  hello acknowledgement, with the run's outer step over that shard's slice.
-  When a bundle is due, every shard sends its slice of the outer state
-  (`want_state`, item 12).
+  (`data.shard_start`, PROTOCOL.md 10.9 item 11; `reducer.StartGate`), its
+  slice's outer step; for a bundle, each shard sends its state (item 12).
 - A relay that breaks the round protocol (a round ahead, schema drift, a
   non-finite element, more mass than the coordinator's bound) has
   every one of its ranks declared dead: a desynced host must not wedge the
@@ -221,8 +218,7 @@ class ReducerService:
         self._last_nonce = 0
         self._next_probe = 0.0
         self._latest_frames: tuple[int, list[Any], Sequence[np.ndarray]] | None = None  # round, frames, buffers
-        # The newest consensus published, its payload in the wire format: read once the service stopped (the
-        # controller's copy, when its subscription missed the last round: a PUB drops for a reader behind).
+        # The newest consensus published (its payload in the wire format), for a reader once this service stopped.
         self.published: tuple[Consensus, Sequence[np.ndarray]] | None = None
         self.local_bcast = f"inproc://flodl-bcast-{id(self):x}"
 
@@ -260,17 +256,13 @@ class ReducerService:
         self._service.put(BoundRound(int(round_id), dict(bounds), opens))
 
     def start_from(self, record: ShardStart, payload: Sequence[Any]) -> None:
-        """A host shard's start, as its relay took it from the controller's reducer (PROTOCOL.md 10.9 item 11).
-
-        The first one holds; a start this shard cannot use fails the service (the relay stops, and the run
-        with it, naming the cause): the controller's reducer signed it, so no relay sent it wrong.
-        """
+        """A host shard's start, as its relay took it from the controller's reducer (PROTOCOL.md 10.9 item 11):
+        the first one holds; one this shard cannot use fails the service (its relay, and the run, stop)."""
         self._service.put(StartFrom(record, list(payload)))
 
     def want_state(self, round_id: int) -> None:
-        """Put this shard's outer state of the first round it publishes at or after `round_id` (now, if it has)
-        on `completed`, as an OuterSlice (PROTOCOL.md 10.9 item 12). The controller's reducer also asks each
-        host shard, whose relay sends it its state; it puts each on `completed` as it comes."""
+        """This shard's outer state of its first round at or after `round_id` (now, if it has one) on `completed`
+        as an OuterSlice (PROTOCOL.md 10.9 item 12); the controller's reducer asks each host shard too."""
         self._service.put(WantState(int(round_id)))
 
     def drop_broadcast(self, round_id: int) -> None:
@@ -308,9 +300,14 @@ class ReducerService:
             self._loop()
         except BaseException as exc:  # the data plane must not die silently
             log.exception("reducer: service thread failed")
-            self.error = exc
-            self._ready.set()
-            self.completed.put(RoundOutcome(None, 0.0, (), f"the reducer failed: {exc}"))
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """This service ends for `exc`: `error` set, and one last outcome naming it wakes whoever waits on it."""
+        self.error = exc
+        self._ready.set()
+        self.completed.put(RoundOutcome(None, 0.0, (), f"the reducer failed: {exc}"))
+        self._service.stop()  # the loop ends after this turn (a no-op once it has)
 
     def _loop(self) -> None:
         cfg = self.config
@@ -370,7 +367,8 @@ class ReducerService:
         if cmd.opens:
             self._bounded = cmd.round_id
         with self._outer_lock:
-            self._settled(self.ledger.bound_round(cmd.round_id, cmd.bounds, cmd.opens))
+            outcome = self.ledger.bound_round(cmd.round_id, cmd.bounds, cmd.opens)
+        self._settled(outcome)  # not under the lock: its publication may offer the outer state, which takes it
         self._retake_frames(cmd.round_id)
 
     def _probe(self, now: float) -> None:
@@ -503,7 +501,12 @@ class ReducerService:
         if self._gate.started:
             self._count["repeated_starts"] += 1  # its relay's hello is answered each time: the first holds
             return
-        outer = self._gate.open(cmd.record, cmd.payload)
+        try:
+            outer = self._gate.open(cmd.record, cmd.payload)
+        except ProtocolError as exc:  # the controller's reducer signed it: no peer to blame, this shard cannot run
+            log.error("%s", exc)
+            self._fail(exc)
+            return
         with self._outer_lock:
             self.ledger.outer = outer
         held, self._gate.held = self._gate.held, []
@@ -558,14 +561,12 @@ class ReducerService:
             log.info("reducer: relay %s registered with ranks %s", rec.host, list(want))
 
     def _send_start(self, host: str, route: bytes) -> None:
-        """A shard host's start (PROTOCOL.md 10.9 item 11), at its relay's first hello, then again only 2, 4, 8 ...
-        up to 32 s later while it still hellos: a lost start is made good without one model-sized message per
-        hello (a relay hellos every second until it holds its start, and those queued before this service was
-        up arrive at once)."""
+        """A shard host's start (PROTOCOL.md 10.9 item 11) at its relay's first hello, then 2, 4, 8 ... 32 s later:
+        not one model-sized message for each hello its relay repeated while this service was not yet up."""
         start, (sent, next_at) = self._starts.get(host), self._start_sent.get(host, (0, 0.0))
         if start is None or time.monotonic() < next_at:
             return
-        self._start_sent[host] = (sent + 1, time.monotonic() + min(RESEND_AFTER_S * 2**sent, 32.0))
+        self._start_sent[host] = (sent + 1, time.monotonic() + RESEND_AFTER_S * 2 ** min(sent, 4))
         self._to_relay(route, TAG_DATA, self._codec.encode(*start, channel=Channel.DATA))
 
     def _route_gone(self, route: bytes) -> bool:

@@ -446,6 +446,10 @@ class DataPlane(Plane):
         elif isinstance(rec, RelayHelloAck):
             if link.shard == 0 and self.shard is not None and not self.start_handed:
                 self.count["hello_ack_before_start"] += 1  # the start was lost: the next hello brings it again
+                if self.count["hello_ack_before_start"] == 1:
+                    log.warning("relay %s: the controller's reducer acknowledged this relay without its shard's start "
+                                "(data.shard_start); its hello goes on until the start comes. If it never does, the "
+                                "controller was not given this host in FLODL_SHARDS", self.cfg.host)
                 return
             link.hello.acked()
         elif isinstance(rec, ShardStart):
