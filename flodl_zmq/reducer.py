@@ -443,8 +443,7 @@ class StartGate:
 
     def hold(self, host: str, frame: HostFrame, payload: list[Any]) -> None:
         """Keep `host`'s frame until the start: a resend replaces the copy it repeats."""
-        member = (host, tuple(frame.ranks), frame.round)
-        self.held = [e for e in self.held if (e[0], tuple(e[1].ranks), e[1].round) != member]
+        self.held = [e for e in self.held if (e[0], e[1].ranks, e[1].round) != (host, frame.ranks, frame.round)]
         self.held.append((host, frame, payload))
 
     def open(self, start: ShardStart, payload: Sequence[np.ndarray]) -> OuterOptimizer | None:

@@ -452,23 +452,24 @@ class DataPlane(Plane):
                                 "controller was not given this host in FLODL_SHARDS", self.cfg.host)
                 return
             link.hello.acked()
-        elif isinstance(rec, ShardStart):
-            self.shard_start(link, rec, env.payload)
-        elif isinstance(rec, OuterStateRequest) and link.shard == 0 and self.shard is not None:
-            self.shard.want_state(rec.round)  # its OuterSlice comes back on its outcomes (`shard_outcomes`)
+        elif isinstance(rec, (ShardStart, OuterStateRequest)):
+            self.for_shard(link, rec, env.payload)
         elif isinstance(rec, FrameRequest):
             self.resend_host_frame(link, rec.round)
         else:
             self.count[f"unexpected.{link.where}"] += 1
 
-    def shard_start(self, link: Upstream, rec: ShardStart, payload: list[Any]) -> None:
-        """The start of this host's shard, from the controller's reducer: handed to the shard (which takes the
-        first); from any other shard, or for a host that runs none, not this relay's to take."""
+    def for_shard(self, link: Upstream, rec: ShardStart | OuterStateRequest, payload: list[Any]) -> None:
+        """The controller's reducer's word to this host's shard: its start (the shard takes the first), or a request
+        for its outer state (which comes back on its outcomes, `shard_outcomes`). From any other shard, or for a
+        host that runs none, not this relay's to take."""
         if link.shard != 0 or self.shard is None:
             self.count[f"unexpected.{link.where}"] += 1
-            return
-        self.shard.start_from(rec, payload)
-        self.start_handed = True
+        elif isinstance(rec, ShardStart):
+            self.shard.start_from(rec, payload)
+            self.start_handed = True
+        else:
+            self.shard.want_state(rec.round)
 
     def declared_dead(self, link: Upstream, rank: int) -> None:
         """A shard declared `rank` dead: the controller's reducer for the coordinator (or a host's shard, for a
