@@ -422,7 +422,6 @@ def coordinator_config(job: Job) -> CoordinatorConfig:
         eval_every_samples=job.eval_every_samples if has_eval else 0,
         checkpoint_every=job.checkpoint_every if job.checkpoint_fn is not None else 0,
         final_eval=has_eval,
-        easgd_alpha=job.easgd_alpha,
         rank_silence_at_coordinator_s=job.rank_silence_at_coordinator_s,
         max_failure=job.max_failure(),
         callback_rank=None if job.callback_rank == "fastest" else job.callback_rank,

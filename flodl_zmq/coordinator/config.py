@@ -7,8 +7,9 @@ Rules this module keeps:
   never fails an hour in on a typo.
 - Defaults follow floDl 0.7, so a run tuned there behaves the same here:
   Cadence mode, anchor 10 (1 under Sync), heartbeat timeout 30 s, TrendGuard
-  at 0.05 (0.3 when the EASGD blend keeps a standing spread), EASGD alpha 0.5
-  under Async, overshoot auto-tuned from 3 to 15.
+  at 0.05 (0.3 when the EASGD blend keeps a standing spread), overshoot
+  auto-tuned from 3 to 15. How far a rank blends towards each consensus is
+  the rank's own setting (`Job.blend`): the coordinator never sees it.
 - Derived values (guard threshold, overshoot bounds, the ElChe knobs, the
   reduce-stall ceiling) are computed here once, so the state machine never
   re-derives policy.
@@ -127,7 +128,6 @@ class CoordinatorConfig:
     divergence_threshold: float | None = None
     msf_thresholds: tuple[float, float] | None = None
     meta_controller: bool = True
-    easgd_alpha: float | None = None
     max_overshoot: int | None = None
     min_chunk_batches: int = 1
     reports_per_epoch: int = 0
@@ -143,7 +143,6 @@ class CoordinatorConfig:
         for name, minimum in _OPTIONAL_INTEGERS:
             if getattr(self, name) is not None:
                 _int(getattr(self, name), name, minimum)
-        self._check_easgd()
         self._check_guard()
         self._check_partition_ratios()
         # Built here so every ElChe knob error surfaces at configuration time.
@@ -165,17 +164,6 @@ class CoordinatorConfig:
                 f"total_samples = {self.total_samples} is smaller than batch_size = "
                 f"{self.batch_size}: an epoch would hold no whole batch; use a smaller batch"
             )
-
-    def _check_easgd(self) -> None:
-        if self.easgd_alpha is not None:
-            a = self.easgd_alpha
-            if not (isinstance(a, (int, float)) and 0 < a <= 1):
-                raise ConfigError(f"easgd_alpha = {a!r}: must be in (0, 1] (1 = full overwrite)")
-            if self.mode is not Mode.ASYNC:
-                raise ConfigError(
-                    f"easgd_alpha is set but mode is {self.mode.value}: the EASGD blend is only "
-                    f"safe under async (use mode='async' or drop easgd_alpha)"
-                )
 
     def _check_guard(self) -> None:
         """Each guard's thresholds, given only with that guard; msf's are normalized to floats."""

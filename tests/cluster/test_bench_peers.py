@@ -19,10 +19,11 @@ pytestmark = pytest.mark.timeout(300)
 def test_peers_bench_prints_a_time_to_target_per_run_number_or_null():
     if (why := unavailable()) is not None:
         pytest.skip(why)
-    # Lean: one task, ours and the peer torch ships, one repeat, two epochs (the target may be missed: null).
+    # Lean: one task, ours and the peer torch ships, one repeat, one epoch (ours may miss the target: null;
+    # the peer, given up to 4x the epochs, stops at it).
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench/peers.py"), "--tasks", "mlp", "--runs", "flodl_int8,postlocalsgd",
-         "--repeats", "1", "--epochs", "2", "--cap", "30", "--json"],
+         "--repeats", "1", "--epochs", "1", "--cap", "30", "--json"],
         capture_output=True, text=True, timeout=290, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -24,6 +23,7 @@ from flodl_zmq.links import host_token
 from flodl_zmq.reducer_config import ReducerConfig
 from flodl_zmq.reducer_service import ReducerService
 from flodl_zmq.settings import Settings
+from flodl_zmq.warm import WarmServer
 from flodl_zmq.wire import Channel, new_key
 from flodl_zmq.wire.shm import rank_owner, run_dir, segment_prefix, unlink_run
 from flodl_zmq.wire_format import named
@@ -36,16 +36,16 @@ sys.path.insert(0, str(HERE))
 from dataplane_rank import MASS, SIZES  # noqa: E402
 
 HOSTS = {"a": (0, 1), "b": (2, 3)}
-WAIT_S = 90.0  # a hang guard: four ranks and two relays importing torch beside another test take a while
+WAIT_S = 90.0  # a hang guard: six processes starting beside another test take a while
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linux", reason="ipc, signals")]
 
 
 class Proc:
-    """A child process whose output lines are collected by a thread."""
+    """A child process forked from the warm interpreter (torch imported once), its output lines collected by a thread."""
 
-    def __init__(self, args: list[str], env: dict[str, str]):
-        self.p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], warm: WarmServer):
+        self.p = warm.spawn(name, argv, env)
         self.lines: list[str] = []
         self._cv = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -53,7 +53,7 @@ class Proc:
     def _read(self) -> None:
         for line in self.p.stdout:
             with self._cv:
-                self.lines.append(line.rstrip())
+                self.lines.append(line.decode(errors="replace").rstrip())
                 self._cv.notify_all()
 
     def wait_for(self, text: str, timeout: float = WAIT_S) -> None:
@@ -61,15 +61,18 @@ class Proc:
             if not self._cv.wait_for(lambda: any(text in ln for ln in self.lines), timeout):
                 raise TimeoutError(f"{text!r} not seen; output: {self.lines[-20:]}")
 
+    def signal(self, sig: int) -> None:
+        os.kill(self.p.pid, sig)
+
     def kill(self) -> None:
         if self.p.poll() is None:
-            self.p.send_signal(signal.SIGKILL)
+            self.signal(signal.SIGKILL)
         self.p.wait(10)
 
 
 class World:
-    def __init__(self, tmp_path: Path, rounds: int, dtype: str = "f32", hang: dict[int, int] | None = None,
-                 shm: bool = False):
+    def __init__(self, tmp_path: Path, warm: WarmServer, rounds: int, dtype: str = "f32",
+                 hang: dict[int, int] | None = None, shm: bool = False):
         self.key, self.run_id = new_key(), os.urandom(16)
         self.out = tmp_path
         port = free_port_base()
@@ -88,16 +91,16 @@ class World:
         for host, ranks in HOSTS.items():
             local = {ch: f"ipc://{tmp_path}/{host}-{ch}" for ch in ("control", "data")}
             self.procs[host] = Proc(
-                [sys.executable, str(HERE / "dataplane_relay.py"), "--host", host, "--ranks", ",".join(map(str, ranks)),
+                f"{host}:relay", [str(HERE / "dataplane_relay.py"), "--host", host, "--ranks", ",".join(map(str, ranks)),
                  "--controller", str(addr), "--run-id", self.run_id.hex(),
                  "--local-control", local["control"], "--local-data", local["data"], "--wire-dtype", dtype],
-                dict(env["relay"], FLODL_HOST_TOKEN=host_token(secret, host).hex()))
+                dict(env["relay"], FLODL_HOST_TOKEN=host_token(secret, host).hex()), warm)
             for r in ranks:
                 self.procs[f"r{r}"] = Proc(
-                    [sys.executable, str(HERE / "dataplane_rank.py"), "--rank", str(r), "--run-id",
+                    f"r{r}", [str(HERE / "dataplane_rank.py"), "--rank", str(r), "--run-id",
                      self.run_id.hex(), "--control", local["control"], "--data", local["data"],
                      "--rounds", str(rounds), "--dtype", dtype, "--out", str(tmp_path),
-                     "--hang-at", str((hang or {}).get(r, 0)), "--host", host] + (["--shm"] if shm else []), env["rank"])
+                     "--hang-at", str((hang or {}).get(r, 0)), "--host", host] + (["--shm"] if shm else []), env["rank"], warm)
 
     def _drain_control(self, endpoint: str) -> None:
         s = self.ctx.socket(zmq.ROUTER)
@@ -141,8 +144,8 @@ def assert_mean(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
 
 @pytest.mark.parametrize("shm", [False, True], ids=["frames", "shm"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_two_hosts_of_two_rank_processes_produce_the_weighted_mean(tmp_path, dtype, shm):
-    w = World(tmp_path, rounds=2, dtype=dtype, shm=shm)
+def test_two_hosts_of_two_rank_processes_produce_the_weighted_mean(tmp_path, warm, dtype, shm):
+    w = World(tmp_path, warm, rounds=2, dtype=dtype, shm=shm)
     try:
         for k in (1, 2):
             want = expected(k, [0, 1, 2, 3], dtype)
@@ -158,8 +161,8 @@ def segments_of(key: bytes, run_id: bytes, rank: int) -> list[str]:
 
 
 @pytest.mark.parametrize("shm", [False, True], ids=["frames", "shm"])
-def test_sigkilled_rank_mid_round_leaves_the_barrier_and_survivors_get_their_mean(tmp_path, shm):
-    w = World(tmp_path, rounds=3, hang={3: 2}, shm=shm)
+def test_sigkilled_rank_mid_round_leaves_the_barrier_and_survivors_get_their_mean(tmp_path, warm, shm):
+    w = World(tmp_path, warm, rounds=3, hang={3: 2}, shm=shm)
     try:
         w.procs["r3"].wait_for("hanging at 2")
         for r in (0, 1, 2):  # the survivors deposit round 2 and wait in the barrier
@@ -182,16 +185,16 @@ def test_sigkilled_rank_mid_round_leaves_the_barrier_and_survivors_get_their_mea
         w.close()
 
 
-def test_a_stopped_relay_kills_none_of_its_ranks_and_a_sigkilled_one_lets_the_other_host_finish(tmp_path):
-    w = World(tmp_path, rounds=3, hang={2: 2, 3: 2})
+def test_a_stopped_relay_kills_none_of_its_ranks_and_a_sigkilled_one_lets_the_other_host_finish(tmp_path, warm):
+    w = World(tmp_path, warm, rounds=3, hang={2: 2, 3: 2})
     try:
         for r in range(4):
             w.consensus(r, 1) if r < 2 else w.procs[f"r{r}"].wait_for("hanging at 2")
         # Relay a's own stall (SIGSTOP here; in the field torch's import holding its GIL) is not its
         # ranks' silence: their heartbeats wait in the socket and are read before a deadline is judged.
-        w.procs["a"].p.send_signal(signal.SIGSTOP)
+        w.procs["a"].signal(signal.SIGSTOP)
         time.sleep(2 * Settings().rank_silence_at_relay_s)
-        w.procs["a"].p.send_signal(signal.SIGCONT)
+        w.procs["a"].signal(signal.SIGCONT)
         w.procs["b"].kill()
         for r in HOSTS["b"]:  # what the coordinator does once the host's heartbeats stop
             w.reducer.declare_dead(r)

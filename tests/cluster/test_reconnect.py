@@ -9,6 +9,13 @@ sockets, and the run must finish exactly as an undisturbed one would: every
 epoch's samples trained once, and the accuracy the undisturbed job reliably
 reaches (digits_job.RELIABLE_ACCURACY).
 
+The run is sharded (`--shards 2`): each host's relay also reduces a slice, so
+the resets hit what a sharded run adds on the controller's links as well (each
+host shard's start before its relay's hello is acknowledged, the slices of the
+controller's own shard and their consensus). The links between relays and the
+host shards do not cross the proxy; the unsharded run's resets are
+tests/cluster/test_chaos.py's.
+
 Two kinds of reset alternate, each closing every connection. A quiet reset
 closes each at a moment it carries nothing (50 ms quiet): it covers the
 reconnect itself (identities, handover, hellos, re-subscription). A busy
@@ -43,6 +50,7 @@ SAMPLES_PER_EPOCH_16 = samples_per_epoch(16)
 ARGS = ("--mode", "cpu-cadence", "--batch-size", "16", "--step-ms", "12")
 RESET_EVERY_S = 0.6
 RESETS = 10  # alternately quiet and busy: 5 of each
+SHARDS = 2  # sharded: each host's relay reduces a slice too, and the controller's reducer starts it (shard_start)
 WAIT_S = 120.0
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linux", reason="process groups, ipc")]
@@ -50,15 +58,15 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(sys.platform != "linu
 
 def reset_run(gate: Path, warm: WarmServer) -> tuple[int | None, dict | None, str, int, int]:
     """One 2 x 1 digits run whose relays dial through a proxy that resets every RESET_EVERY_S once training runs."""
-    port = free_port_base()
+    port = free_port_base(extra=2 * SHARDS)
     listen = free_port_base()
-    while abs(listen - port) <= max(OFFSETS.values()):
+    while not (listen > port + max(OFFSETS.values()) + 2 * SHARDS or port > listen + max(OFFSETS.values())):
         listen = free_port_base()
     proxy = ResettingProxy(listen, port)
     proxy.start()
     env_for = {f"h{h}:relay": {"FLODL_CONTROLLER": f"127.0.0.1:{listen}"} for h in range(2)}
     cluster = Cluster(argv=[JOB, *ARGS, *held(gate, after_epochs=4, epochs=15, ranks=2)], hosts=2,
-                      ranks_per_host=1, port=port, env_for=env_for, grace_s=3.0, warm=warm)
+                      ranks_per_host=1, shards=SHARDS, port=port, env_for=env_for, grace_s=3.0, warm=warm)
     cluster.start()
     resets = 0
     waits: list[float] = []

@@ -175,22 +175,9 @@ def test_losing_a_shards_host_stops_the_run_at_once_naming_the_shard(warm):
     assert result_of(out) is None
 
 
-def test_under_flodl_zmq_controller_each_listed_hosts_agent_runs_its_shard(tmp_path):
+def test_under_flodl_zmq_controller_each_listed_hosts_agent_runs_its_shard_and_keeps_it_once_its_rank_is_gone(tmp_path):
     # Protocol 8: the controller's word of the formed world carries the route secret to a shard host's
     # agent alone, which hands it to its relay; FLODL_SHARDS reaches every host in the spawn spec.
-    port = free_port_base(extra=4)
-    shards = f"a=tcp://127.0.0.1:{port + 4},b=tcp://127.0.0.1:{port + 6}"
-    program = [JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16"]
-    outputs, codes = run_agents(tmp_path, port, program, ("a", "b"), min_ranks=2, controller_env={"FLODL_SHARDS": shards})
-    everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
-    assert codes == {"controller": 0, "a": 0, "b": 0}, everything
-    assert f", reducer shard 1 at tcp://127.0.0.1:{port + 4}" in outputs["a"], everything
-    assert f", reducer shard 2 at tcp://127.0.0.1:{port + 6}" in outputs["b"], everything
-    result = result_of(outputs["controller"], "RESULT ")
-    assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, everything
-
-
-def test_a_shard_hosts_agent_keeps_its_relay_after_the_hosts_own_rank_is_gone(tmp_path):
     # Rank 0 SIGKILLs itself before its hello, on whichever host it lands: that host's agent must not stop its
     # relay, whose shard the other hosts' rounds still need (it stops once no rank of the run is left).
     port = free_port_base(extra=6)
@@ -200,6 +187,8 @@ def test_a_shard_hosts_agent_keeps_its_relay_after_the_hosts_own_rank_is_gone(tm
                                 controller_env={"FLODL_SHARDS": shards})
     everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
     assert codes == {"controller": 0, "a": 0, "b": 0, "c": 0}, everything
+    for k, h in enumerate("abc"):
+        assert f", reducer shard {k + 1} at tcp://127.0.0.1:{port + 4 + 2 * k}" in outputs[h], everything
     result = result_of(outputs["controller"], "RESULT ")
     assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, everything
     assert sorted(share == 0.0 for share in result["batch_share"]) == [False, False, True], result["batch_share"]

@@ -39,11 +39,6 @@ def test_bad_settings_are_refused_by_name(setting, value):
         cfg(**{setting: value})
 
 
-def test_easgd_outside_async_is_refused():
-    with pytest.raises(ConfigError, match="easgd_alpha"):
-        cfg(mode="cadence", easgd_alpha=0.5)
-
-
 def test_world_dependent_settings_are_checked_against_the_world():
     with pytest.raises(ConfigError, match="callback_rank"):
         cfg(callback_rank=3).check_world(3)

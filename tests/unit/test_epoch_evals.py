@@ -14,7 +14,7 @@ BS, EPOCHS = 8, 4
 
 
 def _run(total: int, sim: SimConfig) -> tuple[list[Evaluated], list[EvalsMerged]]:
-    cfg = CoordinatorConfig(total_samples=total, batch_size=BS, num_epochs=EPOCHS, mode="async", easgd_alpha=1.0,
+    cfg = CoordinatorConfig(total_samples=total, batch_size=BS, num_epochs=EPOCHS, mode="async",
                             eval_every=1, final_eval=True)
     res = Simulation(cfg, [RankSpec(1.0), RankSpec(1.0)], sim).run()
     assert res.ended is not None and res.ended.reason is None
