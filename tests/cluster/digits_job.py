@@ -7,8 +7,8 @@ Every process of a test cluster runs this file; the controller prints one
 call), --eval-ms (a sleep per eval; with --slow-evals N, in the first N evals of each rank only), --callback-errors report|stop, --wire-dtype f32|bf16, --cosine (an LR schedule over the whole
 run, each step's LR recorded as the scalar "lr"), --max-grad-norm X, --workers N (loader processes
 per rank), --outer none|nesterov|momentum, --anchor N (ElChe's window floor), --easgd-alpha A (cpu-async's pull to each consensus), --heartbeat-timeout S (the coordinator's rank silence limit: the chaos suite's short one),
---pad-chunks N (a frozen all-zero parameter of N payload chunks ahead of the MLP's, so a sharded run's
-host shards reduce the MLP's own values: PROTOCOL.md 10.9), --gate PATH --gate-after N (each rank holds before its step N+1 until PATH exists: the run cannot
+--pad-chunks N (a frozen all-zero parameter of N payload chunks ahead of the MLP's: a sharded run's
+payload of several chunks, the MLP's own values in its last shard's slice: PROTOCOL.md 10.9), --gate PATH --gate-after N (each rank holds before its step N+1 until PATH exists: the run cannot
 end before the test has seen what it waits for, whatever this machine's speed; the test opens it).
 Environment: DIGITS_SHIFT=1 makes this process load a perturbed dataset (a dataset mismatch);
 DIGITS_SIGKILL_RANK=N makes rank N SIGKILL itself before it does anything (a rank that dies before

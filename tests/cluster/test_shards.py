@@ -1,8 +1,10 @@
 """Sharded reduction for real (PROTOCOL.md 10.9): `flodl-zmq launch --shards N`, every process its own.
 
-Each run trains the job's 15 epochs, what RELIABLE_ACCURACY is stated for. The job's model leads its payload with frozen chunks of zeros (digits_job.py `--pad-chunks`), so the
-digits MLP's own values lie in the last host shard's chunks: a run that trains, and a saved model that
-scores what the run's final eval scored, show every slice was reduced and put back together in order.
+Each run trains the job's 15 epochs, what RELIABLE_ACCURACY is stated for. The runs that save a model lead
+its payload with two frozen chunks of zeros (digits_job.py `--pad-chunks`): a payload of three chunks, each cut
+between shards, whose MLP values lie in the last host shard's slice, so a saved model that scores what the
+run's final eval scored shows every slice was reduced and put back together in order. The fault scenarios run
+the bare MLP (17,226 values, five int8 blocks: every shard reduces some of them, PROTOCOL.md 10.9 item 2).
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def held_then_opened(tmp_path: Path, warm, after_epochs: int, act) -> tuple[int,
     controller SIGKILLed and restarted).
     """
     gate = tmp_path / "gate"
-    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "15", "--batch-size", "16", "--cosine",
+    cluster = Cluster(argv=[JOB, "--epochs", "15", "--batch-size", "16", "--cosine",
                             *held(gate, after_epochs=after_epochs, epochs=15, ranks=2)],
                       hosts=2, ranks_per_host=1, shards=2, warm=warm)
     cluster.start()
@@ -160,7 +162,7 @@ def test_a_sigkilled_controller_of_a_sharded_run_restarts_from_its_checkpoint_an
 
 def test_losing_a_shards_host_stops_the_run_at_once_naming_the_shard(warm):
     gate = "/nonexistent-gate-never-opened"  # the ranks hold after one batch: the run is mid-epoch when h1 goes
-    cluster = Cluster(argv=[JOB, "--pad-chunks", "2", "--epochs", "4", "--batch-size", "16", "--gate", gate,
+    cluster = Cluster(argv=[JOB, "--epochs", "4", "--batch-size", "16", "--gate", gate,
                             "--gate-after", "1"], hosts=2, ranks_per_host=1, shards=2, warm=warm)
     cluster.start()
     try:
@@ -182,7 +184,7 @@ def test_under_flodl_zmq_controller_each_listed_hosts_agent_runs_its_shard_and_k
     # relay, whose shard the other hosts' rounds still need (it stops once no rank of the run is left).
     port = free_port_base(extra=6)
     shards = ",".join(f"{h}=tcp://127.0.0.1:{port + 4 + 2 * k}" for k, h in enumerate("abc"))
-    program = [JOB, "--pad-chunks", "3", "--epochs", "15", "--batch-size", "16"]
+    program = [JOB, "--epochs", "15", "--batch-size", "16"]
     outputs, codes = run_agents(tmp_path, port, program, ("a", "b", "c"), min_ranks=2, env={"DIGITS_SIGKILL_RANK": "0"},
                                 controller_env={"FLODL_SHARDS": shards})
     everything = "\n".join(f"--- {n}\n{o}" for n, o in outputs.items())
@@ -199,7 +201,7 @@ def test_under_an_agent_a_shard_hosts_relay_sigkilled_mid_run_stops_the_run_at_o
     # instead of learning of it when the torn-down host's link falls silent (FLODL_HOST_SILENCE).
     port = free_port_base(extra=4)
     shards = f"a=tcp://127.0.0.1:{port + 4},b=tcp://127.0.0.1:{port + 6}"
-    program = [JOB, "--pad-chunks", "2", "--epochs", "4", "--batch-size", "16", "--gate", str(tmp_path / "never"),
+    program = [JOB, "--epochs", "4", "--batch-size", "16", "--gate", str(tmp_path / "never"),
                "--gate-after", "1"]  # the ranks hold after one batch: the run is mid-epoch when b's relay goes
     killed: list[int] = []
     killer = when("start", tmp_path, lambda: killed.append(kill_relay_of(tmp_path, "b")))
@@ -253,7 +255,7 @@ def test_a_host_that_joins_a_sharded_run_mid_run_enters_the_re_formed_world(tmp_
     shards = f"a=tcp://127.0.0.1:{port + 4},b=tcp://127.0.0.1:{port + 6}"
     gate = tmp_path / "gate"
     # Short epochs, about one round each: a re-form must take the consensus of an epoch's last round.
-    program = [JOB, "--pad-chunks", "2", "--epochs", "8", "--batch-size", "16",
+    program = [JOB, "--epochs", "8", "--batch-size", "16",
                *held(gate, after_epochs=1, epochs=8, ranks=2)]
     opener = when("pending", tmp_path, gate.touch)
     outputs, codes = run_agents(tmp_path, port, program, ("a", "b"), min_ranks=2, late=("c",),
