@@ -117,9 +117,9 @@ def test_an_outer_nesterov_step_runs_sharded_and_a_resume_continues_its_momentum
     assert result["accuracy"] >= RELIABLE_ACCURACY, out
 
 
-def held_then_opened(tmp_path: Path, warm, after_epochs: int, act) -> tuple[int, Cluster]:
-    """A 15-epoch run sharded over both hosts (one rank each) whose ranks hold at a gate once they have
-    trained `after_epochs` epochs' batches: `act(cluster)`, then the gate opens; the controller's exit
+def held_then_opened(tmp_path: Path, warm, after_epochs: int, act, *args: str) -> tuple[int, Cluster]:
+    """A 15-epoch run sharded over both hosts (one rank each), `args` added, whose ranks hold at a gate once
+    they have trained `after_epochs` epochs' batches: `act(cluster)`, then the gate opens; the controller's exit
     status and the cluster, stopped.
 
     A cosine schedule, as a user would run it: at the job's constant rate the last eval swung from 0.90
@@ -128,7 +128,7 @@ def held_then_opened(tmp_path: Path, warm, after_epochs: int, act) -> tuple[int,
     controller SIGKILLed and restarted).
     """
     gate = tmp_path / "gate"
-    cluster = Cluster(argv=[JOB, "--epochs", "15", "--batch-size", "16", "--cosine",
+    cluster = Cluster(argv=[JOB, "--epochs", "15", "--batch-size", "16", "--cosine", *args,
                             *held(gate, after_epochs=after_epochs, epochs=15, ranks=2)],
                       hosts=2, ranks_per_host=1, shards=2, warm=warm)
     cluster.start()
@@ -140,10 +140,13 @@ def held_then_opened(tmp_path: Path, warm, after_epochs: int, act) -> tuple[int,
         cluster.shutdown()
 
 
-def test_a_sigkilled_controller_of_a_sharded_run_restarts_from_its_checkpoint_and_the_run_completes(
+def test_a_sigkilled_controller_of_a_sharded_outer_run_restarts_from_its_checkpoint_and_the_run_completes(
         tmp_path, monkeypatch, warm):
     # The restarted controller's reducer serves the checkpoint's consensus whole; each relay asks it alone
     # for that starting model, and the host shards reduce again from the next round (PROTOCOL.md 10.9 item 10).
+    # Under DiLoCo's outer step: the checkpoint holds every shard's slice of the momentum (item 12), and the
+    # restarted controller hands each host shard its slice again in its start (item 11). A sharded restart
+    # without an outer step is the same path with bare starts (the mid-run join below re-forms one).
     monkeypatch.setenv("FLODL_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
     monkeypatch.setenv("FLODL_CHECKPOINT_EVERY_ROUNDS", "2")
     def kill_the_controller_once_it_checkpointed(cluster: Cluster) -> None:
@@ -153,11 +156,14 @@ def test_a_sigkilled_controller_of_a_sharded_run_restarts_from_its_checkpoint_an
         until(lambda: checkpoints.newest(tmp_path / "ckpt"), "no checkpoint", 60.0)
         cluster.kill("controller")
 
-    code, cluster = held_then_opened(tmp_path, warm, 4, kill_the_controller_once_it_checkpointed)
+    code, cluster = held_then_opened(tmp_path, warm, 4, kill_the_controller_once_it_checkpointed,
+                                     "--outer", "nesterov", "--anchor", "40")
     out = cluster.output()
     assert code == 0, out
     assert "the controller was killed by SIGKILL" in out and len(cluster.restarts) == 1, out
     assert f"resumed from {cluster.restarts[0][0]}" in out, out
+    assert f"outer nesterov momentum resumes from {cluster.restarts[0][0]}" in out, out
+    assert out.count("started (outer step nesterov)") == 4, out  # each host shard, before the kill and after
     result = result_of(out)
     assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, out
 
