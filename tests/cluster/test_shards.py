@@ -258,12 +258,14 @@ def test_a_rank_sigkilled_mid_run_leaves_its_hosts_shard_serving_and_the_run_com
 
 def test_a_host_that_joins_a_sharded_run_mid_run_enters_the_re_formed_world(tmp_path):
     # a and b run the shards; c dials in once the world has formed and is taken in at a re-form from the
-    # controller's whole copy of the consensus, after which a's and b's relays run their shards again.
+    # controller's whole copy of the consensus, after which a's and b's relays run their shards again. Under
+    # DiLoCo's outer step: the re-form bundle holds every shard's slice of the momentum (PROTOCOL.md 10.9 item
+    # 12), and the re-formed world's shards start again from their slices (item 11).
     port = free_port_base(extra=4)
     shards = f"a=tcp://127.0.0.1:{port + 4},b=tcp://127.0.0.1:{port + 6}"
     gate = tmp_path / "gate"
     # Short epochs, about one round each: a re-form must take the consensus of an epoch's last round.
-    program = [JOB, "--epochs", "8", "--batch-size", "16",
+    program = [JOB, "--epochs", "8", "--batch-size", "16", "--outer", "nesterov", "--anchor", "40",
                *held(gate, after_epochs=1, epochs=8, ranks=2)]
     opener = when("pending", tmp_path, gate.touch)
     outputs, codes = run_agents(tmp_path, port, program, ("a", "b"), min_ranks=2, late=("c",),
@@ -280,3 +282,4 @@ def test_a_host_that_joins_a_sharded_run_mid_run_enters_the_re_formed_world(tmp_
     # draw of SGD's noise (CI saw 0.9276 after 0.9638, 0.9638); a consensus broken at the re-form scores far lower.
     assert statistics.median(e["eval"] for e in result["epochs"][3:]) >= RELIABLE_ACCURACY, everything
     assert outputs["a"].count(", reducer shard 1 at tcp://") == 2, everything  # before and after the re-form
+    assert "outer nesterov momentum resumes from " in outputs["controller"], everything
