@@ -1,10 +1,39 @@
-"""Shared by every test: a run a test starts logs into that test's temp dir, not `runs/` of the checkout."""
+"""Shared by every test: a run a test starts logs into that test's temp dir, not `runs/` of the checkout; under
+pytest-xdist each worker's runs listen on ports of their own."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
+
+from flodl_zmq import launch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _ports_of_this_worker() -> Iterator[None]:
+    """Each xdist worker draws its runs' ports (`launch.free_port_base`) from a slice of the range of its own.
+
+    A port is probed free, then bound seconds later by a process the run starts (a relay binds its shard's
+    ports once the world has formed); meanwhile another worker's run could draw and bind the same one. Seen
+    under load: a host shard's PUB "Address already in use", and another run's broadcasts at its SUB.
+    """
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()):
+        yield
+        return
+    index, workers = int(worker[2:]), int(count)
+    whole = launch._listening_port_range
+
+    def own_slice(span: int) -> range:
+        bases = whole(span)
+        size = len(bases) // workers
+        return bases[index * size:(index + 1) * size - span]  # no run of this worker reaches the next slice
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "_listening_port_range", own_slice)
+        yield
 
 
 @pytest.fixture(autouse=True)
