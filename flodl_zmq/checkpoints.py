@@ -508,10 +508,19 @@ class Keeper:
         if self.sharded_outer is not None:
             self.sharded_outer.add(shard, round_id, payload)
 
+    def _final_waits_for_shards(self) -> bool:
+        """Whether the run's final save holds outer state that only the shards have (a sharded run's outer step)."""
+        return self.sharded_outer is not None and bool(self.job.save_path)
+
+    def end_wait_s(self, drain_s: float) -> float:
+        """How long the run's end may wait for what the final save needs: `drain_s`, or up to OUTER_WAIT_S for
+        the shards' outer state."""
+        return OUTER_WAIT_S if self._final_waits_for_shards() else drain_s
+
     def settled(self) -> bool:
         """At the run's end: the kept consensus is the last round, and the final save can hold the outer state
         (asked for at once, while the shards' relays are still up)."""
-        outer = not self.job.save_path or self.outer_ready()
+        outer = not self._final_waits_for_shards() or self.outer_ready()
         return self.consistent and outer
 
     def maybe_checkpoint(self, now: float, rounds_done: int, state: Callable[[], dict[str, Any]]) -> None:

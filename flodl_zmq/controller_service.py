@@ -67,7 +67,7 @@ import torch
 import zmq
 
 from flodl_zmq import bundle, environment
-from flodl_zmq.checkpoints import OUTER_WAIT_S, Keeper, Resumed, WorldChange
+from flodl_zmq.checkpoints import Keeper, Resumed, WorldChange
 from flodl_zmq.control_router import ControlRouter
 from flodl_zmq.controller_shards import ConsensusCopies, reducer_frame_bytes, shard_lost, sharding
 from flodl_zmq.coordinator.core import Coordinator
@@ -356,8 +356,7 @@ class ControllerService:
             if self.started and self._tick():
                 return
             if drain_until is None and (self.ended is not None or self.stop_error is not None):
-                drain_until = time.monotonic() + (END_DRAIN_S if self.kept.sharded_outer is None or not self.job.save_path
-                                                  else OUTER_WAIT_S)  # the final save waits for the shards' state
+                drain_until = time.monotonic() + self.kept.end_wait_s(END_DRAIN_S)
 
     def _poller(self, control: zmq.Socket, copies: ConsensusCopies,
                 reducer: ReducerService) -> tuple[zmq.Poller, ExitReports | None]:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_zmq.endpoints import OFFSETS
+from flodl_zmq.endpoints import ControllerAddress
 from flodl_zmq.launch import Cluster, free_port_base
 from flodl_zmq.warm import WarmServer
 from tests.cluster.digits_job import RELIABLE_ACCURACY, held, samples_per_epoch
@@ -60,7 +60,7 @@ def reset_run(gate: Path, warm: WarmServer) -> tuple[int | None, dict | None, st
     """One 2 x 1 digits run whose relays dial through a proxy that resets every RESET_EVERY_S once training runs."""
     port = free_port_base(extra=2 * SHARDS)
     listen = free_port_base()
-    while not (listen > port + max(OFFSETS.values()) + 2 * SHARDS or port > listen + max(OFFSETS.values())):
+    while set(ControllerAddress("127.0.0.1", listen).ports()) & set(ControllerAddress("127.0.0.1", port).ports(2 * SHARDS)):
         listen = free_port_base()
     proxy = ResettingProxy(listen, port)
     proxy.start()

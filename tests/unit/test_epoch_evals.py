@@ -1,5 +1,5 @@
 """An epoch's eval scores the first consensus that holds the epoch whole, and a consensus is scored once:
-under the overlapped round (cpu-async, easgd_alpha 1) epochs shorter than a round's flight end two to
+under the overlapped round (cpu-async) epochs shorter than a round's flight end two to
 one consensus, which is then scored for the later epoch, and the earlier is told to have none of its own."""
 
 from __future__ import annotations
