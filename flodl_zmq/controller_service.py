@@ -206,7 +206,8 @@ class ControllerService:
         if self.shard_cut is not None and self.outer is not None:  # its shards hold the outer state, in slices
             self.kept.gather_outer(self.shard_cut, reducer.want_state)
         control = self._control_socket(ctx)
-        copies = ConsensusCopies(ctx, self.router.codec, self.kept.keep, self.counts, self.shard_cut)
+        copies = ConsensusCopies(ctx, self.router.codec, self.kept.keep, self.counts, self.shard_cut,
+                                 self.penv.settings.host_silence_at_controller_s)
         t0 = time.perf_counter()
         status_server = None
         try:
@@ -331,8 +332,9 @@ class ControllerService:
                 if isinstance(verdict, Failed):
                     self._formation_failed(verdict)
                     return
-            events = dict(poller.poll(poll_ms(self._wake_at(drain_until) - now)))
-            copies.read(events)
+            events = dict(poller.poll(poll_ms(min(self._wake_at(drain_until), copies.silence.due_at()) - now)))
+            copies.read(events, time.monotonic())
+            self._stop_with(copies.lost(time.monotonic()) if self.started and self.ended is None else None)
             # Before the ranks' records: a finished round's Updates (the next plans) are what
             # idle ranks wait for, and a burst of reports must not hold them back.
             if outcomes in events:
@@ -362,7 +364,7 @@ class ControllerService:
                 reducer: ReducerService) -> tuple[zmq.Poller, ExitReports | None]:
         """What wakes the loop: the sockets, the reducer's outcomes, the membership's events, the launcher's exit reports."""
         poller = zmq.Poller()
-        for source in (control, self.router.connections.monitor, *copies.sockets, reducer.completed):
+        for source in (control, self.router.connections.monitor, *copies.watched, reducer.completed):
             poller.register(source, zmq.POLLIN)
         if self.link is not None:
             poller.register(self.link.membership.events, zmq.POLLIN)
@@ -694,6 +696,3 @@ def run_controller(job: Job, penv: ProcessEnv, link: MembershipLink | None = Non
     if not job.quiet and result.final_eval is not None and not math.isnan(result.final_eval):
         print(f"final eval: {result.final_eval:.4f} in {result.wall_s:.1f} s", flush=True)
     return result
-
-
-

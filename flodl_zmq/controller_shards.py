@@ -15,18 +15,22 @@ reducer steps slice 0, and each host shard its own from the `ShardStart`
 the controller's reducer sends its relay (`shard_starts`, PROTOCOL.md 10.9
 item 11); a bundle asks every shard for its slice of the state
 (`checkpoints.ShardedOuter`, item 12). A shard's host lost mid-run ends the run
-(`shard_lost`): no other process holds its slice.
+(`shard_lost`): no other process holds its slice. So does a shard whose link
+to the controller stays down past the host silence limit (`SilentShards`): a
+relay stopped or cut off, which no exit report names.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from flodl_zmq.errors import AttributionError, ConfigError, ProtocolError, TrainingError, WireError
 from flodl_zmq.links import data_max_frame_bytes, drain, from_reducer, keep_alive, limit_receive
@@ -119,42 +123,126 @@ def shard_lost(shards: ShardMap, host: str, what: str) -> TrainingError | None:
                          "run again, or without FLODL_SHARDS")
 
 
+class SilentShards:
+    """Which host shards' links to the controller stayed down past the host silence limit (pure: time passed in).
+
+    The controller's SUB to each host shard's PUB beats (`keep_alive`): a connection silent for link_silence_s is
+    closed and re-dialled, and one reset is re-dialled at once, so a link down and not made again (no handshake)
+    for `limit_s` is a shard's relay stopped or its host cut off, for as long as the controller waits for a silent
+    host (host_silence_at_controller_s). Every later round would wait for that shard's slice for ever, and no exit
+    report comes for a process that is stopped, not dead. Judged from the world's formation (`judge_from`): a
+    shard's relay starts with its host's ranks, which formation waits for; one not connected by then is down
+    from then.
+    """
+
+    def __init__(self, shards: Iterable[int], limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._up = dict.fromkeys(shards, False)
+        self._down_since: dict[int, float] = {}  # judged shards whose link is down, since when
+        self._judging = False
+
+    def judge_from(self, now: float) -> None:
+        """The world formed (the first call counts): every shard not connected now is down from `now`."""
+        if not self._judging:
+            self._judging = True
+            self._down_since = {k: now for k, up in self._up.items() if not up}
+
+    def up(self, shard: int) -> None:
+        """A handshake with `shard`'s PUB was made."""
+        self._up[shard] = True
+        self._down_since.pop(shard, None)
+
+    def down(self, shard: int, now: float) -> None:
+        """`shard`'s connection closed at `now` (silence past link_silence_s, a reset, its relay's exit)."""
+        if self._up[shard] and self._judging:
+            self._down_since[shard] = now
+        self._up[shard] = False
+
+    def due_at(self) -> float:
+        """When the link down longest is down past the limit (just after it); math.inf: none down."""
+        since = min(self._down_since.values(), default=math.inf)
+        return math.nextafter(since + self.limit_s, math.inf)
+
+    def silent(self, now: float) -> int | None:
+        """The shard whose link has been down longest, if longer than the limit at `now`, else None. Each is
+        named once (the run stops on the first): a wait no longer comes due for it."""
+        since, shard = min(((t, k) for k, t in self._down_since.items()), default=(math.inf, None))
+        if shard is None or now - since <= self.limit_s:
+            return None
+        del self._down_since[shard]
+        return shard
+
+
 class ConsensusCopies:
     """The controller's SUB to each shard's PUB (shard 0: its reducer's, in process), fed to its `keep`.
 
     `cut`: how a round is cut between the shards (`shard_cut`), None with one
-    shard, whose consensus is kept as it comes. One thread: the controller's loop,
-    which polls `sockets` and hands its events to `read`.
+    shard, whose consensus is kept as it comes. Each host shard's link is
+    watched for silence past `silence_s` (`SilentShards`, `lost`). One thread:
+    the controller's loop, which polls `watched` and hands its events to `read`.
     """
 
+    _LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
     def __init__(self, ctx: zmq.Context, codec: Codec, keep: Callable[[rec.Consensus, list[Any]], None],
-                 counts: collections.Counter[str], cut: Cut | None = None) -> None:
+                 counts: collections.Counter[str], cut: Cut | None = None, silence_s: float = math.inf) -> None:
         self.codec, self.keep, self.counts = codec, keep, counts
         self.assembly = None if cut is None else Assembly(cut)
         self.sockets = [ctx.socket(zmq.SUB) for _ in range(1 if cut is None else len(cut.parts))]
         for sub in self.sockets:
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.setsockopt(zmq.LINGER, 0)
+        self.silence = SilentShards(range(1, len(self.sockets)), silence_s)
+        self.monitors: dict[zmq.Socket, int] = {}  # a host shard's SUB's handshakes and disconnections -> the shard
+        self.shards = ShardMap()
+
+    @property
+    def watched(self) -> list[zmq.Socket]:
+        """What the controller's loop polls for this: the SUBs and their monitors."""
+        return [*self.sockets, *self.monitors]
 
     def connect(self, local_bcast: str, shards: ShardMap, links: ReducerConfig) -> None:
         """Shard 0 in process (no TCP copy, no CURVE); each host shard's PUB over tcp, bounded and watched as the
-        controller's reducer's links are (`links`: its configuration)."""
+        controller's reducer's links are (`links`: its configuration), its monitor made before it dials."""
+        self.shards = shards
         self.sockets[0].connect(local_bcast)
         for k, sub in enumerate(self.sockets[1:], start=1):
             bcast = shards.endpoints(k)[1]
             limit_receive(sub, links.max_frame_bytes)  # a slice's frames are parts of the model's chunks, none longer
             keep_alive(sub, bcast, links.link_heartbeat_period_s, links.link_silence_s)
+            self.monitors[sub.get_monitor_socket(self._LINK_EVENTS)] = k
             sub.connect(bcast)
 
-    def read(self, events: dict[Any, int]) -> None:
-        """Handle what the ready SUBs hold (a bounded batch each: the control socket must not wait)."""
+    def read(self, events: dict[Any, int], now: float) -> None:
+        """Handle what the ready SUBs hold (a bounded batch each: the control socket must not wait), and what
+        came of each host shard's connection."""
         for shard, sub in enumerate(self.sockets):
             if sub in events:
                 drain(sub, lambda frames, k=shard: self._on_broadcast(k, frames), copy=False, budget=16)
+        for monitor, shard in self.monitors.items():
+            while monitor in events and monitor.poll(0):
+                if recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.silence.up(shard)
+                else:
+                    self.silence.down(shard, now)
+
+    def lost(self, now: float) -> TrainingError | None:
+        """The run's end when a host shard's link has been down past the silence limit (`SilentShards`), else None.
+        Asked once the world formed: the first call starts the judging."""
+        self.silence.judge_from(now)
+        shard = self.silence.silent(now)
+        if shard is None:
+            return None
+        return shard_lost(self.shards, self.shards.hosts[shard - 1][0],
+                          f"fell silent: the controller's link to that shard closed and was not made again within "
+                          f"{self.silence.limit_s:g} s (--host-silence, FLODL_HOST_SILENCE); find what stopped that "
+                          "relay or cut its host off")
 
     def close(self) -> None:
-        for sub in self.sockets:
-            sub.close()
+        for sub in self.sockets[1:] if self.monitors else ():
+            sub.disable_monitor()
+        for sock in (*self.monitors, *self.sockets):
+            sock.close(0)
 
     def _on_broadcast(self, shard: int, frames: list[Any]) -> None:
         try:

@@ -127,7 +127,9 @@ class ConsensusWatch:
     """Which shipped rounds still await their consensus, and when to ask for one (pure).
 
     `shipped` arms a round; `accept` says whether a consensus is new (deliver
-    it) and which older shipped rounds it overtook (ask for those now); `due`
+    it) and which older shipped rounds it overtook (ask for those now); `gone`
+    drops a round its shard no longer holds (asked again at every later
+    consensus, it would bring an error on both sides each time); `due`
     returns rounds silent past their wait and re-arms them, so a request
     that is itself lost is repeated; `reconnected` returns every pending
     round at once, after an upstream connection was made anew. Each request
@@ -191,6 +193,10 @@ class ConsensusWatch:
         for r in gaps:
             self._asked(r, now)
         return True, gaps
+
+    def gone(self, round_id: int) -> None:
+        """The shard answered that `round_id` was superseded: no request can bring its consensus any more."""
+        self._pending.pop(round_id, None)
 
     def next_due(self) -> float:
         """When the first pending round's wait runs out (math.inf: none pending)."""

@@ -443,6 +443,7 @@ class DataPlane(Plane):
             log.error("relay %s: reducer shard %d no longer holds round %d (latest %d); this host missed it",
                       self.cfg.host, link.shard, rec.round, rec.latest)
             self.count["consensus_gone"] += 1
+            link.watch.gone(rec.round)
         elif isinstance(rec, RelayHelloAck):
             if link.shard == 0 and self.shard is not None and not self.start_handed:
                 self.count["hello_ack_before_start"] += 1  # the start was lost: the next hello brings it again

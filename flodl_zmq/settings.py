@@ -296,7 +296,8 @@ class Settings:
     join_heartbeat_period_s: float = setting(1.0, "how often the controller and each agent send a heartbeat on the "
             "join link", env=("FLODL_JOIN_HEARTBEAT_PERIOD",), minimum=0.0, strict=True)
     host_silence_at_controller_s: float = setting(10.0, "agent silence after which the controller declares every rank "
-            "of its host dead", flags=("--host-silence", "--heartbeat-timeout"),
+            "of its host dead; in a sharded run, how long its link to a host shard may stay down once dropped before "
+            "the run stops", flags=("--host-silence", "--heartbeat-timeout"),
             env=("FLODL_HOST_SILENCE", "FLODL_HEARTBEAT_TIMEOUT"), commands=("controller",), minimum=0.0,
             strict=True)
     controller_silence_at_agent_s: float = setting(10.0, "controller silence after which an agent stops its host's relay "

@@ -185,6 +185,29 @@ def test_losing_a_shards_host_stops_the_run_at_once_naming_the_shard(warm):
     assert result_of(out) is None
 
 
+def test_a_shards_host_relay_stopped_stops_the_run_once_its_link_stays_down_past_the_host_silence_naming_it(
+        monkeypatch, warm):
+    # SIGSTOP: no exit report comes, and h1's rank is declared dead for its silence, but the shard in that relay
+    # is still every round's: before, the run waited for its slice for as long as the relay stayed stopped.
+    monkeypatch.setenv("FLODL_LINK_HEARTBEAT_PERIOD", "0.5")
+    monkeypatch.setenv("FLODL_LINK_SILENCE", "2")  # the controller's link to the shard closes after 2 s unheard
+    gate = "/nonexistent-gate-never-opened"  # the ranks hold after one batch: the run is mid-epoch when h1 stops
+    cluster = Cluster(argv=[JOB, "--epochs", "4", "--batch-size", "16", "--gate", gate,
+                            "--gate-after", "1"], hosts=2, ranks_per_host=1, shards=2, warm=warm)
+    cluster.start()
+    try:
+        wait_for(cluster, "reducer shard 2: started")
+        cluster.kill("h1:relay", signal.SIGSTOP)
+        code = cluster.wait(90)  # which SIGKILLs what is left, the stopped relay with it
+    finally:
+        cluster.shutdown()
+    out = cluster.output()
+    assert code != 0, out
+    assert ("reducer shard 2 ran in the relay of host h1, which fell silent: the controller's link to that shard "
+            "closed and was not made again within 10 s (--host-silence") in out, out
+    assert result_of(out) is None
+
+
 def test_under_flodl_zmq_controller_each_listed_hosts_agent_runs_its_shard_and_keeps_it_once_its_rank_is_gone(tmp_path):
     # Protocol 8: the controller's word of the formed world carries the route secret to a shard host's
     # agent alone, which hands it to its relay; FLODL_SHARDS reaches every host in the spawn spec.

@@ -4,6 +4,7 @@ process, and in a sharded run each host shard's PUB over tcp, kept only once a r
 from __future__ import annotations
 
 import collections
+import math
 import time
 
 import numpy as np
@@ -29,7 +30,7 @@ LOCAL = "inproc://test-reducer-bcast"
 class Rig:
     """Shard 0's PUB (in process, as the controller's reducer binds it), and `hosts` host shards' PUBs on tcp."""
 
-    def __init__(self, hosts: int) -> None:
+    def __init__(self, hosts: int, silence_s: float = math.inf) -> None:
         self.ctx = zmq.Context()
         key, incarnation = new_key(), bytes(range(16))
         self.shards = ShardMap.parse(",".join(f"h{k}=tcp://127.0.0.1:{free_port_base()}" for k in range(hosts)))
@@ -44,14 +45,14 @@ class Rig:
         self.cut = None if hosts == 0 else Cut.of(self.shards, 2 * BLOCK * self.shards.count, 1)
         self.copies = ConsensusCopies(self.ctx, Codec(key, incarnation, "coordinator"),
                                       lambda r, p: self.kept.append((r, [np.array(f) for f in p])), self.counts,
-                                      self.cut)
+                                      self.cut, silence_s)
         links = ReducerConfig({"a": (0,)}, key, incarnation, "inproc://unused", "inproc://unused-bcast",
                               max_frame_bytes=data_max_frame_bytes(1 << 20), link_heartbeat_period_s=1.0,
                               link_silence_s=8.0, route_secret=bytes(32))
         self.copies.connect(LOCAL, self.shards, links)
         self.poller = zmq.Poller()
-        for sub in self.copies.sockets:
-            self.poller.register(sub, zmq.POLLIN)
+        for sock in self.copies.watched:
+            self.poller.register(sock, zmq.POLLIN)
         for shard in range(self.shards.count):  # PUB drops what it sends before a subscription arrived
             self._until(lambda k=shard: self._heard(k))
 
@@ -60,12 +61,12 @@ class Rig:
         self.pubs[shard].send_multipart(self.codecs[shard].encode(Probe(1), channel=Channel.BROADCAST))
         sub = self.copies.sockets[shard]
         if sub.poll(50):
-            self.copies.read({sub: zmq.POLLIN})
+            self.copies.read({sub: zmq.POLLIN}, time.monotonic())
             return True
         return False
 
     def _read(self) -> bool:
-        self.copies.read(dict(self.poller.poll(50)))
+        self.copies.read(dict(self.poller.poll(50)), time.monotonic())
         return False
 
     @staticmethod
@@ -154,3 +155,26 @@ def test_a_slice_signed_as_another_shard_is_refused_each_shard_speaks_for_its_ow
     rig.publish(1, 1, 2.0, 3.0)
     assert rig.kept_rounds(1) == [(1, 2.0, [1.0, 3.0])]
     assert rig.counts["forged_route.bcast"] == 1
+
+
+def test_a_host_shards_pub_gone_past_the_silence_limit_ends_the_run_naming_it_and_one_back_in_time_does_not():
+    rig = Rig(1, silence_s=30.0)
+    try:
+        endpoint = rig.shards.endpoints(1)[1]
+        assert rig.copies.lost(time.monotonic()) is None  # the world formed: judged from here
+        rig._until(lambda: rig._read() or rig.copies.silence.due_at() == math.inf)  # its handshake, seen
+        rig.pubs[1].close()  # its relay gone from the link (stopped: heartbeats time out; here its socket closes)
+        rig._until(lambda: rig._read() or rig.copies.silence.due_at() < math.inf)
+        assert rig.copies.lost(rig.copies.silence.due_at() - 0.01) is None  # not yet past the limit
+        rig.pubs[1] = rig.ctx.socket(zmq.PUB)
+        rig.pubs[1].setsockopt(zmq.LINGER, 0)
+        rig.pubs[1].bind(endpoint)  # back: the SUB re-dials and its handshake is made
+        rig._until(lambda: rig._read() or rig.copies.silence.due_at() == math.inf)
+        assert rig.copies.lost(time.monotonic() + 600.0) is None
+        rig.pubs[1].close()
+        rig._until(lambda: rig._read() or rig.copies.silence.due_at() < math.inf)
+        error = rig.copies.lost(rig.copies.silence.due_at())
+        assert error is not None and "reducer shard 1 ran in the relay of host h0, which fell silent" in str(error)
+        assert "FLODL_HOST_SILENCE" in str(error)
+    finally:
+        rig.close()

@@ -171,6 +171,20 @@ def test_consensus_watch_asks_for_overtaken_and_silent_rounds_and_refuses_replay
     assert w.accept(2, 2.9) == (False, [])
 
 
+def test_a_round_its_shard_says_is_gone_is_asked_for_no_more_not_at_its_wait_nor_when_overtaken_nor_on_reconnect():
+    # A relay stopped past the run's limits came back having missed round 1: asked again at every later consensus,
+    # each answer an error logged at the shard and at the relay, for the rest of the run.
+    w = ConsensusWatch(deadline=1.0)
+    w.shipped(1, 0.0)
+    w.shipped(2, 0.5)
+    assert w.accept(3, 0.6) == (True, [1, 2])
+    w.gone(1)
+    assert w.pending == [2]
+    assert w.accept(4, 0.7) == (True, [2])
+    assert w.reconnected(0.8) == [2]
+    assert w.due(100.0) == [2]
+
+
 def test_a_hello_is_due_at_once_then_every_retry_until_acknowledged():
     hello = HelloRetry(retry_s=1.0)
     assert hello.next_due() == 0.0 and hello.due(5.0)
