@@ -533,7 +533,14 @@ class Keeper:
             self.writer.submit(self.snapshot("checkpoint", state()))
 
     def snapshot(self, reason: str, state: dict[str, Any]) -> Snapshot:
-        """A copy of the kept consensus with its meta, for a bundle (with an outer step, the reducer's)."""
+        """A copy of the kept consensus with its meta, for a bundle (with an outer step, the reducer's). A copy
+        behind the coordinator's last finished round (the final save or a stop's, where nothing waits longer for
+        it) is said: what the ranks trained since is not in it."""
+        if not self.consistent:
+            log.warning("controller: the %s bundle holds the consensus of round %d, not of round %d, the last one "
+                        "finished: the controller's copy of the later rounds had not come in whole (a slice lost "
+                        "on a shard's link, or the run stopped before its broadcast), so their training is not in it",
+                        reason, self.round, self.completed_round)
         meta = bundle_meta(reason, state, self.penv, incarnation=self.incarnation, consensus_round=self.round,
                            outer=self.job.outer)
         return Snapshot.of(self.round, self.consensus, meta, self._outer_state())

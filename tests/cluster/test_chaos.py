@@ -79,12 +79,12 @@ class Run(Logged):
             environ.pop(var, None)
         self.start(name, host, argv, environ, **kw)
 
-    def controller(self, ranks: int = 3, extra: Sequence[str] = ()) -> None:
+    def controller(self, ranks: int = 3, extra: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
         self.up("controller", "controller", [
             str(BIN / "flodl-zmq"), "controller", "--bind", "controller:7300", "--min-ranks", "2",
             "--target-ranks", str(ranks), "--join-window", "60", "--host-silence", str(HOST_SILENCE_S), "--", *PROGRAM,
             *extra,
-        ])
+        ], env)
         self.wait_for("controller", "join window open")
 
     def agent(self, name: str, slots: int, port: int = 7300, env: dict[str, str] | None = None) -> None:
@@ -137,8 +137,11 @@ def test_a_hosts_link_flapping_during_formation_and_down_for_2_s_three_times_in_
         run, net, tmp_path):
     # Every rank holds after 3 epochs' worth of its batches (the three ranks have then covered at
     # most 9 of 12 epochs) until the last flap is over: the flaps all land inside the run.
+    # Sharded over both hosts (PROTOCOL.md 10.9): w2's flaps cut, besides its links to the controller, its
+    # shard's links to w1's relay and to the controller, and w2's relay's to w1's shard.
     gate = tmp_path / "gate"
-    run.controller(extra=held(gate, after_epochs=3, epochs=EPOCHS, ranks=3))
+    run.controller(extra=held(gate, after_epochs=3, epochs=EPOCHS, ranks=3),
+                   env={"FLODL_SHARDS": "w1=tcp://w1:7400,w2=tcp://w2:7400"})
     run.agent("w1", 2)
     run.wait_for("controller", "admitted 'w1'")
     run.agent("w2", 1)
@@ -159,6 +162,7 @@ def test_a_hosts_link_flapping_during_formation_and_down_for_2_s_three_times_in_
     accurate(result)
     assert "world formed: 3 of 3 ranks" in log
     assert "declared dead" not in log  # shorter than every silence limit: nobody lost
+    assert "reducer shard 2: started" in run.log("w2")
     # w2's rank trained from the first epoch, its formation flaps over, and a share of the whole run. Not
     # in every epoch: after the gate ElChe's shares follow how long each rank held, and the rank that held
     # longest can get no batch of an epoch (seen once in CI).

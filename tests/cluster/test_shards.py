@@ -196,7 +196,7 @@ def test_a_shards_host_relay_stopped_stops_the_run_once_its_link_stays_down_past
                             "--gate-after", "1"], hosts=2, ranks_per_host=1, shards=2, warm=warm)
     cluster.start()
     try:
-        wait_for(cluster, "reducer shard 2: started")
+        wait_for(cluster, "[controller] world formed")  # before, the world would wait for h1's rank's hello
         cluster.kill("h1:relay", signal.SIGSTOP)
         code = cluster.wait(90)  # which SIGKILLs what is left, the stopped relay with it
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -215,6 +216,19 @@ def test_the_keeper_checkpoints_only_the_round_the_coordinator_counted_finished(
     assert checkpoints.newest(tmp_path).name == "ckpt-r000000001"
     assert meta["incarnation"] == 2 and meta["consensus_round"] == 1 and meta["world"] == {"a": [0, 1]}
     assert k.status()["written"] == 1
+
+
+def test_a_bundle_of_a_copy_behind_the_last_finished_round_says_which_round_it_holds(caplog):
+    k = keeper()
+    k.keep(rec.Consensus(round=3, mass=1.0), [np.ones(4, dtype=np.float32)])
+    k.completed_round = 3
+    with caplog.at_level(logging.WARNING):
+        assert k.snapshot("completed", {"epoch": 0}).meta["consensus_round"] == 3
+    assert not caplog.records
+    k.completed_round = 4  # a host shard's slice of round 4 never reached the controller
+    with caplog.at_level(logging.WARNING):
+        assert k.snapshot("completed", {"epoch": 0}).meta["consensus_round"] == 3
+    assert "the completed bundle holds the consensus of round 3, not of round 4" in caplog.text
 
 
 def test_a_world_change_resumes_the_new_world_from_its_checkpoint_in_the_same_run():
