@@ -14,6 +14,7 @@ import os
 import signal
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from flodl_zmq.datasets import digits
 from flodl_zmq.demo import accuracy
 from flodl_zmq.launch import Cluster, free_port_base
 from tests.cluster.agents import run_agents, until, when
-from tests.cluster.digits_job import RELIABLE_ACCURACY, Padded, held
+from tests.cluster.digits_job import RELIABLE_ACCURACY, Padded, held, samples_per_epoch
 
 JOB = str(Path(__file__).with_name("digits_job.py"))
 
@@ -206,6 +207,28 @@ def test_a_shards_host_relay_stopped_stops_the_run_once_its_link_stays_down_past
     assert ("reducer shard 2 ran in the relay of host h1, which fell silent: the controller's link to that shard "
             "closed and was not made again within 10 s (--host-silence") in out, out
     assert result_of(out) is None
+
+
+def test_a_shards_host_relay_stopped_for_less_than_the_silence_limits_costs_only_time(tmp_path, monkeypatch, warm):
+    # A laptop asleep for a few seconds: the controller's link to the stopped shard and the other relay's links
+    # to it are dropped (2 s unheard) and dialled again once it wakes; nobody is declared dead, no sample lost.
+    monkeypatch.setenv("FLODL_LINK_HEARTBEAT_PERIOD", "0.5")
+    monkeypatch.setenv("FLODL_LINK_SILENCE", "2")
+
+    def stop_h1s_relay_for_5_s(cluster: Cluster) -> None:
+        wait_for(cluster, "[controller] epoch 2/")
+        cluster.kill("h1:relay", signal.SIGSTOP)
+        time.sleep(5.0)  # the disturbance: past the links' silence, short of the host's and the ranks'
+        cluster.kill("h1:relay", signal.SIGCONT)
+        wait_for(cluster, "relay h0: a link to reducer shard 2 reconnected")
+
+    code, cluster = held_then_opened(tmp_path, warm, 3, stop_h1s_relay_for_5_s)
+    out = cluster.output()
+    assert code == 0, out
+    assert "declared dead" not in out and "fell silent" not in out, out
+    result = result_of(out)
+    assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, out
+    assert [e["samples"] for e in result["epochs"]] == [samples_per_epoch(16)] * 15, out
 
 
 def test_under_flodl_zmq_controller_each_listed_hosts_agent_runs_its_shard_and_keeps_it_once_its_rank_is_gone(tmp_path):
