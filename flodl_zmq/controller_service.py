@@ -334,7 +334,8 @@ class ControllerService:
                     return
             events = dict(poller.poll(poll_ms(min(self._wake_at(drain_until), copies.silence.due_at()) - now)))
             copies.read(events, time.monotonic())
-            self._stop_with(copies.lost(time.monotonic()) if self.started and self.ended is None else None)
+            silent = copies.lost(time.monotonic()) if self.started else None  # named once: no wake-up due again
+            self._stop_with(silent if self.ended is None else None)  # a run that ended keeps its end
             # Before the ranks' records: a finished round's Updates (the next plans) are what
             # idle ranks wait for, and a burst of reports must not hold them back.
             if outcomes in events:
