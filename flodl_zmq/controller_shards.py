@@ -129,10 +129,10 @@ class SilentShards:
     The controller's SUB to each host shard's PUB beats (`keep_alive`): a connection silent for link_silence_s is
     closed and re-dialled, and one reset is re-dialled at once, so a link down and not made again (no handshake)
     for `limit_s` is a shard's relay stopped or its host cut off, for as long as the controller waits for a silent
-    host (host_silence_at_controller_s). Every later round would wait for that shard's slice for ever, and no exit
-    report comes for a process that is stopped, not dead. Judged from the world's formation (`judge_from`): a
-    shard's relay starts with its host's ranks, which formation waits for; one not connected by then is down
-    from then.
+    host (host_silence_at_controller_s). No exit report comes for a process that is stopped, not dead, and every
+    later round would wait for that shard's slice until the reduce-stall ceiling (5 minutes at least), which names
+    no shard. Judged from the world's formation (`judge_from`): a shard's relay starts with its host's ranks, which
+    formation waits for; one not connected by then is down from then.
     """
 
     def __init__(self, shards: Iterable[int], limit_s: float) -> None:

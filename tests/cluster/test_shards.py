@@ -189,7 +189,7 @@ def test_losing_a_shards_host_stops_the_run_at_once_naming_the_shard(warm):
 def test_a_shards_host_relay_stopped_stops_the_run_once_its_link_stays_down_past_the_host_silence_naming_it(
         monkeypatch, warm):
     # SIGSTOP: no exit report comes, and h1's rank is declared dead for its silence, but the shard in that relay
-    # is still every round's: before, the run waited for its slice for as long as the relay stayed stopped.
+    # is still every round's: before, the run waited for its slice up to the reduce-stall ceiling (300 s).
     monkeypatch.setenv("FLODL_LINK_HEARTBEAT_PERIOD", "0.5")
     monkeypatch.setenv("FLODL_LINK_SILENCE", "2")  # the controller's link to the shard closes after 2 s unheard
     gate = "/nonexistent-gate-never-opened"  # the ranks hold after one batch: the run is mid-epoch when h1 stops
