@@ -140,6 +140,7 @@ class SilentShards:
         self._up = dict.fromkeys(shards, False)
         self._down_since: dict[int, float] = {}  # judged shards whose link is down, since when
         self._judging = False
+        self.ever_up: set[int] = set()  # shards whose link was made at least once (a silent one dropped it)
 
     def judge_from(self, now: float) -> None:
         """The world formed (the first call counts): every shard not connected now is down from `now`."""
@@ -150,6 +151,7 @@ class SilentShards:
     def up(self, shard: int) -> None:
         """A handshake with `shard`'s PUB was made."""
         self._up[shard] = True
+        self.ever_up.add(shard)
         self._down_since.pop(shard, None)
 
     def down(self, shard: int, now: float) -> None:
@@ -233,10 +235,13 @@ class ConsensusCopies:
         shard = self.silence.silent(now)
         if shard is None:
             return None
-        return shard_lost(self.shards, self.shards.hosts[shard - 1][0],
-                          f"fell silent: the controller's link to that shard closed and was not made again within "
-                          f"{self.silence.limit_s:g} s (--host-silence, FLODL_HOST_SILENCE); find what stopped that "
-                          "relay or cut its host off")
+        limit = f"{self.silence.limit_s:g} s (--host-silence, FLODL_HOST_SILENCE)"
+        what = (f"fell silent: the controller's link to that shard closed and was not made again within {limit}; find "
+                "what stopped that relay or cut its host off" if shard in self.silence.ever_up else
+                f"never answered the controller: its link to that shard's broadcast at {self.shards.endpoints(shard)[1]} "
+                f"was not made within {limit} of the world's formation; check that the controller reaches that "
+                "address (FLODL_SHARDS) through any firewall")
+        return shard_lost(self.shards, self.shards.hosts[shard - 1][0], what)
 
     def close(self) -> None:
         for sub in self.sockets[1:] if self.monitors else ():

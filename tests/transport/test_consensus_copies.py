@@ -178,3 +178,25 @@ def test_a_host_shards_pub_gone_past_the_silence_limit_ends_the_run_naming_it_an
         assert "FLODL_HOST_SILENCE" in str(error)
     finally:
         rig.close()
+
+
+def test_a_host_shards_pub_never_reached_ends_the_run_naming_its_address_once_the_world_formed():
+    rig = Rig(1, silence_s=30.0)
+    try:
+        rig.pubs[1].close()  # its relay was up for the Rig's probe; now nothing answers there
+        unreached = ConsensusCopies(rig.ctx, Codec(new_key(), bytes(16), "coordinator"), lambda r, p: None,
+                                    collections.Counter(), rig.cut, 30.0)
+        links = ReducerConfig({"a": (0,)}, new_key(), bytes(16), "inproc://unused2", "inproc://unused2-bcast",
+                              max_frame_bytes=data_max_frame_bytes(1 << 20), link_heartbeat_period_s=1.0,
+                              link_silence_s=8.0, route_secret=bytes(32))
+        unreached.connect("inproc://no-local-reducer", rig.shards, links)
+        try:
+            assert unreached.lost(100.0) is None  # the world formed at 100 s: judged from here
+            error = unreached.lost(130.001)
+            address = rig.shards.endpoints(1)[1]
+            assert error is not None and "reducer shard 1 ran in the relay of host h0, which never answered" in str(error)
+            assert f"its link to that shard's broadcast at {address} was not made within 30 s" in str(error)
+        finally:
+            unreached.close()
+    finally:
+        rig.close()
