@@ -47,8 +47,12 @@ def test_a_shard_not_connected_when_the_world_formed_is_down_from_then_and_nothi
     watch.judge_from(70.0)  # only the first call counts
     assert watch.silent(60.0) is None and watch.silent(60.5) == 2
     assert watch.ever_up == {1}  # so shard 2 is named as never connected, not as fallen silent
-    watch.up(2)  # late, but in: nothing silent
-    assert watch.silent(1000.0) is None and watch.ever_up == {1, 2}
+
+
+def test_a_shard_connected_late_but_within_the_limit_is_not_silent():
+    watch = formed(1)  # shard 2 not connected when the world formed, at 0 s
+    watch.up(2)  # in at, say, 9 s
+    assert watch.silent(1000.0) is None and watch.due_at() == math.inf and watch.ever_up == {1, 2}
 
 
 def test_of_two_shards_down_the_longest_down_is_named_first_and_each_once():
