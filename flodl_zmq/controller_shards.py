@@ -30,10 +30,16 @@ from typing import Any
 
 import numpy as np
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from flodl_zmq.errors import AttributionError, ConfigError, ProtocolError, TrainingError, WireError
-from flodl_zmq.links import data_max_frame_bytes, drain, from_reducer, keep_alive, limit_receive
+from flodl_zmq.links import (
+    data_max_frame_bytes,
+    drain,
+    from_reducer,
+    keep_alive,
+    limit_receive,
+    monitor_events,
+)
 from flodl_zmq.outer import OuterOptimizer
 from flodl_zmq.reducer_config import ReducerConfig
 from flodl_zmq.shards import SETTING, Assembly, Cut, ShardMap, state_frames
@@ -222,8 +228,8 @@ class ConsensusCopies:
             if sub in events:
                 drain(sub, lambda frames, k=shard: self._on_broadcast(k, frames), copy=False, budget=16)
         for monitor, shard in self.monitors.items():
-            while monitor in events and monitor.poll(0):
-                if recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            for event in monitor_events(monitor) if monitor in events else ():
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.silence.up(shard)
                 else:
                     self.silence.down(shard, now)

@@ -52,7 +52,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import zmq
@@ -367,6 +367,12 @@ def take_over_routes(sock: zmq.Socket) -> None:
 LOOPBACK_SNDBUF = 256 * 1024
 
 
+def monitor_events(monitor: zmq.Socket) -> Iterator[dict[str, Any]]:
+    """The events queued on a socket's monitor (`get_monitor_socket`) now, oldest first, without waiting."""
+    while monitor.poll(0):
+        yield recv_monitor_message(monitor)
+
+
 class DialWatch:
     """What came of a dialling socket's connection attempts, to say why no reply came.
 
@@ -386,8 +392,8 @@ class DialWatch:
 
     def why_silent(self, address: str) -> str:
         """The likeliest cause, from what came of the connection attempts to `address` so far."""
-        while self.monitor.poll(0):
-            self._seen |= recv_monitor_message(self.monitor)["event"]
+        for event in monitor_events(self.monitor):
+            self._seen |= event["event"]
         if self._seen & zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return ("it is there (a ZeroMQ handshake was made) and dropped our hello: its key differs from ours "
                     "(FLODL_KEY must be the same on every host; an open-admission controller takes no key)")
@@ -429,8 +435,7 @@ class Connections:
 
     def read_events(self) -> None:
         """Take the accept events queued on `monitor` (before reading the socket's records)."""
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
+        for event in monitor_events(self.monitor):
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._accepts += 1
                 self._accepted[int(event["value"])] = self._accepts

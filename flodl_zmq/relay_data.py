@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from flodl_zmq.errors import FoldError, PoisonedDeposit, ProtocolError, ShmError
 from flodl_zmq.fold import FoldStation, HostFold, NothingToShip
@@ -31,6 +30,7 @@ from flodl_zmq.links import (
     decode_or_count,
     drain,
     from_reducer,
+    monitor_events,
     rank_identity,
     rank_of,
     rank_sender,
@@ -629,10 +629,7 @@ class DataPlane(Plane):
         after its wait (which a slow round may have stretched to a minute: a consensus the PUB sent meanwhile is
         lost). Not at its first connection, which replaced none: what the DEALER sent before it waited for it,
         and a SUB not yet proven subscribed gets each consensus point to point too (PROTOCOL.md 10.2)."""
-        events = 0
-        while monitor.poll(0):
-            recv_monitor_message(monitor)
-            events += 1
+        events = sum(1 for _ in monitor_events(monitor))
         if sock not in link.connected:
             link.connected.add(sock)
             events -= 1

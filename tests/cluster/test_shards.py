@@ -169,21 +169,28 @@ def test_a_sigkilled_controller_of_a_sharded_outer_run_restarts_from_its_checkpo
     assert result is not None and result["accuracy"] >= RELIABLE_ACCURACY, out
 
 
-def test_losing_a_shards_host_stops_the_run_at_once_naming_the_shard(warm):
-    gate = "/nonexistent-gate-never-opened"  # the ranks hold after one batch: the run is mid-epoch when h1 goes
+def h1s_relay_signalled_mid_epoch(warm, seen: str, sig: int) -> str:
+    """A 4-epoch run sharded over both hosts whose ranks hold after one batch, so it is mid-epoch when, once
+    `seen` is in the output, h1's relay (shard 2) gets `sig`: the output of the run, which must fail."""
+    gate = "/nonexistent-gate-never-opened"
     cluster = Cluster(argv=[JOB, "--epochs", "4", "--batch-size", "16", "--gate", gate,
                             "--gate-after", "1"], hosts=2, ranks_per_host=1, shards=2, warm=warm)
     cluster.start()
     try:
-        wait_for(cluster, "reducer shard 2 at tcp://")
-        cluster.kill("h1:relay", signal.SIGKILL)
-        code = cluster.wait(90)
+        wait_for(cluster, seen)
+        cluster.kill("h1:relay", sig)
+        code = cluster.wait(90)  # which SIGKILLs what is left, a stopped relay with it
     finally:
         cluster.shutdown()
     out = cluster.output()
     assert code != 0, out
-    assert "reducer shard 2 ran in the relay of host h1, which exited with code -9" in out, out
     assert result_of(out) is None
+    return out
+
+
+def test_losing_a_shards_host_stops_the_run_at_once_naming_the_shard(warm):
+    out = h1s_relay_signalled_mid_epoch(warm, "reducer shard 2 at tcp://", signal.SIGKILL)
+    assert "reducer shard 2 ran in the relay of host h1, which exited with code -9" in out, out
 
 
 def test_a_shards_host_relay_stopped_stops_the_run_once_its_link_stays_down_past_the_host_silence_naming_it(
@@ -192,21 +199,10 @@ def test_a_shards_host_relay_stopped_stops_the_run_once_its_link_stays_down_past
     # is still every round's: before, the run waited for its slice up to the reduce-stall ceiling (300 s).
     monkeypatch.setenv("FLODL_LINK_HEARTBEAT_PERIOD", "0.5")
     monkeypatch.setenv("FLODL_LINK_SILENCE", "2")  # the controller's link to the shard closes after 2 s unheard
-    gate = "/nonexistent-gate-never-opened"  # the ranks hold after one batch: the run is mid-epoch when h1 stops
-    cluster = Cluster(argv=[JOB, "--epochs", "4", "--batch-size", "16", "--gate", gate,
-                            "--gate-after", "1"], hosts=2, ranks_per_host=1, shards=2, warm=warm)
-    cluster.start()
-    try:
-        wait_for(cluster, "[controller] world formed")  # before, the world would wait for h1's rank's hello
-        cluster.kill("h1:relay", signal.SIGSTOP)
-        code = cluster.wait(90)  # which SIGKILLs what is left, the stopped relay with it
-    finally:
-        cluster.shutdown()
-    out = cluster.output()
-    assert code != 0, out
+    # Once the world formed: before, the world would wait for h1's rank's hello.
+    out = h1s_relay_signalled_mid_epoch(warm, "[controller] world formed", signal.SIGSTOP)
     assert ("reducer shard 2 ran in the relay of host h1, which fell silent: the controller's link to that shard "
             "closed and was not made again within 10 s (--host-silence") in out, out
-    assert result_of(out) is None
 
 
 def test_a_shards_host_relay_stopped_for_less_than_the_silence_limits_costs_only_time(tmp_path, monkeypatch, warm):

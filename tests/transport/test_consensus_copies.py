@@ -27,6 +27,13 @@ pytestmark = pytest.mark.timeout(60)
 LOCAL = "inproc://test-reducer-bcast"
 
 
+def links(key: bytes, incarnation: bytes) -> ReducerConfig:
+    """The controller reducer's configuration, for its links' bounds and beats (ConsensusCopies.connect)."""
+    return ReducerConfig({"a": (0,)}, key, incarnation, "inproc://unused", "inproc://unused-bcast",
+                         max_frame_bytes=data_max_frame_bytes(1 << 20), link_heartbeat_period_s=1.0,
+                         link_silence_s=8.0, route_secret=bytes(32))
+
+
 class Rig:
     """Shard 0's PUB (in process, as the controller's reducer binds it), and `hosts` host shards' PUBs on tcp."""
 
@@ -46,10 +53,7 @@ class Rig:
         self.copies = ConsensusCopies(self.ctx, Codec(key, incarnation, "coordinator"),
                                       lambda r, p: self.kept.append((r, [np.array(f) for f in p])), self.counts,
                                       self.cut, silence_s)
-        links = ReducerConfig({"a": (0,)}, key, incarnation, "inproc://unused", "inproc://unused-bcast",
-                              max_frame_bytes=data_max_frame_bytes(1 << 20), link_heartbeat_period_s=1.0,
-                              link_silence_s=8.0, route_secret=bytes(32))
-        self.copies.connect(LOCAL, self.shards, links)
+        self.copies.connect(LOCAL, self.shards, links(key, incarnation))
         self.poller = zmq.Poller()
         for sock in self.copies.watched:
             self.poller.register(sock, zmq.POLLIN)
@@ -181,22 +185,18 @@ def test_a_host_shards_pub_gone_past_the_silence_limit_ends_the_run_naming_it_an
 
 
 def test_a_host_shards_pub_never_reached_ends_the_run_naming_its_address_once_the_world_formed():
-    rig = Rig(1, silence_s=30.0)
+    ctx = zmq.Context()
+    key, incarnation = new_key(), bytes(16)
+    shards = ShardMap.parse(f"h0=tcp://127.0.0.1:{free_port_base()}")  # nothing ever listens there
+    unreached = ConsensusCopies(ctx, Codec(key, incarnation, "coordinator"), lambda r, p: None, collections.Counter(),
+                                Cut.of(shards, 4 * BLOCK, 1), 30.0)
+    unreached.connect("inproc://no-local-reducer", shards, links(key, incarnation))
     try:
-        rig.pubs[1].close()  # its relay was up for the Rig's probe; now nothing answers there
-        unreached = ConsensusCopies(rig.ctx, Codec(new_key(), bytes(16), "coordinator"), lambda r, p: None,
-                                    collections.Counter(), rig.cut, 30.0)
-        links = ReducerConfig({"a": (0,)}, new_key(), bytes(16), "inproc://unused2", "inproc://unused2-bcast",
-                              max_frame_bytes=data_max_frame_bytes(1 << 20), link_heartbeat_period_s=1.0,
-                              link_silence_s=8.0, route_secret=bytes(32))
-        unreached.connect("inproc://no-local-reducer", rig.shards, links)
-        try:
-            assert unreached.lost(100.0) is None  # the world formed at 100 s: judged from here
-            error = unreached.lost(130.001)
-            address = rig.shards.endpoints(1)[1]
-            assert error is not None and "reducer shard 1 ran in the relay of host h0, which never answered" in str(error)
-            assert f"its link to that shard's broadcast at {address} was not made within 30 s" in str(error)
-        finally:
-            unreached.close()
+        assert unreached.lost(100.0) is None  # the world formed at 100 s: judged from here
+        error = unreached.lost(130.001)
+        address = shards.endpoints(1)[1]
+        assert error is not None and "reducer shard 1 ran in the relay of host h0, which never answered" in str(error)
+        assert f"its link to that shard's broadcast at {address} was not made within 30 s" in str(error)
     finally:
-        rig.close()
+        unreached.close()
+        ctx.term()
