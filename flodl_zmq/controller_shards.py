@@ -146,7 +146,9 @@ class SilentShards:
         self._up = dict.fromkeys(shards, False)
         self._down_since: dict[int, float] = {}  # judged shards whose link is down, since when
         self._judging = False
-        self.ever_up: set[int] = set()  # shards whose link was made at least once (a silent one dropped it)
+        # Shards whose address accepted a TCP connection at least once: a relay there, stopped or not (the kernel
+        # accepts for a stopped process), not an address the controller cannot reach.
+        self.reached: set[int] = set()
 
     def judge_from(self, now: float) -> None:
         """The world formed (the first call counts): every shard not connected now is down from `now`."""
@@ -154,10 +156,14 @@ class SilentShards:
             self._judging = True
             self._down_since = {k: now for k, up in self._up.items() if not up}
 
+    def connected(self, shard: int) -> None:
+        """A TCP connection to `shard`'s PUB was made (its handshake may still not come)."""
+        self.reached.add(shard)
+
     def up(self, shard: int) -> None:
         """A handshake with `shard`'s PUB was made."""
         self._up[shard] = True
-        self.ever_up.add(shard)
+        self.reached.add(shard)
         self._down_since.pop(shard, None)
 
     def down(self, shard: int, now: float) -> None:
@@ -190,7 +196,7 @@ class ConsensusCopies:
     the controller's loop, which polls `watched` and hands its events to `read`.
     """
 
-    _LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+    _LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
     def __init__(self, ctx: zmq.Context, codec: Codec, keep: Callable[[rec.Consensus, list[Any]], None],
                  counts: collections.Counter[str], cut: Cut | None = None, silence_s: float = math.inf) -> None:
@@ -231,6 +237,8 @@ class ConsensusCopies:
             for event in monitor_events(monitor) if monitor in events else ():
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.silence.up(shard)
+                elif event["event"] == zmq.EVENT_CONNECTED:
+                    self.silence.connected(shard)
                 else:
                     self.silence.down(shard, now)
 
@@ -243,7 +251,7 @@ class ConsensusCopies:
             return None
         limit = f"{self.silence.limit_s:g} s (--host-silence, FLODL_HOST_SILENCE)"
         what = (f"fell silent: the controller's link to that shard closed and was not made again within {limit}; find "
-                "what stopped that relay or cut its host off" if shard in self.silence.ever_up else
+                "what stopped that relay or cut its host off" if shard in self.silence.reached else
                 f"never answered the controller: its link to that shard's broadcast at {self.shards.endpoints(shard)[1]} "
                 f"was not made within {limit} of the world's formation; check that the controller reaches that "
                 "address (FLODL_SHARDS) through any firewall")

@@ -46,13 +46,21 @@ def test_a_shard_not_connected_when_the_world_formed_is_down_from_then_and_nothi
     watch.judge_from(50.0)  # shard 2 never connected: its relay was stopped before the controller's SUB got in
     watch.judge_from(70.0)  # only the first call counts
     assert watch.silent(60.0) is None and watch.silent(60.5) == 2
-    assert watch.ever_up == {1}  # so shard 2 is named as never connected, not as fallen silent
+    assert watch.reached == {1}  # so shard 2 is named as never reached, not as fallen silent
 
 
 def test_a_shard_connected_late_but_within_the_limit_is_not_silent():
     watch = formed(1)  # shard 2 not connected when the world formed, at 0 s
     watch.up(2)  # in at, say, 9 s
-    assert watch.silent(1000.0) is None and watch.due_at() == math.inf and watch.ever_up == {1, 2}
+    assert watch.silent(1000.0) is None and watch.due_at() == math.inf and watch.reached == {1, 2}
+
+
+def test_a_shard_whose_address_took_a_tcp_connection_but_made_no_handshake_was_reached():
+    # A relay stopped just after the world formed, before the controller's SUB made its handshake: the kernel
+    # still accepts the connection, so it is named as fallen silent, not as an address behind a firewall.
+    watch = formed(1)
+    watch.connected(2)
+    assert watch.silent(10.5) == 2 and watch.reached == {1, 2}
 
 
 def test_of_two_shards_down_the_longest_down_is_named_first_and_each_once():
