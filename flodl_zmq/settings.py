@@ -298,8 +298,8 @@ class Settings:
     host_silence_at_controller_s: float = setting(10.0, "agent silence after which the controller declares every rank "
             "of its host dead; in a sharded run, how long its link to a host shard may stay down once dropped before "
             "the run stops", flags=("--host-silence", "--heartbeat-timeout"),
-            env=("FLODL_HOST_SILENCE", "FLODL_HEARTBEAT_TIMEOUT"), commands=("controller",), minimum=0.0,
-            strict=True)
+            env=("FLODL_HOST_SILENCE", "FLODL_HEARTBEAT_TIMEOUT"), commands=("controller",), scope="process",
+            minimum=0.0, strict=True)  # process: `launch` hands its controller the value (a shard's silence)
     controller_silence_at_agent_s: float = setting(10.0, "controller silence after which an agent stops its host's relay "
             "and ranks (and re-dials for controller_grace_s)",
             flags=("--controller-silence", "--heartbeat-timeout"), env=("FLODL_CONTROLLER_SILENCE",),

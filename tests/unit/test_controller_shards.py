@@ -163,6 +163,30 @@ def test_launch_reads_the_shards_from_the_environment_like_every_run_setting(mon
     assert "FLODL_ROUTE_SECRET" not in spawned["h0:relay"].to_environ()
 
 
+def test_launch_hands_its_controller_the_host_silence_that_judges_a_stopped_shard_host(monkeypatch):
+    # Under launch the variable was not read at all: a shard host was judged by the default 10 s, and a bad
+    # value passed without a word, though the controller's error names FLODL_HOST_SILENCE as the fix.
+    monkeypatch.setenv("FLODL_HOST_SILENCE", "30")
+    spawned = _launched(monkeypatch, hosts=2, shards=1)
+    controller = ProcessEnv.from_environ(spawned["controller"].to_environ())  # what the controller reads back
+    assert controller is not None and controller.settings.host_silence_at_controller_s == 30.0
+
+
+def test_launch_refuses_a_bad_host_silence_by_name_before_it_starts_any_process(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.setenv("FLODL_HOST_SILENCE", "-3")
+
+    def started(*_: object) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(launch, "warm_interpreter", started)
+    monkeypatch.setattr(launch.Cluster, "_spawn_cohort", started)
+    assert cli.main(["launch", "--hosts", "2", "--shards", "1", "train.py"]) == 2
+    assert "host_silence_at_controller_s = -3.0 is not allowed: it must be a finite number > 0" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("args", "env", "named"), [
     (["--hosts", "2", "--shards", "3"], None, r"--shards 3: .* at most --hosts \(2\)"),
     (["--hosts", "2", "--shards", "1"], "h1=tcp://127.0.0.1:7400", r"--shards 1 and FLODL_SHARDS=.* give one of them"),
