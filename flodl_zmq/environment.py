@@ -71,16 +71,18 @@ RELAY_ARGV = ("-m", "flodl_zmq.relay")
 # The settings a spawned process reads (a command's own, such as --bind, are not its business).
 CHILD_SCOPES = ("run", "process")
 # glibc tunables for spawned processes (glibc reads them once, at process start).
-# Every role: transparent huge pages for glibc's large allocations; fresh pages
-# fault in at ~1.3 GB/s on the development machine, 6x slower than a memcpy.
-# The controller and the relays also keep the memory they free. ZeroMQ allocates
-# a fresh buffer for every message it receives; a buffer glibc returns to the
+# The controller and the relays: transparent huge pages for glibc's large
+# allocations (fresh pages fault in at ~1.3 GB/s on the development machine, 6x
+# slower than a memcpy), and they keep the memory they free. ZeroMQ allocates a
+# fresh buffer for every message it receives; a buffer glibc returns to the
 # kernel comes back as pages the kernel zeroes first, which perf showed as a
 # seventh of a round's CPU. One arena that never maps, unmaps or trims lets each
-# round's message reuse the last one's pages. Ranks keep glibc's defaults: their
-# allocations are torch's.
-MALLOC_TUNABLES = ("glibc.malloc.hugetlb=1",)
-SERVICE_MALLOC_TUNABLES = MALLOC_TUNABLES + (
+# round's message reuse the last one's pages. Ranks keep glibc's defaults, as a
+# process training alone does: their allocations are torch's, and with huge pages
+# each block their heap grew by was zeroed 2 MB at a time (a CNN rank's first eval
+# took 25 ms more than alone's, most of it in the kernel's clear_page_erms).
+SERVICE_MALLOC_TUNABLES = (
+    "glibc.malloc.hugetlb=1",
     "glibc.malloc.arena_max=1",
     "glibc.malloc.mmap_max=0",
     "glibc.malloc.trim_threshold=17179869184",
@@ -102,7 +104,7 @@ def with_tunables(env: Mapping[str, str], role: str) -> dict[str, str]:
     have = [t for t in out.get("GLIBC_TUNABLES", "").split(":") if t]
     named = {t.split("=", 1)[0] for t in have}
     service = role in ("controller", "relay")
-    ours = SERVICE_MALLOC_TUNABLES if service else MALLOC_TUNABLES
+    ours = SERVICE_MALLOC_TUNABLES if service else ()
     out["GLIBC_TUNABLES"] = ":".join(have + [t for t in ours if t.split("=", 1)[0] not in named])
     if service:
         out = {**SERVICE_THREADS, **out}

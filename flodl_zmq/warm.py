@@ -224,7 +224,8 @@ def adopt_malloc_tunables(libc: ctypes.CDLL, tunables: str) -> None:
     """Set this process's malloc as `tunables` (GLIBC_TUNABLES' form) says, where mallopt can.
 
     A child of the server gets glibc's start-up tunables from the server; this gives it its own
-    request's (the controller's differ from the ranks' in these only: flodl_zmq/environment.py).
+    request's (flodl_zmq/environment.py). The controller's huge pages are not among them: glibc reads
+    that one only at start-up, so a controller forked from the ranks' server runs without, as they do.
     mallopt takes an int: a trim threshold above it means never trim, which is mallopt's -1.
     """
     for item in filter(None, tunables.split(":")):
