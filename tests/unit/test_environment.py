@@ -132,9 +132,6 @@ MALLOC_TOUCH_RSS = (
 def test_a_ranks_fresh_memory_comes_in_small_pages_as_a_process_alone_gets_it():
     # With huge pages (glibc.malloc.hugetlb=1, which ranks had) the kernel zeroed 2 MB for each block a rank's
     # heap grew by: a CNN rank's first eval took 25 ms more than the same eval alone.
-    import subprocess
-    import sys
-
     def grown(tunables: str) -> int:
         out = subprocess.run([sys.executable, "-c", MALLOC_TOUCH_RSS], env={**os.environ, "GLIBC_TUNABLES": tunables},
                              capture_output=True, text=True, timeout=60, check=True)
