@@ -229,7 +229,7 @@ class ControllerService:
             self.report.interrupted(time.perf_counter() - t0, self.kept.newest_checkpoint,
                                     moved=environment.moves_the_run(stop, self.penv.settings.resume))
             raise
-        return self._finish(time.perf_counter() - t0 + (0.0 if self._carried is None else self._carried.result.wall_s))
+        return self._finish(time.perf_counter() - t0 + (self._carried.result.wall_s if self._carried else 0.0), copies)
 
     def _reducer(self, ctx: zmq.Context) -> ReducerService:
         settings = self.penv.settings
@@ -286,7 +286,7 @@ class ControllerService:
         if status_server is not None:
             status_server.close()
 
-    def _finish(self, wall_s: float) -> TrainResult:
+    def _finish(self, wall_s: float, copies: ConsensusCopies) -> TrainResult:
         """The run's result once the loop ended: handed on to a re-formed world, raised, or saved and returned."""
         if self.reform_stem is not None and self.stop_error is None:
             self.result.wall_s = wall_s  # the run goes on in the re-formed world's service
@@ -306,7 +306,7 @@ class ControllerService:
         self.report.finish(wall_s)  # after the save: the log ends with the run's end
         if reason is not None:
             raise TrainingError(
-                f"the run stopped early ({reason.value}){stop_hint(reason, self.core.liveness)}; "
+                f"the run stopped early ({reason.value}){stop_hint(reason, self.core.liveness)}{copies.stalled(reason)}; "
                 + (f"its state is saved in {self.result.saved}: continue with resume_from={self.job.save_path!r}"
                    if self.result.saved else "set save_path to keep the consensus of a run that stops early")
             )

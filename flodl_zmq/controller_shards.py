@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from flodl_zmq.coordinator.liveness import ShutdownReason
 from flodl_zmq.errors import AttributionError, ConfigError, ProtocolError, TrainingError, WireError
 from flodl_zmq.links import (
     data_max_frame_bytes,
@@ -256,6 +257,23 @@ class ConsensusCopies:
                 f"was not made within {limit} of the world's formation; check that the controller reaches that "
                 "address (FLODL_SHARDS) through any firewall")
         return shard_lost(self.shards, self.shards.hosts[shard - 1][0], what)
+
+    def stalled(self, reason: ShutdownReason) -> str:
+        """What a run stopped by its reduce-stall ceiling adds to its error: the host shards whose slice of the
+        oldest unfinished round never came while the controller's own reducer published its slice ("" otherwise:
+        the controller's reducer waited too, so the round lacked hosts' frames, not a shard's work).
+
+        Their links stayed up (a silent one ends the run sooner, `lost`): the relay's process answers on the
+        wire while its shard finishes nothing, as when its threads hang.
+        """
+        waiting = None if self.assembly is None or reason is not ShutdownReason.REDUCE_STALL else self.assembly.waiting()
+        if waiting is None or 0 in waiting[1]:
+            return ""
+        round_id, missing = waiting
+        named = ", ".join(f"reducer shard {k} (the relay of host {self.shards.hosts[k - 1][0]})" for k in missing)
+        return (f"; round {round_id} waited for the slice of {named}, which the controller's reducer published: "
+                "that relay's link stayed up but its shard finished nothing; its host's relay log says why (a process "
+                "whose threads hang still answers on the wire)")
 
     def close(self) -> None:
         for sub in self.sockets[1:] if self.monitors else ():

@@ -244,6 +244,14 @@ class Assembly:
         return Whole(round_id, mass, self.cut.join([parts[k][1] for k in range(shards)]))
 
 
+    def waiting(self) -> tuple[int, list[int]] | None:
+        """The oldest round that some shards sent their slice of and not all: (round, the shards it waits for)."""
+        if not self._parts:
+            return None
+        round_id = min(self._parts)
+        return round_id, [k for k in range(len(self.cut.parts)) if k not in self._parts[round_id]]
+
+
 def state_frames(model: np.ndarray, momentum: np.ndarray) -> list[np.ndarray]:
     """A shard's outer state as frames (PROTOCOL.md 10.9 items 11 and 12): its slice's global model, then its
     momentum, each in pieces of at most a chunk's values, so no frame is longer than an f32 chunk's (6.1)."""

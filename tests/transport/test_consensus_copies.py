@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from flodl_zmq.controller_shards import ConsensusCopies
+from flodl_zmq.coordinator.liveness import ShutdownReason
 from flodl_zmq.int8 import BLOCK
 from flodl_zmq.launch import free_port_base
 from flodl_zmq.links import data_max_frame_bytes, reducer_sender
@@ -129,6 +130,30 @@ def test_a_sharded_round_is_kept_whole_in_chunk_order_once_every_shard_published
     rig.publish(0, 1, 4.0, 1.0)
     assert rig.kept_rounds(1) == [(1, 4.0, [1.0, 2.0, 3.0])]
     assert [f.size for f in rig.kept[0][1]] == [6 * BLOCK]  # the model's one chunk, as a rank's payload has it
+
+
+@pytest.mark.parametrize("rig", [2], indirect=True)
+def test_a_reduce_stall_names_the_host_shard_whose_slice_never_came_where_the_controllers_reducer_published(rig):
+    # The shard's relay kept its link up (a silent link ends the run sooner), so only the stall ends the run.
+    rig.publish(0, 1, 2.0, 1.0)
+    rig.publish(1, 1, 2.0, 1.0)
+    rig.publish(2, 1, 2.0, 1.0)
+    rig.publish(0, 2, 2.0, 2.0)
+    rig.publish(1, 2, 2.0, 2.0)  # shard 2 (host h1's relay) sends nothing of round 2
+    assert [r for r, _, _ in rig.kept_rounds(1)] == [1]
+    rig._until(lambda: rig._read() or rig.copies.assembly.waiting() == (2, [2]))
+    assert rig.copies.stalled(ShutdownReason.REDUCE_STALL) == (
+        "; round 2 waited for the slice of reducer shard 2 (the relay of host h1), which the controller's reducer "
+        "published: that relay's link stayed up but its shard finished nothing; its host's relay log says why (a "
+        "process whose threads hang still answers on the wire)")
+    assert rig.copies.stalled(ShutdownReason.ALL_RANKS_LOST) == ""  # a round its dead ranks left unfinished
+
+
+@pytest.mark.parametrize("rig", [1], indirect=True)
+def test_a_reduce_stall_that_the_controllers_own_reducer_waited_for_too_names_no_shard(rig):
+    rig.publish(1, 1, 2.0, 1.0)  # the host shard finished round 1; the controller's reducer did not
+    rig._until(lambda: rig._read() or rig.copies.assembly.waiting() == (1, [0]))
+    assert rig.copies.stalled(ShutdownReason.REDUCE_STALL) == ""
 
 
 @pytest.mark.parametrize("rig", [1], indirect=True)

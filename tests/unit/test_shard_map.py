@@ -141,6 +141,18 @@ def test_a_slice_of_a_round_older_than_the_last_whole_one_is_dropped_and_older_p
     assert a.add(1, 2, 1.0, y) is None
 
 
+def test_the_oldest_round_some_shards_sent_and_not_all_names_the_shards_it_waits_for():
+    a = Assembly(Cut.of(listed(3), 3 * int8.BLOCK, 1))
+    block = [np.full(int8.BLOCK, float(k), np.float32) for k in range(3)]
+    assert a.waiting() is None
+    a.add(0, 4, 1.0, [block[0]])
+    a.add(2, 4, 1.0, [block[2]])
+    a.add(0, 5, 1.0, [block[0]])
+    assert a.waiting() == (4, [1])
+    a.add(1, 4, 1.0, [block[1]])  # round 4 whole: round 5 waits for shards 1 and 2
+    assert a.waiting() == (5, [1, 2])
+
+
 def test_a_slice_of_mass_zero_makes_the_round_keep_every_ranks_state():
     a, x, y = two_blocks()
     a.add(0, 1, 4.0, x)
