@@ -271,9 +271,9 @@ class ConsensusCopies:
             return ""
         round_id, missing = waiting
         named = ", ".join(f"reducer shard {k} (the relay of host {self.shards.hosts[k - 1][0]})" for k in missing)
-        return (f"; round {round_id} waited for the slice of {named}, which the controller's reducer published: "
-                "that relay's link stayed up but its shard finished nothing; its host's relay log says why (a process "
-                "whose threads hang still answers on the wire)")
+        return (f"; the controller has no slice of round {round_id} from {named}, though its own reducer published "
+                "one: a relay whose link stays up while its shard finishes nothing (its threads hung?) holds every "
+                "round; its host's relay log says why")
 
     def close(self) -> None:
         for sub in self.sockets[1:] if self.monitors else ():

@@ -243,7 +243,6 @@ class Assembly:
         mass = 0.0 if min(masses) == 0.0 else masses[0]
         return Whole(round_id, mass, self.cut.join([parts[k][1] for k in range(shards)]))
 
-
     def waiting(self) -> tuple[int, list[int]] | None:
         """The oldest round that some shards sent their slice of and not all: (round, the shards it waits for)."""
         if not self._parts:

@@ -143,9 +143,9 @@ def test_a_reduce_stall_names_the_host_shard_whose_slice_never_came_where_the_co
     assert [r for r, _, _ in rig.kept_rounds(1)] == [1]
     rig._until(lambda: rig._read() or rig.copies.assembly.waiting() == (2, [2]))
     assert rig.copies.stalled(ShutdownReason.REDUCE_STALL) == (
-        "; round 2 waited for the slice of reducer shard 2 (the relay of host h1), which the controller's reducer "
-        "published: that relay's link stayed up but its shard finished nothing; its host's relay log says why (a "
-        "process whose threads hang still answers on the wire)")
+        "; the controller has no slice of round 2 from reducer shard 2 (the relay of host h1), though its own reducer "
+        "published one: a relay whose link stays up while its shard finishes nothing (its threads hung?) holds every "
+        "round; its host's relay log says why")
     assert rig.copies.stalled(ShutdownReason.ALL_RANKS_LOST) == ""  # a round its dead ranks left unfinished
 
 
