@@ -76,52 +76,24 @@ def test_a_rank_no_host_holds_is_a_vacancy_in_the_rank_space():
     assert rank_space(world) == 4 and vacancies(world) == (1, 2)
 
 
-# Mallocs and touches 256 MiB, frees it, prints its RSS (KiB) with the block held and after.
-MALLOC_FREE_RSS = (
+# A fresh process's malloc, through ctypes, and its RSS (KiB): the start of each script below.
+_MALLOC = (
     "import ctypes\n"
     "libc = ctypes.CDLL(None)\n"
     "libc.malloc.restype = ctypes.c_void_p\n"
     "def rss():\n"
     "    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1])\n"
+)
+# Mallocs and touches 256 MiB, frees it, prints its RSS (KiB) with the block held and after.
+MALLOC_FREE_RSS = _MALLOC + (
     "p = libc.malloc(256 << 20)\n"
     "ctypes.memset(p, 1, 256 << 20)\n"
     "held = rss()\n"
     "libc.free(ctypes.c_void_p(p))\n"
     "print(held, rss())\n"
 )
-
-
-def _rss_after_malloc_free(tunables: str) -> tuple[int, int]:
-    """A fresh process with `tunables` runs MALLOC_FREE_RSS: its RSS (KiB) with the block held, and after."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "GLIBC_TUNABLES": tunables}
-    out = subprocess.run([sys.executable, "-c", MALLOC_FREE_RSS], env=env, capture_output=True, text=True,
-                         timeout=60, check=True)
-    held, after = map(int, out.stdout.split())
-    return held, after
-
-
-def test_services_keep_freed_memory_for_the_next_message_and_ranks_keep_glibc_defaults():
-    # A relay or controller receives a model-sized message every round: the pages must stay mapped
-    # (a returned buffer comes back as pages the kernel must zero again).
-    service = with_tunables({}, "relay")["GLIBC_TUNABLES"]
-    held, after = _rss_after_malloc_free(service)
-    assert after > held - (16 << 10), f"{service}: RSS fell from {held} to {after} KiB after free"
-    rank = with_tunables({}, "rank")["GLIBC_TUNABLES"]
-    held, after = _rss_after_malloc_free(rank)
-    assert after < held - (200 << 10), f"{rank}: a rank's freed block should go back to the kernel"
-    assert with_tunables({}, "controller")["GLIBC_TUNABLES"] == service
-
-
 # Mallocs 8 MiB, writes one byte in its middle, prints how much its RSS (KiB) grew.
-MALLOC_TOUCH_RSS = (
-    "import ctypes\n"
-    "libc = ctypes.CDLL(None)\n"
-    "libc.malloc.restype = ctypes.c_void_p\n"
-    "def rss():\n"
-    "    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1])\n"
+MALLOC_TOUCH_RSS = _MALLOC + (
     "before = rss()\n"
     "p = libc.malloc(8 << 20)\n"
     "ctypes.memset(p + (4 << 20), 1, 1)\n"
@@ -129,16 +101,31 @@ MALLOC_TOUCH_RSS = (
 )
 
 
+def _printed(script: str, tunables: str) -> list[int]:
+    """The numbers `script` prints, run in a fresh process whose glibc reads `tunables`."""
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "GLIBC_TUNABLES": tunables},
+                         capture_output=True, text=True, timeout=60, check=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_services_keep_freed_memory_for_the_next_message_and_ranks_keep_glibc_defaults():
+    # A relay or controller receives a model-sized message every round: the pages must stay mapped
+    # (a returned buffer comes back as pages the kernel must zero again).
+    service = with_tunables({}, "relay")["GLIBC_TUNABLES"]
+    held, after = _printed(MALLOC_FREE_RSS, service)
+    assert after > held - (16 << 10), f"{service}: RSS fell from {held} to {after} KiB after free"
+    rank = with_tunables({}, "rank")["GLIBC_TUNABLES"]
+    held, after = _printed(MALLOC_FREE_RSS, rank)
+    assert after < held - (200 << 10), f"{rank}: a rank's freed block should go back to the kernel"
+    assert with_tunables({}, "controller")["GLIBC_TUNABLES"] == service
+
+
 def test_a_ranks_fresh_memory_comes_in_small_pages_as_a_process_alone_gets_it():
     # With huge pages (glibc.malloc.hugetlb=1, which ranks had) the kernel zeroed 2 MB for each block a rank's
     # heap grew by: a CNN rank's first eval took 25 ms more than the same eval alone.
-    def grown(tunables: str) -> int:
-        out = subprocess.run([sys.executable, "-c", MALLOC_TOUCH_RSS], env={**os.environ, "GLIBC_TUNABLES": tunables},
-                             capture_output=True, text=True, timeout=60, check=True)
-        return int(out.stdout)
-
-    alone = grown("")
-    assert grown(with_tunables({}, "rank")["GLIBC_TUNABLES"]) <= alone + 64, alone  # KiB: not 2 MB more
+    [alone] = _printed(MALLOC_TOUCH_RSS, "")
+    [rank] = _printed(MALLOC_TOUCH_RSS, with_tunables({}, "rank")["GLIBC_TUNABLES"])
+    assert rank <= alone + 64, alone  # KiB: not 2 MB more
 
 
 def torch_threads_of(env: dict[str, str]) -> int:
