@@ -460,6 +460,17 @@ def failed_with(line: str) -> str | None:
     return error if mark else None
 
 
+# Our own errors (flodl_zmq/errors.py) name their cause and the fix. Raised out of a launched script (a job the
+# controller or a rank refuses, a run that stops early), each process's traceback ends with one, qualified:
+# `flodl_zmq.errors.ConfigError: ...`. The launcher finds it there (`own_error`) and names it when the run ends.
+OWN_ERROR_PREFIX = "flodl_zmq.errors."
+
+
+def own_error(line: str) -> str | None:
+    """The error (`ConfigError: ...`) a traceback's last line names when it is one of ours; None for any other line."""
+    return line[len(OWN_ERROR_PREFIX):] if line.startswith(OWN_ERROR_PREFIX) else None
+
+
 def interrupted_exit(stop: KeyboardInterrupt) -> int:
     """The exit status of a process stopped by `stop`: SIGTERM's (`SigtermInterrupt`) or SIGINT's, as a shell's."""
     return TERMINATED_EXIT if isinstance(stop, SigtermInterrupt) else INTERRUPTED_EXIT

@@ -66,6 +66,7 @@ from flodl_zmq.environment import (
     ExitReports,
     ProcessEnv,
     failed_with,
+    own_error,
     with_tunables,
 )
 from flodl_zmq.errors import ConfigError
@@ -141,6 +142,7 @@ class Child:
     proc: subprocess.Popen | WarmProcess
     reader: threading.Thread | None = None
     raised: str | None = None  # a rank's: the error its own code raised, from its `training failed` line
+    stopped_by: str | None = None  # the last of our own errors a traceback of its ended with (`own_error`)
 
 
 @dataclass
@@ -321,6 +323,7 @@ class Cluster:
             line = raw.decode(errors="replace").rstrip()
             if child.env.role == "rank" and child.raised is None:
                 child.raised = failed_with(line)
+            child.stopped_by = own_error(line) or child.stopped_by
             self._emit(f"[{child.label}] {line}")
         if child.env.role != "controller":  # its output ended: it exited (or is about to)
             self._report(ChildExit(child.env.host or "", child.env.rank, child.proc.wait()))
@@ -378,8 +381,11 @@ class Cluster:
             self._emit(f"[launch] no rank ever trained: the script ended without calling Trainer(...).run() or "
                        f"entering a Session (exit status {code})")
         raised = {label: c.raised for label, c in self.children.items() if c.raised is not None}
+        stopped = {label: c.stopped_by for label, c in self.children.items() if c.stopped_by is not None}
         if raised:  # the ranks' tracebacks scrolled by, and the controller never learns what they raised
             self._emit(raised_summary(raised, sum(map(len, self.world.values()))))
+        elif stopped and code not in (0, UNPLAYED_EXIT):  # a job refused, a run stopped: one traceback a process
+            self._emit(stopped_summary(stopped))
         return code
 
     def shutdown(self) -> None:
@@ -412,15 +418,26 @@ class Cluster:
 
 def raised_summary(raised: Mapping[str, str], world_size: int) -> str:
     """The launch's last line when ranks left because their own code raised: `raised` maps each one's label
-    (`h0:1`) to its error (`ValueError: ...`); ranks that raised the same error are named together."""
-    by_error: dict[str, list[str]] = {}
-    for label, error in raised.items():
-        by_error.setdefault(error, []).append(label)
+    (`h0:1`) to its error (`ValueError: ...`)."""
     who = "every rank" if len(raised) == world_size else f"{len(raised)} of {world_size} ranks"
-    what = "; ".join(f"{', '.join(labels)} raised {error}" for error, labels in by_error.items())
     return (f"[launch] {who} left the run because its own code raised (its train_step or its dataset: a sample "
-            f"that raises ends every rank that is handed it): {what}; each traceback is above, under its "
-            "[host:rank] prefix")
+            f"that raises ends every rank that is handed it): {_by_error(raised)}; each traceback is above, under "
+            "its [host:rank] prefix")
+
+
+def stopped_summary(stopped: Mapping[str, str]) -> str:
+    """The launch's last line when the run failed on one of our own errors (a job refused, a run stopped early) and
+    no rank's own code raised: `stopped` maps each process's label (`controller`, `h0:1`) to that error. Each
+    process printed its traceback, and the cause, once per process, scrolled by in them."""
+    return f"[launch] the run failed: {_by_error(stopped)}; each traceback is above, under its [label] prefix"
+
+
+def _by_error(errors: Mapping[str, str]) -> str:
+    """`h0:0, h1:1 raised ValueError: bad; h0:1 raised MemoryError`: the processes that raised one error together."""
+    by_error: dict[str, list[str]] = {}
+    for label, error in errors.items():
+        by_error.setdefault(error, []).append(label)
+    return "; ".join(f"{', '.join(labels)} raised {error}" for error, labels in by_error.items())
 
 
 def warm_interpreter(python: str = sys.executable) -> WarmServer:

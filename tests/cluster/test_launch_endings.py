@@ -4,7 +4,8 @@ A user trial found two ends that misled: Ctrl-C on a run with `save_path`
 saved nothing and said nothing of it (the user believed the model saved),
 and a dataset whose `__getitem__` raises on one sample ended every rank,
 each with its own traceback, under a final error that did not tie them
-together.
+together. A job refused by name (a float16 model) ended the same way: three
+tracebacks, and no last word from the launcher.
 """
 
 from __future__ import annotations
@@ -164,3 +165,22 @@ def test_a_sample_that_raises_on_every_rank_ends_the_launch_naming_the_error_and
         "[launch] every rank left the run because its own code raised (its train_step or its dataset: a sample "
         "that raises ends every rank that is handed it): h0:0, h1:1 raised ValueError: sample 13 is corrupt; "
         "each traceback is above, under its [host:rank] prefix"), out
+
+
+def test_a_job_refused_by_name_ends_the_launch_with_one_line_naming_the_cause_and_the_fix(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(BAD_SAMPLE.replace("torch.nn.Linear(8, 2)", "torch.nn.Linear(8, 2).half()"))
+    proc = launcher(tmp_path, [str(script)], 1, 2)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 1, out
+    # The controller refuses it before a socket binds; a rank may say the same before the launcher stops it.
+    last = out.splitlines()[-1]
+    assert last.startswith("[launch] the run failed: controller"), out
+    assert last.endswith(" raised ConfigError: the data plane averages float32 tensors; the model's 'weight' is "
+                         "torch.float16 of shape (2, 8): keep the master weights in float32 (autocast for lower "
+                         "precision); each traceback is above, under its [label] prefix"), out

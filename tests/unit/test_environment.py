@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 
 import pytest
 
@@ -20,6 +21,7 @@ from flodl_zmq.environment import (
     behind_the_ranks,
     failed_with,
     moves_the_run,
+    own_error,
     parse_world,
     raise_interrupt_on_sigterm,
     raise_lost_signal,
@@ -279,6 +281,17 @@ def test_a_ranks_training_failed_line_names_its_error_and_its_parent_reads_it_ba
     assert failed_with(f"ERROR flodl_zmq.session: {line}") == "ValueError: sample 13 is corrupt"
     assert training_failed(0, RuntimeError()) == "rank 0: training failed: RuntimeError"
     assert failed_with("rank 3: training failed") is None and failed_with("epoch 1/2 | loss 0.5") is None
+
+
+def test_the_last_line_of_a_traceback_of_one_of_our_errors_names_it_for_the_launcher():
+    # What a launched process prints when its job is refused: the launcher names the error when the run ends.
+    try:
+        raise ConfigError("batch_size must be an integer (a Python int) >= 1, got '8'")
+    except ConfigError as exc:
+        printed = "".join(traceback.format_exception(exc)).splitlines()
+    assert own_error(printed[-1]) == "ConfigError: batch_size must be an integer (a Python int) >= 1, got '8'"
+    assert own_error("ValueError: sample 13 is corrupt") is None
+    assert own_error("INFO flodl_zmq.errors: a logger of that name is not a traceback") is None
 
 
 def test_a_sigterm_under_resume_auto_moves_the_run_and_its_notice_says_the_same_command_continues(tmp_path):

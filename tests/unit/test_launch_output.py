@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from flodl_zmq.launch import Cluster, raised_summary
+from flodl_zmq.launch import Cluster, raised_summary, stopped_summary
 
 
 def test_the_sink_is_called_without_the_launchers_lock_so_it_may_wait_on_a_reader():
@@ -46,3 +46,9 @@ def test_ranks_whose_own_code_raised_are_named_together_by_their_error():
     some = raised_summary({"h0:0": "ValueError: bad", "h0:1": "MemoryError", "h1:3": "ValueError: bad"}, 4)
     assert some.startswith("[launch] 3 of 4 ranks left the run because its own code raised")
     assert "h0:0, h1:3 raised ValueError: bad; h0:1 raised MemoryError;" in some
+
+
+def test_processes_that_ended_on_one_of_our_errors_are_named_together_by_it():
+    line = stopped_summary({"controller": "ConfigError: bad", "h0:0": "ConfigError: bad", "h0:relay": "AuthError: no"})
+    assert line == ("[launch] the run failed: controller, h0:0 raised ConfigError: bad; h0:relay raised AuthError: no; "
+                    "each traceback is above, under its [label] prefix")
