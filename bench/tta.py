@@ -47,7 +47,9 @@ the time to train all of them (`run_s`: floDl's own measure, the whole
 schedule's wall time with the final metric beside it) and the services'
 share of the run's CPU time (relays and controller), over the whole run and
 from the first step to the target. `--timeline` accounts each rank's time to
-phases, over the whole run and to the target.
+phases, over the whole run and to the target, and times every training step
+(the job's forward, backward and optimizer step), alone as on a rank: how
+many each process took, and the median wall and CPU time of one.
 
 JSON keys: evals_per_epoch, lr_scale, tta_speedup_vs_alone_<job>_<world> and tta_speedup_vs_ddp_<job>_<world>
 (time from the first step; ours with defaults, `_best` appended for BEST),
@@ -56,7 +58,8 @@ final_delta_vs_alone_<job>_<world> (ours minus alone after equal epochs, in
 points of accuracy or nats; `_best` too), and per run
 ttt_s_/ttt_cmd_s_/samples_/budget_metric_/final_/run_s_/evals_/service_cpu_share_/service_cpu_share_to_target_
 <run>_<job>_<world> (`evals_`: how many times the run was scored); with --timeline,
-timeline_/timeline_to_target_<run>_<job>_<world>_<rank label> (seconds per phase).
+timeline_/timeline_to_target_<run>_<job>_<world>_<rank label> (seconds per phase) and
+steps_<run>_<job>_<world>_<rank label> / steps_alone_<job> ({"n", "ms", "cpu_ms"}: steps, median wall and CPU ms).
 This script is also the job the launcher runs (FLODL_ROLE set).
 """
 
@@ -200,8 +203,10 @@ def _timed(spec_kw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _report() -> None:
+    steps = {"n": len(_steps), "ms": 1e3 * statistics.median(w for w, _ in _steps),
+             "cpu_ms": 1e3 * statistics.median(c for _, c in _steps)} if _steps else None
     print(TAG + " " + json.dumps({"first_step": _first_step[:1], "evals": _evals, "samples": _scored,
-                                  "timeline": _timeline, "bins": _bins}), flush=True)
+                                  "timeline": _timeline, "bins": _bins, "steps": steps}), flush=True)
 
 
 _timeline: dict[str, float] = {}  # phase -> seconds, on a rank (--timeline)
@@ -209,6 +214,27 @@ _timeline: dict[str, float] = {}  # phase -> seconds, on a rank (--timeline)
 # over BIN_S), so that the parent can cut a rank's time at the run's time to target.
 BIN_S = 0.02
 _bins: dict[int, dict[str, float]] = {}
+
+
+_steps: list[tuple[float, float]] = []  # each training step's wall and this thread's CPU seconds (--timeline)
+
+
+def time_steps() -> None:
+    """Time each training step (`Stepper.step`: the job's forward, backward and optimizer step), wall and the
+    training thread's CPU, alone as on a rank: what one step costs beside the rest of its run. Wall time past
+    CPU time is time the thread waited for its core."""
+    from flodl_zmq.training import Stepper
+
+    step = Stepper.step
+
+    def timed(self: Any, batch: Any) -> float:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return step(self, batch)
+        finally:
+            _steps.append((time.perf_counter() - t0, time.thread_time() - c0))
+
+    Stepper.step = timed
 
 
 def time_phases() -> None:
@@ -284,6 +310,8 @@ def run_trainer(job: str, world: str, variant: str, best: dict[str, Any], timeli
         pin(0)
     if role == "rank" and timeline:
         time_phases()
+    if role in ("rank", None) and timeline:
+        time_steps()
     kw = _timed(spec.build())
     extra = keywords(best if variant == "best" else {}, world)
     total = spec.epochs * math.ceil(len(kw["dataset"]) / extra["batch_size"])
@@ -403,6 +431,7 @@ def _parse(lines: list[str]) -> dict[str, Any]:
     samples: list[int] = []
     timelines: dict[str, dict[str, float]] = {}
     bins: dict[str, dict[int, dict[str, float]]] = {}
+    steps: dict[str, dict[str, float]] = {}
     for line in lines:
         label, _, text = line.partition("] ") if line.startswith("[") else ("", "", line)
         if text.startswith(TAG):
@@ -413,13 +442,15 @@ def _parse(lines: list[str]) -> dict[str, Any]:
             if data["timeline"]:
                 timelines[label.lstrip("[")] = data["timeline"]
                 bins[label.lstrip("[")] = {int(k): v for k, v in data["bins"].items()}
+            if data["steps"]:
+                steps[label.lstrip("[")] = data["steps"]
     if not first or not evals:
         raise RuntimeError("the run reported no step or no evaluation:\n" + "\n".join(lines[-40:]))
     if len(samples) != len(evals):
         raise RuntimeError(f"{len(evals)} evaluations but {len(samples)} sample counts:\n" + "\n".join(lines[-40:]))
     # One process scores at a time, in the order its result lists them: time order is that order.
     return {"first_step": min(first), "evals": [(t, m, n) for (t, m), n in zip(sorted(evals), samples, strict=True)],
-            "timelines": timelines, "bins": bins}
+            "timelines": timelines, "bins": bins, "steps": steps}
 
 
 def run_one(job: str, world: str, run: str, best: str, timeline: bool = False, evals_per_epoch: int = 4,
@@ -564,6 +595,10 @@ def main() -> int:
                     out[f"timeline_to_target_{tag}_{label}"] = {
                         k: round(statistics.median(c.get(k, 0.0) for c in cut), 3)
                         for k in sorted({k for c in cut for k in c})}
+            for label in raw[run, world][0]["steps"]:  # each process's steps: medians over the repeats
+                of = [r["steps"][label] for r in raw[run, world] if label in r["steps"]]
+                out["_".join(filter(None, ("steps", tag, label)))] = {
+                    k: round(statistics.median(s[k] for s in of), 3) for k in ("n", "ms", "cpu_ms")}
         alone = med.get(("alone", ""))
         for world in worlds:
             for run, suffix in (("ours", ""), ("best", "_best")):
@@ -594,7 +629,7 @@ def main() -> int:
                   ("run_s", 2), ("service_cpu_share", 3), ("service_cpu_share_to_target", 3))]
         print(f"{job} | {world} | {run} | " + " | ".join(cells))
     for k in sorted(out):
-        if k.startswith(("tta_", "run_speedup", "final_delta", "timeline_")):
+        if k.startswith(("tta_", "run_speedup", "final_delta", "timeline_", "steps_")):
             print(f"{k} = {out[k]}")
     return 0
 

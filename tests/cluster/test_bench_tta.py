@@ -15,6 +15,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import tta  # noqa: E402
 
+from flodl_zmq.datasets import digits  # noqa: E402
+
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -66,6 +68,14 @@ def test_tta_bench_prints_every_documented_figure_for_a_pair_and_alone():
             cut = figures[f"timeline_to_target_ours_cnn_1x2_{label}"]
             assert 0.0 < cut["train"] < whole["train"], (cut, whole)
             assert sum(v for k, v in cut.items() if k != "start-up") <= ttt + (run_s - ttt) / 2, (cut, ttt, run_s)
+    # Every training step timed, alone as on a rank: alone steps each epoch's short last batch too, the pair's
+    # chunks leave it out (flodl_zmq/coordinator/chunk_pool.py); a step's CPU time is within its wall time.
+    samples = len(digits()[0])
+    alone, pair = figures["steps_alone_cnn"], [figures[f"steps_ours_cnn_1x2_{label}"] for label in ("h0:0", "h0:1")]
+    assert alone["n"] == epochs * math.ceil(samples / tta.BATCH), alone
+    assert sum(s["n"] for s in pair) == epochs * (samples // tta.BATCH), pair
+    for s in (alone, *pair):
+        assert 0.0 < s["cpu_ms"] <= s["ms"] * 1.05, s
 
 
 def test_lr_scale_reaches_every_runs_optimizer_and_a_bad_one_is_refused():
