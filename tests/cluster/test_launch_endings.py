@@ -143,17 +143,23 @@ def test_ctrl_c_on_a_launch_with_save_path_says_nothing_was_saved_and_where_the_
         assert "--checkpoint-dir DIR (FLODL_CHECKPOINT_DIR=DIR under launch)" in notice[0], out
 
 
-def test_a_sample_that_raises_on_every_rank_ends_the_launch_naming_the_error_and_the_ranks(tmp_path: Path) -> None:
+def launched_to_its_end(tmp_path: Path, script_text: str, hosts: int, ranks_per_host: int) -> tuple[int, str]:
+    """`script_text` launched as a user launches it, to its end: the exit status and the output."""
     script = tmp_path / "job.py"
-    script.write_text(BAD_SAMPLE)
-    proc = launcher(tmp_path, [str(script)], 2, 1)
+    script.write_text(script_text)
+    proc = launcher(tmp_path, [str(script)], hosts, ranks_per_host)
     try:
         out, _ = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    assert proc.returncode == 1, out
+    return proc.returncode, out
+
+
+def test_a_sample_that_raises_on_every_rank_ends_the_launch_naming_the_error_and_the_ranks(tmp_path: Path) -> None:
+    code, out = launched_to_its_end(tmp_path, BAD_SAMPLE, 2, 1)
+    assert code == 1, out
     for label, rank in (("h0:0", 0), ("h1:1", 1)):
         assert f"[{label}] ERROR flodl_zmq.session: rank {rank}: training failed: ValueError: sample 13 is corrupt" \
             in out, out
@@ -168,16 +174,9 @@ def test_a_sample_that_raises_on_every_rank_ends_the_launch_naming_the_error_and
 
 
 def test_a_job_refused_by_name_ends_the_launch_with_one_line_naming_the_cause_and_the_fix(tmp_path: Path) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(BAD_SAMPLE.replace("torch.nn.Linear(8, 2)", "torch.nn.Linear(8, 2).half()"))
-    proc = launcher(tmp_path, [str(script)], 1, 2)
-    try:
-        out, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    assert proc.returncode == 1, out
+    code, out = launched_to_its_end(tmp_path, BAD_SAMPLE.replace("torch.nn.Linear(8, 2)", "torch.nn.Linear(8, 2).half()"),
+                                    1, 2)
+    assert code == 1, out
     # The controller refuses it before a socket binds; a rank may say the same before the launcher stops it.
     last = out.splitlines()[-1]
     assert last.startswith("[launch] the run failed: controller"), out
