@@ -91,6 +91,7 @@ from flodl_zmq.agent_rules import (
     check_comeback,
     check_world,
     device_env,
+    may_be_declared_lost,
     worth_redialling,
 )
 from flodl_zmq.environment import REFUSED_EXIT, RELAY_ARGV, ProcessEnv, SpawnSpec, with_tunables
@@ -520,7 +521,7 @@ class Agent:
         teardown: str | None = None  # why the host is being torn down
         fault = False  # a host-level fault: exit 1
         kill_at = 0.0
-        failures = 0
+        failures = finished = 0  # ranks that exited non-zero, and with 0
         self._last_heard = time.monotonic()
         while live:
             now = time.monotonic()
@@ -548,6 +549,8 @@ class Agent:
                     if code != 0:  # a re-form stops every rank: said at its level, not as a fault
                         failures += 1
                         log.log(min(self._teardown_level, logging.WARNING), "%s exited with code %d", c.label, code)
+                    else:
+                        finished += 1
                     self._send(RankExited(c.rank, code))  # the controller's fast path to its death
                     if not any(x.rank is not None for x in live) and teardown is None and not serves:
                         teardown, kill_at = EVERY_RANK_EXITED, now + cfg.kill_grace_s
@@ -564,12 +567,13 @@ class Agent:
         for c in children:
             for t in c.forwarders:
                 t.join(timeout=2.0)
-        if failures and teardown == EVERY_RANK_EXITED and self._stop_reason is None:
+        if may_be_declared_lost(failures, finished) and teardown == EVERY_RANK_EXITED and self._stop_reason is None:
             self._lost_controller = self._declared_lost()
         return self._exit_code(teardown if fault else None, failures)
 
     def _declared_lost(self) -> bool:
-        """Every rank exited, some failing: True when the controller no longer counts this host.
+        """Every rank exited, none finishing (`may_be_declared_lost`): True when the controller no longer counts
+        this host.
 
         A controller that declared the host lost (this machine stalled past its --host-silence: a SIGSTOP,
         a suspend) has its ranks declared dead too, and drops our frames unanswered; its silence, past

@@ -310,6 +310,18 @@ def worth_redialling(exc: NoReply | Refused) -> bool:
     return not isinstance(exc, Refused) or exc.reason.startswith(DUPLICATE_JOIN)
 
 
+def may_be_declared_lost(failed: int, finished: int) -> bool:
+    """Every rank of the host exited, `failed` of them non-zero and `finished` with 0: whether the controller may
+    have declared this host lost, which its silence then says (and the host dials in again).
+
+    Only when no rank finished: a rank exits 0 once the controller ended the run (a script that ends without
+    training exits UNPLAYED_EXIT), and a host declared lost has its ranks declared dead. A run that ended as a
+    rank of the host had failed leaves the controller gone, and its silence would read as that verdict: the
+    host re-dialled for the whole grace period a controller that had finished.
+    """
+    return failed > 0 and finished == 0
+
+
 def check_comeback(before: Joined, joined: Joined, controller: ControllerAddress) -> bool:
     """Whether a restarted controller took us back with our old ranks (False: with new ones).
 
