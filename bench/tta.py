@@ -435,15 +435,16 @@ def _parse(lines: list[str]) -> dict[str, Any]:
     for line in lines:
         label, _, text = line.partition("] ") if line.startswith("[") else ("", "", line)
         if text.startswith(TAG):
+            who = label.lstrip("[")
             data = json.loads(text[len(TAG) + 1:])
             first += data["first_step"]
             evals += [tuple(e) for e in data["evals"]]
             samples += data["samples"]
             if data["timeline"]:
-                timelines[label.lstrip("[")] = data["timeline"]
-                bins[label.lstrip("[")] = {int(k): v for k, v in data["bins"].items()}
+                timelines[who] = data["timeline"]
+                bins[who] = {int(k): v for k, v in data["bins"].items()}
             if data["steps"]:
-                steps[label.lstrip("[")] = data["steps"]
+                steps[who] = data["steps"]
     if not first or not evals:
         raise RuntimeError("the run reported no step or no evaluation:\n" + "\n".join(lines[-40:]))
     if len(samples) != len(evals):

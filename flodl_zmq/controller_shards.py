@@ -266,10 +266,11 @@ class ConsensusCopies:
         Their links stayed up (a silent one ends the run sooner, `lost`): the relay's process answers on the
         wire while its shard finishes nothing, as when its threads hang.
         """
-        waiting = None if self.assembly is None or reason is not ShutdownReason.REDUCE_STALL else self.assembly.waiting()
-        if waiting is None or 0 in waiting[1]:
+        if self.assembly is None or reason is not ShutdownReason.REDUCE_STALL or (waiting := self.assembly.waiting()) is None:
             return ""
         round_id, missing = waiting
+        if 0 in missing:  # the controller's own reducer waited too
+            return ""
         named = ", ".join(f"reducer shard {k} (the relay of host {self.shards.hosts[k - 1][0]})" for k in missing)
         return (f"; the controller has no slice of round {round_id} from {named}, though its own reducer published "
                 "one: a relay whose link stays up while its shard finishes nothing (its threads hung?) holds every "
